@@ -1,0 +1,463 @@
+"""The agent process: one asyncio loop, the grpc.aio servers, one task per probe, the event journal.
+
+Lifecycle (`run()`):
+  start: lock the state dir -> journal -> Redis (embedded or URL) -> metrics -> servers (health
+         NOT_SERVING) -> GPU discovery and probes -> ready: health SERVING, `agent.json` written.
+  stop (SIGTERM/SIGINT): health NOT_SERVING -> servers stop with grace (in-flight RPCs drain) ->
+         probe tasks cancelled -> journal flushed -> embedded Redis stopped -> socket, lock removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import platform
+import signal
+import socket as socketlib
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from daemon import __version__
+from daemon.config import Config, parse_hostport
+from daemon.errors import FatalError
+from daemon.events import EventBus
+from daemon.gpus import GpuRecord, GpuRegistry
+from daemon.interceptors import AgentInterceptor
+from daemon.jobs import JobTracker
+from daemon.journal import Journal
+from daemon.metrics import AgentMetrics, start_http
+from daemon.probe_runner import ProbeRunner
+from daemon.redis_embedded import EmbeddedRedis
+from daemon.service import AgentService, probe_state_pb
+from probes.types import Evidence, Severity, State
+from proto.sdcwatch.v1 import agent_pb2 as pb
+from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+AGENT_SERVICE = "sdcwatch.v1.Agent"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Agent:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.state_dir = Path(config.agent.state_dir)
+        self.host = config.agent.hostname
+        self.started_at = time.time()
+        self.ready = False
+        self.stopping = False
+        self.metrics = AgentMetrics()
+        self.journal = Journal(self.state_dir / "journal", max_bytes=config.journal.max_bytes,
+                               keep_files=config.journal.keep_files)
+        self.steps = Journal(self.state_dir / "steps", prefix="steps", max_bytes=config.journal.max_bytes,
+                             keep_files=config.journal.keep_files, flush_each=False)
+        self.bus = EventBus(self.journal, ring_size=config.journal.memory_events, host=self.host,
+                            on_event=self._count_event)
+        self.gpus = GpuRegistry(on_transition=self._on_gpu_transition)
+        self.jobs = JobTracker(max_jobs=config.jobs.max_jobs, idle_s=config.jobs.job_idle_s,
+                               on_evict=self.metrics.forget_job)
+        self.health = HealthServicer()
+        self.probes: dict[str, ProbeRunner] = {}
+        self.redis_url = config.redis.url
+        self.embedded_redis: EmbeddedRedis | None = None
+        self.redis: Any = None
+        self._servers: list[grpc.aio.Server] = []
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._lock_fh: Any = None
+        self._metrics_server: Any = None
+        self.addresses: dict[str, str] = {}
+        self.extra_services: list[Any] = []   # (register(server), service names) from later components
+        self._stop_event: asyncio.Event | None = None
+        self._owns_state = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self._prepare_state_dir()
+        self.journal.open()
+        self.steps.open()
+        self.bus.bind_loop(loop)
+        await self._start_redis()
+        self._start_metrics()
+        await self._start_servers()
+        self.bus.publish("agent.starting", Severity.INFO, "node",
+                         f"sdcwatch {__version__} starting on {self.host}",
+                         {"pid": os.getpid(), "version": __version__, "state_dir": str(self.state_dir),
+                          "redis": "embedded" if self.embedded_redis else "external"})
+        await self._start_probes()
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        if self.redis is not None:
+            self._tasks.append(asyncio.create_task(self._stream_events(), name="redis-stream"))
+        self.ready = True
+        self.metrics.ready.set(1)
+        await self._sync_health()
+        self._write_runtime_info()
+        self.bus.publish("agent.ready", Severity.INFO, "node", f"agent ready on {self.addresses.get('socket')}",
+                         {"addresses": dict(self.addresses)})
+
+    def _prepare_state_dir(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        lock_path = self.state_dir / "agent.lock"
+        self._lock_fh = open(lock_path, "a+")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_fh.seek(0)
+            holder = self._lock_fh.read().strip() or "?"
+            raise FatalError(f"another agent (pid {holder}) is running on {self.state_dir}")
+        self._owns_state = True
+        self._lock_fh.seek(0)
+        self._lock_fh.truncate()
+        self._lock_fh.write(f"{os.getpid()}\n")
+        self._lock_fh.flush()
+        sock = Path(self.config.agent.socket)
+        if sock.exists() or sock.is_symlink():
+            log.info("removing stale socket %s", sock)
+            sock.unlink()
+
+    async def _start_redis(self) -> None:
+        import redis.asyncio as aioredis
+
+        if not self.redis_url:
+            self.embedded_redis = EmbeddedRedis(self.state_dir, self.config.redis.binary)
+            self.redis_url = await asyncio.to_thread(self.embedded_redis.start)
+        self.redis = aioredis.from_url(self.redis_url, socket_connect_timeout=self.config.redis.connect_timeout_s,
+                                       socket_timeout=self.config.redis.connect_timeout_s)
+        try:
+            await asyncio.wait_for(self.redis.ping(), self.config.redis.connect_timeout_s)
+        except Exception as exc:
+            raise FatalError(f"cannot reach Redis at {_redact(self.redis_url)}: {exc}") from exc
+        self.addresses["redis"] = _redact(self.redis_url)
+
+    def _start_metrics(self) -> None:
+        listen = self.config.agent.metrics_listen
+        if listen == "off":
+            return
+        host, port = parse_hostport("agent.metrics_listen", listen)
+        try:
+            server, _thread = start_http(self.metrics.registry, host, port)
+        except OSError as exc:
+            raise FatalError(f"cannot serve metrics on {listen}: {exc}") from exc
+        self._metrics_server = server
+        self.addresses["metrics"] = f"{host}:{server.server_port}"
+
+    def _server_options(self) -> list[tuple[str, Any]]:
+        limit = self.config.agent.max_message_bytes
+        return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0)]
+
+    def _make_server(self, token: str | None) -> grpc.aio.Server:
+        server = grpc.aio.server(interceptors=[AgentInterceptor(self.metrics, token)],
+                                 options=self._server_options())
+        pb_grpc.add_AgentServicer_to_server(AgentService(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [pb.DESCRIPTOR.services_by_name["Agent"].full_name, health_pb2.DESCRIPTOR.services_by_name[
+            "Health"].full_name, reflection.SERVICE_NAME]
+        for register, service_names in self.extra_services:
+            register(server)
+            names.extend(service_names)
+        reflection.enable_server_reflection(names, server)
+        return server
+
+    async def _start_servers(self) -> None:
+        cfg = self.config.agent
+        await self.health.set("", NOT_SERVING)
+        await self.health.set(AGENT_SERVICE, NOT_SERVING)
+        # unix socket: local trust (file mode), no token
+        server = self._make_server(token=None)
+        old_umask = os.umask(0o117)
+        try:
+            server.add_insecure_port(f"unix:{cfg.socket}")
+            await server.start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(cfg.socket, cfg.socket_mode_int())
+        self._servers.append(server)
+        self.addresses["socket"] = cfg.socket
+        if cfg.listen:
+            token = Path(cfg.token_file).read_text().strip() if cfg.token_file else None
+            tcp = self._make_server(token=token)
+            if cfg.tls_cert:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
+                    root_certificates=Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None,
+                    require_client_auth=bool(cfg.tls_client_ca))
+                port = tcp.add_secure_port(cfg.listen, creds)
+            else:
+                log.warning("serving the API on %s over PLAIN TCP (--insecure): anyone who can reach it "
+                            "can read status and send reports", cfg.listen)
+                port = tcp.add_insecure_port(cfg.listen)
+            if port == 0:
+                raise FatalError(f"cannot listen on {cfg.listen}")
+            await tcp.start()
+            self._servers.append(tcp)
+            self.addresses["listen"] = f"{parse_hostport('agent.listen', cfg.listen)[0]}:{port}"
+        if cfg.health_listen:
+            hs = grpc.aio.server(options=self._server_options())
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+            reflection.enable_server_reflection([health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                                 reflection.SERVICE_NAME], hs)
+            port = hs.add_insecure_port(cfg.health_listen)
+            if port == 0:
+                raise FatalError(f"cannot listen on {cfg.health_listen}")
+            await hs.start()
+            self._servers.append(hs)
+            self.addresses["health"] = f"{parse_hostport('agent.health_listen', cfg.health_listen)[0]}:{port}"
+
+    async def _start_probes(self) -> None:
+        from daemon import nvml_wiring
+
+        await nvml_wiring.start(self)
+
+    def add_probe(self, runner: ProbeRunner) -> None:
+        self.probes[runner.name] = runner
+        self._tasks.append(asyncio.create_task(runner.run_forever(), name=f"probe-{runner.name}"))
+
+    def _write_runtime_info(self) -> None:
+        info = {"pid": os.getpid(), "version": __version__, "started_at": self.started_at,
+                "host": self.host, **self.addresses}
+        tmp = self.state_dir / "agent.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(tmp, self.state_dir / "agent.json")
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, stop."""
+        loop = asyncio.get_running_loop()
+        try:
+            await self.start()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+            assert self._stop_event is not None
+            await self._stop_event.wait()
+        finally:
+            await self.stop()
+
+    def request_stop(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    async def stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if self._lock_fh is None or not self._owns_state:
+            return  # never got the state dir: nothing of ours to clean up
+        self.ready = False
+        self.metrics.ready.set(0)
+        await self.health.enter_graceful_shutdown()
+        if self.journal._fh is not None:
+            self.bus.publish("agent.stopping", Severity.INFO, "node", "agent stopping")
+        await self.bus.close()
+        grace = self.config.agent.shutdown_grace_s
+        await asyncio.gather(*(s.stop(grace) for s in self._servers), return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for runner in self.probes.values():
+            runner.stop()
+        for closer in getattr(self, "closers", []):
+            with contextlib.suppress(Exception):
+                closer()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self._flush_stream()
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self.steps.close()
+        if self.journal._fh is not None:
+            self.journal.close()
+        if self.embedded_redis is not None:
+            await asyncio.to_thread(self.embedded_redis.stop)
+        for path in (Path(self.config.agent.socket), self.state_dir / "agent.json"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if self._lock_fh is not None:
+            self._lock_fh.close()
+
+    # -- background tasks --------------------------------------------------------------------------
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                now = time.time()
+                self.gpus.refresh(now)
+                for job in self.jobs.expire(now):
+                    self.bus.publish("job.forgotten", Severity.INFO, f"job/{job}",
+                                     f"job {job} sent no report for {self.config.jobs.job_idle_s:.0f}s")
+                self.steps.flush()
+                self._update_node_metrics()
+            except Exception:  # one failure never kills the loop
+                log.exception("housekeeping failed")
+
+    async def _stream_events(self) -> None:
+        """Append every event to the Redis stream `sdcwatch:events:<host>` (bounded, drops counted)."""
+        assert self.bus.stream_queue is not None
+        key = f"sdcwatch:events:{self.host}"
+        while True:
+            event = await self.bus.stream_queue.get()
+            try:
+                await self.redis.xadd(key, _stream_fields(event), maxlen=self.config.redis.stream_maxlen,
+                                      approximate=True)
+            except Exception as exc:
+                self.metrics.events_dropped.labels("redis").inc()
+                log.warning("redis stream append failed: %s", exc)
+                await asyncio.sleep(1.0)
+
+    async def _flush_stream(self) -> None:
+        q = self.bus.stream_queue
+        if q is None:
+            return
+        key = f"sdcwatch:events:{self.host}"
+        while not q.empty():
+            event = q.get_nowait()
+            await asyncio.wait_for(self.redis.xadd(key, _stream_fields(event),
+                                                   maxlen=self.config.redis.stream_maxlen, approximate=True), 1.0)
+
+    # -- state -------------------------------------------------------------------------------------
+    def _count_event(self, event: Any) -> None:
+        self.metrics.events.labels(event.kind, event.severity.name.lower()).inc()
+
+    def _on_gpu_transition(self, rec: GpuRecord, old: State, new: State, reason: str) -> None:
+        severity = (Severity.CRITICAL if new in (State.FAILED, State.SUSPECT)
+                    else Severity.WARNING if new is State.DEGRADED else Severity.INFO)
+        self.bus.publish("gpu.state", severity, f"gpu/{rec.uuid}",
+                         f"GPU {rec.uuid} ({rec.pci_bus_id or '?'}) {old.name} -> {new.name}: {reason}",
+                         {"uuid": rec.uuid, "pci_bus_id": rec.pci_bus_id, "from": old.name, "to": new.name,
+                          "reason": reason})
+        hook = getattr(self, "gpu_state_hook", None)
+        if hook is not None:
+            hook(rec)
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().create_task(self._sync_health())
+
+    async def _sync_health(self) -> None:
+        serving = self.ready and not self.stopping
+        node_state, _ = self.gpus.node_state()
+        await self.health.set("", SERVING if serving and node_state is not State.FAILED else NOT_SERVING)
+        await self.health.set(AGENT_SERVICE, SERVING if serving else NOT_SERVING)
+        for rec in list(self.gpus.gpus.values()):
+            ok = serving and rec.state is not State.FAILED
+            await self.health.set(f"gpu/{rec.uuid}", SERVING if ok else NOT_SERVING)
+        self._update_node_metrics()
+
+    def _update_node_metrics(self) -> None:
+        node_state, _ = self.gpus.node_state()
+        for s in State:
+            self.metrics.node_state.labels(s.name).set(1 if s is node_state else 0)
+
+    def clear_gpu(self, uuid: str, who: str, reason: str) -> tuple[State, State]:
+        now = time.time()
+        before, after, removed = self.gpus.clear(uuid, now)
+        self.bus.publish("gpu.cleared", Severity.WARNING, f"gpu/{uuid}",
+                         f"GPU {uuid} cleared by {who}: {reason} ({before.name} -> {after.name})",
+                         {"uuid": uuid, "who": who, "reason": reason, "from": before.name, "to": after.name,
+                          "removed_evidence": [f"{e.source}:{e.signal}" for e in removed]})
+        asyncio.get_running_loop().create_task(self._sync_health())
+        return before, after
+
+    def handle_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
+        out = self.jobs.report(req, now)
+        job = req.job_id
+        self.metrics.job_steps.labels(job).inc()
+        self.metrics.job_last_step.labels(job).set(out.job.last_step)
+        if out.dropped_delta:
+            self.metrics.job_dropped.labels(job).inc(out.dropped_delta)
+        if out.mismatch:
+            self.metrics.job_mismatches.labels(job).inc()
+        if self.config.journal.step_log:
+            self.steps.append(_step_record(req, now))
+        for finding in out.findings:
+            self.bus.publish_finding(finding)
+        for uuid, host, ev in out.evidence:
+            self._attach_job_evidence(uuid, host, ev, now)
+        hook = getattr(self, "report_hook", None)
+        extra: list[pb.Directive] = hook(req, out, now) if hook is not None else []
+        return out.directives + extra
+
+    def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
+        """Evidence about a GPU named by a rank: kept only if that GPU is on this node."""
+        if not uuid:
+            return
+        if uuid not in self.gpus.gpus:
+            if host != self.host:
+                return  # another node's GPU: its own agent handles it
+            self.gpus.ensure(uuid, now, discovered_by="job-report")
+        self.gpus.add_evidence(uuid, [ev], now)
+
+    def status_pb(self) -> pb.GetStatusResponse:
+        now = time.time()
+        node_state, node_reason = self.gpus.node_state()
+        import google.protobuf
+
+        resp = pb.GetStatusResponse(
+            node_state=int(node_state), node_reason=node_reason, hostname=self.host,
+            nvml_available=self.gpus.nvml_available, nvml_reason=self.gpus.nvml_reason,
+            started_at=self.started_at, uptime_s=now - self.started_at, last_event_seq=self.bus.last_seq,
+            ready=self.ready,
+            versions={"sdcwatch": __version__, "python": platform.python_version(), "grpc": grpc.__version__,
+                      "protobuf": google.protobuf.__version__, **getattr(self, "extra_versions", {})})
+        for rec in self.gpus.gpus.values():
+            g = resp.gpus.add(uuid=rec.uuid, pci_bus_id=rec.pci_bus_id, name=rec.name, index=rec.index,
+                              state=int(rec.state), reason=rec.reason, state_since=rec.state_since,
+                              unsupported_fields=rec.unsupported)
+            for ev in rec.store.current(now):
+                g.evidence.add(source=ev.source, signal=ev.signal, value=ev.value, implies=int(ev.implies),
+                               reason=ev.reason, time=ev.time, count=ev.count)
+        for runner in self.probes.values():
+            st = runner.status
+            resp.probes.add(name=st.name, state=probe_state_pb(st.state), last_run=st.last_run,
+                            last_duration_s=st.last_duration_s, last_error=st.last_error, runs=st.runs,
+                            failures=st.failures)
+        for name, (state, error) in getattr(self, "static_probes", {}).items():
+            resp.probes.add(name=name, state=probe_state_pb(state), last_error=error)
+        for job in self.jobs.jobs.values():
+            resp.jobs.add(job_id=job.job_id, ranks=sorted(job.ranks)[:1024], last_step=job.last_step,
+                          last_report=job.last_report, steps_seen=job.steps_seen,
+                          dropped_reports=job.dropped_reports, state=int(job.state), reason=job.reason)
+        return resp
+
+
+def _step_record(req: pb.ReportStepRequest, now: float) -> dict[str, Any]:
+    rec: dict[str, Any] = {"t": now, "job": req.job_id, "rank": req.rank, "step": req.step}
+    if req.HasField("loss"):
+        rec["loss"] = req.loss if req.loss == req.loss and abs(req.loss) != float("inf") else str(req.loss)
+    if req.HasField("grad_norm"):
+        g = req.grad_norm
+        rec["grad_norm"] = g if g == g and abs(g) != float("inf") else str(g)
+    if req.fingerprint:
+        rec["fp"] = [f"{w:016x}" for w in req.fingerprint]
+    if req.HasField("vote") and req.vote.checked:
+        rec["agreed"] = req.vote.agreed
+    return rec
+
+
+def _stream_fields(event: Any) -> dict[str, str]:
+    return {"seq": str(event.seq), "time": f"{event.time:.6f}", "kind": event.kind,
+            "severity": event.severity.name.lower(), "subject": event.subject, "message": event.message,
+            "details": json.dumps(dict(event.details), default=str), "host": event.host}
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def hostname() -> str:
+    return socketlib.gethostname()

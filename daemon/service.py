@@ -1,0 +1,97 @@
+"""The `sdcwatch.v1.Agent` gRPC service. Thin: validates, then asks the agent core."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+import grpc
+from google.protobuf import struct_pb2
+
+from daemon import validation
+from daemon.events import Event
+from probes.types import State
+from proto.sdcwatch.v1 import agent_pb2 as pb
+from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from daemon.agent import Agent
+
+log = logging.getLogger(__name__)
+
+_PROBE_STATES = {"PENDING": pb.PROBE_STATE_PENDING, "OK": pb.PROBE_STATE_OK, "FAILING": pb.PROBE_STATE_FAILING,
+                 "HUNG": pb.PROBE_STATE_HUNG, "DISABLED": pb.PROBE_STATE_DISABLED}
+
+
+def event_to_pb(event: Event) -> pb.Event:
+    details = struct_pb2.Struct()
+    try:
+        details.update(_jsonable(event.details))
+    except (ValueError, TypeError):
+        details.update({"repr": repr(event.details)})
+    return pb.Event(seq=event.seq, time=event.time, kind=event.kind, severity=int(event.severity),
+                    subject=event.subject, message=event.message, details=details)
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value) if isinstance(value, float) or abs(value) < 2**53 else str(value)
+    return str(value)
+
+
+class AgentService(pb_grpc.AgentServicer):
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+        return self.agent.status_pb()
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Event]:
+        err = validation.check_watch_events(request)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        kinds = tuple(request.kinds)
+        min_sev = request.min_severity or 0
+        async for event in self.agent.bus.watch(request.since_seq, request.follow):
+            if event.severity < min_sev:
+                continue
+            if kinds and not event.kind.startswith(kinds):
+                continue
+            yield event_to_pb(event)
+
+    async def ReportStep(self, request: pb.ReportStepRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ReportStepResponse:
+        err = validation.check_report_step(request)
+        if err:
+            self.agent.metrics.reports_rejected.inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        directives = self.agent.handle_report(request, time.time())
+        return pb.ReportStepResponse(accepted=True, directives=directives)
+
+    async def ClearGpu(self, request: pb.ClearGpuRequest, context: grpc.aio.ServicerContext) -> pb.ClearGpuResponse:
+        err = validation.check_clear_gpu(request)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        if request.uuid not in self.agent.gpus.gpus:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no GPU {request.uuid} on this node")
+        before, after = self.agent.clear_gpu(request.uuid, request.who or _peer_user(context), request.reason)
+        return pb.ClearGpuResponse(previous=int(before), state=int(after))
+
+
+def _peer_user(context: grpc.aio.ServicerContext) -> str:
+    return context.peer() or "unknown"
+
+
+def state_pb(state: State) -> int:
+    return int(state)
+
+
+def probe_state_pb(name: str) -> int:
+    return _PROBE_STATES.get(name, pb.PROBE_STATE_UNSPECIFIED)

@@ -1,0 +1,172 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CheckpointState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_STATE_UNSPECIFIED: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_PENDING: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_COMMITTED: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_VERIFIED: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_ABORTED: _ClassVar[CheckpointState]
+    CHECKPOINT_STATE_EVICTED: _ClassVar[CheckpointState]
+
+class RestoreSelector(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESTORE_SELECTOR_UNSPECIFIED: _ClassVar[RestoreSelector]
+    RESTORE_SELECTOR_LATEST: _ClassVar[RestoreSelector]
+    RESTORE_SELECTOR_LATEST_VERIFIED: _ClassVar[RestoreSelector]
+CHECKPOINT_STATE_UNSPECIFIED: CheckpointState
+CHECKPOINT_STATE_PENDING: CheckpointState
+CHECKPOINT_STATE_COMMITTED: CheckpointState
+CHECKPOINT_STATE_VERIFIED: CheckpointState
+CHECKPOINT_STATE_ABORTED: CheckpointState
+CHECKPOINT_STATE_EVICTED: CheckpointState
+RESTORE_SELECTOR_UNSPECIFIED: RestoreSelector
+RESTORE_SELECTOR_LATEST: RestoreSelector
+RESTORE_SELECTOR_LATEST_VERIFIED: RestoreSelector
+
+class ShardCopy(_message.Message):
+    __slots__ = ("rank", "node", "location")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    location: str
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., location: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("job_id", "step", "state", "world_size", "shards", "bytes", "begun_at", "committed_at", "verified_at", "reason", "copies")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BEGUN_AT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    state: CheckpointState
+    world_size: int
+    shards: int
+    bytes: int
+    begun_at: float
+    committed_at: float
+    verified_at: float
+    reason: str
+    copies: _containers.RepeatedCompositeFieldContainer[ShardCopy]
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., world_size: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., begun_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., verified_at: _Optional[float] = ..., reason: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ...) -> None: ...
+
+class BeginRequest(_message.Message):
+    __slots__ = ("job_id", "step", "rank", "world_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    rank: int
+    world_size: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class BeginResponse(_message.Message):
+    __slots__ = ("state", "node", "location", "blob_key")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    BLOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    state: CheckpointState
+    node: str
+    location: str
+    blob_key: str
+    def __init__(self, state: _Optional[_Union[CheckpointState, str]] = ..., node: _Optional[str] = ..., location: _Optional[str] = ..., blob_key: _Optional[str] = ...) -> None: ...
+
+class CommitShardRequest(_message.Message):
+    __slots__ = ("job_id", "step", "rank", "world_size", "manifest_json")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    rank: int
+    world_size: int
+    manifest_json: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class CommitShardResponse(_message.Message):
+    __slots__ = ("state", "committed", "shards")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    state: CheckpointState
+    committed: bool
+    shards: int
+    def __init__(self, state: _Optional[_Union[CheckpointState, str]] = ..., committed: _Optional[bool] = ..., shards: _Optional[int] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class LatestRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class LatestResponse(_message.Message):
+    __slots__ = ("found", "checkpoint")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    checkpoint: CheckpointInfo
+    def __init__(self, found: _Optional[bool] = ..., checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+
+class RestorePlanRequest(_message.Message):
+    __slots__ = ("job_id", "step", "selector", "rank")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    selector: RestoreSelector
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., selector: _Optional[_Union[RestoreSelector, str]] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class ShardPlan(_message.Message):
+    __slots__ = ("rank", "manifest_json", "copies")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    manifest_json: str
+    copies: _containers.RepeatedCompositeFieldContainer[ShardCopy]
+    def __init__(self, rank: _Optional[int] = ..., manifest_json: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ...) -> None: ...
+
+class RestorePlanResponse(_message.Message):
+    __slots__ = ("checkpoint", "shards")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointInfo
+    shards: _containers.RepeatedCompositeFieldContainer[ShardPlan]
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardPlan, _Mapping]]] = ...) -> None: ...

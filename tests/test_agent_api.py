@@ -1,0 +1,209 @@
+"""The agent as a real subprocess: health, reflection, events, ReportStep validation, status CLI."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from agent_harness import cli
+from proto.sdcwatch.v1 import agent_pb2 as pb
+from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    """One agent for this module's tests (they only add events and jobs; none depends on a clean slate)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from agent_harness import AgentProcess
+
+    d = Path(tempfile.mkdtemp(prefix="sdcw-", dir="/tmp"))
+    proc = AgentProcess(d / "state").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def good_report(**kw):
+    base = dict(job_id="job-1", rank=0, world_size=2, step=1, loss=2.5, grad_norm=1.0, time=time.time())
+    base.update(kw)
+    return pb.ReportStepRequest(**base)
+
+
+def test_health_check_and_watch(agent):
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "sdcwatch.v1.Agent"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="gpu/GPU-nope"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service="no-such-service"), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        watch.cancel()
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(watch).status == SERVING
+        watch.cancel()
+
+
+def test_reflection_lists_services(agent):
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                              timeout=5)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"sdcwatch.v1.Agent", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_socket_mode_is_0660(agent):
+    assert agent.socket.stat().st_mode & 0o777 == 0o660
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (dict(job_id=""), "job_id is empty"),
+    (dict(job_id="../etc/passwd"), "job_id"),
+    (dict(job_id="x" * 200), "job_id"),
+    (dict(rank=-1), "rank is -1"),
+    (dict(rank=5, world_size=2), "not below world_size"),
+    (dict(step=-3), "step is -3"),
+    (dict(grad_norm=-1.0), "grad_norm"),
+    (dict(loss_scale=float("nan")), "loss_scale"),
+    (dict(time=float("nan")), "time is nan"),
+    (dict(timings=pb.StepTimings(step_s=float("inf"))), "timings.step_s"),
+    (dict(timings=pb.StepTimings(check_s=-1)), "timings.check_s"),
+    (dict(fingerprint=list(range(100))), "fingerprint has 100 words"),
+    (dict(gpu_uuid="not-a-uuid"), "gpu_uuid"),
+    (dict(host="bad host!"), "host"),
+    (dict(labels={"k": "v" * 300}), "label"),
+    (dict(labels={"k": "v" * 3000 for _ in range(1)} | {f"l{i}": "x" * 250 for i in range(30)}), "label"),
+    (dict(frozen_changed=["p" * 1000] * 70), "bytes; the limit is"),
+    (dict(vote=pb.ReplicaVote(checked=True, method="coinflip")), "vote.method"),
+    (dict(vote=pb.ReplicaVote(checked=True, suspects=[pb.SuspectRank(rank=9)])), "suspect rank 9"),
+])
+def test_report_step_rejects_bad_input(agent, bad, needle):
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportStep(good_report(**bad), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.details()
+        # the agent is still fine and accepts a good report afterwards
+        assert stub.ReportStep(good_report(), timeout=5).accepted
+
+
+def test_nan_loss_is_accepted_and_journaled(agent):
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        assert stub.ReportStep(good_report(step=7, loss=math.nan), timeout=5).accepted
+        events = list(stub.WatchEvents(pb.WatchEventsRequest(since_seq=0), timeout=10))
+    nonfinite = [e for e in events if e.kind == "loss.nonfinite"]
+    assert nonfinite and nonfinite[0].severity == pb.SEVERITY_CRITICAL
+    assert nonfinite[0].details["step"] == 7
+
+
+def test_oversize_message_rejected(agent):
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        with pytest.raises(grpc.RpcError) as err:  # over the transport limit: the right status
+            stub.ReportStep(good_report(labels={"big": "x" * 200}, frozen_changed=["y" * 500] * 10000), timeout=5)
+        assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def test_watch_events_resumes_without_gaps(agent):
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        first = list(stub.WatchEvents(pb.WatchEventsRequest(since_seq=0), timeout=10))
+        assert [e.seq for e in first] == list(range(1, len(first) + 1))
+        last = first[-1].seq
+        got: list[int] = []
+        follow = stub.WatchEvents(pb.WatchEventsRequest(since_seq=last, follow=True), timeout=30)
+
+        def reader():
+            for e in follow:
+                got.append(e.seq)
+                if len(got) >= 3:
+                    break
+
+        t = threading.Thread(target=reader)
+        t.start()
+        for i in range(3):  # each new job makes a job.started event
+            stub.ReportStep(good_report(job_id=f"resume-{i}"), timeout=5)
+        t.join(10)
+        follow.cancel()
+        assert got == [last + 1, last + 2, last + 3]
+        # "reconnect" from the middle: exactly the rest, no gaps, no repeats
+        again = [e.seq for e in stub.WatchEvents(pb.WatchEventsRequest(since_seq=last + 1), timeout=10)]
+        assert again[:2] == [last + 2, last + 3]
+
+
+def test_watch_events_filters(agent):
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        stub.ReportStep(good_report(step=3, loss=math.inf), timeout=5)
+        crit = list(stub.WatchEvents(pb.WatchEventsRequest(min_severity=pb.SEVERITY_CRITICAL), timeout=10))
+        assert crit and all(e.severity == pb.SEVERITY_CRITICAL for e in crit)
+        kinds = list(stub.WatchEvents(pb.WatchEventsRequest(kinds=["agent."]), timeout=10))
+        assert kinds and all(e.kind.startswith("agent.") for e in kinds)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.WatchEvents(pb.WatchEventsRequest(min_severity=42), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_status_cli_and_json(agent):
+    out = cli("status", "--socket", str(agent.socket))
+    assert out.returncode == 0, out.stderr
+    assert "NVML" in out.stdout and "node" in out.stdout
+    import json
+
+    out = cli("status", "--socket", str(agent.socket), "--json")
+    data = json.loads(out.stdout)
+    assert data["ready"] is True and data["versions"]["sdcwatch"]
+    assert data["nvml_available"] is False and data["nvml_reason"]
+
+
+def test_status_cli_cannot_reach(short_tmp):
+    out = cli("status", "--socket", str(short_tmp / "nobody.sock"), "--timeout", "1")
+    assert out.returncode == 2
+    assert "cannot reach the agent" in out.stderr
+
+
+def test_events_cli(agent):
+    out = cli("events", "--socket", str(agent.socket))
+    assert out.returncode == 0
+    assert "agent.ready" in out.stdout
+    out = cli("events", "--socket", str(agent.socket), "--since", "-4")
+    assert out.returncode == 2
+
+
+def test_gpu_clear_unknown_gpu(agent):
+    out = cli("gpu", "clear", "GPU-00000000-0000-0000-0000-000000000000", "--reason", "test",
+              "--socket", str(agent.socket))
+    assert out.returncode == 2 and "NOT_FOUND" in out.stderr
+    out = cli("gpu", "clear", "GPU-0000", "--reason", " ", "--socket", str(agent.socket))
+    assert out.returncode == 2 and "reason is empty" in out.stderr
+
+
+def test_metrics_endpoint(agent):
+    import urllib.request
+
+    with grpc.insecure_channel(agent.target) as ch:
+        pb_grpc.AgentStub(ch).ReportStep(good_report(job_id="metrics-job"), timeout=5)
+        pb_grpc.AgentStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+    addr = agent.runtime_info()["metrics"]
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
+    assert 'sdcwatch_build_info{' in text
+    assert 'sdcwatch_rpc_requests_total{code="OK",method="ReportStep"}' in text
+    assert 'sdcwatch_job_steps_total{job="metrics-job"} 1.0' in text
+    assert 'sdcwatch_events_total{kind="agent.ready",severity="info"} 1.0' in text
+    assert "sdcwatch_agent_uptime_seconds" in text

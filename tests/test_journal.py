@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import json
+
+from daemon.journal import Journal
+
+
+def test_sequence_continues_after_reopen(tmp_path):
+    j = Journal(tmp_path).open()
+    for i in range(5):
+        assert j.append({"kind": "x", "i": i}) == i + 1
+    j.close()
+    j2 = Journal(tmp_path).open()
+    assert j2.last_seq == 5
+    assert j2.append({"kind": "y"}) == 6
+    j2.close()
+    assert [r["seq"] for r in Journal(tmp_path).open().read_since(0)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_torn_last_line_is_truncated(tmp_path):
+    j = Journal(tmp_path).open()
+    j.append({"kind": "a"})
+    j.append({"kind": "b"})
+    j.close()
+    path = j.files()[-1]
+    with open(path, "ab") as fh:
+        fh.write(b'{"kind":"c","se')  # killed mid-write
+    j2 = Journal(tmp_path).open()
+    assert j2.last_seq == 2
+    assert j2.append({"kind": "d"}) == 3
+    j2.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["kind"] for r in lines] == ["a", "b", "d"]
+
+
+def test_rotation_keeps_newest_files_and_reads_across(tmp_path):
+    j = Journal(tmp_path, max_bytes=4096, keep_files=3).open()
+    for i in range(400):
+        j.append({"kind": "k", "pad": "x" * 40, "i": i})
+    files = j.files()
+    assert len(files) == 3
+    recs = list(j.read_since(0))
+    seqs = [r["seq"] for r in recs]
+    assert seqs == list(range(seqs[0], 401)), "contiguous from the oldest kept record"
+    assert seqs[0] > 1, "old records were rotated away"
+    assert [r["seq"] for r in j.read_since(395)] == [396, 397, 398, 399, 400]
+    assert [r["seq"] for r in j.read_since(390, limit=2)] == [391, 392]
+    j.close()
+
+
+def test_rotated_names_start_at_their_first_seq(tmp_path):
+    j = Journal(tmp_path, max_bytes=4096, keep_files=10).open()
+    for i in range(200):
+        j.append({"pad": "y" * 50})
+    for path in j.files():
+        first = json.loads(path.read_text().splitlines()[0])["seq"]
+        assert path.stem.endswith(f"{first:012d}")
+    j.close()
