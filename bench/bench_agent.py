@@ -1,0 +1,210 @@
+"""Agent latency, throughput and memory, side by side with a bare grpc.aio server, in the same run.
+
+  python bench/bench_agent.py [--calls 3000] [--rounds 3] [--memory-calls 100000] [--concurrency 16]
+
+Starts the real agent (`sdcwatch run`, embedded Redis, unix socket) and a bare grpc.aio server that
+answers the same RPCs with constant replies on another unix socket, then measures, interleaving the two:
+  - health Check and ReportStep latency (p50, p99) from one sequential client,
+  - ReportStep throughput with N concurrent in-flight calls (grpc.aio client),
+  - the agent's resident memory over --memory-calls ReportStep calls (sampled every 10%).
+Prints ratios agent/bare. Targets (issue 2): within 1.5x of the bare server; RSS flat.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from proto.sdcwatch.v1 import agent_pb2 as pb  # noqa: E402
+from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc  # noqa: E402
+
+
+# -- the bare server -------------------------------------------------------------------------------
+class BareHealth(health_pb2_grpc.HealthServicer):
+    async def Check(self, request, context):
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+class BareAgent(pb_grpc.AgentServicer):
+    async def ReportStep(self, request, context):
+        return pb.ReportStepResponse(accepted=True)
+
+
+async def serve_bare(sock: str) -> None:
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(BareHealth(), server)
+    pb_grpc.add_AgentServicer_to_server(BareAgent(), server)
+    server.add_insecure_port(f"unix:{sock}")
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(0)
+
+
+# -- measurement -----------------------------------------------------------------------------------
+def report(i: int, job: str = "bench") -> pb.ReportStepRequest:
+    return pb.ReportStepRequest(job_id=job, rank=i % 8, world_size=8, step=i // 8, loss=2.0 + (i % 7) * 0.01,
+                                grad_norm=1.0, fingerprint=[i, i * 3, 7, 11], time=time.time(),
+                                timings=pb.StepTimings(step_s=0.03, check_s=0.0001),
+                                host="bench-host", gpu_uuid=f"GPU-{i % 8:08d}-0000-0000-0000-000000000000")
+
+
+def wait_health(target: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with grpc.insecure_channel(target) as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(target)
+
+
+def latencies(target: str, kind: str, n: int, offset: int) -> list[float]:
+    out = []
+    with grpc.insecure_channel(target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        agent = pb_grpc.AgentStub(ch)
+        req = health_pb2.HealthCheckRequest()
+        for _ in range(50):  # warm the channel
+            health.Check(req, timeout=5)
+        for i in range(n):
+            t0 = time.perf_counter()
+            if kind == "health":
+                health.Check(req, timeout=5)
+            else:
+                agent.ReportStep(report(offset + i), timeout=5)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+async def throughput(target: str, seconds: float, concurrency: int, offset: int) -> float:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        done = 0
+        deadline = time.perf_counter() + seconds
+
+        async def worker(w: int) -> None:
+            nonlocal done
+            i = 0
+            while time.perf_counter() < deadline:
+                await stub.ReportStep(report(offset + w * 1_000_000 + i, job=f"tput-{w % 4}"), timeout=5)
+                i += 1
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def rss_mb(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+async def memory_run(target: str, calls: int, pid: int, concurrency: int) -> list[tuple[int, float]]:
+    samples = [(0, rss_mb(pid))]
+    step = max(1, calls // 10)
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        sent = 0
+        while sent < calls:
+            batch = min(step, calls - sent)
+
+            async def worker(w: int, count: int, base: int) -> None:
+                for i in range(count):
+                    await stub.ReportStep(report(base + i * concurrency + w, job=f"mem-{w % 4}"), timeout=10)
+
+            per = batch // concurrency
+            await asyncio.gather(*(worker(w, per, 10_000_000 + sent) for w in range(concurrency)))
+            sent += per * concurrency
+            samples.append((sent, rss_mb(pid)))
+    return samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=3000, help="sequential calls per latency block")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (agent, bare, agent, ...)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="per throughput block")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--memory-calls", type=int, default=100_000)
+    ap.add_argument("--bare-server", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare_server:
+        asyncio.run(serve_bare(args.bare_server))
+        return
+
+    tmp = Path(tempfile.mkdtemp(prefix="sdcw-bench-", dir="/tmp"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    agent = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--state-dir", str(tmp / "a"),
+                              "--metrics-listen", "off", "--log-level", "WARNING"], cwd=ROOT, env=env)
+    bare = subprocess.Popen([sys.executable, __file__, "--bare-server", str(tmp / "bare.sock")], cwd=ROOT, env=env)
+    targets = {"agent": f"unix:{tmp / 'a' / 'agent.sock'}", "bare": f"unix:{tmp / 'bare.sock'}"}
+    try:
+        for t in targets.values():
+            wait_health(t)
+        lat: dict[tuple[str, str], list[float]] = {}
+        tput: dict[str, list[float]] = {"agent": [], "bare": []}
+        offset = 0
+        for r in range(args.rounds):
+            order = ["agent", "bare"] if r % 2 == 0 else ["bare", "agent"]
+            for who in order:
+                for kind in ("health", "report"):
+                    lat.setdefault((who, kind), []).extend(latencies(targets[who], kind, args.calls, offset))
+                    offset += args.calls
+                tput[who].append(asyncio.run(throughput(targets[who], args.seconds, args.concurrency, offset)))
+                offset += 10_000_000
+        mem = asyncio.run(memory_run(targets["agent"], args.memory_calls, agent.pid, args.concurrency))
+    finally:
+        for p in (agent, bare):
+            p.send_signal(signal.SIGTERM)
+        for p in (agent, bare):
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\nsdcwatch agent vs bare grpc.aio server (unix socket, python {sys.version.split()[0]}, "
+          f"grpc {grpc.__version__}, {os.cpu_count()} cpus)")
+    print(f"{'rpc':<12}{'agent p50':>11}{'bare p50':>10}{'ratio':>7}{'agent p99':>11}{'bare p99':>10}{'ratio':>7}")
+    for kind, label in (("health", "Check"), ("report", "ReportStep")):
+        a, b = lat[("agent", kind)], lat[("bare", kind)]
+        a50, b50, a99, b99 = pct(a, .5) * 1e6, pct(b, .5) * 1e6, pct(a, .99) * 1e6, pct(b, .99) * 1e6
+        print(f"{label:<12}{a50:>9.0f}us{b50:>8.0f}us{a50 / b50:>7.2f}{a99:>9.0f}us{b99:>8.0f}us{a99 / b99:>7.2f}")
+    ta, tb = statistics.median(tput["agent"]), statistics.median(tput["bare"])
+    print(f"ReportStep throughput, {args.concurrency} in flight: agent {ta:,.0f}/s, bare {tb:,.0f}/s, "
+          f"ratio bare/agent {tb / ta:.2f}")
+    first = mem[1][1] if len(mem) > 1 else mem[0][1]
+    print("agent RSS over ReportStep calls: " + ", ".join(f"{n // 1000}k:{m:.0f}MB" for n, m in mem))
+    print(f"RSS growth from the first 10% to the end: {mem[-1][1] - first:+.1f} MB over {mem[-1][0]:,} calls")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Install sdcwatch into ./.venv on a fresh Debian machine (Python >= 3.10).
+#   bash scripts/setup.sh          the package and its runtime dependencies
+#   bash scripts/setup.sh --test   also the test tools and the system packages the tests start
+#                                  (Prometheus' promtool and Alertmanager from Debian)
+# torch: `pip install torch==2.13.0` (the CPU wheel where one is provided locally); a torch already in
+# the venv that satisfies the requirement is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+
+apt_pkgs=()
+python3 -c 'import ensurepip, venv' 2>/dev/null || apt_pkgs+=(python3-venv)
+if [ "$want_test" = 1 ]; then
+  command -v promtool >/dev/null || apt_pkgs+=(prometheus)
+  command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || apt_pkgs+=(prometheus-alertmanager)
+fi
+if [ "${#apt_pkgs[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
+    # the Debian packages start their services: the tests start their own on free ports
+    for svc in prometheus prometheus-alertmanager prometheus-node-exporter; do
+      (systemctl stop "$svc" 2>/dev/null || service "$svc" stop 2>/dev/null || true) >/dev/null 2>&1
+    done
+  else
+    echo "setup: please install: ${apt_pkgs[*]} (needs root)" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
+if [ "$want_test" = 1 ]; then
+  .venv/bin/python -m pip install -q -e '.[test]'
+else
+  .venv/bin/python -m pip install -q -e .
+fi
+echo "setup: sdcwatch installed in $(pwd)/.venv"

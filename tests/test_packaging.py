@@ -1,0 +1,44 @@
+"""Our top-level names collide with other packages (python-daemon, proto-plus): check they are ours,
+and that the committed gRPC stubs match the .proto files."""
+from __future__ import annotations
+
+import filecmp
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["daemon", "proto", "probes", "checksums", "checkpoint"])
+def test_top_level_packages_are_ours(name):
+    mod = importlib.import_module(name)
+    assert Path(mod.__file__).resolve().parent == ROOT / name, f"{name} imported from {mod.__file__}"
+
+
+def test_generated_stubs_are_current(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_proto
+    finally:
+        sys.path.pop(0)
+    gen_proto.generate(tmp_path)
+    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert generated, "protoc produced nothing"
+    for rel in generated:
+        committed = ROOT / rel
+        assert committed.exists(), f"{rel} is generated but not committed: run scripts/gen_proto.py"
+        assert filecmp.cmp(tmp_path / rel, committed, shallow=False), \
+            f"{rel} is stale: run python scripts/gen_proto.py"
+    for committed in (ROOT / "proto").rglob("*_pb2*.py*"):
+        assert committed.relative_to(ROOT) in generated, f"{committed} has no .proto any more"
+
+
+def test_console_script_entry_point():
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="console_scripts") if e.name == "sdcwatch"]
+    assert eps and eps[0].value == "daemon.cli:main"
