@@ -362,7 +362,7 @@ class Agent:
 
     def clear_gpu(self, uuid: str, who: str, reason: str) -> tuple[State, State]:
         now = time.time()
-        before, after, removed = self.gpus.clear(uuid, now)
+        before, after, removed = self.gpus.clear(uuid, now, by=who, why=reason)
         self.bus.publish("gpu.cleared", Severity.WARNING, f"gpu/{uuid}",
                          f"GPU {uuid} cleared by {who}: {reason} ({before.name} -> {after.name})",
                          {"uuid": uuid, "who": who, "reason": reason, "from": before.name, "to": after.name,

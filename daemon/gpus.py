@@ -56,13 +56,20 @@ class GpuRegistry:
         self._rederive(rec, now)
         return rec
 
+    def replace_source(self, uuid: str, source: str, evidence: Iterable[Evidence], now: float) -> GpuRecord:
+        """A poll's full evidence from `source`: readings that vanished from it are dropped."""
+        rec = self.gpus[uuid]
+        rec.store.put_all(source, evidence)
+        self._rederive(rec, now)
+        return rec
+
     def set_unsupported(self, uuid: str, fields: Iterable[str]) -> None:
         self.gpus[uuid].unsupported = sorted(set(fields))
 
-    def clear(self, uuid: str, now: float) -> tuple[State, State, list[Evidence]]:
+    def clear(self, uuid: str, now: float, by: str = "", why: str = "") -> tuple[State, State, list[Evidence]]:
         rec = self.gpus[uuid]
         before = rec.state
-        removed = rec.store.clear(now)
+        removed = rec.store.clear(now, by=by, why=why)
         self._rederive(rec, now)
         return before, rec.state, removed
 

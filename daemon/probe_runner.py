@@ -83,6 +83,7 @@ class ProbeRunner:
     def __init__(self, name: str, fn: Callable[[float], Any], *, interval_s: float, timeout_s: float,
                  on_result: Callable[[Any, float], Awaitable[None] | None], publish: Publish,
                  observe: Callable[[str, float, bool], None] | None = None,
+                 on_hung: Callable[[bool], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.name = name
         self.fn = fn
@@ -92,6 +93,7 @@ class ProbeRunner:
         self.publish = publish
         self.observe = observe
         self.clock = clock
+        self.on_hung = on_hung  # called with True when a call hangs, False when it returns
         self.status = ProbeStatus(name)
         self.worker = Worker(name)
 
@@ -106,6 +108,8 @@ class ProbeRunner:
             self.publish("probe.hung", Severity.CRITICAL, f"probe/{self.name}",
                          f"probe {self.name} hung: no answer within {self.timeout_s}s; not re-entered until it returns",
                          {"probe": self.name, "timeout_s": self.timeout_s})
+            if self.on_hung is not None:
+                self.on_hung(True)
             started = time.monotonic()
             try:
                 result = await fut  # wait for the hung call; nothing else is submitted meanwhile
@@ -113,6 +117,8 @@ class ProbeRunner:
                 self.publish("probe.recovered", Severity.INFO, f"probe/{self.name}",
                              f"probe {self.name} returned after {time.monotonic() - started + self.timeout_s:.1f}s",
                              {"probe": self.name})
+                if self.on_hung is not None:
+                    self.on_hung(False)
             return result
 
     async def run_forever(self) -> None:

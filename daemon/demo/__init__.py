@@ -1,0 +1,1 @@
+"""`sdcwatch demo`: a real small training run with the agent, injected faults, detection and rollback."""

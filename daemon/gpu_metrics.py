@@ -1,0 +1,164 @@
+"""Prometheus metrics for GPUs (documented in docs/metrics.md, section "GPU metrics").
+
+Every series is labelled by `uuid`, `pci_bus_id` and `model`. Counters follow the probe's deltas, which
+never go negative: a GPU reset zeroes the GPU's volatile counters but our `_total` series keep growing.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from probes.nvml_backend import ECC_KINDS, GpuIdentity
+from probes.nvml_rules import CLOCK_EVENT_BITS, GpuReadings
+from probes.types import State
+from probes.xid_catalog import RecoveryAction
+
+L = ("uuid", "pci_bus_id", "model")
+
+
+class GpuMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.info = Gauge("sdcwatch_gpu_info", "GPU identity (value 1)", L + ("index", "serial", "driver_version"),
+                          registry=r)
+        self.state = Gauge("sdcwatch_gpu_state", "1 for the GPU's current state, 0 for the others", L + ("state",),
+                           registry=r)
+        self.xid = Counter("sdcwatch_gpu_xid_events", "XID events seen", L + ("xid",), registry=r)
+        self.ecc = Counter("sdcwatch_gpu_ecc_errors", "ECC errors (from volatile counter deltas)",
+                           L + ("type", "location"), registry=r)
+        self.ecc_agg = Gauge("sdcwatch_gpu_ecc_errors_aggregate", "Lifetime ECC error count reported by the GPU",
+                             L + ("type", "location"), registry=r)
+        self.remapped = Gauge("sdcwatch_gpu_remapped_rows", "Row remapping: rows remapped (correctable, "
+                              "uncorrectable) and flags (pending, failure)", L + ("kind",), registry=r)
+        self.retired = Gauge("sdcwatch_gpu_retired_pages", "Retired pages by cause (sbe, dbe) and pending flag",
+                             L + ("cause",), registry=r)
+        self.pcie_replays = Counter("sdcwatch_gpu_pcie_replays", "PCIe replays", L, registry=r)
+        self.pcie_gen = Gauge("sdcwatch_gpu_pcie_link_generation", "PCIe link generation", L + ("which",),
+                              registry=r)
+        self.pcie_width = Gauge("sdcwatch_gpu_pcie_link_width_lanes", "PCIe link width", L + ("which",),
+                                registry=r)
+        self.nvlink_errors = Counter("sdcwatch_gpu_nvlink_errors", "NVLink errors by link and kind",
+                                     L + ("link", "kind"), registry=r)
+        self.nvlink_up = Gauge("sdcwatch_gpu_nvlink_link_up", "1 if the NVLink link is active", L + ("link",),
+                               registry=r)
+        self.throttle = Counter("sdcwatch_gpu_throttle_seconds", "Time clocks were held down, by reason",
+                                L + ("reason",), registry=r)
+        self.clock_event = Gauge("sdcwatch_gpu_clock_event_active", "1 while a clock-event (throttle) reason "
+                                 "is active", L + ("reason",), registry=r)
+        self.temp = Gauge("sdcwatch_gpu_temperature_celsius", "Temperature", L + ("sensor",), registry=r)
+        self.power = Gauge("sdcwatch_gpu_power_watts", "Power draw", L, registry=r)
+        self.power_limit = Gauge("sdcwatch_gpu_power_limit_watts", "Enforced power limit", L, registry=r)
+        self.energy = Counter("sdcwatch_gpu_energy_joules", "Energy consumed", L, registry=r)
+        self.clock = Gauge("sdcwatch_gpu_clock_hertz", "Current clocks", L + ("clock",), registry=r)
+        self.recovery = Gauge("sdcwatch_gpu_recovery_action", "1 for the driver's current recovery action",
+                              L + ("action",), registry=r)
+        self.resets = Counter("sdcwatch_gpu_resets_detected", "GPU resets recognised from counters", L,
+                              registry=r)
+        self.unsupported = Gauge("sdcwatch_gpu_unsupported_fields", "Fields the GPU answers NotSupported", L,
+                                 registry=r)
+        self.up = Gauge("sdcwatch_gpu_readable", "1 if the last poll read any field of the GPU", L, registry=r)
+        self._children: dict[str, list[tuple[object, tuple[str, ...]]]] = {}
+
+    @staticmethod
+    def _labels(identity: GpuIdentity) -> tuple[str, str, str]:
+        return identity.uuid, identity.pci_bus_id, identity.name
+
+    def _track(self, identity: GpuIdentity, metric: object, labels: tuple[str, ...]) -> tuple[str, ...]:
+        kids = self._children.setdefault(identity.uuid, [])
+        if (metric, labels) not in kids:
+            kids.append((metric, labels))
+        return labels
+
+    def _set(self, identity: GpuIdentity, metric: Gauge, extra: tuple[str, ...], value: float) -> None:
+        metric.labels(*self._track(identity, metric, self._labels(identity) + extra)).set(value)
+
+    def _inc(self, identity: GpuIdentity, metric: Counter, extra: tuple[str, ...], value: float) -> None:
+        labels = self._track(identity, metric, self._labels(identity) + extra)
+        if value > 0:
+            metric.labels(*labels).inc(value)
+        else:
+            metric.labels(*labels)  # create the series at 0
+
+    def observe_xid(self, identity: GpuIdentity, xid: int) -> None:
+        self._inc(identity, self.xid, (str(int(xid)),), 1)
+
+    def set_state(self, identity: GpuIdentity, state: State) -> None:
+        """The derived state alone (on a transition between polls)."""
+        for s in State:
+            self._set(identity, self.state, (s.name,), 1 if s is state else 0)
+
+    def update(self, identity: GpuIdentity, readings: GpuReadings | None, state: State) -> None:
+        """One poll's readings (None when the GPU could not be read) and the derived state."""
+        i = identity
+        self._set(i, self.info, (str(i.index), i.serial or "", i.driver_version or ""), 1)
+        for s in State:
+            self._set(i, self.state, (s.name,), 1 if s is state else 0)
+        self._set(i, self.up, (), 1 if readings is not None else 0)
+        if readings is None:
+            return
+        v, d = readings.values, readings.deltas
+        self._set(i, self.unsupported, (), len(readings.unsupported))
+        for kind in ECC_KINDS:
+            for loc in ("total", "dram", "sram"):
+                name = f"ecc.{kind}.volatile.{loc}"
+                if name in v:
+                    self._inc(i, self.ecc, (kind, loc), d.get(name, 0))
+                agg = f"ecc.{kind}.aggregate.{loc}"
+                if agg in v:
+                    self._set(i, self.ecc_agg, (kind, loc), v[agg])
+        for kind, name in (("correctable", "remap.correctable"), ("uncorrectable", "remap.uncorrectable"),
+                           ("pending", "remap.pending"), ("failure", "remap.failure")):
+            if name in v:
+                self._set(i, self.remapped, (kind,), v[name])
+        for cause in ("sbe", "dbe", "pending"):
+            if f"retired_pages.{cause}" in v:
+                self._set(i, self.retired, (cause,), v[f"retired_pages.{cause}"])
+        if "pcie.replay" in v:
+            self._inc(i, self.pcie_replays, (), d.get("pcie.replay", 0))
+        for which in ("current", "max"):
+            if f"pcie.gen.{which}" in v:
+                self._set(i, self.pcie_gen, (which,), v[f"pcie.gen.{which}"])
+            if f"pcie.width.{which}" in v:
+                self._set(i, self.pcie_width, (which,), v[f"pcie.width.{which}"])
+        for name, value in v.items():
+            parts = name.split(".")
+            if parts[0] == "nvlink" and len(parts) == 3 and parts[1].isdigit():
+                if parts[2] == "state":
+                    self._set(i, self.nvlink_up, (parts[1],), 1 if value else 0)
+                else:
+                    self._inc(i, self.nvlink_errors, (parts[1], parts[2]), d.get(name, 0))
+            elif parts[0] == "throttle_ns":
+                self._inc(i, self.throttle, (parts[1],), d.get(name, 0) / 1e9)
+        if "clocks_event_reasons" in v:
+            active = set(readings.clock_events())
+            for reason in CLOCK_EVENT_BITS:
+                self._set(i, self.clock_event, (reason,), 1 if reason in active else 0)
+        for sensor, name in (("gpu", "temp.gpu"), ("memory", "temp.memory")):
+            if name in v:
+                self._set(i, self.temp, (sensor,), v[name])
+        if "power.usage_w" in v:
+            self._set(i, self.power, (), v["power.usage_w"])
+        if "power.limit_w" in v:
+            self._set(i, self.power_limit, (), v["power.limit_w"])
+        if "energy.total_j" in v:
+            self._inc(i, self.energy, (), d.get("energy.total_j", 0))
+        for clock, name in (("sm", "clock.sm_mhz"), ("memory", "clock.mem_mhz")):
+            if name in v:
+                self._set(i, self.clock, (clock,), v[name] * 1e6)
+        if "recovery_action" in v:
+            for ra in RecoveryAction:
+                self._set(i, self.recovery, (ra.name,), 1 if int(v["recovery_action"]) == ra.value else 0)
+        if readings.reset_detected:
+            self._inc(i, self.resets, (), 1)
+
+    def forget(self, identity: GpuIdentity) -> None:
+        """Remove every series of a GPU that left the node."""
+        for metric, labels in self._children.pop(identity.uuid, []):
+            try:
+                metric.remove(*labels)  # type: ignore[attr-defined]
+            except KeyError:
+                pass
+
+    def gpus(self) -> Iterable[str]:
+        return list(self._children)

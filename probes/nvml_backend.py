@@ -1,0 +1,530 @@
+"""The NVML boundary: a small backend protocol, the field catalogue, and the real nvidia-ml-py backend.
+
+Every GPU reading sdcwatch takes goes through `NvmlBackend`. Two implementations exist and the probe code
+(`probes.nvml_probe`) is the same over both:
+
+- `PynvmlBackend` (this module) on nvidia-ml-py (`import pynvml`);
+- `probes.nvml_fake.ScenarioBackend`, driven by a scenario file, for CPU tests and alert rehearsal.
+
+Lifecycle (the same for both):
+
+1. construct: the backend initialises NVML once (`nvmlInit`) or raises `NvmlUnavailable` with the reason;
+2. `device_count()` and `identity(index)` to discover GPUs (the probe then names every GPU by UUID and PCI
+   bus id; the index is only this session's handle);
+3. `read_fields(index, names)` on every poll; names come from `field_specs()`;
+4. XID events: `xid_open()` once, then `xid_wait(timeout_ms)` in a loop on a dedicated thread,
+   `xid_close()` at the end;
+5. `close()`: `nvmlShutdown`. No other method may be called after it.
+
+Errors: one root, `NvmlError`, with `transient` telling whether a retry may succeed. `FieldNotSupported`
+(NVML_ERROR_NOT_SUPPORTED, or a function this driver lacks) is not a fault: the probe records the field as
+unsupported on that GPU. `GpuLost` (the GPU fell off the bus) and `GpuNeedsReset` are fatal for that GPU;
+`NvmlUnavailable` (no library, no driver, version mismatch) is fatal for the backend.
+
+`read_fields` returns, per requested name, either the value (int or float) or the `NvmlError` instance
+for that one field, so one unsupported field never hides the others. It raises only when the whole
+device is unreachable (`GpuLost`) or NVML itself is gone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------------------
+
+
+class NvmlError(Exception):
+    """Root of every NVML failure. `transient`: a later call may succeed; `code`: the NVML return code."""
+
+    transient: bool = False
+
+    def __init__(self, message: str, *, code: int | None = None, transient: bool | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        if transient is not None:
+            self.transient = transient
+
+
+class FieldNotSupported(NvmlError):
+    """NVML_ERROR_NOT_SUPPORTED (or the driver lacks the function): the GPU cannot report this field."""
+
+
+class NvmlUnavailable(NvmlError):
+    """NVML cannot be used at all on this host (no library, no driver, version mismatch)."""
+
+
+class GpuLost(NvmlError):
+    """NVML_ERROR_GPU_IS_LOST: the GPU fell off the bus; every call on it fails."""
+
+
+class GpuNeedsReset(NvmlError):
+    """NVML_ERROR_RESET_REQUIRED: the GPU needs a reset before it answers again."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Identities and events
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """Who a GPU is. `uuid` and `pci_bus_id` name it everywhere; `index` is only this NVML session's handle."""
+
+    uuid: str
+    pci_bus_id: str
+    name: str
+    index: int
+    serial: str | None = None
+    driver_version: str | None = None
+
+    @property
+    def subject(self) -> str:
+        return f"gpu/{self.uuid}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RawXid:
+    """One XID as the backend saw it: the GPU's UUID (None if NVML could not tell) and the XID number."""
+
+    uuid: str | None
+    xid: int
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The field catalogue (shared by both backends, the probe, the rules and the metrics)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """One readable field. `call` is the NVML function that reads it (what a scenario hangs or marks
+    unsupported); `args`/`pick`/`scale` tell the real backend how. `counter`: monotonic, read as deltas;
+    `volatile`: zeroed by a GPU reset."""
+
+    name: str
+    call: str
+    args: tuple[Any, ...] = ()
+    pick: int | str | None = None
+    scale: float = 1.0
+    counter: bool = False
+    volatile: bool = False
+    unit: str = ""
+
+
+ECC_KINDS = ("corrected", "uncorrected")
+ECC_SCOPES = ("volatile", "aggregate")
+ECC_LOCATIONS = ("total", "dram", "sram")
+NVLINK_KINDS = ("replay", "recovery", "crc")
+THROTTLE_REASONS = (
+    "sw_power_cap", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability",
+    "sw_thermal", "hw_thermal", "hw_power_brake",
+)
+REMAP_HIST_BUCKETS = ("max", "high", "partial", "low", "none")
+
+# NVML constants (values from nvml.h / nvidia-ml-py; kept here so the fake needs no pynvml import).
+_MEMORY_ERROR_TYPE = {"corrected": 0, "uncorrected": 1}
+_ECC_COUNTER_TYPE = {"volatile": 0, "aggregate": 1}
+_MEMORY_LOCATION = {"dram": 2, "sram": 7}
+_FI_GET_GPU_RECOVERY_ACTION = 230
+_FI_NVLINK_LINK_COUNT = 91
+_FI_NVLINK_ERROR_DL = {"replay": 161, "recovery": 162, "crc": 163}
+_FI_NVLINK_GET_STATE = 165
+_FI_MEMORY_TEMP = 82
+_FI_TOTAL_ENERGY_CONSUMPTION = 83
+_FI_THROTTLE = {
+    "sw_power_cap": 74, "thermal": 75, "sync_boost": 76, "board_limit": 77, "low_utilization": 78,
+    "reliability": 79, "sw_thermal": 269, "hw_thermal": 270, "hw_power_brake": 271,
+}
+_TEMPERATURE_GPU = 0
+_CLOCK_SM = 1
+_CLOCK_MEM = 2
+_PAGE_RETIREMENT_CAUSE = {"sbe": 0, "dbe": 1}
+FIELD_VALUES_CALL = "nvmlDeviceGetFieldValues"
+
+
+def _base_specs() -> list[FieldSpec]:
+    specs: list[FieldSpec] = [FieldSpec("ecc.enabled", "nvmlDeviceGetEccMode", pick=0)]
+    for kind in ECC_KINDS:
+        for scope in ECC_SCOPES:
+            volatile = scope == "volatile"
+            specs.append(FieldSpec(
+                f"ecc.{kind}.{scope}.total", "nvmlDeviceGetTotalEccErrors",
+                (_MEMORY_ERROR_TYPE[kind], _ECC_COUNTER_TYPE[scope]), counter=True, volatile=volatile,
+                unit="errors"))
+            for loc, loc_id in _MEMORY_LOCATION.items():
+                specs.append(FieldSpec(
+                    f"ecc.{kind}.{scope}.{loc}", "nvmlDeviceGetMemoryErrorCounter",
+                    (_MEMORY_ERROR_TYPE[kind], _ECC_COUNTER_TYPE[scope], loc_id), counter=True,
+                    volatile=volatile, unit="errors"))
+    specs += [
+        FieldSpec("retired_pages.sbe", "nvmlDeviceGetRetiredPages", (_PAGE_RETIREMENT_CAUSE["sbe"],),
+                  pick="len", counter=True, unit="pages"),
+        FieldSpec("retired_pages.dbe", "nvmlDeviceGetRetiredPages", (_PAGE_RETIREMENT_CAUSE["dbe"],),
+                  pick="len", counter=True, unit="pages"),
+        FieldSpec("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus", volatile=True),
+        FieldSpec("remap.correctable", "nvmlDeviceGetRemappedRows", pick=0, counter=True, unit="rows"),
+        FieldSpec("remap.uncorrectable", "nvmlDeviceGetRemappedRows", pick=1, counter=True, unit="rows"),
+        FieldSpec("remap.pending", "nvmlDeviceGetRemappedRows", pick=2, volatile=True),
+        FieldSpec("remap.failure", "nvmlDeviceGetRemappedRows", pick=3),
+    ]
+    specs += [FieldSpec(f"remap.hist.{b}", "nvmlDeviceGetRowRemapperHistogram", pick=b, unit="banks")
+              for b in REMAP_HIST_BUCKETS]
+    specs += [
+        FieldSpec("recovery_action", FIELD_VALUES_CALL, (_FI_GET_GPU_RECOVERY_ACTION, 0), volatile=True),
+        FieldSpec("pcie.replay", "nvmlDeviceGetPcieReplayCounter", counter=True, volatile=True,
+                  unit="replays"),
+        FieldSpec("pcie.gen.current", "nvmlDeviceGetCurrPcieLinkGeneration"),
+        FieldSpec("pcie.gen.max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+        FieldSpec("pcie.width.current", "nvmlDeviceGetCurrPcieLinkWidth", unit="lanes"),
+        FieldSpec("pcie.width.max", "nvmlDeviceGetMaxPcieLinkWidth", unit="lanes"),
+        FieldSpec("nvlink.count", FIELD_VALUES_CALL, (_FI_NVLINK_LINK_COUNT, 0), unit="links"),
+        FieldSpec("temp.gpu", "nvmlDeviceGetTemperature", (_TEMPERATURE_GPU,), unit="celsius"),
+        FieldSpec("temp.memory", FIELD_VALUES_CALL, (_FI_MEMORY_TEMP, 0), unit="celsius"),
+        FieldSpec("power.usage_w", "nvmlDeviceGetPowerUsage", scale=1e-3, unit="watts"),
+        FieldSpec("power.limit_w", "nvmlDeviceGetEnforcedPowerLimit", scale=1e-3, unit="watts"),
+        FieldSpec("energy.total_j", FIELD_VALUES_CALL, (_FI_TOTAL_ENERGY_CONSUMPTION, 0), scale=1e-3,
+                  counter=True, unit="joules"),
+        FieldSpec("clock.sm_mhz", "nvmlDeviceGetClockInfo", (_CLOCK_SM,), unit="MHz"),
+        FieldSpec("clock.mem_mhz", "nvmlDeviceGetClockInfo", (_CLOCK_MEM,), unit="MHz"),
+        FieldSpec("clock.sm_max_mhz", "nvmlDeviceGetMaxClockInfo", (_CLOCK_SM,), unit="MHz"),
+        FieldSpec("clocks_event_reasons", "nvmlDeviceGetCurrentClocksEventReasons", unit="bitmask"),
+    ]
+    specs += [FieldSpec(f"throttle_ns.{r}", FIELD_VALUES_CALL, (fid, 0), counter=True, unit="ns")
+              for r, fid in _FI_THROTTLE.items()]
+    return specs
+
+
+def _nvlink_specs(links: int) -> list[FieldSpec]:
+    out: list[FieldSpec] = []
+    for link in range(links):
+        out.append(FieldSpec(f"nvlink.{link}.state", FIELD_VALUES_CALL, (_FI_NVLINK_GET_STATE, link)))
+        for kind in NVLINK_KINDS:
+            out.append(FieldSpec(f"nvlink.{link}.{kind}", FIELD_VALUES_CALL, (_FI_NVLINK_ERROR_DL[kind], link),
+                                 counter=True, volatile=True, unit="errors"))
+    return out
+
+
+_BASE = {s.name: s for s in _base_specs()}
+
+
+def field_specs(nvlink_links: int = 0) -> dict[str, FieldSpec]:
+    """Every field sdcwatch reads, by name; NVLink fields for links 0..nvlink_links-1."""
+    if nvlink_links < 0:
+        raise ValueError(f"nvlink_links must be >= 0, got {nvlink_links}")
+    out = dict(_BASE)
+    out.update({s.name: s for s in _nvlink_specs(nvlink_links)})
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def spec_for(name: str) -> FieldSpec:
+    """The spec of one field name (NVLink names for any link number)."""
+    if name in _BASE:
+        return _BASE[name]
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "nvlink" and parts[1].isdigit():
+        link = int(parts[1])
+        for s in _nvlink_specs(link + 1)[-(1 + len(NVLINK_KINDS)):]:
+            if s.name == name:
+                return s
+    raise ValueError(f"unknown NVML field name {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The protocol
+# ----------------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class NvmlBackend(Protocol):
+    """What the probe needs from NVML; see the module docstring for the lifecycle and error contract."""
+
+    def device_count(self) -> int: ...
+
+    def identity(self, index: int) -> GpuIdentity: ...
+
+    def read_fields(self, index: int, names: Sequence[str]) -> dict[str, int | float | NvmlError]: ...
+
+    def xid_open(self) -> list[int]: ...
+
+    def xid_wait(self, timeout_ms: int) -> RawXid | None: ...
+
+    def xid_close(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The real backend
+# ----------------------------------------------------------------------------------------------------------
+
+# NVML return codes (nvml.h), mapped to our errors.
+_NOT_SUPPORTED = 3
+_FUNCTION_NOT_FOUND = 13
+_GPU_IS_LOST = 15
+_RESET_REQUIRED = 16
+_UNAVAILABLE_CODES = {1, 9, 12, 18}  # uninitialized, driver not loaded, library not found, lib/RM mismatch
+_TRANSIENT_CODES = {10, 11, 19, 20, 23, 27, 999}  # timeout, irq, in use, memory, resources, not ready, unknown
+_XID_EVENT_TYPE = 0x0000000000000008  # nvmlEventTypeXidCriticalError
+
+
+def map_nvml_error(exc: BaseException, what: str = "") -> NvmlError:
+    """Turn a pynvml exception (anything with `.value`, the NVML return code) into our error classes."""
+    code = getattr(exc, "value", None)
+    msg = f"{what}: {exc}" if what else str(exc)
+    if code in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+        return FieldNotSupported(msg, code=code)
+    if code == _GPU_IS_LOST:
+        return GpuLost(msg, code=code)
+    if code == _RESET_REQUIRED:
+        return GpuNeedsReset(msg, code=code)
+    if code in _UNAVAILABLE_CODES:
+        return NvmlUnavailable(msg, code=code)
+    return NvmlError(msg, code=code if isinstance(code, int) else None, transient=code in _TRANSIENT_CODES)
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _field_value(fv: Any) -> int | float:
+    """Decode one nvmlFieldValue_t by its valueType (nvmlValueType_t)."""
+    vt = int(fv.valueType)
+    v = fv.value
+    return {0: lambda: float(v.dVal), 1: lambda: int(v.uiVal), 2: lambda: int(v.ulVal),
+            3: lambda: int(v.ullVal), 4: lambda: int(v.sllVal), 5: lambda: int(v.siVal),
+            6: lambda: int(v.usVal)}.get(vt, lambda: int(v.ullVal))()
+
+
+class PynvmlBackend:
+    """`NvmlBackend` on nvidia-ml-py. `nvmlInit` here, `nvmlShutdown` in `close()`.
+
+    Raises `NvmlUnavailable` (with the reason) when the library or driver is missing."""
+
+    def __init__(self, pynvml_module: Any = None) -> None:
+        try:
+            if pynvml_module is None:
+                import pynvml as pynvml_module  # noqa: PLC0415  (optional at import time)
+        except ImportError as exc:  # pragma: no cover - pynvml is a dependency
+            raise NvmlUnavailable(f"nvidia-ml-py is not installed: {exc}") from exc
+        self._nv = pynvml_module
+        try:
+            self._nv.nvmlInit()
+        except self._nv.NVMLError as exc:
+            err = map_nvml_error(exc, "nvmlInit")
+            raise NvmlUnavailable(f"NVML unavailable: {err}", code=err.code) from exc
+        except OSError as exc:
+            raise NvmlUnavailable(f"NVML unavailable: {exc}") from exc
+        self._closed = False
+        self._handles: dict[int, Any] = {}
+        self._event_set: Any = None
+        self._lock = threading.Lock()
+        self._driver_version: str | None = None
+        self._events_fallback = False
+
+    # -- helpers --------------------------------------------------------------------------------------------
+
+    def _handle(self, index: int) -> Any:
+        h = self._handles.get(index)
+        if h is None:
+            h = self._call("nvmlDeviceGetHandleByIndex", index)
+            self._handles[index] = h
+        return h
+
+    def _call(self, fn_name: str, *args: Any) -> Any:
+        if self._closed:
+            raise NvmlError("backend is closed")
+        fn = getattr(self._nv, fn_name, None)
+        if fn is None:
+            if fn_name == "nvmlDeviceGetCurrentClocksEventReasons":
+                return self._call("nvmlDeviceGetCurrentClocksThrottleReasons", *args)
+            raise FieldNotSupported(f"{fn_name} is not in this nvidia-ml-py")
+        try:
+            return fn(*args)
+        except self._nv.NVMLError as exc:
+            if (exc.value == _FUNCTION_NOT_FOUND and fn_name == "nvmlDeviceGetCurrentClocksEventReasons"):
+                return self._call("nvmlDeviceGetCurrentClocksThrottleReasons", *args)
+            raise map_nvml_error(exc, fn_name) from exc
+
+    # -- protocol -------------------------------------------------------------------------------------------
+
+    def device_count(self) -> int:
+        return int(self._call("nvmlDeviceGetCount"))
+
+    def identity(self, index: int) -> GpuIdentity:
+        h = self._handle(index)
+        uuid = _text(self._call("nvmlDeviceGetUUID", h))
+        pci = self._call("nvmlDeviceGetPciInfo", h)
+        bus_id = _text(getattr(pci, "busId", b"") or getattr(pci, "busIdLegacy", b""))
+        name = _text(self._call("nvmlDeviceGetName", h))
+        try:
+            serial: str | None = _text(self._call("nvmlDeviceGetSerial", h))
+        except NvmlError:
+            serial = None
+        if self._driver_version is None:
+            try:
+                self._driver_version = _text(self._call("nvmlSystemGetDriverVersion"))
+            except NvmlError:
+                self._driver_version = None
+        return GpuIdentity(uuid=uuid, pci_bus_id=bus_id, name=name, index=index, serial=serial,
+                           driver_version=self._driver_version)
+
+    def read_fields(self, index: int, names: Sequence[str]) -> dict[str, int | float | NvmlError]:
+        h = self._handle(index)
+        out: dict[str, int | float | NvmlError] = {}
+        fv_specs: list[FieldSpec] = []
+        groups: dict[tuple[str, tuple[Any, ...]], list[FieldSpec]] = {}
+        for name in names:
+            spec = spec_for(name)
+            if spec.call == FIELD_VALUES_CALL:
+                fv_specs.append(spec)
+            else:
+                groups.setdefault((spec.call, spec.args), []).append(spec)
+        for (call, args), specs in groups.items():
+            try:
+                result = self._call(call, h, *args)
+            except GpuLost:
+                raise
+            except NvmlError as err:
+                for s in specs:
+                    out[s.name] = err
+                continue
+            for s in specs:
+                try:
+                    out[s.name] = self._convert(s, result)
+                except (AttributeError, IndexError, TypeError, ValueError) as exc:
+                    out[s.name] = NvmlError(f"{call}: cannot decode {s.name}: {exc}")
+        if fv_specs:
+            self._read_field_values(h, fv_specs, out)
+        return out
+
+    def _read_field_values(self, h: Any, specs: list[FieldSpec], out: dict[str, int | float | NvmlError]) -> None:
+        try:
+            values = self._call(FIELD_VALUES_CALL, h, [tuple(s.args) for s in specs])
+        except GpuLost:
+            raise
+        except NvmlError as err:
+            for s in specs:
+                out[s.name] = err
+            return
+        for s, fv in zip(specs, values):
+            ret = int(fv.nvmlReturn)
+            if ret != 0:
+                out[s.name] = map_nvml_error(_Code(ret), f"field {s.args[0]} scope {s.args[1]}")
+                continue
+            raw = _field_value(fv)
+            out[s.name] = raw * s.scale if s.scale != 1.0 else raw
+
+    @staticmethod
+    def _convert(spec: FieldSpec, result: Any) -> int | float:
+        if spec.pick == "len":
+            value: Any = len(result)
+        elif isinstance(spec.pick, int):
+            value = result[spec.pick]
+        elif isinstance(spec.pick, str):
+            value = getattr(result, spec.pick)
+        else:
+            value = result
+        if isinstance(value, float) or spec.scale != 1.0:
+            return float(value) * spec.scale
+        return int(value)
+
+    def xid_open(self) -> list[int]:
+        with self._lock:
+            if self._event_set is None:
+                self._event_set = self._call("nvmlEventSetCreate")
+        registered: list[int] = []
+        for index in range(self.device_count()):
+            try:
+                self._call("nvmlDeviceRegisterEvents", self._handle(index), _XID_EVENT_TYPE, self._event_set)
+                registered.append(index)
+            except NvmlError as err:
+                log.warning("XID events unavailable on GPU index %d: %s", index, err)
+        return registered
+
+    def xid_wait(self, timeout_ms: int) -> RawXid | None:
+        if self._event_set is None:
+            raise NvmlError("xid_wait before xid_open")
+        fn = "nvmlEventSetWait_v2" if hasattr(self._nv, "nvmlEventSetWait_v2") else "nvmlEventSetWait"
+        try:
+            data = self._call(fn, self._event_set, int(timeout_ms))
+        except NvmlError as err:
+            if err.code == 10:  # NVML_ERROR_TIMEOUT: nothing happened
+                return None
+            raise
+        if int(data.eventType) & _XID_EVENT_TYPE == 0:
+            return None
+        try:
+            uuid: str | None = _text(self._call("nvmlDeviceGetUUID", data.device))
+        except NvmlError:
+            uuid = None
+        return RawXid(uuid=uuid, xid=int(data.eventData))
+
+    def xid_close(self) -> None:
+        with self._lock:
+            es, self._event_set = self._event_set, None
+        if es is not None:
+            try:
+                self._call("nvmlEventSetFree", es)
+            except NvmlError as err:
+                log.warning("nvmlEventSetFree failed: %s", err)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.xid_close()
+        try:
+            self._nv.nvmlShutdown()
+        except self._nv.NVMLError as exc:
+            log.warning("nvmlShutdown failed: %s", exc)
+        self._closed = True
+
+
+class _Code(Exception):
+    """A bare NVML return code shaped like a pynvml exception (for per-field returns)."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML return code {value}")
+        self.value = value
+
+
+def open_backend(scenario: str | None = None, clock: Callable[[], float] | None = None) -> NvmlBackend:
+    """The agent's one entry point: a `ScenarioBackend` for `--nvml-scenario FILE`, else `PynvmlBackend`.
+
+    Raises `NvmlUnavailable` (the agent then runs with GPUs UNKNOWN and says why) and `ValueError` for a
+    bad scenario file."""
+    if scenario:
+        from probes.nvml_fake import ScenarioBackend  # noqa: PLC0415
+
+        return ScenarioBackend.from_file(scenario, clock=clock)
+    return PynvmlBackend()
+
+
+def split_values(values: Mapping[str, Any]) -> tuple[dict[str, int | float], dict[str, NvmlError]]:
+    """Separate a `read_fields` answer into (values, errors)."""
+    ok: dict[str, int | float] = {}
+    bad: dict[str, NvmlError] = {}
+    for k, v in values.items():
+        (bad if isinstance(v, NvmlError) else ok)[k] = v  # type: ignore[index]
+    return ok, bad
+
+
+def names_matching(patterns: Iterable[str], names: Iterable[str]) -> set[str]:
+    """Field names matched by patterns: an exact name, a glob (`retired_pages.*`) or an NVML call name."""
+    import fnmatch  # noqa: PLC0415
+
+    pats = list(patterns)
+    out: set[str] = set()
+    for n in names:
+        call = spec_for(n).call
+        if any(fnmatch.fnmatchcase(n, p) or p == call for p in pats):
+            out.add(n)
+    return out
