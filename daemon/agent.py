@@ -91,6 +91,7 @@ class Agent:
         self.bus.bind_loop(loop)
         await self._start_redis()
         self._start_metrics()
+        self._start_checkpoints()
         await self._start_servers()
         self.bus.publish("agent.starting", Severity.INFO, "node",
                          f"sdcwatch {__version__} starting on {self.host}",
@@ -140,6 +141,26 @@ class Agent:
         except Exception as exc:
             raise FatalError(f"cannot reach Redis at {_redact(self.redis_url)}: {exc}") from exc
         self.addresses["redis"] = _redact(self.redis_url)
+
+    def _start_checkpoints(self) -> None:
+        """The Checkpoints service (in-memory checkpoints, coordinated in this agent's Redis)."""
+        from daemon.checkpoint_service import build_checkpoint_service, register
+        from proto.sdcwatch.v1 import checkpoint_pb2
+
+        self.checkpoints = build_checkpoint_service(self.redis_url, self.state_dir, self.bus.publish, node=self.host)
+        name = checkpoint_pb2.DESCRIPTOR.services_by_name["Checkpoints"].full_name
+        self.extra_services.append((lambda server: register(server, self.checkpoints), [name]))
+        self._tasks.append(asyncio.create_task(self.checkpoints.run_maintenance(interval_s=10.0),
+                                               name="checkpoint-maintenance"))
+        self.closers = [*getattr(self, "closers", [])]
+
+    def job_event(self, job_id: str, step: int | None, kind: str, reason: str = "") -> None:
+        """Tell the checkpoint coordinator about an event that decides VERIFIED (async, never blocks)."""
+        svc = getattr(self, "checkpoints", None)
+        if svc is None:
+            return
+        task = asyncio.get_running_loop().create_task(svc.job_event(job_id, step, kind, time.time(), reason))
+        task.add_done_callback(_log_task_error)
 
     def _start_metrics(self) -> None:
         listen = self.config.agent.metrics_listen
@@ -267,6 +288,9 @@ class Agent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for runner in self.probes.values():
             runner.stop()
+        if getattr(self, "checkpoints", None) is not None:
+            with contextlib.suppress(Exception):
+                await self.checkpoints.close()
         for closer in getattr(self, "closers", []):
             with contextlib.suppress(Exception):
                 closer()
@@ -342,6 +366,9 @@ class Agent:
         hook = getattr(self, "gpu_state_hook", None)
         if hook is not None:
             hook(rec)
+        if new is State.FAILED:
+            for job in self.jobs.jobs_on_gpu(rec.uuid):
+                self.job_event(job.job_id, None, "fatal_hardware", f"GPU {rec.uuid} FAILED: {reason}")
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(self._sync_health())
 
@@ -383,6 +410,8 @@ class Agent:
             self.steps.append(_step_record(req, now))
         for finding in out.findings:
             self.bus.publish_finding(finding)
+        for step, kind, reason in out.job_events:
+            self.job_event(job, step, kind, reason)
         for uuid, host, ev in out.evidence:
             self._attach_job_evidence(uuid, host, ev, now)
         hook = getattr(self, "report_hook", None)
@@ -430,6 +459,11 @@ class Agent:
                           last_report=job.last_report, steps_seen=job.steps_seen,
                           dropped_reports=job.dropped_reports, state=int(job.state), reason=job.reason)
         return resp
+
+
+def _log_task_error(task: "asyncio.Task[Any]") -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed: %s", task.exception())
 
 
 def _step_record(req: pb.ReportStepRequest, now: float) -> dict[str, Any]:

@@ -36,6 +36,9 @@ class JobState:
         default_factory=lambda: collections.deque(maxlen=256))
     detectors: dict[Any, Any] = dataclasses.field(default_factory=dict)   # per-rank or per-job detectors
     pending_directives: dict[int, list[pb.Directive]] = dataclasses.field(default_factory=dict)
+    gpus: set[str] = dataclasses.field(default_factory=set)          # GPU UUIDs its ranks reported
+    voted_steps: collections.deque[int] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=256))
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,6 +50,7 @@ class ReportOutcome:
     directives: list[pb.Directive] = dataclasses.field(default_factory=list)
     dropped_delta: int = 0
     mismatch: bool = False
+    job_events: list[tuple[int | None, str, str]] = dataclasses.field(default_factory=list)  # for checkpoints
 
 
 class JobTracker:
@@ -72,6 +76,9 @@ class JobTracker:
         self.jobs[job_id] = job
         return job, True
 
+    def jobs_on_gpu(self, uuid: str) -> list[JobState]:
+        return [j for j in self.jobs.values() if uuid in j.gpus]
+
     def expire(self, now: float) -> list[str]:
         gone = [j for j, s in self.jobs.items() if now - s.last_report > self.idle_s]
         for j in gone:
@@ -95,6 +102,8 @@ class JobTracker:
         job.world_size = max(job.world_size, req.world_size)
         if len(job.ranks) < self.MAX_RANKS_TRACKED:
             job.ranks.add(req.rank)
+            if req.gpu_uuid:
+                job.gpus.add(req.gpu_uuid)
         if req.dropped_reports:
             out.dropped_delta = req.dropped_reports
             job.dropped_reports += req.dropped_reports
@@ -124,11 +133,18 @@ class JobTracker:
             {"job_id": req.job_id, "rank": req.rank, "step": req.step, "gpu_uuid": req.gpu_uuid,
              "host": req.host, **values}))
         job.state, job.reason = State.SUSPECT, f"non-finite {'/'.join(bad)} at step {req.step}"
+        out.job_events.append((req.step, "nan", f"non-finite {'/'.join(bad)} on rank {req.rank}"))
 
     def _vote(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
-        if not req.HasField("vote") or not req.vote.checked or req.vote.agreed:
+        if not req.HasField("vote") or not req.vote.checked:
             return
         vote = req.vote
+        if vote.step not in job.voted_steps:  # every rank reports the same vote: tell checkpoints once
+            job.voted_steps.append(vote.step)
+            out.job_events.append((vote.step, "vote_agreed" if vote.agreed else "vote_mismatch",
+                                   "" if vote.agreed else f"replica vote disagreed ({vote.method})"))
+        if vote.agreed:
+            return
         out.mismatch = vote.step not in job.mismatch_steps
         suspects = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in vote.suspects]
         for s in vote.suspects:  # every reporter attaches evidence; the agent keeps only its own GPUs
@@ -157,6 +173,7 @@ class JobTracker:
         job.frozen_steps.append(req.step)
         names = list(req.frozen_changed)
         job.state, job.reason = State.SUSPECT, f"frozen parameters changed at step {req.step}"
+        out.job_events.append((req.step, "sdc", f"frozen parameters changed on rank {req.rank}"))
         out.findings.append(Finding(
             "sdc.frozen_changed", Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
             f"{len(names)} frozen parameter(s) changed at step {req.step} on rank {req.rank}: "

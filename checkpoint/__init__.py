@@ -1,0 +1,1 @@
+"""Verified in-memory checkpoints coordinated in Redis (see docs/checkpoints.md)."""

@@ -1,0 +1,163 @@
+"""Rank-side `CheckpointClient`: save / restore / list through the node agent's `sdcwatch.v1.Checkpoints`.
+
+    client = CheckpointClient.connect(job_id, rank, world_size)          # agent socket from daemon.paths
+    client.save(step, state_dict)            # returns after the pinned copy; the rest is in the background
+    sd = client.restore("latest_verified", device="cuda")   # or "latest", or a step number
+    client.list()
+
+Every RPC carries a deadline. If the agent is down, `save` logs and drops the checkpoint (training goes
+on: the failure shows in the SaveHandle's result), and queries raise `AgentUnavailableError` after
+the deadline. Bytes go straight into the agent's memory tier (files), never through gRPC.
+
+`link` may be a `GrpcAgentLink` or anything with the same methods, e.g. a `Coordinator` in-process.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+import grpc
+
+from checkpoint.blobstore import BlobStore
+from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
+                                    RestorePlan, ShardPlan)
+from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
+                               NotInMemoryError, UnknownCheckpointError)
+from checkpoint.manifest import ShardManifest
+from checkpoint.restore import RestoreReport, restore_from_plan
+from checkpoint.snapshot import SaveHandle, Snapshotter, SnapshotConfig, dir_store_for
+
+log = logging.getLogger(__name__)
+
+
+def _state(v: int) -> str:
+    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
+
+    return pb.CheckpointState.Name(v).removeprefix("CHECKPOINT_STATE_")
+
+
+def _info(i: Any) -> CheckpointInfo:
+    return CheckpointInfo(i.job_id, i.step, _state(i.state), i.world_size, i.shards, i.bytes, i.begun_at,
+                          i.committed_at, i.verified_at, i.reason,
+                          tuple(Copy(c.rank, c.node, c.location) for c in i.copies))
+
+
+class GrpcAgentLink:
+    """The Checkpoints service over a grpc channel, each call with `deadline_s`; errors become
+    checkpoint errors (UNAVAILABLE / DEADLINE_EXCEEDED -> AgentUnavailableError)."""
+
+    def __init__(self, channel: grpc.Channel, deadline_s: float = 5.0) -> None:
+        from proto.sdcwatch.v1 import checkpoint_pb2 as pb
+        from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.stub = pb_grpc.CheckpointsStub(channel)
+        self.channel = channel
+        self.deadline_s = deadline_s
+
+    @classmethod
+    def connect(cls, target: str | None = None, deadline_s: float = 5.0) -> "GrpcAgentLink":
+        if target is None:
+            from daemon.paths import default_socket, socket_target
+
+            target = socket_target(default_socket())
+        return cls(grpc.insecure_channel(target), deadline_s)
+
+    def _rpc(self, method: Callable[..., Any], request: Any) -> Any:
+        try:
+            return method(request, timeout=self.deadline_s)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise AgentUnavailableError(f"sdcwatch agent unavailable ({code.name}): {details}") from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidInputError(details) from None
+            if code == grpc.StatusCode.NOT_FOUND:
+                if "not in memory" in details or "no record" in details:
+                    raise NotInMemoryError(details) from None
+                raise UnknownCheckpointError(details) from None
+            if code == grpc.StatusCode.DATA_LOSS:
+                raise CorruptCheckpointError(details) from None
+            raise CommitError(f"{code.name}: {details}") from None
+
+    def begin(self, job_id: str, step: int, rank: int, world_size: int) -> BeginResult:
+        r = self._rpc(self.stub.Begin, self.pb.BeginRequest(job_id=job_id, step=step, rank=rank,
+                                                             world_size=world_size))
+        return BeginResult(_state(r.state), r.node, r.location, r.blob_key)
+
+    def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str) -> CommitResult:
+        r = self._rpc(self.stub.CommitShard, self.pb.CommitShardRequest(
+            job_id=job_id, step=step, rank=rank, world_size=world_size, manifest_json=manifest_json))
+        return CommitResult(_state(r.state), r.committed, r.shards)
+
+    def list(self, job_id: str) -> list[CheckpointInfo]:
+        r = self._rpc(self.stub.List, self.pb.ListCheckpointsRequest(job_id=job_id))
+        return [_info(i) for i in r.checkpoints]
+
+    def latest(self, job_id: str) -> CheckpointInfo | None:
+        r = self._rpc(self.stub.Latest, self.pb.LatestRequest(job_id=job_id))
+        return _info(r.checkpoint) if r.found else None
+
+    def latest_verified(self, job_id: str) -> CheckpointInfo | None:
+        r = self._rpc(self.stub.LatestVerified, self.pb.LatestRequest(job_id=job_id))
+        return _info(r.checkpoint) if r.found else None
+
+    def restore_plan(self, job_id: str, target: int | str, rank: int | None = None) -> RestorePlan:
+        pb = self.pb
+        req = pb.RestorePlanRequest(job_id=job_id, rank=-1 if rank is None else rank)
+        if target == LATEST:
+            req.selector = pb.RESTORE_SELECTOR_LATEST
+        elif target == LATEST_VERIFIED:
+            req.selector = pb.RESTORE_SELECTOR_LATEST_VERIFIED
+        elif isinstance(target, int) and not isinstance(target, bool):
+            req.step = target
+        else:
+            raise InvalidInputError(f"restore target must be a step, {LATEST!r} or {LATEST_VERIFIED!r}, got {target!r}")
+        r = self._rpc(self.stub.RestorePlan, req)
+        return RestorePlan(_info(r.checkpoint), tuple(
+            ShardPlan(s.rank, ShardManifest.from_json(s.manifest_json),
+                      tuple(Copy(c.rank, c.node, c.location) for c in s.copies)) for s in r.shards))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class CheckpointClient:
+    def __init__(self, link: Any, job_id: str, rank: int, world_size: int, *,
+                 config: SnapshotConfig | None = None,
+                 store_for: Callable[[str], BlobStore] = dir_store_for) -> None:
+        self.link = link
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.store_for = store_for
+        self.snapshotter = Snapshotter(link, job_id, rank, world_size, config, store_for)
+
+    @classmethod
+    def connect(cls, job_id: str, rank: int, world_size: int, target: str | None = None,
+                deadline_s: float = 5.0, **kw: Any) -> "CheckpointClient":
+        return cls(GrpcAgentLink.connect(target, deadline_s), job_id, rank, world_size, **kw)
+
+    def save(self, step: int, state_dict: Mapping[str, Any]) -> SaveHandle | None:
+        return self.snapshotter.save(step, state_dict)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self.snapshotter.wait(timeout)
+
+    def restore(self, target: int | str = LATEST_VERIFIED, device: Any = "cpu",
+                report: RestoreReport | None = None) -> dict[str, Any]:
+        plan = self.link.restore_plan(self.job_id, target, self.rank)
+        return restore_from_plan(plan, self.rank, self.store_for, device, report)
+
+    def list(self) -> list[CheckpointInfo]:
+        return self.link.list(self.job_id)
+
+    def latest(self) -> CheckpointInfo | None:
+        return self.link.latest(self.job_id)
+
+    def latest_verified(self) -> CheckpointInfo | None:
+        return self.link.latest_verified(self.job_id)
+
+    def close(self) -> None:
+        self.snapshotter.close()
+        close = getattr(self.link, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,530 @@
+"""Agent-side checkpoint coordinator over a Redis client passed in (the job's coordination Redis).
+
+Lifecycle of one checkpoint (job J, step k, world size W):
+
+1. `begin(J, k, rank, W)`        each rank; the first creates the PENDING record. Returns where to write
+                                 (this node's memory tier directory and the shard's blob key).
+2. the rank writes its shard blob into that tier (data first) ...
+3. `commit_shard(J, k, rank, W, manifest_json)`   checks the blob (size, and every chunk checksum when
+                                 `verify_on_commit`), then ONE Lua script records the shard and, when all
+                                 W shards are in, flips the record to COMMITTED (the marker, written last).
+                                 Idempotent: the same manifest again changes nothing.
+4. `on_job_event(J, step, kind, now)`  replica votes and SDC/NaN/fatal-hardware events: COMMITTED <->
+                                 VERIFIED (see `checkpoint.policy.verified_steps`); each change is published.
+5. `maintain(now)`              retention (keep newest K + newest verified, memory cap), abort stale
+                                 PENDING saves and delete their partial blobs, sweep evicted blobs.
+
+Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redis Cluster):
+  sdcw:ckpt:jobs                   SET of job ids
+  sdcw:ckpt:{J}:idx                ZSET step -> step, every live or tombstoned record
+  sdcw:ckpt:{J}:s:<k>              HASH state, world_size, begun_at, committed_at, verified_at, reason, bytes
+  sdcw:ckpt:{J}:s:<k>:shards       HASH rank -> shard manifest JSON
+  sdcw:ckpt:{J}:s:<k>:copies       HASH "<rank>@<node>" -> location (memory tier directory on that node)
+  sdcw:ckpt:{J}:votes              HASH step -> vote_agreed | vote_mismatch
+  sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from checkpoint import policy
+from checkpoint.blobstore import BlobStore
+from checkpoint.chunks import verify
+from checkpoint.errors import CommitError, InvalidInputError, NotInMemoryError, UnknownCheckpointError
+from checkpoint.manifest import ShardManifest
+from checkpoint.names import validate_job_id, validate_rank, validate_step
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, Any, str, str, dict], None]
+LATEST = "latest"
+LATEST_VERIFIED = "latest_verified"
+
+_BEGIN = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if st and st ~= 'ABORTED' and st ~= 'EVICTED' then
+  if tonumber(redis.call('HGET', KEYS[1], 'world_size')) ~= tonumber(ARGV[2]) then
+    return {'ERR_WORLD', redis.call('HGET', KEYS[1], 'world_size')}
+  end
+  return {st, ''}
+end
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[1], 'state', 'PENDING', 'step', ARGV[1], 'world_size', ARGV[2], 'begun_at', ARGV[3],
+           'bytes', 0)
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+return {'PENDING', ''}
+"""
+
+_COMMIT_SHARD = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return {'ERR_UNKNOWN', 0, 0} end
+if st == 'ABORTED' or st == 'EVICTED' then return {st, 0, 0} end
+local ws = tonumber(redis.call('HGET', KEYS[1], 'world_size'))
+if ws ~= tonumber(ARGV[3]) then return {'ERR_WORLD', 0, ws} end
+local prev = redis.call('HGET', KEYS[2], ARGV[1])
+if prev and prev ~= ARGV[2] then
+  if st ~= 'PENDING' then return {'ERR_CONFLICT', 0, 0} end
+end
+if not prev then redis.call('HINCRBY', KEYS[1], 'bytes', ARGV[5]) end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[6], ARGV[7])
+local n = redis.call('HLEN', KEYS[2])
+if st == 'PENDING' and n == ws then
+  redis.call('HSET', KEYS[1], 'state', 'COMMITTED', 'committed_at', ARGV[4])
+  return {'COMMITTED', 1, n}
+end
+return {st, 0, n}
+"""
+
+# Set state only if the record is in the expected state. ARGV: new state, field, value, expected state.
+_TRANSITION = """
+if redis.call('HGET', KEYS[1], 'state') ~= ARGV[4] then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], ARGV[2], ARGV[3])
+return 1
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    keep_committed: int = 2
+    memory_cap_bytes: int | None = None
+    verify_on_commit: bool = True
+    pending_timeout_s: float = 600.0
+    tombstone_ttl_s: int = 3600
+    orphan_blob_ttl_s: float = 3600.0
+    key_prefix: str = "sdcw:ckpt:"
+
+    def __post_init__(self) -> None:
+        if self.keep_committed < 1:
+            raise InvalidInputError(f"keep_committed must be >= 1, got {self.keep_committed}")
+        if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
+            raise InvalidInputError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes}")
+        if self.pending_timeout_s <= 0:
+            raise InvalidInputError(f"pending_timeout_s must be positive, got {self.pending_timeout_s}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Copy:
+    rank: int
+    node: str
+    location: str        # the memory tier directory on `node`
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    job_id: str
+    step: int
+    state: str
+    world_size: int
+    shards: int          # shards committed so far
+    nbytes: int
+    begun_at: float
+    committed_at: float
+    verified_at: float
+    reason: str
+    copies: tuple[Copy, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeginResult:
+    state: str           # PENDING (write your shard), or COMMITTED/VERIFIED (already done: skip)
+    node: str
+    location: str        # directory of this node's memory tier
+    blob_key: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitResult:
+    state: str
+    committed_now: bool  # this call completed the global commit
+    shards: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardPlan:
+    rank: int
+    manifest: ShardManifest
+    copies: tuple[Copy, ...]  # this node's copy first
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestorePlan:
+    checkpoint: CheckpointInfo
+    shards: tuple[ShardPlan, ...]
+
+
+def blob_key(job_id: str, step: int, rank: int) -> str:
+    return f"{job_id}/{step:012d}/rank-{rank:05d}.bin"
+
+
+class Coordinator:
+    """See the module docstring. `store` is this node's memory tier, `location` its directory (what a
+    rank on this node is told to write into); `publish` journals events (the agent's callback)."""
+
+    def __init__(self, redis: Any, store: BlobStore, *, node: str, location: str,
+                 config: CoordinatorConfig | None = None, publish: Publish | None = None) -> None:
+        self.redis = redis
+        self.store = store
+        self.node = node
+        self.location = location
+        self.config = config or CoordinatorConfig()
+        self.publish = publish
+        p = self.config.key_prefix
+        self._p = p
+        self._begin = redis.register_script(_BEGIN)
+        self._commit = redis.register_script(_COMMIT_SHARD)
+        self._transition = redis.register_script(_TRANSITION)
+        self.stats: dict[str, int] = {"shards_committed": 0, "checkpoints_committed": 0, "bytes_committed": 0,
+                                      "evictions": 0, "aborted": 0, "checksum_failures": 0,
+                                      "verified": 0, "revoked": 0}
+
+    # ---- keys ---------------------------------------------------------------------------------------
+    def _jk(self, job: str, suffix: str) -> str:
+        return f"{self._p}{{{job}}}:{suffix}"
+
+    def _meta(self, job: str, step: int) -> str:
+        return self._jk(job, f"s:{step}")
+
+    def _keys(self, job: str, step: int) -> list[str]:
+        meta = self._meta(job, step)
+        return [meta, meta + ":shards", meta + ":copies"]
+
+    # ---- rank-facing --------------------------------------------------------------------------------
+    def begin(self, job_id: str, step: int, rank: int, world_size: int, now: float | None = None) -> BeginResult:
+        validate_job_id(job_id)
+        validate_step(step)
+        validate_rank(rank, world_size)
+        now = time.time() if now is None else now
+        meta, shards, copies = self._keys(job_id, step)
+        state, extra = self._begin(keys=[meta, self._jk(job_id, "idx"), shards, copies],
+                                   args=[step, world_size, repr(now)])
+        state = _s(state)
+        if state == "ERR_WORLD":
+            raise CommitError(f"job {job_id} step {step} was begun with world size {_s(extra)}, not {world_size}")
+        self.redis.sadd(self._p + "jobs", job_id)
+        return BeginResult(state, self.node, self.location, blob_key(job_id, step, rank))
+
+    def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str,
+                     now: float | None = None) -> CommitResult:
+        validate_job_id(job_id)
+        validate_step(step)
+        validate_rank(rank, world_size)
+        now = time.time() if now is None else now
+        m = ShardManifest.from_json(manifest_json)
+        if (m.job_id, m.step, m.rank, m.world_size) != (job_id, step, rank, world_size):
+            raise InvalidInputError(
+                f"manifest is for job {m.job_id} step {m.step} rank {m.rank}/{m.world_size}, request says "
+                f"job {job_id} step {step} rank {rank}/{world_size}")
+        if m.blob != blob_key(job_id, step, rank):
+            raise InvalidInputError(f"manifest blob {m.blob!r} is not {blob_key(job_id, step, rank)!r}")
+        self._check_blob(m)
+        meta, shards, copies = self._keys(job_id, step)
+        state, committed_now, n = self._commit(
+            keys=[meta, shards, copies],
+            args=[rank, manifest_json, world_size, repr(now), m.nbytes, f"{rank}@{self.node}", self.location])
+        state = _s(state)
+        if state == "ERR_UNKNOWN":
+            raise NotInMemoryError(
+                f"job {job_id} step {step} has no PENDING record (never begun, or Redis lost it): call begin first")
+        if state == "ERR_WORLD":
+            raise CommitError(f"job {job_id} step {step} has world size {n}, shard says {world_size}")
+        if state == "ERR_CONFLICT":
+            raise CommitError(f"job {job_id} step {step} rank {rank} is already committed with a different manifest")
+        if state in (policy.ABORTED, policy.EVICTED):
+            raise CommitError(f"job {job_id} step {step} was {state.lower()}; the shard is not kept")
+        self.stats["shards_committed"] += 1
+        if committed_now:
+            self.stats["checkpoints_committed"] += 1
+            info = self.info(job_id, step)
+            self.stats["bytes_committed"] += info.nbytes
+            self._emit("checkpoint.committed", "INFO", job_id,
+                       f"checkpoint step {step} committed ({world_size} shards, {info.nbytes} bytes)",
+                       {"step": step, "bytes": info.nbytes, "world_size": world_size})
+            self.evaluate(job_id, now)
+            self.maintain_job(job_id, now)
+        return CommitResult(state if not committed_now else self.info(job_id, step).state,
+                            bool(committed_now), int(n))
+
+    def _check_blob(self, m: ShardManifest) -> None:
+        try:
+            size = self.store.size(m.blob)
+        except KeyError:
+            raise CommitError(f"shard blob {m.blob!r} is not in this node's memory tier ({self.location})") from None
+        if size != m.nbytes:
+            raise CommitError(f"shard blob {m.blob!r} has {size} bytes, manifest says {m.nbytes}")
+        if not self.config.verify_on_commit:
+            return
+        buf = bytearray(max((c.length for c in m.chunks), default=0))
+        view = memoryview(buf)
+        for c in m.chunks:
+            n = self.store.readinto(m.blob, c.offset, view[: c.length])
+            if not verify(view[:n], c):
+                self.stats["checksum_failures"] += 1
+                raise CommitError(f"shard blob {m.blob!r} chunk at {c.offset} fails its checksum on commit")
+
+    # ---- queries ------------------------------------------------------------------------------------
+    def jobs(self) -> list[str]:
+        return sorted(_s(j) for j in self.redis.smembers(self._p + "jobs"))
+
+    def _steps(self, job_id: str) -> list[int]:
+        return [int(float(_s(x))) for x in self.redis.zrange(self._jk(job_id, "idx"), 0, -1)]
+
+    def info(self, job_id: str, step: int) -> CheckpointInfo:
+        meta, shards, copies = self._keys(job_id, step)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(meta)
+        pipe.hlen(shards)
+        pipe.hgetall(copies)
+        h, n, cp = pipe.execute()
+        if not h:
+            raise UnknownCheckpointError(f"job {job_id} has no checkpoint at step {step}")
+        h = {_s(k): _s(v) for k, v in h.items()}
+        cps = []
+        for k, loc in cp.items():
+            r, _, node = _s(k).partition("@")
+            cps.append(Copy(int(r), node, _s(loc)))
+        cps.sort(key=lambda c: (c.rank, c.node != self.node, c.node))
+        return CheckpointInfo(job_id, step, h.get("state", "?"), int(h.get("world_size", 0)), int(n),
+                              int(h.get("bytes", 0)), float(h.get("begun_at", 0)), float(h.get("committed_at", 0)),
+                              float(h.get("verified_at", 0)), h.get("reason", ""), tuple(cps))
+
+    def list(self, job_id: str) -> list[CheckpointInfo]:
+        validate_job_id(job_id)
+        out = []
+        for step in self._steps(job_id):
+            try:
+                info = self.info(job_id, step)
+            except UnknownCheckpointError:
+                continue
+            if info.state in policy.LIVE_STATES:
+                out.append(info)
+        return out
+
+    def latest(self, job_id: str) -> CheckpointInfo | None:
+        c = [i for i in self.list(job_id) if i.state in policy.RESTORABLE_STATES]
+        return c[-1] if c else None
+
+    def latest_verified(self, job_id: str) -> CheckpointInfo | None:
+        c = [i for i in self.list(job_id) if i.state == policy.VERIFIED]
+        return c[-1] if c else None
+
+    def resolve(self, job_id: str, target: int | str) -> CheckpointInfo:
+        """The checkpoint `target` (a step, "latest" or "latest_verified") names, restorable, or a clear error."""
+        validate_job_id(job_id)
+        infos = self.list(job_id)
+        if not infos and not self.redis.exists(self._jk(job_id, "idx")):
+            raise NotInMemoryError(
+                f"job {job_id}: not in memory: no checkpoint record (the coordination Redis has no record of this job; "
+                "it may have restarted empty). Restore from a durable tier instead.")
+        restorable = [i for i in infos if i.state in policy.RESTORABLE_STATES]
+        have = ", ".join(f"{i.step}:{i.state}" for i in infos) or "none"
+        if target == LATEST:
+            if not restorable:
+                raise UnknownCheckpointError(f"job {job_id}: no committed checkpoint in memory (have: {have})")
+            return restorable[-1]
+        if target == LATEST_VERIFIED:
+            v = [i for i in restorable if i.state == policy.VERIFIED]
+            if not v:
+                raise UnknownCheckpointError(f"job {job_id}: no VERIFIED checkpoint in memory (have: {have})")
+            return v[-1]
+        if isinstance(target, str) or isinstance(target, bool) or not isinstance(target, int):
+            raise InvalidInputError(f"restore target must be a step, {LATEST!r} or {LATEST_VERIFIED!r}, got {target!r}")
+        validate_step(target)
+        for i in infos:
+            if i.step == target:
+                if i.state not in policy.RESTORABLE_STATES:
+                    raise UnknownCheckpointError(
+                        f"job {job_id} step {target} is {i.state} ({i.shards}/{i.world_size} shards), not committed")
+                return i
+        raise UnknownCheckpointError(f"job {job_id} has no checkpoint at step {target} in memory (have: {have})")
+
+    def restore_plan(self, job_id: str, target: int | str, rank: int | None = None) -> RestorePlan:
+        info = self.resolve(job_id, target)
+        if rank is not None:
+            validate_rank(rank, info.world_size)
+        ranks = range(info.world_size) if rank is None else [rank]
+        raw = self.redis.hmget(self._keys(job_id, info.step)[1], [str(r) for r in ranks])
+        shards = []
+        for r, text in zip(ranks, raw):
+            if text is None:
+                raise NotInMemoryError(f"job {job_id} step {info.step}: manifest of rank {r} is missing")
+            shards.append(ShardPlan(r, ShardManifest.from_json(_s(text)),
+                                    tuple(c for c in info.copies if c.rank == r)))
+        return RestorePlan(info, tuple(shards))
+
+    def shard_manifest(self, job_id: str, step: int, rank: int) -> ShardManifest:
+        """The committed manifest of one shard, whatever the checkpoint's state (replication uses it)."""
+        text = self.redis.hget(self._keys(job_id, step)[1], str(rank))
+        if text is None:
+            raise UnknownCheckpointError(f"job {job_id} step {step} rank {rank}: no committed shard")
+        return ShardManifest.from_json(_s(text))
+
+    def add_copy(self, job_id: str, step: int, rank: int, node: str, location: str) -> None:
+        """Record that `node` holds a verified copy of the shard (peer replication calls this)."""
+        meta, _, copies = self._keys(job_id, step)
+        if self.redis.hget(meta, "state") is None:
+            raise UnknownCheckpointError(f"job {job_id} has no checkpoint at step {step}")
+        self.redis.hset(copies, f"{rank}@{node}", location)
+
+    # ---- verification -------------------------------------------------------------------------------
+    def on_job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
+        """Feed a replica vote or an SDC/NaN/fatal-hardware event (kinds in `policy.EVENT_KINDS`).
+
+        `step` None means "now": the newest step begun for the job. "rollback" (the job restored `step`):
+        records after `step` are dropped with their bad events and votes. "clear": an operator accepts
+        the bad events at or before `step`.
+        """
+        validate_job_id(job_id)
+        if kind not in policy.EVENT_KINDS:
+            raise InvalidInputError(f"unknown job event kind {kind!r}; expected one of {policy.EVENT_KINDS}")
+        if step is None:
+            steps = self._steps(job_id)
+            if not steps:
+                return
+            step = steps[-1]
+        validate_step(step)
+        votes, bad = self._jk(job_id, "votes"), self._jk(job_id, "bad")
+        if kind == policy.VOTE_AGREED:
+            self.redis.hset(votes, str(step), kind)
+        elif kind in policy.BAD_KINDS:
+            if kind == policy.VOTE_MISMATCH:
+                self.redis.hset(votes, str(step), kind)
+            self.redis.zadd(bad, {f"{kind}:{step}:{now}": step})
+        elif kind == "rollback":
+            for s in self._steps(job_id):
+                if s > step:
+                    self._drop(job_id, s, policy.EVICTED, f"rolled back to step {step}", now)
+            self.redis.zremrangebyscore(bad, f"({step}", "+inf")
+            for f in self.redis.hkeys(votes):
+                if int(_s(f)) > step:
+                    self.redis.hdel(votes, f)
+        elif kind == "clear":
+            self.redis.zremrangebyscore(bad, "-inf", step)
+        self.evaluate(job_id, now, reason or kind)
+
+    def evaluate(self, job_id: str, now: float, reason: str = "") -> None:
+        """Apply `policy.verified_steps` to the records, publishing each VERIFIED / revoked change."""
+        infos = [i for i in self.list(job_id) if i.state in policy.RESTORABLE_STATES]
+        votes = {int(_s(k)): _s(v) for k, v in self.redis.hgetall(self._jk(job_id, "votes")).items()}
+        bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
+        good = policy.verified_steps([i.step for i in infos], votes, bad_steps)
+        for i in infos:
+            meta = self._meta(job_id, i.step)
+            if i.step in good and i.state == policy.COMMITTED:
+                if self._transition(keys=[meta], args=[policy.VERIFIED, "verified_at", repr(now), policy.COMMITTED]):
+                    self.stats["verified"] += 1
+                    self._emit("checkpoint.verified", "INFO", job_id, f"checkpoint step {i.step} is VERIFIED",
+                               {"step": i.step})
+            elif i.step not in good and i.state == policy.VERIFIED:
+                why = reason or "a bad event at or before this step"
+                if self._transition(keys=[meta], args=[policy.COMMITTED, "reason",
+                                                       f"verification revoked: {why}", policy.VERIFIED]):
+                    self.stats["revoked"] += 1
+                    self._emit("checkpoint.revoked", "WARNING", job_id,
+                               f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
+
+    # ---- retention and GC ---------------------------------------------------------------------------
+    def _local_bytes(self, job_id: str) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for key in self.store.list(job_id + "/"):
+            try:
+                step = int(key.split("/")[1])
+                out[step] = out.get(step, 0) + self.store.size(key)
+            except (ValueError, IndexError, KeyError):
+                continue
+        return out
+
+    def maintain_job(self, job_id: str, now: float) -> list[int]:
+        """Retention and GC for one job; returns the steps evicted or aborted."""
+        local = self._local_bytes(job_id)
+        infos = self.list(job_id)
+        records = [policy.Record(i.step, i.state, local.get(i.step, 0), i.begun_at) for i in infos]
+        dropped = []
+        for step in policy.stale_pending(records, now, self.config.pending_timeout_s):
+            self._drop(job_id, step, policy.ABORTED, "save never completed on every rank", now)
+            self.stats["aborted"] += 1
+            dropped.append(step)
+        records = [r for r in records if r.step not in dropped]
+        for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes):
+            self._drop(job_id, step, policy.EVICTED, "retention", now)
+            self.stats["evictions"] += 1
+            dropped.append(step)
+        self._sweep_blobs(job_id, local, now)
+        return sorted(dropped)
+
+    def maintain(self, now: float) -> dict[str, list[int]]:
+        """`maintain_job` over every job; one job's failure is logged, not raised."""
+        out = {}
+        sweep = getattr(self.store, "sweep_temp", None)
+        if sweep is not None:  # temp files of puts interrupted long ago (a rank died mid-write)
+            sweep(self.config.pending_timeout_s, now)
+        for job in self.jobs():
+            try:
+                out[job] = self.maintain_job(job, now)
+            except Exception:  # noqa: BLE001 - keep maintaining the other jobs
+                log.exception("checkpoint maintenance failed for job %s", job)
+        return out
+
+    def _drop(self, job_id: str, step: int, state: str, reason: str, now: float) -> None:
+        """Tombstone the record (other nodes sweep their blobs on seeing it) and delete this node's blobs."""
+        meta, shards, copies = self._keys(job_id, step)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(meta, mapping={"state": state, "reason": reason, "dropped_at": repr(now)})
+        pipe.delete(shards, copies)
+        pipe.expire(meta, self.config.tombstone_ttl_s)
+        pipe.execute()
+        self._delete_step_blobs(job_id, step)
+        kind = "checkpoint.aborted" if state == policy.ABORTED else "checkpoint.evicted"
+        self._emit(kind, "INFO", job_id, f"checkpoint step {step} {state.lower()}: {reason}", {"step": step})
+
+    def _sweep_blobs(self, job_id: str, local: Mapping[int, int], now: float) -> None:
+        """Delete this node's blobs whose record is tombstoned; leave unknown ones until they are old."""
+        for step in local:
+            state = self.redis.hget(self._meta(job_id, step), "state")
+            state = _s(state) if state is not None else None
+            if state in policy.LIVE_STATES:
+                continue
+            keys = self.store.list(f"{job_id}/{step:012d}/")
+            if state is None and not all(self._old(k, now) for k in keys):
+                continue
+            self._delete_step_blobs(job_id, step)
+
+    def _delete_step_blobs(self, job_id: str, step: int) -> None:
+        prefix = f"{job_id}/{step:012d}/"
+        purge = getattr(self.store, "purge", None)
+        if purge is not None:  # also removes temp files of a rank that died mid-write
+            purge(prefix)
+            return
+        for key in self.store.list(prefix):
+            self.store.delete(key)
+
+    def _old(self, key: str, now: float) -> bool:
+        path = getattr(self.store, "path", None)
+        if path is None:
+            return False
+        try:
+            return now - path(key).stat().st_mtime > self.config.orphan_blob_ttl_s
+        except FileNotFoundError:
+            return False
+
+    def _emit(self, kind: str, severity: str, job_id: str, message: str, details: dict) -> None:
+        log.info("%s job=%s %s", kind, job_id, message)
+        if self.publish is None:
+            return
+        try:
+            from probes.types import Severity
+
+            self.publish(kind, Severity[severity], f"job/{job_id}", message, {"job_id": job_id, **details})
+        except Exception:  # noqa: BLE001 - journaling must not break the commit path
+            log.exception("publishing %s failed", kind)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def copies_by_rank(plan: RestorePlan) -> dict[int, Sequence[Copy]]:
+    return {s.rank: s.copies for s in plan.shards}

@@ -1,0 +1,38 @@
+"""One exception root for checkpoints, classed transient (retry may help) or fatal.
+
+`InvalidInputError` is also a `ValueError`, so callers that catch ValueError for bad input keep working.
+"""
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Root of every checkpoint error. `transient` says whether retrying the same call may succeed."""
+
+    transient = False
+
+
+class InvalidInputError(CheckpointError, ValueError):
+    """A caller passed something malformed (a job id with path characters, an unsupported object...)."""
+
+
+class UnknownCheckpointError(CheckpointError, LookupError):
+    """The requested checkpoint does not exist (unknown step, nothing committed, nothing verified)."""
+
+
+class NotInMemoryError(UnknownCheckpointError):
+    """The coordination Redis has no record of the job at all (e.g. it restarted empty), or the bytes of
+    a checkpoint are gone from every memory tier that was tried."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes failed their checksum or fingerprint on every copy that was tried."""
+
+
+class CommitError(CheckpointError):
+    """A shard could not be committed (conflicting manifest, world size mismatch, aborted save)."""
+
+
+class AgentUnavailableError(CheckpointError):
+    """The node agent did not answer within the deadline."""
+
+    transient = True

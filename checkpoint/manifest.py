@@ -1,0 +1,237 @@
+"""Shard manifests: what a rank stored, as JSON (never pickle: a checkpoint read back is data, not code).
+
+A state dict is split into
+- `tensors`: one `TensorEntry` per tensor (dtype, shape, byte range in the shard blob, fingerprint);
+- `tree`: the state dict's structure as JSON, with each tensor replaced by {"__sdcw_tensor__": index}
+  and each tuple by {"__sdcw_tuple__": [...]}. Other values must be JSON-safe: dict with str keys,
+  list, tuple, str, int, float, bool, None. Anything else is rejected with the path to it.
+
+`ShardManifest.from_json` validates everything it reads (names, ranges, chunk coverage, references),
+so a damaged or hostile manifest fails with `InvalidInputError`, never deep inside a restore.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Mapping
+
+import torch
+
+from checkpoint.chunks import ALGORITHM, Chunk
+from checkpoint.errors import InvalidInputError
+from checkpoint.names import validate_job_id, validate_key, validate_rank, validate_step
+
+FORMAT = "sdcwatch.ckpt.shard.v1"
+TENSOR_MARK = "__sdcw_tensor__"
+TUPLE_MARK = "__sdcw_tuple__"
+MAX_MANIFEST_CHARS = 256 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+                 "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
+                 "uint64")
+    if hasattr(torch, name)
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidInputError(f"unsupported tensor dtype {dtype}; supported: {sorted(DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorEntry:
+    path: str                    # where it sits in the state dict, for messages: "model/layers.0.weight"
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int                  # byte offset in the shard blob
+    nbytes: int
+    fingerprint: tuple[int, ...]  # checksums.fingerprint words of the tensor
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
+                "nbytes": self.nbytes, "fingerprint": list(self.fingerprint)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "TensorEntry":
+        if not isinstance(obj, dict):
+            raise InvalidInputError(f"tensor entry must be an object, got {type(obj).__name__}")
+        try:
+            path, dt, shape = obj["path"], obj["dtype"], obj["shape"]
+            offset, nbytes, fp = obj["offset"], obj["nbytes"], obj["fingerprint"]
+        except KeyError as e:
+            raise InvalidInputError(f"tensor entry lacks field {e}") from None
+        if not isinstance(path, str):
+            raise InvalidInputError(f"tensor path must be a string, got {path!r}")
+        if dt not in DTYPES:
+            raise InvalidInputError(f"tensor {path!r}: unsupported dtype {dt!r}")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise InvalidInputError(f"tensor {path!r}: bad shape {shape!r}")
+        if not all(isinstance(x, int) and x >= 0 for x in (offset, nbytes)):
+            raise InvalidInputError(f"tensor {path!r}: bad offset/nbytes {offset!r}/{nbytes!r}")
+        if not isinstance(fp, list) or not fp or not all(isinstance(w, int) for w in fp):
+            raise InvalidInputError(f"tensor {path!r}: bad fingerprint {fp!r}")
+        itemsize = torch.empty((), dtype=DTYPES[dt]).element_size()
+        if math.prod(shape) * itemsize != nbytes:
+            raise InvalidInputError(f"tensor {path!r}: nbytes {nbytes} != prod{tuple(shape)} * {itemsize}")
+        return cls(path, dt, tuple(shape), offset, nbytes, tuple(fp))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardManifest:
+    job_id: str
+    step: int
+    rank: int
+    world_size: int
+    blob: str                    # store key of the shard's bytes
+    nbytes: int
+    chunk_bytes: int
+    chunks: tuple[Chunk, ...]
+    tensors: tuple[TensorEntry, ...]
+    tree: Any                    # JSON structure of the state dict with tensor references
+    created: float
+    algorithm: str = ALGORITHM
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": FORMAT, "job_id": self.job_id, "step": self.step, "rank": self.rank,
+            "world_size": self.world_size, "blob": self.blob, "nbytes": self.nbytes,
+            "chunk_bytes": self.chunk_bytes, "algorithm": self.algorithm,
+            "chunks": [c.to_json() for c in self.chunks], "tensors": [t.to_json() for t in self.tensors],
+            "tree": self.tree, "created": self.created,
+        }, separators=(",", ":"), allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "ShardManifest":
+        if len(text) > MAX_MANIFEST_CHARS:
+            raise InvalidInputError(f"manifest is {len(text)} chars, over the {MAX_MANIFEST_CHARS} limit")
+        try:
+            obj = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidInputError(f"manifest is not valid JSON: {e}") from None
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise InvalidInputError(f"not a {FORMAT} manifest (format={obj.get('format') if isinstance(obj, dict) else None!r})")
+        try:
+            job_id = validate_job_id(obj["job_id"])
+            step = validate_step(obj["step"])
+            rank, world = validate_rank(obj["rank"], obj["world_size"])
+            blob = validate_key(obj["blob"])
+            nbytes, chunk_bytes = obj["nbytes"], obj["chunk_bytes"]
+            algorithm = obj["algorithm"]
+            chunks = tuple(Chunk.from_json(c) for c in obj["chunks"])
+            tensors = tuple(TensorEntry.from_json(t) for t in obj["tensors"])
+            tree, created = obj["tree"], obj["created"]
+        except KeyError as e:
+            raise InvalidInputError(f"manifest lacks field {e}") from None
+        except TypeError as e:
+            raise InvalidInputError(f"manifest has a field of the wrong type: {e}") from None
+        if algorithm != ALGORITHM:
+            raise InvalidInputError(f"manifest checksum algorithm {algorithm!r} is not {ALGORITHM!r}")
+        if not (isinstance(nbytes, int) and nbytes >= 0 and isinstance(chunk_bytes, int) and chunk_bytes > 0):
+            raise InvalidInputError(f"manifest has bad nbytes/chunk_bytes {nbytes!r}/{chunk_bytes!r}")
+        if not isinstance(created, (int, float)):
+            raise InvalidInputError(f"manifest has bad created time {created!r}")
+        pos = 0
+        for c in chunks:
+            if c.offset != pos or c.length == 0:
+                raise InvalidInputError(f"manifest chunks do not tile the blob: chunk at {c.offset}, expected {pos}")
+            pos += c.length
+        if pos != nbytes:
+            raise InvalidInputError(f"manifest chunks cover {pos} bytes, blob has {nbytes}")
+        for t in tensors:
+            if t.offset + t.nbytes > nbytes:
+                raise InvalidInputError(f"tensor {t.path!r} runs past the end of the blob")
+        refs = _tree_refs(tree)
+        if sorted(refs) != list(range(len(tensors))):
+            raise InvalidInputError("manifest tree must reference every tensor, and only those")
+        return cls(job_id, step, rank, world, blob, nbytes, chunk_bytes, chunks, tensors, tree,
+                   float(created), algorithm)
+
+
+def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """Split `state_dict` into (JSON tree with tensor references, [(path, tensor)]) or raise
+    InvalidInputError naming the path of the first unsupported object."""
+    if not isinstance(state_dict, Mapping):
+        raise InvalidInputError(f"state dict must be a mapping, got {type(state_dict).__name__}")
+    tensors: list[tuple[str, torch.Tensor]] = []
+    seen: dict[int, int] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+                raise InvalidInputError(
+                    f"{path}: tensor subclass {type(obj).__name__} is not supported here "
+                    "(use checkpoint.dcp with torch.distributed.checkpoint for DTensor / sharded tensors)")
+            if obj.layout != torch.strided or obj.is_quantized:
+                raise InvalidInputError(f"{path}: only dense strided tensors are supported, got {obj.layout}")
+            dtype_name(obj.dtype)
+            if id(obj) in seen:  # the same tensor object twice (tied weights): stored once
+                return {TENSOR_MARK: seen[id(obj)]}
+            seen[id(obj)] = len(tensors)
+            tensors.append((path, obj.detach()))
+            return {TENSOR_MARK: len(tensors) - 1}
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, Mapping):
+            out = {}
+            for k, v in obj.items():
+                if not isinstance(k, str):
+                    raise InvalidInputError(f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str")
+                if k.startswith("__sdcw_"):
+                    raise InvalidInputError(f"{path}: dict key {k!r} is reserved")
+                out[k] = walk(v, f"{path}/{k}")
+            return out
+        if isinstance(obj, tuple):
+            return {TUPLE_MARK: [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        raise InvalidInputError(
+            f"{path}: unsupported object of type {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint "
+            "holds tensors and JSON-safe values (dict with str keys, list, tuple, str, int, float, bool, None)")
+
+    tree = walk(state_dict, "state_dict")
+    # Tied tensors: a second reference reuses the index, so refs may repeat; keep one entry per index.
+    return tree, tensors
+
+
+def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of `flatten`: rebuild the state dict from the tree and the restored tensors."""
+    if isinstance(tree, dict):
+        if set(tree) == {TENSOR_MARK}:
+            return tensors[tree[TENSOR_MARK]]
+        if set(tree) == {TUPLE_MARK}:
+            return tuple(unflatten(v, tensors) for v in tree[TUPLE_MARK])
+        return {k: unflatten(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [unflatten(v, tensors) for v in tree]
+    return tree
+
+
+def _tree_refs(tree: Any) -> set[int]:
+    refs: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, dict):
+            if set(obj) == {TENSOR_MARK}:
+                i = obj[TENSOR_MARK]
+                if not isinstance(i, int) or isinstance(i, bool):
+                    raise InvalidInputError(f"manifest tree has a bad tensor reference {i!r}")
+                refs.add(i)
+                return
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                walk(v)
+
+    walk(tree)
+    return refs

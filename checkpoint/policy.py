@@ -1,0 +1,86 @@
+"""Pure checkpoint policies: which checkpoints are VERIFIED, which to evict, which saves to abort.
+
+No Redis, no clock: the coordinator passes records and `now` in and applies the verdicts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+PENDING = "PENDING"
+COMMITTED = "COMMITTED"
+VERIFIED = "VERIFIED"
+ABORTED = "ABORTED"
+EVICTED = "EVICTED"
+LIVE_STATES = (PENDING, COMMITTED, VERIFIED)
+RESTORABLE_STATES = (COMMITTED, VERIFIED)
+
+VOTE_AGREED = "vote_agreed"
+VOTE_MISMATCH = "vote_mismatch"
+BAD_KINDS = ("vote_mismatch", "sdc", "nan", "fatal_hardware")
+CLEAR_KINDS = ("rollback", "clear")
+EVENT_KINDS = (VOTE_AGREED, *BAD_KINDS, *CLEAR_KINDS)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """What retention needs to know about one checkpoint."""
+
+    step: int
+    state: str
+    nbytes: int          # bytes this node holds for it
+    begun_at: float = 0.0
+
+
+def verified_steps(committed: Iterable[int], votes: Mapping[int, str], bad_steps: Iterable[int]) -> set[int]:
+    """Steps that are VERIFIED: committed, the replica vote at that step agreed, and no bad event (SDC,
+    NaN, fatal hardware, vote mismatch) at or before that step since the last rollback/clear.
+
+    That is DESIGN.md's "no bad event since the previous verified checkpoint": a bad event at step s
+    blocks every checkpoint >= s, and a later report of it revokes those already verified.
+    """
+    first_bad = min(bad_steps, default=None)
+    return {k for k in committed
+            if votes.get(k) == VOTE_AGREED and (first_bad is None or k < first_bad)}
+
+
+def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_bytes: int | None) -> list[int]:
+    """Steps to evict, oldest first.
+
+    Keep the newest `keep_committed` restorable checkpoints and the newest VERIFIED one; evict the
+    other restorable ones. Then, while the kept bytes exceed `memory_cap_bytes`, evict the oldest
+    unverified kept checkpoint; never the newest VERIFIED (the only verified copy kept). PENDING saves
+    are left to `stale_pending` (they are still being written).
+    """
+    if keep_committed < 1:
+        raise ValueError(f"keep_committed must be >= 1, got {keep_committed}")
+    restorable = sorted((r for r in records if r.state in RESTORABLE_STATES), key=lambda r: r.step)
+    verified = [r for r in restorable if r.state == VERIFIED]
+    newest_verified = verified[-1].step if verified else None
+    keep = {r.step for r in restorable[-keep_committed:]}
+    if newest_verified is not None:
+        keep.add(newest_verified)
+    evict = [r.step for r in restorable if r.step not in keep]
+    if memory_cap_bytes is not None:
+        pending_bytes = sum(r.nbytes for r in records if r.state == PENDING)
+        kept = [r for r in restorable if r.step in keep]
+        used = pending_bytes + sum(r.nbytes for r in kept)
+        # Oldest unverified first, then older verified ones, never the newest verified.
+        order = [r for r in kept if r.state != VERIFIED] + [r for r in kept if r.state == VERIFIED]
+        for r in order:
+            if used <= memory_cap_bytes:
+                break
+            if r.step == newest_verified:
+                continue
+            evict.append(r.step)
+            used -= r.nbytes
+    return sorted(evict)
+
+
+def stale_pending(records: Iterable[Record], now: float, timeout_s: float) -> list[int]:
+    """PENDING saves to abort: begun more than `timeout_s` ago, or older than a committed checkpoint
+    (a newer one committed, so this one's missing ranks are not coming)."""
+    recs = list(records)
+    newest_committed = max((r.step for r in recs if r.state in RESTORABLE_STATES), default=None)
+    return sorted(r.step for r in recs if r.state == PENDING and (
+        now - r.begun_at > timeout_s or (newest_committed is not None and r.step < newest_committed)))

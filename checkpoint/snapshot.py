@@ -1,0 +1,276 @@
+"""Rank side of a save: GPU -> pinned host buffer on a side stream, then everything else in the background.
+
+`Snapshotter.save(step, state_dict)`:
+  1. flattens the state dict (tensors + JSON-safe rest; anything else is a clear error, before any copy);
+  2. on CUDA: on a side stream that waits for the current stream, fingerprints the GPU tensors
+     (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into one pinned
+     host arena reused across saves (allocated only when the state grows);
+  3. returns when the copy is complete (`block="copy"`, the default) or as soon as it is enqueued
+     (`block="enqueue"`: the current stream then waits for the copy on the GPU, so later in-place updates
+     cannot race it; the host never blocks).
+Background (one worker thread, so saves never overlap): `sink.begin` -> chunk + xxh3-128 each chunk while
+streaming it into the node memory tier (the shard is then safe from a crash of this process) -> fingerprint
+of the host bytes, which must equal the GPU fingerprint -> `sink.commit_shard(manifest)`.
+
+A save requested while the previous one is still in the background waits for it (`policy="wait"`) or is
+skipped (`policy="skip"`); the arena is never overwritten under a running save.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+
+from checkpoint.blobstore import BlobStore
+from checkpoint.chunks import DEFAULT_CHUNK_BYTES, Chunk, iter_checksummed
+from checkpoint.errors import CorruptCheckpointError, InvalidInputError
+from checkpoint.manifest import ShardManifest, TensorEntry, dtype_name, flatten
+from checkpoint.names import validate_job_id, validate_rank, validate_step
+from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+
+
+class ShardSink(Protocol):
+    """Who is told about a shard: the agent over gRPC (`checkpoint.client`) or a `Coordinator` directly."""
+
+    def begin(self, job_id: str, step: int, rank: int, world_size: int) -> Any: ...
+
+    def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str) -> Any: ...
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SnapshotConfig:
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    policy: str = "wait"            # a save while the previous is still writing: "wait" or "skip"
+    block: str = "copy"             # save() returns when the host copy is "copy" (done) or "enqueue"(d)
+    pin_memory: bool | None = None  # None: pin when CUDA is available
+    check_source_fingerprint: bool | None = None  # None: for CUDA tensors (CPU tensors cannot change under us)
+    fingerprint_threads: int = 4    # host fingerprints of the tensors run in parallel (numpy frees the GIL)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("wait", "skip"):
+            raise InvalidInputError(f"policy must be 'wait' or 'skip', got {self.policy!r}")
+        if self.block not in ("copy", "enqueue"):
+            raise InvalidInputError(f"block must be 'copy' or 'enqueue', got {self.block!r}")
+        if self.chunk_bytes <= 0:
+            raise InvalidInputError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.fingerprint_threads < 1:
+            raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
+
+
+@dataclasses.dataclass(slots=True)
+class SaveResult:
+    step: int
+    state: str                  # COMMITTED / VERIFIED / PENDING (others still writing) / FAILED
+    committed_now: bool = False
+    nbytes: int = 0
+    blocking_s: float = 0.0     # time save() blocked the caller
+    safe_s: float = 0.0         # from save() returning until the shard was in the node memory tier
+    commit_s: float = 0.0       # from save() returning until the agent accepted the shard
+    error: str = ""
+
+
+class SaveHandle:
+    """A save in flight: `result(timeout)` waits for the background part."""
+
+    def __init__(self, step: int, future: "concurrent.futures.Future[SaveResult]") -> None:
+        self.step = step
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        return self.future.result(timeout)
+
+
+class _Arena:
+    """One host buffer (pinned when asked) reused across saves; grows, never shrinks."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def ensure(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            self.buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return self.buf
+
+
+def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Byte offsets of each tensor in the arena (ALIGN-aligned) and the total size."""
+    offsets, pos = [], 0
+    for t in tensors:
+        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+        offsets.append(pos)
+        pos += t.numel() * t.element_size()
+    return offsets, pos
+
+
+def dir_store_for(location: str) -> BlobStore:
+    from checkpoint.shm_store import DirStore
+
+    return DirStore(location, create=False)
+
+
+class Snapshotter:
+    def __init__(self, sink: ShardSink, job_id: str, rank: int, world_size: int,
+                 config: SnapshotConfig | None = None,
+                 store_for: Callable[[str], BlobStore] = dir_store_for) -> None:
+        validate_job_id(job_id)
+        validate_rank(rank, world_size)
+        self.sink = sink
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.config = config or SnapshotConfig()
+        pin = self.config.pin_memory
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self._arena = _Arena(bool(pin))
+        self._store_for = store_for
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt")
+        self._fp_pool = concurrent.futures.ThreadPoolExecutor(self.config.fingerprint_threads,
+                                                              thread_name_prefix="sdcw-ckpt-fp")
+        self._last: SaveHandle | None = None
+        self._lock = threading.Lock()
+        self._side: dict[torch.device, Any] = {}
+
+    def save(self, step: int, state_dict: Mapping[str, Any]) -> SaveHandle | None:
+        """Snapshot `state_dict` as `step`; None when skipped by policy. Raises InvalidInputError on
+        unsupported content (before anything is copied)."""
+        validate_step(step)
+        t0 = time.perf_counter()
+        tree, named = flatten(state_dict)
+        with self._lock:
+            if self._last is not None and not self._last.done():
+                if self.config.policy == "skip":
+                    log.warning("checkpoint step %d skipped: step %d is still being written", step, self._last.step)
+                    return None
+                concurrent.futures.wait([self._last.future])
+            tensors = [t for _, t in named]
+            offsets, total = layout(tensors)
+            arena = self._arena.ensure(total)
+            events, src_fps = self._copy(tensors, offsets, arena)
+            if self.config.block == "copy":
+                for ev in events:
+                    ev.synchronize()
+            blocking = time.perf_counter() - t0
+            entries = [(path, t.dtype, tuple(t.shape), off, t.numel() * t.element_size())
+                       for (path, t), off in zip(named, offsets)]
+            fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
+                                    blocking, time.perf_counter())
+            self._last = SaveHandle(step, fut)
+            return self._last
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        last = self._last
+        return None if last is None else last.result(timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._fp_pool.shutdown(wait=True)
+
+    # ---- the copy -----------------------------------------------------------------------------------
+    def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor
+              ) -> tuple[list[Any], dict[int, torch.Tensor]]:
+        """Enqueue every copy; return CUDA events to wait on and {tensor index: host fingerprint words}."""
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dev.setdefault(t.device, []).append(i)
+        events, src_fps = [], {}
+        for dev, idx in by_dev.items():
+            if dev.type == "cuda":
+                ev, fps = self._copy_cuda(dev, [tensors[i] for i in idx], [offsets[i] for i in idx], arena)
+                events.append(ev)
+                if fps is not None:
+                    src_fps.update({i: fps[j] for j, i in enumerate(idx)})
+                continue
+            check = bool(self.config.check_source_fingerprint)
+            if check and idx:
+                per = torch.empty(len(idx), 2, dtype=torch.int64)
+                fingerprint_tensors_async([tensors[i] for i in idx], per_tensor_out=per)
+                src_fps.update({i: per[j] for j, i in enumerate(idx)})
+            for i in idx:
+                t = tensors[i]
+                if t.numel():
+                    _dst(arena, offsets[i], t).copy_(t.to("cpu"))
+        return events, src_fps
+
+    def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],
+                   arena: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+        side = self._side.get(dev)
+        if side is None:
+            side = self._side[dev] = torch.cuda.Stream(device=dev)
+        cur = torch.cuda.current_stream(dev)
+        side.wait_stream(cur)
+        check = self.config.check_source_fingerprint is not False
+        fps_host = None
+        with torch.cuda.stream(side):
+            if check:
+                per = torch.empty(len(tensors), 2, dtype=torch.int64, device=dev)
+                fingerprint_tensors_async(tensors, per_tensor_out=per)
+                fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
+                fps_host.copy_(per, non_blocking=True)
+            for t, off in zip(tensors, offsets):
+                if t.numel():
+                    _dst(arena, off, t).copy_(t, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        for t in tensors:
+            t.record_stream(side)
+        if self.config.block == "enqueue":
+            cur.wait_event(ev)
+        return ev, fps_host
+
+    # ---- the background -----------------------------------------------------------------------------
+    def _background(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
+                    total: int, arena: torch.Tensor, events: list[Any], src_fps: dict[int, torch.Tensor],
+                    blocking: float, returned: float) -> SaveResult:
+        res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking)
+        try:
+            for ev in events:
+                ev.synchronize()
+            begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
+            if begin.state not in ("PENDING",):
+                res.state = begin.state
+                res.error = f"step {step} is already {begin.state}; shard not written again"
+                return res
+            view = memoryview(arena.numpy()).cast("B")[:total]
+            chunks: list[Chunk] = []
+            store = self._store_for(begin.location)
+            store.put(begin.blob_key, iter_checksummed(view, self.config.chunk_bytes, chunks))
+            res.safe_s = time.perf_counter() - returned
+            tensors = []
+            fps = list(self._fp_pool.map(lambda e: fingerprint_bytes(view[e[3]:e[3] + e[4]], dtype_name(e[1]), e[2]),
+                                         entries))
+            for i, (path, dt, shape, off, n) in enumerate(entries):
+                fp = fps[i]
+                src = src_fps.get(i)
+                if src is not None:
+                    want = tuple(int(v) & MASK64 for v in src.tolist())
+                    if want != fp:
+                        raise CorruptCheckpointError(
+                            f"step {step} rank {self.rank} tensor {path}: host copy fingerprint {fp} differs from "
+                            f"the GPU fingerprint {want} taken before the copy (corrupted in transfer)")
+                tensors.append(TensorEntry(path, dtype_name(dt), shape, off, n, fp))
+            manifest = ShardManifest(self.job_id, step, self.rank, self.world_size, begin.blob_key, total,
+                                     self.config.chunk_bytes, tuple(chunks), tuple(tensors), tree, time.time())
+            commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size, manifest.to_json())
+            res.commit_s = time.perf_counter() - returned
+            res.state, res.committed_now = commit.state, commit.committed_now
+        except Exception as e:  # noqa: BLE001 - a failed save must never reach the training loop
+            res.error = f"{type(e).__name__}: {e}"
+            log.warning("checkpoint step %d rank %d failed: %s", step, self.rank, res.error)
+        return res
+
+
+def _dst(arena: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+    n = t.numel() * t.element_size()
+    return arena[offset:offset + n].view(t.dtype).view(t.shape)

@@ -1,0 +1,225 @@
+"""grpc.aio servicer for `sdcwatch.v1.Checkpoints` (proto/sdcwatch/v1/checkpoint.proto).
+
+Wiring, for the agent (daemon/):
+
+    from daemon.checkpoint_service import build_checkpoint_service, register
+    svc = build_checkpoint_service(redis_url, state_dir, publish, node=hostname)   # publish(kind, severity,
+    register(server, svc)                                    # subject, message, details) -> None
+    tasks.append(asyncio.create_task(svc.run_maintenance(interval_s=10)))        # retention + GC loop
+    # replica votes and bad events, from the detectors (kinds in checkpoint.policy.EVENT_KINDS:
+    # "vote_agreed", "vote_mismatch", "sdc", "nan", "fatal_hardware", "rollback", "clear"):
+    await svc.job_event(job_id, step_or_None, "vote_agreed", time.time())
+    svc.stats()  # counters for /metrics: shards/checkpoints committed, bytes, evictions, aborted, ...
+
+Every request is validated (INVALID_ARGUMENT with the reason); all Redis and store I/O runs in
+`asyncio.to_thread`, never on the event loop. Errors map to codes: unknown step / not in memory ->
+NOT_FOUND, commit conflicts -> FAILED_PRECONDITION, corrupt bytes -> DATA_LOSS, Redis down -> UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import grpc
+
+from checkpoint import policy
+from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, CheckpointInfo, Coordinator, CoordinatorConfig,
+                                    Publish)
+from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
+from checkpoint.names import validate_job_id, validate_rank, validate_step
+from checkpoint.peers import Replicator
+from checkpoint.shm_store import ShmStore, default_shm_root
+from proto.sdcwatch.v1 import checkpoint_pb2 as pb
+from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+STATE_TO_PB = {
+    policy.PENDING: pb.CHECKPOINT_STATE_PENDING, policy.COMMITTED: pb.CHECKPOINT_STATE_COMMITTED,
+    policy.VERIFIED: pb.CHECKPOINT_STATE_VERIFIED, policy.ABORTED: pb.CHECKPOINT_STATE_ABORTED,
+    policy.EVICTED: pb.CHECKPOINT_STATE_EVICTED,
+}
+PB_TO_STATE = {v: k for k, v in STATE_TO_PB.items()}
+
+
+def info_to_pb(i: CheckpointInfo) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        job_id=i.job_id, step=i.step, state=STATE_TO_PB.get(i.state, pb.CHECKPOINT_STATE_UNSPECIFIED),
+        world_size=i.world_size, shards=i.shards, bytes=i.nbytes, begun_at=i.begun_at,
+        committed_at=i.committed_at, verified_at=i.verified_at, reason=i.reason,
+        copies=[pb.ShardCopy(rank=c.rank, node=c.node, location=c.location) for c in i.copies])
+
+
+class CheckpointService(pb_grpc.CheckpointsServicer):
+    def __init__(self, coordinator: Coordinator, *, replicator: Replicator | None = None,
+                 maintenance_timeout_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+        self.coordinator = coordinator
+        self.replicator = replicator
+        self.maintenance_timeout_s = maintenance_timeout_s
+        self.clock = clock
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- RPCs ---------------------------------------------------------------------------------------
+    async def Begin(self, request: pb.BeginRequest, context: grpc.aio.ServicerContext) -> pb.BeginResponse:
+        job, step, rank, world = await self._shard_args(request, context)
+        r = await self._call(context, self.coordinator.begin, job, step, rank, world, self.clock())
+        return pb.BeginResponse(state=STATE_TO_PB.get(r.state, 0), node=r.node, location=r.location,
+                                blob_key=r.blob_key)
+
+    async def CommitShard(self, request: pb.CommitShardRequest,
+                          context: grpc.aio.ServicerContext) -> pb.CommitShardResponse:
+        job, step, rank, world = await self._shard_args(request, context)
+        if not request.manifest_json:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest_json is empty")
+        r = await self._call(context, self.coordinator.commit_shard, job, step, rank, world,
+                             request.manifest_json, self.clock())
+        if self.replicator is not None:
+            self._spawn(self._replicate(job, step, rank))
+        return pb.CommitShardResponse(state=STATE_TO_PB.get(r.state, 0), committed=r.committed_now, shards=r.shards)
+
+    async def List(self, request: pb.ListCheckpointsRequest,
+                   context: grpc.aio.ServicerContext) -> pb.ListCheckpointsResponse:
+        job = await self._job(request.job_id, context)
+        infos = await self._call(context, self.coordinator.list, job)
+        return pb.ListCheckpointsResponse(checkpoints=[info_to_pb(i) for i in infos])
+
+    async def Latest(self, request: pb.LatestRequest, context: grpc.aio.ServicerContext) -> pb.LatestResponse:
+        job = await self._job(request.job_id, context)
+        i = await self._call(context, self.coordinator.latest, job)
+        return pb.LatestResponse(found=i is not None, checkpoint=info_to_pb(i) if i else None)
+
+    async def LatestVerified(self, request: pb.LatestRequest,
+                             context: grpc.aio.ServicerContext) -> pb.LatestResponse:
+        job = await self._job(request.job_id, context)
+        i = await self._call(context, self.coordinator.latest_verified, job)
+        return pb.LatestResponse(found=i is not None, checkpoint=info_to_pb(i) if i else None)
+
+    async def RestorePlan(self, request: pb.RestorePlanRequest,
+                          context: grpc.aio.ServicerContext) -> pb.RestorePlanResponse:
+        job = await self._job(request.job_id, context)
+        which = request.WhichOneof("target")
+        target: int | str
+        if which == "step":
+            target = request.step
+            if target < 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {target}")
+        elif which == "selector" and request.selector == pb.RESTORE_SELECTOR_LATEST:
+            target = LATEST
+        elif which == "selector" and request.selector == pb.RESTORE_SELECTOR_LATEST_VERIFIED:
+            target = LATEST_VERIFIED
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "restore target missing: set step or selector (LATEST / LATEST_VERIFIED)")
+        if request.rank < -1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank must be >= -1, got {request.rank}")
+        rank = None if request.rank == -1 else request.rank
+        plan = await self._call(context, self.coordinator.restore_plan, job, target, rank)
+        return pb.RestorePlanResponse(checkpoint=info_to_pb(plan.checkpoint), shards=[
+            pb.ShardPlan(rank=s.rank, manifest_json=s.manifest.to_json(),
+                         copies=[pb.ShardCopy(rank=c.rank, node=c.node, location=c.location) for c in s.copies])
+            for s in plan.shards])
+
+    # ---- agent-facing -------------------------------------------------------------------------------
+    async def job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
+        """Feed a replica vote / SDC / NaN / fatal-hardware / rollback event (see module docstring)."""
+        await asyncio.to_thread(self.coordinator.on_job_event, job_id, step, kind, now, reason)
+
+    async def maintain_once(self) -> dict[str, list[int]]:
+        return await asyncio.wait_for(asyncio.to_thread(self.coordinator.maintain, self.clock()),
+                                      self.maintenance_timeout_s)
+
+    async def run_maintenance(self, interval_s: float = 10.0) -> None:
+        """Retention and GC forever; a failed or timed-out round is logged and the loop goes on."""
+        while True:
+            try:
+                await self.maintain_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001
+                log.exception("checkpoint maintenance round failed")
+            await asyncio.sleep(interval_s)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.coordinator.stats)
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    async def _replicate(self, job: str, step: int, rank: int) -> None:
+        assert self.replicator is not None
+        try:
+            await asyncio.to_thread(self.replicator.replicate, job, step, rank)
+        except Exception as e:  # noqa: BLE001
+            log.warning("peer replication of job %s step %d rank %d failed: %s", job, step, rank, e)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _job(self, job_id: str, context: grpc.aio.ServicerContext) -> str:
+        try:
+            return validate_job_id(job_id)
+        except InvalidInputError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+
+    async def _shard_args(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[str, int, int, int]:
+        try:
+            job = validate_job_id(request.job_id)
+            step = validate_step(request.step)
+            rank, world = validate_rank(request.rank, request.world_size)
+        except InvalidInputError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+        return job, step, rank, world
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+        import redis
+
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except InvalidInputError as e:
+            code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        except UnknownCheckpointError as e:
+            code, msg = grpc.StatusCode.NOT_FOUND, str(e)
+        except CommitError as e:
+            code, msg = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        except CorruptCheckpointError as e:
+            code, msg = grpc.StatusCode.DATA_LOSS, str(e)
+        except redis.RedisError as e:
+            code, msg = grpc.StatusCode.UNAVAILABLE, f"coordination Redis unavailable: {e}"
+        except Exception as e:  # noqa: BLE001
+            log.exception("checkpoint RPC %s failed", getattr(fn, "__name__", fn))
+            code, msg = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        await context.abort(code, msg)
+
+
+def register(server: grpc.aio.Server, service: CheckpointService) -> None:
+    pb_grpc.add_CheckpointsServicer_to_server(service, server)
+
+
+def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], publish: Publish | None = None, *,
+                             node: str | None = None, config: CoordinatorConfig | None = None,
+                             memory_dir: str | os.PathLike[str] | None = None,
+                             replicator_factory: Callable[[Coordinator], Replicator] | None = None
+                             ) -> CheckpointService:
+    """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
+    training processes), the coordination Redis at `redis_url`."""
+    import redis
+
+    root = Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir)
+    store = ShmStore(root)
+    client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+    coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),
+                              config=config, publish=publish)
+    replicator = replicator_factory(coordinator) if replicator_factory else None
+    return CheckpointService(coordinator, replicator=replicator)

@@ -1,0 +1,106 @@
+"""Helpers shared by the checkpoint tests (not a test module): state dicts, nodes, an agent server."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+import torch
+
+from checkpoint.coordinator import Coordinator, CoordinatorConfig
+from checkpoint.shm_store import DirStore
+
+
+def job_id(tag: str = "job") -> str:
+    return f"{tag}-{uuid.uuid4().hex[:10]}"
+
+
+def state_dict(rank: int, step: int, size: int = 2000) -> dict[str, Any]:
+    """Deterministic per (rank, step): bf16 + fp32 tensors and JSON-safe extras."""
+    g = torch.Generator().manual_seed(rank * 1000 + step)
+    return {
+        "model": {"w": torch.randn(size, generator=g), "h": torch.randn(size // 2, generator=g).to(torch.bfloat16),
+                  "i": torch.randint(0, 100, (3, 5), generator=g)},
+        "step": step, "rng": (1, [rank, step], None), "loader": {"epoch": 0, "pos": step * 10},
+    }
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Bit-for-bit equality of two state dicts."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        raw = lambda t: t.contiguous().reshape(-1).view(torch.uint8) if t.numel() and t.dtype != torch.bool else t
+        assert torch.equal(raw(a), raw(b))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def node(redis_port: int, root: Path, name: str, publish: Callable[..., None] | None = None,
+         **config: Any) -> Coordinator:
+    store = DirStore(root / name)
+    client = redis.Redis(port=redis_port, socket_timeout=5)
+    return Coordinator(client, store, node=name, location=str(root / name),
+                       config=CoordinatorConfig(**config), publish=publish)
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+class AgentServer:
+    """The Checkpoints servicer in a grpc.aio server on a unix socket, on its own thread and loop."""
+
+    def __init__(self, service: Any, socket_path: Path) -> None:
+        self.service = service
+        self.target = f"unix:{socket_path}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: Any = None
+
+    def start(self) -> "AgentServer":
+        import grpc
+
+        from daemon.checkpoint_service import register
+
+        self._thread.start()
+
+        async def up() -> None:
+            self._server = grpc.aio.server()
+            register(self._server, self.service)
+            self._server.add_insecure_port(self.target)
+            await self._server.start()
+
+        asyncio.run_coroutine_threadsafe(up(), self._loop).result(10)
+        return self
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    def stop(self) -> None:
+        async def down() -> None:
+            await self._server.stop(0)
+            await self.service.close()
+
+        asyncio.run_coroutine_threadsafe(down(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def pid() -> int:
+    return os.getpid()

@@ -1,0 +1,269 @@
+"""The commit protocol, verification, retention, peers and restore, in one process with simulated ranks
+(Coordinator used directly as the rank's link), plus the gRPC service end to end."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint.client import CheckpointClient, GrpcAgentLink
+from checkpoint.coordinator import Coordinator
+from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
+                               NotInMemoryError, UnknownCheckpointError)
+from checkpoint.peers import Peer, Replicator, placement
+from checkpoint.restore import RestoreReport, restore_from_plan
+from checkpoint.snapshot import Snapshotter, SnapshotConfig, dir_store_for
+from ckpt_support import AgentServer, assert_same, flip_bit, job_id, node, state_dict
+from daemon.checkpoint_service import CheckpointService
+
+
+def save_all(co: Coordinator | list[Coordinator], job: str, step: int, world: int = 2,
+             ranks: list[int] | None = None, **cfg: object) -> list:
+    out = []
+    for r in ranks if ranks is not None else range(world):
+        link = co[r] if isinstance(co, list) else co
+        snap = Snapshotter(link, job, r, world, SnapshotConfig(chunk_bytes=4096, **cfg))  # type: ignore[arg-type]
+        out.append(snap.save(step, state_dict(r, step)).result(30))
+        snap.close()
+    return out
+
+
+def restore(co: Coordinator, job: str, target: int | str, rank: int, report: RestoreReport | None = None):
+    return restore_from_plan(co.restore_plan(job, target, rank), rank, dir_store_for, "cpu", report)
+
+
+def test_commit_is_atomic_idempotent_and_restores_bit_for_bit(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    (r0,) = save_all(co, job, 5, ranks=[0])
+    assert r0.state == "PENDING" and not r0.error
+    assert [i.state for i in co.list(job)] == ["PENDING"]
+    assert co.latest(job) is None
+    with pytest.raises(UnknownCheckpointError, match="not committed"):
+        co.restore_plan(job, 5, 0)
+    (r1,) = save_all(co, job, 5, ranks=[1])
+    assert r1.state == "COMMITTED" and r1.committed_now
+    # the same shard again changes nothing
+    m1 = co.shard_manifest(job, 5, 1)
+    again = co.commit_shard(job, 5, 1, 2, m1.to_json())
+    assert again.state == "COMMITTED" and not again.committed_now
+    # a different manifest for a committed shard is refused
+    other = co.shard_manifest(job, 5, 0).to_json().replace('"rank":0', '"rank":1').replace("rank-00000", "rank-00001")
+    with pytest.raises((CommitError, InvalidInputError)):
+        co.commit_shard(job, 5, 1, 2, other)
+    for r in range(2):
+        assert_same(restore(co, job, "latest", r), state_dict(r, 5))
+
+
+def test_commit_checks_the_stored_blob(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    save_all(co, job, 1)
+    m = co.shard_manifest(job, 1, 0)
+    co.begin(job, 2, 0, 2)
+    with pytest.raises(CommitError, match="not in this node's memory tier"):
+        co.commit_shard(job, 2, 0, 2, m.to_json().replace('"step":1', '"step":2').replace("000000000001", "000000000002"))
+    # a blob corrupted between write and commit is refused on commit
+    co.store.put(m.blob.replace("000000000001", "000000000002"), co.store.get(m.blob))
+    flip_bit(Path(co.location) / m.blob.replace("000000000001", "000000000002"), 10)
+    with pytest.raises(CommitError, match="checksum"):
+        co.commit_shard(job, 2, 0, 2, m.to_json().replace('"step":1', '"step":2').replace("000000000001", "000000000002"))
+
+
+def test_missing_rank_means_no_commit_and_gc_removes_partial_blobs(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", pending_timeout_s=60), job_id()
+    save_all(co, job, 1)
+    save_all(co, job, 2, ranks=[0])  # rank 1 "died"
+    assert co.latest(job).step == 1
+    assert_same(restore(co, job, "latest", 0), state_dict(0, 1))
+    assert co.store.list(f"{job}/000000000002/")
+    now = time.time()
+    assert co.maintain_job(job, now) == []          # not stale yet
+    assert co.maintain_job(job, now + 120) == [2]   # timed out: aborted
+    assert co.store.list(f"{job}/000000000002/") == []
+    assert [i.step for i in co.list(job)] == [1]
+    # the step can be saved again after an abort
+    assert [r.state for r in save_all(co, job, 2)] == ["PENDING", "COMMITTED"]
+
+
+def test_vote_mismatch_and_late_events(redis_server, tmp_path: Path) -> None:
+    events: list[tuple] = []
+    co, job = node(redis_server.port, tmp_path, "n0", publish=lambda *a: events.append(a), keep_committed=5), job_id()
+    for step in (1, 2, 3):
+        save_all(co, job, step)
+    now = time.time()
+    assert co.latest_verified(job) is None  # committed, but no vote yet
+    co.on_job_event(job, 1, "vote_agreed", now)
+    co.on_job_event(job, 2, "vote_agreed", now)
+    co.on_job_event(job, 3, "vote_mismatch", now)
+    assert co.latest_verified(job).step == 2
+    assert co.latest(job).step == 3 and co.latest(job).state == "COMMITTED"
+    # an SDC reported late, about step 2, revokes 2
+    co.on_job_event(job, 2, "sdc", now)
+    assert co.latest_verified(job).step == 1
+    kinds = [e[0] for e in events]
+    assert kinds.count("checkpoint.verified") == 2 and "checkpoint.revoked" in kinds
+    assert_same(restore(co, job, "latest_verified", 1), state_dict(1, 1))
+    # rollback to 1 drops 2 and 3 and forgets their events; a new step 2 can verify
+    co.on_job_event(job, 1, "rollback", now)
+    assert [i.step for i in co.list(job)] == [1]
+    save_all(co, job, 2)
+    co.on_job_event(job, 2, "vote_agreed", now)
+    assert co.latest_verified(job).step == 2
+    with pytest.raises(InvalidInputError, match="unknown job event"):
+        co.on_job_event(job, 2, "bogus", now)
+
+
+def test_retention_keeps_newest_k_and_verified(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id()
+    save_all(co, job, 1)
+    co.on_job_event(job, 1, "vote_agreed", time.time())
+    for step in (2, 3, 4):
+        save_all(co, job, step)
+    assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED"), (3, "COMMITTED"), (4, "COMMITTED")]
+    assert co.store.list(f"{job}/000000000002/") == []
+    # a memory cap below one checkpoint: unverified go first, the only verified copy stays
+    capped = node(redis_server.port, tmp_path, "n0", keep_committed=2, memory_cap_bytes=1)
+    capped.maintain_job(job, time.time())
+    assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED")]
+
+
+def test_flipped_bit_uses_peer_copy_and_both_bad_is_a_clear_error(redis_server, tmp_path: Path) -> None:
+    a, b = node(redis_server.port, tmp_path, "a"), node(redis_server.port, tmp_path, "b")
+    job = job_id()
+    Replicator(a, [Peer("b", b.store, b.location)])
+    Replicator(b, [Peer("a", a.store, a.location)])
+    save_all([a, b], job, 7)
+    for r, (src, peer) in enumerate([(a, b), (b, a)]):
+        Replicator(src, [Peer(peer.node, peer.store, peer.location)]).replicate(job, 7, r)
+    m0 = a.shard_manifest(job, 7, 0)
+    assert {c.node for c in a.info(job, 7).copies if c.rank == 0} == {"a", "b"}
+    flip_bit(Path(a.location) / m0.blob, m0.tensors[0].offset + 3)
+    rep = RestoreReport()
+    assert_same(restore(a, job, 7, 0, rep), state_dict(0, 7))
+    assert rep.fallbacks == 1 and "checksum mismatch" in rep.failures[0]
+    flip_bit(Path(b.location) / m0.blob, m0.tensors[0].offset + 3)
+    with pytest.raises(CorruptCheckpointError) as e:
+        restore(a, job, 7, 0)
+    assert "state_dict/model/w" in str(e.value) and "a:" in str(e.value) and "b:" in str(e.value)
+    # a lost node: rank 1's copy on b gone, restored from a
+    (Path(b.location) / b.shard_manifest(job, 7, 1).blob).unlink()
+    assert_same(restore(a, job, 7, 1), state_dict(1, 7))
+
+
+def test_placement() -> None:
+    assert placement(0, 4, jump=1, factor=2) == [1]
+    assert placement(3, 4, jump=2, factor=2) == [1]
+    assert placement(0, 8, jump=2, factor=3) == [2, 4]
+    with pytest.raises(InvalidInputError):
+        placement(0, 2, jump=2, factor=2)
+    with pytest.raises(InvalidInputError):
+        placement(0, 2, factor=3)
+
+
+def test_redis_restarted_empty_says_not_in_memory(fresh_redis, tmp_path: Path) -> None:
+    co, job = node(fresh_redis.port, tmp_path, "n0"), job_id()
+    save_all(co, job, 1)
+    fresh_redis.restart_empty()
+    with pytest.raises(NotInMemoryError, match="not in memory"):
+        co.restore_plan(job, "latest", 0)
+    assert co.list(job) == []
+    # a save in flight when Redis lost its records fails cleanly (a result with the reason), no crash
+
+    class RestartBetween:
+        def begin(self, *a):
+            r = co.begin(*a)
+            fresh_redis.restart_empty()
+            return r
+
+        def commit_shard(self, *a):
+            return co.commit_shard(*a)
+
+    snap = Snapshotter(RestartBetween(), job, 0, 2)
+    res = snap.save(2, state_dict(0, 2)).result(20)
+    assert res.state == "FAILED" and "NotInMemoryError" in res.error and "begin first" in res.error
+    snap.close()
+
+
+def test_bad_inputs(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    save_all(co, job, 1)
+    with pytest.raises(UnknownCheckpointError, match="no checkpoint at step 99"):
+        co.restore_plan(job, 99, 0)
+    with pytest.raises(InvalidInputError):
+        co.restore_plan(job, "newest", 0)
+    with pytest.raises(InvalidInputError, match="job id"):
+        Snapshotter(co, "../evil", 0, 1)
+    with pytest.raises(InvalidInputError, match="job id"):
+        co.begin("a/b", 1, 0, 1)
+    snap = Snapshotter(co, job, 0, 2)
+    with pytest.raises(InvalidInputError, match=r"state_dict/opt/fn: unsupported object"):
+        snap.save(2, {"w": torch.zeros(2), "opt": {"fn": print}})
+    with pytest.raises(CommitError, match="world size"):
+        co.begin(job, 1, 0, 3)
+    snap.close()
+
+
+def test_second_save_waits_or_skips_never_corrupts(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    gate = threading.Event()
+
+    class SlowLink:
+        def begin(self, *a):
+            gate.wait(10)
+            return co.begin(*a)
+
+        def commit_shard(self, *a):
+            return co.commit_shard(*a)
+
+    snap = Snapshotter(SlowLink(), job, 0, 1, SnapshotConfig(policy="skip"))
+    first = snap.save(1, state_dict(0, 1))
+    assert snap.save(2, state_dict(0, 2)) is None  # skipped: step 1 still writing
+    gate.set()
+    assert first.result(10).state == "COMMITTED"
+    snap.close()
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(policy="wait"))
+    h2, h3 = snap.save(2, state_dict(0, 2)), snap.save(3, state_dict(0, 3))
+    assert h2.result(10).state == h3.result(10).state == "COMMITTED"
+    for s in (2, 3):
+        assert_same(restore(co, job, s, 0), state_dict(0, s))
+    snap.close()
+
+
+def test_grpc_service_end_to_end(redis_server, tmp_path: Path, short_tmp: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    server = AgentServer(CheckpointService(co), short_tmp / "a.sock").start()
+    try:
+        clients = [CheckpointClient(GrpcAgentLink.connect(server.target, 5), job, r, 2) for r in range(2)]
+        for c in clients:
+            assert c.save(3, state_dict(c.rank, 3)).result(20).error == ""
+        assert [(i.step, i.state) for i in clients[0].list()] == [(3, "COMMITTED")]
+        assert clients[0].latest_verified() is None
+        server.call(server.service.job_event(job, 3, "vote_agreed", time.time()))
+        assert clients[1].latest_verified().step == 3
+        for c in clients:
+            assert_same(c.restore("latest_verified"), state_dict(c.rank, 3))
+        with pytest.raises(UnknownCheckpointError, match="step 4"):
+            clients[0].restore(4)
+        bad = CheckpointClient(GrpcAgentLink.connect(server.target, 5), job, 0, 2)
+        bad.job_id = "x/../y"
+        with pytest.raises(InvalidInputError, match="job id"):
+            bad.list()
+        assert server.call(server.service.maintain_once())[job] == []
+        for c in clients + [bad]:
+            c.close()
+    finally:
+        server.stop()
+
+
+def test_agent_down_never_blocks_training_past_the_deadline(short_tmp: Path) -> None:
+    client = CheckpointClient(GrpcAgentLink.connect(f"unix:{short_tmp}/nobody.sock", 0.5), job_id(), 0, 1)
+    t0 = time.monotonic()
+    h = client.save(1, state_dict(0, 1))
+    res = h.result(10)
+    assert res.state == "FAILED" and "unavailable" in res.error
+    with pytest.raises(AgentUnavailableError):
+        client.restore("latest")
+    assert time.monotonic() - t0 < 5
+    client.close()

@@ -1,0 +1,137 @@
+"""Chunks, manifests and the pure policies (verification, retention, stale saves)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from checkpoint import policy
+from checkpoint.chunks import Chunk, checksum, checksum_chunks, chunk_ranges, chunks_covering, verify
+from checkpoint.errors import InvalidInputError
+from checkpoint.manifest import ShardManifest, TensorEntry, flatten, unflatten
+
+
+def test_chunk_ranges_tile_the_blob() -> None:
+    assert chunk_ranges(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert chunk_ranges(0, 4) == []
+    with pytest.raises(InvalidInputError):
+        chunk_ranges(10, 0)
+
+
+def test_chunk_checksums_detect_a_flipped_bit() -> None:
+    data = bytearray(random.Random(0).randbytes(1000))
+    chunks = checksum_chunks(memoryview(data), 256)
+    assert [c.length for c in chunks] == [256, 256, 256, 232]
+    assert all(verify(data[c.offset:c.offset + c.length], c) for c in chunks)
+    data[300] ^= 0x10
+    bad = [c for c in chunks if not verify(data[c.offset:c.offset + c.length], c)]
+    assert [c.offset for c in bad] == [256]
+    assert chunks_covering(chunks, 250, 10) == chunks[:2]
+
+
+def test_chunk_json_round_trip_and_validation() -> None:
+    c = Chunk(0, 5, checksum(b"hello"))
+    assert Chunk.from_json(json.loads(json.dumps(c.to_json()))) == c
+    with pytest.raises(InvalidInputError):
+        Chunk.from_json([0, 5, "nothex" * 6])
+
+
+def _state() -> dict:
+    w = torch.randn(3, 4)
+    return {"model": {"w": w, "tied": w, "b": torch.arange(5, dtype=torch.bfloat16)},
+            "step": 7, "rng": (3, [1, 2, 3], None), "cfg": {"lr": 0.1, "name": "x", "on": True},
+            "empty": torch.empty(0, 2)}
+
+
+def test_flatten_unflatten_round_trip_keeps_structure_and_ties() -> None:
+    sd = _state()
+    tree, named = flatten(sd)
+    assert [p for p, _ in named] == ["state_dict/model/w", "state_dict/model/b", "state_dict/empty"]
+    text = json.dumps(tree)
+    back = unflatten(json.loads(text), [t for _, t in named])
+    assert back["model"]["w"] is back["model"]["tied"]
+    assert back["rng"] == (3, [1, 2, 3], None)
+    assert back["cfg"] == sd["cfg"] and back["step"] == 7
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"x": {1, 2}}, "state_dict/x"),
+    ({"x": {"y": object()}}, "state_dict/x/y"),
+    ({"x": [b"bytes"]}, r"state_dict/x\[0\]"),
+    ({1: torch.zeros(1)}, "keys must be str"),
+    ({"__sdcw_tensor__": 1}, "reserved"),
+])
+def test_flatten_rejects_unsupported_objects_with_the_path(bad: dict, where: str) -> None:
+    with pytest.raises(InvalidInputError, match=where):
+        flatten(bad)
+
+
+def _manifest(**over: object) -> ShardManifest:
+    tree, named = flatten({"a": torch.zeros(4), "n": 1})
+    base = dict(job_id="j", step=1, rank=0, world_size=2, blob="j/000000000001/rank-00000.bin", nbytes=16,
+                chunk_bytes=8, chunks=(Chunk(0, 8, "0" * 32), Chunk(8, 8, "1" * 32)),
+                tensors=(TensorEntry("state_dict/a", "float32", (4,), 0, 16, (1, 2)),), tree=tree, created=1.0)
+    base.update(over)
+    return ShardManifest(**base)  # type: ignore[arg-type]
+
+
+def test_manifest_json_round_trip() -> None:
+    m = _manifest()
+    assert ShardManifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize("over, msg", [
+    (dict(job_id="../x"), "job id"),
+    (dict(blob="../../etc/passwd"), "store key"),
+    (dict(chunks=(Chunk(0, 8, "0" * 32),)), "cover 8 bytes"),
+    (dict(tensors=(TensorEntry("a", "float32", (5,), 0, 16, (1, 2)),)), "nbytes"),
+    (dict(tensors=(TensorEntry("a", "float32", (4,), 8, 16, (1, 2)),)), "past the end"),
+    (dict(rank=2), "rank"),
+])
+def test_manifest_rejects_bad_content(over: dict, msg: str) -> None:
+    with pytest.raises(InvalidInputError, match=msg):
+        ShardManifest.from_json(_manifest(**over).to_json())
+
+
+def test_manifest_rejects_non_json_and_pickle() -> None:
+    import pickle
+
+    with pytest.raises(InvalidInputError):
+        ShardManifest.from_json(pickle.dumps({"format": "x"}))
+    with pytest.raises(InvalidInputError, match="format"):
+        ShardManifest.from_json(json.dumps({"format": "other"}))
+
+
+def test_verified_steps_rule() -> None:
+    votes = {10: policy.VOTE_AGREED, 20: policy.VOTE_AGREED, 30: policy.VOTE_MISMATCH, 40: policy.VOTE_AGREED}
+    assert policy.verified_steps([10, 20, 30, 40], votes, []) == {10, 20, 40}
+    # a bad event at step 25 blocks every checkpoint at or after it
+    assert policy.verified_steps([10, 20, 30, 40], votes, [25]) == {10, 20}
+    assert policy.verified_steps([10, 20], {}, []) == set()  # no vote, no verification
+
+
+def R(step: int, state: str, n: int = 10) -> policy.Record:
+    return policy.Record(step, state, n)
+
+
+def test_retention_keeps_newest_k_and_newest_verified() -> None:
+    recs = [R(1, "VERIFIED"), R(2, "COMMITTED"), R(3, "COMMITTED"), R(4, "COMMITTED"), R(5, "PENDING")]
+    assert policy.plan_retention(recs, keep_committed=2, memory_cap_bytes=None) == [2]
+
+
+def test_retention_under_cap_evicts_oldest_unverified_never_only_verified() -> None:
+    recs = [R(1, "VERIFIED"), R(2, "COMMITTED"), R(3, "COMMITTED")]
+    # 30 bytes held, cap 15: evict 2 then 3 (unverified, oldest first); 1 is the only verified copy
+    assert policy.plan_retention(recs, keep_committed=3, memory_cap_bytes=15) == [2, 3]
+    assert policy.plan_retention(recs, keep_committed=3, memory_cap_bytes=1) == [2, 3]
+    two_verified = [R(1, "VERIFIED"), R(2, "VERIFIED"), R(3, "COMMITTED")]
+    assert policy.plan_retention(two_verified, keep_committed=3, memory_cap_bytes=10) == [1, 3]
+
+
+def test_stale_pending() -> None:
+    recs = [policy.Record(1, "PENDING", 0, begun_at=0.0), policy.Record(2, "COMMITTED", 0, 50.0),
+            policy.Record(3, "PENDING", 0, begun_at=90.0)]
+    assert policy.stale_pending(recs, now=100.0, timeout_s=60.0) == [1]
+    assert policy.stale_pending(recs, now=200.0, timeout_s=60.0) == [1, 3]

@@ -1,0 +1,140 @@
+"""BlobStore conformance: the same behaviour from every store (memory, directory/shm, Redis)."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from checkpoint.blobstore import BlobStore
+from checkpoint.errors import InvalidInputError
+from checkpoint.memory_store import MemoryStore
+from checkpoint.names import validate_job_id, validate_key
+from checkpoint.redis_store import RedisStore
+from checkpoint.shm_store import DirStore, ShmStore
+
+
+@pytest.fixture(params=["memory", "dir", "shm", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
+    kind = request.param
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "dir":
+        return DirStore(tmp_path / "blobs")
+    if kind == "shm":
+        return ShmStore(tmp_path / "shm")
+    server = request.getfixturevalue("redis_server")
+    client = redis.Redis(port=server.port)
+    return RedisStore(client, prefix=f"t-{uuid.uuid4().hex[:8]}:")
+
+
+def test_is_a_blobstore(store: BlobStore) -> None:
+    assert isinstance(store, BlobStore)
+
+
+def test_put_get_round_trip_and_ranges(store: BlobStore) -> None:
+    data = bytes(range(256)) * 40
+    assert store.put("job/000000000001/rank-00000.bin", data) == len(data)
+    key = "job/000000000001/rank-00000.bin"
+    assert store.get(key) == data
+    assert store.get(key, 100, 50) == data[100:150]
+    assert store.get(key, len(data) - 10, 100) == data[-10:]  # clipped at the end
+    assert store.get(key, len(data)) == b""
+    buf = bytearray(64)
+    assert store.readinto(key, 1000, memoryview(buf)) == 64
+    assert bytes(buf) == data[1000:1064]
+    assert store.size(key) == len(data)
+    assert store.exists(key)
+
+
+def test_streamed_put_equals_joined(store: BlobStore) -> None:
+    parts = [b"a" * 10, memoryview(b"b" * 5), bytearray(b"c" * 7)]
+    assert store.put("s/blob", parts) == 22
+    assert store.get("s/blob") == b"a" * 10 + b"b" * 5 + b"c" * 7
+
+
+def test_put_replaces(store: BlobStore) -> None:
+    store.put("k/x", b"old-old-old")
+    store.put("k/x", b"new")
+    assert store.get("k/x") == b"new"
+
+
+def test_failed_streamed_put_leaves_old_blob(store: BlobStore) -> None:
+    store.put("k/y", b"intact")
+
+    def broken():
+        yield b"partial"
+        raise RuntimeError("writer died")
+
+    with pytest.raises(RuntimeError):
+        store.put("k/y", broken())
+    assert store.get("k/y") == b"intact"
+    assert store.list("k/") == ["k/y"]
+
+
+def test_list_by_prefix_and_delete(store: BlobStore) -> None:
+    for k in ["a/1/x", "a/1/y", "a/2/x", "ab/1", "b/1"]:
+        store.put(k, b"1")
+    assert store.list("a/") == ["a/1/x", "a/1/y", "a/2/x"]
+    assert store.list("a/1/") == ["a/1/x", "a/1/y"]
+    assert store.list("a") == ["a/1/x", "a/1/y", "a/2/x", "ab/1"]
+    assert store.list("zzz/") == []
+    assert store.delete("a/1/x") is True
+    assert store.delete("a/1/x") is False
+    assert not store.exists("a/1/x")
+    assert store.list("a/1/") == ["a/1/y"]
+
+
+def test_missing_key_raises_keyerror(store: BlobStore) -> None:
+    with pytest.raises(KeyError):
+        store.get("no/such")
+    with pytest.raises(KeyError):
+        store.size("no/such")
+    with pytest.raises(KeyError):
+        store.readinto("no/such", 0, memoryview(bytearray(4)))
+    assert not store.exists("no/such")
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "/abs", "a//b", "a/../b", ".hidden", "a b", "a/.tmp-1", ""])
+def test_bad_keys_rejected(store: BlobStore, bad: str) -> None:
+    with pytest.raises(InvalidInputError):
+        store.put(bad, b"x")
+
+
+def test_empty_blob(store: BlobStore) -> None:
+    store.put("e/empty", b"")
+    assert store.get("e/empty") == b""
+    assert store.size("e/empty") == 0
+    assert store.exists("e/empty")
+
+
+@pytest.mark.parametrize("bad", ["a/b", "..", "job id", "x\\y", "", ".job", "j" * 200, "a*b"])
+def test_job_id_with_path_characters_rejected(bad: str) -> None:
+    with pytest.raises(InvalidInputError, match="job id"):
+        validate_job_id(bad)
+
+
+def test_good_names_accepted() -> None:
+    assert validate_job_id("llama-70b_run.3") == "llama-70b_run.3"
+    assert validate_key("job/000000000001/rank-00000.bin")
+
+
+def test_dir_store_sweeps_temp_files(tmp_path: Path) -> None:
+    s = DirStore(tmp_path)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "blob.tmp-1-2").write_bytes(b"partial")
+    s.put("x/real", b"1")
+    assert s.list() == ["x/real"]
+    assert s.sweep_temp(older_than_s=0, now=1e12) == 1
+    assert s.list() == ["x/real"]
+
+
+def test_shm_store_recycles_deleted_blobs_atomically(tmp_path: Path) -> None:
+    s = ShmStore(tmp_path, spares=2)
+    s.put("j/1/a", b"x" * 1000)
+    assert s.delete("j/1/a")
+    assert s.list() == []                      # spares are never listed
+    s.put("j/2/a", b"short")                   # reuses the spare: truncated to the new size
+    assert s.get("j/2/a") == b"short" and s.size("j/2/a") == 5
+    assert not any((tmp_path / ".spares").iterdir())
