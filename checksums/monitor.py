@@ -1,0 +1,792 @@
+"""The training-side Monitor: fingerprints, the replica vote, NaN/Inf and frozen-parameter checks.
+
+Usage (after wrapping the model in DDP / fully_shard and after torch.compile, if any):
+
+    monitor = Monitor.attach(model, optimizer, job_id="run-42")
+    for batch in data:
+        loss = ...; loss.backward(); optimizer.step()
+        monitor.step(loss, grad_norm=gn)          # once per optimizer step, before zero_grad
+        optimizer.zero_grad()
+    monitor.close()
+
+Per step (`every` steps for the fingerprint check):
+1. on the main stream: one fingerprint launch over all trainable parameters (DTensor: the local shard),
+   one over the frozen ones (if any), optionally the optimizer state and the gradients; the loss,
+   grad norm and loss scale (when tensors) are copied into a preallocated device buffer;
+2. the fingerprint words are all_gathered across the replica group (async on NCCL);
+3. on a side stream: wait for the gather, copy the buffer into pinned host memory, record an event;
+4. at a later `step()` (normally the next one), once the event has completed, the host reads the words:
+   the replica vote, the frozen check and the NaN/Inf check run, and one ReportStep goes to the agent.
+Nothing in `step()` synchronises with the GPU or allocates host buffers; all buffers are allocated at
+attach. On CPU (gloo) the same steps run synchronously and are read in the same `step()` call.
+
+The vote vector of a rank is its parameter words, then its frozen-parameter words (if any frozen
+parameters), then optimizer-state words (check_optimizer_state), then gradient words (check_grads).
+Every replica must hold identical values for all of them after the optimizer step.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import math
+import socket
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checksums.replica_vote import VoteResult, vote
+
+logger = logging.getLogger(__name__)
+
+FingerprintFn = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+DirectiveCallback = Callable[[Any], None]
+
+_U64 = (1 << 64) - 1
+_N_SCALARS = 3          # loss, grad_norm, loss_scale
+_CUDA_SLOTS = 4         # ring of in-flight steps on CUDA
+_NONFINITE_LOG_EVERY = 1000
+
+# Scalar source kinds stored per slot.
+_NONE, _VALUE, _DEVICE = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MonitorEvent:
+    """A local event. kind: replica.mismatch, frozen.changed, nonfinite.loss, nonfinite.grad_norm,
+    agent.unreachable, directive, vote.disabled."""
+
+    kind: str
+    step: int
+    message: str
+    details: Mapping[str, Any]
+    time: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepVote:
+    """The replica vote about `step` (read one step later on CUDA)."""
+
+    step: int
+    result: VoteResult
+    replica_group: str
+    ranks: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MonitorStats:
+    steps: int              # step() calls
+    checks_run: int         # fingerprint checks read back
+    votes: int              # replica votes taken (group of 2 or more)
+    mismatches: int         # votes that disagreed
+    frozen_changes: int     # checks where a frozen parameter had changed
+    nonfinite: int          # steps with NaN/Inf loss or grad norm
+    reports_sent: int
+    reports_dropped: int    # never reached the agent (queue full or failed call)
+    reports_failed: int
+    agent_down: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Slot:
+    dev: torch.Tensor               # [G*V words | 3 float64 scalars] on the buffer device
+    host: torch.Tensor              # pinned copy (CUDA async) or `dev` itself
+    gathered: torch.Tensor          # dev[:G*V], the all_gather output
+    scalar_views: list[torch.Tensor]  # one-element float64 views of dev's scalar tail
+    local: torch.Tensor             # this rank's V words on the fingerprint device (the gather input)
+    local_parts: list[torch.Tensor]  # W-word views of `local`, one per word group
+    ready: Any = None               # CUDA event on the main stream (copy stream waits on it)
+    done: Any = None                # CUDA event after the host copy
+    work: Any = None                # the async all_gather handle of this slot
+    busy: bool = False
+    device_work: bool = False       # the host must wait for `done` before reading
+    step: int = 0
+    checked: bool = False
+    wall_time: float = 0.0
+    step_s: float = 0.0
+    check_s: float = 0.0
+    kinds: list[int] = dataclasses.field(default_factory=lambda: [_NONE] * _N_SCALARS)
+    values: list[float] = dataclasses.field(default_factory=lambda: [0.0] * _N_SCALARS)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The original module under torch.compile's OptimizedModule and DDP wrappers."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+        return DTensor
+    except ImportError:  # older torch
+        try:
+            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+            return DTensor
+        except ImportError:
+            return None
+
+
+_DTENSOR = _dtensor_type()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (no autograd op), the tensor itself otherwise."""
+    if _DTENSOR is not None and isinstance(t, _DTENSOR):
+        return t._local_tensor  # type: ignore[attr-defined]
+    return t.detach() if t.requires_grad else t
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    try:
+        raw = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # an old torch without .uuid
+        return ""
+    return raw if raw.startswith(("GPU-", "MIG-")) else "GPU-" + raw
+
+
+def _group_name(ranks: Sequence[int], world: bool) -> str:
+    if world:
+        return "world"
+    if len(ranks) <= 16:
+        return "ranks:" + ",".join(str(r) for r in ranks)
+    digest = hashlib.sha1(",".join(str(r) for r in ranks).encode()).hexdigest()[:12]
+    return f"ranks:{ranks[0]}..{ranks[-1]}#{len(ranks)}:{digest}"
+
+
+class Monitor:
+    """See the module docstring. Build with `Monitor.attach(...)`; call `step()` once per optimizer step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        job_id: str,
+        every: int = 1,
+        replica_group: Any = None,
+        vote_enabled: bool = True,
+        check_optimizer_state: bool = False,
+        check_grads: bool = False,
+        frozen: Iterable[str] | None = None,
+        reporter: Any = None,
+        agent_socket: str | None = None,
+        on_directive: DirectiveCallback | None = None,
+        start_step: int = 0,
+        max_events: int = 1000,
+        fingerprint_fn: FingerprintFn | None = None,
+        host: str | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
+        if not isinstance(job_id, str) or not job_id:
+            raise ValueError("Monitor.attach needs a non-empty job_id string")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        if (check_optimizer_state and optimizer is None):
+            raise ValueError("check_optimizer_state=True needs the optimizer")
+        self._custom_fp = fingerprint_fn is not None
+        if fingerprint_fn is None:
+            from checksums.fingerprint import fingerprint_tensors_async
+            fingerprint_fn = fingerprint_tensors_async
+        self._fp = fingerprint_fn
+        self.job_id = job_id
+        self.every = every
+        self._optimizer = optimizer
+        self._check_opt = check_optimizer_state
+        self._check_grads = check_grads
+        self._on_directive = on_directive
+        self._step = start_step
+        self._events: collections.deque[MonitorEvent] = collections.deque(maxlen=max_events)
+        self._module = _unwrap(model)
+        self._extra_frozen = set(frozen or ())
+        self._collect_parameters(self._extra_frozen)
+        self.device = self._pick_device()
+        self.host = host if host is not None else socket.gethostname()
+        self.gpu_uuid = _gpu_uuid(self.device)
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._setup_group(replica_group, vote_enabled)
+        self._setup_words()
+        self._verify_replicas_at_attach()
+        self._setup_buffers()
+        self._setup_reporter(reporter, agent_socket)
+        # counters and state
+        self._pending: collections.deque[_Slot] = collections.deque()
+        self._next = 0
+        self._checks_run = 0
+        self._votes = 0
+        self._mismatches = 0
+        self._frozen_changes = 0
+        self._nonfinite = 0
+        self._last_vote: StepVote | None = None
+        self._last_suspects: tuple[int, ...] = ()
+        self._directives: collections.deque[Any] = collections.deque(maxlen=64)
+        self._seen_directive_seqs: collections.deque[int] = collections.deque(maxlen=256)
+        self._agent_down_said = False
+        self._report_error_said = False
+        self._read_errors = 0
+        self._last_step_end = time.perf_counter()
+        self._closed = False
+
+    @classmethod
+    def attach(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               **kwargs: Any) -> "Monitor":
+        """Build a Monitor for `model` (see `Monitor.__init__` for the keyword arguments)."""
+        return cls(model, optimizer, **kwargs)
+
+    # ---- attach-time setup -----------------------------------------------------------------------
+
+    def _collect_parameters(self, extra_frozen: set[str]) -> None:
+        named = list(self._module.named_parameters())
+        names = {n for n, _ in named}
+        unknown = sorted(extra_frozen - names)
+        if unknown:
+            raise ValueError(f"frozen names not among the model's parameters: {unknown[:5]}"
+                             f"{' ...' if len(unknown) > 5 else ''}")
+        self._params: list[tuple[str, torch.Tensor]] = []
+        self._frozen: list[tuple[str, torch.Tensor]] = []
+        for name, p in named:
+            if not p.requires_grad or name in extra_frozen:
+                self._frozen.append((name, p))
+            else:
+                self._params.append((name, p))
+        if not named:
+            raise ValueError("the model has no parameters to fingerprint")
+
+    def _pick_device(self) -> torch.device:
+        devices = {_local(p).device for _, p in self._params + self._frozen}
+        cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
+        device = cuda[0] if cuda else torch.device("cpu")
+        if len(devices) > 1:
+            skipped = [n for n, p in self._params + self._frozen if _local(p).device != device]
+            logger.warning("sdcwatch: parameters on several devices; fingerprinting those on %s, "
+                           "skipping %d (%s ...)", device, len(skipped), skipped[:3])
+            self._params = [(n, p) for n, p in self._params if _local(p).device == device]
+            self._frozen = [(n, p) for n, p in self._frozen if _local(p).device == device]
+        self._bind_tensors()
+        return device
+
+    def _bind_tensors(self) -> None:
+        self._param_tensors = [_local(p) for _, p in self._params]
+        self._frozen_tensors = [_local(p) for _, p in self._frozen]
+        self._ptr_objs = [p._local_tensor if _DTENSOR is not None and isinstance(p, _DTENSOR) else p
+                          for _, p in self._params + self._frozen]
+        self._ptrs = self._current_ptrs()
+
+    def _current_ptrs(self) -> list[int]:
+        return [t.data_ptr() for t in self._ptr_objs]
+
+    def _storages_moved(self) -> bool:
+        """True if a parameter's storage was replaced since attach (FSDP lazy init, assign=True loads)."""
+        if _DTENSOR is not None and any(isinstance(p, _DTENSOR) and p._local_tensor is not t
+                                        for (_, p), t in zip(self._params + self._frozen, self._ptr_objs)):
+            return True
+        return self._current_ptrs() != self._ptrs
+
+    def _setup_group(self, replica_group: Any, vote_enabled: bool) -> None:
+        self._group: Any = None
+        if vote_enabled and dist.is_available() and dist.is_initialized():
+            if replica_group is not None:
+                self._group = replica_group
+            else:
+                self._group = self._auto_group()
+        if self._group is not None and dist.get_world_size(self._group) < 2:
+            self._group = None                      # a one-rank "vote" compares nothing: skipped
+        if self._group is None:
+            self._vote_off()
+            return
+        self._group_ranks = tuple(dist.get_process_group_ranks(self._group))
+        self._group_rank = dist.get_rank(self._group)
+        world = self._group is dist.group.WORLD or len(self._group_ranks) == self.world_size
+        self.replica_group_name = _group_name(self._group_ranks, world)
+        gathered: list[Any] = [None] * len(self._group_ranks)
+        dist.all_gather_object(gathered, (self.rank, self.host, self.gpu_uuid), group=self._group)
+        self._where = {int(r): (str(h), str(u)) for r, h, u in gathered}
+        backend = str(dist.get_backend(self._group)).lower()
+        self._async = self.device.type == "cuda" and "nccl" in backend
+        if self.device.type == "cuda" and not self._async:
+            logger.warning("sdcwatch: replica group backend %r cannot gather CUDA tensors asynchronously; "
+                           "the vote runs synchronously (a host sync per check)", backend)
+
+    def _vote_off(self) -> None:
+        self._group = None
+        self._group_ranks: tuple[int, ...] = (self.rank,)
+        self._group_rank = 0
+        self.replica_group_name = ""
+        self._where: dict[int, tuple[str, str]] = {self.rank: (self.host, self.gpu_uuid)}
+        self._async = self.device.type == "cuda"
+
+    def _verify_replicas_at_attach(self) -> None:
+        """Replicas must already agree at attach (DDP broadcasts at wrap time). If they do not, the group is
+        not a set of data-parallel replicas (model parallelism, or attached before the wrap): voting would
+        mark healthy GPUs suspect at every step, so the vote is turned off, loudly."""
+        if self._group is None:
+            return
+        mine = self._words(self._fp(self._param_tensors or self._frozen_tensors)) + self._frozen_baseline
+        gathered: list[Any] = [None] * len(self._group_ranks)
+        dist.all_gather_object(gathered, mine, group=self._group)
+        if all(tuple(g) == mine for g in gathered):
+            return
+        logger.warning("sdcwatch: parameters already differ across replica group %s at attach, so these "
+                       "ranks are not data-parallel replicas (model parallel? attached before DDP?); the "
+                       "replica vote is OFF. Pass the replica group (HSDP: device_mesh['replicate']"
+                       ".get_group()) or vote_enabled=False.", self.replica_group_name)
+        self._event("vote.disabled", self._step, "replicas differ at attach; replica vote off",
+                    {"replica_group": self.replica_group_name})
+        self._vote_off()
+
+    def _auto_group(self) -> Any:
+        """World for plain DDP; the Replicate mesh dim for HSDP; None (no vote) for plain FSDP."""
+        for _, p in self._params + self._frozen:
+            if _DTENSOR is not None and isinstance(p, _DTENSOR):
+                replicate = [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
+                if len(replicate) == 1:
+                    return p.device_mesh.get_group(mesh_dim=replicate[0])
+                logger.info("sdcwatch: sharded parameters without exactly one replicate mesh dim "
+                            "(placements %s): the replica vote is off; pass replica_group= to enable it",
+                            p.placements)
+                return None
+        return dist.group.WORLD
+
+    def _setup_words(self) -> None:
+        probe = self._fp(self._param_tensors or self._frozen_tensors)
+        self._w = int(probe.numel())
+        if probe.dtype != torch.int64 or self._w < 1:
+            raise ValueError(f"fingerprint function returned {probe.dtype} x {self._w}; expected int64 words")
+        try:
+            empty = self._fp([]).to(self.device)
+        except Exception:  # a fingerprint function without an empty-list case
+            empty = torch.zeros(self._w, dtype=torch.int64, device=self.device)
+        self._empty_words = empty
+        self._runners: list[Callable[[torch.Tensor], Any]] = [self._fixed_runner(self._param_tensors)]
+        groups = ["params"]
+        if self._frozen:
+            self._runners.append(self._fixed_runner(self._frozen_tensors))
+            groups.append("frozen")
+        if self._check_opt:
+            self._runners.append(self._dynamic_runner(self._optimizer_tensors))
+            groups.append("optimizer")
+        if self._check_grads:
+            self._runners.append(self._dynamic_runner(self._grad_tensors))
+            groups.append("grads")
+        self._word_groups = groups
+        self._v = self._w * len(groups)
+        self._frozen_at = self._w if self._frozen else -1
+        self._frozen_baseline: tuple[int, ...] = ()
+        self._frozen_each: list[tuple[int, ...]] = []
+        if self._frozen:
+            self._frozen_baseline = self._words(self._fp(self._frozen_tensors))
+            self._frozen_each = self._per_tensor_words(self._frozen_tensors)
+
+    def _per_tensor_words(self, tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
+        """Each tensor's own fingerprint words (one launch on the default path); syncs."""
+        if self._custom_fp:
+            return [self._words(self._fp([t])) for t in tensors]
+        from checksums.fingerprint import NUM_WORDS
+        per = torch.empty(len(tensors), NUM_WORDS, dtype=torch.int64, device=self.device)
+        self._fp(tensors, per_tensor_out=per)  # type: ignore[call-arg]
+        return [tuple(int(x) & _U64 for x in row) for row in per.tolist()]
+
+    @staticmethod
+    def _words(t: torch.Tensor) -> tuple[int, ...]:
+        """Host ints (uint64) of a words tensor; syncs: attach time and the rare frozen-change path only."""
+        return tuple(int(x) & _U64 for x in t.reshape(-1).tolist())
+
+    def _fixed_runner(self, tensors: list[torch.Tensor]) -> Callable[[torch.Tensor], Any]:
+        """Writes the words of a list whose storages stay put into `out` (int64 [W] on the device)."""
+        if not tensors:
+            return lambda out: out.copy_(self._empty_words)
+        if not self._custom_fp and self.device.type == "cuda":
+            from checksums.fingerprint import prepare_fingerprint
+            try:
+                plan = prepare_fingerprint(tensors)  # the hot path: one fused launch, no per-call host work
+                return lambda out: plan.run_async(out=out)
+            except ValueError as err:
+                logger.info("sdcwatch: no fused fingerprint plan (%s); using the per-call path", err)
+        return self._dynamic_runner(lambda: tensors)
+
+    def _dynamic_runner(self, tensors_fn: Callable[[], list[torch.Tensor]]) -> Callable[[torch.Tensor], Any]:
+        """Writes the words of a list collected at each check (optimizer state, gradients) into `out`."""
+        def run(out: torch.Tensor) -> Any:
+            tensors = tensors_fn()
+            if not tensors:
+                return out.copy_(self._empty_words)
+            if self._custom_fp:
+                return out.copy_(self._fp(tensors))
+            return self._fp(tensors, out=out)  # type: ignore[call-arg]
+        return run
+
+    def _setup_buffers(self) -> None:
+        g = len(self._group_ranks)
+        n = g * self._v + _N_SCALARS
+        buf_device = self.device if self._async else torch.device("cpu")
+        slots = _CUDA_SLOTS if self._async else 1
+        self._slots: list[_Slot] = []
+        for _ in range(slots):
+            dev = torch.zeros(n, dtype=torch.int64, device=buf_device)
+            host = torch.zeros(n, dtype=torch.int64, pin_memory=True) if self._async else dev
+            local = torch.zeros(self._v, dtype=torch.int64, device=self.device)
+            tail = dev[n - _N_SCALARS:].view(torch.float64)
+            slot = _Slot(dev=dev, host=host, gathered=dev[: g * self._v],
+                         scalar_views=[tail[i:i + 1] for i in range(_N_SCALARS)], local=local,
+                         local_parts=[local[i * self._w:(i + 1) * self._w] for i in range(len(self._runners))])
+            if self._async:
+                slot.ready = torch.cuda.Event()
+                slot.done = torch.cuda.Event()
+            self._slots.append(slot)
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self._async else None
+
+    def _setup_reporter(self, reporter: Any, agent_socket: str | None) -> None:
+        self._owns_reporter = False
+        if reporter is False:
+            self._reporter = None
+            return
+        if reporter is not None:
+            self._reporter = reporter
+            return
+        try:
+            from daemon.reporter import StepReporter
+            self._reporter = StepReporter(agent_socket)
+            self._owns_reporter = True
+        except Exception as err:  # the agent is optional: never fail training for it
+            logger.warning("sdcwatch: no reporter to the agent (%s); checks run locally only", err)
+            self._reporter = None
+
+    def refresh_parameters(self) -> None:
+        """Re-read the parameter list (after the model's parameters were replaced, e.g. assign=True loads).
+        Must be called on every rank of the replica group; frozen baselines are taken again."""
+        self.flush()
+        self._collect_parameters(self._extra_frozen)
+        if self._pick_device() != self.device:
+            raise ValueError(f"refresh_parameters: the parameters moved from {self.device}; attach again")
+        self._setup_words()
+        self._setup_buffers()
+        self._next = 0
+
+    # ---- the training step -----------------------------------------------------------------------
+
+    def step(self, loss: Any = None, grad_norm: Any = None, loss_scale: Any = None, *,
+             step: int | None = None) -> None:
+        """Record one optimizer step. Call after `optimizer.step()` (before `zero_grad` if check_grads).
+
+        `loss`, `grad_norm`, `loss_scale`: Python numbers or one-element tensors (read a step later on
+        CUDA, never with `.item()` here). `step`: the step number (default: previous + 1).
+        """
+        if self._closed:
+            raise RuntimeError("Monitor.step() after close()")
+        t0 = time.perf_counter()
+        self._step = self._step + 1 if step is None else int(step)
+        self._drain(block=False)
+        slot = self._take_slot()
+        slot.step = self._step
+        slot.checked = self._step % self.every == 0
+        slot.wall_time = time.time()
+        slot.step_s = t0 - self._last_step_end
+        device_work = False
+        if slot.checked:
+            self._launch_check(slot)
+            device_work = self._async
+        for i, x in enumerate((loss, grad_norm, loss_scale)):
+            device_work |= self._stage_scalar(slot, i, x)
+        slot.device_work = device_work
+        if device_work:
+            self._finish_on_copy_stream(slot)
+        slot.busy = True
+        slot.check_s = time.perf_counter() - t0
+        self._pending.append(slot)
+        if not self._async:
+            self._drain(block=True)
+        self._poll_directives()
+        self._last_step_end = time.perf_counter()
+
+    def _take_slot(self) -> _Slot:
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        if slot.busy:                 # in flight since len(slots) steps ago: wait for it (rarely blocks)
+            self._drain(block=True, until=slot)
+        return slot
+
+    def _launch_check(self, slot: _Slot) -> None:
+        if self._storages_moved():
+            logger.info("sdcwatch: parameter storages were replaced (lazy init or a load); re-binding "
+                        "the fingerprint to the new storages and re-taking the frozen baseline")
+            self._bind_tensors()
+            self._setup_words()
+        for run, part in zip(self._runners, slot.local_parts):
+            run(part)
+        if self._group is None:
+            slot.gathered.copy_(slot.local)          # async: on the stream; CPU: a plain copy
+        elif self._async:
+            slot.work = dist.all_gather_into_tensor(slot.gathered, slot.local, group=self._group,
+                                                    async_op=True)
+        else:                                        # gloo: synchronous, on host tensors
+            dist.all_gather_into_tensor(slot.gathered, slot.local.cpu(), group=self._group)
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        assert self._optimizer is not None
+        out: list[torch.Tensor] = []
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                state = self._optimizer.state.get(p, {})
+                for key in sorted(state, key=str):
+                    v = state[key]
+                    if torch.is_tensor(v) and v.numel() > 0:
+                        lv = _local(v)
+                        if lv.device == self.device:
+                            out.append(lv)
+        return out
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [_local(p.grad) for _, p in self._params if p.grad is not None]
+
+    def _stage_scalar(self, slot: _Slot, i: int, x: Any) -> bool:
+        """Put scalar i in the slot; True if that queued device work."""
+        if x is None:
+            slot.kinds[i] = _NONE
+            return False
+        if torch.is_tensor(x):
+            if x.numel() != 1:
+                raise ValueError(f"{('loss', 'grad_norm', 'loss_scale')[i]} must be one value, "
+                                 f"got a tensor of shape {tuple(x.shape)}")
+            if self._async and x.device == self.device:
+                slot.scalar_views[i].copy_(x.detach().reshape(1))
+                slot.kinds[i] = _DEVICE
+                return True
+            # A CPU tensor: no GPU involved. (A CUDA tensor here means the synchronous fallback mode.)
+            x = x.detach().reshape(()).item()
+        slot.kinds[i] = _VALUE
+        slot.values[i] = float(x)
+        return False
+
+    def _finish_on_copy_stream(self, slot: _Slot) -> None:
+        assert self._copy_stream is not None
+        main = torch.cuda.current_stream(self.device)
+        slot.ready.record(main)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(slot.ready)
+            if slot.work is not None:
+                slot.work.wait()        # the copy stream waits for the gather (no host wait on NCCL)
+                slot.work = None
+            slot.host.copy_(slot.dev, non_blocking=True)
+            slot.done.record(self._copy_stream)
+
+    # ---- reading results (host side) -------------------------------------------------------------
+
+    def _drain(self, block: bool, until: _Slot | None = None) -> None:
+        while self._pending:
+            slot = self._pending[0]
+            if slot.device_work:
+                if not slot.done.query():
+                    if not block:
+                        return
+                    slot.done.synchronize()
+            self._pending.popleft()
+            slot.busy = False
+            try:
+                self._read(slot)
+            except Exception:  # reading/reporting must never break training; said once, then counted
+                self._read_errors += 1
+                if self._read_errors == 1:
+                    logger.exception("sdcwatch: failed to read the check of step %d (said once)", slot.step)
+            if until is not None and slot is until:
+                return
+
+    @staticmethod
+    def _has_device(slot: _Slot) -> bool:
+        return _DEVICE in slot.kinds
+
+    def _read(self, slot: _Slot) -> None:
+        n = len(slot.host)
+        scalars = slot.host[n - _N_SCALARS:].view(torch.float64).tolist() if self._has_device(slot) else None
+        values: list[float | None] = []
+        for i in range(_N_SCALARS):
+            kind = slot.kinds[i]
+            values.append(None if kind == _NONE else
+                          slot.values[i] if kind == _VALUE else float(scalars[i]))  # type: ignore[index]
+        loss, grad_norm, loss_scale = values
+        self._check_finite(slot.step, loss, grad_norm)
+        mine: list[int] = []
+        frozen_changed: list[str] = []
+        step_vote: StepVote | None = None
+        if slot.checked:
+            self._checks_run += 1
+            g, v = len(self._group_ranks), self._v
+            flat = [w & _U64 for w in slot.host[: g * v].tolist()]
+            rows = [tuple(flat[i * v:(i + 1) * v]) for i in range(g)]
+            mine = list(rows[self._group_rank])
+            frozen_changed = self._check_frozen(slot.step, mine)
+            if self._group is not None:
+                step_vote = self._take_vote(slot.step, rows)
+        self._report(slot, loss, grad_norm, loss_scale, mine, step_vote, frozen_changed)
+
+    def _check_finite(self, step: int, loss: float | None, grad_norm: float | None) -> None:
+        bad = [(k, x) for k, x in (("loss", loss), ("grad_norm", grad_norm))
+               if x is not None and not math.isfinite(x)]
+        if not bad:
+            return
+        self._nonfinite += 1
+        for kind, x in bad:
+            self._event(f"nonfinite.{kind}", step, f"{kind} is {x} at step {step}", {kind: str(x)},
+                        log=self._nonfinite == 1 or self._nonfinite % _NONFINITE_LOG_EVERY == 0)
+
+    def _check_frozen(self, step: int, mine: list[int]) -> list[str]:
+        if self._frozen_at < 0:
+            return []
+        now = tuple(mine[self._frozen_at:self._frozen_at + self._w])
+        if now == self._frozen_baseline:
+            return []
+        # Rare path (an SDC signal): name the changed tensors, one fingerprint each, then re-baseline.
+        each = self._per_tensor_words(self._frozen_tensors)
+        names = [n for (n, _), a, b in zip(self._frozen, self._frozen_each, each) if a != b]
+        self._frozen_each = each
+        self._frozen_baseline = self._words(self._fp(self._frozen_tensors))
+        names = names or ["<frozen set>"]
+        self._frozen_changes += 1
+        self._event("frozen.changed", step,
+                    f"frozen parameter(s) changed at step {step} on rank {self.rank} "
+                    f"({self.host} {self.gpu_uuid}): {', '.join(names[:5])}",
+                    {"names": names, "rank": self.rank, "host": self.host, "gpu_uuid": self.gpu_uuid})
+        return names
+
+    def _take_vote(self, step: int, rows: list[tuple[int, ...]]) -> StepVote:
+        result = vote({r: rows[i] for i, r in enumerate(self._group_ranks)}, self._where)
+        self._votes += 1
+        sv = StepVote(step=step, result=result, replica_group=self.replica_group_name, ranks=self._group_ranks)
+        self._last_vote = sv
+        if not result.agreed:
+            self._mismatches += 1
+            if result.suspect_ranks != self._last_suspects:
+                who = "; ".join(f"rank {s.rank} ({s.host} {s.gpu_uuid or '-'})" for s in result.suspects)
+                self._event("replica.mismatch", step,
+                            f"replica fingerprints disagree at step {step} ({result.method}, "
+                            f"{result.replicas} replicas); suspect: {who}",
+                            {"method": result.method, "replicas": result.replicas,
+                             "replica_group": self.replica_group_name,
+                             "suspects": [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid}
+                                          for s in result.suspects]})
+        self._last_suspects = result.suspect_ranks
+        return sv
+
+    def _event(self, kind: str, step: int, message: str, details: Mapping[str, Any], log: bool = True) -> None:
+        self._events.append(MonitorEvent(kind=kind, step=step, message=message, details=details,
+                                         time=time.time()))
+        if log:
+            logger.warning("sdcwatch [%s] %s", kind, message)
+
+    # ---- reporting and directives ----------------------------------------------------------------
+
+    def _report(self, slot: _Slot, loss: float | None, grad_norm: float | None, loss_scale: float | None,
+                mine: list[int], step_vote: StepVote | None, frozen_changed: list[str]) -> None:
+        if self._reporter is None:
+            return
+        try:
+            from proto.sdcwatch.v1 import agent_pb2
+            req = agent_pb2.ReportStepRequest(
+                job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=slot.step,
+                fingerprint=mine, replica_group=self.replica_group_name, host=self.host,
+                gpu_uuid=self.gpu_uuid, time=slot.wall_time, frozen_changed=frozen_changed,
+                checks_run=self._checks_run)
+            if loss is not None:
+                req.loss = loss
+            if grad_norm is not None:
+                req.grad_norm = grad_norm
+            if loss_scale is not None:
+                req.loss_scale = loss_scale
+            req.timings.step_s = slot.step_s
+            req.timings.check_s = slot.check_s
+            if step_vote is not None:
+                r = step_vote.result
+                pv = req.vote
+                pv.checked = True
+                pv.agreed = r.agreed
+                pv.replicas = r.replicas
+                pv.method = r.method
+                pv.step = step_vote.step
+                pv.replica_group = step_vote.replica_group
+                for s in r.suspects:
+                    pv.suspects.add(rank=s.rank, host=s.host, gpu_uuid=s.gpu_uuid, fingerprint=s.fingerprint)
+            self._reporter.submit(req)
+            if getattr(self._reporter, "agent_down", False) and not self._agent_down_said:
+                self._agent_down_said = True
+                self._event("agent.unreachable", slot.step,
+                            f"the sdcwatch agent is not answering ({getattr(self._reporter, 'last_error', '')}); "
+                            "training continues, reports are dropped and counted", {}, log=False)
+        except Exception:
+            if not self._report_error_said:
+                self._report_error_said = True
+                logger.exception("sdcwatch: could not report step %d to the agent (said once)", slot.step)
+
+    def _poll_directives(self) -> None:
+        if self._reporter is None or not hasattr(self._reporter, "take_directives"):
+            return
+        for d in self._reporter.take_directives():
+            seq = int(getattr(d, "event_seq", 0))
+            if seq:
+                if seq in self._seen_directive_seqs:
+                    continue
+                self._seen_directive_seqs.append(seq)
+            self._directives.append(d)
+            self._event("directive", self._step, f"agent directive {d.kind} target_step={d.target_step} "
+                        f"skip_batches={d.skip_batches}: {d.reason}",
+                        {"kind": int(d.kind), "target_step": int(d.target_step),
+                         "skip_batches": int(d.skip_batches), "reason": d.reason, "event_seq": seq})
+            if self._on_directive is not None:
+                self._on_directive(d)
+
+    # ---- public state ----------------------------------------------------------------------------
+
+    def pending_directive(self) -> Any:
+        """The oldest directive from the agent not yet taken (a `sdcwatch.v1.Directive`), or None."""
+        return self._directives.popleft() if self._directives else None
+
+    @property
+    def events(self) -> list[MonitorEvent]:
+        return list(self._events)
+
+    @property
+    def last_vote(self) -> StepVote | None:
+        return self._last_vote
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    @property
+    def stats(self) -> MonitorStats:
+        r = self._reporter
+        return MonitorStats(
+            steps=self._step, checks_run=self._checks_run, votes=self._votes, mismatches=self._mismatches,
+            frozen_changes=self._frozen_changes, nonfinite=self._nonfinite,
+            reports_sent=int(getattr(r, "sent", 0)) if r else 0,
+            reports_dropped=int(getattr(r, "dropped", 0)) if r else 0,
+            reports_failed=int(getattr(r, "failed", 0)) if r else 0,
+            agent_down=bool(getattr(r, "agent_down", False)) if r else False)
+
+    def flush(self) -> None:
+        """Read every step still in flight (waits for the GPU). For the end of training, not the step."""
+        self._drain(block=True)
+        self._poll_directives()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush, then close the reporter if the Monitor created it. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        if self._owns_reporter and self._reporter is not None:
+            self._reporter.close(timeout)

@@ -1,0 +1,297 @@
+"""StepReporter against a real grpc.aio server on a temp unix socket (and TCP with TLS + bearer token).
+
+The servicer here is a tiny stand-in for the agent's ReportStep (the agent was written at the same time);
+the end-to-end test with the real agent belongs in tests/test_agent_*.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from checksums.monitor import Monitor
+from daemon.paths import default_socket, default_state_dir
+from daemon.reporter import StepReporter, normalize_target
+from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
+
+REPORTER_LOGGER = "daemon.reporter"
+
+
+class RecordingAgent(agent_pb2_grpc.AgentServicer):
+    def __init__(self) -> None:
+        self.requests: list[agent_pb2.ReportStepRequest] = []
+        self.metadata: list[dict[str, str]] = []
+        self.directives_for: Callable[[agent_pb2.ReportStepRequest], list[agent_pb2.Directive]] = lambda r: []
+        self.delay_s = 0.0
+
+    async def ReportStep(self, request: agent_pb2.ReportStepRequest, context: Any) -> agent_pb2.ReportStepResponse:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        self.requests.append(request)
+        self.metadata.append({k: v for k, v in context.invocation_metadata()})
+        return agent_pb2.ReportStepResponse(accepted=True, directives=self.directives_for(request))
+
+
+class ServerThread:
+    """A grpc.aio server on its own event loop thread; `stop()` kills it (no grace)."""
+
+    def __init__(self, address: str, servicer: RecordingAgent, creds: Any = None) -> None:
+        self.address = address
+        self.servicer = servicer
+        self.creds = creds
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: Any = None
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    async def _start(self) -> None:
+        self._server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self._server)
+        if self.creds is None:
+            self.port = self._server.add_insecure_port(self.address)
+        else:
+            self.port = self._server.add_secure_port(self.address, self.creds)
+        await self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)
+            self._server = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture()
+def sock(short_tmp: Path) -> Path:
+    return short_tmp / "agent.sock"
+
+
+@pytest.fixture()
+def agent(sock: Path) -> Iterator[tuple[RecordingAgent, ServerThread]]:
+    servicer = RecordingAgent()
+    server = ServerThread(f"unix:{sock}", servicer).start()
+    try:
+        yield servicer, server
+    finally:
+        server.stop()
+
+
+def _req(step: int) -> agent_pb2.ReportStepRequest:
+    return agent_pb2.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step, loss=1.0)
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_reports_arrive_in_order(agent, sock) -> None:
+    servicer, _ = agent
+    with StepReporter(sock, deadline_s=2.0) as reporter:
+        for step in range(1, 21):
+            assert reporter.submit(_req(step))
+        assert reporter.flush(10)
+        assert reporter.sent == 20 and reporter.dropped == 0
+    assert [r.step for r in servicer.requests] == list(range(1, 21))
+    assert all(r.dropped_reports == 0 for r in servicer.requests)
+
+
+def test_agent_killed_mid_run_never_blocks_counts_drops_and_warns_once(sock, caplog) -> None:
+    caplog.set_level(logging.INFO, logger=REPORTER_LOGGER)
+    servicer = RecordingAgent()
+    server = ServerThread(f"unix:{sock}", servicer).start()
+    reporter = StepReporter(sock, queue_size=8, deadline_s=0.5)
+    try:
+        for step in range(1, 7):
+            assert reporter.submit(_req(step))
+        assert reporter.flush(10) and reporter.sent == 6
+        server.stop()                                     # the agent dies
+        accepted = sum(reporter.submit(_req(step)) for step in range(7, 1007))
+        assert accepted < 1000                            # a full queue refuses instead of blocking
+        assert reporter.flush(30)
+        lost = reporter.dropped
+        assert lost == 1000 and reporter.sent == 6 and reporter.agent_down
+        assert reporter.failed == accepted and reporter.dropped_full == 1000 - accepted
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == REPORTER_LOGGER]
+        assert len(warnings) == 1 and "slow or down" in warnings[0].getMessage()
+
+        # The agent comes back on the same socket: the next accepted report carries the count.
+        servicer2 = RecordingAgent()
+        if sock.exists():
+            sock.unlink()
+        server = ServerThread(f"unix:{sock}", servicer2).start()
+        step = 2000
+        def delivered() -> bool:
+            nonlocal step
+            step += 1
+            reporter.submit(_req(step))
+            reporter.flush(2)
+            return bool(servicer2.requests)
+        assert _wait(delivered, 20)
+        first = servicer2.requests[0]
+        assert first.dropped_reports == reporter.dropped  # every report lost since the last accepted one
+        assert not reporter.agent_down
+        summaries = [r for r in caplog.records if r.levelno == logging.INFO and "answers again" in r.getMessage()]
+        assert len(summaries) == 1
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == REPORTER_LOGGER]
+        assert len(warnings) == 1
+    finally:
+        reporter.close(1)
+        server.stop()
+
+
+def test_slow_agent_hits_the_deadline_and_submit_still_returns(agent, sock) -> None:
+    servicer, _ = agent
+    servicer.delay_s = 2.0
+    reporter = StepReporter(sock, queue_size=2, deadline_s=0.5)
+    try:
+        results = [reporter.submit(_req(s)) for s in range(200)]
+        assert results.count(False) >= 200 - 2 - 1        # at most queue + one in flight accepted
+        assert reporter.flush(20)
+        assert reporter.failed >= 1 and reporter.sent == 0 and reporter.agent_down
+        assert "DEADLINE_EXCEEDED" in reporter.last_error
+    finally:
+        reporter.close(0.5)
+
+
+def test_close_is_idempotent_and_submit_after_close_drops(agent, sock) -> None:
+    reporter = StepReporter(sock)
+    reporter.close()
+    reporter.close()
+    assert reporter.submit(_req(1)) is False and reporter.dropped == 1
+
+
+def test_directives_reach_the_monitor(agent, sock) -> None:
+    servicer, _ = agent
+    rollback = agent_pb2.Directive(kind=agent_pb2.Directive.KIND_ROLLBACK, target_step=2, skip_batches=3,
+                                   reason="loss spike", event_seq=77)
+    servicer.directives_for = lambda r: [rollback] if r.step >= 4 else []   # repeated: handed over once
+    seen: list[Any] = []
+    reporter = StepReporter(sock, deadline_s=2.0)
+    model = nn.Linear(4, 2)
+    monitor = Monitor.attach(model, job_id="j", reporter=reporter, on_directive=seen.append)
+    try:
+        for _ in range(6):
+            monitor.step(torch.tensor(0.25))
+            reporter.flush(5)
+        monitor.step(torch.tensor(0.25))
+        assert len(seen) == 1 and seen[0].kind == agent_pb2.Directive.KIND_ROLLBACK
+        got = monitor.pending_directive()
+        assert got is not None and got.target_step == 2 and got.skip_batches == 3 and got.event_seq == 77
+        assert monitor.pending_directive() is None
+        assert [e.kind for e in monitor.events] == ["directive"]
+        assert reporter.last_directives[0].reason == "loss spike"
+        reporter.flush(5)
+        assert [r.step for r in servicer.requests] == list(range(1, 8))
+        assert servicer.requests[0].loss == 0.25 and len(servicer.requests[0].fingerprint) >= 2
+    finally:
+        monitor.close()
+        reporter.close()
+
+
+def test_monitor_keeps_training_when_the_agent_dies(sock, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    servicer = RecordingAgent()
+    server = ServerThread(f"unix:{sock}", servicer).start()
+    reporter = StepReporter(sock, queue_size=64, deadline_s=0.2)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = Monitor.attach(model, opt, job_id="j", reporter=reporter)
+    try:
+        for step in range(1, 61):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            monitor.step(loss.detach())
+            if step == 20:
+                reporter.flush(5)
+                server.stop()
+        monitor.flush()
+        reporter.flush(10)
+        stats = monitor.stats
+        assert stats.steps == 60 and stats.checks_run == 60
+        assert stats.reports_sent == 20 and stats.reports_dropped == 40 and stats.agent_down
+        assert [e.kind for e in monitor.events] == ["agent.unreachable"]
+        ours = [r for r in caplog.records if r.name.startswith(("daemon.", "checksums."))]
+        assert len(ours) == 1 and "slow or down" in ours[0].getMessage()
+    finally:
+        monitor.close(0.5)
+        reporter.close(0.5)
+
+
+def _self_signed(tmp: Path) -> tuple[bytes, bytes]:
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_tcp_with_tls_and_bearer_token(short_tmp: Path) -> None:
+    cert, key = _self_signed(short_tmp)
+    (short_tmp / "ca.pem").write_bytes(cert)
+    servicer = RecordingAgent()
+    creds = grpc.ssl_server_credentials([(key, cert)])
+    server = ServerThread("localhost:0", servicer, creds).start()
+    reporter = StepReporter(f"localhost:{server.port}", root_cert=short_tmp / "ca.pem", token="s3cret",
+                            deadline_s=5.0)
+    try:
+        reporter.submit(_req(1))
+        assert reporter.flush(15) and reporter.sent == 1, reporter.last_error
+        assert servicer.metadata[0]["authorization"] == "Bearer s3cret"
+    finally:
+        reporter.close()
+        server.stop()
+
+
+def test_tcp_without_tls_is_refused_unless_asked() -> None:
+    with pytest.raises(ValueError, match="needs TLS"):
+        StepReporter("127.0.0.1:1")
+    StepReporter("127.0.0.1:1", allow_insecure_tcp=True).close(0.1)
+    with pytest.raises(ValueError, match="queue_size"):
+        StepReporter("/tmp/x.sock", queue_size=0)
+
+
+def test_targets_and_default_paths() -> None:
+    assert normalize_target("/tmp/a.sock") == "unix:/tmp/a.sock"
+    assert normalize_target("unix:/x/y") == "unix:/x/y"
+    assert normalize_target("host:7000") == "host:7000"
+    env = {"XDG_RUNTIME_DIR": "/run/user/7"}
+    assert default_state_dir(env) == Path("/run/user/7/sdcwatch")
+    assert default_socket(env) == Path("/run/user/7/sdcwatch/agent.sock")
+    assert default_socket({**env, "SDCWATCH_SOCKET": "/s/a.sock"}) == Path("/s/a.sock")
+    assert default_state_dir({}) == Path(f"/tmp/sdcwatch-{os.getuid()}")
+    assert default_socket({}) == Path(f"/tmp/sdcwatch-{os.getuid()}/agent.sock")
