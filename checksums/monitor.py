@@ -190,6 +190,7 @@ class Monitor:
         max_events: int = 1000,
         fingerprint_fn: FingerprintFn | None = None,
         host: str | None = None,
+        gpu_uuid: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
@@ -217,7 +218,7 @@ class Monitor:
         self._collect_parameters(self._extra_frozen)
         self.device = self._pick_device()
         self.host = host if host is not None else socket.gethostname()
-        self.gpu_uuid = _gpu_uuid(self.device)
+        self.gpu_uuid = gpu_uuid if gpu_uuid is not None else _gpu_uuid(self.device)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self._setup_group(replica_group, vote_enabled)
