@@ -57,10 +57,12 @@ class GrpcAgentLink:
 
     @classmethod
     def connect(cls, target: str | None = None, deadline_s: float = 5.0) -> "GrpcAgentLink":
-        if target is None:
-            from daemon.paths import default_socket, socket_target
+        from daemon.paths import default_socket, socket_target
 
+        if target is None:
             target = socket_target(default_socket())
+        elif target.startswith("/") or target.startswith("."):  # a socket path, not a grpc target
+            target = socket_target(target)
         return cls(grpc.insecure_channel(target), deadline_s)
 
     def _rpc(self, method: Callable[..., Any], request: Any) -> Any:

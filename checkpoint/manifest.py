@@ -25,6 +25,7 @@ from checkpoint.names import validate_job_id, validate_key, validate_rank, valid
 FORMAT = "sdcwatch.ckpt.shard.v1"
 TENSOR_MARK = "__sdcw_tensor__"
 TUPLE_MARK = "__sdcw_tuple__"
+ITEMS_MARK = "__sdcw_items__"  # a dict with non-str (int) keys: [[key, value], ...]
 MAX_MANIFEST_CHARS = 256 << 20
 
 DTYPES: dict[str, torch.dtype] = {
@@ -182,10 +183,17 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
         if isinstance(obj, float):
             return float(obj)
         if isinstance(obj, Mapping):
+            if not all(isinstance(k, str) for k in obj):
+                # optimizer state dicts key their state by int parameter id: keep the key types exactly
+                items = []
+                for k, v in obj.items():
+                    if isinstance(k, bool) or not isinstance(k, (int, str)):
+                        raise InvalidInputError(
+                            f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str or int")
+                    items.append([k, walk(v, f"{path}/{k}")])
+                return {ITEMS_MARK: items}
             out = {}
             for k, v in obj.items():
-                if not isinstance(k, str):
-                    raise InvalidInputError(f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str")
                 if k.startswith("__sdcw_"):
                     raise InvalidInputError(f"{path}: dict key {k!r} is reserved")
                 out[k] = walk(v, f"{path}/{k}")
@@ -210,6 +218,8 @@ def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
             return tensors[tree[TENSOR_MARK]]
         if set(tree) == {TUPLE_MARK}:
             return tuple(unflatten(v, tensors) for v in tree[TUPLE_MARK])
+        if set(tree) == {ITEMS_MARK}:
+            return {k: unflatten(v, tensors) for k, v in tree[ITEMS_MARK]}
         return {k: unflatten(v, tensors) for k, v in tree.items()}
     if isinstance(tree, list):
         return [unflatten(v, tensors) for v in tree]

@@ -66,7 +66,7 @@ class Agent:
                             on_event=self._count_event)
         self.gpus = GpuRegistry(on_transition=self._on_gpu_transition)
         self.jobs = JobTracker(max_jobs=config.jobs.max_jobs, idle_s=config.jobs.job_idle_s,
-                               on_evict=self.metrics.forget_job)
+                               on_evict=self._forget_job)
         self.health = HealthServicer()
         self.probes: dict[str, ProbeRunner] = {}
         self.redis_url = config.redis.url
@@ -98,6 +98,10 @@ class Agent:
                          {"pid": os.getpid(), "version": __version__, "state_dir": str(self.state_dir),
                           "redis": "embedded" if self.embedded_redis else "external"})
         await self._start_probes()
+        from daemon.loss_wiring import LossWiring
+
+        self.loss = LossWiring(self)
+        self.report_hook = self.loss.on_report
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._stream_events(), name="redis-stream"))
@@ -353,6 +357,12 @@ class Agent:
                                                    maxlen=self.config.redis.stream_maxlen, approximate=True), 1.0)
 
     # -- state -------------------------------------------------------------------------------------
+    def _forget_job(self, job: str) -> None:
+        self.metrics.forget_job(job)
+        loss = getattr(self, "loss", None)
+        if loss is not None:
+            loss.forget(job)
+
     def _count_event(self, event: Any) -> None:
         self.metrics.events.labels(event.kind, event.severity.name.lower()).inc()
 

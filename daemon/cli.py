@@ -112,7 +112,7 @@ def _load_extra_commands() -> None:
         return
     import importlib
 
-    for name in ("daemon.cli_demo", "daemon.cli_ckpt"):
+    for name in ("daemon.cli_demo", "daemon.cli_ckpt", "daemon.cli_canary"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:

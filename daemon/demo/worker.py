@@ -1,0 +1,158 @@
+"""One data-parallel rank of `sdcwatch demo`: trains the small GPT with the Monitor and in-memory
+checkpoints, applies the fault plan, and rolls back when the vote or the agent says so.
+
+Run by the demo orchestrator as `python -m daemon.demo.worker SPEC.json` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set. Writes JSON lines to `<out>/rank<R>.jsonl` (rank 0: one per step).
+
+Rollback is collective: every step the ranks all-reduce (MAX) a small request vector made of what each
+rank knows (its vote result, a directive from the agent); when any rank asks, rank 0 picks the target
+(the directive's, or the newest VERIFIED checkpoint older than the anomaly) and broadcasts it, so every
+rank restores the same step and skips the same batches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from daemon.demo.data import Batches, load_corpus
+from daemon.demo.faults import FaultPlan, Injector
+from daemon.demo.model import GPT, GPTConfig
+
+ROLLBACK_VOTE, ROLLBACK_DIRECTIVE = 1, 2
+
+
+class Log:
+    def __init__(self, path: Path) -> None:
+        self.fh = open(path, "a", buffering=1)
+
+    def write(self, **rec: Any) -> None:
+        rec.setdefault("t", time.time())
+        self.fh.write(json.dumps(rec) + "\n")
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    use_cuda = spec.get("device") == "cuda" and torch.cuda.is_available()
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    log = Log(Path(spec["out"]) / f"rank{rank}.jsonl")
+    try:
+        return train(spec, rank, world, device, log)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log: Log) -> int:
+    from checkpoint.client import CheckpointClient
+    from checksums.monitor import Monitor
+
+    torch.manual_seed(spec.get("seed", 0))  # same init on every rank (DDP also broadcasts it)
+    cfg = GPTConfig(**spec.get("model", {}))
+    model = GPT(cfg).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 2e-3), weight_decay=0.0)
+    batches = Batches(load_corpus(), spec.get("batch", 8), cfg.context, seed=spec.get("seed", 0))
+    injector = Injector(FaultPlan.from_json(spec.get("faults", {})), rank)
+    uuids = spec.get("gpu_uuids") or []
+    sock = spec["socket"]
+    monitor = Monitor.attach(ddp, opt, job_id=spec["job_id"], agent_socket=sock, every=1,
+                             gpu_uuid=uuids[rank] if rank < len(uuids) else None)
+    ckpt = CheckpointClient.connect(spec["job_id"], rank, world, target=sock, deadline_s=10)
+    steps, every = int(spec["steps"]), int(spec.get("ckpt_every", 10))
+    step, data_index, iteration = 0, 0, 0
+    handled_votes: set[int] = set()
+    log.write(event="start", rank=rank, world=world, device=str(device), params=sum(p.numel() for p in model.parameters()))
+    while step < steps:
+        x, y = batches.get(data_index, rank)
+        x, y, bad = injector.batch(data_index, x, y, cfg.vocab_size)
+        x, y = x.to(device), y.to(device)
+        _, loss = ddp(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        for rec in injector.after_optimizer_step(step, model):
+            log.write(event="injected", **rec)
+        monitor.step(loss.detach(), grad_norm.detach(), step=step)
+        if rank == 0:
+            vote = monitor.last_vote
+            log.write(i=iteration, step=step, data=data_index, loss=float(loss), grad_norm=float(grad_norm),
+                      bad_batch=bad, vote_step=vote.step if vote else None,
+                      agreed=vote.result.agreed if vote else None)
+        if step % every == 0:
+            ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
+                             "meta": {"step": step, "data_index": data_index}})
+        # -- rollback, decided together ---------------------------------------------------------------
+        request = torch.zeros(4, dtype=torch.int64)
+        vote = monitor.last_vote
+        if vote is not None and not vote.result.agreed and vote.step not in handled_votes:
+            request[0], request[3] = ROLLBACK_VOTE, vote.step
+        directive = monitor.pending_directive()
+        if directive is not None and directive.kind == 1:  # KIND_ROLLBACK
+            request[0] = max(int(request[0]), ROLLBACK_DIRECTIVE)
+            request[1], request[2] = directive.target_step + 1, directive.skip_batches  # +1: 0 means none
+        dist.all_reduce(request, op=dist.ReduceOp.MAX)
+        if int(request[0]):
+            if int(request[3]):
+                handled_votes.add(int(request[3]))
+            target = torch.tensor([-1, 0], dtype=torch.int64)
+            if rank == 0:
+                target[0], target[1] = pick_target(ckpt, request)
+            dist.broadcast(target, 0)
+            if int(target[0]) >= 0:
+                t0 = time.time()
+                ckpt.wait(timeout=30)
+                state = ckpt.restore(int(target[0]), device=str(device))
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optim"])
+                meta = state["meta"]
+                skip = int(target[1])
+                log.write(event="rollback", rank=rank, at_step=step, to_step=int(meta["step"]), skip=skip,
+                          reason="vote" if int(request[0]) == ROLLBACK_VOTE else "directive",
+                          seconds=time.time() - t0)
+                step, data_index = int(meta["step"]) + 1, int(meta["data_index"]) + 1 + skip
+                iteration += 1
+                continue
+            log.write(event="rollback_impossible", rank=rank, at_step=step, reason="no verified checkpoint")
+        step += 1
+        data_index += 1
+        iteration += 1
+    ckpt.wait(timeout=30)
+    monitor.close(timeout=5)
+    stats = monitor.stats
+    log.write(event="finished", rank=rank, step=step, iterations=iteration, checks=stats.checks_run,
+              mismatches=stats.mismatches, dropped=stats.reports_dropped)
+    ckpt.close()
+    return 0
+
+
+def pick_target(ckpt: Any, request: torch.Tensor) -> tuple[int, int]:
+    """Rank 0: the step to restore and the batches to skip."""
+    if int(request[0]) == ROLLBACK_DIRECTIVE and int(request[1]) > 0:
+        return int(request[1]) - 1, int(request[2])
+    anomaly = int(request[3])
+    deadline = time.time() + 10
+    while True:
+        verified = [c.step for c in ckpt.list() if c.state == "VERIFIED" and c.step < anomaly]
+        if verified or time.time() > deadline:
+            return (max(verified) if verified else -1), 0
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,84 @@
+"""Loss and gradient-norm anomaly detection per job, fed by the ranks' ReportStep calls. Pure.
+
+Each rank reports its own (per micro-batch, per rank) loss. The job's detector is fed the mean over the
+ranks that reported a step, once the step is complete (every rank of `world_size` reported, or two newer
+steps have arrived: a dropped report must not stall the detector). That mean is the global-batch loss the
+user plots; per-rank noise averages out. A rank whose own loss is NaN/Inf is flagged on its own by
+`daemon.jobs` (it points at that rank's GPU); a NaN in the mean is the whole job's.
+
+`JobLoss.add(...)` returns the detector's events for the steps it completed; `RollbackPolicy` (in
+`probes.loss_detector`) turns a critical one into a rollback target given the VERIFIED checkpoints.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    world: int
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    loss: list[float] = dataclasses.field(default_factory=list)
+    grad: list[float] = dataclasses.field(default_factory=list)
+    scale: float | None = None
+
+
+class JobLoss:
+    MAX_PENDING = 8
+
+    def __init__(self, config: LossDetectorConfig | None = None) -> None:
+        self.detector = LossDetector(config)
+        self.pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()
+        self.last_fed: int | None = None
+        self.max_step: int | None = None
+
+    def add(self, step: int, rank: int, world_size: int, loss: float | None, grad_norm: float | None,
+            loss_scale: float | None, now: float) -> list[LossEvent]:
+        if self.last_fed is not None and step <= self.last_fed - 1 and step not in self.pending:
+            if self.max_step is not None and step < self.max_step:  # the job restarted from a checkpoint
+                self.pending.clear()
+                self.last_fed = step - 1
+                self.max_step = step
+        self.max_step = step if self.max_step is None else max(self.max_step, step)
+        if self.last_fed is not None and step <= self.last_fed:
+            return []  # a late report of a step already judged
+        p = self.pending.get(step)
+        if p is None:
+            p = self.pending[step] = _Pending(world=world_size)
+            self.pending = collections.OrderedDict(sorted(self.pending.items()))
+        if rank in p.ranks:
+            return []
+        p.ranks.add(rank)
+        if loss is not None:
+            p.loss.append(loss)
+        if grad_norm is not None:
+            p.grad.append(grad_norm)
+        if loss_scale is not None:
+            p.scale = loss_scale if p.scale is None else min(p.scale, loss_scale)
+        return self._drain(now)
+
+    def _drain(self, now: float) -> list[LossEvent]:
+        events: list[LossEvent] = []
+        newest = next(reversed(self.pending))
+        while self.pending:
+            step, p = next(iter(self.pending.items()))
+            complete = p.world > 0 and len(p.ranks) >= p.world
+            stale = newest - step >= 2 or len(self.pending) > self.MAX_PENDING
+            if not (complete or stale):
+                break
+            del self.pending[step]
+            self.last_fed = step
+            events += self.detector.update(step, _mean(p.loss), _mean(p.grad), now, loss_scale=p.scale)
+        return events
+
+
+def _mean(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    if any(not math.isfinite(x) for x in xs):
+        return math.nan if any(math.isnan(x) for x in xs) else math.inf
+    return sum(xs) / len(xs)

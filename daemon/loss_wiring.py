@@ -1,0 +1,131 @@
+"""ReportStep -> per-job loss detector -> events, checkpoint verification, rollback directives.
+
+A critical loss event (sustained, divergence, non-finite mean, loss-scale collapse) is journaled, tells
+the checkpoint coordinator (checkpoints from its start on are not VERIFIED), and, with rollback enabled,
+becomes a directive: roll back to the newest VERIFIED checkpoint older than the anomaly's start and
+skip the batches after it. The directive is handed to each rank once, in its next ReportStep reply.
+A step that goes backwards (the job restored a checkpoint) is reported to the coordinator as a rollback.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from daemon.job_loss import JobLoss
+from probes.loss_detector import LossDetectorConfig, LossEvent, RollbackPolicy
+from probes.types import Severity
+from proto.sdcwatch.v1 import agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from daemon.agent import Agent
+    from daemon.jobs import ReportOutcome
+
+log = logging.getLogger(__name__)
+
+DIRECTIVE_TTL_S = 600.0
+
+
+class LossWiring:
+    def __init__(self, agent: "Agent", config: LossDetectorConfig | None = None,
+                 policy: RollbackPolicy | None = None) -> None:
+        self.agent = agent
+        self.config = config or LossDetectorConfig()
+        self.policy = policy or RollbackPolicy()
+        self.jobs: dict[str, JobLoss] = {}
+        self.rank_steps: dict[str, dict[int, int]] = {}
+        self.rollbacks_seen: dict[str, collections.deque[int]] = {}
+        self.directives: dict[str, tuple[pb.Directive, set[int], float]] = {}
+
+    def forget(self, job: str) -> None:
+        for d in (self.jobs, self.rank_steps, self.rollbacks_seen, self.directives):
+            d.pop(job, None)  # type: ignore[attr-defined]
+
+    def on_report(self, req: pb.ReportStepRequest, out: "ReportOutcome", now: float) -> list[pb.Directive]:
+        job = req.job_id
+        self._notice_rollback(job, req.rank, req.step)
+        jl = self.jobs.get(job)
+        if jl is None:
+            jl = self.jobs[job] = JobLoss(self.config)
+        events = jl.add(req.step, req.rank, req.world_size,
+                        req.loss if req.HasField("loss") else None,
+                        req.grad_norm if req.HasField("grad_norm") else None,
+                        req.loss_scale if req.HasField("loss_scale") else None, now)
+        for ev in events:
+            self._publish(job, ev)
+        return self._deliver(job, req.rank, now)
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _notice_rollback(self, job: str, rank: int, step: int) -> None:
+        steps = self.rank_steps.setdefault(job, {})
+        prev = steps.get(rank)
+        if len(steps) < 4096 or prev is not None:
+            steps[rank] = step
+        if prev is None or step >= prev:
+            return
+        restored = step - 1
+        seen = self.rollbacks_seen.setdefault(job, collections.deque(maxlen=64))
+        if restored in seen:
+            return
+        seen.append(restored)
+        self.agent.bus.publish("job.rollback", Severity.INFO, f"job/{job}",
+                               f"job {job} went back from step {prev} to {step}: restored step {restored}",
+                               {"job_id": job, "from_step": prev, "restored_step": restored, "rank": rank})
+        self.agent.job_event(job, restored, "rollback", f"the job restored step {restored}")
+
+    def _publish(self, job: str, ev: LossEvent) -> None:
+        details = {"job_id": job, "step": ev.step, "signal": ev.signal, "kind": ev.kind,
+                   "value": _num(ev.value), "baseline": _num(ev.baseline), "magnitude": _num(ev.magnitude),
+                   "start_step": ev.start_step}
+        kind = f"loss.{ev.kind}" if ev.signal == "loss" else f"loss.{ev.signal}.{ev.kind}"
+        event = self.agent.bus.publish(kind, ev.severity, f"job/{job}", ev.message, details)
+        if ev.severity != Severity.CRITICAL:
+            return
+        self.agent.job_event(job, ev.start_step, "nan" if ev.kind == "nonfinite" else "sdc",
+                             f"{ev.signal} {ev.kind} from step {ev.start_step}")
+        if self.agent.config.jobs.rollback and ev.kind in self.policy.kinds:
+            task = asyncio.get_running_loop().create_task(self._plan_rollback(job, ev, event.seq))
+            task.add_done_callback(lambda t: t.exception() and log.error("rollback planning failed: %s",
+                                                                         t.exception()))
+
+    async def _plan_rollback(self, job: str, ev: LossEvent, seq: int) -> None:
+        svc = getattr(self.agent, "checkpoints", None)
+        verified: list[int] = []
+        if svc is not None:
+            infos = await asyncio.to_thread(svc.coordinator.list, job)
+            verified = [i.step for i in infos if i.state == "VERIFIED"]
+        decision = self.policy.decide(ev, verified)
+        if decision is None:
+            self.agent.bus.publish("job.rollback_impossible", Severity.CRITICAL, f"job/{job}",
+                                   f"no VERIFIED checkpoint older than step {ev.start_step} to roll back to",
+                                   {"job_id": job, "anomaly_start": ev.start_step, "verified": verified[-8:]})
+            return
+        skip = max(0, decision.skip_to_step - (decision.target_step + 1))
+        directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
+                                 skip_batches=skip, reason=decision.reason, event_seq=seq)
+        self.directives[job] = (directive, set(), time.time())
+        self.agent.bus.publish("job.rollback_directive", Severity.WARNING, f"job/{job}",
+                               f"rollback directive: restore step {decision.target_step}, skip {skip} batches "
+                               f"({decision.reason})",
+                               {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
+                                "cause_seq": seq})
+
+    def _deliver(self, job: str, rank: int, now: float) -> list[pb.Directive]:
+        entry = self.directives.get(job)
+        if entry is None:
+            return []
+        directive, delivered, created = entry
+        if now - created > DIRECTIVE_TTL_S:
+            del self.directives[job]
+            return []
+        if rank in delivered:
+            return []
+        delivered.add(rank)
+        return [directive]
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)

@@ -1,0 +1,574 @@
+"""Loss and gradient-norm anomaly detection: a pure, online detector, and the rollback policy.
+
+Feed one `LossDetector` per job (or per job and rank) with `update(step, loss, grad_norm, now,
+loss_scale)` for every reported step; it returns the `LossEvent`s that sample triggers. Nothing here
+reads a clock, a file or the network, and memory is O(window) per detector.
+
+The rules (docs/loss-detector.md has the reasons and the evaluation behind the defaults):
+
+- `nonfinite`   NaN or Inf loss (or grad norm, unless the run reports a loss scale, where an
+                infinite grad norm is the scaler's overflow skip): CRITICAL on the step it appears.
+- `spike`       one sample at least `spike_ratio` x the baseline AND `spike_z` robust sigmas above
+                it: WARNING, reported on the step it appears; a `recovered` INFO event follows with
+                the peak magnitude when the level comes back.
+- `sustained`   the level (median of the samples of the last `level_steps` steps) at least
+                `sustained_ratio` x the baseline AND `sustained_z` sigmas of that median above it,
+                held for `patience_steps` steps and confirmed on every sample of that run: CRITICAL
+                (a spike that does not recover becomes `sustained` the same way).
+- `divergence`  block medians (`divergence_block` samples) rising gradually to at least
+                `divergence_ratio` x the lowest block since the last reset: CRITICAL.
+- `loss_scale_collapse`  an fp16 loss scale that falls `loss_scale_collapse_factor` x below a
+                settled value (one seen on two consecutive samples) within `loss_scale_window_steps`
+                steps, or down to `loss_scale_floor` from above it: CRITICAL.
+- The same `spike`/`sustained` rules run on the gradient norm with their own thresholds as an early
+  warning (WARNING, never CRITICAL unless `grad_norm_critical`).
+
+Everything works in log space, so ratios are differences and multiplicative (heteroscedastic) noise
+has a constant scale. The baseline is the median of the last `window` accepted samples (samples inside
+an anomaly are not accepted, so an anomaly never becomes its own baseline); the noise scale is the MAD
+of successive differences of those samples (insensitive to the downward trend of a loss curve). Until
+`sigma_samples` samples are in, the scale is at least `prior_sigma`. Step gaps mean nothing: windows
+count samples, durations count steps. A step lower than the previous one is a restart from a
+checkpoint: open anomalies are dropped, the baselines are kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+from collections import deque
+from typing import Literal, Sequence
+
+from probes.types import Finding, Severity
+
+log = logging.getLogger(__name__)
+
+EventKind = Literal["nonfinite", "spike", "recovered", "sustained", "divergence", "loss_scale_collapse"]
+Signal = Literal["loss", "grad_norm", "loss_scale"]
+
+_MEDIAN_EFFICIENCY = 1.2533  # sd(median of n) ~ 1.2533 * sigma / sqrt(n) for normal noise
+_MAD_TO_SIGMA = 1.4826
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LossDetectorConfig:
+    """Thresholds of one job's detector. Ratios are multiplicative (1.2 = 20% above the baseline);
+    `*_z` are in robust sigmas of the log value; `*_steps` count training steps; the other sizes
+    count samples. Defaults are the ones chosen by bench/spikes_eval.py (see docs/loss-detector.md)."""
+
+    window: int = 128
+    min_samples: int = 3
+    sigma_samples: int = 16
+    prior_sigma: float = 0.05
+    min_sigma: float = 0.002
+    warmup_steps: int = 0
+
+    spike_ratio: float = 1.2
+    spike_z: float = 6.0
+    level_steps: int = 8
+    sustained_ratio: float = 1.1
+    sustained_z: float = 4.0
+    patience_steps: int = 32
+    min_sustained_samples: int = 3
+
+    divergence_ratio: float = 1.25
+    divergence_z: float = 4.0
+    divergence_block: int = 16
+    divergence_min_blocks: int = 3
+    divergence_max_jump: float = 0.5
+
+    grad_norm_spike_ratio: float = 2.0
+    grad_norm_spike_z: float = 6.0
+    grad_norm_sustained_ratio: float = 1.5
+    grad_norm_sustained_z: float = 4.0
+    grad_norm_critical: bool = False
+
+    loss_scale_collapse_factor: float = 8.0
+    loss_scale_window_steps: int = 50
+    loss_scale_floor: float = 1.0
+
+    def __post_init__(self) -> None:
+        positive_ints = ("window", "min_samples", "sigma_samples", "level_steps", "patience_steps",
+                         "min_sustained_samples", "divergence_block",
+                         "divergence_min_blocks", "loss_scale_window_steps")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LossDetectorConfig.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"LossDetectorConfig.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.min_samples > self.window:
+            raise ValueError(f"LossDetectorConfig.min_samples ({self.min_samples}) must be <= window ({self.window})")
+        for name in ("spike_ratio", "sustained_ratio", "divergence_ratio",
+                     "grad_norm_spike_ratio", "grad_norm_sustained_ratio", "loss_scale_collapse_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1.0:
+                raise ValueError(f"LossDetectorConfig.{name} must be a finite ratio > 1, got {value!r}")
+        for name in ("spike_z", "sustained_z", "divergence_z", "grad_norm_spike_z", "grad_norm_sustained_z",
+                     "prior_sigma", "min_sigma"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"LossDetectorConfig.{name} must be a finite number >= 0, got {value!r}")
+        if not 0.0 < self.divergence_max_jump <= 1.0:
+            raise ValueError(f"LossDetectorConfig.divergence_max_jump must be in (0, 1], got {self.divergence_max_jump!r}")
+        if not math.isfinite(self.loss_scale_floor) or self.loss_scale_floor <= 0:
+            raise ValueError(f"LossDetectorConfig.loss_scale_floor must be > 0, got {self.loss_scale_floor!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LossEvent:
+    """One anomaly (or recovery) found by the detector.
+
+    `value` is the sample (or the level for `sustained`/`divergence`) in the signal's units,
+    `baseline` what it was compared with, `magnitude` = value / baseline. `start_step` is where the
+    anomaly began: a rollback must target a checkpoint strictly older than it.
+    """
+
+    step: int
+    kind: EventKind
+    signal: Signal
+    severity: Severity
+    value: float
+    baseline: float
+    magnitude: float
+    start_step: int
+    message: str
+    time: float = 0.0
+
+    @property
+    def critical(self) -> bool:
+        return self.severity == Severity.CRITICAL
+
+    def to_finding(self, job_id: str, rank: int | None = None) -> Finding:
+        """The event as a journal `Finding` (kind `<signal>.<kind>`, subject `job/<id>[/rank/<r>]`)."""
+        kind = "loss_scale.collapse" if self.kind == "loss_scale_collapse" else f"{self.signal}.{self.kind}"
+        subject = f"job/{job_id}" if rank is None else f"job/{job_id}/rank/{rank}"
+        details = {"job_id": job_id, "step": self.step, "start_step": self.start_step, "signal": self.signal,
+                   "value": _json_number(self.value), "baseline": _json_number(self.baseline),
+                   "magnitude": _json_number(self.magnitude)}
+        if rank is not None:
+            details["rank"] = rank
+        return Finding(kind, self.severity, subject, self.message, details)
+
+
+def _json_number(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Rules:
+    """The thresholds one signal tracker uses (loss and grad norm differ)."""
+
+    signal: Signal
+    spike_ratio: float
+    spike_z: float
+    sustained_ratio: float
+    sustained_z: float
+    sustained_severity: Severity
+    spike_severity: Severity
+    divergence: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Episode:
+    """An open excursion above the baseline: from its first elevated sample until recovery."""
+
+    start_step: int
+    baseline: float                      # log baseline, frozen while the episode is open
+    peak: float = 0.0                    # largest log residual seen
+    peak_step: int = 0
+    spike_reported: bool = False
+    last_spike_step: int | None = None
+    in_spike: bool = False
+    elevated_since: int | None = None    # start of the current run of elevated levels
+    run_residuals: deque[float] = dataclasses.field(default_factory=deque)
+
+
+@dataclasses.dataclass(slots=True)
+class _Divergence:
+    """The divergence rule's state: the lowest block median since the last reset and the climb since."""
+
+    ref: float | None = None
+    ref_step: int = 0
+    low_step: int = 0
+    prev: float = 0.0
+    max_jump: float = 0.0
+    blocks_since: int = 0
+    armed: int = 0
+
+
+class _SignalTracker:
+    """Baseline, robust scale, spike/sustained episodes and divergence for one positive signal."""
+
+    def __init__(self, cfg: LossDetectorConfig, rules: _Rules) -> None:
+        self.cfg = cfg
+        self.rules = rules
+        self.accepted: deque[float] = deque(maxlen=cfg.window)
+        self.recent: deque[tuple[int, float]] = deque(maxlen=cfg.window)
+        self.episode: _Episode | None = None
+        self.block: list[float] = []
+        self.div = _Divergence()
+        self._sigma_cache: tuple[tuple[int, int], float] | None = None
+        self._accepted_count = 0         # accepted samples ever (cache key)
+
+    # -- statistics ------------------------------------------------------------------------------
+    def baseline(self) -> float:
+        return statistics.median(self.accepted)
+
+    def sigma(self) -> float:
+        """Robust noise scale of the log value: MAD of successive differences / sqrt(2)."""
+        cfg = self.cfg
+        # Recomputed every 8 accepted samples once the window has enough (the scale moves slowly).
+        key = ((0, self._accepted_count) if len(self.accepted) < cfg.sigma_samples
+               else (1, self._accepted_count // 8))
+        if self._sigma_cache is not None and self._sigma_cache[0] == key:
+            return self._sigma_cache[1]
+        vals = list(self.accepted)
+        if len(vals) < cfg.sigma_samples:
+            s = cfg.prior_sigma      # too few samples (or ones far apart) for a scale of their own
+        elif len(vals) >= 3:
+            diffs = [b - a for a, b in zip(vals, vals[1:])]
+            med = statistics.median(diffs)
+            mad = statistics.median(abs(d - med) for d in diffs)
+            s = _MAD_TO_SIGMA * mad / math.sqrt(2.0)
+        else:
+            s = 0.0
+        s = max(s, cfg.min_sigma)
+        self._sigma_cache = (key, s)
+        return s
+
+    def _accept(self, x: float) -> None:
+        self.accepted.append(x)
+        self._accepted_count += 1
+
+    def _rebase(self, xs: Sequence[float], clear_divergence: bool) -> None:
+        """Adopt a new level as the baseline: after a reported critical (which also restarts the
+        divergence reference) or a long benign shift (which must not hide a slow divergence)."""
+        self.accepted.clear()
+        for x in xs:
+            self._accept(x)
+        self.episode = None
+        if clear_divergence:
+            self.block.clear()
+            self.div = _Divergence()
+
+    def restart(self) -> None:
+        """A restart from a checkpoint: forget open anomalies and the samples after the restart."""
+        self.episode = None
+        self.recent.clear()
+        self.block.clear()
+        self.div.armed = 0
+
+    # -- one sample ------------------------------------------------------------------------------
+    def update(self, step: int, value: float, now: float, judge: bool) -> list[LossEvent]:
+        cfg, rules = self.cfg, self.rules
+        x = math.log(value)
+        self.recent.append((step, x))
+        while self.recent and self.recent[0][0] <= step - cfg.level_steps:
+            self.recent.popleft()
+        if not judge or len(self.accepted) < cfg.min_samples:
+            self._accept(x)
+            self._divergence_feed(step, x, now, judge=False)
+            return []
+        events = self._divergence_feed(step, x, now, judge=True)
+        if events:        # a divergence closes whatever was open (the detector was rebased)
+            return events
+        ep = self.episode
+        b = ep.baseline if ep is not None else self.baseline()
+        s = self.sigma()
+        r = x - b
+        # The level: the median of the last `level_steps` steps, only since the start of an open episode
+        # (so the samples before a spike do not hide it).
+        level_rs = [xi - b for st, xi in self.recent if ep is None or st >= ep.start_step] or [r]
+        level = statistics.median(level_rs)
+        n = len(level_rs)
+        spike_thr = max(math.log(rules.spike_ratio), rules.spike_z * s)
+        elev_thr = max(math.log(rules.sustained_ratio), rules.sustained_z * s * _MEDIAN_EFFICIENCY / math.sqrt(n))
+        # Recovered: the level back under half the sustained floor (in log), and within 2 sigmas of it.
+        recover_thr = max(0.5 * math.log(rules.sustained_ratio), 2 * s * _MEDIAN_EFFICIENCY / math.sqrt(n))
+        is_spike = r >= spike_thr
+        is_elev = level >= elev_thr
+
+        if ep is None:
+            if not (is_spike or is_elev):
+                self._accept(x)
+                return events
+            floor = math.log(rules.sustained_ratio)
+            start = step if is_spike else next((st for st, xi in self.recent if xi - b >= floor), step)
+            ep = self.episode = _Episode(start_step=start, baseline=b, peak=r, peak_step=step)
+        if r > ep.peak:
+            ep.peak, ep.peak_step = r, step
+
+        if is_spike and not ep.in_spike and (ep.last_spike_step is None
+                                             or step - ep.last_spike_step >= cfg.level_steps):
+            ep.spike_reported, ep.last_spike_step = True, step
+            events.append(self._event(step, "spike", rules.spike_severity, x, b, step, now,
+                                      f"{rules.signal} spike at step {step}: {math.exp(x):.6g} is "
+                                      f"{math.exp(r):.2f}x the baseline {math.exp(b):.6g}"))
+        ep.in_spike = is_spike
+
+        # The elevated run: starts when the level crosses the sustained threshold, ends under recovery.
+        if ep.elevated_since is None:
+            if is_elev:
+                floor = math.log(rules.sustained_ratio)
+                ep.elevated_since = max(ep.start_step,
+                                        next((st for st, xi in self.recent if xi - b >= floor), step))
+                ep.run_residuals = deque((xi - b for st, xi in self.recent if st >= ep.elevated_since),
+                                         maxlen=cfg.window)
+        else:
+            ep.run_residuals.append(r)
+
+        if level < recover_thr and not is_spike:
+            if ep.spike_reported:
+                events.append(self._event(
+                    step, "recovered", Severity.INFO, b + ep.peak, b, ep.start_step, now,
+                    f"{rules.signal} back to its baseline at step {step} after {step - ep.start_step} steps "
+                    f"(peak {math.exp(ep.peak):.2f}x at step {ep.peak_step})"))
+            self.episode = None
+            self._accept(x)
+            return events
+
+        if ep.elevated_since is not None and is_elev and step - ep.elevated_since >= cfg.patience_steps:
+            run = list(ep.run_residuals)
+            run_level = statistics.median(run)
+            run_thr = max(math.log(rules.sustained_ratio),
+                          rules.sustained_z * s * _MEDIAN_EFFICIENCY / math.sqrt(len(run)))
+            if len(run) >= cfg.min_sustained_samples and run_level >= run_thr:
+                events.append(self._event(
+                    step, "sustained", rules.sustained_severity, b + run_level, b, ep.elevated_since, now,
+                    f"{rules.signal} {math.exp(run_level):.2f}x its baseline {math.exp(b):.6g} for "
+                    f"{step - ep.elevated_since} steps (since step {ep.elevated_since}; "
+                    f"peak {math.exp(ep.peak):.2f}x)"))
+                self._rebase([xi for _, xi in self.recent], clear_divergence=True)
+                return events
+            if level < elev_thr:      # the run did not hold: wait for a new one
+                ep.elevated_since, ep.run_residuals = None, deque()
+        elif ep.elevated_since is None and step - ep.start_step >= 4 * cfg.patience_steps:
+            log.debug("%s: benign level shift of %.3fx since step %d adopted as the baseline",
+                      rules.signal, math.exp(level), ep.start_step)
+            self._rebase([xi for _, xi in self.recent], clear_divergence=False)
+        return events
+
+    def _divergence_feed(self, step: int, x: float, now: float, judge: bool) -> list[LossEvent]:
+        """Block medians against the lowest block since the last reset (O(1) state): a rise of
+        `divergence_ratio` spread over at least `divergence_min_blocks` blocks, with no single block
+        carrying more than `divergence_max_jump` of it (that would be a jump: the sustained rule's
+        case), seen on two consecutive blocks."""
+        cfg, rules = self.cfg, self.rules
+        if not rules.divergence:
+            return []
+        self.block.append(x)
+        if len(self.block) < cfg.divergence_block:
+            return []
+        m = statistics.median(self.block)
+        self.block.clear()
+        d = self.div
+        if d.ref is None or m <= d.ref:
+            d.ref, d.ref_step, d.low_step, d.max_jump, d.blocks_since, d.prev, d.armed = m, step, step, 0.0, 0, m, 0
+            return []
+        block_sigma = self.sigma() * _MEDIAN_EFFICIENCY / math.sqrt(cfg.divergence_block)
+        if m <= d.ref + max(0.02, 3 * block_sigma):
+            d.low_step = step       # still level with the lowest block: the climb starts after this
+        d.max_jump = max(d.max_jump, m - d.prev)
+        d.blocks_since += 1
+        d.prev = m
+        rise = m - d.ref
+        thr = max(math.log(cfg.divergence_ratio),
+                  cfg.divergence_z * self.sigma() * _MEDIAN_EFFICIENCY * math.sqrt(2.0 / cfg.divergence_block))
+        if not (judge and rise >= thr and d.blocks_since >= cfg.divergence_min_blocks
+                and d.max_jump <= cfg.divergence_max_jump * rise):
+            d.armed = 0
+            return []
+        d.armed += 1
+        if d.armed < 2:
+            return []
+        event = self._event(step, "divergence", Severity.CRITICAL, m, d.ref, d.low_step + 1, now,
+                            f"{rules.signal} trending up: {math.exp(rise):.2f}x its lowest level "
+                            f"{math.exp(d.ref):.6g} (step {d.ref_step}) over {step - d.ref_step} steps")
+        self._rebase([xi for _, xi in self.recent], clear_divergence=True)
+        return [event]
+
+    def _event(self, step: int, kind: EventKind, severity: Severity, x: float, b: float, start: int,
+               now: float, message: str) -> LossEvent:
+        return LossEvent(step=step, kind=kind, signal=self.rules.signal, severity=severity, value=math.exp(x),
+                         baseline=math.exp(b), magnitude=math.exp(x - b), start_step=start, message=message,
+                         time=now)
+
+
+class _LossScaleTracker:
+    """fp16 dynamic loss scale: collapse = a fall far below a recently settled scale."""
+
+    def __init__(self, cfg: LossDetectorConfig) -> None:
+        self.cfg = cfg
+        self.prev: tuple[int, float] | None = None
+        self.settled: deque[tuple[int, float]] = deque(maxlen=cfg.window)
+        self.drop_start: int | None = None
+        self.armed = True
+
+    def restart(self) -> None:
+        self.prev = None
+        self.drop_start = None
+
+    def update(self, step: int, scale: float, now: float) -> list[LossEvent]:
+        cfg = self.cfg
+        events: list[LossEvent] = []
+        prev = self.prev
+        self.prev = (step, scale)
+        if prev is not None and scale < prev[1]:
+            if self.drop_start is None:
+                self.drop_start = step
+        elif prev is not None and scale >= prev[1]:
+            self.drop_start = None
+        while self.settled and self.settled[0][0] < step - cfg.loss_scale_window_steps:
+            self.settled.popleft()
+        if self.settled and self.armed:
+            ref = max(v for _, v in self.settled)
+            collapsed = scale * cfg.loss_scale_collapse_factor <= ref or (
+                scale <= cfg.loss_scale_floor < ref)
+            if collapsed:
+                self.armed = False
+                start = self.drop_start if self.drop_start is not None else step
+                events.append(LossEvent(
+                    step=step, kind="loss_scale_collapse", signal="loss_scale", severity=Severity.CRITICAL,
+                    value=scale, baseline=ref, magnitude=scale / ref, start_step=start, time=now,
+                    message=f"loss scale collapsed to {scale:g} from {ref:g} (falling since step {start}): "
+                            f"fp16 overflow on step after step"))
+        if prev is not None and scale == prev[1]:
+            if not self.armed:
+                self.settled.clear()
+                self.armed = True
+            self.settled.append((step, scale))
+        return events
+
+
+class LossDetector:
+    """One job's (or one rank's) loss, grad-norm and loss-scale detector. Pure; O(window) memory.
+
+    Lifecycle: build with a `LossDetectorConfig`, call `update` once per reported step in step order
+    (equal steps are further samples of the same step; a lower step is a restart), and optionally
+    `flush` at the end of a replay to report an anomaly still open.
+    """
+
+    def __init__(self, config: LossDetectorConfig | None = None) -> None:
+        self.config = cfg = config if config is not None else LossDetectorConfig()
+        self._loss = _SignalTracker(cfg, _Rules(
+            "loss", cfg.spike_ratio, cfg.spike_z, cfg.sustained_ratio, cfg.sustained_z,
+            Severity.CRITICAL, Severity.WARNING, divergence=True))
+        grad_sev = Severity.CRITICAL if cfg.grad_norm_critical else Severity.WARNING
+        self._grad = _SignalTracker(cfg, _Rules(
+            "grad_norm", cfg.grad_norm_spike_ratio, cfg.grad_norm_spike_z, cfg.grad_norm_sustained_ratio,
+            cfg.grad_norm_sustained_z, grad_sev, Severity.WARNING, divergence=False))
+        self._scale = _LossScaleTracker(cfg)
+        self._last_step: int | None = None
+        self._nonfinite_open = {"loss": False, "grad_norm": False}
+        self._ignored_warned = False
+
+    @property
+    def last_step(self) -> int | None:
+        return self._last_step
+
+    def update(self, step: int, loss: float | None, grad_norm: float | None, now: float,
+               loss_scale: float | None = None) -> list[LossEvent]:
+        """Feed one sample; returns the events it triggers (usually none). `None` = not reported."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"step must be an int, got {step!r}")
+        if self._last_step is not None and step < self._last_step:
+            log.info("step went back from %d to %d: treated as a restart from a checkpoint", self._last_step, step)
+            self._loss.restart()
+            self._grad.restart()
+            self._scale.restart()
+            self._nonfinite_open = {"loss": False, "grad_norm": False}
+        self._last_step = step
+        judge = step >= self.config.warmup_steps
+        events: list[LossEvent] = []
+        fp16 = loss_scale is not None
+        for signal, value, tracker in (("grad_norm", grad_norm, self._grad), ("loss", loss, self._loss)):
+            if value is None:
+                continue
+            value = float(value)
+            if not math.isfinite(value):
+                if signal == "grad_norm" and fp16:
+                    log.debug("step %d: grad norm %s with a loss scale: the scaler's overflow skip", step, value)
+                elif not self._nonfinite_open[signal]:
+                    self._nonfinite_open[signal] = True
+                    base = tracker.baseline() if tracker.accepted else math.nan
+                    events.append(LossEvent(
+                        step=step, kind="nonfinite", signal=signal, severity=Severity.CRITICAL,  # type: ignore[arg-type]
+                        value=value, baseline=math.exp(base) if math.isfinite(base) else math.nan,
+                        magnitude=math.inf, start_step=step, time=now,
+                        message=f"{signal} is {value} at step {step}"))
+                continue
+            self._nonfinite_open[signal] = False
+            if value <= 0.0:
+                if not self._ignored_warned:
+                    self._ignored_warned = True
+                    log.info("step %d: %s %r is not positive; such samples are ignored", step, signal, value)
+                continue
+            events += tracker.update(step, value, now, judge)
+        if loss_scale is not None and math.isfinite(loss_scale) and loss_scale > 0:
+            events += self._scale.update(step, float(loss_scale), now)
+        return events
+
+    def flush(self, now: float) -> list[LossEvent]:
+        """At the end of the data: an excursion still open is reported as a WARNING `spike`."""
+        events: list[LossEvent] = []
+        for tracker in (self._loss, self._grad):
+            ep = tracker.episode
+            if ep is None or self._last_step is None:
+                continue
+            step = self._last_step
+            last = tracker.recent[-1][1] if tracker.recent else ep.baseline + ep.peak
+            events.append(tracker._event(
+                step, "spike", Severity.WARNING, last, ep.baseline, ep.start_step, now,
+                f"{tracker.rules.signal} still {math.exp(last - ep.baseline):.2f}x its baseline at the end "
+                f"of the data ({step - ep.start_step} steps since step {ep.start_step}; "
+                f"peak {math.exp(ep.peak):.2f}x)"))
+        return events
+
+
+# -- rollback ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RollbackDecision:
+    """Restore `target_step`, then skip the data batches of steps [skip_from_step, skip_to_step)."""
+
+    target_step: int
+    skip_batches: int
+    skip_from_step: int
+    skip_to_step: int
+    reason: str
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RollbackPolicy:
+    """Pure rollback rule (PaLM's recipe by default: restart about 100 steps before the spike and skip
+    200 batches from there).
+
+    Target: the newest VERIFIED checkpoint step strictly older than the anomaly's start. Skipped data:
+    `skip_batches` batches starting `skip_before_steps` steps before the anomaly (never before the
+    target), so the batches around the anomaly are not seen again.
+    """
+
+    skip_batches: int = 200
+    skip_before_steps: int = 100
+    kinds: frozenset[str] = frozenset({"nonfinite", "sustained", "divergence", "loss_scale_collapse"})
+
+    def __post_init__(self) -> None:
+        if self.skip_batches < 0 or self.skip_before_steps < 0:
+            raise ValueError("RollbackPolicy.skip_batches and skip_before_steps must be >= 0")
+
+    def decide(self, event: LossEvent, verified_steps: Sequence[int]) -> RollbackDecision | None:
+        """None unless the event is critical, of a rollback kind, and a verified step precedes it."""
+        if event.severity != Severity.CRITICAL or event.kind not in self.kinds:
+            return None
+        older = [s for s in verified_steps if s < event.start_step]
+        if not older:
+            return None
+        target = max(older)
+        skip_from = max(target, event.start_step - self.skip_before_steps)
+        return RollbackDecision(
+            target_step=target, skip_batches=self.skip_batches, skip_from_step=skip_from,
+            skip_to_step=skip_from + self.skip_batches,
+            reason=f"{event.signal} {event.kind} from step {event.start_step}: roll back to verified step "
+                   f"{target}, skip the batches of steps {skip_from}..{skip_from + self.skip_batches - 1}")

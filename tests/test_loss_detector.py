@@ -1,0 +1,257 @@
+"""The loss detector on hand-made sequences: one test per class, plus the rollback policy."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent, RollbackPolicy
+from probes.types import Finding, Severity
+
+
+def noisy(n: int, level: float = 3.0, sigma: float = 0.01, seed: int = 0, decay: float = 0.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    return level * (1 + decay * 1000 / (t + 1000)) * np.exp(rng.normal(0, sigma, n))
+
+
+def feed(det: LossDetector, losses, start: int = 0, grads=None, scales=None) -> list[LossEvent]:
+    out: list[LossEvent] = []
+    for i, x in enumerate(losses):
+        g = None if grads is None else float(grads[i])
+        s = None if scales is None else float(scales[i])
+        out += det.update(start + i, float(x), g, float(i), loss_scale=s)
+    return out
+
+
+def crit(events: list[LossEvent]) -> list[LossEvent]:
+    return [e for e in events if e.severity == Severity.CRITICAL]
+
+
+def test_clean_decaying_curve_has_no_events() -> None:
+    events = feed(LossDetector(), noisy(3000, decay=1.0))
+    assert crit(events) == []
+    assert [e for e in events if e.kind == "spike"] == []
+
+
+def test_nan_is_critical_on_its_step_once_per_run() -> None:
+    x = noisy(300)
+    x[200:205] = math.nan
+    x[250] = math.inf
+    events = feed(LossDetector(), x)
+    nonfinite = [e for e in events if e.kind == "nonfinite"]
+    assert [(e.step, e.severity) for e in nonfinite] == [(200, Severity.CRITICAL), (250, Severity.CRITICAL)]
+    assert nonfinite[0].start_step == 200 and nonfinite[0].signal == "loss"
+
+
+def test_nan_grad_norm_is_critical_without_a_loss_scale_but_not_with_one() -> None:
+    x, g = noisy(100), noisy(100, level=1.0, sigma=0.1, seed=1)
+    g[60] = math.nan
+    events = feed(LossDetector(), x, grads=g)
+    assert [(e.step, e.signal, e.kind) for e in crit(events)] == [(60, "grad_norm", "nonfinite")]
+    g[60] = math.inf      # an fp16 overflow step: the scaler skips it
+    scales = np.full(100, 2.0 ** 16)
+    assert crit(feed(LossDetector(), x, grads=g, scales=scales)) == []
+
+
+def test_one_step_spike_is_a_warning_then_recovers_never_critical() -> None:
+    x = noisy(400)
+    x[200] *= 4.0
+    events = feed(LossDetector(), x)
+    assert crit(events) == []
+    spike = [e for e in events if e.kind == "spike"]
+    assert len(spike) == 1 and spike[0].step == 200 and spike[0].severity == Severity.WARNING
+    assert spike[0].magnitude == pytest.approx(4.0, rel=0.05)
+    rec = [e for e in events if e.kind == "recovered"]
+    assert len(rec) == 1 and rec[0].severity == Severity.INFO and rec[0].step > 200
+
+
+def test_short_decaying_spike_is_not_critical() -> None:
+    x = noisy(400)
+    x[200:215] *= 1 + 3 * np.exp(-np.arange(15) / 3.0)
+    events = feed(LossDetector(), x)
+    assert crit(events) == [] and any(e.kind == "spike" for e in events)
+
+
+@pytest.mark.parametrize("jump", [1.2, 1.5, 3.0])
+def test_sustained_jump_is_critical_within_patience(jump: float) -> None:
+    cfg = LossDetectorConfig()
+    x = noisy(600, sigma=0.02)
+    x[300:] *= jump
+    events = crit(feed(LossDetector(cfg), x))
+    assert len(events) == 1
+    ev = events[0]
+    assert ev.kind == "sustained" and ev.signal == "loss"
+    assert 300 + cfg.patience_steps <= ev.step <= 300 + 50
+    assert 295 <= ev.start_step <= 305
+    assert ev.magnitude == pytest.approx(jump, rel=0.1)
+
+
+def test_spike_that_does_not_recover_becomes_sustained() -> None:
+    x = noisy(600)
+    x[300] *= 5
+    x[301:] *= 1.8
+    kinds = [(e.kind, e.severity) for e in feed(LossDetector(), x)]
+    assert ("spike", Severity.WARNING) in kinds and ("sustained", Severity.CRITICAL) in kinds
+
+
+def test_slow_divergence_is_critical_before_the_loss_doubles() -> None:
+    x = noisy(3000, sigma=0.02)
+    t = np.arange(3000)
+    x[1000:] *= np.exp(math.log(2) * (t[1000:] - 1000) / 1500)   # doubles at step 2500
+    events = crit(feed(LossDetector(), x))
+    assert events and events[0].kind in ("divergence", "sustained")
+    assert 1000 < events[0].step < 2500
+    assert events[0].start_step >= 900
+
+
+def test_gradual_rise_is_labelled_divergence() -> None:
+    x = noisy(4000, sigma=0.01)
+    t = np.arange(4000)
+    x[1000:] *= 1 + (t[1000:] - 1000) / 2000          # linear in the loss: doubles at step 3000
+    events = crit(feed(LossDetector(), x))
+    assert events and events[0].kind == "divergence" and events[0].step < 3000
+
+
+def test_lr_warmup_and_benign_shift_are_not_anomalies() -> None:
+    # a from-scratch curve falling from ~10 during warm-up, then a 6% benign shift (a data change)
+    t = np.arange(3000)
+    x = (2.5 + 8 * (1 + t / 50) ** -0.6) * np.exp(np.random.default_rng(3).normal(0, 0.02, 3000))
+    x[1500:] *= 1 + 0.06 * np.minimum(1, (t[1500:] - 1500) / 50)
+    assert crit(feed(LossDetector(), x)) == []
+
+
+def test_step_gaps_are_nothing() -> None:
+    x = noisy(200)
+    steps = np.cumsum(np.random.default_rng(1).integers(1, 500, 200))
+    det = LossDetector()
+    events = [e for i, v in enumerate(x) for e in det.update(int(steps[i]), float(v), None, float(i))]
+    assert events == []
+
+
+def test_grad_norm_spike_warns_before_the_loss() -> None:
+    x, g = noisy(400), noisy(400, level=0.3, sigma=0.1, seed=2)
+    g[250:256] *= [4, 10, 60, 400, 900, 300]
+    x[253] *= 2.3
+    events = feed(LossDetector(), x, grads=g)
+    grad = [e for e in events if e.signal == "grad_norm" and e.kind == "spike"]
+    loss = [e for e in events if e.signal == "loss" and e.kind == "spike"]
+    assert grad and loss and grad[0].step < loss[0].step
+    assert all(e.severity != Severity.CRITICAL for e in events if e.signal == "grad_norm")
+
+
+def test_loss_scale_collapse() -> None:
+    n = 300
+    scales = np.full(n, 2.0 ** 16)
+    scales[200:] = 2.0 ** 16 / 2.0 ** np.minimum(np.arange(1, n - 199), 16)
+    events = crit(feed(LossDetector(), noisy(n), scales=scales))
+    assert len(events) == 1 and events[0].kind == "loss_scale_collapse"
+    assert events[0].step == 202 and events[0].start_step == 200     # 8x below the settled 65536
+
+
+def test_loss_scale_calibration_and_constant_bf16_scale_are_fine() -> None:
+    calib = np.array([2.0 ** max(16, 32 - i) for i in range(400)])   # halving from 2^32 to 2^16
+    assert crit(feed(LossDetector(), noisy(400), scales=calib)) == []
+    assert crit(feed(LossDetector(), noisy(400), scales=np.ones(400))) == []
+
+
+def test_occasional_overflow_halving_is_fine() -> None:
+    scales = np.full(2000, 2.0 ** 16)
+    scales[500:] /= 2
+    scales[1200:] /= 2
+    assert crit(feed(LossDetector(), noisy(2000), scales=scales)) == []
+
+
+def test_restart_from_checkpoint_drops_the_open_anomaly() -> None:
+    det = LossDetector()
+    x = noisy(400)
+    feed(det, x[:300])
+    feed(det, x[300:310] * 2.0, start=300)          # a spike episode opens
+    events = feed(det, x[310:400], start=250)        # restarted from a checkpoint at step 250
+    assert crit(events) == []
+
+
+def test_per_rank_noise_does_not_page() -> None:
+    # several ranks' micro-batch losses reported at the same step (heavy-tailed, 5% noise)
+    rng = np.random.default_rng(5)
+    det = LossDetector()
+    events = []
+    for step in range(2000):
+        for _ in range(4):
+            events += det.update(step, 3.0 * math.exp(0.05 * rng.standard_t(4) / math.sqrt(2)), None, 0.0)
+    assert crit(events) == []
+
+
+def test_non_positive_values_are_ignored_and_zero_grad_norm_is_not_an_anomaly() -> None:
+    x = noisy(200)
+    events = feed(LossDetector(), x, grads=np.zeros(200))
+    assert events == []
+
+
+def test_flush_reports_an_open_excursion() -> None:
+    det = LossDetector()
+    feed(det, noisy(100))
+    feed(det, [9.0, 9.0], start=100)
+    out = det.flush(now=1.0)
+    assert len(out) == 1 and out[0].kind == "spike" and out[0].start_step == 100
+
+
+def test_event_to_finding() -> None:
+    x = noisy(100)
+    x[50] = math.nan
+    ev = crit(feed(LossDetector(), x))[0]
+    f = ev.to_finding("job-1", rank=3)
+    assert isinstance(f, Finding)
+    assert f.kind == "loss.nonfinite" and f.severity == Severity.CRITICAL and f.subject == "job/job-1/rank/3"
+    assert f.details["step"] == 50 and f.details["value"] == "nan"
+
+
+@pytest.mark.parametrize("bad", [dict(window=0), dict(spike_ratio=1.0), dict(sustained_z=-1.0),
+                                 dict(min_samples=500), dict(patience_steps=2.5), dict(loss_scale_floor=0.0),
+                                 dict(divergence_max_jump=0.0), dict(warmup_steps=-1)])
+def test_config_is_validated(bad: dict) -> None:
+    with pytest.raises(ValueError, match="LossDetectorConfig"):
+        LossDetectorConfig(**bad)
+
+
+def test_config_is_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        LossDetectorConfig(128)  # type: ignore[misc]
+
+
+def test_step_must_be_an_int() -> None:
+    with pytest.raises(ValueError, match="step"):
+        LossDetector().update(1.5, 3.0, None, 0.0)  # type: ignore[arg-type]
+
+
+def test_warmup_steps_suppress_level_rules() -> None:
+    x = noisy(300)
+    x[100:] *= 2
+    assert crit(feed(LossDetector(LossDetectorConfig(warmup_steps=1000)), x)) == []
+
+
+# -- rollback policy --------------------------------------------------------------------------------
+
+def _event(kind: str = "sustained", start: int = 1000, severity: Severity = Severity.CRITICAL) -> LossEvent:
+    return LossEvent(step=start + 40, kind=kind, signal="loss", severity=severity, value=6.0, baseline=3.0,  # type: ignore[arg-type]
+                     magnitude=2.0, start_step=start, message="")
+
+
+def test_rollback_targets_newest_verified_step_strictly_older() -> None:
+    d = RollbackPolicy().decide(_event(start=1000), [200, 600, 900, 1000, 1100])
+    assert d is not None and d.target_step == 900
+    assert d.skip_batches == 200 and d.skip_from_step == 900 and d.skip_to_step == 1100
+
+
+def test_rollback_skip_window_starts_before_the_anomaly() -> None:
+    d = RollbackPolicy(skip_batches=300, skip_before_steps=100).decide(_event(start=5000), [1000, 2000])
+    assert d is not None and d.target_step == 2000 and (d.skip_from_step, d.skip_to_step) == (4900, 5200)
+
+
+def test_rollback_none_without_older_checkpoint_or_for_non_critical() -> None:
+    assert RollbackPolicy().decide(_event(start=100), [100, 200]) is None
+    assert RollbackPolicy().decide(_event(kind="spike", severity=Severity.WARNING), [1, 2]) is None
+    assert RollbackPolicy().decide(_event(), []) is None
+    with pytest.raises(ValueError):
+        RollbackPolicy(skip_batches=-1)

@@ -1,0 +1,122 @@
+"""`sdcwatch spikes replay`: the shared real excerpts, JSON output, exit codes, bad logs, the plot."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from probes.spikes_replay import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "loss-curves"
+BIGSCIENCE = DATA / "bigscience_chronicles_megatron_iter_lines.csv"
+NANOGPT = DATA / "nanogpt_issue215_fp16_nan_excerpt.csv"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"no shared data at {DATA}")
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(argv, stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(ln) for ln in stdout.splitlines() if ln.strip()]
+
+
+@needs_data
+def test_nanogpt_fp16_nan_at_3010() -> None:
+    rc, out, _ = run([str(NANOGPT), "--json"])
+    assert rc == 1
+    evs = events(out)
+    assert [(e["step"], e["kind"], e["severity"]) for e in evs] == [(3010, "nonfinite", "critical")]
+    assert evs[0]["value"] is None and evs[0]["baseline"] == pytest.approx(3.99, abs=0.1)
+
+
+@needs_data
+def test_bigscience_excerpts() -> None:
+    rc, out, err = run([str(BIGSCIENCE), "--allow-restarts", "--json"])
+    assert rc == 1, err
+    evs = events(out)
+    for e in evs:
+        assert {"step", "kind", "severity", "value", "baseline"} <= e.keys()
+        assert e["severity"] in ("info", "warning", "critical")
+    got = {(e["run"], e["step"], e["signal"], e["kind"], e["severity"]) for e in evs}
+    # BLOOM-176B: the grad norm warns 3 steps before the loss spike, which recovers on its own: no page
+    assert ("tr11-176B-ml", 31216, "grad_norm", "spike", "warning") in got
+    assert ("tr11-176B-ml", 31219, "loss", "spike", "warning") in got
+    assert not any(e["run"] == "tr11-176B-ml" and e["severity"] == "critical" for e in evs)
+    # 104B (tr8b): fp16 loss-scale collapse while the loss jumps
+    assert ("tr8b-104B", 17062, "loss", "spike", "warning") in got
+    assert ("tr8b-104B", 17065, "loss_scale", "loss_scale_collapse", "critical") in got
+    # 13B: the loss jumps x2.6 with a loss-scale collapse and stays up (40 steps, sampled every 10)
+    assert ("tr1-13B-base", 29060, "loss_scale", "loss_scale_collapse", "critical") in got
+    assert ("tr1-13B-base", 29090, "loss", "sustained", "critical") in got
+    sustained = next(e for e in evs if e["run"] == "tr1-13B-base" and e["kind"] == "sustained")
+    assert sustained["start_step"] == 29050
+
+
+@needs_data
+def test_bigscience_without_allow_restarts_is_unreadable_with_the_line() -> None:
+    rc, out, err = run([str(BIGSCIENCE)])
+    assert rc == 2 and out == ""
+    assert ":26: step 2 is lower than step 45000" in err
+
+
+def test_clean_log_exits_0_and_prints_a_summary(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    p = tmp_path / "clean.csv"
+    p.write_text("step,loss\n" + "".join(f"{i},{3 * np.exp(rng.normal(0, 0.01)):.5f}\n" for i in range(500)))
+    rc, out, _ = run([str(p)])
+    assert rc == 0 and out.strip() == "# 500 samples in 1 run(s), 0 events, 0 critical"
+
+
+def test_custom_columns_and_runs(tmp_path: Path) -> None:
+    rows = []
+    for run_name, jump in (("ok", 1.0), ("bad", 2.0)):
+        for i in range(300):
+            rows.append(json.dumps({"name": run_name, "it": i, "L": 3.0 * (jump if i >= 200 else 1.0)
+                                    * (1 + 0.01 * ((i * 7919) % 13 - 6) / 6)}))
+    p = tmp_path / "log.jsonl"
+    p.write_text("\n".join(rows) + "\n")
+    rc, out, _ = run([str(p), "--step-col", "it", "--loss-col", "L", "--run-col", "name", "--json"])
+    assert rc == 1
+    crit = [e for e in events(out) if e["severity"] == "critical"]
+    assert [(e["run"], e["kind"]) for e in crit] == [("bad", "sustained")]
+
+
+@pytest.mark.parametrize("text,line", [("step,lr\n1,2\n", 1), ("step,loss\n1,3\n2,oops\n", 3),
+                                       ("step,loss\n3,3\n1,3\n", 3), ("", 0)])
+def test_bad_logs_exit_2_with_the_line(tmp_path: Path, text: str, line: int) -> None:
+    p = tmp_path / "bad.csv"
+    p.write_text(text)
+    rc, out, err = run([str(p)])
+    assert rc == 2 and out == ""
+    assert err.startswith("sdcwatch spikes replay: ")
+    assert (f"{p}:{line}:" if line else f"{p}:") in err
+
+
+def test_usage_error_exits_2() -> None:
+    rc, _, _ = run(["--no-such-flag"])
+    assert rc == 2
+
+
+@needs_data
+def test_plot(tmp_path: Path) -> None:
+    out_png = tmp_path / "replay.png"
+    rc, _, _ = run([str(BIGSCIENCE), "--allow-restarts", "--plot", str(out_png)])
+    assert rc == 1 and out_png.stat().st_size > 10_000
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_data
+def test_as_a_subprocess() -> None:
+    proc = subprocess.run([sys.executable, "-m", "probes.spikes_replay", str(NANOGPT)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "step 3010" in proc.stdout and "critical" in proc.stdout and "nonfinite" in proc.stdout
