@@ -25,6 +25,7 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -90,6 +91,7 @@ return 1
 @dataclasses.dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     keep_committed: int = 2
+    rollback_span_steps: int = 160      # keep verified checkpoints reaching this far back (see policy)
     memory_cap_bytes: int | None = None
     verify_on_commit: bool = True
     pending_timeout_s: float = 600.0
@@ -126,6 +128,33 @@ class CheckpointInfo:
     verified_at: float
     reason: str
     copies: tuple[Copy, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveReport:
+    """How a save went on the rank (sent with its CommitShard; feeds the agent's metrics)."""
+
+    blocking_s: float = 0.0
+    safe_s: float = 0.0
+    stall_s: float = 0.0
+    skipped_saves: int = 0
+    staging: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoreReportMsg:
+    """How a restore went on the rank (ReportRestore; feeds the agent's metrics and journal)."""
+
+    job_id: str
+    step: int
+    rank: int
+    seconds: float
+    nbytes: int
+    chunks: int
+    fallbacks: int
+    checksum_failures: int
+    ok: bool
+    error: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,7 +208,10 @@ class Coordinator:
         self._transition = redis.register_script(_TRANSITION)
         self.stats: dict[str, int] = {"shards_committed": 0, "checkpoints_committed": 0, "bytes_committed": 0,
                                       "evictions": 0, "aborted": 0, "checksum_failures": 0,
-                                      "verified": 0, "revoked": 0}
+                                      "verified": 0, "revoked": 0, "slots_swept": 0, "saves_skipped": 0,
+                                      "restores": 0, "restores_failed": 0, "restore_fallbacks": 0}
+        # (name, seconds) samples for histograms, drained by daemon.checkpoint_metrics; bounded.
+        self.observations: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
 
     # ---- keys ---------------------------------------------------------------------------------------
     def _jk(self, job: str, suffix: str) -> str:
@@ -208,7 +240,7 @@ class Coordinator:
         return BeginResult(state, self.node, self.location, blob_key(job_id, step, rank))
 
     def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str,
-                     now: float | None = None) -> CommitResult:
+                     now: float | None = None, report: SaveReport | None = None) -> CommitResult:
         validate_job_id(job_id)
         validate_step(step)
         validate_rank(rank, world_size)
@@ -236,10 +268,18 @@ class Coordinator:
         if state in (policy.ABORTED, policy.EVICTED):
             raise CommitError(f"job {job_id} step {step} was {state.lower()}; the shard is not kept")
         self.stats["shards_committed"] += 1
+        if report is not None:
+            self.stats["saves_skipped"] += max(0, int(report.skipped_saves))
+            for name, v in (("save_blocking", report.blocking_s), ("save_safe", report.safe_s),
+                            ("save_stall", report.stall_s)):
+                if v > 0:
+                    self.observations.append((name, float(v)))
         if committed_now:
             self.stats["checkpoints_committed"] += 1
             info = self.info(job_id, step)
             self.stats["bytes_committed"] += info.nbytes
+            if info.begun_at:
+                self.observations.append(("save_commit", max(0.0, now - info.begun_at)))
             self._emit("checkpoint.committed", "INFO", job_id,
                        f"checkpoint step {step} committed ({world_size} shards, {info.nbytes} bytes)",
                        {"step": step, "bytes": info.nbytes, "world_size": world_size})
@@ -264,6 +304,27 @@ class Coordinator:
             if not verify(view[:n], c):
                 self.stats["checksum_failures"] += 1
                 raise CommitError(f"shard blob {m.blob!r} chunk at {c.offset} fails its checksum on commit")
+
+    def report_restore(self, r: RestoreReportMsg) -> None:
+        """Record how a rank's restore went (metrics; a failed or degraded restore is journaled)."""
+        validate_job_id(r.job_id)
+        validate_step(r.step)
+        self.stats["restores"] += 1
+        self.stats["restore_fallbacks"] += max(0, int(r.fallbacks))
+        self.stats["checksum_failures"] += max(0, int(r.checksum_failures))
+        if r.seconds > 0:
+            self.observations.append(("restore", float(r.seconds)))
+        if not r.ok:
+            self.stats["restores_failed"] += 1
+            self._emit("checkpoint.restore_failed", "WARNING", r.job_id,
+                       f"restore of step {r.step} failed on rank {r.rank}: {r.error}",
+                       {"step": r.step, "rank": r.rank, "error": r.error})
+        elif r.checksum_failures:
+            self._emit("checkpoint.restore_fallback", "WARNING", r.job_id,
+                       f"restore of step {r.step} on rank {r.rank}: {r.checksum_failures} bad chunk(s), "
+                       f"{r.fallbacks} read from another copy", {"step": r.step, "rank": r.rank,
+                                                                 "checksum_failures": r.checksum_failures,
+                                                                 "fallbacks": r.fallbacks})
 
     # ---- queries ------------------------------------------------------------------------------------
     def jobs(self) -> list[str]:
@@ -448,7 +509,8 @@ class Coordinator:
             self.stats["aborted"] += 1
             dropped.append(step)
         records = [r for r in records if r.step not in dropped]
-        for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes):
+        for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes,
+                                           self.config.rollback_span_steps):
             self._drop(job_id, step, policy.EVICTED, "retention", now)
             self.stats["evictions"] += 1
             dropped.append(step)
@@ -461,6 +523,12 @@ class Coordinator:
         sweep = getattr(self.store, "sweep_temp", None)
         if sweep is not None:  # temp files of puts interrupted long ago (a rank died mid-write)
             sweep(self.config.pending_timeout_s, now)
+        sweep_slots = getattr(self.store, "sweep_slots", None)
+        if sweep_slots is not None:  # staging slots of ranks that are gone (checkpoint.slots)
+            try:
+                self.stats["slots_swept"] += sweep_slots(now)
+            except OSError:
+                log.exception("sweeping dead ranks' staging slots failed")
         for job in self.jobs():
             try:
                 out[job] = self.maintain_job(job, now)

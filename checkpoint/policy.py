@@ -17,7 +17,7 @@ RESTORABLE_STATES = (COMMITTED, VERIFIED)
 
 VOTE_AGREED = "vote_agreed"
 VOTE_MISMATCH = "vote_mismatch"
-BAD_KINDS = ("vote_mismatch", "sdc", "nan", "fatal_hardware")
+BAD_KINDS = ("vote_mismatch", "sdc", "nan", "fatal_hardware", "loss_anomaly")
 CLEAR_KINDS = ("rollback", "clear")
 EVENT_KINDS = (VOTE_AGREED, *BAD_KINDS, *CLEAR_KINDS)
 
@@ -44,11 +44,15 @@ def verified_steps(committed: Iterable[int], votes: Mapping[int, str], bad_steps
             if votes.get(k) == VOTE_AGREED and (first_bad is None or k < first_bad)}
 
 
-def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_bytes: int | None) -> list[int]:
+def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_bytes: int | None,
+                   rollback_span_steps: int = 0) -> list[int]:
     """Steps to evict, oldest first.
 
-    Keep the newest `keep_committed` restorable checkpoints and the newest VERIFIED one; evict the
-    other restorable ones. Then, while the kept bytes exceed `memory_cap_bytes`, evict the oldest
+    Keep the newest `keep_committed` restorable checkpoints, the newest VERIFIED one, and (with
+    `rollback_span_steps` > 0) the newest VERIFIED one at least that many steps older than the newest
+    checkpoint, and the oldest VERIFIED one inside that span: an anomaly is seen some steps after it
+    starts (the loss detector's patience), and the rollback needs a verified checkpoint from before its
+    start. Evict the other restorable ones. Then, while the kept bytes exceed `memory_cap_bytes`, evict the oldest
     unverified kept checkpoint; never the newest VERIFIED (the only verified copy kept). PENDING saves
     are left to `stale_pending` (they are still being written).
     """
@@ -60,6 +64,17 @@ def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_by
     keep = {r.step for r in restorable[-keep_committed:]}
     if newest_verified is not None:
         keep.add(newest_verified)
+    if rollback_span_steps > 0 and restorable:
+        # at most two more copies: the newest verified behind the span, and the oldest inside it (which
+        # becomes the one behind the span later, so a target older than any anomaly start inside the span
+        # always exists and is at most two spans old)
+        horizon = restorable[-1].step - rollback_span_steps
+        behind = [r.step for r in verified if r.step <= horizon]
+        inside = [r.step for r in verified if r.step > horizon]
+        if behind:
+            keep.add(behind[-1])
+        if inside:
+            keep.add(inside[0])
     evict = [r.step for r in restorable if r.step not in keep]
     if memory_cap_bytes is not None:
         pending_bytes = sum(r.nbytes for r in records if r.state == PENDING)

@@ -80,6 +80,7 @@ class Agent:
         self.extra_services: list[Any] = []   # (register(server), service names) from later components
         self._stop_event: asyncio.Event | None = None
         self._owns_state = False
+        self._job_events: asyncio.Queue[tuple[str, int | None, str, float, str]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -159,12 +160,26 @@ class Agent:
         self.closers = [*getattr(self, "closers", [])]
 
     def job_event(self, job_id: str, step: int | None, kind: str, reason: str = "") -> None:
-        """Tell the checkpoint coordinator about an event that decides VERIFIED (async, never blocks)."""
-        svc = getattr(self, "checkpoints", None)
-        if svc is None:
+        """Tell the checkpoint coordinator about an event that decides VERIFIED. Never blocks: events
+        go through one bounded queue to one task, so the coordinator sees them in order."""
+        if getattr(self, "checkpoints", None) is None:
             return
-        task = asyncio.get_running_loop().create_task(svc.job_event(job_id, step, kind, time.time(), reason))
-        task.add_done_callback(_log_task_error)
+        if self._job_events is None:
+            self._job_events = asyncio.Queue(maxsize=10_000)
+            self._tasks.append(asyncio.create_task(self._feed_job_events(), name="checkpoint-job-events"))
+        try:
+            self._job_events.put_nowait((job_id, step, kind, time.time(), reason))
+        except asyncio.QueueFull:
+            self.metrics.events_dropped.labels("checkpoint-job-events").inc()
+
+    async def _feed_job_events(self) -> None:
+        assert self._job_events is not None
+        while True:
+            job_id, step, kind, now, reason = await self._job_events.get()
+            try:
+                await self.checkpoints.job_event(job_id, step, kind, now, reason)
+            except Exception as exc:  # one failure never stops the feed
+                log.error("checkpoint job event %s for %s failed: %s", kind, job_id, exc)
 
     def _start_metrics(self) -> None:
         listen = self.config.agent.metrics_listen

@@ -84,7 +84,7 @@ class LossWiring:
         event = self.agent.bus.publish(kind, ev.severity, f"job/{job}", ev.message, details)
         if ev.severity != Severity.CRITICAL:
             return
-        self.agent.job_event(job, ev.start_step, "nan" if ev.kind == "nonfinite" else "sdc",
+        self.agent.job_event(job, ev.start_step, "nan" if ev.kind == "nonfinite" else "loss_anomaly",
                              f"{ev.signal} {ev.kind} from step {ev.start_step}")
         if self.agent.config.jobs.rollback and ev.kind in self.policy.kinds:
             task = asyncio.get_running_loop().create_task(self._plan_rollback(job, ev, event.seq))

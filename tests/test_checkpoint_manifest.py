@@ -60,7 +60,8 @@ def test_flatten_unflatten_round_trip_keeps_structure_and_ties() -> None:
     ({"x": {1, 2}}, "state_dict/x"),
     ({"x": {"y": object()}}, "state_dict/x/y"),
     ({"x": [b"bytes"]}, r"state_dict/x\[0\]"),
-    ({1: torch.zeros(1)}, "keys must be str"),
+    ({"x": {(1, 2): torch.zeros(1)}}, "keys must be str or int"),
+    ({"x": {True: torch.zeros(1)}}, "keys must be str or int"),
     ({"__sdcw_tensor__": 1}, "reserved"),
 ])
 def test_flatten_rejects_unsupported_objects_with_the_path(bad: dict, where: str) -> None:
@@ -135,3 +136,35 @@ def test_stale_pending() -> None:
             policy.Record(3, "PENDING", 0, begun_at=90.0)]
     assert policy.stale_pending(recs, now=100.0, timeout_s=60.0) == [1]
     assert policy.stale_pending(recs, now=200.0, timeout_s=60.0) == [1, 3]
+
+
+def test_retention_keeps_a_verified_checkpoint_behind_the_rollback_span():
+    from checkpoint import policy
+
+    # run retention after every save, as the agent does, and check that a rollback target older than
+    # any anomaly start inside the span always survives
+    span, live = 100, []
+    for step in range(0, 600, 10):
+        live.append(policy.Record(step, policy.VERIFIED, 10, float(step)))
+        evict = set(policy.plan_retention(live, keep_committed=2, memory_cap_bytes=None, rollback_span_steps=span))
+        live = [r for r in live if r.step not in evict]
+        assert len(live) <= 5
+        for start in range(max(1, step - span + 1), step + 1):
+            older = [r.step for r in live if r.step < start]
+            assert older, f"no checkpoint older than {start} at step {step}"
+            assert start - max(older) <= 2 * span + 10
+    recs = [policy.Record(s, policy.VERIFIED, 10, float(s)) for s in range(0, 300, 10)]
+    assert policy.plan_retention(recs, keep_committed=2, memory_cap_bytes=None) == list(range(0, 280, 10))
+
+
+def test_int_keys_round_trip_through_json():
+    """Optimizer state dicts key their per-parameter state by int: kept exactly (not stringified)."""
+    import json
+
+    sd = {"optim": {"state": {0: {"exp_avg": torch.ones(2)}, 1: {"step": torch.tensor(3.0)}},
+                    "param_groups": [{"params": [0, 1], "betas": (0.9, 0.95)}]}}
+    tree, named = flatten(sd)
+    back = unflatten(json.loads(json.dumps(tree)), [t for _, t in named])
+    assert set(back["optim"]["state"]) == {0, 1}
+    assert torch.equal(back["optim"]["state"][0]["exp_avg"], torch.ones(2))
+    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.95)
