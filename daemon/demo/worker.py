@@ -75,7 +75,8 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
     ckpt = CheckpointClient.connect(spec["job_id"], rank, world, target=sock, deadline_s=10)
     steps, every = int(spec["steps"]), int(spec.get("ckpt_every", 10))
     step, data_index, iteration = 0, 0, 0
-    handled_votes: set[int] = set()
+    seen_vote: Any = None
+    handled_seq = 0
     log.write(event="start", rank=rank, world=world, device=str(device), params=sum(p.numel() for p in model.parameters()))
     while step < steps:
         x, y = batches.get(data_index, rank)
@@ -98,18 +99,25 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
                              "meta": {"step": step, "data_index": data_index}})
         # -- rollback, decided together ---------------------------------------------------------------
-        request = torch.zeros(4, dtype=torch.int64)
+        # request: [kind, directive target + 1, skip, anomaly step, directive seq]; MAX over the ranks
+        request = torch.zeros(5, dtype=torch.int64)
         vote = monitor.last_vote
-        if vote is not None and not vote.result.agreed and vote.step not in handled_votes:
-            request[0], request[3] = ROLLBACK_VOTE, vote.step
+        if vote is not None and vote is not seen_vote:
+            seen_vote = vote
+            if not vote.result.agreed:
+                request[0], request[3] = ROLLBACK_VOTE, vote.step
         directive = monitor.pending_directive()
+        while directive is not None and directive.event_seq <= handled_seq:
+            directive = monitor.pending_directive()  # one another rank already acted on
         if directive is not None and directive.kind == 1:  # KIND_ROLLBACK
             request[0] = max(int(request[0]), ROLLBACK_DIRECTIVE)
-            request[1], request[2] = directive.target_step + 1, directive.skip_batches  # +1: 0 means none
+            request[1], request[2] = directive.target_step + 1, directive.skip_batches
+            request[4] = directive.event_seq
         dist.all_reduce(request, op=dist.ReduceOp.MAX)
         if int(request[0]):
-            if int(request[3]):
-                handled_votes.add(int(request[3]))
+            handled_seq = max(handled_seq, int(request[4]))
+            monitor.flush()  # votes about steps before the rollback are read now and ignored
+            seen_vote = monitor.last_vote
             target = torch.tensor([-1, 0], dtype=torch.int64)
             if rank == 0:
                 target[0], target[1] = pick_target(ckpt, request)
