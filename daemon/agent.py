@@ -68,6 +68,9 @@ class Agent:
         self.jobs = JobTracker(max_jobs=config.jobs.max_jobs, idle_s=config.jobs.job_idle_s,
                                on_evict=self._forget_job)
         self.health = HealthServicer()
+        from daemon.alerts import AlertDispatcher
+
+        self.alerts = AlertDispatcher(config.alerts, node=self.host, registry=self.metrics.registry)
         self.probes: dict[str, ProbeRunner] = {}
         self.redis_url = config.redis.url
         self.embedded_redis: EmbeddedRedis | None = None
@@ -90,6 +93,7 @@ class Agent:
         self.journal.open()
         self.steps.open()
         self.bus.bind_loop(loop)
+        await self.alerts.start(self.bus, since_seq=self.bus.last_seq)
         await self._start_redis()
         self._start_metrics()
         self._start_checkpoints()
@@ -300,6 +304,8 @@ class Agent:
         if self.journal._fh is not None:
             self.bus.publish("agent.stopping", Severity.INFO, "node", "agent stopping")
         await self.bus.close()
+        with contextlib.suppress(Exception):
+            await self.alerts.stop(flush_timeout_s=2.0)
         grace = self.config.agent.shutdown_grace_s
         await asyncio.gather(*(s.stop(grace) for s in self._servers), return_exceptions=True)
         for task in self._tasks:
@@ -379,7 +385,12 @@ class Agent:
             loss.forget(job)
 
     def _count_event(self, event: Any) -> None:
-        self.metrics.events.labels(event.kind, event.severity.name.lower()).inc()
+        severity = event.severity.name.lower()
+        self.metrics.events.labels(event.kind, severity).inc()
+        if event.subject.startswith("job/"):
+            job = event.subject.split("/", 2)[1]
+            if job in self.jobs.jobs:  # bounded: only jobs the tracker holds
+                self.metrics.job_events.labels(job, event.kind, severity).inc()
 
     def _on_gpu_transition(self, rec: GpuRecord, old: State, new: State, reason: str) -> None:
         severity = (Severity.CRITICAL if new in (State.FAILED, State.SUSPECT)

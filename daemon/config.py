@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from daemon.alerts import AlertsConfig
 from daemon.errors import ConfigError
 from daemon.paths import default_state_dir
 
@@ -156,6 +157,7 @@ class Config:
     journal: JournalConfig = dataclasses.field(default_factory=JournalConfig)
     nvml: NvmlConfig = dataclasses.field(default_factory=NvmlConfig)
     jobs: JobsConfig = dataclasses.field(default_factory=JobsConfig)
+    alerts: AlertsConfig = dataclasses.field(default_factory=AlertsConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -48,16 +48,20 @@ class AgentMetrics:
         self.events_dropped = Counter("sdcwatch_events_dropped_total",
                                       "Events not delivered to a sink (queue full or sink down)",
                                       ["sink"], registry=r)
-        self.job_steps = Counter("sdcwatch_job_steps_total", "ReportStep calls accepted", ["job"], registry=r)
-        self.job_last_step = Gauge("sdcwatch_job_last_step", "Newest step reported by a job", ["job"],
+        self.job_steps = Counter("sdcwatch_job_steps_total", "ReportStep calls accepted", ["job_id"], registry=r)
+        self.job_last_step = Gauge("sdcwatch_job_last_step", "Newest step reported by a job", ["job_id"],
                                    registry=r)
         self.job_dropped = Counter("sdcwatch_job_reports_dropped_total",
-                                   "Reports the ranks dropped because the agent was slow or down", ["job"],
+                                   "Reports the ranks dropped because the agent was slow or down", ["job_id"],
                                    registry=r)
         self.job_checks = Counter("sdcwatch_job_fingerprint_checks_total",
-                                  "Fingerprint checks run by the job's ranks", ["job"], registry=r)
+                                  "Fingerprint checks run by the job's ranks", ["job_id"], registry=r)
         self.job_mismatches = Counter("sdcwatch_job_replica_mismatches_total",
-                                      "Steps whose replica vote disagreed", ["job"], registry=r)
+                                      "Steps whose replica vote disagreed", ["job_id"], registry=r)
+        self.job_events = Counter("sdcwatch_job_events_total",
+                                  "Job-level events (loss anomalies, NaN, replica mismatch, frozen-parameter "
+                                  "changes, rollbacks) by kind and severity", ["job_id", "kind", "severity"],
+                                  registry=r)
         self.reports_rejected = Counter("sdcwatch_reports_rejected_total",
                                         "ReportStep calls rejected as invalid", registry=r)
 
@@ -74,6 +78,8 @@ class AgentMetrics:
                 metric.remove(job)
             except KeyError:
                 pass
+        for labels in [k for k in self.job_events._metrics if k[0] == job]:  # noqa: SLF001
+            self.job_events.remove(*labels)
 
 
 def start_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Any]:

@@ -204,6 +204,6 @@ def test_metrics_endpoint(agent):
     text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
     assert 'sdcwatch_build_info{' in text
     assert 'sdcwatch_rpc_requests_total{code="OK",method="ReportStep"}' in text
-    assert 'sdcwatch_job_steps_total{job="metrics-job"} 1.0' in text
+    assert 'sdcwatch_job_steps_total{job_id="metrics-job"} 1.0' in text
     assert 'sdcwatch_events_total{kind="agent.ready",severity="info"} 1.0' in text
     assert "sdcwatch_agent_uptime_seconds" in text
