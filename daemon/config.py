@@ -140,6 +140,20 @@ class NvmlConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class CanaryConfig:
+    enabled: bool = True             # run canaries on idle GPUs (needs NVML and torch with CUDA)
+    interval_s: float = 600.0        # how often to look for idle GPUs due for a canary
+    level: str = "quick"             # quick or full
+    timeout_s: float = 300.0         # a canary run slower than this marks the probe HUNG
+
+    def validate(self) -> None:
+        if self.level not in ("tiny", "quick", "full"):
+            raise ConfigError("canary.level", f"expected quick or full, got {self.level!r}")
+        _positive("canary.interval_s", self.interval_s)
+        _positive("canary.timeout_s", self.timeout_s)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class JobsConfig:
     max_jobs: int = 64               # jobs tracked at once (least recently seen evicted)
     rollback: bool = True            # reply with rollback directives on critical loss events
@@ -156,6 +170,7 @@ class Config:
     redis: RedisConfig = dataclasses.field(default_factory=RedisConfig)
     journal: JournalConfig = dataclasses.field(default_factory=JournalConfig)
     nvml: NvmlConfig = dataclasses.field(default_factory=NvmlConfig)
+    canary: CanaryConfig = dataclasses.field(default_factory=CanaryConfig)
     jobs: JobsConfig = dataclasses.field(default_factory=JobsConfig)
     alerts: AlertsConfig = dataclasses.field(default_factory=AlertsConfig)
 

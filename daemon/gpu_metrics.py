@@ -58,6 +58,10 @@ class GpuMetrics:
         self.unsupported = Gauge("sdcwatch_gpu_unsupported_fields", "Fields the GPU answers NotSupported", L,
                                  registry=r)
         self.up = Gauge("sdcwatch_gpu_readable", "1 if the last poll read any field of the GPU", L, registry=r)
+        self.canary_runs = Counter("sdcwatch_gpu_canary_runs", "Canary suite runs on the GPU, by result "
+                                   "(pass, fail, unknown)", L + ("result",), registry=r)
+        self.canary_failures = Counter("sdcwatch_gpu_canary_failures", "Canary suite runs that FAILED", L,
+                                       registry=r)
         self._children: dict[str, list[tuple[object, tuple[str, ...]]]] = {}
 
     @staticmethod
@@ -79,6 +83,11 @@ class GpuMetrics:
             metric.labels(*labels).inc(value)
         else:
             metric.labels(*labels)  # create the series at 0
+
+    def observe_canary(self, identity: GpuIdentity, result: str) -> None:
+        """One canary run on the GPU: result is 'pass', 'fail' or 'unknown'."""
+        self._inc(identity, self.canary_runs, (result,), 1)
+        self._inc(identity, self.canary_failures, (), 1 if result == "fail" else 0)
 
     def observe_xid(self, identity: GpuIdentity, xid: int) -> None:
         self._inc(identity, self.xid, (str(int(xid)),), 1)

@@ -70,6 +70,8 @@ async def start(agent: "Agent") -> None:
     thread.start()
     agent.gpu_state_hook = wiring.on_state
     agent.closers = [*getattr(agent, "closers", []), stop.set, probe.close]
+    if agent.config.canary.enabled and not cfg.scenario:
+        start_canary(agent, wiring)
     agent.bus.publish("nvml.discovered", _info(), "node",
                       f"{len(identities)} GPU(s): " + ", ".join(f"{i.uuid} ({i.pci_bus_id})" for i in identities),
                       {"gpus": [{"uuid": i.uuid, "pci_bus_id": i.pci_bus_id, "name": i.name, "index": i.index}
@@ -142,3 +144,30 @@ class NvmlWiring:
         ident = self.identities.get(rec.uuid)
         if ident is not None:
             self.metrics.set_state(ident, rec.state)
+
+
+def start_canary(agent: "Agent", wiring: "NvmlWiring") -> None:
+    """The in-agent canary: idle GPUs only, one at a time, memory capped, HUNG if it overruns."""
+    from daemon.probe_runner import ProbeRunner
+    from probes.canary_agent import AgentCanaryProbe
+
+    cfg = agent.config.canary
+    probe = AgentCanaryProbe(level=cfg.level, evidence_dir=agent.state_dir / "canary")
+
+    def on_result(report: Any, now: float) -> None:
+        for uuid, evidence in report.evidence.items():
+            if uuid in agent.gpus.gpus:
+                agent.gpus.add_evidence(uuid, evidence, now)
+        for finding in report.findings:
+            agent.bus.publish_finding(finding)
+        if report.suite is not None:
+            for uuid in report.evidence:
+                ident = wiring.identities.get(uuid)
+                if ident is None:
+                    continue
+                status, _ = report.suite.device_status(uuid)
+                wiring.metrics.observe_canary(ident, status.name.lower())
+
+    agent.add_probe(ProbeRunner("canary", probe.run_once, interval_s=cfg.interval_s, timeout_s=cfg.timeout_s,
+                                on_result=on_result, publish=agent.bus.publish,
+                                observe=agent.metrics.observe_probe))
