@@ -15,7 +15,6 @@ RUNBOOKS = ROOT / "docs" / "runbooks"
 # docs/oncall.md). A name here that starts being exported is fine; a name used but neither exported nor
 # listed here is a typo and fails the tests.
 PENDING_METRICS = frozenset({
-    "sdcwatch_gpu_canary_failures_total",                       # canary command/probe
     "sdcwatch_checkpoint_last_verified_timestamp_seconds",      # checkpoint coordinator, per job
     "sdcwatch_checkpoint_drain_backlog_bytes",                  # drainer, per tier
     "sdcwatch_checkpoint_tier_errors_total",                    # drainer/stores, per tier
