@@ -14,13 +14,14 @@ the deadline. Bytes go straight into the agent's memory tier (files), never thro
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Mapping
 
 import grpc
 
 from checkpoint.blobstore import BlobStore
 from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
-                                    RestorePlan, ShardPlan)
+                                    RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
                                NotInMemoryError, UnknownCheckpointError)
 from checkpoint.manifest import ShardManifest
@@ -87,12 +88,23 @@ class GrpcAgentLink:
                                                              world_size=world_size))
         return BeginResult(_state(r.state), r.node, r.location, r.blob_key)
 
-    def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str) -> CommitResult:
-        r = self._rpc(self.stub.CommitShard, self.pb.CommitShardRequest(
-            job_id=job_id, step=step, rank=rank, world_size=world_size, manifest_json=manifest_json))
+    def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str, *,
+                     report: SaveReport | None = None) -> CommitResult:
+        req = self.pb.CommitShardRequest(job_id=job_id, step=step, rank=rank, world_size=world_size,
+                                         manifest_json=manifest_json)
+        if report is not None:
+            req.blocking_seconds, req.safe_seconds = report.blocking_s, report.safe_s
+            req.stall_seconds, req.skipped_saves, req.staging = report.stall_s, report.skipped_saves, report.staging
+        r = self._rpc(self.stub.CommitShard, req)
         return CommitResult(_state(r.state), r.committed, r.shards)
 
-    def list(self, job_id: str) -> list[CheckpointInfo]:
+    def report_restore(self, r: RestoreReportMsg) -> None:
+        self._rpc(self.stub.ReportRestore, self.pb.ReportRestoreRequest(
+            job_id=r.job_id, step=r.step, rank=r.rank, seconds=r.seconds, bytes=r.nbytes, chunks=r.chunks,
+            fallbacks=r.fallbacks, checksum_failures=r.checksum_failures, ok=r.ok, error=r.error[:2000]))
+
+    def list(self, job_id: str = "") -> list[CheckpointInfo]:
+        """Checkpoints of `job_id`, or of every job the agent knows when it is empty."""
         r = self._rpc(self.stub.List, self.pb.ListCheckpointsRequest(job_id=job_id))
         return [_info(i) for i in r.checkpoints]
 
@@ -147,7 +159,30 @@ class CheckpointClient:
     def restore(self, target: int | str = LATEST_VERIFIED, device: Any = "cpu",
                 report: RestoreReport | None = None) -> dict[str, Any]:
         plan = self.link.restore_plan(self.job_id, target, self.rank)
-        return restore_from_plan(plan, self.rank, self.store_for, device, report)
+        report = report if report is not None else RestoreReport()
+        t0 = time.perf_counter()
+        ok, error = False, ""
+        try:
+            out = restore_from_plan(plan, self.rank, self.store_for, device, report)
+            ok = True
+            return out
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            self._report_restore(RestoreReportMsg(
+                self.job_id, plan.checkpoint.step, self.rank, time.perf_counter() - t0,
+                sum(s.manifest.nbytes for s in plan.shards if s.rank == self.rank), report.chunks,
+                report.fallbacks, len(report.failures), ok, error))
+
+    def _report_restore(self, msg: RestoreReportMsg) -> None:
+        send = getattr(self.link, "report_restore", None)
+        if send is None:
+            return
+        try:
+            send(msg)
+        except Exception as e:  # noqa: BLE001 - metrics only: never fail a restore over them
+            log.info("could not report the restore to the agent: %s", e)
 
     def list(self) -> list[CheckpointInfo]:
         return self.link.list(self.job_id)

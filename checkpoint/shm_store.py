@@ -84,6 +84,22 @@ class DirStore:
         os.replace(tmp, final)
         return written
 
+    def link_in(self, key: str, src: str | os.PathLike[str]) -> int:
+        """Publish the existing file `src` (on the same filesystem) as blob `key` by a hard link: atomic
+        (link to a temp name, rename over the final one), no bytes copied. `src` is a rank's staging slot
+        (checkpoint.slots); the blob and the slot are then two names of one file. Returns its size."""
+        final = self.path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}-{next(_counter)}")
+        os.link(src, tmp)
+        try:
+            size = os.stat(tmp).st_size
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return size
+
     def _spare_dir(self) -> Path:
         return self.root / ".spares"
 
@@ -106,6 +122,11 @@ class DirStore:
 
     def _recycle(self, p: Path) -> bool:
         if not self.spares:
+            return False
+        try:
+            if os.stat(p).st_nlink > 1:
+                return False  # also a rank's staging slot (link_in): never reuse its pages for another blob
+        except FileNotFoundError:
             return False
         d = self._spare_dir()
         with self._lock:
@@ -224,14 +245,46 @@ class DirStore:
         return n
 
     def used_bytes(self) -> int:
-        total = 0
+        """Bytes of every file under the root (blobs, spares, staging slots), each file counted once
+        however many names it has (a published slot is both a slot and a blob)."""
+        total, seen = 0, set()
         for dirpath, _dirs, files in os.walk(self.root):
             for f in files:
                 try:
-                    total += (Path(dirpath) / f).stat().st_size
+                    st = (Path(dirpath) / f).stat()
                 except FileNotFoundError:
-                    pass
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
         return total
+
+    def sweep_slots(self, now: float, min_age_s: float = 60.0) -> int:
+        """Unlink the staging slots of ranks that are gone (see checkpoint.slots); return how many."""
+        from checkpoint.slots import sweep_dead_slots
+
+        return sweep_dead_slots(self.root, now, min_age_s)
+
+    def remove_all(self) -> int:
+        """Delete the whole directory tree (blobs, spares, slots); return the files removed. For an agent
+        whose index died with it (embedded Redis): the bytes could never be restored again."""
+        n = 0
+        if not self.root.exists():
+            return 0
+        for dirpath, dirs, files in os.walk(self.root, topdown=False):
+            for f in files:
+                (Path(dirpath) / f).unlink(missing_ok=True)
+                n += 1
+            for d in dirs:
+                try:
+                    os.rmdir(Path(dirpath) / d)
+                except OSError:
+                    pass
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass
+        return n
 
 
 class ShmStore(DirStore):

@@ -1,25 +1,32 @@
-"""Rank side of a save: GPU -> pinned host buffer on a side stream, then everything else in the background.
+"""Rank side of a save: GPU -> host staging buffer on a side stream, then everything else in the background.
 
 `Snapshotter.save(step, state_dict)`:
   1. flattens the state dict (tensors + JSON-safe rest; anything else is a clear error, before any copy);
-  2. on CUDA: on a side stream that waits for the current stream, fingerprints the GPU tensors
-     (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into one pinned
-     host arena reused across saves (allocated only when the state grows);
-  3. returns when the copy is complete (`block="copy"`, the default) or as soon as it is enqueued
+  2. picks the staging buffer: by default (`staging="slots"`) a slot of `checkpoint.slots.SlotRing`, a file
+     in the agent's memory dir mapped once and cudaHostRegister'ed, so the copy below IS the write into
+     node memory (the bytes survive this process as soon as it completes); otherwise (`staging="private"`,
+     or no free slot, or the agent's dir is not visible here, or the first save, which learns where the
+     agent's dir is from its Begin) one private pinned arena reused across saves;
+  3. on CUDA: on a side stream that waits for the current stream, fingerprints the GPU tensors
+     (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into the buffer;
+  4. returns when the copy is complete (`block="copy"`, the default) or as soon as it is enqueued
      (`block="enqueue"`: the current stream then waits for the copy on the GPU, so later in-place updates
      cannot race it; the host never blocks).
-Background (one worker thread, so saves never overlap): `sink.begin` -> chunk + xxh3-128 each chunk while
-streaming it into the node memory tier (the shard is then safe from a crash of this process) -> fingerprint
-of the host bytes, which must equal the GPU fingerprint -> `sink.commit_shard(manifest)`.
+Background (one worker thread, so saves never overlap): `sink.begin` -> publish the shard as the blob
+`<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for a private buffer, a streamed
+file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which must equal the GPU fingerprint
+-> `sink.commit_shard(manifest)`. Each host byte is checksummed once and fingerprinted once.
 
 A save requested while the previous one is still in the background waits for it (`policy="wait"`) or is
-skipped (`policy="skip"`); the arena is never overwritten under a running save.
+skipped (`policy="skip"`); a staging buffer is never overwritten under a running save, and a slot is never
+overwritten while a stored checkpoint still references it.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
@@ -27,10 +34,12 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from checkpoint.blobstore import BlobStore
-from checkpoint.chunks import DEFAULT_CHUNK_BYTES, Chunk, iter_checksummed
+from checkpoint.chunks import DEFAULT_CHUNK_BYTES, Chunk, checksum_chunks, iter_checksummed
+from checkpoint.coordinator import SaveReport
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError
 from checkpoint.manifest import ShardManifest, TensorEntry, dtype_name, flatten
 from checkpoint.names import validate_job_id, validate_rank, validate_step
+from checkpoint.slots import Slot, SlotRing
 from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
 
 log = logging.getLogger(__name__)
@@ -43,7 +52,8 @@ class ShardSink(Protocol):
 
     def begin(self, job_id: str, step: int, rank: int, world_size: int) -> Any: ...
 
-    def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str) -> Any: ...
+    def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str, *,
+                     report: SaveReport | None = None) -> Any: ...
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -54,6 +64,8 @@ class SnapshotConfig:
     pin_memory: bool | None = None  # None: pin when CUDA is available
     check_source_fingerprint: bool | None = None  # None: for CUDA tensors (CPU tensors cannot change under us)
     fingerprint_threads: int = 4    # host fingerprints of the tensors run in parallel (numpy frees the GIL)
+    staging: str = "slots"          # "slots": agent-owned shm slot files; "private": own pinned buffer + file write
+    max_slots: int = 4              # slots per rank (keep_committed + newest verified + one being written)
 
     def __post_init__(self) -> None:
         if self.policy not in ("wait", "skip"):
@@ -62,6 +74,10 @@ class SnapshotConfig:
             raise InvalidInputError(f"block must be 'copy' or 'enqueue', got {self.block!r}")
         if self.chunk_bytes <= 0:
             raise InvalidInputError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.staging not in ("slots", "private"):
+            raise InvalidInputError(f"staging must be 'slots' or 'private', got {self.staging!r}")
+        if self.max_slots < 1:
+            raise InvalidInputError(f"max_slots must be >= 1, got {self.max_slots}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
 
@@ -73,8 +89,12 @@ class SaveResult:
     committed_now: bool = False
     nbytes: int = 0
     blocking_s: float = 0.0     # time save() blocked the caller
+    stall_s: float = 0.0        # of which waiting for the previous save, still writing
     safe_s: float = 0.0         # from save() returning until the shard was in the node memory tier
     commit_s: float = 0.0       # from save() returning until the agent accepted the shard
+    checksum_s: float = 0.0     # background time spent on chunk checksums
+    fingerprint_s: float = 0.0  # background time spent on the host fingerprint
+    staging: str = ""           # "slot" (copy landed in node memory) or "private" (copied again after)
     error: str = ""
 
 
@@ -103,6 +123,9 @@ class _Arena:
         if self.buf.numel() < nbytes:
             self.buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         return self.buf
+
+    def release(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -141,6 +164,12 @@ class Snapshotter:
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()
         self._side: dict[torch.device, Any] = {}
+        self._ring: SlotRing | None = None
+        self._location: str | None = None      # the agent's memory dir, learned from the first begin
+        self._reset_ring = False                # the agent's dir moved or vanished: rebuild the slots
+        self._slots_off = self.config.staging != "slots"
+        self._warned_full = False
+        self._skipped = 0                       # saves skipped since the last one handed to the background
 
     def save(self, step: int, state_dict: Mapping[str, Any]) -> SaveHandle | None:
         """Snapshot `state_dict` as `step`; None when skipped by policy. Raises InvalidInputError on
@@ -152,20 +181,32 @@ class Snapshotter:
             if self._last is not None and not self._last.done():
                 if self.config.policy == "skip":
                     log.warning("checkpoint step %d skipped: step %d is still being written", step, self._last.step)
+                    self._skipped += 1
                     return None
+                t_wait = time.perf_counter()
                 concurrent.futures.wait([self._last.future])
+                stall = time.perf_counter() - t_wait
+            else:
+                stall = 0.0
             tensors = [t for _, t in named]
             offsets, total = layout(tensors)
-            arena = self._arena.ensure(total)
-            events, src_fps = self._copy(tensors, offsets, arena)
+            slot = self._acquire_slot(total)
+            arena = slot.tensor if slot is not None else self._arena.ensure(total)
+            try:
+                events, src_fps = self._copy(tensors, offsets, arena)
+            except BaseException:
+                if slot is not None and self._ring is not None:
+                    self._ring.release(slot)
+                raise
             if self.config.block == "copy":
                 for ev in events:
                     ev.synchronize()
             blocking = time.perf_counter() - t0
             entries = [(path, t.dtype, tuple(t.shape), off, t.numel() * t.element_size())
                        for (path, t), off in zip(named, offsets)]
+            skipped, self._skipped = self._skipped, 0
             fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
-                                    blocking, time.perf_counter())
+                                    blocking, time.perf_counter(), slot, stall, skipped)
             self._last = SaveHandle(step, fut)
             return self._last
 
@@ -176,6 +217,46 @@ class Snapshotter:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+    # ---- staging ------------------------------------------------------------------------------------
+    def _acquire_slot(self, total: int) -> Slot | None:
+        """A staging slot in the agent's memory dir, or None (use the private arena). The dir is learned
+        from the agent's answer to the first save's Begin (in the background: save() never waits on an
+        RPC), so the first save stages privately and slots are used from the second on."""
+        if self._slots_off:
+            return None
+        if self._reset_ring and self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        self._reset_ring = False
+        if self._location is None:
+            return None
+        if self._ring is None:
+            if not os.path.isdir(self._location):
+                log.warning("agent memory dir %s is not visible from this process: staging in a private buffer "
+                            "(the shard is copied again into node memory after save returns)", self._location)
+                self._slots_off = True
+                return None
+            self._ring = SlotRing(self._location, self.job_id, self.rank, max_slots=self.config.max_slots,
+                                  register_cuda=bool(self._arena.pin))
+        try:
+            slot = self._ring.acquire(total)
+        except OSError as e:
+            log.warning("cannot create a staging slot of %d bytes in %s (%s): using a private buffer",
+                        total, self._location, e)
+            return None
+        if slot is None:
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning("all %d staging slots hold stored checkpoints: this save uses a private buffer "
+                            "(raise SnapshotConfig.max_slots above the agent's keep_committed + 2)",
+                            self.config.max_slots)
+            return None
+        self._arena.release()  # slots work here: the private buffer is no longer needed
+        return slot
 
     # ---- the copy -----------------------------------------------------------------------------------
     def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor
@@ -232,8 +313,9 @@ class Snapshotter:
     # ---- the background -----------------------------------------------------------------------------
     def _background(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
                     total: int, arena: torch.Tensor, events: list[Any], src_fps: dict[int, torch.Tensor],
-                    blocking: float, returned: float) -> SaveResult:
-        res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking)
+                    blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
+                    skipped: int = 0) -> SaveResult:
+        res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall)
         try:
             for ev in events:
                 ev.synchronize()
@@ -243,13 +325,27 @@ class Snapshotter:
                 res.error = f"step {step} is already {begin.state}; shard not written again"
                 return res
             view = memoryview(arena.numpy()).cast("B")[:total]
-            chunks: list[Chunk] = []
             store = self._store_for(begin.location)
-            store.put(begin.blob_key, iter_checksummed(view, self.config.chunk_bytes, chunks))
-            res.safe_s = time.perf_counter() - returned
-            tensors = []
+            chunks: list[Chunk] = []
+            res.staging = "private"
+            if slot is not None and self._publish_slot(store, begin, slot):
+                res.staging = "slot"
+                res.safe_s = time.perf_counter() - returned
+                t0 = time.perf_counter()
+                chunks = checksum_chunks(view, self.config.chunk_bytes)
+                res.checksum_s = time.perf_counter() - t0
+            else:
+                t0 = time.perf_counter()
+                store.put(begin.blob_key, iter_checksummed(view, self.config.chunk_bytes, chunks))
+                res.safe_s = time.perf_counter() - returned
+                res.checksum_s = res.safe_s - (t0 - returned)  # checksums interleaved with the write
+            if not self._slots_off:
+                self._location = begin.location
+            t0 = time.perf_counter()
             fps = list(self._fp_pool.map(lambda e: fingerprint_bytes(view[e[3]:e[3] + e[4]], dtype_name(e[1]), e[2]),
                                          entries))
+            res.fingerprint_s = time.perf_counter() - t0
+            tensors = []
             for i, (path, dt, shape, off, n) in enumerate(entries):
                 fp = fps[i]
                 src = src_fps.get(i)
@@ -262,13 +358,35 @@ class Snapshotter:
                 tensors.append(TensorEntry(path, dtype_name(dt), shape, off, n, fp))
             manifest = ShardManifest(self.job_id, step, self.rank, self.world_size, begin.blob_key, total,
                                      self.config.chunk_bytes, tuple(chunks), tuple(tensors), tree, time.time())
-            commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size, manifest.to_json())
+            report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
+            commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size, manifest.to_json(),
+                                            report=report)
             res.commit_s = time.perf_counter() - returned
             res.state, res.committed_now = commit.state, commit.committed_now
         except Exception as e:  # noqa: BLE001 - a failed save must never reach the training loop
             res.error = f"{type(e).__name__}: {e}"
             log.warning("checkpoint step %d rank %d failed: %s", step, self.rank, res.error)
+        finally:
+            if slot is not None and self._ring is not None:
+                self._ring.release(slot)
         return res
+
+    def _publish_slot(self, store: BlobStore, begin: Any, slot: Slot) -> bool:
+        """Publish the slot as the shard's blob by a hard link; False when that cannot be done here (the
+        agent's dir moved or was wiped, or the store is not a directory): the caller copies instead."""
+        link_in = getattr(store, "link_in", None)
+        ring = self._ring
+        if link_in is None or ring is None or os.path.realpath(begin.location) != os.path.realpath(ring.root):
+            self._reset_ring = True
+            return False
+        try:
+            link_in(begin.blob_key, slot.path)
+            return True
+        except OSError as e:
+            log.warning("publishing staging slot %s as %s failed (%s); copying instead", slot.path,
+                        begin.blob_key, e)
+            self._reset_ring = True
+            return False
 
 
 def _dst(arena: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:

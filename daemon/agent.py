@@ -156,7 +156,11 @@ class Agent:
         from daemon.checkpoint_service import build_checkpoint_service, register
         from proto.sdcwatch.v1 import checkpoint_pb2
 
-        self.checkpoints = build_checkpoint_service(self.redis_url, self.state_dir, self.bus.publish, node=self.host)
+        from daemon.checkpoint_metrics import CheckpointMetrics
+
+        self.checkpoints = build_checkpoint_service(self.redis_url, self.state_dir, self.bus.publish, node=self.host,
+                                                    ephemeral_index=self.embedded_redis is not None)
+        self.checkpoints.metrics = CheckpointMetrics(self.metrics.registry)  # updated every maintenance round
         name = checkpoint_pb2.DESCRIPTOR.services_by_name["Checkpoints"].full_name
         self.extra_services.append((lambda server: register(server, self.checkpoints), [name]))
         self._tasks.append(asyncio.create_task(self.checkpoints.run_maintenance(interval_s=10.0),
@@ -490,6 +494,9 @@ class Agent:
                             failures=st.failures)
         for name, (state, error) in getattr(self, "static_probes", {}).items():
             resp.probes.add(name=name, state=probe_state_pb(state), last_error=error)
+        from daemon.checkpoint_service import checkpoint_status
+
+        resp.checkpoints.extend(checkpoint_status(getattr(self, "checkpoints", None)))
         for job in self.jobs.jobs.values():
             resp.jobs.add(job_id=job.job_id, ranks=sorted(job.ranks)[:1024], last_step=job.last_step,
                           last_report=job.last_report, steps_seen=job.steps_seen,

@@ -10,6 +10,12 @@ Wiring, for the agent (daemon/):
     # "vote_agreed", "vote_mismatch", "sdc", "nan", "fatal_hardware", "rollback", "clear"):
     await svc.job_event(job_id, step_or_None, "vote_agreed", time.time())
     svc.stats()  # counters for /metrics: shards/checkpoints committed, bytes, evictions, aborted, ...
+    svc.summaries()  # per-job summary, refreshed each maintenance round (no I/O): GetStatus, metrics
+    await svc.close()  # on stop; removes the memory dir when built with ephemeral_index=True
+
+With an embedded Redis (no persistence) the index dies with the agent, so the bytes in the memory dir
+could never be restored again: build with `ephemeral_index=True` to wipe the dir at start (left by a
+killed agent) and on a clean stop. With an external Redis the bytes stay: they are still indexed.
 
 Every request is validated (INVALID_ARGUMENT with the reason); all Redis and store I/O runs in
 `asyncio.to_thread`, never on the event loop. Errors map to codes: unknown step / not in memory ->
@@ -29,11 +35,12 @@ import grpc
 
 from checkpoint import policy
 from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, CheckpointInfo, Coordinator, CoordinatorConfig,
-                                    Publish)
+                                    Publish, RestoreReportMsg, SaveReport)
 from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
 from checkpoint.shm_store import ShmStore, default_shm_root
+from proto.sdcwatch.v1 import agent_pb2
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -57,12 +64,18 @@ def info_to_pb(i: CheckpointInfo) -> pb.CheckpointInfo:
 
 class CheckpointService(pb_grpc.CheckpointsServicer):
     def __init__(self, coordinator: Coordinator, *, replicator: Replicator | None = None,
-                 maintenance_timeout_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+                 maintenance_timeout_s: float = 60.0, clock: Callable[[], float] = time.time,
+                 remove_memory_on_close: bool = False) -> None:
         self.coordinator = coordinator
         self.replicator = replicator
         self.maintenance_timeout_s = maintenance_timeout_s
         self.clock = clock
+        self.remove_memory_on_close = remove_memory_on_close
         self._background: set[asyncio.Task[Any]] = set()
+        self._summaries: list[agent_pb2.CheckpointSummary] = []
+        self._summary_at = 0.0
+        self._memory_bytes = 0
+        self.metrics: Any = None   # a daemon.checkpoint_metrics.CheckpointMetrics, updated each round
 
     # ---- RPCs ---------------------------------------------------------------------------------------
     async def Begin(self, request: pb.BeginRequest, context: grpc.aio.ServicerContext) -> pb.BeginResponse:
@@ -76,17 +89,34 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         job, step, rank, world = await self._shard_args(request, context)
         if not request.manifest_json:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest_json is empty")
+        report = SaveReport(max(0.0, request.blocking_seconds), max(0.0, request.safe_seconds),
+                            max(0.0, request.stall_seconds), request.skipped_saves, request.staging[:16])
         r = await self._call(context, self.coordinator.commit_shard, job, step, rank, world,
-                             request.manifest_json, self.clock())
+                             request.manifest_json, self.clock(), report)
         if self.replicator is not None:
             self._spawn(self._replicate(job, step, rank))
         return pb.CommitShardResponse(state=STATE_TO_PB.get(r.state, 0), committed=r.committed_now, shards=r.shards)
 
     async def List(self, request: pb.ListCheckpointsRequest,
                    context: grpc.aio.ServicerContext) -> pb.ListCheckpointsResponse:
-        job = await self._job(request.job_id, context)
-        infos = await self._call(context, self.coordinator.list, job)
+        if request.job_id:
+            job = await self._job(request.job_id, context)
+            infos = await self._call(context, self.coordinator.list, job)
+        else:
+            infos = await self._call(context, self._list_all)
         return pb.ListCheckpointsResponse(checkpoints=[info_to_pb(i) for i in infos])
+
+    async def ReportRestore(self, request: pb.ReportRestoreRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ReportRestoreResponse:
+        job = await self._job(request.job_id, context)
+        if request.step < 0 or request.rank < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"step and rank must be >= 0, got step {request.step} rank {request.rank}")
+        msg = RestoreReportMsg(job, request.step, request.rank, max(0.0, request.seconds), request.bytes,
+                               request.chunks, request.fallbacks, request.checksum_failures, request.ok,
+                               request.error[:2000])
+        await self._call(context, self.coordinator.report_restore, msg)
+        return pb.ReportRestoreResponse()
 
     async def Latest(self, request: pb.LatestRequest, context: grpc.aio.ServicerContext) -> pb.LatestResponse:
         job = await self._job(request.job_id, context)
@@ -130,8 +160,42 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         await asyncio.to_thread(self.coordinator.on_job_event, job_id, step, kind, now, reason)
 
     async def maintain_once(self) -> dict[str, list[int]]:
-        return await asyncio.wait_for(asyncio.to_thread(self.coordinator.maintain, self.clock()),
-                                      self.maintenance_timeout_s)
+        out = await asyncio.wait_for(asyncio.to_thread(self.coordinator.maintain, self.clock()),
+                                     self.maintenance_timeout_s)
+        await self.refresh_summaries()
+        if self.metrics is not None:
+            try:
+                self.metrics.update(self)
+            except Exception:  # noqa: BLE001 - metrics never break maintenance
+                log.exception("updating checkpoint metrics failed")
+        return out
+
+    async def refresh_summaries(self) -> list[agent_pb2.CheckpointSummary]:
+        """Recompute the per-job summaries (Redis reads, off the loop); `summaries()` returns them."""
+        infos = await asyncio.wait_for(asyncio.to_thread(self._list_all), self.maintenance_timeout_s)
+        used = getattr(self.coordinator.store, "used_bytes", None)
+        if used is not None:
+            self._memory_bytes = await asyncio.wait_for(asyncio.to_thread(used), self.maintenance_timeout_s)
+        self._summaries = summarize(infos)
+        self._summary_at = self.clock()
+        return self._summaries
+
+    def memory_bytes(self) -> int:
+        """Bytes in this node's memory tier as of the last maintenance round."""
+        return self._memory_bytes
+
+    def summaries(self) -> list[agent_pb2.CheckpointSummary]:
+        """Per-job summaries as of the last maintenance round (no I/O: safe in GetStatus)."""
+        return list(self._summaries)
+
+    def _list_all(self) -> list[CheckpointInfo]:
+        out: list[CheckpointInfo] = []
+        for job in self.coordinator.jobs():
+            try:
+                out.extend(self.coordinator.list(job))
+            except InvalidInputError:
+                log.warning("ignoring a malformed job id in Redis: %r", job)
+        return out
 
     async def run_maintenance(self, interval_s: float = 10.0) -> None:
         """Retention and GC forever; a failed or timed-out round is logged and the loop goes on."""
@@ -147,10 +211,18 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     def stats(self) -> dict[str, int]:
         return dict(self.coordinator.stats)
 
-    async def close(self) -> None:
+    async def close(self, remove_memory: bool | None = None) -> None:
+        """Stop background work; remove this node's memory dir when `remove_memory` (default: the
+        `remove_memory_on_close` given at construction, i.e. the index is an embedded Redis)."""
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if remove_memory if remove_memory is not None else self.remove_memory_on_close:
+            remove = getattr(self.coordinator.store, "remove_all", None)
+            if remove is not None:
+                n = await asyncio.to_thread(remove)
+                log.info("removed the checkpoint memory dir %s (%d files): its index died with the embedded "
+                         "Redis", self.coordinator.location, n)
 
     # ---- helpers ------------------------------------------------------------------------------------
     async def _replicate(self, job: str, step: int, rank: int) -> None:
@@ -210,16 +282,45 @@ def register(server: grpc.aio.Server, service: CheckpointService) -> None:
 def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], publish: Publish | None = None, *,
                              node: str | None = None, config: CoordinatorConfig | None = None,
                              memory_dir: str | os.PathLike[str] | None = None,
-                             replicator_factory: Callable[[Coordinator], Replicator] | None = None
-                             ) -> CheckpointService:
+                             replicator_factory: Callable[[Coordinator], Replicator] | None = None,
+                             ephemeral_index: bool = False) -> CheckpointService:
     """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
-    training processes), the coordination Redis at `redis_url`."""
+    training processes), the coordination Redis at `redis_url`. `ephemeral_index`: the Redis is the
+    agent's embedded one (no persistence): the memory dir is wiped now (bytes a killed agent left, no
+    longer indexed anywhere) and again on `close()`."""
     import redis
 
     root = Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir)
+    if ephemeral_index and root.exists():
+        n = ShmStore(root, spares=0).remove_all()
+        if n:
+            log.info("removed %d unindexed file(s) a previous agent left in %s", n, root)
     store = ShmStore(root)
     client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
     coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),
                               config=config, publish=publish)
     replicator = replicator_factory(coordinator) if replicator_factory else None
-    return CheckpointService(coordinator, replicator=replicator)
+    return CheckpointService(coordinator, replicator=replicator, remove_memory_on_close=ephemeral_index)
+
+
+def summarize(infos: list[CheckpointInfo]) -> list[agent_pb2.CheckpointSummary]:
+    """One `CheckpointSummary` per job from its live checkpoint records (oldest first)."""
+    by_job: dict[str, list[CheckpointInfo]] = {}
+    for i in infos:
+        by_job.setdefault(i.job_id, []).append(i)
+    out = []
+    for job, items in sorted(by_job.items()):
+        items.sort(key=lambda i: i.step)
+        restorable = [i for i in items if i.state in policy.RESTORABLE_STATES]
+        verified = [i for i in items if i.state == policy.VERIFIED]
+        out.append(agent_pb2.CheckpointSummary(
+            job_id=job, count=len(items), latest_step=restorable[-1].step if restorable else -1,
+            latest_verified_step=verified[-1].step if verified else -1,
+            latest_verified_at=verified[-1].verified_at if verified else 0.0,
+            bytes=sum(i.nbytes for i in items), latest_state=items[-1].state))
+    return out
+
+
+def checkpoint_status(service: "CheckpointService | None") -> list[agent_pb2.CheckpointSummary]:
+    """For GetStatus: the per-job checkpoint summaries (cached; no I/O). Empty without the service."""
+    return service.summaries() if service is not None else []

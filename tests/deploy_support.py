@@ -15,7 +15,6 @@ RUNBOOKS = ROOT / "docs" / "runbooks"
 # docs/oncall.md). A name here that starts being exported is fine; a name used but neither exported nor
 # listed here is a typo and fails the tests.
 PENDING_METRICS = frozenset({
-    "sdcwatch_checkpoint_last_verified_timestamp_seconds",      # checkpoint coordinator, per job
     "sdcwatch_checkpoint_drain_backlog_bytes",                  # drainer, per tier
     "sdcwatch_checkpoint_tier_errors_total",                    # drainer/stores, per tier
 })
@@ -56,12 +55,14 @@ def metric_names_in(expr: str) -> set[str]:
 def exported_metric_names() -> set[str]:
     """Every sample name the agent's registries can produce (agent, GPU and alert metrics)."""
     from daemon.alerts import AlertMetrics
+    from daemon.checkpoint_metrics import CheckpointMetrics
     from daemon.gpu_metrics import GpuMetrics
     from daemon.metrics import AgentMetrics
 
     reg = CollectorRegistry()
     GpuMetrics(reg)
     AlertMetrics(reg)
+    CheckpointMetrics(reg)
     names: set[str] = set()
     for r in (AgentMetrics().registry, reg):
         for mf in r.collect():

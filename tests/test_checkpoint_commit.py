@@ -177,8 +177,8 @@ def test_redis_restarted_empty_says_not_in_memory(fresh_redis, tmp_path: Path) -
             fresh_redis.restart_empty()
             return r
 
-        def commit_shard(self, *a):
-            return co.commit_shard(*a)
+        def commit_shard(self, *a, **kw):
+            return co.commit_shard(*a, **kw)
 
     snap = Snapshotter(RestartBetween(), job, 0, 2)
     res = snap.save(2, state_dict(0, 2)).result(20)
@@ -214,21 +214,25 @@ def test_second_save_waits_or_skips_never_corrupts(redis_server, tmp_path: Path)
             gate.wait(10)
             return co.begin(*a)
 
-        def commit_shard(self, *a):
-            return co.commit_shard(*a)
+        def commit_shard(self, *a, **kw):
+            return co.commit_shard(*a, **kw)
 
-    snap = Snapshotter(SlowLink(), job, 0, 1, SnapshotConfig(policy="skip"))
-    first = snap.save(1, state_dict(0, 1))
-    assert snap.save(2, state_dict(0, 2)) is None  # skipped: step 1 still writing
+    skipper = Snapshotter(SlowLink(), job, 0, 1, SnapshotConfig(policy="skip"))
+    first = skipper.save(1, state_dict(0, 1))
+    assert skipper.save(2, state_dict(0, 2)) is None  # skipped: step 1 still writing
     gate.set()
     assert first.result(10).state == "COMMITTED"
-    snap.close()
     snap = Snapshotter(co, job, 0, 1, SnapshotConfig(policy="wait"))
     h2, h3 = snap.save(2, state_dict(0, 2)), snap.save(3, state_dict(0, 3))
     assert h2.result(10).state == h3.result(10).state == "COMMITTED"
     for s in (2, 3):
         assert_same(restore(co, job, s, 0), state_dict(0, s))
     snap.close()
+    assert co.stats["saves_skipped"] == 0
+    assert skipper.save(4, state_dict(0, 4)).result(10).state == "COMMITTED"
+    assert co.stats["saves_skipped"] == 1  # reported with the skipping rank's next commit
+    assert {"save_blocking", "save_safe", "save_commit"} <= {name for name, _ in co.observations}
+    skipper.close()
 
 
 def test_grpc_service_end_to_end(redis_server, tmp_path: Path, short_tmp: Path) -> None:

@@ -23,7 +23,11 @@ def _worker(rank: int, init_file: str, target: str, job: str) -> None:
     from checkpoint.snapshot import SnapshotConfig
 
     class DyingStore(DirStore):
-        """Failure injection: the process dies after writing the first chunk of its shard."""
+        """Failure injection: the process dies with its shard copied into its staging slot (node memory)
+        but not yet published as the shard's blob, or after the first chunk of a streamed write."""
+
+        def link_in(self, key, src):
+            os._exit(DIED)
 
         def put(self, key, data):
             def first_then_die():
@@ -81,9 +85,14 @@ def test_four_ranks_save_commit_restore_and_a_rank_killed_mid_save(redis_server,
         for r in range(WORLD):
             assert_same(restore_from_plan(plan, r, dir_store_for), state_dict(r, 2))
         step3 = Path(co.location) / job / f"{3:012d}"
-        assert any(".tmp-" in f.name for f in step3.iterdir())  # the dead rank's partial write
+        assert len(list(step3.iterdir())) == WORLD - 1            # the dead rank never published its shard
+        slots = Path(co.location) / ".slots" / job
+        dead = list(slots.glob(f"rank-{WORLD - 1:05d}-*.slot"))
+        assert dead                                                # ... its bytes sat in its staging slot
         assert co.maintain(time.time() + 120)[job] == [3]
         assert not step3.exists()
+        assert not any(p.exists() for p in dead)                  # the dead rank's slots are swept
+        assert co.stats["slots_swept"] >= len(dead)
         assert co.latest(job).step == 2
     finally:
         for p in procs:

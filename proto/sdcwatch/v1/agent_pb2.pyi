@@ -132,7 +132,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node_state", "node_reason", "hostname", "gpus", "probes", "jobs", "nvml_available", "nvml_reason", "versions", "started_at", "uptime_s", "last_event_seq", "ready")
+    __slots__ = ("node_state", "node_reason", "hostname", "gpus", "probes", "jobs", "nvml_available", "nvml_reason", "versions", "started_at", "uptime_s", "last_event_seq", "ready", "checkpoints")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class GetStatusResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     node_state: State
     node_reason: str
     hostname: str
@@ -166,7 +167,26 @@ class GetStatusResponse(_message.Message):
     uptime_s: float
     last_event_seq: int
     ready: bool
-    def __init__(self, node_state: _Optional[_Union[State, str]] = ..., node_reason: _Optional[str] = ..., hostname: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeStatus, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., nvml_available: _Optional[bool] = ..., nvml_reason: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., started_at: _Optional[float] = ..., uptime_s: _Optional[float] = ..., last_event_seq: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointSummary]
+    def __init__(self, node_state: _Optional[_Union[State, str]] = ..., node_reason: _Optional[str] = ..., hostname: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeStatus, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., nvml_available: _Optional[bool] = ..., nvml_reason: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., started_at: _Optional[float] = ..., uptime_s: _Optional[float] = ..., last_event_seq: _Optional[int] = ..., ready: _Optional[bool] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointSummary, _Mapping]]] = ...) -> None: ...
+
+class CheckpointSummary(_message.Message):
+    __slots__ = ("job_id", "count", "latest_step", "latest_verified_step", "latest_verified_at", "bytes", "latest_state")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LATEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERIFIED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERIFIED_AT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_STATE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    count: int
+    latest_step: int
+    latest_verified_step: int
+    latest_verified_at: float
+    bytes: int
+    latest_state: str
+    def __init__(self, job_id: _Optional[str] = ..., count: _Optional[int] = ..., latest_step: _Optional[int] = ..., latest_verified_step: _Optional[int] = ..., latest_verified_at: _Optional[float] = ..., bytes: _Optional[int] = ..., latest_state: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("seq", "time", "kind", "severity", "subject", "message", "details")

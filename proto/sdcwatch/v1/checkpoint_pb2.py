@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/sdcwatch/v1/checkpoint.proto\x12\x0bsdcwatch.v1\"9\n\tShardCopy\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\"\x83\x02\n\x0e\x43heckpointInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.sdcwatch.v1.CheckpointState\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0e\n\x06shards\x18\x05 \x01(\x05\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x10\n\x08\x62\x65gun_at\x18\x07 \x01(\x01\x12\x14\n\x0c\x63ommitted_at\x18\x08 \x01(\x01\x12\x13\n\x0bverified_at\x18\t \x01(\x01\x12\x0e\n\x06reason\x18\n \x01(\t\x12&\n\x06\x63opies\x18\x0b \x03(\x0b\x32\x16.sdcwatch.v1.ShardCopy\"N\n\x0c\x42\x65ginRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"n\n\rBeginResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.sdcwatch.v1.CheckpointState\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x10\n\x08\x62lob_key\x18\x04 \x01(\t\"k\n\x12\x43ommitShardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x15\n\rmanifest_json\x18\x05 \x01(\t\"e\n\x13\x43ommitShardResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.sdcwatch.v1.CheckpointState\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x0e\n\x06shards\x18\x03 \x01(\x05\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"K\n\x17ListCheckpointsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.sdcwatch.v1.CheckpointInfo\"\x1f\n\rLatestRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"P\n\x0eLatestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12/\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x1b.sdcwatch.v1.CheckpointInfo\"~\n\x12RestorePlanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x04step\x18\x02 \x01(\x03H\x00\x12\x30\n\x08selector\x18\x03 \x01(\x0e\x32\x1c.sdcwatch.v1.RestoreSelectorH\x00\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x42\x08\n\x06target\"X\n\tShardPlan\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12&\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x16.sdcwatch.v1.ShardCopy\"n\n\x13RestorePlanResponse\x12/\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1b.sdcwatch.v1.CheckpointInfo\x12&\n\x06shards\x18\x02 \x03(\x0b\x32\x16.sdcwatch.v1.ShardPlan*\xcc\x01\n\x0f\x43heckpointState\x12 \n\x1c\x43HECKPOINT_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKPOINT_STATE_PENDING\x10\x01\x12\x1e\n\x1a\x43HECKPOINT_STATE_COMMITTED\x10\x02\x12\x1d\n\x19\x43HECKPOINT_STATE_VERIFIED\x10\x03\x12\x1c\n\x18\x43HECKPOINT_STATE_ABORTED\x10\x04\x12\x1c\n\x18\x43HECKPOINT_STATE_EVICTED\x10\x05*v\n\x0fRestoreSelector\x12 \n\x1cRESTORE_SELECTOR_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESTORE_SELECTOR_LATEST\x10\x01\x12$\n RESTORE_SELECTOR_LATEST_VERIFIED\x10\x02\x32\xd2\x03\n\x0b\x43heckpoints\x12>\n\x05\x42\x65gin\x12\x19.sdcwatch.v1.BeginRequest\x1a\x1a.sdcwatch.v1.BeginResponse\x12P\n\x0b\x43ommitShard\x12\x1f.sdcwatch.v1.CommitShardRequest\x1a .sdcwatch.v1.CommitShardResponse\x12Q\n\x04List\x12#.sdcwatch.v1.ListCheckpointsRequest\x1a$.sdcwatch.v1.ListCheckpointsResponse\x12\x41\n\x06Latest\x12\x1a.sdcwatch.v1.LatestRequest\x1a\x1b.sdcwatch.v1.LatestResponse\x12I\n\x0eLatestVerified\x12\x1a.sdcwatch.v1.LatestRequest\x1a\x1b.sdcwatch.v1.LatestResponse\x12P\n\x0bRestorePlan\x12\x1f.sdcwatch.v1.RestorePlanRequest\x1a .sdcwatch.v1.RestorePlanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/sdcwatch/v1/checkpoint.proto\x12\x0bsdcwatch.v1\"9\n\tShardCopy\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\"\x83\x02\n\x0e\x43heckpointInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.sdcwatch.v1.CheckpointState\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0e\n\x06shards\x18\x05 \x01(\x05\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x10\n\x08\x62\x65gun_at\x18\x07 \x01(\x01\x12\x14\n\x0c\x63ommitted_at\x18\x08 \x01(\x01\x12\x13\n\x0bverified_at\x18\t \x01(\x01\x12\x0e\n\x06reason\x18\n \x01(\t\x12&\n\x06\x63opies\x18\x0b \x03(\x0b\x32\x16.sdcwatch.v1.ShardCopy\"N\n\x0c\x42\x65ginRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"n\n\rBeginResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.sdcwatch.v1.CheckpointState\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x10\n\x08\x62lob_key\x18\x04 \x01(\t\"\xda\x01\n\x12\x43ommitShardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x15\n\rmanifest_json\x18\x05 \x01(\t\x12\x18\n\x10\x62locking_seconds\x18\x06 \x01(\x01\x12\x14\n\x0csafe_seconds\x18\x07 \x01(\x01\x12\x15\n\rstall_seconds\x18\x08 \x01(\x01\x12\x15\n\rskipped_saves\x18\t \x01(\r\x12\x0f\n\x07staging\x18\n \x01(\t\"e\n\x13\x43ommitShardResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.sdcwatch.v1.CheckpointState\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x0e\n\x06shards\x18\x03 \x01(\x05\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"K\n\x17ListCheckpointsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.sdcwatch.v1.CheckpointInfo\"\x1f\n\rLatestRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"P\n\x0eLatestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12/\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x1b.sdcwatch.v1.CheckpointInfo\"~\n\x12RestorePlanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x04step\x18\x02 \x01(\x03H\x00\x12\x30\n\x08selector\x18\x03 \x01(\x0e\x32\x1c.sdcwatch.v1.RestoreSelectorH\x00\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x42\x08\n\x06target\"X\n\tShardPlan\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12&\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x16.sdcwatch.v1.ShardCopy\"n\n\x13RestorePlanResponse\x12/\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1b.sdcwatch.v1.CheckpointInfo\x12&\n\x06shards\x18\x02 \x03(\x0b\x32\x16.sdcwatch.v1.ShardPlan\"\xbb\x01\n\x14ReportRestoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\r\x12\x11\n\tfallbacks\x18\x07 \x01(\r\x12\x19\n\x11\x63hecksum_failures\x18\x08 \x01(\r\x12\n\n\x02ok\x18\t \x01(\x08\x12\r\n\x05\x65rror\x18\n \x01(\t\"\x17\n\x15ReportRestoreResponse*\xcc\x01\n\x0f\x43heckpointState\x12 \n\x1c\x43HECKPOINT_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKPOINT_STATE_PENDING\x10\x01\x12\x1e\n\x1a\x43HECKPOINT_STATE_COMMITTED\x10\x02\x12\x1d\n\x19\x43HECKPOINT_STATE_VERIFIED\x10\x03\x12\x1c\n\x18\x43HECKPOINT_STATE_ABORTED\x10\x04\x12\x1c\n\x18\x43HECKPOINT_STATE_EVICTED\x10\x05*v\n\x0fRestoreSelector\x12 \n\x1cRESTORE_SELECTOR_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESTORE_SELECTOR_LATEST\x10\x01\x12$\n RESTORE_SELECTOR_LATEST_VERIFIED\x10\x02\x32\xaa\x04\n\x0b\x43heckpoints\x12>\n\x05\x42\x65gin\x12\x19.sdcwatch.v1.BeginRequest\x1a\x1a.sdcwatch.v1.BeginResponse\x12P\n\x0b\x43ommitShard\x12\x1f.sdcwatch.v1.CommitShardRequest\x1a .sdcwatch.v1.CommitShardResponse\x12Q\n\x04List\x12#.sdcwatch.v1.ListCheckpointsRequest\x1a$.sdcwatch.v1.ListCheckpointsResponse\x12\x41\n\x06Latest\x12\x1a.sdcwatch.v1.LatestRequest\x1a\x1b.sdcwatch.v1.LatestResponse\x12I\n\x0eLatestVerified\x12\x1a.sdcwatch.v1.LatestRequest\x1a\x1b.sdcwatch.v1.LatestResponse\x12P\n\x0bRestorePlan\x12\x1f.sdcwatch.v1.RestorePlanRequest\x1a .sdcwatch.v1.RestorePlanResponse\x12V\n\rReportRestore\x12!.sdcwatch.v1.ReportRestoreRequest\x1a\".sdcwatch.v1.ReportRestoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.sdcwatch.v1.checkpoint_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHECKPOINTSTATE']._serialized_start=1341
-  _globals['_CHECKPOINTSTATE']._serialized_end=1545
-  _globals['_RESTORESELECTOR']._serialized_start=1547
-  _globals['_RESTORESELECTOR']._serialized_end=1665
+  _globals['_CHECKPOINTSTATE']._serialized_start=1668
+  _globals['_CHECKPOINTSTATE']._serialized_end=1872
+  _globals['_RESTORESELECTOR']._serialized_start=1874
+  _globals['_RESTORESELECTOR']._serialized_end=1992
   _globals['_SHARDCOPY']._serialized_start=51
   _globals['_SHARDCOPY']._serialized_end=108
   _globals['_CHECKPOINTINFO']._serialized_start=111
@@ -43,24 +43,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BEGINREQUEST']._serialized_end=450
   _globals['_BEGINRESPONSE']._serialized_start=452
   _globals['_BEGINRESPONSE']._serialized_end=562
-  _globals['_COMMITSHARDREQUEST']._serialized_start=564
-  _globals['_COMMITSHARDREQUEST']._serialized_end=671
-  _globals['_COMMITSHARDRESPONSE']._serialized_start=673
-  _globals['_COMMITSHARDRESPONSE']._serialized_end=774
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=776
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=816
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=818
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=893
-  _globals['_LATESTREQUEST']._serialized_start=895
-  _globals['_LATESTREQUEST']._serialized_end=926
-  _globals['_LATESTRESPONSE']._serialized_start=928
-  _globals['_LATESTRESPONSE']._serialized_end=1008
-  _globals['_RESTOREPLANREQUEST']._serialized_start=1010
-  _globals['_RESTOREPLANREQUEST']._serialized_end=1136
-  _globals['_SHARDPLAN']._serialized_start=1138
-  _globals['_SHARDPLAN']._serialized_end=1226
-  _globals['_RESTOREPLANRESPONSE']._serialized_start=1228
-  _globals['_RESTOREPLANRESPONSE']._serialized_end=1338
-  _globals['_CHECKPOINTS']._serialized_start=1668
-  _globals['_CHECKPOINTS']._serialized_end=2134
+  _globals['_COMMITSHARDREQUEST']._serialized_start=565
+  _globals['_COMMITSHARDREQUEST']._serialized_end=783
+  _globals['_COMMITSHARDRESPONSE']._serialized_start=785
+  _globals['_COMMITSHARDRESPONSE']._serialized_end=886
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=888
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=928
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=930
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1005
+  _globals['_LATESTREQUEST']._serialized_start=1007
+  _globals['_LATESTREQUEST']._serialized_end=1038
+  _globals['_LATESTRESPONSE']._serialized_start=1040
+  _globals['_LATESTRESPONSE']._serialized_end=1120
+  _globals['_RESTOREPLANREQUEST']._serialized_start=1122
+  _globals['_RESTOREPLANREQUEST']._serialized_end=1248
+  _globals['_SHARDPLAN']._serialized_start=1250
+  _globals['_SHARDPLAN']._serialized_end=1338
+  _globals['_RESTOREPLANRESPONSE']._serialized_start=1340
+  _globals['_RESTOREPLANRESPONSE']._serialized_end=1450
+  _globals['_REPORTRESTOREREQUEST']._serialized_start=1453
+  _globals['_REPORTRESTOREREQUEST']._serialized_end=1640
+  _globals['_REPORTRESTORERESPONSE']._serialized_start=1642
+  _globals['_REPORTRESTORERESPONSE']._serialized_end=1665
+  _globals['_CHECKPOINTS']._serialized_start=1995
+  _globals['_CHECKPOINTS']._serialized_end=2549
 # @@protoc_insertion_point(module_scope)

@@ -92,18 +92,28 @@ class BeginResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[CheckpointState, str]] = ..., node: _Optional[str] = ..., location: _Optional[str] = ..., blob_key: _Optional[str] = ...) -> None: ...
 
 class CommitShardRequest(_message.Message):
-    __slots__ = ("job_id", "step", "rank", "world_size", "manifest_json")
+    __slots__ = ("job_id", "step", "rank", "world_size", "manifest_json", "blocking_seconds", "safe_seconds", "stall_seconds", "skipped_saves", "staging")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    BLOCKING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAFE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_SAVES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     rank: int
     world_size: int
     manifest_json: str
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    blocking_seconds: float
+    safe_seconds: float
+    stall_seconds: float
+    skipped_saves: int
+    staging: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., manifest_json: _Optional[str] = ..., blocking_seconds: _Optional[float] = ..., safe_seconds: _Optional[float] = ..., stall_seconds: _Optional[float] = ..., skipped_saves: _Optional[int] = ..., staging: _Optional[str] = ...) -> None: ...
 
 class CommitShardResponse(_message.Message):
     __slots__ = ("state", "committed", "shards")
@@ -170,3 +180,31 @@ class RestorePlanResponse(_message.Message):
     checkpoint: CheckpointInfo
     shards: _containers.RepeatedCompositeFieldContainer[ShardPlan]
     def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardPlan, _Mapping]]] = ...) -> None: ...
+
+class ReportRestoreRequest(_message.Message):
+    __slots__ = ("job_id", "step", "rank", "seconds", "bytes", "chunks", "fallbacks", "checksum_failures", "ok", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    rank: int
+    seconds: float
+    bytes: int
+    chunks: int
+    fallbacks: int
+    checksum_failures: int
+    ok: bool
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., fallbacks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportRestoreResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

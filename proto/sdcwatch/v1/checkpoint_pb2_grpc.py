@@ -64,6 +64,11 @@ class CheckpointsStub:
                 request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.RestorePlanRequest.SerializeToString,
                 response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.RestorePlanResponse.FromString,
                 _registered_method=True)
+        self.ReportRestore = channel.unary_unary(
+                '/sdcwatch.v1.Checkpoints/ReportRestore',
+                request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreRequest.SerializeToString,
+                response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointsServicer:
@@ -105,6 +110,12 @@ class CheckpointsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRestore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_CheckpointsServicer_to_server(servicer, server):
                     servicer.RestorePlan,
                     request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.RestorePlanRequest.FromString,
                     response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.RestorePlanResponse.SerializeToString,
+            ),
+            'ReportRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRestore,
+                    request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreRequest.FromString,
+                    response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Checkpoints:
             '/sdcwatch.v1.Checkpoints/RestorePlan',
             proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.RestorePlanRequest.SerializeToString,
             proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.RestorePlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sdcwatch.v1.Checkpoints/ReportRestore',
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreRequest.SerializeToString,
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,206 @@
+"""Staging slots: the rank's pinned host buffer IS a file in the agent's memory tier.
+
+Why (measured, docs/checkpoints.md): writing a fresh tmpfs file costs 2-6x a plain memory copy (page
+allocation and zeroing), so a save that copies GPU -> private pinned buffer -> /dev/shm file makes its
+bytes safe only several copies after `save` returns. Instead each rank keeps a small ring of slot files
+in `<memory dir>/.slots/<job>/`, each preallocated, mapped once (MAP_SHARED | MAP_POPULATE) and, on
+CUDA, registered with `cudaHostRegister` (so the device-to-host copy is a real async DMA). The copy into
+a slot is the write into node memory: once it completes, the bytes survive the training process.
+Publishing the shard is then a hard link (`DirStore.link_in`): no bytes move.
+
+Lifecycle of a slot:
+1. `SlotRing.acquire(nbytes)`  a slot of exactly `nbytes` that no checkpoint references (its file's link
+                               count is 1: only the slot name), created on first use (up to `max_slots`);
+2. the caller copies into `slot.tensor` and the background publishes it as the shard's blob (link count 2);
+3. when the agent evicts or aborts that checkpoint it unlinks the blob name, the link count drops to 1
+   and the slot is free again: the filesystem is the reference count, no protocol needed;
+4. `SlotRing.close()` unregisters, unmaps and unlinks the slot names (published blobs stay).
+
+Ownership: the rank holds a shared `flock` on each slot file for its lifetime. The agent's
+`sweep_dead_slots` unlinks slot names whose lock it can take exclusively (the rank is gone), so a
+killed rank's staging memory is returned; blobs linked to those slots keep their bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import time
+from pathlib import Path
+import torch
+
+from checkpoint.errors import InvalidInputError
+from checkpoint.names import validate_job_id
+
+log = logging.getLogger(__name__)
+
+SLOTS_DIR = ".slots"
+_counter = itertools.count()
+
+
+def register_host_memory(ptr: int, nbytes: int) -> bool:
+    """`cudaHostRegister` (portable) the range; False (and a log line) when CUDA or the call fails."""
+    if not torch.cuda.is_available() or nbytes == 0:
+        return False
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1 = cudaHostRegisterPortable
+    except Exception as e:  # noqa: BLE001 - registration is an optimisation; unregistered memory still works
+        log.warning("cudaHostRegister of %d bytes failed (%s): device copies into the slot run synchronously", nbytes, e)
+        return False
+    if err != 0:
+        log.warning("cudaHostRegister of %d bytes returned cudaError %d: device copies into the slot run "
+                    "synchronously", nbytes, err)
+        return False
+    return True
+
+
+def unregister_host_memory(ptr: int) -> None:
+    try:
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if err != 0:
+            log.warning("cudaHostUnregister returned cudaError %d", err)
+    except Exception as e:  # noqa: BLE001
+        log.warning("cudaHostUnregister failed: %s", e)
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    path: Path
+    fd: int
+    nbytes: int
+    mm: mmap.mmap | None
+    tensor: torch.Tensor          # uint8 view of the whole mapping
+    registered: bool
+    busy: bool = False            # a save is using it (copy enqueued, not yet published or released)
+
+    def links(self) -> int:
+        return os.fstat(self.fd).st_nlink
+
+    def free(self) -> bool:
+        """Not in use by a save here and not the bytes of any stored checkpoint."""
+        return not self.busy and self.links() == 1
+
+
+class SlotRing:
+    """A rank's slots for one job in one agent memory dir. Not thread-safe: the Snapshotter calls
+    `acquire` under its lock and `release` from its single background worker."""
+
+    def __init__(self, root: str | os.PathLike[str], job_id: str, rank: int, *, max_slots: int = 4,
+                 register_cuda: bool | None = None) -> None:
+        validate_job_id(job_id)
+        if max_slots < 1:
+            raise InvalidInputError(f"max_slots must be >= 1, got {max_slots}")
+        self.root = Path(root)
+        self.dir = self.root / SLOTS_DIR / job_id
+        self.rank = rank
+        self.max_slots = max_slots
+        self.register_cuda = torch.cuda.is_available() if register_cuda is None else register_cuda
+        self.slots: list[Slot] = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def acquire(self, nbytes: int) -> Slot | None:
+        """A free slot of exactly `nbytes` (created if needed), marked busy; None when all `max_slots` are
+        referenced by stored checkpoints or in use."""
+        for s in list(self.slots):
+            if s.nbytes != nbytes and s.free():
+                self._drop(s)  # the state changed size: its slots are useless now
+        for s in self.slots:
+            if s.nbytes == nbytes and s.free():
+                s.busy = True
+                return s
+        if len(self.slots) >= self.max_slots:
+            return None
+        s = self._create(nbytes)
+        s.busy = True
+        self.slots.append(s)
+        return s
+
+    def release(self, slot: Slot) -> None:
+        slot.busy = False
+
+    def _create(self, nbytes: int) -> Slot:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.dir / f"rank-{self.rank:05d}-{os.getpid()}-{next(_counter)}.slot"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held for our lifetime: the agent sweeps slots it can lock
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)  # allocate the tmpfs pages now, not on the first copy
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                tensor = torch.frombuffer(mm, dtype=torch.uint8)
+                registered = self.register_cuda and register_host_memory(tensor.data_ptr(), nbytes)
+            else:
+                mm, tensor, registered = None, torch.empty(0, dtype=torch.uint8), False
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        log.debug("staging slot %s: %d bytes, cuda-registered=%s", path, nbytes, registered)
+        return Slot(path, fd, nbytes, mm, tensor, registered)
+
+    def _drop(self, s: Slot) -> None:
+        self.slots.remove(s)
+        if s.registered:
+            unregister_host_memory(s.tensor.data_ptr())
+        s.tensor = torch.empty(0, dtype=torch.uint8)
+        if s.mm is not None:
+            try:
+                s.mm.close()
+            except BufferError:  # a view is still alive somewhere: the mapping goes when it does
+                log.debug("slot %s still has views; unmapped later", s.path)
+        # Unmap before unlinking the slot name: a blob still linked to it then holds no mapped pages.
+        try:
+            os.unlink(s.path)
+        except FileNotFoundError:
+            pass
+        os.close(s.fd)
+
+    def close(self) -> None:
+        for s in list(self.slots):
+            self._drop(s)
+        try:
+            self.dir.rmdir()
+        except OSError:
+            pass
+
+
+def sweep_dead_slots(root: str | os.PathLike[str], now: float | None = None, min_age_s: float = 60.0) -> int:
+    """Unlink slot files under `root/.slots` whose owner is gone (their flock can be taken exclusively)
+    and that are older than `min_age_s` (a slot is locked right after creation); return how many.
+    Blobs linked to a removed slot keep their bytes (they are other names of the same file)."""
+    base = Path(root) / SLOTS_DIR
+    if not base.is_dir():
+        return 0
+    now = time.time() if now is None else now
+    n = 0
+    for dirpath, _dirs, files in os.walk(base, topdown=False):
+        for f in files:
+            p = Path(dirpath) / f
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                if now - os.fstat(fd).st_ctime <= min_age_s:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live rank holds it
+                p.unlink(missing_ok=True)
+                n += 1
+            finally:
+                os.close(fd)
+        if Path(dirpath) != base:
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+    return n
+

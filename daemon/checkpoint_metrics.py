@@ -1,0 +1,117 @@
+"""Prometheus metrics of the in-memory checkpoints (`sdcwatch_checkpoint_*`).
+
+    metrics = CheckpointMetrics(agent.metrics.registry)
+    metrics.update(service)      # after each maintenance round (cheap: no I/O, reads cached state)
+
+Counters follow the coordinator's cumulative `stats()` (incremented by the difference since the last
+update, so they never go backwards); histograms are fed from the samples the coordinator buffers
+(rank-side blocking/safe/stall times arrive with each CommitShard, restore times with ReportRestore);
+per-job gauges come from the service's cached summaries. Job label values are the jobs with live
+checkpoints in the agent's Redis; series of jobs that have none left are removed.
+
+Alert on `time() - sdcwatch_checkpoint_last_verified_timestamp_seconds > N`: the job has had no
+VERIFIED checkpoint for N seconds (a rollback would lose that much work, or verification is failing).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+# coordinator stats key -> (metric name, help)
+_COUNTERS = {
+    "checkpoints_committed": ("sdcwatch_checkpoint_committed_total", "Checkpoints globally committed"),
+    "shards_committed": ("sdcwatch_checkpoint_shards_committed_total", "Shard commits accepted"),
+    "bytes_committed": ("sdcwatch_checkpoint_committed_bytes_total", "Bytes of checkpoints committed"),
+    "verified": ("sdcwatch_checkpoint_verified_total", "Checkpoints that became VERIFIED"),
+    "revoked": ("sdcwatch_checkpoint_revoked_total", "VERIFIED checkpoints revoked by a later bad event"),
+    "evictions": ("sdcwatch_checkpoint_evictions_total", "Checkpoints evicted by retention or rollback"),
+    "aborted": ("sdcwatch_checkpoint_aborted_total", "Saves aborted (a rank never finished)"),
+    "checksum_failures": ("sdcwatch_checkpoint_checksum_failures_total",
+                          "Chunks that failed their checksum (on commit, or on a copy read by a restore)"),
+    "saves_skipped": ("sdcwatch_checkpoint_saves_skipped_total",
+                      "Saves a rank skipped because its previous save was still writing"),
+    "restores": ("sdcwatch_checkpoint_restores_total", "Restores reported by ranks"),
+    "restores_failed": ("sdcwatch_checkpoint_restores_failed_total", "Restores that failed"),
+    "restore_fallbacks": ("sdcwatch_checkpoint_restore_fallbacks_total",
+                          "Chunks a restore read from another copy than the first"),
+    "slots_swept": ("sdcwatch_checkpoint_slots_swept_total", "Staging slots of dead ranks removed"),
+}
+
+# observation name -> (metric name, help)
+_HISTOGRAMS = {
+    "save_blocking": ("sdcwatch_checkpoint_save_blocking_seconds", "Time save() blocked the training loop"),
+    "save_safe": ("sdcwatch_checkpoint_save_safe_seconds",
+                  "From save() returning until the shard was in node memory"),
+    "save_stall": ("sdcwatch_checkpoint_save_stall_seconds",
+                   "Time a save waited for the rank's previous save, still writing (only stalls)"),
+    "save_commit": ("sdcwatch_checkpoint_save_commit_seconds",
+                    "From the first rank's Begin until the checkpoint was COMMITTED"),
+    "restore": ("sdcwatch_checkpoint_restore_seconds", "Restore time reported by a rank (verified)"),
+}
+
+
+class CheckpointMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.counters = {key: Counter(name.removesuffix("_total"), help_, registry=r)
+                         for key, (name, help_) in _COUNTERS.items()}
+        self.histograms = {key: Histogram(name, help_, buckets=_SECONDS, registry=r)
+                           for key, (name, help_) in _HISTOGRAMS.items()}
+        self.stalls = Counter("sdcwatch_checkpoint_save_stalls", "Saves that waited for the previous save",
+                              registry=r)
+        self.memory_bytes = Gauge("sdcwatch_checkpoint_memory_bytes",
+                                  "Bytes in this node's checkpoint memory tier (blobs, slots, spares)", registry=r)
+        self.job_bytes = Gauge("sdcwatch_checkpoint_bytes", "Bytes of a job's live checkpoints (all ranks)",
+                               ["job_id"], registry=r)
+        self.job_count = Gauge("sdcwatch_checkpoint_count", "A job's live checkpoints (pending, committed, "
+                               "verified)", ["job_id"], registry=r)
+        self.latest_step = Gauge("sdcwatch_checkpoint_latest_step", "Newest restorable checkpoint step; -1 none",
+                                 ["job_id"], registry=r)
+        self.latest_verified_step = Gauge("sdcwatch_checkpoint_latest_verified_step",
+                                          "Newest VERIFIED checkpoint step; -1 none", ["job_id"], registry=r)
+        self.last_verified = Gauge("sdcwatch_checkpoint_last_verified_timestamp_seconds",
+                                   "Unix time the job's newest VERIFIED checkpoint was verified; 0 none",
+                                   ["job_id"], registry=r)
+        self._seen: dict[str, int] = {}
+        self._jobs: set[str] = set()
+
+    def update(self, service: Any) -> None:
+        """Bring the metrics up to date from a `CheckpointService` (or anything with `stats()`,
+        `summaries()`, `memory_bytes()` and `coordinator.observations`)."""
+        stats = service.stats()
+        for key, counter in self.counters.items():
+            now = int(stats.get(key, 0))
+            delta = now - self._seen.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._seen[key] = max(now, self._seen.get(key, 0))
+        obs = getattr(getattr(service, "coordinator", None), "observations", None)
+        while obs:
+            name, value = obs.popleft()
+            h = self.histograms.get(name)
+            if h is not None:
+                h.observe(value)
+            if name == "save_stall":
+                self.stalls.inc()
+        mem = getattr(service, "memory_bytes", None)
+        if mem is not None:
+            self.memory_bytes.set(mem())
+        jobs = set()
+        for s in service.summaries():
+            jobs.add(s.job_id)
+            self.job_bytes.labels(s.job_id).set(s.bytes)
+            self.job_count.labels(s.job_id).set(s.count)
+            self.latest_step.labels(s.job_id).set(s.latest_step)
+            self.latest_verified_step.labels(s.job_id).set(s.latest_verified_step)
+            self.last_verified.labels(s.job_id).set(s.latest_verified_at)
+        for gone in self._jobs - jobs:
+            for g in (self.job_bytes, self.job_count, self.latest_step, self.latest_verified_step,
+                      self.last_verified):
+                try:
+                    g.remove(gone)
+                except KeyError:
+                    pass
+        self._jobs = jobs

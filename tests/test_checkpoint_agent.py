@@ -1,0 +1,82 @@
+"""In-memory checkpoints through the real agent process: a rank's CheckpointClient on the agent's socket,
+replica votes through ReportStep deciding VERIFIED, a bit-exact restore, and `sdcwatch ckpt ls`."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from agent_harness import AgentProcess, cli
+from checkpoint.client import CheckpointClient
+from checkpoint.shm_store import default_shm_root
+from checkpoint.snapshot import SnapshotConfig
+from ckpt_support import assert_same, job_id, state_dict
+from proto.sdcwatch.v1 import agent_pb2 as apb
+from proto.sdcwatch.v1 import agent_pb2_grpc as apb_grpc
+
+
+def _vote(job: str, step: int, agreed: bool) -> apb.ReportStepRequest:
+    vote = apb.ReplicaVote(checked=True, agreed=agreed, replicas=2, step=step,
+                           method="majority" if agreed else "all_disagreeing")
+    if not agreed:
+        vote.suspects.add(rank=0)
+        vote.suspects.add(rank=1)
+    return apb.ReportStepRequest(job_id=job, rank=0, world_size=2, step=step + 1, vote=vote)
+
+
+def _wait_for(pred, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def test_save_vote_verify_restore_and_ls_through_the_real_agent(short_tmp: Path) -> None:
+    state = short_tmp / f"ckpt-{uuid.uuid4().hex[:8]}"
+    memory = default_shm_root(state)
+    job = job_id("e2e")
+    try:
+        with AgentProcess(state) as agent:
+            ranks = [CheckpointClient.connect(job, r, 2, target=agent.target, deadline_s=10,
+                                              config=SnapshotConfig(chunk_bytes=4096)) for r in (0, 1)]
+            client = ranks[0]
+            try:
+                for step in (1, 2):
+                    res = [c.save(step, state_dict(c.rank, step)).result(30) for c in ranks]
+                    assert all(r.error == "" for r in res) and res[1].state == "COMMITTED", res
+                with grpc.insecure_channel(agent.target) as ch:
+                    stub = apb_grpc.AgentStub(ch)
+                    stub.ReportStep(_vote(job, 1, agreed=True), timeout=10)
+                    stub.ReportStep(_vote(job, 2, agreed=False), timeout=10)
+                _wait_for(lambda: {i.step: i.state for i in client.list()} == {1: "VERIFIED", 2: "COMMITTED"})
+                assert client.latest_verified().step == 1
+                assert client.latest().step == 2
+                for c in ranks:
+                    assert_same(c.restore("latest_verified"), state_dict(c.rank, 1))
+                    assert_same(c.restore(2), state_dict(c.rank, 2))
+            finally:
+                for c in ranks:
+                    c.close()
+
+            sock = str(agent.socket)
+            out = cli("ckpt", "ls", "--socket", sock)
+            assert out.returncode == 0, out.stderr
+            lines = [ln.split() for ln in out.stdout.splitlines() if ln.startswith(job)]
+            assert [(ln[1], ln[2]) for ln in lines] == [("1", "VERIFIED"), ("2", "COMMITTED")]
+            assert all("2/2" in ln for ln in lines)
+            js = json.loads(cli("ckpt", "ls", "--job", job, "--json", "--socket", sock).stdout)
+            copies = [c for i in js["checkpoints"] for c in i["copies"]]
+            assert len(copies) == 4 and all(c["location"] == str(memory) for c in copies)
+            shown = cli("ckpt", "show", "1", "--job", job, "--socket", sock)
+            assert shown.returncode == 0 and "VERIFIED" in shown.stdout and str(memory) in shown.stdout
+            assert cli("ckpt", "show", "7", "--job", job, "--socket", sock).returncode == 1
+        assert cli("ckpt", "ls", "--socket", sock).returncode == 2  # agent gone: cannot reach
+    finally:
+        shutil.rmtree(memory.parent, ignore_errors=True)

@@ -1,0 +1,73 @@
+"""Checkpoint metrics, GetStatus summaries and the memory-dir lifecycle of the agent's service."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from checkpoint.snapshot import Snapshotter, SnapshotConfig
+from ckpt_support import job_id, node, state_dict
+from daemon.checkpoint_metrics import CheckpointMetrics
+from daemon.checkpoint_service import CheckpointService, build_checkpoint_service, checkpoint_status
+
+
+def test_metrics_and_summaries_follow_the_coordinator(redis_server, tmp_path: Path) -> None:
+    # a key prefix of its own: maintenance walks every job in the (session-wide) Redis
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=1, key_prefix=f"{job_id('p')}:"), job_id("m")
+    svc = CheckpointService(co, clock=lambda: 1000.0)
+    reg = CollectorRegistry()
+    svc.metrics = CheckpointMetrics(reg)
+    assert checkpoint_status(svc) == [] and checkpoint_status(None) == []
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
+    for step in (1, 2, 3):
+        assert snap.save(step, state_dict(0, step)).result(30).state == "COMMITTED"
+        if step == 2:
+            co.on_job_event(job, 2, "vote_agreed", 1234.5)
+    asyncio.run(svc.maintain_once())
+    val = reg.get_sample_value
+    assert val("sdcwatch_checkpoint_committed_total") == 3
+    assert val("sdcwatch_checkpoint_evictions_total") == 1          # keep 1 + the newest verified
+    assert val("sdcwatch_checkpoint_verified_total") == 1
+    assert val("sdcwatch_checkpoint_save_blocking_seconds_count") == 3
+    assert val("sdcwatch_checkpoint_save_commit_seconds_count") == 3
+    assert val("sdcwatch_checkpoint_last_verified_timestamp_seconds", {"job_id": job}) == 1234.5
+    assert val("sdcwatch_checkpoint_latest_verified_step", {"job_id": job}) == 2
+    assert val("sdcwatch_checkpoint_latest_step", {"job_id": job}) == 3
+    assert val("sdcwatch_checkpoint_memory_bytes") > 0
+    (summary,) = [s for s in checkpoint_status(svc) if s.job_id == job]
+    assert (summary.count, summary.latest_step, summary.latest_verified_step) == (2, 3, 2)
+    # counters never go backwards, and a second update with no news changes nothing
+    asyncio.run(svc.maintain_once())
+    assert val("sdcwatch_checkpoint_committed_total") == 3
+    assert val("sdcwatch_checkpoint_save_blocking_seconds_count") == 3
+    # a restore reported by a rank (with a bad chunk read from another copy) is counted
+    from checkpoint.client import CheckpointClient
+
+    client = CheckpointClient(co, job, 0, 1)
+    client.restore(3)
+    client.close()
+    snap.close()
+    asyncio.run(svc.maintain_once())
+    assert val("sdcwatch_checkpoint_restores_total") == 1
+    assert val("sdcwatch_checkpoint_restore_seconds_count") == 1
+
+
+def test_embedded_redis_memory_dir_is_wiped_at_start_and_on_close(redis_server, tmp_path: Path) -> None:
+    mem = tmp_path / "memory"
+    (mem / "old-job" / "000000000001").mkdir(parents=True)
+    (mem / "old-job" / "000000000001" / "rank-00000.bin").write_bytes(b"orphan")  # a killed agent's bytes
+    svc = build_checkpoint_service(redis_server.url, tmp_path / "state", memory_dir=mem, ephemeral_index=True)
+    assert mem.is_dir() and not any(mem.iterdir())
+    (mem / "x").write_bytes(b"1")
+    asyncio.run(svc.close())
+    assert not mem.exists()
+
+
+def test_external_redis_keeps_the_bytes(redis_server, tmp_path: Path) -> None:
+    mem = tmp_path / "memory"
+    (mem / "job").mkdir(parents=True)
+    (mem / "job" / "blob").write_bytes(b"indexed")
+    svc = build_checkpoint_service(redis_server.url, tmp_path / "state", memory_dir=mem)
+    asyncio.run(svc.close())
+    assert (mem / "job" / "blob").read_bytes() == b"indexed"

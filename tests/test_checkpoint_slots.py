@@ -1,0 +1,119 @@
+"""Staging slots: the rank's staging buffer is a file in the agent's memory dir, published by a hard link,
+reused only once no stored checkpoint references it, swept when its rank is gone."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoint.restore import restore_from_plan
+from checkpoint.shm_store import ShmStore
+from checkpoint.slots import SlotRing, sweep_dead_slots
+from checkpoint.snapshot import Snapshotter, SnapshotConfig, dir_store_for
+from ckpt_support import assert_same, job_id, node, state_dict
+
+
+def _save(snap: Snapshotter, step: int, rank: int = 0):
+    res = snap.save(step, state_dict(rank, step)).result(30)
+    assert res.error == "", res.error
+    return res
+
+
+def test_saves_after_the_first_land_in_a_slot_published_by_hard_link(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("slot")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, max_slots=3))
+    assert _save(snap, 1).staging == "private"  # learns where the agent's memory dir is
+    inodes = {}
+    for step in (2, 3, 4, 5):
+        res = _save(snap, step)
+        assert res.staging == "slot" and res.state == "COMMITTED"
+        blob = Path(co.location) / job / f"{step:012d}" / "rank-00000.bin"
+        st = blob.stat()
+        assert st.st_nlink == 2  # the blob and the rank's slot are one file: no bytes were copied
+        inodes[step] = st.st_ino
+        assert_same(restore_from_plan(co.restore_plan(job, step, 0), 0, dir_store_for), state_dict(0, step))
+    # keep_committed=2: step 4 evicted step 2 (its slot free again), step 5 reused step 2's slot
+    assert [i.step for i in co.list(job)] == [4, 5]
+    assert inodes[5] in (inodes[2], inodes[3]) and len(snap._ring) <= 3
+    # steps 4 and 5 are still referenced: their bytes are intact after more saves overwrite free slots
+    assert_same(restore_from_plan(co.restore_plan(job, 4, 0), 0, dir_store_for), state_dict(0, 4))
+    snap.close()
+    assert not list((Path(co.location) / ".slots").rglob("*.slot"))  # close() drops the slot names
+    assert_same(restore_from_plan(co.restore_plan(job, 5, 0), 0, dir_store_for), state_dict(0, 5))
+
+
+def test_all_slots_referenced_falls_back_to_a_private_buffer(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=5), job_id("full")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, max_slots=1))
+    got = [_save(snap, s).staging for s in (1, 2, 3)]
+    assert got == ["private", "slot", "private"]  # the one slot holds step 2, which is kept
+    for s in (1, 2, 3):
+        assert_same(restore_from_plan(co.restore_plan(job, s, 0), 0, dir_store_for), state_dict(0, s))
+    snap.close()
+
+
+def test_agent_dir_wiped_under_a_live_rank_copies_instead(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=5), job_id("wiped")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
+    _save(snap, 1)
+    assert _save(snap, 2).staging == "slot"
+    shutil.rmtree(Path(co.location) / ".slots")  # e.g. an agent restart cleaned its memory dir
+    res = _save(snap, 3)
+    assert res.staging == "private" and res.state == "COMMITTED"
+    assert _save(snap, 4).staging == "slot"  # the ring was rebuilt
+    for s in (3, 4):
+        assert_same(restore_from_plan(co.restore_plan(job, s, 0), 0, dir_store_for), state_dict(0, s))
+    snap.close()
+
+
+def test_deleting_a_published_slot_never_recycles_its_pages(tmp_path: Path) -> None:
+    store = ShmStore(tmp_path, spares=4)
+    ring = SlotRing(tmp_path, "j", 0, register_cuda=False)
+    slot = ring.acquire(1000)
+    slot.tensor.fill_(7)
+    assert store.link_in("j/000000000001/rank-00000.bin", slot.path) == 1000
+    ring.release(slot)
+    assert not slot.free()
+    assert store.delete("j/000000000001/rank-00000.bin")
+    assert not (tmp_path / ".spares").exists() or not any((tmp_path / ".spares").iterdir())
+    assert slot.free() and ring.acquire(1000) is slot
+    store.put("j/000000000002/rank-00000.bin", b"x" * 1000)  # a put never lands in the slot's file
+    assert bool((slot.tensor == 7).all())
+    assert store.used_bytes() == 2000  # the slot counted once, whatever its names
+    ring.close()
+
+
+def test_sweep_removes_only_slots_whose_rank_is_gone(tmp_path: Path) -> None:
+    store = ShmStore(tmp_path)
+    live = SlotRing(tmp_path, "j", 0, register_cuda=False)
+    live_slot = live.acquire(64)
+    dead = SlotRing(tmp_path, "j", 1, register_cuda=False)
+    dead_slot = dead.acquire(64)
+    dead_slot.tensor.fill_(3)
+    store.link_in("j/000000000001/rank-00001.bin", dead_slot.path)
+    # a dead rank: its process (and so its lock and fd) is gone, the slot file remains
+    fcntl.flock(dead_slot.fd, fcntl.LOCK_UN)
+    os.close(dead_slot.fd)
+    dead.slots.clear()
+    assert sweep_dead_slots(tmp_path, time.time()) == 0           # too young: may be being created
+    assert sweep_dead_slots(tmp_path, time.time() + 120) == 1
+    assert live_slot.path.exists() and not dead_slot.path.exists()
+    assert store.get("j/000000000001/rank-00001.bin") == bytes([3]) * 64  # the published bytes stay
+    live.close()
+
+
+def test_slot_staging_matches_private_staging_bit_for_bit(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=5), job_id("same")
+    sd = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16), "n": 1}
+    for staging, steps in (("private", (1, 2)), ("slots", (3, 4))):
+        snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=512, staging=staging))
+        for s in steps:
+            assert snap.save(s, sd).result(30).error == ""
+        snap.close()
+    m2, m4 = co.shard_manifest(job, 2, 0), co.shard_manifest(job, 4, 0)
+    assert [c.checksum for c in m2.chunks] == [c.checksum for c in m4.chunks]
+    assert [t.fingerprint for t in m2.tensors] == [t.fingerprint for t in m4.tensors]
