@@ -87,6 +87,7 @@ _ALIASES = {
     "fp64": "float64", "double": "float64", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
     "bool_": "bool", "long": "int64", "int": "int32",
 }
+_NP_ROW = 4096  # words per row of the blocked host sums
 _NP_CHUNK_WORDS = 1 << 22
 _TORCH_CHUNK_WORDS = 1 << 24
 
@@ -172,18 +173,38 @@ def to_signed64(v: int) -> int:
 
 
 def word_sums_numpy(buf: bytes | bytearray | memoryview | np.ndarray) -> tuple[int, int]:
-    """(S0, S1) of spec step 3 over raw bytes."""
+    """(S0, S1) of spec step 3 over raw bytes.
+
+    Blocked: the words are viewed as rows of `_NP_ROW` and summed along both axes, so S1 needs one
+    multiply per row and per column instead of one per word (about 10x faster than a per-word product).
+    With r the row, c the column and R = _NP_ROW: S1 = sum((rR + c) w) = R sum(r rows[r]) + sum(c cols[c]),
+    all mod 2^64 (numpy's uint64 array arithmetic wraps, which is exactly the modulus we want).
+    """
     raw = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
     pad = (-raw.size) % 4
     if pad:
         raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
     words = raw.view("<u4")
     s0 = s1 = 0
-    base = np.arange(min(words.size, _NP_CHUNK_WORDS), dtype=np.uint64)
+    row = _NP_ROW
+    col_index = np.arange(row, dtype=np.uint64)
     for start in range(0, words.size, _NP_CHUNK_WORDS):
-        w = words[start:start + _NP_CHUNK_WORDS].astype(np.uint64)
-        s0 = (s0 + int(w.sum(dtype=np.uint64))) & MASK64
-        s1 = (s1 + int((w * (base[: w.size] + np.uint64(start))).sum(dtype=np.uint64))) & MASK64
+        chunk = words[start:start + _NP_CHUNK_WORDS]
+        nb = chunk.size // row
+        c0 = c1 = 0
+        if nb:
+            block = chunk[: nb * row].reshape(nb, row)
+            rows = block.sum(axis=1, dtype=np.uint64)
+            cols = block.sum(axis=0, dtype=np.uint64)
+            c0 = int(rows.sum(dtype=np.uint64))
+            c1 = (row * int((rows * np.arange(nb, dtype=np.uint64)).sum(dtype=np.uint64))
+                  + int((cols * col_index).sum(dtype=np.uint64)))
+        tail = chunk[nb * row:].astype(np.uint64)
+        if tail.size:
+            c0 += int(tail.sum(dtype=np.uint64))
+            c1 += int((tail * (np.arange(tail.size, dtype=np.uint64) + np.uint64(nb * row))).sum(dtype=np.uint64))
+        s0 = (s0 + c0) & MASK64
+        s1 = (s1 + c1 + start * c0) & MASK64
     return s0, s1
 
 
