@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="per throughput block")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--memory-calls", type=int, default=100_000)
+    ap.add_argument("--no-nvml", action="store_true", help="run the agent without its NVML probe")
     ap.add_argument("--bare-server", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
@@ -161,9 +162,11 @@ def main() -> None:
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="sdcw-bench-", dir="/tmp"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    path = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
     agent = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--state-dir", str(tmp / "a"),
-                              "--metrics-listen", "off", "--log-level", "WARNING"], cwd=ROOT, env=env)
+                              "--metrics-listen", "off", "--log-level", "WARNING",
+                              *(["--no-nvml-enabled"] if args.no_nvml else [])], cwd=ROOT, env=env)
     bare = subprocess.Popen([sys.executable, __file__, "--bare-server", str(tmp / "bare.sock")], cwd=ROOT, env=env)
     targets = {"agent": f"unix:{tmp / 'a' / 'agent.sock'}", "bare": f"unix:{tmp / 'bare.sock'}"}
     try:

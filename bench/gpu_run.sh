@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call (device tool): tests marked gpu, the benchmarks,
 # the agent on real NVML, the preflight canary and the demo on GPUs. Logs go to $OUT (8 files at most).
-#   bash bench/gpu_run.sh [quick]
+#   bash bench/gpu_run.sh                    everything
+#   ONLY="diag canary demo" NVML=0 bash bench/gpu_run.sh   a subset; NVML=0 runs the agent without NVML
 # Needs the wheels in .whl/ (grpcio, protobuf, ... for python 3.12: see docs/BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/sdcw-gpu-out}; mkdir -p "$OUT"
@@ -14,6 +15,9 @@ else
   export PYTHONPATH=$PWD
 fi
 LOG=$OUT/all.log; SUM=$OUT/summary.txt; : > "$LOG"; : > "$SUM"
+ONLY=${ONLY:-all}; NVML=${NVML:-1}
+want() { [ "$ONLY" = all ] || [[ " $ONLY " == *" $1 "* ]]; }
+NVFLAG=(); [ "$NVML" = 0 ] && NVFLAG=(--no-nvml-enabled)
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
   local t0=$SECONDS
@@ -25,33 +29,39 @@ step() {  # step NAME TIMEOUT CMD...
   python3 -c 'import torch, triton, grpc, google.protobuf as p; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "grpc", grpc.__version__, "protobuf", p.__version__, "gpus", torch.cuda.device_count())'; } >> "$LOG" 2>&1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
+want diag && step nvml-diag 150 python3 bench/nvml_diag.py
 # CPU-side measurements in the background while the GPU work runs
-python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json" > "$OUT/nvml.log" 2>&1 &
-NVML=$!
-python3 bench/bench_agent.py --calls 3000 --rounds 3 --seconds 3 --memory-calls 100000 > "$OUT/agent_bench.log" 2>&1 &
-AGENT=$!
-
-step gpu-tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu -x -o addopts="" \
-  tests/test_fingerprint_gpu.py tests/test_monitor_cuda.py tests/test_canary_gpu.py tests/test_nvml_real.py
-step monitor-1gpu 80 python3 bench/bench_monitor_overhead.py
-[ "$NGPU" -ge 2 ] && step monitor-2gpu 100 torchrun --nproc-per-node 2 bench/bench_monitor_overhead.py
-step canary-bench 90 python3 bench/bench_canary.py
-step canary-cli 40 python3 -m daemon.cli canary --level quick --json
-step ckpt-bench 100 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
+NVMLB=""; AGENTB=""
+if want nvml && [ "$NVML" = 1 ]; then
+  python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json" > "$OUT/nvml.log" 2>&1 & NVMLB=$!
+fi
+if want agentbench; then
+  python3 bench/bench_agent.py --calls 3000 --rounds 3 --seconds 3 --memory-calls 100000 \
+    $([ "$NVML" = 0 ] && echo --no-nvml) > "$OUT/agent_bench.log" 2>&1 & AGENTB=$!
+fi
+want tests && step gpu-tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_fingerprint_gpu.py tests/test_monitor_cuda.py tests/test_canary_gpu.py \
+  $([ "$NVML" = 1 ] && echo tests/test_nvml_real.py)
+want monitor && step monitor-1gpu 80 python3 bench/bench_monitor_overhead.py
+want monitor && [ "$NGPU" -ge 2 ] && step monitor-2gpu 100 torchrun --nproc-per-node 2 bench/bench_monitor_overhead.py
+want canary && step canary-bench 90 python3 bench/bench_canary.py
+want canary && step canary-cli 40 python3 -m daemon.cli canary --level quick
+want ckpt && step ckpt-bench 100 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
 # the agent on real NVML
 S=/tmp/sdcw-gpu-agent; rm -rf $S
-python3 -m daemon.cli run --state-dir $S --metrics-listen 127.0.0.1:0 > "$OUT/agent.log" 2>&1 &
+python3 -m daemon.cli run --state-dir $S --metrics-listen 127.0.0.1:0 "${NVFLAG[@]}" > "$OUT/agent.log" 2>&1 &
 A=$!; for i in $(seq 1 100); do [ -S $S/agent.sock ] && break; sleep 0.1; done; sleep 3
 step agent-status 20 python3 -m daemon.cli status --socket $S/agent.sock
 step agent-status-j 20 python3 -m daemon.cli status --socket $S/agent.sock --json
-[ "$NGPU" -ge 2 ] && step demo-2gpu 150 python3 -m daemon.cli demo --device cuda --ranks 2 --steps 300 \
+want demo && [ "$NGPU" -ge 2 ] && step demo-2gpu 150 python3 -m daemon.cli demo --device cuda --ranks 2 --steps 300 \
   --socket $S/agent.sock --out "$OUT/demo" --quiet
 kill -TERM $A; wait $A
-wait $NVML; wait $AGENT
-echo "===== nvml bench" >> "$LOG"; cat "$OUT/nvml.log" >> "$LOG"
-echo "===== agent bench" >> "$LOG"; cat "$OUT/agent_bench.log" >> "$LOG"
+[ -n "$NVMLB" ] && wait $NVMLB; [ -n "$AGENTB" ] && wait $AGENTB
+[ -f "$OUT/nvml.log" ] && { echo "===== nvml bench" >> "$LOG"; cat "$OUT/nvml.log" >> "$LOG"; }
+[ -f "$OUT/agent_bench.log" ] && { echo "===== agent bench" >> "$LOG"; cat "$OUT/agent_bench.log" >> "$LOG"; }
 echo "===== agent log (tail)" >> "$LOG"; tail -40 "$OUT/agent.log" >> "$LOG"
 [ -f "$OUT/demo/summary.json" ] && cp "$OUT/demo/summary.json" "$OUT/demo_summary.json"
 [ -f "$OUT/demo/loss.png" ] && cp "$OUT/demo/loss.png" "$OUT/demo_loss.png"
+[ -d "$OUT/demo" ] && { for f in "$OUT"/demo/rank*.log; do echo "===== $f (tail)" >> "$LOG"; tail -15 "$f" >> "$LOG"; done; }
 rm -rf "$OUT/demo" "$OUT/nvml.log" "$OUT/agent_bench.log"
 cat "$SUM"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -156,6 +157,12 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
+def _nullcontext() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 class TritonFingerprintPlan:
     """Metadata for one list of tensors on one device, built once; ``run_async`` launches the kernels.
 
@@ -245,12 +252,16 @@ class TritonFingerprintPlan:
         if per_tensor_out is not None and (per_tensor_out.shape != (self.n, 2)
                                            or per_tensor_out.dtype != torch.int64):
             raise ValueError(f"per_tensor_out must be int64 of shape ({self.n}, 2)")
-        for dst, src in self._staging:
-            dst.copy_(src)
-        if self.n_items:
-            partials_kernel[(self.n_items,)](self.base_u8, self.base_i32, self.items, self.acc,
-                                             BLOCK=self.block, TAIL=16, num_warps=self.num_warps)
-        finalize_kernel[(1,)](self.acc, self.table, self.n, per, out, TB=FINAL_TB, num_warps=4)
+        # Launch on the tensors' device (and so on that device's current stream), whatever device is current
+        # for the calling thread: Triton launches on the current device, and memory of another GPU is not
+        # accessible from it (and its stream would not be ordered after the producer's).
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext():
+            for dst, src in self._staging:
+                dst.copy_(src)
+            if self.n_items:
+                partials_kernel[(self.n_items,)](self.base_u8, self.base_i32, self.items, self.acc,
+                                                 BLOCK=self.block, TAIL=16, num_warps=self.num_warps)
+            finalize_kernel[(1,)](self.acc, self.table, self.n, per, out, TB=FINAL_TB, num_warps=4)
         return out
 
 

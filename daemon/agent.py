@@ -440,8 +440,9 @@ class Agent:
     def handle_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
         out = self.jobs.report(req, now)
         job = req.job_id
-        self.metrics.job_steps.labels(job).inc()
-        self.metrics.job_last_step.labels(job).set(out.job.last_step)
+        steps, last_step = self.metrics.job_children(job)
+        steps.inc()
+        last_step.set(out.job.last_step)
         if out.dropped_delta:
             self.metrics.job_dropped.labels(job).inc(out.dropped_delta)
         if out.mismatch:

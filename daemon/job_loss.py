@@ -48,8 +48,10 @@ class JobLoss:
             return []  # a late report of a step already judged
         p = self.pending.get(step)
         if p is None:
+            out_of_order = bool(self.pending) and step < next(reversed(self.pending))
             p = self.pending[step] = _Pending(world=world_size)
-            self.pending = collections.OrderedDict(sorted(self.pending.items()))
+            if out_of_order:  # rare (a straggler's report): keep the pending steps in step order
+                self.pending = collections.OrderedDict(sorted(self.pending.items()))
         if rank in p.ranks:
             return []
         p.ranks.add(rank)

@@ -62,8 +62,16 @@ class AgentMetrics:
                                   "Job-level events (loss anomalies, NaN, replica mismatch, frozen-parameter "
                                   "changes, rollbacks) by kind and severity", ["job_id", "kind", "severity"],
                                   registry=r)
+        self._job_kids: dict[str, tuple[Any, Any]] = {}
         self.reports_rejected = Counter("sdcwatch_reports_rejected_total",
                                         "ReportStep calls rejected as invalid", registry=r)
+
+    def job_children(self, job: str) -> tuple[Any, Any]:
+        """The per-job step counter and last-step gauge, cached (label lookups cost on the hot path)."""
+        kids = self._job_kids.get(job)
+        if kids is None:
+            kids = self._job_kids[job] = (self.job_steps.labels(job), self.job_last_step.labels(job))
+        return kids
 
     def observe_probe(self, name: str, seconds: float, ok: bool) -> None:
         self.probe_seconds.labels(name).observe(seconds)
@@ -72,6 +80,7 @@ class AgentMetrics:
             self.probe_failures.labels(name).inc()
 
     def forget_job(self, job: str) -> None:
+        self._job_kids.pop(job, None)
         for metric in (self.job_steps, self.job_last_step, self.job_dropped, self.job_checks,
                        self.job_mismatches):
             try:

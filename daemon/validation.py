@@ -23,18 +23,37 @@ MAX_LABELS = 32
 MAX_SUSPECTS = 4096
 
 
+_GOOD_NAMES: dict[str, None] = {}   # job ids, hosts and GPU UUIDs already accepted (bounded)
+
+
+def _known_good(name: str) -> bool:
+    return name in _GOOD_NAMES
+
+
+def _remember(name: str) -> None:
+    if len(_GOOD_NAMES) >= 4096:
+        _GOOD_NAMES.clear()
+    _GOOD_NAMES[name] = None
+
+
 def check_job_id(job_id: str) -> str | None:
     if not job_id:
         return "job_id is empty"
+    if _known_good(job_id):
+        return None
     if not JOB_ID.match(job_id):
         return (f"job_id {job_id[:64]!r} is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, "
                 "starting with a letter or digit")
+    _remember(job_id)
     return None
 
 
 def check_gpu_uuid(uuid: str, field: str = "gpu_uuid") -> str | None:
-    if uuid and not GPU_UUID.match(uuid):
+    if not uuid or _known_good(uuid):
+        return None
+    if not GPU_UUID.match(uuid):
         return f"{field} {uuid[:64]!r} is not a GPU UUID (GPU-... or MIG-...)"
+    _remember(uuid)
     return None
 
 
@@ -71,8 +90,10 @@ def check_report_step(req: pb.ReportStepRequest) -> str | None:
         return f"fingerprint has {len(req.fingerprint)} words; the limit is {MAX_FINGERPRINT_WORDS}"
     if req.replica_group and not GROUP.match(req.replica_group):
         return f"replica_group {req.replica_group[:64]!r} is invalid"
-    if req.host and not HOST.match(req.host):
-        return f"host {req.host[:64]!r} is not a hostname"
+    if req.host and not _known_good(req.host):
+        if not HOST.match(req.host):
+            return f"host {req.host[:64]!r} is not a hostname"
+        _remember(req.host)
     err = check_gpu_uuid(req.gpu_uuid)
     if err:
         return err

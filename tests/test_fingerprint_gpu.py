@@ -83,3 +83,19 @@ def test_repeat_calls_reuse_the_plan_and_see_updates() -> None:
     second = fingerprint_words_to_ints(fingerprint_tensors_async([w, b]))
     assert second != first
     assert second == fingerprint_list_from_parts([fingerprint_tensor(w), fingerprint_tensor(b)])
+
+
+@pytest.mark.gpu
+def test_tensors_on_another_gpu_than_the_current_one() -> None:
+    """Triton launches on the current device: the plan must switch to the tensors' device (and stream)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from checksums.fingerprint import fingerprint_numpy, fingerprint_tensor
+
+    with torch.cuda.device(0):
+        for _ in range(5):
+            a = torch.randn(4096, 4096, device="cuda:1")
+            b = a @ a  # produced on cuda:1's stream
+            got = fingerprint_tensor(b)
+            want = fingerprint_numpy(b.cpu().numpy())
+            assert got == want

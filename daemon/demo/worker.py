@@ -113,7 +113,7 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
             request[0] = max(int(request[0]), ROLLBACK_DIRECTIVE)
             request[1], request[2] = directive.target_step + 1, directive.skip_batches
             request[4] = directive.event_seq
-        dist.all_reduce(request, op=dist.ReduceOp.MAX)
+        request = _all_reduce_max(request, device)
         if int(request[0]):
             handled_seq = max(handled_seq, int(request[4]))
             monitor.flush()  # votes about steps before the rollback are read now and ignored
@@ -121,7 +121,7 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
             target = torch.tensor([-1, 0], dtype=torch.int64)
             if rank == 0:
                 target[0], target[1] = pick_target(ckpt, request)
-            dist.broadcast(target, 0)
+            target = _broadcast(target, device)
             if int(target[0]) >= 0:
                 t0 = time.time()
                 ckpt.wait(timeout=30)
@@ -147,6 +147,19 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
               mismatches=stats.mismatches, dropped=stats.reports_dropped)
     ckpt.close()
     return 0
+
+
+def _all_reduce_max(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """All-reduce (MAX) a small host tensor over whatever backend the group has (NCCL needs CUDA)."""
+    on = t.to(device)
+    dist.all_reduce(on, op=dist.ReduceOp.MAX)
+    return on.cpu()
+
+
+def _broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    on = t.to(device)
+    dist.broadcast(on, 0)
+    return on.cpu()
 
 
 def pick_target(ckpt: Any, request: torch.Tensor) -> tuple[int, int]:
