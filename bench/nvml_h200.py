@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probes.nvml_backend import FieldNotSupported, NvmlError, PynvmlBackend, field_specs  # noqa: E402
+from probes.nvml_backend import FieldNotSupported, NvmlError, PynvmlBackend, field_specs, open_backend  # noqa: E402
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def read_every_field(backend: PynvmlBackend, index: int) -> dict[str, Any]:
+def read_every_field(backend: Any, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"fields": {}}
     try:
         ident = backend.identity(index)
@@ -73,6 +73,20 @@ def read_every_field(backend: PynvmlBackend, index: int) -> dict[str, Any]:
     return out
 
 
+def _cpu_with_children() -> float:
+    """CPU seconds of this process and its live children (the NVML child processes)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0)
@@ -81,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     report: dict[str, Any] = {"host": os.uname().nodename, "seconds": args.seconds, "interval": args.interval}
     try:
-        backend = PynvmlBackend()
+        backend = open_backend(None)  # what the agent uses: NVML in child processes (probes/nvml_isolated.py)
     except Exception as exc:  # noqa: BLE001
         print(f"NVML unavailable: {exc}")
         report["error"] = repr(exc)
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     whole: list[float] = []
     errors: list[str] = []
     print(f"== polling every {args.interval:g}s for {args.seconds:g}s (XID listener running)")
-    cpu0, wall0 = time.process_time(), time.monotonic()
+    cpu0, wall0 = _cpu_with_children(), time.monotonic()
     next_t = wall0
     polls = 0
     while time.monotonic() - wall0 < args.seconds:
@@ -146,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         next_t += args.interval
         time.sleep(max(0.0, next_t - time.monotonic()))
     wall = time.monotonic() - wall0
-    cpu = time.process_time() - cpu0
+    cpu = _cpu_with_children() - cpu0
     stop.set()
     listener.join(5)
     try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -505,7 +506,11 @@ def open_backend(scenario: str | None = None, clock: Callable[[], float] | None 
         from probes.nvml_fake import ScenarioBackend  # noqa: PLC0415
 
         return ScenarioBackend.from_file(scenario, clock=clock)
-    return PynvmlBackend()
+    if os.environ.get("SDCWATCH_NVML_INPROCESS") == "1":  # debugging only: NVML inside the agent process
+        return PynvmlBackend()
+    from probes.nvml_isolated import IsolatedBackend  # noqa: PLC0415
+
+    return IsolatedBackend()
 
 
 def split_values(values: Mapping[str, Any]) -> tuple[dict[str, int | float], dict[str, NvmlError]]:
