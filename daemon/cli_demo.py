@@ -151,7 +151,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     flips, bad = [], []
     if 0 <= args.flip_step < args.steps:
         rank = args.ranks - 1 if args.flip_rank is None else args.flip_rank
-        flips.append({"step": args.flip_step, "rank": rank, "param": "", "index": 7, "bit": 30})
+        flips.append({"step": args.flip_step, "rank": rank, "param": "", "index": 7, "bit": 21})
     if 0 <= args.bad_data_start < args.steps:
         bad.append({"start": args.bad_data_start, "length": args.bad_data_length})
     return {"bitflips": flips, "bad_data": bad}

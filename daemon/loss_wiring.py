@@ -38,7 +38,7 @@ class LossWiring:
         self.jobs: dict[str, JobLoss] = {}
         self.rank_steps: dict[str, dict[int, int]] = {}
         self.rollbacks_seen: dict[str, collections.deque[int]] = {}
-        self.directives: dict[str, tuple[pb.Directive, set[int], float]] = {}
+        self.directives: dict[str, tuple[pb.Directive, set[int], float, int]] = {}  # + anomaly start
 
     def forget(self, job: str) -> None:
         for d in (self.jobs, self.rank_steps, self.rollbacks_seen, self.directives):
@@ -71,6 +71,11 @@ class LossWiring:
         if restored in seen:
             return
         seen.append(restored)
+        pending = self.directives.get(job)
+        if pending is not None and pending[0].target_step <= restored < pending[3]:
+            # the job already went back to before that anomaly (e.g. for a replica mismatch): the directive
+            # would roll back again and skip good batches
+            del self.directives[job]
         self.agent.bus.publish("job.rollback", Severity.INFO, f"job/{job}",
                                f"job {job} went back from step {prev} to {step}: restored step {restored}",
                                {"job_id": job, "from_step": prev, "restored_step": restored, "rank": rank})
@@ -106,7 +111,7 @@ class LossWiring:
         skip = max(0, decision.skip_to_step - (decision.target_step + 1))
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
                                  skip_batches=skip, reason=decision.reason, event_seq=seq)
-        self.directives[job] = (directive, set(), time.time())
+        self.directives[job] = (directive, set(), time.time(), ev.start_step)
         self.agent.bus.publish("job.rollback_directive", Severity.WARNING, f"job/{job}",
                                f"rollback directive: restore step {decision.target_step}, skip {skip} batches "
                                f"({decision.reason})",
@@ -117,7 +122,7 @@ class LossWiring:
         entry = self.directives.get(job)
         if entry is None:
             return []
-        directive, delivered, created = entry
+        directive, delivered, created, _start = entry
         if now - created > DIRECTIVE_TTL_S:
             del self.directives[job]
             return []

@@ -361,3 +361,32 @@ def test_pynvml_backend_init_failure_is_unavailable() -> None:
     stub.nvmlInit = fail  # type: ignore[method-assign]
     with pytest.raises(NvmlUnavailable, match="NVML unavailable"):
         PynvmlBackend(stub)
+
+
+def test_slow_fields_are_read_every_nth_poll_and_carried_between() -> None:
+    """Per-poll cost is the number of NVML calls: state-like fields are read every `slow_every` polls."""
+    from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, is_slow_field
+    from probes.nvml_fake import ScenarioBackend
+
+    backend = ScenarioBackend.from_file(str(ROOT / "tests" / "scenarios" / "clean.json"), clock=lambda: 0.0)
+    asked: list[list[str]] = []
+    real = backend.read_fields
+
+    def counting(index, names):
+        asked.append(list(names))
+        return real(index, names)
+
+    backend.read_fields = counting  # type: ignore[method-assign]
+    probe = NvmlProbe(backend, NvmlProbeConfig(slow_every=5))
+    probe.discover()
+    asked.clear()
+    results = [probe.poll(float(t)) for t in range(11)]
+    per_gpu = len(probe.identities())
+    polls = [asked[i:i + per_gpu] for i in range(0, len(asked), per_gpu)]
+    full = [i for i, p in enumerate(polls) if any(is_slow_field(n) for n in p[0])]
+    assert full == [0, 5, 10]
+    assert all(not any(is_slow_field(n) for n in p[0]) for i, p in enumerate(polls) if i not in full)
+    uuid = probe.identities()[0].uuid
+    assert results[3].readings[uuid] is not None
+    assert "pcie.width.max" in results[3].readings[uuid].values, "slow fields carried between reads"
+    assert results[3].evidence[uuid] and all(e.implies.name == "HEALTHY" for e in results[3].evidence[uuid])
