@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call (device tool): tests marked gpu, the benchmarks,
+want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
+  --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent on real NVML, the preflight canary and the demo on GPUs. Logs go to $OUT (8 files at most).
 #   bash bench/gpu_run.sh                    everything
 #   ONLY="diag canary demo" NVML=0 bash bench/gpu_run.sh   a subset; NVML=0 runs the agent without NVML
@@ -47,6 +49,8 @@ want monitor && [ "$NGPU" -ge 2 ] && step monitor-2gpu 100 torchrun --nproc-per-
 want canary && step canary-bench 90 python3 bench/bench_canary.py
 want canary && step canary-cli 40 python3 -m daemon.cli canary --level quick
 want ckpt && step ckpt-bench 100 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
+want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
+  --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent on real NVML
 S=/tmp/sdcw-gpu-agent; rm -rf $S
 python3 -m daemon.cli run --state-dir $S --metrics-listen 127.0.0.1:0 "${NVFLAG[@]}" > "$OUT/agent.log" 2>&1 &

@@ -40,7 +40,7 @@ def _state(v: int) -> str:
 def _info(i: Any) -> CheckpointInfo:
     return CheckpointInfo(i.job_id, i.step, _state(i.state), i.world_size, i.shards, i.bytes, i.begun_at,
                           i.committed_at, i.verified_at, i.reason,
-                          tuple(Copy(c.rank, c.node, c.location) for c in i.copies))
+                          tuple(Copy(c.rank, c.node, c.location, c.tier or "memory") for c in i.copies))
 
 
 class GrpcAgentLink:
@@ -101,7 +101,8 @@ class GrpcAgentLink:
     def report_restore(self, r: RestoreReportMsg) -> None:
         self._rpc(self.stub.ReportRestore, self.pb.ReportRestoreRequest(
             job_id=r.job_id, step=r.step, rank=r.rank, seconds=r.seconds, bytes=r.nbytes, chunks=r.chunks,
-            fallbacks=r.fallbacks, checksum_failures=r.checksum_failures, ok=r.ok, error=r.error[:2000]))
+            fallbacks=r.fallbacks, checksum_failures=r.checksum_failures, ok=r.ok, error=r.error[:2000],
+            source=r.source[:200]))
 
     def list(self, job_id: str = "") -> list[CheckpointInfo]:
         """Checkpoints of `job_id`, or of every job the agent knows when it is empty."""
@@ -130,7 +131,8 @@ class GrpcAgentLink:
         r = self._rpc(self.stub.RestorePlan, req)
         return RestorePlan(_info(r.checkpoint), tuple(
             ShardPlan(s.rank, ShardManifest.from_json(s.manifest_json),
-                      tuple(Copy(c.rank, c.node, c.location) for c in s.copies)) for s in r.shards))
+                      tuple(Copy(c.rank, c.node, c.location, c.tier or "memory") for c in s.copies))
+            for s in r.shards))
 
     def close(self) -> None:
         self.channel.close()
@@ -173,7 +175,7 @@ class CheckpointClient:
             self._report_restore(RestoreReportMsg(
                 self.job_id, plan.checkpoint.step, self.rank, time.perf_counter() - t0,
                 sum(s.manifest.nbytes for s in plan.shards if s.rank == self.rank), report.chunks,
-                report.fallbacks, len(report.failures), ok, error))
+                report.fallbacks, len(report.failures), ok, error, report.source))
 
     def _report_restore(self, msg: RestoreReportMsg) -> None:
         send = getattr(self.link, "report_restore", None)

@@ -112,7 +112,8 @@ class CoordinatorConfig:
 class Copy:
     rank: int
     node: str
-    location: str        # the memory tier directory on `node`
+    location: str        # the memory tier directory on `node`, a tier's directory, or an s3:// URL
+    tier: str = "memory"  # memory (this node's or a peer's), nvme, flash, s3 (checkpoint.drainer tiers)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +156,7 @@ class RestoreReportMsg:
     checksum_failures: int
     ok: bool
     error: str = ""
+    source: str = ""     # the copy that served most bytes, "<tier>@<node>" (e.g. "nvme@node-a")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,6 +203,9 @@ class Coordinator:
         self.location = location
         self.config = config or CoordinatorConfig()
         self.publish = publish
+        # steps of a job that retention should keep a little longer (not yet drained to the first durable
+        # tier; soft: `memory_cap_bytes` still evicts them). Set by the drainer.
+        self.retention_hold: Callable[[str], set[int]] | None = None
         p = self.config.key_prefix
         self._p = p
         self._begin = redis.register_script(_BEGIN)
@@ -210,6 +215,7 @@ class Coordinator:
                                       "evictions": 0, "aborted": 0, "checksum_failures": 0,
                                       "verified": 0, "revoked": 0, "slots_swept": 0, "saves_skipped": 0,
                                       "restores": 0, "restores_failed": 0, "restore_fallbacks": 0}
+        self.restore_sources: collections.Counter[str] = collections.Counter()   # tier -> restores served
         # (name, seconds) samples for histograms, drained by daemon.checkpoint_metrics; bounded.
         self.observations: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
 
@@ -314,6 +320,13 @@ class Coordinator:
         self.stats["checksum_failures"] += max(0, int(r.checksum_failures))
         if r.seconds > 0:
             self.observations.append(("restore", float(r.seconds)))
+        tier = r.source.split("@", 1)[0] if r.ok and r.source else ""
+        if tier:
+            self.restore_sources[tier] += 1
+            if tier not in ("memory",):
+                self._emit("checkpoint.restored_from_tier", "INFO", r.job_id,
+                           f"rank {r.rank} restored step {r.step} from {r.source} in {r.seconds:.2f}s",
+                           {"step": r.step, "rank": r.rank, "source": r.source, "seconds": r.seconds})
         if not r.ok:
             self.stats["restores_failed"] += 1
             self._emit("checkpoint.restore_failed", "WARNING", r.job_id,
@@ -509,8 +522,14 @@ class Coordinator:
             self.stats["aborted"] += 1
             dropped.append(step)
         records = [r for r in records if r.step not in dropped]
+        hold: set[int] = set()
+        if self.retention_hold is not None:
+            try:
+                hold = self.retention_hold(job_id)
+            except Exception:  # noqa: BLE001 - a hint only
+                log.exception("retention hold failed")
         for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes,
-                                           self.config.rollback_span_steps):
+                                           self.config.rollback_span_steps, hold):
             self._drop(job_id, step, policy.EVICTED, "retention", now)
             self.stats["evictions"] += 1
             dropped.append(step)

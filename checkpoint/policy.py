@@ -45,7 +45,7 @@ def verified_steps(committed: Iterable[int], votes: Mapping[int, str], bad_steps
 
 
 def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_bytes: int | None,
-                   rollback_span_steps: int = 0) -> list[int]:
+                   rollback_span_steps: int = 0, hold: Iterable[int] = ()) -> list[int]:
     """Steps to evict, oldest first.
 
     Keep the newest `keep_committed` restorable checkpoints, the newest VERIFIED one, and (with
@@ -54,7 +54,8 @@ def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_by
     starts (the loss detector's patience), and the rollback needs a verified checkpoint from before its
     start. Evict the other restorable ones. Then, while the kept bytes exceed `memory_cap_bytes`, evict the oldest
     unverified kept checkpoint; never the newest VERIFIED (the only verified copy kept). PENDING saves
-    are left to `stale_pending` (they are still being written).
+    are left to `stale_pending` (they are still being written). `hold` steps (not yet copied to a durable
+    tier) are kept too, but only softly: the memory cap evicts them like any unverified checkpoint.
     """
     if keep_committed < 1:
         raise ValueError(f"keep_committed must be >= 1, got {keep_committed}")
@@ -75,6 +76,7 @@ def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_by
             keep.add(behind[-1])
         if inside:
             keep.add(inside[0])
+    keep |= set(hold) & {r.step for r in restorable}
     evict = [r.step for r in restorable if r.step not in keep]
     if memory_cap_bytes is not None:
         pending_bytes = sum(r.nbytes for r in records if r.state == PENDING)

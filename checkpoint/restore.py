@@ -30,6 +30,12 @@ class RestoreReport:
     chunks: int = 0
     fallbacks: int = 0                       # chunks read from a copy other than the first
     failures: list[str] = dataclasses.field(default_factory=list)  # "<copy>: chunk @off: why"
+    sources: dict[str, int] = dataclasses.field(default_factory=dict)  # copy name -> bytes it served
+
+    @property
+    def source(self) -> str:
+        """Where the bytes came from: the copy that served the most ('nvme@node-a'), '' before a restore."""
+        return max(self.sources, key=self.sources.__getitem__) if self.sources else ""
 
 
 def read_verified(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore]], out: memoryview,
@@ -57,6 +63,7 @@ def read_verified(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore
                 ok, why = False, f"read error {e}"
             if ok:
                 report.fallbacks += i > 0
+                report.sources[name] = report.sources.get(name, 0) + c.length
                 break
             tried.append(f"{name} ({why})")
             report.failures.append(f"{name}: chunk @{c.offset}: {why}")
@@ -113,12 +120,13 @@ def restore_shard(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore
 
 
 def copies_for(shard: ShardPlan, store_for: Callable[[str], BlobStore]) -> list[tuple[str, BlobStore]]:
-    """[(name, store)] for the copies of `shard` whose location this process can open, in plan order."""
+    """[(name, store)] for the copies of `shard` whose location this process can open, in plan order
+    (memory of this node, peers' memory, then the tiers fastest first). A name is "<tier>@<node>:<location>"."""
     out = []
     for c in shard.copies:
         try:
-            out.append((f"{c.node}:{c.location}", store_for(c.location)))
-        except OSError as e:
+            out.append((f"{c.tier}@{c.node}:{c.location}", store_for(c.location)))
+        except (OSError, ValueError) as e:
             log.info("copy on %s at %s not reachable: %s", c.node, c.location, e)
     return out
 

@@ -8,7 +8,10 @@ manifests, commit records and the index of copies.
 
 Atomicity: `put` writes `<name>.tmp-<pid>-<n>` and renames it over the final name (rename is atomic
 within a filesystem); temp files are never listed and are swept by `sweep_temp`. `fsync` is off by
-default (pointless on tmpfs); turn it on for a disk directory.
+default (pointless on tmpfs); turn it on for a disk directory (the NVMe and flash tiers): then the file is
+fsynced before the rename and its directory (and any directory `put` created) after it, so a blob under its
+final name survives a power loss whole. An error (ENOSPC, EROFS, EIO) removes the temp file and leaves any
+older blob under that name untouched.
 
 Recycling (`spares=N`, on by default for `ShmStore`): on tmpfs, writing a new file costs page
 allocation and zeroing, measured at 4-5x a plain memory copy; overwriting pages that already exist
@@ -60,7 +63,7 @@ class DirStore:
 
     def put(self, key: str, data: Data) -> int:
         final = self.path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        created = self._makedirs(final.parent)
         tmp = final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}-{next(_counter)}")
         written = 0
         fd = self._open_spare(tmp)
@@ -81,8 +84,25 @@ class DirStore:
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            for d in [final.parent, *created]:
+                _fsync_dir(d)
         return written
+
+    def _makedirs(self, d: Path) -> list[Path]:
+        """mkdir -p `d`; return the parents of the directories it created (to fsync), nearest first."""
+        missing = []
+        p = d
+        while not p.is_dir() and p != self.root and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        d.mkdir(parents=True, exist_ok=True)
+        return [m.parent for m in missing]
 
     def link_in(self, key: str, src: str | os.PathLike[str]) -> int:
         """Publish the existing file `src` (on the same filesystem) as blob `key` by a hard link: atomic
@@ -293,6 +313,14 @@ class ShmStore(DirStore):
 
     def __init__(self, root: str | os.PathLike[str], *, spares: int = 8, **kw: object) -> None:
         super().__init__(root, spares=spares, **kw)  # type: ignore[arg-type]
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

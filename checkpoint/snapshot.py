@@ -139,6 +139,12 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def dir_store_for(location: str) -> BlobStore:
+    """The store at a copy's location: a directory (memory, NVMe, flash tiers) or an s3:// URL (one client
+    per URL, reused; credentials from the usual AWS sources)."""
+    if location.startswith("s3://"):
+        from checkpoint.s3_store import s3_store_for
+
+        return s3_store_for(location)
     from checkpoint.shm_store import DirStore
 
     return DirStore(location, create=False)

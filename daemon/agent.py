@@ -165,6 +165,9 @@ class Agent:
         self.extra_services.append((lambda server: register(server, self.checkpoints), [name]))
         self._tasks.append(asyncio.create_task(self.checkpoints.run_maintenance(interval_s=10.0),
                                                name="checkpoint-maintenance"))
+        from daemon import drain_wiring
+
+        drain_wiring.start(self)   # NVMe / flash / S3 tiers ([tiers]); the drainer task joins self._tasks
         self.closers = [*getattr(self, "closers", [])]
 
     def job_event(self, job_id: str, step: int | None, kind: str, reason: str = "") -> None:

@@ -77,6 +77,10 @@ class CheckpointMetrics:
                                    ["job_id"], registry=r)
         self._seen: dict[str, int] = {}
         self._jobs: set[str] = set()
+        self.tiers = TierMetrics(r)
+        self.restore_source = Counter("sdcwatch_checkpoint_restore_source", "Restores by the tier that served "
+                                      "most of the bytes (memory, peer, nvme, flash, s3)", ["tier"], registry=r)
+        self._sources: dict[str, int] = {}
 
     def update(self, service: Any) -> None:
         """Bring the metrics up to date from a `CheckpointService` (or anything with `stats()`,
@@ -115,3 +119,69 @@ class CheckpointMetrics:
                 except KeyError:
                     pass
         self._jobs = jobs
+        coord = getattr(service, "coordinator", None)
+        for tier, n in dict(getattr(coord, "restore_sources", {}) or {}).items():
+            delta = n - self._sources.get(tier, 0)
+            if delta > 0:
+                self.restore_source.labels(tier).inc(delta)
+            self._sources[tier] = max(n, self._sources.get(tier, 0))
+        drainer = getattr(service, "drainer", None)
+        if drainer is not None:
+            self.tiers.update(drainer)
+
+
+_TIER_COUNTERS = {
+    "bytes": ("sdcwatch_checkpoint_tier_bytes_total", "Bytes copied to a tier (verified)"),
+    "hops": ("sdcwatch_checkpoint_tier_copies_total", "Checkpoint copies committed to a tier"),
+    "failures": ("sdcwatch_checkpoint_tier_copy_failures_total", "Copies to a tier that failed (not committed)"),
+    "errors": ("sdcwatch_checkpoint_tier_errors_total",
+               "Failed reads/writes/verifications of a tier (copies, scans, maintenance, verify)"),
+    "verify_failures": ("sdcwatch_checkpoint_tier_verify_failures_total",
+                        "Copies whose written bytes did not verify (checksum mismatch, truncation)"),
+    "retention_deletions": ("sdcwatch_checkpoint_tier_retention_deletions_total",
+                            "Checkpoint copies a tier's retention deleted"),
+    "orphans_deleted": ("sdcwatch_checkpoint_tier_orphans_deleted_total",
+                        "Blobs of interrupted copies (no manifest) deleted"),
+}
+
+
+class TierMetrics:
+    """Per durable tier (label `tier`: nvme, flash, s3): bytes, copies, failures, backlog, health."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.counters = {key: Counter(name.removesuffix("_total"), help_, ["tier"], registry=r)
+                         for key, (name, help_) in _TIER_COUNTERS.items()}
+        self.backlog = Gauge("sdcwatch_checkpoint_drain_backlog_bytes",
+                             "Bytes of checkpoints waiting to be copied to a tier (planned or in flight)", ["tier"],
+                             registry=r)
+        self.healthy = Gauge("sdcwatch_checkpoint_tier_healthy", "1 when the tier's last copy worked, 0 when it is "
+                             "failing (disk full, read-only, unreachable, hung)", ["tier"], registry=r)
+        self.held = Gauge("sdcwatch_checkpoint_tier_checkpoints", "This node's committed checkpoint copies on a tier",
+                          ["tier"], registry=r)
+        self.held_bytes = Gauge("sdcwatch_checkpoint_tier_stored_bytes", "Bytes of this node's copies on a tier",
+                                ["tier"], registry=r)
+        self.throughput = Gauge("sdcwatch_checkpoint_tier_throughput_bytes_per_second",
+                                "Throughput of the last copy to a tier (read, verify, write, verify)", ["tier"],
+                                registry=r)
+        self.duration = Histogram("sdcwatch_checkpoint_tier_copy_seconds", "Time to copy one checkpoint to a tier",
+                                  ["tier"], buckets=_SECONDS, registry=r)
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def update(self, drainer: Any) -> None:
+        for tier, st in drainer.stats().items():
+            for key, counter in self.counters.items():
+                now = int(getattr(st, key))
+                delta = now - self._seen.get((tier, key), 0)
+                if delta > 0:
+                    counter.labels(tier).inc(delta)
+                self._seen[(tier, key)] = max(now, self._seen.get((tier, key), 0))
+            self.backlog.labels(tier).set(st.backlog_bytes)
+            self.healthy.labels(tier).set(1 if st.healthy else 0)
+            self.held.labels(tier).set(st.held)
+            self.held_bytes.labels(tier).set(st.held_bytes)
+            self.throughput.labels(tier).set(st.last_throughput)
+        obs = drainer.observations
+        while obs:
+            tier, seconds, _nbytes = obs.popleft()
+            self.duration.labels(tier).observe(seconds)

@@ -34,8 +34,8 @@ from typing import Any, Callable
 import grpc
 
 from checkpoint import policy
-from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, CheckpointInfo, Coordinator, CoordinatorConfig,
-                                    Publish, RestoreReportMsg, SaveReport)
+from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, CheckpointInfo, Coordinator, CoordinatorConfig, Copy,
+                                    Publish, RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
@@ -54,12 +54,17 @@ STATE_TO_PB = {
 PB_TO_STATE = {v: k for k, v in STATE_TO_PB.items()}
 
 
-def info_to_pb(i: CheckpointInfo) -> pb.CheckpointInfo:
+def copy_to_pb(c: Copy, node: str = "") -> pb.ShardCopy:
+    tier = "peer" if c.tier == "memory" and node and c.node != node else c.tier
+    return pb.ShardCopy(rank=c.rank, node=c.node, location=c.location, tier=tier)
+
+
+def info_to_pb(i: CheckpointInfo, tiers: list[str] | None = None, node: str = "") -> pb.CheckpointInfo:
     return pb.CheckpointInfo(
         job_id=i.job_id, step=i.step, state=STATE_TO_PB.get(i.state, pb.CHECKPOINT_STATE_UNSPECIFIED),
         world_size=i.world_size, shards=i.shards, bytes=i.nbytes, begun_at=i.begun_at,
         committed_at=i.committed_at, verified_at=i.verified_at, reason=i.reason,
-        copies=[pb.ShardCopy(rank=c.rank, node=c.node, location=c.location) for c in i.copies])
+        copies=[copy_to_pb(c, node) for c in i.copies], tiers=tiers or [])
 
 
 class CheckpointService(pb_grpc.CheckpointsServicer):
@@ -76,6 +81,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         self._summary_at = 0.0
         self._memory_bytes = 0
         self.metrics: Any = None   # a daemon.checkpoint_metrics.CheckpointMetrics, updated each round
+        self.drainer: Any = None   # a checkpoint.drainer.Drainer (daemon/drain_wiring.py), or None
 
     # ---- RPCs ---------------------------------------------------------------------------------------
     async def Begin(self, request: pb.BeginRequest, context: grpc.aio.ServicerContext) -> pb.BeginResponse:
@@ -95,16 +101,33 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
                              request.manifest_json, self.clock(), report)
         if self.replicator is not None:
             self._spawn(self._replicate(job, step, rank))
+        if r.committed_now and self.drainer is not None:
+            self.drainer.kick()
         return pb.CommitShardResponse(state=STATE_TO_PB.get(r.state, 0), committed=r.committed_now, shards=r.shards)
 
     async def List(self, request: pb.ListCheckpointsRequest,
                    context: grpc.aio.ServicerContext) -> pb.ListCheckpointsResponse:
-        if request.job_id:
-            job = await self._job(request.job_id, context)
-            infos = await self._call(context, self.coordinator.list, job)
-        else:
-            infos = await self._call(context, self._list_all)
-        return pb.ListCheckpointsResponse(checkpoints=[info_to_pb(i) for i in infos])
+        job = await self._job(request.job_id, context) if request.job_id else ""
+        infos = await self._call(context, self.coordinator.list, job) if job else await self._call(context, self._list_all)
+        return pb.ListCheckpointsResponse(checkpoints=self._with_tiers(infos, job))
+
+    def _with_tiers(self, infos: list[CheckpointInfo], job: str) -> list[pb.CheckpointInfo]:
+        """Memory records plus the checkpoints only the durable tiers still hold; `tiers` says where."""
+        node = self.coordinator.node
+        if self.drainer is None:
+            return [info_to_pb(i, ["memory"] if i.state in policy.RESTORABLE_STATES else [], node) for i in infos]
+        out = []
+        seen = set()
+        for i in infos:
+            seen.add((i.job_id, i.step))
+            mem = ["memory"] if i.state in policy.RESTORABLE_STATES else []
+            out.append(info_to_pb(i, mem + self.drainer.tiers_holding(i.job_id, i.step), node))
+        for (j, step), tc in sorted(self.drainer.tier_checkpoints(job).items()):
+            if (j, step) in seen:
+                continue
+            out.append(info_to_pb(tier_info(tc, self.drainer.tier_copies(j, step)),
+                                  self.drainer.tiers_holding(j, step), node))
+        return out
 
     async def ReportRestore(self, request: pb.ReportRestoreRequest,
                             context: grpc.aio.ServicerContext) -> pb.ReportRestoreResponse:
@@ -114,7 +137,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
                                 f"step and rank must be >= 0, got step {request.step} rank {request.rank}")
         msg = RestoreReportMsg(job, request.step, request.rank, max(0.0, request.seconds), request.bytes,
                                request.chunks, request.fallbacks, request.checksum_failures, request.ok,
-                               request.error[:2000])
+                               request.error[:2000], request.source[:200])
         await self._call(context, self.coordinator.report_restore, msg)
         return pb.ReportRestoreResponse()
 
@@ -148,11 +171,100 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         if request.rank < -1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank must be >= -1, got {request.rank}")
         rank = None if request.rank == -1 else request.rank
-        plan = await self._call(context, self.coordinator.restore_plan, job, target, rank)
-        return pb.RestorePlanResponse(checkpoint=info_to_pb(plan.checkpoint), shards=[
-            pb.ShardPlan(rank=s.rank, manifest_json=s.manifest.to_json(),
-                         copies=[pb.ShardCopy(rank=c.rank, node=c.node, location=c.location) for c in s.copies])
+        plan = await self._call(context, self.restore_plan, job, target, rank)
+        node = self.coordinator.node
+        return pb.RestorePlanResponse(checkpoint=info_to_pb(plan.checkpoint, node=node), shards=[
+            pb.ShardPlan(rank=s.rank, manifest_json=s.manifest.to_json(), copies=[copy_to_pb(c, node) for c in s.copies])
             for s in plan.shards])
+
+    def restore_plan(self, job: str, target: int | str, rank: int | None) -> RestorePlan:
+        """Blocking. Memory first (this node, then peers), then every durable tier holding the checkpoint,
+        fastest first; a checkpoint memory no longer has (evicted, or the Redis restarted empty) is planned
+        from the tiers alone."""
+        try:
+            plan = self.coordinator.restore_plan(job, target, rank)
+        except UnknownCheckpointError as e:
+            if self.drainer is None:
+                raise
+            return self._tier_plan(job, target, rank, e)
+        if self.drainer is None:
+            return plan
+        extra = self.drainer.tier_copies(job, plan.checkpoint.step)
+        return RestorePlan(plan.checkpoint, tuple(
+            ShardPlan(s.rank, s.manifest, tuple(s.copies) + tuple(extra.get(s.rank, ()))) for s in plan.shards))
+
+    def _tier_plan(self, job: str, target: int | str, rank: int | None, why: Exception) -> RestorePlan:
+        cps = {s: tc for (j, s), tc in self.drainer.tier_checkpoints(job).items() if tc.complete}
+        steps = sorted(cps)
+        if target == LATEST:
+            pick = steps[-1] if steps else None
+        elif target == LATEST_VERIFIED:
+            v = [s for s in steps if cps[s].state == policy.VERIFIED]
+            pick = v[-1] if v else None
+        else:
+            pick = target if target in cps else None
+        if pick is None:
+            have = ", ".join(f"{s}:{cps[s].state}" for s in steps) or "none"
+            raise UnknownCheckpointError(f"{why}; the durable tiers hold no match either (have: {have})")
+        tc = cps[pick]
+        copies = self.drainer.tier_copies(job, pick)
+        info = tier_info(tc, copies)
+        ranks = range(tc.world_size) if rank is None else [rank]
+        if rank is not None:
+            validate_rank(rank, tc.world_size)
+        shards = []
+        for r in ranks:
+            m = tc.shard(r)
+            if m is None:
+                raise UnknownCheckpointError(f"job {job} step {pick}: no tier holds rank {r}'s shard")
+            shards.append(ShardPlan(r, m, tuple(copies.get(r, ()))))
+        return RestorePlan(info, tuple(shards))
+
+    async def VerifyCopies(self, request: pb.VerifyCopiesRequest,
+                           context: grpc.aio.ServicerContext) -> pb.VerifyCopiesResponse:
+        job = await self._job(request.job_id, context)
+        if request.step < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {request.step}")
+        checks = await self._call(context, self.verify_copies, job, request.step)
+        return pb.VerifyCopiesResponse(checks=[pb.CopyCheck(**c) for c in checks])
+
+    def verify_copies(self, job: str, step: int) -> list[dict[str, Any]]:
+        """Blocking: re-check every copy (memory here and on peers this node can open, every tier)."""
+        from checkpoint.snapshot import dir_store_for
+
+        memory: list[tuple[str, str, Any]] = []
+        try:
+            info = self.coordinator.info(job, step)
+            if info.state in policy.RESTORABLE_STATES:
+                for loc in dict.fromkeys(c.location for c in info.copies if c.tier == "memory"):
+                    node = next(c.node for c in info.copies if c.location == loc)
+                    try:
+                        store = self.coordinator.store if node == self.coordinator.node else dir_store_for(loc)
+                        memory.append(("memory" if node == self.coordinator.node else "peer", loc, store))
+                    except OSError:
+                        continue
+        except UnknownCheckpointError:
+            pass
+        if self.drainer is not None:
+            return self.drainer.verify_copies(job, step, memory)
+        from checkpoint.drainer import Drainer
+
+        return Drainer(self.coordinator, []).verify_copies(job, step, memory)
+
+    async def Tiers(self, request: pb.TiersRequest, context: grpc.aio.ServicerContext) -> pb.TiersResponse:
+        return pb.TiersResponse(tiers=self.tier_status())
+
+    def tier_status(self) -> list[pb.TierStatus]:
+        """Per durable tier: health, backlog, what it holds (cached; no I/O)."""
+        if self.drainer is None:
+            return []
+        out = []
+        for rt in self.drainer.tiers:
+            st = rt.stats
+            out.append(pb.TierStatus(tier=rt.tier.name, location=rt.tier.location, healthy=st.healthy,
+                                     reason=st.reason, backlog_bytes=st.backlog_bytes, checkpoints=st.held,
+                                     bytes=st.held_bytes))
+        return out
 
     # ---- agent-facing -------------------------------------------------------------------------------
     async def job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
@@ -162,6 +274,12 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     async def maintain_once(self) -> dict[str, list[int]]:
         out = await asyncio.wait_for(asyncio.to_thread(self.coordinator.maintain, self.clock()),
                                      self.maintenance_timeout_s)
+        if self.drainer is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.drainer.maintain, self.clock()),
+                                       self.maintenance_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("tier maintenance took over %.0fs; it goes on in its thread", self.maintenance_timeout_s)
         await self.refresh_summaries()
         if self.metrics is not None:
             try:
@@ -217,6 +335,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self.drainer is not None:
+            self.drainer.close()
         if remove_memory if remove_memory is not None else self.remove_memory_on_close:
             remove = getattr(self.coordinator.store, "remove_all", None)
             if remove is not None:
@@ -301,6 +421,12 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                               config=config, publish=publish)
     replicator = replicator_factory(coordinator) if replicator_factory else None
     return CheckpointService(coordinator, replicator=replicator, remove_memory_on_close=ephemeral_index)
+
+
+def tier_info(tc: Any, copies: dict[int, list[Copy]]) -> CheckpointInfo:
+    """A CheckpointInfo for a checkpoint only the durable tiers hold (a `tier_manifest.TierCheckpoint`)."""
+    return CheckpointInfo(tc.job_id, tc.step, tc.state, tc.world_size, len(tc.ranks), tc.nbytes, 0.0, tc.created,
+                          0.0, "held by the durable tiers only", tuple(c for r in sorted(copies) for c in copies[r]))
 
 
 def summarize(infos: list[CheckpointInfo]) -> list[agent_pb2.CheckpointSummary]:

@@ -1,9 +1,15 @@
-"""`sdcwatch ckpt`: the in-memory checkpoints the agent knows (sdcwatch.v1.Checkpoints).
+"""`sdcwatch ckpt`: the checkpoints the agent knows, in memory and on the durable tiers (sdcwatch.v1.Checkpoints).
 
-    sdcwatch ckpt ls [--job JOB] [--json]        step, state, shards, size, age, where the copies are
-    sdcwatch ckpt show STEP --job JOB [--json]   one checkpoint: every shard copy, with its location
+    sdcwatch ckpt ls [--job JOB] [--json]        step, state, shards, size, age, tiers holding it, copies
+    sdcwatch ckpt show STEP --job JOB [--json]   one checkpoint: every shard copy, its tier and location
+    sdcwatch ckpt tiers [--json]                 each durable tier: health, backlog, what it holds
+    sdcwatch ckpt verify STEP --job JOB [--json] re-read every copy on every tier, chunk checksums
+    sdcwatch ckpt restore TARGET --job JOB --out DIR [--rank R]
+                                                 fetch a verified copy (fastest good tier first, chunk by
+                                                 chunk fallback) into DIR: rank-<r>.bin + rank-<r>.json
 
-Exit codes: 0 success; 1 no such checkpoint (`show`); 2 bad usage or the agent cannot be reached.
+Exit codes: 0 success; 1 no such checkpoint, or a bad copy found (`verify`) / no good copy (`restore`);
+2 bad usage or the agent cannot be reached.
 """
 from __future__ import annotations
 
@@ -36,6 +42,24 @@ def register(subparsers: Any) -> None:
     show.add_argument("--json", action="store_true")
     _client_flags(show)
     show.set_defaults(func=cmd_show)
+    tiers = sub.add_parser("tiers", help="durable tiers: health, backlog, checkpoints held")
+    tiers.add_argument("--json", action="store_true")
+    _client_flags(tiers)
+    tiers.set_defaults(func=cmd_tiers)
+    ver = sub.add_parser("verify", help="re-check every copy of a checkpoint on every tier")
+    ver.add_argument("step", type=int)
+    ver.add_argument("--job", required=True)
+    ver.add_argument("--json", action="store_true")
+    _client_flags(ver)
+    ver.set_defaults(func=cmd_verify, timeout=600.0)
+    rest = sub.add_parser("restore", help="fetch a verified copy of a checkpoint into a directory")
+    rest.add_argument("target", help="a step, 'latest' or 'latest_verified'")
+    rest.add_argument("--job", required=True)
+    rest.add_argument("--out", required=True, help="directory to write rank-<r>.bin and rank-<r>.json into")
+    rest.add_argument("--rank", type=int, default=-1, help="only this rank's shard (default: every rank)")
+    rest.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _client_flags(rest)
+    rest.set_defaults(func=cmd_restore)
 
 
 def _list(args: argparse.Namespace, job: str) -> tuple[int, list[Any]]:
@@ -77,10 +101,12 @@ def where(info: Any) -> str:
     """'node-a (4 shards), node-b (4)': the nodes holding copies, with how many shards each."""
     count: dict[str, int] = {}
     for c in info.copies:
-        count[c.node] = count.get(c.node, 0) + 1
+        if c.tier in ("", "memory", "peer"):
+            count[c.node] = count.get(c.node, 0) + 1
     if not count:
         return "-"
     parts = [f"{node} ({n} shard{'s' if n != 1 else ''})" for node, n in sorted(count.items())]
+    del parts[8:]
     return ", ".join(parts)
 
 
@@ -89,10 +115,11 @@ def format_list(infos: list[Any], now: float) -> str:
 
     if not infos:
         return "no checkpoints in memory"
-    rows = [["JOB", "STEP", "STATE", "SHARDS", "SIZE", "COMMITTED", "WHERE"]]
+    rows = [["JOB", "STEP", "STATE", "SHARDS", "SIZE", "COMMITTED", "TIERS", "WHERE"]]
     for i in sorted(infos, key=lambda i: (i.job_id, i.step)):
         rows.append([i.job_id, str(i.step), state_name(i.state), f"{i.shards}/{i.world_size}",
-                     human_bytes(i.bytes), _ago(i.committed_at, now) if i.committed_at else "-", where(i)])
+                     human_bytes(i.bytes), _ago(i.committed_at, now) if i.committed_at else "-",
+                     ",".join(i.tiers) or "-", where(i)])
     return _table(rows)
 
 
@@ -122,8 +149,10 @@ def format_show(i: Any, now: float) -> str:
              f"verified {_ago(i.verified_at, now)}"]
     if i.reason:
         lines.append(f"  reason: {i.reason}")
-    rows = [["RANK", "NODE", "LOCATION"]] + [[str(c.rank), c.node, c.location]
-                                            for c in sorted(i.copies, key=lambda c: (c.rank, c.node))]
+    if i.tiers:
+        lines.append(f"  held on: {', '.join(i.tiers)}")
+    rows = [["RANK", "TIER", "NODE", "LOCATION"]] + [[str(c.rank), c.tier or "memory", c.node, c.location]
+                                                    for c in i.copies]
     lines.append(_table(rows) if i.copies else "  no copies recorded")
     return "\n".join(lines)
 
@@ -143,3 +172,135 @@ def cmd_show(args: argparse.Namespace) -> int:
     else:
         print(format_show(hit[0], time.time()))
     return EXIT_OK
+
+
+def _rpc(args: argparse.Namespace, name: str, request: Any) -> tuple[int, Any]:
+    from daemon.cli import _connect
+    from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
+
+    client = _connect(args)
+    try:
+        return EXIT_OK, getattr(pb_grpc.CheckpointsStub(client.channel), name)(request, timeout=args.timeout)
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            print(f"sdcwatch: cannot reach the agent (checkpoints): {exc.details()}", file=sys.stderr)
+            return EXIT_USAGE, None
+        print(f"sdcwatch: checkpoints: {code.name}: {exc.details()}", file=sys.stderr)
+        return (EXIT_NOT_FOUND if code == grpc.StatusCode.NOT_FOUND else EXIT_USAGE), None
+    finally:
+        client.close()
+
+
+def cmd_tiers(args: argparse.Namespace) -> int:
+    from daemon.cli import _table
+    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
+
+    code, resp = _rpc(args, "Tiers", pb.TiersRequest())
+    if code != EXIT_OK:
+        return code
+    if args.json:
+        print(json.dumps({"tiers": [json_format.MessageToDict(t, preserving_proto_field_name=True,
+                                                              always_print_fields_with_no_presence=True)
+                                    for t in resp.tiers]}, indent=1))
+        return EXIT_OK
+    if not resp.tiers:
+        print("no durable tiers configured (memory only)")
+        return EXIT_OK
+    rows = [["TIER", "HEALTH", "BACKLOG", "CHECKPOINTS", "SIZE", "LOCATION"]]
+    for t in resp.tiers:
+        rows.append([t.tier, "ok" if t.healthy else f"UNHEALTHY ({t.reason})", human_bytes(t.backlog_bytes),
+                     str(t.checkpoints), human_bytes(t.bytes), t.location])
+    print(_table(rows))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from daemon.cli import _table
+    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
+
+    code, resp = _rpc(args, "VerifyCopies", pb.VerifyCopiesRequest(job_id=args.job, step=args.step))
+    if code != EXIT_OK:
+        return code
+    bad = [c for c in resp.checks if not c.ok]
+    if args.json:
+        print(json.dumps({"ok": not bad, "checks": [json_format.MessageToDict(
+            c, preserving_proto_field_name=True, always_print_fields_with_no_presence=True) for c in resp.checks]},
+            indent=1))
+    else:
+        rows = [["TIER", "RANK", "RESULT", "DETAIL", "LOCATION"]]
+        for c in resp.checks:
+            rows.append([c.tier, str(c.rank), "ok" if c.ok else "BAD", c.detail, c.location])
+        print(_table(rows))
+        print(f"{len(resp.checks) - len(bad)}/{len(resp.checks)} copies good"
+              + (f"; {len(bad)} BAD (restore skips them chunk by chunk)" if bad else ""))
+    return EXIT_NOT_FOUND if bad else EXIT_OK
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Fetch verified shards with the rank-side restore path (same plan, same fallback), to files."""
+    from pathlib import Path
+
+    from checkpoint.client import GrpcAgentLink
+    from checkpoint.errors import CheckpointError
+    from checkpoint.restore import RestoreReport, copies_for, read_verified
+    from checkpoint.snapshot import dir_store_for
+    from daemon.cli import _connect
+
+    target: int | str = args.target
+    if args.target not in ("latest", "latest_verified"):
+        try:
+            target = int(args.target)
+        except ValueError:
+            print(f"sdcwatch: restore target must be a step, 'latest' or 'latest_verified', got {args.target!r}",
+                  file=sys.stderr)
+            return EXIT_USAGE
+    client = _connect(args)
+    link = GrpcAgentLink(client.channel, args.timeout)
+    out = Path(args.out)
+    try:
+        plan = link.restore_plan(args.job, target, None if args.rank < 0 else args.rank)
+        out.mkdir(parents=True, exist_ok=True)
+        total = sum(s.manifest.nbytes for s in plan.shards)
+        with _progress(total, not args.no_progress) as advance:
+            for shard in plan.shards:
+                report = RestoreReport()
+                buf = bytearray(shard.manifest.nbytes)
+                read_verified(shard.manifest, copies_for(shard, dir_store_for), memoryview(buf), report)
+                (out / f"rank-{shard.rank:05d}.bin").write_bytes(buf)
+                (out / f"rank-{shard.rank:05d}.json").write_text(shard.manifest.to_json())
+                advance(shard.manifest.nbytes)
+                print(f"rank {shard.rank}: {human_bytes(shard.manifest.nbytes)} from {report.source or '-'}"
+                      + (f" ({report.fallbacks} chunk(s) from another copy)" if report.fallbacks else ""))
+    except CheckpointError as exc:
+        print(f"sdcwatch: restore of job {args.job} {args.target}: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    finally:
+        client.close()
+    print(f"job {args.job} step {plan.checkpoint.step} ({plan.checkpoint.state}) -> {out}")
+    return EXIT_OK
+
+
+class _progress:
+    """A rich progress bar over bytes when stderr is a terminal (a no-op otherwise)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+        self._p: Any = None
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+        from rich.console import Console
+
+        self._p = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                           TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
+        self._p.start()
+        task = self._p.add_task("restore", total=self.total)
+        return lambda n: self._p.advance(task, n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._p is not None:
+            self._p.stop()

@@ -504,12 +504,15 @@ def _timed(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -
         return out, 0.0
     _sync(device)
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            out = fn()
-        end.record()
-        end.synchronize()
+        # events record on the CURRENT device's stream: make it the GEMM's device, or another GPU's idle
+        # stream is timed (and every GPU but the current one looks infinitely fast)
+        with torch.cuda.device(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                out = fn()
+            end.record()
+            end.synchronize()
         return out, start.elapsed_time(end) / 1000.0 / repeats
     t0 = time.perf_counter()
     for _ in range(repeats):

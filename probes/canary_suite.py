@@ -159,6 +159,13 @@ def _default_matmul_for(dev: DeviceInfo) -> Matmul:
     return canary_gemm.default_matmul
 
 
+def _on_device(dev: DeviceInfo) -> Any:
+    """Make `dev` the current CUDA device (streams, events, library handles follow it); no-op on CPU."""
+    import contextlib
+
+    return torch.cuda.device(dev.torch_device) if dev.torch_device.type == "cuda" else contextlib.nullcontext()
+
+
 def run_suite(devices: Sequence[DeviceInfo], config: SuiteConfig | None = None, *,
               matmul_for: MatmulFor = _default_matmul_for, copier: canary_copy.Copier | None = None,
               allreduce: canary_copy.AllReduce | None = None) -> SuiteReport:
@@ -181,9 +188,10 @@ def run_suite(devices: Sequence[DeviceInfo], config: SuiteConfig | None = None, 
             skipped[dev.label] = why
         specs = canary_gemm.known_answer_specs(cfg.level, ok, dev.torch_device.type, cfg.seed)
         mm = matmul_for(dev)
-        for spec in specs:
-            reps = TIMED_REPEATS[cfg.level] if spec.shape_name == "large" else 0
-            results.append(canary_gemm.run_known_answer(spec, dev, matmul=mm, repeats=reps))
+        with _on_device(dev):
+            for spec in specs:
+                reps = TIMED_REPEATS[cfg.level] if spec.shape_name == "large" else 0
+                results.append(canary_gemm.run_known_answer(spec, dev, matmul=mm, repeats=reps))
     if cfg.random:
         results += _random_checks(devices, dtypes_of, cfg, matmul_for, vers)
     if cfg.copies:

@@ -1,4 +1,5 @@
-"""BlobStore conformance: the same behaviour from every store (memory, directory/shm, Redis)."""
+"""BlobStore conformance: the same behaviour from every store (memory, directory/shm, Redis, S3 via moto's
+HTTP server)."""
 from __future__ import annotations
 
 import uuid
@@ -13,15 +14,20 @@ from checkpoint.memory_store import MemoryStore
 from checkpoint.names import validate_job_id, validate_key
 from checkpoint.redis_store import RedisStore
 from checkpoint.shm_store import DirStore, ShmStore
+from tier_support import moto_s3  # noqa: F401 - fixture
 
 
-@pytest.fixture(params=["memory", "dir", "shm", "redis"])
+@pytest.fixture(params=["memory", "dir", "dir-fsync", "shm", "redis", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
     kind = request.param
     if kind == "memory":
         return MemoryStore()
     if kind == "dir":
         return DirStore(tmp_path / "blobs")
+    if kind == "dir-fsync":
+        return DirStore(tmp_path / "blobs", fsync=True)
+    if kind == "s3":
+        return request.getfixturevalue("moto_s3").store()
     if kind == "shm":
         return ShmStore(tmp_path / "shm")
     server = request.getfixturevalue("redis_server")

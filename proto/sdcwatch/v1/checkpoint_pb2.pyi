@@ -32,17 +32,19 @@ RESTORE_SELECTOR_LATEST: RestoreSelector
 RESTORE_SELECTOR_LATEST_VERIFIED: RestoreSelector
 
 class ShardCopy(_message.Message):
-    __slots__ = ("rank", "node", "location")
+    __slots__ = ("rank", "node", "location", "tier")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     location: str
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., location: _Optional[str] = ...) -> None: ...
+    tier: str
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., location: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job_id", "step", "state", "world_size", "shards", "bytes", "begun_at", "committed_at", "verified_at", "reason", "copies")
+    __slots__ = ("job_id", "step", "state", "world_size", "shards", "bytes", "begun_at", "committed_at", "verified_at", "reason", "copies", "tiers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class CheckpointInfo(_message.Message):
     VERIFIED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     state: CheckpointState
@@ -65,7 +68,8 @@ class CheckpointInfo(_message.Message):
     verified_at: float
     reason: str
     copies: _containers.RepeatedCompositeFieldContainer[ShardCopy]
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., world_size: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., begun_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., verified_at: _Optional[float] = ..., reason: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., world_size: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., begun_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., verified_at: _Optional[float] = ..., reason: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("job_id", "step", "rank", "world_size")
@@ -182,7 +186,7 @@ class RestorePlanResponse(_message.Message):
     def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardPlan, _Mapping]]] = ...) -> None: ...
 
 class ReportRestoreRequest(_message.Message):
-    __slots__ = ("job_id", "step", "rank", "seconds", "bytes", "chunks", "fallbacks", "checksum_failures", "ok", "error")
+    __slots__ = ("job_id", "step", "rank", "seconds", "bytes", "chunks", "fallbacks", "checksum_failures", "ok", "error", "source")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +197,7 @@ class ReportRestoreRequest(_message.Message):
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     rank: int
@@ -203,8 +208,67 @@ class ReportRestoreRequest(_message.Message):
     checksum_failures: int
     ok: bool
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., fallbacks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    source: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., fallbacks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ReportRestoreResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class VerifyCopiesRequest(_message.Message):
+    __slots__ = ("job_id", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CopyCheck(_message.Message):
+    __slots__ = ("tier", "location", "rank", "ok", "detail", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    location: str
+    rank: int
+    ok: bool
+    detail: str
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., location: _Optional[str] = ..., rank: _Optional[int] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class VerifyCopiesResponse(_message.Message):
+    __slots__ = ("checks",)
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    checks: _containers.RepeatedCompositeFieldContainer[CopyCheck]
+    def __init__(self, checks: _Optional[_Iterable[_Union[CopyCheck, _Mapping]]] = ...) -> None: ...
+
+class TierStatus(_message.Message):
+    __slots__ = ("tier", "location", "healthy", "reason", "backlog_bytes", "checkpoints", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    location: str
+    healthy: bool
+    reason: str
+    backlog_bytes: int
+    checkpoints: int
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., location: _Optional[str] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., backlog_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class TiersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TiersResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...

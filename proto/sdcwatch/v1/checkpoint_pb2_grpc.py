@@ -69,6 +69,16 @@ class CheckpointsStub:
                 request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreRequest.SerializeToString,
                 response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreResponse.FromString,
                 _registered_method=True)
+        self.VerifyCopies = channel.unary_unary(
+                '/sdcwatch.v1.Checkpoints/VerifyCopies',
+                request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesRequest.SerializeToString,
+                response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesResponse.FromString,
+                _registered_method=True)
+        self.Tiers = channel.unary_unary(
+                '/sdcwatch.v1.Checkpoints/Tiers',
+                request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersRequest.SerializeToString,
+                response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointsServicer:
@@ -116,6 +126,18 @@ class CheckpointsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyCopies(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tiers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_CheckpointsServicer_to_server(servicer, server):
                     servicer.ReportRestore,
                     request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreRequest.FromString,
                     response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreResponse.SerializeToString,
+            ),
+            'VerifyCopies': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyCopies,
+                    request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesRequest.FromString,
+                    response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesResponse.SerializeToString,
+            ),
+            'Tiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tiers,
+                    request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersRequest.FromString,
+                    response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +376,60 @@ class Checkpoints:
             '/sdcwatch.v1.Checkpoints/ReportRestore',
             proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreRequest.SerializeToString,
             proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.ReportRestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyCopies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sdcwatch.v1.Checkpoints/VerifyCopies',
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesRequest.SerializeToString,
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sdcwatch.v1.Checkpoints/Tiers',
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersRequest.SerializeToString,
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersResponse.FromString,
             options,
             channel_credentials,
             insecure,
