@@ -191,6 +191,7 @@ class Monitor:
         fingerprint_fn: FingerprintFn | None = None,
         host: str | None = None,
         gpu_uuid: str | None = None,
+        canary: Any = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
@@ -243,6 +244,15 @@ class Monitor:
         self._read_errors = 0
         self._last_step_end = time.perf_counter()
         self._closed = False
+        # in-job canary: True = probes.canary_injob.InJobCanary on this device within 0.5% of step time
+        self._canary: Any = None
+        self._canary_result: Any = None
+        if canary is True:
+            from probes.canary_injob import InJobCanary
+
+            self._canary = InJobCanary(self.device, budget_fraction=0.005, label=self.gpu_uuid or str(self.device))
+        elif canary:
+            self._canary = canary
 
     @classmethod
     def attach(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -512,8 +522,27 @@ class Monitor:
         self._pending.append(slot)
         if not self._async:
             self._drain(block=True)
+        if self._canary is not None:
+            self._run_canary(slot.step, slot.step_s)
         self._poll_directives()
         self._last_step_end = time.perf_counter()
+
+    def _run_canary(self, step: int, step_s: float) -> None:
+        """Between steps, on the training's stream, within its time budget; results are read a step later."""
+        try:
+            result = self._canary.maybe_run(step, step_s)
+        except Exception as exc:  # the canary must never break training
+            logger.warning("sdcwatch: in-job canary disabled after an error: %s", exc)
+            self._canary = None
+            return
+        if result is None:
+            return
+        self._canary_result = (step, result)
+        status = getattr(result.status, "value", str(result.status))
+        if status == "FAIL":
+            self._event("canary.fail", step, f"in-job canary {result.name} FAILED on rank {self.rank} "
+                        f"({self.host} {self.gpu_uuid}): {result.why}",
+                        {"check": result.name, "why": result.why, "rank": self.rank, "gpu_uuid": self.gpu_uuid})
 
     def _take_slot(self) -> _Slot:
         slot = self._slots[self._next]
@@ -710,6 +739,13 @@ class Monitor:
                 req.loss_scale = loss_scale
             req.timings.step_s = slot.step_s
             req.timings.check_s = slot.check_s
+            if self._canary_result is not None:
+                cstep, cres = self._canary_result
+                self._canary_result = None
+                req.canary.status = str(getattr(cres.status, "value", cres.status))
+                req.canary.check = cres.name
+                req.canary.why = (cres.why or "")[:1000]
+                req.canary.step = cstep
             if step_vote is not None:
                 r = step_vote.result
                 pv = req.vote

@@ -114,6 +114,7 @@ class JobTracker:
         if req.checks_run:
             job.checks_run[req.rank] = req.checks_run if len(job.checks_run) < self.MAX_RANKS_TRACKED else 0
         self._nonfinite(req, job, out, now)
+        self._canary(req, job, out, now)
         self._vote(req, job, out, now)
         self._frozen(req, job, out, now)
         return out
@@ -166,6 +167,27 @@ class JobTracker:
             {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
              "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
              "reported_by_rank": req.rank}))
+
+    def _canary(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
+        """An in-job canary result: evidence on the rank's GPU (FAIL: SUSPECT; PASS: healthy evidence)."""
+        if not req.HasField("canary") or req.canary.status == "UNKNOWN":
+            return
+        c = req.canary
+        failed = c.status == "FAIL"
+        if failed:
+            out.findings.append(Finding(
+                "canary.fail", Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
+                f"in-job canary {c.check} FAILED on rank {req.rank} ({req.host or '?'} GPU {req.gpu_uuid or '?'}) "
+                f"after step {c.step}: {c.why}",
+                {"job_id": req.job_id, "rank": req.rank, "step": c.step, "check": c.check, "why": c.why,
+                 "gpu_uuid": req.gpu_uuid, "host": req.host}))
+            out.job_events.append((c.step, "sdc", f"in-job canary failed on rank {req.rank}"))
+        if req.gpu_uuid:
+            out.evidence.append((req.gpu_uuid, req.host, Evidence(
+                source="canary", signal="fail" if failed else "pass", value=c.check,
+                implies=State.SUSPECT if failed else State.HEALTHY,
+                reason=(f"in-job canary {c.check} failed: {c.why}" if failed
+                        else f"in-job canary {c.check} passed (job {req.job_id})"), time=now)))
 
     def _frozen(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
         if not req.frozen_changed or req.step in job.frozen_steps:

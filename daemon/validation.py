@@ -116,6 +116,11 @@ def check_report_step(req: pb.ReportStepRequest) -> str | None:
             return f"label {key} is {len(value)} characters; the limit is 256"
     if len(req.frozen_changed) > 10_000 or any(len(n) > 512 for n in req.frozen_changed):
         return "frozen_changed: too many names or a name over 512 characters"
+    if req.HasField("canary"):
+        if req.canary.status not in ("PASS", "FAIL", "UNKNOWN"):
+            return f"canary.status {req.canary.status[:16]!r} is not PASS, FAIL or UNKNOWN"
+        if len(req.canary.check) > 256 or len(req.canary.why) > 2000 or req.canary.step < 0:
+            return "canary: check (max 256) or why (max 2000) too long, or a negative step"
     if req.HasField("vote"):
         vote = req.vote
         if len(vote.suspects) > MAX_SUSPECTS:

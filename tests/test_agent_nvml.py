@@ -146,3 +146,29 @@ def test_replica_vote_makes_the_local_gpu_suspect(short_tmp):
         assert job.state == pb.STATE_SUSPECT and "step 12" in job.reason
     finally:
         agent.stop()
+
+
+def test_in_job_canary_failure_makes_the_rank_gpu_suspect(short_tmp):
+    path = scenario(short_tmp, [])
+    agent = AgentProcess(short_tmp / "s", "--nvml-scenario", path, "--hostname", "node-c").start()
+    try:
+        with grpc.insecure_channel(agent.target) as ch:
+            stub = pb_grpc.AgentStub(ch)
+            ok = pb.CanaryResult(status="PASS", check="gemm/bf16/injob/2048x2048x2048", step=4)
+            bad = pb.CanaryResult(status="FAIL", check="gemm/bf16/injob/2048x2048x2048", step=9,
+                                  why="1 of 4194304 elements wrong: row 7, col 3")
+            stub.ReportStep(pb.ReportStepRequest(job_id="jc", rank=0, world_size=2, step=5, host="node-c",
+                                                 gpu_uuid=GPU0, canary=ok), timeout=5)
+            stub.ReportStep(pb.ReportStepRequest(job_id="jc", rank=1, world_size=2, step=10, host="node-c",
+                                                 gpu_uuid=GPU1, canary=bad), timeout=5)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ReportStep(pb.ReportStepRequest(job_id="jc", rank=1, world_size=2, step=11,
+                                                     canary=pb.CanaryResult(status="MAYBE")), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        gpus = {g.uuid: g for g in status(agent.target).gpus}
+        assert gpus[GPU1].state == pb.STATE_SUSPECT and "row 7" in gpus[GPU1].reason
+        assert gpus[GPU0].state == pb.STATE_HEALTHY
+        fails = [e for e in all_events(agent.target) if e.kind == "canary.fail"]
+        assert len(fails) == 1 and fails[0].details["gpu_uuid"] == GPU1
+    finally:
+        agent.stop()

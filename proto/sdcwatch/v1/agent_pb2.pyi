@@ -258,8 +258,20 @@ class ReplicaVote(_message.Message):
     replica_group: str
     def __init__(self, checked: _Optional[bool] = ..., agreed: _Optional[bool] = ..., replicas: _Optional[int] = ..., suspects: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., method: _Optional[str] = ..., step: _Optional[int] = ..., replica_group: _Optional[str] = ...) -> None: ...
 
+class CanaryResult(_message.Message):
+    __slots__ = ("status", "check", "why", "step")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    check: str
+    why: str
+    step: int
+    def __init__(self, status: _Optional[str] = ..., check: _Optional[str] = ..., why: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run")
+    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +298,7 @@ class ReportStepRequest(_message.Message):
     VOTE_FIELD_NUMBER: _ClassVar[int]
     FROZEN_CHANGED_FIELD_NUMBER: _ClassVar[int]
     CHECKS_RUN_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -305,7 +318,8 @@ class ReportStepRequest(_message.Message):
     vote: ReplicaVote
     frozen_changed: _containers.RepeatedScalarFieldContainer[str]
     checks_run: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ...) -> None: ...
+    canary: CanaryResult
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ..., canary: _Optional[_Union[CanaryResult, _Mapping]] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("kind", "target_step", "skip_batches", "reason", "event_seq")
