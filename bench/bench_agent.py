@@ -58,11 +58,14 @@ async def serve_bare(sock: str) -> None:
 
 
 # -- measurement -----------------------------------------------------------------------------------
-def report(i: int, job: str = "bench") -> pb.ReportStepRequest:
-    return pb.ReportStepRequest(job_id=job, rank=i % 8, world_size=8, step=i // 8, loss=2.0 + (i % 7) * 0.01,
+def report(i: int, job: str = "bench", rank: int | None = None) -> pb.ReportStepRequest:
+    """Step i of a training rank: each (job, rank) stream has increasing steps, as a real rank's has."""
+    if rank is None:
+        rank, i = i % 8, i // 8
+    return pb.ReportStepRequest(job_id=job, rank=rank, world_size=16, step=i, loss=2.0 + (i % 7) * 0.01,
                                 grad_norm=1.0, fingerprint=[i, i * 3, 7, 11], time=time.time(),
                                 timings=pb.StepTimings(step_s=0.03, check_s=0.0001),
-                                host="bench-host", gpu_uuid=f"GPU-{i % 8:08d}-0000-0000-0000-000000000000")
+                                host="bench-host", gpu_uuid=f"GPU-{rank % 8:08d}-0000-0000-0000-000000000000")
 
 
 def wait_health(target: str, timeout: float = 30) -> None:
@@ -107,7 +110,7 @@ async def throughput(target: str, seconds: float, concurrency: int, offset: int)
             nonlocal done
             i = 0
             while time.perf_counter() < deadline:
-                await stub.ReportStep(report(offset + w * 1_000_000 + i, job=f"tput-{w % 4}"), timeout=5)
+                await stub.ReportStep(report(offset + i, job=f"tput-{w % 4}", rank=w), timeout=5)
                 i += 1
                 done += 1
 
@@ -138,7 +141,7 @@ async def memory_run(target: str, calls: int, pid: int, concurrency: int) -> lis
 
             async def worker(w: int, count: int, base: int) -> None:
                 for i in range(count):
-                    await stub.ReportStep(report(base + i * concurrency + w, job=f"mem-{w % 4}"), timeout=10)
+                    await stub.ReportStep(report(base + i, job=f"mem-{w % 4}", rank=w), timeout=10)
 
             per = batch // concurrency
             await asyncio.gather(*(worker(w, per, 10_000_000 + sent) for w in range(concurrency)))

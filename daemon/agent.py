@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -110,6 +111,10 @@ class Agent:
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._stream_events(), name="redis-stream"))
+        # Everything long-lived exists now (torch, protobuf, the servers): move it out of the cyclic GC's
+        # reach, so collections on the request path scan only new objects, not the whole heap.
+        gc.collect()
+        gc.freeze()
         self.ready = True
         self.metrics.ready.set(1)
         await self._sync_health()

@@ -11,6 +11,7 @@ import datetime as dt
 import getpass
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -131,8 +132,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = Agent(cfg)
+    profile = os.environ.get("SDCWATCH_PROFILE")  # a path: write cProfile stats of the agent there on exit
     try:
-        asyncio.run(agent.run())
+        if profile:
+            import cProfile
+
+            cProfile.runctx("asyncio.run(agent.run())", globals(), {"asyncio": asyncio, "agent": agent},
+                            filename=profile)
+        else:
+            asyncio.run(agent.run())
     except FatalError as exc:
         print(f"sdcwatch: {exc}", file=sys.stderr)
         return 1

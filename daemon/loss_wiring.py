@@ -64,7 +64,7 @@ class LossWiring:
         prev = steps.get(rank)
         if len(steps) < 4096 or prev is not None:
             steps[rank] = step
-        if prev is None or step >= prev:
+        if prev is None or step >= prev or step == 0:  # step 0 again: a fresh start, not a restore
             return
         restored = step - 1
         seen = self.rollbacks_seen.setdefault(job, collections.deque(maxlen=64))
