@@ -160,7 +160,7 @@ def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
             else:
                 out.append(Signal("resolve", lab))
         return out
-    if kind == "gpu_xid":
+    if kind == "gpu.xid":
         action = str(details.get("action", ""))
         if action in QUIET_XID_ACTIONS or severity is Severity.INFO:
             return []
@@ -202,7 +202,7 @@ def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
         uuid = _uuid_of(subject, details)
         return [Signal("pulse", labels(name, "critical", uuid=uuid),
                        notes(name, f"SDC suspected: canary failed on GPU {uuid or '?'} ({node})"))]
-    if severity is Severity.CRITICAL and kind != "gpu_lost":   # gpu_lost: SDCWatchGPUFailed covers it
+    if severity is Severity.CRITICAL and kind != "gpu.lost":   # gpu.lost: SDCWatchGPUFailed covers it
         name = "SDCWatchCriticalEvent"
         return [Signal("pulse", labels(name, "critical", kind=kind, subject=subject),
                        notes(name, f"{kind} on {node}: {message}"))]

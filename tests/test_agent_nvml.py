@@ -71,7 +71,7 @@ def test_xid79_fails_one_gpu_and_clear_is_journaled(short_tmp):
         assert st.node_state == pb.STATE_FAILED
         out = cli("status", "--socket", str(agent.socket))
         assert out.returncode == 1 and "FAILED" in out.stdout
-        xids = [e for e in all_events(agent.target) if e.kind == "gpu_xid"]
+        xids = [e for e in all_events(agent.target) if e.kind == "gpu.xid"]
         assert xids and xids[0].subject == f"gpu/{GPU1}" and xids[0].details["action"]
         metrics = urllib.request.urlopen(f"http://{agent.runtime_info()['metrics']}/metrics", timeout=5).read()
         assert b'sdcwatch_gpu_xid_events_total{' in metrics and b'xid="79"' in metrics

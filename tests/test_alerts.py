@@ -82,9 +82,9 @@ def test_event_mapping() -> None:
         return [s.labels["alertname"] for s in signals_for_event(kind, sev, subject, "m", details, node="n",
                                                                  runbook_base=RB) if s.op != "resolve"]
 
-    assert names("gpu_xid", Severity.CRITICAL, {"xid": 79, "action": "REBOOT", "uuid": GPU}) == [
+    assert names("gpu.xid", Severity.CRITICAL, {"xid": 79, "action": "REBOOT", "uuid": GPU}) == [
         "SDCWatchGPUXid"]
-    assert names("gpu_xid", Severity.WARNING, {"xid": 13, "action": "RESTART_APP", "uuid": GPU}) == []
+    assert names("gpu.xid", Severity.WARNING, {"xid": 13, "action": "RESTART_APP", "uuid": GPU}) == []
     assert names("replica.mismatch", Severity.CRITICAL, {"job_id": "j1"}) == ["SDCWatchReplicaMismatch"]
     assert names("sdc.frozen_changed", Severity.CRITICAL, {}, "job/j1/rank/3") == [
         "SDCWatchFrozenParamsChanged"]

@@ -232,8 +232,8 @@ def test_gpu_lost_gives_failed_and_one_finding() -> None:
     for t in range(0, 14):
         h.step(t)
     u1 = h.ids[1].uuid
-    assert sum(1 for f in h.findings if f.kind == "gpu_lost") == 1
-    assert any(f.kind == "gpu_xid" and f.details["xid"] == 79 for f in h.findings)
+    assert sum(1 for f in h.findings if f.kind == "gpu.lost") == 1
+    assert any(f.kind == "gpu.xid" and f.details["xid"] == 79 for f in h.findings)
     assert h.last.readings[u1] is None
     with pytest.raises(GpuLost):
         h.backend.read_fields(1, ["temp.gpu"])
@@ -243,7 +243,7 @@ def test_signal_change_findings_are_emitted_once_per_change() -> None:
     h = Harness(ROOT / "tests/scenarios/remap_pending.json")
     for t in range(0, 22):
         h.step(t)
-    changes = [f for f in h.findings if f.kind == "gpu_signal" and f.details["signal"] == "remap.pending"]
+    changes = [f for f in h.findings if f.kind == "gpu.signal" and f.details["signal"] == "remap.pending"]
     assert [f.details["implies"] for f in changes] == ["DEGRADED", "HEALTHY"]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 SEV_STYLE = {"SEVERITY_CRITICAL": "bold red", "SEVERITY_WARNING": "yellow", "SEVERITY_INFO": "dim"}
-SHOWN = ("replica.", "gpu.", "gpu_", "loss.", "job.rollback", "checkpoint.", "sdc.", "probe.hung", "job.reports")
+SHOWN = ("replica.", "gpu.", "loss.", "job.rollback", "checkpoint.", "sdc.", "probe.hung", "job.reports")
 
 
 def _read_new(path: Path, pos: int) -> tuple[list[dict[str, Any]], int]:
@@ -166,7 +166,7 @@ def build_summary(out: Path, plan: dict[str, Any], events: list[dict[str, Any]],
             "restore": f"step {rb['to_step']} (+{rb['skip']} batches skipped) in {rb['seconds']:.2f}s" if rb else "-"})
     if plan.get("xid"):
         x = plan["xid"]
-        hit = next((e for e in events if e.get("kind") == "gpu_xid"
+        hit = next((e for e in events if e.get("kind") == "gpu.xid"
                     and e.get("details", {}).get("uuid") == x["gpu_uuid"]), None)
         detections.append({"fault": f"XID {x['xid']} on {x['gpu_uuid']}", "step": None,
                            "by": "NVML XID event" if hit else None, "detected_step": None,
