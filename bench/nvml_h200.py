@@ -38,6 +38,28 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def call_group_costs(backend: Any, index: int, links: int, reps: int = 20) -> dict[str, float]:
+    """Median milliseconds of one read of each call group (fields read by the same NVML call)."""
+    import statistics
+
+    groups: dict[str, list[str]] = {}
+    for name, spec in field_specs(links).items():
+        key = spec.call if spec.call == "nvmlDeviceGetFieldValues" else f"{spec.call}{tuple(spec.args)}"
+        groups.setdefault(key, []).append(name)
+    out: dict[str, float] = {}
+    for key, names in groups.items():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            try:
+                backend.read_fields(index, names)
+            except Exception:  # noqa: BLE001 - a failing group is timed like the others
+                pass
+            times.append(time.perf_counter() - t0)
+        out[key] = round(statistics.median(times) * 1e3, 4)
+    return out
+
+
 def read_every_field(backend: Any, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"fields": {}}
     try:
@@ -126,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         slow = sorted(g["fields"].items(), key=lambda kv: -kv[1]["ms"])[:5]
         print("   slowest single reads: " + ", ".join(f"{k} {r['ms']:.3f} ms" for k, r in slow))
 
+    print("== cost of each NVML call group (median of 20 reads of GPU 0; the probe makes one call per group)")
+    report["call_groups"] = call_group_costs(backend, 0, report["gpus"][0]["nvlink_links"] if n else 0)
+    for call, ms in sorted(report["call_groups"].items(), key=lambda kv: -kv[1]):
+        print(f"   {call:48s} {ms:8.3f} ms")
     probe = NvmlProbe(backend, NvmlProbeConfig())
     try:
         probe.discover()
