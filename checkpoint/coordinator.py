@@ -439,8 +439,11 @@ class Coordinator:
     def add_copy(self, job_id: str, step: int, rank: int, node: str, location: str) -> None:
         """Record that `node` holds a verified copy of the shard (peer replication calls this)."""
         meta, _, copies = self._keys(job_id, step)
-        if self.redis.hget(meta, "state") is None:
+        state = self.redis.hget(meta, "state")
+        if state is None:
             raise UnknownCheckpointError(f"job {job_id} has no checkpoint at step {step}")
+        if _s(state) not in policy.LIVE_STATES:   # dropped meanwhile: the peer sweeps its copy
+            raise UnknownCheckpointError(f"job {job_id} step {step} is {_s(state)}; the copy is not recorded")
         self.redis.hset(copies, f"{rank}@{node}", location)
 
     # ---- verification -------------------------------------------------------------------------------

@@ -6,19 +6,25 @@ and a replication factor F, node n's shards are copied to nodes (n + i*J) mod N 
 equal to the nodes per failure domain (rack, switch), the copies land outside the domain.
 
 `Replicator.replicate(job, step, rank)` reads the shard chunk by chunk from this node's tier, verifies
-each chunk checksum (a corrupt copy is never propagated), streams it into each peer's store, and records
-the copy in the coordination Redis. On one machine (tests) a peer's store is its memory directory.
+each chunk checksum (a corrupt copy is never propagated), streams it into each peer's store, reads the
+written copy back and verifies it again, and only then records the copy in the coordination Redis
+(data first, record last). A peer whose copy fails is journaled and the others still get theirs.
+
+Transport: a peer's memory tier is reached as a directory (`Peer.open`): the same host (tests, several
+"nodes" per host) or a filesystem both nodes mount. The directory must already exist (the peer agent
+creates it); a lost node's directory is never re-created by its peers.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator, Mapping
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
 
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
 from checkpoint.coordinator import Coordinator
-from checkpoint.errors import CorruptCheckpointError, InvalidInputError
+from checkpoint.errors import CorruptCheckpointError, InvalidInputError, NotInMemoryError
 from checkpoint.manifest import ShardManifest
 
 log = logging.getLogger(__name__)
@@ -42,29 +48,68 @@ def placement(node_index: int, num_nodes: int, jump: int = 1, factor: int = 2) -
     return out
 
 
+def peers_of(node: str, nodes: Sequence[str], jump: int = 1, factor: int = 2) -> list[str]:
+    """The names of the nodes that hold copies of `node`'s shards; `nodes` is the job's fixed order."""
+    if node not in nodes:
+        raise InvalidInputError(f"node {node!r} is not among the job's nodes {list(nodes)}")
+    return [nodes[i] for i in placement(list(nodes).index(node), len(nodes), jump, factor)]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Peer:
+    """A node that receives copies. `store` None: the peer's memory tier is the directory `location`,
+    opened for each replication (so a peer that comes up later, or goes away, is handled)."""
+
     node: str
-    store: BlobStore
+    store: BlobStore | None
     location: str
+
+    def open(self) -> BlobStore:
+        if self.store is not None:
+            return self.store
+        from checkpoint.shm_store import DirStore
+
+        root = Path(self.location)
+        if not root.is_dir():
+            raise NotInMemoryError(f"peer {self.node}'s memory tier {self.location} is not reachable from here "
+                                   "(no such directory: the node is down, or not mounted here)")
+        return DirStore(root, create=False)
 
 
 class Replicator:
     def __init__(self, coordinator: Coordinator, peers: Mapping[str, Peer] | list[Peer]) -> None:
         self.coordinator = coordinator
         self.peers = list(peers.values()) if isinstance(peers, Mapping) else list(peers)
+        for p in self.peers:
+            if p.node == coordinator.node:
+                raise InvalidInputError(f"node {p.node} cannot be its own peer")
+        for key in ("replicas", "replica_bytes", "replication_failures"):
+            coordinator.stats.setdefault(key, 0)
 
     def replicate(self, job_id: str, step: int, rank: int) -> list[str]:
         """Copy one committed shard to every peer; return the nodes that now hold it."""
         manifest = self.coordinator.shard_manifest(job_id, step, rank)
+        have = {c.node for c in self.coordinator.info(job_id, step).copies if c.rank == rank}
         done = []
         for peer in self.peers:
-            try:
-                peer.store.put(manifest.blob, self._verified_chunks(manifest))
-                self.coordinator.add_copy(job_id, step, rank, peer.node, peer.location)
+            if peer.node in have:   # a repeated CommitShard: the copy is already recorded
                 done.append(peer.node)
+                continue
+            try:
+                store = peer.open()
+                store.put(manifest.blob, self._verified_chunks(manifest))
+                self._check_copy(store, manifest, peer)
+                self.coordinator.add_copy(job_id, step, rank, peer.node, peer.location)
             except Exception as e:  # noqa: BLE001 - one peer's failure must not stop the others
+                self.coordinator.stats["replication_failures"] += 1
                 log.warning("replicating job %s step %d rank %d to %s failed: %s", job_id, step, rank, peer.node, e)
+                self.coordinator._emit("checkpoint.replication_failed", "WARNING", job_id,
+                                       f"step {step} rank {rank}: no copy on peer {peer.node}: {e}",
+                                       {"step": step, "rank": rank, "peer": peer.node})
+                continue
+            self.coordinator.stats["replicas"] += 1
+            self.coordinator.stats["replica_bytes"] += manifest.nbytes
+            done.append(peer.node)
         return done
 
     def _verified_chunks(self, m: ShardManifest) -> Iterator[memoryview]:
@@ -72,5 +117,22 @@ class Replicator:
         for c in m.chunks:
             n = self.coordinator.store.readinto(m.blob, c.offset, buf[: c.length])
             if not verify(buf[:n], c):
+                self.coordinator.stats["checksum_failures"] += 1
                 raise CorruptCheckpointError(f"{m.blob} chunk at {c.offset} fails its checksum here; not replicated")
             yield buf[:n]
+
+    def _check_copy(self, store: BlobStore, m: ShardManifest, peer: Peer) -> None:
+        """Read the written copy back; a bad one is deleted (never recorded)."""
+        buf = memoryview(bytearray(max((c.length for c in m.chunks), default=0)))
+        try:
+            size = store.size(m.blob)
+            if size != m.nbytes:
+                raise CorruptCheckpointError(f"copy on {peer.node} has {size} bytes, the shard {m.nbytes}")
+            for c in m.chunks:
+                n = store.readinto(m.blob, c.offset, buf[: c.length])
+                if not verify(buf[:n], c):
+                    raise CorruptCheckpointError(f"copy on {peer.node}: chunk at {c.offset} fails its checksum "
+                                                 "when read back")
+        except BaseException:
+            store.delete(m.blob)
+            raise

@@ -163,8 +163,15 @@ class Agent:
 
         from daemon.checkpoint_metrics import CheckpointMetrics
 
-        self.checkpoints = build_checkpoint_service(self.redis_url, self.state_dir, self.bus.publish, node=self.host,
-                                                    ephemeral_index=self.embedded_redis is not None)
+        from daemon import peers_wiring
+
+        peers = self.config.peers
+        self.checkpoints = build_checkpoint_service(
+            self.redis_url, self.state_dir, self.bus.publish, node=self.host,
+            ephemeral_index=self.embedded_redis is not None,
+            replicator_factory=peers_wiring.replicator_factory(peers, self.host,
+                                                               shared_redis=self.embedded_redis is None),
+            replicate_timeout_s=peers.timeout_s)
         self.checkpoints.metrics = CheckpointMetrics(self.metrics.registry)  # updated every maintenance round
         name = checkpoint_pb2.DESCRIPTOR.services_by_name["Checkpoints"].full_name
         self.extra_services.append((lambda server: register(server, self.checkpoints), [name]))

@@ -5,6 +5,8 @@ Wiring, for the agent (daemon/):
     from daemon.checkpoint_service import build_checkpoint_service, register
     svc = build_checkpoint_service(redis_url, state_dir, publish, node=hostname)   # publish(kind, severity,
     register(server, svc)                                    # subject, message, details) -> None
+    # peer replicas ([peers], daemon/peers_wiring.py): build_checkpoint_service(..., replicator_factory=
+    #     peers_wiring.replicator_factory(config.peers, hostname), replicate_timeout_s=config.peers.timeout_s)
     tasks.append(asyncio.create_task(svc.run_maintenance(interval_s=10)))        # retention + GC loop
     # replica votes and bad events, from the detectors (kinds in checkpoint.policy.EVENT_KINDS:
     # "vote_agreed", "vote_mismatch", "sdc", "nan", "fatal_hardware", "rollback", "clear"):
@@ -76,6 +78,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         self.maintenance_timeout_s = maintenance_timeout_s
         self.clock = clock
         self.remove_memory_on_close = remove_memory_on_close
+        self.replicate_timeout_s = 120.0   # one shard to every peer (daemon/peers_config.py timeout_s)
         self._background: set[asyncio.Task[Any]] = set()
         self._summaries: list[agent_pb2.CheckpointSummary] = []
         self._summary_at = 0.0
@@ -348,7 +351,11 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     async def _replicate(self, job: str, step: int, rank: int) -> None:
         assert self.replicator is not None
         try:
-            await asyncio.to_thread(self.replicator.replicate, job, step, rank)
+            await asyncio.wait_for(asyncio.to_thread(self.replicator.replicate, job, step, rank),
+                                   self.replicate_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("peer replication of job %s step %d rank %d took over %.0fs; abandoned here (its "
+                        "thread finishes or fails on its own)", job, step, rank, self.replicate_timeout_s)
         except Exception as e:  # noqa: BLE001
             log.warning("peer replication of job %s step %d rank %d failed: %s", job, step, rank, e)
 
@@ -403,11 +410,14 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                              node: str | None = None, config: CoordinatorConfig | None = None,
                              memory_dir: str | os.PathLike[str] | None = None,
                              replicator_factory: Callable[[Coordinator], Replicator] | None = None,
+                             replicate_timeout_s: float = 120.0,
                              ephemeral_index: bool = False) -> CheckpointService:
     """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
     training processes), the coordination Redis at `redis_url`. `ephemeral_index`: the Redis is the
     agent's embedded one (no persistence): the memory dir is wiped now (bytes a killed agent left, no
-    longer indexed anywhere) and again on `close()`."""
+    longer indexed anywhere) and again on `close()`. `replicator_factory` (daemon/peers_wiring.py) builds
+    the peer Replicator from the coordinator; each shard's copy to the peers is bounded by
+    `replicate_timeout_s`."""
     import redis
 
     root = Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir)
@@ -420,7 +430,9 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
     coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),
                               config=config, publish=publish)
     replicator = replicator_factory(coordinator) if replicator_factory else None
-    return CheckpointService(coordinator, replicator=replicator, remove_memory_on_close=ephemeral_index)
+    service = CheckpointService(coordinator, replicator=replicator, remove_memory_on_close=ephemeral_index)
+    service.replicate_timeout_s = replicate_timeout_s
+    return service
 
 
 def tier_info(tc: Any, copies: dict[int, list[Copy]]) -> CheckpointInfo:

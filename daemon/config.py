@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from daemon.alerts import AlertsConfig
 from daemon.errors import ConfigError
 from daemon.paths import default_state_dir
+from daemon.peers_config import PeersConfig
 from daemon.tiers_config import TiersConfig
 
 if sys.version_info >= (3, 11):
@@ -175,6 +176,7 @@ class Config:
     jobs: JobsConfig = dataclasses.field(default_factory=JobsConfig)
     alerts: AlertsConfig = dataclasses.field(default_factory=AlertsConfig)
     tiers: TiersConfig = dataclasses.field(default_factory=TiersConfig)
+    peers: PeersConfig = dataclasses.field(default_factory=PeersConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -21,6 +21,7 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: AgentMetrics | None, token: str | None = None) -> None:
         self.metrics = metrics
         self.token = token.encode() if token else None
+        self._wrapped: dict[str, tuple[Any, Any]] = {}   # method -> (handler, its wrapped handler)
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -32,6 +33,14 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
             return _deny(handler)
         if self.metrics is None:
             return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:  # built once per method, not per call
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler: Any, method: str) -> Any:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method),
