@@ -140,8 +140,8 @@ def test_unreachable_redis_url_fails_clearly(short_tmp):
 
 
 def test_health_listen_plaintext_tcp_serves_health_only(short_tmp):
-    port = free_port()
-    agent = AgentProcess(short_tmp / "s", "--health-listen", f"127.0.0.1:{port}").start()
+    agent = AgentProcess(short_tmp / "s", "--health-listen", "127.0.0.1:0").start()  # port 0: no race
+    port = int(agent.runtime_info()["health"].rsplit(":", 1)[1])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
@@ -158,36 +158,18 @@ def test_health_listen_plaintext_tcp_serves_health_only(short_tmp):
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    import datetime
+    from support import write_self_signed
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sdcwatch-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
+    return write_self_signed(tmp)
 
 
 def test_tcp_needs_tls_and_token(short_tmp):
     cert, key = _self_signed(short_tmp)
     token = short_tmp / "token"
     token.write_text("s3cret-token\n")
-    port = free_port()
-    agent = AgentProcess(short_tmp / "s", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert),
+    agent = AgentProcess(short_tmp / "s", "--listen", "127.0.0.1:0", "--tls-cert", str(cert),
                          "--tls-key", str(key), "--token-file", str(token)).start()
+    port = int(agent.runtime_info()["listen"].rsplit(":", 1)[1])
     try:
         common = ["--address", f"localhost:{port}", "--tls-ca", str(cert)]
         out = cli("status", *common, "--token-file", str(token))
@@ -209,8 +191,8 @@ def test_tcp_needs_tls_and_token(short_tmp):
 
 
 def test_insecure_tcp_needs_the_flag_and_warns(short_tmp):
-    port = free_port()
-    agent = AgentProcess(short_tmp / "s", "--listen", f"127.0.0.1:{port}", "--insecure").start()
+    agent = AgentProcess(short_tmp / "s", "--listen", "127.0.0.1:0", "--insecure").start()
+    port = int(agent.runtime_info()["listen"].rsplit(":", 1)[1])
     try:
         out = cli("status", "--address", f"127.0.0.1:{port}", "--insecure")
         assert out.returncode == 0, out.stderr

@@ -2,6 +2,8 @@
 replica vote over NCCL on two GPUs. Skipped without CUDA (and the NCCL test without two GPUs)."""
 from __future__ import annotations
 
+from support import RecordingReporter
+
 import json
 from pathlib import Path
 from typing import Any
@@ -16,20 +18,6 @@ from checksums.fingerprint import fingerprint_tensors_torch, fingerprint_words_t
 from checksums.monitor import Monitor
 
 pytestmark = pytest.mark.gpu
-
-
-class RecordingReporter:
-    def __init__(self) -> None:
-        self.requests: list[Any] = []
-        self.sent = self.dropped = self.failed = 0
-        self.agent_down = False
-
-    def submit(self, request: Any) -> bool:
-        self.requests.append(request)
-        return True
-
-    def take_directives(self) -> list[Any]:
-        return []
 
 
 def _model() -> nn.Module:

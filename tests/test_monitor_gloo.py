@@ -5,6 +5,8 @@ what it saw to a JSON file and the tests assert on those files.
 """
 from __future__ import annotations
 
+from support import RecordingReporter
+
 import json
 import os
 from pathlib import Path
@@ -20,22 +22,6 @@ from checksums.monitor import Monitor
 
 FLIP_STEP = 5
 CLEAN_STEPS = 500
-
-
-class RecordingReporter:
-    """Collects the ReportStep requests the Monitor submits (the transport is tested in test_reporter)."""
-
-    def __init__(self) -> None:
-        self.requests: list[Any] = []
-        self.sent = self.dropped = self.failed = 0
-        self.agent_down = False
-
-    def submit(self, request: Any) -> bool:
-        self.requests.append(request)
-        return True
-
-    def take_directives(self) -> list[Any]:
-        return []
 
 
 def _model(seed: int) -> nn.Module:

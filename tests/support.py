@@ -1,0 +1,54 @@
+"""Small helpers shared by several test files."""
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+
+def self_signed_cert() -> tuple[bytes, bytes]:
+    """A self-signed CA certificate for `localhost` (PEM cert, PEM key), valid for a day."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def write_self_signed(tmp: Path) -> tuple[Path, Path]:
+    cert, key = self_signed_cert()
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert)
+    key_path.write_bytes(key)
+    return cert_path, key_path
+
+
+class RecordingReporter:
+    """Collects the ReportStep requests a Monitor submits (the transport is tested in test_reporter)."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+        self.sent = self.dropped = self.failed = 0
+        self.agent_down = False
+
+    def submit(self, request: Any) -> bool:
+        self.requests.append(request)
+        return True
+
+    def take_directives(self) -> list[Any]:
+        return []
+
+    def close(self, timeout: float = 0.0) -> None:
+        pass
