@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 SEV_STYLE = {"SEVERITY_CRITICAL": "bold red", "SEVERITY_WARNING": "yellow", "SEVERITY_INFO": "dim"}
-SHOWN = ("replica.", "gpu.", "loss.", "job.rollback", "checkpoint.", "sdc.", "probe.hung", "job.reports")
+SHOWN = ("replica.", "gpu.", "loss.", "job.rollback", "checkpoint.", "sdc.", "canary.", "probe.hung", "job.reports")
+ROUTINE = ("checkpoint.committed", "checkpoint.verified", "checkpoint.evicted", "checkpoint.drained",
+           "checkpoint.tier_deleted")  # every few steps: in events.jsonl, not on screen
 
 
 def _read_new(path: Path, pos: int) -> tuple[list[dict[str, Any]], int]:
@@ -52,7 +54,7 @@ class Display:
 
     def event(self, ev: dict[str, Any]) -> None:
         kind = ev.get("kind", "")
-        if self.quiet or not kind.startswith(SHOWN):
+        if self.quiet or not kind.startswith(SHOWN) or kind.startswith(ROUTINE):
             return
         style = SEV_STYLE.get(ev.get("severity", ""), "")
         sev = ev.get("severity", "").removeprefix("SEVERITY_").lower()
