@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 SEV_STYLE = {"SEVERITY_CRITICAL": "bold red", "SEVERITY_WARNING": "yellow", "SEVERITY_INFO": "dim"}
-SHOWN = ("replica.", "gpu.", "loss.", "job.rollback", "checkpoint.", "sdc.", "canary.", "probe.hung", "job.reports")
+SHOWN = ("replica.", "gpu.", "loss.", "job.rollback", "checkpoint.", "sdc.", "canary.", "probe.hung",
+         "job.reports")
 ROUTINE = ("checkpoint.committed", "checkpoint.verified", "checkpoint.evicted", "checkpoint.drained",
            "checkpoint.tier_deleted")  # every few steps: in events.jsonl, not on screen
 
