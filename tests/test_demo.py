@@ -17,6 +17,7 @@ def test_demo_detects_and_recovers(short_tmp):
     flip, bad = s["detections"]
     assert flip["by"] == "replica vote" and flip["detected_step"] == 20
     assert flip["suspect_gpu"].startswith("GPU-")
+    assert flip["checkpoint_at_step"] == "committed, never VERIFIED"
     assert bad["by"].startswith("loss.") and bad["detected_step"] <= 60 + 50
     reasons = [r["reason"] for r in s["rollbacks"]]
     assert reasons == ["vote", "directive"]

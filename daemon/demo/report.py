@@ -119,6 +119,9 @@ class Display:
         c.print(f"training finished: {'yes' if s['finished'] else 'NO'} ({s['iterations']} iterations for "
                 f"{s['steps']} steps, {s['wall_s']:.1f}s); critical events: {len(s['critical_events'])}; "
                 f"replicas equal at the end: {s['replicas_equal_at_end']}")
+        for d in s["detections"]:
+            if d.get("checkpoint_at_step"):
+                c.print(f"checkpoint at step {d['step']} (the bit flip's step): {d['checkpoint_at_step']}")
         for g in s.get("gpus", []):
             c.print(f"  GPU {g['uuid']}: {g['state']}  {g.get('reason', '')}")
         if s["would_page"]:
@@ -149,7 +152,12 @@ def build_summary(out: Path, plan: dict[str, Any], events: list[dict[str, Any]],
                     and _num(e.get("details", {}), "step", -1) >= inj["step"]
                     and any(_num(s, "rank") == inj["rank"] for s in e.get("details", {}).get("suspects", []))), None)
         rb = next((r for r in rollbacks if r["reason"] == "vote" and r["at_step"] >= inj["step"]), None)
+        verified_steps = {_num(e.get("details", {}), "step") for e in events if e.get("kind") == "checkpoint.verified"}
+        saved_steps = {_num(e.get("details", {}), "step") for e in events if e.get("kind") == "checkpoint.committed"}
+        ckpt_note = ("VERIFIED (wrong!)" if inj["step"] in verified_steps else
+                     "committed, never VERIFIED" if inj["step"] in saved_steps else "no checkpoint at that step")
         detections.append({
+            "checkpoint_at_step": ckpt_note,
             "fault": f"bit flip on rank {inj['rank']}", "step": inj["step"], "by": "replica vote" if hit else None,
             "detected_step": _num(hit["details"], "step") if hit else None,
             "time_to_detect_s": (hit["time"] - inj["t"]) if hit else None,
