@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probes.nvml_backend import FieldNotSupported, NvmlError, PynvmlBackend, field_specs, open_backend  # noqa: E402
+from probes.nvml_backend import FieldNotSupported, NvmlError, field_specs, open_backend  # noqa: E402
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig  # noqa: E402
 
 

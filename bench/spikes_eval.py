@@ -31,7 +31,7 @@ import statistics
 import sys
 from collections import deque
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 

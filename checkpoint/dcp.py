@@ -30,7 +30,6 @@ JSON-safe values, or turn them into tensors), and on load, should a store ever h
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from torch.futures import Future
 from typing import Any, Callable

@@ -50,7 +50,7 @@ from checkpoint.coordinator import Coordinator, Copy, Publish
 from checkpoint.errors import CheckpointError, CorruptCheckpointError, UnknownCheckpointError
 from checkpoint.fault_store import FaultyStore
 from checkpoint.manifest import ShardManifest
-from checkpoint.tier_manifest import (TierCheckpoint, TierManifest, manifest_key, orphans, scan, step_prefix)
+from checkpoint.tier_manifest import (TierCheckpoint, TierManifest, manifest_key, orphans, scan)
 from checkpoint.tier_policy import Candidate, DrainPlan, Held, TierRule, plan_drains, plan_retention
 
 log = logging.getLogger(__name__)

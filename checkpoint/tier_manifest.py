@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import re
-from typing import Any, Iterable
+from typing import Iterable
 
 from checkpoint.blobstore import BlobStore
 from checkpoint.errors import InvalidInputError

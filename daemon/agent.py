@@ -17,10 +17,9 @@ import logging
 import os
 import platform
 import signal
-import socket as socketlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -84,6 +83,14 @@ class Agent:
         self.extra_services: list[Any] = []   # (register(server), service names) from later components
         self._stop_event: asyncio.Event | None = None
         self._owns_state = False
+        # filled in by the components as they start (declared here so the state is visible in one place)
+        self.checkpoints: Any = None                          # daemon.checkpoint_service.CheckpointService
+        self.loss: Any = None                                 # daemon.loss_wiring.LossWiring
+        self.closers: list[Callable[[], Any]] = []            # run at stop (NVML listener, backend, ...)
+        self.static_probes: dict[str, tuple[str, str]] = {}   # probes that never run: name -> (state, why)
+        self.extra_versions: dict[str, str] = {}              # e.g. the NVIDIA driver
+        self.gpu_state_hook: Callable[[GpuRecord], None] | None = None
+        self.report_hook: Callable[[pb.ReportStepRequest, Any, float], list[pb.Directive]] | None = None
         self._job_events: asyncio.Queue[tuple[str, int | None, str, float, str]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -180,12 +187,11 @@ class Agent:
         from daemon import drain_wiring
 
         drain_wiring.start(self)   # NVMe / flash / S3 tiers ([tiers]); the drainer task joins self._tasks
-        self.closers = [*getattr(self, "closers", [])]
 
     def job_event(self, job_id: str, step: int | None, kind: str, reason: str = "") -> None:
         """Tell the checkpoint coordinator about an event that decides VERIFIED. Never blocks: events
         go through one bounded queue to one task, so the coordinator sees them in order."""
-        if getattr(self, "checkpoints", None) is None:
+        if self.checkpoints is None:
             return
         if self._job_events is None:
             self._job_events = asyncio.Queue(maxsize=10_000)
@@ -332,10 +338,10 @@ class Agent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for runner in self.probes.values():
             runner.stop()
-        if getattr(self, "checkpoints", None) is not None:
+        if self.checkpoints is not None:
             with contextlib.suppress(Exception):
                 await self.checkpoints.close()
-        for closer in getattr(self, "closers", []):
+        for closer in self.closers:
             with contextlib.suppress(Exception):
                 closer()
         if self.redis is not None:
@@ -399,9 +405,8 @@ class Agent:
     # -- state -------------------------------------------------------------------------------------
     def _forget_job(self, job: str) -> None:
         self.metrics.forget_job(job)
-        loss = getattr(self, "loss", None)
-        if loss is not None:
-            loss.forget(job)
+        if self.loss is not None:
+            self.loss.forget(job)
 
     def _count_event(self, event: Any) -> None:
         severity = event.severity.name.lower()
@@ -418,9 +423,8 @@ class Agent:
                          f"GPU {rec.uuid} ({rec.pci_bus_id or '?'}) {old.name} -> {new.name}: {reason}",
                          {"uuid": rec.uuid, "pci_bus_id": rec.pci_bus_id, "from": old.name, "to": new.name,
                           "reason": reason})
-        hook = getattr(self, "gpu_state_hook", None)
-        if hook is not None:
-            hook(rec)
+        if self.gpu_state_hook is not None:
+            self.gpu_state_hook(rec)
         if new is State.FAILED:
             for job in self.jobs.jobs_on_gpu(rec.uuid):
                 self.job_event(job.job_id, None, "fatal_hardware", f"GPU {rec.uuid} FAILED: {reason}")
@@ -470,8 +474,7 @@ class Agent:
             self.job_event(job, step, kind, reason)
         for uuid, host, ev in out.evidence:
             self._attach_job_evidence(uuid, host, ev, now)
-        hook = getattr(self, "report_hook", None)
-        extra: list[pb.Directive] = hook(req, out, now) if hook is not None else []
+        extra = self.report_hook(req, out, now) if self.report_hook is not None else []
         return out.directives + extra
 
     def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
@@ -495,7 +498,7 @@ class Agent:
             started_at=self.started_at, uptime_s=now - self.started_at, last_event_seq=self.bus.last_seq,
             ready=self.ready,
             versions={"sdcwatch": __version__, "python": platform.python_version(), "grpc": grpc.__version__,
-                      "protobuf": google.protobuf.__version__, **getattr(self, "extra_versions", {})})
+                      "protobuf": google.protobuf.__version__, **self.extra_versions})
         for rec in self.gpus.gpus.values():
             g = resp.gpus.add(uuid=rec.uuid, pci_bus_id=rec.pci_bus_id, name=rec.name, index=rec.index,
                               state=int(rec.state), reason=rec.reason, state_since=rec.state_since,
@@ -508,11 +511,11 @@ class Agent:
             resp.probes.add(name=st.name, state=probe_state_pb(st.state), last_run=st.last_run,
                             last_duration_s=st.last_duration_s, last_error=st.last_error, runs=st.runs,
                             failures=st.failures)
-        for name, (state, error) in getattr(self, "static_probes", {}).items():
+        for name, (state, error) in self.static_probes.items():
             resp.probes.add(name=name, state=probe_state_pb(state), last_error=error)
         from daemon.checkpoint_service import checkpoint_status
 
-        resp.checkpoints.extend(checkpoint_status(getattr(self, "checkpoints", None)))
+        resp.checkpoints.extend(checkpoint_status(self.checkpoints))
         for job in self.jobs.jobs.values():
             resp.jobs.add(job_id=job.job_id, ranks=sorted(job.ranks)[:1024], last_step=job.last_step,
                           last_report=job.last_report, steps_seen=job.steps_seen,
@@ -551,6 +554,3 @@ def _redact(url: str) -> str:
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
 
-
-def hostname() -> str:
-    return socketlib.gethostname()

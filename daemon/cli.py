@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import datetime as dt
 import getpass
-import json
 import logging
 import os
 import sys

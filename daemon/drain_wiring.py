@@ -71,7 +71,7 @@ def build_drainer(service: Any, cfg: TiersConfig, state_dir: str | Path) -> "Dra
 def start(agent: Any) -> "Drainer | None":
     """Start the drainer task in the running agent (no-op when disabled or without checkpoints)."""
     cfg = getattr(agent.config, "tiers", None) or TiersConfig()
-    service = getattr(agent, "checkpoints", None)
+    service = agent.checkpoints
     if not cfg.enabled or service is None:
         return None
     drainer = build_drainer(service, cfg, agent.state_dir)

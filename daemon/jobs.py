@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Callable
 
 from probes.types import Evidence, Finding, Severity, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
@@ -34,8 +34,6 @@ class JobState:
         default_factory=lambda: collections.deque(maxlen=64))
     nonfinite_steps: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
-    detectors: dict[Any, Any] = dataclasses.field(default_factory=dict)   # per-rank or per-job detectors
-    pending_directives: dict[int, list[pb.Directive]] = dataclasses.field(default_factory=dict)
     gpus: set[str] = dataclasses.field(default_factory=set)          # GPU UUIDs its ranks reported
     voted_steps: collections.deque[int] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))

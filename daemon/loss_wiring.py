@@ -13,7 +13,7 @@ import collections
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from daemon.job_loss import JobLoss
 from probes.loss_detector import LossDetectorConfig, LossEvent, RollbackPolicy
@@ -97,7 +97,7 @@ class LossWiring:
                                                                          t.exception()))
 
     async def _plan_rollback(self, job: str, ev: LossEvent, seq: int) -> None:
-        svc = getattr(self.agent, "checkpoints", None)
+        svc = self.agent.checkpoints
         verified: list[int] = []
         if svc is not None:
             infos = await asyncio.to_thread(svc.coordinator.list, job)

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from probes.types import Evidence, State
+from probes.types import Evidence, Severity, State
 
 if TYPE_CHECKING:
     from daemon.agent import Agent
@@ -55,8 +55,8 @@ async def start(agent: "Agent") -> None:
         return
     agent.gpus.nvml_available = True
     agent.gpus.nvml_reason = ""
-    agent.extra_versions = {"driver": identities[0].driver_version} if identities and getattr(
-        identities[0], "driver_version", "") else {}
+    if identities and identities[0].driver_version:
+        agent.extra_versions["driver"] = identities[0].driver_version
     now = time.time()
     for ident in identities:
         wiring.register(ident, now)
@@ -69,19 +69,13 @@ async def start(agent: "Agent") -> None:
                               args=(lambda ev: loop.call_soon_threadsafe(wiring.on_xid, ev), stop))
     thread.start()
     agent.gpu_state_hook = wiring.on_state
-    agent.closers = [*getattr(agent, "closers", []), stop.set, probe.close]
+    agent.closers += [stop.set, probe.close]
     if agent.config.canary.enabled and not cfg.scenario:
         start_canary(agent, wiring)
-    agent.bus.publish("nvml.discovered", _info(), "node",
+    agent.bus.publish("nvml.discovered", Severity.INFO, "node",
                       f"{len(identities)} GPU(s): " + ", ".join(f"{i.uuid} ({i.pci_bus_id})" for i in identities),
                       {"gpus": [{"uuid": i.uuid, "pci_bus_id": i.pci_bus_id, "name": i.name, "index": i.index}
                                 for i in identities]})
-
-
-def _info() -> Any:
-    from probes.types import Severity
-
-    return Severity.INFO
 
 
 class NvmlWiring:

@@ -10,7 +10,6 @@ from google.protobuf import struct_pb2
 
 from daemon import validation
 from daemon.events import Event
-from probes.types import State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
@@ -87,10 +86,6 @@ class AgentService(pb_grpc.AgentServicer):
 
 def _peer_user(context: grpc.aio.ServicerContext) -> str:
     return context.peer() or "unknown"
-
-
-def state_pb(state: State) -> int:
-    return int(state)
 
 
 def probe_state_pb(name: str) -> int:
