@@ -18,10 +18,10 @@ program applies spec steps 5 and 6, writes per-tensor and list words, and zeroes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import triton
@@ -157,12 +157,6 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
-def _nullcontext() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 class TritonFingerprintPlan:
     """Metadata for one list of tensors on one device, built once; ``run_async`` launches the kernels.
 
@@ -255,7 +249,7 @@ class TritonFingerprintPlan:
         # Launch on the tensors' device (and so on that device's current stream), whatever device is current
         # for the calling thread: Triton launches on the current device, and memory of another GPU is not
         # accessible from it (and its stream would not be ordered after the producer's).
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext():
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             for dst, src in self._staging:
                 dst.copy_(src)
             if self.n_items:
