@@ -24,6 +24,7 @@ import tempfile
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -218,6 +219,8 @@ def save_table(nbytes: int, repeat: int, work: Path, device: torch.device) -> li
                          location=str(shm_root))
         for staging in ("slots", "private"):
             rows.extend(_our_saves(co, staging, sd, repeat, t_pin, t_mem, sync))
+        if device.type == "cuda":  # what the GPU fingerprint before the copy costs in blocking time
+            rows.extend(_our_saves(co, "slots", sd, repeat, t_pin, t_mem, sync, source_fp=False)[:1])
 
         plan_t, restore_t = [], []
         for _ in range(repeat):
@@ -260,13 +263,15 @@ def save_table(nbytes: int, repeat: int, work: Path, device: torch.device) -> li
     return rows
 
 
-def _our_saves(co, staging: str, sd: dict, repeat: int, t_pin: float, t_mem: float, sync) -> list:
+def _our_saves(co, staging: str, sd: dict, repeat: int, t_pin: float, t_mem: float, sync,
+               source_fp: bool | None = None) -> list:
     """Our whole save with `staging` ("slots" or "private"); steady state = the last `repeat` saves, after
     the ring of slots is built (the first save stages privately, the next ones create slots)."""
     from checkpoint.snapshot import Snapshotter, SnapshotConfig
 
-    cfg = SnapshotConfig(staging=staging)
-    snap = Snapshotter(co, f"bench-{staging}", 0, 1, cfg)
+    cfg = SnapshotConfig(staging=staging, check_source_fingerprint=source_fp)
+    job = f"bench-{staging}" + ("-nofp" if source_fp is False else "")
+    snap = Snapshotter(co, job, 0, 1, cfg)
     results = []
     for step in range(1, cfg.max_slots + repeat + 2):
         sync()
@@ -275,7 +280,7 @@ def _our_saves(co, staging: str, sd: dict, repeat: int, t_pin: float, t_mem: flo
         results.append(res)
     snap.close()
     steady = results[-repeat:]
-    tag = f"our save [{staging}]"
+    tag = f"our save [{staging}{', no GPU fingerprint' if source_fp is False else ''}]"
     blk = min(r.blocking_s for r in steady)
     safe = min(r.safe_s for r in steady)
     start_safe = min(r.blocking_s + r.safe_s for r in steady)
@@ -294,6 +299,72 @@ def _our_saves(co, staging: str, sd: dict, repeat: int, t_pin: float, t_mem: flo
     ]
 
 
+def profile_rows(nbytes: int, repeat: int, device: torch.device) -> list[tuple[str, float, str]]:
+    """Where the blocking time of a save goes (--profile): the same copies into a cudaHostAlloc buffer and
+    into a registered /dev/shm slot, one contiguous copy, the GPU fingerprint alone, the Python walk, and
+    our save with and without the source fingerprint. All in one run, side by side."""
+    from checkpoint.manifest import flatten
+    from checkpoint.slots import SlotRing
+    from checkpoint.snapshot import layout
+    from checksums.fingerprint import fingerprint_tensors_async
+
+    sd = make_state(nbytes, device)
+    tensors = list(sd["model"].values())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows: list[tuple[str, float, str]] = []
+
+    def copies_into(buf: torch.Tensor) -> Callable[[], None]:
+        offs, _ = layout(tensors)
+
+        def run() -> None:
+            for t, off in zip(tensors, offs):
+                n = t.numel() * t.element_size()
+                buf[off:off + n].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
+            sync()
+        return run
+
+    offs, need = layout(tensors)
+    pinned = torch.empty(need, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    run = copies_into(pinned)
+    run()
+    t_a = best(run, repeat)
+    rows.append((f"{len(tensors)} copies into cudaHostAlloc memory (A)", t_a, f"{total / t_a / 1e9:.2f} GB/s"))
+    shm = Path(tempfile.mkdtemp(prefix="sdcw-prof-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    ring = SlotRing(shm, "prof", 0, max_slots=1)
+    try:
+        slot = ring.acquire(need)
+        assert slot is not None
+        run = copies_into(slot.tensor)
+        run()
+        t = best(run, repeat)
+        rows.append((f"same copies into a registered shm slot (reg={slot.registered})", t, f"{t / t_a:.3f}x A"))
+    finally:
+        ring.close()
+        shutil.rmtree(shm, ignore_errors=True)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def one_copy() -> None:
+        pinned[:total].copy_(flat, non_blocking=True)
+        sync()
+    one_copy()
+    t = best(one_copy, repeat)
+    rows.append(("one contiguous copy of the same bytes", t, f"{t / t_a:.3f}x A"))
+    del flat
+    if device.type == "cuda":
+        per = torch.empty(len(tensors), 2, dtype=torch.int64, device=device)
+        fingerprint_tensors_async(tensors, per_tensor_out=per)
+        sync()
+        t = best(lambda: (fingerprint_tensors_async(tensors, per_tensor_out=per), sync()), repeat)
+        rows.append(("GPU fingerprint of the tensors alone", t, f"{t / t_a:.3f}x A"))
+        t = best(lambda: fingerprint_tensors_async(tensors, per_tensor_out=per), repeat)
+        sync()
+        rows.append(("GPU fingerprint: host time to enqueue", t, f"{t / t_a:.3f}x A"))
+    t = best(lambda: (flatten(sd), layout(tensors)), repeat)
+    rows.append(("flatten + layout (Python walk)", t, f"{t / t_a:.3f}x A"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="state dict size in MiB")
@@ -301,9 +372,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="Redis servers/writers")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--skip-tiers", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="only the breakdown of the blocking time")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.profile:
+        print(f"\nBlocking-time profile ({args.mib} MiB, best of {args.repeat}, device {device})")
+        for name, t, note in profile_rows(args.mib * MiB, args.repeat, device):
+            print(f"{name:<56} {t:9.4f}  {note}")
+        return
     work = Path(tempfile.mkdtemp(prefix="sdcw-bench-"))
     try:
         tiers = [] if args.skip_tiers else tier_table(args.tier_mib * MiB, args.workers, args.repeat, work)

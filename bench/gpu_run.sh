@@ -1,7 +1,5 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call (device tool): tests marked gpu, the benchmarks,
-want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
-  --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent on real NVML, the preflight canary and the demo on GPUs. Logs go to $OUT (8 files at most).
 #   bash bench/gpu_run.sh                    everything
 #   ONLY="diag canary demo" NVML=0 bash bench/gpu_run.sh   a subset; NVML=0 runs the agent without NVML
@@ -32,12 +30,17 @@ step() {  # step NAME TIMEOUT CMD...
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
 want diag && step nvml-diag 150 python3 bench/nvml_diag.py
+want fields && [ "$NVML" = 1 ] && step nvml-fields 120 python3 bench/nvml_fields.py --json "$OUT/nvml_fields.json"
+want ckptprof && step ckpt-profile 120 python3 bench/bench_checkpoint.py --profile --mib 2048
+# the agent alone on an idle host (AGENT_FG=1), or in the background of the GPU work below
+want agentbench && [ "${AGENT_FG:-0}" = 1 ] && step agent-bench 300 python3 bench/bench_agent.py --calls 3000 \
+  --rounds 3 --seconds 3 --memory-calls 100000 $([ "$NVML" = 0 ] && echo --no-nvml)
 # CPU-side measurements in the background while the GPU work runs
 NVMLB=""; AGENTB=""
 if want nvml && [ "$NVML" = 1 ]; then
   python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json" > "$OUT/nvml.log" 2>&1 & NVMLB=$!
 fi
-if want agentbench; then
+if want agentbench && [ "${AGENT_FG:-0}" != 1 ]; then
   python3 bench/bench_agent.py --calls 3000 --rounds 3 --seconds 3 --memory-calls 100000 \
     $([ "$NVML" = 0 ] && echo --no-nvml) > "$OUT/agent_bench.log" 2>&1 & AGENTB=$!
 fi
@@ -48,7 +51,7 @@ want monitor && step monitor-1gpu 80 python3 bench/bench_monitor_overhead.py
 want monitor && [ "$NGPU" -ge 2 ] && step monitor-2gpu 100 torchrun --nproc-per-node 2 bench/bench_monitor_overhead.py
 want canary && step canary-bench 90 python3 bench/bench_canary.py
 want canary && step canary-cli 40 python3 -m daemon.cli canary --level quick
-want ckpt && step ckpt-bench 100 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
+want ckpt && step ckpt-bench 150 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent on real NVML

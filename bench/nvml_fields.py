@@ -1,0 +1,142 @@
+"""What each NVML read costs on this machine: one field id at a time, batched, and each function call.
+
+    python bench/nvml_fields.py [--reps 15] [--gpu 0] [--json out.json]
+
+In-process nvidia-ml-py (no child process), so the numbers are NVML's own cost. Prints, for GPU --gpu:
+1. every candidate field id of nvmlDeviceGetFieldValues alone: return code, value, median/max ms;
+2. the same ids in one batched call, and the NVLink per-link fields of every link in one call;
+3. each NVML function the probe calls outside the field-values call (median ms);
+4. one round trip to the NVML child process (probes/nvml_isolated.py) with nothing to read.
+The probe's choice of which fields go in the per-poll batch (probes/nvml_backend.py) is made from this table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (id, name): the ids of nvml.h that can replace a function call, plus the ones already read as fields.
+CANDIDATES = [
+    (1, "ECC_CURRENT"), (3, "ECC_SBE_VOL_TOTAL"), (4, "ECC_DBE_VOL_TOTAL"), (5, "ECC_SBE_AGG_TOTAL"),
+    (6, "ECC_DBE_AGG_TOTAL"), (11, "ECC_SBE_VOL_DEV"), (12, "ECC_DBE_VOL_DEV"), (22, "ECC_SBE_AGG_DEV"),
+    (23, "ECC_DBE_AGG_DEV"), (7, "ECC_SBE_VOL_L1"), (9, "ECC_SBE_VOL_L2"), (13, "ECC_SBE_VOL_REG"),
+    (29, "RETIRED_SBE"), (30, "RETIRED_DBE"), (31, "RETIRED_PENDING"),
+    (74, "THROTTLE_POWER"), (75, "THROTTLE_THERMAL"), (76, "THROTTLE_SYNC_BOOST"), (77, "THROTTLE_BOARD"),
+    (78, "THROTTLE_LOW_UTIL"), (79, "THROTTLE_RELIABILITY"), (269, "THROTTLE_SW_THERM"),
+    (270, "THROTTLE_HW_THERM"), (271, "THROTTLE_HW_POWER_BRAKE"),
+    (82, "MEMORY_TEMP"), (83, "TOTAL_ENERGY"), (91, "NVLINK_LINK_COUNT"), (94, "PCIE_REPLAY_COUNTER"),
+    (95, "PCIE_REPLAY_ROLLOVER"), (142, "REMAPPED_COR"), (143, "REMAPPED_UNC"), (144, "REMAPPED_PENDING"),
+    (145, "REMAPPED_FAILURE"), (169, "PCIE_L0_TO_RECOVERY"), (173, "PCIE_CORRECTABLE_ERRORS"),
+    (185, "POWER_AVERAGE"), (186, "POWER_INSTANT"), (190, "POWER_CURRENT_LIMIT"), (230, "GPU_RECOVERY_ACTION"),
+    (38, "NVLINK_CRC_FLIT_TOTAL"), (52, "NVLINK_REPLAY_TOTAL"), (59, "NVLINK_RECOVERY_TOTAL"),
+]
+NVLINK_IDS = [(161, "DL_REPLAY"), (162, "DL_RECOVERY"), (163, "DL_CRC"), (165, "STATE")]
+
+
+def timed(fn: Callable[[], Any], reps: int) -> tuple[float, float, Any]:
+    times, result = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - a failing call is timed and reported like the others
+            result = exc
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, max(times) * 1e3, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import pynvml as nv
+
+    from probes.nvml_backend import _field_value
+
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(args.gpu)
+    report: dict[str, Any] = {"gpu": nv.nvmlDeviceGetName(h), "fields": {}, "calls": {}}
+    print(f"== GPU {args.gpu}: {report['gpu']}, {args.reps} reps each")
+    ok_ids: list[int] = []
+    print(f"{'field id':>8} {'name':28s} {'ret':>4} {'value':>22} {'med ms':>8} {'max ms':>8}")
+    for fid, name in CANDIDATES:
+        med, mx, res = timed(lambda fid=fid: nv.nvmlDeviceGetFieldValues(h, [(fid, 0)]), args.reps)
+        if isinstance(res, Exception):
+            ret, val = -1, repr(res)[:22]
+        else:
+            ret = int(res[0].nvmlReturn)
+            val = _field_value(res[0]) if ret == 0 else ""
+        if ret == 0:
+            ok_ids.append(fid)
+        report["fields"][f"{fid}:{name}"] = {"ret": ret, "value": val, "median_ms": med, "max_ms": mx}
+        print(f"{fid:8d} {name:28s} {ret:4d} {str(val):>22} {med:8.3f} {mx:8.3f}")
+    med, mx, _ = timed(lambda: nv.nvmlDeviceGetFieldValues(h, [(f, 0) for f in ok_ids]), args.reps)
+    report["batch_ok_ids"] = {"n": len(ok_ids), "median_ms": med, "max_ms": mx}
+    print(f"batch of the {len(ok_ids)} supported ids in one call: median {med:.3f} ms, max {mx:.3f} ms")
+    try:
+        links = int(_field_value(nv.nvmlDeviceGetFieldValues(h, [(91, 0)])[0]))
+    except Exception:  # noqa: BLE001
+        links = 0
+    nvl = [(fid, link) for link in range(links) for fid, _ in NVLINK_IDS]
+    if nvl:
+        med, mx, res = timed(lambda: nv.nvmlDeviceGetFieldValues(h, nvl), args.reps)
+        rets = sorted({int(r.nvmlReturn) for r in res}) if not isinstance(res, Exception) else [repr(res)]
+        report["batch_nvlink"] = {"links": links, "n": len(nvl), "median_ms": med, "max_ms": mx, "rets": rets}
+        print(f"NVLink: {links} links x {len(NVLINK_IDS)} fields in one call: median {med:.3f} ms, max {mx:.3f} ms,"
+              f" return codes {rets}")
+        for fid, name in NVLINK_IDS:
+            med, mx, _ = timed(lambda fid=fid: nv.nvmlDeviceGetFieldValues(h, [(fid, 0)]), args.reps)
+            print(f"   {name:12s} link 0 alone: {med:.3f} ms")
+        med, mx, _ = timed(lambda: nv.nvmlDeviceGetFieldValues(h, [(f, 0) for f in ok_ids] + nvl), args.reps)
+        report["batch_all"] = {"n": len(ok_ids) + len(nvl), "median_ms": med, "max_ms": mx}
+        print(f"everything above in one call ({len(ok_ids) + len(nvl)} values): median {med:.3f} ms, max {mx:.3f} ms")
+
+    calls: list[tuple[str, Callable[[], Any]]] = [
+        ("nvmlDeviceGetTemperature(GPU)", lambda: nv.nvmlDeviceGetTemperature(h, 0)),
+        ("nvmlDeviceGetPowerUsage", lambda: nv.nvmlDeviceGetPowerUsage(h)),
+        ("nvmlDeviceGetEnforcedPowerLimit", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h)),
+        ("nvmlDeviceGetClockInfo(SM)", lambda: nv.nvmlDeviceGetClockInfo(h, 1)),
+        ("nvmlDeviceGetClockInfo(MEM)", lambda: nv.nvmlDeviceGetClockInfo(h, 2)),
+        ("nvmlDeviceGetMaxClockInfo(SM)", lambda: nv.nvmlDeviceGetMaxClockInfo(h, 1)),
+        ("nvmlDeviceGetCurrentClocksEventReasons", lambda: nv.nvmlDeviceGetCurrentClocksEventReasons(h)),
+        ("nvmlDeviceGetTotalEccErrors(corr,vol)", lambda: nv.nvmlDeviceGetTotalEccErrors(h, 0, 0)),
+        ("nvmlDeviceGetMemoryErrorCounter(corr,vol,dram)", lambda: nv.nvmlDeviceGetMemoryErrorCounter(h, 0, 0, 2)),
+        ("nvmlDeviceGetMemoryErrorCounter(corr,vol,sram)", lambda: nv.nvmlDeviceGetMemoryErrorCounter(h, 0, 0, 7)),
+        ("nvmlDeviceGetRemappedRows", lambda: nv.nvmlDeviceGetRemappedRows(h)),
+        ("nvmlDeviceGetRowRemapperHistogram", lambda: nv.nvmlDeviceGetRowRemapperHistogram(h)),
+        ("nvmlDeviceGetPcieReplayCounter", lambda: nv.nvmlDeviceGetPcieReplayCounter(h)),
+        ("nvmlDeviceGetCurrPcieLinkGeneration", lambda: nv.nvmlDeviceGetCurrPcieLinkGeneration(h)),
+        ("nvmlDeviceGetCurrPcieLinkWidth", lambda: nv.nvmlDeviceGetCurrPcieLinkWidth(h)),
+        ("nvmlDeviceGetEccMode", lambda: nv.nvmlDeviceGetEccMode(h)),
+    ]
+    print(f"{'function':48s} {'med ms':>8} {'max ms':>8}  result")
+    for name, fn in calls:
+        med, mx, res = timed(fn, args.reps)
+        report["calls"][name] = {"median_ms": med, "max_ms": mx, "result": repr(res)[:60]}
+        print(f"{name:48s} {med:8.3f} {mx:8.3f}  {repr(res)[:40]}")
+    nv.nvmlShutdown()
+    try:
+        from probes.nvml_isolated import IsolatedBackend
+
+        b = IsolatedBackend()
+        med, mx, _ = timed(lambda: b._poll.call("ping"), args.reps * 4)
+        report["child_round_trip_ms"] = med
+        print(f"child process round trip (ping): median {med:.3f} ms, max {mx:.3f} ms")
+        b.close()
+    except Exception as exc:  # noqa: BLE001
+        print(f"child process: {exc!r}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
