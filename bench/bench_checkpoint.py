@@ -362,6 +362,55 @@ def profile_rows(nbytes: int, repeat: int, device: torch.device) -> list[tuple[s
         rows.append(("GPU fingerprint: host time to enqueue", t, f"{t / t_a:.3f}x A"))
     t = best(lambda: (flatten(sd), layout(tensors)), repeat)
     rows.append(("flatten + layout (Python walk)", t, f"{t / t_a:.3f}x A"))
+    if device.type == "cuda":
+        rows.extend(_profile_saves(sd, repeat, t_a))
+    return rows
+
+
+def _profile_saves(sd: dict, repeat: int, t_a: float) -> list[tuple[str, float, str]]:
+    """Our whole save under cProfile (the blocking call only, steady state): prints the top functions."""
+    import cProfile
+    import pstats
+
+    import redis
+
+    from checkpoint.coordinator import Coordinator
+    from checkpoint.shm_store import ShmStore
+    from checkpoint.snapshot import SnapshotConfig, Snapshotter
+
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="sdcw-prof-"))
+    proc, sock = start_redis(work, "prof")
+    shm_root = Path(tempfile.mkdtemp(prefix="sdcw-prof-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        co = Coordinator(redis.Redis(unix_socket_path=sock), ShmStore(shm_root), node="bench", location=str(shm_root))
+        for fp in (None, False):
+            cfg = SnapshotConfig(check_source_fingerprint=fp)
+            snap = Snapshotter(co, f"prof-{fp}", 0, 1, cfg)
+            prof = cProfile.Profile()
+            blocking = []
+            for step in range(1, cfg.max_slots + repeat + 2):
+                torch.cuda.synchronize()
+                steady = step > cfg.max_slots + 1
+                if steady:
+                    prof.enable()
+                h = snap.save(step, sd)
+                if steady:
+                    prof.disable()
+                res = h.result(600)
+                assert res.error == "", res.error
+                if steady:
+                    blocking.append(res.blocking_s)
+            snap.close()
+            t = min(blocking)
+            rows.append((f"our save blocking, source fingerprint {fp}", t, f"{t / t_a:.3f}x A; all {blocking}"))
+            print(f"-- cProfile of {len(blocking)} steady saves, source fingerprint {fp}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
