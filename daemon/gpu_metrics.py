@@ -5,7 +5,7 @@ never go negative: a GPU reset zeroes the GPU's volatile counters but our `_tota
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -62,27 +62,30 @@ class GpuMetrics:
                                    "(pass, fail, unknown)", L + ("result",), registry=r)
         self.canary_failures = Counter("sdcwatch_gpu_canary_failures", "Canary suite runs that FAILED", L,
                                        registry=r)
-        self._children: dict[str, list[tuple[object, tuple[str, ...]]]] = {}
+        # per GPU: (metric, labels) -> the labelled child, so a poll's ~150 updates are dict lookups
+        self._children: dict[str, dict[tuple[object, tuple[str, ...]], Any]] = {}
 
     @staticmethod
     def _labels(identity: GpuIdentity) -> tuple[str, str, str]:
         return identity.uuid, identity.pci_bus_id, identity.name
 
-    def _track(self, identity: GpuIdentity, metric: object, labels: tuple[str, ...]) -> tuple[str, ...]:
-        kids = self._children.setdefault(identity.uuid, [])
-        if (metric, labels) not in kids:
-            kids.append((metric, labels))
-        return labels
+    def _child(self, identity: GpuIdentity, metric: Any, extra: tuple[str, ...]) -> Any:
+        kids = self._children.get(identity.uuid)
+        if kids is None:
+            kids = self._children[identity.uuid] = {}
+        key = (metric, extra)
+        child = kids.get(key)
+        if child is None:
+            child = kids[key] = metric.labels(*self._labels(identity), *extra)
+        return child
 
     def _set(self, identity: GpuIdentity, metric: Gauge, extra: tuple[str, ...], value: float) -> None:
-        metric.labels(*self._track(identity, metric, self._labels(identity) + extra)).set(value)
+        self._child(identity, metric, extra).set(value)
 
     def _inc(self, identity: GpuIdentity, metric: Counter, extra: tuple[str, ...], value: float) -> None:
-        labels = self._track(identity, metric, self._labels(identity) + extra)
+        child = self._child(identity, metric, extra)  # created at 0 on first sight
         if value > 0:
-            metric.labels(*labels).inc(value)
-        else:
-            metric.labels(*labels)  # create the series at 0
+            child.inc(value)
 
     def observe_canary(self, identity: GpuIdentity, result: str) -> None:
         """One canary run on the GPU: result is 'pass', 'fail' or 'unknown'."""
@@ -163,9 +166,9 @@ class GpuMetrics:
 
     def forget(self, identity: GpuIdentity) -> None:
         """Remove every series of a GPU that left the node."""
-        for metric, labels in self._children.pop(identity.uuid, []):
+        for metric, extra in self._children.pop(identity.uuid, {}):
             try:
-                metric.remove(*labels)  # type: ignore[attr-defined]
+                metric.remove(*self._labels(identity), *extra)  # type: ignore[attr-defined]
             except KeyError:
                 pass
 

@@ -26,6 +26,7 @@ from probes.nvml_backend import (
     NvmlBackend,
     NvmlError,
     field_specs,
+    names_matching,
 )
 from probes.nvml_rules import GpuReadings, RuleConfig
 from probes.types import Evidence, Finding, Severity, State
@@ -36,31 +37,58 @@ SOURCE = "nvml"
 __all__ = ["NvmlProbe", "NvmlProbeConfig", "PollResult", "XidEvent", "GpuIdentity", "GpuReadings"]
 
 
+# Not read unless asked for: `energy.total_j` costs 2.8 ms per read on an H200 (driver 580), more than the
+# whole rest of a poll, and power draw (`power.usage_w`, 2 us) is read every poll.
+DEFAULT_SKIP = ("energy.total_j",)
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class NvmlProbeConfig:
     rules: RuleConfig = dataclasses.field(default_factory=RuleConfig)
     xid_wait_ms: int = 500
     read_nvlink: bool = True
-    skip_fields: tuple[str, ...] = ()
-    slow_every: int = 30   # slow-changing fields (SLOW_PREFIXES) are read every Nth poll; 1 = every poll
+    skip_fields: tuple[str, ...] = DEFAULT_SKIP  # names, globs or NVML call names (`names_matching`)
+    rotate_per_poll: int = 1   # rotated units read per poll (see `poll_class`); more = fresher, costlier
 
     def __post_init__(self) -> None:
-        if self.slow_every < 1:
-            raise ValueError(f"NvmlProbeConfig.slow_every must be >= 1, got {self.slow_every}")
+        if self.rotate_per_poll < 1:
+            raise ValueError(f"NvmlProbeConfig.rotate_per_poll must be >= 1, got {self.rotate_per_poll}")
         if not 1 <= self.xid_wait_ms <= 60_000:
             raise ValueError(f"NvmlProbeConfig.xid_wait_ms must be in [1, 60000], got {self.xid_wait_ms}")
 
 
-# Fields that change rarely or only matter as state (not as a rate): read every `slow_every`th poll. Each
-# NVML call costs 0.1-7 ms on a virtualised H200 host, so the per-poll cost is mostly the number of calls.
-# Fields read through the one field-values call per poll (NVLink, throttle time, recovery action) stay fast:
-# they add no call.
-SLOW_PREFIXES = ("ecc.enabled", "ecc.corrected.aggregate.", "ecc.uncorrected.aggregate.", "retired_pages.",
-                 "remap.hist.", "pcie.gen.", "pcie.width.", "power.limit_w", "clock.")
+# What a poll reads (costs measured by bench/nvml_fields.py on H200s, driver 580.159.04; docs/BENCHMARKS.md):
+# - "fast": every poll. What the state and rate rules need at once, each a cheap read: volatile ECC counts,
+#   row remapping, recovery action, PCIe replays (0.17 ms) and link state, temperatures, power, clocks,
+#   clock-event reasons (the instant throttle evidence). Most cost 1-10 us.
+# - "rotate": counters and state that may lag by a rotation: each poll reads the next `rotate_per_poll`
+#   unit(s) of `rotation_unit`. One NVLink link's DL error counters cost ~0.8 ms (18 links: 14 ms), three of
+#   the throttle-time counters ~0.7 ms each; read all at once they were 85% of a 16 ms poll.
+# - "static": read on the first poll and after a GPU reset only (maximum clocks 1.9 ms, ECC mode, maximum
+#   PCIe link).
+STATIC_FIELDS = frozenset({"ecc.enabled", "pcie.gen.max", "pcie.width.max", "clock.sm_max_mhz", "nvlink.count"})
+_ROTATED_PREFIXES = ("ecc.corrected.aggregate.", "ecc.uncorrected.aggregate.", "retired_pages.", "remap.hist.",
+                     "throttle_ns.", "nvlink.", "energy.")
 
 
-def is_slow_field(name: str) -> bool:
-    return name.startswith(SLOW_PREFIXES)
+def poll_class(name: str) -> str:
+    """"fast", "rotate" or "static" (see above)."""
+    if name in STATIC_FIELDS:
+        return "static"
+    return "rotate" if name.startswith(_ROTATED_PREFIXES) else "fast"
+
+
+def rotation_unit(name: str) -> str:
+    """The unit a rotated field is read with: one NVLink link's fields, one throttle counter (some cost
+    0.7 ms each), or one family of cheap state fields."""
+    parts = name.split(".")
+    if parts[0] == "nvlink" and len(parts) > 1 and parts[1].isdigit():
+        return f"nvlink.{parts[1]}"
+    if parts[0] == "throttle_ns":
+        return name
+    if ".aggregate." in name:
+        return "ecc.aggregate"
+    return parts[0]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,9 +117,14 @@ class PollResult:
 class _Slot:
     identity: GpuIdentity
     names: list[str]
+    fast: list[str] = dataclasses.field(default_factory=list)
+    static: list[str] = dataclasses.field(default_factory=list)
+    units: list[list[str]] = dataclasses.field(default_factory=list)
     prev: GpuReadings | None = None
     polls: int = 0
-    slow_cache: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rotation: int = 0
+    reread_static: bool = False
+    cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # last answer of every non-fast field
     implied: dict[str, State] = dataclasses.field(default_factory=dict)
     lost: bool = False
     warned: set[str] = dataclasses.field(default_factory=set)
@@ -134,8 +167,19 @@ class NvmlProbe:
                     links = int(v) if isinstance(v, (int, float)) else 0
                 except NvmlError as err:
                     log.info("GPU %s: NVLink count unreadable: %s", ident.uuid, err)
-            names = [n for n in field_specs(links) if n not in self.config.skip_fields]
-            slot = _Slot(ident, names)
+            every = list(field_specs(links))
+            skipped = names_matching(self.config.skip_fields, every) if self.config.skip_fields else set()
+            slot = _Slot(ident, [n for n in every if n not in skipped])
+            units: dict[str, list[str]] = {}
+            for n in slot.names:
+                kind = poll_class(n)
+                if kind == "fast":
+                    slot.fast.append(n)
+                elif kind == "static":
+                    slot.static.append(n)
+                else:
+                    units.setdefault(rotation_unit(n), []).append(n)
+            slot.units = list(units.values())
             if old is not None:
                 slot.prev, slot.implied, slot.warned = old.prev, old.implied, old.warned
             found[ident.uuid] = slot
@@ -172,17 +216,25 @@ class NvmlProbe:
             res.findings.extend(self._changes(slot, evidence))
         return res
 
-    def _read(self, slot: _Slot) -> dict[str, Any]:
-        """Every field on the first poll and every `slow_every`th; the fast ones in between, with the slow
-        ones' last answers. Rate rules only use fast fields, so their rates stay exact."""
-        full = slot.polls % self.config.slow_every == 0 or not slot.slow_cache
+    def _read(self, slot: _Slot) -> tuple[dict[str, Any], frozenset[str]]:
+        """(values, names read now). Every field on the first poll; then the fast fields, the next rotated
+        unit(s), and the static fields again after a GPU reset; the rest carry their last answer."""
+        first = slot.polls == 0
         slot.polls += 1
-        names = slot.names if full else [n for n in slot.names if not is_slow_field(n)]
+        if first:
+            names = slot.names
+        else:
+            names = list(slot.fast)
+            if slot.units:
+                for _ in range(min(self.config.rotate_per_poll, len(slot.units))):
+                    names += slot.units[slot.rotation % len(slot.units)]
+                    slot.rotation += 1
+            if slot.reread_static:
+                names += slot.static
+        slot.reread_static = False
         raw = self.backend.read_fields(slot.identity.index, names)
-        if full:
-            slot.slow_cache = {n: v for n, v in raw.items() if is_slow_field(n)}
-            return raw
-        return {**slot.slow_cache, **raw}
+        slot.cache.update((n, v) for n, v in raw.items() if poll_class(n) != "fast")
+        return {**slot.cache, **raw}, frozenset(raw)
 
     def _poll_gpu(self, slot: _Slot, now: float
                   ) -> tuple[list[Evidence], GpuReadings | None, frozenset[str], dict[str, str], list[Finding]]:
@@ -190,7 +242,7 @@ class NvmlProbe:
         subject = ident.subject
         findings: list[Finding] = []
         try:
-            raw = self._read(slot)
+            raw, fresh = self._read(slot)
         except GpuLost as err:
             ev = [Evidence(SOURCE, "gpu_lost", "lost", State.FAILED, f"GPU lost (fell off the bus): {err}", now),
                   Evidence(SOURCE, "readable", "0", State.UNKNOWN, f"GPU lost: {err}", now)]
@@ -222,7 +274,9 @@ class NvmlProbe:
             return ([Evidence(SOURCE, "readable", "0", State.UNKNOWN, why, now)], None, frozenset(unsupported),
                     errors, findings)
         cfg = self.config.rules
-        readings = nvml_rules.make_readings(ident.uuid, slot.prev, values, frozenset(unsupported), errors, now, cfg)
+        readings = nvml_rules.make_readings(ident.uuid, slot.prev, values, frozenset(unsupported), errors, now, cfg,
+                                            fresh=fresh)
+        slot.reread_static = readings.reset_detected  # a reset can apply a pending ECC mode or relink PCIe
         out = nvml_rules.evaluate(slot.prev, readings, now, cfg)
         slot.prev = readings
         evidence = [Evidence(SOURCE, "readable", str(len(values)), State.HEALTHY,

@@ -113,6 +113,11 @@ class GpuReadings:
     interval_s: float | None
     windows: Mapping[str, RateWindow]
     nvlink_baseline: frozenset[int]
+    # When each value was last read from the GPU (the probe reads some fields in rotation and carries
+    # their last answer between reads), and, for counters read this poll, the seconds since their previous
+    # read: the span their delta covers.
+    read_time: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    field_interval_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def get(self, name: str) -> int | float | None:
         return self.values.get(name)
@@ -166,15 +171,27 @@ def _ecc_sum(values: Mapping[str, int | float], deltas: Mapping[str, int | float
 
 def make_readings(uuid: str, prev: GpuReadings | None, values: Mapping[str, int | float],
                   unsupported: frozenset[str], errors: Mapping[str, str], now: float,
-                  cfg: RuleConfig) -> GpuReadings:
-    """Build this poll's readings from raw values and the previous readings (pure)."""
+                  cfg: RuleConfig, fresh: frozenset[str] | None = None) -> GpuReadings:
+    """Build this poll's readings from raw values and the previous readings (pure).
+
+    `fresh`: the names read from the GPU this poll (None: all of them); the others carry their last
+    answer, so their counters do not move and keep their read time."""
     deltas: dict[str, int | float] = {}
     reset = False
     pvals = prev.values if prev is not None else {}
+    ptimes = prev.read_time if prev is not None else {}
+    read_time = {n: (now if fresh is None or n in fresh else ptimes.get(n, now)) for n in values}
+    field_interval: dict[str, float] = {}
     for name, value in values.items():
         spec = spec_for(name)
         if not spec.counter or name not in pvals:
             continue
+        if fresh is not None and name not in fresh:
+            deltas[name] = 0
+            continue
+        since = ptimes.get(name, prev.time if prev is not None else None)
+        if since is not None and now > since:
+            field_interval[name] = now - since
         d = value - pvals[name]
         if d < 0:
             if spec.volatile:
@@ -204,7 +221,7 @@ def make_readings(uuid: str, prev: GpuReadings | None, values: Mapping[str, int 
         uuid=uuid, time=now, values=dict(values), deltas=deltas, unsupported=frozenset(unsupported),
         errors=dict(errors), reset_detected=reset,
         interval_s=(now - prev.time) if prev is not None else None, windows=windows,
-        nvlink_baseline=baseline)
+        nvlink_baseline=baseline, read_time=read_time, field_interval_s=field_interval)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -347,11 +364,12 @@ def _link_order(name: str) -> tuple[int, str]:
 
 def thermal_rules(prev: GpuReadings | None, cur: GpuReadings, now: float, cfg: RuleConfig) -> list[Evidence]:
     causes = [r for r in cur.clock_events() if r in SLOWDOWN_BITS]
-    if cur.interval_s:
-        for r in SLOWDOWN_THROTTLE_NS:
-            d = cur.deltas.get(f"throttle_ns.{r}", 0)
-            if d and d / (cur.interval_s * 1e9) >= cfg.throttle_fraction:
-                causes.append(f"{r} {100 * d / (cur.interval_s * 1e9):.0f}% of the interval")
+    for r in SLOWDOWN_THROTTLE_NS:
+        name = f"throttle_ns.{r}"
+        d = cur.deltas.get(name, 0)
+        span = cur.field_interval_s.get(name) or cur.interval_s  # the time this counter's delta covers
+        if d and span and d / (span * 1e9) >= cfg.throttle_fraction:
+            causes.append(f"{r} {100 * d / (span * 1e9):.0f}% of the last {span:.0f}s")
     if not causes:
         return []
     temp = cur.values.get("temp.gpu")

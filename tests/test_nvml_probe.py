@@ -79,7 +79,12 @@ def _run_expectations(path: Path) -> Harness:
         elif e.get("operator_clear"):
             h.stores[uuid].clear(e["at"], by="test", why="scenario")
         else:
+            # "within": the verdict may come up to that many seconds later (fields read in rotation)
             state, reason = h.state(uuid, e["at"])
+            while state.name != e["state"] and t <= e["at"] + e.get("within", 0):
+                h.step(t)
+                state, reason = h.state(uuid, t)
+                t += 1
             assert state.name == e["state"], f"{path.name} t={e['at']} gpu={e['gpu']}: {state.name} ({reason})"
             assert e.get("reason", "") in reason, f"{path.name} t={e['at']}: {reason!r}"
     assert t > end
@@ -363,12 +368,11 @@ def test_pynvml_backend_init_failure_is_unavailable() -> None:
         PynvmlBackend(stub)
 
 
-def test_slow_fields_are_read_every_nth_poll_and_carried_between() -> None:
-    """Per-poll cost is the number of NVML calls: state-like fields are read every `slow_every` polls."""
-    from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, is_slow_field
+def _counting_probe(scenario: str, **cfg):
     from probes.nvml_fake import ScenarioBackend
+    from probes.nvml_probe import NvmlProbe, NvmlProbeConfig
 
-    backend = ScenarioBackend.from_file(str(ROOT / "tests" / "scenarios" / "clean.json"), clock=lambda: 0.0)
+    backend = ScenarioBackend.from_file(str(ROOT / "tests" / "scenarios" / scenario), clock=lambda: 0.0)
     asked: list[list[str]] = []
     real = backend.read_fields
 
@@ -377,16 +381,48 @@ def test_slow_fields_are_read_every_nth_poll_and_carried_between() -> None:
         return real(index, names)
 
     backend.read_fields = counting  # type: ignore[method-assign]
-    probe = NvmlProbe(backend, NvmlProbeConfig(slow_every=5))
+    probe = NvmlProbe(backend, NvmlProbeConfig(**cfg))
     probe.discover()
     asked.clear()
-    results = [probe.poll(float(t)) for t in range(11)]
+    return probe, asked
+
+
+def test_fields_are_read_fast_rotated_or_static_and_carried_between() -> None:
+    """A poll reads the fast fields, the next rotated unit, and (first poll only) everything: per-poll cost
+    is bounded by the costliest unit, not the sum of all fields."""
+    from probes.nvml_probe import poll_class, rotation_unit
+
+    probe, asked = _counting_probe("clean.json")
+    results = [probe.poll(float(t)) for t in range(100)]
     per_gpu = len(probe.identities())
-    polls = [asked[i:i + per_gpu] for i in range(0, len(asked), per_gpu)]
-    full = [i for i, p in enumerate(polls) if any(is_slow_field(n) for n in p[0])]
-    assert full == [0, 5, 10]
-    assert all(not any(is_slow_field(n) for n in p[0]) for i, p in enumerate(polls) if i not in full)
+    first_gpu = [asked[i] for i in range(0, len(asked), per_gpu)]
+    everything = set(first_gpu[0])
+    assert {poll_class(n) for n in everything} == {"fast", "rotate", "static"}
+    fast = {n for n in everything if poll_class(n) == "fast"}
+    units = {rotation_unit(n) for n in everything if poll_class(n) == "rotate"}
+    assert len(units) >= 3
+    later = first_gpu[1:]
+    for names in later:
+        assert fast <= set(names), "fast fields every poll"
+        assert not any(poll_class(n) == "static" for n in names), "static fields only on the first poll"
+        assert len({rotation_unit(n) for n in names if poll_class(n) == "rotate"}) == 1, "one unit per poll"
+    seen = [next(rotation_unit(n) for n in names if poll_class(n) == "rotate") for names in later]
+    assert set(seen[:len(units)]) == units, "every unit within one rotation"
+    assert seen[:len(units)] == seen[len(units):2 * len(units)], "a fixed cycle"
     uuid = probe.identities()[0].uuid
-    assert results[3].readings[uuid] is not None
-    assert "pcie.width.max" in results[3].readings[uuid].values, "slow fields carried between reads"
+    r = results[3].readings[uuid]
+    assert r is not None and "pcie.width.max" in r.values, "static fields carried between reads"
+    assert r.read_time["pcie.width.max"] == 0.0 and r.read_time["temp.gpu"] == 3.0
     assert results[3].evidence[uuid] and all(e.implies.name == "HEALTHY" for e in results[3].evidence[uuid])
+
+
+def test_rotate_per_poll_and_skip_fields() -> None:
+    from probes.nvml_probe import poll_class, rotation_unit
+
+    probe, asked = _counting_probe("clean.json", rotate_per_poll=2, skip_fields=("throttle_ns.*", "temp.memory"))
+    probe.poll(0.0)
+    probe.poll(1.0)
+    per_gpu = len(probe.identities())
+    assert not any(n.startswith("throttle_ns.") or n == "temp.memory" for n in asked[0])
+    second = asked[per_gpu]
+    assert len({rotation_unit(n) for n in second if poll_class(n) == "rotate"}) == 2

@@ -149,3 +149,23 @@ def test_bad_config() -> None:
         RuleConfig(throttle_fraction=2)
     with pytest.raises(ValueError, match="sbe_window_s"):
         RuleConfig(sbe_window_s=0)
+
+
+def test_counters_read_in_rotation_use_the_span_since_their_own_last_read() -> None:
+    """A counter the probe carries between reads does not move; when it is read again its delta covers the
+    time since its previous read, not the last poll interval (else 30 s of throttle time would look like
+    3000% of a 1 s poll)."""
+    name = "throttle_ns.hw_power_brake"
+    r = make_readings("GPU-a", None, {name: 0, "temp.gpu": 40}, frozenset(), {}, 0.0, CFG)
+    for t in range(1, 30):  # carried: not fresh
+        r = make_readings("GPU-a", r, {name: 0, "temp.gpu": 40}, frozenset(), {}, float(t), CFG,
+                          fresh=frozenset({"temp.gpu"}))
+        assert r.deltas[name] == 0 and r.read_time[name] == 0.0 and r.read_time["temp.gpu"] == t
+    short = make_readings("GPU-a", r, {name: 2e9, "temp.gpu": 40}, frozenset(), {}, 30.0, CFG,
+                          fresh=frozenset({name, "temp.gpu"}))
+    assert short.deltas[name] == 2e9 and short.field_interval_s[name] == 30.0
+    assert "thermal" not in signals(r, short, 30.0), "2 s of 30 s is under the 10% fraction"
+    long = make_readings("GPU-a", r, {name: 15e9, "temp.gpu": 40}, frozenset(), {}, 30.0, CFG,
+                         fresh=frozenset({name, "temp.gpu"}))
+    ev = [e for e in evaluate(r, long, 30.0, CFG).evidence if e.signal == "thermal"]
+    assert ev and ev[0].implies is State.SUSPECT and "50% of the last 30s" in ev[0].reason
