@@ -33,14 +33,17 @@ want diag && step nvml-diag 150 python3 bench/nvml_diag.py
 want fields && [ "$NVML" = 1 ] && step nvml-fields 120 python3 bench/nvml_fields.py --json "$OUT/nvml_fields.json"
 want ckptprof && step ckpt-profile 120 python3 bench/bench_checkpoint.py --profile --mib 2048
 # the agent alone on an idle host (AGENT_FG=1), or in the background of the GPU work below
-want agentbench && [ "${AGENT_FG:-0}" = 1 ] && step agent-bench 300 python3 bench/bench_agent.py --calls 3000 \
+want agentbench && [ "${AGENT_FG:-${FG:-0}}" = 1 ] && step agent-bench 300 python3 bench/bench_agent.py --calls 3000 \
   --rounds 3 --seconds 3 --memory-calls 100000 $([ "$NVML" = 0 ] && echo --no-nvml)
 # CPU-side measurements in the background while the GPU work runs
 NVMLB=""; AGENTB=""
-if want nvml && [ "$NVML" = 1 ]; then
+# FG=1: the NVML and agent benches run alone, one after the other (an idle host), before the GPU work
+if want nvml && [ "$NVML" = 1 ] && [ "${FG:-0}" = 1 ]; then
+  step nvml-bench 100 python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json"
+elif want nvml && [ "$NVML" = 1 ]; then
   python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json" > "$OUT/nvml.log" 2>&1 & NVMLB=$!
 fi
-if want agentbench && [ "${AGENT_FG:-0}" != 1 ]; then
+if want agentbench && [ "${AGENT_FG:-${FG:-0}}" != 1 ]; then
   python3 bench/bench_agent.py --calls 3000 --rounds 3 --seconds 3 --memory-calls 100000 \
     $([ "$NVML" = 0 ] && echo --no-nvml) > "$OUT/agent_bench.log" 2>&1 & AGENTB=$!
 fi

@@ -467,7 +467,7 @@ class Agent:
         if out.mismatch:
             self.metrics.job_mismatches.labels(job).inc()
         if self.config.journal.step_log:
-            self.steps.append(_step_record(req, now))
+            self.steps.append_body(_step_line(req, now))
         for finding in out.findings:
             self.bus.publish_finding(finding)
         for step, kind, reason in out.job_events:
@@ -528,18 +528,28 @@ def _log_task_error(task: "asyncio.Task[Any]") -> None:
         log.error("background task failed: %s", task.exception())
 
 
-def _step_record(req: pb.ReportStepRequest, now: float) -> dict[str, Any]:
-    rec: dict[str, Any] = {"t": now, "job": req.job_id, "rank": req.rank, "step": req.step}
+def _json_number(x: float) -> str:
+    """A float as JSON: repr for finite values, a quoted string for NaN and the infinities."""
+    return repr(x) if x == x and x not in (_INF, -_INF) else f'"{x}"'
+
+
+_INF = float("inf")
+
+
+def _step_line(req: pb.ReportStepRequest, now: float) -> str:
+    """The step-log record of one accepted ReportStep, as a JSON object body without braces (the journal
+    adds the sequence number). Formatted directly (4x faster than building a dict for json.dumps): job ids
+    and hosts were validated to hold no character JSON would need to escape."""
+    parts = [f'"t":{now!r},"job":"{req.job_id}","rank":{req.rank},"step":{req.step}']
     if req.HasField("loss"):
-        rec["loss"] = req.loss if req.loss == req.loss and abs(req.loss) != float("inf") else str(req.loss)
+        parts.append(f',"loss":{_json_number(req.loss)}')
     if req.HasField("grad_norm"):
-        g = req.grad_norm
-        rec["grad_norm"] = g if g == g and abs(g) != float("inf") else str(g)
+        parts.append(f',"grad_norm":{_json_number(req.grad_norm)}')
     if req.fingerprint:
-        rec["fp"] = [f"{w:016x}" for w in req.fingerprint]
+        parts.append(',"fp":["' + '","'.join([f"{w:016x}" for w in req.fingerprint]) + '"]')
     if req.HasField("vote") and req.vote.checked:
-        rec["agreed"] = req.vote.agreed
-    return rec
+        parts.append(f',"agreed":{"true" if req.vote.agreed else "false"}')
+    return "".join(parts)
 
 
 def _stream_fields(event: Any) -> dict[str, str]:

@@ -56,3 +56,32 @@ def test_rotated_names_start_at_their_first_seq(tmp_path):
         first = json.loads(path.read_text().splitlines()[0])["seq"]
         assert path.stem.endswith(f"{first:012d}")
     j.close()
+
+
+def test_step_log_lines_are_json_for_every_float(tmp_path) -> None:
+    """The step log's fast formatter writes valid JSON: NaN and infinities as strings, tiny and huge floats
+    and 64-bit fingerprint words exactly."""
+    import json
+    import math
+
+    from daemon.agent import _step_line
+    from daemon.journal import Journal
+    from proto.sdcwatch.v1 import agent_pb2 as pb
+
+    j = Journal(tmp_path, prefix="steps", flush_each=True)
+    j.open()
+    cases = [float("nan"), float("inf"), -float("inf"), 1e-300, -2.5e300, 0.1, 3.0]
+    for i, x in enumerate(cases):
+        req = pb.ReportStepRequest(job_id="job-1:a@b+c=d", rank=i, step=i, loss=x, grad_norm=abs(x),
+                                   fingerprint=[0, 2**64 - 1, i])
+        if i == 2:
+            req.vote.checked, req.vote.agreed = True, False
+        j.append_body(_step_line(req, 1700000000.123456))
+    records = list(j.read_since(0))
+    j.close()
+    assert [r["seq"] for r in records] == list(range(1, len(cases) + 1))
+    for r, x in zip(records, cases):
+        got = r["loss"]
+        assert (got == str(x)) if not math.isfinite(x) else (got == x)
+        assert r["fp"][1] == "ffffffffffffffff" and r["job"] == "job-1:a@b+c=d" and r["t"] == 1700000000.123456
+    assert records[2]["agreed"] is False and "agreed" not in records[0]
