@@ -95,6 +95,22 @@ def main(argv: list[str] | None = None) -> int:
         for fid, name in NVLINK_IDS:
             med, mx, _ = timed(lambda fid=fid: nv.nvmlDeviceGetFieldValues(h, [(fid, 0)]), args.reps)
             print(f"   {name:12s} link 0 alone: {med:.3f} ms")
+        # how NVLink reads group: one link's counters together, one counter across links, states together
+        groups = {
+            "link 0: replay+recovery+crc": [(161, 0), (162, 0), (163, 0)],
+            "link 5: replay+recovery+crc": [(161, 5), (162, 5), (163, 5)],
+            "link 5: replay alone": [(161, 5)],
+            "link 5: state alone": [(165, 5)],
+            "links 0-17: replay": [(161, k) for k in range(links)],
+            "links 0-17: crc": [(163, k) for k in range(links)],
+            "links 0-17: state": [(165, k) for k in range(links)],
+            "links 0-5: replay+recovery+crc": [(f, k) for k in range(min(6, links)) for f in (161, 162, 163)],
+            "links 0-17: replay+recovery+crc": [(f, k) for k in range(links) for f in (161, 162, 163)],
+        }
+        for gname, ids in groups.items():
+            med, mx, _ = timed(lambda ids=ids: nv.nvmlDeviceGetFieldValues(h, ids), args.reps)
+            report.setdefault("nvlink_groups", {})[gname] = med
+            print(f"   {gname:36s} ({len(ids):2d} values): median {med:.3f} ms, max {mx:.3f} ms")
         med, mx, _ = timed(lambda: nv.nvmlDeviceGetFieldValues(h, [(f, 0) for f in ok_ids] + nvl), args.reps)
         report["batch_all"] = {"n": len(ok_ids) + len(nvl), "median_ms": med, "max_ms": mx}
         print(f"everything above in one call ({len(ok_ids) + len(nvl)} values): median {med:.3f} ms, max {mx:.3f} ms")

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     report: dict[str, Any] = {"host": os.uname().nodename, "seconds": args.seconds, "interval": args.interval}
+    os.environ["SDCWATCH_NVML_TIMING"] = "1"  # the NVML child times each call group
     try:
         backend = open_backend(None)  # what the agent uses: NVML in child processes (probes/nvml_isolated.py)
     except Exception as exc:  # noqa: BLE001
@@ -154,6 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     report["call_groups"] = call_group_costs(backend, 0, report["gpus"][0]["nvlink_links"] if n else 0)
     for call, ms in sorted(report["call_groups"].items(), key=lambda kv: -kv[1]):
         print(f"   {call:48s} {ms:8.3f} ms")
+    read_s: list[float] = []  # time inside backend.read_fields (NVML in the child + the pipe), per GPU poll
+    real_read = backend.read_fields
+
+    def timed_read(index: int, names: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_read(index, names)
+        finally:
+            read_s.append(time.perf_counter() - t0)
+
+    backend.read_fields = timed_read  # type: ignore[method-assign]
     probe = NvmlProbe(backend, NvmlProbeConfig())
     try:
         probe.discover()
@@ -168,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     whole: list[float] = []
     errors: list[str] = []
     print(f"== polling every {args.interval:g}s for {args.seconds:g}s (XID listener running)")
+    try:
+        backend._poll.call("call_times")  # clears the warm reads above: count the polls' reads only
+    except Exception:  # noqa: BLE001
+        pass
     cpu0, wall0 = _cpu_with_children(), time.monotonic()
     next_t = wall0
     polls = 0
@@ -189,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, next_t - time.monotonic()))
     wall = time.monotonic() - wall0
     cpu = _cpu_with_children() - cpu0
+    try:  # per NVML call group, as the polls saw them (SDCWATCH_NVML_TIMING=1 in the child)
+        report["poll_call_ms"] = backend._poll.call("call_times")
+    except Exception as exc:  # noqa: BLE001
+        report["poll_call_ms"] = {"error": repr(exc)}
     stop.set()
     listener.join(5)
     try:
@@ -209,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         r["p99_after_first"] = pct(v[1:], 0.99) * 1e3 if len(v) > 1 else None
     units = {s.identity.uuid: len(s.units) for s in probe._slots.values()}
     report["poll"]["rotation_units"] = units
+    print("== NVML call groups during the polls (median ms, count; cold reads, 1 s apart)")
+    for k, v in sorted(report["poll_call_ms"].items(), key=lambda kv: -kv[1][0] if isinstance(kv[1], list) else 0):
+        print(f"   {k:60s} {v}")
     print("== results (each poll: the fast fields + one rotated unit; the first poll reads every field)")
     print(f"{'GPU':40s} {'median ms':>10s} {'p99 ms':>10s} {'max ms':>8s} {'first ms':>9s} {'polls':>6s} "
           f"{'rotation':>9s}")
@@ -217,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{units.get(u, 0):7d} s")
     w = report["poll"]["whole_ms"]
     print(f"{'whole poll (all GPUs)':40s} {w['median']:10.3f} {w['p99']:10.3f} {polls:6d}")
+    reads = read_s[-polls * max(1, len(per_gpu)):]
+    report["poll"]["read_ms"] = {"median": statistics.median(reads) * 1e3, "p99": pct(reads, 0.99) * 1e3}
+    print(f"of which NVML reads (child process + pipe), per GPU: median {statistics.median(reads) * 1e3:.3f} ms, "
+          f"p99 {pct(reads, 0.99) * 1e3:.3f} ms; the rest is rule evaluation in the agent's process")
     print(f"process CPU: {cpu:.3f} s over {wall:.1f} s = {cpu_per_min:.3f} CPU-s per minute "
           f"= {100 * cpu / wall:.3f}% of one core (target < 1%)")
     print(f"XID events seen: {len(xids)}; poll errors: {len(errors)}")

@@ -10,9 +10,11 @@ each chunk checksum (a corrupt copy is never propagated), streams it into each p
 written copy back and verifies it again, and only then records the copy in the coordination Redis
 (data first, record last). A peer whose copy fails is journaled and the others still get theirs.
 
-Transport: a peer's memory tier is reached as a directory (`Peer.open`): the same host (tests, several
-"nodes" per host) or a filesystem both nodes mount. The directory must already exist (the peer agent
-creates it); a lost node's directory is never re-created by its peers.
+Transport (`Peer.open`, by the location's form): a directory (the same host, several "nodes" per host in
+tests, or a filesystem both nodes mount; it must already exist: the peer agent creates it, and a lost
+node's directory is never re-created by its peers), or the peer agent's URL (`grpcs://HOST:PORT`,
+`unix:///PATH`, `grpc://HOST:PORT`: checkpoint/grpc_store.py over its PeerStore service, which writes into
+its memory tier atomically and refuses to re-create a missing one). The guarantees are the same for both.
 """
 from __future__ import annotations
 
@@ -57,8 +59,9 @@ def peers_of(node: str, nodes: Sequence[str], jump: int = 1, factor: int = 2) ->
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Peer:
-    """A node that receives copies. `store` None: the peer's memory tier is the directory `location`,
-    opened for each replication (so a peer that comes up later, or goes away, is handled)."""
+    """A node that receives copies. `store` None: the peer's memory tier is at `location` (a directory, or
+    the peer agent's URL), opened for each replication (so a peer that comes up later, or goes away, is
+    handled)."""
 
     node: str
     store: BlobStore | None
@@ -67,6 +70,10 @@ class Peer:
     def open(self) -> BlobStore:
         if self.store is not None:
             return self.store
+        from checkpoint.grpc_store import grpc_store_for, is_peer_url
+
+        if is_peer_url(self.location):
+            return grpc_store_for(self.location)   # reachability shows on the first call (an OSError)
         from checkpoint.shm_store import DirStore
 
         root = Path(self.location)

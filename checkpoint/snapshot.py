@@ -139,12 +139,18 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def dir_store_for(location: str) -> BlobStore:
-    """The store at a copy's location: a directory (memory, NVMe, flash tiers) or an s3:// URL (one client
-    per URL, reused; credentials from the usual AWS sources)."""
+    """The store at a copy's location: a directory (memory, NVMe, flash tiers), an s3:// URL (one client
+    per URL, reused; credentials from the usual AWS sources), or a peer agent's memory tier at a
+    grpcs:// / unix:// / grpc:// URL (checkpoint/grpc_store.py; credentials from the agent's [peers]
+    config or the SDCWATCH_PEER_* environment)."""
     if location.startswith("s3://"):
         from checkpoint.s3_store import s3_store_for
 
         return s3_store_for(location)
+    from checkpoint.grpc_store import grpc_store_for, is_peer_url
+
+    if is_peer_url(location):
+        return grpc_store_for(location)
     from checkpoint.shm_store import DirStore
 
     return DirStore(location, create=False)

@@ -166,7 +166,6 @@ class Agent:
     def _start_checkpoints(self) -> None:
         """The Checkpoints service (in-memory checkpoints, coordinated in this agent's Redis)."""
         from daemon.checkpoint_service import build_checkpoint_service, register
-        from proto.sdcwatch.v1 import checkpoint_pb2
 
         from daemon.checkpoint_metrics import CheckpointMetrics
 
@@ -180,8 +179,9 @@ class Agent:
                                                                shared_redis=self.embedded_redis is None),
             replicate_timeout_s=peers.timeout_s)
         self.checkpoints.metrics = CheckpointMetrics(self.metrics.registry)  # updated every maintenance round
-        name = checkpoint_pb2.DESCRIPTOR.services_by_name["Checkpoints"].full_name
-        self.extra_services.append((lambda server: register(server, self.checkpoints), [name]))
+        from daemon.checkpoint_service import SERVICE_NAMES  # Checkpoints and PeerStore
+
+        self.extra_services.append((lambda server: register(server, self.checkpoints), list(SERVICE_NAMES)))
         self._tasks.append(asyncio.create_task(self.checkpoints.run_maintenance(interval_s=10.0),
                                                name="checkpoint-maintenance"))
         from daemon import drain_wiring

@@ -5,6 +5,7 @@ Wiring, for the agent (daemon/):
     from daemon.checkpoint_service import build_checkpoint_service, register
     svc = build_checkpoint_service(redis_url, state_dir, publish, node=hostname)   # publish(kind, severity,
     register(server, svc)                                    # subject, message, details) -> None
+    # register adds Checkpoints and PeerStore (peers read/write this memory tier); SERVICE_NAMES lists both
     # peer replicas ([peers], daemon/peers_wiring.py): build_checkpoint_service(..., replicator_factory=
     #     peers_wiring.replicator_factory(config.peers, hostname), replicate_timeout_s=config.peers.timeout_s)
     tasks.append(asyncio.create_task(svc.run_maintenance(interval_s=10)))        # retention + GC loop
@@ -45,6 +46,7 @@ from checkpoint.shm_store import ShmStore, default_shm_root
 from proto.sdcwatch.v1 import agent_pb2
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
+from proto.sdcwatch.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         self._memory_bytes = 0
         self.metrics: Any = None   # a daemon.checkpoint_metrics.CheckpointMetrics, updated each round
         self.drainer: Any = None   # a checkpoint.drainer.Drainer (daemon/drain_wiring.py), or None
+        self.peer_store: Any = None   # the PeerStore servicer over this node's memory tier (`register`)
 
     # ---- RPCs ---------------------------------------------------------------------------------------
     async def Begin(self, request: pb.BeginRequest, context: grpc.aio.ServicerContext) -> pb.BeginResponse:
@@ -330,7 +333,10 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             await asyncio.sleep(interval_s)
 
     def stats(self) -> dict[str, int]:
-        return dict(self.coordinator.stats)
+        out = dict(self.coordinator.stats)
+        if self.peer_store is not None:
+            out.update(self.peer_store.stats)
+        return out
 
     async def close(self, remove_memory: bool | None = None) -> None:
         """Stop background work; remove this node's memory dir when `remove_memory` (default: the
@@ -403,7 +409,18 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
 
 def register(server: grpc.aio.Server, service: CheckpointService) -> None:
+    """Add `Checkpoints` and `PeerStore` (other nodes' agents reading and writing this node's memory tier
+    for peer replicas, daemon/peer_store_service.py) to `server`; `SERVICE_NAMES` lists both for reflection."""
     pb_grpc.add_CheckpointsServicer_to_server(service, server)
+    from daemon import peer_store_service
+
+    if service.peer_store is None:   # one servicer for every server (unix socket, TCP)
+        service.peer_store = peer_store_service.PeerStoreService(service.coordinator.store)
+    peer_store_service.register(server, service.peer_store)
+
+
+SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["Checkpoints"].full_name,
+                 peer_pb2.DESCRIPTOR.services_by_name["PeerStore"].full_name]
 
 
 def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], publish: Publish | None = None, *,

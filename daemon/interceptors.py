@@ -1,4 +1,8 @@
-"""Server interceptors: bearer-token auth (TCP only) and per-RPC metrics."""
+"""Server interceptors: bearer-token auth (TCP only) and per-RPC metrics.
+
+The token check runs for every method of every service on the server (Agent, Checkpoints, PeerStore,
+reflection...), whatever its streaming kind: a denied call is answered UNAUTHENTICATED by a handler of the
+same kind, before the real handler reads a single request."""
 from __future__ import annotations
 
 import hmac
@@ -49,6 +53,11 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.stream_unary is not None:   # a client stream (PeerStore.PutBlob): timed like a unary call
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(handler.stream_unary, method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return handler
@@ -136,5 +145,11 @@ def _deny(handler: Any) -> Any:
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(deny_stream, request_deserializer=handler.request_deserializer,
                                                     response_serializer=handler.response_serializer)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(deny_unary, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
     return grpc.unary_unary_rpc_method_handler(deny_unary, request_deserializer=handler.request_deserializer,
                                                response_serializer=handler.response_serializer)

@@ -5,19 +5,32 @@
     replication_factor = 2     # copies in all, this node's included; 1 = no peer copies (the default)
     stride = 1                 # J: node n's copies go to nodes n+J, n+2J, ... (mod N)
 
+    # network transport (checkpoint/grpc_store.py), when entries are URLs:
+    tls_ca = "/etc/sdcwatch/ca.pem"      # CA that signed the peers' agent certificates (grpcs://)
+    token_file = "/etc/sdcwatch/token"   # bearer token the peers' agents require on TCP
+    insecure = false                     # true allows plain-TCP grpc:// entries (warns)
+
 Every key is also a flag: `--peers-nodes`, `--peers-replication-factor`, `--peers-stride`,
-`--peers-timeout-s`. `nodes` is the job's whole node list in one fixed order, the same
-on every node (so every node computes the same placement), each entry `NAME=LOCATION`, comma-separated.
-LOCATION is where this agent can write that node's memory tier: today a directory (the same host, or a
-filesystem the nodes share). Network addresses (`grpc://host:port`) are refused until a network transport
-exists (see docs/checkpoints.md, "Peers"). A node's name is its agent's `[agent] hostname` (`--hostname`),
-the name its commit records and copies carry, so there is no separate node id to disagree with it; its
-own entry names its memory directory, which the agent checks against its real one at start.
+`--peers-timeout-s`, `--peers-tls-ca`, `--peers-token-file`, `--peers-insecure`. `nodes` is the job's whole
+node list in one fixed order, the same on every node (so every node computes the same placement), each
+entry `NAME=LOCATION`, comma-separated. LOCATION is how this agent reaches that node's memory tier:
+
+- `/abs/dir`: a directory this agent can write (the same host, or a filesystem the nodes share);
+- `grpcs://HOST:PORT`: the node's agent TCP listener (`[agent] listen` with TLS), through its
+  `sdcwatch.v1.PeerStore` service; `tls_ca` verifies its certificate, `token_file` is sent as the bearer;
+- `unix:///abs/agent.sock`: the node's agent on a unix socket of this host;
+- `grpc://HOST:PORT`: the same over plain TCP, refused unless `insecure = true`.
+
+A node's name is its agent's `[agent] hostname` (`--hostname`), the name its commit records and copies
+carry, so there is no separate node id to disagree with it. Its own entry is its memory directory (checked
+against the real one at start) or its own URL (then the host must be an address of this machine, or the
+socket a path on it: see daemon/peers_wiring.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 from daemon.errors import ConfigError
 
@@ -28,12 +41,17 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 @dataclasses.dataclass(frozen=True, slots=True)
 class PeerNode:
     name: str
-    location: str    # a directory (absolute path)
+    location: str    # a directory (absolute path) or a peer URL (grpcs://, grpc://, unix://)
+
+    @property
+    def is_url(self) -> bool:
+        return bool(_URL.match(self.location))
 
 
-def parse_nodes(text: str, key: str = "peers.nodes") -> list[PeerNode]:
-    """'a=/dir/a, b=/dir/b' -> [PeerNode('a', '/dir/a'), PeerNode('b', '/dir/b')] (order kept). ConfigError
-    for an entry without '=', a bad name, a duplicate, a relative path or a network address."""
+def parse_nodes(text: str, key: str = "peers.nodes", insecure: bool = False) -> list[PeerNode]:
+    """'a=/dir/a, b=grpcs://b:7000' -> [PeerNode('a', '/dir/a'), PeerNode('b', 'grpcs://b:7000')] (order
+    kept). ConfigError for an entry without '=', a bad name, a duplicate, a relative path, an unknown
+    scheme, a malformed URL, or a plain-TCP `grpc://` entry without `insecure`."""
     out: list[PeerNode] = []
     for raw in text.split(","):
         entry = raw.strip()
@@ -41,18 +59,33 @@ def parse_nodes(text: str, key: str = "peers.nodes") -> list[PeerNode]:
             continue
         name, sep, location = (s.strip() for s in entry.partition("="))
         if not sep or not location:
-            raise ConfigError(key, f"entry {entry!r}: expected NAME=LOCATION (a directory)")
+            raise ConfigError(key, f"entry {entry!r}: expected NAME=LOCATION (a directory, grpcs://HOST:PORT, "
+                              "unix:///PATH or grpc://HOST:PORT)")
         if not _NAME.match(name):
             raise ConfigError(key, f"entry {entry!r}: node name {name!r} may hold only letters, digits, '_', '.', '-'")
         if any(n.name == name for n in out):
             raise ConfigError(key, f"node {name!r} is listed twice")
         if _URL.match(location):
-            raise ConfigError(key, f"entry {entry!r}: only directory locations are supported; a network transport "
-                              "to a peer's memory tier is not built yet")
+            out.append(PeerNode(name, _check_url(key, entry, location, insecure)))
+            continue
         if not location.startswith("/"):
             raise ConfigError(key, f"entry {entry!r}: the location must be an absolute directory path")
         out.append(PeerNode(name, location.rstrip("/") or "/"))
     return out
+
+
+def _check_url(key: str, entry: str, location: str, insecure: bool) -> str:
+    from checkpoint.errors import InvalidInputError
+    from checkpoint.grpc_store import parse_location
+
+    try:
+        scheme, _target = parse_location(location)
+    except InvalidInputError as e:
+        raise ConfigError(key, f"entry {entry!r}: {e}") from None
+    if scheme == "grpc" and not insecure:
+        raise ConfigError(key, f"entry {entry!r}: grpc:// is a plain-TCP network transport (no encryption, the "
+                          "token readable on the wire); use grpcs://, or set peers.insecure = true")
+    return location
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -61,6 +94,9 @@ class PeersConfig:
     replication_factor: int = 1      # F: copies in all, this node's included; 1 = no peer copies
     stride: int = 1                  # J: placement jump (nodes per failure domain)
     timeout_s: float = 120.0         # one shard's replication to all peers; longer is abandoned (logged)
+    tls_ca: str = ""                 # PEM CA file verifying the peers' agent certificates (grpcs://)
+    token_file: str = ""             # file holding the bearer token the peers' agents require on TCP
+    insecure: bool = False           # allow grpc:// (plain TCP) entries
 
     def validate(self) -> None:
         if self.replication_factor < 1:
@@ -69,7 +105,13 @@ class PeersConfig:
             raise ConfigError("peers.stride", f"must be >= 1, got {self.stride}")
         if not self.timeout_s > 0:
             raise ConfigError("peers.timeout_s", f"must be > 0, got {self.timeout_s!r}")
-        nodes = parse_nodes(self.nodes)
+        for key in ("tls_ca", "token_file"):
+            value = getattr(self, key)
+            if value and not Path(value).is_file():
+                raise ConfigError(f"peers.{key}", f"file not found: {value}")
+        if self.token_file and not Path(self.token_file).read_text().strip():
+            raise ConfigError("peers.token_file", f"{self.token_file} is empty")
+        nodes = parse_nodes(self.nodes, insecure=self.insecure)
         if self.replication_factor == 1:
             return
         n = len(nodes)
@@ -85,4 +127,4 @@ class PeersConfig:
             raise ConfigError("peers.stride", str(e)) from None
 
     def node_list(self) -> list[PeerNode]:
-        return parse_nodes(self.nodes)
+        return parse_nodes(self.nodes, insecure=self.insecure)

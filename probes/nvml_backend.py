@@ -32,6 +32,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 log = logging.getLogger(__name__)
@@ -330,6 +331,8 @@ class PynvmlBackend:
         self._lock = threading.Lock()
         self._driver_version: str | None = None
         self._events_fallback = False
+        # SDCWATCH_NVML_TIMING=1 (benchmarks): seconds of each NVML call group, by call, for `call_times`
+        self.call_times: dict[str, list[float]] | None = {} if os.environ.get("SDCWATCH_NVML_TIMING") else None
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -389,7 +392,9 @@ class PynvmlBackend:
                 fv_specs.append(spec)
             else:
                 groups.setdefault((spec.call, spec.args), []).append(spec)
+        timing = self.call_times if self.call_times is not None else None
         for (call, args), specs in groups.items():
+            t0 = time.perf_counter() if timing is not None else 0.0
             try:
                 result = self._call(call, h, *args)
             except GpuLost:
@@ -398,13 +403,19 @@ class PynvmlBackend:
                 for s in specs:
                     out[s.name] = err
                 continue
+            if timing is not None:
+                timing.setdefault(f"{call}{args}", []).append(time.perf_counter() - t0)
             for s in specs:
                 try:
                     out[s.name] = self._convert(s, result)
                 except (AttributeError, IndexError, TypeError, ValueError) as exc:
                     out[s.name] = NvmlError(f"{call}: cannot decode {s.name}: {exc}")
         if fv_specs:
+            t0 = time.perf_counter() if timing is not None else 0.0
             self._read_field_values(h, fv_specs, out)
+            if timing is not None:
+                key = f"{FIELD_VALUES_CALL}[{','.join(sorted({s.name.split('.')[0] for s in fv_specs}))}]"
+                timing.setdefault(key, []).append(time.perf_counter() - t0)
         return out
 
     def _read_field_values(self, h: Any, specs: list[FieldSpec], out: dict[str, int | float | NvmlError]) -> None:

@@ -228,6 +228,11 @@ def _dispatch(backend: Any, method: str, args: list[Any]) -> Any:
     if method == "xid_close":
         backend.xid_close()
         return None
+    if method == "call_times":  # benchmarks: medians (ms) and counts of each call group's duration
+        times = getattr(backend, "call_times", None) or {}
+        out = {k: [sorted(v)[len(v) // 2] * 1e3, len(v)] for k, v in times.items()}
+        times.clear()
+        return out
     if method == "close":
         backend.close()
         return None

@@ -82,8 +82,10 @@ def rotation_unit(name: str) -> str:
     """The unit a rotated field is read with: one NVLink link's fields, one throttle counter (some cost
     0.7 ms each), or one family of cheap state fields."""
     parts = name.split(".")
-    if parts[0] == "nvlink" and len(parts) > 1 and parts[1].isdigit():
-        return f"nvlink.{parts[1]}"
+    if parts[0] == "nvlink" and len(parts) > 2 and parts[1].isdigit():
+        # a link's error counters cost ~1 ms together (the same as one of them alone); every link's state
+        # together 0.4 ms (H200, bench/nvml_fields.py)
+        return "nvlink.state" if parts[2] == "state" else f"nvlink.{parts[1]}"
     if parts[0] == "throttle_ns":
         return name
     if ".aggregate." in name:

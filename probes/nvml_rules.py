@@ -211,9 +211,15 @@ def make_readings(uuid: str, prev: GpuReadings | None, values: Mapping[str, int 
         windows["pcie.replay"] = pw.get("pcie.replay", RateWindow(cfg.pcie_window_s)).add(
             now, deltas.get("pcie.replay", 0))
     for name in values:
+        if not name.startswith("nvlink."):
+            continue
         parts = name.split(".")
-        if parts[0] == "nvlink" and len(parts) == 3 and parts[2] in NVLINK_KINDS:
-            windows[name] = pw.get(name, RateWindow(cfg.nvlink_window_s)).add(now, deltas.get(name, 0))
+        if len(parts) == 3 and parts[2] in NVLINK_KINDS:
+            old = pw.get(name)
+            if old is not None and fresh is not None and name not in fresh and not old.events:
+                windows[name] = old  # carried, nothing to expire: no new window object
+            else:
+                windows[name] = (old or RateWindow(cfg.nvlink_window_s)).add(now, deltas.get(name, 0))
     up_now = frozenset(int(k.split(".")[1]) for k, v in values.items()
                        if k.startswith("nvlink.") and k.endswith(".state") and v)
     baseline = prev.nvlink_baseline if prev is not None and prev.nvlink_baseline else up_now
@@ -342,7 +348,8 @@ def nvlink_rules(prev: GpuReadings | None, cur: GpuReadings, now: float, cfg: Ru
                        else f"{sum(1 for s in states.values() if s)} NVLink links up", now))
     over: list[str] = []
     expires = now
-    for name, win in sorted(cur.windows.items(), key=lambda kv: _link_order(kv[0])):
+    busy = [(name, win) for name, win in cur.windows.items() if win.events and name.startswith("nvlink.")]
+    for name, win in sorted(busy, key=lambda kv: _link_order(kv[0])):
         parts = name.split(".")
         if parts[0] != "nvlink":
             continue

@@ -63,7 +63,8 @@ def test_reflection_lists_services(agent):
         responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                               timeout=5)
         names = {s.name for r in responses for s in r.list_services_response.service}
-    assert {"sdcwatch.v1.Agent", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert {"sdcwatch.v1.Agent", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+            "sdcwatch.v1.Checkpoints", "sdcwatch.v1.PeerStore"} <= names
 
 
 def test_socket_mode_is_0660(agent):

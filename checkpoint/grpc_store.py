@@ -1,0 +1,381 @@
+"""`GrpcBlobStore`: another node's memory tier over the network, through its agent's `sdcwatch.v1.PeerStore`
+service (proto/sdcwatch/v1/peer.proto, served by daemon/peer_store_service.py).
+
+Locations (the `[peers] nodes` entries, and the copy locations recorded for them):
+
+    grpcs://HOST:PORT        the peer agent's TCP listener, TLS (CA from the credentials) + bearer token
+    unix:///abs/agent.sock   the peer agent's unix socket (same host; local trust, no token)
+    grpc://HOST:PORT         plain TCP: only when the credentials allow `insecure` (warns once)
+
+Credentials are per process (`set_credentials`; the agent sets them from `[peers]`). A training rank that
+restores from a peer's copy reads them from the environment: `SDCWATCH_PEER_TLS_CA` (PEM CA file),
+`SDCWATCH_PEER_TOKEN_FILE`, `SDCWATCH_PEER_INSECURE=1`.
+
+The store follows the `BlobStore` protocol: `put` streams the blob in chunks and the peer makes it visible
+only when the whole stream arrived (the last message says so; a broken stream leaves nothing); `get` /
+`readinto` stream ranged reads. Errors: a missing blob is `KeyError`; a bad key `InvalidInputError` (before
+any RPC); an unreachable, refusing or full peer is `PeerStoreError` (an `OSError`), so restore falls back
+to the next copy as it does for a missing directory.
+
+Chunks travel as raw protobuf wire bytes built and parsed here (`encode_put`, `decode_chunk`, wire-equal
+to `PutBlobRequest` / `BlobChunk`): each chunk is copied once into the message and once out of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import threading
+from typing import Any, Iterator
+
+import grpc
+
+from checkpoint.blobstore import Data, as_buffers
+from checkpoint.errors import InvalidInputError
+from checkpoint.names import validate_key, validate_prefix
+
+log = logging.getLogger(__name__)
+
+SERVICE = "/sdcwatch.v1.PeerStore/"
+CHUNK_BYTES = 2 << 20            # bytes per message (the agent accepts 4 MiB messages by default)
+MAX_MESSAGE_BYTES = 64 << 20     # this side's gRPC message limits (responses are chunked by the server)
+SCHEMES = ("grpcs", "grpc", "unix")
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$")
+_HOSTPORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>[0-9]{1,5})$")
+
+
+class PeerStoreError(OSError):
+    """A peer's store could not be used: unreachable, refused (token, TLS), full, or it failed."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    tls_ca: str = ""           # PEM CA file for grpcs:// ('' = the system roots)
+    token_file: str = ""       # bearer token sent on TCP ('' = none)
+    insecure: bool = False     # allow grpc:// (plain TCP)
+
+    @classmethod
+    def from_env(cls) -> "PeerCredentials":
+        return cls(os.environ.get("SDCWATCH_PEER_TLS_CA", ""), os.environ.get("SDCWATCH_PEER_TOKEN_FILE", ""),
+                   os.environ.get("SDCWATCH_PEER_INSECURE", "") in ("1", "true", "yes"))
+
+
+_creds: PeerCredentials | None = None
+_stores: dict[tuple[str, PeerCredentials], "GrpcBlobStore"] = {}
+_lock = threading.Lock()
+
+
+def set_credentials(creds: PeerCredentials | None) -> None:
+    """This process's credentials for peer URLs (None: back to the environment's). Closes cached channels."""
+    global _creds
+    with _lock:
+        _creds = creds
+        stores = list(_stores.values())
+        _stores.clear()
+    for s in stores:
+        s.close()
+
+
+def credentials() -> PeerCredentials:
+    return _creds if _creds is not None else PeerCredentials.from_env()
+
+
+def is_peer_url(location: str) -> bool:
+    m = _URL.match(location)
+    return bool(m) and m.group("scheme") in SCHEMES
+
+
+def parse_location(location: str) -> tuple[str, str]:
+    """'grpcs://h:1' -> ('grpcs', 'h:1'); 'unix:///p/a.sock' -> ('unix', 'unix:///p/a.sock'). InvalidInputError
+    for another scheme, a missing port, a relative socket path, or anything after the address."""
+    m = _URL.match(location)
+    if not m:
+        raise InvalidInputError(f"{location!r} is not a URL (grpcs://HOST:PORT, unix:///PATH, grpc://HOST:PORT)")
+    scheme, rest = m.group("scheme"), m.group("rest")
+    if scheme == "unix":
+        if not rest.startswith("/") or rest.startswith("//") or len(rest) < 2:
+            raise InvalidInputError(f"{location!r}: a unix socket URL is unix:///absolute/path.sock")
+        return scheme, f"unix://{rest}"
+    if scheme not in ("grpc", "grpcs"):
+        raise InvalidInputError(f"{location!r}: scheme {scheme!r} is not a peer transport "
+                                "(grpcs://, unix://, grpc://)")
+    hp = _HOSTPORT.match(rest)
+    if not hp or not 0 < int(hp.group("port")) < 65536:
+        raise InvalidInputError(f"{location!r}: expected {scheme}://HOST:PORT (a port in 1-65535, no path)")
+    return scheme, rest
+
+
+def grpc_store_for(location: str) -> "GrpcBlobStore":
+    """The (cached, thread-safe) store for a peer URL under this process's credentials."""
+    creds = credentials()
+    with _lock:
+        store = _stores.get((location, creds))
+        if store is None:
+            store = _stores[(location, creds)] = GrpcBlobStore(location, credentials=creds)
+        return store
+
+
+# ---- wire codec for the bulk messages (proto3 wire format, see peer.proto) ---------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    n &= (1 << 64) - 1
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_put(data: memoryview, key: str = "", total_bytes: int | None = None, finish: bool = False) -> bytes:
+    """A serialized `PutBlobRequest`; `data` is copied once, into the message."""
+    head = bytearray()
+    if key:
+        k = key.encode()
+        head += b"\x0a" + _varint(len(k)) + k
+    if total_bytes:
+        head += b"\x10" + _varint(total_bytes)
+    tail = b"\x20\x01" if finish else b""
+    if not len(data):
+        return bytes(head) + tail
+    return b"".join((head, b"\x1a", _varint(len(data)), data, tail))
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    shift = n = 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return n, i
+        shift += 7
+
+
+def encode_chunk(offset: int, data: bytes | memoryview, blob_bytes: int = 0) -> bytes:
+    """A serialized `BlobChunk`; `data` is copied once, into the message."""
+    head = (b"\x08" + _varint(offset)) if offset else b""
+    tail = (b"\x18" + _varint(blob_bytes)) if blob_bytes else b""
+    if not len(data):
+        return head + tail
+    return b"".join((head, b"\x12", _varint(len(data)), data, tail))
+
+
+def _fields(raw: bytes, what: str) -> tuple[dict[int, int], dict[int, memoryview]]:
+    """Parse proto3 wire bytes: (varint fields, length-delimited fields as views into `raw`); the last
+    occurrence of a field wins, as in protobuf. ValueError for malformed input."""
+    buf = memoryview(raw)
+    ints: dict[int, int] = {}
+    blobs: dict[int, memoryview] = {}
+    i = 0
+    try:
+        while i < len(buf):
+            tag, i = _read_varint(buf, i)
+            field, wire = tag >> 3, tag & 7
+            if wire == 0:
+                ints[field], i = _read_varint(buf, i)
+            elif wire == 2:
+                n, i = _read_varint(buf, i)
+                if i + n > len(buf):
+                    raise IndexError
+                blobs[field] = buf[i:i + n]
+                i += n
+            elif wire in (1, 5):
+                i += 8 if wire == 1 else 4
+            else:
+                raise ValueError(f"malformed {what}: wire type {wire}")
+    except IndexError:
+        raise ValueError(f"malformed {what}: truncated") from None
+    if i != len(buf):
+        raise ValueError(f"malformed {what}: truncated")
+    return ints, blobs
+
+
+def decode_chunk(raw: bytes) -> tuple[int, memoryview, int]:
+    """A serialized `BlobChunk` -> (offset, data, blob_bytes); `data` is a view into `raw`, not a copy."""
+    try:
+        ints, blobs = _fields(raw, "BlobChunk")
+    except ValueError as e:
+        raise PeerStoreError(f"{e} (from the peer)") from None
+    return ints.get(1, 0), blobs.get(2, memoryview(b"")), ints.get(3, 0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutMessage:
+    key: str
+    total_bytes: int
+    data: memoryview
+    finish: bool
+
+
+def decode_put(raw: bytes) -> PutMessage:
+    """A serialized `PutBlobRequest`; `data` is a view into `raw`. ValueError for malformed bytes."""
+    ints, blobs = _fields(raw, "PutBlobRequest")
+    try:
+        key = bytes(blobs[1]).decode() if 1 in blobs else ""
+    except UnicodeDecodeError:
+        raise ValueError("malformed PutBlobRequest: the key is not UTF-8") from None
+    total = ints.get(2, 0)
+    if total >= 1 << 63:
+        raise ValueError("malformed PutBlobRequest: negative total_bytes")
+    return PutMessage(key, total, blobs.get(3, memoryview(b"")), bool(ints.get(4, 0)))
+
+
+# ---- the store ----------------------------------------------------------------------------------------------
+class GrpcBlobStore:
+    """A `BlobStore` over a peer agent's PeerStore service (see the module docstring)."""
+
+    def __init__(self, location: str, *, credentials: PeerCredentials | None = None,
+                 chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 30.0, stream_timeout_s: float = 600.0) -> None:
+        self.location = location
+        self.scheme, self.target = parse_location(location)
+        creds = credentials if credentials is not None else PeerCredentials()
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self.stream_timeout_s = stream_timeout_s
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        if creds.token_file and self.scheme != "unix":
+            with open(creds.token_file) as f:
+                self._metadata = (("authorization", f"Bearer {f.read().strip()}"),)
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        if self.scheme == "grpcs":
+            ca = None
+            if creds.tls_ca:
+                with open(creds.tls_ca, "rb") as f:
+                    ca = f.read()
+            self._channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=options)
+        elif self.scheme == "grpc":
+            if not creds.insecure:
+                raise InvalidInputError(f"{location}: plain-TCP grpc:// needs the insecure setting "
+                                        "(peers.insecure = true, or SDCWATCH_PEER_INSECURE=1); use grpcs://")
+            _warn_insecure(location)
+            self._channel = grpc.insecure_channel(self.target, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=options)
+        ident = lambda b: b  # noqa: E731 - raw wire bytes in and out for the bulk messages
+        from proto.sdcwatch.v1 import peer_pb2 as pb
+
+        self._pb = pb
+        self._put = self._channel.stream_unary(SERVICE + "PutBlob", request_serializer=ident,
+                                               response_deserializer=pb.PutBlobResponse.FromString)
+        self._get = self._channel.unary_stream(SERVICE + "GetBlob", request_serializer=pb.GetBlobRequest.
+                                               SerializeToString, response_deserializer=ident)
+        self._stat = self._channel.unary_unary(SERVICE + "StatBlob", request_serializer=pb.StatBlobRequest.
+                                               SerializeToString, response_deserializer=pb.StatBlobResponse.FromString)
+        self._list = self._channel.unary_unary(SERVICE + "ListBlobs", request_serializer=pb.ListBlobsRequest.
+                                               SerializeToString,
+                                               response_deserializer=pb.ListBlobsResponse.FromString)
+        self._delete = self._channel.unary_unary(SERVICE + "DeleteBlob", request_serializer=pb.DeleteBlobRequest.
+                                                 SerializeToString,
+                                                 response_deserializer=pb.DeleteBlobResponse.FromString)
+
+    def __repr__(self) -> str:
+        return f"GrpcBlobStore({self.location!r})"
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # ---- BlobStore ----------------------------------------------------------------------------------------
+    def put(self, key: str, data: Data) -> int:
+        validate_key(key)
+        total = None
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            total = memoryview(data).nbytes
+        elif isinstance(data, (list, tuple)):
+            total = sum(memoryview(b).nbytes for b in data)
+        resp = self._call(self._put, self._requests(key, data, total), key, timeout=self.stream_timeout_s)
+        return int(resp.bytes)
+
+    def _requests(self, key: str, data: Data, total: int | None) -> Iterator[bytes]:
+        first = True
+        step = self.chunk_bytes
+        for buf in as_buffers(data):
+            for i in range(0, len(buf), step):
+                yield encode_put(buf[i:i + step], key if first else "", total if first else None)
+                first = False
+        yield encode_put(memoryview(b""), key if first else "", total if first else None, finish=True)
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        out = bytearray()
+        for _off, data in self._chunks(key, offset, length):
+            out += data
+        return bytes(out)
+
+    def readinto(self, key: str, offset: int, buf: memoryview) -> int:
+        view = memoryview(buf).cast("B")
+        n = 0
+        for off, data in self._chunks(key, offset, len(view)):
+            if off != offset + n or n + len(data) > len(view):
+                raise PeerStoreError(f"{self.location}: GetBlob {key!r} sent bytes out of order")
+            view[n:n + len(data)] = data
+            n += len(data)
+        return n
+
+    def _chunks(self, key: str, offset: int, length: int | None) -> Iterator[tuple[int, memoryview]]:
+        validate_key(key)
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError(f"bad range offset={offset} length={length} for {key!r}")
+        req = self._pb.GetBlobRequest(key=key, offset=offset, length=length or 0, to_end=length is None,
+                                      chunk_bytes=self.chunk_bytes)
+        try:
+            for raw in self._get(req, timeout=self.stream_timeout_s, metadata=self._metadata):
+                off, data, _size = decode_chunk(raw)
+                yield off, data
+        except grpc.RpcError as e:
+            raise self._error(e, key) from None
+
+    def exists(self, key: str) -> bool:
+        validate_key(key)
+        return bool(self._call(self._stat, self._pb.StatBlobRequest(key=key), key).exists)
+
+    def size(self, key: str) -> int:
+        validate_key(key)
+        r = self._call(self._stat, self._pb.StatBlobRequest(key=key), key)
+        if not r.exists:
+            raise KeyError(f"no blob {key!r} at {self.location}")
+        return int(r.size)
+
+    def list(self, prefix: str = "") -> list[str]:
+        validate_prefix(prefix)
+        return list(self._call(self._list, self._pb.ListBlobsRequest(prefix=prefix), prefix).keys)
+
+    def delete(self, key: str) -> bool:
+        validate_key(key)
+        return bool(self._call(self._delete, self._pb.DeleteBlobRequest(key=key), key).deleted)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _call(self, method: Any, request: Any, key: str, timeout: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, key) from None
+
+    def _error(self, e: grpc.RpcError, key: str) -> Exception:
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        if code == grpc.StatusCode.NOT_FOUND:
+            return KeyError(f"no blob {key!r} at {self.location}: {details}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidInputError(f"{self.location} refused {key!r}: {details}")
+        if code == grpc.StatusCode.OUT_OF_RANGE:
+            return ValueError(f"{self.location}: {details}")
+        name = code.name if code is not None else "UNKNOWN"
+        return PeerStoreError(f"peer store {self.location}: {name}: {details}", code)
+
+
+_warned: set[str] = set()
+
+
+def _warn_insecure(location: str) -> None:
+    if location not in _warned:
+        _warned.add(location)
+        log.warning("peer transport to %s is PLAIN TCP (peers.insecure): checkpoint bytes and the token "
+                    "travel unencrypted", location)

@@ -1,0 +1,307 @@
+"""grpc.aio servicer for `sdcwatch.v1.PeerStore` (proto/sdcwatch/v1/peer.proto): other nodes' agents read
+and write this agent's memory tier (peer replicas; the client is checkpoint/grpc_store.py).
+
+Wiring (daemon/checkpoint_service.py `register`): served next to `Checkpoints`, over the agent's own
+memory-tier store, on the unix socket and on the TCP listener (TLS + bearer token, enforced for every
+service by daemon/interceptors.py).
+
+Rules:
+- every key and prefix from a client is checked with `checkpoint.names.validate_key` / `validate_prefix`
+  before any path is built: INVALID_ARGUMENT with the reason (no '..', no absolute path, no temp names);
+- a missing blob is NOT_FOUND; the memory tier's directory gone is FAILED_PRECONDITION; a full one (or a
+  blob over `max_blob_bytes`) RESOURCE_EXHAUSTED;
+- a put is the store's atomic put (temp name, rename): it is renamed into place only after the message
+  marked `finish` arrived with the declared byte count; a broken, cancelled, idle or malformed stream
+  removes the temp file, so nothing partial is ever visible;
+- bytes only: messages are parsed as protobuf wire format; nothing is ever unpickled or executed.
+
+Bulk messages are parsed and built as raw wire bytes (checkpoint.grpc_store codec): a received chunk is
+written to the file straight from the message buffer; a sent chunk is one `pread` plus one copy into the
+message. Blocking file I/O runs in threads, never on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import os
+import threading
+from typing import Any, AsyncIterator, Iterator
+
+import grpc
+
+from checkpoint.blobstore import BlobStore, check_range
+from checkpoint.errors import InvalidInputError
+from checkpoint.grpc_store import CHUNK_BYTES, PutMessage, decode_put, encode_chunk
+from checkpoint.names import validate_key, validate_prefix
+from proto.sdcwatch.v1 import peer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PeerStore"].full_name
+MAX_BLOB_BYTES = 64 << 30          # one blob (a rank's shard); larger puts are refused
+MAX_CHUNK_BYTES = 3 << 20          # GetBlob messages stay under the agent's 4 MiB message limit
+MIN_CHUNK_BYTES = 64 << 10
+IDLE_TIMEOUT_S = 60.0              # a put whose client sends nothing for this long is dropped
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG)
+
+
+class _StreamError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerStoreService:
+    """Serves `store` (the agent's memory tier) through PeerStore. `stats` counts puts, gets and bytes."""
+
+    def __init__(self, store: BlobStore, *, max_blob_bytes: int = MAX_BLOB_BYTES,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        self.store = store
+        self.max_blob_bytes = max_blob_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.stats = {"peer_puts": 0, "peer_put_bytes": 0, "peer_put_failures": 0, "peer_gets": 0,
+                      "peer_get_bytes": 0}
+
+    # ---- RPCs -----------------------------------------------------------------------------------------
+    async def PutBlob(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutBlobResponse:
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutBlob: empty stream (no key)")
+        if isinstance(first, ValueError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(first))
+        key = await self._key(first.key, context)
+        if first.total_bytes > self.max_blob_bytes:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"blob {key!r} of {first.total_bytes} bytes "
+                                f"exceeds this agent's limit of {self.max_blob_bytes} bytes")
+        await self._check_room(key, first.total_bytes, context)
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+        pending: list[concurrent.futures.Future[Any]] = []
+        chunks = self._chunks(key, first, requests, loop, stop, pending)
+        try:
+            n = await asyncio.to_thread(self.store.put, key, chunks)
+        except asyncio.CancelledError:
+            stop.set()              # the client went away: the writer thread drops the temp file
+            for f in pending:
+                f.cancel()
+            self.stats["peer_put_failures"] += 1
+            raise
+        except _StreamError as e:
+            self.stats["peer_put_failures"] += 1
+            await context.abort(e.code, str(e))
+        except OSError as e:
+            self.stats["peer_put_failures"] += 1
+            await context.abort(*self._os_status(e, key))
+        self.stats["peer_puts"] += 1
+        self.stats["peer_put_bytes"] += n
+        return pb.PutBlobResponse(bytes=n)
+
+    def _chunks(self, key: str, first: PutMessage, requests: AsyncIterator[Any], loop: asyncio.AbstractEventLoop,
+                stop: threading.Event, pending: list[concurrent.futures.Future[Any]]) -> Iterator[memoryview]:
+        """Runs in the writer thread: yields each message's bytes, pulling the next message from the event
+        loop; raises (so the store drops its temp file) on anything but a clean, complete stream."""
+        got = 0
+        msg = first
+        while True:
+            if msg.key and msg is not first:
+                raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, "PutBlob: the key goes in the first message only")
+            got += len(msg.data)
+            if got > self.max_blob_bytes:
+                raise _StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"blob {key!r} exceeds this agent's limit "
+                                   f"of {self.max_blob_bytes} bytes; nothing was stored")
+            if first.total_bytes and got > first.total_bytes:
+                raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"blob {key!r}: more bytes than the "
+                                   f"{first.total_bytes} declared; nothing was stored")
+            fut = None if msg.finish else asyncio.run_coroutine_threadsafe(_next(requests), loop)
+            pending[:] = [fut] if fut is not None else []   # the loop reads the next message during the write
+            if len(msg.data):
+                yield msg.data
+            if fut is None:
+                break
+            if stop.is_set():
+                raise _StreamError(grpc.StatusCode.CANCELLED, "PutBlob cancelled")
+            try:
+                nxt = fut.result(self.idle_timeout_s)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+                raise _StreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"PutBlob {key!r}: no data for {self.idle_timeout_s:.0f}s") from None
+            except (concurrent.futures.CancelledError, asyncio.CancelledError):
+                raise _StreamError(grpc.StatusCode.CANCELLED, "PutBlob cancelled") from None
+            except Exception as e:  # noqa: BLE001 - the stream broke
+                raise _StreamError(grpc.StatusCode.ABORTED, f"PutBlob {key!r}: the stream broke: {e}") from None
+            if nxt is None:
+                raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"PutBlob {key!r}: the stream ended after "
+                                   f"{got} bytes without its finishing message; nothing was stored")
+            if isinstance(nxt, ValueError):
+                raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, str(nxt))
+            msg = nxt
+        if first.total_bytes and got != first.total_bytes:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"PutBlob {key!r}: {got} bytes arrived, "
+                               f"{first.total_bytes} declared; nothing was stored")
+
+    async def GetBlob(self, request: pb.GetBlobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        key = await self._key(request.key, context)
+        if request.offset < 0 or request.length < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"bad range offset={request.offset} length={request.length} for {key!r}")
+        chunk = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, request.chunk_bytes or CHUNK_BYTES))
+        path = getattr(self.store, "path", None)
+        if path is None:   # a store without files: ranged gets
+            async for raw in self._get_generic(key, request, chunk, context):
+                yield raw
+            return
+        try:
+            fd = await asyncio.to_thread(os.open, path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {key!r} on this node")
+        except OSError as e:
+            await context.abort(*self._os_status(e, key))
+        nxt: asyncio.Future[bytes] | None = None
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                off, n = check_range(request.offset, None if request.to_end else request.length, size, key)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+            end = off + n
+            self.stats["peer_gets"] += 1
+
+            def read(at: int) -> bytes:   # the next message, built in a thread while this one is sent
+                data = os.pread(fd, min(chunk, end - at), at) if at < end else b""
+                if at < end and not data:
+                    raise EOFError(f"blob {key!r} shrank while being read")
+                return encode_chunk(at, data, size if at == off else 0)
+
+            nxt = asyncio.ensure_future(asyncio.to_thread(read, off))
+            while nxt is not None:
+                try:
+                    raw = await nxt
+                except EOFError as e:
+                    await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+                sent = min(chunk, end - off)
+                off += sent
+                nxt = asyncio.ensure_future(asyncio.to_thread(read, off)) if off < end else None
+                self.stats["peer_get_bytes"] += sent
+                yield raw
+        finally:
+            if nxt is not None and not nxt.done():
+                await asyncio.gather(nxt, return_exceptions=True)   # never close the fd under a read
+            os.close(fd)
+
+    async def _get_generic(self, key: str, request: pb.GetBlobRequest, chunk: int,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        try:
+            size = await asyncio.to_thread(self.store.size, key)
+            off, n = check_range(request.offset, None if request.to_end else request.length, size, key)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {key!r} on this node")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        end, first = off + n, True
+        while off < end or first:
+            data = await asyncio.to_thread(self.store.get, key, off, min(chunk, end - off)) if off < end else b""
+            yield encode_chunk(off, data, size if first else 0)
+            first = False
+            off += len(data)
+
+    async def StatBlob(self, request: pb.StatBlobRequest, context: grpc.aio.ServicerContext) -> pb.StatBlobResponse:
+        key = await self._key(request.key, context)
+        try:
+            size = await asyncio.to_thread(self.store.size, key)
+        except KeyError:
+            return pb.StatBlobResponse(exists=False)
+        except OSError as e:
+            await context.abort(*self._os_status(e, key))
+        return pb.StatBlobResponse(exists=True, size=size)
+
+    async def ListBlobs(self, request: pb.ListBlobsRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ListBlobsResponse:
+        try:
+            prefix = validate_prefix(request.prefix)
+        except InvalidInputError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ListBlobsResponse(keys=await asyncio.to_thread(self.store.list, prefix))
+
+    async def DeleteBlob(self, request: pb.DeleteBlobRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DeleteBlobResponse:
+        key = await self._key(request.key, context)
+        try:
+            deleted = await asyncio.to_thread(self.store.delete, key)
+        except OSError as e:
+            await context.abort(*self._os_status(e, key))
+        return pb.DeleteBlobResponse(deleted=deleted)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    async def _key(self, key: str, context: grpc.aio.ServicerContext) -> str:
+        try:
+            return validate_key(key)
+        except InvalidInputError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+
+    async def _check_room(self, key: str, nbytes: int, context: grpc.aio.ServicerContext) -> None:
+        root = getattr(self.store, "root", None)
+        if root is None:
+            return
+        try:
+            st = await asyncio.to_thread(os.statvfs, root)
+        except FileNotFoundError:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this node's memory tier {root} does not exist (agent stopping or misconfigured)")
+            return
+        free = st.f_bavail * st.f_frsize
+        if nbytes > free:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"blob {key!r} needs {nbytes} bytes; this node's memory tier has {free} free")
+
+    def _os_status(self, e: OSError, key: str) -> tuple[grpc.StatusCode, str]:
+        if e.errno in _FULL:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, f"this node's memory tier is full writing {key!r}: {e}"
+        if isinstance(e, FileNotFoundError):
+            return grpc.StatusCode.FAILED_PRECONDITION, f"this node's memory tier is gone: {e}"
+        log.warning("peer store I/O on %r failed: %s", key, e)
+        return grpc.StatusCode.INTERNAL, f"I/O error on {key!r}: {e}"
+
+
+async def _next(requests: AsyncIterator[Any]) -> Any:
+    try:
+        return await requests.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _decode_put(raw: bytes) -> PutMessage | ValueError:
+    """Never raises (a deserializer error would be an opaque INTERNAL): the handler reports the ValueError."""
+    try:
+        return decode_put(raw)
+    except ValueError as e:
+        return ValueError(f"PutBlob: {e}")
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+def register(server: grpc.aio.Server, service: PeerStoreService) -> None:
+    """Add PeerStore to `server`: the generated stubs' method table, with the bulk messages (PutBlob
+    requests, GetBlob responses) as raw wire bytes."""
+    handlers = {
+        "PutBlob": grpc.stream_unary_rpc_method_handler(
+            service.PutBlob, request_deserializer=_decode_put, response_serializer=pb.PutBlobResponse.SerializeToString),
+        "GetBlob": grpc.unary_stream_rpc_method_handler(
+            service.GetBlob, request_deserializer=pb.GetBlobRequest.FromString, response_serializer=_raw),
+        "StatBlob": grpc.unary_unary_rpc_method_handler(
+            service.StatBlob, request_deserializer=pb.StatBlobRequest.FromString,
+            response_serializer=pb.StatBlobResponse.SerializeToString),
+        "ListBlobs": grpc.unary_unary_rpc_method_handler(
+            service.ListBlobs, request_deserializer=pb.ListBlobsRequest.FromString,
+            response_serializer=pb.ListBlobsResponse.SerializeToString),
+        "DeleteBlob": grpc.unary_unary_rpc_method_handler(
+            service.DeleteBlob, request_deserializer=pb.DeleteBlobRequest.FromString,
+            response_serializer=pb.DeleteBlobResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
