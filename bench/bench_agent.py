@@ -124,6 +124,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def rss_mb(pid: int) -> float:
     import psutil
 
@@ -177,6 +184,8 @@ def main() -> None:
             wait_health(t)
         lat: dict[tuple[str, str], list[float]] = {}
         tput: dict[str, list[float]] = {"agent": [], "bare": []}
+        cpu_us: dict[str, list[float]] = {"agent": [], "bare": []}  # server CPU per call in the throughput blocks
+        pids = {"agent": agent.pid, "bare": bare.pid}
         offset = 0
         for r in range(args.rounds):
             order = ["agent", "bare"] if r % 2 == 0 else ["bare", "agent"]
@@ -184,7 +193,11 @@ def main() -> None:
                 for kind in ("health", "report"):
                     lat.setdefault((who, kind), []).extend(latencies(targets[who], kind, args.calls, offset))
                     offset += args.calls
-                tput[who].append(asyncio.run(throughput(targets[who], args.seconds, args.concurrency, offset)))
+                c0, t0 = cpu_s(pids[who]), time.perf_counter()
+                rate = asyncio.run(throughput(targets[who], args.seconds, args.concurrency, offset))
+                calls = rate * (time.perf_counter() - t0)
+                tput[who].append(rate)
+                cpu_us[who].append((cpu_s(pids[who]) - c0) / max(calls, 1) * 1e6)
                 offset += 10_000_000
         mem = asyncio.run(memory_run(targets["agent"], args.memory_calls, agent.pid, args.concurrency))
     finally:
@@ -207,6 +220,9 @@ def main() -> None:
     ta, tb = statistics.median(tput["agent"]), statistics.median(tput["bare"])
     print(f"ReportStep throughput, {args.concurrency} in flight: agent {ta:,.0f}/s, bare {tb:,.0f}/s, "
           f"ratio bare/agent {tb / ta:.2f}")
+    ca, cb = statistics.median(cpu_us["agent"]), statistics.median(cpu_us["bare"])
+    print(f"server CPU per ReportStep in those blocks (all threads): agent {ca:.0f} us, bare {cb:.0f} us, "
+          f"ratio {ca / cb:.2f} (what bounds throughput when the server, not the client, is saturated)")
     first = mem[1][1] if len(mem) > 1 else mem[0][1]
     print("agent RSS over ReportStep calls: " + ", ".join(f"{n // 1000}k:{m:.0f}MB" for n, m in mem))
     print(f"RSS growth from the first 10% to the end: {mem[-1][1] - first:+.1f} MB over {mem[-1][0]:,} calls")
