@@ -104,14 +104,18 @@ async def throughput(target: str, seconds: float, concurrency: int, offset: int)
     async with grpc.aio.insecure_channel(target) as ch:
         stub = pb_grpc.AgentStub(ch)
         done = 0
+        issued = 0
         deadline = time.perf_counter() + seconds
 
         async def worker(w: int) -> None:
-            nonlocal done
-            i = 0
+            # One job of 8 ranks stepping together, as a node's ranks do under DDP/FSDP: call k is rank k % 8
+            # reporting step k // 8 (a shared counter, so each step's 8 reports arrive together and the job's
+            # loss detector runs once per step, not once per call).
+            nonlocal done, issued
             while time.perf_counter() < deadline:
-                await stub.ReportStep(report(offset + i, job=f"tput-{w % 4}", rank=w), timeout=5)
-                i += 1
+                k = issued
+                issued += 1
+                await stub.ReportStep(report(offset + k, job="tput"), timeout=5)
                 done += 1
 
         t0 = time.perf_counter()

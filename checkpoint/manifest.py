@@ -174,7 +174,9 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
             if id(obj) in seen:  # the same tensor object twice (tied weights): stored once
                 return {TENSOR_MARK: seen[id(obj)]}
             seen[id(obj)] = len(tensors)
-            tensors.append((path, obj.detach()))
+            # The object itself, not a detached alias: caches keyed on it (the GPU fingerprint plan) then live
+            # as long as the user's tensor, not one save; callers copy under torch.no_grad().
+            tensors.append((path, obj))
             return {TENSOR_MARK: len(tensors) - 1}
         if obj is None or isinstance(obj, (bool, str)):
             return obj

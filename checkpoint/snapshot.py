@@ -205,7 +205,8 @@ class Snapshotter:
             slot = self._acquire_slot(total)
             arena = slot.tensor if slot is not None else self._arena.ensure(total)
             try:
-                events, src_fps = self._copy(tensors, offsets, arena)
+                with torch.no_grad():
+                    events, src_fps = self._copy(tensors, offsets, arena)
             except BaseException:
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)

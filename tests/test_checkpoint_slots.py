@@ -117,3 +117,26 @@ def test_slot_staging_matches_private_staging_bit_for_bit(redis_server, tmp_path
     m2, m4 = co.shard_manifest(job, 2, 0), co.shard_manifest(job, 4, 0)
     assert [c.checksum for c in m2.chunks] == [c.checksum for c in m4.chunks]
     assert [t.fingerprint for t in m2.tensors] == [t.fingerprint for t in m4.tensors]
+
+
+def test_parameters_that_require_grad_are_saved_as_themselves(redis_server, tmp_path: Path) -> None:
+    """A model's live parameters (requires_grad) save and restore bit for bit, the copy builds no autograd
+    graph, and flatten hands out the state dict's own tensor objects (so per-tensor caches, such as the GPU
+    fingerprint plan, live as long as the model, not one save)."""
+    from checkpoint.manifest import flatten
+
+    model = torch.nn.Linear(64, 32)
+    sd = {"model": model.state_dict(keep_vars=True), "step": 3}
+    assert all(p.requires_grad for p in sd["model"].values())
+    _, named = flatten(sd)
+    assert [t for _, t in named][0] is sd["model"]["weight"]
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("grad")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
+    for step in (1, 2):
+        res = snap.save(step, sd).result(30)
+        assert res.error == "" and res.state == "COMMITTED", res.error
+    assert snap._arena.buf.grad_fn is None and not snap._arena.buf.requires_grad
+    back = restore_from_plan(co.restore_plan(job, 2, 0), 0, dir_store_for)
+    assert torch.equal(back["model"]["weight"], model.weight.detach())
+    assert not back["model"]["weight"].requires_grad and back["step"] == 3
+    snap.close()
