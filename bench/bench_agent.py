@@ -58,11 +58,11 @@ async def serve_bare(sock: str) -> None:
 
 
 # -- measurement -----------------------------------------------------------------------------------
-def report(i: int, job: str = "bench", rank: int | None = None) -> pb.ReportStepRequest:
+def report(i: int, job: str = "bench", rank: int | None = None, world: int = 16) -> pb.ReportStepRequest:
     """Step i of a training rank: each (job, rank) stream has increasing steps, as a real rank's has."""
     if rank is None:
         rank, i = i % 8, i // 8
-    return pb.ReportStepRequest(job_id=job, rank=rank, world_size=16, step=i, loss=2.0 + (i % 7) * 0.01,
+    return pb.ReportStepRequest(job_id=job, rank=rank, world_size=world, step=i, loss=2.0 + (i % 7) * 0.01,
                                 grad_norm=1.0, fingerprint=[i, i * 3, 7, 11], time=time.time(),
                                 timings=pb.StepTimings(step_s=0.03, check_s=0.0001),
                                 host="bench-host", gpu_uuid=f"GPU-{rank % 8:08d}-0000-0000-0000-000000000000")
@@ -104,18 +104,16 @@ async def throughput(target: str, seconds: float, concurrency: int, offset: int)
     async with grpc.aio.insecure_channel(target) as ch:
         stub = pb_grpc.AgentStub(ch)
         done = 0
-        issued = 0
         deadline = time.perf_counter() + seconds
 
         async def worker(w: int) -> None:
-            # One job of 8 ranks stepping together, as a node's ranks do under DDP/FSDP: call k is rank k % 8
-            # reporting step k // 8 (a shared counter, so each step's 8 reports arrive together and the job's
-            # loss detector runs once per step, not once per call).
-            nonlocal done, issued
+            # Each worker is one training rank, as on a node: jobs of 8 ranks (world size 8), one report in
+            # flight per rank, steps increasing. The job's loss detector runs once per step, not per call.
+            nonlocal done
+            i = 0
             while time.perf_counter() < deadline:
-                k = issued
-                issued += 1
-                await stub.ReportStep(report(offset + k, job="tput"), timeout=5)
+                await stub.ReportStep(report(offset + i, job=f"tput-{w // 8}", rank=w % 8, world=8), timeout=5)
+                i += 1
                 done += 1
 
         t0 = time.perf_counter()

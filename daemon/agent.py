@@ -60,6 +60,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self.journal = Journal(self.state_dir / "journal", max_bytes=config.journal.max_bytes,
                                keep_files=config.journal.keep_files)
+        self._step_buf: list[tuple[pb.ReportStepRequest, float]] = []  # accepted reports not yet in the step log
         self.steps = Journal(self.state_dir / "steps", prefix="steps", max_bytes=config.journal.max_bytes,
                              keep_files=config.journal.keep_files, flush_each=False)
         self.bus = EventBus(self.journal, ring_size=config.journal.memory_events, host=self.host,
@@ -352,6 +353,8 @@ class Agent:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        with contextlib.suppress(Exception):
+            self._write_step_log()
         self.steps.close()
         if self.journal._fh is not None:
             self.journal.close()
@@ -373,6 +376,7 @@ class Agent:
                 for job in self.jobs.expire(now):
                     self.bus.publish("job.forgotten", Severity.INFO, f"job/{job}",
                                      f"job {job} sent no report for {self.config.jobs.job_idle_s:.0f}s")
+                self._write_step_log()
                 self.steps.flush()
                 self._update_node_metrics()
             except Exception:  # one failure never kills the loop
@@ -467,7 +471,11 @@ class Agent:
         if out.mismatch:
             self.metrics.job_mismatches.labels(job).inc()
         if self.config.journal.step_log:
-            self.steps.append_body(_step_line(req, now))
+            # formatted and written in batches (housekeeping, each second, or every STEP_LOG_BATCH reports):
+            # a tight loop over many records costs a fraction of one record per call on the request path
+            self._step_buf.append((req, now))
+            if len(self._step_buf) >= STEP_LOG_BATCH:
+                self._write_step_log()
         for finding in out.findings:
             self.bus.publish_finding(finding)
         for step, kind, reason in out.job_events:
@@ -476,6 +484,12 @@ class Agent:
             self._attach_job_evidence(uuid, host, ev, now)
         extra = self.report_hook(req, out, now) if self.report_hook is not None else []
         return out.directives + extra
+
+    def _write_step_log(self) -> None:
+        buf, self._step_buf = self._step_buf, []
+        append = self.steps.append_body
+        for req, now in buf:
+            append(_step_line(req, now))
 
     def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
         """Evidence about a GPU named by a rank: kept only if that GPU is on this node."""
@@ -526,6 +540,9 @@ class Agent:
 def _log_task_error(task: "asyncio.Task[Any]") -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("background task failed: %s", task.exception())
+
+
+STEP_LOG_BATCH = 4096  # reports buffered before the step log is written (else: every second)
 
 
 def _json_number(x: float) -> str:
