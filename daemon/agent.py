@@ -31,7 +31,7 @@ from daemon.config import Config, parse_hostport
 from daemon.errors import FatalError
 from daemon.events import EventBus
 from daemon.gpus import GpuRecord, GpuRegistry
-from daemon.interceptors import AgentInterceptor
+from daemon.interceptors import AgentInterceptor, MeteredServer
 from daemon.jobs import JobTracker
 from daemon.journal import Journal
 from daemon.metrics import AgentMetrics, start_http
@@ -229,14 +229,17 @@ class Agent:
                 ("grpc.so_reuseport", 0)]
 
     def _make_server(self, token: str | None) -> grpc.aio.Server:
-        server = grpc.aio.server(interceptors=[AgentInterceptor(self.metrics, token)],
+        # The token (TCP only) is checked by an interceptor; the RPC metrics wrap each handler once, at
+        # registration (MeteredServer), so the unix socket's calls go through no interceptor at all.
+        server = grpc.aio.server(interceptors=[AgentInterceptor(None, token)] if token else None,
                                  options=self._server_options())
-        pb_grpc.add_AgentServicer_to_server(AgentService(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        metered: Any = MeteredServer(server, self.metrics)
+        pb_grpc.add_AgentServicer_to_server(AgentService(self), metered)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, metered)
         names = [pb.DESCRIPTOR.services_by_name["Agent"].full_name, health_pb2.DESCRIPTOR.services_by_name[
             "Health"].full_name, reflection.SERVICE_NAME]
         for register, service_names in self.extra_services:
-            register(server)
+            register(metered)
             names.extend(service_names)
         reflection.enable_server_reflection(names, server)
         return server

@@ -19,6 +19,48 @@ def _method_name(full: str) -> str:
     return full.rsplit("/", 1)[-1] if full else "?"
 
 
+class MeteredServer:
+    """What the `add_*Servicer_to_server` functions see instead of the server: every method handler they
+    register is wrapped once with the RPC metrics, so a call pays no interceptor on its path (an interceptor
+    costs a coroutine and a lookup per call; on the unix socket, where no token is checked, nothing else needs
+    one). `AgentInterceptor(None, token)` still guards the TCP server."""
+
+    def __init__(self, server: grpc.aio.Server, metrics: AgentMetrics) -> None:
+        self._server = server
+        self._metered = AgentInterceptor(metrics)   # its wrappers; never installed as an interceptor here
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        return self._metered._wrap(handler, method) if handler is not None else None
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
+        self._server.add_registered_method_handlers(
+            service_name, {m: self._wrap(h, m) for m, h in method_handlers.items()})
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_MeteredGeneric(h, self._wrap) for h in handlers))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+class _MeteredGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: Any, wrap: Callable[[Any, str], Any]) -> None:
+        self._inner, self._wrap_fn = inner, wrap
+        self._cache: dict[str, tuple[Any, Any]] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> Any:
+        handler = self._inner.service(details)
+        if handler is None:
+            return None
+        method = _method_name(details.method)
+        cached = self._cache.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap_fn(handler, method)
+        self._cache[method] = (handler, wrapped)
+        return wrapped
+
+
 class AgentInterceptor(grpc.aio.ServerInterceptor):
     """Checks `authorization: Bearer <token>` when a token is set; counts and times every RPC."""
 

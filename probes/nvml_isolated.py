@@ -91,6 +91,11 @@ class _Child:
                 reply = None
             if reply is None:
                 code = self.proc.poll()
+                if code is None and self.proc.stdout is not None and self._eof(self.proc.stdout):
+                    try:  # its pipe closed: it is dying, not hung; give it a moment to be reaped
+                        code = self.proc.wait(2)
+                    except subprocess.TimeoutExpired:
+                        code = None
                 self._kill()
                 what = (f"died (exit {code}, e.g. a crash inside the NVML library)" if code is not None
                         else f"did not answer {method} within {self.call_timeout_s}s and was killed")
@@ -99,6 +104,17 @@ class _Child:
             if "error" in msg:
                 raise _err_from_json(msg["error"])
             return msg.get("result")
+
+    @staticmethod
+    def _eof(stream: Any) -> bool:
+        sel = selectors.DefaultSelector()
+        sel.register(stream, selectors.EVENT_READ)
+        try:
+            return bool(sel.select(0)) and not stream.peek(1)
+        except (OSError, ValueError):
+            return True
+        finally:
+            sel.close()
 
     def _read_line(self, stream: Any) -> bytes | None:
         sel = selectors.DefaultSelector()
@@ -212,6 +228,9 @@ def _dispatch(backend: Any, method: str, args: list[Any]) -> Any:
     if method == "ping":
         return True
     if method == "__abort__" and os.environ.get("SDCWATCH_NVML_CHILD_SCENARIO"):  # tests: die mid-call
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dump: a piped core_pattern can take seconds
         os.abort()
     if method == "device_count":
         return backend.device_count()
