@@ -489,10 +489,15 @@ class Agent:
         return out.directives + extra
 
     def _write_step_log(self) -> None:
+        """Write the buffered step records. A full or failing disk loses step records (logged once per
+        failure), never a ReportStep: the step log is for analysis; the event journal is the record."""
         buf, self._step_buf = self._step_buf, []
         append = self.steps.append_body
-        for req, now in buf:
-            append(_step_line(req, now))
+        try:
+            for req, now in buf:
+                append(_step_line(req, now))
+        except (OSError, ValueError) as exc:
+            log.error("step log: %d record(s) not written: %s", len(buf), exc)
 
     def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
         """Evidence about a GPU named by a rank: kept only if that GPU is on this node."""

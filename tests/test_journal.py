@@ -85,3 +85,34 @@ def test_step_log_lines_are_json_for_every_float(tmp_path) -> None:
         assert (got == str(x)) if not math.isfinite(x) else (got == x)
         assert r["fp"][1] == "ffffffffffffffff" and r["job"] == "job-1:a@b+c=d" and r["t"] == 1700000000.123456
     assert records[2]["agreed"] is False and "agreed" not in records[0]
+
+
+def test_a_failing_step_log_loses_records_not_reports(tmp_path, caplog) -> None:
+    """Step records are buffered and written in batches; a write error drops that batch with a log line and
+    never reaches the ReportStep that triggered the write."""
+    from daemon.agent import Agent
+    from daemon.config import Config
+    from proto.sdcwatch.v1 import agent_pb2 as pb
+
+    cfg = Config()
+    cfg.agent.state_dir = str(tmp_path / "state")
+    cfg.nvml.enabled = False
+    agent = Agent(cfg)
+    agent.journal.open()
+    agent.steps.open()
+    req = pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=1, loss=1.0)
+    agent.handle_report(req, 1.0)
+    assert len(agent._step_buf) == 1
+    agent._write_step_log()
+    assert agent._step_buf == [] and [r["step"] for r in agent.steps.read_since(0)] == [1]
+
+    def broken(body: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    agent.steps.append_body = broken  # type: ignore[method-assign]
+    agent.handle_report(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=2, loss=1.0), 2.0)
+    with caplog.at_level("ERROR"):
+        agent._write_step_log()
+    assert "1 record(s) not written" in caplog.text and agent._step_buf == []
+    agent.steps.close()
+    agent.journal.close()
