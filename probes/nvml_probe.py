@@ -126,6 +126,7 @@ class _Slot:
     polls: int = 0
     rotation: int = 0
     reread_static: bool = False
+    full_read: bool = False          # every field read once (then the fast ones, rotated units and statics)
     cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # last answer of every non-fast field
     implied: dict[str, State] = dataclasses.field(default_factory=dict)
     lost: bool = False
@@ -221,7 +222,7 @@ class NvmlProbe:
     def _read(self, slot: _Slot) -> tuple[dict[str, Any], frozenset[str]]:
         """(values, names read now). Every field on the first poll; then the fast fields, the next rotated
         unit(s), and the static fields again after a GPU reset; the rest carry their last answer."""
-        first = slot.polls == 0
+        first = not slot.full_read  # until one read of every field has succeeded (a failed first poll retries)
         slot.polls += 1
         if first:
             names = slot.names
@@ -233,8 +234,9 @@ class NvmlProbe:
                     slot.rotation += 1
             if slot.reread_static:
                 names += slot.static
-        slot.reread_static = False
         raw = self.backend.read_fields(slot.identity.index, names)
+        slot.reread_static = False
+        slot.full_read = True
         slot.cache.update((n, v) for n, v in raw.items() if poll_class(n) != "fast")
         return {**slot.cache, **raw}, frozenset(raw)
 

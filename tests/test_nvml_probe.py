@@ -426,3 +426,32 @@ def test_rotate_per_poll_and_skip_fields() -> None:
     assert not any(n.startswith("throttle_ns.") or n == "temp.memory" for n in asked[0])
     second = asked[per_gpu]
     assert len({rotation_unit(n) for n in second if poll_class(n) == "rotate"}) == 2
+
+
+def test_a_failed_first_poll_reads_every_field_again() -> None:
+    """The first successful read of a GPU reads every field (static ones included), even when the very
+    first poll failed: a GPU must never be left with its static fields unread."""
+    from probes.nvml_backend import NvmlError
+    from probes.nvml_probe import poll_class
+
+    probe, asked = _counting_probe("clean.json")
+    backend = probe.backend
+    real = backend.read_fields
+    fail = {"left": 2}
+
+    def flaky(index, names):
+        if fail["left"] > 0:
+            fail["left"] -= 1
+            asked.append(list(names))
+            raise NvmlError("driver busy", transient=True)
+        return real(index, names)
+
+    backend.read_fields = flaky  # type: ignore[method-assign]
+    first = probe.poll(0.0)
+    uuid = probe.identities()[0].uuid
+    assert first.readings[uuid] is None
+    second = probe.poll(1.0)
+    r = second.readings[uuid]
+    assert r is not None and "pcie.width.max" in r.values and "clock.sm_max_mhz" in r.values
+    statics = [n for n in asked[-1] if poll_class(n) == "static"]
+    assert statics, "the read after the failures asked for the static fields"
