@@ -19,6 +19,7 @@ Rules (see docs/gpu-state-rules.md for the states):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping
 
 from probes import xid_catalog
@@ -154,6 +155,18 @@ class RuleOutput:
 # ----------------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=8192)
+def nvlink_field(name: str) -> tuple[int, str] | None:
+    """(link, kind) for `nvlink.<link>.<kind>` (kind: state, replay, recovery, crc), else None. Cached: a poll
+    asks this of every field name, every second."""
+    if not name.startswith("nvlink."):
+        return None
+    parts = name.split(".")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2]
+
+
 def _ecc_sum(values: Mapping[str, int | float], deltas: Mapping[str, int | float], kind: str
              ) -> tuple[bool, float]:
     """(readable, delta) of the volatile count of one ECC kind: the total, else DRAM + SRAM."""
@@ -210,18 +223,21 @@ def make_readings(uuid: str, prev: GpuReadings | None, values: Mapping[str, int 
     if "pcie.replay" in values:
         windows["pcie.replay"] = pw.get("pcie.replay", RateWindow(cfg.pcie_window_s)).add(
             now, deltas.get("pcie.replay", 0))
+    up: list[int] = []
     for name in values:
-        if not name.startswith("nvlink."):
+        nv = nvlink_field(name)
+        if nv is None:
             continue
-        parts = name.split(".")
-        if len(parts) == 3 and parts[2] in NVLINK_KINDS:
+        if nv[1] == "state":
+            if values[name]:
+                up.append(nv[0])
+        elif nv[1] in NVLINK_KINDS:
             old = pw.get(name)
             if old is not None and fresh is not None and name not in fresh and not old.events:
                 windows[name] = old  # carried, nothing to expire: no new window object
             else:
                 windows[name] = (old or RateWindow(cfg.nvlink_window_s)).add(now, deltas.get(name, 0))
-    up_now = frozenset(int(k.split(".")[1]) for k, v in values.items()
-                       if k.startswith("nvlink.") and k.endswith(".state") and v)
+    up_now = frozenset(up)
     baseline = prev.nvlink_baseline if prev is not None and prev.nvlink_baseline else up_now
     return GpuReadings(
         uuid=uuid, time=now, values=dict(values), deltas=deltas, unsupported=frozenset(unsupported),
@@ -338,8 +354,11 @@ def pcie_rules(prev: GpuReadings | None, cur: GpuReadings, now: float, cfg: Rule
 
 def nvlink_rules(prev: GpuReadings | None, cur: GpuReadings, now: float, cfg: RuleConfig) -> list[Evidence]:
     out: list[Evidence] = []
-    states = {int(k.split(".")[1]): v for k, v in cur.values.items()
-              if k.startswith("nvlink.") and k.endswith(".state")}
+    states = {}
+    for k, v in cur.values.items():
+        nv = nvlink_field(k)
+        if nv is not None and nv[1] == "state":
+            states[nv[0]] = v
     if states:
         down = sorted(link for link in cur.nvlink_baseline if not states.get(link, 0))
         out.append(_ev("nvlink.down", ",".join(map(str, down)) or "none",
