@@ -168,9 +168,15 @@ def main() -> None:
     ap.add_argument("--memory-calls", type=int, default=100_000)
     ap.add_argument("--no-nvml", action="store_true", help="run the agent without its NVML probe")
     ap.add_argument("--bare-server", help=argparse.SUPPRESS)
+    ap.add_argument("--bare-uvloop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
-        asyncio.run(serve_bare(args.bare_server))
+        if args.bare_uvloop:
+            import uvloop
+
+            uvloop.run(serve_bare(args.bare_server))
+        else:
+            asyncio.run(serve_bare(args.bare_server))
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="sdcw-bench-", dir="/tmp"))
@@ -181,18 +187,28 @@ def main() -> None:
                               *(["--no-nvml-enabled"] if args.no_nvml else [])], cwd=ROOT, env=env)
     bare = subprocess.Popen([sys.executable, __file__, "--bare-server", str(tmp / "bare.sock")], cwd=ROOT, env=env)
     targets = {"agent": f"unix:{tmp / 'a' / 'agent.sock'}", "bare": f"unix:{tmp / 'bare.sock'}"}
+    servers = [agent, bare]
+    import importlib.util
+
+    if importlib.util.find_spec("uvloop"):  # the agent runs on uvloop when it is installed: show that baseline too
+        bare_uv = subprocess.Popen([sys.executable, __file__, "--bare-server", str(tmp / "bare-uv.sock"),
+                                    "--bare-uvloop"], cwd=ROOT, env=env)
+        servers.append(bare_uv)
+        targets["bare-uvloop"] = f"unix:{tmp / 'bare-uv.sock'}"
     try:
         for t in targets.values():
             wait_health(t)
         lat: dict[tuple[str, str], list[float]] = {}
-        tput: dict[str, list[float]] = {"agent": [], "bare": []}
-        cpu_us: dict[str, list[float]] = {"agent": [], "bare": []}  # server CPU per call in the throughput blocks
-        pids = {"agent": agent.pid, "bare": bare.pid}
+        tput: dict[str, list[float]] = {k: [] for k in targets}
+        cpu_us: dict[str, list[float]] = {k: [] for k in targets}  # server CPU per call in the throughput blocks
+        pids = {k: p.pid for k, p in zip(targets, servers)}
         offset = 0
         for r in range(args.rounds):
-            order = ["agent", "bare"] if r % 2 == 0 else ["bare", "agent"]
+            order = list(targets) if r % 2 == 0 else list(reversed(targets))
             for who in order:
                 for kind in ("health", "report"):
+                    if who == "bare-uvloop":
+                        continue  # latency: agent vs the bare asyncio server (the baseline)
                     lat.setdefault((who, kind), []).extend(latencies(targets[who], kind, args.calls, offset))
                     offset += args.calls
                 c0, t0 = cpu_s(pids[who]), time.perf_counter()
@@ -203,9 +219,9 @@ def main() -> None:
                 offset += 10_000_000
         mem = asyncio.run(memory_run(targets["agent"], args.memory_calls, agent.pid, args.concurrency))
     finally:
-        for p in (agent, bare):
+        for p in servers:
             p.send_signal(signal.SIGTERM)
-        for p in (agent, bare):
+        for p in servers:
             try:
                 p.wait(20)
             except subprocess.TimeoutExpired:
@@ -225,6 +241,10 @@ def main() -> None:
     ca, cb = statistics.median(cpu_us["agent"]), statistics.median(cpu_us["bare"])
     print(f"server CPU per ReportStep in those blocks (all threads): agent {ca:.0f} us, bare {cb:.0f} us, "
           f"ratio {ca / cb:.2f} (what bounds throughput when the server, not the client, is saturated)")
+    if tput.get("bare-uvloop"):
+        tu, cu = statistics.median(tput["bare-uvloop"]), statistics.median(cpu_us["bare-uvloop"])
+        print(f"  the same against a bare server on uvloop (the agent's loop): {tu:,.0f}/s, ratio bare/agent "
+              f"{tu / ta:.2f}; CPU {cu:.0f} us, ratio {ca / cu:.2f}")
     first = mem[1][1] if len(mem) > 1 else mem[0][1]
     print("agent RSS over ReportStep calls: " + ", ".join(f"{n // 1000}k:{m:.0f}MB" for n, m in mem))
     print(f"RSS growth from the first 10% to the end: {mem[-1][1] - first:+.1f} MB over {mem[-1][0]:,} calls")

@@ -173,6 +173,10 @@ def test_status_cli_and_json(agent):
     out = cli("status", "--socket", str(agent.socket), "--json")
     data = json.loads(out.stdout)
     assert data["ready"] is True and data["versions"]["sdcwatch"]
+    import importlib.util
+
+    want = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"  # event_loop = auto
+    assert data["versions"]["event_loop"].startswith(want)
     assert data["nvml_available"] is False and data["nvml_reason"]
 
 

@@ -39,6 +39,9 @@ def test_flags_override_and_coerce(tmp_path):
     (["--tls-cert", "/nonexistent.pem"], "agent.tls_cert"),
     (["--socket", "/tmp/" + "x" * 200], "agent.socket"),
     (["--socket-mode", "rw"], "agent.socket_mode"),
+    (["--event-loop", "trio"], "agent.event_loop"),
+    (["--nvml-rotate-per-poll", "0"], "nvml.rotate_per_poll"),
+    (["--nvml-skip-fields", "../etc"], "nvml.skip_fields"),
 ])
 def test_bad_values_name_the_key(argv, key):
     with pytest.raises(ConfigError) as err:
