@@ -392,7 +392,7 @@ class PynvmlBackend:
                 fv_specs.append(spec)
             else:
                 groups.setdefault((spec.call, spec.args), []).append(spec)
-        timing = self.call_times if self.call_times is not None else None
+        timing = self.call_times
         for (call, args), specs in groups.items():
             t0 = time.perf_counter() if timing is not None else 0.0
             try:
