@@ -123,7 +123,6 @@ class _Slot:
     static: list[str] = dataclasses.field(default_factory=list)
     units: list[list[str]] = dataclasses.field(default_factory=list)
     prev: GpuReadings | None = None
-    polls: int = 0
     rotation: int = 0
     reread_static: bool = False
     full_read: bool = False          # every field read once (then the fast ones, rotated units and statics)
@@ -223,7 +222,6 @@ class NvmlProbe:
         """(values, names read now). Every field on the first poll; then the fast fields, the next rotated
         unit(s), and the static fields again after a GPU reset; the rest carry their last answer."""
         first = not slot.full_read  # until one read of every field has succeeded (a failed first poll retries)
-        slot.polls += 1
         if first:
             names = slot.names
         else:
