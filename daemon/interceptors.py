@@ -27,10 +27,10 @@ class MeteredServer:
 
     def __init__(self, server: grpc.aio.Server, metrics: AgentMetrics) -> None:
         self._server = server
-        self._metered = AgentInterceptor(metrics)   # its wrappers; never installed as an interceptor here
+        self._meter = _Meter(metrics)
 
     def _wrap(self, handler: Any, method: str) -> Any:
-        return self._metered._wrap(handler, method) if handler is not None else None
+        return self._meter.wrap(handler, method) if handler is not None else None
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
         self._server.add_registered_method_handlers(
@@ -65,7 +65,7 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
     """Checks `authorization: Bearer <token>` when a token is set; counts and times every RPC."""
 
     def __init__(self, metrics: AgentMetrics | None, token: str | None = None) -> None:
-        self.metrics = metrics
+        self._meter = _Meter(metrics) if metrics is not None else None
         self.token = token.encode() if token else None
         self._wrapped: dict[str, tuple[Any, Any]] = {}   # method -> (handler, its wrapped handler)
 
@@ -77,16 +77,31 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
         method = _method_name(details.method)
         if self.token is not None and not self._authorized(details):
             return _deny(handler)
-        if self.metrics is None:
+        if self._meter is None:
             return handler
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:  # built once per method, not per call
             return cached[1]
-        wrapped = self._wrap(handler, method)
+        wrapped = self._meter.wrap(handler, method)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
-    def _wrap(self, handler: Any, method: str) -> Any:
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        assert self.token is not None
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, b"Bearer " + self.token)
+        return False
+
+
+class _Meter:
+    """Wraps a method handler so each call is counted by status code and timed (`sdcwatch_rpc_*`)."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self.metrics = metrics
+
+    def wrap(self, handler: Any, method: str) -> Any:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method),
@@ -104,17 +119,8 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         return handler
 
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        assert self.token is not None
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, b"Bearer " + self.token)
-        return False
-
     def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
         metrics = self.metrics
-        assert metrics is not None
         seconds = metrics.rpc_seconds.labels(method)
         ok_counter = metrics.rpc_total.labels(method, "OK")
 
@@ -138,7 +144,6 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
         metrics = self.metrics
-        assert metrics is not None
         if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write()
             async def wrapped_writer(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 code = "OK"

@@ -83,20 +83,15 @@ class Journal:
         """Assign the next seq to `record` (in place), write it, return the seq."""
         self.last_seq += 1
         record["seq"] = self.last_seq
-        line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
-        if self._size + len(line) > self.max_bytes and self._size > 0:
-            self._rotate()
-        self._fh.write(line)
-        self._size += len(line)
-        if self.flush_each:
-            self._fh.flush()
-        return self.last_seq
+        return self._write((json.dumps(record, separators=(",", ":"), default=str) + "\n").encode())
 
     def append_body(self, body: str) -> int:
         """Like `append` for a record already formatted as the inside of a JSON object (`"k":v,...`, no
         braces, no "seq"): the fast path for the step log. The caller guarantees it is valid JSON."""
         self.last_seq += 1
-        line = f'{{"seq":{self.last_seq},{body}}}\n'.encode()
+        return self._write(f'{{"seq":{self.last_seq},{body}}}\n'.encode())
+
+    def _write(self, line: bytes) -> int:
         if self._size + len(line) > self.max_bytes and self._size > 0:
             self._rotate()
         self._fh.write(line)

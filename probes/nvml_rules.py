@@ -133,8 +133,7 @@ class GpuReadings:
 
     @property
     def nvlink_links(self) -> list[int]:
-        return sorted({int(k.split(".")[1]) for k in self.values if k.startswith("nvlink.") and
-                       k.split(".")[1].isdigit()})
+        return sorted({nv[0] for nv in map(nvlink_field, self.values) if nv is not None})
 
     def clock_events(self) -> list[str]:
         """Names of the active clock-event (throttle) reasons."""
