@@ -30,7 +30,7 @@ step() {  # step NAME TIMEOUT CMD...
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
 want diag && step nvml-diag 150 python3 bench/nvml_diag.py
-want fields && [ "$NVML" = 1 ] && step nvml-fields 120 python3 bench/nvml_fields.py --json "$OUT/nvml_fields.json"
+want fields && [ "$NVML" = 1 ] && step nvml-fields 180 python3 bench/nvml_fields.py --cold-rounds 5 --json "$OUT/nvml_fields.json"
 want ckptprof && step ckpt-profile 120 python3 bench/bench_checkpoint.py --profile --mib 2048
 # the agent alone on an idle host (AGENT_FG=1), or in the background of the GPU work below
 want agentbench && [ "${AGENT_FG:-${FG:-0}}" = 1 ] && step agent-bench 300 python3 bench/bench_agent.py --calls 3000 \

@@ -6,7 +6,10 @@ In-process nvidia-ml-py (no child process), so the numbers are NVML's own cost. 
 1. every candidate field id of nvmlDeviceGetFieldValues alone: return code, value, median/max ms;
 2. the same ids in one batched call, and the NVLink per-link fields of every link in one call;
 3. each NVML function the probe calls outside the field-values call (median ms);
-4. one round trip to the NVML child process (probes/nvml_isolated.py) with nothing to read.
+4. one round trip to the NVML child process (probes/nvml_isolated.py) with nothing to read;
+5. with --cold-rounds N: the NVLink reads "cold", as a 1 s poll meets them (each read --cold-gap s after any
+   other NVLink read, candidates taken round-robin): per-link DL fields, nvmlDeviceGetNvLinkErrorCounter, the
+   all-link TOTAL fields, link state; wall and CPU time of each, so a slow read can be told from a busy one.
 The probe's choice of which fields go in the per-poll batch (probes/nvml_backend.py) is made from this table.
 """
 from __future__ import annotations
@@ -51,11 +54,68 @@ def timed(fn: Callable[[], Any], reps: int) -> tuple[float, float, Any]:
     return statistics.median(times) * 1e3, max(times) * 1e3, result
 
 
+def cold_nvlink(nv: Any, h: Any, links: int, rounds: int, gap: float) -> dict[str, Any]:
+    """Each NVLink read candidate timed cold: round-robin, `gap` seconds after the previous NVLink read."""
+    from probes.nvml_backend import _field_value
+
+    def fields(ids: list[tuple[int, int]]) -> Callable[[], Any]:
+        def read() -> Any:
+            res = nv.nvmlDeviceGetFieldValues(h, ids)
+            return [(int(r.nvmlReturn), _field_value(r) if int(r.nvmlReturn) == 0 else None) for r in res]
+        return read
+
+    last = links - 1
+    cands: list[tuple[str, Callable[[], Any]]] = [
+        ("fast field 142 (remapped cor), baseline", fields([(142, 0)])),
+        ("link 5 DL replay+recovery+crc (161-163)", fields([(161, 5), (162, 5), (163, 5)])),
+        ("link 5 DL replay (161) alone", fields([(161, 5)])),
+        (f"link {last} DL replay+recovery+crc", fields([(161, last), (162, last), (163, last)])),
+        ("ErrorCounter link 5 replay", lambda: nv.nvmlDeviceGetNvLinkErrorCounter(h, 5, 0)),
+        ("ErrorCounter link 5 x4 counters", lambda: [nv.nvmlDeviceGetNvLinkErrorCounter(h, 5, c) for c in range(4)]),
+        ("TOTAL crc flit (38)", fields([(38, 0)])),
+        ("TOTAL crc data (45)", fields([(45, 0)])),
+        ("TOTAL replay (52)", fields([(52, 0)])),
+        ("TOTAL recovery (59)", fields([(59, 0)])),
+        ("TOTAL ecc data (160)", fields([(160, 0)])),
+        ("TOTALs 38+45+52+59+160 in one call", fields([(38, 0), (45, 0), (52, 0), (59, 0), (160, 0)])),
+        ("legacy L0 crc flit (32)", fields([(32, 0)])),
+        ("link 5 recovery events (213-215)", fields([(213, 5), (214, 5), (215, 5)])),
+        ("link 5 state (165)", fields([(165, 5)])),
+        ("nvmlDeviceGetNvLinkState link 5", lambda: nv.nvmlDeviceGetNvLinkState(h, 5)),
+        (f"links 0-{last} DL 161-163 in one call", fields([(f, k) for k in range(links) for f in (161, 162, 163)])),
+    ]
+    out: dict[str, Any] = {}
+    samples: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in cands}
+    results: dict[str, Any] = {}
+    for _ in range(rounds):
+        for name, fn in cands:
+            time.sleep(gap)
+            c0, t0 = time.process_time(), time.perf_counter()
+            try:
+                res = fn()
+            except Exception as exc:  # noqa: BLE001 - reported
+                res = repr(exc)
+            samples[name].append(((time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3))
+            results[name] = res
+    print(f"== NVLink reads cold ({rounds} rounds, {gap}s after any other read): wall and CPU ms")
+    print(f"{'read':44s} {'wall med':>8} {'wall max':>8} {'cpu med':>8}  result")
+    for name, _ in cands:
+        walls = [w for w, _c in samples[name]]
+        cpus = [c for _w, c in samples[name]]
+        out[name] = {"wall_median_ms": statistics.median(walls), "wall_max_ms": max(walls),
+                     "cpu_median_ms": statistics.median(cpus), "result": repr(results[name])[:200]}
+        print(f"{name:44s} {statistics.median(walls):8.3f} {max(walls):8.3f} {statistics.median(cpus):8.3f}"
+              f"  {repr(results[name])[:70]}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cold-rounds", type=int, default=0)
+    ap.add_argument("--cold-gap", type=float, default=0.6)
     args = ap.parse_args(argv)
     import pynvml as nv
 
@@ -138,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         med, mx, res = timed(fn, args.reps)
         report["calls"][name] = {"median_ms": med, "max_ms": mx, "result": repr(res)[:60]}
         print(f"{name:48s} {med:8.3f} {mx:8.3f}  {repr(res)[:40]}")
+    if links and args.cold_rounds:
+        report["nvlink_cold"] = cold_nvlink(nv, h, links, args.cold_rounds, args.cold_gap)
     nv.nvmlShutdown()
     try:
         from probes.nvml_isolated import IsolatedBackend

@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probes.nvml_backend import FieldNotSupported, NvmlError, field_specs, open_backend  # noqa: E402
-from probes.nvml_probe import NvmlProbe, NvmlProbeConfig  # noqa: E402
+from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, poll_class  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -116,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--nvlink-sweep-s", type=float, default=NvmlProbeConfig().nvlink_sweep_s)
+    ap.add_argument("--scenario", help="a fake-NVML scenario file instead of the GPUs (checks this script)")
     args = ap.parse_args(argv)
     report: dict[str, Any] = {"host": os.uname().nodename, "seconds": args.seconds, "interval": args.interval}
     os.environ["SDCWATCH_NVML_TIMING"] = "1"  # the NVML child times each call group
     try:
-        backend = open_backend(None)  # what the agent uses: NVML in child processes (probes/nvml_isolated.py)
+        backend = open_backend(args.scenario)  # what the agent uses: NVML in child processes (probes/nvml_isolated.py)
     except Exception as exc:  # noqa: BLE001
         print(f"NVML unavailable: {exc}")
         report["error"] = repr(exc)
@@ -163,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return real_read(index, names)
         finally:
-            read_s.append(time.perf_counter() - t0)
+            if not all(poll_class(n) == "sweep" for n in names):  # sweeps are timed by the probe
+                read_s.append(time.perf_counter() - t0)
 
     backend.read_fields = timed_read  # type: ignore[method-assign]
-    probe = NvmlProbe(backend, NvmlProbeConfig())
+    probe = NvmlProbe(backend, NvmlProbeConfig(nvlink_sweep_s=args.nvlink_sweep_s))
     try:
         probe.discover()
     except Exception:  # noqa: BLE001
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     listener = threading.Thread(target=probe.run_xid_listener, args=(xids.append, stop), daemon=True)
     listener.start()
     per_gpu: dict[str, list[float]] = {}
+    sweeps: dict[str, list[float]] = {}
     whole: list[float] = []
     errors: list[str] = []
     print(f"== polling every {args.interval:g}s for {args.seconds:g}s (XID listener running)")
@@ -194,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             polls += 1
             for uuid, s in res.poll_seconds.items():
                 per_gpu.setdefault(uuid, []).append(s)
+            for uuid, s in res.sweep_seconds.items():
+                sweeps.setdefault(uuid, []).append(s)
             for uuid, errs in res.errors.items():
                 for k, e in errs.items():
                     if len(errors) < 50:
@@ -227,17 +233,26 @@ def main(argv: list[str] | None = None) -> int:
         r = report["poll"]["per_gpu_ms"][u]
         r["first"], r["max"] = v[0] * 1e3, max(v) * 1e3
         r["p99_after_first"] = pct(v[1:], 0.99) * 1e3 if len(v) > 1 else None
+        sw = sweeps.get(u, [])
+        r["sweeps"] = len(sw)
+        r["sweep_median"] = statistics.median(sw) * 1e3 if sw else None
+        r["sweep_max"] = max(sw) * 1e3 if sw else None
+        # every cost of this GPU's NVML reads and rules after the first poll, NVLink sweeps included, per poll
+        r["amortized"] = (sum(v[1:]) + sum(sw)) / max(1, len(v) - 1) * 1e3
     units = {s.identity.uuid: len(s.units) for s in probe._slots.values()}
     report["poll"]["rotation_units"] = units
     print("== NVML call groups during the polls (median ms, count; cold reads, 1 s apart)")
     for k, v in sorted(report["poll_call_ms"].items(), key=lambda kv: -kv[1][0] if isinstance(kv[1], list) else 0):
         print(f"   {k:60s} {v}")
-    print("== results (each poll: the fast fields + one rotated unit; the first poll reads every field)")
+    print("== results (each poll: the fast fields + one rotated unit; the first poll reads every field; every"
+          f" {probe.config.nvlink_sweep_s:g} s a sweep after the poll reads every NVLink link's error counters)")
     print(f"{'GPU':40s} {'median ms':>10s} {'p99 ms':>10s} {'max ms':>8s} {'first ms':>9s} {'polls':>6s} "
-          f"{'rotation':>9s}")
+          f"{'rotation':>9s} {'sweeps':>6s} {'sweep ms':>9s} {'all/poll':>9s}")
     for u, r in report["poll"]["per_gpu_ms"].items():
+        sweep_ms = f"{r['sweep_median']:9.3f}" if r["sweep_median"] is not None else f"{'-':>9s}"
         print(f"{u:40s} {r['median']:10.3f} {r['p99']:10.3f} {r['max']:8.3f} {r['first']:9.3f} {r['n']:6d} "
-              f"{units.get(u, 0):7d} s")
+              f"{units.get(u, 0):7d} s {r['sweeps']:6d} {sweep_ms} {r['amortized']:9.3f}")
+    print("  (all/poll: every poll after the first plus every sweep of that GPU, divided by the polls)")
     w = report["poll"]["whole_ms"]
     print(f"{'whole poll (all GPUs)':40s} {w['median']:10.3f} {w['p99']:10.3f} {polls:6d}")
     reads = read_s[-polls * max(1, len(per_gpu)):]

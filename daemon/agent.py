@@ -60,7 +60,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self.journal = Journal(self.state_dir / "journal", max_bytes=config.journal.max_bytes,
                                keep_files=config.journal.keep_files)
-        self._step_buf: list[tuple[pb.ReportStepRequest, float]] = []  # accepted reports not yet in the step log
+        self._step_lost, self._step_error_logged = 0, float("-inf")  # step records a failing disk lost
         self.steps = Journal(self.state_dir / "steps", prefix="steps", max_bytes=config.journal.max_bytes,
                              keep_files=config.journal.keep_files, flush_each=False)
         self.bus = EventBus(self.journal, ring_size=config.journal.memory_events, host=self.host,
@@ -356,9 +356,9 @@ class Agent:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        with contextlib.suppress(Exception):
-            self._write_step_log()
-        self.steps.close()
+        self._flush_step_log(time.time())
+        with contextlib.suppress(OSError, ValueError):
+            self.steps.close()
         if self.journal._fh is not None:
             self.journal.close()
         if self.embedded_redis is not None:
@@ -379,8 +379,7 @@ class Agent:
                 for job in self.jobs.expire(now):
                     self.bus.publish("job.forgotten", Severity.INFO, f"job/{job}",
                                      f"job {job} sent no report for {self.config.jobs.job_idle_s:.0f}s")
-                self._write_step_log()
-                self.steps.flush()
+                self._flush_step_log(now)
                 self._update_node_metrics()
             except Exception:  # one failure never kills the loop
                 log.exception("housekeeping failed")
@@ -474,11 +473,12 @@ class Agent:
         if out.mismatch:
             self.metrics.job_mismatches.labels(job).inc()
         if self.config.journal.step_log:
-            # formatted and written in batches (housekeeping, each second, or every STEP_LOG_BATCH reports):
-            # a tight loop over many records costs a fraction of one record per call on the request path
-            self._step_buf.append((req, now))
-            if len(self._step_buf) >= STEP_LOG_BATCH:
-                self._write_step_log()
+            # formatted here (~2-6 us) into the journal's buffer, flushed each second by housekeeping. Not
+            # batched: a second of records formatted in one piece stalls every RPC behind it for ~10 ms
+            try:
+                self.steps.append_body(_step_line(req, now))
+            except (OSError, ValueError) as exc:
+                self._step_log_failed(1, exc, now)
         for finding in out.findings:
             self.bus.publish_finding(finding)
         for step, kind, reason in out.job_events:
@@ -488,16 +488,19 @@ class Agent:
         extra = self.report_hook(req, out, now) if self.report_hook is not None else []
         return out.directives + extra
 
-    def _write_step_log(self) -> None:
-        """Write the buffered step records. A full or failing disk loses step records (logged once per
-        failure), never a ReportStep: the step log is for analysis; the event journal is the record."""
-        buf, self._step_buf = self._step_buf, []
-        append = self.steps.append_body
+    def _flush_step_log(self, now: float) -> None:
         try:
-            for req, now in buf:
-                append(_step_line(req, now))
+            self.steps.flush()
         except (OSError, ValueError) as exc:
-            log.error("step log: %d record(s) not written: %s", len(buf), exc)
+            self._step_log_failed(0, exc, now)
+
+    def _step_log_failed(self, records: int, exc: Exception, now: float) -> None:
+        """A full or failing disk loses step records, never a ReportStep: the step log is for analysis; the
+        event journal is the record. Counted, and logged at most every STEP_LOG_ERROR_EVERY_S seconds."""
+        self._step_lost += records
+        if now - self._step_error_logged >= STEP_LOG_ERROR_EVERY_S:
+            log.error("step log: %d record(s) not written since the last report of this: %s", self._step_lost, exc)
+            self._step_error_logged, self._step_lost = now, 0
 
     def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
         """Evidence about a GPU named by a rank: kept only if that GPU is on this node."""
@@ -550,7 +553,7 @@ def _log_task_error(task: "asyncio.Task[Any]") -> None:
         log.error("background task failed: %s", task.exception())
 
 
-STEP_LOG_BATCH = 4096  # reports buffered before the step log is written (else: every second)
+STEP_LOG_ERROR_EVERY_S = 60.0  # a failing step log is reported at most this often
 
 
 def _json_number(x: float) -> str:

@@ -227,8 +227,10 @@ def field_specs(nvlink_links: int = 0) -> dict[str, FieldSpec]:
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=8192)
 def spec_for(name: str) -> FieldSpec:
-    """The spec of one field name (NVLink names for any link number)."""
+    """The spec of one field name (NVLink names for any link number). Cached: the rules ask it of every
+    field of every poll."""
     if name in _BASE:
         return _BASE[name]
     parts = name.split(".")

@@ -49,43 +49,52 @@ class NvmlProbeConfig:
     read_nvlink: bool = True
     skip_fields: tuple[str, ...] = DEFAULT_SKIP  # names, globs or NVML call names (`names_matching`)
     rotate_per_poll: int = 1   # rotated units read per poll (see `poll_class`); more = fresher, costlier
+    nvlink_sweep_s: float = 30.0  # every link's error counters read together this often (see `poll_class`)
 
     def __post_init__(self) -> None:
         if self.rotate_per_poll < 1:
             raise ValueError(f"NvmlProbeConfig.rotate_per_poll must be >= 1, got {self.rotate_per_poll}")
+        if not self.nvlink_sweep_s > 0:
+            raise ValueError(f"NvmlProbeConfig.nvlink_sweep_s must be > 0, got {self.nvlink_sweep_s}")
         if not 1 <= self.xid_wait_ms <= 60_000:
             raise ValueError(f"NvmlProbeConfig.xid_wait_ms must be in [1, 60000], got {self.xid_wait_ms}")
 
 
 # What a poll reads (costs measured by bench/nvml_fields.py on H200s, driver 580.159.04; docs/BENCHMARKS.md):
 # - "fast": every poll. What the state and rate rules need at once, each a cheap read: volatile ECC counts,
-#   row remapping, recovery action, PCIe replays (0.17 ms) and link state, temperatures, power, clocks,
-#   clock-event reasons (the instant throttle evidence). Most cost 1-10 us.
+#   row remapping, recovery action, PCIe link state, temperatures, power, clocks, clock-event reasons (the
+#   instant throttle evidence). Most cost 1-10 us.
 # - "rotate": counters and state that may lag by a rotation: each poll reads the next `rotate_per_poll`
-#   unit(s) of `rotation_unit`. One NVLink link's DL error counters cost ~0.8 ms (18 links: 14 ms), three of
-#   the throttle-time counters ~0.7 ms each; read all at once they were 85% of a 16 ms poll.
+#   unit(s) of `rotation_unit`. Three of the throttle-time counters cost ~0.7 ms each warm, less in a poll;
+#   the PCIe replay counter 0.54 ms in a poll (a rate over a 60 s window: a few seconds' lag is harmless).
+# - "sweep": the NVLink DL error counters (replay, recovery, CRC) of every link, read together after the poll
+#   every `nvlink_sweep_s` (GPUs staggered), never inside a poll. One link costs 2.4-3.2 ms of CPU read alone
+#   (one counter or all three, cold, in the driver: no NVML call or field id is cheaper, and the all-link
+#   TOTAL fields answer NotSupported on the H200); all 18 links in one call cost ~18 ms, 1 ms a link.
 # - "static": read on the first poll and after a GPU reset only (maximum clocks 1.9 ms, ECC mode, maximum
 #   PCIe link).
 STATIC_FIELDS = frozenset({"ecc.enabled", "pcie.gen.max", "pcie.width.max", "clock.sm_max_mhz", "nvlink.count"})
 _ROTATED_PREFIXES = ("ecc.corrected.aggregate.", "ecc.uncorrected.aggregate.", "retired_pages.", "remap.hist.",
-                     "throttle_ns.", "nvlink.", "energy.")
+                     "throttle_ns.", "nvlink.", "energy.", "pcie.replay")
 
 
 def poll_class(name: str) -> str:
-    """"fast", "rotate" or "static" (see above)."""
+    """"fast", "rotate", "sweep" or "static" (see above)."""
     if name in STATIC_FIELDS:
         return "static"
+    if name.startswith("nvlink."):
+        parts = name.split(".")
+        if len(parts) == 3 and parts[1].isdigit() and parts[2] != "state":
+            return "sweep"
     return "rotate" if name.startswith(_ROTATED_PREFIXES) else "fast"
 
 
 def rotation_unit(name: str) -> str:
-    """The unit a rotated field is read with: one NVLink link's fields, one throttle counter (some cost
-    0.7 ms each), or one family of cheap state fields."""
+    """The unit a rotated field is read with: one throttle counter (some cost 0.7 ms each), or one family of
+    cheap state fields (every NVLink link's state together)."""
     parts = name.split(".")
-    if parts[0] == "nvlink" and len(parts) > 2 and parts[1].isdigit():
-        # a link's error counters cost ~1 ms together (the same as one of them alone); every link's state
-        # together 0.4 ms (H200, bench/nvml_fields.py)
-        return "nvlink.state" if parts[2] == "state" else f"nvlink.{parts[1]}"
+    if parts[0] == "nvlink":
+        return "nvlink.state"
     if parts[0] == "throttle_ns":
         return name
     if ".aggregate." in name:
@@ -113,6 +122,7 @@ class PollResult:
     findings: list[Finding]
     errors: dict[str, dict[str, str]]
     poll_seconds: dict[str, float]
+    sweep_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # NVLink sweeps after this poll
 
 
 @dataclasses.dataclass(slots=True)
@@ -120,8 +130,12 @@ class _Slot:
     identity: GpuIdentity
     names: list[str]
     fast: list[str] = dataclasses.field(default_factory=list)
+    fast_set: frozenset[str] = frozenset()
     static: list[str] = dataclasses.field(default_factory=list)
     units: list[list[str]] = dataclasses.field(default_factory=list)
+    links: list[str] = dataclasses.field(default_factory=list)   # "sweep" fields: NVLink error counters
+    swept: set[str] = dataclasses.field(default_factory=set)     # read by a sweep, not yet seen by a poll
+    next_sweep: float = 0.0
     prev: GpuReadings | None = None
     rotation: int = 0
     reread_static: bool = False
@@ -179,9 +193,12 @@ class NvmlProbe:
                     slot.fast.append(n)
                 elif kind == "static":
                     slot.static.append(n)
+                elif kind == "sweep":
+                    slot.links.append(n)
                 else:
                     units.setdefault(rotation_unit(n), []).append(n)
             slot.units = list(units.values())
+            slot.fast_set = frozenset(slot.fast)
             if old is not None:
                 slot.prev, slot.implied, slot.warned = old.prev, old.implied, old.warned
             found[ident.uuid] = slot
@@ -205,7 +222,8 @@ class NvmlProbe:
         if not self._discovered:
             self.discover()
         res = PollResult(now, {}, {}, {}, {}, [], {}, {})
-        for uuid, slot in list(self._slots.items()):
+        slots = list(self._slots.items())
+        for uuid, slot in slots:
             t0 = time.perf_counter()
             evidence, readings, unsupported, errors, findings = self._poll_gpu(slot, now)
             res.poll_seconds[uuid] = time.perf_counter() - t0
@@ -216,11 +234,33 @@ class NvmlProbe:
             res.errors[uuid] = errors
             res.findings.extend(findings)
             res.findings.extend(self._changes(slot, evidence))
+        every = self.config.nvlink_sweep_s
+        for i, (uuid, slot) in enumerate(slots):
+            if not slot.links or slot.lost or not slot.full_read:
+                continue
+            if slot.next_sweep == 0.0:  # links just read by the full read: stagger the GPUs over one interval
+                slot.next_sweep = now + every * (i + 1) / len(slots)
+            elif now >= slot.next_sweep:
+                t0 = time.perf_counter()
+                self._sweep(slot)
+                res.sweep_seconds[uuid] = time.perf_counter() - t0
+                slot.next_sweep = max(slot.next_sweep + every, now + every / 2)
         return res
 
+    def _sweep(self, slot: _Slot) -> None:
+        """Read every link's error counters in one call; the next poll judges them (as read now)."""
+        try:
+            raw = self.backend.read_fields(slot.identity.index, slot.links)
+        except NvmlError as err:  # GpuLost included: the next poll reports the GPU itself
+            log.info("GPU %s: NVLink sweep failed: %s", slot.identity.uuid, err)
+            return
+        slot.cache.update(raw)
+        slot.swept.update(raw)
+
     def _read(self, slot: _Slot) -> tuple[dict[str, Any], frozenset[str]]:
-        """(values, names read now). Every field on the first poll; then the fast fields, the next rotated
-        unit(s), and the static fields again after a GPU reset; the rest carry their last answer."""
+        """(values, names read since the last poll). Every field on the first poll; then the fast fields, the
+        next rotated unit(s), the static fields again after a GPU reset, and what a sweep read since; the rest
+        carry their last answer."""
         first = not slot.full_read  # until one read of every field has succeeded (a failed first poll retries)
         if first:
             names = slot.names
@@ -235,8 +275,11 @@ class NvmlProbe:
         raw = self.backend.read_fields(slot.identity.index, names)
         slot.reread_static = False
         slot.full_read = True
-        slot.cache.update((n, v) for n, v in raw.items() if poll_class(n) != "fast")
-        return {**slot.cache, **raw}, frozenset(raw)
+        fast = slot.fast_set
+        slot.cache.update((n, v) for n, v in raw.items() if n not in fast)
+        fresh = frozenset(raw) | slot.swept if slot.swept else frozenset(raw)
+        slot.swept = set()
+        return {**slot.cache, **raw}, fresh
 
     def _poll_gpu(self, slot: _Slot, now: float
                   ) -> tuple[list[Evidence], GpuReadings | None, frozenset[str], dict[str, str], list[Finding]]:

@@ -166,6 +166,13 @@ def nvlink_field(name: str) -> tuple[int, str] | None:
     return int(parts[1]), parts[2]
 
 
+@functools.lru_cache(maxsize=8192)
+def _traits(name: str) -> tuple[bool, bool, tuple[int, str] | None]:
+    """(counter, volatile, NVLink (link, kind) or None) of a field name."""
+    spec = spec_for(name)
+    return spec.counter, spec.volatile, nvlink_field(name)
+
+
 def _ecc_sum(values: Mapping[str, int | float], deltas: Mapping[str, int | float], kind: str
              ) -> tuple[bool, float]:
     """(readable, delta) of the volatile count of one ECC kind: the total, else DRAM + SRAM."""
@@ -192,50 +199,50 @@ def make_readings(uuid: str, prev: GpuReadings | None, values: Mapping[str, int 
     reset = False
     pvals = prev.values if prev is not None else {}
     ptimes = prev.read_time if prev is not None else {}
-    read_time = {n: (now if fresh is None or n in fresh else ptimes.get(n, now)) for n in values}
+    pw = prev.windows if prev is not None else {}
+    ptime = prev.time if prev is not None else None
+    read_time: dict[str, float] = {}
     field_interval: dict[str, float] = {}
-    for name, value in values.items():
-        spec = spec_for(name)
-        if not spec.counter or name not in pvals:
+    windows: dict[str, RateWindow] = {}
+    up: list[int] = []
+    for name, value in values.items():  # one pass: a poll sees ~120 fields (18 NVLink links), every second
+        counter, volatile, nv = _traits(name)
+        is_fresh = fresh is None or name in fresh
+        read_time[name] = now if is_fresh else ptimes.get(name, now)
+        if counter and name in pvals:
+            if not is_fresh:
+                deltas[name] = 0
+            else:
+                since = ptimes.get(name, ptime)
+                if since is not None and now > since:
+                    field_interval[name] = now - since
+                d = value - pvals[name]
+                if d < 0:
+                    if volatile:
+                        reset = True
+                    d = value
+                deltas[name] = d
+        if nv is None:
             continue
-        if fresh is not None and name not in fresh:
-            deltas[name] = 0
-            continue
-        since = ptimes.get(name, prev.time if prev is not None else None)
-        if since is not None and now > since:
-            field_interval[name] = now - since
-        d = value - pvals[name]
-        if d < 0:
-            if spec.volatile:
-                reset = True
-            d = value
-        deltas[name] = d
+        if nv[1] == "state":
+            if value:
+                up.append(nv[0])
+        elif nv[1] in NVLINK_KINDS:
+            old = pw.get(name)
+            if old is not None and not is_fresh and not old.events:
+                windows[name] = old  # carried, nothing to expire: no new window object
+            else:
+                windows[name] = (old or RateWindow(cfg.nvlink_window_s)).add(now, deltas.get(name, 0))
     # A reset that zeroed volatile counters which were already zero is invisible in counters; the recovery
     # action going back to NONE after asking for a reset is the other trace it leaves.
     if prev is not None and pvals.get("recovery_action") in (1, 4, 6) and values.get("recovery_action") == 0:
         reset = True
-    windows: dict[str, RateWindow] = {}
-    pw = prev.windows if prev is not None else {}
     ok, corrected = _ecc_sum(values, deltas, "corrected")
     if ok:
         windows["ecc.corrected"] = pw.get("ecc.corrected", RateWindow(cfg.sbe_window_s)).add(now, corrected)
     if "pcie.replay" in values:
         windows["pcie.replay"] = pw.get("pcie.replay", RateWindow(cfg.pcie_window_s)).add(
             now, deltas.get("pcie.replay", 0))
-    up: list[int] = []
-    for name in values:
-        nv = nvlink_field(name)
-        if nv is None:
-            continue
-        if nv[1] == "state":
-            if values[name]:
-                up.append(nv[0])
-        elif nv[1] in NVLINK_KINDS:
-            old = pw.get(name)
-            if old is not None and fresh is not None and name not in fresh and not old.events:
-                windows[name] = old  # carried, nothing to expire: no new window object
-            else:
-                windows[name] = (old or RateWindow(cfg.nvlink_window_s)).add(now, deltas.get(name, 0))
     up_now = frozenset(up)
     baseline = prev.nvlink_baseline if prev is not None and prev.nvlink_baseline else up_now
     return GpuReadings(

@@ -88,8 +88,8 @@ def test_step_log_lines_are_json_for_every_float(tmp_path) -> None:
 
 
 def test_a_failing_step_log_loses_records_not_reports(tmp_path, caplog) -> None:
-    """Step records are buffered and written in batches; a write error drops that batch with a log line and
-    never reaches the ReportStep that triggered the write."""
+    """Step records go to the step log as each report arrives; a write error loses that record with a log line
+    (at most one a minute) and never fails the ReportStep."""
     from daemon.agent import Agent
     from daemon.config import Config
     from proto.sdcwatch.v1 import agent_pb2 as pb
@@ -102,17 +102,23 @@ def test_a_failing_step_log_loses_records_not_reports(tmp_path, caplog) -> None:
     agent.steps.open()
     req = pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=1, loss=1.0)
     agent.handle_report(req, 1.0)
-    assert len(agent._step_buf) == 1
-    agent._write_step_log()
-    assert agent._step_buf == [] and [r["step"] for r in agent.steps.read_since(0)] == [1]
+    agent._flush_step_log(1.0)
+    assert [r["step"] for r in agent.steps.read_since(0)] == [1]
 
     def broken(body: str) -> int:
         raise OSError(28, "No space left on device")
 
     agent.steps.append_body = broken  # type: ignore[method-assign]
-    agent.handle_report(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=2, loss=1.0), 2.0)
     with caplog.at_level("ERROR"):
-        agent._write_step_log()
-    assert "1 record(s) not written" in caplog.text and agent._step_buf == []
+        for step in (2, 3, 4):
+            out = agent.handle_report(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step, loss=1.0),
+                                      float(step))
+            assert out == []
+    assert caplog.text.count("step log:") == 1 and "No space left" in caplog.text
+    assert agent.jobs.jobs["j"].last_step == 4  # the reports themselves were taken
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        agent.handle_report(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=5, loss=1.0), 70.0)
+    assert "3 record(s) not written" in caplog.text  # steps 3, 4 and 5 since the first report
     agent.steps.close()
     agent.journal.close()

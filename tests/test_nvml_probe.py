@@ -368,11 +368,11 @@ def test_pynvml_backend_init_failure_is_unavailable() -> None:
         PynvmlBackend(stub)
 
 
-def _counting_probe(scenario: str, **cfg):
+def _counting_probe(scenario: str, clock=lambda: 0.0, **cfg):
     from probes.nvml_fake import ScenarioBackend
     from probes.nvml_probe import NvmlProbe, NvmlProbeConfig
 
-    backend = ScenarioBackend.from_file(str(ROOT / "tests" / "scenarios" / scenario), clock=lambda: 0.0)
+    backend = ScenarioBackend.from_file(str(ROOT / "tests" / "scenarios" / scenario), clock=clock)
     asked: list[list[str]] = []
     real = backend.read_fields
 
@@ -389,22 +389,24 @@ def _counting_probe(scenario: str, **cfg):
 
 def test_fields_are_read_fast_rotated_or_static_and_carried_between() -> None:
     """A poll reads the fast fields, the next rotated unit, and (first poll only) everything: per-poll cost
-    is bounded by the costliest unit, not the sum of all fields."""
+    is bounded by the costliest unit, not the sum of all fields. NVLink error counters are never read inside a
+    poll after the first: the sweep reads them (its own read_fields calls)."""
     from probes.nvml_probe import poll_class, rotation_unit
 
     probe, asked = _counting_probe("clean.json")
     results = [probe.poll(float(t)) for t in range(100)]
+    polls = [names for names in asked if any(poll_class(n) != "sweep" for n in names)]
     per_gpu = len(probe.identities())
-    first_gpu = [asked[i] for i in range(0, len(asked), per_gpu)]
+    first_gpu = [polls[i] for i in range(0, len(polls), per_gpu)]
     everything = set(first_gpu[0])
-    assert {poll_class(n) for n in everything} == {"fast", "rotate", "static"}
+    assert {poll_class(n) for n in everything} == {"fast", "rotate", "static", "sweep"}
     fast = {n for n in everything if poll_class(n) == "fast"}
     units = {rotation_unit(n) for n in everything if poll_class(n) == "rotate"}
     assert len(units) >= 3
     later = first_gpu[1:]
     for names in later:
         assert fast <= set(names), "fast fields every poll"
-        assert not any(poll_class(n) == "static" for n in names), "static fields only on the first poll"
+        assert not any(poll_class(n) in ("static", "sweep") for n in names), "static fields only on the first poll"
         assert len({rotation_unit(n) for n in names if poll_class(n) == "rotate"}) == 1, "one unit per poll"
     seen = [next(rotation_unit(n) for n in names if poll_class(n) == "rotate") for names in later]
     assert set(seen[:len(units)]) == units, "every unit within one rotation"
@@ -414,6 +416,34 @@ def test_fields_are_read_fast_rotated_or_static_and_carried_between() -> None:
     assert r is not None and "pcie.width.max" in r.values, "static fields carried between reads"
     assert r.read_time["pcie.width.max"] == 0.0 and r.read_time["temp.gpu"] == 3.0
     assert results[3].evidence[uuid] and all(e.implies.name == "HEALTHY" for e in results[3].evidence[uuid])
+
+
+def test_nvlink_counters_are_swept_after_polls_staggered_and_judged_by_the_next_poll() -> None:
+    """Every link's error counters in one read per GPU every nvlink_sweep_s, outside the poll's own read and
+    timing, the GPUs spread over the interval; what a sweep reads is fresh for the next poll's rules."""
+    from probes.nvml_probe import poll_class
+
+    now = [0.0]
+    probe, asked = _counting_probe("nvlink_errors.json", clock=lambda: now[0], nvlink_sweep_s=20.0)
+    gpus = [i.uuid for i in probe.identities()]
+    sweeps: dict[str, list[int]] = {u: [] for u in gpus}
+    states: dict[int, dict[str, str]] = {}
+    for t in range(0, 62):
+        now[0] = float(t)
+        asked.clear()
+        res = probe.poll(float(t))
+        swept = [names for names in asked if all(poll_class(n) == "sweep" for n in names)]
+        assert len(swept) == len(res.sweep_seconds), "one read per swept GPU"
+        for uuid in res.sweep_seconds:
+            sweeps[uuid].append(t)
+        assert set(res.poll_seconds) == set(gpus)
+        states[t] = {u: max((e.implies.name for e in res.evidence[u] if e.signal == "nvlink.errors"),
+                            default="-") for u in gpus}
+    assert sweeps[gpus[0]] == [10, 30, 50] and sweeps[gpus[1]] == [20, 40, 60], sweeps
+    for names in swept or [[]]:
+        assert all(n.startswith("nvlink.") for n in names)
+    # 50 replays on GPU 0's link 3 at t=10: the sweep at t=10 reads them, the poll at t=11 judges them
+    assert states[10][gpus[0]] != "SUSPECT" and states[11][gpus[0]] == "SUSPECT", (states[10], states[11])
 
 
 def test_rotate_per_poll_and_skip_fields() -> None:
