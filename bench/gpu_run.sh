@@ -39,7 +39,7 @@ want agentbench && [ "${AGENT_FG:-${FG:-0}}" = 1 ] && step agent-bench 300 pytho
 NVMLB=""; AGENTB=""
 # FG=1: the NVML and agent benches run alone, one after the other (an idle host), before the GPU work
 if want nvml && [ "$NVML" = 1 ] && [ "${FG:-0}" = 1 ]; then
-  step nvml-bench 100 python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json"
+  step nvml-bench 150 python3 bench/nvml_h200.py --seconds 90 --interval 1 --json "$OUT/nvml.json"
 elif want nvml && [ "$NVML" = 1 ]; then
   python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json" > "$OUT/nvml.log" 2>&1 & NVMLB=$!
 fi
