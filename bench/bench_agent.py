@@ -182,8 +182,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="sdcw-bench-", dir="/tmp"))
     path = os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
+    # The canary is off: on a GPU host it runs at the agent's start on idle GPUs (seconds of GEMMs on a thread
+    # of this process), which is not the RPC path this compares. NVML polling stays on, as deployed.
     agent = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--state-dir", str(tmp / "a"),
-                              "--metrics-listen", "off", "--log-level", "WARNING",
+                              "--metrics-listen", "off", "--log-level", "WARNING", "--no-canary-enabled",
                               *(["--no-nvml-enabled"] if args.no_nvml else [])], cwd=ROOT, env=env)
     bare = subprocess.Popen([sys.executable, __file__, "--bare-server", str(tmp / "bare.sock")], cwd=ROOT, env=env)
     targets = {"agent": f"unix:{tmp / 'a' / 'agent.sock'}", "bare": f"unix:{tmp / 'bare.sock'}"}
@@ -229,7 +231,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"\nsdcwatch agent vs bare grpc.aio server (unix socket, python {sys.version.split()[0]}, "
-          f"grpc {grpc.__version__}, {os.cpu_count()} cpus)")
+          f"grpc {grpc.__version__}, {os.cpu_count()} cpus; agent NVML {'off' if args.no_nvml else 'on'}, "
+          f"canary off)")
     print(f"{'rpc':<12}{'agent p50':>11}{'bare p50':>10}{'ratio':>7}{'agent p99':>11}{'bare p99':>10}{'ratio':>7}")
     for kind, label in (("health", "Check"), ("report", "ReportStep")):
         a, b = lat[("agent", kind)], lat[("bare", kind)]

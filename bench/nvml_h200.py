@@ -169,6 +169,17 @@ def main(argv: list[str] | None = None) -> int:
                 read_s.append(time.perf_counter() - t0)
 
     backend.read_fields = timed_read  # type: ignore[method-assign]
+    real_many = getattr(backend, "read_many", None)
+
+    def timed_many(requests: Any) -> Any:  # a poll's one round trip for every GPU: each GPU's share
+        t0 = time.perf_counter()
+        try:
+            return real_many(requests)
+        finally:
+            read_s.extend([(time.perf_counter() - t0) / max(1, len(requests))] * len(requests))
+
+    if real_many is not None:
+        backend.read_many = timed_many  # type: ignore[attr-defined]
     probe = NvmlProbe(backend, NvmlProbeConfig(nvlink_sweep_s=args.nvlink_sweep_s))
     try:
         probe.discover()
@@ -245,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in sorted(report["poll_call_ms"].items(), key=lambda kv: -kv[1][0] if isinstance(kv[1], list) else 0):
         print(f"   {k:60s} {v}")
     print("== results (each poll: the fast fields + one rotated unit; the first poll reads every field; every"
-          f" {probe.config.nvlink_sweep_s:g} s a sweep after the poll reads every NVLink link's error counters)")
+          f" {probe.config.nvlink_sweep_s:g} s a sweep after the poll reads every NVLink link's state and error counters)")
     print(f"{'GPU':40s} {'median ms':>10s} {'p99 ms':>10s} {'max ms':>8s} {'first ms':>9s} {'polls':>6s} "
           f"{'rotation':>9s} {'sweeps':>6s} {'sweep ms':>9s} {'all/poll':>9s}")
     for u, r in report["poll"]["per_gpu_ms"].items():
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'whole poll (all GPUs)':40s} {w['median']:10.3f} {w['p99']:10.3f} {polls:6d}")
     reads = read_s[-polls * max(1, len(per_gpu)):]
     report["poll"]["read_ms"] = {"median": statistics.median(reads) * 1e3, "p99": pct(reads, 0.99) * 1e3}
-    print(f"of which NVML reads (child process + pipe), per GPU: median {statistics.median(reads) * 1e3:.3f} ms, "
+    print(f"of which NVML reads (child process + pipe; one round trip per poll, each GPU's share), per GPU: median {statistics.median(reads) * 1e3:.3f} ms, "
           f"p99 {pct(reads, 0.99) * 1e3:.3f} ms; the rest is rule evaluation in the agent's process")
     print(f"process CPU: {cpu:.3f} s over {wall:.1f} s = {cpu_per_min:.3f} CPU-s per minute "
           f"= {100 * cpu / wall:.3f}% of one core (target < 1%)")

@@ -140,9 +140,9 @@ class NvmlConfig:
     # fields not read: comma-separated names, globs (`nvlink.*`) or NVML call names; "" reads everything.
     # energy.total_j costs 2.8 ms a read on the H200 (more than the rest of a poll), so it is off by default.
     skip_fields: str = "energy.total_j"
-    rotate_per_poll: int = 1         # rotated field units read per poll (throttle counters, link states, ...)
-    # every NVLink link's error counters are read together this often, after a poll, GPUs staggered (one link
-    # costs ~2.5 ms of driver CPU read alone, 1 ms in the batch; H200, driver 580)
+    rotate_per_poll: int = 1         # rotated field units read per poll (throttle counters, PCIe replays, ...)
+    # every NVLink link's state and error counters are read together this often, after a poll, GPUs staggered
+    # (any NVLink read costs ~2 ms of driver CPU alone, 1 ms a link in the batch; H200, driver 580)
     nvlink_sweep_s: float = 30.0
 
     def skip_list(self) -> tuple[str, ...]:

@@ -280,6 +280,22 @@ _TRANSIENT_CODES = {10, 11, 19, 20, 23, 27, 999}  # timeout, irq, in use, memory
 _XID_EVENT_TYPE = 0x0000000000000008  # nvmlEventTypeXidCriticalError
 
 
+def read_many(backend: NvmlBackend, requests: Sequence[tuple[int, Sequence[str]]]
+              ) -> list[dict[str, int | float | NvmlError] | NvmlError]:
+    """One poll's reads of several GPUs: per request, the values or the `NvmlError` its read raised. A backend
+    with its own `read_many` (the NVML child: one round trip instead of one per GPU) answers all at once."""
+    many = getattr(backend, "read_many", None)
+    if many is not None:
+        return list(many(requests))
+    out: list[dict[str, int | float | NvmlError] | NvmlError] = []
+    for index, names in requests:
+        try:
+            out.append(backend.read_fields(index, names))
+        except NvmlError as err:
+            out.append(err)
+    return out
+
+
 def map_nvml_error(exc: BaseException, what: str = "") -> NvmlError:
     """Turn a pynvml exception (anything with `.value`, the NVML return code) into our error classes."""
     code = getattr(exc, "value", None)

@@ -49,6 +49,14 @@ def _err_from_json(d: dict[str, Any]) -> NvmlError:
     return cls(str(d.get("msg", "")), code=d.get("code"), transient=bool(d.get("transient", False)))
 
 
+def _values_from_json(raw: dict[str, Any]) -> dict[str, int | float | NvmlError]:
+    return {k: (_err_from_json(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+
+
+def _values_to_json(vals: dict[str, Any]) -> dict[str, Any]:
+    return {k: (_err_to_json(v) if isinstance(v, NvmlError) else v) for k, v in vals.items()}
+
+
 class _Child:
     """One child process running `python -m probes.nvml_isolated`; calls are serialised by a lock."""
 
@@ -163,8 +171,16 @@ class IsolatedBackend:
         return GpuIdentity(**self._poll.call("identity", index))
 
     def read_fields(self, index: int, names: Sequence[str]) -> dict[str, int | float | NvmlError]:
-        raw = self._poll.call("read_fields", index, list(names))
-        return {k: (_err_from_json(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+        return _values_from_json(self._poll.call("read_fields", index, list(names)))
+
+    def read_many(self, requests: Sequence[tuple[int, Sequence[str]]]
+                  ) -> list[dict[str, int | float | NvmlError] | NvmlError]:
+        """Every GPU's read in one round trip: waking the idle child costs more than most reads (H200 VM)."""
+        try:
+            replies = self._poll.call("read_many", [[index, list(names)] for index, names in requests])
+        except NvmlError as err:  # the child died or hung: every GPU's read failed with it
+            return [err] * len(requests)
+        return [_err_from_json(r["error"]) if "error" in r else _values_from_json(r["ok"]) for r in replies]
 
     def xid_open(self) -> list[int]:
         return list(self._xid.call("xid_open"))
@@ -237,8 +253,15 @@ def _dispatch(backend: Any, method: str, args: list[Any]) -> Any:
     if method == "identity":
         return dataclasses.asdict(backend.identity(*args))
     if method == "read_fields":
-        vals = backend.read_fields(*args)
-        return {k: (_err_to_json(v) if isinstance(v, NvmlError) else v) for k, v in vals.items()}
+        return _values_to_json(backend.read_fields(*args))
+    if method == "read_many":
+        out = []
+        for index, names in args[0]:
+            try:
+                out.append({"ok": _values_to_json(backend.read_fields(index, names))})
+            except NvmlError as err:
+                out.append({"error": _err_to_json(err)})
+        return out
     if method == "xid_open":
         return backend.xid_open()
     if method == "xid_wait":

@@ -27,6 +27,7 @@ from probes.nvml_backend import (
     NvmlError,
     field_specs,
     names_matching,
+    read_many,
 )
 from probes.nvml_rules import GpuReadings, RuleConfig
 from probes.types import Evidence, Finding, Severity, State
@@ -67,15 +68,16 @@ class NvmlProbeConfig:
 # - "rotate": counters and state that may lag by a rotation: each poll reads the next `rotate_per_poll`
 #   unit(s) of `rotation_unit`. Three of the throttle-time counters cost ~0.7 ms each warm, less in a poll;
 #   the PCIe replay counter 0.54 ms in a poll (a rate over a 60 s window: a few seconds' lag is harmless).
-# - "sweep": the NVLink DL error counters (replay, recovery, CRC) of every link, read together after the poll
-#   every `nvlink_sweep_s` (GPUs staggered), never inside a poll. One link costs 2.4-3.2 ms of CPU read alone
-#   (one counter or all three, cold, in the driver: no NVML call or field id is cheaper, and the all-link
-#   TOTAL fields answer NotSupported on the H200); all 18 links in one call cost ~18 ms, 1 ms a link.
+# - "sweep": every NVLink link's state and DL error counters (replay, recovery, CRC), read together after the
+#   poll every `nvlink_sweep_s` (GPUs staggered), never inside a poll. The first NVLink read of a poll costs
+#   ~2 ms of driver CPU (one link's counters 2.4-3.2 ms, every link's state 2.0 ms; no NVML call or field id is
+#   cheaper, and the all-link TOTAL fields answer NotSupported on the H200); all 18 links in one call cost
+#   ~18 ms, 1 ms a link. A link that goes down also raises an NVLink XID, which arrives at once.
 # - "static": read on the first poll and after a GPU reset only (maximum clocks 1.9 ms, ECC mode, maximum
 #   PCIe link).
 STATIC_FIELDS = frozenset({"ecc.enabled", "pcie.gen.max", "pcie.width.max", "clock.sm_max_mhz", "nvlink.count"})
 _ROTATED_PREFIXES = ("ecc.corrected.aggregate.", "ecc.uncorrected.aggregate.", "retired_pages.", "remap.hist.",
-                     "throttle_ns.", "nvlink.", "energy.", "pcie.replay")
+                     "throttle_ns.", "energy.", "pcie.replay")
 
 
 def poll_class(name: str) -> str:
@@ -84,17 +86,15 @@ def poll_class(name: str) -> str:
         return "static"
     if name.startswith("nvlink."):
         parts = name.split(".")
-        if len(parts) == 3 and parts[1].isdigit() and parts[2] != "state":
+        if len(parts) == 3 and parts[1].isdigit():
             return "sweep"
     return "rotate" if name.startswith(_ROTATED_PREFIXES) else "fast"
 
 
 def rotation_unit(name: str) -> str:
     """The unit a rotated field is read with: one throttle counter (some cost 0.7 ms each), or one family of
-    cheap state fields (every NVLink link's state together)."""
+    cheap fields."""
     parts = name.split(".")
-    if parts[0] == "nvlink":
-        return "nvlink.state"
     if parts[0] == "throttle_ns":
         return name
     if ".aggregate." in name:
@@ -133,7 +133,7 @@ class _Slot:
     fast_set: frozenset[str] = frozenset()
     static: list[str] = dataclasses.field(default_factory=list)
     units: list[list[str]] = dataclasses.field(default_factory=list)
-    links: list[str] = dataclasses.field(default_factory=list)   # "sweep" fields: NVLink error counters
+    links: list[str] = dataclasses.field(default_factory=list)   # "sweep" fields: NVLink states and counters
     swept: set[str] = dataclasses.field(default_factory=set)     # read by a sweep, not yet seen by a poll
     next_sweep: float = 0.0
     prev: GpuReadings | None = None
@@ -223,10 +223,14 @@ class NvmlProbe:
             self.discover()
         res = PollResult(now, {}, {}, {}, {}, [], {}, {})
         slots = list(self._slots.items())
-        for uuid, slot in slots:
+        plans = [self._names(slot) for _, slot in slots]
+        t0 = time.perf_counter()
+        raws = read_many(self.backend, [(slot.identity.index, names) for (_, slot), names in zip(slots, plans)])
+        share = (time.perf_counter() - t0) / max(1, len(slots))  # each GPU's part of the one round trip
+        for (uuid, slot), raw in zip(slots, raws):
             t0 = time.perf_counter()
-            evidence, readings, unsupported, errors, findings = self._poll_gpu(slot, now)
-            res.poll_seconds[uuid] = time.perf_counter() - t0
+            evidence, readings, unsupported, errors, findings = self._poll_gpu(slot, raw, now)
+            res.poll_seconds[uuid] = share + time.perf_counter() - t0
             res.identities[uuid] = slot.identity
             res.evidence[uuid] = evidence
             res.readings[uuid] = readings
@@ -248,7 +252,7 @@ class NvmlProbe:
         return res
 
     def _sweep(self, slot: _Slot) -> None:
-        """Read every link's error counters in one call; the next poll judges them (as read now)."""
+        """Read every link's state and error counters in one call; the next poll judges them (as read now)."""
         try:
             raw = self.backend.read_fields(slot.identity.index, slot.links)
         except NvmlError as err:  # GpuLost included: the next poll reports the GPU itself
@@ -257,22 +261,24 @@ class NvmlProbe:
         slot.cache.update(raw)
         slot.swept.update(raw)
 
-    def _read(self, slot: _Slot) -> tuple[dict[str, Any], frozenset[str]]:
-        """(values, names read since the last poll). Every field on the first poll; then the fast fields, the
-        next rotated unit(s), the static fields again after a GPU reset, and what a sweep read since; the rest
-        carry their last answer."""
-        first = not slot.full_read  # until one read of every field has succeeded (a failed first poll retries)
-        if first:
-            names = slot.names
-        else:
-            names = list(slot.fast)
-            if slot.units:
-                for _ in range(min(self.config.rotate_per_poll, len(slot.units))):
-                    names += slot.units[slot.rotation % len(slot.units)]
-                    slot.rotation += 1
-            if slot.reread_static:
-                names += slot.static
-        raw = self.backend.read_fields(slot.identity.index, names)
+    def _names(self, slot: _Slot) -> list[str]:
+        """What this poll reads of a GPU. Every field on the first poll; then the fast fields, the next rotated
+        unit(s), and the static fields again after a GPU reset; the rest carry their last answer."""
+        if not slot.full_read:  # until one read of every field has succeeded (a failed first poll retries)
+            return slot.names
+        names = list(slot.fast)
+        if slot.units:
+            for _ in range(min(self.config.rotate_per_poll, len(slot.units))):
+                names += slot.units[slot.rotation % len(slot.units)]
+                slot.rotation += 1
+        if slot.reread_static:
+            names += slot.static
+        return names
+
+    def _absorb(self, slot: _Slot, raw: dict[str, Any] | NvmlError) -> tuple[dict[str, Any], frozenset[str]]:
+        """(values, names read since the last poll, a sweep's included) from this poll's read of a GPU."""
+        if isinstance(raw, NvmlError):
+            raise raw
         slot.reread_static = False
         slot.full_read = True
         fast = slot.fast_set
@@ -281,13 +287,13 @@ class NvmlProbe:
         slot.swept = set()
         return {**slot.cache, **raw}, fresh
 
-    def _poll_gpu(self, slot: _Slot, now: float
+    def _poll_gpu(self, slot: _Slot, raw_read: dict[str, Any] | NvmlError, now: float
                   ) -> tuple[list[Evidence], GpuReadings | None, frozenset[str], dict[str, str], list[Finding]]:
         ident = slot.identity
         subject = ident.subject
         findings: list[Finding] = []
         try:
-            raw, fresh = self._read(slot)
+            raw, fresh = self._absorb(slot, raw_read)
         except GpuLost as err:
             ev = [Evidence(SOURCE, "gpu_lost", "lost", State.FAILED, f"GPU lost (fell off the bus): {err}", now),
                   Evidence(SOURCE, "readable", "0", State.UNKNOWN, f"GPU lost: {err}", now)]

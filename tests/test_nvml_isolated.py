@@ -43,6 +43,27 @@ def test_answers_match_the_in_process_backend(isolated: IsolatedBackend) -> None
         assert any(isinstance(v, FieldNotSupported) for v in got.values())
 
 
+def test_read_many_is_one_round_trip_with_each_gpus_answer_or_error(isolated: IsolatedBackend) -> None:
+    """A poll reads every GPU in one call to the child; a failing GPU fails its own entry, not the others'."""
+    from probes.nvml_backend import read_many
+
+    names = list(field_specs(2))
+    n = isolated.device_count()
+    sent = isolated._poll.next_id
+    got = read_many(isolated, [(i, names) for i in range(n)] + [(99, names)])
+    assert isolated._poll.next_id == sent + 1, "one round trip"
+    assert len(got) == n + 1
+    for i in range(n):
+        one = isolated.read_fields(i, names)
+        assert isinstance(got[i], dict) and set(got[i]) == set(one)
+        assert all(type(got[i][k]) is type(one[k]) if isinstance(one[k], NvmlError) else got[i][k] == one[k]
+                   for k in names)
+    assert isinstance(got[n], NvmlError) and "no GPU at index 99" in str(got[n])
+    local = ScenarioBackend.from_file(str(SCEN))  # the same helper over a backend without read_many
+    plain = read_many(local, [(0, names), (99, names)])
+    assert isinstance(plain[0], dict) and isinstance(plain[1], NvmlError)
+
+
 def test_a_dead_child_costs_one_call_then_restarts(isolated: IsolatedBackend) -> None:
     assert isolated.device_count() >= 1
     with pytest.raises(NvmlError) as err:  # the child aborts inside a call, as glibc does on heap corruption
