@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--memory-calls", type=int, default=100_000)
     ap.add_argument("--no-nvml", action="store_true", help="run the agent without its NVML probe")
+    ap.add_argument("--with-canary", action="store_true",
+                    help="leave the agent's canary on (on a GPU host it runs at start on idle GPUs)")
     ap.add_argument("--bare-server", help=argparse.SUPPRESS)
     ap.add_argument("--bare-uvloop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -182,10 +184,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="sdcw-bench-", dir="/tmp"))
     path = os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
-    # The canary is off: on a GPU host it runs at the agent's start on idle GPUs (seconds of GEMMs on a thread
-    # of this process), which is not the RPC path this compares. NVML polling stays on, as deployed.
+    # The canary is off unless --with-canary: on a GPU host it runs at the agent's start on idle GPUs (seconds
+    # of GEMMs), which is not the RPC path this compares. NVML polling stays on, as deployed.
     agent = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--state-dir", str(tmp / "a"),
-                              "--metrics-listen", "off", "--log-level", "WARNING", "--no-canary-enabled",
+                              "--metrics-listen", "off", "--log-level", "WARNING",
+                              *([] if args.with_canary else ["--no-canary-enabled"]),
                               *(["--no-nvml-enabled"] if args.no_nvml else [])], cwd=ROOT, env=env)
     bare = subprocess.Popen([sys.executable, __file__, "--bare-server", str(tmp / "bare.sock")], cwd=ROOT, env=env)
     targets = {"agent": f"unix:{tmp / 'a' / 'agent.sock'}", "bare": f"unix:{tmp / 'bare.sock'}"}
@@ -232,7 +235,7 @@ def main() -> None:
 
     print(f"\nsdcwatch agent vs bare grpc.aio server (unix socket, python {sys.version.split()[0]}, "
           f"grpc {grpc.__version__}, {os.cpu_count()} cpus; agent NVML {'off' if args.no_nvml else 'on'}, "
-          f"canary off)")
+          f"canary {'on' if args.with_canary else 'off'})")
     print(f"{'rpc':<12}{'agent p50':>11}{'bare p50':>10}{'ratio':>7}{'agent p99':>11}{'bare p99':>10}{'ratio':>7}")
     for kind, label in (("health", "Check"), ("report", "ReportStep")):
         a, b = lat[("agent", kind)], lat[("bare", kind)]

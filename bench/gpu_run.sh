@@ -35,11 +35,14 @@ want ckptprof && step ckpt-profile 120 python3 bench/bench_checkpoint.py --profi
 # the agent alone on an idle host (AGENT_FG=1), or in the background of the GPU work below
 want agentbench && [ "${AGENT_FG:-${FG:-0}}" = 1 ] && step agent-bench 300 python3 bench/bench_agent.py --calls 3000 \
   --rounds 3 --seconds 3 --memory-calls 100000 $([ "$NVML" = 0 ] && echo --no-nvml)
+# the same with the canary on (it runs at the agent's start on the idle GPUs): RPC latency while it runs
+want agentcanary && step agent-bench-canary 200 python3 bench/bench_agent.py --calls 3000 --rounds 3 --seconds 3 \
+  --memory-calls 20000 --with-canary
 # CPU-side measurements in the background while the GPU work runs
 NVMLB=""; AGENTB=""
 # FG=1: the NVML and agent benches run alone, one after the other (an idle host), before the GPU work
 if want nvml && [ "$NVML" = 1 ] && [ "${FG:-0}" = 1 ]; then
-  step nvml-bench 150 python3 bench/nvml_h200.py --seconds 90 --interval 1 --json "$OUT/nvml.json"
+  step nvml-bench 180 python3 bench/nvml_h200.py --seconds 120 --interval 1 --json "$OUT/nvml.json"
 elif want nvml && [ "$NVML" = 1 ]; then
   python3 bench/nvml_h200.py --seconds 60 --interval 1 --json "$OUT/nvml.json" > "$OUT/nvml.log" 2>&1 & NVMLB=$!
 fi

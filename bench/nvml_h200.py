@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     listener.start()
     per_gpu: dict[str, list[float]] = {}
     sweeps: dict[str, list[float]] = {}
+    trace: dict[str, list[tuple[float, int, str, bool]]] = {}  # per GPU: (ms, poll number, unit, after a sweep)
+    swept_last: set[str] = set()
     whole: list[float] = []
     errors: list[str] = []
     print(f"== polling every {args.interval:g}s for {args.seconds:g}s (XID listener running)")
@@ -203,14 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     next_t = wall0
     polls = 0
     while time.monotonic() - wall0 < args.seconds:
+        units_now = {u: (sl.units[sl.rotation % len(sl.units)][0] if sl.units and sl.full_read else "every field")
+                     for u, sl in probe._slots.items()}
         t0 = time.perf_counter()
         try:
             res = probe.poll(now=time.time())
             polls += 1
             for uuid, s in res.poll_seconds.items():
                 per_gpu.setdefault(uuid, []).append(s)
+                trace.setdefault(uuid, []).append((s * 1e3, polls, units_now.get(uuid, "?"), uuid in swept_last))
             for uuid, s in res.sweep_seconds.items():
                 sweeps.setdefault(uuid, []).append(s)
+            swept_last = set(res.sweep_seconds)
             for uuid, errs in res.errors.items():
                 for k, e in errs.items():
                     if len(errors) < 50:
@@ -264,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{u:40s} {r['median']:10.3f} {r['p99']:10.3f} {r['max']:8.3f} {r['first']:9.3f} {r['n']:6d} "
               f"{units.get(u, 0):7d} s {r['sweeps']:6d} {sweep_ms} {r['amortized']:9.3f}")
     print("  (all/poll: every poll after the first plus every sweep of that GPU, divided by the polls)")
+    report["poll"]["slowest"] = {}
+    for u, rows in trace.items():
+        slow = sorted(rows[1:], reverse=True)[:5]
+        report["poll"]["slowest"][u] = slow
+        print(f"   slowest polls of {u[:12]}..: " + "; ".join(
+            f"#{n} {ms:.2f} ms ({unit}{', after a sweep' if after else ''})" for ms, n, unit, after in slow))
     w = report["poll"]["whole_ms"]
     print(f"{'whole poll (all GPUs)':40s} {w['median']:10.3f} {w['p99']:10.3f} {polls:6d}")
     reads = read_s[-polls * max(1, len(per_gpu)):]
