@@ -51,7 +51,7 @@ if want agentbench && [ "${AGENT_FG:-${FG:-0}}" != 1 ]; then
     $([ "$NVML" = 0 ] && echo --no-nvml) > "$OUT/agent_bench.log" 2>&1 & AGENTB=$!
 fi
 want tests && step gpu-tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
-  tests/test_fingerprint_gpu.py tests/test_monitor_cuda.py tests/test_canary_gpu.py \
+  tests/test_fingerprint_gpu.py tests/test_monitor_cuda.py tests/test_canary_gpu.py tests/test_canary_child.py \
   $([ "$NVML" = 1 ] && echo tests/test_nvml_real.py)
 want monitor && step monitor-1gpu 80 python3 bench/bench_monitor_overhead.py
 want monitor && [ "$NGPU" -ge 2 ] && step monitor-2gpu 100 torchrun --nproc-per-node 2 bench/bench_monitor_overhead.py

@@ -142,12 +142,14 @@ class NvmlWiring:
 
 
 def start_canary(agent: "Agent", wiring: "NvmlWiring") -> None:
-    """The in-agent canary: idle GPUs only, one at a time, memory capped, HUNG if it overruns."""
+    """The agent's canary: idle GPUs only, one at a time, memory capped, each round in a child process that
+    is killed a little before the runner would mark the probe HUNG (a crash or overrun is `canary.unknown`)."""
     from daemon.probe_runner import ProbeRunner
     from probes.canary_agent import AgentCanaryProbe
 
     cfg = agent.config.canary
-    probe = AgentCanaryProbe(level=cfg.level, evidence_dir=agent.state_dir / "canary")
+    probe = AgentCanaryProbe(level=cfg.level, evidence_dir=agent.state_dir / "canary",
+                             timeout_s=0.9 * cfg.timeout_s)
 
     def on_result(report: Any, now: float) -> None:
         for uuid, evidence in report.evidence.items():

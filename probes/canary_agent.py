@@ -3,26 +3,32 @@
 Each round: read a snapshot of every GPU (NVML utilization, free memory), ask `AgentCanaryPolicy` which
 are idle and due, run the suite on those one GPU at a time (the runner's single worker thread, plus a
 lock here, mean never two canaries at once on a GPU; a hung canary makes the runner HUNG and it is not
-re-entered), cap this process's GPU memory (`torch.cuda.set_per_process_memory_fraction`), save evidence
-of failures in the state dir, and return a `CanaryReport` whose `evidence` the agent attaches to each GPU
-(`GpuRegistry.add_evidence(uuid, evs, now)`) and whose `findings` it journals.
+re-entered), save evidence of failures in the state dir, and return a `CanaryReport` whose `evidence` the
+agent attaches to each GPU (`GpuRegistry.add_evidence(uuid, evs, now)`) and whose `findings` it journals.
+
+The snapshot and the suite run in short-lived child processes (probes.canary_child): NVML, torch's CUDA
+contexts, the GIL-bound GEMM loop and a faulty GPU's sticky CUDA error stay out of the agent, which knows
+GPUs only by UUID and never initialises CUDA. A child that errs, crashes or overruns its share of
+`timeout_s` is killed and reported as `canary.unknown`: a crash is not proof of bad math.
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from probes import canary_suite
+from probes.canary_child import CanaryChildError, child_run_suite, child_snapshots
 from probes.canary_gemm import DeviceInfo, Status
 from probes.canary_schedule import AgentCanaryPolicy, Decision, GpuSnapshot
 from probes.types import Evidence, Finding, Severity
 
-log = logging.getLogger(__name__)
-
 NEED_BYTES = {"tiny": 64 << 20, "quick": 1536 << 20, "full": 4 << 30}
+SNAPSHOT_TIMEOUT_S = 30.0
+
+RunSuite = Callable[[Sequence[Any], canary_suite.SuiteConfig], canary_suite.SuiteReport]
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,81 +39,61 @@ class CanaryReport:
     findings: list[Finding]
 
 
-def nvml_snapshots() -> list[GpuSnapshot]:
-    """Utilization and free memory of every GPU from NVML (empty when NVML is unavailable)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-            try:
-                util: float | None = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
-            except pynvml.NVMLError:
-                util = None
-            try:
-                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-                free, total = int(mem.free), int(mem.total)
-            except pynvml.NVMLError:
-                free = total = None  # type: ignore[assignment]
-            try:
-                procs: int | None = len(pynvml.nvmlDeviceGetComputeRunningProcesses(h))
-            except pynvml.NVMLError:
-                procs = None
-            out.append(GpuSnapshot(uuid, i, util, free, total, procs))
-        return out
-    except Exception as exc:
-        log.debug("NVML snapshot unavailable: %s", exc)
-        return []
-
-
 class AgentCanaryProbe:
+    """Injection points (tests): `snapshots()`, and `devices()`, torch devices in this process whose chosen
+    ones `run_suite(devices, cfg)` gets. By default the snapshot comes from a child, the parent knows GPUs
+    only by UUID (it never initialises CUDA), and `run_suite` gets the chosen UUIDs and runs the suite in a
+    child that discovers them. `timeout_s` bounds a round (keep it below the runner's, which would mark the
+    probe HUNG): the snapshot's child gets at most `SNAPSHOT_TIMEOUT_S` of it, the suite's child the rest."""
+
     def __init__(self, *, policy: AgentCanaryPolicy | None = None, level: str = "quick",
-                 evidence_dir: Path | None = None, snapshots: Callable[[], list[GpuSnapshot]] = nvml_snapshots,
+                 evidence_dir: Path | None = None, snapshots: Callable[[], list[GpuSnapshot]] | None = None,
                  devices: Callable[[], list[DeviceInfo]] | None = None,
-                 run_suite: Callable[..., canary_suite.SuiteReport] = canary_suite.run_suite) -> None:
+                 run_suite: RunSuite | None = None, timeout_s: float = 270.0) -> None:
         self.policy = policy or AgentCanaryPolicy()
         self.level = level
         self.evidence_dir = evidence_dir
-        self.snapshots = snapshots
-        self._devices = devices or (lambda: canary_suite.discover_devices()[0])
-        self._run_suite = run_suite
+        snapshot_s = min(SNAPSHOT_TIMEOUT_S, timeout_s / 4)
+        self.snapshots = snapshots or functools.partial(child_snapshots, snapshot_s)
+        self._devices = devices
+        self._run_suite = run_suite or functools.partial(self._run_in_child, timeout_s=timeout_s - snapshot_s)
         self.last_run: dict[str, float] = {}
         self.consecutive_failures: dict[str, int] = {}
         self._running: set[str] = set()
         self._lock = threading.Lock()
-        self._capped: set[str] = set()
 
     def run_once(self, now: float) -> CanaryReport:
-        snaps = self.snapshots()
+        try:
+            snaps = self.snapshots()
+        except CanaryChildError as exc:
+            return CanaryReport([], None, {}, [_unknown(f"no GPU snapshot for the canary: {exc}")])
         decisions = self.policy.choose(snaps, now=now, need_bytes=NEED_BYTES.get(self.level, 2 << 30),
                                        last_run=self.last_run, running=self._running)
         chosen = {d.uuid for d in decisions if d.run}
         if not chosen:
             return CanaryReport(decisions, None, {}, [])
-        devices = [d for d in self._devices() if d.uuid in chosen or d.label in chosen]
-        if not devices:
-            return CanaryReport(decisions, None, {}, [Finding(
-                "canary.unknown", Severity.WARNING, "node", "the GPUs chosen for a canary are not visible to torch",
-                {"chosen": sorted(chosen)})])
+        targets: list[Any] = sorted(chosen)
+        if self._devices is not None:
+            targets = [d for d in self._devices() if d.uuid in chosen or d.label in chosen]
+            if not targets:
+                return CanaryReport(decisions, None, {}, [
+                    _unknown("the GPUs chosen for a canary are not visible to torch", chosen)])
         if not self._lock.acquire(blocking=False):
             return CanaryReport(decisions, None, {}, [])
         try:
-            self._running.update(d.label for d in devices)
-            self._cap_memory(devices)
+            self._running.update(chosen)
             cfg = canary_suite.SuiteConfig(level=self.level, evidence_dir=self.evidence_dir, copies=True)
-            suite = self._run_suite(devices, cfg)
+            suite = self._run_suite(targets, cfg)
+        except CanaryChildError as exc:
+            return CanaryReport(decisions, None, {}, [_unknown(str(exc), chosen)])
         finally:
-            self._running.difference_update(d.label for d in devices)
+            self._running.difference_update(chosen)
             self._lock.release()
-        for d in devices:
-            self.last_run[d.label] = now
+            for uuid in chosen:  # tried, whatever came of it: a crashing canary is not retried every round
+                self.last_run[uuid] = now
         evidence = canary_suite.evidence_by_device(suite, now, self.consecutive_failures)
         findings: list[Finding] = []
-        for d in devices:
+        for d in suite.devices:
             st, bad = suite.device_status(d.label)
             if st is Status.FAIL:
                 self.consecutive_failures[d.label] = self.consecutive_failures.get(d.label, 0) + 1
@@ -123,16 +109,11 @@ class AgentCanaryProbe:
                                             f"{bad[0].why if bad else 'no checks ran'}", {}))
         return CanaryReport(decisions, suite, evidence, findings)
 
-    def _cap_memory(self, devices: Sequence[DeviceInfo]) -> None:
-        import torch
+    def _run_in_child(self, labels: Sequence[str], cfg: canary_suite.SuiteConfig, *,
+                      timeout_s: float) -> canary_suite.SuiteReport:
+        return child_run_suite(labels, level=cfg.level, evidence_dir=cfg.evidence_dir,
+                               memory_cap_bytes=self.policy.memory_cap_bytes, timeout_s=timeout_s)
 
-        for d in devices:
-            if d.torch_device.type != "cuda" or d.label in self._capped:
-                continue
-            try:
-                total = torch.cuda.get_device_properties(d.torch_device).total_memory
-                frac = min(1.0, (self.policy.memory_cap_bytes + (512 << 20)) / total)
-                torch.cuda.set_per_process_memory_fraction(frac, d.torch_device)
-                self._capped.add(d.label)
-            except Exception as exc:
-                log.warning("cannot cap canary memory on %s: %s", d.label, exc)
+
+def _unknown(why: str, chosen: Iterable[str] = ()) -> Finding:
+    return Finding("canary.unknown", Severity.WARNING, "node", why, {"chosen": sorted(chosen)})
