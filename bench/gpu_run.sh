@@ -63,7 +63,8 @@ want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone
 # the agent on real NVML
 S=/tmp/sdcw-gpu-agent; rm -rf $S
 python3 -m daemon.cli run --state-dir $S --metrics-listen 127.0.0.1:0 "${NVFLAG[@]}" > "$OUT/agent.log" 2>&1 &
-A=$!; for i in $(seq 1 100); do [ -S $S/agent.sock ] && break; sleep 0.1; done; sleep 3
+A=$!; for i in $(seq 1 100); do [ -S $S/agent.sock ] && break; sleep 0.1; done; sleep "${AGENT_WAIT:-3}"
+step agent-rss 5 bash -c "grep -E 'VmRSS|VmHWM' /proc/$A/status; ps -o pid,ppid,rss,etime,args --ppid $A"
 step agent-status 20 python3 -m daemon.cli status --socket $S/agent.sock
 step agent-status-j 20 python3 -m daemon.cli status --socket $S/agent.sock --json
 want demo && [ "$NGPU" -ge 2 ] && step demo-2gpu 150 python3 -m daemon.cli demo --device cuda --ranks 2 --steps 300 \

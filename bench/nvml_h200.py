@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--nvlink-sweep-s", type=float, default=NvmlProbeConfig().nvlink_sweep_s)
+    ap.add_argument("--sweep-s", type=float, default=NvmlProbeConfig().sweep_s)
     ap.add_argument("--scenario", help="a fake-NVML scenario file instead of the GPUs (checks this script)")
     args = ap.parse_args(argv)
     report: dict[str, Any] = {"host": os.uname().nodename, "seconds": args.seconds, "interval": args.interval}
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if real_many is not None:
         backend.read_many = timed_many  # type: ignore[attr-defined]
-    probe = NvmlProbe(backend, NvmlProbeConfig(nvlink_sweep_s=args.nvlink_sweep_s))
+    probe = NvmlProbe(backend, NvmlProbeConfig(sweep_s=args.sweep_s))
     try:
         probe.discover()
     except Exception:  # noqa: BLE001
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in sorted(report["poll_call_ms"].items(), key=lambda kv: -kv[1][0] if isinstance(kv[1], list) else 0):
         print(f"   {k:60s} {v}")
     print("== results (each poll: the fast fields + one rotated unit; the first poll reads every field; every"
-          f" {probe.config.nvlink_sweep_s:g} s a sweep after the poll reads every NVLink link's state and error counters)")
+          f" {probe.config.sweep_s:g} s a sweep after the poll reads the costly fields: NVLink, 3 throttle counters)")
     print(f"{'GPU':40s} {'median ms':>10s} {'p99 ms':>10s} {'max ms':>8s} {'first ms':>9s} {'polls':>6s} "
           f"{'rotation':>9s} {'sweeps':>6s} {'sweep ms':>9s} {'all/poll':>9s}")
     for u, r in report["poll"]["per_gpu_ms"].items():

@@ -141,9 +141,10 @@ class NvmlConfig:
     # energy.total_j costs 2.8 ms a read on the H200 (more than the rest of a poll), so it is off by default.
     skip_fields: str = "energy.total_j"
     rotate_per_poll: int = 1         # rotated field units read per poll (throttle counters, PCIe replays, ...)
-    # every NVLink link's state and error counters are read together this often, after a poll, GPUs staggered
-    # (any NVLink read costs ~2 ms of driver CPU alone, 1 ms a link in the batch; H200, driver 580)
-    nvlink_sweep_s: float = 30.0
+    # the costly fields (every NVLink link's state and error counters, three throttle-time counters) are read
+    # together this often, after a poll, GPUs staggered (any NVLink read costs ~2 ms of driver CPU alone, 1 ms a
+    # link in the batch; the three counters ~0.7 ms each; H200, driver 580)
+    sweep_s: float = 30.0
 
     def skip_list(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.skip_fields.split(",") if p.strip())
@@ -154,7 +155,7 @@ class NvmlConfig:
         _positive("nvml.poll_interval_s", self.poll_interval_s)
         _positive("nvml.timeout_s", self.timeout_s)
         _positive("nvml.rotate_per_poll", self.rotate_per_poll)
-        _positive("nvml.nvlink_sweep_s", self.nvlink_sweep_s)
+        _positive("nvml.sweep_s", self.sweep_s)
         for pat in self.skip_list():
             if not all(c.isalnum() or c in "._*?[]" for c in pat):
                 raise ConfigError("nvml.skip_fields", f"{pat!r} is not a field name, glob or NVML call name")

@@ -38,7 +38,7 @@ async def start(agent: "Agent") -> None:
     try:
         backend = await runner.call(lambda: open_backend(cfg.scenario or None, clock=time.monotonic))
         probe = NvmlProbe(backend, NvmlProbeConfig(skip_fields=cfg.skip_list(), rotate_per_poll=cfg.rotate_per_poll,
-                                                   nvlink_sweep_s=cfg.nvlink_sweep_s))
+                                                   sweep_s=cfg.sweep_s))
         identities = await runner.call(probe.discover)
     except NvmlUnavailable as exc:
         runner.stop()

@@ -50,13 +50,13 @@ class NvmlProbeConfig:
     read_nvlink: bool = True
     skip_fields: tuple[str, ...] = DEFAULT_SKIP  # names, globs or NVML call names (`names_matching`)
     rotate_per_poll: int = 1   # rotated units read per poll (see `poll_class`); more = fresher, costlier
-    nvlink_sweep_s: float = 30.0  # every link's error counters read together this often (see `poll_class`)
+    sweep_s: float = 30.0  # the costly fields ("sweep" in `poll_class`) are read together this often
 
     def __post_init__(self) -> None:
         if self.rotate_per_poll < 1:
             raise ValueError(f"NvmlProbeConfig.rotate_per_poll must be >= 1, got {self.rotate_per_poll}")
-        if not self.nvlink_sweep_s > 0:
-            raise ValueError(f"NvmlProbeConfig.nvlink_sweep_s must be > 0, got {self.nvlink_sweep_s}")
+        if not self.sweep_s > 0:
+            raise ValueError(f"NvmlProbeConfig.sweep_s must be > 0, got {self.sweep_s}")
         if not 1 <= self.xid_wait_ms <= 60_000:
             raise ValueError(f"NvmlProbeConfig.xid_wait_ms must be in [1, 60000], got {self.xid_wait_ms}")
 
@@ -66,16 +66,19 @@ class NvmlProbeConfig:
 #   row remapping, recovery action, PCIe link state, temperatures, power, clocks, clock-event reasons (the
 #   instant throttle evidence). Most cost 1-10 us.
 # - "rotate": counters and state that may lag by a rotation: each poll reads the next `rotate_per_poll`
-#   unit(s) of `rotation_unit`. Three of the throttle-time counters cost ~0.7 ms each warm, less in a poll;
-#   the PCIe replay counter 0.54 ms in a poll (a rate over a 60 s window: a few seconds' lag is harmless).
-# - "sweep": every NVLink link's state and DL error counters (replay, recovery, CRC), read together after the
-#   poll every `nvlink_sweep_s` (GPUs staggered), never inside a poll. The first NVLink read of a poll costs
+#   unit(s) of `rotation_unit`: each throttle-time counter, the ECC aggregates, ... and the PCIe replay counter
+#   (0.45 ms in a poll; a rate over a 60 s window: a few seconds' lag is harmless).
+# - "sweep": the costly fields, read together after the poll every `sweep_s` (GPUs staggered), never inside a
+#   poll. Three throttle-time counters (thermal, HW thermal, HW power brake: ~0.7 ms each warm, 2-3 ms in the
+#   slowest polls; the clock-event reasons read every poll are the instant evidence of the same slowdowns),
+#   and every NVLink link's state and DL error counters (replay, recovery, CRC). The first NVLink read costs
 #   ~2 ms of driver CPU (one link's counters 2.4-3.2 ms, every link's state 2.0 ms; no NVML call or field id is
 #   cheaper, and the all-link TOTAL fields answer NotSupported on the H200); all 18 links in one call cost
 #   ~18 ms, 1 ms a link. A link that goes down also raises an NVLink XID, which arrives at once.
 # - "static": read on the first poll and after a GPU reset only (maximum clocks 1.9 ms, ECC mode, maximum
 #   PCIe link).
 STATIC_FIELDS = frozenset({"ecc.enabled", "pcie.gen.max", "pcie.width.max", "clock.sm_max_mhz", "nvlink.count"})
+SWEPT_FIELDS = frozenset({"throttle_ns.thermal", "throttle_ns.hw_thermal", "throttle_ns.hw_power_brake"})
 _ROTATED_PREFIXES = ("ecc.corrected.aggregate.", "ecc.uncorrected.aggregate.", "retired_pages.", "remap.hist.",
                      "throttle_ns.", "energy.", "pcie.replay")
 
@@ -84,6 +87,8 @@ def poll_class(name: str) -> str:
     """"fast", "rotate", "sweep" or "static" (see above)."""
     if name in STATIC_FIELDS:
         return "static"
+    if name in SWEPT_FIELDS:
+        return "sweep"
     if name.startswith("nvlink."):
         parts = name.split(".")
         if len(parts) == 3 and parts[1].isdigit():
@@ -122,7 +127,7 @@ class PollResult:
     findings: list[Finding]
     errors: dict[str, dict[str, str]]
     poll_seconds: dict[str, float]
-    sweep_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # NVLink sweeps after this poll
+    sweep_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # sweeps after this poll
 
 
 @dataclasses.dataclass(slots=True)
@@ -133,7 +138,7 @@ class _Slot:
     fast_set: frozenset[str] = frozenset()
     static: list[str] = dataclasses.field(default_factory=list)
     units: list[list[str]] = dataclasses.field(default_factory=list)
-    links: list[str] = dataclasses.field(default_factory=list)   # "sweep" fields: NVLink states and counters
+    sweep: list[str] = dataclasses.field(default_factory=list)   # "sweep" fields: NVLink, costly throttle counters
     swept: set[str] = dataclasses.field(default_factory=set)     # read by a sweep, not yet seen by a poll
     next_sweep: float = 0.0
     prev: GpuReadings | None = None
@@ -194,7 +199,7 @@ class NvmlProbe:
                 elif kind == "static":
                     slot.static.append(n)
                 elif kind == "sweep":
-                    slot.links.append(n)
+                    slot.sweep.append(n)
                 else:
                     units.setdefault(rotation_unit(n), []).append(n)
             slot.units = list(units.values())
@@ -238,9 +243,9 @@ class NvmlProbe:
             res.errors[uuid] = errors
             res.findings.extend(findings)
             res.findings.extend(self._changes(slot, evidence))
-        every = self.config.nvlink_sweep_s
+        every = self.config.sweep_s
         for i, (uuid, slot) in enumerate(slots):
-            if not slot.links or slot.lost or not slot.full_read:
+            if not slot.sweep or slot.lost or not slot.full_read:
                 continue
             if slot.next_sweep == 0.0:  # links just read by the full read: stagger the GPUs over one interval
                 slot.next_sweep = now + every * (i + 1) / len(slots)
@@ -252,11 +257,11 @@ class NvmlProbe:
         return res
 
     def _sweep(self, slot: _Slot) -> None:
-        """Read every link's state and error counters in one call; the next poll judges them (as read now)."""
+        """Read the costly fields in one call; the next poll judges them (as read now)."""
         try:
-            raw = self.backend.read_fields(slot.identity.index, slot.links)
+            raw = self.backend.read_fields(slot.identity.index, slot.sweep)
         except NvmlError as err:  # GpuLost included: the next poll reports the GPU itself
-            log.info("GPU %s: NVLink sweep failed: %s", slot.identity.uuid, err)
+            log.info("GPU %s: sweep of the costly fields failed: %s", slot.identity.uuid, err)
             return
         slot.cache.update(raw)
         slot.swept.update(raw)

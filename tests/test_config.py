@@ -41,7 +41,7 @@ def test_flags_override_and_coerce(tmp_path):
     (["--socket-mode", "rw"], "agent.socket_mode"),
     (["--event-loop", "trio"], "agent.event_loop"),
     (["--nvml-rotate-per-poll", "0"], "nvml.rotate_per_poll"),
-    (["--nvml-nvlink-sweep-s", "0"], "nvml.nvlink_sweep_s"),
+    (["--nvml-sweep-s", "0"], "nvml.sweep_s"),
     (["--nvml-skip-fields", "../etc"], "nvml.skip_fields"),
 ])
 def test_bad_values_name_the_key(argv, key):

@@ -419,29 +419,34 @@ def test_fields_are_read_fast_rotated_or_static_and_carried_between() -> None:
 
 
 def test_nvlink_counters_are_swept_after_polls_staggered_and_judged_by_the_next_poll() -> None:
-    """Every link's error counters in one read per GPU every nvlink_sweep_s, outside the poll's own read and
-    timing, the GPUs spread over the interval; what a sweep reads is fresh for the next poll's rules."""
+    """The costly fields (NVLink, three throttle counters) in one read per GPU every sweep_s, outside the poll's
+    own read and timing, the GPUs spread over the interval; what a sweep reads is fresh for the next poll."""
     from probes.nvml_probe import poll_class
 
     now = [0.0]
-    probe, asked = _counting_probe("nvlink_errors.json", clock=lambda: now[0], nvlink_sweep_s=20.0)
+    probe, asked = _counting_probe("nvlink_errors.json", clock=lambda: now[0], sweep_s=20.0)
     gpus = [i.uuid for i in probe.identities()]
     sweeps: dict[str, list[int]] = {u: [] for u in gpus}
     states: dict[int, dict[str, str]] = {}
+    all_swept: list[list[str]] = []
     for t in range(0, 62):
         now[0] = float(t)
         asked.clear()
         res = probe.poll(float(t))
         swept = [names for names in asked if all(poll_class(n) == "sweep" for n in names)]
         assert len(swept) == len(res.sweep_seconds), "one read per swept GPU"
+        all_swept += swept
         for uuid in res.sweep_seconds:
             sweeps[uuid].append(t)
         assert set(res.poll_seconds) == set(gpus)
         states[t] = {u: max((e.implies.name for e in res.evidence[u] if e.signal == "nvlink.errors"),
                             default="-") for u in gpus}
     assert sweeps[gpus[0]] == [10, 30, 50] and sweeps[gpus[1]] == [20, 40, 60], sweeps
-    for names in swept or [[]]:
-        assert all(n.startswith("nvlink.") for n in names)
+    every_sweep = [set(names) for names in all_swept]
+    assert len(every_sweep) == 6 and all(names == every_sweep[0] for names in every_sweep)
+    assert {n for n in every_sweep[0] if not n.startswith("nvlink.")} == {
+        "throttle_ns.thermal", "throttle_ns.hw_thermal", "throttle_ns.hw_power_brake"}
+    assert {"nvlink.3.replay", "nvlink.5.state"} <= every_sweep[0]
     # 50 replays on GPU 0's link 3 at t=10: the sweep at t=10 reads them, the poll at t=11 judges them
     assert states[10][gpus[0]] != "SUSPECT" and states[11][gpus[0]] == "SUSPECT", (states[10], states[11])
 
