@@ -38,6 +38,7 @@ from daemon.metrics import AgentMetrics, start_http
 from daemon.probe_runner import ProbeRunner
 from daemon.redis_embedded import EmbeddedRedis
 from daemon.service import AgentService, probe_state_pb
+from daemon.step_log import StepLog
 from probes.types import Evidence, Severity, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
@@ -60,9 +61,9 @@ class Agent:
         self.metrics = AgentMetrics()
         self.journal = Journal(self.state_dir / "journal", max_bytes=config.journal.max_bytes,
                                keep_files=config.journal.keep_files)
-        self._step_lost, self._step_error_logged = 0, float("-inf")  # step records a failing disk lost
         self.steps = Journal(self.state_dir / "steps", prefix="steps", max_bytes=config.journal.max_bytes,
                              keep_files=config.journal.keep_files, flush_each=False)
+        self.step_log = StepLog(self.steps, _step_line)
         self.bus = EventBus(self.journal, ring_size=config.journal.memory_events, host=self.host,
                             on_event=self._count_event)
         self.gpus = GpuRegistry(on_transition=self._on_gpu_transition)
@@ -101,6 +102,7 @@ class Agent:
         self._prepare_state_dir()
         self.journal.open()
         self.steps.open()
+        self.step_log.start()
         self.bus.bind_loop(loop)
         await self.alerts.start(self.bus, since_seq=self.bus.last_seq)
         await self._start_redis()
@@ -356,9 +358,7 @@ class Agent:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        self._flush_step_log(time.time())
-        with contextlib.suppress(OSError, ValueError):
-            self.steps.close()
+        self.step_log.close()
         if self.journal._fh is not None:
             self.journal.close()
         if self.embedded_redis is not None:
@@ -379,7 +379,6 @@ class Agent:
                 for job in self.jobs.expire(now):
                     self.bus.publish("job.forgotten", Severity.INFO, f"job/{job}",
                                      f"job {job} sent no report for {self.config.jobs.job_idle_s:.0f}s")
-                self._flush_step_log(now)
                 self._update_node_metrics()
             except Exception:  # one failure never kills the loop
                 log.exception("housekeeping failed")
@@ -473,12 +472,7 @@ class Agent:
         if out.mismatch:
             self.metrics.job_mismatches.labels(job).inc()
         if self.config.journal.step_log:
-            # formatted here (~2-6 us) into the journal's buffer, flushed each second by housekeeping. Not
-            # batched: a second of records formatted in one piece stalls every RPC behind it for ~10 ms
-            try:
-                self.steps.append_body(_step_line(req, now))
-            except (OSError, ValueError) as exc:
-                self._step_log_failed(1, exc, now)
+            self.step_log.add(req, now)  # formatted and written by the step log's thread (daemon/step_log.py)
         for finding in out.findings:
             self.bus.publish_finding(finding)
         for step, kind, reason in out.job_events:
@@ -487,20 +481,6 @@ class Agent:
             self._attach_job_evidence(uuid, host, ev, now)
         extra = self.report_hook(req, out, now) if self.report_hook is not None else []
         return out.directives + extra
-
-    def _flush_step_log(self, now: float) -> None:
-        try:
-            self.steps.flush()
-        except (OSError, ValueError) as exc:
-            self._step_log_failed(0, exc, now)
-
-    def _step_log_failed(self, records: int, exc: Exception, now: float) -> None:
-        """A full or failing disk loses step records, never a ReportStep: the step log is for analysis; the
-        event journal is the record. Counted, and logged at most every STEP_LOG_ERROR_EVERY_S seconds."""
-        self._step_lost += records
-        if now - self._step_error_logged >= STEP_LOG_ERROR_EVERY_S:
-            log.error("step log: %d record(s) not written since the last report of this: %s", self._step_lost, exc)
-            self._step_error_logged, self._step_lost = now, 0
 
     def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
         """Evidence about a GPU named by a rank: kept only if that GPU is on this node."""
@@ -553,7 +533,6 @@ def _log_task_error(task: "asyncio.Task[Any]") -> None:
         log.error("background task failed: %s", task.exception())
 
 
-STEP_LOG_ERROR_EVERY_S = 60.0  # a failing step log is reported at most this often
 
 
 def _json_number(x: float) -> str:
