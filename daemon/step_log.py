@@ -60,6 +60,9 @@ class StepLog:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(10)
+            if self._thread.is_alive():  # stuck in a write (a hung disk): leave it the file, never hang the stop
+                log.error("step log: the writer is stuck in a write; %d record(s) not written", len(self._pending))
+                return
         self.drain()
         try:
             self.journal.close()

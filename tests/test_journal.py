@@ -148,3 +148,32 @@ def test_the_step_log_thread_writes_and_flushes_without_the_loop(tmp_path, monke
         assert len(log._pending) == 3 and log.dropped == 7
     log.close()
     assert [r["step"] for r in j.read_since(0)][-3:] == [100, 101, 102]
+
+
+def test_a_step_log_writer_stuck_in_a_write_does_not_hang_the_stop(tmp_path, monkeypatch, caplog) -> None:
+    import threading
+
+    from daemon import step_log as sl
+    from daemon.agent import _step_line
+    from daemon.journal import Journal
+    from proto.sdcwatch.v1 import agent_pb2 as pb
+
+    j = Journal(tmp_path / "steps", prefix="steps", flush_each=False)
+    j.open()
+    release = threading.Event()
+    real = j.append_body
+
+    def hung(body: str) -> int:  # a write that does not return (a hung NFS mount)
+        release.wait(30)
+        return real(body)
+
+    j.append_body = hung  # type: ignore[method-assign]
+    log = sl.StepLog(j, _step_line)
+    log.start()
+    for step in range(sl.WAKE_AT + 1):
+        log.add(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step), 1.0)
+    monkeypatch.setattr(log._thread, "join", lambda timeout=None: None)  # the 10 s join, without the wait
+    with caplog.at_level("ERROR"):
+        log.close()
+    assert "stuck in a write" in caplog.text
+    release.set()
