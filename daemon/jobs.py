@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from math import isfinite
 from typing import Callable
 
 from probes.types import Evidence, Finding, Severity, State
@@ -86,35 +87,46 @@ class JobTracker:
         return gone
 
     def report(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome:
-        job, new = self._job(req.job_id, now)
+        # On every ReportStep: each field is read once, and a rule is entered only when its field is set.
+        job_id, rank, step = req.job_id, req.rank, req.step
+        job, new = self._job(job_id, now)
         out = ReportOutcome(job=job, new_job=new)
-        subject = f"job/{req.job_id}"
         if new:
-            out.findings.append(Finding("job.started", Severity.INFO, subject,
-                                        f"job {req.job_id} first reported (rank {req.rank}, step {req.step})",
-                                        {"job_id": req.job_id, "rank": req.rank, "step": req.step,
+            out.findings.append(Finding("job.started", Severity.INFO, f"job/{job_id}",
+                                        f"job {job_id} first reported (rank {rank}, step {step})",
+                                        {"job_id": job_id, "rank": rank, "step": step,
                                          "world_size": req.world_size}))
         job.last_report = now
         job.steps_seen += 1
-        job.last_step = max(job.last_step, req.step)
-        job.world_size = max(job.world_size, req.world_size)
+        if step > job.last_step:
+            job.last_step = step
+        world = req.world_size
+        if world > job.world_size:
+            job.world_size = world
         if len(job.ranks) < self.MAX_RANKS_TRACKED:
-            job.ranks.add(req.rank)
-            if req.gpu_uuid:
-                job.gpus.add(req.gpu_uuid)
-        if req.dropped_reports:
-            out.dropped_delta = req.dropped_reports
-            job.dropped_reports += req.dropped_reports
+            job.ranks.add(rank)
+            gpu = req.gpu_uuid
+            if gpu:
+                job.gpus.add(gpu)
+        dropped = req.dropped_reports
+        if dropped:
+            out.dropped_delta = dropped
+            job.dropped_reports += dropped
             out.findings.append(Finding(
-                "job.reports_dropped", Severity.WARNING, f"{subject}/rank/{req.rank}",
-                f"rank {req.rank} dropped {req.dropped_reports} report(s): the agent was slow or down",
-                {"job_id": req.job_id, "rank": req.rank, "dropped": req.dropped_reports}))
-        if req.checks_run:
-            job.checks_run[req.rank] = req.checks_run if len(job.checks_run) < self.MAX_RANKS_TRACKED else 0
-        self._nonfinite(req, job, out, now)
-        self._canary(req, job, out, now)
-        self._vote(req, job, out, now)
-        self._frozen(req, job, out, now)
+                "job.reports_dropped", Severity.WARNING, f"job/{job_id}/rank/{rank}",
+                f"rank {rank} dropped {dropped} report(s): the agent was slow or down",
+                {"job_id": job_id, "rank": rank, "dropped": dropped}))
+        checks = req.checks_run
+        if checks:
+            job.checks_run[rank] = checks if len(job.checks_run) < self.MAX_RANKS_TRACKED else 0
+        if not (isfinite(req.loss) and isfinite(req.grad_norm)):  # unset reads 0.0: finite
+            self._nonfinite(req, job, out, now)
+        if req.HasField("canary"):
+            self._canary(req, job, out, now)
+        if req.HasField("vote"):
+            self._vote(req, job, out, now)
+        if req.frozen_changed:
+            self._frozen(req, job, out, now)
         return out
 
     # -- rules -------------------------------------------------------------------------------------

@@ -45,22 +45,24 @@ class LossWiring:
             d.pop(job, None)  # type: ignore[attr-defined]
 
     def on_report(self, req: pb.ReportStepRequest, out: "ReportOutcome", now: float) -> list[pb.Directive]:
-        job = req.job_id
-        self._notice_rollback(job, req.rank, req.step)
+        job, rank, step = req.job_id, req.rank, req.step
+        self._notice_rollback(job, rank, step)
         jl = self.jobs.get(job)
         if jl is None:
             jl = self.jobs[job] = JobLoss(self.config)
-        events = jl.add(req.step, req.rank, req.world_size,
+        events = jl.add(step, rank, req.world_size,
                         req.loss if req.HasField("loss") else None,
                         req.grad_norm if req.HasField("grad_norm") else None,
                         req.loss_scale if req.HasField("loss_scale") else None, now)
         for ev in events:
             self._publish(job, ev)
-        return self._deliver(job, req.rank, now)
+        return self._deliver(job, rank, now) if self.directives else []
 
     # -- pieces ------------------------------------------------------------------------------------
     def _notice_rollback(self, job: str, rank: int, step: int) -> None:
-        steps = self.rank_steps.setdefault(job, {})
+        steps = self.rank_steps.get(job)
+        if steps is None:
+            steps = self.rank_steps[job] = {}
         prev = steps.get(rank)
         if len(steps) < 4096 or prev is not None:
             steps[rank] = step
