@@ -1,4 +1,5 @@
-"""The step log: one JSON line per accepted ReportStep (`<state>/steps/steps-*.jsonl`), written off the loop.
+"""The step log: one JSON line per accepted ReportStep (`step_line`, in `<state>/steps/steps-*.jsonl`), written
+off the loop.
 
 The event loop only appends `(request, time)` to a deque (well under a microsecond). A writer thread formats
 and writes the records in slices of `SLICE`, releasing the GIL between slices, and flushes every `FLUSH_S`:
@@ -15,9 +16,10 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from daemon.journal import Journal
+from proto.sdcwatch.v1 import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +31,8 @@ ERROR_EVERY_S = 60.0    # a failing step log is reported at most this often
 
 
 class StepLog:
-    def __init__(self, journal: Journal, line: Callable[[Any, float], str]) -> None:
+    def __init__(self, journal: Journal) -> None:
         self.journal = journal
-        self._line = line
         self._pending: collections.deque[tuple[Any, float]] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -98,13 +99,13 @@ class StepLog:
 
     def _write_slice(self) -> bool:
         """Format and write up to SLICE records; False when nothing was pending."""
-        pending, line, append = self._pending, self._line, self.journal.append_body
+        pending, append = self._pending, self.journal.append_body
         n = 0
         while n < SLICE and pending:
             req, now = pending.popleft()
             n += 1
             try:
-                append(line(req, now))
+                append(step_line(req, now))
             except (OSError, ValueError) as exc:
                 self._failed(1, exc)
         return n > 0
@@ -120,3 +121,27 @@ class StepLog:
         if now - self._error_logged >= ERROR_EVERY_S:
             log.error("step log: %d record(s) not written since the last report of this: %s", self.lost, exc)
             self._error_logged, self.lost = now, 0
+
+
+_INF = float("inf")
+
+
+def _json_number(x: float) -> str:
+    """A float as JSON: repr for finite values, a quoted string for NaN and the infinities."""
+    return repr(x) if x == x and x not in (_INF, -_INF) else f'"{x}"'
+
+
+def step_line(req: pb.ReportStepRequest, now: float) -> str:
+    """The step-log record of one accepted ReportStep, as a JSON object body without braces (the journal
+    adds the sequence number). Formatted directly (4x faster than building a dict for json.dumps): job ids
+    and hosts were validated to hold no character JSON would need to escape."""
+    parts = [f'"t":{now!r},"job":"{req.job_id}","rank":{req.rank},"step":{req.step}']
+    if req.HasField("loss"):
+        parts.append(f',"loss":{_json_number(req.loss)}')
+    if req.HasField("grad_norm"):
+        parts.append(f',"grad_norm":{_json_number(req.grad_norm)}')
+    if req.fingerprint:
+        parts.append(',"fp":["' + '","'.join([f"{w:016x}" for w in req.fingerprint]) + '"]')
+    if req.HasField("vote") and req.vote.checked:
+        parts.append(f',"agreed":{"true" if req.vote.agreed else "false"}')
+    return "".join(parts)

@@ -61,11 +61,10 @@ def test_rotated_names_start_at_their_first_seq(tmp_path):
 def test_step_log_lines_are_json_for_every_float(tmp_path) -> None:
     """The step log's fast formatter writes valid JSON: NaN and infinities as strings, tiny and huge floats
     and 64-bit fingerprint words exactly."""
-    import json
     import math
 
-    from daemon.agent import _step_line
     from daemon.journal import Journal
+    from daemon.step_log import step_line
     from proto.sdcwatch.v1 import agent_pb2 as pb
 
     j = Journal(tmp_path, prefix="steps", flush_each=True)
@@ -76,7 +75,7 @@ def test_step_log_lines_are_json_for_every_float(tmp_path) -> None:
                                    fingerprint=[0, 2**64 - 1, i])
         if i == 2:
             req.vote.checked, req.vote.agreed = True, False
-        j.append_body(_step_line(req, 1700000000.123456))
+        j.append_body(step_line(req, 1700000000.123456))
     records = list(j.read_since(0))
     j.close()
     assert [r["seq"] for r in records] == list(range(1, len(cases) + 1))
@@ -127,13 +126,12 @@ def test_the_step_log_thread_writes_and_flushes_without_the_loop(tmp_path, monke
     import time as _time
 
     from daemon import step_log as sl
-    from daemon.agent import _step_line
     from daemon.journal import Journal
     from proto.sdcwatch.v1 import agent_pb2 as pb
 
     j = Journal(tmp_path / "steps", prefix="steps", flush_each=False)
     j.open()
-    log = sl.StepLog(j, _step_line)
+    log = sl.StepLog(j)
     log.start()
     for step in range(100):
         log.add(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step, loss=1.0), 1.0)
@@ -154,7 +152,6 @@ def test_a_step_log_writer_stuck_in_a_write_does_not_hang_the_stop(tmp_path, mon
     import threading
 
     from daemon import step_log as sl
-    from daemon.agent import _step_line
     from daemon.journal import Journal
     from proto.sdcwatch.v1 import agent_pb2 as pb
 
@@ -168,7 +165,7 @@ def test_a_step_log_writer_stuck_in_a_write_does_not_hang_the_stop(tmp_path, mon
         return real(body)
 
     j.append_body = hung  # type: ignore[method-assign]
-    log = sl.StepLog(j, _step_line)
+    log = sl.StepLog(j)
     log.start()
     for step in range(sl.WAKE_AT + 1):
         log.add(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step), 1.0)
