@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -104,3 +105,33 @@ class AgentServer:
 
 def pid() -> int:
     return os.getpid()
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """pred()'s first truthy value, polled every 50 ms; AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def save_on_two_nodes(agents: dict[str, Any], job: str, clients: list[Any], step: int = 3) -> Any:
+    """Rank 0 on node-a's agent, rank 1 on node-b's (appended to `clients`, which the caller closes), each saves
+    `step` in small chunks; returns the CheckpointInfo once it is COMMITTED with both shards on both nodes."""
+    from checkpoint.client import CheckpointClient
+    from checkpoint.snapshot import SnapshotConfig
+
+    for a in agents.values():
+        a.wait_serving()
+    clients += [CheckpointClient.connect(job, r, 2, target=agents[n].target, deadline_s=10,
+                                        config=SnapshotConfig(chunk_bytes=4096))
+                for r, n in enumerate(("node-a", "node-b"))]
+    results = [c.save(step, state_dict(c.rank, step)).result(30) for c in clients]
+    assert all(r.error == "" for r in results), results
+    both = {(0, "node-a"), (0, "node-b"), (1, "node-a"), (1, "node-b")}
+    return wait_for(lambda: next((i for i in clients[1].list() if i.step == step and i.state == "COMMITTED"
+                                  and {(c.rank, c.node) for c in i.copies} == both), None))

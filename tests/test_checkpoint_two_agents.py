@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from checkpoint.errors import CorruptCheckpointError
 from checkpoint.restore import RestoreReport
 from checkpoint.shm_store import default_shm_root
 from checkpoint.snapshot import SnapshotConfig
-from ckpt_support import assert_same, flip_bit, job_id, state_dict
+from ckpt_support import assert_same, flip_bit, job_id, save_on_two_nodes, state_dict
 from daemon.config import Config
 from daemon.errors import ConfigError
 from daemon.peers_config import PeersConfig, parse_nodes
@@ -27,17 +26,6 @@ from daemon.peers_wiring import plan_peers, replicator_factory
 
 needs_wiring = pytest.mark.skipif("peers" not in {f.name for f in dataclasses.fields(Config)},
                                   reason="the agent's config has no [peers] section yet (daemon/peers_wiring.py)")
-
-
-def _wait(pred, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 @needs_wiring
@@ -53,17 +41,7 @@ def test_two_agents_replicate_and_a_lost_node_restores_from_its_peer(redis_serve
     job = job_id("peers")
     clients: list[CheckpointClient] = []
     try:
-        for a in agents.values():
-            a.wait_serving()
-        # rank 0 on node-a, rank 1 on node-b; small chunks so a shard has many
-        clients = [CheckpointClient.connect(job, r, 2, target=agents[n].target, deadline_s=10,
-                                            config=SnapshotConfig(chunk_bytes=4096))
-                   for r, n in enumerate(("node-a", "node-b"))]
-        results = [c.save(3, state_dict(c.rank, 3)).result(30) for c in clients]
-        assert all(r.error == "" for r in results), results
-        info = _wait(lambda: next((i for i in clients[1].list() if i.step == 3 and i.state == "COMMITTED"
-                                   and {(c.rank, c.node) for c in i.copies} ==
-                                   {(0, "node-a"), (0, "node-b"), (1, "node-a"), (1, "node-b")}), None))
+        info = save_on_two_nodes(agents, job, clients)  # rank 0 on node-a, rank 1 on node-b; small chunks
         assert info.shards == 2
         # each shard is in both memory tiers, the same bytes; the copies are recorded where they are
         plan = clients[0].link.restore_plan(job, 3, 0)

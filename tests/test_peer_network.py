@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,8 +23,8 @@ from checkpoint.grpc_store import (GrpcBlobStore, PeerCredentials, PeerStoreErro
                                    parse_location, set_credentials)
 from checkpoint.restore import RestoreReport
 from checkpoint.shm_store import DirStore, default_shm_root
-from checkpoint.snapshot import SnapshotConfig, dir_store_for
-from ckpt_support import assert_same, flip_bit, job_id, state_dict
+from checkpoint.snapshot import dir_store_for
+from ckpt_support import assert_same, flip_bit, job_id, save_on_two_nodes, state_dict, wait_for
 from conftest import free_port
 from daemon.errors import ConfigError
 from daemon.interceptors import AgentInterceptor
@@ -220,7 +219,7 @@ def test_a_broken_or_unfinished_put_leaves_nothing(peer: PeerServer, tls: dict[s
         with pytest.raises(InvalidInputError, match="declared"):                # fewer bytes than declared
             store._call(store._put, iter([encode_put(memoryview(b"x" * 10), "k/other", 20, finish=True)]),
                         "k/other")
-        _wait(lambda: not [f for f in peer.store.root.rglob("*") if ".tmp-" in f.name])
+        wait_for(lambda: not [f for f in peer.store.root.rglob("*") if ".tmp-" in f.name])
         assert store.get("k/blob") == b"old" * 1000                             # the older blob untouched
         assert peer.store.list() == ["k/blob"]
     finally:
@@ -329,17 +328,6 @@ def test_peers_flags_and_own_url_rule(tls: dict[str, Path], short_tmp: Path) -> 
 
 
 # ---- two real agents over TLS TCP ------------------------------------------------------------------------
-def _wait(pred: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
-
-
 def test_two_agents_replicate_over_tls_and_a_lost_node_restores_over_the_network(
         redis_server: Any, short_tmp: Path, tls: dict[str, Path]) -> None:
     tag = uuid.uuid4().hex[:6]
@@ -357,16 +345,7 @@ def test_two_agents_replicate_over_tls_and_a_lost_node_restores_over_the_network
     job = job_id("netpeers")
     clients: list[CheckpointClient] = []
     try:
-        for a in agents.values():
-            a.wait_serving()
-        clients = [CheckpointClient.connect(job, r, 2, target=agents[n].target, deadline_s=10,
-                                            config=SnapshotConfig(chunk_bytes=4096))
-                   for r, n in enumerate(("node-a", "node-b"))]
-        results = [c.save(3, state_dict(c.rank, 3)).result(30) for c in clients]
-        assert all(r.error == "" for r in results), results
-        _wait(lambda: next((i for i in clients[1].list() if i.step == 3 and i.state == "COMMITTED"
-                            and {(c.rank, c.node) for c in i.copies} ==
-                            {(0, "node-a"), (0, "node-b"), (1, "node-a"), (1, "node-b")}), None))
+        save_on_two_nodes(agents, job, clients)
         plan = clients[0].link.restore_plan(job, 3, 0)
         m0 = plan.shards[0].manifest
         m1 = clients[1].link.restore_plan(job, 3, 1).shards[0].manifest
