@@ -71,31 +71,29 @@ class StepLog:
             self._failed(0, exc)
 
     def drain(self) -> None:
-        """Write every pending record and flush (the writer's work; also called directly at close)."""
-        self._report_dropped()
-        with self._lock:
-            while self._write_slice():
-                pass
-            try:
-                self.journal.flush()
-            except (OSError, ValueError) as exc:
-                self._failed(0, exc)
+        """Write every pending record and flush (also called directly at close)."""
+        self._write(flush=True)
 
     def _run(self) -> None:
         last_flush = time.monotonic()
         while not self._stop.is_set():
             self._wake.wait(FLUSH_S)
             self._wake.clear()
-            self._report_dropped()
-            with self._lock:
-                while self._write_slice():
-                    time.sleep(0)  # let the event loop have the GIL between slices
-                if time.monotonic() - last_flush >= FLUSH_S:
-                    last_flush = time.monotonic()
-                    try:
-                        self.journal.flush()
-                    except (OSError, ValueError) as exc:
-                        self._failed(0, exc)
+            due = time.monotonic() - last_flush >= FLUSH_S
+            self._write(flush=due)
+            if due:
+                last_flush = time.monotonic()
+
+    def _write(self, *, flush: bool) -> None:
+        self._report_dropped()
+        with self._lock:
+            while self._write_slice():
+                time.sleep(0)  # let the event loop have the GIL between slices
+            if flush:
+                try:
+                    self.journal.flush()
+                except (OSError, ValueError) as exc:
+                    self._failed(0, exc)
 
     def _write_slice(self) -> bool:
         """Format and write up to SLICE records; False when nothing was pending."""
