@@ -49,7 +49,7 @@ def serve(root: str, sock: str, cert: str, key: str) -> None:
         unix = grpc.aio.server(options=opts)
         register(unix, service)
         unix.add_insecure_port(f"unix:{sock}")
-        tcp = grpc.aio.server(interceptors=[AgentInterceptor(None, TOKEN)], options=opts)
+        tcp = grpc.aio.server(interceptors=[AgentInterceptor(TOKEN)], options=opts)
         register(tcp, service)
         port = tcp.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
             [(Path(key).read_bytes(), Path(cert).read_bytes())]))

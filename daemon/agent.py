@@ -32,7 +32,7 @@ from daemon.errors import FatalError
 from daemon.events import EventBus
 from daemon.gpus import GpuRecord, GpuRegistry
 from daemon.interceptors import AgentInterceptor, MeteredServer
-from daemon.jobs import JobTracker
+from daemon.jobs import JobTracker, ReportOutcome
 from daemon.journal import Journal
 from daemon.metrics import AgentMetrics, start_http
 from daemon.probe_runner import ProbeRunner
@@ -69,6 +69,7 @@ class Agent:
         self.gpus = GpuRegistry(on_transition=self._on_gpu_transition)
         self.jobs = JobTracker(max_jobs=config.jobs.max_jobs, idle_s=config.jobs.job_idle_s,
                                on_evict=self._forget_job)
+        self.metrics.watch_jobs(self.jobs)
         self.health = HealthServicer()
         from daemon.alerts import AlertDispatcher
 
@@ -92,7 +93,8 @@ class Agent:
         self.static_probes: dict[str, tuple[str, str]] = {}   # probes that never run: name -> (state, why)
         self.extra_versions: dict[str, str] = {}              # e.g. the NVIDIA driver
         self.gpu_state_hook: Callable[[GpuRecord], None] | None = None
-        self.report_hook: Callable[[pb.ReportStepRequest, Any, float], list[pb.Directive]] | None = None
+        self.report_hook: Callable[[pb.ReportStepRequest, float], list[pb.Directive]] | None = None
+        self.log_steps = config.journal.step_log
         self._job_events: asyncio.Queue[tuple[str, int | None, str, float, str]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -233,7 +235,7 @@ class Agent:
     def _make_server(self, token: str | None) -> grpc.aio.Server:
         # The token (TCP only) is checked by an interceptor; the RPC metrics wrap each handler once, at
         # registration (MeteredServer), so the unix socket's calls go through no interceptor at all.
-        server = grpc.aio.server(interceptors=[AgentInterceptor(None, token)] if token else None,
+        server = grpc.aio.server(interceptors=[AgentInterceptor(token)] if token else None,
                                  options=self._server_options())
         metered: Any = MeteredServer(server, self.metrics)
         pb_grpc.add_AgentServicer_to_server(AgentService(self), metered)
@@ -462,25 +464,26 @@ class Agent:
         return before, after
 
     def handle_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
+        """One accepted ReportStep: job state, step log, loss detector; returns the rank's directives."""
         out = self.jobs.report(req, now)
-        job = req.job_id
-        steps, last_step = self.metrics.job_children(job)
-        steps.inc()
-        last_step.set(out.job.last_step)
+        if out is not None:
+            self._act_on(req.job_id, out, now)
+        if self.log_steps:
+            self.step_log.add(req, now)  # formatted and written by the step log's thread (daemon/step_log.py)
+        hook = self.report_hook
+        return hook(req, now) if hook is not None else []
+
+    def _act_on(self, job: str, out: ReportOutcome, now: float) -> None:
         if out.dropped_delta:
             self.metrics.job_dropped.labels(job).inc(out.dropped_delta)
         if out.mismatch:
             self.metrics.job_mismatches.labels(job).inc()
-        if self.config.journal.step_log:
-            self.step_log.add(req, now)  # formatted and written by the step log's thread (daemon/step_log.py)
         for finding in out.findings:
             self.bus.publish_finding(finding)
         for step, kind, reason in out.job_events:
             self.job_event(job, step, kind, reason)
         for uuid, host, ev in out.evidence:
             self._attach_job_evidence(uuid, host, ev, now)
-        extra = self.report_hook(req, out, now) if self.report_hook is not None else []
-        return out.directives + extra
 
     def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
         """Evidence about a GPU named by a rank: kept only if that GPU is on this node."""

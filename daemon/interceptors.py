@@ -23,7 +23,7 @@ class MeteredServer:
     """What the `add_*Servicer_to_server` functions see instead of the server: every method handler they
     register is wrapped once with the RPC metrics, so a call pays no interceptor on its path (an interceptor
     costs a coroutine and a lookup per call; on the unix socket, where no token is checked, nothing else needs
-    one). `AgentInterceptor(None, token)` still guards the TCP server."""
+    one). `AgentInterceptor(token)` still guards the TCP server."""
 
     def __init__(self, server: grpc.aio.Server, metrics: AgentMetrics) -> None:
         self._server = server
@@ -62,32 +62,20 @@ class _MeteredGeneric(grpc.GenericRpcHandler):
 
 
 class AgentInterceptor(grpc.aio.ServerInterceptor):
-    """Checks `authorization: Bearer <token>` when a token is set; counts and times every RPC."""
+    """Checks `authorization: Bearer <token>` on every call of the TCP server (the RPC metrics are not an
+    interceptor: `MeteredServer` wraps each handler once)."""
 
-    def __init__(self, metrics: AgentMetrics | None, token: str | None = None) -> None:
-        self._meter = _Meter(metrics) if metrics is not None else None
-        self.token = token.encode() if token else None
-        self._wrapped: dict[str, tuple[Any, Any]] = {}   # method -> (handler, its wrapped handler)
+    def __init__(self, token: str) -> None:
+        self.token = token.encode()
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None:
-            return None
-        method = _method_name(details.method)
-        if self.token is not None and not self._authorized(details):
-            return _deny(handler)
-        if self._meter is None:
+        if handler is None or self._authorized(details):
             return handler
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:  # built once per method, not per call
-            return cached[1]
-        wrapped = self._meter.wrap(handler, method)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+        return _deny(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        assert self.token is not None
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
@@ -96,10 +84,11 @@ class AgentInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _Meter:
-    """Wraps a method handler so each call is counted by status code and timed (`sdcwatch_rpc_*`)."""
+    """Wraps a method handler so each call is counted by status code and timed (`sdcwatch_rpc_*`, kept by
+    `daemon.metrics.RpcStats`: plain counts, no lock on the call's path)."""
 
     def __init__(self, metrics: AgentMetrics) -> None:
-        self.metrics = metrics
+        self.rpc = metrics.rpc
 
     def wrap(self, handler: Any, method: str) -> Any:
         if handler.unary_unary is not None:
@@ -120,30 +109,29 @@ class _Meter:
         return handler
 
     def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
-        metrics = self.metrics
-        seconds = metrics.rpc_seconds.labels(method)
-        ok_counter = metrics.rpc_total.labels(method, "OK")
+        stats = self.rpc.method(method)
+        observe, count, codes = stats.observe, stats.count, stats.codes
+        clock = time.perf_counter
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            started = time.perf_counter()
+            started = clock()
             try:
                 response = await fn(request, context)
             except BaseException:
-                code = context.code() if hasattr(context, "code") else None
-                metrics.rpc_total.labels(method, _code_name(code, "UNKNOWN")).inc()
+                count(_code_name(context.code(), "UNKNOWN"))
                 raise
-            seconds.observe(time.perf_counter() - started)
+            observe(clock() - started)
             code = context.code()
-            if code is None or code == grpc.StatusCode.OK or code == 0:
-                ok_counter.inc()
-            else:
-                metrics.rpc_total.labels(method, _code_name(code, "UNKNOWN")).inc()
+            if code is None or code is _OK:
+                codes["OK"] = codes.get("OK", 0) + 1
+            else:   # a handler that set a code and returned (grpc's health Check on an unknown service)
+                count(_code_name(code, "UNKNOWN"))
             return response
 
         return wrapped
 
     def _wrap_stream(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
-        metrics = self.metrics
+        count = self.rpc.method(method).count
         if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write()
             async def wrapped_writer(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 code = "OK"
@@ -153,7 +141,7 @@ class _Meter:
                     code = _code_name(context.code(), "CANCELLED")
                     raise
                 finally:
-                    metrics.rpc_total.labels(method, code).inc()
+                    count(code)
 
             return wrapped_writer
 
@@ -166,12 +154,17 @@ class _Meter:
                 code = _code_name(context.code(), "CANCELLED")
                 raise
             finally:
-                metrics.rpc_total.labels(method, code).inc()
+                count(code)
 
         return wrapped
 
 
+_OK = grpc.StatusCode.OK
+
+
 def _code_name(code: Any, default: str) -> str:
+    if code is None:
+        return default
     if isinstance(code, grpc.StatusCode):
         return code.name
     if isinstance(code, int):

@@ -46,22 +46,29 @@ class JobLoss:
         self.max_step = step if self.max_step is None else max(self.max_step, step)
         if self.last_fed is not None and step <= self.last_fed:
             return []  # a late report of a step already judged
-        p = self.pending.get(step)
-        if p is None:
-            out_of_order = bool(self.pending) and step < next(reversed(self.pending))
-            p = self.pending[step] = _Pending(world=world_size)
+        pending = self.pending
+        p = pending.get(step)
+        created = p is None
+        if created:
+            out_of_order = bool(pending) and step < next(reversed(pending))
+            p = pending[step] = _Pending(world=world_size)
             if out_of_order:  # rare (a straggler's report): keep the pending steps in step order
-                self.pending = collections.OrderedDict(sorted(self.pending.items()))
-        if rank in p.ranks:
+                self.pending = collections.OrderedDict(sorted(pending.items()))
+        ranks = p.ranks
+        if rank in ranks:
             return []
-        p.ranks.add(rank)
+        ranks.add(rank)
         if loss is not None:
             p.loss.append(loss)
         if grad_norm is not None:
             p.grad.append(grad_norm)
         if loss_scale is not None:
             p.scale = loss_scale if p.scale is None else min(p.scale, loss_scale)
-        return self._drain(now)
+        # A step is fed when complete, or stale (two newer steps, or too many pending): completion changes
+        # only with this rank, staleness only with a new step, so other reports have nothing to drain.
+        if created or (p.world > 0 and len(ranks) >= p.world):
+            return self._drain(now)
+        return []
 
     def _drain(self, now: float) -> list[LossEvent]:
         events: list[LossEvent] = []
@@ -81,6 +88,8 @@ class JobLoss:
 def _mean(xs: list[float]) -> float | None:
     if not xs:
         return None
-    if any(not math.isfinite(x) for x in xs):
-        return math.nan if any(math.isnan(x) for x in xs) else math.inf
-    return sum(xs) / len(xs)
+    total = sum(xs)
+    if math.isfinite(total):
+        return total / len(xs)
+    # a NaN or an infinity among the ranks (or finite values that overflow the sum: then inf, as before)
+    return math.nan if any(math.isnan(x) for x in xs) else math.inf

@@ -1,7 +1,8 @@
 """Per-job state built from the ranks' ReportStep calls. Pure: no I/O, `now` passed in.
 
 `JobTracker.report(req, now)` returns what the agent must do: findings to journal, evidence to attach to
-local GPUs, directives for the rank. Memory is bounded: at most `max_jobs` jobs (least recently seen
+local GPUs, events for the checkpoint coordinator; or None, the usual case, when a report only moves the
+job along. Memory is bounded: at most `max_jobs` jobs (least recently seen
 evicted), a bounded set of ranks per job, and bounded dedup state.
 """
 from __future__ import annotations
@@ -46,7 +47,6 @@ class ReportOutcome:
     new_job: bool = False
     findings: list[Finding] = dataclasses.field(default_factory=list)
     evidence: list[tuple[str, str, Evidence]] = dataclasses.field(default_factory=list)  # (uuid, host, ev)
-    directives: list[pb.Directive] = dataclasses.field(default_factory=list)
     dropped_delta: int = 0
     mismatch: bool = False
     job_events: list[tuple[int | None, str, str]] = dataclasses.field(default_factory=list)  # for checkpoints
@@ -62,18 +62,14 @@ class JobTracker:
         self.idle_s = idle_s
         self.on_evict = on_evict
 
-    def _job(self, job_id: str, now: float) -> tuple[JobState, bool]:
-        job = self.jobs.get(job_id)
-        if job is not None:
-            self.jobs.move_to_end(job_id)
-            return job, False
+    def _new_job(self, job_id: str, now: float) -> JobState:
         while len(self.jobs) >= self.max_jobs:
             old, _ = self.jobs.popitem(last=False)
             if self.on_evict:
                 self.on_evict(old)
         job = JobState(job_id=job_id, first_seen=now)
         self.jobs[job_id] = job
-        return job, True
+        return job
 
     def jobs_on_gpu(self, uuid: str) -> list[JobState]:
         return [j for j in self.jobs.values() if uuid in j.gpus]
@@ -86,16 +82,17 @@ class JobTracker:
                 self.on_evict(j)
         return gone
 
-    def report(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome:
-        # On every ReportStep: each field is read once, and a rule is entered only when its field is set.
+    def report(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome | None:
+        """Account one accepted report. Returns None when it needs nothing more than that (nearly every
+        report); the rules, and the outcome they fill, run only for a report that carries their signal.
+        Each field is read once."""
         job_id, rank, step = req.job_id, req.rank, req.step
-        job, new = self._job(job_id, now)
-        out = ReportOutcome(job=job, new_job=new)
+        job = self.jobs.get(job_id)
+        new = job is None
         if new:
-            out.findings.append(Finding("job.started", Severity.INFO, f"job/{job_id}",
-                                        f"job {job_id} first reported (rank {rank}, step {step})",
-                                        {"job_id": job_id, "rank": rank, "step": step,
-                                         "world_size": req.world_size}))
+            job = self._new_job(job_id, now)
+        else:
+            self.jobs.move_to_end(job_id)
         job.last_report = now
         job.steps_seen += 1
         if step > job.last_step:
@@ -103,12 +100,26 @@ class JobTracker:
         world = req.world_size
         if world > job.world_size:
             job.world_size = world
-        if len(job.ranks) < self.MAX_RANKS_TRACKED:
-            job.ranks.add(rank)
+        ranks = job.ranks
+        if len(ranks) < self.MAX_RANKS_TRACKED:
+            ranks.add(rank)
             gpu = req.gpu_uuid
             if gpu:
                 job.gpus.add(gpu)
+        checks = req.checks_run
+        if checks:
+            job.checks_run[rank] = checks if len(job.checks_run) < self.MAX_RANKS_TRACKED else 0
         dropped = req.dropped_reports
+        finite = isfinite(req.loss) and isfinite(req.grad_norm)   # unset reads 0.0: finite
+        if not (new or dropped or not finite or req.HasField("canary") or req.HasField("vote")
+                or req.frozen_changed):
+            return None
+        out = ReportOutcome(job=job, new_job=new)
+        if new:
+            out.findings.append(Finding("job.started", Severity.INFO, f"job/{job_id}",
+                                        f"job {job_id} first reported (rank {rank}, step {step})",
+                                        {"job_id": job_id, "rank": rank, "step": step,
+                                         "world_size": req.world_size}))
         if dropped:
             out.dropped_delta = dropped
             job.dropped_reports += dropped
@@ -116,10 +127,7 @@ class JobTracker:
                 "job.reports_dropped", Severity.WARNING, f"job/{job_id}/rank/{rank}",
                 f"rank {rank} dropped {dropped} report(s): the agent was slow or down",
                 {"job_id": job_id, "rank": rank, "dropped": dropped}))
-        checks = req.checks_run
-        if checks:
-            job.checks_run[rank] = checks if len(job.checks_run) < self.MAX_RANKS_TRACKED else 0
-        if not (isfinite(req.loss) and isfinite(req.grad_norm)):  # unset reads 0.0: finite
+        if not finite:
             self._nonfinite(req, job, out, now)
         if req.HasField("canary"):
             self._canary(req, job, out, now)

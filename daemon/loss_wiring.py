@@ -22,7 +22,6 @@ from proto.sdcwatch.v1 import agent_pb2 as pb
 
 if TYPE_CHECKING:
     from daemon.agent import Agent
-    from daemon.jobs import ReportOutcome
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +43,16 @@ class LossWiring:
         for d in (self.jobs, self.rank_steps, self.rollbacks_seen, self.directives):
             d.pop(job, None)  # type: ignore[attr-defined]
 
-    def on_report(self, req: pb.ReportStepRequest, out: "ReportOutcome", now: float) -> list[pb.Directive]:
+    def on_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
         job, rank, step = req.job_id, req.rank, req.step
         self._notice_rollback(job, rank, step)
         jl = self.jobs.get(job)
         if jl is None:
             jl = self.jobs[job] = JobLoss(self.config)
-        events = jl.add(step, rank, req.world_size,
-                        req.loss if req.HasField("loss") else None,
-                        req.grad_norm if req.HasField("grad_norm") else None,
-                        req.loss_scale if req.HasField("loss_scale") else None, now)
+        has = req.HasField
+        events = jl.add(step, rank, req.world_size, req.loss if has("loss") else None,
+                        req.grad_norm if has("grad_norm") else None,
+                        req.loss_scale if has("loss_scale") else None, now)
         for ev in events:
             self._publish(job, ev)
         return self._deliver(job, rank, now) if self.directives else []

@@ -6,11 +6,18 @@ job ids capped by `jobs.max_jobs`), so the registry's size stays bounded.
 """
 from __future__ import annotations
 
+import bisect
 import platform
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from daemon.jobs import JobTracker
 
 from daemon import __version__
 
@@ -34,10 +41,8 @@ class AgentMetrics:
         self.ready = Gauge("sdcwatch_agent_ready", "1 when the agent is ready and serving", registry=r)
         self.node_state = Gauge("sdcwatch_node_state", "Node state: 1 when the node is in this state",
                                 ["state"], registry=r)
-        self.rpc_total = Counter("sdcwatch_rpc_requests_total", "gRPC requests handled",
-                                 ["method", "code"], registry=r)
-        self.rpc_seconds = Histogram("sdcwatch_rpc_duration_seconds", "gRPC handler latency (unary calls)",
-                                     ["method"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.rpc = RpcStats(_LATENCY_BUCKETS)
+        r.register(self.rpc)
         self.probe_seconds = Histogram("sdcwatch_probe_duration_seconds", "Duration of one probe run",
                                        ["probe"], buckets=_LATENCY_BUCKETS, registry=r)
         self.probe_runs = Counter("sdcwatch_probe_runs_total", "Probe runs", ["probe"], registry=r)
@@ -48,9 +53,6 @@ class AgentMetrics:
         self.events_dropped = Counter("sdcwatch_events_dropped_total",
                                       "Events not delivered to a sink (queue full or sink down)",
                                       ["sink"], registry=r)
-        self.job_steps = Counter("sdcwatch_job_steps_total", "ReportStep calls accepted", ["job_id"], registry=r)
-        self.job_last_step = Gauge("sdcwatch_job_last_step", "Newest step reported by a job", ["job_id"],
-                                   registry=r)
         self.job_dropped = Counter("sdcwatch_job_reports_dropped_total",
                                    "Reports the ranks dropped because the agent was slow or down", ["job_id"],
                                    registry=r)
@@ -62,16 +64,12 @@ class AgentMetrics:
                                   "Job-level events (loss anomalies, NaN, replica mismatch, frozen-parameter "
                                   "changes, rollbacks) by kind and severity", ["job_id", "kind", "severity"],
                                   registry=r)
-        self._job_kids: dict[str, tuple[Any, Any]] = {}
         self.reports_rejected = Counter("sdcwatch_reports_rejected_total",
                                         "ReportStep calls rejected as invalid", registry=r)
 
-    def job_children(self, job: str) -> tuple[Any, Any]:
-        """The per-job step counter and last-step gauge, cached (label lookups cost on the hot path)."""
-        kids = self._job_kids.get(job)
-        if kids is None:
-            kids = self._job_kids[job] = (self.job_steps.labels(job), self.job_last_step.labels(job))
-        return kids
+    def watch_jobs(self, tracker: "JobTracker") -> None:
+        """Expose each tracked job's step count and newest step, read from the tracker at scrape time."""
+        self.registry.register(_JobSteps(tracker))
 
     def observe_probe(self, name: str, seconds: float, ok: bool) -> None:
         self.probe_seconds.labels(name).observe(seconds)
@@ -80,15 +78,99 @@ class AgentMetrics:
             self.probe_failures.labels(name).inc()
 
     def forget_job(self, job: str) -> None:
-        self._job_kids.pop(job, None)
-        for metric in (self.job_steps, self.job_last_step, self.job_dropped, self.job_checks,
-                       self.job_mismatches):
+        for metric in (self.job_dropped, self.job_checks, self.job_mismatches):
             try:
                 metric.remove(job)
             except KeyError:
                 pass
         for labels in [k for k in self.job_events._metrics if k[0] == job]:  # noqa: SLF001
             self.job_events.remove(*labels)
+
+
+class RpcStats(Collector):
+    """`sdcwatch_rpc_requests_total{method,code}` and `sdcwatch_rpc_duration_seconds{method}`, kept as plain
+    counts that the registry reads at scrape time.
+
+    Every RPC updates them on the event loop, the one thread that writes them; prometheus_client's own
+    metrics take a lock per update (a histogram: two), which cost the loop several microseconds per call
+    inside the gRPC server. A scrape reads the counts from the HTTP thread: the histogram's count is the sum
+    of its buckets, so it is consistent whatever the loop does meanwhile."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = tuple(float(b) for b in buckets)
+        self._le = (*(floatToGoString(b) for b in self.bounds), "+Inf")
+        self.methods: dict[str, MethodStats] = {}
+
+    def method(self, name: str) -> "MethodStats":
+        stats = self.methods.get(name)
+        if stats is None:
+            stats = self.methods[name] = MethodStats(self.bounds)
+        return stats
+
+    def collect(self) -> Iterator[Any]:
+        calls = CounterMetricFamily("sdcwatch_rpc_requests", "gRPC requests handled", labels=["method", "code"])
+        seconds = HistogramMetricFamily("sdcwatch_rpc_duration_seconds", "gRPC handler latency (unary calls)",
+                                        labels=["method"])
+        for name, stats in list(self.methods.items()):
+            for code, n in list(stats.codes.items()):
+                calls.add_metric([name, code], n)
+            counts = list(stats.buckets)
+            if not any(counts):
+                continue
+            cumulative, buckets = 0, []
+            for bound, n in zip(self._le, counts):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            seconds.add_metric([name], buckets, stats.seconds)
+        yield calls
+        yield seconds
+
+    def describe(self) -> Iterator[Any]:   # names only: the registry checks them for clashes without collecting
+        yield CounterMetricFamily("sdcwatch_rpc_requests", "gRPC requests handled", labels=["method", "code"])
+        yield HistogramMetricFamily("sdcwatch_rpc_duration_seconds", "gRPC handler latency (unary calls)",
+                                    labels=["method"])
+
+
+class MethodStats:
+    """One method's calls by status code and its latency histogram (written by the event loop only)."""
+
+    __slots__ = ("bounds", "buckets", "seconds", "codes")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.buckets = [0] * (len(bounds) + 1)   # the last one is +Inf
+        self.seconds = 0.0
+        self.codes: dict[str, int] = {}
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(self.bounds, seconds)] += 1   # le: a value on a bound is in it
+        self.seconds += seconds
+
+    def count(self, code: str) -> None:
+        self.codes[code] = self.codes.get(code, 0) + 1
+
+
+class _JobSteps(Collector):
+    """`sdcwatch_job_steps_total{job_id}` and `sdcwatch_job_last_step{job_id}` from the job tracker: the
+    numbers ReportStep keeps anyway, so a report updates no metric of its own. An evicted job's series go
+    with it."""
+
+    def __init__(self, tracker: "JobTracker") -> None:
+        self.tracker = tracker
+
+    def collect(self) -> Iterator[Any]:
+        steps = CounterMetricFamily("sdcwatch_job_steps", "ReportStep calls accepted", labels=["job_id"])
+        last = GaugeMetricFamily("sdcwatch_job_last_step", "Newest step reported by a job", labels=["job_id"])
+        for job in list(self.tracker.jobs.values()):
+            steps.add_metric([job.job_id], job.steps_seen)
+            if job.last_step >= 0:
+                last.add_metric([job.job_id], job.last_step)
+        yield steps
+        yield last
+
+    def describe(self) -> Iterator[Any]:
+        yield CounterMetricFamily("sdcwatch_job_steps", "ReportStep calls accepted", labels=["job_id"])
+        yield GaugeMetricFamily("sdcwatch_job_last_step", "Newest step reported by a job", labels=["job_id"])
 
 
 def start_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Any]:

@@ -44,6 +44,10 @@ def _jsonable(value: object) -> object:
     return str(value)
 
 
+# The usual reply, built once: gRPC only serializes it, and nothing writes to it.
+_ACCEPTED = pb.ReportStepResponse(accepted=True)
+
+
 class AgentService(pb_grpc.AgentServicer):
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
@@ -72,7 +76,7 @@ class AgentService(pb_grpc.AgentServicer):
             self.agent.metrics.reports_rejected.inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         directives = self.agent.handle_report(request, time.time())
-        return pb.ReportStepResponse(accepted=True, directives=directives)
+        return pb.ReportStepResponse(accepted=True, directives=directives) if directives else _ACCEPTED
 
     async def ClearGpu(self, request: pb.ClearGpuRequest, context: grpc.aio.ServicerContext) -> pb.ClearGpuResponse:
         err = validation.check_clear_gpu(request)

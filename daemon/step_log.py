@@ -47,8 +47,9 @@ class StepLog:
         if len(self._pending) >= MAX_PENDING:
             self.dropped += 1  # reported by the writer
             return
-        self._pending.append((req, now))
-        if len(self._pending) >= WAKE_AT:
+        pending = self._pending
+        pending.append((req, now))
+        if len(pending) == WAKE_AT:   # once, on the way up: setting the event costs a lock and a notify
             self._wake.set()
 
     def start(self) -> None:

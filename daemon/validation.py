@@ -23,37 +23,53 @@ MAX_LABELS = 32
 MAX_SUSPECTS = 4096
 
 
-_GOOD_NAMES: dict[str, None] = {}   # job ids, hosts and GPU UUIDs already accepted (bounded)
+class _Accepted:
+    """Names of one kind (job ids, hosts, GPU UUIDs, replica groups) that already passed their pattern: a
+    rank sends the same few names on every report, so the pattern runs once per name. Bounded; one set per
+    kind, so a name accepted as one kind is never taken for another."""
+
+    __slots__ = ("names", "limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.names: set[str] = set()
+        self.limit = limit
+
+    def add(self, name: str) -> None:
+        if len(self.names) >= self.limit:
+            self.names.clear()
+        self.names.add(name)
 
 
-def _known_good(name: str) -> bool:
-    return name in _GOOD_NAMES
-
-
-def _remember(name: str) -> None:
-    if len(_GOOD_NAMES) >= 4096:
-        _GOOD_NAMES.clear()
-    _GOOD_NAMES[name] = None
+_JOBS, _HOSTS, _UUIDS, _GROUPS = _Accepted(), _Accepted(), _Accepted(), _Accepted()
 
 
 def check_job_id(job_id: str) -> str | None:
     if not job_id:
         return "job_id is empty"
-    if _known_good(job_id):
+    if job_id in _JOBS.names:
         return None
     if not JOB_ID.match(job_id):
         return (f"job_id {job_id[:64]!r} is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, "
                 "starting with a letter or digit")
-    _remember(job_id)
+    _JOBS.add(job_id)
     return None
 
 
 def check_gpu_uuid(uuid: str, field: str = "gpu_uuid") -> str | None:
-    if not uuid or _known_good(uuid):
+    if not uuid or uuid in _UUIDS.names:
         return None
     if not GPU_UUID.match(uuid):
         return f"{field} {uuid[:64]!r} is not a GPU UUID (GPU-... or MIG-...)"
-    _remember(uuid)
+    _UUIDS.add(uuid)
+    return None
+
+
+def check_host(host: str, field: str = "host") -> str | None:
+    if not host or host in _HOSTS.names:
+        return None
+    if not HOST.match(host):
+        return f"{field} {host[:64]!r} is not a hostname"
+    _HOSTS.add(host)
     return None
 
 
@@ -69,6 +85,32 @@ def _finite_nonneg(name: str, value: float) -> str | None:
 
 
 def check_report_step(req: pb.ReportStepRequest) -> str | None:
+    """None when the report is valid, else what is wrong with it (the first problem found)."""
+    if _plain_and_valid(req):
+        return None
+    return _report_step_error(req)
+
+
+def _plain_and_valid(req: pb.ReportStepRequest) -> bool:
+    """The usual report (names seen before, numbers in range, none of the rarely sent parts), proved valid in
+    one expression: True only when `_report_step_error` would find nothing. Anything else, valid or not,
+    goes to `_report_step_error`, which says what is wrong. NaN fails every comparison, so it goes there too."""
+    rank, world = req.rank, req.world_size
+    host, uuid, group = req.host, req.gpu_uuid, req.replica_group
+    tm = req.timings   # unset: all zero
+    return (req.job_id in _JOBS.names and 0 <= rank and 0 <= world <= MAX_WORLD and (rank < world or not world)
+            and req.step >= 0 and req.grad_norm >= 0.0 and req.loss_scale >= 0.0
+            and 0.0 <= tm.step_s < _INF and 0.0 <= tm.check_s < _INF and 0.0 <= tm.data_s < _INF
+            and 0.0 <= req.time < _INF and req.micro_batch >= 0
+            and (not host or host in _HOSTS.names) and (not uuid or uuid in _UUIDS.names)
+            and (not group or group in _GROUPS.names)
+            and len(req.fingerprint) <= MAX_FINGERPRINT_WORDS
+            and not req.labels and not req.frozen_changed and not req.HasField("canary")
+            and not req.HasField("vote")
+            and req.ByteSize() <= MAX_REPORT_BYTES)
+
+
+def _report_step_error(req: pb.ReportStepRequest) -> str | None:
     size = req.ByteSize()
     if size > MAX_REPORT_BYTES:
         return f"ReportStep is {size} bytes; the limit is {MAX_REPORT_BYTES}"
@@ -91,13 +133,12 @@ def check_report_step(req: pb.ReportStepRequest) -> str | None:
             return f"loss_scale is {req.loss_scale}; it must be a number >= 0"
     if len(req.fingerprint) > MAX_FINGERPRINT_WORDS:
         return f"fingerprint has {len(req.fingerprint)} words; the limit is {MAX_FINGERPRINT_WORDS}"
-    if req.replica_group and not GROUP.match(req.replica_group):
-        return f"replica_group {req.replica_group[:64]!r} is invalid"
-    if req.host and not _known_good(req.host):
-        if not HOST.match(req.host):
-            return f"host {req.host[:64]!r} is not a hostname"
-        _remember(req.host)
-    err = check_gpu_uuid(req.gpu_uuid)
+    group = req.replica_group
+    if group and group not in _GROUPS.names:
+        if not GROUP.match(group):
+            return f"replica_group {group[:64]!r} is invalid"
+        _GROUPS.add(group)
+    err = check_host(req.host) or check_gpu_uuid(req.gpu_uuid)
     if err:
         return err
     if req.HasField("timings"):
@@ -140,9 +181,7 @@ def check_report_step(req: pb.ReportStepRequest) -> str | None:
         for s in vote.suspects:
             if s.rank < 0 or (req.world_size and s.rank >= req.world_size):
                 return f"vote suspect rank {s.rank} is out of range"
-            if s.host and not HOST.match(s.host):
-                return f"vote suspect host {s.host[:64]!r} is not a hostname"
-            err = check_gpu_uuid(s.gpu_uuid, "vote suspect gpu_uuid")
+            err = check_host(s.host, "vote suspect host") or check_gpu_uuid(s.gpu_uuid, "vote suspect gpu_uuid")
             if err:
                 return err
             if len(s.fingerprint) > MAX_FINGERPRINT_WORDS:

@@ -33,6 +33,7 @@ checkpoint: open anomalies are dropped, the baselines are kept.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -205,6 +206,7 @@ class _SignalTracker:
         self.cfg = cfg
         self.rules = rules
         self.accepted: deque[float] = deque(maxlen=cfg.window)
+        self._sorted: list[float] = []   # the same samples, in order: the baseline without a sort per step
         self.recent: deque[tuple[int, float]] = deque(maxlen=cfg.window)
         self.episode: _Episode | None = None
         self.block: list[float] = []
@@ -214,7 +216,13 @@ class _SignalTracker:
 
     # -- statistics ------------------------------------------------------------------------------
     def baseline(self) -> float:
-        return statistics.median(self.accepted)
+        """The median of the accepted window (ValueError when empty, as statistics.median)."""
+        xs = self._sorted
+        n = len(xs)
+        if n == 0:
+            raise statistics.StatisticsError("no accepted samples")
+        half = n // 2
+        return xs[half] if n % 2 else (xs[half - 1] + xs[half]) / 2
 
     def sigma(self) -> float:
         """Robust noise scale of the log value: MAD of successive differences / sqrt(2)."""
@@ -239,13 +247,18 @@ class _SignalTracker:
         return s
 
     def _accept(self, x: float) -> None:
-        self.accepted.append(x)
+        accepted, xs = self.accepted, self._sorted
+        if len(accepted) == accepted.maxlen:   # the oldest leaves the window
+            del xs[bisect.bisect_left(xs, accepted[0])]
+        accepted.append(x)
+        bisect.insort(xs, x)
         self._accepted_count += 1
 
     def _rebase(self, xs: Sequence[float], clear_divergence: bool) -> None:
         """Adopt a new level as the baseline: after a reported critical (which also restarts the
         divergence reference) or a long benign shift (which must not hide a slow divergence)."""
         self.accepted.clear()
+        self._sorted.clear()
         for x in xs:
             self._accept(x)
         self.episode = None

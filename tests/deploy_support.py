@@ -54,14 +54,17 @@ def exported_metric_names() -> set[str]:
     from daemon.alerts import AlertMetrics
     from daemon.checkpoint_metrics import CheckpointMetrics
     from daemon.gpu_metrics import GpuMetrics
+    from daemon.jobs import JobTracker
     from daemon.metrics import AgentMetrics
 
+    agent_metrics = AgentMetrics()
+    agent_metrics.watch_jobs(JobTracker())
     reg = CollectorRegistry()
     GpuMetrics(reg)
     AlertMetrics(reg)
     CheckpointMetrics(reg)
     names: set[str] = set()
-    for r in (AgentMetrics().registry, reg):
+    for r in (agent_metrics.registry, reg):
         for mf in r.collect():
             names.add(mf.name)
             if mf.type == "counter":

@@ -215,3 +215,39 @@ def test_metrics_endpoint(agent):
     assert 'sdcwatch_job_steps_total{job_id="metrics-job"} 1.0' in text
     assert 'sdcwatch_events_total{kind="agent.ready",severity="info"} 1.0' in text
     assert "sdcwatch_agent_uptime_seconds" in text
+
+
+def test_rpc_stats_exposition_matches_prometheus_semantics() -> None:
+    """The RPC counts kept without prometheus_client's locks expose as a standard counter and histogram."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from daemon.jobs import JobTracker
+    from daemon.metrics import AgentMetrics
+
+    m = AgentMetrics()
+    tracker = JobTracker(max_jobs=1)
+    m.watch_jobs(tracker)
+    check = m.rpc.method("Check")
+    for seconds in (0.00005, 0.0001, 0.0002, 0.003, 7.0):   # 0.0001 sits on a bound: le includes it
+        check.observe(seconds)
+    for code in ("OK", "OK", "NOT_FOUND"):
+        check.count(code)
+    tracker.report(pb.ReportStepRequest(job_id="j1", rank=0, step=5), 1.0)
+    tracker.report(pb.ReportStepRequest(job_id="j1", rank=1, step=4), 1.0)
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
+    calls = {(s.labels["method"], s.labels["code"]): s.value for s in fams["sdcwatch_rpc_requests"].samples}
+    assert calls == {("Check", "OK"): 2, ("Check", "NOT_FOUND"): 1}
+    hist = {(s.name, s.labels.get("le")): s.value for s in fams["sdcwatch_rpc_duration_seconds"].samples}
+    assert hist[("sdcwatch_rpc_duration_seconds_bucket", "0.0001")] == 2
+    assert hist[("sdcwatch_rpc_duration_seconds_bucket", "0.00025")] == 3
+    assert hist[("sdcwatch_rpc_duration_seconds_bucket", "5.0")] == 4
+    assert hist[("sdcwatch_rpc_duration_seconds_bucket", "+Inf")] == 5
+    assert hist[("sdcwatch_rpc_duration_seconds_count", None)] == 5
+    assert abs(hist[("sdcwatch_rpc_duration_seconds_sum", None)] - 7.00335) < 1e-9
+    steps = {s.labels["job_id"]: s.value for s in fams["sdcwatch_job_steps"].samples if s.name.endswith("_total")}
+    assert steps == {"j1": 2}
+    assert [s.value for s in fams["sdcwatch_job_last_step"].samples] == [5]
+    tracker.report(pb.ReportStepRequest(job_id="j2", rank=0, step=1), 2.0)   # evicts j1 (max_jobs=1)
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
+    assert {s.labels["job_id"] for s in fams["sdcwatch_job_steps"].samples} == {"j2"}

@@ -255,3 +255,21 @@ def test_rollback_none_without_older_checkpoint_or_for_non_critical() -> None:
     assert RollbackPolicy().decide(_event(), []) is None
     with pytest.raises(ValueError):
         RollbackPolicy(skip_batches=-1)
+
+
+def test_the_baseline_is_the_median_of_the_window_through_rebases() -> None:
+    """The baseline is kept in a sorted window (no sort per step): it must equal the median of exactly the
+    accepted samples, through window turnover, anomalies (not accepted) and rebases."""
+    import statistics
+
+    rng = np.random.default_rng(7)
+    det = LossDetector(LossDetectorConfig(window=32, warmup_steps=0))
+    values = np.exp(rng.normal(0, 0.05, 600))
+    values[200:230] *= 4.0          # a sustained excursion: not accepted, then a rebase
+    values[400] = 50.0              # a spike
+    values[450:] *= 0.5             # a level shift down
+    for step, v in enumerate(values):
+        det.update(step, float(v), grad_norm=float(v) * 2, now=float(step))
+        for tracker in (det._loss, det._grad):   # noqa: SLF001 (the invariant is internal)
+            assert tracker._sorted == sorted(tracker.accepted)   # noqa: SLF001
+            assert tracker.baseline() == statistics.median(tracker.accepted)

@@ -70,7 +70,7 @@ class PeerServer:
             unix = grpc.aio.server()
             register(unix, self.service)
             unix.add_insecure_port(f"unix:{self.sock}")
-            tcp = grpc.aio.server(interceptors=[AgentInterceptor(None, TOKEN)])
+            tcp = grpc.aio.server(interceptors=[AgentInterceptor(TOKEN)])
             register(tcp, self.service)
             creds = grpc.ssl_server_credentials([(self.tls["key"].read_bytes(), self.tls["cert"].read_bytes())])
             self.port = tcp.add_secure_port("127.0.0.1:0", creds)
