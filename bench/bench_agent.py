@@ -133,6 +133,16 @@ def cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds of the process's main thread (its event loop: the one thread every call goes through,
+    so what bounds throughput when the GIL is the limit). NaN where /proc is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     import psutil
 
@@ -206,6 +216,7 @@ def main() -> None:
         lat: dict[tuple[str, str], list[float]] = {}
         tput: dict[str, list[float]] = {k: [] for k in targets}
         cpu_us: dict[str, list[float]] = {k: [] for k in targets}  # server CPU per call in the throughput blocks
+        loop_us: dict[str, list[float]] = {k: [] for k in targets}  # of which the main (event loop) thread
         pids = {k: p.pid for k, p in zip(targets, servers)}
         offset = 0
         for r in range(args.rounds):
@@ -216,11 +227,12 @@ def main() -> None:
                         continue  # latency: agent vs the bare asyncio server (the issue's baseline)
                     lat.setdefault((who, kind), []).extend(latencies(targets[who], kind, args.calls, offset))
                     offset += args.calls
-                c0, t0 = cpu_s(pids[who]), time.perf_counter()
+                c0, m0, t0 = cpu_s(pids[who]), main_thread_cpu_s(pids[who]), time.perf_counter()
                 rate = asyncio.run(throughput(targets[who], args.seconds, args.concurrency, offset))
                 calls = rate * (time.perf_counter() - t0)
                 tput[who].append(rate)
                 cpu_us[who].append((cpu_s(pids[who]) - c0) / max(calls, 1) * 1e6)
+                loop_us[who].append((main_thread_cpu_s(pids[who]) - m0) / max(calls, 1) * 1e6)
                 offset += 10_000_000
         mem = asyncio.run(memory_run(targets["agent"], args.memory_calls, agent.pid, args.concurrency))
     finally:
@@ -247,10 +259,16 @@ def main() -> None:
     ca, cb = statistics.median(cpu_us["agent"]), statistics.median(cpu_us["bare"])
     print(f"server CPU per ReportStep in those blocks (all threads): agent {ca:.0f} us, bare {cb:.0f} us, "
           f"ratio {ca / cb:.2f} (what bounds throughput when the server, not the client, is saturated)")
+    la, lb = statistics.median(loop_us["agent"]), statistics.median(loop_us["bare"])
+    print(f"  of which the event-loop thread: agent {la:.0f} us, bare {lb:.0f} us, ratio {la / lb:.2f}")
     if tput.get("bare-uvloop"):
         tu, cu = statistics.median(tput["bare-uvloop"]), statistics.median(cpu_us["bare-uvloop"])
+        lu = statistics.median(loop_us["bare-uvloop"])
         print(f"  the same against a bare server on uvloop (the agent's loop): {tu:,.0f}/s, ratio bare/agent "
-              f"{tu / ta:.2f}; CPU {cu:.0f} us, ratio {ca / cu:.2f}")
+              f"{tu / ta:.2f}; CPU {cu:.0f} us, ratio {ca / cu:.2f}; event-loop thread {lu:.0f} us, "
+              f"ratio {la / lu:.2f}")
+    print("  throughput per round (agent / bare): " + ", ".join(
+        f"{a:,.0f}/{b:,.0f}" for a, b in zip(tput["agent"], tput["bare"])))
     first = mem[1][1] if len(mem) > 1 else mem[0][1]
     print("agent RSS over ReportStep calls: " + ", ".join(f"{n // 1000}k:{m:.0f}MB" for n, m in mem))
     print(f"RSS growth from the first 10% to the end: {mem[-1][1] - first:+.1f} MB over {mem[-1][0]:,} calls")

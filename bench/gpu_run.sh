@@ -33,8 +33,8 @@ want diag && step nvml-diag 150 python3 bench/nvml_diag.py
 want fields && [ "$NVML" = 1 ] && step nvml-fields 180 python3 bench/nvml_fields.py --cold-rounds 5 --json "$OUT/nvml_fields.json"
 want ckptprof && step ckpt-profile 120 python3 bench/bench_checkpoint.py --profile --mib 2048
 # the agent alone on an idle host (AGENT_FG=1), or in the background of the GPU work below
-want agentbench && [ "${AGENT_FG:-${FG:-0}}" = 1 ] && step agent-bench 300 python3 bench/bench_agent.py --calls 3000 \
-  --rounds 3 --seconds 3 --memory-calls 100000 $([ "$NVML" = 0 ] && echo --no-nvml)
+want agentbench && [ "${AGENT_FG:-${FG:-0}}" = 1 ] && step agent-bench 400 python3 bench/bench_agent.py --calls 3000 \
+  --rounds "${AGENT_ROUNDS:-3}" --seconds 3 --memory-calls 100000 $([ "$NVML" = 0 ] && echo --no-nvml)
 # the same with the canary on (it runs at the agent's start on the idle GPUs): RPC latency while it runs
 want agentcanary && step agent-bench-canary 200 python3 bench/bench_agent.py --calls 3000 --rounds 3 --seconds 3 \
   --memory-calls 20000 --with-canary
