@@ -199,6 +199,15 @@ class _Divergence:
     armed: int = 0
 
 
+def _median_of_sorted(xs: Sequence[float]) -> float:
+    """statistics.median of data already sorted (the same value, without sorting again)."""
+    n = len(xs)
+    if n == 0:
+        raise statistics.StatisticsError("no median for empty data")
+    half = n // 2
+    return xs[half] if n % 2 else (xs[half - 1] + xs[half]) / 2
+
+
 class _SignalTracker:
     """Baseline, robust scale, spike/sustained episodes and divergence for one positive signal."""
 
@@ -216,13 +225,8 @@ class _SignalTracker:
 
     # -- statistics ------------------------------------------------------------------------------
     def baseline(self) -> float:
-        """The median of the accepted window (ValueError when empty, as statistics.median)."""
-        xs = self._sorted
-        n = len(xs)
-        if n == 0:
-            raise statistics.StatisticsError("no accepted samples")
-        half = n // 2
-        return xs[half] if n % 2 else (xs[half - 1] + xs[half]) / 2
+        """The median of the accepted window (StatisticsError when empty, as statistics.median)."""
+        return _median_of_sorted(self._sorted)
 
     def sigma(self) -> float:
         """Robust noise scale of the log value: MAD of successive differences / sqrt(2)."""
@@ -236,9 +240,9 @@ class _SignalTracker:
         if len(vals) < cfg.sigma_samples:
             s = cfg.prior_sigma      # too few samples (or ones far apart) for a scale of their own
         elif len(vals) >= 3:
-            diffs = [b - a for a, b in zip(vals, vals[1:])]
-            med = statistics.median(diffs)
-            mad = statistics.median(abs(d - med) for d in diffs)
+            diffs = sorted([b - a for a, b in zip(vals, vals[1:])])
+            med = _median_of_sorted(diffs)
+            mad = _median_of_sorted(sorted([abs(d - med) for d in diffs]))
             s = _MAD_TO_SIGMA * mad / math.sqrt(2.0)
         else:
             s = 0.0
@@ -294,7 +298,8 @@ class _SignalTracker:
         # The level: the median of the last `level_steps` steps, only since the start of an open episode
         # (so the samples before a spike do not hide it).
         level_rs = [xi - b for st, xi in self.recent if ep is None or st >= ep.start_step] or [r]
-        level = statistics.median(level_rs)
+        level_rs.sort()
+        level = _median_of_sorted(level_rs)
         n = len(level_rs)
         spike_thr = max(math.log(rules.spike_ratio), rules.spike_z * s)
         elev_thr = max(math.log(rules.sustained_ratio), rules.sustained_z * s * _MEDIAN_EFFICIENCY / math.sqrt(n))
