@@ -107,8 +107,8 @@ class JobTracker:
             if gpu:
                 job.gpus.add(gpu)
         checks = req.checks_run
-        if checks:
-            job.checks_run[rank] = checks if len(job.checks_run) < self.MAX_RANKS_TRACKED else 0
+        if checks and (rank in job.checks_run or len(job.checks_run) < self.MAX_RANKS_TRACKED):
+            job.checks_run[rank] = checks   # the rank's own running count
         dropped = req.dropped_reports
         finite = isfinite(req.loss) and isfinite(req.grad_norm)   # unset reads 0.0: finite
         if not (new or dropped or not finite or req.HasField("canary") or req.HasField("vote")

@@ -56,8 +56,6 @@ class AgentMetrics:
         self.job_dropped = Counter("sdcwatch_job_reports_dropped_total",
                                    "Reports the ranks dropped because the agent was slow or down", ["job_id"],
                                    registry=r)
-        self.job_checks = Counter("sdcwatch_job_fingerprint_checks_total",
-                                  "Fingerprint checks run by the job's ranks", ["job_id"], registry=r)
         self.job_mismatches = Counter("sdcwatch_job_replica_mismatches_total",
                                       "Steps whose replica vote disagreed", ["job_id"], registry=r)
         self.job_events = Counter("sdcwatch_job_events_total",
@@ -78,7 +76,7 @@ class AgentMetrics:
             self.probe_failures.labels(name).inc()
 
     def forget_job(self, job: str) -> None:
-        for metric in (self.job_dropped, self.job_checks, self.job_mismatches):
+        for metric in (self.job_dropped, self.job_mismatches):
             try:
                 metric.remove(job)
             except KeyError:
@@ -151,9 +149,10 @@ class MethodStats:
 
 
 class _JobSteps(Collector):
-    """`sdcwatch_job_steps_total{job_id}` and `sdcwatch_job_last_step{job_id}` from the job tracker: the
-    numbers ReportStep keeps anyway, so a report updates no metric of its own. An evicted job's series go
-    with it."""
+    """`sdcwatch_job_steps_total`, `sdcwatch_job_last_step` and `sdcwatch_job_fingerprint_checks_total` (each
+    by job_id) from the job tracker: the numbers ReportStep keeps anyway, so a report updates no metric of its
+    own. The checks are the sum over the job's ranks of each rank's own running count (`checks_run`). An
+    evicted job's series go with it."""
 
     def __init__(self, tracker: "JobTracker") -> None:
         self.tracker = tracker
@@ -161,16 +160,23 @@ class _JobSteps(Collector):
     def collect(self) -> Iterator[Any]:
         steps = CounterMetricFamily("sdcwatch_job_steps", "ReportStep calls accepted", labels=["job_id"])
         last = GaugeMetricFamily("sdcwatch_job_last_step", "Newest step reported by a job", labels=["job_id"])
+        checks = CounterMetricFamily("sdcwatch_job_fingerprint_checks", "Fingerprint checks run by the job's ranks",
+                                     labels=["job_id"])
         for job in list(self.tracker.jobs.values()):
             steps.add_metric([job.job_id], job.steps_seen)
             if job.last_step >= 0:
                 last.add_metric([job.job_id], job.last_step)
+            if job.checks_run:
+                checks.add_metric([job.job_id], sum(list(job.checks_run.values())))
         yield steps
         yield last
+        yield checks
 
     def describe(self) -> Iterator[Any]:
         yield CounterMetricFamily("sdcwatch_job_steps", "ReportStep calls accepted", labels=["job_id"])
         yield GaugeMetricFamily("sdcwatch_job_last_step", "Newest step reported by a job", labels=["job_id"])
+        yield CounterMetricFamily("sdcwatch_job_fingerprint_checks", "Fingerprint checks run by the job's ranks",
+                                  labels=["job_id"])
 
 
 def start_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Any]:

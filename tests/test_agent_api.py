@@ -206,13 +206,14 @@ def test_metrics_endpoint(agent):
     import urllib.request
 
     with grpc.insecure_channel(agent.target) as ch:
-        pb_grpc.AgentStub(ch).ReportStep(good_report(job_id="metrics-job"), timeout=5)
+        pb_grpc.AgentStub(ch).ReportStep(good_report(job_id="metrics-job", checks_run=5), timeout=5)
         pb_grpc.AgentStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
     addr = agent.runtime_info()["metrics"]
     text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
     assert 'sdcwatch_build_info{' in text
     assert 'sdcwatch_rpc_requests_total{code="OK",method="ReportStep"}' in text
     assert 'sdcwatch_job_steps_total{job_id="metrics-job"} 1.0' in text
+    assert 'sdcwatch_job_fingerprint_checks_total{job_id="metrics-job"} 5.0' in text
     assert 'sdcwatch_events_total{kind="agent.ready",severity="info"} 1.0' in text
     assert "sdcwatch_agent_uptime_seconds" in text
 
@@ -233,8 +234,9 @@ def test_rpc_stats_exposition_matches_prometheus_semantics() -> None:
         check.observe(seconds)
     for code in ("OK", "OK", "NOT_FOUND"):
         check.count(code)
-    tracker.report(pb.ReportStepRequest(job_id="j1", rank=0, step=5), 1.0)
-    tracker.report(pb.ReportStepRequest(job_id="j1", rank=1, step=4), 1.0)
+    tracker.report(pb.ReportStepRequest(job_id="j1", rank=0, step=5, checks_run=3), 1.0)
+    tracker.report(pb.ReportStepRequest(job_id="j1", rank=1, step=4, checks_run=2), 1.0)
+    tracker.report(pb.ReportStepRequest(job_id="j1", rank=0, step=6, checks_run=4), 1.0)   # rank 0's count: 4
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
     calls = {(s.labels["method"], s.labels["code"]): s.value for s in fams["sdcwatch_rpc_requests"].samples}
     assert calls == {("Check", "OK"): 2, ("Check", "NOT_FOUND"): 1}
@@ -246,8 +248,10 @@ def test_rpc_stats_exposition_matches_prometheus_semantics() -> None:
     assert hist[("sdcwatch_rpc_duration_seconds_count", None)] == 5
     assert abs(hist[("sdcwatch_rpc_duration_seconds_sum", None)] - 7.00335) < 1e-9
     steps = {s.labels["job_id"]: s.value for s in fams["sdcwatch_job_steps"].samples if s.name.endswith("_total")}
-    assert steps == {"j1": 2}
-    assert [s.value for s in fams["sdcwatch_job_last_step"].samples] == [5]
+    assert steps == {"j1": 3}
+    assert [s.value for s in fams["sdcwatch_job_last_step"].samples] == [6]
+    checks = fams["sdcwatch_job_fingerprint_checks"].samples
+    assert [(s.name, s.value) for s in checks] == [("sdcwatch_job_fingerprint_checks_total", 6)]
     tracker.report(pb.ReportStepRequest(job_id="j2", rank=0, step=1), 2.0)   # evicts j1 (max_jobs=1)
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
     assert {s.labels["job_id"] for s in fams["sdcwatch_job_steps"].samples} == {"j2"}
