@@ -2,8 +2,8 @@
 
 `JobTracker.report(req, now)` returns what the agent must do: findings to journal, evidence to attach to
 local GPUs, events for the checkpoint coordinator; or None, the usual case, when a report only moves the
-job along. Memory is bounded: at most `max_jobs` jobs (least recently seen
-evicted), a bounded set of ranks per job, and bounded dedup state.
+job along. Memory is bounded: at most `max_jobs` jobs (least recently seen evicted), a bounded set of ranks
+per job, and bounded dedup state.
 """
 from __future__ import annotations
 
