@@ -28,49 +28,41 @@ class _Accepted:
     rank sends the same few names on every report, so the pattern runs once per name. Bounded; one set per
     kind, so a name accepted as one kind is never taken for another."""
 
-    __slots__ = ("names", "limit")
+    __slots__ = ("names", "pattern", "problem", "limit")
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, pattern: re.Pattern[str], problem: str, limit: int = 4096) -> None:
         self.names: set[str] = set()
-        self.limit = limit
+        self.pattern, self.problem, self.limit = pattern, problem, limit
 
-    def add(self, name: str) -> None:
+    def check(self, name: str, field: str) -> str | None:
+        """None for an empty or valid name (remembered), else what is wrong with it."""
+        if not name or name in self.names:
+            return None
+        if not self.pattern.match(name):
+            return f"{field} {name[:64]!r} {self.problem}"
         if len(self.names) >= self.limit:
             self.names.clear()
         self.names.add(name)
+        return None
 
 
-_JOBS, _HOSTS, _UUIDS, _GROUPS = _Accepted(), _Accepted(), _Accepted(), _Accepted()
+_JOBS = _Accepted(JOB_ID, "is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, starting with a letter "
+                          "or digit")
+_HOSTS = _Accepted(HOST, "is not a hostname")
+_UUIDS = _Accepted(GPU_UUID, "is not a GPU UUID (GPU-... or MIG-...)")
+_GROUPS = _Accepted(GROUP, "is invalid")
 
 
 def check_job_id(job_id: str) -> str | None:
-    if not job_id:
-        return "job_id is empty"
-    if job_id in _JOBS.names:
-        return None
-    if not JOB_ID.match(job_id):
-        return (f"job_id {job_id[:64]!r} is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, "
-                "starting with a letter or digit")
-    _JOBS.add(job_id)
-    return None
+    return _JOBS.check(job_id, "job_id") if job_id else "job_id is empty"
 
 
 def check_gpu_uuid(uuid: str, field: str = "gpu_uuid") -> str | None:
-    if not uuid or uuid in _UUIDS.names:
-        return None
-    if not GPU_UUID.match(uuid):
-        return f"{field} {uuid[:64]!r} is not a GPU UUID (GPU-... or MIG-...)"
-    _UUIDS.add(uuid)
-    return None
+    return _UUIDS.check(uuid, field)
 
 
 def check_host(host: str, field: str = "host") -> str | None:
-    if not host or host in _HOSTS.names:
-        return None
-    if not HOST.match(host):
-        return f"{field} {host[:64]!r} is not a hostname"
-    _HOSTS.add(host)
-    return None
+    return _HOSTS.check(host, field)
 
 
 _INF = float("inf")
@@ -133,12 +125,7 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
             return f"loss_scale is {req.loss_scale}; it must be a number >= 0"
     if len(req.fingerprint) > MAX_FINGERPRINT_WORDS:
         return f"fingerprint has {len(req.fingerprint)} words; the limit is {MAX_FINGERPRINT_WORDS}"
-    group = req.replica_group
-    if group and group not in _GROUPS.names:
-        if not GROUP.match(group):
-            return f"replica_group {group[:64]!r} is invalid"
-        _GROUPS.add(group)
-    err = check_host(req.host) or check_gpu_uuid(req.gpu_uuid)
+    err = _GROUPS.check(req.replica_group, "replica_group") or check_host(req.host) or check_gpu_uuid(req.gpu_uuid)
     if err:
         return err
     if req.HasField("timings"):
