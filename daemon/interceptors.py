@@ -110,7 +110,7 @@ class _Meter:
 
     def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
         stats = self.rpc.method(method)
-        observe, count, codes = stats.observe, stats.count, stats.codes
+        observe, count = stats.observe, stats.count
         clock = time.perf_counter
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -121,11 +121,8 @@ class _Meter:
                 count(_code_name(context.code(), "UNKNOWN"))
                 raise
             observe(clock() - started)
-            code = context.code()
-            if code is None or code is _OK:
-                codes["OK"] = codes.get("OK", 0) + 1
-            else:   # a handler that set a code and returned (grpc's health Check on an unknown service)
-                count(_code_name(code, "UNKNOWN"))
+            code = context.code()   # a handler may set a code and return (grpc's health Check, unknown service)
+            count("OK" if code is None or code is _OK else _code_name(code, "UNKNOWN"))
             return response
 
         return wrapped

@@ -66,8 +66,9 @@ class AgentMetrics:
                                         "ReportStep calls rejected as invalid", registry=r)
 
     def watch_jobs(self, tracker: "JobTracker") -> None:
-        """Expose each tracked job's step count and newest step, read from the tracker at scrape time."""
-        self.registry.register(_JobSteps(tracker))
+        """Expose each tracked job's step count, newest step and fingerprint checks, read from the tracker at
+        scrape time."""
+        self.registry.register(_JobStats(tracker))
 
     def observe_probe(self, name: str, seconds: float, ok: bool) -> None:
         self.probe_seconds.labels(name).observe(seconds)
@@ -148,7 +149,7 @@ class MethodStats:
         self.codes[code] = self.codes.get(code, 0) + 1
 
 
-class _JobSteps(Collector):
+class _JobStats(Collector):
     """`sdcwatch_job_steps_total`, `sdcwatch_job_last_step` and `sdcwatch_job_fingerprint_checks_total` (each
     by job_id) from the job tracker: the numbers ReportStep keeps anyway, so a report updates no metric of its
     own. The checks are the sum over the job's ranks of each rank's own running count (`checks_run`). An
