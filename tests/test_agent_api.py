@@ -208,10 +208,16 @@ def test_metrics_endpoint(agent):
     with grpc.insecure_channel(agent.target) as ch:
         pb_grpc.AgentStub(ch).ReportStep(good_report(job_id="metrics-job", checks_run=5), timeout=5)
         pb_grpc.AgentStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+        with pytest.raises(grpc.RpcError):   # aborted: counted by its code
+            pb_grpc.AgentStub(ch).ReportStep(good_report(job_id=""), timeout=5)
+        with pytest.raises(grpc.RpcError):   # a code set by a handler that returns (grpc's health servicer)
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="no-such"), timeout=5)
     addr = agent.runtime_info()["metrics"]
     text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
     assert 'sdcwatch_build_info{' in text
-    assert 'sdcwatch_rpc_requests_total{code="OK",method="ReportStep"}' in text
+    assert 'sdcwatch_rpc_requests_total{code="OK",method="ReportStep"} 1.0' in text
+    assert 'sdcwatch_rpc_requests_total{code="INVALID_ARGUMENT",method="ReportStep"} 1.0' in text
+    assert 'sdcwatch_rpc_requests_total{code="NOT_FOUND",method="Check"} 1.0' in text
     assert 'sdcwatch_job_steps_total{job_id="metrics-job"} 1.0' in text
     assert 'sdcwatch_job_fingerprint_checks_total{job_id="metrics-job"} 5.0' in text
     assert 'sdcwatch_events_total{kind="agent.ready",severity="info"} 1.0' in text
