@@ -121,7 +121,7 @@ class _Meter:
                 count(_code_name(context.code(), "UNKNOWN"))
                 raise
             observe(clock() - started)
-            code = context.code()   # a handler may set a code and return (grpc's health Check, unknown service)
+            code = context.code()   # a handler may set a code and return instead of aborting
             count("OK" if code is None or code is _OK else _code_name(code, "UNKNOWN"))
             return response
 

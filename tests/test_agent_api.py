@@ -210,7 +210,7 @@ def test_metrics_endpoint(agent):
         pb_grpc.AgentStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
         with pytest.raises(grpc.RpcError):   # aborted: counted by its code
             pb_grpc.AgentStub(ch).ReportStep(good_report(job_id=""), timeout=5)
-        with pytest.raises(grpc.RpcError):   # a code set by a handler that returns (grpc's health servicer)
+        with pytest.raises(grpc.RpcError):   # the health servicer aborts NOT_FOUND
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="no-such"), timeout=5)
     addr = agent.runtime_info()["metrics"]
     text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
@@ -261,3 +261,38 @@ def test_rpc_stats_exposition_matches_prometheus_semantics() -> None:
     tracker.report(pb.ReportStepRequest(job_id="j2", rank=0, step=1), 2.0)   # evicts j1 (max_jobs=1)
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
     assert {s.labels["job_id"] for s in fams["sdcwatch_job_steps"].samples} == {"j2"}
+
+
+def test_the_rpc_meter_counts_a_code_set_without_an_abort(tmp_path) -> None:
+    """A handler may set a status code and return instead of aborting: the call is counted by that code."""
+    import asyncio
+
+    from daemon.interceptors import MeteredServer
+    from daemon.metrics import AgentMetrics
+
+    class Servicer(pb_grpc.AgentServicer):
+        async def ReportStep(self, request, context):  # type: ignore[no-untyped-def]
+            if request.job_id == "refuse":
+                context.set_code(grpc.StatusCode.FAILED_PRECONDITION)
+            return pb.ReportStepResponse(accepted=request.job_id != "refuse")
+
+    async def run() -> AgentMetrics:
+        metrics = AgentMetrics()
+        server = grpc.aio.server()
+        pb_grpc.add_AgentServicer_to_server(Servicer(), MeteredServer(server, metrics))
+        server.add_insecure_port(f"unix:{tmp_path}/m.sock")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{tmp_path}/m.sock") as ch:
+                stub = pb_grpc.AgentStub(ch)
+                assert (await stub.ReportStep(pb.ReportStepRequest(job_id="j"), timeout=5)).accepted
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ReportStep(pb.ReportStepRequest(job_id="refuse"), timeout=5)
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            await server.stop(0)
+        return metrics
+
+    stats = asyncio.run(run()).rpc.methods["ReportStep"]
+    assert stats.codes == {"OK": 1, "FAILED_PRECONDITION": 1}
+    assert sum(stats.buckets) == 2
