@@ -215,9 +215,9 @@ def test_metrics_endpoint(agent):
     addr = agent.runtime_info()["metrics"]
     text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
     assert 'sdcwatch_build_info{' in text
-    assert 'sdcwatch_rpc_requests_total{code="OK",method="ReportStep"} 1.0' in text
-    assert 'sdcwatch_rpc_requests_total{code="INVALID_ARGUMENT",method="ReportStep"} 1.0' in text
-    assert 'sdcwatch_rpc_requests_total{code="NOT_FOUND",method="Check"} 1.0' in text
+    for series in ('{code="OK",method="ReportStep"}', '{code="INVALID_ARGUMENT",method="ReportStep"}',
+                   '{code="NOT_FOUND",method="Check"}'):   # the agent is shared by this module's tests: >= 1
+        assert f"sdcwatch_rpc_requests_total{series} " in text, series
     assert 'sdcwatch_job_steps_total{job_id="metrics-job"} 1.0' in text
     assert 'sdcwatch_job_fingerprint_checks_total{job_id="metrics-job"} 5.0' in text
     assert 'sdcwatch_events_total{kind="agent.ready",severity="info"} 1.0' in text
