@@ -43,8 +43,6 @@ class JobState:
 
 @dataclasses.dataclass(slots=True)
 class ReportOutcome:
-    job: JobState
-    new_job: bool = False
     findings: list[Finding] = dataclasses.field(default_factory=list)
     evidence: list[tuple[str, str, Evidence]] = dataclasses.field(default_factory=list)  # (uuid, host, ev)
     dropped_delta: int = 0
@@ -114,7 +112,7 @@ class JobTracker:
         if not (new or dropped or not finite or req.HasField("canary") or req.HasField("vote")
                 or req.frozen_changed):
             return None
-        out = ReportOutcome(job=job, new_job=new)
+        out = ReportOutcome()
         if new:
             out.findings.append(Finding("job.started", Severity.INFO, f"job/{job_id}",
                                         f"job {job_id} first reported (rank {rank}, step {step})",
