@@ -94,7 +94,6 @@ class Agent:
         self.extra_versions: dict[str, str] = {}              # e.g. the NVIDIA driver
         self.gpu_state_hook: Callable[[GpuRecord], None] | None = None
         self.report_hook: Callable[[pb.ReportStepRequest, float], list[pb.Directive]] | None = None
-        self.log_steps = config.journal.step_log
         self._job_events: asyncio.Queue[tuple[str, int | None, str, float, str]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -468,7 +467,7 @@ class Agent:
         out = self.jobs.report(req, now)
         if out is not None:
             self._act_on(req.job_id, out, now)
-        if self.log_steps:
+        if self.config.journal.step_log:
             self.step_log.add(req, now)  # formatted and written by the step log's thread (daemon/step_log.py)
         hook = self.report_hook
         return hook(req, now) if hook is not None else []
