@@ -37,7 +37,7 @@ import numpy as np
 
 from bench.loss_synth import CLASSES, EVAL_SEEDS, TUNING_SEEDS, Curve, curves
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
-from probes.types import Severity
+from sdcwatch.types import Severity
 
 SUSTAINED_BOUND = 50
 SPIKE_GRACE = 8

@@ -1,6 +1,6 @@
 """Rank-side `CheckpointClient`: save / restore / list through the node agent's `sdcwatch.v1.Checkpoints`.
 
-    client = CheckpointClient.connect(job_id, rank, world_size)          # agent socket from daemon.paths
+    client = CheckpointClient.connect(job_id, rank, world_size)          # agent socket from sdcwatch.paths
     client.save(step, state_dict)            # returns after the pinned copy; the rest is in the background
     sd = client.restore("latest_verified", device="cuda")   # or "latest", or a step number
     client.list()
@@ -58,7 +58,7 @@ class GrpcAgentLink:
 
     @classmethod
     def connect(cls, target: str | None = None, deadline_s: float = 5.0) -> "GrpcAgentLink":
-        from daemon.paths import default_socket, socket_target
+        from sdcwatch.paths import default_socket, socket_target
 
         if target is None:
             target = socket_target(default_socket())

@@ -605,7 +605,7 @@ class Coordinator:
         if self.publish is None:
             return
         try:
-            from probes.types import Severity
+            from sdcwatch.types import Severity
 
             self.publish(kind, Severity[severity], f"job/{job_id}", message, {"job_id": job_id, **details})
         except Exception:  # noqa: BLE001 - journaling must not break the commit path

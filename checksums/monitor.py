@@ -471,7 +471,7 @@ class Monitor:
             self._reporter = reporter
             return
         try:
-            from daemon.reporter import StepReporter
+            from checksums.reporter import StepReporter
             self._reporter = StepReporter(agent_socket)
             self._owns_reporter = True
         except Exception as err:  # the agent is optional: never fail training for it

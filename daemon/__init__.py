@@ -1,3 +1,3 @@
-"""sdcwatch's node agent: gRPC API, health, event journal, metrics, CLI and the training-side clients."""
+"""sdcwatch's node agent: config, the asyncio main, gRPC API, health, event journal, metrics, alert sinks, CLI.
 
-__version__ = "0.1.0"
+Never imported by a training rank; never imports torch (see docs/architecture.md)."""

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from daemon import __version__
+from sdcwatch import __version__
 from daemon.config import Config, parse_hostport
 from daemon.errors import FatalError
 from daemon.events import EventBus
@@ -39,7 +39,7 @@ from daemon.probe_runner import ProbeRunner
 from daemon.redis_embedded import EmbeddedRedis
 from daemon.service import AgentService, probe_state_pb
 from daemon.step_log import StepLog
-from probes.types import Evidence, Severity, State
+from sdcwatch.types import Evidence, Severity, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 

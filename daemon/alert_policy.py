@@ -31,7 +31,7 @@ import json
 import random
 from typing import Any, Callable, Iterable, Mapping
 
-from probes.types import Severity
+from sdcwatch.types import Severity
 
 SEVERITY_LABEL = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.CRITICAL: "critical"}
 SOURCE_LABEL = "sdcwatch-agent"

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import grpc
 from google.protobuf import json_format
 
-from daemon import __version__
+from sdcwatch import __version__
 from daemon.errors import ConfigError, FatalError
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2

@@ -26,7 +26,7 @@ def channel_for(socket: str | None = None, address: str | None = None, *, tls_ca
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         return grpc.secure_channel(address, creds, options=options)
-    from daemon.paths import default_socket
+    from sdcwatch.paths import default_socket
 
     path = socket or str(default_socket())
     return grpc.insecure_channel(f"unix:{path}", options=options)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from daemon.alerts import AlertsConfig
 from daemon.errors import ConfigError
-from daemon.paths import default_state_dir
+from sdcwatch.paths import default_state_dir
 from daemon.peers_config import PeersConfig
 from daemon.tiers_config import TiersConfig
 

@@ -16,7 +16,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from daemon.journal import Journal
-from probes.types import Finding, Severity
+from sdcwatch.types import Finding, Severity
 
 log = logging.getLogger(__name__)
 

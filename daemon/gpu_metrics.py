@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from probes.nvml_backend import ECC_KINDS, GpuIdentity
 from probes.nvml_rules import CLOCK_EVENT_BITS, GpuReadings
-from probes.types import State
+from sdcwatch.types import State
 from probes.xid_catalog import RecoveryAction
 
 L = ("uuid", "pci_bus_id", "model")

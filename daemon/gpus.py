@@ -9,7 +9,7 @@ import dataclasses
 from typing import Callable, Iterable
 
 from probes.gpu_state import GpuEvidenceStore
-from probes.types import Evidence, State, worst
+from sdcwatch.types import Evidence, State, worst
 
 
 @dataclasses.dataclass(slots=True)

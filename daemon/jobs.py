@@ -13,7 +13,7 @@ import math
 from math import isfinite
 from typing import Callable
 
-from probes.types import Evidence, Finding, Severity, State
+from sdcwatch.types import Evidence, Finding, Severity, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from daemon.job_loss import JobLoss
 from probes.loss_detector import LossDetectorConfig, LossEvent, RollbackPolicy
-from probes.types import Severity
+from sdcwatch.types import Severity
 from proto.sdcwatch.v1 import agent_pb2 as pb
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from prometheus_client.utils import floatToGoString
 if TYPE_CHECKING:
     from daemon.jobs import JobTracker
 
-from daemon import __version__
+from sdcwatch import __version__
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 

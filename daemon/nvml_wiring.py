@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from probes.types import Evidence, Severity, State
+from sdcwatch.types import Evidence, Severity, State
 
 if TYPE_CHECKING:
     from daemon.agent import Agent

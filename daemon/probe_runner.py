@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, Awaitable, Callable
 
-from probes.types import Severity
+from sdcwatch.types import Severity
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from probes import canary_suite
 from probes.canary_child import CanaryChildError, child_run_suite, child_snapshots
 from probes.canary_gemm import DeviceInfo, Status
 from probes.canary_schedule import AgentCanaryPolicy, Decision, GpuSnapshot
-from probes.types import Evidence, Finding, Severity
+from sdcwatch.types import Evidence, Finding, Severity
 
 NEED_BYTES = {"tiny": 64 << 20, "quick": 1536 << 20, "full": 4 << 30}
 SNAPSHOT_TIMEOUT_S = 30.0

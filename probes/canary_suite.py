@@ -26,7 +26,7 @@ import torch
 
 from probes import canary_copy, canary_gemm, canary_random
 from probes.canary_gemm import CheckResult, DeviceInfo, KnownAnswerSpec, Matmul, Status
-from probes.types import Evidence, State
+from sdcwatch.types import Evidence, State
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections import deque
 from typing import Iterable
 
 from probes import xid_catalog
-from probes.types import Evidence, State, worst
+from sdcwatch.types import Evidence, State, worst
 
 
 class Clears(str, enum.Enum):

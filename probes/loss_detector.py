@@ -41,7 +41,7 @@ import statistics
 from collections import deque
 from typing import Literal, Sequence
 
-from probes.types import Finding, Severity
+from sdcwatch.types import Finding, Severity
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from probes.nvml_backend import (
     read_many,
 )
 from probes.nvml_rules import GpuReadings, RuleConfig
-from probes.types import Evidence, Finding, Severity, State
+from sdcwatch.types import Evidence, Finding, Severity, State
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Mapping
 
 from probes import xid_catalog
 from probes.nvml_backend import ECC_KINDS, NVLINK_KINDS, spec_for
-from probes.types import Evidence, Finding, Severity, State
+from sdcwatch.types import Evidence, Finding, Severity, State
 
 SOURCE = "nvml"
 

@@ -24,7 +24,7 @@ from typing import Sequence, TextIO
 
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
 from probes.training_log import LogRun, TrainingLog, TrainingLogError, read_training_log
-from probes.types import Severity
+from sdcwatch.types import Severity
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from probes.types import Severity, State
+from sdcwatch.types import Severity, State
 
 
 class XidAction(str, enum.Enum):

@@ -33,7 +33,7 @@ from daemon.alerts import AlertDispatcher, AlertsConfig
 from daemon.errors import ConfigError
 from daemon.events import EventBus
 from daemon.journal import Journal
-from probes.types import Severity
+from sdcwatch.types import Severity
 
 GPU = "GPU-5dc0a7e1-0000-4000-8000-000000000001"
 BUS = "00000000:39:00.0"

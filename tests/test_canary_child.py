@@ -17,7 +17,7 @@ from probes.canary_child import TEST_HOOK_ENV, child_snapshots, nvml_snapshots, 
 from probes.canary_faults import FaultyDevice, FaultyMatmul, SimCopier, cpu_all_reduce, simulated_devices
 from probes.canary_gemm import Status
 from probes.canary_schedule import GpuSnapshot
-from probes.types import Severity, State
+from sdcwatch.types import Severity, State
 
 IDLE_CPU = [GpuSnapshot("cpu", 0, 0.0, 8 << 30)]
 

@@ -14,7 +14,7 @@ from probes.canary_gemm import CheckResult, DeviceInfo, Status
 from probes.canary_injob import InJobCanary
 from probes.canary_schedule import AgentCanaryPolicy, GpuSnapshot, InJobBudget, budget_allows
 from probes.gpu_state import GpuEvidenceStore
-from probes.types import State
+from sdcwatch.types import State
 
 CPU = DeviceInfo("cpu", "cpu", uuid="cpu")
 TINY = cs.SuiteConfig(level="tiny")

@@ -5,7 +5,7 @@ from prometheus_client import CollectorRegistry
 from daemon.gpu_metrics import GpuMetrics
 from probes.nvml_backend import GpuIdentity
 from probes.nvml_rules import RuleConfig, make_readings
-from probes.types import State
+from sdcwatch.types import State
 
 ID = GpuIdentity("GPU-a", "00000000:19:00.0", "NVIDIA H200", 0, "123", "550.90.07")
 LBL = {"uuid": "GPU-a", "pci_bus_id": "00000000:19:00.0", "model": "NVIDIA H200"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from probes.gpu_state import RULES, Clears, GpuEvidenceStore, GpuStateConfig, derive_state, rule_for
-from probes.types import Evidence, State
+from sdcwatch.types import Evidence, State
 
 ROOT = Path(__file__).resolve().parents[1]
 

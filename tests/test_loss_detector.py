@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent, RollbackPolicy
-from probes.types import Finding, Severity
+from sdcwatch.types import Finding, Severity
 
 
 def noisy(n: int, level: float = 3.0, sigma: float = 0.01, seed: int = 0, decay: float = 0.0) -> np.ndarray:

@@ -11,7 +11,7 @@ from probes.gpu_state import GpuEvidenceStore
 from probes.nvml_backend import GpuLost, NvmlBackend, NvmlUnavailable, PynvmlBackend, open_backend
 from probes.nvml_fake import ScenarioBackend
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, XidEvent
-from probes.types import Evidence, Severity, State
+from sdcwatch.types import Evidence, Severity, State
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = sorted((ROOT / "tests" / "scenarios").glob("*.json")) + [ROOT / "deploy/scenarios/demo-xid79.json"]

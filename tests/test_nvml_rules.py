@@ -5,7 +5,7 @@ import pytest
 
 from probes import nvml_rules as nr
 from probes.nvml_rules import GpuReadings, RateWindow, RuleConfig, evaluate, make_readings, pcie_replay_threshold
-from probes.types import State
+from sdcwatch.types import State
 
 CFG = RuleConfig()
 

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from checksums.monitor import Monitor
-from daemon.paths import default_socket, default_state_dir
-from daemon.reporter import StepReporter, normalize_target
+from sdcwatch.paths import default_socket, default_state_dir
+from checksums.reporter import StepReporter, normalize_target
 from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
 
-REPORTER_LOGGER = "daemon.reporter"
+REPORTER_LOGGER = "checksums.reporter"
 
 
 class RecordingAgent(agent_pb2_grpc.AgentServicer):

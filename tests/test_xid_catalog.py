@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from probes import xid_catalog
-from probes.types import Severity, State
+from sdcwatch.types import Severity, State
 from probes.xid_catalog import REQUIRED_XIDS, RecoveryAction, XidAction, classify, lookup, recovery_action
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
-from daemon.paths import default_socket
+from sdcwatch.paths import default_socket
 from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
