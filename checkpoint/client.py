@@ -27,6 +27,7 @@ from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckp
 from checkpoint.manifest import ShardManifest
 from checkpoint.restore import RestoreReport, restore_from_plan
 from checkpoint.snapshot import SaveHandle, Snapshotter, SnapshotConfig, dir_store_for
+from sdcwatch.channels import agent_channel
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,8 @@ class GrpcAgentLink:
 
     @classmethod
     def connect(cls, target: str | None = None, deadline_s: float = 5.0) -> "GrpcAgentLink":
-        from sdcwatch.paths import default_socket, socket_target
-
-        if target is None:
-            target = socket_target(default_socket())
-        elif target.startswith("/") or target.startswith("."):  # a socket path, not a grpc target
-            target = socket_target(target)
-        return cls(grpc.insecure_channel(target), deadline_s)
+        """`target`: a socket path, a grpc target, or None for the default socket (sdcwatch.channels)."""
+        return cls(agent_channel(target), deadline_s)
 
     def _rpc(self, method: Callable[..., Any], request: Any) -> Any:
         try:

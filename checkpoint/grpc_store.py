@@ -34,6 +34,7 @@ import grpc
 from checkpoint.blobstore import Data, as_buffers
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_key, validate_prefix
+from sdcwatch.channels import agent_channel
 
 log = logging.getLogger(__name__)
 
@@ -246,20 +247,15 @@ class GrpcBlobStore:
                 self._metadata = (("authorization", f"Bearer {f.read().strip()}"),)
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        if self.scheme == "grpcs":
-            ca = None
-            if creds.tls_ca:
-                with open(creds.tls_ca, "rb") as f:
-                    ca = f.read()
-            self._channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=options)
-        elif self.scheme == "grpc":
+        if self.scheme == "grpc":
             if not creds.insecure:
                 raise InvalidInputError(f"{location}: plain-TCP grpc:// needs the insecure setting "
                                         "(peers.insecure = true, or SDCWATCH_PEER_INSECURE=1); use grpcs://")
             _warn_insecure(location)
-            self._channel = grpc.insecure_channel(self.target, options=options)
-        else:
-            self._channel = grpc.insecure_channel(self.target, options=options)
+        # the token travels as per-call metadata (above), not channel credentials: a grpc:// peer that asks
+        # for one gets it over plain TCP, which the insecure setting accepted
+        self._channel = agent_channel(self.target, tls_ca=(creds.tls_ca or None) if self.scheme == "grpcs" else None,
+                                      insecure=self.scheme == "grpc", options=options)
         ident = lambda b: b  # noqa: E731 - raw wire bytes in and out for the bulk messages
         from proto.sdcwatch.v1 import peer_pb2 as pb
 

@@ -10,9 +10,10 @@ lost. Nothing here raises into the training thread.
 Lifecycle: `StepReporter(target)` -> `submit(request)` per step -> `take_directives()` on the training
 thread whenever convenient -> `close(timeout)` at the end (also closed at interpreter exit).
 
-Transport: a unix socket (`unix:/path`, or a bare path) with no credentials; or TCP (`host:port`) with
-TLS (`root_cert`: PEM bytes or a file path) and an optional bearer token sent as
-`authorization: Bearer <token>`. TCP without TLS is refused unless `allow_insecure_tcp=True` (tests).
+Transport: the channel comes from `sdcwatch.channels.agent_channel` (the rules every client shares): a
+unix socket (`unix:/path`, or a bare path) with no credentials; or TCP (`host:port`) with TLS
+(`root_cert`: PEM bytes or a file path, else the system roots) and an optional bearer token sent as
+`authorization: Bearer <token>`. Plain TCP only with `allow_insecure_tcp=True` and no root_cert (tests).
 """
 from __future__ import annotations
 
@@ -21,12 +22,11 @@ import os
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
 
-from sdcwatch.paths import default_socket
+from sdcwatch.channels import agent_channel, agent_target
 from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -40,24 +40,6 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 _OUTAGE_WARN_INTERVAL_S = 300.0
 _STOP = object()
-
-
-def normalize_target(target: str | os.PathLike[str] | None) -> str:
-    """`None` -> the default socket; a bare path -> `unix:<abs path>`; `unix:`/`host:port` unchanged."""
-    if target is None:
-        return "unix:" + str(default_socket())
-    text = os.fspath(target)
-    if not text:
-        raise ValueError("reporter target is empty: pass a unix socket path or host:port")
-    if text.startswith(("unix:", "unix-abstract:")):
-        return text
-    if text.startswith(("/", ".")) or text.endswith(".sock"):
-        return "unix:" + os.path.abspath(text)
-    return text
-
-
-def _is_unix(target: str) -> bool:
-    return target.startswith(("unix:", "unix-abstract:"))
 
 
 class StepReporter:
@@ -85,11 +67,11 @@ class StepReporter:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        self.target = normalize_target(target)
+        self.target = agent_target(target)
         self.deadline_s = float(deadline_s)
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ())
-        self._channel = self._make_channel(root_cert, allow_insecure_tcp, channel_options)
+        self._channel = agent_channel(self.target, tls_ca=root_cert, token=token,
+                                      insecure=allow_insecure_tcp and root_cert is None,
+                                      options=list(_CHANNEL_OPTIONS) + list(channel_options))
         self._stub = stub_factory(self._channel)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
@@ -108,23 +90,6 @@ class StepReporter:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-
-    def _make_channel(self, root_cert: bytes | str | os.PathLike[str] | None, allow_insecure_tcp: bool,
-                      extra: Sequence[tuple[str, Any]]) -> grpc.Channel:
-        options = list(_CHANNEL_OPTIONS) + list(extra)
-        if _is_unix(self.target):
-            if root_cert is not None:
-                raise ValueError("root_cert is for TCP targets; a unix socket target uses no TLS")
-            return grpc.insecure_channel(self.target, options=options)
-        if root_cert is None:
-            if not allow_insecure_tcp:
-                raise ValueError(
-                    f"TCP target {self.target!r} needs TLS: pass root_cert (PEM bytes or a file path), "
-                    "or use the agent's unix socket")
-            return grpc.insecure_channel(self.target, options=options)
-        pem = root_cert if isinstance(root_cert, bytes) else Path(root_cert).read_bytes()
-        return grpc.secure_channel(self.target, grpc.ssl_channel_credentials(root_certificates=pem),
-                                   options=options)
 
     # ---- training thread -------------------------------------------------------------------------
 
@@ -245,7 +210,7 @@ class StepReporter:
             carried = self._unreported
         request.dropped_reports = request.dropped_reports + carried
         try:
-            reply = self._stub.ReportStep(request, timeout=self.deadline_s, metadata=self._metadata)
+            reply = self._stub.ReportStep(request, timeout=self.deadline_s)
         except grpc.RpcError as err:
             self._on_failure(err)
             return

@@ -17,38 +17,22 @@ from typing import Any, Callable, Sequence
 import grpc
 from google.protobuf import json_format
 
-from sdcwatch import __version__
+from daemon import cli_canary, cli_ckpt, cli_demo, config
+from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, Parser, add_connection_flags, ago, connect,
+                               fail, rpc_error, table)
 from daemon.errors import ConfigError, FatalError
+from sdcwatch import __version__
 
-EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 STATE_NAMES = {0: "UNSPECIFIED", 1: "HEALTHY", 2: "SUSPECT", 3: "DEGRADED", 4: "FAILED", 5: "UNKNOWN"}
 SEVERITY_NAMES = {0: "-", 1: "info", 2: "warning", 3: "critical"}
 PROBE_NAMES = {0: "-", 1: "OK", 2: "FAILING", 3: "HUNG", 4: "DISABLED", 5: "PENDING"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse exits 2 already; keep one message format
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"sdcwatch: error: {message}\n")
-
-
-def _client_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("agent connection")
-    g.add_argument("--socket", help="agent unix socket (default: $SDCWATCH_SOCKET or the default state dir's)")
-    g.add_argument("--address", help="HOST:PORT of an agent serving TCP with TLS")
-    g.add_argument("--tls-ca", help="CA bundle to verify the agent's certificate")
-    g.add_argument("--tls-server-name", help="expected name in the agent's certificate")
-    g.add_argument("--token-file", help="file holding the bearer token")
-    g.add_argument("--insecure", action="store_true", help="plain TCP (no TLS): only for testing")
-    g.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from daemon import config
-
-    parser = _Parser(prog="sdcwatch", description="Silent-data-corruption and GPU reliability monitor")
+    """Every subcommand, registered here: run, status, events, gpu, spikes, ckpt, canary, demo."""
+    parser = Parser(prog="sdcwatch", description="Silent-data-corruption and GPU reliability monitor")
     parser.add_argument("--version", action="version", version=f"sdcwatch {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     run = sub.add_parser("run", help="run the node agent", description="Run the node agent in the foreground.")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -57,44 +41,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="show the node, GPUs, probes and jobs")
     st.add_argument("--json", action="store_true", help="print the full status as JSON")
-    _client_flags(st)
+    add_connection_flags(st)
     st.set_defaults(func=cmd_status)
 
     ev = sub.add_parser("events", help="print the event journal")
     ev.add_argument("--since", type=int, default=0, metavar="SEQ", help="events after this sequence number")
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     ev.add_argument("--json", action="store_true", help="one JSON object per line")
-    ev.add_argument("--min-severity", choices=["info", "warning", "critical"], default=None)
+    ev.add_argument("--min-severity", choices=["info", "warning", "critical"], default=None,
+                    help="only events at least this severe")
     ev.add_argument("--kind", action="append", default=[], help="only kinds with this prefix (repeatable)")
-    _client_flags(ev)
+    add_connection_flags(ev)
     ev.set_defaults(func=cmd_events)
 
     gpu = sub.add_parser("gpu", help="GPU operations")
-    gsub = gpu.add_subparsers(dest="gpu_command", required=True, parser_class=_Parser)
+    gsub = gpu.add_subparsers(dest="gpu_command", required=True, parser_class=Parser)
     clear = gsub.add_parser("clear", help="clear a GPU's latched state (journaled with who and why)")
-    clear.add_argument("uuid")
+    clear.add_argument("uuid", help="the GPU's UUID (as `sdcwatch status` shows it)")
     clear.add_argument("--reason", required=True, help="why (journaled)")
     clear.add_argument("--who", default=None, help="who clears it (default: the login name)")
-    _client_flags(clear)
+    add_connection_flags(clear)
     clear.set_defaults(func=cmd_gpu_clear)
 
     spikes = sub.add_parser("spikes", help="loss-spike tools")
-    ssub = spikes.add_subparsers(dest="spikes_command", required=True, parser_class=_Parser)
+    ssub = spikes.add_subparsers(dest="spikes_command", required=True, parser_class=Parser)
     replay = ssub.add_parser("replay", help="run the loss detector over a training log", add_help=False)
-    replay.add_argument("rest", nargs=argparse.REMAINDER)
+    replay.add_argument("rest", nargs=argparse.REMAINDER, help="the replay tool's own arguments (see its --help)")
     replay.set_defaults(func=cmd_spikes_replay)
 
-    for extra in _EXTRA_COMMANDS:
-        extra(sub)
+    cli_ckpt.register(sub)
+    cli_canary.register(sub)
+    cli_demo.register(sub)
     return parser
-
-
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _load_extra_commands()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -106,28 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _load_extra_commands() -> None:
-    """Commands that live beside their feature (demo, ckpt) register here when their modules exist."""
-    if _EXTRA_COMMANDS:
-        return
-    import importlib
-
-    for name in ("daemon.cli_demo", "daemon.cli_ckpt", "daemon.cli_canary"):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue
-            raise
-        _EXTRA_COMMANDS.append(mod.register)
-
-
 # -- run ---------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from daemon import config as config_mod
-    from daemon.agent import Agent
+    from daemon.agent import Agent  # the agent's modules load only for `run`, not for the client commands
 
-    cfg = config_mod.build(args)  # ConfigError -> exit 2 in main
+    cfg = config.build(args)  # ConfigError -> exit 2 in main
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = Agent(cfg)
@@ -162,37 +127,6 @@ def _loop_runner(kind: str) -> tuple[Callable[[Any], Any], str]:
 
 
 # -- client commands ---------------------------------------------------------------------------------
-def _connect(args: argparse.Namespace) -> Any:
-    from daemon.client import AgentClient, channel_for
-
-    token = None
-    if args.token_file:
-        try:
-            with open(args.token_file) as fh:
-                token = fh.read().strip()
-        except OSError as exc:
-            raise SystemExit(_fail(f"cannot read --token-file: {exc}"))
-    try:
-        channel = channel_for(args.socket, args.address, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
-                              token=token, insecure=args.insecure)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(_fail(str(exc)))
-    return AgentClient(channel, timeout_s=args.timeout)
-
-
-def _fail(message: str) -> int:
-    print(f"sdcwatch: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def _rpc_error(exc: grpc.RpcError, what: str) -> int:
-    code = exc.code() if hasattr(exc, "code") else None
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return _fail(f"cannot reach the agent ({what}): {exc.details() if hasattr(exc, 'details') else exc}")
-    name = code.name if code is not None else "ERROR"
-    return _fail(f"{what}: {name}: {exc.details() if hasattr(exc, 'details') else exc}")
-
-
 def status_exit_code(node_state: int, gpu_states: list[int]) -> int:
     """0 when healthy (or no GPUs to judge); 1 when SUSPECT/DEGRADED/FAILED or a GPU's state is UNKNOWN."""
     if node_state in (2, 3, 4):
@@ -203,11 +137,11 @@ def status_exit_code(node_state: int, gpu_states: list[int]) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    client = _connect(args)
+    client = connect(args)
     try:
         st = client.status()
     except grpc.RpcError as exc:
-        return _rpc_error(exc, "status")
+        return rpc_error(exc, "status")
     finally:
         client.close()
     code = status_exit_code(st.node_state, [g.state for g in st.gpus])
@@ -217,20 +151,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         return code
     print(format_status(st))
     return code
-
-
-def _ago(t: float, now: float) -> str:
-    if not t:
-        return "never"
-    d = max(0.0, now - t)
-    return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.1f}h ago"
-
-
-def _table(rows: list[list[str]]) -> str:
-    if not rows:
-        return ""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def format_status(st: Any) -> str:
@@ -247,23 +167,23 @@ def format_status(st: Any) -> str:
         for g in st.gpus:
             rows.append([str(g.index) if g.index >= 0 else "-", g.uuid, g.pci_bus_id or "-", g.name or "-",
                          STATE_NAMES.get(g.state, "?"), g.reason])
-        lines += ["", _table(rows)]
+        lines += ["", table(rows)]
         for g in st.gpus:
             if g.unsupported_fields:
                 lines.append(f"  {g.uuid}: not supported: {', '.join(g.unsupported_fields)}")
     if st.probes:
         rows = [["PROBE", "STATE", "LAST RUN", "RUNS", "FAILURES", "LAST ERROR"]]
         for p in st.probes:
-            rows.append([p.name, PROBE_NAMES.get(p.state, "?"), _ago(p.last_run, now), str(p.runs),
+            rows.append([p.name, PROBE_NAMES.get(p.state, "?"), ago(p.last_run, now), str(p.runs),
                          str(p.failures), p.last_error or "-"])
-        lines += ["", _table(rows)]
+        lines += ["", table(rows)]
     if st.jobs:
         rows = [["JOB", "RANKS", "LAST STEP", "LAST REPORT", "DROPPED", "STATE", "REASON"]]
         for j in st.jobs:
             ranks = f"{len(j.ranks)}" if len(j.ranks) > 8 else ",".join(map(str, j.ranks))
-            rows.append([j.job_id, ranks, str(j.last_step), _ago(j.last_report, now), str(j.dropped_reports),
+            rows.append([j.job_id, ranks, str(j.last_step), ago(j.last_report, now), str(j.dropped_reports),
                          STATE_NAMES.get(j.state, "?"), j.reason])
-        lines += ["", _table(rows)]
+        lines += ["", table(rows)]
     return "\n".join(lines)
 
 
@@ -274,8 +194,8 @@ def format_event(ev: Any) -> str:
 
 def cmd_events(args: argparse.Namespace) -> int:
     if args.since < 0:
-        return _fail("--since must be >= 0")
-    client = _connect(args)
+        return fail("--since must be >= 0")
+    client = connect(args)
     sev = {"info": 1, "warning": 2, "critical": 3}.get(args.min_severity or "", 0)
     try:
         for ev in client.events(since=args.since, follow=args.follow, min_severity=sev, kinds=args.kind):
@@ -286,19 +206,19 @@ def cmd_events(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.CANCELLED:
             return EXIT_OK
-        return _rpc_error(exc, "events")
+        return rpc_error(exc, "events")
     finally:
         client.close()
     return EXIT_OK
 
 
 def cmd_gpu_clear(args: argparse.Namespace) -> int:
-    client = _connect(args)
+    client = connect(args)
     who = args.who or getpass.getuser()
     try:
         resp = client.clear_gpu(args.uuid, who, args.reason)
     except grpc.RpcError as exc:
-        return _rpc_error(exc, "gpu clear")
+        return rpc_error(exc, "gpu clear")
     finally:
         client.close()
     print(f"{args.uuid}: {STATE_NAMES.get(resp.previous)} -> {STATE_NAMES.get(resp.state)} (cleared by {who})")

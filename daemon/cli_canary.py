@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from daemon.cli_common import table
+
 EXIT_OK, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
 
 
@@ -92,11 +94,6 @@ def _replay(args: argparse.Namespace, dev: Any, note: str) -> int:
     return EXIT_FAIL if outcome.reproduces else EXIT_OK
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
 def format_report(report: Any, note: str = "") -> str:
     lines = []
     if report.on_cpu:
@@ -108,7 +105,7 @@ def format_report(report: Any, note: str = "") -> str:
     for r in report.results:
         rows.append([r.status.value, r.name, ",".join(r.devices), f"{r.duration_s * 1e3:.0f}ms",
                      f"{r.tflops:.1f}" if r.tflops else "-", (r.why or "-")[:120]])
-    lines.append(_table(rows))
+    lines.append(table(rows))
     for label, why in report.skipped.items():
         by_reason: dict[str, list[str]] = {}
         for d, w in why.items():

@@ -22,52 +22,51 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE = 0, 1, 2
+from daemon.cli_common import EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, table
+
+EXIT_NOT_FOUND = 1
 
 
 def register(subparsers: Any) -> None:
-    from daemon.cli import _client_flags, _Parser
-
     p = subparsers.add_parser("ckpt", help="in-memory checkpoints: list, show",
                               description="The in-memory checkpoints this agent's Redis indexes.")
-    sub = p.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="ckpt_command", required=True, parser_class=Parser)
     ls = sub.add_parser("ls", help="list checkpoints: step, state, size, where each copy is")
     ls.add_argument("--job", default="", help="only this job (default: every job)")
     ls.add_argument("--json", action="store_true", help="print JSON (one object with a list)")
-    _client_flags(ls)
+    add_connection_flags(ls)
     ls.set_defaults(func=cmd_ls)
     show = sub.add_parser("show", help="one checkpoint: every shard copy and its location")
-    show.add_argument("step", type=int)
-    show.add_argument("--job", required=True)
-    show.add_argument("--json", action="store_true")
-    _client_flags(show)
+    show.add_argument("step", type=int, help="the checkpoint's step")
+    show.add_argument("--job", required=True, help="the job id")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    add_connection_flags(show)
     show.set_defaults(func=cmd_show)
     tiers = sub.add_parser("tiers", help="durable tiers: health, backlog, checkpoints held")
-    tiers.add_argument("--json", action="store_true")
-    _client_flags(tiers)
+    tiers.add_argument("--json", action="store_true", help="print JSON")
+    add_connection_flags(tiers)
     tiers.set_defaults(func=cmd_tiers)
     ver = sub.add_parser("verify", help="re-check every copy of a checkpoint on every tier")
-    ver.add_argument("step", type=int)
-    ver.add_argument("--job", required=True)
-    ver.add_argument("--json", action="store_true")
-    _client_flags(ver)
+    ver.add_argument("step", type=int, help="the checkpoint's step")
+    ver.add_argument("--job", required=True, help="the job id")
+    ver.add_argument("--json", action="store_true", help="print JSON")
+    add_connection_flags(ver)
     ver.set_defaults(func=cmd_verify, timeout=600.0)
     rest = sub.add_parser("restore", help="fetch a verified copy of a checkpoint into a directory")
     rest.add_argument("target", help="a step, 'latest' or 'latest_verified'")
-    rest.add_argument("--job", required=True)
+    rest.add_argument("--job", required=True, help="the job id")
     rest.add_argument("--out", required=True, help="directory to write rank-<r>.bin and rank-<r>.json into")
     rest.add_argument("--rank", type=int, default=-1, help="only this rank's shard (default: every rank)")
     rest.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _client_flags(rest)
+    add_connection_flags(rest)
     rest.set_defaults(func=cmd_restore)
 
 
 def _list(args: argparse.Namespace, job: str) -> tuple[int, list[Any]]:
-    from daemon.cli import _connect
     from proto.sdcwatch.v1 import checkpoint_pb2 as pb
     from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
-    client = _connect(args)
+    client = connect(args)
     try:
         resp = pb_grpc.CheckpointsStub(client.channel).List(pb.ListCheckpointsRequest(job_id=job),
                                                              timeout=args.timeout)
@@ -111,16 +110,15 @@ def where(info: Any) -> str:
 
 
 def format_list(infos: list[Any], now: float) -> str:
-    from daemon.cli import _ago, _table
 
     if not infos:
         return "no checkpoints in memory"
     rows = [["JOB", "STEP", "STATE", "SHARDS", "SIZE", "COMMITTED", "TIERS", "WHERE"]]
     for i in sorted(infos, key=lambda i: (i.job_id, i.step)):
         rows.append([i.job_id, str(i.step), state_name(i.state), f"{i.shards}/{i.world_size}",
-                     human_bytes(i.bytes), _ago(i.committed_at, now) if i.committed_at else "-",
+                     human_bytes(i.bytes), ago(i.committed_at, now) if i.committed_at else "-",
                      ",".join(i.tiers) or "-", where(i)])
-    return _table(rows)
+    return table(rows)
 
 
 def _to_json(i: Any) -> dict[str, Any]:
@@ -141,19 +139,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def format_show(i: Any, now: float) -> str:
-    from daemon.cli import _ago, _table
 
     lines = [f"job {i.job_id} step {i.step}: {state_name(i.state)}",
              f"  shards {i.shards}/{i.world_size}, {human_bytes(i.bytes)} ({i.bytes} bytes)",
-             f"  begun {_ago(i.begun_at, now)}, committed {_ago(i.committed_at, now)}, "
-             f"verified {_ago(i.verified_at, now)}"]
+             f"  begun {ago(i.begun_at, now)}, committed {ago(i.committed_at, now)}, "
+             f"verified {ago(i.verified_at, now)}"]
     if i.reason:
         lines.append(f"  reason: {i.reason}")
     if i.tiers:
         lines.append(f"  held on: {', '.join(i.tiers)}")
     rows = [["RANK", "TIER", "NODE", "LOCATION"]] + [[str(c.rank), c.tier or "memory", c.node, c.location]
                                                     for c in i.copies]
-    lines.append(_table(rows) if i.copies else "  no copies recorded")
+    lines.append(table(rows) if i.copies else "  no copies recorded")
     return "\n".join(lines)
 
 
@@ -175,10 +172,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _rpc(args: argparse.Namespace, name: str, request: Any) -> tuple[int, Any]:
-    from daemon.cli import _connect
     from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
-    client = _connect(args)
+    client = connect(args)
     try:
         return EXIT_OK, getattr(pb_grpc.CheckpointsStub(client.channel), name)(request, timeout=args.timeout)
     except grpc.RpcError as exc:
@@ -193,7 +189,6 @@ def _rpc(args: argparse.Namespace, name: str, request: Any) -> tuple[int, Any]:
 
 
 def cmd_tiers(args: argparse.Namespace) -> int:
-    from daemon.cli import _table
     from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 
     code, resp = _rpc(args, "Tiers", pb.TiersRequest())
@@ -211,12 +206,11 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     for t in resp.tiers:
         rows.append([t.tier, "ok" if t.healthy else f"UNHEALTHY ({t.reason})", human_bytes(t.backlog_bytes),
                      str(t.checkpoints), human_bytes(t.bytes), t.location])
-    print(_table(rows))
+    print(table(rows))
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from daemon.cli import _table
     from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 
     code, resp = _rpc(args, "VerifyCopies", pb.VerifyCopiesRequest(job_id=args.job, step=args.step))
@@ -231,7 +225,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         rows = [["TIER", "RANK", "RESULT", "DETAIL", "LOCATION"]]
         for c in resp.checks:
             rows.append([c.tier, str(c.rank), "ok" if c.ok else "BAD", c.detail, c.location])
-        print(_table(rows))
+        print(table(rows))
         print(f"{len(resp.checks) - len(bad)}/{len(resp.checks)} copies good"
               + (f"; {len(bad)} BAD (restore skips them chunk by chunk)" if bad else ""))
     return EXIT_NOT_FOUND if bad else EXIT_OK
@@ -245,7 +239,6 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from checkpoint.errors import CheckpointError
     from checkpoint.restore import RestoreReport, copies_for, read_verified
     from checkpoint.snapshot import dir_store_for
-    from daemon.cli import _connect
 
     target: int | str = args.target
     if args.target not in ("latest", "latest_verified"):
@@ -255,7 +248,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             print(f"sdcwatch: restore target must be a step, 'latest' or 'latest_verified', got {args.target!r}",
                   file=sys.stderr)
             return EXIT_USAGE
-    client = _connect(args)
+    client = connect(args)
     link = GrpcAgentLink(client.channel, args.timeout)
     out = Path(args.out)
     try:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sdcwatch.channels import agent_channel
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -78,7 +80,7 @@ class AgentHandle:
                 raise RuntimeError(f"the agent exited with {self.proc.returncode}; see {self.state.parent / 'agent.log'}")
             if os.path.exists(self.socket):
                 try:
-                    with grpc.insecure_channel(f"unix:{self.socket}") as ch:
+                    with agent_channel(self.socket) as ch:
                         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
                             service="sdcwatch.v1.Agent"), timeout=1)
                         if r.status == health_pb2.HealthCheckResponse.SERVING:
@@ -126,7 +128,7 @@ class EventFollower(threading.Thread):
 
         while True:
             try:
-                with grpc.insecure_channel(f"unix:{self.socket_path}") as ch:
+                with agent_channel(self.socket_path) as ch:
                     self._call = pb_grpc.AgentStub(ch).WatchEvents(
                         pb.WatchEventsRequest(since_seq=self.last_seq, follow=True))
                     for ev in self._call:
@@ -241,7 +243,7 @@ def _status(sock: str) -> dict[str, Any]:
     from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
     try:
-        with grpc.insecure_channel(f"unix:{sock}") as ch:
+        with agent_channel(sock) as ch:
             st = pb_grpc.AgentStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
         return json_format.MessageToDict(st, preserving_proto_field_name=True)
     except grpc.RpcError as exc:

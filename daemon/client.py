@@ -1,35 +1,13 @@
-"""A small synchronous client for the agent (the CLI and scripts use it)."""
+"""A small synchronous client for the agent (the CLI and scripts use it). Build its channel with
+`sdcwatch.channels.agent_channel` (the rules every client shares)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import grpc
 
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
-
-
-def channel_for(socket: str | None = None, address: str | None = None, *, tls_ca: str | None = None,
-                tls_server_name: str | None = None, token: str | None = None,
-                insecure: bool = False) -> grpc.Channel:
-    """A channel to the agent: unix socket (default) or TCP with TLS (plain TCP only with insecure)."""
-    options: list[tuple[str, object]] = []
-    if address:
-        if insecure:
-            if token:
-                raise ValueError("a bearer token is never sent over plain TCP: use TLS")
-            return grpc.insecure_channel(address, options=options)
-        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes() if tls_ca else None)
-        if token:
-            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-        if tls_server_name:
-            options.append(("grpc.ssl_target_name_override", tls_server_name))
-        return grpc.secure_channel(address, creds, options=options)
-    from sdcwatch.paths import default_socket
-
-    path = socket or str(default_socket())
-    return grpc.insecure_channel(f"unix:{path}", options=options)
 
 
 class AgentClient:

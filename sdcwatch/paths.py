@@ -36,7 +36,3 @@ def default_socket(environ: Mapping[str, str] | None = None) -> Path:
         return Path(explicit)
     return default_state_dir(env) / SOCKET_NAME
 
-
-def socket_target(path: str | os.PathLike[str]) -> str:
-    """The grpc channel target for a unix socket path (`unix:/abs/path`)."""
-    return "unix:" + os.path.abspath(os.fspath(path))

@@ -21,7 +21,8 @@ from torch import nn
 
 from checksums.monitor import Monitor
 from sdcwatch.paths import default_socket, default_state_dir
-from checksums.reporter import StepReporter, normalize_target
+from checksums.reporter import StepReporter
+from sdcwatch.channels import agent_target
 from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
 
 REPORTER_LOGGER = "checksums.reporter"
@@ -264,18 +265,22 @@ def test_tcp_with_tls_and_bearer_token(short_tmp: Path) -> None:
         server.stop()
 
 
-def test_tcp_without_tls_is_refused_unless_asked() -> None:
-    with pytest.raises(ValueError, match="needs TLS"):
-        StepReporter("127.0.0.1:1")
+def test_tcp_is_tls_unless_asked_and_never_plain_with_a_token() -> None:
+    with pytest.raises(ValueError, match="never sent over plain TCP"):
+        StepReporter("127.0.0.1:1", token="t", allow_insecure_tcp=True)
+    with pytest.raises(ValueError, match="unix socket"):
+        StepReporter("/tmp/x.sock", root_cert=b"pem")
     StepReporter("127.0.0.1:1", allow_insecure_tcp=True).close(0.1)
     with pytest.raises(ValueError, match="queue_size"):
         StepReporter("/tmp/x.sock", queue_size=0)
 
 
 def test_targets_and_default_paths() -> None:
-    assert normalize_target("/tmp/a.sock") == "unix:/tmp/a.sock"
-    assert normalize_target("unix:/x/y") == "unix:/x/y"
-    assert normalize_target("host:7000") == "host:7000"
+    assert agent_target("/tmp/a.sock") == "unix:/tmp/a.sock"
+    assert agent_target("unix:/x/y") == "unix:/x/y"
+    assert agent_target("host:7000") == "host:7000"
+    assert agent_target("[::1]:7000") == "[::1]:7000"
+    assert agent_target("rel.sock") == "unix:" + os.path.abspath("rel.sock")
     env = {"XDG_RUNTIME_DIR": "/run/user/7"}
     assert default_state_dir(env) == Path("/run/user/7/sdcwatch")
     assert default_socket(env) == Path("/run/user/7/sdcwatch/agent.sock")

@@ -1,0 +1,92 @@
+"""What every `sdcwatch` client command shares: the parser class, the agent-connection flags and the client
+they build, the error exits, and the table / age formatting.
+
+    p = sub.add_parser("thing", help="...")
+    cli_common.add_connection_flags(p)
+    ...
+    client = cli_common.connect(args)          # exits 2 with a message if the flags cannot make a channel
+
+Exit codes: 0 success; 1 unhealthy / not found / a failed check; 2 bad usage, a bad config, or the agent
+cannot be reached.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+import grpc
+
+from daemon.client import AgentClient
+from sdcwatch.channels import agent_channel, read_token
+
+EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one error format: usage, then `sdcwatch: error: ...`, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"sdcwatch: error: {message}\n")
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say how to reach the agent (read by `connect`)."""
+    g = p.add_argument_group("agent connection")
+    g.add_argument("--socket", help="agent unix socket (default: $SDCWATCH_SOCKET or the default state dir's)")
+    g.add_argument("--address", help="HOST:PORT of an agent serving TCP with TLS")
+    g.add_argument("--tls-ca", help="CA bundle to verify the agent's certificate (default: the system roots)")
+    g.add_argument("--tls-server-name", help="expected name in the agent's certificate")
+    g.add_argument("--token-file", help="file holding the bearer token (TCP only)")
+    g.add_argument("--insecure", action="store_true", help="plain TCP (no TLS): only for testing")
+    g.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+
+
+def connect(args: argparse.Namespace) -> AgentClient:
+    """A client for the agent named by the connection flags; exits 2 with the reason when they are wrong.
+    `--address` wins over `--socket`; the channel rules are `sdcwatch.channels.agent_channel`'s."""
+    try:
+        token = read_token(args.token_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(fail(f"cannot read --token-file: {exc}"))
+    try:
+        if args.address:
+            channel = agent_channel(args.address, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
+                                    token=token, insecure=args.insecure)
+        else:
+            channel = agent_channel(args.socket)   # a unix socket: no TLS, no token
+    except (ValueError, OSError) as exc:
+        raise SystemExit(fail(str(exc)))
+    return AgentClient(channel, timeout_s=args.timeout)
+
+
+def fail(message: str) -> int:
+    """Print `sdcwatch: message` to stderr; returns EXIT_USAGE (2)."""
+    print(f"sdcwatch: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def rpc_error(exc: grpc.RpcError, what: str) -> int:
+    """Print why the RPC `what` failed; returns EXIT_USAGE (an unreachable agent is a usage problem here)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else exc
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return fail(f"cannot reach the agent ({what}): {details}")
+    return fail(f"{what}: {code.name if code is not None else 'ERROR'}: {details}")
+
+
+def ago(t: float, now: float) -> str:
+    """'12s ago', '5m ago', '3.2h ago'; 'never' for 0."""
+    if not t:
+        return "never"
+    d = max(0.0, now - t)
+    return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.1f}h ago"
+
+
+def table(rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart; the first row is the header."""
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
