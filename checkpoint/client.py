@@ -20,21 +20,21 @@ from typing import Any, Callable, Mapping
 import grpc
 
 from checkpoint.blobstore import BlobStore
-from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
-                                    RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
                                NotInMemoryError, UnknownCheckpointError)
 from checkpoint.manifest import ShardManifest
+from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy, RestorePlan,
+                                RestoreReportMsg, SaveReport, ShardPlan)
 from checkpoint.restore import RestoreReport, restore_from_plan
 from checkpoint.snapshot import SaveHandle, Snapshotter, SnapshotConfig, dir_store_for
+from proto.sdcwatch.v1 import checkpoint_pb2 as pb
+from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 from sdcwatch.channels import agent_channel
 
 log = logging.getLogger(__name__)
 
 
 def _state(v: int) -> str:
-    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
-
     return pb.CheckpointState.Name(v).removeprefix("CHECKPOINT_STATE_")
 
 
@@ -49,9 +49,6 @@ class GrpcAgentLink:
     checkpoint errors (UNAVAILABLE / DEADLINE_EXCEEDED -> AgentUnavailableError)."""
 
     def __init__(self, channel: grpc.Channel, deadline_s: float = 5.0) -> None:
-        from proto.sdcwatch.v1 import checkpoint_pb2 as pb
-        from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
-
         self.pb = pb
         self.stub = pb_grpc.CheckpointsStub(channel)
         self.channel = channel

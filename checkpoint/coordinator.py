@@ -37,12 +37,13 @@ from checkpoint.chunks import verify
 from checkpoint.errors import CommitError, InvalidInputError, NotInMemoryError, UnknownCheckpointError
 from checkpoint.manifest import ShardManifest
 from checkpoint.names import validate_job_id, validate_rank, validate_step
+from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
+                                RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
+from sdcwatch.types import Severity
 
 log = logging.getLogger(__name__)
 
 Publish = Callable[[str, Any, str, str, dict], None]
-LATEST = "latest"
-LATEST_VERIFIED = "latest_verified"
 
 _BEGIN = """
 local st = redis.call('HGET', KEYS[1], 'state')
@@ -106,85 +107,6 @@ class CoordinatorConfig:
             raise InvalidInputError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes}")
         if self.pending_timeout_s <= 0:
             raise InvalidInputError(f"pending_timeout_s must be positive, got {self.pending_timeout_s}")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Copy:
-    rank: int
-    node: str
-    location: str        # the memory tier directory on `node`, a tier's directory, or an s3:// URL
-    tier: str = "memory"  # memory (this node's or a peer's), nvme, flash, s3 (checkpoint.drainer tiers)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    job_id: str
-    step: int
-    state: str
-    world_size: int
-    shards: int          # shards committed so far
-    nbytes: int
-    begun_at: float
-    committed_at: float
-    verified_at: float
-    reason: str
-    copies: tuple[Copy, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SaveReport:
-    """How a save went on the rank (sent with its CommitShard; feeds the agent's metrics)."""
-
-    blocking_s: float = 0.0
-    safe_s: float = 0.0
-    stall_s: float = 0.0
-    skipped_saves: int = 0
-    staging: str = ""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RestoreReportMsg:
-    """How a restore went on the rank (ReportRestore; feeds the agent's metrics and journal)."""
-
-    job_id: str
-    step: int
-    rank: int
-    seconds: float
-    nbytes: int
-    chunks: int
-    fallbacks: int
-    checksum_failures: int
-    ok: bool
-    error: str = ""
-    source: str = ""     # the copy that served most bytes, "<tier>@<node>" (e.g. "nvme@node-a")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BeginResult:
-    state: str           # PENDING (write your shard), or COMMITTED/VERIFIED (already done: skip)
-    node: str
-    location: str        # directory of this node's memory tier
-    blob_key: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CommitResult:
-    state: str
-    committed_now: bool  # this call completed the global commit
-    shards: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ShardPlan:
-    rank: int
-    manifest: ShardManifest
-    copies: tuple[Copy, ...]  # this node's copy first
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RestorePlan:
-    checkpoint: CheckpointInfo
-    shards: tuple[ShardPlan, ...]
 
 
 def blob_key(job_id: str, step: int, rank: int) -> str:
@@ -605,8 +527,6 @@ class Coordinator:
         if self.publish is None:
             return
         try:
-            from sdcwatch.types import Severity
-
             self.publish(kind, Severity[severity], f"job/{job_id}", message, {"job_id": job_id, **details})
         except Exception:  # noqa: BLE001 - journaling must not break the commit path
             log.exception("publishing %s failed", kind)

@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from checkpoint.blobstore import BlobStore
-from checkpoint.coordinator import LATEST, LATEST_VERIFIED, RestorePlan
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError, UnknownCheckpointError
 from checkpoint.manifest import DTYPES, ShardManifest, dtype_name
 from checkpoint.names import validate_job_id, validate_step
+from checkpoint.records import LATEST, LATEST_VERIFIED, CommitResult, RestorePlan
 from checkpoint.restore import copies_for, restore_shard
 from checkpoint.snapshot import Snapshotter, SnapshotConfig, dir_store_for
 
@@ -137,8 +137,6 @@ class _DeferredCommitLink:
     def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str,
                      **kw: Any) -> Any:
         self.held = (job_id, step, rank, world_size, manifest_json, kw)
-        from checkpoint.coordinator import CommitResult
-
         return CommitResult("PENDING", False, 0)
 
 

@@ -46,10 +46,11 @@ from typing import Any, Callable, Iterator
 from checkpoint import policy
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
-from checkpoint.coordinator import Coordinator, Copy, Publish
+from checkpoint.coordinator import Coordinator, Publish
 from checkpoint.errors import CheckpointError, CorruptCheckpointError, UnknownCheckpointError
 from checkpoint.fault_store import FaultyStore
 from checkpoint.manifest import ShardManifest
+from checkpoint.records import Copy
 from checkpoint.tier_manifest import (TierCheckpoint, TierManifest, manifest_key, orphans, scan)
 from checkpoint.tier_policy import Candidate, DrainPlan, Held, TierRule, plan_drains, plan_retention
 

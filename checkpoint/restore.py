@@ -19,9 +19,9 @@ import torch
 
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import Chunk, chunks_covering, verify
-from checkpoint.coordinator import RestorePlan, ShardPlan
 from checkpoint.errors import CorruptCheckpointError, NotInMemoryError
 from checkpoint.manifest import DTYPES, ShardManifest, unflatten
+from checkpoint.records import RestorePlan, ShardPlan
 from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
 
 log = logging.getLogger(__name__)

@@ -35,10 +35,10 @@ import torch
 
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import DEFAULT_CHUNK_BYTES, Chunk, checksum_chunks, iter_checksummed
-from checkpoint.coordinator import SaveReport
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError
 from checkpoint.manifest import ShardManifest, TensorEntry, dtype_name, flatten
 from checkpoint.names import validate_job_id, validate_rank, validate_step
+from checkpoint.records import SaveReport
 from checkpoint.slots import Slot, SlotRing
 from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
 

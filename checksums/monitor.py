@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
 from checksums.replica_vote import VoteResult, vote
+from checksums.reporter import StepReporter
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +205,6 @@ class Monitor:
             raise ValueError("check_optimizer_state=True needs the optimizer")
         self._custom_fp = fingerprint_fn is not None
         if fingerprint_fn is None:
-            from checksums.fingerprint import fingerprint_tensors_async
             fingerprint_fn = fingerprint_tensors_async
         self._fp = fingerprint_fn
         self.job_id = job_id
@@ -408,7 +409,6 @@ class Monitor:
         """Each tensor's own fingerprint words (one launch on the default path); syncs."""
         if self._custom_fp:
             return [self._words(self._fp([t])) for t in tensors]
-        from checksums.fingerprint import NUM_WORDS
         per = torch.empty(len(tensors), NUM_WORDS, dtype=torch.int64, device=self.device)
         self._fp(tensors, per_tensor_out=per)  # type: ignore[call-arg]
         return [tuple(int(x) & _U64 for x in row) for row in per.tolist()]
@@ -423,7 +423,6 @@ class Monitor:
         if not tensors:
             return lambda out: out.copy_(self._empty_words)
         if not self._custom_fp and self.device.type == "cuda":
-            from checksums.fingerprint import prepare_fingerprint
             try:
                 plan = prepare_fingerprint(tensors)  # the hot path: one fused launch, no per-call host work
                 return lambda out: plan.run_async(out=out)
@@ -471,7 +470,6 @@ class Monitor:
             self._reporter = reporter
             return
         try:
-            from checksums.reporter import StepReporter
             self._reporter = StepReporter(agent_socket)
             self._owns_reporter = True
         except Exception as err:  # the agent is optional: never fail training for it

@@ -37,11 +37,12 @@ from typing import Any, Callable
 import grpc
 
 from checkpoint import policy
-from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, CheckpointInfo, Coordinator, CoordinatorConfig, Copy,
-                                    Publish, RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
+from checkpoint.coordinator import Coordinator, CoordinatorConfig, Publish
 from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
+from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, RestorePlan, RestoreReportMsg, SaveReport,
+                                ShardPlan)
 from checkpoint.shm_store import ShmStore, default_shm_root
 from proto.sdcwatch.v1 import agent_pb2
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb

@@ -24,8 +24,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from checksums.fingerprint import fingerprint_tensor
 from probes import canary_copy, canary_gemm, canary_random
 from probes.canary_gemm import CheckResult, DeviceInfo, KnownAnswerSpec, Matmul, Status
+from sdcwatch import __version__ as sdcwatch_version
 from sdcwatch.types import Evidence, State
 
 log = logging.getLogger(__name__)
@@ -123,13 +125,8 @@ def discover_devices(gpus: Sequence[int] | None = None) -> tuple[list[DeviceInfo
 
 
 def versions() -> dict[str, str]:
-    v = {"torch": torch.__version__, "cuda": str(torch.version.cuda or ""), "python": platform.python_version()}
-    try:
-        from daemon import __version__ as sdcwatch_version
-
-        v["sdcwatch"] = sdcwatch_version
-    except Exception:
-        pass
+    v = {"torch": torch.__version__, "cuda": str(torch.version.cuda or ""), "python": platform.python_version(),
+         "sdcwatch": sdcwatch_version}
     if torch.cuda.is_available():
         try:
             v["cudnn"] = str(torch.backends.cudnn.version())
@@ -379,8 +376,6 @@ def replay(path: Path | str, dev: DeviceInfo, *, matmul: Matmul | None = None,
         a, b = canary_random.device_inputs(spec, dev.torch_device)
         t0 = time.perf_counter()
         out = mm(a, b, spec)
-        from checksums.fingerprint import fingerprint_tensor
-
         fp = [hex(v) for v in fingerprint_tensor(out)]
         want = details.get("majority_fingerprint")
         bc = canary_random.bound_check(spec, out)

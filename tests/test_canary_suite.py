@@ -14,6 +14,7 @@ from probes.canary_gemm import CheckResult, DeviceInfo, Status
 from probes.canary_injob import InJobCanary
 from probes.canary_schedule import AgentCanaryPolicy, GpuSnapshot, InJobBudget, budget_allows
 from probes.gpu_state import GpuEvidenceStore
+from sdcwatch import __version__ as sdcwatch_version
 from sdcwatch.types import State
 
 CPU = DeviceInfo("cpu", "cpu", uuid="cpu")
@@ -46,6 +47,7 @@ def test_faulty_device_fails_with_evidence_and_replay(tmp_path: Path) -> None:
     rec = cs.load_evidence(gemm.evidence_path)
     for key in ("versions", "devices", "details", "time"):
         assert key in rec
+    assert rec["versions"]["sdcwatch"] == sdcwatch_version  # evidence names the release that found it
     assert rec["details"]["mismatch"]["rows"] == [3]
     assert rec["details"]["expected_fingerprint"] != rec["details"]["actual_fingerprint"]
     assert rec["details"]["spec"]["seed"] is not None
