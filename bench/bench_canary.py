@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from probes import canary_gemm as cg  # noqa: E402
+from checksums import canary_gemm as cg  # noqa: E402
+from sdcwatch.canary import DeviceInfo, Status  # noqa: E402
 from probes import canary_suite as cs  # noqa: E402
 
 
@@ -37,10 +38,10 @@ def plain_bf16_tflops(dev: torch.device, n: int = 8192, reps: int = 20) -> float
     return 2 * n ** 3 / (s.elapsed_time(e) / 1e3 / reps) / 1e12
 
 
-def canary_tflops(dev: cg.DeviceInfo, dtype: str, n: int = 8192, reps: int = 20) -> float:
+def canary_tflops(dev: DeviceInfo, dtype: str, n: int = 8192, reps: int = 20) -> float:
     spec = cg.KnownAnswerSpec(dtype, n, n, n, shape_name="large")
     r = cg.run_known_answer(spec, dev, repeats=reps)
-    if r.status is not cg.Status.PASS:
+    if r.status is not Status.PASS:
         print(f"  {spec.name}: {r.status.value} {r.why}")
     return r.tflops or 0.0
 
@@ -101,25 +102,25 @@ def main() -> int:
         t0 = time.perf_counter()
         rep = cs.run_suite(devs, cs.SuiteConfig(level=level))
         wall = time.perf_counter() - t0
-        bad = [(r.name, r.status.value, r.why) for r in rep.results if r.status is not cg.Status.PASS]
+        bad = [(r.name, r.status.value, r.why) for r in rep.results if r.status is not Status.PASS]
         rows.append((f"{level} suite wall time per GPU", f"{wall / len(devs):.2f} s",
                      f"{rep.status.value}, {len(rep.results)} checks, {len(devs)} GPU(s)"))
         for b in bad[:10]:
             print("  not PASS:", b)
     dev = devs[0]
-    base = plain_bf16_tflops(dev.torch_device)
+    base = plain_bf16_tflops(torch.device(dev.device))
     rows.append(("plain bf16 8192^3 torch.mm", f"{base:.0f} TFLOP/s", "baseline"))
     for dt in ("bf16", "fp16", "fp8_e4m3", "tf32"):
-        if dt in cg.supported_dtypes(dev.torch_device)[0]:
+        if dt in cg.supported_dtypes(torch.device(dev.device))[0]:
             t = canary_tflops(dev, dt)
             rows.append((f"canary {dt} 8192^3 known-answer", f"{t:.0f} TFLOP/s", f"{t / base:.0%} of plain bf16"))
-    from probes.canary_injob import InJobCanary
-    from probes.canary_schedule import InJobBudget
+    from checksums.canary_budget import InJobBudget
+    from checksums.canary_injob import InJobCanary
 
-    plain, what = train_steps(dev.torch_device, args.steps, None)
-    canary = InJobCanary(dev.torch_device, budget=InJobBudget(budget_fraction=0.005, warmup_steps=5,
+    plain, what = train_steps(torch.device(dev.device), args.steps, None)
+    canary = InJobCanary(torch.device(dev.device), budget=InJobBudget(budget_fraction=0.005, warmup_steps=5,
                                                                min_steps_between=1))
-    with_c, _ = train_steps(dev.torch_device, args.steps, canary)
+    with_c, _ = train_steps(torch.device(dev.device), args.steps, canary)
     rows.append(("GPT-2-small training step", f"{plain * 1e3:.1f} ms", f"no canary; {what}"))
     rows.append(("  with InJobCanary (budget 0.5%)", f"{with_c * 1e3:.1f} ms",
                  f"{(with_c / plain - 1):+.2%} measured; canary's own accounted share "

@@ -350,7 +350,7 @@ def _canary_agent_path(ctx: Ctx, spec: Any, bad: int, fault: Any, vers: dict[str
     """The agent's own path, on rank 0: `run_random` over every GPU of the host in one process (CPU:
     simulated devices), the same fault on the GPU of rank `bad`."""
     from probes.canary_faults import FaultyDevice, simulated_devices
-    from probes.canary_gemm import Status
+    from sdcwatch.canary import Status
     from probes.canary_random import group_key, run_random
     from probes.canary_suite import discover_devices
 
@@ -369,7 +369,8 @@ def _canary_agent_path(ctx: Ctx, spec: Any, bad: int, fault: Any, vers: dict[str
 def part_canary(ctx: Ctx) -> dict[str, Any]:
     from checksums.fingerprint import fingerprint_tensor
     from probes.canary_faults import FaultyMatmul
-    from probes.canary_gemm import DeviceInfo, default_matmul
+    from checksums.canary_gemm import default_matmul
+    from sdcwatch.canary import DeviceInfo
     from probes.canary_random import RandomSpec, device_inputs, group_key, vote_outputs
     from probes.canary_suite import versions
 

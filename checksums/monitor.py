@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checksums.canary_injob import InJobCanary
 from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
 from checksums.replica_vote import VoteResult, vote
 from checksums.reporter import StepReporter
@@ -245,12 +246,10 @@ class Monitor:
         self._read_errors = 0
         self._last_step_end = time.perf_counter()
         self._closed = False
-        # in-job canary: True = probes.canary_injob.InJobCanary on this device within 0.5% of step time
+        # in-job canary: True = checksums.canary_injob.InJobCanary on this device within 0.5% of step time
         self._canary: Any = None
         self._canary_result: Any = None
         if canary is True:
-            from probes.canary_injob import InJobCanary
-
             self._canary = InJobCanary(self.device, budget_fraction=0.005, label=self.gpu_uuid or str(self.device))
         elif canary:
             self._canary = canary

@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from probes import canary_suite
 from probes.canary_child import CanaryChildError, child_run_suite, child_snapshots
-from probes.canary_gemm import DeviceInfo, Status
 from probes.canary_schedule import AgentCanaryPolicy, Decision, GpuSnapshot
+from sdcwatch.canary import DeviceInfo, Status
 from sdcwatch.types import Evidence, Finding, Severity
 
 NEED_BYTES = {"tiny": 64 << 20, "quick": 1536 << 20, "full": 4 << 30}

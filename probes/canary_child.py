@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from probes.canary_schedule import GpuSnapshot
+from sdcwatch.canary import CheckResult, DeviceInfo, Status
 
 if TYPE_CHECKING:
-    from probes.canary_gemm import DeviceInfo
     from probes.canary_suite import SuiteReport
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ def _exit_reason(code: int) -> str:
 
 def suite_from_json(d: Mapping[str, Any]) -> "SuiteReport":
     """The inverse of `SuiteReport.to_json()` (its derived `status` is recomputed, not read)."""
-    from probes.canary_gemm import CheckResult, DeviceInfo, Status
-    from probes.canary_suite import SuiteReport
+    from probes.canary_suite import SuiteReport  # torch: the agent reads replies without loading it
 
     results = [CheckResult(**{**r, "status": Status(r["status"]), "devices": tuple(r["devices"])})
                for r in d["results"]]
@@ -188,17 +187,17 @@ def run_round(labels: Sequence[str], level: str, evidence_dir: str | None,
     return {"ok": canary_suite.run_suite(devices, cfg).to_json()}
 
 
-def _cap_memory(devices: Sequence["DeviceInfo"], cap_bytes: int) -> None:
+def _cap_memory(devices: Sequence[DeviceInfo], cap_bytes: int) -> None:
     """Cap torch's allocator on each GPU to the canary's share, so a job starting meanwhile still fits."""
     import torch
 
     for d in devices:
-        if d.torch_device.type != "cuda":
+        if torch.device(d.device).type != "cuda":
             continue
         try:
-            total = torch.cuda.get_device_properties(d.torch_device).total_memory
+            total = torch.cuda.get_device_properties(torch.device(d.device)).total_memory
             frac = min(1.0, (cap_bytes + (512 << 20)) / total)
-            torch.cuda.set_per_process_memory_fraction(frac, d.torch_device)
+            torch.cuda.set_per_process_memory_fraction(frac, torch.device(d.device))
         except Exception as exc:
             log.warning("cannot cap canary memory on %s: %s", d.label, exc)
 

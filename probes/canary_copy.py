@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from probes.canary_gemm import CheckResult, DeviceInfo, Status
+from sdcwatch.canary import CheckResult, DeviceInfo, Status
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,13 @@ class TorchCopier:
     """The real copies: `Tensor.to` (cudaMemcpyAsync; peer-to-peer when the driver allows it)."""
 
     def to_device(self, host: torch.Tensor, dev: DeviceInfo) -> torch.Tensor:
-        return host.to(dev.torch_device, non_blocking=False)
+        return host.to(torch.device(dev.device), non_blocking=False)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu")
 
     def peer(self, t: torch.Tensor, src: DeviceInfo, dst: DeviceInfo) -> torch.Tensor:
-        out = t.to(dst.torch_device)
+        out = t.to(torch.device(dst.device))
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
         return out
@@ -116,10 +116,10 @@ def check_h2d(dev: DeviceInfo, nbytes: int, copier: Copier | None = None, seed: 
 
 
 def peer_access(src: DeviceInfo, dst: DeviceInfo) -> bool | None:
-    if src.torch_device.type != "cuda" or dst.torch_device.type != "cuda":
+    if torch.device(src.device).type != "cuda" or torch.device(dst.device).type != "cuda":
         return None
     try:
-        return bool(torch.cuda.can_device_access_peer(src.torch_device, dst.torch_device))
+        return bool(torch.cuda.can_device_access_peer(torch.device(src.device), torch.device(dst.device)))
     except Exception:
         return None
 
@@ -205,13 +205,13 @@ def check_allreduce(devices: Sequence[DeviceInfo], n: int = 1 << 20,
         return CheckResult("allreduce", "allreduce", Status.UNKNOWN, labels, 0.0,
                            why="needs at least two GPUs")
     if allreduce is None:
-        if any(d.torch_device.type != "cuda" for d in devices):
+        if any(torch.device(d.device).type != "cuda" for d in devices):
             return CheckResult("allreduce", "allreduce", Status.UNKNOWN, labels, 0.0,
                                why="NCCL all-reduce needs CUDA GPUs")
         allreduce = nccl_all_reduce
     expected = sum((allreduce_inputs(n, r) for r in range(len(devices))), torch.zeros(n))
     try:
-        bufs = [allreduce_inputs(n, r).to(d.torch_device) for r, d in enumerate(devices)]
+        bufs = [allreduce_inputs(n, r).to(torch.device(d.device)) for r, d in enumerate(devices)]
         allreduce(bufs)
         outs = [b.to("cpu") for b in bufs]
     except Exception as exc:

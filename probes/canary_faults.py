@@ -18,8 +18,9 @@ from typing import Any, Callable
 
 import torch
 
+from checksums.canary_gemm import Matmul, default_matmul
 from probes.canary_copy import AllReduce, Copier, TorchCopier
-from probes.canary_gemm import DeviceInfo, Matmul, default_matmul
+from sdcwatch.canary import DeviceInfo
 
 
 def flip_bit(t: torch.Tensor, index: tuple[int, ...], bit: int) -> torch.Tensor:
@@ -114,13 +115,13 @@ class SimCopier:
     """Copies between simulated CPU devices (clones, so each 'device' holds its own bytes)."""
 
     def to_device(self, host: torch.Tensor, dev: DeviceInfo) -> torch.Tensor:
-        return host.to(dev.torch_device).clone()
+        return host.to(torch.device(dev.device)).clone()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu").clone()
 
     def peer(self, t: torch.Tensor, src: DeviceInfo, dst: DeviceInfo) -> torch.Tensor:
-        return t.to(dst.torch_device).clone()
+        return t.to(torch.device(dst.device)).clone()
 
 
 def cpu_all_reduce(tensors: list[torch.Tensor]) -> None:

@@ -28,9 +28,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from checksums.canary_gemm import DtypeInfo, default_matmul, dtype_table, localise
 from checksums.fingerprint import fingerprint_tensor
-from probes.canary_gemm import (CheckResult, DeviceInfo, DtypeInfo, Status, default_matmul, dtype_table,
-                                localise)
+from sdcwatch.canary import CheckResult, DeviceInfo, Status
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def determinism_check(spec: RandomSpec, dev: DeviceInfo, matmul_for: MatmulFor =
     """The same GEMM `runs` times on one device: do the outputs agree bit for bit?"""
     t0 = time.perf_counter()
     try:
-        a, b = device_inputs(spec, dev.torch_device)
+        a, b = device_inputs(spec, torch.device(dev.device))
         mm = matmul_for(dev)
         fps = [tuple(fingerprint_tensor(mm(a, b, spec))) for _ in range(runs)]
     except Exception as exc:
@@ -235,7 +235,7 @@ def run_random(spec: RandomSpec, devices: Sequence[DeviceInfo], *, matmul_for: M
     for dev in devices:
         t0 = time.perf_counter()
         try:
-            a, b = device_inputs(spec, dev.torch_device)
+            a, b = device_inputs(spec, torch.device(dev.device))
             out = matmul_for(dev)(a, b, spec)
             fps[dev.label] = tuple(fingerprint_tensor(out))
             outs[dev.label] = out

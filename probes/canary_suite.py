@@ -25,9 +25,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from checksums.fingerprint import fingerprint_tensor
-from probes import canary_copy, canary_gemm, canary_random
-from probes.canary_gemm import CheckResult, DeviceInfo, KnownAnswerSpec, Matmul, Status
+from checksums import canary_gemm
+from checksums.canary_gemm import KnownAnswerSpec, Matmul
+from probes import canary_copy, canary_random
 from sdcwatch import __version__ as sdcwatch_version
+from sdcwatch.canary import CheckResult, DeviceInfo, Status
 from sdcwatch.types import Evidence, State
 
 log = logging.getLogger(__name__)
@@ -160,7 +162,7 @@ def _on_device(dev: DeviceInfo) -> Any:
     """Make `dev` the current CUDA device (streams, events, library handles follow it); no-op on CPU."""
     import contextlib
 
-    return torch.cuda.device(dev.torch_device) if dev.torch_device.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.device(torch.device(dev.device)) if torch.device(dev.device).type == "cuda" else contextlib.nullcontext()
 
 
 def run_suite(devices: Sequence[DeviceInfo], config: SuiteConfig | None = None, *,
@@ -173,17 +175,17 @@ def run_suite(devices: Sequence[DeviceInfo], config: SuiteConfig | None = None, 
     vers = versions()
     results: list[CheckResult] = []
     skipped: dict[str, dict[str, str]] = {}
-    dev_type = devices[0].torch_device.type
+    dev_type = torch.device(devices[0].device).type
     dtypes_of: dict[str, list[str]] = {}
     for dev in devices:
-        ok, why = canary_gemm.supported_dtypes(dev.torch_device)
+        ok, why = canary_gemm.supported_dtypes(torch.device(dev.device))
         if cfg.dtypes is not None:
             why = {d: w for d, w in why.items() if d in cfg.dtypes}
             ok = [d for d in ok if d in cfg.dtypes]
         dtypes_of[dev.label] = ok
         if why:
             skipped[dev.label] = why
-        specs = canary_gemm.known_answer_specs(cfg.level, ok, dev.torch_device.type, cfg.seed)
+        specs = canary_gemm.known_answer_specs(cfg.level, ok, torch.device(dev.device).type, cfg.seed)
         mm = matmul_for(dev)
         with _on_device(dev):
             for spec in specs:
@@ -211,7 +213,7 @@ def run_suite(devices: Sequence[DeviceInfo], config: SuiteConfig | None = None, 
 def _random_checks(devices: Sequence[DeviceInfo], dtypes_of: Mapping[str, list[str]], cfg: SuiteConfig,
                    matmul_for: MatmulFor, vers: Mapping[str, str]) -> list[CheckResult]:
     out: list[CheckResult] = []
-    m, n, k = RANDOM_SHAPES["tiny" if devices[0].torch_device.type != "cuda" else cfg.level]
+    m, n, k = RANDOM_SHAPES["tiny" if torch.device(devices[0].device).type != "cuda" else cfg.level]
     groups = {d.label: canary_random.group_key(d, vers) for d in devices}
     common = [d for d in RANDOM_DTYPES if all(d in dtypes_of[x.label] for x in devices)]
     for i, dt in enumerate(common):
@@ -373,7 +375,7 @@ def replay(path: Path | str, dev: DeviceInfo, *, matmul: Matmul | None = None,
     if check == "random":
         spec_d = dict(details["spec"])
         spec = canary_random.RandomSpec(**spec_d)
-        a, b = canary_random.device_inputs(spec, dev.torch_device)
+        a, b = canary_random.device_inputs(spec, torch.device(dev.device))
         t0 = time.perf_counter()
         out = mm(a, b, spec)
         fp = [hex(v) for v in fingerprint_tensor(out)]

@@ -15,7 +15,7 @@ from probes import canary_suite as cs
 from probes.canary_agent import AgentCanaryProbe
 from probes.canary_child import TEST_HOOK_ENV, child_snapshots, nvml_snapshots, suite_from_json
 from probes.canary_faults import FaultyDevice, FaultyMatmul, SimCopier, cpu_all_reduce, simulated_devices
-from probes.canary_gemm import Status
+from sdcwatch.canary import Status
 from probes.canary_schedule import GpuSnapshot
 from sdcwatch.types import Severity, State
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probes import canary_gemm as cg
+from checksums import canary_gemm as cg
+from sdcwatch.canary import DeviceInfo, Status
 from probes.canary_faults import FaultyMatmul, flip_bit
 
-CPU = cg.DeviceInfo("cpu", "cpu")
+CPU = DeviceInfo("cpu", "cpu")
 
 
 @pytest.mark.parametrize("dtype", cg.ALL_DTYPES)
@@ -50,7 +51,7 @@ def test_fp8_b_is_column_major() -> None:
 def test_fp32_known_answer_passes_on_cpu_for_every_tiny_shape() -> None:
     for spec in cg.known_answer_specs("full", ["fp32"], "cpu"):
         r = cg.run_known_answer(spec, CPU, repeats=1)
-        assert r.status is cg.Status.PASS, r.why
+        assert r.status is Status.PASS, r.why
         assert r.details["expected_fingerprint"] == r.details["actual_fingerprint"]
 
 
@@ -62,7 +63,7 @@ def test_negative_zero_is_canonical() -> None:
 
 def test_one_thousand_clean_runs_never_fail() -> None:
     fails = [s for s in range(1000)
-             if cg.run_known_answer(cg.KnownAnswerSpec("fp32", 16, 16, 32, seed=s), CPU).status is not cg.Status.PASS]
+             if cg.run_known_answer(cg.KnownAnswerSpec("fp32", 16, 16, 32, seed=s), CPU).status is not Status.PASS]
     assert fails == []
 
 
@@ -70,7 +71,7 @@ def test_one_thousand_clean_runs_never_fail() -> None:
 def test_corrupted_output_element_names_element_and_tile(bit: int) -> None:
     spec = cg.KnownAnswerSpec("fp32", 64, 256, 128, shape_name="t")
     r = cg.run_known_answer(spec, CPU, matmul=FaultyMatmul("output", (37, 200), bit), tile=(32, 64))
-    assert r.status is cg.Status.FAIL
+    assert r.status is Status.FAIL
     mm = r.details["mismatch"]
     assert mm["count"] == 1 and mm["pattern"] == "element"
     assert mm["tiles"] == [[1, 3]] and mm["rows"] == [37] and mm["cols"] == [200]
@@ -81,10 +82,10 @@ def test_corrupted_output_element_names_element_and_tile(bit: int) -> None:
 def test_corrupted_input_row_and_column_are_named() -> None:
     spec = cg.KnownAnswerSpec("fp32", 64, 256, 128)
     ra = cg.run_known_answer(spec, CPU, matmul=FaultyMatmul("input_a", (5, 17), 30))
-    assert ra.status is cg.Status.FAIL and ra.details["mismatch"]["rows"] == [5]
+    assert ra.status is Status.FAIL and ra.details["mismatch"]["rows"] == [5]
     assert ra.details["mismatch"]["pattern"] == "row"
     rb = cg.run_known_answer(spec, CPU, matmul=FaultyMatmul("input_b", (17, 130), 30))
-    assert rb.status is cg.Status.FAIL and rb.details["mismatch"]["cols"] == [130]
+    assert rb.status is Status.FAIL and rb.details["mismatch"]["cols"] == [130]
     assert rb.details["mismatch"]["pattern"] == "column"
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from probes import canary_gemm as cg
+from checksums import canary_gemm as cg
+from sdcwatch.canary import DeviceInfo, Status
 from probes import canary_suite as cs
 from probes.canary_faults import FaultyDevice, FaultyMatmul
 
@@ -18,16 +19,16 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _dev() -> cg.DeviceInfo:
+def _dev() -> DeviceInfo:
     return cs.discover_devices([0])[0][0]
 
 
 def test_every_supported_dtype_and_shape_is_exact() -> None:
     dev = _dev()
-    ok, why = cg.supported_dtypes(dev.torch_device)
+    ok, why = cg.supported_dtypes(torch.device(dev.device))
     assert {"fp32", "tf32", "fp16", "bf16"} <= set(ok), why
     results = [cg.run_known_answer(s, dev, repeats=1) for s in cg.known_answer_specs("full", ok, "cuda")]
-    bad = [(r.name, r.status.value, r.why) for r in results if r.status is not cg.Status.PASS]
+    bad = [(r.name, r.status.value, r.why) for r in results if r.status is not Status.PASS]
     for r in results:
         print(f"{r.status.value:7} {r.name:45} {r.duration_s * 1e3:8.1f} ms  {r.tflops or 0:7.1f} TFLOP/s")
     assert bad == []
@@ -37,11 +38,11 @@ def test_every_supported_dtype_and_shape_is_exact() -> None:
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp8_e4m3"])
 def test_injected_faults_on_real_tensor_cores(where: str, index: tuple[int, int], dtype: str) -> None:
     dev = _dev()
-    if dtype not in cg.supported_dtypes(dev.torch_device)[0]:
+    if dtype not in cg.supported_dtypes(torch.device(dev.device))[0]:
         pytest.skip(f"{dtype} not supported here")
     spec = cg.KnownAnswerSpec(dtype, 2048, 4096, 1024, shape_name="fault")
     r = cg.run_known_answer(spec, dev, matmul=FaultyMatmul(where, index, 6))
-    assert r.status is cg.Status.FAIL, r.why
+    assert r.status is Status.FAIL, r.why
     mm = r.details["mismatch"]
     if where == "output":
         assert mm["pattern"] == "element" and mm["tiles"] == [[1234 // 128, 777 // 128]]
@@ -54,12 +55,12 @@ def test_injected_faults_on_real_tensor_cores(where: str, index: tuple[int, int]
 def test_cross_gpu_vote_with_one_faulty_gpu_on_real_gpus() -> None:
     devs, _ = cs.discover_devices()
     if len(devs) < 3:
-        devs = [cg.DeviceInfo(f"{devs[0].label}#{i}", devs[0].device, 0, devs[0].uuid, devs[0].name) for i in range(3)]
+        devs = [DeviceInfo(f"{devs[0].label}#{i}", devs[0].device, 0, devs[0].uuid, devs[0].name) for i in range(3)]
     from probes import canary_random as cr
 
     spec = cr.RandomSpec("bf16", 1024, 1024, 2048, seed=3)
     res = cr.run_random(spec, devs[:3], matmul_for=FaultyDevice(devs[1].label, FaultyMatmul("output", (7, 8), 0)))
-    assert [r.status for r in res] == [cg.Status.PASS, cg.Status.FAIL, cg.Status.PASS]
+    assert [r.status for r in res] == [Status.PASS, Status.FAIL, Status.PASS]
 
 
 def test_quick_suite_passes_and_durations(tmp_path: Path) -> None:
@@ -68,7 +69,7 @@ def test_quick_suite_passes_and_durations(tmp_path: Path) -> None:
     rep = cs.run_suite(devs, cs.SuiteConfig(level="quick", evidence_dir=tmp_path))
     wall = time.perf_counter() - t0
     print(f"quick suite: {wall:.1f}s on {len(devs)} GPU(s), {wall / len(devs):.1f}s per GPU")
-    assert rep.status is cg.Status.PASS, [(r.name, r.why) for r in rep.results if r.status is not cg.Status.PASS]
+    assert rep.status is Status.PASS, [(r.name, r.why) for r in rep.results if r.status is not Status.PASS]
 
 
 def test_preflight_exit_code() -> None:
@@ -81,8 +82,8 @@ def test_preflight_exit_code() -> None:
 
 
 def test_injob_canary_on_the_training_stream_does_not_sync() -> None:
-    from probes.canary_injob import InJobCanary
-    from probes.canary_schedule import InJobBudget
+    from checksums.canary_budget import InJobBudget
+    from checksums.canary_injob import InJobCanary
 
     c = InJobCanary(torch.device("cuda", 0), budget=InJobBudget(warmup_steps=0, min_steps_between=1,
                                                                   budget_fraction=0.5))
@@ -93,4 +94,4 @@ def test_injob_canary_on_the_training_stream_does_not_sync() -> None:
             got.append(r)
     torch.cuda.synchronize()
     got += [r for r in [c.poll()] if r is not None]
-    assert got and all(r.status is cg.Status.PASS for r in got), [(r.name, r.why) for r in got]
+    assert got and all(r.status is Status.PASS for r in got), [(r.name, r.why) for r in got]

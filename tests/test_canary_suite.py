@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from checksums.canary_budget import InJobBudget, budget_allows
+from checksums.canary_injob import InJobCanary
 from daemon import cli_canary
 from probes import canary_suite as cs
 from probes.canary_agent import AgentCanaryProbe
 from probes.canary_faults import FaultyDevice, FaultyMatmul, SimCopier, cpu_all_reduce, simulated_devices
-from probes.canary_gemm import CheckResult, DeviceInfo, Status
-from probes.canary_injob import InJobCanary
-from probes.canary_schedule import AgentCanaryPolicy, GpuSnapshot, InJobBudget, budget_allows
+from probes.canary_schedule import AgentCanaryPolicy, GpuSnapshot
 from probes.gpu_state import GpuEvidenceStore
 from sdcwatch import __version__ as sdcwatch_version
+from sdcwatch.canary import CheckResult, DeviceInfo, Status
 from sdcwatch.types import State
 
 CPU = DeviceInfo("cpu", "cpu", uuid="cpu")

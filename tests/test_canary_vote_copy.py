@@ -7,7 +7,7 @@ from probes import canary_copy as cc
 from probes import canary_random as cr
 from probes.canary_faults import (FaultyAllReduce, FaultyCopier, FaultyDevice, FaultyMatmul, SimCopier,
                                   cpu_all_reduce, simulated_devices)
-from probes.canary_gemm import Status
+from sdcwatch.canary import Status
 
 SPEC = cr.RandomSpec("fp32", 32, 32, 64, seed=5)
 

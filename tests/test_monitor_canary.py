@@ -6,8 +6,8 @@ import torch
 
 from checksums.monitor import Monitor
 from probes.canary_faults import FaultyMatmul
-from probes.canary_injob import InJobCanary
-from probes.canary_schedule import InJobBudget
+from checksums.canary_budget import InJobBudget
+from checksums.canary_injob import InJobCanary
 
 
 class Capture:
@@ -48,7 +48,7 @@ def _run(matmul) -> tuple[Monitor, Capture]:
 
 
 def test_passing_canary_is_reported() -> None:
-    mon, cap = _run(matmul=lambda a, b, spec: __import__("probes.canary_gemm", fromlist=["x"]).default_matmul(a, b, spec))
+    mon, cap = _run(matmul=lambda a, b, spec: __import__("checksums.canary_gemm", fromlist=["x"]).default_matmul(a, b, spec))
     results = [r.canary for r in cap.reqs if r.HasField("canary")]
     assert results and all(c.status == "PASS" for c in results)
     assert not [e for e in mon.events if e.kind == "canary.fail"]

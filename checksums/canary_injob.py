@@ -8,7 +8,7 @@
 `maybe_run` never synchronises with the GPU and never allocates host memory: it first looks (with
 `Event.query()`) whether the canary enqueued at an earlier step has finished, and if so compares the
 fingerprint words that were copied to a pinned host buffer with the expected ones (a result is returned);
-then, if the time budget allows (`probes.canary_schedule.budget_allows`: canary time so far plus the next
+then, if the time budget allows (`checksums.canary_budget.budget_allows`: canary time so far plus the next
 one's estimated cost within `budget_fraction` of the training time), it enqueues the next canary: the GEMM,
 the fingerprint of its output (`fingerprint_tensors_async`), a non-blocking copy of the two words to
 pinned memory, and timing events. Dtypes rotate from run to run. Only on a FAIL does it synchronise, once,
@@ -24,10 +24,11 @@ from typing import Sequence
 
 import torch
 
+from checksums import canary_gemm
+from checksums.canary_budget import InJobBudget, budget_allows
+from checksums.canary_gemm import KnownAnswerSpec, Matmul
 from checksums.fingerprint import fingerprint_list_from_parts, fingerprint_tensors_async, to_signed64
-from probes import canary_gemm
-from probes.canary_gemm import CheckResult, KnownAnswerSpec, Matmul, Status
-from probes.canary_schedule import InJobBudget, budget_allows
+from sdcwatch.canary import CheckResult, Status
 
 log = logging.getLogger(__name__)
 

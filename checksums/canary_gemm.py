@@ -24,13 +24,16 @@ Comparison: the output's fingerprint (checksums.fingerprint) against the expecte
 is the full output compared element by element (`localise`) to name the wrong rows, columns and tiles.
 
 The matmul itself is a parameter (`Matmul`), so fault injection (probes.canary_faults) wraps it instead of
-adding a special path here.
+adding a special path here. The result types (`Status`, `DeviceInfo`, `CheckResult`) are torch-free and
+live in `sdcwatch.canary`, so the agent reads canary results without loading torch.
+
+The agent's canary suite (probes.canary_suite) and the Monitor's in-job canary (checksums.canary_injob)
+both build on this module; it sits with the fingerprint it compares by, below both.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 import math
@@ -40,6 +43,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from checksums.fingerprint import fingerprint_tensor
+from sdcwatch.canary import CheckResult, DeviceInfo, Status
 
 log = logging.getLogger(__name__)
 
@@ -47,51 +51,6 @@ EXACT_LIMIT = 1 << 24            # fp32 holds every integer below this exactly
 BASE_TILE = 256
 DEFAULT_TILE = (128, 128)        # the tile size used to name wrong regions of an output
 MAX_POSITIONS = 64               # mismatch positions kept in a report / evidence file
-
-
-# ----------------------------------------------------------------------------- shared result types
-
-
-class Status(str, enum.Enum):
-    PASS = "PASS"
-    FAIL = "FAIL"
-    UNKNOWN = "UNKNOWN"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DeviceInfo:
-    """One device the canary runs on. `label` names it in reports (the GPU UUID on CUDA)."""
-
-    label: str
-    device: str                   # torch device string: "cuda:0", "cpu"
-    index: int = -1
-    uuid: str = ""
-    name: str = ""
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
-
-@dataclasses.dataclass(slots=True)
-class CheckResult:
-    """One canary check: PASS, FAIL (with evidence in `details`) or UNKNOWN (with `why`)."""
-
-    check: str                    # gemm | random | determinism | h2d | p2p | allreduce | slow
-    name: str                     # e.g. "gemm/bf16/large/4096x4096x4096"
-    status: Status
-    devices: tuple[str, ...]      # device labels involved (one GPU, a pair, or all)
-    duration_s: float = 0.0
-    tflops: float | None = None
-    why: str = ""
-    details: dict[str, Any] = dataclasses.field(default_factory=dict)
-    evidence_path: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["status"] = self.status.value
-        d["devices"] = list(self.devices)
-        return d
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -527,7 +486,7 @@ def run_known_answer(spec: KnownAnswerSpec, dev: DeviceInfo, *, matmul: Matmul =
     The first output is checked; with `repeats` > 0 the GEMM then runs `repeats` more times back to back
     (timed: the achieved TFLOP/s) and the last of those outputs is checked too."""
     t0 = time.perf_counter()
-    device = dev.torch_device
+    device = torch.device(dev.device)
     try:
         a, b = build_inputs(spec, device)
         expected_fp = expected_fingerprint(spec, device)
