@@ -34,6 +34,7 @@ import grpc
 from checkpoint.blobstore import Data, as_buffers
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_key, validate_prefix
+from proto.sdcwatch.v1 import peer_pb2 as pb
 from sdcwatch.channels import agent_channel
 
 log = logging.getLogger(__name__)
@@ -257,8 +258,6 @@ class GrpcBlobStore:
         self._channel = agent_channel(self.target, tls_ca=(creds.tls_ca or None) if self.scheme == "grpcs" else None,
                                       insecure=self.scheme == "grpc", options=options)
         ident = lambda b: b  # noqa: E731 - raw wire bytes in and out for the bulk messages
-        from proto.sdcwatch.v1 import peer_pb2 as pb
-
         self._pb = pb
         self._put = self._channel.stream_unary(SERVICE + "PutBlob", request_serializer=ident,
                                                response_deserializer=pb.PutBlobResponse.FromString)
