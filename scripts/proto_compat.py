@@ -9,21 +9,22 @@ A DaemonSet upgrade meets running jobs that still hold the old library, and a ra
 old agent: both directions must keep working. The released definitions are kept as compiled
 FileDescriptorSets (protoc --descriptor_set_out --include_imports); the current .proto files are compiled
 fresh with grpc_tools.protoc and the two are compared element by element, by full name, through
-google.protobuf.descriptor_pb2 (no .proto text parsing). The rules follow buf's breaking-change rules,
-PACKAGE level (stricter than WIRE_JSON: the CLI prints messages as JSON with the proto field names, and
-Python code calls enum `Name()`), rule names in brackets:
+google.protobuf.descriptor_pb2 (no .proto text parsing). The rules are a subset of buf's breaking-change
+rules, near its PACKAGE level (stricter than WIRE_JSON: the CLI prints messages as JSON with the proto
+field names, and Python code calls enum `Name()`), rule names in brackets:
 
-  messages, enums, services            never deleted                                [*_NO_DELETE]
-  fields                               deleted only with number and name reserved   [FIELD_NO_DELETE_UNLESS_NUMBER_RESERVED]
-                                       keep name, json_name, type, cardinality      [FIELD_SAME_NAME, FIELD_SAME_JSON_NAME,
-                                       (implicit / optional / repeated), oneof       FIELD_SAME_TYPE, FIELD_SAME_CARDINALITY,
-                                                                                     FIELD_SAME_ONEOF]
-  enum values                          deleted only with number and name reserved;  [ENUM_VALUE_NO_DELETE_UNLESS_NUMBER_RESERVED,
-                                       a number keeps its name                       ENUM_VALUE_SAME_NAME]
-  reserved numbers and names           stay reserved, never reused                  [RESERVED_*_NO_DELETE]
-  RPCs                                 never deleted; same request and response     [RPC_NO_DELETE, RPC_SAME_REQUEST_TYPE,
-                                       types; same streaming on both sides           RPC_SAME_RESPONSE_TYPE, RPC_SAME_*_STREAMING]
-  files                                same syntax                                  [FILE_SAME_SYNTAX]
+  - messages, enums, services are never deleted                    [MESSAGE/ENUM/SERVICE_NO_DELETE]
+  - a field is deleted only with its number and name reserved     [FIELD_NO_DELETE_UNLESS_NUMBER_RESERVED]
+  - a field keeps its name, json_name, type (message and enum types by full name), cardinality
+    (implicit / optional / repeated) and oneof                    [FIELD_SAME_NAME, FIELD_SAME_JSON_NAME,
+                                     FIELD_SAME_TYPE, FIELD_SAME_CARDINALITY, FIELD_SAME_ONEOF]
+  - an enum value is deleted only with its number and name reserved; a number keeps its name
+                                     [ENUM_VALUE_NO_DELETE_UNLESS_NUMBER_RESERVED, ENUM_VALUE_SAME_NAME]
+  - reserved numbers and names stay reserved and are never reused [RESERVED_MESSAGE/ENUM_NO_DELETE]
+  - an RPC is never deleted and keeps its request and response types and its streaming on both sides
+                                     [RPC_NO_DELETE, RPC_SAME_REQUEST_TYPE, RPC_SAME_RESPONSE_TYPE,
+                                      RPC_SAME_CLIENT_STREAMING, RPC_SAME_SERVER_STREAMING]
+  - a file keeps its syntax                                        [FILE_SAME_SYNTAX]
 
 Adding fields, messages, enum values, RPCs and services is always accepted. Well-known types
 (google/protobuf/*) are not checked: they belong to protobuf. Exit status: 0 compatible, 1 breaking
@@ -42,7 +43,8 @@ from typing import Iterable, Iterator
 from google.protobuf import descriptor_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_proto import ROOT, ProtocError, proto_files, run_protoc  # noqa: E402  (a sibling script, not a package)
+# a sibling script, not a package: one protoc invocation for both scripts
+from gen_proto import ROOT, ProtocError, proto_files, run_protoc  # noqa: E402
 
 RELEASED_DIR = ROOT / "proto" / "released"
 SNAPSHOT_NAME = re.compile(r"^sdcwatch-(\d+)\.(\d+)\.(\d+)\.binpb$")
@@ -247,7 +249,8 @@ def breaking_changes(released: descriptor_pb2.FileDescriptorSet,
     out: list[Change] = []
     for fname, syntax in sorted(old.syntax.items()):
         if fname in new.syntax and new.syntax[fname] != syntax:
-            out.append(Change("FILE_SAME_SYNTAX", fname, "file", "", f"syntax changed {syntax} -> {new.syntax[fname]}"))
+            out.append(Change("FILE_SAME_SYNTAX", fname, "file", "",
+                              f"syntax changed {syntax} -> {new.syntax[fname]}"))
     for name, (fname, m) in sorted(old.messages.items()):
         out.extend(_compare_message(fname, name, m, new.messages[name][1]) if name in new.messages
                    else [_deleted("message", fname, name)])
@@ -310,7 +313,8 @@ def cut_snapshot(version: str, root: Path = ROOT, directory: Path = RELEASED_DIR
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--against", type=Path, help="released FileDescriptorSet (default: newest in proto/released)")
+    ap.add_argument("--against", type=Path,
+                    help="released FileDescriptorSet (default: the newest in proto/released)")
     ap.add_argument("--root", type=Path, default=ROOT, help="tree whose proto/ holds the current .proto files")
     ap.add_argument("--cut", metavar="VERSION", help="write proto/released/sdcwatch-VERSION.binpb and exit")
     args = ap.parse_args(argv)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from google.protobuf import descriptor_pb2
 
 import sdcwatch
 
@@ -52,7 +53,8 @@ def _tree(tmp: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
     return tmp
 
 
-def _changes(tmp: Path, edits: dict[str, list[tuple[str, str]]], released=RELEASED) -> list[str]:  # type: ignore[no-untyped-def]
+def _changes(tmp: Path, edits: dict[str, list[tuple[str, str]]],
+             released: descriptor_pb2.FileDescriptorSet = RELEASED) -> list[str]:
     return [str(c) for c in compat.breaking_changes(released, compat.compile_descriptor_set(_tree(tmp, edits)))]
 
 
@@ -134,7 +136,8 @@ BREAKS = {
         ["rpc WatchEvents: server streaming changed True -> False [RPC_SAME_SERVER_STREAMING]"]),
     "package renamed": (
         {PEER: [("package sdcwatch.v1;", "package sdcwatch.v2;")]},
-        [f"{PEER}: service sdcwatch.v1.PeerStore: deleted", f"{PEER}: message sdcwatch.v1.PutBlobRequest: deleted"]),
+        [f"{PEER}: service sdcwatch.v1.PeerStore: deleted",
+         f"{PEER}: message sdcwatch.v1.PutBlobRequest: deleted"]),
 }
 
 

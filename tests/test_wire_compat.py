@@ -1,0 +1,241 @@
+"""Mixed versions on one node, both ways: a DaemonSet upgrade meets running jobs with the old library, and a
+job started with a new library may meet an agent not yet upgraded.
+
+- released client -> new agent: the real agent (tests/agent_harness.py) is called with the released
+  messages and stubs (tests/wire_released.py, built from proto/released/*.binpb): health, GetStatus,
+  WatchEvents, ReportStep, and the checkpoint calls of the rank's link (Begin, CommitShard, List, Latest,
+  LatestVerified, RestorePlan, ReportRestore) driven by a real CheckpointClient: save, verify by the replica
+  vote, a NaN that earns a rollback directive, a bit-exact restore. Every reply is read with the released
+  classes and may hold no enum value the release does not name.
+- new client -> released agent: the Monitor with its StepReporter, the CheckpointClient's gRPC link and the
+  `sdcwatch status / events / ckpt ls` commands against `PreviousAgent`, a server that speaks only the
+  released wire and fills every released field of its replies.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch import nn
+
+from agent_harness import AgentProcess, cli
+from checkpoint.client import CheckpointClient
+from checkpoint.shm_store import default_shm_root
+from checkpoint.snapshot import SnapshotConfig
+from checksums.monitor import Monitor
+from checksums.reporter import StepReporter
+from ckpt_support import assert_same, state_dict
+from daemon.client import AgentClient, channel_for
+from proto.sdcwatch.v1 import agent_pb2
+from wire_released import PreviousAgent, ReleasedCheckpointLink, released_wire, unknown_enum_values, unset_fields
+
+
+def _until(what: str, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def _name(enum: str, number: int) -> str:
+    return released_wire().pool.FindEnumTypeByName(f"sdcwatch.v1.{enum}").values_by_number[number].name
+
+
+# ---- released client -> new agent ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def new_agent() -> Iterator[AgentProcess]:
+    tmp = Path(tempfile.mkdtemp(prefix="sdcw-wire-", dir="/tmp"))
+    agent = AgentProcess(tmp / "state")
+    try:
+        yield agent.start()
+    finally:
+        agent.stop()
+        shutil.rmtree(default_shm_root(agent.state_dir), ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _released_report(job: str, step: int, loss: float, vote_about: int | None = None) -> Any:
+    """A ReportStep as the 0.1.0 Monitor filled it, on the released messages."""
+    w = released_wire()
+    req = w.ReportStepRequest(job_id=job, rank=0, world_size=1, step=step, loss=loss, grad_norm=1.5,
+                              fingerprint=[step * 7919 % 2**64, 0x9E3779B97F4A7C15], replica_group="dp0",
+                              host="node-a", gpu_uuid="GPU-0a", time=time.time(), checks_run=step,
+                              frozen_changed=[])
+    req.timings.step_s, req.timings.check_s = 0.25, 0.001
+    if vote_about is not None:
+        req.vote.checked, req.vote.agreed, req.vote.replicas = True, True, 2
+        req.vote.method, req.vote.step, req.vote.replica_group = "majority", vote_about, "dp0"
+    return req
+
+
+def test_released_client_reads_health_status_and_events_of_the_new_agent(new_agent: AgentProcess) -> None:
+    w = released_wire()
+    with grpc.insecure_channel(new_agent.target) as ch:
+        for service in ("", "sdcwatch.v1.Agent"):
+            got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert got.status == health_pb2.HealthCheckResponse.SERVING, service
+        agent = w.stub(ch, "Agent")
+        st = agent.GetStatus(w.GetStatusRequest(), timeout=10)
+        assert type(st) is w.GetStatusResponse and st.ready and st.hostname and st.started_at > 0
+        assert st.versions["sdcwatch"] and unknown_enum_values(st) == []
+        assert _name("State", st.node_state).startswith("STATE_")
+        events = list(agent.WatchEvents(w.WatchEventsRequest(since_seq=0, follow=False), timeout=30))
+        assert events and events[0].kind.startswith("agent."), [e.kind for e in events]
+        assert all(e.seq > 0 and e.time > 0 and unknown_enum_values(e) == [] for e in events)
+        with pytest.raises(grpc.RpcError) as err:
+            agent.ClearGpu(w.ClearGpuRequest(uuid="GPU-not-here", who="wire-test", reason="compat"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "GPU-not-here" in err.value.details()
+
+
+def test_released_rank_library_saves_verifies_rolls_back_and_restores_on_the_new_agent(
+        new_agent: AgentProcess) -> None:
+    w = released_wire()
+    job = f"wire-old-{uuid.uuid4().hex[:8]}"
+    with grpc.insecure_channel(new_agent.target) as ch:
+        link = ReleasedCheckpointLink(ch)
+        client = CheckpointClient(link, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096))
+        agent = w.stub(ch, "Agent")
+        report = lambda req: agent.ReportStep(req, timeout=10)  # noqa: E731
+        try:
+            saved = client.save(1, state_dict(0, 1)).result(30)
+            assert saved.error == "" and saved.state == "COMMITTED", saved
+            replies = [report(_released_report(job, 1, 2.0)), report(_released_report(job, 2, 1.9, vote_about=1)),
+                       report(_released_report(job, 3, 1.8))]
+            assert all(r.accepted and not r.directives for r in replies)
+            verified = _until("step 1 VERIFIED by the vote", lambda: client.latest_verified())
+            assert (verified.step, verified.state) == (1, "VERIFIED")
+            assert report(_released_report(job, 4, math.nan)).accepted
+
+            step = [4]
+
+            def directive() -> Any:
+                step[0] += 1
+                reply = report(_released_report(job, step[0], 1.7))
+                return reply.directives
+            (d,) = _until("a rollback directive after the NaN", directive)
+            assert _name("Directive.Kind", d.kind) == "KIND_ROLLBACK" and d.target_step == 1 and d.event_seq > 0
+            assert_same(client.restore("latest_verified"), state_dict(0, 1))
+            assert_same(client.restore(1), state_dict(0, 1))
+            assert [(i.step, i.state) for i in client.list()] == [(1, "VERIFIED")]
+            assert client.latest().step == 1
+        finally:
+            client.close()
+        assert {type(r).__name__ for r in link.replies} >= {
+            "BeginResponse", "CommitShardResponse", "LatestResponse", "RestorePlanResponse",
+            "ReportRestoreResponse", "ListCheckpointsResponse"}
+        assert [bad for r in link.replies for bad in unknown_enum_values(r)] == []
+        st = agent.GetStatus(w.GetStatusRequest(), timeout=10)
+        assert unknown_enum_values(st) == []
+        (job_status,) = [j for j in st.jobs if j.job_id == job]
+        assert job_status.last_step >= 5 and list(job_status.ranks) == [0]
+        # the per-job summaries are refreshed by the agent's checkpoint maintenance round (every 10 s)
+        summary = _until("the job's checkpoint summary in GetStatus", lambda: [
+            c for c in agent.GetStatus(w.GetStatusRequest(), timeout=10).checkpoints if c.job_id == job], 60)
+        assert summary[0].latest_verified_step == 1 and summary[0].count == 1
+        kinds = [e.kind for e in agent.WatchEvents(w.WatchEventsRequest(kinds=["loss.", "job."]), timeout=30)
+                 if e.subject == f"job/{job}"]
+        assert "loss.nonfinite" in kinds and "job.rollback_directive" in kinds, kinds
+
+
+# ---- new client -> released agent ------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def previous_agent(short_tmp: Path) -> Iterator[PreviousAgent]:
+    with PreviousAgent(f"unix:{short_tmp / 'old.sock'}", short_tmp / "memory") as agent:
+        yield agent
+
+
+def test_new_monitor_and_reporter_on_the_previous_agent(previous_agent: PreviousAgent) -> None:
+    previous_agent.directive_from_step = 3
+    seen: list[Any] = []
+    reporter = StepReporter(previous_agent.target, deadline_s=5.0)
+    monitor = Monitor.attach(nn.Linear(4, 2), job_id="wire-new", reporter=reporter, on_directive=seen.append)
+    try:
+        for _ in range(4):
+            monitor.step(torch.tensor(0.5))
+            assert reporter.flush(15)
+        monitor.step(torch.tensor(0.5))
+        assert reporter.flush(15) and reporter.sent == 5 and reporter.failed == 0
+        assert len(seen) == 1 and seen[0].kind == agent_pb2.Directive.KIND_ROLLBACK
+        got = monitor.pending_directive()
+        assert (got.target_step, got.skip_batches, got.reason, got.event_seq) == (
+            4, 3, "loss nonfinite from step 6", 77)
+    finally:
+        monitor.close()
+        reporter.close()
+    reqs = previous_agent.requests["ReportStep"]
+    assert [r.step for r in reqs] == [1, 2, 3, 4, 5]
+    assert all(r.job_id == "wire-new" and r.HasField("loss") and r.loss == 0.5 and len(r.fingerprint) >= 2
+               and r.timings.step_s >= 0 for r in reqs)
+    assert [bad for r in reqs for bad in unknown_enum_values(r)] == []
+
+
+def test_new_checkpoint_client_on_the_previous_agent(previous_agent: PreviousAgent) -> None:
+    job = "wire-new-ckpt"
+    client = CheckpointClient.connect(job, 0, 1, target=previous_agent.target, deadline_s=10,
+                                      config=SnapshotConfig(chunk_bytes=4096))
+    try:
+        for step in (1, 2):
+            saved = client.save(step, state_dict(0, step)).result(30)
+            assert saved.error == "" and saved.state == "COMMITTED", saved
+        assert [(i.step, i.state, i.shards) for i in client.list()] == [(1, "VERIFIED", 1), (2, "VERIFIED", 1)]
+        assert client.latest().step == 2 and client.latest_verified().step == 2
+        info = client.list()[0]
+        assert info.copies[0].location == str(previous_agent.memory_dir) and info.nbytes > 0
+        assert_same(client.restore(1), state_dict(0, 1))
+        assert_same(client.restore("latest_verified"), state_dict(0, 2))
+    finally:
+        client.close()
+    commits = previous_agent.requests["CommitShard"]
+    assert [(c.job_id, c.step, c.rank, c.world_size) for c in commits] == [(job, 1, 0, 1), (job, 2, 0, 1)]
+    assert all(json.loads(c.manifest_json) and c.staging for c in commits)
+    restores = previous_agent.requests["ReportRestore"]
+    assert [(r.step, r.ok, r.bytes > 0) for r in restores] == [(1, True, True), (2, True, True)]
+    plan = previous_agent.restore_plan(released_wire().RestorePlanRequest(job_id=job, step=1, rank=-1), None)
+    # every released field is exercised, but for rank 0 (a one-rank job), the default value
+    assert unset_fields(plan) == ["checkpoint.copies[0].rank", "shards[0].rank", "shards[0].copies[0].rank"]
+
+
+def test_new_cli_and_agent_client_on_the_previous_agent(previous_agent: PreviousAgent) -> None:
+    w = released_wire()
+    assert unset_fields(previous_agent.get_status(w.GetStatusRequest(), None)) == []
+    sock = previous_agent.target.removeprefix("unix:")
+    client = AgentClient(channel_for(socket=sock))
+    try:
+        st = client.status()
+        assert (st.hostname, st.gpus[0].evidence[0].count, st.probes[0].state) == (
+            PreviousAgent.NODE, 2, agent_pb2.PROBE_STATE_HUNG)
+        assert st.checkpoints[0].latest_verified_step == 4 and st.versions["driver"] == "550.54"
+        assert [e.kind for e in client.events()] == ["agent.started", "gpu.state", "loss.nonfinite"]
+    finally:
+        client.close()
+    out = cli("status", "--socket", sock)
+    assert out.returncode == 1, out   # exit 1: the node is SUSPECT
+    assert f"node {PreviousAgent.NODE}: SUSPECT" in out.stdout and "GPU-0a" in out.stdout and "HUNG" in out.stdout
+    js = cli("status", "--json", "--socket", sock)
+    status = json.loads(js.stdout)
+    assert status["gpus"][0]["evidence"][0]["signal"] == "replica.mismatch"
+    assert status["jobs"][0]["job_id"] == "job-old"
+    events = cli("events", "--json", "--since", "1", "--socket", sock)
+    assert events.returncode == 0, events
+    lines = [json.loads(ln) for ln in events.stdout.splitlines()]
+    assert [e["kind"] for e in lines] == ["gpu.state", "loss.nonfinite"]
+    assert lines[1]["details"]["nested"] == {"ok": True}
+    for out in (js, events):
+        assert "Traceback" not in out.stderr
