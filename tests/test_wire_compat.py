@@ -35,8 +35,9 @@ from checkpoint.snapshot import SnapshotConfig
 from checksums.monitor import Monitor
 from checksums.reporter import StepReporter
 from ckpt_support import assert_same, state_dict
-from daemon.client import AgentClient, channel_for
+from daemon.client import AgentClient
 from proto.sdcwatch.v1 import agent_pb2
+from sdcwatch.channels import agent_channel
 from wire_released import PreviousAgent, ReleasedCheckpointLink, released_wire, unknown_enum_values, unset_fields
 
 
@@ -216,7 +217,7 @@ def test_new_cli_and_agent_client_on_the_previous_agent(previous_agent: Previous
     w = released_wire()
     assert unset_fields(previous_agent.get_status(w.GetStatusRequest(), None)) == []
     sock = previous_agent.target.removeprefix("unix:")
-    client = AgentClient(channel_for(socket=sock))
+    client = AgentClient(agent_channel(sock))
     try:
         st = client.status()
         assert (st.hostname, st.gpus[0].evidence[0].count, st.probes[0].state) == (

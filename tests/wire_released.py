@@ -25,8 +25,8 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
-from checkpoint.coordinator import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
-                                    RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
+from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
+                                RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from checkpoint.manifest import ShardManifest
 
 ROOT = Path(__file__).resolve().parent.parent
