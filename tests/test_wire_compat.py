@@ -6,10 +6,13 @@ job started with a new library may meet an agent not yet upgraded.
   WatchEvents, ReportStep, and the checkpoint calls of the rank's link (Begin, CommitShard, List, Latest,
   LatestVerified, RestorePlan, ReportRestore) driven by a real CheckpointClient: save, verify by the replica
   vote, a NaN that earns a rollback directive, a bit-exact restore. Every reply is read with the released
-  classes and may hold no enum value the release does not name.
+  classes and may hold no enum value the release does not name. A shard the 0.1.0 library wrote
+  (tests/wire_0_1_0/: manifest_json + blob) commits on the new agent and restores with the new library.
 - new client -> released agent: the Monitor with its StepReporter, the CheckpointClient's gRPC link and the
   `sdcwatch status / events / ckpt ls` commands against `PreviousAgent`, a server that speaks only the
   released wire and fills every released field of its replies.
+- peer agents (upgraded one node at a time): the released PeerStore stubs against the new agent, and the new
+  GrpcBlobStore (which builds its bulk messages by hand) against the stand-in's PeerStore.
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ from torch import nn
 
 from agent_harness import AgentProcess, cli
 from checkpoint.client import CheckpointClient
+from checkpoint.grpc_store import GrpcBlobStore
 from checkpoint.shm_store import default_shm_root
-from checkpoint.snapshot import SnapshotConfig
+from checkpoint.snapshot import SnapshotConfig, dir_store_for
 from checksums.monitor import Monitor
 from checksums.reporter import StepReporter
 from ckpt_support import assert_same, state_dict
@@ -153,6 +157,66 @@ def test_released_rank_library_saves_verifies_rolls_back_and_restores_on_the_new
         assert "loss.nonfinite" in kinds and "job.rollback_directive" in kinds, kinds
 
 
+def test_released_peer_agent_reads_and_writes_the_new_agents_memory_tier(new_agent: AgentProcess) -> None:
+    """Peer replicas during a rollout: a not-yet-upgraded node's agent uses the new node's PeerStore."""
+    w = released_wire()
+    key = f"wire-{uuid.uuid4().hex[:8]}/000000000001/rank-00000.bin"
+    blob = bytes(range(256)) * 64 + b"tail"
+    with grpc.insecure_channel(new_agent.target) as ch:
+        peer = w.stub(ch, "PeerStore")
+        parts = [w.PutBlobRequest(key=key, total_bytes=len(blob), data=blob[:5000]),
+                 w.PutBlobRequest(data=blob[5000:12000]), w.PutBlobRequest(data=blob[12000:], finish=True)]
+        assert peer.PutBlob(iter(parts), timeout=30).bytes == len(blob)
+        stat = peer.StatBlob(w.StatBlobRequest(key=key), timeout=10)
+        assert stat.exists and stat.size == len(blob)
+        assert list(peer.ListBlobs(w.ListBlobsRequest(prefix=key.split("/")[0]), timeout=10).keys) == [key]
+        chunks = list(peer.GetBlob(w.GetBlobRequest(key=key, to_end=True, chunk_bytes=4096), timeout=30))
+        assert b"".join(c.data for c in chunks) == blob and chunks[0].blob_bytes == len(blob)
+        step = len(chunks[0].data)
+        assert [c.offset for c in chunks] == list(range(0, len(blob), step))
+        ranged = list(peer.GetBlob(w.GetBlobRequest(key=key, offset=10, length=300), timeout=30))
+        assert b"".join(c.data for c in ranged) == blob[10:310] and ranged[0].offset == 10
+        assert peer.DeleteBlob(w.DeleteBlobRequest(key=key), timeout=10).deleted
+        assert not peer.StatBlob(w.StatBlobRequest(key=key), timeout=10).exists
+        with pytest.raises(grpc.RpcError) as err:
+            list(peer.GetBlob(w.GetBlobRequest(key=key, to_end=True), timeout=10))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+RELEASED_SHARD = Path(__file__).resolve().parent / "wire_0_1_0"
+
+
+def released_state_dict() -> dict[str, Any]:
+    """The state dict saved in tests/wire_0_1_0/ (see its README)."""
+    return {"model": {"w": torch.arange(48, dtype=torch.float32) / 7,
+                      "h": (torch.arange(24) / 3).to(torch.bfloat16), "i": torch.arange(15).reshape(3, 5)},
+            "step": 1, "rng": (1, [0, 1], None), "loader": {"epoch": 0, "pos": 10}, "by_rank": {0: "a"}}
+
+
+def test_a_shard_the_released_library_wrote_commits_on_the_new_agent_and_restores(
+        new_agent: AgentProcess) -> None:
+    """manifest_json and the blob layout are a contract inside the wire: frozen 0.1.0 bytes must still work."""
+    w = released_wire()
+    manifest = json.loads((RELEASED_SHARD / "shard-manifest.json").read_text())
+    blob = (RELEASED_SHARD / "shard.bin").read_bytes()
+    job, step = manifest["job_id"], manifest["step"]
+    with grpc.insecure_channel(new_agent.target) as ch:
+        released = w.stub(ch, "Checkpoints")
+        begun = released.Begin(w.BeginRequest(job_id=job, step=step, rank=0, world_size=1), timeout=10)
+        assert _name("CheckpointState", begun.state) == "CHECKPOINT_STATE_PENDING"
+        dir_store_for(begun.location).put(begun.blob_key, blob)  # what the released Snapshotter did
+        manifest["blob"] = begun.blob_key   # the released rank wrote the key Begin gave it
+        committed = released.CommitShard(w.CommitShardRequest(
+            job_id=job, step=step, rank=0, world_size=1, manifest_json=json.dumps(manifest), staging="private"),
+            timeout=10)
+        assert committed.committed and _name("CheckpointState", committed.state) == "CHECKPOINT_STATE_COMMITTED"
+    client = CheckpointClient.connect(job, 0, 1, target=new_agent.target, deadline_s=10)
+    try:
+        assert_same(client.restore(step), released_state_dict())
+    finally:
+        client.close()
+
+
 # ---- new client -> released agent ------------------------------------------------------------------------------
 
 
@@ -209,6 +273,13 @@ def test_new_checkpoint_client_on_the_previous_agent(previous_agent: PreviousAge
     restores = previous_agent.requests["ReportRestore"]
     assert [(r.step, r.ok, r.bytes > 0) for r in restores] == [(1, True, True), (2, True, True)]
     plan = previous_agent.restore_plan(released_wire().RestorePlanRequest(job_id=job, step=1, rank=-1), None)
+    sock = previous_agent.target.removeprefix("unix:")
+    out = cli("ckpt", "ls", "--job", job, "--socket", sock)
+    assert out.returncode == 0, out
+    assert [ln.split()[1:3] for ln in out.stdout.splitlines() if ln.startswith(job)] == [
+        ["1", "VERIFIED"], ["2", "VERIFIED"]]
+    js = json.loads(cli("ckpt", "ls", "--job", job, "--json", "--socket", sock).stdout)
+    assert [c["tier"] for i in js["checkpoints"] for c in i["copies"]] == ["memory", "memory"]
     # every released field is exercised, but for rank 0 (a one-rank job), the default value
     assert unset_fields(plan) == ["checkpoint.copies[0].rank", "shards[0].rank", "shards[0].copies[0].rank"]
 
@@ -240,3 +311,24 @@ def test_new_cli_and_agent_client_on_the_previous_agent(previous_agent: Previous
     assert lines[1]["details"]["nested"] == {"ok": True}
     for out in (js, events):
         assert "Traceback" not in out.stderr
+
+
+def test_new_peer_store_client_on_the_previous_agent(previous_agent: PreviousAgent) -> None:
+    """The hand-built bulk messages of checkpoint/grpc_store.py, read by the released classes, and back."""
+    store = GrpcBlobStore(f"unix://{previous_agent.target.removeprefix('unix:')}", chunk_bytes=4096)
+    key = "job-new/000000000002/rank-00001.bin"
+    blob = bytes(range(251)) * 100
+    try:
+        assert store.put(key, blob) == len(blob)
+        assert previous_agent.blobs[key] == blob
+        puts = previous_agent.requests["PutBlob"]
+        assert puts[0].key == key and puts[0].total_bytes == len(blob) and puts[-1].finish
+        assert store.exists(key) and store.size(key) == len(blob) and store.list("job-new") == [key]
+        assert store.get(key) == blob and store.get(key, 100, 5000) == blob[100:5100]
+        buf = bytearray(3000)
+        assert store.readinto(key, 7, memoryview(buf)) == 3000 and bytes(buf) == blob[7:3007]
+        assert store.delete(key) and not store.exists(key)
+        with pytest.raises(KeyError):
+            store.get(key)
+    finally:
+        store.close()

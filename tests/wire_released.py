@@ -71,14 +71,16 @@ class ReleasedWire:
 
     def handler(self, service: str, impl: dict[str, Callable[[Any, grpc.ServicerContext], Any]]
                 ) -> grpc.GenericRpcHandler:
-        """A server-side handler of the RPCs named in `impl` (unary or server-streaming), released messages."""
+        """A server-side handler of the RPCs named in `impl`, on released messages."""
         desc = self.pool.FindServiceByName(f"{PACKAGE}.{service}")
         handlers = {}
         for m in desc.methods:
             if m.name not in impl:
                 continue
-            make = (grpc.unary_stream_rpc_method_handler if m.server_streaming
-                    else grpc.unary_unary_rpc_method_handler)
+            make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                    (False, True): grpc.unary_stream_rpc_method_handler,
+                    (True, False): grpc.stream_unary_rpc_method_handler,
+                    (True, True): grpc.stream_stream_rpc_method_handler}[(m.client_streaming, m.server_streaming)]
             handlers[m.name] = make(impl[m.name],
                                     request_deserializer=self.classes[m.input_type.full_name].FromString,
                                     response_serializer=self.classes[m.output_type.full_name].SerializeToString)
@@ -219,9 +221,10 @@ class ReleasedCheckpointLink:
 
 
 class PreviousAgent:
-    """A grpc server on `target` that speaks only the released wire, for the calls the new rank library and
-    CLI make: Agent.GetStatus / ReportStep / WatchEvents, Checkpoints.Begin / CommitShard / List / Latest /
-    LatestVerified / RestorePlan / ReportRestore. One node; shards go to `memory_dir` (its memory tier).
+    """A grpc server on `target` that speaks only the released wire, for the calls the new rank library,
+    CLI and peer agents make: Agent.GetStatus / ReportStep / WatchEvents, Checkpoints.Begin / CommitShard /
+    List / Latest / LatestVerified / RestorePlan / ReportRestore, and the whole PeerStore (its blobs in a
+    dict). One node; shards go to `memory_dir` (its memory tier).
 
     Every request is kept (as released messages) in `requests[rpc]`; replies fill every released field."""
 
@@ -236,6 +239,7 @@ class PreviousAgent:
         self._lock = threading.Lock()
         self._manifests: dict[tuple[str, int], dict[int, str]] = {}
         self._world: dict[tuple[str, int], int] = {}
+        self.blobs: dict[str, bytes] = {}   # the PeerStore's memory tier
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         w = self.wire
         agent = {"GetStatus": self.get_status, "ReportStep": self.report_step, "WatchEvents": self.watch_events}
@@ -245,6 +249,10 @@ class PreviousAgent:
         self._server.add_generic_rpc_handlers((
             w.handler("Agent", {rpc: self._kept(rpc, fn) for rpc, fn in agent.items()}),
             w.handler("Checkpoints", {rpc: self._kept(rpc, fn) for rpc, fn in checkpoints.items()}),
+            w.handler("PeerStore", {"PutBlob": self.put_blob, "GetBlob": self._kept("GetBlob", self.get_blob),
+                                    "StatBlob": self._kept("StatBlob", self.stat_blob),
+                                    "ListBlobs": self._kept("ListBlobs", self.list_blobs),
+                                    "DeleteBlob": self._kept("DeleteBlob", self.delete_blob)}),
         ))
 
     def start(self) -> "PreviousAgent":
@@ -379,3 +387,45 @@ class PreviousAgent:
 
     def report_restore(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self.wire.ReportRestoreResponse()
+
+
+    # -- PeerStore ----------------------------------------------------------------------------------------
+
+    def put_blob(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        key, total, data, finished = "", 0, bytearray(), False
+        for i, r in enumerate(requests):
+            with self._lock:
+                self.requests.setdefault("PutBlob", []).append(r)
+            if i == 0:
+                key, total = r.key, r.total_bytes
+            data += r.data
+            finished = r.finish
+        if not finished or (total and len(data) != total):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unfinished blob {key!r}")
+        with self._lock:
+            self.blobs[key] = bytes(data)
+        return self.wire.PutBlobResponse(bytes=len(data))
+
+    def get_blob(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        with self._lock:
+            blob = self.blobs.get(request.key)
+        if blob is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {request.key!r}")
+        end = len(blob) if request.to_end else min(len(blob), request.offset + request.length)
+        step = request.chunk_bytes or 4096
+        for i, off in enumerate(range(request.offset, end, step)):
+            yield self.wire.BlobChunk(offset=off, data=blob[off:min(end, off + step)],
+                                      blob_bytes=len(blob) if i == 0 else 0)
+
+    def stat_blob(self, request: Any, context: grpc.ServicerContext) -> Any:
+        with self._lock:
+            blob = self.blobs.get(request.key)
+        return self.wire.StatBlobResponse(exists=blob is not None, size=len(blob or b""))
+
+    def list_blobs(self, request: Any, context: grpc.ServicerContext) -> Any:
+        with self._lock:
+            return self.wire.ListBlobsResponse(keys=sorted(k for k in self.blobs if k.startswith(request.prefix)))
+
+    def delete_blob(self, request: Any, context: grpc.ServicerContext) -> Any:
+        with self._lock:
+            return self.wire.DeleteBlobResponse(deleted=self.blobs.pop(request.key, None) is not None)
