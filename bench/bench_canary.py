@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from checksums import canary_gemm as cg  # noqa: E402
+from sdcwatch import canary as sc  # noqa: E402
 from sdcwatch.canary import DeviceInfo, Status  # noqa: E402
 from probes import canary_suite as cs  # noqa: E402
 
@@ -100,7 +101,7 @@ def main() -> int:
     rows = []
     for level in ("quick", "full"):
         t0 = time.perf_counter()
-        rep = cs.run_suite(devs, cs.SuiteConfig(level=level))
+        rep = cs.run_suite(devs, sc.SuiteConfig(level=level))
         wall = time.perf_counter() - t0
         bad = [(r.name, r.status.value, r.why) for r in rep.results if r.status is not Status.PASS]
         rows.append((f"{level} suite wall time per GPU", f"{wall / len(devs):.2f} s",

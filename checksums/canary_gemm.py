@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from checksums.fingerprint import fingerprint_tensor
-from sdcwatch.canary import CheckResult, DeviceInfo, Status
+from sdcwatch.canary import ALL_DTYPES, CheckResult, DeviceInfo, Status
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,6 @@ def dtype_table() -> dict[str, DtypeInfo]:
         t["fp8_e4m3"] = DtypeInfo("fp8_e4m3", e4, e4, torch.bfloat16, 16, 16, scaled=True, min_cc=(8, 9))
         t["fp8_e5m2"] = DtypeInfo("fp8_e5m2", e5, e4, torch.bfloat16, 8, 16, scaled=True, min_cc=(8, 9))
     return t
-
-
-ALL_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 
 
 def supported_dtypes(device: torch.device | str) -> tuple[list[str], dict[str, str]]:

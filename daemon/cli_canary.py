@@ -1,7 +1,12 @@
 """`sdcwatch canary`: the canary suite as a preflight (Slurm prolog, Kubernetes init container).
 
+The suite runs in the same short-lived child process as the agent's canary rounds (probes.canary_process):
+this command never imports torch, and a broken CUDA stack or a crashed kernel cannot take it down with a
+traceback. Without torch installed the child says "needs torch: pip install 'sdcwatch[torch]'".
+
 Exit codes: 0 every check passed; 1 a check failed (evidence written when --evidence-dir is given);
-2 the canary could not run (no such GPU, a check that could not run, a bad replay file): it says why.
+2 the canary could not run (no such GPU, no torch, a check that could not run, a bad replay file, the
+child crashed or overran --timeout-s): it says why.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.cli_common import table
+from probes.canary_process import CanaryChildError, child_replay, child_run_suite
+from sdcwatch.canary import ALL_DTYPES, LEVELS, Status, SuiteConfig, SuiteReport, exit_code
 
 EXIT_OK, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -24,13 +31,15 @@ def register(subparsers: Any) -> None:
                     "across the node's GPUs, host/peer copies and an NCCL all-reduce, all checked bit for bit. "
                     "Exit 0 all pass, 1 any fail, 2 could not run.")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices (default: all visible)")
-    p.add_argument("--level", choices=["quick", "full", "tiny"], default="quick",
+    p.add_argument("--level", choices=LEVELS, default="quick",
                    help="quick (default, a few seconds per GPU), full, or tiny (toy sizes, for tests)")
-    p.add_argument("--dtypes", default=None, help="comma-separated subset of fp32,tf32,fp16,bf16,fp8_e4m3,fp8_e5m2")
+    p.add_argument("--dtypes", default=None, help=f"comma-separated subset of {','.join(ALL_DTYPES)}")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--evidence-dir", default=None, help="write evidence of each failure here (JSON files)")
     p.add_argument("--replay", default=None, metavar="FILE", help="rerun an evidence file on --gpus (first)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=1800.0,
+                   help="give up (exit 2) when the suite has not finished after this many seconds (default 1800)")
     p.set_defaults(func=cmd_canary)
 
 
@@ -48,21 +57,21 @@ def cmd_canary(args: argparse.Namespace) -> int:
     try:
         gpus = _parse_gpus(args.gpus)
         dtypes = [d.strip() for d in args.dtypes.split(",")] if args.dtypes else None
-        from probes import canary_suite
-
-        cfg = canary_suite.SuiteConfig(level=args.level, dtypes=dtypes, seed=args.seed,
-                                       evidence_dir=Path(args.evidence_dir) if args.evidence_dir else None)
+        cfg = SuiteConfig(level=args.level, dtypes=dtypes, seed=args.seed,
+                          evidence_dir=Path(args.evidence_dir).resolve() if args.evidence_dir else None)
+        if not args.timeout_s > 0:
+            raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
     except ValueError as exc:
         print(f"sdcwatch canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    devices, note = canary_suite.discover_devices(gpus)
-    if not devices:
-        print(f"sdcwatch canary: cannot run: {note}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
     if args.replay:
-        return _replay(args, devices[0], note)
-    report = canary_suite.run_suite(devices, cfg)
-    code = canary_suite.exit_code(report)
+        return _replay(args, gpus)
+    try:
+        report, note = child_run_suite(cfg, gpus=gpus, timeout_s=args.timeout_s)
+    except CanaryChildError as exc:
+        print(f"sdcwatch canary: cannot run: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    code = exit_code(report)
     if args.json:
         out = report.to_json()
         out["note"] = note
@@ -73,28 +82,26 @@ def cmd_canary(args: argparse.Namespace) -> int:
     return code
 
 
-def _replay(args: argparse.Namespace, dev: Any, note: str) -> int:
-    from probes import canary_suite
-
+def _replay(args: argparse.Namespace, gpus: list[int] | None) -> int:
     try:
-        outcome = canary_suite.replay(args.replay, dev)
-    except (ValueError, KeyError, TypeError) as exc:
-        print(f"sdcwatch canary: cannot replay {args.replay}: {exc}", file=sys.stderr)
+        outcome = child_replay(Path(args.replay).resolve(), gpus=gpus, timeout_s=args.timeout_s)
+    except CanaryChildError as exc:
+        print(f"sdcwatch canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     if args.json:
         print(json.dumps({"reproduces": outcome.reproduces, "same_output": outcome.same_output,
-                          "result": outcome.result.to_json(), "note": note}, indent=1, default=str))
+                          "result": outcome.result.to_json(), "note": outcome.note}, indent=1, default=str))
     else:
-        if note:
-            print(note)
+        if outcome.note:
+            print(outcome.note)
         print(f"replay of {outcome.recorded.get('name')} (recorded on "
-              f"{', '.join(d.get('label', '?') for d in outcome.recorded.get('devices', []))}): {outcome.summary()}")
-    if outcome.result.status.value == "UNKNOWN":
+              f"{', '.join(d.get('label', '?') for d in outcome.recorded.get('devices', []))}): {outcome.summary}")
+    if outcome.result.status is Status.UNKNOWN:
         return EXIT_CANNOT_RUN
     return EXIT_FAIL if outcome.reproduces else EXIT_OK
 
 
-def format_report(report: Any, note: str = "") -> str:
+def format_report(report: SuiteReport, note: str = "") -> str:
     lines = []
     if report.on_cpu:
         lines.append("ran on the CPU: " + (note or "no CUDA GPU visible"))

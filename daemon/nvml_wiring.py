@@ -71,7 +71,7 @@ async def start(agent: "Agent") -> None:
     thread.start()
     agent.gpu_state_hook = wiring.on_state
     agent.closers += [stop.set, probe.close]
-    if agent.config.canary.enabled and not cfg.scenario:
+    if agent.config.canary.enabled:
         start_canary(agent, wiring)
     agent.bus.publish("nvml.discovered", Severity.INFO, "node",
                       f"{len(identities)} GPU(s): " + ", ".join(f"{i.uuid} ({i.pci_bus_id})" for i in identities),
@@ -149,7 +149,7 @@ def start_canary(agent: "Agent", wiring: "NvmlWiring") -> None:
 
     cfg = agent.config.canary
     probe = AgentCanaryProbe(level=cfg.level, evidence_dir=agent.state_dir / "canary",
-                             timeout_s=0.9 * cfg.timeout_s)
+                             nvml_scenario=agent.config.nvml.scenario or None, timeout_s=0.9 * cfg.timeout_s)
 
     def on_result(report: Any, now: float) -> None:
         for uuid, evidence in report.evidence.items():

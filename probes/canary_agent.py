@@ -6,10 +6,11 @@ lock here, mean never two canaries at once on a GPU; a hung canary makes the run
 re-entered), save evidence of failures in the state dir, and return a `CanaryReport` whose `evidence` the
 agent attaches to each GPU (`GpuRegistry.add_evidence(uuid, evs, now)`) and whose `findings` it journals.
 
-The snapshot and the suite run in short-lived child processes (probes.canary_child): NVML, torch's CUDA
-contexts, the GIL-bound GEMM loop and a faulty GPU's sticky CUDA error stay out of the agent, which knows
-GPUs only by UUID and never initialises CUDA. A child that errs, crashes or overruns its share of
-`timeout_s` is killed and reported as `canary.unknown`: a crash is not proof of bad math.
+The snapshot and the suite run in short-lived child processes (probes.canary_process): NVML, torch, its
+CUDA contexts, the GIL-bound GEMM loop and a faulty GPU's sticky CUDA error stay out of the agent, which
+knows GPUs only by UUID and never imports torch (the report comes back as sdcwatch.canary values). A child that
+errs, crashes or overruns its share of `timeout_s` is killed and reported as `canary.unknown`: a crash is
+not proof of bad math.
 """
 from __future__ import annotations
 
@@ -19,42 +20,43 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from probes import canary_suite
-from probes.canary_child import CanaryChildError, child_run_suite, child_snapshots
+from probes.canary_process import CanaryChildError, child_run_suite, child_snapshots
 from probes.canary_schedule import AgentCanaryPolicy, Decision, GpuSnapshot
-from sdcwatch.canary import DeviceInfo, Status
+from sdcwatch.canary import DeviceInfo, Status, SuiteConfig, SuiteReport, evidence_by_device
 from sdcwatch.types import Evidence, Finding, Severity
 
 NEED_BYTES = {"tiny": 64 << 20, "quick": 1536 << 20, "full": 4 << 30}
 SNAPSHOT_TIMEOUT_S = 30.0
 
-RunSuite = Callable[[Sequence[Any], canary_suite.SuiteConfig], canary_suite.SuiteReport]
+RunSuite = Callable[[Sequence[Any], SuiteConfig], SuiteReport]
 
 
 @dataclasses.dataclass(slots=True)
 class CanaryReport:
     decisions: list[Decision]
-    suite: canary_suite.SuiteReport | None
+    suite: SuiteReport | None
     evidence: dict[str, list[Evidence]]           # GPU UUID -> evidence to attach
     findings: list[Finding]
 
 
 class AgentCanaryProbe:
     """Injection points (tests): `snapshots()`, and `devices()`, torch devices in this process whose chosen
-    ones `run_suite(devices, cfg)` gets. By default the snapshot comes from a child, the parent knows GPUs
-    only by UUID (it never initialises CUDA), and `run_suite` gets the chosen UUIDs and runs the suite in a
-    child that discovers them. `timeout_s` bounds a round (keep it below the runner's, which would mark the
-    probe HUNG): the snapshot's child gets at most `SNAPSHOT_TIMEOUT_S` of it, the suite's child the rest."""
+    ones `run_suite(devices, cfg)` gets. By default the snapshot comes from a child (of a fake NVML
+    `nvml_scenario` when given), the parent knows GPUs only by UUID (it never imports torch), and `run_suite`
+    gets the chosen UUIDs and runs the suite in a child that discovers them. `timeout_s` bounds a round (keep
+    it below the runner's, which would mark the probe HUNG): the snapshot's child gets at most
+    `SNAPSHOT_TIMEOUT_S` of it, the suite's child the rest."""
 
     def __init__(self, *, policy: AgentCanaryPolicy | None = None, level: str = "quick",
-                 evidence_dir: Path | None = None, snapshots: Callable[[], list[GpuSnapshot]] | None = None,
+                 evidence_dir: Path | None = None, nvml_scenario: str | None = None,
+                 snapshots: Callable[[], list[GpuSnapshot]] | None = None,
                  devices: Callable[[], list[DeviceInfo]] | None = None,
                  run_suite: RunSuite | None = None, timeout_s: float = 270.0) -> None:
         self.policy = policy or AgentCanaryPolicy()
         self.level = level
         self.evidence_dir = evidence_dir
         snapshot_s = min(SNAPSHOT_TIMEOUT_S, timeout_s / 4)
-        self.snapshots = snapshots or functools.partial(child_snapshots, snapshot_s)
+        self.snapshots = snapshots or functools.partial(child_snapshots, snapshot_s, nvml_scenario)
         self._devices = devices
         self._run_suite = run_suite or functools.partial(self._run_in_child, timeout_s=timeout_s - snapshot_s)
         self.last_run: dict[str, float] = {}
@@ -82,7 +84,7 @@ class AgentCanaryProbe:
             return CanaryReport(decisions, None, {}, [])
         try:
             self._running.update(chosen)
-            cfg = canary_suite.SuiteConfig(level=self.level, evidence_dir=self.evidence_dir, copies=True)
+            cfg = SuiteConfig(level=self.level, evidence_dir=self.evidence_dir, copies=True)
             suite = self._run_suite(targets, cfg)
         except CanaryChildError as exc:
             return CanaryReport(decisions, None, {}, [_unknown(str(exc), chosen)])
@@ -91,7 +93,7 @@ class AgentCanaryProbe:
             self._lock.release()
             for uuid in chosen:  # tried, whatever came of it: a crashing canary is not retried every round
                 self.last_run[uuid] = now
-        evidence = canary_suite.evidence_by_device(suite, now, self.consecutive_failures)
+        evidence = evidence_by_device(suite, now, self.consecutive_failures)
         findings: list[Finding] = []
         for d in suite.devices:
             st, bad = suite.device_status(d.label)
@@ -109,10 +111,9 @@ class AgentCanaryProbe:
                                             f"{bad[0].why if bad else 'no checks ran'}", {}))
         return CanaryReport(decisions, suite, evidence, findings)
 
-    def _run_in_child(self, labels: Sequence[str], cfg: canary_suite.SuiteConfig, *,
-                      timeout_s: float) -> canary_suite.SuiteReport:
-        return child_run_suite(labels, level=cfg.level, evidence_dir=cfg.evidence_dir,
-                               memory_cap_bytes=self.policy.memory_cap_bytes, timeout_s=timeout_s)
+    def _run_in_child(self, labels: Sequence[str], cfg: SuiteConfig, *, timeout_s: float) -> SuiteReport:
+        return child_run_suite(cfg, labels=labels, memory_cap_bytes=self.policy.memory_cap_bytes,
+                               timeout_s=timeout_s)[0]
 
 
 def _unknown(why: str, chosen: Iterable[str] = ()) -> Finding:

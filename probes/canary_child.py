@@ -1,20 +1,9 @@
-"""The agent's canary rounds in a short-lived child process: `python -m probes.canary_child`.
+"""The canary child program: `python -m probes.canary_child`, one request on stdin, one reply on stdout.
 
-Run in the agent, torch initialised CUDA contexts there (RSS 525 MB -> 1.66 GB on an H200 host), seconds of
-GEMMs driven from Python on a thread raised the agent's gRPC p99 from 1.7 ms to 7-10 ms (the GIL), the NVML
-snapshot called `nvmlInit` in the agent (which keeps NVML in children since NVML heap corruption killed it,
-probes.nvml_isolated), and a sticky CUDA error on a faulty GPU (XID 13/31/43) would poison the agent's CUDA
-context for good. Now each round is a new child that reads one JSON request from stdin, writes one JSON
-reply to stdout and exits; nothing is unpickled. Requests:
-
-- ``{"op": "snapshots"}`` -> the `GpuSnapshot` fields of every GPU (``[]`` without NVML);
-- ``{"op": "run", "labels": [...], "level": ..., "evidence_dir": ..., "memory_cap_bytes": ...}`` -> the
-  `SuiteReport.to_json()` of the suite run on the discovered devices whose UUID or label is in `labels`.
-
-Replies: ``{"ok": result}`` or ``{"error": "why"}``. The parent side (`child_snapshots`, `child_run_suite`)
-runs the child in its own process group and kills the group when it is done, crashed or overran its
-timeout; every failure raises `CanaryChildError` (a crash is not proof of bad math: the probe reports it as
-`canary.unknown`). This module imports torch only where a suite runs or its report is rebuilt.
+Started only through probes.canary_process (the agent's rounds, the `sdcwatch canary` preflight), which
+documents the requests and kills the child's process group when it is done, crashed or overran. This is
+the side that imports torch: only where a suite or a replay runs (the snapshot reads NVML alone), so
+without torch installed the reply says "needs torch: pip install 'sdcwatch[torch]'" instead of crashing.
 """
 from __future__ import annotations
 
@@ -22,126 +11,22 @@ import dataclasses
 import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from probes.canary_schedule import GpuSnapshot
-from sdcwatch.canary import CheckResult, DeviceInfo, Status
-
-if TYPE_CHECKING:
-    from probes.canary_suite import SuiteReport
+from sdcwatch.canary import DeviceInfo, SuiteConfig
+from sdcwatch.extras import needs
 
 log = logging.getLogger(__name__)
 
 TEST_HOOK_ENV = "SDCWATCH_CANARY_CHILD_TEST"   # tests only: "hang" or "abort" instead of answering
 
 
-class CanaryChildError(RuntimeError):
-    """The child answered with an error, crashed, or did not finish in time."""
-
-
-# -- the parent side ------------------------------------------------------------------------------------------
-def child_snapshots(timeout_s: float) -> list[GpuSnapshot]:
-    """`nvml_snapshots()` in a child: NVML is never initialised in the agent."""
-    return [GpuSnapshot(**s) for s in call_child({"op": "snapshots"}, timeout_s)]
-
-
-def child_run_suite(labels: Sequence[str], *, level: str, evidence_dir: Path | None, memory_cap_bytes: int,
-                    timeout_s: float) -> "SuiteReport":
-    """The suite on the GPUs named by `labels` (UUIDs), run in a child; the parent never touches CUDA."""
-    return suite_from_json(call_child({"op": "run", "labels": list(labels), "level": level,
-                                       "evidence_dir": None if evidence_dir is None else str(evidence_dir),
-                                       "memory_cap_bytes": int(memory_cap_bytes)}, timeout_s))
-
-
-def call_child(request: Mapping[str, Any], timeout_s: float) -> Any:
-    """One round trip to a new child; its `ok` result, else `CanaryChildError` saying why."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "probes.canary_child"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=None, env=env, close_fds=True, start_new_session=True)
-    try:
-        out, exited = _exchange(proc, json.dumps(request).encode(), t0 + timeout_s)
-    finally:
-        try:  # the whole group: whatever the child started (a CUDA helper, a compiler) goes with it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
-    reply = _parse(out)
-    if reply is None:
-        how = _exit_reason(proc.returncode) if exited else f"did not finish within {timeout_s:.0f}s and was killed"
-        why = f"the canary child process ({request['op']}) {how} after {time.monotonic() - t0:.1f}s"
-        log.warning("%s", why)
-        raise CanaryChildError(why)
-    if "error" in reply:
-        raise CanaryChildError(str(reply["error"]))
-    return reply["ok"]
-
-
-def _exchange(proc: subprocess.Popen[bytes], request: bytes, deadline: float) -> tuple[bytes, bool]:
-    """(what the child wrote, whether it exited before the deadline). The child is not reaped here: while it
-    is a zombie its pid cannot be reused, so killing its process group afterwards cannot hit a stranger."""
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        proc.stdin.write(request)
-        proc.stdin.close()
-    except BrokenPipeError:  # it died before reading: its exit says why
-        pass
-    fd, out = proc.stdout.fileno(), b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return out, False
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            break
-        out += chunk
-    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:  # EOF: it is exiting
-        if time.monotonic() >= deadline:
-            return out, False
-        time.sleep(0.01)
-    return out, True
-
-
-def _parse(out: bytes) -> dict[str, Any] | None:
-    try:
-        reply = json.loads(out)
-    except ValueError:
-        return None
-    return reply if isinstance(reply, dict) and ("ok" in reply or "error" in reply) else None
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code} without a reply"
-
-
-def suite_from_json(d: Mapping[str, Any]) -> "SuiteReport":
-    """The inverse of `SuiteReport.to_json()` (its derived `status` is recomputed, not read)."""
-    from probes.canary_suite import SuiteReport  # torch: the agent reads replies without loading it
-
-    results = [CheckResult(**{**r, "status": Status(r["status"]), "devices": tuple(r["devices"])})
-               for r in d["results"]]
-    return SuiteReport(str(d["level"]), [DeviceInfo(**x) for x in d["devices"]], results, dict(d["skipped"]),
-                       bool(d["on_cpu"]), float(d["duration_s"]), dict(d["versions"]))
-
-
-# -- the child ------------------------------------------------------------------------------------------------
 def nvml_snapshots() -> list[GpuSnapshot]:
     """Utilization and free memory of every GPU from NVML (empty when NVML is unavailable)."""
     try:
@@ -173,23 +58,65 @@ def nvml_snapshots() -> list[GpuSnapshot]:
         return []
 
 
-def run_round(labels: Sequence[str], level: str, evidence_dir: str | None,
-              memory_cap_bytes: int) -> dict[str, Any]:
-    """The reply to a `run` request."""
+def scenario_snapshots(path: str) -> list[GpuSnapshot]:
+    """The GPUs of a fake NVML scenario (probes.nvml_fake). Their utilization and free memory are unknown, so
+    the agent's canary policy never picks them: the scheduler runs, and no canary runs on a GPU that the
+    scenario only pretends to have."""
+    from probes.nvml_backend import open_backend  # the fake backend only where a scenario is configured
+
+    backend = open_backend(path)
+    try:
+        return [GpuSnapshot(backend.identity(i).uuid, i, None, None) for i in range(backend.device_count())]
+    finally:
+        backend.close()
+
+
+def _devices(gpus: Sequence[int] | None, labels: Sequence[str] | None) -> tuple[list[DeviceInfo], str]:
+    """(the devices a request names, a note); no devices and an error message when none is usable."""
+    # torch is an optional extra: imported here, where a suite or a replay runs, never for a snapshot
     from probes import canary_suite
 
-    devices = [d for d in canary_suite.discover_devices()[0] if d.uuid in labels or d.label in labels]
+    devices, note = canary_suite.discover_devices(gpus)
+    if labels is not None:
+        devices = [d for d in devices if d.uuid in labels or d.label in labels]
+        if not devices:
+            return [], "the GPUs chosen for a canary are not visible to torch"
+    return devices, note
+
+
+def run_round(req: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply to a `run` request."""
+    from probes import canary_suite  # torch: see _devices
+
+    devices, note = _devices(req.get("gpus"), req.get("labels"))
     if not devices:
-        return {"error": "the GPUs chosen for a canary are not visible to torch"}
-    _cap_memory(devices, memory_cap_bytes)
-    cfg = canary_suite.SuiteConfig(level=level, evidence_dir=Path(evidence_dir) if evidence_dir else None,
-                                   copies=True)
-    return {"ok": canary_suite.run_suite(devices, cfg).to_json()}
+        return {"error": note}
+    if req.get("memory_cap_bytes"):
+        _cap_memory(devices, int(req["memory_cap_bytes"]))
+    cfg = SuiteConfig(level=req["level"], dtypes=req.get("dtypes"), seed=int(req.get("seed", 0)),
+                      evidence_dir=Path(req["evidence_dir"]) if req.get("evidence_dir") else None, copies=True)
+    return {"ok": {"report": canary_suite.run_suite(devices, cfg).to_json(), "note": note}}
+
+
+def replay(req: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply to a `replay` request."""
+    from probes import canary_suite  # torch: see _devices
+
+    devices, note = _devices(req.get("gpus"), None)
+    if not devices:
+        return {"error": note}
+    try:
+        outcome = canary_suite.replay(req["path"], devices[0])
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"error": f"cannot replay {req['path']}: {exc}"}
+    return {"ok": {"reproduces": outcome.reproduces, "same_output": outcome.same_output,
+                   "result": outcome.result.to_json(), "recorded": outcome.recorded, "summary": outcome.summary(),
+                   "note": note}}
 
 
 def _cap_memory(devices: Sequence[DeviceInfo], cap_bytes: int) -> None:
     """Cap torch's allocator on each GPU to the canary's share, so a job starting meanwhile still fits."""
-    import torch
+    import torch  # an optional extra, already loaded by the suite (see _devices)
 
     for d in devices:
         if torch.device(d.device).type != "cuda":
@@ -236,14 +163,19 @@ def main() -> int:
     try:
         _test_hook(os.environ.get(TEST_HOOK_ENV, ""))
         req = json.loads(sys.stdin.buffer.read())
-        if req.get("op") == "snapshots":
-            reply: dict[str, Any] = {"ok": [dataclasses.asdict(s) for s in nvml_snapshots()]}
-        elif req.get("op") == "run":
-            reply = run_round(req["labels"], req["level"], req.get("evidence_dir"),
-                              int(req["memory_cap_bytes"]))
+        op = req.get("op")
+        if op == "snapshots":
+            snaps = scenario_snapshots(req["nvml_scenario"]) if req.get("nvml_scenario") else nvml_snapshots()
+            reply: dict[str, Any] = {"ok": [dataclasses.asdict(s) for s in snaps]}
+        elif op == "run":
+            reply = run_round(req)
+        elif op == "replay":
+            reply = replay(req)
         else:
-            reply = {"error": f"unknown canary child op {req.get('op')!r}"}
-    except Exception as exc:  # no torch, no CUDA, a bug: an answer, not a crash
+            reply = {"error": f"unknown canary child op {op!r}"}
+    except ModuleNotFoundError as exc:
+        reply = {"error": needs("torch") if exc.name == "torch" else f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # no CUDA, a bug: an answer, not a crash
         reply = {"error": f"{type(exc).__name__}: {exc}"}
     with os.fdopen(reply_fd, "w") as out:
         json.dump(reply, out, default=str)

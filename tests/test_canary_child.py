@@ -1,5 +1,5 @@
-"""The agent's canary through real child processes (probes.canary_child): snapshots, a tiny round on the
-CPU, a child that errs, hangs or crashes, and the JSON that crosses the pipe. One GPU test at the end."""
+"""The agent's canary through real child processes (probes.canary_process -> probes.canary_child): snapshots, a
+tiny round on the CPU, a child that errs, hangs or crashes, and the JSON that crosses the pipe. One GPU test at the end."""
 from __future__ import annotations
 
 import json
@@ -13,16 +13,18 @@ import pytest
 
 from probes import canary_suite as cs
 from probes.canary_agent import AgentCanaryProbe
-from probes.canary_child import TEST_HOOK_ENV, child_snapshots, nvml_snapshots, suite_from_json
+from probes.canary_child import TEST_HOOK_ENV, nvml_snapshots
 from probes.canary_faults import FaultyDevice, FaultyMatmul, SimCopier, cpu_all_reduce, simulated_devices
-from sdcwatch.canary import Status
+from probes.canary_process import child_snapshots
 from probes.canary_schedule import GpuSnapshot
+from sdcwatch import canary as sc
+from sdcwatch.canary import Status
 from sdcwatch.types import Severity, State
 
 IDLE_CPU = [GpuSnapshot("cpu", 0, 0.0, 8 << 30)]
 
 
-def _statuses(rep: cs.SuiteReport) -> dict[str, Status]:
+def _statuses(rep: sc.SuiteReport) -> dict[str, Status]:
     return {r.name: r.status for r in rep.results}
 
 
@@ -43,14 +45,26 @@ def test_snapshots_child_matches_nvml_in_process() -> None:
     assert [s.uuid for s in child_snapshots(30.0)] == [s.uuid for s in nvml_snapshots()]  # [] without NVML
 
 
+def test_a_fake_scenario_gpus_are_listed_but_never_picked() -> None:
+    """With a fake NVML scenario the agent's canary scheduler runs its rounds, and never picks a GPU that the
+    scenario only pretends to have (their utilization is unknown): no suite, no finding."""
+    scenario = str(Path(__file__).parent / "scenarios" / "clean.json")
+    snaps = child_snapshots(30.0, scenario)
+    assert [s.uuid for s in snaps] == [f"GPU-5dc0a7e1-0000-4000-8000-00000000000{i}" for i in (0, 1)]
+    assert all(s.utilization_pct is None for s in snaps)
+    rep = AgentCanaryProbe(level="tiny", nvml_scenario=scenario, timeout_s=120.0).run_once(0.0)
+    assert rep.suite is None and rep.findings == [] and len(rep.decisions) == 2
+    assert all(not d.run and "utilization unknown" in d.why for d in rep.decisions)
+
+
 def test_tiny_round_in_a_child_matches_the_suite_in_process(tmp_path: Path) -> None:
     probe = AgentCanaryProbe(level="tiny", evidence_dir=tmp_path, snapshots=lambda: IDLE_CPU, timeout_s=120.0)
     rep = probe.run_once(0.0)
     assert rep.suite is not None and rep.findings == []
-    local = cs.run_suite(cs.discover_devices()[0], cs.SuiteConfig(level="tiny", copies=True))
+    local = cs.run_suite(cs.discover_devices()[0], sc.SuiteConfig(level="tiny", copies=True))
     assert rep.suite.status is Status.PASS and _statuses(rep.suite) == _statuses(local)
     assert rep.suite.device_status("cpu") == local.device_status("cpu")
-    assert cs.evidence_by_device(rep.suite, 5.0, {}) == cs.evidence_by_device(local, 5.0, {})
+    assert sc.evidence_by_device(rep.suite, 5.0, {}) == sc.evidence_by_device(local, 5.0, {})
     assert rep.evidence["cpu"][0].implies is State.HEALTHY and probe.last_run == {"cpu": 0.0}
 
 
@@ -83,7 +97,7 @@ def test_a_crashed_child_is_unknown_with_its_signal(monkeypatch: pytest.MonkeyPa
                                                     caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(TEST_HOOK_ENV, "abort")
     probe = AgentCanaryProbe(level="tiny", snapshots=lambda: IDLE_CPU, timeout_s=60.0)
-    with caplog.at_level(logging.WARNING, logger="probes.canary_child"):
+    with caplog.at_level(logging.WARNING, logger="probes.canary_process"):
         rep = probe.run_once(0.0)
     [f] = rep.findings
     assert (f.kind, f.severity) == ("canary.unknown", Severity.WARNING) and "killed by SIGABRT" in f.message
@@ -95,14 +109,14 @@ def test_a_crashed_child_is_unknown_with_its_signal(monkeypatch: pytest.MonkeyPa
 
 def test_json_round_trip_keeps_a_failing_check(tmp_path: Path) -> None:
     fault = FaultyDevice("sim-1", FaultyMatmul("output", (3, 5), 7))
-    rep = cs.run_suite(simulated_devices(3), cs.SuiteConfig(level="tiny", evidence_dir=tmp_path), matmul_for=fault,
+    rep = cs.run_suite(simulated_devices(3), sc.SuiteConfig(level="tiny", evidence_dir=tmp_path), matmul_for=fault,
                        copier=SimCopier(), allreduce=cpu_all_reduce)
-    back = suite_from_json(json.loads(json.dumps(rep.to_json(), default=str)))
+    back = sc.SuiteReport.from_json(json.loads(json.dumps(rep.to_json(), default=str)))
     fails = [r for r in back.results if r.status is Status.FAIL]
-    assert fails and all(Path(r.evidence_path).is_file() for r in fails if r.check in cs.SDC_CHECKS)
+    assert fails and all(Path(r.evidence_path).is_file() for r in fails if r.check in sc.SDC_CHECKS)
     assert back == rep
     assert back.device_status("sim-1") == rep.device_status("sim-1") and back.status is Status.FAIL
-    assert cs.evidence_by_device(back, 1.0, {"sim-1": 1}) == cs.evidence_by_device(rep, 1.0, {"sim-1": 1})
+    assert sc.evidence_by_device(back, 1.0, {"sim-1": 1}) == sc.evidence_by_device(rep, 1.0, {"sim-1": 1})
 
 
 @pytest.mark.gpu
@@ -131,7 +145,7 @@ def test_the_child_dies_with_an_agent_killed_mid_round(tmp_path: Path) -> None:
     marker = f"SDCWATCH_TEST_MARKER={uuid.uuid4().hex}"
     env = dict(os.environ, **{TEST_HOOK_ENV: "hang"}, **dict([marker.split("=")]))
     root = Path(__file__).resolve().parent.parent
-    agent = subprocess.Popen([sys.executable, "-c", "from probes.canary_child import call_child; "
+    agent = subprocess.Popen([sys.executable, "-c", "from probes.canary_process import call_child; "
                               "call_child({'op': 'snapshots'}, 120)"], cwd=root, env=env)
     try:
         deadline = time.monotonic() + 30

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from checksums import canary_gemm as cg
+from sdcwatch import canary as sc
 from sdcwatch.canary import DeviceInfo, Status
 from probes import canary_suite as cs
 from probes.canary_faults import FaultyDevice, FaultyMatmul
@@ -66,7 +67,7 @@ def test_cross_gpu_vote_with_one_faulty_gpu_on_real_gpus() -> None:
 def test_quick_suite_passes_and_durations(tmp_path: Path) -> None:
     devs, _ = cs.discover_devices()
     t0 = time.perf_counter()
-    rep = cs.run_suite(devs, cs.SuiteConfig(level="quick", evidence_dir=tmp_path))
+    rep = cs.run_suite(devs, sc.SuiteConfig(level="quick", evidence_dir=tmp_path))
     wall = time.perf_counter() - t0
     print(f"quick suite: {wall:.1f}s on {len(devs)} GPU(s), {wall / len(devs):.1f}s per GPU")
     assert rep.status is Status.PASS, [(r.name, r.why) for r in rep.results if r.status is not Status.PASS]

@@ -15,16 +15,17 @@ from probes.canary_faults import FaultyDevice, FaultyMatmul, SimCopier, cpu_all_
 from probes.canary_schedule import AgentCanaryPolicy, GpuSnapshot
 from probes.gpu_state import GpuEvidenceStore
 from sdcwatch import __version__ as sdcwatch_version
+from sdcwatch import canary as sc
 from sdcwatch.canary import CheckResult, DeviceInfo, Status
 from sdcwatch.types import State
 
 CPU = DeviceInfo("cpu", "cpu", uuid="cpu")
-TINY = cs.SuiteConfig(level="tiny")
+TINY = sc.SuiteConfig(level="tiny")
 
 
-def _faulty_suite(tmp_path: Path) -> cs.SuiteReport:
+def _faulty_suite(tmp_path: Path) -> sc.SuiteReport:
     devs = simulated_devices(3)
-    cfg = cs.SuiteConfig(level="tiny", evidence_dir=tmp_path)
+    cfg = sc.SuiteConfig(level="tiny", evidence_dir=tmp_path)
     fault = FaultyDevice("sim-1", FaultyMatmul("output", (3, 5), 7))
     return cs.run_suite(devs, cfg, matmul_for=fault, copier=SimCopier(), allreduce=cpu_all_reduce)
 
@@ -34,13 +35,13 @@ def test_clean_suite_on_simulated_devices_passes() -> None:
     assert rep.status is Status.PASS, [(r.name, r.why) for r in rep.results if r.status is not Status.PASS]
     checks = {r.check for r in rep.results}
     assert checks >= {"gemm", "random", "determinism", "h2d", "p2p", "allreduce"}
-    assert cs.exit_code(rep) == 0 and rep.on_cpu
+    assert sc.exit_code(rep) == 0 and rep.on_cpu
     json.dumps(rep.to_json())
 
 
 def test_faulty_device_fails_with_evidence_and_replay(tmp_path: Path) -> None:
     rep = _faulty_suite(tmp_path)
-    assert rep.status is Status.FAIL and cs.exit_code(rep) == 1
+    assert rep.status is Status.FAIL and sc.exit_code(rep) == 1
     assert rep.device_status("sim-0")[0] is Status.PASS
     st, bad = rep.device_status("sim-1")
     assert st is Status.FAIL and all(r.evidence_path for r in bad)
@@ -76,10 +77,10 @@ def test_evidence_file_is_json_not_pickle_and_bad_files_are_refused(tmp_path: Pa
 
 def test_evidence_for_the_agent_suspect_then_failed(tmp_path: Path) -> None:
     rep = _faulty_suite(tmp_path)
-    ev = cs.evidence_by_device(rep, 100.0)
+    ev = sc.evidence_by_device(rep, 100.0)
     assert [e.signal for e in ev["sim-0"]] == ["pass"] and ev["sim-0"][0].implies is State.HEALTHY
     assert ev["sim-1"][0].signal == "fail" and ev["sim-1"][0].implies is State.SUSPECT
-    again = cs.evidence_by_device(rep, 200.0, {"sim-1": 1})
+    again = sc.evidence_by_device(rep, 200.0, {"sim-1": 1})
     assert again["sim-1"][0].implies is State.FAILED
     store = GpuEvidenceStore()
     store.put(ev["sim-1"][0])
