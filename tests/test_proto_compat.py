@@ -69,7 +69,7 @@ def test_current_protos_keep_the_released_wire() -> None:
     assert "compatible with sdcwatch-" in out.stdout
 
 
-def test_released_snapshot_is_what_the_stubs_speak() -> None:
+def test_released_snapshot_holds_the_services_and_no_future_version() -> None:
     """The snapshot holds the three services, and no snapshot claims a version newer than the package."""
     latest = compat.latest_snapshot()
     assert compat.snapshot_version(latest) <= tuple(int(x) for x in sdcwatch.__version__.split(".")[:3])

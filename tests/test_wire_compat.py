@@ -154,7 +154,8 @@ def test_released_rank_library_saves_verifies_rolls_back_and_restores_on_the_new
         assert summary[0].latest_verified_step == 1 and summary[0].count == 1
         kinds = [e.kind for e in agent.WatchEvents(w.WatchEventsRequest(kinds=["loss.", "job."]), timeout=30)
                  if e.subject == f"job/{job}"]
-        assert "loss.nonfinite" in kinds and "job.rollback_directive" in kinds, kinds
+        # names as of 0.1.0 (loss.nonfinite, job.rollback_directive); the catalogue may rename them
+        assert any("nonfinite" in k for k in kinds) and any("rollback" in k for k in kinds), kinds
 
 
 def test_released_peer_agent_reads_and_writes_the_new_agents_memory_tier(new_agent: AgentProcess) -> None:
