@@ -16,7 +16,7 @@ Per step (`every` steps for the fingerprint check):
 2. the fingerprint words are all_gathered across the replica group (async on NCCL);
 3. on a side stream: wait for the gather, copy the buffer into pinned host memory, record an event;
 4. at a later `step()` (normally the next one), once the event has completed, the host reads the words:
-   the replica vote, the frozen check and the NaN/Inf check run, and one ReportStep goes to the agent.
+   the replica vote, the frozen check and the NaN/Inf check run, and one StepReport goes to the reporter.
 Nothing in `step()` synchronises with the GPU or allocates host buffers; all buffers are allocated at
 attach. On CPU (gloo) the same steps run synchronously and are read in the same `step()` call.
 
@@ -33,7 +33,7 @@ import logging
 import math
 import socket
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,12 +42,12 @@ from torch import nn
 from checksums.canary_injob import InJobCanary
 from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
 from checksums.replica_vote import VoteResult, vote
-from checksums.reporter import StepReporter
+from checksums.reporter import CanaryReport, Directive, ReporterStats, StepReport, StepReporter, StepSink
 
 logger = logging.getLogger(__name__)
 
 FingerprintFn = Callable[[Sequence[torch.Tensor]], torch.Tensor]
-DirectiveCallback = Callable[[Any], None]
+DirectiveCallback = Callable[[Directive], None]
 
 _U64 = (1 << 64) - 1
 _N_SCALARS = 3          # loss, grad_norm, loss_scale
@@ -186,7 +186,7 @@ class Monitor:
         check_optimizer_state: bool = False,
         check_grads: bool = False,
         frozen: Iterable[str] | None = None,
-        reporter: Any = None,
+        reporter: StepSink | Literal[False] | None = None,
         agent_socket: str | None = None,
         on_directive: DirectiveCallback | None = None,
         start_step: int = 0,
@@ -239,7 +239,7 @@ class Monitor:
         self._nonfinite = 0
         self._last_vote: StepVote | None = None
         self._last_suspects: tuple[int, ...] = ()
-        self._directives: collections.deque[Any] = collections.deque(maxlen=64)
+        self._directives: collections.deque[Directive] = collections.deque(maxlen=64)
         self._seen_directive_seqs: collections.deque[int] = collections.deque(maxlen=256)
         self._agent_down_said = False
         self._report_error_said = False
@@ -460,20 +460,23 @@ class Monitor:
             self._slots.append(slot)
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._async else None
 
-    def _setup_reporter(self, reporter: Any, agent_socket: str | None) -> None:
-        self._owns_reporter = False
+    def _setup_reporter(self, reporter: StepSink | Literal[False] | None, agent_socket: str | None) -> None:
+        """`reporter`: a StepSink, False (none), or None (a StepReporter to the agent at `agent_socket`)."""
+        self._reporter: StepSink | None = None
+        self._own_reporter: StepReporter | None = None
         if reporter is False:
-            self._reporter = None
             return
         if reporter is not None:
+            if not isinstance(reporter, StepSink):
+                raise ValueError(f"reporter must have submit(StepReport), take_directives() and stats() "
+                                 f"(checksums.reporter.StepSink), got {type(reporter).__name__}")
             self._reporter = reporter
             return
         try:
-            self._reporter = StepReporter(agent_socket)
-            self._owns_reporter = True
+            self._own_reporter = StepReporter(agent_socket)
+            self._reporter = self._own_reporter
         except Exception as err:  # the agent is optional: never fail training for it
             logger.warning("sdcwatch: no reporter to the agent (%s); checks run locally only", err)
-            self._reporter = None
 
     def refresh_parameters(self) -> None:
         """Re-read the parameter list (after the model's parameters were replaced, e.g. assign=True loads).
@@ -722,51 +725,32 @@ class Monitor:
         if self._reporter is None:
             return
         try:
-            from proto.sdcwatch.v1 import agent_pb2
-            req = agent_pb2.ReportStepRequest(
-                job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=slot.step,
-                fingerprint=mine, replica_group=self.replica_group_name, host=self.host,
-                gpu_uuid=self.gpu_uuid, time=slot.wall_time, frozen_changed=frozen_changed,
-                checks_run=self._checks_run)
-            if loss is not None:
-                req.loss = loss
-            if grad_norm is not None:
-                req.grad_norm = grad_norm
-            if loss_scale is not None:
-                req.loss_scale = loss_scale
-            req.timings.step_s = slot.step_s
-            req.timings.check_s = slot.check_s
+            canary = None
             if self._canary_result is not None:
                 cstep, cres = self._canary_result
                 self._canary_result = None
-                req.canary.status = str(getattr(cres.status, "value", cres.status))
-                req.canary.check = cres.name
-                req.canary.why = (cres.why or "")[:1000]
-                req.canary.step = cstep
-            if step_vote is not None:
-                r = step_vote.result
-                pv = req.vote
-                pv.checked = True
-                pv.agreed = r.agreed
-                pv.replicas = r.replicas
-                pv.method = r.method
-                pv.step = step_vote.step
-                pv.replica_group = step_vote.replica_group
-                for s in r.suspects:
-                    pv.suspects.add(rank=s.rank, host=s.host, gpu_uuid=s.gpu_uuid, fingerprint=s.fingerprint)
-            self._reporter.submit(req)
-            if getattr(self._reporter, "agent_down", False) and not self._agent_down_said:
-                self._agent_down_said = True
-                self._event("agent.unreachable", slot.step,
-                            f"the sdcwatch agent is not answering ({getattr(self._reporter, 'last_error', '')}); "
-                            "training continues, reports are dropped and counted", {}, log=False)
+                canary = CanaryReport(step=cstep, check=cres.name, why=cres.why or "",
+                                      status=str(getattr(cres.status, "value", cres.status)))
+            self._reporter.submit(StepReport(
+                job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=slot.step,
+                time=slot.wall_time, host=self.host, gpu_uuid=self.gpu_uuid, replica_group=self.replica_group_name,
+                fingerprint=tuple(mine), frozen_changed=tuple(frozen_changed), checks_run=self._checks_run,
+                loss=loss, grad_norm=grad_norm, loss_scale=loss_scale, step_s=slot.step_s, check_s=slot.check_s,
+                vote=None if step_vote is None else step_vote.result, canary=canary))
+            if not self._agent_down_said:
+                stats = self._reporter.stats()
+                if stats.agent_down:
+                    self._agent_down_said = True
+                    self._event("agent.unreachable", slot.step,
+                                f"the sdcwatch agent is not answering ({stats.last_error}); "
+                                "training continues, reports are dropped and counted", {}, log=False)
         except Exception:
             if not self._report_error_said:
                 self._report_error_said = True
                 logger.exception("sdcwatch: could not report step %d to the agent (said once)", slot.step)
 
     def _poll_directives(self) -> None:
-        if self._reporter is None or not hasattr(self._reporter, "take_directives"):
+        if self._reporter is None:
             return
         for d in self._reporter.take_directives():
             seq = int(getattr(d, "event_seq", 0))
@@ -784,8 +768,8 @@ class Monitor:
 
     # ---- public state ----------------------------------------------------------------------------
 
-    def pending_directive(self) -> Any:
-        """The oldest directive from the agent not yet taken (a `sdcwatch.v1.Directive`), or None."""
+    def pending_directive(self) -> Directive | None:
+        """The oldest directive from the agent not yet taken (a `checksums.reporter.Directive`), or None."""
         return self._directives.popleft() if self._directives else None
 
     @property
@@ -802,14 +786,11 @@ class Monitor:
 
     @property
     def stats(self) -> MonitorStats:
-        r = self._reporter
+        r = self._reporter.stats() if self._reporter is not None else ReporterStats()
         return MonitorStats(
             steps=self._step, checks_run=self._checks_run, votes=self._votes, mismatches=self._mismatches,
-            frozen_changes=self._frozen_changes, nonfinite=self._nonfinite,
-            reports_sent=int(getattr(r, "sent", 0)) if r else 0,
-            reports_dropped=int(getattr(r, "dropped", 0)) if r else 0,
-            reports_failed=int(getattr(r, "failed", 0)) if r else 0,
-            agent_down=bool(getattr(r, "agent_down", False)) if r else False)
+            frozen_changes=self._frozen_changes, nonfinite=self._nonfinite, reports_sent=r.sent,
+            reports_dropped=r.dropped, reports_failed=r.failed, agent_down=r.agent_down)
 
     def flush(self) -> None:
         """Read every step still in flight (waits for the GPU). For the end of training, not the step."""
@@ -822,5 +803,5 @@ class Monitor:
             return
         self.flush()
         self._closed = True
-        if self._owns_reporter and self._reporter is not None:
-            self._reporter.close(timeout)
+        if self._own_reporter is not None:
+            self._own_reporter.close(timeout)

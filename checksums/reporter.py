@@ -1,13 +1,18 @@
 """The training rank's reporter to the node agent: ReportStep from a background thread.
 
-Training never waits on the agent. `submit()` puts the request on a bounded queue and returns at once;
-when the queue is full the request is dropped and counted. A daemon thread sends each request with a
-per-call deadline; a failed call (agent down, slow, restarting) is counted and the request is lost. The
-number of requests lost since the last accepted one travels in the next request's `dropped_reports`.
+The Monitor talks to a `StepSink` (below): it submits a plain `StepReport`, takes the agent's
+`Directive`s and reads `ReporterStats`; it never sees a protobuf. `StepReporter` is the gRPC `StepSink`:
+it turns each report into a `ReportStepRequest` (`to_request`) on its own thread and each directive of a
+reply into a plain `Directive`.
+
+Training never waits on the agent. `submit()` puts the report on a bounded queue and returns at once;
+when the queue is full the report is dropped and counted. A daemon thread sends each report with a
+per-call deadline; a failed call (agent down, slow, restarting) is counted and the report is lost. The
+number of reports lost since the last accepted one travels in the next request's `dropped_reports`.
 The first outage is logged as one WARNING; when the agent answers again one INFO line sums up what was
 lost. Nothing here raises into the training thread.
 
-Lifecycle: `StepReporter(target)` -> `submit(request)` per step -> `take_directives()` on the training
+Lifecycle: `StepReporter(target)` -> `submit(report)` per step -> `take_directives()` on the training
 thread whenever convenient -> `close(timeout)` at the end (also closed at interpreter exit).
 
 Transport: the channel comes from `sdcwatch.channels.agent_channel` (the rules every client shares): a
@@ -17,17 +22,19 @@ unix socket (`unix:/path`, or a bare path) with no credentials; or TCP (`host:po
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import grpc
 
-from sdcwatch.channels import agent_channel, agent_target
+from checksums.replica_vote import VoteResult
 from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
+from sdcwatch.channels import agent_channel, agent_target
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +46,140 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.enable_retries", 0),
 )
 _OUTAGE_WARN_INTERVAL_S = 300.0
+_CANARY_WHY_CHARS = 1000
 _STOP = object()
 
 
-class StepReporter:
-    """Sends ReportStep requests to the agent from a daemon thread; see the module docstring.
+# ---- the Monitor's side: plain values and the protocol -------------------------------------------------
 
-    Counters (read from any thread): `sent` (accepted by the agent), `failed` (calls that failed),
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CanaryReport:
+    """The in-job canary result that rides on a step report."""
+
+    step: int                   # the step the canary ran after
+    check: str                  # e.g. "injob/gemm/fp32/..."
+    status: str                 # PASS | FAIL | UNKNOWN
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StepReport:
+    """One rank's report of one optimizer step (what the Monitor read back for it).
+
+    `fingerprint`: this rank's vote words (empty when the step was not checked); `vote`: the replica
+    vote taken at this step, if any (its group is `replica_group`); loss, grad norm and loss scale are
+    None when not given.
+    """
+
+    job_id: str
+    rank: int
+    world_size: int
+    step: int
+    time: float = 0.0
+    host: str = ""
+    gpu_uuid: str = ""
+    replica_group: str = ""
+    fingerprint: tuple[int, ...] = ()
+    frozen_changed: tuple[str, ...] = ()
+    checks_run: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    step_s: float = 0.0
+    check_s: float = 0.0
+    vote: VoteResult | None = None
+    canary: CanaryReport | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Directive:
+    """What the agent asks the rank to do (its `kind` numbers are the wire's `sdcwatch.v1.Directive.Kind`)."""
+
+    KIND_UNSPECIFIED: ClassVar[int] = 0
+    KIND_ROLLBACK: ClassVar[int] = 1        # restore target_step, then skip skip_batches batches
+    KIND_SKIP_BATCHES: ClassVar[int] = 2
+    KIND_STOP: ClassVar[int] = 3
+
+    kind: int
+    target_step: int = 0
+    skip_batches: int = 0
+    reason: str = ""
+    event_seq: int = 0          # the agent event that caused it (0: none)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReporterStats:
+    sent: int = 0               # reports the agent accepted
+    failed: int = 0             # calls that failed
+    dropped: int = 0            # never reached the agent (refused by a full queue, or a failed call)
+    agent_down: bool = False    # between a failed call and the next successful one
+    last_error: str = ""
+
+
+@runtime_checkable
+class StepSink(Protocol):
+    """Where the Monitor sends its step reports. Called on the training thread; none of it may block."""
+
+    def submit(self, report: StepReport) -> bool:
+        """Take one report (False if it was dropped)."""
+        ...
+
+    def take_directives(self) -> list[Directive]:
+        """The agent's directives received since the last call, oldest first."""
+        ...
+
+    def stats(self) -> ReporterStats:
+        ...
+
+
+# ---- the gRPC implementation ----------------------------------------------------------------------------
+
+
+def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
+    """The wire form of `report` (`dropped_reports` is the sender's business)."""
+    req = agent_pb2.ReportStepRequest(
+        job_id=report.job_id, rank=report.rank, world_size=report.world_size, step=report.step,
+        fingerprint=report.fingerprint, replica_group=report.replica_group, host=report.host,
+        gpu_uuid=report.gpu_uuid, time=report.time, frozen_changed=report.frozen_changed,
+        checks_run=report.checks_run)
+    if report.loss is not None:
+        req.loss = report.loss
+    if report.grad_norm is not None:
+        req.grad_norm = report.grad_norm
+    if report.loss_scale is not None:
+        req.loss_scale = report.loss_scale
+    req.timings.step_s = report.step_s
+    req.timings.check_s = report.check_s
+    if report.canary is not None:
+        c = report.canary
+        req.canary.status = c.status
+        req.canary.check = c.check
+        req.canary.why = c.why[:_CANARY_WHY_CHARS]
+        req.canary.step = c.step
+    if report.vote is not None:
+        r, pv = report.vote, req.vote
+        pv.checked = True
+        pv.agreed = r.agreed
+        pv.replicas = r.replicas
+        pv.method = r.method
+        pv.step = report.step
+        pv.replica_group = report.replica_group
+        for s in r.suspects:
+            pv.suspects.add(rank=s.rank, host=s.host, gpu_uuid=s.gpu_uuid, fingerprint=s.fingerprint)
+    return req
+
+
+def from_wire(d: agent_pb2.Directive) -> Directive:
+    return Directive(kind=int(d.kind), target_step=int(d.target_step), skip_batches=int(d.skip_batches),
+                     reason=d.reason, event_seq=int(d.event_seq))
+
+
+class StepReporter:
+    """The gRPC `StepSink`: sends each report as a ReportStep request from a daemon thread; see the module
+    docstring.
+
+    Counters (read from any thread; `stats()` reads them together): `sent` (accepted by the agent), `failed` (calls that failed),
     `dropped_full` (refused by a full queue), `dropped` (= failed + dropped_full: never reached the agent).
     `agent_down` is True between a failed call and the next successful one.
     """
@@ -84,8 +218,8 @@ class StepReporter:
         self._outage_started = 0.0
         self._last_warned = -_OUTAGE_WARN_INTERVAL_S
         self._outage_warned = False
-        self._directives: list[agent_pb2.Directive] = []
-        self._last_directives: tuple[agent_pb2.Directive, ...] = ()
+        self._directives: list[Directive] = []
+        self._last_directives: tuple[Directive, ...] = ()
         self._last_error = ""
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -93,15 +227,15 @@ class StepReporter:
 
     # ---- training thread -------------------------------------------------------------------------
 
-    def submit(self, request: agent_pb2.ReportStepRequest) -> bool:
-        """Queue `request` for sending; never blocks. False if it was dropped (queue full or closed)."""
+    def submit(self, report: StepReport) -> bool:
+        """Queue `report` for sending; never blocks. False if it was dropped (queue full or closed)."""
         if self._closed:
             with self._lock:
                 self._dropped_full += 1
                 self._unreported += 1
             return False
         try:
-            self._queue.put_nowait(request)
+            self._queue.put_nowait(report)
             return True
         except queue.Full:
             with self._lock:
@@ -109,7 +243,7 @@ class StepReporter:
                 self._unreported += 1
             return False
 
-    def take_directives(self) -> list[agent_pb2.Directive]:
+    def take_directives(self) -> list[Directive]:
         """The directives received since the last call (oldest first), and forget them."""
         with self._lock:
             if not self._directives:
@@ -118,7 +252,7 @@ class StepReporter:
             return out
 
     @property
-    def last_directives(self) -> tuple[agent_pb2.Directive, ...]:
+    def last_directives(self) -> tuple[Directive, ...]:
         """The directives of the most recent reply that carried any."""
         with self._lock:
             return self._last_directives
@@ -142,6 +276,12 @@ class StepReporter:
     def dropped(self) -> int:
         with self._lock:
             return self._dropped_full + self._failed
+
+    def stats(self) -> ReporterStats:
+        """The counters below, read together."""
+        with self._lock:
+            return ReporterStats(sent=self._sent, failed=self._failed, dropped=self._dropped_full + self._failed,
+                                 agent_down=self._down, last_error=self._last_error)
 
     @property
     def agent_down(self) -> bool:
@@ -205,10 +345,11 @@ class StepReporter:
             finally:
                 self._queue.task_done()
 
-    def _send(self, request: agent_pb2.ReportStepRequest) -> None:
+    def _send(self, report: StepReport) -> None:
+        request = to_request(report)
         with self._lock:
             carried = self._unreported
-        request.dropped_reports = request.dropped_reports + carried
+        request.dropped_reports = carried
         try:
             reply = self._stub.ReportStep(request, timeout=self.deadline_s)
         except grpc.RpcError as err:
@@ -222,8 +363,8 @@ class StepReporter:
             self._down = False
             lost = self._failed + self._dropped_full - self._outage_lost_at_start
             if reply.directives:
-                self._last_directives = tuple(reply.directives)
-                self._directives.extend(reply.directives)
+                self._last_directives = tuple(from_wire(d) for d in reply.directives)
+                self._directives.extend(self._last_directives)
         if was_down and self._outage_warned:
             logger.info("sdcwatch agent at %s answers again after %.1f s: %d report(s) lost meanwhile",
                         self.target, now - self._outage_started, lost)

@@ -5,6 +5,8 @@ import datetime
 from pathlib import Path
 from typing import Any
 
+from checksums.reporter import Directive, ReporterStats, StepReport, to_request
+
 
 def self_signed_cert() -> tuple[bytes, bytes]:
     """A self-signed CA certificate for `localhost` (PEM cert, PEM key), valid for a day."""
@@ -36,19 +38,20 @@ def write_self_signed(tmp: Path) -> tuple[Path, Path]:
 
 
 class RecordingReporter:
-    """Collects the ReportStep requests a Monitor submits (the transport is tested in test_reporter)."""
+    """A `StepSink` that keeps what a Monitor submits: the plain reports, and each one's wire form as the
+    gRPC reporter would send it (`checksums.reporter.to_request`; the transport is tested in test_reporter)."""
 
     def __init__(self) -> None:
+        self.reports: list[StepReport] = []
         self.requests: list[Any] = []
-        self.sent = self.dropped = self.failed = 0
-        self.agent_down = False
 
-    def submit(self, request: Any) -> bool:
-        self.requests.append(request)
+    def submit(self, report: StepReport) -> bool:
+        self.reports.append(report)
+        self.requests.append(to_request(report))
         return True
 
-    def take_directives(self) -> list[Any]:
+    def take_directives(self) -> list[Directive]:
         return []
 
-    def close(self, timeout: float = 0.0) -> None:
-        pass
+    def stats(self) -> ReporterStats:
+        return ReporterStats(sent=len(self.reports))

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from checksums.monitor import Monitor
-from sdcwatch.paths import default_socket, default_state_dir
-from checksums.reporter import StepReporter
-from sdcwatch.channels import agent_target
+from checksums.replica_vote import vote
+from checksums.reporter import CanaryReport, Directive, StepReport, StepReporter, StepSink, to_request
 from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
+from sdcwatch.channels import agent_target
+from sdcwatch.paths import default_socket, default_state_dir
 
 REPORTER_LOGGER = "checksums.reporter"
 
@@ -92,8 +93,8 @@ def agent(sock: Path) -> Iterator[tuple[RecordingAgent, ServerThread]]:
         server.stop()
 
 
-def _req(step: int) -> agent_pb2.ReportStepRequest:
-    return agent_pb2.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step, loss=1.0)
+def _req(step: int) -> StepReport:
+    return StepReport(job_id="j", rank=0, world_size=1, step=step, loss=1.0)
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
@@ -195,7 +196,7 @@ def test_directives_reach_the_monitor(agent, sock) -> None:
             monitor.step(torch.tensor(0.25))
             reporter.flush(5)
         monitor.step(torch.tensor(0.25))
-        assert len(seen) == 1 and seen[0].kind == agent_pb2.Directive.KIND_ROLLBACK
+        assert len(seen) == 1 and seen[0].kind == Directive.KIND_ROLLBACK
         got = monitor.pending_directive()
         assert got is not None and got.target_step == 2 and got.skip_batches == 3 and got.event_seq == 77
         assert monitor.pending_directive() is None
@@ -287,3 +288,47 @@ def test_targets_and_default_paths() -> None:
     assert default_socket({**env, "SDCWATCH_SOCKET": "/s/a.sock"}) == Path("/s/a.sock")
     assert default_state_dir({}) == Path(f"/tmp/sdcwatch-{os.getuid()}")
     assert default_socket({}) == Path(f"/tmp/sdcwatch-{os.getuid()}/agent.sock")
+
+
+# ---- the Monitor's protocol and the wire form ---------------------------------------------------------------
+
+
+def test_the_plain_directive_kinds_are_the_wire_kinds() -> None:
+    wire = agent_pb2.Directive.Kind
+    assert {name: getattr(Directive, name) for name in wire.keys()} == dict(wire.items())
+
+
+def test_a_step_report_becomes_the_request_the_agent_reads() -> None:
+    result = vote({0: (1, 2), 1: (1, 2), 2: (1, 3)}, {2: ("h2", "GPU-2")})
+    report = StepReport(job_id="j", rank=2, world_size=3, step=9, time=5.5, host="h2", gpu_uuid="GPU-2",
+                        replica_group="world", fingerprint=(1, 3), frozen_changed=("emb",), checks_run=4,
+                        loss=0.5, grad_norm=None, loss_scale=1024.0, step_s=0.2, check_s=0.001, vote=result,
+                        canary=CanaryReport(step=8, check="injob/gemm", status="FAIL", why="x" * 5000))
+    req = to_request(report)
+    assert (req.job_id, req.rank, req.world_size, req.step, req.time) == ("j", 2, 3, 9, 5.5)
+    assert (req.host, req.gpu_uuid, req.replica_group) == ("h2", "GPU-2", "world")
+    assert list(req.fingerprint) == [1, 3] and list(req.frozen_changed) == ["emb"] and req.checks_run == 4
+    assert req.HasField("loss") and not req.HasField("grad_norm") and req.loss_scale == 1024.0
+    assert (req.timings.step_s, req.timings.check_s) == (0.2, 0.001)
+    assert (req.canary.step, req.canary.check, req.canary.status) == (8, "injob/gemm", "FAIL")
+    assert len(req.canary.why) == 1000                     # bounded on the wire
+    v = req.vote
+    assert v.checked and not v.agreed and v.method == "majority" and v.replicas == 3
+    assert (v.step, v.replica_group) == (9, "world")
+    assert [(s.rank, s.host, s.gpu_uuid, list(s.fingerprint)) for s in v.suspects] == [(2, "h2", "GPU-2", [1, 3])]
+    bare = to_request(StepReport(job_id="j", rank=0, world_size=1, step=1))
+    assert not bare.HasField("vote") and not bare.HasField("canary") and not bare.HasField("loss")
+
+
+def test_every_step_sink_conforms_and_the_monitor_refuses_anything_else(sock) -> None:
+    from support import RecordingReporter
+
+    reporter = StepReporter(sock)
+    try:
+        for sink in (reporter, RecordingReporter()):
+            assert isinstance(sink, StepSink)
+            assert sink.take_directives() == [] and sink.stats().agent_down is False
+    finally:
+        reporter.close(0.1)
+    with pytest.raises(ValueError, match="StepSink"):
+        Monitor.attach(nn.Linear(2, 2), job_id="j", reporter=object())
