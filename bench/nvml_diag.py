@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def one(group: str, reps: int = 300) -> None:
-    from probes.nvml_backend import FIELD_VALUES_CALL, PynvmlBackend, field_specs
+    from probes.nvml_backend import PynvmlBackend
+    from probes.nvml_fields import FIELD_VALUES_CALL, field_specs
 
     b = PynvmlBackend()
     links = b.nvlink_count(0) if hasattr(b, "nvlink_count") else 18
@@ -57,7 +58,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--one":
         one(sys.argv[2])
         return
-    from probes.nvml_backend import FIELD_VALUES_CALL, field_specs
+    from probes.nvml_fields import FIELD_VALUES_CALL, field_specs
 
     groups = sorted({(s.call if s.call != FIELD_VALUES_CALL else "fv") for s in field_specs(18).values()})
     groups += ["xid", "all", "concurrent"]

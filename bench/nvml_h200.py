@@ -29,7 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probes.nvml_backend import FieldNotSupported, NvmlError, field_specs, open_backend  # noqa: E402
+from probes.nvml_backend import FieldNotSupported, NvmlError, open_backend  # noqa: E402
+from probes.nvml_fields import field_specs  # noqa: E402
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, poll_class  # noqa: E402
 
 

@@ -11,7 +11,7 @@ Lifecycle (the same for both):
 1. construct: the backend initialises NVML once (`nvmlInit`) or raises `NvmlUnavailable` with the reason;
 2. `device_count()` and `identity(index)` to discover GPUs (the probe then names every GPU by UUID and PCI
    bus id; the index is only this session's handle);
-3. `read_fields(index, names)` on every poll; names come from `field_specs()`;
+3. `read_fields(index, names)` on every poll; names come from `probes.nvml_fields.field_specs()`;
 4. XID events: `xid_open()` once, then `xid_wait(timeout_ms)` in a loop on a dedicated thread,
    `xid_close()` at the end;
 5. `close()`: `nvmlShutdown`. No other method may be called after it.
@@ -28,12 +28,13 @@ device is unreachable (`GpuLost`) or NVML itself is gone.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+from probes.nvml_fields import FIELD_VALUES_CALL, FieldSpec, spec_for
 
 log = logging.getLogger(__name__)
 
@@ -98,148 +99,6 @@ class RawXid:
 
     uuid: str | None
     xid: int
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The field catalogue (shared by both backends, the probe, the rules and the metrics)
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FieldSpec:
-    """One readable field. `call` is the NVML function that reads it (what a scenario hangs or marks
-    unsupported); `args`/`pick`/`scale` tell the real backend how. `counter`: monotonic, read as deltas;
-    `volatile`: zeroed by a GPU reset."""
-
-    name: str
-    call: str
-    args: tuple[Any, ...] = ()
-    pick: int | str | None = None
-    scale: float = 1.0
-    counter: bool = False
-    volatile: bool = False
-    unit: str = ""
-
-
-ECC_KINDS = ("corrected", "uncorrected")
-ECC_SCOPES = ("volatile", "aggregate")
-ECC_LOCATIONS = ("total", "dram", "sram")
-NVLINK_KINDS = ("replay", "recovery", "crc")
-THROTTLE_REASONS = (
-    "sw_power_cap", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability",
-    "sw_thermal", "hw_thermal", "hw_power_brake",
-)
-REMAP_HIST_BUCKETS = ("max", "high", "partial", "low", "none")
-
-# NVML constants (values from nvml.h / nvidia-ml-py; kept here so the fake needs no pynvml import).
-_MEMORY_ERROR_TYPE = {"corrected": 0, "uncorrected": 1}
-_ECC_COUNTER_TYPE = {"volatile": 0, "aggregate": 1}
-_MEMORY_LOCATION = {"dram": 2, "sram": 7}
-_FI_GET_GPU_RECOVERY_ACTION = 230
-_FI_NVLINK_LINK_COUNT = 91
-_FI_NVLINK_ERROR_DL = {"replay": 161, "recovery": 162, "crc": 163}
-_FI_NVLINK_GET_STATE = 165
-_FI_MEMORY_TEMP = 82
-_FI_TOTAL_ENERGY_CONSUMPTION = 83
-_FI_THROTTLE = {
-    "sw_power_cap": 74, "thermal": 75, "sync_boost": 76, "board_limit": 77, "low_utilization": 78,
-    "reliability": 79, "sw_thermal": 269, "hw_thermal": 270, "hw_power_brake": 271,
-}
-_TEMPERATURE_GPU = 0
-_CLOCK_SM = 1
-_CLOCK_MEM = 2
-_PAGE_RETIREMENT_CAUSE = {"sbe": 0, "dbe": 1}
-FIELD_VALUES_CALL = "nvmlDeviceGetFieldValues"
-
-
-def _base_specs() -> list[FieldSpec]:
-    specs: list[FieldSpec] = [FieldSpec("ecc.enabled", "nvmlDeviceGetEccMode", pick=0)]
-    for kind in ECC_KINDS:
-        for scope in ECC_SCOPES:
-            volatile = scope == "volatile"
-            specs.append(FieldSpec(
-                f"ecc.{kind}.{scope}.total", "nvmlDeviceGetTotalEccErrors",
-                (_MEMORY_ERROR_TYPE[kind], _ECC_COUNTER_TYPE[scope]), counter=True, volatile=volatile,
-                unit="errors"))
-            for loc, loc_id in _MEMORY_LOCATION.items():
-                specs.append(FieldSpec(
-                    f"ecc.{kind}.{scope}.{loc}", "nvmlDeviceGetMemoryErrorCounter",
-                    (_MEMORY_ERROR_TYPE[kind], _ECC_COUNTER_TYPE[scope], loc_id), counter=True,
-                    volatile=volatile, unit="errors"))
-    specs += [
-        FieldSpec("retired_pages.sbe", "nvmlDeviceGetRetiredPages", (_PAGE_RETIREMENT_CAUSE["sbe"],),
-                  pick="len", counter=True, unit="pages"),
-        FieldSpec("retired_pages.dbe", "nvmlDeviceGetRetiredPages", (_PAGE_RETIREMENT_CAUSE["dbe"],),
-                  pick="len", counter=True, unit="pages"),
-        FieldSpec("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus", volatile=True),
-        FieldSpec("remap.correctable", "nvmlDeviceGetRemappedRows", pick=0, counter=True, unit="rows"),
-        FieldSpec("remap.uncorrectable", "nvmlDeviceGetRemappedRows", pick=1, counter=True, unit="rows"),
-        FieldSpec("remap.pending", "nvmlDeviceGetRemappedRows", pick=2, volatile=True),
-        FieldSpec("remap.failure", "nvmlDeviceGetRemappedRows", pick=3),
-    ]
-    specs += [FieldSpec(f"remap.hist.{b}", "nvmlDeviceGetRowRemapperHistogram", pick=b, unit="banks")
-              for b in REMAP_HIST_BUCKETS]
-    specs += [
-        FieldSpec("recovery_action", FIELD_VALUES_CALL, (_FI_GET_GPU_RECOVERY_ACTION, 0), volatile=True),
-        FieldSpec("pcie.replay", "nvmlDeviceGetPcieReplayCounter", counter=True, volatile=True,
-                  unit="replays"),
-        FieldSpec("pcie.gen.current", "nvmlDeviceGetCurrPcieLinkGeneration"),
-        FieldSpec("pcie.gen.max", "nvmlDeviceGetMaxPcieLinkGeneration"),
-        FieldSpec("pcie.width.current", "nvmlDeviceGetCurrPcieLinkWidth", unit="lanes"),
-        FieldSpec("pcie.width.max", "nvmlDeviceGetMaxPcieLinkWidth", unit="lanes"),
-        FieldSpec("nvlink.count", FIELD_VALUES_CALL, (_FI_NVLINK_LINK_COUNT, 0), unit="links"),
-        FieldSpec("temp.gpu", "nvmlDeviceGetTemperature", (_TEMPERATURE_GPU,), unit="celsius"),
-        FieldSpec("temp.memory", FIELD_VALUES_CALL, (_FI_MEMORY_TEMP, 0), unit="celsius"),
-        FieldSpec("power.usage_w", "nvmlDeviceGetPowerUsage", scale=1e-3, unit="watts"),
-        FieldSpec("power.limit_w", "nvmlDeviceGetEnforcedPowerLimit", scale=1e-3, unit="watts"),
-        FieldSpec("energy.total_j", FIELD_VALUES_CALL, (_FI_TOTAL_ENERGY_CONSUMPTION, 0), scale=1e-3,
-                  counter=True, unit="joules"),
-        FieldSpec("clock.sm_mhz", "nvmlDeviceGetClockInfo", (_CLOCK_SM,), unit="MHz"),
-        FieldSpec("clock.mem_mhz", "nvmlDeviceGetClockInfo", (_CLOCK_MEM,), unit="MHz"),
-        FieldSpec("clock.sm_max_mhz", "nvmlDeviceGetMaxClockInfo", (_CLOCK_SM,), unit="MHz"),
-        FieldSpec("clocks_event_reasons", "nvmlDeviceGetCurrentClocksEventReasons", unit="bitmask"),
-    ]
-    specs += [FieldSpec(f"throttle_ns.{r}", FIELD_VALUES_CALL, (fid, 0), counter=True, unit="ns")
-              for r, fid in _FI_THROTTLE.items()]
-    return specs
-
-
-def _nvlink_specs(links: int) -> list[FieldSpec]:
-    out: list[FieldSpec] = []
-    for link in range(links):
-        out.append(FieldSpec(f"nvlink.{link}.state", FIELD_VALUES_CALL, (_FI_NVLINK_GET_STATE, link)))
-        for kind in NVLINK_KINDS:
-            out.append(FieldSpec(f"nvlink.{link}.{kind}", FIELD_VALUES_CALL, (_FI_NVLINK_ERROR_DL[kind], link),
-                                 counter=True, volatile=True, unit="errors"))
-    return out
-
-
-_BASE = {s.name: s for s in _base_specs()}
-
-
-def field_specs(nvlink_links: int = 0) -> dict[str, FieldSpec]:
-    """Every field sdcwatch reads, by name; NVLink fields for links 0..nvlink_links-1."""
-    if nvlink_links < 0:
-        raise ValueError(f"nvlink_links must be >= 0, got {nvlink_links}")
-    out = dict(_BASE)
-    out.update({s.name: s for s in _nvlink_specs(nvlink_links)})
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=8192)
-def spec_for(name: str) -> FieldSpec:
-    """The spec of one field name (NVLink names for any link number). Cached: the rules ask it of every
-    field of every poll."""
-    if name in _BASE:
-        return _BASE[name]
-    parts = name.split(".")
-    if len(parts) == 3 and parts[0] == "nvlink" and parts[1].isdigit():
-        link = int(parts[1])
-        for s in _nvlink_specs(link + 1)[-(1 + len(NVLINK_KINDS)):]:
-            if s.name == name:
-                return s
-    raise ValueError(f"unknown NVML field name {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -549,16 +408,3 @@ def split_values(values: Mapping[str, Any]) -> tuple[dict[str, int | float], dic
     for k, v in values.items():
         (bad if isinstance(v, NvmlError) else ok)[k] = v  # type: ignore[index]
     return ok, bad
-
-
-def names_matching(patterns: Iterable[str], names: Iterable[str]) -> set[str]:
-    """Field names matched by patterns: an exact name, a glob (`retired_pages.*`) or an NVML call name."""
-    import fnmatch  # noqa: PLC0415
-
-    pats = list(patterns)
-    out: set[str] = set()
-    for n in names:
-        call = spec_for(n).call
-        if any(fnmatch.fnmatchcase(n, p) or p == call for p in pats):
-            out.add(n)
-    return out

@@ -35,7 +35,7 @@ Scenario format (JSON; docs/nvml-scenarios.md has examples)::
 Counter semantics: adding to a volatile ECC count (`ecc.<kind>.volatile.<dram|sram>`) also adds to its
 aggregate twin and to both totals, as the driver does. A hang blocks the first `times` calls (default 1)
 of the named NVML call made at or after `at`, for `seconds` of real time (`release_hangs()` ends them
-early); call names are those of `probes.nvml_backend.FieldSpec.call`, plus `nvmlDeviceGetCount`,
+early); call names are those of `probes.nvml_fields.FieldSpec.call`, plus `nvmlDeviceGetCount`,
 `nvmlDeviceGetUUID` (identity) and `nvmlEventSetWait_v2` (the XID wait).
 """
 from __future__ import annotations
@@ -47,18 +47,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from probes.nvml_backend import (
+from probes.nvml_backend import FieldNotSupported, GpuIdentity, GpuLost, NvmlError, NvmlUnavailable, RawXid
+from probes.nvml_fields import (
     ECC_LOCATIONS,
     ECC_SCOPES,
     REMAP_HIST_BUCKETS,
     THROTTLE_REASONS,
-    FieldNotSupported,
     FieldSpec,
-    GpuIdentity,
-    GpuLost,
-    NvmlError,
-    NvmlUnavailable,
-    RawXid,
     field_specs,
     names_matching,
 )
@@ -123,7 +118,7 @@ class _Gpu:
     def _check(self, name: str, where: str) -> None:
         if name not in self.specs:
             raise ValueError(f"scenario {where}: unknown field {name!r} for GPU {self.identity.uuid} "
-                             f"(see probes.nvml_backend.field_specs)")
+                             f"(see probes.nvml_fields.field_specs)")
 
     def _set(self, fields: Any, where: str) -> None:
         if not isinstance(fields, dict):

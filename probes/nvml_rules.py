@@ -23,7 +23,7 @@ import functools
 from typing import Mapping
 
 from probes import xid_catalog
-from probes.nvml_backend import ECC_KINDS, NVLINK_KINDS, spec_for
+from probes.nvml_fields import ECC_KINDS, NVLINK_KINDS, spec_for
 from sdcwatch.types import Evidence, Finding, Severity, State
 
 SOURCE = "nvml"

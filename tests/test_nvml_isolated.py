@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from probes.nvml_backend import FieldNotSupported, NvmlError, NvmlUnavailable, field_specs
+from probes.nvml_backend import FieldNotSupported, NvmlError, NvmlUnavailable
+from probes.nvml_fields import field_specs
 from probes.nvml_fake import ScenarioBackend
 from probes.nvml_isolated import IsolatedBackend
 

@@ -333,7 +333,8 @@ class _StubNvml:
 
 
 def test_pynvml_backend_decodes_groups_and_maps_errors() -> None:
-    from probes.nvml_backend import FieldNotSupported, field_specs
+    from probes.nvml_backend import FieldNotSupported
+    from probes.nvml_fields import field_specs
 
     stub = _StubNvml()
     b = PynvmlBackend(stub)

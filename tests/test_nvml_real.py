@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from probes.nvml_backend import FieldNotSupported, NvmlError, NvmlUnavailable, PynvmlBackend, field_specs
+from probes.nvml_backend import FieldNotSupported, NvmlError, NvmlUnavailable, PynvmlBackend
+from probes.nvml_fields import field_specs
 from probes.nvml_probe import NvmlProbe
 
 pytestmark = pytest.mark.gpu
