@@ -26,7 +26,6 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -34,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 from checkpoint import policy
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
+from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.errors import CommitError, InvalidInputError, NotInMemoryError, UnknownCheckpointError
 from checkpoint.manifest import ShardManifest
 from checkpoint.names import validate_job_id, validate_rank, validate_step
@@ -87,26 +87,6 @@ if redis.call('HGET', KEYS[1], 'state') ~= ARGV[4] then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], ARGV[2], ARGV[3])
 return 1
 """
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CoordinatorConfig:
-    keep_committed: int = 2
-    rollback_span_steps: int = 160      # keep verified checkpoints reaching this far back (see policy)
-    memory_cap_bytes: int | None = None
-    verify_on_commit: bool = True
-    pending_timeout_s: float = 600.0
-    tombstone_ttl_s: int = 3600
-    orphan_blob_ttl_s: float = 3600.0
-    key_prefix: str = "sdcw:ckpt:"
-
-    def __post_init__(self) -> None:
-        if self.keep_committed < 1:
-            raise InvalidInputError(f"keep_committed must be >= 1, got {self.keep_committed}")
-        if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
-            raise InvalidInputError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes}")
-        if self.pending_timeout_s <= 0:
-            raise InvalidInputError(f"pending_timeout_s must be positive, got {self.pending_timeout_s}")
 
 
 def blob_key(job_id: str, step: int, rank: int) -> str:
@@ -453,7 +433,7 @@ class Coordinator:
                 hold = self.retention_hold(job_id)
             except Exception:  # noqa: BLE001 - a hint only
                 log.exception("retention hold failed")
-        for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes,
+        for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes or None,
                                            self.config.rollback_span_steps, hold):
             self._drop(job_id, step, policy.EVICTED, "retention", now)
             self.stats["evictions"] += 1

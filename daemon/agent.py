@@ -117,7 +117,7 @@ class Agent:
         await self._start_probes()
         from daemon.loss_wiring import LossWiring
 
-        self.loss = LossWiring(self)
+        self.loss = LossWiring(self, self.config.loss, self.config.rollback)
         self.report_hook = self.loss.on_report
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         if self.redis is not None:
@@ -177,7 +177,7 @@ class Agent:
 
         peers = self.config.peers
         self.checkpoints = build_checkpoint_service(
-            self.redis_url, self.state_dir, self.bus.publish, node=self.host,
+            self.redis_url, self.state_dir, self.bus.publish, node=self.host, config=self.config.checkpoints,
             ephemeral_index=self.embedded_redis is not None,
             replicator_factory=peers_wiring.replicator_factory(peers, self.host,
                                                                shared_redis=self.embedded_redis is None),

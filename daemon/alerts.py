@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from daemon.alert_policy import AlertBook, Notification, Signal, SinkQueue, TokenBucket, backoff_delay
 from daemon.errors import ConfigError
+from sdcwatch.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +42,23 @@ DEFAULT_RUNBOOK_BASE = "https://github.com/sdcwatch/sdcwatch/blob/main/docs/runb
 class AlertsConfig:
     """`[alerts]` in the agent config. Both URLs empty (the default): no push, only /metrics."""
 
-    alertmanager_url: str = ""       # e.g. http://alertmanager:9093 (we POST to <url>/api/v2/alerts)
-    webhook_url: str = ""            # any URL taking a JSON POST (Slack/Teams bridges, incident tools)
-    resend_interval_s: float = 60.0  # active alerts are re-sent this often (endsAt = now + 4x this)
-    rate_limit_per_min: float = 30.0  # POSTs per minute per sink (alerts in between are batched)
-    queue_size: int = 1000           # alerts waiting per sink; beyond it the oldest is dropped (counted)
-    timeout_s: float = 5.0           # one HTTP POST
-    hold_s: float = 900.0            # how long an event-type alert (XID, replica mismatch) stays active
-    runbook_url_base: str = DEFAULT_RUNBOOK_BASE
+    alertmanager_url: str = setting("", "Alertmanager base URL, e.g. http://alertmanager:9093 "
+                                    "(alerts POSTed to <url>/api/v2/alerts)")
+    webhook_url: str = setting("", "any URL taking a JSON POST (Slack/Teams bridges, incident tools)")
+    resend_interval_s: float = setting(60.0, "active alerts are re-sent this often (endsAt = now + 4x this)")
+    rate_limit_per_min: float = setting(30.0, "POSTs per minute per sink (alerts in between are batched)")
+    queue_size: int = setting(1000, "alerts waiting per sink; beyond it the oldest is dropped (counted)")
+    timeout_s: float = setting(5.0, "seconds one HTTP POST may take")
+    hold_s: float = setting(900.0, "seconds an event-type alert (XID, replica mismatch) stays active")
+    runbook_url_base: str = setting(DEFAULT_RUNBOOK_BASE, "base URL of the runbooks linked from each alert")
 
     def validate(self) -> None:
-        for key in ("alertmanager_url", "webhook_url"):
-            url = getattr(self, key)
+        for key, url in (("alertmanager_url", self.alertmanager_url), ("webhook_url", self.webhook_url)):
             if url and not url.startswith(("http://", "https://")):
                 raise ConfigError(f"alerts.{key}", f"expected an http:// or https:// URL, got {url!r}")
-        for key in ("resend_interval_s", "rate_limit_per_min", "timeout_s", "hold_s"):
-            value = getattr(self, key)
+        for key, value in (("resend_interval_s", self.resend_interval_s),
+                           ("rate_limit_per_min", self.rate_limit_per_min), ("timeout_s", self.timeout_s),
+                           ("hold_s", self.hold_s)):
             if not value > 0:   # also rejects NaN
                 raise ConfigError(f"alerts.{key}", f"must be > 0, got {value!r}")
         if self.queue_size < 1:

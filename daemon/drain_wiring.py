@@ -1,4 +1,5 @@
-"""Connects the tier drainer (checkpoint/drainer.py) to the agent: NVMe, flash and S3 tiers from `[tiers]`.
+"""Connects the tier drainer (checkpoint/drainer.py) to the agent: NVMe, flash and S3 tiers from `[tiers.nvme]`,
+`[tiers.flash]` and `[tiers.s3]`.
 
     from daemon import drain_wiring
     drain_wiring.start(agent)        # after _start_checkpoints(): needs agent.checkpoints
@@ -14,46 +15,49 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.tiers_config import TiersConfig
+from daemon.tiers_config import TierRuleConfig, TiersConfig
 
 if TYPE_CHECKING:
     from checkpoint.drainer import Drainer, Tier
+    from checkpoint.tier_policy import TierRule
 
 log = logging.getLogger(__name__)
 _MIB = 1 << 20
+
+
+def _rule(name: str, t: TierRuleConfig) -> "TierRule":
+    from checkpoint.tier_policy import TierRule
+
+    return TierRule(name, every_n=t.every_n, every_s=t.every_s, keep_newest=t.keep,
+                    keep_every_steps=t.keep_every_steps, keep_age_s=t.keep_age_s,
+                    max_backlog_bytes=t.max_backlog_mib * _MIB)
 
 
 def build_tiers(cfg: TiersConfig, state_dir: str | Path) -> list["Tier"]:
     """The configured tiers, fastest first (NVMe, flash, S3)."""
     from checkpoint.drainer import Tier
     from checkpoint.shm_store import DirStore
-    from checkpoint.tier_policy import TierRule
-
-    def rule(name: str) -> TierRule:
-        g = lambda k: getattr(cfg, f"{name}_{k}")  # noqa: E731
-        return TierRule(name, every_n=g("every_n"), every_s=g("every_s"), keep_newest=g("keep"),
-                        keep_every_steps=g("keep_every_steps"), keep_age_s=g("keep_age_s"),
-                        max_backlog_bytes=int(g("max_backlog_mib")) * _MIB)
 
     tiers: list[Tier] = []
-    if cfg.nvme_dir != "off":
-        d = Path(cfg.nvme_dir) if cfg.nvme_dir else Path(state_dir) / "tiers" / "nvme"
-        tiers.append(Tier("nvme", DirStore(d, fsync=cfg.nvme_fsync), str(d), rule("nvme"),
-                          concurrency=cfg.nvme_concurrency, bandwidth_bytes_s=cfg.nvme_bandwidth_mib_s * _MIB,
+    nvme, flash, s3 = cfg.nvme, cfg.flash, cfg.s3
+    if nvme.dir != "off":
+        d = Path(nvme.dir) if nvme.dir else Path(state_dir) / "tiers" / "nvme"
+        tiers.append(Tier("nvme", DirStore(d, fsync=nvme.fsync), str(d), _rule("nvme", nvme),
+                          concurrency=nvme.concurrency, bandwidth_bytes_s=nvme.bandwidth_mib_s * _MIB,
                           hop_timeout_s=cfg.hop_timeout_s))
-    if cfg.flash_dir:
-        d = Path(cfg.flash_dir)
-        tiers.append(Tier("flash", DirStore(d, fsync=cfg.flash_fsync), str(d), rule("flash"), shared=True,
-                          concurrency=cfg.flash_concurrency, bandwidth_bytes_s=cfg.flash_bandwidth_mib_s * _MIB,
+    if flash.dir:
+        d = Path(flash.dir)
+        tiers.append(Tier("flash", DirStore(d, fsync=flash.fsync), str(d), _rule("flash", flash), shared=True,
+                          concurrency=flash.concurrency, bandwidth_bytes_s=flash.bandwidth_mib_s * _MIB,
                           hop_timeout_s=cfg.hop_timeout_s))
-    if cfg.s3_url:
+    if s3.url:
         from checkpoint.s3_store import RetryPolicy, S3Store
 
-        store = S3Store.from_url(cfg.s3_url, part_bytes=cfg.s3_part_mib * _MIB, concurrency=cfg.s3_concurrency,
-                                 retry=RetryPolicy(max_attempts=cfg.s3_max_attempts))
-        tiers.append(Tier("s3", store, store.location, rule("s3"), shared=True, verify=cfg.s3_verify,
-                          concurrency=max(1, cfg.s3_concurrency // 2),
-                          bandwidth_bytes_s=cfg.s3_bandwidth_mib_s * _MIB, hop_timeout_s=cfg.hop_timeout_s))
+        store = S3Store.from_url(s3.url, part_bytes=s3.part_mib * _MIB, concurrency=s3.concurrency,
+                                 retry=RetryPolicy(max_attempts=s3.max_attempts))
+        tiers.append(Tier("s3", store, store.location, _rule("s3", s3), shared=True, verify=s3.verify,
+                          concurrency=max(1, s3.concurrency // 2),
+                          bandwidth_bytes_s=s3.bandwidth_mib_s * _MIB, hop_timeout_s=cfg.hop_timeout_s))
     return tiers
 
 
@@ -70,7 +74,7 @@ def build_drainer(service: Any, cfg: TiersConfig, state_dir: str | Path) -> "Dra
 
 def start(agent: Any) -> "Drainer | None":
     """Start the drainer task in the running agent (no-op when disabled or without checkpoints)."""
-    cfg = getattr(agent.config, "tiers", None) or TiersConfig()
+    cfg = agent.config.tiers
     service = agent.checkpoints
     if not cfg.enabled or service is None:
         return None

@@ -33,6 +33,7 @@ import re
 from pathlib import Path
 
 from daemon.errors import ConfigError
+from sdcwatch.settings import setting
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,253}$")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -90,13 +91,14 @@ def _check_url(key: str, entry: str, location: str, insecure: bool) -> str:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class PeersConfig:
-    nodes: str = ""                  # NAME=DIR,NAME=DIR,... every node of the job, in one fixed order
-    replication_factor: int = 1      # F: copies in all, this node's included; 1 = no peer copies
-    stride: int = 1                  # J: placement jump (nodes per failure domain)
-    timeout_s: float = 120.0         # one shard's replication to all peers; longer is abandoned (logged)
-    tls_ca: str = ""                 # PEM CA file verifying the peers' agent certificates (grpcs://)
-    token_file: str = ""             # file holding the bearer token the peers' agents require on TCP
-    insecure: bool = False           # allow grpc:// (plain TCP) entries
+    nodes: str = setting("", "NAME=LOCATION,... every node of the job in one fixed order (a directory, "
+                         "grpcs://HOST:PORT, unix:///PATH or grpc://HOST:PORT)")
+    replication_factor: int = setting(1, "copies of each shard in all, this node's included (1: no peer copies)")
+    stride: int = setting(1, "placement jump: node n's copies go to nodes n+J, n+2J, ... (nodes per failure domain)")
+    timeout_s: float = setting(120.0, "seconds one shard's replication to all peers may take (then abandoned)")
+    tls_ca: str = setting("", "PEM CA file verifying the peers' agent certificates (grpcs://)")
+    token_file: str = setting("", "file holding the bearer token the peers' agents require on TCP")
+    insecure: bool = setting(False, "allow grpc:// (plain TCP) entries (warns)")
 
     def validate(self) -> None:
         if self.replication_factor < 1:
@@ -105,8 +107,7 @@ class PeersConfig:
             raise ConfigError("peers.stride", f"must be >= 1, got {self.stride}")
         if not self.timeout_s > 0:
             raise ConfigError("peers.timeout_s", f"must be > 0, got {self.timeout_s!r}")
-        for key in ("tls_ca", "token_file"):
-            value = getattr(self, key)
+        for key, value in (("tls_ca", self.tls_ca), ("token_file", self.token_file)):
             if value and not Path(value).is_file():
                 raise ConfigError(f"peers.{key}", f"file not found: {value}")
         if self.token_file and not Path(self.token_file).read_text().strip():

@@ -41,12 +41,15 @@ import statistics
 from collections import deque
 from typing import Literal, Sequence
 
+from sdcwatch.settings import SettingError, setting
 from sdcwatch.types import Finding, Severity
 
 log = logging.getLogger(__name__)
 
 EventKind = Literal["nonfinite", "spike", "recovered", "sustained", "divergence", "loss_scale_collapse"]
 Signal = Literal["loss", "grad_norm", "loss_scale"]
+# the critical kinds a rollback can answer (a spike is a WARNING, `recovered` is INFO)
+ROLLBACK_KINDS: frozenset[str] = frozenset({"nonfinite", "sustained", "divergence", "loss_scale_collapse"})
 
 _MEDIAN_EFFICIENCY = 1.2533  # sd(median of n) ~ 1.2533 * sigma / sqrt(n) for normal noise
 _MAD_TO_SIGMA = 1.4826
@@ -56,65 +59,71 @@ _MAD_TO_SIGMA = 1.4826
 class LossDetectorConfig:
     """Thresholds of one job's detector. Ratios are multiplicative (1.2 = 20% above the baseline);
     `*_z` are in robust sigmas of the log value; `*_steps` count training steps; the other sizes
-    count samples. Defaults are the ones chosen by bench/spikes_eval.py (see docs/loss-detector.md)."""
+    count samples. Defaults are the ones chosen by bench/spikes_eval.py (see docs/loss-detector.md).
+    The agent's `[loss]` config section."""
 
-    window: int = 128
-    min_samples: int = 3
-    sigma_samples: int = 16
-    prior_sigma: float = 0.05
-    min_sigma: float = 0.002
-    warmup_steps: int = 0
+    window: int = setting(128, "samples in the baseline (median) and noise-scale window")
+    min_samples: int = setting(3, "samples before any level rule runs (at most window)")
+    sigma_samples: int = setting(16, "samples before the measured noise scale replaces prior_sigma")
+    prior_sigma: float = setting(0.05, "noise scale (log space) until sigma_samples samples are in")
+    min_sigma: float = setting(0.002, "floor on the noise scale (log space)")
+    warmup_steps: int = setting(0, "steps from the start of a job during which nothing is reported")
 
-    spike_ratio: float = 1.2
-    spike_z: float = 6.0
-    level_steps: int = 8
-    sustained_ratio: float = 1.1
-    sustained_z: float = 4.0
-    patience_steps: int = 32
-    min_sustained_samples: int = 3
+    spike_ratio: float = setting(1.2, "a loss spike is at least this many times the baseline")
+    spike_z: float = setting(6.0, "a loss spike is at least this many robust sigmas above the baseline")
+    level_steps: int = setting(8, "steps whose samples' median is the level that sustained rules test")
+    sustained_ratio: float = setting(1.1, "a sustained excursion: the level this many times the baseline")
+    sustained_z: float = setting(4.0, "a sustained excursion holds the level this many sigmas above the baseline")
+    patience_steps: int = setting(32, "steps an excursion must last to be sustained (CRITICAL)")
+    min_sustained_samples: int = setting(3, "samples an excursion needs before it can be called sustained")
 
-    divergence_ratio: float = 1.25
-    divergence_z: float = 4.0
-    divergence_block: int = 16
-    divergence_min_blocks: int = 3
-    divergence_max_jump: float = 0.5
+    divergence_ratio: float = setting(1.25, "divergence: block medians climbing to this many times the lowest")
+    divergence_z: float = setting(4.0, "the climb must also be this many sigmas of a block median")
+    divergence_block: int = setting(16, "samples per block of the divergence rule")
+    divergence_min_blocks: int = setting(3, "blocks the climb must span")
+    divergence_max_jump: float = setting(0.5, "largest share of the climb one block may carry")
 
-    grad_norm_spike_ratio: float = 2.0
-    grad_norm_spike_z: float = 6.0
-    grad_norm_sustained_ratio: float = 1.5
-    grad_norm_sustained_z: float = 4.0
-    grad_norm_critical: bool = False
+    grad_norm_spike_ratio: float = setting(2.0, "a grad-norm spike is at least this many times its baseline")
+    grad_norm_spike_z: float = setting(6.0, "a grad-norm spike is at least this many sigmas above its baseline")
+    grad_norm_sustained_ratio: float = setting(1.5, "a sustained grad-norm excursion: this many times the baseline")
+    grad_norm_sustained_z: float = setting(4.0, "a sustained grad-norm excursion: this many sigmas above it")
+    grad_norm_critical: bool = setting(False, "a sustained grad-norm excursion is CRITICAL, not a WARNING")
 
-    loss_scale_collapse_factor: float = 8.0
-    loss_scale_window_steps: int = 50
-    loss_scale_floor: float = 1.0
+    loss_scale_collapse_factor: float = setting(8.0, "a loss scale falling this many times below its settled value collapses")
+    loss_scale_window_steps: int = setting(50, "steps within which that fall counts")
+    loss_scale_floor: float = setting(1.0, "a loss scale falling to this value (from above) collapses")
 
     def __post_init__(self) -> None:
         positive_ints = ("window", "min_samples", "sigma_samples", "level_steps", "patience_steps",
                          "min_sustained_samples", "divergence_block",
                          "divergence_min_blocks", "loss_scale_window_steps")
-        for name in positive_ints:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LossDetectorConfig.{name} must be an integer >= 1, got {value!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in positive_ints and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise _bad(f.name, f"must be an integer >= 1, got {value!r}")
+            finite = isinstance(value, (int, float)) and math.isfinite(value)
+            if f.name in _RATIOS and not (finite and value > 1.0):
+                raise _bad(f.name, f"must be a finite ratio > 1, got {value!r}")
+            if f.name in _NON_NEGATIVE and not (finite and value >= 0):
+                raise _bad(f.name, f"must be a finite number >= 0, got {value!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"LossDetectorConfig.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+            raise _bad("warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}")
         if self.min_samples > self.window:
-            raise ValueError(f"LossDetectorConfig.min_samples ({self.min_samples}) must be <= window ({self.window})")
-        for name in ("spike_ratio", "sustained_ratio", "divergence_ratio",
-                     "grad_norm_spike_ratio", "grad_norm_sustained_ratio", "loss_scale_collapse_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1.0:
-                raise ValueError(f"LossDetectorConfig.{name} must be a finite ratio > 1, got {value!r}")
-        for name in ("spike_z", "sustained_z", "divergence_z", "grad_norm_spike_z", "grad_norm_sustained_z",
-                     "prior_sigma", "min_sigma"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"LossDetectorConfig.{name} must be a finite number >= 0, got {value!r}")
+            raise _bad("min_samples", f"({self.min_samples}) must be <= window ({self.window})")
         if not 0.0 < self.divergence_max_jump <= 1.0:
-            raise ValueError(f"LossDetectorConfig.divergence_max_jump must be in (0, 1], got {self.divergence_max_jump!r}")
+            raise _bad("divergence_max_jump", f"must be in (0, 1], got {self.divergence_max_jump!r}")
         if not math.isfinite(self.loss_scale_floor) or self.loss_scale_floor <= 0:
-            raise ValueError(f"LossDetectorConfig.loss_scale_floor must be > 0, got {self.loss_scale_floor!r}")
+            raise _bad("loss_scale_floor", f"must be > 0, got {self.loss_scale_floor!r}")
+
+
+_RATIOS = frozenset({"spike_ratio", "sustained_ratio", "divergence_ratio", "grad_norm_spike_ratio",
+                     "grad_norm_sustained_ratio", "loss_scale_collapse_factor"})
+_NON_NEGATIVE = frozenset({"spike_z", "sustained_z", "divergence_z", "grad_norm_spike_z", "grad_norm_sustained_z",
+                           "prior_sigma", "min_sigma"})
+
+
+def _bad(name: str, why: str) -> SettingError:
+    return SettingError("LossDetectorConfig", name, why)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -561,20 +570,28 @@ class RollbackDecision:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RollbackPolicy:
     """Pure rollback rule (PaLM's recipe by default: restart about 100 steps before the spike and skip
-    200 batches from there).
+    200 batches from there). The agent's `[rollback]` config section.
 
     Target: the newest VERIFIED checkpoint step strictly older than the anomaly's start. Skipped data:
     `skip_batches` batches starting `skip_before_steps` steps before the anomaly (never before the
     target), so the batches around the anomaly are not seen again.
     """
 
-    skip_batches: int = 200
-    skip_before_steps: int = 100
-    kinds: frozenset[str] = frozenset({"nonfinite", "sustained", "divergence", "loss_scale_collapse"})
+    skip_batches: int = setting(200, "data batches the job skips after restoring (0: replay them all)")
+    skip_before_steps: int = setting(100, "the skipped batches start this many steps before the anomaly began")
+    kinds: frozenset[str] = setting(ROLLBACK_KINDS, "critical loss event kinds that roll the job back "
+                                    "(of nonfinite, sustained, divergence, loss_scale_collapse)")
 
     def __post_init__(self) -> None:
-        if self.skip_batches < 0 or self.skip_before_steps < 0:
-            raise ValueError("RollbackPolicy.skip_batches and skip_before_steps must be >= 0")
+        for name in ("skip_batches", "skip_before_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SettingError("RollbackPolicy", name, f"must be an integer >= 0, got {value!r}")
+        self.kinds = frozenset(self.kinds)
+        unknown = sorted(self.kinds - ROLLBACK_KINDS)
+        if unknown:
+            raise SettingError("RollbackPolicy", "kinds", f"{', '.join(unknown)} cannot roll back: choose from "
+                               f"{', '.join(sorted(ROLLBACK_KINDS))}")
 
     def decide(self, event: LossEvent, verified_steps: Sequence[int]) -> RollbackDecision | None:
         """None unless the event is critical, of a rollback kind, and a verified step precedes it."""

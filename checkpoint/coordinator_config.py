@@ -1,0 +1,38 @@
+"""`CoordinatorConfig`: retention and verification of the in-memory checkpoints (checkpoint/coordinator.py),
+the agent's `[checkpoints]` config section. Torch-free and I/O-free, so the agent's config tree imports it
+without the coordinator."""
+from __future__ import annotations
+
+import dataclasses
+
+from sdcwatch.settings import SettingError, setting
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CoordinatorConfig:
+    """Retention and verification of the in-memory checkpoints: the agent's `[checkpoints]` config section."""
+
+    keep_committed: int = setting(2, "newest restorable checkpoints kept in memory per job (>= 1)")
+    rollback_span_steps: int = setting(160, "also keep VERIFIED checkpoints reaching this many steps back (0: off)")
+    memory_cap_bytes: int = setting(0, "bytes of checkpoints kept in memory per job; older ones evicted first (0: no cap)")
+    verify_on_commit: bool = setting(True, "re-read every chunk's checksum when a shard commits")
+    pending_timeout_s: float = setting(600.0, "a save not committed by every rank after this long is aborted")
+    tombstone_ttl_s: int = setting(3600, "seconds an evicted checkpoint's record stays (so late ranks learn it)")
+    orphan_blob_ttl_s: float = setting(3600.0, "shard files no record names are deleted after this long")
+    key_prefix: str = setting("sdcw:ckpt:", "prefix of this agent's keys in the coordination Redis")
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> SettingError:
+            return SettingError("CoordinatorConfig", name, why)
+
+        if self.keep_committed < 1:
+            raise bad("keep_committed", f"must be >= 1, got {self.keep_committed}")
+        for name, value in (("rollback_span_steps", self.rollback_span_steps),
+                            ("memory_cap_bytes", self.memory_cap_bytes), ("tombstone_ttl_s", self.tombstone_ttl_s),
+                            ("orphan_blob_ttl_s", self.orphan_blob_ttl_s)):
+            if not value >= 0:
+                raise bad(name, f"must be >= 0, got {value}")
+        if not self.pending_timeout_s > 0:
+            raise bad("pending_timeout_s", f"must be positive, got {self.pending_timeout_s}")
+        if not self.key_prefix:
+            raise bad("key_prefix", "must not be empty (it keeps this agent's keys apart in a shared Redis)")
