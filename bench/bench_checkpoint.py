@@ -178,7 +178,7 @@ def save_table(nbytes: int, repeat: int, work: Path, device: torch.device) -> li
     from checkpoint.coordinator import Coordinator
     from checkpoint.restore import restore_from_plan
     from checkpoint.shm_store import ShmStore
-    from checkpoint.snapshot import dir_store_for
+    from checkpoint.locations import dir_store_for
 
     sd = make_state(nbytes, device)
     tensors = list(sd["model"].values())
@@ -317,7 +317,7 @@ def profile_rows(nbytes: int, repeat: int, device: torch.device) -> list[tuple[s
     """Where the blocking time of a save goes (--profile): the same copies into a cudaHostAlloc buffer and
     into a registered /dev/shm slot, one contiguous copy, the GPU fingerprint alone, the Python walk, and
     our save with and without the source fingerprint. All in one run, side by side."""
-    from checkpoint.manifest import flatten
+    from checkpoint.state_tree import flatten
     from checkpoint.slots import SlotRing
     from checkpoint.snapshot import layout
     from checksums.fingerprint import fingerprint_tensors_async

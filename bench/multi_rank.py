@@ -616,7 +616,8 @@ def part_ckpt_save(ctx: Ctx, agent: dict[str, Any]) -> tuple[dict[str, Any], Any
     """Attempt 0: the saves that commit, the stall against the pinned-copy bound. Returns the evidence
     (gathered), the client and its failure switch; the kill comes after, in `crash_save`."""
     from checkpoint.client import CheckpointClient
-    from checkpoint.snapshot import SnapshotConfig, dir_store_for
+    from checkpoint.snapshot import SnapshotConfig
+    from checkpoint.locations import dir_store_for
 
     a = ctx.args
     nbytes = int(a.ckpt_mib * (1 << 20))

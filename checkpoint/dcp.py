@@ -44,11 +44,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from checkpoint.blobstore import BlobStore
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError, UnknownCheckpointError
-from checkpoint.manifest import DTYPES, ShardManifest, dtype_name
+from checkpoint.locations import dir_store_for
+from checkpoint.manifest import ShardManifest
 from checkpoint.names import validate_job_id, validate_step
 from checkpoint.records import LATEST, LATEST_VERIFIED, CommitResult, RestorePlan
-from checkpoint.restore import copies_for, restore_shard
-from checkpoint.snapshot import Snapshotter, SnapshotConfig, dir_store_for
+from checkpoint.restore import restore_shard
+from checkpoint.shard_reader import copies_for
+from checkpoint.snapshot import Snapshotter, SnapshotConfig
+from checkpoint.state_tree import DTYPES, dtype_name
 
 log = logging.getLogger(__name__)
 

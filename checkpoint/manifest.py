@@ -8,19 +8,21 @@ A state dict is split into
 
 `ShardManifest.from_json` validates everything it reads (names, ranges, chunk coverage, references),
 so a damaged or hostile manifest fails with `InvalidInputError`, never deep inside a restore.
+
+Torch-free: dtypes are names here (`DTYPE_SIZES`), so the agent reads and checks manifests without torch;
+splitting a state dict into tensors and a tree, and back, is checkpoint.state_tree (the training side).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from typing import Any, Mapping
-
-import torch
+from typing import Any
 
 from checkpoint.chunks import ALGORITHM, Chunk
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_job_id, validate_key, validate_rank, validate_step
+from checksums.fingerprint_host import ITEMSIZE
 
 FORMAT = "sdcwatch.ckpt.shard.v1"
 TENSOR_MARK = "__sdcw_tensor__"
@@ -28,21 +30,13 @@ TUPLE_MARK = "__sdcw_tuple__"
 ITEMS_MARK = "__sdcw_items__"  # a dict with non-str (int) keys: [[key, value], ...]
 MAX_MANIFEST_CHARS = 256 << 20
 
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
+# The tensor dtypes a checkpoint holds (torch's names) and their item sizes in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    name: ITEMSIZE[name]
     for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
                  "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
                  "uint64")
-    if hasattr(torch, name)
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise InvalidInputError(f"unsupported tensor dtype {dtype}; supported: {sorted(DTYPES)}") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +63,7 @@ class TensorEntry:
             raise InvalidInputError(f"tensor entry lacks field {e}") from None
         if not isinstance(path, str):
             raise InvalidInputError(f"tensor path must be a string, got {path!r}")
-        if dt not in DTYPES:
+        if dt not in DTYPE_SIZES:
             raise InvalidInputError(f"tensor {path!r}: unsupported dtype {dt!r}")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise InvalidInputError(f"tensor {path!r}: bad shape {shape!r}")
@@ -77,7 +71,7 @@ class TensorEntry:
             raise InvalidInputError(f"tensor {path!r}: bad offset/nbytes {offset!r}/{nbytes!r}")
         if not isinstance(fp, list) or not fp or not all(isinstance(w, int) for w in fp):
             raise InvalidInputError(f"tensor {path!r}: bad fingerprint {fp!r}")
-        itemsize = torch.empty((), dtype=DTYPES[dt]).element_size()
+        itemsize = DTYPE_SIZES[dt]
         if math.prod(shape) * itemsize != nbytes:
             raise InvalidInputError(f"tensor {path!r}: nbytes {nbytes} != prod{tuple(shape)} * {itemsize}")
         return cls(path, dt, tuple(shape), offset, nbytes, tuple(fp))
@@ -152,80 +146,6 @@ class ShardManifest:
             raise InvalidInputError("manifest tree must reference every tensor, and only those")
         return cls(job_id, step, rank, world, blob, nbytes, chunk_bytes, chunks, tensors, tree,
                    float(created), algorithm)
-
-
-def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
-    """Split `state_dict` into (JSON tree with tensor references, [(path, tensor)]) or raise
-    InvalidInputError naming the path of the first unsupported object."""
-    if not isinstance(state_dict, Mapping):
-        raise InvalidInputError(f"state dict must be a mapping, got {type(state_dict).__name__}")
-    tensors: list[tuple[str, torch.Tensor]] = []
-    seen: dict[int, int] = {}
-
-    def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if type(obj) not in (torch.Tensor, torch.nn.Parameter):
-                raise InvalidInputError(
-                    f"{path}: tensor subclass {type(obj).__name__} is not supported here "
-                    "(use checkpoint.dcp with torch.distributed.checkpoint for DTensor / sharded tensors)")
-            if obj.layout != torch.strided or obj.is_quantized:
-                raise InvalidInputError(f"{path}: only dense strided tensors are supported, got {obj.layout}")
-            dtype_name(obj.dtype)
-            if id(obj) in seen:  # the same tensor object twice (tied weights): stored once
-                return {TENSOR_MARK: seen[id(obj)]}
-            seen[id(obj)] = len(tensors)
-            # The object itself, not a detached alias: caches keyed on it (the GPU fingerprint plan) then live
-            # as long as the user's tensor, not one save; callers copy under torch.no_grad().
-            tensors.append((path, obj))
-            return {TENSOR_MARK: len(tensors) - 1}
-        if obj is None or isinstance(obj, (bool, str)):
-            return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            return float(obj)
-        if isinstance(obj, Mapping):
-            if not all(isinstance(k, str) for k in obj):
-                # optimizer state dicts key their state by int parameter id: keep the key types exactly
-                items = []
-                for k, v in obj.items():
-                    if isinstance(k, bool) or not isinstance(k, (int, str)):
-                        raise InvalidInputError(
-                            f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str or int")
-                    items.append([k, walk(v, f"{path}/{k}")])
-                return {ITEMS_MARK: items}
-            out = {}
-            for k, v in obj.items():
-                if k.startswith("__sdcw_"):
-                    raise InvalidInputError(f"{path}: dict key {k!r} is reserved")
-                out[k] = walk(v, f"{path}/{k}")
-            return out
-        if isinstance(obj, tuple):
-            return {TUPLE_MARK: [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-        raise InvalidInputError(
-            f"{path}: unsupported object of type {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint "
-            "holds tensors and JSON-safe values (dict with str keys, list, tuple, str, int, float, bool, None)")
-
-    tree = walk(state_dict, "state_dict")
-    # Tied tensors: a second reference reuses the index, so refs may repeat; keep one entry per index.
-    return tree, tensors
-
-
-def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of `flatten`: rebuild the state dict from the tree and the restored tensors."""
-    if isinstance(tree, dict):
-        if set(tree) == {TENSOR_MARK}:
-            return tensors[tree[TENSOR_MARK]]
-        if set(tree) == {TUPLE_MARK}:
-            return tuple(unflatten(v, tensors) for v in tree[TUPLE_MARK])
-        if set(tree) == {ITEMS_MARK}:
-            return {k: unflatten(v, tensors) for k, v in tree[ITEMS_MARK]}
-        return {k: unflatten(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [unflatten(v, tensors) for v in tree]
-    return tree
 
 
 def _tree_refs(tree: Any) -> set[int]:

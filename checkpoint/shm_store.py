@@ -18,18 +18,24 @@ allocation and zeroing, measured at 4-5x a plain memory copy; overwriting pages 
 runs at memory-copy speed. So `delete` keeps up to N deleted blobs as spare files under `.spares/`,
 and `put` renames a spare to its temp name, overwrites it in place, truncates it to size and renames
 it over the final name: the same atomic rename, without new pages. Spares count as used memory.
+
+Staging slots (checkpoint.slots, the rank's side) live under `.slots/`; `sweep_dead_slots` (the agent's
+side) returns those of ranks that are gone. Torch-free: the agent imports this module.
 """
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 
 from checkpoint.blobstore import Data, as_buffers, check_range
 from checkpoint.names import validate_key, validate_prefix
 
 _TMP_MARK = ".tmp-"
+SLOTS_DIR = ".slots"       # the ranks' staging slots (checkpoint.slots), swept by `sweep_dead_slots`
 _counter = itertools.count()
 _MAX_WRITE = 1 << 30
 
@@ -281,8 +287,6 @@ class DirStore:
 
     def sweep_slots(self, now: float, min_age_s: float = 60.0) -> int:
         """Unlink the staging slots of ranks that are gone (see checkpoint.slots); return how many."""
-        from checkpoint.slots import sweep_dead_slots
-
         return sweep_dead_slots(self.root, now, min_age_s)
 
     def remove_all(self) -> int:
@@ -331,3 +335,38 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
             break
         got += n
     return got
+
+
+def sweep_dead_slots(root: str | os.PathLike[str], now: float | None = None, min_age_s: float = 60.0) -> int:
+    """Unlink slot files under `root/.slots` whose owner is gone (their flock can be taken exclusively)
+    and that are older than `min_age_s` (a slot is locked right after creation); return how many.
+    Blobs linked to a removed slot keep their bytes (they are other names of the same file)."""
+    base = Path(root) / SLOTS_DIR
+    if not base.is_dir():
+        return 0
+    now = time.time() if now is None else now
+    n = 0
+    for dirpath, _dirs, files in os.walk(base, topdown=False):
+        for f in files:
+            p = Path(dirpath) / f
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                if now - os.fstat(fd).st_ctime <= min_age_s:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live rank holds it
+                p.unlink(missing_ok=True)
+                n += 1
+            finally:
+                os.close(fd)
+        if Path(dirpath) != base:
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+    return n

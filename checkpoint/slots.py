@@ -17,8 +17,8 @@ Lifecycle of a slot:
 4. `SlotRing.close()` unregisters, unmaps and unlinks the slot names (published blobs stay).
 
 Ownership: the rank holds a shared `flock` on each slot file for its lifetime. The agent's
-`sweep_dead_slots` unlinks slot names whose lock it can take exclusively (the rank is gone), so a
-killed rank's staging memory is returned; blobs linked to those slots keep their bytes.
+`checkpoint.shm_store.sweep_dead_slots` unlinks slot names whose lock it can take exclusively (the rank is
+gone), so a killed rank's staging memory is returned; blobs linked to those slots keep their bytes.
 """
 from __future__ import annotations
 
@@ -28,16 +28,15 @@ import itertools
 import logging
 import mmap
 import os
-import time
 from pathlib import Path
 import torch
 
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_job_id
+from checkpoint.shm_store import SLOTS_DIR
 
 log = logging.getLogger(__name__)
 
-SLOTS_DIR = ".slots"
 _counter = itertools.count()
 
 
@@ -168,39 +167,3 @@ class SlotRing:
             self.dir.rmdir()
         except OSError:
             pass
-
-
-def sweep_dead_slots(root: str | os.PathLike[str], now: float | None = None, min_age_s: float = 60.0) -> int:
-    """Unlink slot files under `root/.slots` whose owner is gone (their flock can be taken exclusively)
-    and that are older than `min_age_s` (a slot is locked right after creation); return how many.
-    Blobs linked to a removed slot keep their bytes (they are other names of the same file)."""
-    base = Path(root) / SLOTS_DIR
-    if not base.is_dir():
-        return 0
-    now = time.time() if now is None else now
-    n = 0
-    for dirpath, _dirs, files in os.walk(base, topdown=False):
-        for f in files:
-            p = Path(dirpath) / f
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                if now - os.fstat(fd).st_ctime <= min_age_s:
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live rank holds it
-                p.unlink(missing_ok=True)
-                n += 1
-            finally:
-                os.close(fd)
-        if Path(dirpath) != base:
-            try:
-                os.rmdir(dirpath)
-            except OSError:
-                pass
-    return n
-

@@ -36,10 +36,12 @@ import torch
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import DEFAULT_CHUNK_BYTES, Chunk, checksum_chunks, iter_checksummed
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError
-from checkpoint.manifest import ShardManifest, TensorEntry, dtype_name, flatten
+from checkpoint.locations import dir_store_for
+from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.records import SaveReport
 from checkpoint.slots import Slot, SlotRing
+from checkpoint.state_tree import dtype_name, flatten
 from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
 
 log = logging.getLogger(__name__)
@@ -136,24 +138,6 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
         offsets.append(pos)
         pos += t.numel() * t.element_size()
     return offsets, pos
-
-
-def dir_store_for(location: str) -> BlobStore:
-    """The store at a copy's location: a directory (memory, NVMe, flash tiers), an s3:// URL (one client
-    per URL, reused; credentials from the usual AWS sources), or a peer agent's memory tier at a
-    grpcs:// / unix:// / grpc:// URL (checkpoint/grpc_store.py; credentials from the agent's [peers]
-    config or the SDCWATCH_PEER_* environment)."""
-    if location.startswith("s3://"):
-        from checkpoint.s3_store import s3_store_for
-
-        return s3_store_for(location)
-    from checkpoint.grpc_store import grpc_store_for, is_peer_url
-
-    if is_peer_url(location):
-        return grpc_store_for(location)
-    from checkpoint.shm_store import DirStore
-
-    return DirStore(location, create=False)
 
 
 class Snapshotter:

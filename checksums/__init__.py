@@ -1,25 +1,7 @@
-"""Exact tensor fingerprints (see ``checksums.fingerprint`` for the spec)."""
+"""The training side's checks: exact tensor fingerprints, the Monitor and its step reporter, the replica
+vote, the known-answer GEMM canaries.
 
-from .fingerprint import (
-    clear_fingerprint_cache,
-    fingerprint_bytes,
-    fingerprint_list_from_parts,
-    fingerprint_numpy,
-    fingerprint_tensor,
-    fingerprint_tensors,
-    fingerprint_tensors_async,
-    fingerprint_words_to_ints,
-    prepare_fingerprint,
-)
-
-__all__ = [
-    "clear_fingerprint_cache",
-    "fingerprint_bytes",
-    "fingerprint_list_from_parts",
-    "fingerprint_numpy",
-    "fingerprint_tensor",
-    "fingerprint_tensors",
-    "fingerprint_tensors_async",
-    "fingerprint_words_to_ints",
-    "prepare_fingerprint",
-]
+Import the modules by name (`from checksums.fingerprint import fingerprint_tensor`,
+`from checksums.monitor import Monitor`): this package's `__init__` imports nothing, so the agent can use
+the torch-free modules (`checksums.fingerprint_host`, the spec and its numpy path) without loading torch.
+"""

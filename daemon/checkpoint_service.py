@@ -39,6 +39,7 @@ import grpc
 from checkpoint import policy
 from checkpoint.coordinator import Coordinator, CoordinatorConfig, Publish
 from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
+from checkpoint.locations import dir_store_for
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
 from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, RestorePlan, RestoreReportMsg, SaveReport,
@@ -237,8 +238,6 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
     def verify_copies(self, job: str, step: int) -> list[dict[str, Any]]:
         """Blocking: re-check every copy (memory here and on peers this node can open, every tier)."""
-        from checkpoint.snapshot import dir_store_for
-
         memory: list[tuple[str, str, Any]] = []
         try:
             info = self.coordinator.info(job, step)

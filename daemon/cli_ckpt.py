@@ -17,11 +17,16 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
+from checkpoint.agent_link import GrpcAgentLink
+from checkpoint.errors import CheckpointError
+from checkpoint.locations import dir_store_for
+from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
 from daemon.cli_common import EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, table
 
 EXIT_NOT_FOUND = 1
@@ -232,14 +237,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    """Fetch verified shards with the rank-side restore path (same plan, same fallback), to files."""
-    from pathlib import Path
-
-    from checkpoint.client import GrpcAgentLink
-    from checkpoint.errors import CheckpointError
-    from checkpoint.restore import RestoreReport, copies_for, read_verified
-    from checkpoint.snapshot import dir_store_for
-
+    """Fetch verified shards to files with the rank-side read path (same plan, same fallback chunk by chunk,
+    chunk checksums and tensor fingerprints verified on the host bytes: no torch needed)."""
     target: int | str = args.target
     if args.target not in ("latest", "latest_verified"):
         try:
@@ -260,6 +259,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
                 report = RestoreReport()
                 buf = bytearray(shard.manifest.nbytes)
                 read_verified(shard.manifest, copies_for(shard, dir_store_for), memoryview(buf), report)
+                verify_fingerprints(shard.manifest, memoryview(buf))
                 (out / f"rank-{shard.rank:05d}.bin").write_bytes(buf)
                 (out / f"rank-{shard.rank:05d}.json").write_text(shard.manifest.to_json())
                 advance(shard.manifest.nbytes)

@@ -1,19 +1,25 @@
 """In-memory checkpoints through the real agent process: a rank's CheckpointClient on the agent's socket,
-replica votes through ReportStep deciding VERIFIED, a bit-exact restore, and `sdcwatch ckpt ls`."""
+replica votes through ReportStep deciding VERIFIED, a bit-exact restore, `sdcwatch ckpt ls` and
+`sdcwatch ckpt restore` (to files, without torch)."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
 
 import grpc
+import torch
 
 from agent_harness import AgentProcess, cli
 from checkpoint.client import CheckpointClient
+from checkpoint.manifest import ShardManifest
 from checkpoint.shm_store import default_shm_root
 from checkpoint.snapshot import SnapshotConfig
+from checkpoint.state_tree import DTYPES, unflatten
 from ckpt_support import assert_same, job_id, state_dict
 from proto.sdcwatch.v1 import agent_pb2 as apb
 from proto.sdcwatch.v1 import agent_pb2_grpc as apb_grpc
@@ -36,6 +42,24 @@ def _wait_for(pred, timeout: float = 15.0):
             return got
         time.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+def _restore_to_files_without_torch(sock: str, job: str, out: Path) -> None:
+    """`sdcwatch ckpt restore` writes each rank's verified bytes and manifest; the CLI process never loads
+    torch (fingerprints checked by the numpy path), and the files rebuild the saved state dicts exactly."""
+    code = ("import sys; from daemon.cli import main; rc = main(sys.argv[1:]); "
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, "ckpt", "restore", "latest_verified", "--job", job,
+                          "--out", str(out), "--socket", sock], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "no torch" and f"job {job} step 1 (VERIFIED)" in run.stdout
+    for rank in (0, 1):
+        manifest = ShardManifest.from_json((out / f"rank-{rank:05d}.json").read_text())
+        buf = torch.frombuffer(bytearray((out / f"rank-{rank:05d}.bin").read_bytes()), dtype=torch.uint8)
+        tensors = [buf[e.offset:e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.shape) for e in manifest.tensors]
+        assert_same(unflatten(manifest.tree, tensors), state_dict(rank, 1))
+    assert cli("ckpt", "restore", "9", "--job", job, "--out", str(out), "--socket", sock).returncode == 1
 
 
 def test_save_vote_verify_restore_and_ls_through_the_real_agent(short_tmp: Path) -> None:
@@ -77,6 +101,7 @@ def test_save_vote_verify_restore_and_ls_through_the_real_agent(short_tmp: Path)
             shown = cli("ckpt", "show", "1", "--job", job, "--socket", sock)
             assert shown.returncode == 0 and "VERIFIED" in shown.stdout and str(memory) in shown.stdout
             assert cli("ckpt", "show", "7", "--job", job, "--socket", sock).returncode == 1
+            _restore_to_files_without_torch(sock, job, short_tmp / f"{job}-out")
         assert cli("ckpt", "ls", "--socket", sock).returncode == 2  # agent gone: cannot reach
     finally:
         shutil.rmtree(memory.parent, ignore_errors=True)

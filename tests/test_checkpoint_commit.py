@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint.client import CheckpointClient, GrpcAgentLink
+from checkpoint.agent_link import GrpcAgentLink
+from checkpoint.client import CheckpointClient
 from checkpoint.coordinator import Coordinator
 from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
                                NotInMemoryError, UnknownCheckpointError)
+from checkpoint.locations import dir_store_for
 from checkpoint.peers import Peer, Replicator, placement
-from checkpoint.restore import RestoreReport, restore_from_plan
-from checkpoint.snapshot import Snapshotter, SnapshotConfig, dir_store_for
+from checkpoint.restore import restore_from_plan
+from checkpoint.shard_reader import RestoreReport
+from checkpoint.snapshot import Snapshotter, SnapshotConfig
 from ckpt_support import AgentServer, assert_same, flip_bit, job_id, node, state_dict
 from daemon.checkpoint_service import CheckpointService
 

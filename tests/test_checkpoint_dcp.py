@@ -60,7 +60,7 @@ def _rank(rank: int, init_file: str, target: str, job: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from checkpoint.client import GrpcAgentLink
+    from checkpoint.agent_link import GrpcAgentLink
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))

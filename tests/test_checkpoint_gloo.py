@@ -79,7 +79,7 @@ def test_four_ranks_save_commit_restore_and_a_rank_killed_mid_save(redis_server,
         assert co.info(job, 3).shards == WORLD - 1
         assert co.latest(job).step == 2
         from checkpoint.restore import restore_from_plan
-        from checkpoint.snapshot import dir_store_for
+        from checkpoint.locations import dir_store_for
 
         plan = co.restore_plan(job, "latest")
         for r in range(WORLD):

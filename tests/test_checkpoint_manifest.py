@@ -10,7 +10,8 @@ import torch
 from checkpoint import policy
 from checkpoint.chunks import Chunk, checksum, checksum_chunks, chunk_ranges, chunks_covering, verify
 from checkpoint.errors import InvalidInputError
-from checkpoint.manifest import ShardManifest, TensorEntry, flatten, unflatten
+from checkpoint.manifest import ShardManifest, TensorEntry
+from checkpoint.state_tree import flatten, unflatten
 
 
 def test_chunk_ranges_tile_the_blob() -> None:
@@ -168,3 +169,13 @@ def test_int_keys_round_trip_through_json():
     assert set(back["optim"]["state"]) == {0, 1}
     assert torch.equal(back["optim"]["state"][0]["exp_avg"], torch.ones(2))
     assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.95)
+
+
+def test_the_torch_free_dtype_table_matches_torch() -> None:
+    """The manifest checks sizes by dtype name without torch; the names and sizes are torch's own."""
+    from checkpoint.manifest import DTYPE_SIZES
+    from checkpoint.state_tree import DTYPES, dtype_name
+
+    assert set(DTYPES) == set(DTYPE_SIZES)
+    for name, dt in DTYPES.items():
+        assert torch.empty((), dtype=dt).element_size() == DTYPE_SIZES[name] and dtype_name(dt) == name

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
+from checkpoint.locations import dir_store_for
 from checkpoint.restore import restore_from_plan
-from checkpoint.shm_store import ShmStore
-from checkpoint.slots import SlotRing, sweep_dead_slots
-from checkpoint.snapshot import Snapshotter, SnapshotConfig, dir_store_for
+from checkpoint.shm_store import ShmStore, sweep_dead_slots
+from checkpoint.slots import SlotRing
+from checkpoint.snapshot import Snapshotter, SnapshotConfig
 from ckpt_support import assert_same, job_id, node, state_dict
 
 
@@ -123,7 +124,7 @@ def test_parameters_that_require_grad_are_saved_as_themselves(redis_server, tmp_
     """A model's live parameters (requires_grad) save and restore bit for bit, the copy builds no autograd
     graph, and flatten hands out the state dict's own tensor objects (so per-tensor caches, such as the GPU
     fingerprint plan, live as long as the model, not one save)."""
-    from checkpoint.manifest import flatten
+    from checkpoint.state_tree import flatten
 
     model = torch.nn.Linear(64, 32)
     sd = {"model": model.state_dict(keep_vars=True), "step": 3}

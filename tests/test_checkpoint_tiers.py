@@ -14,9 +14,11 @@ from checkpoint.coordinator import Coordinator
 from checkpoint.drainer import Drainer, Tier
 from checkpoint.errors import CorruptCheckpointError
 from checkpoint.fault_store import Fault, FaultyStore
-from checkpoint.restore import RestoreReport, restore_from_plan
+from checkpoint.locations import dir_store_for
+from checkpoint.restore import restore_from_plan
+from checkpoint.shard_reader import RestoreReport
 from checkpoint.shm_store import DirStore
-from checkpoint.snapshot import Snapshotter, SnapshotConfig, dir_store_for
+from checkpoint.snapshot import Snapshotter, SnapshotConfig
 from checkpoint.tier_manifest import manifest_key
 from checkpoint.tier_policy import Candidate, Held, TierRule, plan_drains, plan_retention, restore_order
 from ckpt_support import assert_same, flip_bit, job_id, state_dict

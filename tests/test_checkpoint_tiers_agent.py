@@ -59,7 +59,7 @@ def test_kill_9_mid_drain_then_restart_resumes(redis_server, short_tmp: Path) ->
         mem = [c for c in plan.shards[0].copies if c.tier == "memory"]
         assert mem and [c.tier for c in plan.shards[0].copies][-1] == "nvme"
         (Path(mem[0].location) / plan.shards[0].manifest.blob).unlink()
-        from checkpoint.restore import RestoreReport
+        from checkpoint.shard_reader import RestoreReport
 
         rep = RestoreReport()
         assert_same(client.restore(5, report=rep), sd)

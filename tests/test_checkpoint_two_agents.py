@@ -15,7 +15,7 @@ import pytest
 from agent_harness import AgentProcess
 from checkpoint.client import CheckpointClient
 from checkpoint.errors import CorruptCheckpointError
-from checkpoint.restore import RestoreReport
+from checkpoint.shard_reader import RestoreReport
 from checkpoint.shm_store import default_shm_root
 from checkpoint.snapshot import SnapshotConfig
 from ckpt_support import assert_same, flip_bit, job_id, save_on_two_nodes, state_dict

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checksums import (
+from checksums.fingerprint import (
     fingerprint_bytes,
     fingerprint_list_from_parts,
     fingerprint_numpy,

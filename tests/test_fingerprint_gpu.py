@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checksums import fingerprint_list_from_parts, fingerprint_tensor, fingerprint_tensors_async
+from checksums.fingerprint import fingerprint_list_from_parts, fingerprint_tensor, fingerprint_tensors_async
 from checksums.fingerprint import (
     ITEMSIZE,
     canonical_dtype_name,

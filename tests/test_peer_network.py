@@ -21,9 +21,9 @@ from checkpoint.client import CheckpointClient
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError
 from checkpoint.grpc_store import (GrpcBlobStore, PeerCredentials, PeerStoreError, encode_put, grpc_store_for,
                                    parse_location, set_credentials)
-from checkpoint.restore import RestoreReport
+from checkpoint.locations import dir_store_for
+from checkpoint.shard_reader import RestoreReport
 from checkpoint.shm_store import DirStore, default_shm_root
-from checkpoint.snapshot import dir_store_for
 from ckpt_support import assert_same, flip_bit, job_id, save_on_two_nodes, state_dict, wait_for
 from conftest import free_port
 from daemon.errors import ConfigError

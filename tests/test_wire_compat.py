@@ -34,8 +34,9 @@ from torch import nn
 from agent_harness import AgentProcess, cli
 from checkpoint.client import CheckpointClient
 from checkpoint.grpc_store import GrpcBlobStore
+from checkpoint.locations import dir_store_for
 from checkpoint.shm_store import default_shm_root
-from checkpoint.snapshot import SnapshotConfig, dir_store_for
+from checkpoint.snapshot import SnapshotConfig
 from checksums.monitor import Monitor
 from checksums.reporter import StepReporter
 from ckpt_support import assert_same, state_dict
