@@ -34,8 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sdcwatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    run = sub.add_parser("run", help="run the node agent", description="Run the node agent in the foreground.")
-    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run = sub.add_parser(
+        "run", help="run the node agent", usage="sdcwatch run [--config FILE] [--log-level LEVEL] [--SECTION-KEY VALUE ...]",
+        description="Run the node agent in the foreground. Every setting below is a key of the --config file "
+                    "([section] key), a flag (--section-key; [agent] keys without the section) and an environment "
+                    "variable (SDCWATCH_SECTION_KEY); a flag wins over the environment, which wins over the file. "
+                    "docs/config.md lists them all.")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                     help="the agent's log level on stderr (default INFO)")
     config.add_flags(run)
     run.set_defaults(func=cmd_run)
 

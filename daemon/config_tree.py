@@ -91,7 +91,8 @@ def keys(root: type) -> list[Key]:
 
 def _walk(cls: type, defaults: Mapping[str, Any], path: tuple[str, ...], help: str, out: list[Table]) -> None:
     hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
+    declared = cls.__dict__.get("__annotations__", {})   # a subclass's own keys first (a tier's dir, url)
+    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name not in declared)
     own = tuple(Key(path + (f.name,), _kind(cls, f.name, hints[f.name]), defaults[f.name], help_of(f))
                 for f in fields if not dataclasses.is_dataclass(hints[f.name]))
     if path:
@@ -176,7 +177,8 @@ def add_flags(parser: argparse.ArgumentParser, root: type) -> None:
         title = f"[{t.dotted}]" + (" (flags without the section name)" if t.path == ("agent",) else "")
         group = parser.add_argument_group(title, t.help or None)
         for k in t.keys:
-            text = f"{k.help} (default {k.shown_default()})".replace("%", "%%")
+            shown = "" if k.default == "" else f" (default {k.shown_default()})"   # '': the help says
+            text = f"{k.help}{shown}".replace("%", "%%")
             if k.kind is bool:
                 group.add_argument(k.flag, dest=k.dest, default=None, action=argparse.BooleanOptionalAction,
                                    help=text)

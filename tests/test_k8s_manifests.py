@@ -95,6 +95,22 @@ def test_daemonset_flags_are_agent_flags() -> None:
     assert set(flags) <= known, sorted(set(flags) - known)
 
 
+def test_daemonset_environment_settings_are_agent_settings() -> None:
+    """Every SDCWATCH_ variable the DaemonSet sets names a key of the config tree, and the agent reads it."""
+    from daemon import config, config_tree
+
+    env = _by_kind("DaemonSet")["spec"]["template"]["spec"]["containers"][0]["env"]
+    names = {e["name"] for e in env if e["name"].startswith("SDCWATCH_")}
+    assert names == {"SDCWATCH_AGENT_HOSTNAME"}
+    assert names <= {k.env for k in config_tree.keys(config.Config)}
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser)
+    cfg = config.build(parser.parse_args([]), {"SDCWATCH_AGENT_HOSTNAME": "gpu-node-7"})
+    assert cfg.agent.hostname == "gpu-node-7"
+
+
 _ENDPOINT = {"type": "object", "required": ["port"],
              "properties": {"port": {"type": "string"}, "interval": {"type": "string"},
                             "honorLabels": {"type": "boolean"}, "relabelings": {"type": "array"}}}
