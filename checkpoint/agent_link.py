@@ -41,9 +41,13 @@ class GrpcAgentLink:
         self.deadline_s = deadline_s
 
     @classmethod
-    def connect(cls, target: str | None = None, deadline_s: float = 5.0) -> "GrpcAgentLink":
-        """`target`: a socket path, a grpc target, or None for the default socket (sdcwatch.channels)."""
-        return cls(agent_channel(target), deadline_s)
+    def connect(cls, target: str | None = None, deadline_s: float = 5.0, *, tls_ca: bytes | str | None = None,
+                tls_server_name: str | None = None, token: str | None = None,
+                insecure: bool = False) -> "GrpcAgentLink":
+        """`target`: a socket path, a grpc target, or None for the default socket; TCP takes TLS and a token
+        under the rules every client shares (sdcwatch.channels.agent_channel)."""
+        return cls(agent_channel(target, tls_ca=tls_ca, tls_server_name=tls_server_name, token=token,
+                                 insecure=insecure), deadline_s)
 
     def _rpc(self, method: Callable[..., Any], request: Any) -> Any:
         try:

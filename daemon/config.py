@@ -291,12 +291,6 @@ def load_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", f"{path}: invalid TOML: {exc}")
 
 
-def from_mapping(data: Mapping[str, Any], where: str = "the mapping") -> Config:
-    """A {section: {key: value}} mapping (nested tables as nested mappings) over the defaults. Not
-    validated yet."""
-    return config_tree.construct(Config, config_tree.from_file(data, Config, where))
-
-
 def flag_name(*path: str) -> str:
     """The flag of the key at `path` (`flag_name("tiers", "nvme", "dir")` -> `--tiers-nvme-dir`)."""
     return config_tree.Key(tuple(path), str, "", "").flag
