@@ -11,6 +11,11 @@ the deadline. Bytes go straight into the agent's memory tier (files), never thro
 
 `link` may be a `GrpcAgentLink` (checkpoint.agent_link) or anything with the same methods, e.g. a
 `Coordinator` in-process.
+
+`guard=` (the optimizer's `checksums.step_guard.StepGuard`, e.g. `monitor.guard`) binds the client to the
+optimizer's steps: `save(step, ...)` is refused unless `step` is the guard's step (the number of optimizer
+steps taken, the Monitor's step too), and the guard's COPIES stage makes the next update wait for copies a
+`block="update"` save left in flight.
 """
 from __future__ import annotations
 
@@ -20,11 +25,13 @@ from typing import Any, Callable, Mapping
 
 from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.blobstore import BlobStore
+from checkpoint.errors import InvalidInputError
 from checkpoint.locations import dir_store_for
 from checkpoint.records import LATEST_VERIFIED, CheckpointInfo, RestoreReportMsg
 from checkpoint.restore import restore_from_plan
 from checkpoint.shard_reader import RestoreReport
 from checkpoint.snapshot import SaveHandle, Snapshotter, SnapshotConfig
+from checksums.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +39,15 @@ log = logging.getLogger(__name__)
 class CheckpointClient:
     def __init__(self, link: Any, job_id: str, rank: int, world_size: int, *,
                  config: SnapshotConfig | None = None,
-                 store_for: Callable[[str], BlobStore] = dir_store_for) -> None:
+                 store_for: Callable[[str], BlobStore] = dir_store_for,
+                 guard: StepGuard | None = None) -> None:
         self.link = link
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.store_for = store_for
         self.snapshotter = Snapshotter(link, job_id, rank, world_size, config, store_for)
+        self.guard = guard
+        if guard is not None:
+            guard.add(self.snapshotter.copy_fence())
 
     @classmethod
     def connect(cls, job_id: str, rank: int, world_size: int, target: str | None = None,
@@ -44,6 +55,12 @@ class CheckpointClient:
         return cls(GrpcAgentLink.connect(target, deadline_s), job_id, rank, world_size, **kw)
 
     def save(self, step: int, state_dict: Mapping[str, Any]) -> SaveHandle | None:
+        guard = self.guard
+        if guard is not None and step != guard.step:
+            raise InvalidInputError(
+                f"save(step={step!r}) but the optimizer has taken {guard.step} steps (the step guard's count, "
+                f"skipped steps included, which the Monitor reports too): save as step {guard.step} "
+                "(monitor.step_count) so the checkpoint and the replica vote name the same weights")
         return self.snapshotter.save(step, state_dict)
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -87,6 +104,8 @@ class CheckpointClient:
         return self.link.latest_verified(self.job_id)
 
     def close(self) -> None:
+        if self.guard is not None:
+            self.guard.remove(self.snapshotter.copy_fence().name)
         self.snapshotter.close()
         close = getattr(self.link, "close", None)
         if close is not None:

@@ -11,7 +11,12 @@
      (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into the buffer;
   4. returns when the copy is complete (`block="copy"`, the default) or as soon as it is enqueued
      (`block="enqueue"`: the current stream then waits for the copy on the GPU, so later in-place updates
-     cannot race it; the host never blocks).
+     cannot race it; the host never blocks), or as soon as it is enqueued with only the next optimizer
+     step made to wait for it (`block="update"`: the forward and backward overlap the copy; the
+     `CheckpointCopies` stage of a `checksums.step_guard.StepGuard` makes the update's stream wait, on the
+     GPU; refused unless `copy_fence()` was put on a guard. Only for state whose tensors change in
+     `optimizer.step()` alone: a buffer the forward updates in place, e.g. BatchNorm's running stats, would
+     race the copy).
 Background (one worker thread, so saves never overlap): `sink.begin` -> publish the shard as the blob
 `<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for a private buffer, a streamed
 file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which must equal the GPU fingerprint
@@ -43,6 +48,7 @@ from checkpoint.records import SaveReport
 from checkpoint.slots import Slot, SlotRing
 from checkpoint.state_tree import dtype_name, flatten
 from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
+from checksums.step_guard import Phase, StepContext, Veto
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,8 @@ class ShardSink(Protocol):
 class SnapshotConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     policy: str = "wait"            # a save while the previous is still writing: "wait" or "skip"
-    block: str = "copy"             # save() returns when the host copy is "copy" (done) or "enqueue"(d)
+    block: str = "copy"             # save() returns when the host copy is "copy" (done) or "enqueue"(d),
+                                    # or enqueued with the next optimizer step waiting for it: "update"
     pin_memory: bool | None = None  # None: pin when CUDA is available
     check_source_fingerprint: bool | None = None  # None: for CUDA tensors (CPU tensors cannot change under us)
     fingerprint_threads: int = 4    # host fingerprints of the tensors run in parallel (numpy frees the GIL)
@@ -72,8 +79,8 @@ class SnapshotConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("wait", "skip"):
             raise InvalidInputError(f"policy must be 'wait' or 'skip', got {self.policy!r}")
-        if self.block not in ("copy", "enqueue"):
-            raise InvalidInputError(f"block must be 'copy' or 'enqueue', got {self.block!r}")
+        if self.block not in ("copy", "enqueue", "update"):
+            raise InvalidInputError(f"block must be 'copy', 'enqueue' or 'update', got {self.block!r}")
         if self.chunk_bytes <= 0:
             raise InvalidInputError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.staging not in ("slots", "private"):
@@ -166,11 +173,17 @@ class Snapshotter:
         self._slots_off = self.config.staging != "slots"
         self._warned_full = False
         self._skipped = 0                       # saves skipped since the last one handed to the background
+        self._inflight: list[tuple[torch.device, Any]] = []  # block="update": copies the update must wait for
+        self._fence: CheckpointCopies | None = None
 
     def save(self, step: int, state_dict: Mapping[str, Any]) -> SaveHandle | None:
         """Snapshot `state_dict` as `step`; None when skipped by policy. Raises InvalidInputError on
         unsupported content (before anything is copied)."""
         validate_step(step)
+        if self.config.block == "update" and self._fence is None:
+            raise InvalidInputError("SnapshotConfig(block='update') leaves the copy in flight until the next "
+                                    "optimizer.step(): bind a step guard so the update waits for it "
+                                    "(CheckpointClient(..., guard=monitor.guard)), or use block='enqueue'")
         t0 = time.perf_counter()
         tree, named = flatten(state_dict)
         with self._lock:
@@ -206,6 +219,22 @@ class Snapshotter:
                                     blocking, time.perf_counter(), slot, stall, skipped)
             self._last = SaveHandle(step, fut)
             return self._last
+
+    def copy_fence(self) -> "CheckpointCopies":
+        """The stage that makes the next optimizer step wait for this snapshotter's copies in flight; put it
+        on the optimizer's `StepGuard` (the checkpoint client does)."""
+        if self._fence is None:
+            self._fence = CheckpointCopies(self)
+        return self._fence
+
+    def order_before_update(self) -> None:
+        """Make each device's current stream wait for the copies still in flight (block="update"): on the
+        device, the host never waits. Nothing to do on CPU or in the other modes (save ordered them)."""
+        if not self._inflight:
+            return
+        for dev, ev in self._inflight:
+            torch.cuda.current_stream(dev).wait_event(ev)
+        self._inflight.clear()
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         last = self._last
@@ -305,6 +334,8 @@ class Snapshotter:
             t.record_stream(side)
         if self.config.block == "enqueue":
             cur.wait_event(ev)
+        elif self.config.block == "update":
+            self._inflight.append((dev, ev))
         return ev, fps_host
 
     # ---- the background -----------------------------------------------------------------------------
@@ -384,6 +415,21 @@ class Snapshotter:
                         begin.blob_key, e)
             self._reset_ring = True
             return False
+
+
+class CheckpointCopies:
+    """`Phase.COPIES` stage of the step guard: the update waits (on the device) for the copies of the
+    weights a save left in flight (`SnapshotConfig(block="update")`). Costs one list check per step."""
+
+    phase = Phase.COPIES
+
+    def __init__(self, snapshotter: Snapshotter) -> None:
+        self._snapshotter = snapshotter
+        self.name = f"checkpoint.copies[{snapshotter.job_id} rank {snapshotter.rank}]"
+
+    def run(self, ctx: StepContext) -> Veto | None:
+        self._snapshotter.order_before_update()
+        return None
 
 
 def _dst(arena: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,18 @@
 
 Usage (after wrapping the model in DDP / fully_shard and after torch.compile, if any):
 
-    monitor = Monitor.attach(model, optimizer, job_id="run-42")
+    monitor = Monitor.attach(model, optimizer, job_id="run-42")   # also guards optimizer.step()
     for batch in data:
         loss = ...; loss.backward(); optimizer.step()
         monitor.step(loss, grad_norm=gn)          # once per optimizer step, before zero_grad
         optimizer.zero_grad()
     monitor.close()
+
+Step numbers: with an optimizer, the Monitor's step is its `StepGuard`'s (`checksums.step_guard`, the
+guard is `monitor.guard`): the number of optimizer steps taken, skipped ones included, so a checkpoint
+client bound to the same guard names the same weights. A `step()` with no optimizer step since the previous
+one (GradScaler skipped it) counts a skipped step; `step=` renumbers the guard (the loop owns the numbers).
+Without an optimizer the Monitor counts its own `step()` calls.
 
 Per step (`every` steps for the fingerprint check):
 1. on the main stream: one fingerprint launch over all trainable parameters (DTensor: the local shard),
@@ -43,6 +49,7 @@ from checksums.canary_injob import InJobCanary
 from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
 from checksums.replica_vote import VoteResult, vote
 from checksums.reporter import CanaryReport, Directive, ReporterStats, StepReport, StepReporter, StepSink
+from checksums.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ _NONE, _VALUE, _DEVICE = 0, 1, 2
 @dataclasses.dataclass(frozen=True, slots=True)
 class MonitorEvent:
     """A local event. kind: replica.mismatch, frozen.changed, nonfinite.loss, nonfinite.grad_norm,
-    agent.unreachable, directive, vote.disabled."""
+    agent.unreachable, directive, vote.disabled, step.skipped (a guard stage vetoed the update)."""
 
     kind: str
     step: int
@@ -189,7 +196,7 @@ class Monitor:
         reporter: StepSink | Literal[False] | None = None,
         agent_socket: str | None = None,
         on_directive: DirectiveCallback | None = None,
-        start_step: int = 0,
+        start_step: int | None = None,
         max_events: int = 1000,
         fingerprint_fn: FingerprintFn | None = None,
         host: str | None = None,
@@ -214,7 +221,14 @@ class Monitor:
         self._check_opt = check_optimizer_state
         self._check_grads = check_grads
         self._on_directive = on_directive
-        self._step = start_step
+        # The step number: the optimizer's guard owns it; without an optimizer, the Monitor counts.
+        self.guard: StepGuard | None = StepGuard.attach(optimizer) if optimizer is not None else None
+        if self.guard is not None and start_step is not None:
+            self.guard.renumber(start_step)
+        self._step = self.guard.step if self.guard is not None else (start_step or 0)
+        self._guard_attempts = self.guard.attempts if self.guard is not None else 0
+        self._guard_skips = self.guard.skipped_count if self.guard is not None else 0
+        self._calls = 0
         self._events: collections.deque[MonitorEvent] = collections.deque(maxlen=max_events)
         self._module = _unwrap(model)
         self._extra_frozen = set(frozen or ())
@@ -496,12 +510,17 @@ class Monitor:
         """Record one optimizer step. Call after `optimizer.step()` (before `zero_grad` if check_grads).
 
         `loss`, `grad_norm`, `loss_scale`: Python numbers or one-element tensors (read a step later on
-        CUDA, never with `.item()` here). `step`: the step number (default: previous + 1).
+        CUDA, never with `.item()` here). `step`: the step number (default: the guard's, see the module
+        docstring; without an optimizer, previous + 1).
         """
         if self._closed:
             raise RuntimeError("Monitor.step() after close()")
         t0 = time.perf_counter()
-        self._step = self._step + 1 if step is None else int(step)
+        self._calls += 1
+        if self.guard is not None:
+            self._take_guard_step(step)
+        else:
+            self._step = self._step + 1 if step is None else int(step)
         self._drain(block=False)
         slot = self._take_slot()
         slot.step = self._step
@@ -526,6 +545,23 @@ class Monitor:
             self._run_canary(slot.step, slot.step_s)
         self._poll_directives()
         self._last_step_end = time.perf_counter()
+
+    def _take_guard_step(self, step: int | None) -> None:
+        guard = self.guard
+        assert guard is not None
+        if guard.attempts == self._guard_attempts:
+            guard.skip("optimizer.step() was not called before Monitor.step() (e.g. GradScaler found inf)")
+        self._guard_attempts = guard.attempts
+        if step is not None:
+            guard.renumber(int(step))
+        self._step = guard.step
+        if guard.skipped_count != self._guard_skips:          # rare: report the vetoed steps
+            new = guard.skipped_count - self._guard_skips
+            self._guard_skips = guard.skipped_count
+            for s in guard.skipped[-new:]:
+                if s.stage:
+                    self._event("step.skipped", s.step, f"step {s.step} skipped (weights unchanged): "
+                                f"{s.stage} vetoed the update: {s.reason}", {"stage": s.stage, "reason": s.reason})
 
     def _run_canary(self, step: int, step_s: float) -> None:
         """Between steps, on the training's stream, within its time budget; results are read a step later."""
@@ -788,7 +824,7 @@ class Monitor:
     def stats(self) -> MonitorStats:
         r = self._reporter.stats() if self._reporter is not None else ReporterStats()
         return MonitorStats(
-            steps=self._step, checks_run=self._checks_run, votes=self._votes, mismatches=self._mismatches,
+            steps=self._calls, checks_run=self._checks_run, votes=self._votes, mismatches=self._mismatches,
             frozen_changes=self._frozen_changes, nonfinite=self._nonfinite, reports_sent=r.sent,
             reports_dropped=r.dropped, reports_failed=r.failed, agent_down=r.agent_down)
 
