@@ -561,7 +561,8 @@ class Monitor:
             for s in guard.skipped[-new:]:
                 if s.stage:
                     self._event("step.skipped", s.step, f"step {s.step} skipped (weights unchanged): "
-                                f"{s.stage} vetoed the update: {s.reason}", {"stage": s.stage, "reason": s.reason})
+                                f"{s.stage} vetoed the update: {s.reason}",
+                                {"stage": s.stage, "reason": s.reason})
 
     def _run_canary(self, step: int, step_s: float) -> None:
         """Between steps, on the training's stream, within its time budget; results are read a step later."""

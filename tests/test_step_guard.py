@@ -129,7 +129,7 @@ def test_a_veto_skips_the_update_and_the_step_keeps_its_number() -> None:
 
 
 def test_a_step_the_optimizer_never_took_is_counted_as_skipped() -> None:
-    # GradScaler does not call optimizer.step() when it finds inf/NaN gradients: the Monitor's step() counts it
+    # GradScaler does not call optimizer.step() when it finds inf/NaN gradients: Monitor.step() counts it
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reporter = RecordingReporter()
@@ -141,7 +141,7 @@ def test_a_step_the_optimizer_never_took_is_counted_as_skipped() -> None:
     monitor.step(1.0)
     assert [r.step for r in reporter.requests] == [1, 2, 3]
     assert [(s.step, s.stage) for s in monitor.guard.skipped] == [(2, "")]
-    assert [e.kind for e in monitor.events] == ["nonfinite.loss"]          # a not-called step is no veto event
+    assert [e.kind for e in monitor.events] == ["nonfinite.loss"]       # a not-called step is no veto event
     # step= renumbers: the loop owns the numbers (a restore to step 10, say)
     _train_step(model, opt, 2)
     monitor.step(1.0, step=11)
@@ -268,7 +268,7 @@ def test_checkpoint_copies_run_first_and_a_deferred_copy_needs_a_guard(redis_ser
     assert [s.name for s in guard.stages] == ["gate"]        # closing the client takes its stage off
 
 
-# ---- the README loop on 2 gloo ranks ------------------------------------------------------------------------
+# ---- the README loop on 2 gloo ranks -------------------------------------------------------------------
 
 README_STEPS, SAVE_EVERY, VETO_STEP = 6, 2, 4
 
@@ -291,7 +291,8 @@ def _readme_worker(rank: int, world: int, store: str, outdir: str, redis_port: i
         # every rank vetoes the same step, as a gate deciding together would
         monitor.guard.add(Recorder("gate", Phase.GATE, [], model[0].weight, veto_steps=(VETO_STEP,)))
         gen = torch.Generator().manual_seed(10 + rank)
-        loader = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(README_STEPS)]
+        loader = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen))
+                  for _ in range(README_STEPS)]
 
         def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             x, y = batch
@@ -340,15 +341,15 @@ def test_the_readme_loop_saves_the_step_the_monitor_fingerprinted(redis_server, 
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["reported"] == list(range(1, README_STEPS + 1))
         assert res["saved"] == [2, 4, 6]
-        # the checkpoint of step S holds the weights the Monitor fingerprinted (and the replicas voted on) at S,
-        # the vetoed step 4 included
+        # the checkpoint of step S holds the weights the Monitor fingerprinted (and the replicas voted on)
+        # at S, the vetoed step 4 included
         assert res["same_weights"] == {"2": True, "4": True, "6": True}
         assert res["skipped"] == [[VETO_STEP, "gate"]]
         assert ["step.skipped", VETO_STEP] in res["events"]
         assert "save(step=0)" in res["refused"] and "save as step 6" in res["refused"]
 
 
-# ---- CUDA: the update waits for a deferred checkpoint copy --------------------------------------------------
+# ---- CUDA: the update waits for a deferred checkpoint copy ---------------------------------------------
 
 
 @pytest.mark.gpu
