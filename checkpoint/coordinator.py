@@ -39,11 +39,11 @@ from checkpoint.manifest import ShardManifest
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
                                 RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
-from sdcwatch.types import Severity
+from sdcwatch import event_kinds as ek
+from sdcwatch.event_kinds import EventKind, Publish
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[str, Any, str, str, dict], None]
 
 _BEGIN = """
 local st = redis.call('HGET', KEYS[1], 'state')
@@ -188,7 +188,7 @@ class Coordinator:
             self.stats["bytes_committed"] += info.nbytes
             if info.begun_at:
                 self.observations.append(("save_commit", max(0.0, now - info.begun_at)))
-            self._emit("checkpoint.committed", "INFO", job_id,
+            self.emit(ek.CHECKPOINT_COMMITTED, job_id,
                        f"checkpoint step {step} committed ({world_size} shards, {info.nbytes} bytes)",
                        {"step": step, "bytes": info.nbytes, "world_size": world_size})
             self.evaluate(job_id, now)
@@ -226,16 +226,16 @@ class Coordinator:
         if tier:
             self.restore_sources[tier] += 1
             if tier not in ("memory",):
-                self._emit("checkpoint.restored_from_tier", "INFO", r.job_id,
+                self.emit(ek.CHECKPOINT_RESTORED_FROM_TIER, r.job_id,
                            f"rank {r.rank} restored step {r.step} from {r.source} in {r.seconds:.2f}s",
                            {"step": r.step, "rank": r.rank, "source": r.source, "seconds": r.seconds})
         if not r.ok:
             self.stats["restores_failed"] += 1
-            self._emit("checkpoint.restore_failed", "WARNING", r.job_id,
+            self.emit(ek.CHECKPOINT_RESTORE_FAILED, r.job_id,
                        f"restore of step {r.step} failed on rank {r.rank}: {r.error}",
                        {"step": r.step, "rank": r.rank, "error": r.error})
         elif r.checksum_failures:
-            self._emit("checkpoint.restore_fallback", "WARNING", r.job_id,
+            self.emit(ek.CHECKPOINT_RESTORE_FALLBACK, r.job_id,
                        f"restore of step {r.step} on rank {r.rank}: {r.checksum_failures} bad chunk(s), "
                        f"{r.fallbacks} read from another copy", {"step": r.step, "rank": r.rank,
                                                                  "checksum_failures": r.checksum_failures,
@@ -395,14 +395,14 @@ class Coordinator:
             if i.step in good and i.state == policy.COMMITTED:
                 if self._transition(keys=[meta], args=[policy.VERIFIED, "verified_at", repr(now), policy.COMMITTED]):
                     self.stats["verified"] += 1
-                    self._emit("checkpoint.verified", "INFO", job_id, f"checkpoint step {i.step} is VERIFIED",
+                    self.emit(ek.CHECKPOINT_VERIFIED, job_id, f"checkpoint step {i.step} is VERIFIED",
                                {"step": i.step})
             elif i.step not in good and i.state == policy.VERIFIED:
                 why = reason or "a bad event at or before this step"
                 if self._transition(keys=[meta], args=[policy.COMMITTED, "reason",
                                                        f"verification revoked: {why}", policy.VERIFIED]):
                     self.stats["revoked"] += 1
-                    self._emit("checkpoint.revoked", "WARNING", job_id,
+                    self.emit(ek.CHECKPOINT_REVOKED, job_id,
                                f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
 
     # ---- retention and GC ---------------------------------------------------------------------------
@@ -469,8 +469,8 @@ class Coordinator:
         pipe.expire(meta, self.config.tombstone_ttl_s)
         pipe.execute()
         self._delete_step_blobs(job_id, step)
-        kind = "checkpoint.aborted" if state == policy.ABORTED else "checkpoint.evicted"
-        self._emit(kind, "INFO", job_id, f"checkpoint step {step} {state.lower()}: {reason}", {"step": step})
+        kind = ek.CHECKPOINT_ABORTED if state == policy.ABORTED else ek.CHECKPOINT_EVICTED
+        self.emit(kind, job_id, f"checkpoint step {step} {state.lower()}: {reason}", {"step": step})
 
     def _sweep_blobs(self, job_id: str, local: Mapping[int, int], now: float) -> None:
         """Delete this node's blobs whose record is tombstoned; leave unknown ones until they are old."""
@@ -502,12 +502,14 @@ class Coordinator:
         except FileNotFoundError:
             return False
 
-    def _emit(self, kind: str, severity: str, job_id: str, message: str, details: dict) -> None:
+    def emit(self, kind: EventKind, job_id: str, message: str, details: dict) -> None:
+        """Journal a checkpoint event about `job_id` through the agent's `publish` (if any); a failure to
+        journal is logged, never raised: it must not break the commit path."""
         log.info("%s job=%s %s", kind, job_id, message)
         if self.publish is None:
             return
         try:
-            self.publish(kind, Severity[severity], f"job/{job_id}", message, {"job_id": job_id, **details})
+            self.publish(kind, f"job/{job_id}", message, {"job_id": job_id, **details})
         except Exception:  # noqa: BLE001 - journaling must not break the commit path
             log.exception("publishing %s failed", kind)
 

@@ -46,13 +46,15 @@ from typing import Any, Callable, Iterator
 from checkpoint import policy
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
-from checkpoint.coordinator import Coordinator, Publish
+from checkpoint.coordinator import Coordinator
 from checkpoint.errors import CheckpointError, CorruptCheckpointError, UnknownCheckpointError
 from checkpoint.fault_store import FaultyStore
 from checkpoint.manifest import ShardManifest
 from checkpoint.records import Copy
 from checkpoint.tier_manifest import (TierCheckpoint, TierManifest, manifest_key, orphans, scan)
 from checkpoint.tier_policy import Candidate, DrainPlan, Held, TierRule, plan_drains, plan_retention
+from sdcwatch import event_kinds as ek
+from sdcwatch.event_kinds import EventKind, Publish
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +274,7 @@ class Drainer:
                     if (job, step) in rt.dropped_noted:
                         continue
                     rt.dropped_noted.add((job, step))
-                    self._emit("checkpoint.drain_dropped", "WARNING", job,
+                    self._emit(ek.CHECKPOINT_DRAIN_DROPPED, job,
                                f"step {step} not copied to {rt.tier.name}: the drain backlog is over its bound",
                                {"step": step, "tier": rt.tier.name})
                 for step in p.steps:
@@ -302,37 +304,37 @@ class Drainer:
         try:
             nbytes, seconds = self.drain_one(rt, job, step)
         except VerifyError as e:
-            self._fail(rt, job, step, "checkpoint.tier_verify_failed", "WARNING", str(e), retry=True)
+            self._fail(rt, job, step, ek.CHECKPOINT_TIER_VERIFY_FAILED, str(e), retry=True)
             rt.stats.verify_failures += 1
             return False
         except CorruptCheckpointError as e:
             rt.step_failures[(job, step)] = self.max_step_failures  # no good source: do not retry
-            self._fail(rt, job, step, "checkpoint.drain_source_corrupt", "CRITICAL", str(e), retry=False)
+            self._fail(rt, job, step, ek.CHECKPOINT_DRAIN_SOURCE_CORRUPT, str(e), retry=False)
             return False
         except UnknownCheckpointError as e:
             log.info("drain of %s step %d to %s skipped: %s", job, step, name, e)
             return False
         except Exception as e:  # noqa: BLE001 - disk full, read-only, S3 down, hung...
             why = _why(e)
-            self._fail(rt, job, step, "checkpoint.tier_unhealthy", "WARNING", why, retry=True, unhealthy=why)
+            self._fail(rt, job, step, ek.CHECKPOINT_TIER_UNHEALTHY, why, retry=True, unhealthy=why)
             return False
         rt.fail_streak = 0
         rt.retry_at = 0.0
         rt.step_failures.pop((job, step), None)
         if not rt.stats.healthy:
             rt.stats.healthy, rt.stats.reason = True, ""
-            self._emit("checkpoint.tier_healthy", "INFO", job, f"checkpoint tier {name} works again",
+            self._emit(ek.CHECKPOINT_TIER_HEALTHY, job, f"checkpoint tier {name} works again",
                        {"tier": name})
         rt.stats.hops += 1
         rt.stats.bytes += nbytes
         rt.stats.last_throughput = nbytes / seconds if seconds > 0 else 0.0
         self.observations.append((name, seconds, nbytes))
-        self._emit("checkpoint.drained", "INFO", job,
+        self._emit(ek.CHECKPOINT_DRAINED, job,
                    f"step {step} copied to {name} ({nbytes} bytes in {seconds:.2f}s, verified)",
                    {"step": step, "tier": name, "bytes": nbytes, "seconds": round(seconds, 4)})
         return True
 
-    def _fail(self, rt: _TierRuntime, job: str, step: int, kind: str, severity: str, why: str, *, retry: bool,
+    def _fail(self, rt: _TierRuntime, job: str, step: int, kind: EventKind, why: str, *, retry: bool,
               unhealthy: str = "") -> None:
         name = rt.tier.name
         rt.stats.failures += 1
@@ -343,10 +345,10 @@ class Drainer:
             rt.retry_at = self.clock() + min(self.backoff_cap_s, 2.0 ** min(rt.fail_streak, 16) * 0.5)
         if unhealthy and (rt.stats.healthy or rt.stats.reason != unhealthy):
             rt.stats.healthy, rt.stats.reason = False, unhealthy
-            self._emit(kind, severity, job, f"checkpoint tier {name} unhealthy: {unhealthy} (step {step} not "
+            self._emit(kind, job, f"checkpoint tier {name} unhealthy: {unhealthy} (step {step} not "
                        "copied; training is not affected; retrying)", {"tier": name, "step": step, "error": why})
         elif not unhealthy:
-            self._emit(kind, severity, job, f"step {step} not committed to {name}: {why}",
+            self._emit(kind, job, f"step {step} not committed to {name}: {why}",
                        {"tier": name, "step": step, "error": why})
         else:
             log.info("drain of %s step %d to %s failed again: %s", job, step, name, why)
@@ -568,7 +570,7 @@ class Drainer:
                             del rt.catalog[(job, step)]
                 rt.stats.retention_deletions += 1
                 deleted.append((job, step))
-                self._emit("checkpoint.tier_deleted", "INFO", job, f"step {step} deleted from {name} by retention",
+                self._emit(ek.CHECKPOINT_TIER_DELETED, job, f"step {step} deleted from {name} by retention",
                            {"step": step, "tier": name})
         keys = store.list("")
         for key in orphans(keys, rt.catalog, busy):
@@ -591,7 +593,7 @@ class Drainer:
                 rt.hung = True
                 rt.stats.healthy, rt.stats.reason = False, "hung"
                 rt.stats.errors += 1
-                self._emit("checkpoint.tier_unhealthy", "WARNING", "-", f"checkpoint tier {rt.tier.name}: a copy has "
+                self._emit(ek.CHECKPOINT_TIER_UNHEALTHY, "-", f"checkpoint tier {rt.tier.name}: a copy has "
                            f"run over {rt.tier.hop_timeout_s:.0f}s (hung); no new copies start there until it returns",
                            {"tier": rt.tier.name, "error": "hung"})
             elif not hung and rt.hung:
@@ -669,7 +671,7 @@ class Drainer:
                 for rt in self.tiers:
                     if rt.tier.name == tier:
                         rt.stats.errors += 1
-                self._emit("checkpoint.copy_corrupt", "WARNING", job,
+                self._emit(ek.CHECKPOINT_COPY_CORRUPT, job,
                            f"step {step} rank {m.rank} on {tier} ({location}) is bad: {'; '.join(bad[:4])}",
                            {"step": step, "rank": m.rank, "tier": tier})
             if progress is not None:
@@ -679,8 +681,8 @@ class Drainer:
     def stats(self) -> dict[str, TierStats]:
         return {rt.tier.name: dataclasses.replace(rt.stats) for rt in self.tiers}
 
-    def _emit(self, kind: str, severity: str, job_id: str, message: str, details: dict) -> None:
-        self.coordinator._emit(kind, severity, job_id, message, details)
+    def _emit(self, kind: EventKind, job_id: str, message: str, details: dict) -> None:
+        self.coordinator.emit(kind, job_id, message, details)
 
 
 _pins = itertools.count()

@@ -28,6 +28,7 @@ from checkpoint.chunks import verify
 from checkpoint.coordinator import Coordinator
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError, NotInMemoryError
 from checkpoint.manifest import ShardManifest
+from sdcwatch import event_kinds as ek
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Replicator:
             except Exception as e:  # noqa: BLE001 - one peer's failure must not stop the others
                 self.coordinator.stats["replication_failures"] += 1
                 log.warning("replicating job %s step %d rank %d to %s failed: %s", job_id, step, rank, peer.node, e)
-                self.coordinator._emit("checkpoint.replication_failed", "WARNING", job_id,
+                self.coordinator.emit(ek.CHECKPOINT_REPLICATION_FAILED, job_id,
                                        f"step {step} rank {rank}: no copy on peer {peer.node}: {e}",
                                        {"step": step, "rank": rank, "peer": peer.node})
                 continue

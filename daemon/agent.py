@@ -27,6 +27,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from sdcwatch import __version__
+from sdcwatch import event_kinds as ek
 from daemon.config import Config, parse_hostport
 from daemon.errors import FatalError
 from daemon.events import EventBus
@@ -110,7 +111,7 @@ class Agent:
         self._start_metrics()
         self._start_checkpoints()
         await self._start_servers()
-        self.bus.publish("agent.starting", Severity.INFO, "node",
+        self.bus.publish(ek.AGENT_STARTING, "node",
                          f"sdcwatch {__version__} starting on {self.host}",
                          {"pid": os.getpid(), "version": __version__, "state_dir": str(self.state_dir),
                           "redis": "embedded" if self.embedded_redis else "external"})
@@ -130,7 +131,7 @@ class Agent:
         self.metrics.ready.set(1)
         await self._sync_health()
         self._write_runtime_info()
-        self.bus.publish("agent.ready", Severity.INFO, "node", f"agent ready on {self.addresses.get('socket')}",
+        self.bus.publish(ek.AGENT_READY, "node", f"agent ready on {self.addresses.get('socket')}",
                          {"addresses": dict(self.addresses)})
 
     def _prepare_state_dir(self) -> None:
@@ -334,7 +335,8 @@ class Agent:
         self.metrics.ready.set(0)
         await self.health.enter_graceful_shutdown()
         if self.journal._fh is not None:
-            self.bus.publish("agent.stopping", Severity.INFO, "node", "agent stopping")
+            self.bus.flush_folds()   # the repeat counts still in their windows
+            self.bus.publish(ek.AGENT_STOPPING, "node", "agent stopping")
         await self.bus.close()
         with contextlib.suppress(Exception):
             await self.alerts.stop(flush_timeout_s=2.0)
@@ -376,9 +378,10 @@ class Agent:
             await asyncio.sleep(1.0)
             try:
                 now = time.time()
+                self.bus.tick()   # repeat counts of the fold windows that closed
                 self.gpus.refresh(now)
                 for job in self.jobs.expire(now):
-                    self.bus.publish("job.forgotten", Severity.INFO, f"job/{job}",
+                    self.bus.publish(ek.JOB_FORGOTTEN, f"job/{job}",
                                      f"job {job} sent no report for {self.config.jobs.job_idle_s:.0f}s")
                 self._update_node_metrics()
             except Exception:  # one failure never kills the loop
@@ -416,19 +419,19 @@ class Agent:
 
     def _count_event(self, event: Any) -> None:
         severity = event.severity.name.lower()
-        self.metrics.events.labels(event.kind, severity).inc()
+        self.metrics.events.labels(event.kind, severity).inc(event.occurrences)
         if event.subject.startswith("job/"):
             job = event.subject.split("/", 2)[1]
             if job in self.jobs.jobs:  # bounded: only jobs the tracker holds
-                self.metrics.job_events.labels(job, event.kind, severity).inc()
+                self.metrics.job_events.labels(job, event.kind, severity).inc(event.occurrences)
 
     def _on_gpu_transition(self, rec: GpuRecord, old: State, new: State, reason: str) -> None:
         severity = (Severity.CRITICAL if new in (State.FAILED, State.SUSPECT)
                     else Severity.WARNING if new is State.DEGRADED else Severity.INFO)
-        self.bus.publish("gpu.state", severity, f"gpu/{rec.uuid}",
+        self.bus.publish(ek.GPU_STATE, f"gpu/{rec.uuid}",
                          f"GPU {rec.uuid} ({rec.pci_bus_id or '?'}) {old.name} -> {new.name}: {reason}",
                          {"uuid": rec.uuid, "pci_bus_id": rec.pci_bus_id, "from": old.name, "to": new.name,
-                          "reason": reason})
+                          "reason": reason}, severity=severity)
         if self.gpu_state_hook is not None:
             self.gpu_state_hook(rec)
         if new is State.FAILED:
@@ -455,7 +458,7 @@ class Agent:
     def clear_gpu(self, uuid: str, who: str, reason: str) -> tuple[State, State]:
         now = time.time()
         before, after, removed = self.gpus.clear(uuid, now, by=who, why=reason)
-        self.bus.publish("gpu.cleared", Severity.WARNING, f"gpu/{uuid}",
+        self.bus.publish(ek.GPU_CLEARED, f"gpu/{uuid}",
                          f"GPU {uuid} cleared by {who}: {reason} ({before.name} -> {after.name})",
                          {"uuid": uuid, "who": who, "reason": reason, "from": before.name, "to": after.name,
                           "removed_evidence": [f"{e.source}:{e.signal}" for e in removed]})

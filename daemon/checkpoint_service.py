@@ -3,8 +3,8 @@
 Wiring, for the agent (daemon/):
 
     from daemon.checkpoint_service import build_checkpoint_service, register
-    svc = build_checkpoint_service(redis_url, state_dir, publish, node=hostname)   # publish(kind, severity,
-    register(server, svc)                                    # subject, message, details) -> None
+    svc = build_checkpoint_service(redis_url, state_dir, publish, node=hostname)   # publish: EventBus.publish
+    register(server, svc)                                    # (sdcwatch.event_kinds.Publish)
     # register adds Checkpoints and PeerStore (peers read/write this memory tier); SERVICE_NAMES lists both
     # peer replicas ([peers], daemon/peers_wiring.py): build_checkpoint_service(..., replicator_factory=
     #     peers_wiring.replicator_factory(config.peers, hostname), replicate_timeout_s=config.peers.timeout_s)
@@ -37,13 +37,14 @@ from typing import Any, Callable
 import grpc
 
 from checkpoint import policy
-from checkpoint.coordinator import Coordinator, CoordinatorConfig, Publish
+from checkpoint.coordinator import Coordinator, CoordinatorConfig
 from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
 from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, RestorePlan, RestoreReportMsg, SaveReport,
                                 ShardPlan)
+from sdcwatch.event_kinds import Publish
 from checkpoint.shm_store import ShmStore, default_shm_root
 from proto.sdcwatch.v1 import agent_pb2
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb

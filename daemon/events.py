@@ -1,7 +1,10 @@
 """The agent's event bus: journal first, then memory ring, watchers, Redis stream and metrics.
 
-`publish()` runs on the event loop thread (use `publish_threadsafe()` from other threads). An event is
-durable in the journal before anyone sees it. `watch(since_seq)` yields every event with a larger seq,
+`publish(kind, subject, message, details)` takes a member of the catalogue (sdcwatch/event_kinds.py) and
+refuses anything else; it runs on the event loop thread (use `publish_threadsafe()` from other threads).
+Repeats are folded here, by the kind's `fold_s` (daemon/event_fold.py): `tick()` publishes the counts of
+closed windows, `flush_folds()` the rest at shutdown. An event is durable in the journal before anyone
+sees it. `watch(since_seq)` yields every event with a larger seq,
 from memory when it is still there and from the journal files otherwise, so a client that reconnects
 with its last seq misses nothing the journal still holds. Memory is bounded: a ring of the newest
 events, and a bounded queue to the Redis stream (overflow is counted, never blocks).
@@ -11,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, AsyncIterator, Callable, Mapping
 
+from daemon.event_fold import REPEATS, Occurrence, RepeatFolder
 from daemon.journal import Journal
+from sdcwatch.event_kinds import EventKind, UnknownEventKind, is_member
 from sdcwatch.types import Finding, Severity
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,12 @@ class Event:
     message: str
     details: Mapping[str, Any]
     host: str = ""
+
+    @property
+    def occurrences(self) -> int:
+        """How many occurrences this event stands for (its `repeats` when repeats were folded into it)."""
+        n = self.details.get(REPEATS, 1)
+        return n if isinstance(n, int) and n >= 1 else 1
 
     def to_record(self) -> dict[str, Any]:
         return {"seq": self.seq, "time": self.time, "kind": self.kind,
@@ -64,6 +76,7 @@ class EventBus:
         self._stream_queue_size = stream_queue_size
         self.stream_dropped = 0
         self.closed = False
+        self.folder = RepeatFolder()
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -74,14 +87,53 @@ class EventBus:
     def last_seq(self) -> int:
         return self.journal.last_seq
 
-    def publish(self, kind: str, severity: Severity, subject: str, message: str,
-                details: Mapping[str, Any] | None = None) -> Event:
+    def publish(self, kind: EventKind, subject: str, message: str, details: Mapping[str, Any] | None = None,
+                *, severity: Severity | None = None) -> Event | None:
+        """Journal one event of a catalogue kind (severity: the kind's own unless given, and one it allows).
+        Returns the event, or None when it was folded into a repeat count (the kind's `fold_s`).
+        Raises UnknownEventKind for anything that is not a catalogue member, ValueError for a severity or
+        subject the kind does not allow."""
+        if not is_member(kind):
+            raise UnknownEventKind(f"publish({kind!r}): not a member of the event catalogue "
+                                   "(pass a sdcwatch.event_kinds member, e.g. event_kinds.REPLICA_MISMATCH)")
+        sev = kind.severity if severity is None else Severity(severity)
+        kind.check(sev, subject)
+        occ = Occurrence(kind, sev, subject, message, dict(details or {}))
+        if not kind.fold_s:
+            return self._append(occ)
+        out = self.folder.offer(occ, self.clock())
+        events = [self._append(o) for o in out]   # a closed window's count first, then this one (if not folded)
+        return events[-1] if out and out[-1] is occ else None
+
+    def publish_finding(self, finding: Finding) -> Event | None:
+        return self.publish(finding.kind, finding.subject, finding.message, finding.details,
+                            severity=finding.severity)
+
+    def publish_threadsafe(self, kind: EventKind, subject: str, message: str,
+                           details: Mapping[str, Any] | None = None, *, severity: Severity | None = None) -> None:
+        if not is_member(kind):  # refuse in the caller's thread, where the bug is
+            raise UnknownEventKind(f"publish_threadsafe({kind!r}): not a member of the event catalogue")
+        if self._loop is None or self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(functools.partial(self.publish, kind, subject, message, details,
+                                                          severity=severity))
+
+    def tick(self) -> list[Event]:
+        """Publish the repeat counts of the fold windows that have closed (call it every second or so)."""
+        return [self._append(o) for o in self.folder.due(self.clock())]
+
+    def flush_folds(self) -> list[Event]:
+        """Publish every pending repeat count now (at shutdown, before the journal closes)."""
+        return [self._append(o) for o in self.folder.flush()]
+
+    def _append(self, occ: Occurrence) -> Event:
         now = self.clock()
-        record = {"time": now, "kind": kind, "severity": SEVERITY_NAMES[Severity(severity)],
-                  "subject": subject, "message": message, "details": dict(details or {}), "host": self.host}
+        kind = occ.kind.name
+        record = {"time": now, "kind": kind, "severity": SEVERITY_NAMES[occ.severity],
+                  "subject": occ.subject, "message": occ.message, "details": occ.details, "host": self.host}
         seq = self.journal.append(record)
-        event = Event(seq=seq, time=now, kind=kind, severity=Severity(severity), subject=subject,
-                      message=message, details=record["details"], host=self.host)
+        event = Event(seq=seq, time=now, kind=kind, severity=occ.severity, subject=occ.subject,
+                      message=occ.message, details=occ.details, host=self.host)
         self._ring.append(event)
         if self.on_event is not None:
             try:
@@ -95,17 +147,8 @@ class EventBus:
                 self.stream_dropped += 1
         if self._cond is not None and self._loop is not None:
             self._loop.create_task(self._notify())
-        log.log(_LEVEL[event.severity], "event %d %s %s: %s", seq, kind, subject, message)
+        log.log(_LEVEL[event.severity], "event %d %s %s: %s", seq, kind, occ.subject, occ.message)
         return event
-
-    def publish_finding(self, finding: Finding) -> Event:
-        return self.publish(finding.kind, finding.severity, finding.subject, finding.message, finding.details)
-
-    def publish_threadsafe(self, kind: str, severity: Severity, subject: str, message: str,
-                           details: Mapping[str, Any] | None = None) -> None:
-        if self._loop is None or self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self.publish, kind, severity, subject, message, details)
 
     async def _notify(self) -> None:
         assert self._cond is not None

@@ -13,6 +13,7 @@ import math
 from math import isfinite
 from typing import Callable
 
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, Finding, Severity, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 
@@ -114,7 +115,7 @@ class JobTracker:
             return None
         out = ReportOutcome()
         if new:
-            out.findings.append(Finding("job.started", Severity.INFO, f"job/{job_id}",
+            out.findings.append(Finding(ek.JOB_STARTED, Severity.INFO, f"job/{job_id}",
                                         f"job {job_id} first reported (rank {rank}, step {step})",
                                         {"job_id": job_id, "rank": rank, "step": step,
                                          "world_size": req.world_size}))
@@ -122,7 +123,7 @@ class JobTracker:
             out.dropped_delta = dropped
             job.dropped_reports += dropped
             out.findings.append(Finding(
-                "job.reports_dropped", Severity.WARNING, f"job/{job_id}/rank/{rank}",
+                ek.JOB_REPORTS_DROPPED, Severity.WARNING, f"job/{job_id}/rank/{rank}",
                 f"rank {rank} dropped {dropped} report(s): the agent was slow or down",
                 {"job_id": job_id, "rank": rank, "dropped": dropped}))
         if not finite:
@@ -143,8 +144,9 @@ class JobTracker:
             return
         job.nonfinite_steps.append((req.step, req.rank))
         values = {n: str(getattr(req, n)) for n in bad}
+        kind = ek.LOSS_NONFINITE if "loss" in bad else ek.GRAD_NORM_NONFINITE
         out.findings.append(Finding(
-            "loss.nonfinite", Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
+            kind, Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
             f"{' and '.join(bad)} not finite at step {req.step} on rank {req.rank}"
             + (f" (GPU {req.gpu_uuid})" if req.gpu_uuid else ""),
             {"job_id": req.job_id, "rank": req.rank, "step": req.step, "gpu_uuid": req.gpu_uuid,
@@ -178,7 +180,7 @@ class JobTracker:
         job.reason = f"replica mismatch at step {vote.step}"
         names = ", ".join(f"rank {s['rank']} on {s['host'] or '?'} GPU {s['gpu_uuid'] or '?'}" for s in suspects)
         out.findings.append(Finding(
-            "replica.mismatch", Severity.CRITICAL, f"job/{req.job_id}",
+            ek.REPLICA_MISMATCH, Severity.CRITICAL, f"job/{req.job_id}",
             f"replica vote at step {vote.step}: suspect {names}",
             {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
              "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
@@ -192,7 +194,7 @@ class JobTracker:
         failed = c.status == "FAIL"
         if failed:
             out.findings.append(Finding(
-                "canary.fail", Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
+                ek.CANARY_FAIL, Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
                 f"in-job canary {c.check} FAILED on rank {req.rank} ({req.host or '?'} GPU {req.gpu_uuid or '?'}) "
                 f"after step {c.step}: {c.why}",
                 {"job_id": req.job_id, "rank": req.rank, "step": c.step, "check": c.check, "why": c.why,
@@ -213,7 +215,7 @@ class JobTracker:
         job.state, job.reason = State.SUSPECT, f"frozen parameters changed at step {req.step}"
         out.job_events.append((req.step, "sdc", f"frozen parameters changed on rank {req.rank}"))
         out.findings.append(Finding(
-            "sdc.frozen_changed", Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
+            ek.SDC_FROZEN_CHANGED, Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
             f"{len(names)} frozen parameter(s) changed at step {req.step} on rank {req.rank}: "
             + ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""),
             {"job_id": req.job_id, "rank": req.rank, "step": req.step, "gpu_uuid": req.gpu_uuid,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from daemon.job_loss import JobLoss
 from probes.loss_detector import LossDetectorConfig, LossEvent, RollbackPolicy
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import Severity
 from proto.sdcwatch.v1 import agent_pb2 as pb
 
@@ -77,7 +78,7 @@ class LossWiring:
             # the job already went back to before that anomaly (e.g. for a replica mismatch): the directive
             # would roll back again and skip good batches
             del self.directives[job]
-        self.agent.bus.publish("job.rollback", Severity.INFO, f"job/{job}",
+        self.agent.bus.publish(ek.JOB_ROLLBACK, f"job/{job}",
                                f"job {job} went back from step {prev} to {step}: restored step {restored}",
                                {"job_id": job, "from_step": prev, "restored_step": restored, "rank": rank})
         self.agent.job_event(job, restored, "rollback", f"the job restored step {restored}")
@@ -86,14 +87,14 @@ class LossWiring:
         details = {"job_id": job, "step": ev.step, "signal": ev.signal, "kind": ev.kind,
                    "value": _num(ev.value), "baseline": _num(ev.baseline), "magnitude": _num(ev.magnitude),
                    "start_step": ev.start_step}
-        kind = f"loss.{ev.kind}" if ev.signal == "loss" else f"loss.{ev.signal}.{ev.kind}"
-        event = self.agent.bus.publish(kind, ev.severity, f"job/{job}", ev.message, details)
+        event = self.agent.bus.publish(ev.event_kind, f"job/{job}", ev.message, details, severity=ev.severity)
         if ev.severity != Severity.CRITICAL:
             return
         self.agent.job_event(job, ev.start_step, "nan" if ev.kind == "nonfinite" else "loss_anomaly",
                              f"{ev.signal} {ev.kind} from step {ev.start_step}")
         if self.agent.config.jobs.rollback and ev.kind in self.policy.kinds:
-            task = asyncio.get_running_loop().create_task(self._plan_rollback(job, ev, event.seq))
+            seq = event.seq if event is not None else 0   # 0: folded into a repeat count
+            task = asyncio.get_running_loop().create_task(self._plan_rollback(job, ev, seq))
             task.add_done_callback(lambda t: t.exception() and log.error("rollback planning failed: %s",
                                                                          t.exception()))
 
@@ -105,7 +106,7 @@ class LossWiring:
             verified = [i.step for i in infos if i.state == "VERIFIED"]
         decision = self.policy.decide(ev, verified)
         if decision is None:
-            self.agent.bus.publish("job.rollback_impossible", Severity.CRITICAL, f"job/{job}",
+            self.agent.bus.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
                                    f"no VERIFIED checkpoint older than step {ev.start_step} to roll back to",
                                    {"job_id": job, "anomaly_start": ev.start_step, "verified": verified[-8:]})
             return
@@ -113,7 +114,7 @@ class LossWiring:
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
                                  skip_batches=skip, reason=decision.reason, event_seq=seq)
         self.directives[job] = (directive, set(), time.time(), ev.start_step)
-        self.agent.bus.publish("job.rollback_directive", Severity.WARNING, f"job/{job}",
+        self.agent.bus.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}",
                                f"rollback directive: restore step {decision.target_step}, skip {skip} batches "
                                f"({decision.reason})",
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,

@@ -11,7 +11,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from sdcwatch.types import Evidence, Severity, State
+from sdcwatch import event_kinds as ek
+from sdcwatch.types import Evidence, State
 
 if TYPE_CHECKING:
     from daemon.agent import Agent
@@ -73,7 +74,7 @@ async def start(agent: "Agent") -> None:
     agent.closers += [stop.set, probe.close]
     if agent.config.canary.enabled:
         start_canary(agent, wiring)
-    agent.bus.publish("nvml.discovered", Severity.INFO, "node",
+    agent.bus.publish(ek.NVML_DISCOVERED, "node",
                       f"{len(identities)} GPU(s): " + ", ".join(f"{i.uuid} ({i.pci_bus_id})" for i in identities),
                       {"gpus": [{"uuid": i.uuid, "pci_bus_id": i.pci_bus_id, "name": i.name, "index": i.index}
                                 for i in identities]})

@@ -16,7 +16,8 @@ import time
 import traceback
 from typing import Any, Awaitable, Callable
 
-from sdcwatch.types import Severity
+from sdcwatch import event_kinds as ek
+from sdcwatch.event_kinds import Publish
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,6 @@ class ProbeStatus:
     failures: int = 0
 
 
-Publish = Callable[[str, Severity, str, str, dict[str, Any]], Any]
 
 
 class ProbeRunner:
@@ -105,7 +105,7 @@ class ProbeRunner:
         except asyncio.TimeoutError:
             self.status.state = "HUNG"
             self.status.last_error = f"call did not return within {self.timeout_s}s"
-            self.publish("probe.hung", Severity.CRITICAL, f"probe/{self.name}",
+            self.publish(ek.PROBE_HUNG, f"probe/{self.name}",
                          f"probe {self.name} hung: no answer within {self.timeout_s}s; not re-entered until it returns",
                          {"probe": self.name, "timeout_s": self.timeout_s})
             if self.on_hung is not None:
@@ -114,7 +114,7 @@ class ProbeRunner:
             try:
                 result = await fut  # wait for the hung call; nothing else is submitted meanwhile
             finally:
-                self.publish("probe.recovered", Severity.INFO, f"probe/{self.name}",
+                self.publish(ek.PROBE_RECOVERED, f"probe/{self.name}",
                              f"probe {self.name} returned after {time.monotonic() - started + self.timeout_s:.1f}s",
                              {"probe": self.name})
                 if self.on_hung is not None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 from probes.canary_process import CanaryChildError, child_run_suite, child_snapshots
 from probes.canary_schedule import AgentCanaryPolicy, Decision, GpuSnapshot
 from sdcwatch.canary import DeviceInfo, Status, SuiteConfig, SuiteReport, evidence_by_device
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, Finding, Severity
 
 NEED_BYTES = {"tiny": 64 << 20, "quick": 1536 << 20, "full": 4 << 30}
@@ -99,14 +100,14 @@ class AgentCanaryProbe:
             st, bad = suite.device_status(d.label)
             if st is Status.FAIL:
                 self.consecutive_failures[d.label] = self.consecutive_failures.get(d.label, 0) + 1
-                findings.append(Finding("canary.fail", Severity.CRITICAL, f"gpu/{d.label}",
+                findings.append(Finding(ek.CANARY_FAIL, Severity.CRITICAL, f"gpu/{d.label}",
                                         f"canary failed on {d.label}: {bad[0].name}: {bad[0].why}",
                                         {"checks": [r.name for r in bad],
                                          "evidence": [r.evidence_path for r in bad if r.evidence_path]}))
             else:
                 self.consecutive_failures.pop(d.label, None)
                 if st is Status.UNKNOWN:
-                    findings.append(Finding("canary.unknown", Severity.WARNING, f"gpu/{d.label}",
+                    findings.append(Finding(ek.CANARY_UNKNOWN, Severity.WARNING, f"gpu/{d.label}",
                                             f"canary could not run fully on {d.label}: "
                                             f"{bad[0].why if bad else 'no checks ran'}", {}))
         return CanaryReport(decisions, suite, evidence, findings)
@@ -117,4 +118,4 @@ class AgentCanaryProbe:
 
 
 def _unknown(why: str, chosen: Iterable[str] = ()) -> Finding:
-    return Finding("canary.unknown", Severity.WARNING, "node", why, {"chosen": sorted(chosen)})
+    return Finding(ek.CANARY_UNKNOWN, Severity.WARNING, "node", why, {"chosen": sorted(chosen)})

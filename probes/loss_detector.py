@@ -41,15 +41,27 @@ import statistics
 from collections import deque
 from typing import Literal, Sequence
 
+from sdcwatch import event_kinds as ek
+from sdcwatch.event_kinds import EventKind
 from sdcwatch.settings import SettingError, setting
 from sdcwatch.types import Finding, Severity
 
 log = logging.getLogger(__name__)
 
-EventKind = Literal["nonfinite", "spike", "recovered", "sustained", "divergence", "loss_scale_collapse"]
+AnomalyKind = Literal["nonfinite", "spike", "recovered", "sustained", "divergence", "loss_scale_collapse"]
 Signal = Literal["loss", "grad_norm", "loss_scale"]
 # the critical kinds a rollback can answer (a spike is a WARNING, `recovered` is INFO)
 ROLLBACK_KINDS: frozenset[str] = frozenset({"nonfinite", "sustained", "divergence", "loss_scale_collapse"})
+
+# (signal, kind) -> the catalogue member it is journaled as
+EVENT_KINDS: dict[tuple[str, str], EventKind] = {
+    ("loss", "nonfinite"): ek.LOSS_NONFINITE, ("loss", "spike"): ek.LOSS_SPIKE,
+    ("loss", "recovered"): ek.LOSS_RECOVERED, ("loss", "sustained"): ek.LOSS_SUSTAINED,
+    ("loss", "divergence"): ek.LOSS_DIVERGENCE,
+    ("grad_norm", "nonfinite"): ek.GRAD_NORM_NONFINITE, ("grad_norm", "spike"): ek.GRAD_NORM_SPIKE,
+    ("grad_norm", "recovered"): ek.GRAD_NORM_RECOVERED, ("grad_norm", "sustained"): ek.GRAD_NORM_SUSTAINED,
+    ("loss_scale", "loss_scale_collapse"): ek.LOSS_SCALE_COLLAPSE,
+}
 
 _MEDIAN_EFFICIENCY = 1.2533  # sd(median of n) ~ 1.2533 * sigma / sqrt(n) for normal noise
 _MAD_TO_SIGMA = 1.4826
@@ -136,7 +148,7 @@ class LossEvent:
     """
 
     step: int
-    kind: EventKind
+    kind: AnomalyKind
     signal: Signal
     severity: Severity
     value: float
@@ -150,16 +162,21 @@ class LossEvent:
     def critical(self) -> bool:
         return self.severity == Severity.CRITICAL
 
+    @property
+    def event_kind(self) -> EventKind:
+        """The catalogue member this event is journaled as (`loss.spike`, `grad_norm.spike`,
+        `loss_scale.collapse`, ...)."""
+        return EVENT_KINDS[(self.signal, self.kind)]
+
     def to_finding(self, job_id: str, rank: int | None = None) -> Finding:
-        """The event as a journal `Finding` (kind `<signal>.<kind>`, subject `job/<id>[/rank/<r>]`)."""
-        kind = "loss_scale.collapse" if self.kind == "loss_scale_collapse" else f"{self.signal}.{self.kind}"
+        """The event as a journal `Finding` (kind `event_kind`, subject `job/<id>[/rank/<r>]`)."""
         subject = f"job/{job_id}" if rank is None else f"job/{job_id}/rank/{rank}"
         details = {"job_id": job_id, "step": self.step, "start_step": self.start_step, "signal": self.signal,
                    "value": _json_number(self.value), "baseline": _json_number(self.baseline),
                    "magnitude": _json_number(self.magnitude)}
         if rank is not None:
             details["rank"] = rank
-        return Finding(kind, self.severity, subject, self.message, details)
+        return Finding(self.event_kind, self.severity, subject, self.message, details)
 
 
 def _json_number(x: float) -> float | str:
@@ -416,7 +433,7 @@ class _SignalTracker:
         self._rebase([xi for _, xi in self.recent], clear_divergence=True)
         return [event]
 
-    def _event(self, step: int, kind: EventKind, severity: Severity, x: float, b: float, start: int,
+    def _event(self, step: int, kind: AnomalyKind, severity: Severity, x: float, b: float, start: int,
                now: float, message: str) -> LossEvent:
         return LossEvent(step=step, kind=kind, signal=self.rules.signal, severity=severity, value=math.exp(x),
                          baseline=math.exp(b), magnitude=math.exp(x - b), start_step=start, message=message,

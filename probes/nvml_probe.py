@@ -22,6 +22,7 @@ from probes import nvml_rules, xid_catalog
 from probes.nvml_backend import FieldNotSupported, GpuIdentity, GpuLost, NvmlBackend, NvmlError, read_many
 from probes.nvml_fields import field_specs, names_matching
 from probes.nvml_rules import GpuReadings, RuleConfig
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, Finding, Severity, State
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,7 @@ class NvmlProbe:
             ev = [Evidence(SOURCE, "gpu_lost", "lost", State.FAILED, f"GPU lost (fell off the bus): {err}", now),
                   Evidence(SOURCE, "readable", "0", State.UNKNOWN, f"GPU lost: {err}", now)]
             if not slot.lost:
-                findings.append(Finding("gpu.lost", Severity.CRITICAL, subject, f"GPU {ident.pci_bus_id} lost: "
+                findings.append(Finding(ek.GPU_LOST, Severity.CRITICAL, subject, f"GPU {ident.pci_bus_id} lost: "
                                         f"{err}", {"uuid": ident.uuid, "pci_bus_id": ident.pci_bus_id}))
             slot.lost = True
             return ev, None, frozenset(), {"*": str(err)}, findings
@@ -344,7 +345,7 @@ class NvmlProbe:
             slot.implied[ev.signal] = ev.implies
             if before is ev.implies or (before is None and ev.implies is State.HEALTHY):
                 continue
-            out.append(Finding("gpu.signal", _CHANGE_SEVERITY[ev.implies], slot.identity.subject,
+            out.append(Finding(ek.GPU_SIGNAL, _CHANGE_SEVERITY[ev.implies], slot.identity.subject,
                                f"{ev.signal}: {before.name if before else 'new'} -> {ev.implies.name}: {ev.reason}",
                                {"signal": ev.signal, "value": ev.value, "implies": ev.implies.name,
                                 "before": before.name if before else None, "uuid": slot.identity.uuid,
@@ -402,7 +403,7 @@ class NvmlProbe:
         label = f"XID {ev.xid} ({entry.name})" if entry.known else f"unknown XID {ev.xid}"
         evidence = Evidence(SOURCE, f"xid.{ev.xid}", str(ev.xid), entry.implies,
                             f"{label}: {entry.action.value}", ev.time)
-        finding = Finding("gpu.xid", entry.severity, f"gpu/{ev.uuid}",
+        finding = Finding(ek.GPU_XID, entry.severity, f"gpu/{ev.uuid}",
                           f"{label} on {ev.pci_bus_id}: {entry.meaning} Action: {entry.action.value}",
                           {"xid": ev.xid, "name": entry.name, "action": entry.action.value,
                            "implies": entry.implies.name, "known": entry.known, "uuid": ev.uuid,

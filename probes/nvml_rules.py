@@ -24,6 +24,7 @@ from typing import Mapping
 
 from probes import xid_catalog
 from probes.nvml_fields import ECC_KINDS, NVLINK_KINDS, spec_for
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, Finding, Severity, State
 
 SOURCE = "nvml"
@@ -288,7 +289,7 @@ def counter_jumps(cur: GpuReadings) -> list[Finding]:
             continue
         if ".aggregate." in name and name.replace(".aggregate.", ".volatile.") in cur.values:
             continue
-        out.append(Finding("gpu_counter_jump", _jump_severity(name), f"gpu/{cur.uuid}",
+        out.append(Finding(ek.GPU_COUNTER_JUMP, _jump_severity(name), f"gpu/{cur.uuid}",
                            f"{name} +{d:g} (now {cur.values[name]:g})",
                            {"field": name, "delta": d, "value": cur.values[name]}))
     return out
@@ -421,7 +422,7 @@ def evaluate(prev: GpuReadings | None, cur: GpuReadings, now: float, cfg: RuleCo
     findings = counter_jumps(cur)
     if cur.reset_detected:
         evidence.append(_ev("gpu_reset", now, State.HEALTHY, "GPU reset seen: volatile counters went down", now))
-        findings.append(Finding("gpu_reset_detected", Severity.WARNING, f"gpu/{cur.uuid}",
+        findings.append(Finding(ek.GPU_RESET_DETECTED, Severity.WARNING, f"gpu/{cur.uuid}",
                                 "GPU reset detected (volatile counters cleared)", {}))
     return RuleOutput(evidence, findings)
 

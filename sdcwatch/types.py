@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # event_kinds imports this module (Severity); a Finding only carries a member
+    from sdcwatch.event_kinds import EventKind
 
 
 class State(enum.IntEnum):
@@ -66,10 +69,16 @@ class Evidence:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finding:
-    """Something a probe or detector wants journaled as an event (the agent assigns seq and time)."""
+    """Something a probe or detector wants journaled as an event (the agent assigns seq and time).
+    `kind` is a member of the catalogue (sdcwatch/event_kinds.py), never a string."""
 
-    kind: str
+    kind: "EventKind"
     severity: Severity
     subject: str
     message: str
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kind, str):
+            raise TypeError(f"Finding kind {self.kind!r}: pass the sdcwatch.event_kinds member, not its name")
+        self.kind.check(self.severity, self.subject)

@@ -20,6 +20,7 @@ from probes.canary_schedule import GpuSnapshot
 from sdcwatch import canary as sc
 from sdcwatch.canary import Status
 from sdcwatch.types import Severity, State
+from sdcwatch import event_kinds as ek
 
 IDLE_CPU = [GpuSnapshot("cpu", 0, 0.0, 8 << 30)]
 
@@ -72,7 +73,7 @@ def test_a_gpu_the_child_cannot_see_is_unknown() -> None:
     probe = AgentCanaryProbe(level="tiny", snapshots=lambda: [GpuSnapshot("GPU-absent", 0, 0.0, 8 << 30)],
                              timeout_s=120.0)
     [f] = probe.run_once(0.0).findings
-    assert (f.kind, f.severity) == ("canary.unknown", Severity.WARNING)
+    assert (f.kind, f.severity) == (ek.CANARY_UNKNOWN, Severity.WARNING)
     assert "not visible to torch" in f.message and f.details["chosen"] == ["GPU-absent"]
 
 
@@ -85,7 +86,7 @@ def test_a_hung_child_is_killed_with_its_process_group(monkeypatch: pytest.Monke
     rep = probe.run_once(0.0)
     assert time.monotonic() - t0 < 10
     [f] = rep.findings
-    assert (f.kind, f.severity) == ("canary.unknown", Severity.WARNING) and "did not finish within 3s" in f.message
+    assert (f.kind, f.severity) == (ek.CANARY_UNKNOWN, Severity.WARNING) and "did not finish within 3s" in f.message
     assert rep.suite is None and probe.last_run == {"cpu": 0.0}
     deadline = time.monotonic() + 5
     while _processes_with(marker) and time.monotonic() < deadline:  # SIGKILL lands asynchronously
@@ -100,11 +101,11 @@ def test_a_crashed_child_is_unknown_with_its_signal(monkeypatch: pytest.MonkeyPa
     with caplog.at_level(logging.WARNING, logger="probes.canary_process"):
         rep = probe.run_once(0.0)
     [f] = rep.findings
-    assert (f.kind, f.severity) == ("canary.unknown", Severity.WARNING) and "killed by SIGABRT" in f.message
+    assert (f.kind, f.severity) == (ek.CANARY_UNKNOWN, Severity.WARNING) and "killed by SIGABRT" in f.message
     assert rep.suite is None and rep.evidence == {} and probe.consecutive_failures == {}
     assert "SIGABRT" in caplog.text
     [f] = AgentCanaryProbe(level="tiny", timeout_s=60.0).run_once(0.0).findings   # the snapshot's child too
-    assert f.kind == "canary.unknown" and f.message.startswith("no GPU snapshot") and "SIGABRT" in f.message
+    assert f.kind is ek.CANARY_UNKNOWN and f.message.startswith("no GPU snapshot") and "SIGABRT" in f.message
 
 
 def test_json_round_trip_keeps_a_failing_check(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from sdcwatch import __version__ as sdcwatch_version
 from sdcwatch import canary as sc
 from sdcwatch.canary import CheckResult, DeviceInfo, Status
 from sdcwatch.types import State
+from sdcwatch import event_kinds as ek
 
 CPU = DeviceInfo("cpu", "cpu", uuid="cpu")
 TINY = sc.SuiteConfig(level="tiny")
@@ -141,7 +142,7 @@ def test_agent_probe_runs_idle_gpu_and_returns_evidence(tmp_path: Path) -> None:
     probe = AgentCanaryProbe(level="tiny", evidence_dir=tmp_path, snapshots=lambda: [GpuSnapshot("cpu", 0, 0.0, 8 << 30)],
                              devices=lambda: [CPU], run_suite=lambda d, cfg: cs.run_suite(d, cfg, matmul_for=fault))
     r1 = probe.run_once(0.0)
-    assert r1.evidence["cpu"][0].implies is State.SUSPECT and r1.findings[0].kind == "canary.fail"
+    assert r1.evidence["cpu"][0].implies is State.SUSPECT and r1.findings[0].kind is ek.CANARY_FAIL
     assert probe.run_once(10.0).suite is None            # not due yet
     r2 = probe.run_once(7200.0)
     assert r2.evidence["cpu"][0].implies is State.FAILED   # a repeat

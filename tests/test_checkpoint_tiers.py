@@ -24,6 +24,7 @@ from checkpoint.tier_policy import Candidate, Held, TierRule, plan_drains, plan_
 from ckpt_support import assert_same, flip_bit, job_id, state_dict
 from ckpt_support import node as _node
 from daemon.checkpoint_service import CheckpointService
+from sdcwatch.event_kinds import EventKind
 from tier_support import MotoS3, moto_s3, tmpfs, umount  # noqa: F401 - fixture
 
 
@@ -35,8 +36,9 @@ def node(port: int, root: Path, name: str, **kw: Any) -> Coordinator:
 
 
 class Events(list):
-    def __call__(self, kind: str, severity: Any, subject: str, message: str, details: dict) -> None:
-        self.append((kind, message, details))
+    def __call__(self, kind: EventKind, subject: str, message: str, details: dict | None = None, *,
+                 severity: Any = None) -> None:
+        self.append((kind.name, message, details))
 
     def kinds(self) -> list[str]:
         return [e[0] for e in self]

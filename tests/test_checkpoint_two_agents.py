@@ -141,7 +141,7 @@ def test_replicator_skips_an_unreachable_peer_and_never_recreates_its_dir(redis_
     assert rep.replicate(job, 4, 0) == ["b"]
     assert not gone.parent.exists()                                         # a lost node's dir stays gone
     assert {c.node for c in a.info(job, 4).copies} == {"a", "b"}            # no record for the failed peer
-    assert [e[0] for e in events].count("checkpoint.replication_failed") == 1
+    assert [e[0].name for e in events].count("checkpoint.replication_failed") == 1
     assert a.stats["replicas"] == 1 and a.stats["replication_failures"] == 1
     assert rep.replicate(job, 4, 0) == ["b"] and a.stats["replicas"] == 1  # recorded already: not copied again
     # a corrupt source chunk is never propagated

@@ -8,6 +8,7 @@ import pytest
 
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent, RollbackPolicy
 from sdcwatch.types import Finding, Severity
+from sdcwatch import event_kinds as ek
 
 
 def noisy(n: int, level: float = 3.0, sigma: float = 0.01, seed: int = 0, decay: float = 0.0) -> np.ndarray:
@@ -203,7 +204,7 @@ def test_event_to_finding() -> None:
     ev = crit(feed(LossDetector(), x))[0]
     f = ev.to_finding("job-1", rank=3)
     assert isinstance(f, Finding)
-    assert f.kind == "loss.nonfinite" and f.severity == Severity.CRITICAL and f.subject == "job/job-1/rank/3"
+    assert f.kind is ek.LOSS_NONFINITE and f.severity == Severity.CRITICAL and f.subject == "job/job-1/rank/3"
     assert f.details["step"] == 50 and f.details["value"] == "nan"
 
 

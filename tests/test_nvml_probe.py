@@ -12,6 +12,7 @@ from probes.nvml_backend import GpuLost, NvmlBackend, NvmlUnavailable, PynvmlBac
 from probes.nvml_fake import ScenarioBackend
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, XidEvent
 from sdcwatch.types import Evidence, Severity, State
+from sdcwatch import event_kinds as ek
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = sorted((ROOT / "tests" / "scenarios").glob("*.json")) + [ROOT / "deploy/scenarios/demo-xid79.json"]
@@ -150,10 +151,10 @@ def test_gpu_reset_recognised_and_counters_keep_growing() -> None:
     h = Harness(ROOT / "tests/scenarios/gpu_reset.json")
     for t in range(0, 22):
         h.step(t)
-    assert any(f.kind == "gpu_reset_detected" for f in h.findings)
+    assert any(f.kind is ek.GPU_RESET_DETECTED for f in h.findings)
     r = h.last.readings[h.ids[0].uuid]
     assert r is not None and not r.reset_detected  # seen once, at t=20
-    deltas = [f for f in h.findings if f.kind == "gpu_counter_jump"]
+    deltas = [f for f in h.findings if f.kind is ek.GPU_COUNTER_JUMP]
     assert any(f.details["field"] == "ecc.uncorrected.volatile.dram" and f.severity is Severity.CRITICAL for f in deltas)
     assert all(f.details["delta"] > 0 for f in deltas)
 
@@ -237,8 +238,8 @@ def test_gpu_lost_gives_failed_and_one_finding() -> None:
     for t in range(0, 14):
         h.step(t)
     u1 = h.ids[1].uuid
-    assert sum(1 for f in h.findings if f.kind == "gpu.lost") == 1
-    assert any(f.kind == "gpu.xid" and f.details["xid"] == 79 for f in h.findings)
+    assert sum(1 for f in h.findings if f.kind is ek.GPU_LOST) == 1
+    assert any(f.kind is ek.GPU_XID and f.details["xid"] == 79 for f in h.findings)
     assert h.last.readings[u1] is None
     with pytest.raises(GpuLost):
         h.backend.read_fields(1, ["temp.gpu"])
@@ -248,7 +249,7 @@ def test_signal_change_findings_are_emitted_once_per_change() -> None:
     h = Harness(ROOT / "tests/scenarios/remap_pending.json")
     for t in range(0, 22):
         h.step(t)
-    changes = [f for f in h.findings if f.kind == "gpu.signal" and f.details["signal"] == "remap.pending"]
+    changes = [f for f in h.findings if f.kind is ek.GPU_SIGNAL and f.details["signal"] == "remap.pending"]
     assert [f.details["implies"] for f in changes] == ["DEGRADED", "HEALTHY"]
 
 

@@ -6,6 +6,7 @@ import pytest
 from probes import nvml_rules as nr
 from probes.nvml_rules import GpuReadings, RateWindow, RuleConfig, evaluate, make_readings, pcie_replay_threshold
 from sdcwatch.types import State
+from sdcwatch import event_kinds as ek
 
 CFG = RuleConfig()
 
@@ -33,7 +34,7 @@ def test_gpu_reset_counter_drop_is_a_reset_and_delta_never_negative() -> None:
     assert r1.deltas["ecc.corrected.volatile.total"] == 2
     out = evaluate(r0, r1, 1, CFG)
     assert any(e.signal == "gpu_reset" for e in out.evidence)
-    assert any(f.kind == "gpu_reset_detected" for f in out.findings)
+    assert any(f.kind is ek.GPU_RESET_DETECTED for f in out.findings)
 
 
 def test_reset_seen_through_recovery_action_going_back_to_none() -> None:
@@ -47,7 +48,7 @@ def test_uncorrected_increase_is_degraded_and_critical_jump() -> None:
     r1 = reading({"ecc.uncorrected.volatile.total": 1}, r0, 1)
     out = evaluate(r0, r1, 1, CFG)
     assert signals(r0, r1, 1)["ecc.uncorrected"] is State.DEGRADED
-    assert [f.severity.name for f in out.findings if f.kind == "gpu_counter_jump"] == ["CRITICAL"]
+    assert [f.severity.name for f in out.findings if f.kind is ek.GPU_COUNTER_JUMP] == ["CRITICAL"]
     r2 = reading({"ecc.uncorrected.volatile.total": 1}, r1, 2)
     assert "ecc.uncorrected" not in signals(r1, r2, 2)
 
