@@ -31,17 +31,33 @@ import json
 import random
 from typing import Any, Callable, Iterable, Mapping
 
+from daemon.event_fold import REPEATS
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import Severity
 
 SEVERITY_LABEL = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.CRITICAL: "critical"}
 SOURCE_LABEL = "sdcwatch-agent"
 
-# Alert names shared with deploy/prometheus/sdcwatch-rules.yml where they mean the same thing.
+# Alert names shared with deploy/prometheus/sdcwatch-rules.yml where they mean the same thing; the event kinds
+# are the catalogue's (sdcwatch/event_kinds.py), whose `alerts` name these too (tests/test_event_kinds.py).
 GPU_STATE_ALERTS = {"FAILED": "SDCWatchGPUFailed", "DEGRADED": "SDCWatchGPUDegraded",
                     "SUSPECT": "SDCWatchGPUSuspect"}
-LOSS_KINDS = {"loss.spike", "grad_norm.spike", "loss.sustained", "loss.divergence", "grad_norm.sustained",
-              "grad_norm.divergence", "loss_scale.collapse"}
-NONFINITE_KINDS = {"loss.nonfinite", "grad_norm.nonfinite"}
+# Job-scoped pulses: kind -> (alert, summary with {job})
+JOB_PULSES: dict[str, tuple[str, str]] = {
+    ek.REPLICA_MISMATCH.name: ("SDCWatchReplicaMismatch", "SDC suspected: replicas of job {job} disagree"),
+    ek.SDC_FROZEN_CHANGED.name: ("SDCWatchFrozenParamsChanged",
+                                 "SDC suspected: frozen parameters of job {job} changed"),
+    ek.LOSS_NONFINITE.name: ("SDCWatchLossNonFinite", "NaN/Inf loss in job {job}"),
+    ek.GRAD_NORM_NONFINITE.name: ("SDCWatchGradNormNonFinite", "NaN/Inf gradient norm in job {job}"),
+}
+# The loss detector's anomalies: kind -> alert (labelled with the kind; INFO events, e.g. recoveries, raise none)
+LOSS_ALERTS: dict[str, str] = {
+    ek.LOSS_SPIKE.name: "SDCWatchLossSpike", ek.LOSS_SUSTAINED.name: "SDCWatchLossSpike",
+    ek.LOSS_DIVERGENCE.name: "SDCWatchLossSpike",
+    ek.GRAD_NORM_SPIKE.name: "SDCWatchGradNormSpike", ek.GRAD_NORM_SUSTAINED.name: "SDCWatchGradNormSpike",
+    ek.LOSS_SCALE_COLLAPSE.name: "SDCWatchLossScaleCollapse",
+}
+CATCH_ALL = "SDCWatchCriticalEvent"   # any other CRITICAL event, so nothing critical is lost
 QUIET_XID_ACTIONS = {"NONE", "RESTART_APP"}   # application-class XIDs: repeats make the GPU SUSPECT
 
 
@@ -52,6 +68,7 @@ class Signal:
     op: str
     labels: Mapping[str, str]
     annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    occurrences: int = 1   # a folded event stands for its `repeats` (daemon/event_fold.py)
 
     @property
     def key(self) -> str:
@@ -146,7 +163,7 @@ def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
                 "runbook_url": f"{runbook_base.rstrip('/')}/{alertname}.md", "event_kind": kind}
 
     sev = SEVERITY_LABEL[Severity(severity)]
-    if kind in ("gpu.state", "gpu.cleared"):
+    if kind in (ek.GPU_STATE.name, ek.GPU_CLEARED.name):
         uuid = _uuid_of(subject, details)
         to = str(details.get("to", ""))
         ident = {"uuid": uuid, "pci_bus_id": details.get("pci_bus_id", "")}
@@ -160,7 +177,7 @@ def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
             else:
                 out.append(Signal("resolve", lab))
         return out
-    if kind == "gpu.xid":
+    if kind == ek.GPU_XID.name:
         action = str(details.get("action", ""))
         if action in QUIET_XID_ACTIONS or severity is Severity.INFO:
             return []
@@ -170,40 +187,31 @@ def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
         return [Signal("pulse", labels(name, sev, uuid=uuid, xid=xid, action=action),
                        {**notes(name, f"XID {xid} ({details.get('name', '?')}) on GPU {uuid} ({node}): "
                                 f"{action}"), "pci_bus_id": str(details.get("pci_bus_id", ""))})]
-    if kind == "probe.hung":
+    if kind == ek.PROBE_HUNG.name:
         probe = str(details.get("probe", subject.split("/", 1)[-1]))
         name = "SDCWatchProbeHung"
         return [Signal("fire", labels(name, "critical", probe=probe),
                        notes(name, f"probe {probe} on {node} is hung"))]
-    if kind == "probe.recovered":
+    if kind == ek.PROBE_RECOVERED.name:
         probe = str(details.get("probe", subject.split("/", 1)[-1]))
         return [Signal("resolve", labels("SDCWatchProbeHung", "critical", probe=probe))]
     job = _job_of(subject, details)
-    if kind == "replica.mismatch":
-        name = "SDCWatchReplicaMismatch"
-        return [Signal("pulse", labels(name, "critical", job_id=job),
-                       notes(name, f"SDC suspected: replicas of job {job} disagree"))]
-    if kind == "sdc.frozen_changed":
-        name = "SDCWatchFrozenParamsChanged"
-        return [Signal("pulse", labels(name, "critical", job_id=job),
-                       notes(name, f"SDC suspected: frozen parameters of job {job} changed"))]
-    if kind in NONFINITE_KINDS:
-        name = "SDCWatchLossNonFinite"
-        return [Signal("pulse", labels(name, "critical", job_id=job),
-                       notes(name, f"NaN/Inf in job {job}"))]
-    if kind in LOSS_KINDS:
+    if kind in JOB_PULSES:
+        name, summary = JOB_PULSES[kind]
+        return [Signal("pulse", labels(name, "critical", job_id=job), notes(name, summary.format(job=job)))]
+    if kind in LOSS_ALERTS:
         if severity is Severity.INFO:
             return []
-        name = "SDCWatchLossSpike"
+        name = LOSS_ALERTS[kind]
         return [Signal("pulse", labels(name, sev, job_id=job, kind=kind),
                        notes(name, f"{kind} in job {job}"))]
-    if kind.startswith("canary.") and severity is Severity.CRITICAL:
+    if kind == ek.CANARY_FAIL.name:
         name = "SDCWatchCanaryFailed"
         uuid = _uuid_of(subject, details)
         return [Signal("pulse", labels(name, "critical", uuid=uuid),
                        notes(name, f"SDC suspected: canary failed on GPU {uuid or '?'} ({node})"))]
-    if severity is Severity.CRITICAL and kind != "gpu.lost":   # gpu.lost: SDCWatchGPUFailed covers it
-        name = "SDCWatchCriticalEvent"
+    if severity is Severity.CRITICAL and kind != ek.GPU_LOST.name:   # gpu.lost: SDCWatchGPUFailed covers it
+        name = CATCH_ALL
         return [Signal("pulse", labels(name, "critical", kind=kind, subject=subject),
                        notes(name, f"{kind} on {node}: {message}"))]
     return []
@@ -246,10 +254,13 @@ class AlertBook:
                 return
             self.alerts[signal.key] = AlertRecord(labels=dict(signal.labels),
                                                   annotations=dict(signal.annotations),
-                                                  starts_at=now, pulse_until=pulse_until)
+                                                  starts_at=now, pulse_until=pulse_until,
+                                                  count=signal.occurrences)
+            if signal.op == "pulse" and signal.occurrences > 1:
+                self.alerts[signal.key].annotations["count"] = str(signal.occurrences)
             return
         # a repeat of an active alert: dedup, but keep what is new
-        rec.count += 1
+        rec.count += signal.occurrences
         annotations = dict(signal.annotations)
         if signal.op == "pulse":
             rec.pulse_until = pulse_until
@@ -262,6 +273,9 @@ class AlertBook:
                     details: Mapping[str, Any], now: float, *, node: str, runbook_base: str) -> list[Signal]:
         signals = signals_for_event(kind, severity, subject, message, details, node=node,
                                     runbook_base=runbook_base)
+        n = details.get(REPEATS, 1)
+        if isinstance(n, int) and n > 1:
+            signals = [dataclasses.replace(s, occurrences=n) for s in signals]
         for s in signals:
             self.apply(s, now)
         return signals

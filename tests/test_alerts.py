@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
+from alerting_support import Alertmanager, alertmanager_binary
 from conftest import free_port
 from daemon.alert_policy import (
     AlertBook,
@@ -33,6 +34,7 @@ from daemon.alerts import AlertDispatcher, AlertsConfig
 from daemon.errors import ConfigError
 from daemon.events import EventBus
 from daemon.journal import Journal
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import Severity
 
 GPU = "GPU-5dc0a7e1-0000-4000-8000-000000000001"
@@ -44,6 +46,11 @@ def _state_event(to: str, frm: str = "HEALTHY") -> dict[str, Any]:
     return dict(kind="gpu.state", severity=Severity.CRITICAL if to == "FAILED" else Severity.INFO,
                 subject=f"gpu/{GPU}", message=f"GPU {GPU} {frm} -> {to}",
                 details={"uuid": GPU, "pci_bus_id": BUS, "from": frm, "to": to, "reason": f"XID 79 ({to})"})
+
+
+def _bus_args(event: dict[str, Any]) -> dict[str, Any]:
+    """`_state_event` as EventBus.publish's arguments (the kind is passed as the catalogue member)."""
+    return {k: v for k, v in event.items() if k != "kind"}
 
 
 class _Ev:
@@ -189,53 +196,9 @@ def test_config_validation() -> None:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _alertmanager_binary() -> str | None:
-    return shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-
-
-class Alertmanager:
-    def __init__(self, workdir: Path) -> None:
-        binary = _alertmanager_binary()
-        assert binary
-        self.port = free_port()
-        cfg = workdir / "alertmanager.yml"
-        cfg.write_text("route:\n  receiver: blackhole\n  group_wait: 1s\nreceivers:\n  - name: blackhole\n")
-        (workdir / "am-data").mkdir()
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={cfg}", f"--storage.path={workdir / 'am-data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="],
-            stdout=subprocess.DEVNULL, stderr=open(workdir / "am.log", "wb"))
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"alertmanager exited: {(workdir / 'am.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("alertmanager did not become ready")
-
-    def alerts(self) -> list[dict[str, Any]]:
-        with urllib.request.urlopen(f"{self.url}/api/v2/alerts", timeout=5) as r:
-            return json.loads(r.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture()
 def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
-    if not _alertmanager_binary():
+    if not alertmanager_binary():
         pytest.skip("prometheus-alertmanager not installed (bash scripts/setup.sh --test installs it)")
     am = Alertmanager(tmp_path)
     try:
@@ -313,9 +276,9 @@ def test_alertmanager_gets_the_alert_and_its_resolution(alertmanager: Alertmanag
         cfg = AlertsConfig(alertmanager_url=alertmanager.url, webhook_url=webhook.url, resend_interval_s=30,
                            runbook_url_base=RB)
         disp = AlertDispatcher(cfg, node="node-a", registry=reg, tick_s=0.05)
-        bus.publish("agent.ready", Severity.INFO, "node", "before the dispatcher started: not replayed")
+        bus.publish(ek.AGENT_READY, "node", "before the dispatcher started: not replayed")
         await disp.start(bus)
-        bus.publish(**_state_event("FAILED"))
+        bus.publish(ek.GPU_STATE, **_bus_args(_state_event("FAILED")))
 
         def am_alert() -> dict[str, Any] | None:
             found = [a for a in alertmanager.alerts() if a["labels"].get("alertname") == "SDCWatchGPUFailed"]
@@ -334,7 +297,7 @@ def test_alertmanager_gets_the_alert_and_its_resolution(alertmanager: Alertmanag
         assert hooked["status"] == "firing" and hooked["labels"]["uuid"] == GPU
         assert webhook.bodies[0]["node"] == "node-a"
 
-        bus.publish(**_state_event("HEALTHY", "FAILED"))
+        bus.publish(ek.GPU_STATE, **_bus_args(_state_event("HEALTHY", "FAILED")))
         await _until(lambda: am_alert() is None)   # resolved: no longer in the active list
         await _until(lambda: any(x["status"] == "resolved" for x in webhook.alerts()))
         assert _metric(reg, "sdcwatch_alert_notifications_total", sink="alertmanager", status="resolved") == 1

@@ -1,5 +1,11 @@
-"""End to end: agent (fake NVML scenario: XID 79 on one GPU, then a GPU reset) -> real Prometheus scraping
-it with sdcwatch's rules loaded -> the right alerts fire with the right labels and resolve.
+"""End to end: the real agent -> real Prometheus scraping it with sdcwatch's rules loaded -> the right alerts
+fire with the right labels and resolve; for the loss detector's alerts, on to a real Alertmanager, which must
+hold each alert twice: from Prometheus' rule and from the agent's own push.
+
+- A fake NVML scenario: XID 79 on one GPU, then a GPU reset.
+- ReportStep calls that make a gradient-norm spike, a loss-scale collapse and a NaN gradient norm: each
+  raises its own alert (SDCWatchGradNormSpike, SDCWatchLossScaleCollapse, SDCWatchGradNormNonFinite), not
+  the loss-spike alert or the catch-all.
 
 The rules are loaded from a copy with short durations (`shorten_rules`): every range and offset becomes
 WINDOW and every `for:` becomes HOLD, so "fires for 30 minutes after the newest XID" plays out in
@@ -9,36 +15,28 @@ with a temp TSDB; the test skips with the reason when it is not installed.
 from __future__ import annotations
 
 import json
-import re
+import math
 import shutil
-import subprocess
+import tempfile
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import grpc
 import pytest
 
 from agent_harness import AgentProcess
-from conftest import free_port
+from alerting_support import HOLD, WINDOW, Alertmanager, Prometheus, alertmanager_binary, shorten_rules
 from deploy_support import RULES
+from proto.sdcwatch.v1 import agent_pb2 as pb
+from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
-WINDOW = "12s"
-HOLD = "2s"
 XID_AT = 4.0        # scenario seconds (from the agent's start)
 RESET_AT = 20.0
 GPU0 = {"uuid": "GPU-e2e00000-0000-4000-8000-000000000000", "pci_bus_id": "00000000:19:00.0"}
 GPU1 = {"uuid": "GPU-e2e00000-0000-4000-8000-000000000001", "pci_bus_id": "00000000:39:00.0"}
-
-
-def shorten_rules(text: str, window: str = WINDOW, hold: str = HOLD) -> str:
-    """The rules with every range `[..]`, every `offset ..` set to `window` and every `for:` to `hold`."""
-    text = re.sub(r"\[\d+[smhdwy]\]", f"[{window}]", text)
-    text = re.sub(r"\boffset \d+[smhdwy]", f"offset {window}", text)
-    return re.sub(r"^(\s+for: )\S+$", rf"\g<1>{hold}", text, flags=re.M)
 
 
 def test_shorten_rules() -> None:
@@ -58,57 +56,6 @@ def _scenario(path: Path) -> Path:
                      {"at": RESET_AT, "gpu": 1, "reset": True}],
     }))
     return path
-
-
-class Prometheus:
-    def __init__(self, workdir: Path, target: str, rules: Path) -> None:
-        binary = shutil.which("prometheus")
-        assert binary
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = workdir / "prometheus.yml"
-        cfg.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {rules}\n"
-            f"scrape_configs:\n  - job_name: sdcwatch\n    static_configs:\n      - targets: ['{target}']\n")
-        self.log = workdir / "prometheus.log"
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("prometheus not ready in 30s")
-
-    def get(self, path: str, **params: str) -> Any:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=5) as r:
-            body = json.loads(r.read())
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def alerts(self) -> list[dict[str, Any]]:
-        return self.get("/api/v1/alerts")["alerts"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture()
@@ -186,3 +133,86 @@ def test_xid79_fires_the_right_alerts_and_they_resolve(
         assert [u["value"][1] for u in up] == ["1"]
     finally:
         prom.stop()
+
+
+# ---- the loss detector's alerts: agent -> Prometheus rule -> Alertmanager (and the agent's own push) -------------
+
+@pytest.fixture(scope="module")
+def loss_stack() -> Iterator[tuple[AgentProcess, Prometheus, Alertmanager]]:
+    if not shutil.which("prometheus") or not alertmanager_binary():
+        pytest.skip("prometheus or prometheus-alertmanager not installed (bash scripts/setup.sh --test)")
+    workdir = Path(tempfile.mkdtemp(prefix="sdcw-", dir="/tmp"))   # short: unix socket paths
+    am = Alertmanager(workdir)
+    agent = AgentProcess(workdir / "state", "--alerts-alertmanager-url", am.url, "--hostname", "e2e-node")
+    prom: Prometheus | None = None
+    try:
+        agent.start()
+        rules = workdir / "rules-short.yml"
+        rules.write_text(shorten_rules(RULES.read_text()))
+        prom = Prometheus(workdir, agent.runtime_info()["metrics"], rules, alertmanager=f"127.0.0.1:{am.port}")
+        yield agent, prom, am
+    finally:
+        if prom is not None:
+            prom.stop()
+        agent.stop()
+        am.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _report(stub: pb_grpc.AgentStub, job: str, step: int, loss: float, grad_norm: float,
+            loss_scale: float | None = None) -> None:
+    req = pb.ReportStepRequest(job_id=job, rank=0, world_size=1, step=step, loss=loss, grad_norm=grad_norm,
+                               time=time.time(), host="e2e-node")
+    if loss_scale is not None:
+        req.loss_scale = loss_scale
+    assert stub.ReportStep(req, timeout=10).accepted
+
+
+def _grad_norm_spike(stub: pb_grpc.AgentStub, job: str) -> None:
+    for step in range(160):
+        _report(stub, job, step, 2.0 + 0.01 * (step % 5), 50.0 if step == 150 else 1.0 + 0.01 * (step % 3))
+
+
+def _loss_scale_collapse(stub: pb_grpc.AgentStub, job: str) -> None:
+    for step in range(160):
+        _report(stub, job, step, 2.0 + 0.01 * (step % 5), 1.0 + 0.01 * (step % 3),
+                loss_scale=65536.0 if step < 150 else 1.0)
+
+
+def _nan_grad_norm(stub: pb_grpc.AgentStub, job: str) -> None:
+    for step in range(60):
+        _report(stub, job, step, 2.0 + 0.01 * (step % 5), math.nan if step == 50 else 1.0 + 0.01 * (step % 3))
+
+
+@pytest.mark.parametrize("feed, kind, alert, severity", [
+    (_grad_norm_spike, "grad_norm.spike", "SDCWatchGradNormSpike", "warning"),
+    (_loss_scale_collapse, "loss_scale.collapse", "SDCWatchLossScaleCollapse", "critical"),
+    (_nan_grad_norm, "grad_norm.nonfinite", "SDCWatchGradNormNonFinite", "critical"),
+], ids=["grad-norm-spike", "loss-scale-collapse", "nan-grad-norm"])
+def test_loss_detector_alert_reaches_alertmanager(loss_stack: tuple[AgentProcess, Prometheus, Alertmanager],
+                                                  feed: Callable[[pb_grpc.AgentStub, str], None], kind: str,
+                                                  alert: str, severity: str) -> None:
+    agent, prom, am = loss_stack
+    job = f"e2e-{kind.replace('.', '-').replace('_', '-')}"
+    with grpc.insecure_channel(agent.target) as ch:
+        feed(pb_grpc.AgentStub(ch), job)
+
+    def named(source: str | None) -> list[dict[str, Any]]:
+        return [a for a in am.alerts() if a["labels"]["alertname"] == alert
+                and a["labels"].get("source") == source and a["status"]["state"] == "active"]
+
+    # Prometheus' rule over sdcwatch_events_total{kind=...} fires and reaches Alertmanager ...
+    from_rule = _wait(f"{alert} from Prometheus in Alertmanager", lambda: named(None), 60, prom, agent)
+    labels = from_rule[0]["labels"]
+    assert labels["severity"] == severity and labels["instance"] == agent.runtime_info()["metrics"]
+    assert labels.get("kind", kind) == kind
+    assert from_rule[0]["annotations"]["runbook_url"].endswith(f"/docs/runbooks/{alert}.md")
+    # ... and the agent pushed its own, naming the job
+    pushed = _wait(f"{alert} pushed by the agent", lambda: [a for a in named("sdcwatch-agent")
+                                                            if a["labels"].get("job_id") == job], 30, prom, agent)
+    assert pushed[0]["labels"]["node"] == "e2e-node"
+    # neither the loss-spike rule nor the catch-all swallowed it
+    rules_firing = {(a["labels"]["alertname"], a["labels"].get("kind")) for a in prom.alerts()}
+    assert ("SDCWatchLossSpike", kind) not in rules_firing
+    assert not [a for a in am.alerts() if a["labels"]["alertname"] in ("SDCWatchLossSpike", "SDCWatchCriticalEvent")
+                and a["labels"].get("kind") == kind]
