@@ -1,4 +1,4 @@
-"""The benchmarks' GPT: `daemon.demo.model.GPT` (one model in the project) with the benchmarks' config
+"""The benchmarks' GPT: `demo.model.GPT` (one model in the project) with the benchmarks' config
 names. GPT-2 small by default: 12 x 768, 12 heads, vocab 50257, context 1024, tied embeddings, so 148
 parameter tensors and ~124M parameters.
 """
@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 
-from daemon.demo.model import GPT
-from daemon.demo.model import GPTConfig as ModelConfig
+from demo.model import GPT
+from demo.model import GPTConfig as ModelConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

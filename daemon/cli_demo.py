@@ -5,6 +5,10 @@ the Python standard library's source text with N data-parallel ranks (gloo on CP
 with the Monitor and in-memory checkpoints, injects the planned faults, shows what is detected as it
 happens, and writes a report (loss curve PNG, summary JSON, the event journal) into `--out`.
 Exit 0 only if every injected fault was detected and training finished.
+
+The ranks are processes (`python -m demo.worker`, the training side: torch); this command never imports
+torch or the demo package. Without torch it says "needs torch: pip install 'sdcwatch[torch]'" (exit 2);
+without matplotlib the report has no loss curve and says which extra draws it.
 """
 from __future__ import annotations
 
@@ -23,7 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.demo.report import Display, build_summary, write_report
+from daemon.demo.scenario import write_scenario
 from sdcwatch.channels import agent_channel
+from sdcwatch.extras import available, needs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,24 +166,42 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return {"bitflips": flips, "bad_data": bad}
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from daemon.demo.report import Display, build_summary, write_report
+def cuda_devices(timeout_s: float = 120.0) -> int:
+    """How many CUDA GPUs torch sees, asked of a child (`python -m demo.devices`): the CLI stays torch-free.
+    Raises RuntimeError saying why when the child cannot answer (a broken torch or CUDA install)."""
+    try:
+        run = subprocess.run([sys.executable, "-m", "demo.devices"], cwd=ROOT, env=_env(), capture_output=True,
+                             text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"python -m demo.devices did not answer within {timeout_s:.0f}s") from None
+    try:
+        return int(json.loads(run.stdout.strip().splitlines()[-1])["cuda_devices"])
+    except (ValueError, IndexError, KeyError, TypeError):
+        raise RuntimeError(f"python -m demo.devices failed (exit {run.returncode}): "
+                           f"{run.stderr.strip()[-500:]}") from None
 
+
+def cmd_demo(args: argparse.Namespace) -> int:
     if args.ranks < 2:
         print("sdcwatch demo: --ranks must be at least 2 (the replica vote needs replicas)", file=sys.stderr)
         return 2
     if args.steps < 10:
         print("sdcwatch demo: --steps must be at least 10", file=sys.stderr)
         return 2
-    import torch
-
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and torch.cuda.device_count() < args.ranks:
-        if args.device == "cuda":
-            print(f"sdcwatch demo: {args.ranks} ranks need {args.ranks} GPUs, found {torch.cuda.device_count()}",
-                  file=sys.stderr)
+    if not available("torch"):
+        print(f"sdcwatch demo: {needs('torch')}", file=sys.stderr)
+        return 2
+    use_cuda = False
+    if args.device != "cpu":
+        try:
+            gpus = cuda_devices()
+        except RuntimeError as exc:
+            print(f"sdcwatch demo: cannot ask torch for GPUs: {exc}", file=sys.stderr)
             return 2
-        use_cuda = False
+        if args.device == "cuda" and gpus < args.ranks:
+            print(f"sdcwatch demo: {args.ranks} ranks need {args.ranks} GPUs, found {gpus}", file=sys.stderr)
+            return 2
+        use_cuda = gpus >= args.ranks
     out = Path(args.out or f"sdcwatch-demo-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.jsonl"):
@@ -193,8 +218,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         else:
             scenario = None
             if not use_cuda:
-                from daemon.demo.scenario import write_scenario
-
                 scenario = tmp / "scenario.json"
                 xid = 79 if args.xid_at >= 0 and not args.no_faults else None
                 uuids = write_scenario(scenario, args.ranks, xid=xid, xid_gpu=0, xid_at=max(0.0, args.xid_at))
@@ -219,7 +242,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for r in range(args.ranks):
             env = _env() | {"RANK": str(r), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(r),
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            ranks.append(subprocess.Popen([sys.executable, "-m", "daemon.demo.worker", str(spec_path)], cwd=ROOT,
+            ranks.append(subprocess.Popen([sys.executable, "-m", "demo.worker", str(spec_path)], cwd=ROOT,
                                           env=env, stdout=open(out / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT))
         codes = display.follow_training(out / "rank0.jsonl", ranks, deadline=started + args.timeout)
         time.sleep(1.0)  # let the last reports and events arrive
@@ -228,6 +251,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summary = build_summary(out, plan, follower.events, codes, status, started, uuids)
         write_report(out, summary, follower.events)
         display.summary(summary, out)
+        if not available("matplotlib"):
+            print(f"sdcwatch demo: no loss curve (loss.png): {needs('matplotlib')}", file=sys.stderr)
         return 0 if summary["ok"] else 1
     finally:
         if agent is not None:

@@ -7,7 +7,8 @@ One line per event (with --json, one JSON object per line: run, step, kind, sign
 ('info' | 'warning' | 'critical'), value, baseline, magnitude, start_step, line, message; non-finite
 numbers are written as null). Each run (the run column) gets its own detector; with
 --allow-restarts, a step that goes back starts a new segment with a new detector. Exit status: 0 no
-critical event, 1 at least one, 2 the log cannot be read (the reason on stderr).
+critical event, 1 at least one, 2 the log cannot be read, or --plot without matplotlib (the reason on
+stderr).
 
 `main(argv)` takes the arguments after `sdcwatch spikes replay`.
 """
@@ -24,6 +25,7 @@ from typing import Sequence, TextIO
 
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
 from probes.training_log import LogRun, TrainingLog, TrainingLogError, read_training_log
+from sdcwatch.extras import available, needs
 from sdcwatch.types import Severity
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ def event_line(rev: ReplayEvent) -> str:
 
 def plot_events(tlog: TrainingLog, events: Sequence[ReplayEvent], out: Path) -> None:
     """One panel per run: the loss (log scale) with the events marked by severity."""
-    import matplotlib
+    import matplotlib  # an optional extra (plot): `main` checks for it before calling
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -136,6 +138,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         args = parser.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:   # argparse reports usage errors itself
         return int(exc.code) if isinstance(exc.code, int) else EXIT_UNREADABLE
+    if args.plot is not None and not available("matplotlib"):
+        print(f"sdcwatch spikes replay: --plot {needs('matplotlib')}", file=err)
+        return EXIT_UNREADABLE
     try:
         tlog = read_training_log(args.file, step_col=args.step_col, loss_col=args.loss_col,
                                  grad_norm_col=args.grad_norm_col, loss_scale_col=args.loss_scale_col,

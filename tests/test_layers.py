@@ -1,9 +1,10 @@
 """The layer rules in pyproject.toml ([tool.importlinter]) hold: `lint-imports` passes on this tree.
 
-The contracts say what may import what: the training side never imports the agent, the shared base
-imports nothing above it, the rule modules do no I/O, the Monitor builds no protobufs, and no package or
-module imports in a cycle. The second test breaks two rules in a copy of the tree and checks that
-`lint-imports` names both, so a contract that stopped checking anything would fail here.
+The contracts say what may import what: the training side never imports the agent, the agent never
+imports torch, the shared base imports nothing above it, the rule modules do no I/O, the Monitor builds no
+protobufs, and no package or module imports in a cycle. The second test breaks three rules in a copy of
+the tree and checks that `lint-imports` names each, so a contract that stopped checking anything would fail
+here.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto")
+PACKAGES = ("sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
@@ -39,10 +40,14 @@ def test_a_broken_rule_is_reported(tmp_path: Path) -> None:
         f.write("\nimport socket  # a rule module doing I/O\n")
     with open(tmp_path / "checkpoint" / "records.py", "a") as f:
         f.write("\n\ndef _late() -> None:\n    from daemon import events  # a rank reaching into the agent\n")
+    with open(tmp_path / "daemon" / "cli_ckpt.py", "a") as f:
+        f.write("\n\ndef _restore() -> None:\n    from checkpoint import restore  # the agent's CLI loading torch\n")
     run = _lint(tmp_path)
     assert run.returncode != 0, run.stdout
     broken = [line for line in run.stdout.splitlines() if line.endswith(" BROKEN")]
     assert "Rule modules do no I/O BROKEN" in broken
     assert "The training side never imports the agent BROKEN" in broken
+    assert "The agent never imports torch BROKEN" in broken
     assert "checksums.replica_vote -> socket" in run.stdout
     assert "checkpoint.records -> daemon.events" in run.stdout
+    assert "daemon.cli_ckpt -> checkpoint.restore" in run.stdout

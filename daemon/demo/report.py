@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sdcwatch.extras import available
+
 SEV_STYLE = {"SEVERITY_CRITICAL": "bold red", "SEVERITY_WARNING": "yellow", "SEVERITY_INFO": "dim"}
 SHOWN = ("replica.", "gpu.", "loss.", "job.rollback", "checkpoint.", "sdc.", "canary.", "probe.hung",
          "job.reports")
@@ -207,11 +209,12 @@ def write_report(out: Path, summary: dict[str, Any], events: list[dict[str, Any]
     with open(out / "events.jsonl", "w") as fh:
         for e in events:
             fh.write(json.dumps(e, default=str) + "\n")
-    plot(out, summary, events)
+    if available("matplotlib"):  # the plot extra; without it the command says so
+        plot(out, summary, events)
 
 
 def plot(out: Path, summary: dict[str, Any], events: list[dict[str, Any]]) -> None:
-    import matplotlib
+    import matplotlib  # an optional extra (plot): write_report checks for it first
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

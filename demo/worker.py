@@ -1,7 +1,7 @@
 """One data-parallel rank of `sdcwatch demo`: trains the small GPT with the Monitor and in-memory
 checkpoints, applies the fault plan, and rolls back when the vote or the agent says so.
 
-Run by the demo orchestrator as `python -m daemon.demo.worker SPEC.json` with RANK, WORLD_SIZE,
+Run by the demo orchestrator as `python -m demo.worker SPEC.json` with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set. Writes JSON lines to `<out>/rank<R>.jsonl` (rank 0: one per step).
 
 Rollback is collective: every step the ranks all-reduce (MAX) a small request vector made of what each
@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from daemon.demo.data import Batches, load_corpus
-from daemon.demo.faults import FaultPlan, Injector
-from daemon.demo.model import GPT, GPTConfig
+from checkpoint.client import CheckpointClient
+from checksums.monitor import Monitor
+from demo.data import Batches, load_corpus
+from demo.faults import FaultPlan, Injector
+from demo.model import GPT, GPTConfig
 
 ROLLBACK_VOTE, ROLLBACK_DIRECTIVE = 1, 2
 
@@ -58,9 +60,6 @@ def main(spec_path: str) -> int:
 
 
 def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log: Log) -> int:
-    from checkpoint.client import CheckpointClient
-    from checksums.monitor import Monitor
-
     torch.manual_seed(spec.get("seed", 0))  # same init on every rank (DDP also broadcasts it)
     cfg = GPTConfig(**spec.get("model", {}))
     model = GPT(cfg).to(device)

@@ -8,7 +8,7 @@ and the detectors see only the consequences, as they would in production:
 - `bad_data`: batches with data index in [start, start + length) have their targets replaced by
   random tokens (a corrupted data shard: the loss jumps and stays up while it lasts);
 - `xid`: an XID event on one GPU at a scenario time (only with the scenario NVML backend; the agent's
-  scenario file carries it, see `daemon.demo.scenario`).
+  scenario file carries it, see `daemon.demo.scenario`, written by the `sdcwatch demo` command).
 """
 from __future__ import annotations
 
