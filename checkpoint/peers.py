@@ -27,7 +27,9 @@ from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
 from checkpoint.coordinator import Coordinator
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError, NotInMemoryError
+from checkpoint.grpc_store import grpc_store_for, is_peer_url
 from checkpoint.manifest import ShardManifest
+from checkpoint.shm_store import DirStore
 from sdcwatch import event_kinds as ek
 
 log = logging.getLogger(__name__)
@@ -71,12 +73,8 @@ class Peer:
     def open(self) -> BlobStore:
         if self.store is not None:
             return self.store
-        from checkpoint.grpc_store import grpc_store_for, is_peer_url
-
         if is_peer_url(self.location):
             return grpc_store_for(self.location)   # reachability shows on the first call (an OSError)
-        from checkpoint.shm_store import DirStore
-
         root = Path(self.location)
         if not root.is_dir():
             raise NotInMemoryError(f"peer {self.node}'s memory tier {self.location} is not reachable from here "

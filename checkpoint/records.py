@@ -2,16 +2,13 @@
 
 Plain frozen values, no I/O and no torch: the rank's client, snapshot, restore and DCP code and the
 agent's coordinator and service all import them from here, so the rank never imports the agent-side
-coordinator for its types. `ShardPlan.manifest` is a `checkpoint.manifest.ShardManifest` (named for type
-checkers only).
+coordinator for its types.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from checkpoint.manifest import ShardManifest
+from checkpoint.manifest import ShardManifest
 
 LATEST = "latest"
 LATEST_VERIFIED = "latest_verified"
