@@ -24,7 +24,7 @@ ENV_PREFIX = "SDCWATCH_"
 PROCESS_SWITCHES = frozenset({
     "SDCWATCH_NVML_TIMING",            # probes/nvml_backend.py: log each NVML call's time
     "SDCWATCH_NVML_INPROCESS",         # probes/nvml_backend.py: NVML in the agent process (no child)
-    "SDCWATCH_NVML_CHILD_SCENARIO",    # probes/nvml_isolated.py: the NVML child's fake scenario (tests)
+    "SDCWATCH_NVML_CHILD_SCENARIO",    # probes/nvml_child.py: the NVML child's fake scenario (tests)
     "SDCWATCH_CANARY_CHILD_TEST",      # probes/canary_child.py: test hook of the canary child
 })
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",

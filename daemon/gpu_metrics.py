@@ -9,9 +9,9 @@ from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from probes.nvml_backend import GpuIdentity
 from probes.nvml_fields import ECC_KINDS
 from probes.nvml_rules import CLOCK_EVENT_BITS, GpuReadings
+from probes.nvml_types import GpuIdentity
 from sdcwatch.types import State
 from probes.xid_catalog import RecoveryAction
 

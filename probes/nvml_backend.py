@@ -16,7 +16,8 @@ Lifecycle (the same for both):
    `xid_close()` at the end;
 5. `close()`: `nvmlShutdown`. No other method may be called after it.
 
-Errors: one root, `NvmlError`, with `transient` telling whether a retry may succeed. `FieldNotSupported`
+Errors (in `probes.nvml_types`, with the identity and XID values every backend returns): one root,
+`NvmlError`, with `transient` telling whether a retry may succeed. `FieldNotSupported`
 (NVML_ERROR_NOT_SUPPORTED, or a function this driver lacks) is not a fault: the probe records the field as
 unsupported on that GPU. `GpuLost` (the GPU fell off the bus) and `GpuNeedsReset` are fatal for that GPU;
 `NvmlUnavailable` (no library, no driver, version mismatch) is fatal for the backend.
@@ -27,78 +28,18 @@ device is unreachable (`GpuLost`) or NVML itself is gone.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from probes.nvml_fake import ScenarioBackend
 from probes.nvml_fields import FIELD_VALUES_CALL, FieldSpec, spec_for
+from probes.nvml_isolated import IsolatedBackend
+from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, GpuNeedsReset, NvmlError, NvmlUnavailable, RawXid
 
 log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Errors
-# ----------------------------------------------------------------------------------------------------------
-
-
-class NvmlError(Exception):
-    """Root of every NVML failure. `transient`: a later call may succeed; `code`: the NVML return code."""
-
-    transient: bool = False
-
-    def __init__(self, message: str, *, code: int | None = None, transient: bool | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        if transient is not None:
-            self.transient = transient
-
-
-class FieldNotSupported(NvmlError):
-    """NVML_ERROR_NOT_SUPPORTED (or the driver lacks the function): the GPU cannot report this field."""
-
-
-class NvmlUnavailable(NvmlError):
-    """NVML cannot be used at all on this host (no library, no driver, version mismatch)."""
-
-
-class GpuLost(NvmlError):
-    """NVML_ERROR_GPU_IS_LOST: the GPU fell off the bus; every call on it fails."""
-
-
-class GpuNeedsReset(NvmlError):
-    """NVML_ERROR_RESET_REQUIRED: the GPU needs a reset before it answers again."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Identities and events
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GpuIdentity:
-    """Who a GPU is. `uuid` and `pci_bus_id` name it everywhere; `index` is only this NVML session's handle."""
-
-    uuid: str
-    pci_bus_id: str
-    name: str
-    index: int
-    serial: str | None = None
-    driver_version: str | None = None
-
-    @property
-    def subject(self) -> str:
-        return f"gpu/{self.uuid}"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RawXid:
-    """One XID as the backend saw it: the GPU's UUID (None if NVML could not tell) and the XID number."""
-
-    uuid: str | None
-    xid: int
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -391,13 +332,9 @@ def open_backend(scenario: str | None = None, clock: Callable[[], float] | None 
     Raises `NvmlUnavailable` (the agent then runs with GPUs UNKNOWN and says why) and `ValueError` for a
     bad scenario file."""
     if scenario:
-        from probes.nvml_fake import ScenarioBackend  # noqa: PLC0415
-
         return ScenarioBackend.from_file(scenario, clock=clock)
     if os.environ.get("SDCWATCH_NVML_INPROCESS") == "1":  # debugging only: NVML inside the agent process
         return PynvmlBackend()
-    from probes.nvml_isolated import IsolatedBackend  # noqa: PLC0415
-
     return IsolatedBackend()
 
 

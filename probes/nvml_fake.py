@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from probes.nvml_backend import FieldNotSupported, GpuIdentity, GpuLost, NvmlError, NvmlUnavailable, RawXid
 from probes.nvml_fields import (
     ECC_LOCATIONS,
     ECC_SCOPES,
@@ -57,6 +56,7 @@ from probes.nvml_fields import (
     field_specs,
     names_matching,
 )
+from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, NvmlError, NvmlUnavailable, RawXid
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ call raises a transient `NvmlError`, the probe records a failed poll, and the ne
 Two children: one answers identity and field reads, the other waits for XID events (a blocking wait must
 not delay polls). Each speaks JSON lines over its stdin/stdout; nothing is unpickled. A call that does not
 answer within `call_timeout_s` kills its child (the agent's probe runner marks the probe HUNG before that,
-after its own shorter timeout, and does not re-enter meanwhile).
+after its own shorter timeout, and does not re-enter meanwhile). The child's side is `probes.nvml_child`;
+the JSON codec of errors and values (below) is shared by both.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -21,18 +21,9 @@ import selectors
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Sequence
 
-from probes.nvml_backend import (
-    FieldNotSupported,
-    GpuIdentity,
-    GpuLost,
-    GpuNeedsReset,
-    NvmlError,
-    NvmlUnavailable,
-    RawXid,
-)
+from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, GpuNeedsReset, NvmlError, NvmlUnavailable, RawXid
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +31,21 @@ _ERRORS: dict[str, type[NvmlError]] = {c.__name__: c for c in (NvmlError, FieldN
                                                                 GpuLost, GpuNeedsReset)}
 
 
-def _err_to_json(err: NvmlError) -> dict[str, Any]:
+def error_to_json(err: NvmlError) -> dict[str, Any]:
     return {"__nvml_error__": type(err).__name__, "msg": str(err), "code": err.code, "transient": err.transient}
 
 
-def _err_from_json(d: dict[str, Any]) -> NvmlError:
+def error_from_json(d: dict[str, Any]) -> NvmlError:
     cls = _ERRORS.get(d.get("__nvml_error__", ""), NvmlError)
     return cls(str(d.get("msg", "")), code=d.get("code"), transient=bool(d.get("transient", False)))
 
 
-def _values_from_json(raw: dict[str, Any]) -> dict[str, int | float | NvmlError]:
-    return {k: (_err_from_json(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+def values_from_json(raw: dict[str, Any]) -> dict[str, int | float | NvmlError]:
+    return {k: (error_from_json(v) if isinstance(v, dict) else v) for k, v in raw.items()}
 
 
-def _values_to_json(vals: dict[str, Any]) -> dict[str, Any]:
-    return {k: (_err_to_json(v) if isinstance(v, NvmlError) else v) for k, v in vals.items()}
+def values_to_json(vals: dict[str, Any]) -> dict[str, Any]:
+    return {k: (error_to_json(v) if isinstance(v, NvmlError) else v) for k, v in vals.items()}
 
 
 class _Child:
@@ -72,7 +63,7 @@ class _Child:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen([sys.executable, "-m", "probes.nvml_isolated"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "probes.nvml_child"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=None, env=env, close_fds=True)
 
     def _kill(self) -> None:
@@ -110,7 +101,7 @@ class _Child:
                 raise NvmlError(f"NVML child process {what}", transient=True)
             msg = json.loads(reply)
             if "error" in msg:
-                raise _err_from_json(msg["error"])
+                raise error_from_json(msg["error"])
             return msg.get("result")
 
     @staticmethod
@@ -171,7 +162,7 @@ class IsolatedBackend:
         return GpuIdentity(**self._poll.call("identity", index))
 
     def read_fields(self, index: int, names: Sequence[str]) -> dict[str, int | float | NvmlError]:
-        return _values_from_json(self._poll.call("read_fields", index, list(names)))
+        return values_from_json(self._poll.call("read_fields", index, list(names)))
 
     def read_many(self, requests: Sequence[tuple[int, Sequence[str]]]
                   ) -> list[dict[str, int | float | NvmlError] | NvmlError]:
@@ -180,7 +171,7 @@ class IsolatedBackend:
             replies = self._poll.call("read_many", [[index, list(names)] for index, names in requests])
         except NvmlError as err:  # the child died or hung: every GPU's read failed with it
             return [err] * len(requests)
-        return [_err_from_json(r["error"]) if "error" in r else _values_from_json(r["ok"]) for r in replies]
+        return [error_from_json(r["error"]) if "error" in r else values_from_json(r["ok"]) for r in replies]
 
     def xid_open(self) -> list[int]:
         return list(self._xid.call("xid_open"))
@@ -203,84 +194,3 @@ class IsolatedBackend:
                 except NvmlError:
                     pass
             child.close()
-
-
-# -- the child --------------------------------------------------------------------------------------------
-def _serve() -> int:
-    from probes.nvml_backend import PynvmlBackend
-
-    backend: Any = None
-    init_error: NvmlError | None = None
-    try:
-        scenario = os.environ.get("SDCWATCH_NVML_CHILD_SCENARIO")  # tests: the same child over the fake
-        if scenario:
-            from probes.nvml_fake import ScenarioBackend
-
-            backend = ScenarioBackend.from_file(scenario)
-        else:
-            backend = PynvmlBackend()
-    except NvmlError as err:
-        init_error = err
-    out = sys.stdout.buffer
-    for line in sys.stdin.buffer:
-        req = json.loads(line)
-        try:
-            if init_error is not None:
-                raise init_error
-            result = _dispatch(backend, req["method"], req.get("args", []))
-            reply = {"id": req["id"], "result": result}
-        except NvmlError as err:
-            reply = {"id": req["id"], "error": _err_to_json(err)}
-        except Exception as exc:  # a bug here must answer, not hang the parent
-            reply = {"id": req["id"], "error": _err_to_json(NvmlError(f"{type(exc).__name__}: {exc}"))}
-        out.write((json.dumps(reply) + "\n").encode())
-        out.flush()
-        if req["method"] == "close":
-            break
-    return 0
-
-
-def _dispatch(backend: Any, method: str, args: list[Any]) -> Any:
-    if method == "ping":
-        return True
-    if method == "__abort__" and os.environ.get("SDCWATCH_NVML_CHILD_SCENARIO"):  # tests: die mid-call
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dump: a piped core_pattern can take seconds
-        os.abort()
-    if method == "device_count":
-        return backend.device_count()
-    if method == "identity":
-        return dataclasses.asdict(backend.identity(*args))
-    if method == "read_fields":
-        return _values_to_json(backend.read_fields(*args))
-    if method == "read_many":
-        out = []
-        for index, names in args[0]:
-            try:
-                out.append({"ok": _values_to_json(backend.read_fields(index, names))})
-            except NvmlError as err:
-                out.append({"error": _err_to_json(err)})
-        return out
-    if method == "xid_open":
-        return backend.xid_open()
-    if method == "xid_wait":
-        ev = backend.xid_wait(*args)
-        return None if ev is None else {"uuid": ev.uuid, "xid": ev.xid}
-    if method == "xid_close":
-        backend.xid_close()
-        return None
-    if method == "call_times":  # benchmarks: medians (ms) and counts of each call group's duration
-        times = getattr(backend, "call_times", None) or {}
-        out = {k: [sorted(v)[len(v) // 2] * 1e3, len(v)] for k, v in times.items()}
-        times.clear()
-        return out
-    if method == "close":
-        backend.close()
-        return None
-    raise NvmlError(f"unknown method {method!r}")
-
-
-if __name__ == "__main__":
-    time.sleep(0)
-    sys.exit(_serve())

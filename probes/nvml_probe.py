@@ -19,8 +19,9 @@ import time
 from typing import Any, Callable
 
 from probes import nvml_rules, xid_catalog
-from probes.nvml_backend import FieldNotSupported, GpuIdentity, GpuLost, NvmlBackend, NvmlError, read_many
+from probes.nvml_backend import NvmlBackend, read_many
 from probes.nvml_fields import field_specs, names_matching
+from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, NvmlError
 from probes.nvml_rules import GpuReadings, RuleConfig
 from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, Finding, Severity, State

@@ -1,0 +1,70 @@
+"""What every NVML backend speaks: the error classes and the values a backend returns.
+
+Shared by the real backend (`probes.nvml_backend`), the scenario fake (`probes.nvml_fake`), the isolated
+backend's parent and child (`probes.nvml_isolated`, `probes.nvml_child`) and the probe; no NVML here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------------------
+
+
+class NvmlError(Exception):
+    """Root of every NVML failure. `transient`: a later call may succeed; `code`: the NVML return code."""
+
+    transient: bool = False
+
+    def __init__(self, message: str, *, code: int | None = None, transient: bool | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        if transient is not None:
+            self.transient = transient
+
+
+class FieldNotSupported(NvmlError):
+    """NVML_ERROR_NOT_SUPPORTED (or the driver lacks the function): the GPU cannot report this field."""
+
+
+class NvmlUnavailable(NvmlError):
+    """NVML cannot be used at all on this host (no library, no driver, version mismatch)."""
+
+
+class GpuLost(NvmlError):
+    """NVML_ERROR_GPU_IS_LOST: the GPU fell off the bus; every call on it fails."""
+
+
+class GpuNeedsReset(NvmlError):
+    """NVML_ERROR_RESET_REQUIRED: the GPU needs a reset before it answers again."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Identities and events
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """Who a GPU is. `uuid` and `pci_bus_id` name it everywhere; `index` is only this NVML session's handle."""
+
+    uuid: str
+    pci_bus_id: str
+    name: str
+    index: int
+    serial: str | None = None
+    driver_version: str | None = None
+
+    @property
+    def subject(self) -> str:
+        return f"gpu/{self.uuid}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RawXid:
+    """One XID as the backend saw it: the GPU's UUID (None if NVML could not tell) and the XID number."""
+
+    uuid: str | None
+    xid: int
