@@ -164,7 +164,7 @@ def prepare_fingerprint(tensors: Sequence[torch.Tensor]) -> Any:
     locs = [local_tensor(t) for t in tensors]
     if not locs or not _use_triton(locs[0].device):
         raise ValueError("prepare_fingerprint needs a non-empty list of CUDA tensors and Triton")
-    from .fingerprint_triton import TritonFingerprintPlan
+    from checksums.fingerprint_triton import TritonFingerprintPlan  # triton is optional: loaded on first use
 
     return TritonFingerprintPlan(locs)
 
@@ -177,7 +177,7 @@ def _cached_plan(tensors: Sequence[torch.Tensor]) -> Any:
             if plan is not None:
                 _plan_cache.move_to_end(key)
                 return plan
-    from .fingerprint_triton import TritonFingerprintPlan
+    from checksums.fingerprint_triton import TritonFingerprintPlan  # triton is optional: loaded on first use
 
     plan = TritonFingerprintPlan([local_tensor(t) for t in tensors])
     if key is None:

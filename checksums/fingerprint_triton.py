@@ -27,12 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fingerprint import (
+from checksums.fingerprint_host import (
     MASK64,
     canonical_dtype_name,
     count_words,
     header_words,
-    local_tensor,
     position_words,
     to_signed64,
 )
@@ -170,7 +169,9 @@ class TritonFingerprintPlan:
         if block < 64 or block & (block - 1):
             raise ValueError(f"block must be a power of two >= 64, got {block}")
         self.block, self.num_warps, self.items_per_sm = block, num_warps, items_per_sm
-        srcs = [local_tensor(t) for t in tensors]
+        if any(type(t).__name__ == "DTensor" for t in tensors):
+            raise ValueError("pass a DTensor's local shard (checksums.fingerprint.local_tensor)")
+        srcs = [t.detach() for t in tensors]
         self.n = len(srcs)
         self.device = srcs[0].device if srcs else torch.device("cpu")
         if any(t.device != self.device for t in srcs):
