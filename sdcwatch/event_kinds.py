@@ -27,7 +27,7 @@ import dataclasses
 import enum
 from typing import Any, Iterator, Mapping, Protocol
 
-from sdcwatch.types import Severity
+from sdcwatch.severity import Severity
 
 INFO, WARNING, CRITICAL = Severity.INFO, Severity.WARNING, Severity.CRITICAL
 

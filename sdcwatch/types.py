@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:  # event_kinds imports this module (Severity); a Finding only carries a member
-    from sdcwatch.event_kinds import EventKind
+from sdcwatch.event_kinds import EventKind
+from sdcwatch.severity import Severity
+
+__all__ = ["State", "worst", "Severity", "Evidence", "Finding"]
 
 
 class State(enum.IntEnum):
@@ -34,14 +36,6 @@ _BADNESS = {State.HEALTHY: 0, State.UNKNOWN: 1, State.SUSPECT: 2, State.DEGRADED
 def worst(states: "list[State] | tuple[State, ...]", default: State = State.UNKNOWN) -> State:
     """The worst state of a collection (`default` when empty)."""
     return max(states, key=lambda s: s.badness) if states else default
-
-
-class Severity(enum.IntEnum):
-    """Values match proto `sdcwatch.v1.Severity`."""
-
-    INFO = 1
-    WARNING = 2
-    CRITICAL = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,7 +66,7 @@ class Finding:
     """Something a probe or detector wants journaled as an event (the agent assigns seq and time).
     `kind` is a member of the catalogue (sdcwatch/event_kinds.py), never a string."""
 
-    kind: "EventKind"
+    kind: EventKind
     severity: Severity
     subject: str
     message: str
