@@ -33,8 +33,8 @@ EXIT_NOT_FOUND = 1
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("ckpt", help="in-memory checkpoints: list, show",
-                              description="The in-memory checkpoints this agent's Redis indexes.")
+    p = subparsers.add_parser("ckpt", help="checkpoints: list, show, tiers, verify, restore",
+                              description="The checkpoints this agent knows, in memory and on the durable tiers.")
     sub = p.add_subparsers(dest="ckpt_command", required=True, parser_class=Parser)
     ls = sub.add_parser("ls", help="list checkpoints: step, state, size, where each copy is")
     ls.add_argument("--job", default="", help="only this job (default: every job)")
