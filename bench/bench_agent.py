@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from proto.sdcwatch.v1 import agent_pb2 as pb  # noqa: E402
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc  # noqa: E402
+from sdcwatch.extras import available, needs  # noqa: E402
 
 
 # -- the bare server -------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def cpu_s(pid: int) -> float:
-    import psutil
+    import psutil  # the bench extra: main checks for it
 
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system
@@ -144,7 +145,7 @@ def main_thread_cpu_s(pid: int) -> float:
 
 
 def rss_mb(pid: int) -> float:
-    import psutil
+    import psutil  # the bench extra: main checks for it
 
     return psutil.Process(pid).memory_info().rss / 2**20
 
@@ -182,6 +183,8 @@ def main() -> None:
     ap.add_argument("--bare-server", help=argparse.SUPPRESS)
     ap.add_argument("--bare-uvloop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not available("psutil"):
+        sys.exit(f"bench_agent: {needs('psutil')}")
     if args.bare_server:
         if args.bare_uvloop:
             import uvloop

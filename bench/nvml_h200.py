@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probes.nvml_backend import FieldNotSupported, NvmlError, open_backend  # noqa: E402
 from probes.nvml_fields import field_specs  # noqa: E402
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, poll_class  # noqa: E402
+from sdcwatch.extras import available, needs  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -100,7 +101,7 @@ def read_every_field(backend: Any, index: int) -> dict[str, Any]:
 
 def _cpu_with_children() -> float:
     """CPU seconds of this process and its live children (the NVML child processes)."""
-    import psutil
+    import psutil  # the bench extra: main checks for it
 
     me = psutil.Process()
     total = sum(me.cpu_times()[:2])
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-s", type=float, default=NvmlProbeConfig().sweep_s)
     ap.add_argument("--scenario", help="a fake-NVML scenario file instead of the GPUs (checks this script)")
     args = ap.parse_args(argv)
+    if not available("psutil"):
+        sys.exit(f"nvml_h200: {needs('psutil')}")
     report: dict[str, Any] = {"host": os.uname().nodename, "seconds": args.seconds, "interval": args.interval}
     os.environ["SDCWATCH_NVML_TIMING"] = "1"  # the NVML child times each call group
     try:

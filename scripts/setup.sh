@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Install sdcwatch into ./.venv on a fresh Debian machine (Python >= 3.10).
-#   bash scripts/setup.sh          the package and its runtime dependencies
-#   bash scripts/setup.sh --test   also the test tools and the system packages the tests start
-#                                  (Prometheus' promtool and Alertmanager from Debian)
-# torch: `pip install torch==2.13.0` (the CPU wheel where one is provided locally); a torch already in
-# the venv that satisfies the requirement is kept.
+#   bash scripts/setup.sh          the package with the training side and the demo: sdcwatch[demo]
+#                                  (the core, which runs the agent, + torch + matplotlib)
+#   bash scripts/setup.sh --test   sdcwatch[test] (also psutil and the test tools) and the system packages
+#                                  the tests start (Prometheus' promtool and Alertmanager from Debian)
+# torch: `pip install torch==2.13.0` (the CPU wheel where one is provided locally, never a CUDA download);
+# a torch already in the venv that satisfies the requirement is kept. The agent alone needs none of it:
+# `pip install sdcwatch` is the core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
@@ -36,6 +38,6 @@ fi
 if [ "$want_test" = 1 ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e '.[demo]'
 fi
 echo "setup: sdcwatch installed in $(pwd)/.venv"

@@ -1,0 +1,98 @@
+"""The core install runs the agent: `pip install sdcwatch` (no extras) into a fresh venv, without torch, then
+`sdcwatch run` (embedded defaults, fake NVML, canary on) and `sdcwatch status` against it; the commands
+that need torch say which extra brings it and exit 2.
+
+The wheel is built once from a copy of the sources (the repo tree is left untouched); its dependencies come
+through pip's usual configuration and cache.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("pyproject.toml", "README.md", "sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo")
+SCENARIO = ROOT / "tests" / "scenarios" / "clean.json"
+NEEDS_TORCH = "needs torch: pip install 'sdcwatch[torch]'"
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _core_venv(tmp: Path, env: dict[str, str]) -> Path:
+    src = tmp / "src"
+    src.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, src / name)
+    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                  str(tmp / "wheels"), str(src)], env, tmp, 300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    [wheel] = (tmp / "wheels").glob("sdcwatch-*.whl")
+    venv = tmp / "venv"
+    made = _run([sys.executable, "-m", "venv", str(venv)], env, tmp, 300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    installed = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)], env, tmp, 900)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    return venv
+
+
+def _wait_serving(target: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the agent exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            with grpc.insecure_channel(target) as ch:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the agent was not SERVING after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_the_core_install_runs_the_agent_without_torch(short_tmp: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    venv = _core_venv(short_tmp, env)
+    py, sdcwatch = str(venv / "bin" / "python"), str(venv / "bin" / "sdcwatch")
+    code = "import importlib.util as u, daemon; print(u.find_spec('torch') is None, daemon.__file__)"
+    probe = _run([py, "-c", code], env, short_tmp, 60)
+    no_torch, where = probe.stdout.split()
+    assert no_torch == "True" and where.startswith(str(venv)), probe.stdout + probe.stderr
+
+    state, log = short_tmp / "state", short_tmp / "agent.log"
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sdcwatch, "run", "--state-dir", str(state), "--metrics-listen", "127.0.0.1:0",
+                                  "--nvml-scenario", str(SCENARIO), "--shutdown-grace-s", "1"],
+                                 env=env, cwd=short_tmp, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_serving(f"unix:{state / 'agent.sock'}", agent, log)
+        status = _run([sdcwatch, "status", "--socket", str(state / "agent.sock")], env, short_tmp, 60)
+        assert status.returncode in (0, 1), status.stdout + status.stderr
+        assert "canary" in status.stdout and "HEALTHY" in status.stdout, status.stdout
+        assert "libtorch" not in Path(f"/proc/{agent.pid}/maps").read_text()
+        for cmd in (["canary", "--level", "tiny"], ["demo", "--steps", "10", "--out", str(short_tmp / "demo")]):
+            run = _run([sdcwatch, *cmd], env, short_tmp, 120)
+            assert run.returncode == 2 and NEEDS_TORCH in run.stderr, (cmd, run.stdout, run.stderr)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 0, log.read_text()[-3000:]
