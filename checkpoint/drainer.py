@@ -54,6 +54,7 @@ from checkpoint.records import Copy
 from checkpoint.tier_manifest import (TierCheckpoint, TierManifest, manifest_key, orphans, scan)
 from checkpoint.tier_policy import Candidate, DrainPlan, Held, TierRule, plan_drains, plan_retention
 from sdcwatch import event_kinds as ek
+from sdcwatch.errors import SdcwatchError
 from sdcwatch.event_kinds import EventKind, Publish
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ _THROTTLE_SLICE = 1 << 20
 
 
 class VerifyError(CheckpointError):
-    """The copy written to a tier does not read back as what was sent."""
+    """The copy written to a tier does not read back as what was sent (it is deleted; the next attempt may
+    succeed)."""
+
+    transient = True
 
 
 @dataclasses.dataclass(slots=True)
@@ -316,6 +320,8 @@ class Drainer:
             return False
         except Exception as e:  # noqa: BLE001 - disk full, read-only, S3 down, hung...
             why = _why(e)
+            if isinstance(e, SdcwatchError) and not e.transient:   # e.g. refused: the same copy cannot succeed
+                rt.step_failures[(job, step)] = self.max_step_failures
             self._fail(rt, job, step, ek.CHECKPOINT_TIER_UNHEALTHY, why, retry=True, unhealthy=why)
             return False
         rt.fail_streak = 0

@@ -1,14 +1,14 @@
-"""One exception root for checkpoints, classed transient (retry may help) or fatal.
+"""Checkpoint errors, under sdcwatch's one root (sdcwatch/errors.py), classed transient (retry may help) or fatal.
 
 `InvalidInputError` is also a `ValueError`, so callers that catch ValueError for bad input keep working.
 """
 from __future__ import annotations
 
+from sdcwatch.errors import SdcwatchError
 
-class CheckpointError(Exception):
+
+class CheckpointError(SdcwatchError):
     """Root of every checkpoint error. `transient` says whether retrying the same call may succeed."""
-
-    transient = False
 
 
 class InvalidInputError(CheckpointError, ValueError):

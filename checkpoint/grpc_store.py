@@ -36,6 +36,7 @@ from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_key, validate_prefix
 from proto.sdcwatch.v1 import peer_pb2 as pb
 from sdcwatch.channels import agent_channel
+from sdcwatch.errors import SdcwatchError
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,17 @@ _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$")
 _HOSTPORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>[0-9]{1,5})$")
 
 
-class PeerStoreError(OSError):
-    """A peer's store could not be used: unreachable, refused (token, TLS), full, or it failed."""
+class PeerStoreError(SdcwatchError, OSError):
+    """A peer's store could not be used: unreachable, refused (token, TLS), full, or it failed. Transient
+    when the peer was unreachable or slow (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED)."""
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, transient=code in _TRANSIENT_CODES)
         self.code = code
+
+
+_TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

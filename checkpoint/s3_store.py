@@ -41,6 +41,7 @@ import xxhash
 from checkpoint.blobstore import Data, as_buffers, check_range
 from checkpoint.errors import CheckpointError, InvalidInputError
 from checkpoint.names import validate_key, validate_prefix
+from sdcwatch import errors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,7 +59,10 @@ class TierUnavailableError(CheckpointError):
 
 
 class StoredChecksumMismatch(CheckpointError):
-    """The object store holds something other than what was sent (its checksum differs from ours)."""
+    """The object store holds something other than what was sent (its checksum differs from ours); sending it
+    again may succeed."""
+
+    transient = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,7 +77,8 @@ class RetryPolicy:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Throttling, 5xx, timeouts and connection failures: worth retrying."""
+    """Throttling, 5xx, timeouts and connection failures: worth retrying (and what sdcwatch's own errors
+    say of themselves, `sdcwatch.errors.is_transient`)."""
     from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, ConnectTimeoutError,
                                      EndpointConnectionError, ReadTimeoutError)
 
@@ -83,7 +88,7 @@ def is_transient(exc: BaseException) -> bool:
         return err.get("Code", "") in _TRANSIENT_CODES or status >= 500 or status == 429
     if isinstance(exc, (EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError, ReadTimeoutError)):
         return True
-    return isinstance(exc, (BotoCoreError, ConnectionError, TimeoutError))
+    return isinstance(exc, BotoCoreError) or errors.is_transient(exc)
 
 
 def _not_found(exc: BaseException) -> bool:

@@ -50,12 +50,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from sdcwatch.errors import SdcwatchError
+
 logger = logging.getLogger(__name__)
 
 _MAX_SKIPPED = 1000
 
 
-class StepGuardError(RuntimeError):
+class StepGuardError(SdcwatchError, RuntimeError):
     """A misuse of the step guard (a stage in the UPDATE slot, two stages of one name, an unvetoable step)."""
 
 

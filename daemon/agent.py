@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from sdcwatch import __version__
 from sdcwatch import event_kinds as ek
 from daemon.config import Config, parse_hostport
-from daemon.errors import FatalError
+from sdcwatch.errors import FatalError
 from daemon.events import EventBus
 from daemon.gpus import GpuRecord, GpuRegistry
 from daemon.interceptors import AgentInterceptor, MeteredServer

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from daemon.alert_policy import AlertBook, Notification, Signal, SinkQueue, TokenBucket, backoff_delay
 from daemon.errors import ConfigError
+from sdcwatch.errors import SdcwatchError
 from sdcwatch.settings import setting
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,8 @@ class AlertsConfig:
         return bool(self.alertmanager_url or self.webhook_url)
 
 
-class DeliveryError(Exception):
-    """A POST failed. `retry` says whether sending the same payload again can succeed."""
-
-    def __init__(self, message: str, retry: bool) -> None:
-        super().__init__(message)
-        self.retry = retry
+class DeliveryError(SdcwatchError):
+    """A POST failed; `transient` when sending the same payload again can succeed (5xx, 408, 429, no answer)."""
 
 
 class Transport(Protocol):
@@ -92,9 +89,9 @@ def post_json(url: str, body: bytes, timeout_s: float) -> int:
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:200].decode(errors="replace")
         retry = exc.code >= 500 or exc.code in (408, 429)
-        raise DeliveryError(f"HTTP {exc.code} from {url}: {detail}", retry=retry) from exc
+        raise DeliveryError(f"HTTP {exc.code} from {url}: {detail}", transient=retry) from exc
     except (urllib.error.URLError, OSError) as exc:
-        raise DeliveryError(f"POST {url} failed: {getattr(exc, 'reason', exc)}", retry=True) from exc
+        raise DeliveryError(f"POST {url} failed: {getattr(exc, 'reason', exc)}", transient=True) from exc
 
 
 class AlertMetrics:
@@ -158,7 +155,7 @@ class Sink:
         except DeliveryError as exc:
             self.metrics.failures.labels(self.name).inc()
             self.last_error = str(exc)
-            if not exc.retry:
+            if not exc.transient:
                 self.metrics.dropped.labels(self.name, "refused").inc(len(batch))
                 log.error("alert sink %s refused %d notification(s): %s", self.name, len(batch), exc)
                 self._sync_metrics()

@@ -20,7 +20,8 @@ from google.protobuf import json_format
 from daemon import cli_canary, cli_ckpt, cli_demo, config
 from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, Parser, add_connection_flags, ago, connect,
                                fail, rpc_error, table)
-from daemon.errors import ConfigError, FatalError
+from daemon.errors import ConfigError
+from sdcwatch.errors import FatalError
 from sdcwatch import __version__
 
 STATE_NAMES = {0: "UNSPECIFIED", 1: "HEALTHY", 2: "SUSPECT", 3: "DEGRADED", 4: "FAILED", 5: "UNKNOWN"}

@@ -1,19 +1,8 @@
-"""The agent's one exception root. Transient errors may be retried; fatal ones stop what raised them."""
+"""The agent's own error: a bad configuration value. The root (`SdcwatchError`, `transient`) and
+`FatalError` are in sdcwatch/errors.py, shared with the training side."""
 from __future__ import annotations
 
-
-class SdcwatchError(Exception):
-    """Root of every error sdcwatch raises on purpose."""
-
-    transient = False
-
-
-class TransientError(SdcwatchError):
-    transient = True
-
-
-class FatalError(SdcwatchError):
-    transient = False
+from sdcwatch.errors import FatalError
 
 
 class ConfigError(FatalError):
@@ -23,7 +12,3 @@ class ConfigError(FatalError):
         super().__init__(f"{key}: {why}")
         self.key = key
         self.why = why
-
-
-class RedisUnavailable(TransientError):
-    pass

@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Awaitable, Callable
 
 from sdcwatch import event_kinds as ek
+from sdcwatch.errors import SdcwatchError
 from sdcwatch.event_kinds import Publish
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,18 @@ class ProbeStatus:
 
 
 
+MAX_BACKOFF_S = 300.0
+
+
+def next_run_delay(interval_s: float, fatal_streak: int) -> float:
+    """Seconds from one run's start to the next: the interval, doubled for each run in a row that failed
+    with a non-transient error (retrying at full rate cannot help), up to MAX_BACKOFF_S (or the interval
+    when that is longer). Transient errors and successes keep the interval."""
+    if fatal_streak <= 0:
+        return interval_s
+    return max(interval_s, min(MAX_BACKOFF_S, interval_s * 2.0 ** min(fatal_streak, 16)))
+
+
 class ProbeRunner:
     """Calls `fn(now)` every `interval_s` in its worker; hands results to `on_result(result, now)`."""
 
@@ -96,6 +109,7 @@ class ProbeRunner:
         self.on_hung = on_hung  # called with True when a call hangs, False when it returns
         self.status = ProbeStatus(name)
         self.worker = Worker(name)
+        self.fatal_streak = 0   # runs in a row that failed with a non-transient sdcwatch error
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run one blocking call in this probe's worker with the timeout and HUNG handling."""
@@ -140,15 +154,20 @@ class ProbeRunner:
                 self.status.failures += 1
                 self.status.state = "FAILING"
                 self.status.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("probe %s failed: %s", self.name, self.status.last_error)
+                fatal = isinstance(exc, SdcwatchError) and not exc.transient
+                self.fatal_streak = self.fatal_streak + 1 if fatal else 0
+                log.warning("probe %s failed%s: %s", self.name, " (not transient: backing off)" if fatal else "",
+                            self.status.last_error)
                 log.debug("%s", traceback.format_exc())
+            else:
+                self.fatal_streak = 0
             duration = time.monotonic() - started
             self.status.runs += 1
             self.status.last_run = now
             self.status.last_duration_s = duration
             if self.observe is not None:
                 self.observe(self.name, duration, ok)
-            await asyncio.sleep(max(0.0, self.interval_s - duration))
+            await asyncio.sleep(max(0.0, next_run_delay(self.interval_s, self.fatal_streak) - duration))
 
     def stop(self) -> None:
         self.worker.stop()

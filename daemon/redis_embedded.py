@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from daemon.errors import FatalError
+from sdcwatch.errors import FatalError
 
 log = logging.getLogger(__name__)
 

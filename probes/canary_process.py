@@ -37,14 +37,18 @@ from typing import Any, Mapping, Sequence
 
 from probes.canary_schedule import GpuSnapshot
 from sdcwatch.canary import CheckResult, SuiteConfig, SuiteReport
+from sdcwatch.errors import SdcwatchError
 
 log = logging.getLogger(__name__)
 
 CHILD_MODULE = "probes.canary_child"
 
 
-class CanaryChildError(RuntimeError):
-    """The child answered with an error, crashed, or did not finish in time."""
+class CanaryChildError(SdcwatchError, RuntimeError):
+    """The child answered with an error, crashed, or did not finish in time (the round is UNKNOWN; the next
+    one may succeed)."""
+
+    transient = True
 
 
 @dataclasses.dataclass(slots=True)

@@ -7,22 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 
+from sdcwatch.errors import SdcwatchError
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Errors
 # ----------------------------------------------------------------------------------------------------------
 
 
-class NvmlError(Exception):
-    """Root of every NVML failure. `transient`: a later call may succeed; `code`: the NVML return code."""
-
-    transient: bool = False
+class NvmlError(SdcwatchError):
+    """Root of every NVML failure (under sdcwatch's root). `transient`: a later call may succeed (decided by
+    the NVML return code); `code`: the NVML return code."""
 
     def __init__(self, message: str, *, code: int | None = None, transient: bool | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, transient=transient)
         self.code = code
-        if transient is not None:
-            self.transient = transient
 
 
 class FieldNotSupported(NvmlError):

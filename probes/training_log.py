@@ -24,6 +24,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from sdcwatch.errors import SdcwatchError
+
 log = logging.getLogger(__name__)
 
 STEP_NAMES = ("step", "iteration", "iter", "global_step", "trainer/global_step", "train/step", "_step", "steps",
@@ -38,7 +40,7 @@ KIND_NAMES = ("kind", "split", "phase", "mode")
 SKIPPED_KINDS = frozenset({"eval", "evaluation", "val", "valid", "validation", "test"})
 
 
-class TrainingLogError(ValueError):
+class TrainingLogError(SdcwatchError, ValueError):
     """A log that cannot be read, with the file line (1-based; 0 when not about one line)."""
 
     def __init__(self, path: str | Path, line: int, what: str) -> None:

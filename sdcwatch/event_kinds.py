@@ -27,6 +27,7 @@ import dataclasses
 import enum
 from typing import Any, Iterator, Mapping, Protocol
 
+from sdcwatch.errors import SdcwatchError
 from sdcwatch.severity import Severity
 
 INFO, WARNING, CRITICAL = Severity.INFO, Severity.WARNING, Severity.CRITICAL
@@ -56,7 +57,7 @@ NODE, GPU, JOB, RANK, PROBE = (SubjectKind.NODE, SubjectKind.GPU, SubjectKind.JO
                                SubjectKind.PROBE)
 
 
-class UnknownEventKind(ValueError):
+class UnknownEventKind(SdcwatchError, ValueError):
     """A kind that is not a member of the catalogue (a publisher bug, or a name typed by hand)."""
 
 

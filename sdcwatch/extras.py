@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 
+from sdcwatch.errors import SdcwatchError
+
 EXTRA_OF = {"torch": "torch", "triton": "triton", "matplotlib": "plot", "psutil": "bench", "boto3": "s3"}
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(SdcwatchError, ImportError):
     """An optional dependency is not installed; the message names the extra that brings it."""
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sdcwatch.errors import SdcwatchError
+
 HELP = "help"
 
 
@@ -30,7 +32,7 @@ def help_of(f: dataclasses.Field[Any]) -> str:
     return str(f.metadata.get(HELP, ""))
 
 
-class SettingError(ValueError):
+class SettingError(SdcwatchError, ValueError):
     """A setting's value is wrong: `name` is the field, `why` says what is wrong and what would do."""
 
     def __init__(self, owner: str, name: str, why: str) -> None:
