@@ -138,7 +138,8 @@ def _save(co: Any, job: str, step: int) -> None:
 @pytest.mark.parametrize("code, retried", [(grpc.StatusCode.UNAVAILABLE, True),
                                            (grpc.StatusCode.PERMISSION_DENIED, False)])
 def test_drainer_honours_transient(redis_server, tmp_path: Path, code: grpc.StatusCode, retried: bool) -> None:
-    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    job = job_id()
+    co = node(redis_server.port, tmp_path, f"node-{job}")   # its own node: no other test's steps to drain
     store = FaultyStore(DirStore(tmp_path / "flash", fsync=True),
                         [Fault("put", "fail", nth=1, times=1, error=PeerStoreError("peer said no", code))])
     clock = [1000.0]
