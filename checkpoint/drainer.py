@@ -48,7 +48,6 @@ from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
 from checkpoint.coordinator import Coordinator
 from checkpoint.errors import CheckpointError, CorruptCheckpointError, UnknownCheckpointError
-from checkpoint.fault_store import FaultyStore
 from checkpoint.manifest import ShardManifest
 from checkpoint.records import Copy
 from checkpoint.tier_manifest import (TierCheckpoint, TierManifest, manifest_key, orphans, scan)
@@ -701,7 +700,7 @@ def _mapped(store: BlobStore, key: str, nbytes: int) -> Iterator[memoryview | No
     mapped: a file with more than one link is never recycled by ShmStore nor reused as a rank's staging
     slot, so nobody truncates it under the mapping (which would be a SIGBUS)."""
     path_of, root = getattr(store, "path", None), getattr(store, "root", None)
-    if path_of is None or root is None or isinstance(store, FaultyStore) or nbytes == 0:
+    if path_of is None or root is None or nbytes == 0:
         yield None
         return
     pin = Path(root) / ".pins" / f"{os.getpid()}-{next(_pins)}"

@@ -13,7 +13,6 @@ import pytest
 from checkpoint.coordinator import Coordinator
 from checkpoint.drainer import Drainer, Tier
 from checkpoint.errors import CorruptCheckpointError
-from checkpoint.fault_store import Fault, FaultyStore
 from checkpoint.locations import dir_store_for
 from checkpoint.restore import restore_from_plan
 from checkpoint.shard_reader import RestoreReport
@@ -24,6 +23,7 @@ from checkpoint.tier_policy import Candidate, Held, TierRule, plan_drains, plan_
 from ckpt_support import assert_same, flip_bit, job_id, state_dict
 from ckpt_support import node as _node
 from daemon.checkpoint_service import CheckpointService
+from fault_store import Fault, FaultyStore
 from sdcwatch.event_kinds import EventKind
 from tier_support import MotoS3, moto_s3, tmpfs, umount  # noqa: F401 - fixture
 

@@ -1,4 +1,5 @@
-"""`FaultyStore`: a BlobStore wrapper that injects faults into one hop (tests, rehearsals).
+"""`FaultyStore`: a BlobStore wrapper that injects faults into one hop (tests), wrapped around a tier's
+store from outside: the drainer never knows it is there.
 
     store = FaultyStore(DirStore(d), [Fault("put", "fail", nth=2, error=OSError(errno.ENOSPC, "full"))])
 
@@ -40,6 +41,10 @@ class Fault:
 
 
 class FaultyStore:
+    # Not a directory store as far as readers know: the drainer maps a store's files directly when it has a
+    # `root` (checkpoint/drainer.py `_mapped`), which would let reads bypass the injected faults.
+    root = None
+
     def __init__(self, inner: BlobStore, faults: list[Fault] | None = None) -> None:
         self.inner = inner
         self.faults = list(faults or [])
