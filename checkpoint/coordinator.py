@@ -44,6 +44,7 @@ from sdcwatch.event_kinds import EventKind, Publish
 
 log = logging.getLogger(__name__)
 
+RetentionHold = Callable[[str], set[int]]   # job id -> steps to keep a little longer
 
 _BEGIN = """
 local st = redis.call('HGET', KEYS[1], 'state')
@@ -105,9 +106,6 @@ class Coordinator:
         self.location = location
         self.config = config or CoordinatorConfig()
         self.publish = publish
-        # steps of a job that retention should keep a little longer (not yet drained to the first durable
-        # tier; soft: `memory_cap_bytes` still evicts them). Set by the drainer.
-        self.retention_hold: Callable[[str], set[int]] | None = None
         p = self.config.key_prefix
         self._p = p
         self._begin = redis.register_script(_BEGIN)
@@ -416,8 +414,10 @@ class Coordinator:
                 continue
         return out
 
-    def maintain_job(self, job_id: str, now: float) -> list[int]:
-        """Retention and GC for one job; returns the steps evicted or aborted."""
+    def maintain_job(self, job_id: str, now: float, hold: RetentionHold | None = None) -> list[int]:
+        """Retention and GC for one job; returns the steps evicted or aborted. `hold(job_id)`: steps retention
+        should keep a little longer (the drainer's: not yet on the first durable tier; soft, the memory cap
+        still evicts them)."""
         local = self._local_bytes(job_id)
         infos = self.list(job_id)
         records = [policy.Record(i.step, i.state, local.get(i.step, 0), i.begun_at) for i in infos]
@@ -427,21 +427,21 @@ class Coordinator:
             self.stats["aborted"] += 1
             dropped.append(step)
         records = [r for r in records if r.step not in dropped]
-        hold: set[int] = set()
-        if self.retention_hold is not None:
+        held: set[int] = set()
+        if hold is not None:
             try:
-                hold = self.retention_hold(job_id)
+                held = hold(job_id)
             except Exception:  # noqa: BLE001 - a hint only
                 log.exception("retention hold failed")
         for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes or None,
-                                           self.config.rollback_span_steps, hold):
+                                           self.config.rollback_span_steps, held):
             self._drop(job_id, step, policy.EVICTED, "retention", now)
             self.stats["evictions"] += 1
             dropped.append(step)
         self._sweep_blobs(job_id, local, now)
         return sorted(dropped)
 
-    def maintain(self, now: float) -> dict[str, list[int]]:
+    def maintain(self, now: float, hold: RetentionHold | None = None) -> dict[str, list[int]]:
         """`maintain_job` over every job; one job's failure is logged, not raised."""
         out = {}
         sweep = getattr(self.store, "sweep_temp", None)
@@ -455,7 +455,7 @@ class Coordinator:
                 log.exception("sweeping dead ranks' staging slots failed")
         for job in self.jobs():
             try:
-                out[job] = self.maintain_job(job, now)
+                out[job] = self.maintain_job(job, now, hold)
             except Exception:  # noqa: BLE001 - keep maintaining the other jobs
                 log.exception("checkpoint maintenance failed for job %s", job)
         return out

@@ -289,9 +289,10 @@ class DirStore:
         """Unlink the staging slots of ranks that are gone (see checkpoint.slots); return how many."""
         return sweep_dead_slots(self.root, now, min_age_s)
 
-    def remove_all(self) -> int:
-        """Delete the whole directory tree (blobs, spares, slots); return the files removed. For an agent
-        whose index died with it (embedded Redis): the bytes could never be restored again."""
+    def remove_all(self, keep_root: bool = False) -> int:
+        """Delete the whole directory tree (blobs, spares, slots; the root itself unless `keep_root`); return
+        the files removed. For an agent whose index died with it (embedded Redis): the bytes could never be
+        restored again."""
         n = 0
         if not self.root.exists():
             return 0
@@ -304,10 +305,11 @@ class DirStore:
                     os.rmdir(Path(dirpath) / d)
                 except OSError:
                     pass
-        try:
-            self.root.rmdir()
-        except OSError:
-            pass
+        if not keep_root:
+            try:
+                self.root.rmdir()
+            except OSError:
+                pass
         return n
 
 

@@ -1,10 +1,20 @@
 """The agent process: one asyncio loop, the grpc.aio servers, one task per probe, the event journal.
 
+The agent is built from its collaborators, each passed in (daemon/compose.py builds them from the config with
+production defaults; a test may pass its own): the event bus and its journals, the GPU table, the job
+tracker, the GPU probes, the checkpoint service and its job-event feed, the rollback planner, the alert
+dispatcher, the health answers, the metrics, and the `Background` that owns every task and closer.
+
 Lifecycle (`run()`):
-  start: lock the state dir -> journal -> Redis (embedded or URL) -> metrics -> servers (health
-         NOT_SERVING) -> GPU discovery and probes -> ready: health SERVING, `agent.json` written.
+  start: lock the state dir -> journal -> Redis (embedded or URL) -> metrics -> checkpoints -> servers
+         (health NOT_SERVING) -> GPU discovery and probes -> ready: health SERVING, `agent.json` written.
   stop (SIGTERM/SIGINT): health NOT_SERVING -> servers stop with grace (in-flight RPCs drain) ->
-         probe tasks cancelled -> journal flushed -> embedded Redis stopped -> socket, lock removed.
+         background tasks cancelled -> journal flushed -> embedded Redis stopped -> socket, lock removed.
+
+ReportStep (`handle_report`, called by daemon/service.py after validation): the job tracker accounts the
+report and says what to do (`JobTracker.report`, daemon/jobs.py: None for the usual report), the agent does
+it (`_act_on`: journal the findings, feed the checkpoint coordinator, attach evidence to this node's GPUs,
+plan rollbacks), the step log queues the record, and the rank gets its directives.
 """
 from __future__ import annotations
 
@@ -19,83 +29,79 @@ import platform
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Mapping
 
+import google.protobuf
 import grpc
+import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from sdcwatch import __version__
 from sdcwatch import event_kinds as ek
+from daemon import checkpoint_service
+from daemon.alerts import AlertDispatcher
+from daemon.background import Background
+from daemon.checkpoint_feed import CheckpointFeed
+from daemon.checkpoint_service import CheckpointService
 from daemon.config import Config, parse_hostport
 from sdcwatch.errors import FatalError
-from daemon.events import EventBus
-from daemon.gpus import GpuRecord, GpuRegistry
+from daemon.events import Event, EventBus
+from daemon.gpus import GpuRegistry
+from daemon.health import NodeHealth
 from daemon.interceptors import AgentInterceptor, MeteredServer
 from daemon.jobs import JobTracker, ReportOutcome
 from daemon.journal import Journal
 from daemon.metrics import AgentMetrics, start_http
-from daemon.probe_runner import ProbeRunner
+from daemon.nvml_wiring import GpuProbes
 from daemon.redis_embedded import EmbeddedRedis
+from daemon.rollback import RollbackPlanner
 from daemon.service import AgentService, probe_state_pb
 from daemon.step_log import StepLog
-from sdcwatch.types import Evidence, Severity, State
+from sdcwatch.types import Evidence, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-AGENT_SERVICE = "sdcwatch.v1.Agent"
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
 
 class Agent:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, journal: Journal, steps: Journal, step_log: StepLog, bus: EventBus,
+                 gpus: GpuRegistry, jobs: JobTracker, probes: GpuProbes, checkpoints: CheckpointService,
+                 checkpoint_feed: CheckpointFeed, rollbacks: RollbackPlanner, alerts: AlertDispatcher,
+                 health: NodeHealth, metrics: AgentMetrics, background: Background, redis_url: str,
+                 embedded_redis: EmbeddedRedis | None, versions: Mapping[str, str]) -> None:
         self.config = config
         self.state_dir = Path(config.agent.state_dir)
         self.host = config.agent.hostname
+        self.journal = journal
+        self.steps = steps
+        self.step_log = step_log
+        self.bus = bus
+        self.gpus = gpus
+        self.jobs = jobs
+        self.probes = probes
+        self.checkpoints = checkpoints
+        self.checkpoint_feed = checkpoint_feed
+        self.rollbacks = rollbacks
+        self.alerts = alerts
+        self.health = health
+        self.metrics = metrics
+        self.background = background
+        self.redis_url = redis_url
+        self.embedded_redis = embedded_redis
+        self.versions = dict(versions)   # besides sdcwatch, python, grpc, protobuf: e.g. the event loop
         self.started_at = time.time()
         self.ready = False
         self.stopping = False
-        self.metrics = AgentMetrics()
-        self.journal = Journal(self.state_dir / "journal", max_bytes=config.journal.max_bytes,
-                               keep_files=config.journal.keep_files)
-        self.steps = Journal(self.state_dir / "steps", prefix="steps", max_bytes=config.journal.max_bytes,
-                             keep_files=config.journal.keep_files, flush_each=False)
-        self.step_log = StepLog(self.steps)
-        self.bus = EventBus(self.journal, ring_size=config.journal.memory_events, host=self.host,
-                            on_event=self._count_event)
-        self.gpus = GpuRegistry(on_transition=self._on_gpu_transition)
-        self.jobs = JobTracker(max_jobs=config.jobs.max_jobs, idle_s=config.jobs.job_idle_s,
-                               on_evict=self._forget_job)
-        self.metrics.watch_jobs(self.jobs)
-        self.health = HealthServicer()
-        from daemon.alerts import AlertDispatcher
-
-        self.alerts = AlertDispatcher(config.alerts, node=self.host, registry=self.metrics.registry)
-        self.probes: dict[str, ProbeRunner] = {}
-        self.redis_url = config.redis.url
-        self.embedded_redis: EmbeddedRedis | None = None
-        self.redis: Any = None
+        self.addresses: dict[str, str] = {}
+        # opened by start()
+        self.redis: aioredis.Redis | None = None
         self._servers: list[grpc.aio.Server] = []
-        self._tasks: list[asyncio.Task[Any]] = []
         self._lock_fh: Any = None
         self._metrics_server: Any = None
-        self.addresses: dict[str, str] = {}
-        self.extra_services: list[Any] = []   # (register(server), service names) from later components
         self._stop_event: asyncio.Event | None = None
         self._owns_state = False
-        # filled in by the components as they start (declared here so the state is visible in one place)
-        self.checkpoints: Any = None                          # daemon.checkpoint_service.CheckpointService
-        self.loss: Any = None                                 # daemon.loss_wiring.LossWiring
-        self.closers: list[Callable[[], Any]] = []            # run at stop (NVML listener, backend, ...)
-        self.static_probes: dict[str, tuple[str, str]] = {}   # probes that never run: name -> (state, why)
-        self.extra_versions: dict[str, str] = {}              # e.g. the NVIDIA driver
-        self.gpu_state_hook: Callable[[GpuRecord], None] | None = None
-        self.report_hook: Callable[[pb.ReportStepRequest, float], list[pb.Directive]] | None = None
-        self._job_events: asyncio.Queue[tuple[str, int | None, str, float, str]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -109,27 +115,25 @@ class Agent:
         await self.alerts.start(self.bus, since_seq=self.bus.last_seq)
         await self._start_redis()
         self._start_metrics()
-        self._start_checkpoints()
+        await self.checkpoints.open()
+        self.checkpoints.start(self.background)
+        self.checkpoint_feed.start(self.background)
         await self._start_servers()
         self.bus.publish(ek.AGENT_STARTING, "node",
                          f"sdcwatch {__version__} starting on {self.host}",
                          {"pid": os.getpid(), "version": __version__, "state_dir": str(self.state_dir),
                           "redis": "embedded" if self.embedded_redis else "external"})
-        await self._start_probes()
-        from daemon.loss_wiring import LossWiring
-
-        self.loss = LossWiring(self, self.config.loss, self.config.rollback)
-        self.report_hook = self.loss.on_report
-        self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
-        if self.redis is not None:
-            self._tasks.append(asyncio.create_task(self._stream_events(), name="redis-stream"))
-        # Everything long-lived exists now (torch, protobuf, the servers): move it out of the cyclic GC's
+        await self.probes.start(self.background)
+        self.health.start(self.background)
+        self.background.start(self._housekeeping(), name="housekeeping")
+        self.background.start(self._stream_events(), name="redis-stream")
+        # Everything long-lived exists now (protobuf, the servers, the probes): move it out of the cyclic GC's
         # reach, so collections on the request path scan only new objects, not the whole heap.
         gc.collect()
         gc.freeze()
         self.ready = True
         self.metrics.ready.set(1)
-        await self._sync_health()
+        await self.health.set_serving(True)
         self._write_runtime_info()
         self.bus.publish(ek.AGENT_READY, "node", f"agent ready on {self.addresses.get('socket')}",
                          {"addresses": dict(self.addresses)})
@@ -155,11 +159,8 @@ class Agent:
             sock.unlink()
 
     async def _start_redis(self) -> None:
-        import redis.asyncio as aioredis
-
-        if not self.redis_url:
-            self.embedded_redis = EmbeddedRedis(self.state_dir, self.config.redis.binary)
-            self.redis_url = await asyncio.to_thread(self.embedded_redis.start)
+        if self.embedded_redis is not None:
+            await asyncio.to_thread(self.embedded_redis.start)
         self.redis = aioredis.from_url(self.redis_url, socket_connect_timeout=self.config.redis.connect_timeout_s,
                                        socket_timeout=self.config.redis.connect_timeout_s)
         try:
@@ -167,53 +168,6 @@ class Agent:
         except Exception as exc:
             raise FatalError(f"cannot reach Redis at {_redact(self.redis_url)}: {exc}") from exc
         self.addresses["redis"] = _redact(self.redis_url)
-
-    def _start_checkpoints(self) -> None:
-        """The Checkpoints service (in-memory checkpoints, coordinated in this agent's Redis)."""
-        from daemon.checkpoint_service import build_checkpoint_service, register
-
-        from daemon.checkpoint_metrics import CheckpointMetrics
-
-        from daemon import peers_wiring
-
-        peers = self.config.peers
-        self.checkpoints = build_checkpoint_service(
-            self.redis_url, self.state_dir, self.bus.publish, node=self.host, config=self.config.checkpoints,
-            ephemeral_index=self.embedded_redis is not None,
-            replicator_factory=peers_wiring.replicator_factory(peers, self.host,
-                                                               shared_redis=self.embedded_redis is None),
-            replicate_timeout_s=peers.timeout_s)
-        self.checkpoints.metrics = CheckpointMetrics(self.metrics.registry)  # updated every maintenance round
-        from daemon.checkpoint_service import SERVICE_NAMES  # Checkpoints and PeerStore
-
-        self.extra_services.append((lambda server: register(server, self.checkpoints), list(SERVICE_NAMES)))
-        self._tasks.append(asyncio.create_task(self.checkpoints.run_maintenance(interval_s=10.0),
-                                               name="checkpoint-maintenance"))
-        from daemon import drain_wiring
-
-        drain_wiring.start(self)   # NVMe / flash / S3 tiers ([tiers]); the drainer task joins self._tasks
-
-    def job_event(self, job_id: str, step: int | None, kind: str, reason: str = "") -> None:
-        """Tell the checkpoint coordinator about an event that decides VERIFIED. Never blocks: events
-        go through one bounded queue to one task, so the coordinator sees them in order."""
-        if self.checkpoints is None:
-            return
-        if self._job_events is None:
-            self._job_events = asyncio.Queue(maxsize=10_000)
-            self._tasks.append(asyncio.create_task(self._feed_job_events(), name="checkpoint-job-events"))
-        try:
-            self._job_events.put_nowait((job_id, step, kind, time.time(), reason))
-        except asyncio.QueueFull:
-            self.metrics.events_dropped.labels("checkpoint-job-events").inc()
-
-    async def _feed_job_events(self) -> None:
-        assert self._job_events is not None
-        while True:
-            job_id, step, kind, now, reason = await self._job_events.get()
-            try:
-                await self.checkpoints.job_event(job_id, step, kind, now, reason)
-            except Exception as exc:  # one failure never stops the feed
-                log.error("checkpoint job event %s for %s failed: %s", kind, job_id, exc)
 
     def _start_metrics(self) -> None:
         listen = self.config.agent.metrics_listen
@@ -239,19 +193,17 @@ class Agent:
                                  options=self._server_options())
         metered: Any = MeteredServer(server, self.metrics)
         pb_grpc.add_AgentServicer_to_server(AgentService(self), metered)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, metered)
-        names = [pb.DESCRIPTOR.services_by_name["Agent"].full_name, health_pb2.DESCRIPTOR.services_by_name[
-            "Health"].full_name, reflection.SERVICE_NAME]
-        for register, service_names in self.extra_services:
-            register(metered)
-            names.extend(service_names)
-        reflection.enable_server_reflection(names, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, metered)
+        checkpoint_service.register(metered, self.checkpoints)   # Checkpoints and PeerStore
+        reflection.enable_server_reflection([
+            pb.DESCRIPTOR.services_by_name["Agent"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+            *checkpoint_service.SERVICE_NAMES], server)
         return server
 
     async def _start_servers(self) -> None:
         cfg = self.config.agent
-        await self.health.set("", NOT_SERVING)
-        await self.health.set(AGENT_SERVICE, NOT_SERVING)
+        await self.health.not_serving()
         # unix socket: local trust (file mode), no token
         server = self._make_server(token=None)
         old_umask = os.umask(0o117)
@@ -283,7 +235,7 @@ class Agent:
             self.addresses["listen"] = f"{parse_hostport('agent.listen', cfg.listen)[0]}:{port}"
         if cfg.health_listen:
             hs = grpc.aio.server(options=self._server_options())
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, hs)
             reflection.enable_server_reflection([health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                                  reflection.SERVICE_NAME], hs)
             port = hs.add_insecure_port(cfg.health_listen)
@@ -292,15 +244,6 @@ class Agent:
             await hs.start()
             self._servers.append(hs)
             self.addresses["health"] = f"{parse_hostport('agent.health_listen', cfg.health_listen)[0]}:{port}"
-
-    async def _start_probes(self) -> None:
-        from daemon import nvml_wiring
-
-        await nvml_wiring.start(self)
-
-    def add_probe(self, runner: ProbeRunner) -> None:
-        self.probes[runner.name] = runner
-        self._tasks.append(asyncio.create_task(runner.run_forever(), name=f"probe-{runner.name}"))
 
     def _write_runtime_info(self) -> None:
         info = {"pid": os.getpid(), "version": __version__, "started_at": self.started_at,
@@ -333,8 +276,9 @@ class Agent:
             return  # never got the state dir: nothing of ours to clean up
         self.ready = False
         self.metrics.ready.set(0)
-        await self.health.enter_graceful_shutdown()
-        if self.journal._fh is not None:
+        self.health.serving = False
+        await self.health.servicer.enter_graceful_shutdown()
+        if self.journal.is_open:
             self.bus.flush_folds()   # the repeat counts still in their windows
             self.bus.publish(ek.AGENT_STOPPING, "node", "agent stopping")
         await self.bus.close()
@@ -342,17 +286,11 @@ class Agent:
             await self.alerts.stop(flush_timeout_s=2.0)
         grace = self.config.agent.shutdown_grace_s
         await asyncio.gather(*(s.stop(grace) for s in self._servers), return_exceptions=True)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for runner in self.probes.values():
-            runner.stop()
-        if self.checkpoints is not None:
-            with contextlib.suppress(Exception):
-                await self.checkpoints.close()
-        for closer in self.closers:
-            with contextlib.suppress(Exception):
-                closer()
+        await self.background.cancel()
+        self.probes.stop()
+        with contextlib.suppress(Exception):
+            await self.checkpoints.close()
+        self.background.run_closers()
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await self._flush_stream()
@@ -362,7 +300,7 @@ class Agent:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self.step_log.close()
-        if self.journal._fh is not None:
+        if self.journal.is_open:
             self.journal.close()
         if self.embedded_redis is not None:
             await asyncio.to_thread(self.embedded_redis.stop)
@@ -381,15 +319,16 @@ class Agent:
                 self.bus.tick()   # repeat counts of the fold windows that closed
                 self.gpus.refresh(now)
                 for job in self.jobs.expire(now):
+                    self.metrics.forget_job(job)
                     self.bus.publish(ek.JOB_FORGOTTEN, f"job/{job}",
                                      f"job {job} sent no report for {self.config.jobs.job_idle_s:.0f}s")
-                self._update_node_metrics()
+                self.health.update_node_metrics()
             except Exception:  # one failure never kills the loop
                 log.exception("housekeeping failed")
 
     async def _stream_events(self) -> None:
         """Append every event to the Redis stream `sdcwatch:events:<host>` (bounded, drops counted)."""
-        assert self.bus.stream_queue is not None
+        assert self.bus.stream_queue is not None and self.redis is not None
         key = f"sdcwatch:events:{self.host}"
         while True:
             event = await self.bus.stream_queue.get()
@@ -403,7 +342,7 @@ class Agent:
 
     async def _flush_stream(self) -> None:
         q = self.bus.stream_queue
-        if q is None:
+        if q is None or self.redis is None:
             return
         key = f"sdcwatch:events:{self.host}"
         while not q.empty():
@@ -411,79 +350,35 @@ class Agent:
             await asyncio.wait_for(self.redis.xadd(key, _stream_fields(event),
                                                    maxlen=self.config.redis.stream_maxlen, approximate=True), 1.0)
 
-    # -- state -------------------------------------------------------------------------------------
-    def _forget_job(self, job: str) -> None:
-        self.metrics.forget_job(job)
-        if self.loss is not None:
-            self.loss.forget(job)
-
-    def _count_event(self, event: Any) -> None:
-        severity = event.severity.name.lower()
-        self.metrics.events.labels(event.kind, severity).inc(event.occurrences)
-        if event.subject.startswith("job/"):
-            job = event.subject.split("/", 2)[1]
-            if job in self.jobs.jobs:  # bounded: only jobs the tracker holds
-                self.metrics.job_events.labels(job, event.kind, severity).inc(event.occurrences)
-
-    def _on_gpu_transition(self, rec: GpuRecord, old: State, new: State, reason: str) -> None:
-        severity = (Severity.CRITICAL if new in (State.FAILED, State.SUSPECT)
-                    else Severity.WARNING if new is State.DEGRADED else Severity.INFO)
-        self.bus.publish(ek.GPU_STATE, f"gpu/{rec.uuid}",
-                         f"GPU {rec.uuid} ({rec.pci_bus_id or '?'}) {old.name} -> {new.name}: {reason}",
-                         {"uuid": rec.uuid, "pci_bus_id": rec.pci_bus_id, "from": old.name, "to": new.name,
-                          "reason": reason}, severity=severity)
-        if self.gpu_state_hook is not None:
-            self.gpu_state_hook(rec)
-        if new is State.FAILED:
-            for job in self.jobs.jobs_on_gpu(rec.uuid):
-                self.job_event(job.job_id, None, "fatal_hardware", f"GPU {rec.uuid} FAILED: {reason}")
-        with contextlib.suppress(RuntimeError):
-            asyncio.get_running_loop().create_task(self._sync_health())
-
-    async def _sync_health(self) -> None:
-        serving = self.ready and not self.stopping
-        node_state, _ = self.gpus.node_state()
-        await self.health.set("", SERVING if serving and node_state is not State.FAILED else NOT_SERVING)
-        await self.health.set(AGENT_SERVICE, SERVING if serving else NOT_SERVING)
-        for rec in list(self.gpus.gpus.values()):
-            ok = serving and rec.state is not State.FAILED
-            await self.health.set(f"gpu/{rec.uuid}", SERVING if ok else NOT_SERVING)
-        self._update_node_metrics()
-
-    def _update_node_metrics(self) -> None:
-        node_state, _ = self.gpus.node_state()
-        for s in State:
-            self.metrics.node_state.labels(s.name).set(1 if s is node_state else 0)
-
-    def clear_gpu(self, uuid: str, who: str, reason: str) -> tuple[State, State]:
-        now = time.time()
-        before, after, removed = self.gpus.clear(uuid, now, by=who, why=reason)
-        self.bus.publish(ek.GPU_CLEARED, f"gpu/{uuid}",
-                         f"GPU {uuid} cleared by {who}: {reason} ({before.name} -> {after.name})",
-                         {"uuid": uuid, "who": who, "reason": reason, "from": before.name, "to": after.name,
-                          "removed_evidence": [f"{e.source}:{e.signal}" for e in removed]})
-        asyncio.get_running_loop().create_task(self._sync_health())
-        return before, after
-
+    # -- the API (daemon/service.py's AgentApi) ------------------------------------------------------
     def handle_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
-        """One accepted ReportStep: job state, step log, loss detector; returns the rank's directives."""
+        """One accepted ReportStep: the job tracker says what to do, the agent does it; the step log queues
+        the record; returns the rank's directives (usually none)."""
         out = self.jobs.report(req, now)
-        if out is not None:
-            self._act_on(req.job_id, out, now)
         if self.config.journal.step_log:
             self.step_log.add(req, now)  # formatted and written by the step log's thread (daemon/step_log.py)
-        hook = self.report_hook
-        return hook(req, now) if hook is not None else []
+        if out is None:
+            return []
+        self._act_on(req.job_id, out, now)
+        return out.directives
 
     def _act_on(self, job: str, out: ReportOutcome, now: float) -> None:
+        for gone in out.evicted:
+            self.metrics.forget_job(gone)
         if out.dropped_delta:
             self.metrics.job_dropped.labels(job).inc(out.dropped_delta)
         if out.mismatch:
             self.metrics.job_mismatches.labels(job).inc()
-        for finding in out.findings:
-            self.bus.publish_finding(finding)
+        if out.rollbacks:
+            events = [self.bus.publish_finding(finding) for finding in out.findings]
+            for index, ev in out.rollbacks:
+                event = events[index]
+                self.rollbacks.request(job, ev, event.seq if event is not None else 0)   # 0: folded in a count
+        else:
+            for finding in out.findings:
+                self.bus.publish_finding(finding)
         for step, kind, reason in out.job_events:
-            self.job_event(job, step, kind, reason)
+            self.checkpoint_feed.put(job, step, kind, reason)
         for uuid, host, ev in out.evidence:
             self._attach_job_evidence(uuid, host, ev, now)
 
@@ -497,18 +392,35 @@ class Agent:
             self.gpus.ensure(uuid, now, discovered_by="job-report")
         self.gpus.add_evidence(uuid, [ev], now)
 
+    def report_rejected(self) -> None:
+        self.metrics.reports_rejected.inc()
+
+    def watch(self, since_seq: int, follow: bool) -> AsyncIterator[Event]:
+        return self.bus.watch(since_seq, follow)
+
+    def has_gpu(self, uuid: str) -> bool:
+        return uuid in self.gpus.gpus
+
+    def clear_gpu(self, uuid: str, who: str, reason: str) -> tuple[State, State]:
+        now = time.time()
+        before, after, removed = self.gpus.clear(uuid, now, by=who, why=reason)
+        self.bus.publish(ek.GPU_CLEARED, f"gpu/{uuid}",
+                         f"GPU {uuid} cleared by {who}: {reason} ({before.name} -> {after.name})",
+                         {"uuid": uuid, "who": who, "reason": reason, "from": before.name, "to": after.name,
+                          "removed_evidence": [f"{e.source}:{e.signal}" for e in removed]})
+        self.health.changed.set()
+        return before, after
+
     def status_pb(self) -> pb.GetStatusResponse:
         now = time.time()
         node_state, node_reason = self.gpus.node_state()
-        import google.protobuf
-
         resp = pb.GetStatusResponse(
             node_state=int(node_state), node_reason=node_reason, hostname=self.host,
             nvml_available=self.gpus.nvml_available, nvml_reason=self.gpus.nvml_reason,
             started_at=self.started_at, uptime_s=now - self.started_at, last_event_seq=self.bus.last_seq,
             ready=self.ready,
             versions={"sdcwatch": __version__, "python": platform.python_version(), "grpc": grpc.__version__,
-                      "protobuf": google.protobuf.__version__, **self.extra_versions})
+                      "protobuf": google.protobuf.__version__, **self.versions, **self.probes.versions})
         for rec in self.gpus.gpus.values():
             g = resp.gpus.add(uuid=rec.uuid, pci_bus_id=rec.pci_bus_id, name=rec.name, index=rec.index,
                               state=int(rec.state), reason=rec.reason, state_since=rec.state_since,
@@ -516,28 +428,19 @@ class Agent:
             for ev in rec.store.current(now):
                 g.evidence.add(source=ev.source, signal=ev.signal, value=ev.value, implies=int(ev.implies),
                                reason=ev.reason, time=ev.time, count=ev.count)
-        for runner in self.probes.values():
+        for runner in self.probes.runners.values():
             st = runner.status
             resp.probes.add(name=st.name, state=probe_state_pb(st.state), last_run=st.last_run,
                             last_duration_s=st.last_duration_s, last_error=st.last_error, runs=st.runs,
                             failures=st.failures)
-        for name, (state, error) in self.static_probes.items():
+        for name, (state, error) in self.probes.static.items():
             resp.probes.add(name=name, state=probe_state_pb(state), last_error=error)
-        from daemon.checkpoint_service import checkpoint_status
-
-        resp.checkpoints.extend(checkpoint_status(self.checkpoints))
+        resp.checkpoints.extend(self.checkpoints.summaries())
         for job in self.jobs.jobs.values():
             resp.jobs.add(job_id=job.job_id, ranks=sorted(job.ranks)[:1024], last_step=job.last_step,
                           last_report=job.last_report, steps_seen=job.steps_seen,
                           dropped_reports=job.dropped_reports, state=int(job.state), reason=job.reason)
         return resp
-
-
-def _log_task_error(task: "asyncio.Task[Any]") -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task failed: %s", task.exception())
-
-
 
 
 def _stream_fields(event: Any) -> dict[str, str]:

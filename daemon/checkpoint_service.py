@@ -1,14 +1,15 @@
 """grpc.aio servicer for `sdcwatch.v1.Checkpoints` (proto/sdcwatch/v1/checkpoint.proto).
 
-Wiring, for the agent (daemon/):
+Built by the agent's composition (daemon/compose.py), with what it uses passed in:
 
-    from daemon.checkpoint_service import build_checkpoint_service, register
-    svc = build_checkpoint_service(redis_url, state_dir, publish, node=hostname)   # publish: EventBus.publish
-    register(server, svc)                                    # (sdcwatch.event_kinds.Publish)
-    # register adds Checkpoints and PeerStore (peers read/write this memory tier); SERVICE_NAMES lists both
+    svc = build_checkpoint_service(redis_url, state_dir, publish, node=hostname,   # publish: EventBus.publish
+                                   drainer_factory=..., metrics=CheckpointMetrics(registry))  # (event_kinds.Publish)
     # peer replicas ([peers], daemon/peers_wiring.py): build_checkpoint_service(..., replicator_factory=
     #     peers_wiring.replicator_factory(config.peers, hostname), replicate_timeout_s=config.peers.timeout_s)
-    tasks.append(asyncio.create_task(svc.run_maintenance(interval_s=10)))        # retention + GC loop
+    # durable tiers ([tiers], daemon/drain_wiring.py): drainer_factory=drain_wiring.drainer_factory(...)
+    await svc.open()                 # after the agent holds its state dir: wipes an ephemeral index's dir
+    register(server, svc)            # Checkpoints and PeerStore; SERVICE_NAMES lists both
+    svc.start(background)            # the maintenance loop (retention + GC) and the drainer, as tasks
     # replica votes and bad events, from the detectors (kinds in checkpoint.policy.EVENT_KINDS:
     # "vote_agreed", "vote_mismatch", "sdc", "nan", "fatal_hardware", "rollback", "clear"):
     await svc.job_event(job_id, step_or_None, "vote_agreed", time.time())
@@ -17,7 +18,7 @@ Wiring, for the agent (daemon/):
     await svc.close()  # on stop; removes the memory dir when built with ephemeral_index=True
 
 With an embedded Redis (no persistence) the index dies with the agent, so the bytes in the memory dir
-could never be restored again: build with `ephemeral_index=True` to wipe the dir at start (left by a
+could never be restored again: build with `ephemeral_index=True` to wipe the dir at `open()` (left by a
 killed agent) and on a clean stop. With an external Redis the bytes stay: they are still indexed.
 
 Every request is validated (INVALID_ARGUMENT with the reason); all Redis and store I/O runs in
@@ -35,9 +36,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import grpc
+import redis
 
 from checkpoint import policy
 from checkpoint.coordinator import Coordinator, CoordinatorConfig
+from checkpoint.drainer import Drainer
 from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.names import validate_job_id, validate_rank, validate_step
@@ -46,6 +49,10 @@ from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, R
                                 ShardPlan)
 from sdcwatch.event_kinds import Publish
 from checkpoint.shm_store import ShmStore, default_shm_root
+from daemon.background import Background
+from daemon.checkpoint_metrics import CheckpointMetrics
+from daemon.peer_store_service import PeerStoreService
+from daemon import peer_store_service
 from proto.sdcwatch.v1 import agent_pb2
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -75,22 +82,27 @@ def info_to_pb(i: CheckpointInfo, tiers: list[str] | None = None, node: str = ""
 
 
 class CheckpointService(pb_grpc.CheckpointsServicer):
+    """`replicator` copies each committed shard to the peers; `drainer` copies checkpoints to the durable
+    tiers (restore plans and listings include its copies); `metrics` is updated every maintenance round."""
+
     def __init__(self, coordinator: Coordinator, *, replicator: Replicator | None = None,
+                 drainer: Drainer | None = None, metrics: CheckpointMetrics | None = None,
                  maintenance_timeout_s: float = 60.0, clock: Callable[[], float] = time.time,
-                 remove_memory_on_close: bool = False) -> None:
+                 remove_memory_on_close: bool = False, replicate_timeout_s: float = 120.0) -> None:
         self.coordinator = coordinator
         self.replicator = replicator
+        self.drainer = drainer
+        self.metrics = metrics
         self.maintenance_timeout_s = maintenance_timeout_s
         self.clock = clock
         self.remove_memory_on_close = remove_memory_on_close
-        self.replicate_timeout_s = 120.0   # one shard to every peer (daemon/peers_config.py timeout_s)
+        self.replicate_timeout_s = replicate_timeout_s   # one shard to every peer (daemon/peers_config.py)
+        # the PeerStore servicer over this node's memory tier: one for every server (unix socket, TCP)
+        self.peer_store = PeerStoreService(coordinator.store)
         self._background: set[asyncio.Task[Any]] = set()
         self._summaries: list[agent_pb2.CheckpointSummary] = []
         self._summary_at = 0.0
         self._memory_bytes = 0
-        self.metrics: Any = None   # a daemon.checkpoint_metrics.CheckpointMetrics, updated each round
-        self.drainer: Any = None   # a checkpoint.drainer.Drainer (daemon/drain_wiring.py), or None
-        self.peer_store: Any = None   # the PeerStore servicer over this node's memory tier (`register`)
 
     # ---- RPCs ---------------------------------------------------------------------------------------
     async def Begin(self, request: pb.BeginRequest, context: grpc.aio.ServicerContext) -> pb.BeginResponse:
@@ -254,8 +266,6 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             pass
         if self.drainer is not None:
             return self.drainer.verify_copies(job, step, memory)
-        from checkpoint.drainer import Drainer
-
         return Drainer(self.coordinator, []).verify_copies(job, step, memory)
 
     async def Tiers(self, request: pb.TiersRequest, context: grpc.aio.ServicerContext) -> pb.TiersResponse:
@@ -274,12 +284,34 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         return out
 
     # ---- agent-facing -------------------------------------------------------------------------------
+    def verified_steps(self, job_id: str) -> list[int]:
+        """Blocking: the job's VERIFIED checkpoint steps (daemon/rollback.py plans rollbacks to them)."""
+        return [i.step for i in self.coordinator.list(job_id) if i.state == policy.VERIFIED]
+
+    async def open(self) -> None:
+        """Called once the agent holds its state dir: with an ephemeral index (the agent's embedded Redis),
+        wipe the bytes a killed agent left in the memory dir (no longer indexed anywhere)."""
+        if self.remove_memory_on_close:
+            remove = getattr(self.coordinator.store, "remove_all", None)
+            n = await asyncio.to_thread(remove, True) if remove is not None else 0
+            if n:
+                log.info("removed %d unindexed file(s) a previous agent left in %s", n, self.coordinator.location)
+
+    def start(self, background: Background, maintenance_interval_s: float = 10.0) -> None:
+        """The maintenance loop and, with durable tiers, the drainer: tasks of `background`."""
+        background.start(self.run_maintenance(interval_s=maintenance_interval_s), name="checkpoint-maintenance")
+        if self.drainer is not None and self.drainer.tiers:
+            background.start(self.drainer.run(), name="checkpoint-drainer")
+            log.info("checkpoint tiers: %s", ", ".join(f"{rt.tier.name}={rt.tier.location}"
+                                                         for rt in self.drainer.tiers))
+
     async def job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
         """Feed a replica vote / SDC / NaN / fatal-hardware / rollback event (see module docstring)."""
         await asyncio.to_thread(self.coordinator.on_job_event, job_id, step, kind, now, reason)
 
     async def maintain_once(self) -> dict[str, list[int]]:
-        out = await asyncio.wait_for(asyncio.to_thread(self.coordinator.maintain, self.clock()),
+        hold = self.drainer.hold if self.drainer is not None else None
+        out = await asyncio.wait_for(asyncio.to_thread(self.coordinator.maintain, self.clock(), hold),
                                      self.maintenance_timeout_s)
         if self.drainer is not None:
             try:
@@ -389,8 +421,6 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         return job, step, rank, world
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
-        import redis
-
         try:
             return await asyncio.to_thread(fn, *args)
         except InvalidInputError as e:
@@ -413,10 +443,6 @@ def register(server: grpc.aio.Server, service: CheckpointService) -> None:
     """Add `Checkpoints` and `PeerStore` (other nodes' agents reading and writing this node's memory tier
     for peer replicas, daemon/peer_store_service.py) to `server`; `SERVICE_NAMES` lists both for reflection."""
     pb_grpc.add_CheckpointsServicer_to_server(service, server)
-    from daemon import peer_store_service
-
-    if service.peer_store is None:   # one servicer for every server (unix socket, TCP)
-        service.peer_store = peer_store_service.PeerStoreService(service.coordinator.store)
     peer_store_service.register(server, service.peer_store)
 
 
@@ -429,28 +455,24 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                              memory_dir: str | os.PathLike[str] | None = None,
                              replicator_factory: Callable[[Coordinator], Replicator] | None = None,
                              replicate_timeout_s: float = 120.0,
+                             drainer_factory: Callable[[Coordinator], Drainer | None] | None = None,
+                             metrics: CheckpointMetrics | None = None,
                              ephemeral_index: bool = False) -> CheckpointService:
     """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
-    training processes), the coordination Redis at `redis_url`. `ephemeral_index`: the Redis is the
-    agent's embedded one (no persistence): the memory dir is wiped now (bytes a killed agent left, no
-    longer indexed anywhere) and again on `close()`. `replicator_factory` (daemon/peers_wiring.py) builds
-    the peer Replicator from the coordinator; each shard's copy to the peers is bounded by
-    `replicate_timeout_s`."""
-    import redis
-
+    training processes), the coordination Redis at `redis_url` (connected on first use). `ephemeral_index`:
+    the Redis is the agent's embedded one (no persistence): the memory dir is wiped at `open()` (bytes a
+    killed agent left, no longer indexed anywhere) and again on `close()`. `replicator_factory`
+    (daemon/peers_wiring.py) builds the peer Replicator from the coordinator; each shard's copy to the peers
+    is bounded by `replicate_timeout_s`. `drainer_factory` (daemon/drain_wiring.py) builds the durable tiers'
+    Drainer from the coordinator (None: no tiers)."""
     root = Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir)
-    if ephemeral_index and root.exists():
-        n = ShmStore(root, spares=0).remove_all()
-        if n:
-            log.info("removed %d unindexed file(s) a previous agent left in %s", n, root)
     store = ShmStore(root)
     client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
     coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),
                               config=config, publish=publish)
-    replicator = replicator_factory(coordinator) if replicator_factory else None
-    service = CheckpointService(coordinator, replicator=replicator, remove_memory_on_close=ephemeral_index)
-    service.replicate_timeout_s = replicate_timeout_s
-    return service
+    return CheckpointService(coordinator, replicator=replicator_factory(coordinator) if replicator_factory else None,
+                             drainer=drainer_factory(coordinator) if drainer_factory else None, metrics=metrics,
+                             remove_memory_on_close=ephemeral_index, replicate_timeout_s=replicate_timeout_s)
 
 
 def tier_info(tc: Any, copies: dict[int, list[Copy]]) -> CheckpointInfo:

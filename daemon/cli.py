@@ -97,16 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # -- run ---------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from daemon.agent import Agent  # the agent's modules load only for `run`, not for the client commands
+    from daemon.compose import build_agent  # the agent's modules load only for `run`, not for the client commands
 
     cfg = config.build(args)  # ConfigError -> exit 2 in main
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent = Agent(cfg)
     profile = os.environ.get("SDCWATCH_PROFILE")  # a path: write cProfile stats of the agent there on exit
     try:
         run, loop_name = _loop_runner(cfg.agent.event_loop)
-        agent.extra_versions["event_loop"] = loop_name
+        agent = build_agent(cfg, versions={"event_loop": loop_name})   # ConfigError ([peers]) -> exit 2
         if profile:
             import cProfile
 

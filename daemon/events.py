@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from daemon.event_fold import REPEATS, Occurrence, RepeatFolder
 from daemon.journal import Journal
@@ -58,6 +58,15 @@ class Event:
                    severity=SEVERITY_BY_NAME.get(rec.get("severity", "info"), Severity.INFO),
                    subject=str(rec.get("subject", "")), message=str(rec.get("message", "")),
                    details=rec.get("details") or {}, host=str(rec.get("host", "")))
+
+
+class Publisher(Protocol):
+    """What a component that journals events needs of the bus (EventBus is the agent's)."""
+
+    def publish(self, kind: EventKind, subject: str, message: str, details: Mapping[str, Any] | None = None,
+                *, severity: Severity | None = None) -> "Event | None": ...
+
+    def publish_finding(self, finding: Finding) -> "Event | None": ...
 
 
 class EventBus:

@@ -65,6 +65,7 @@ class GpuMetrics:
                                        registry=r)
         # per GPU: (metric, labels) -> the labelled child, so a poll's ~150 updates are dict lookups
         self._children: dict[str, dict[tuple[object, tuple[str, ...]], Any]] = {}
+        self.identities: dict[str, GpuIdentity] = {}   # uuid -> identity, from NVML (`identify`)
 
     @staticmethod
     def _labels(identity: GpuIdentity) -> tuple[str, str, str]:
@@ -95,6 +96,19 @@ class GpuMetrics:
 
     def observe_xid(self, identity: GpuIdentity, xid: int) -> None:
         self._inc(identity, self.xid, (str(int(xid)),), 1)
+
+    def identify(self, identity: GpuIdentity) -> None:
+        """The GPU's identity as NVML reports it (its labels); series are kept only for identified GPUs."""
+        self.identities[identity.uuid] = identity
+
+    def identity(self, uuid: str) -> GpuIdentity | None:
+        return self.identities.get(uuid)
+
+    def state_changed(self, uuid: str, state: State) -> None:
+        """A GPU's state changed (daemon/gpu_transitions.py): the state gauge of an identified GPU follows."""
+        identity = self.identities.get(uuid)
+        if identity is not None:
+            self.set_state(identity, state)
 
     def set_state(self, identity: GpuIdentity, state: State) -> None:
         """The derived state alone (on a transition between polls)."""

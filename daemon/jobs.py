@@ -1,9 +1,18 @@
 """Per-job state built from the ranks' ReportStep calls. Pure: no I/O, `now` passed in.
 
-`JobTracker.report(req, now)` returns what the agent must do: findings to journal, evidence to attach to
-local GPUs, events for the checkpoint coordinator; or None, the usual case, when a report only moves the
-job along. Memory is bounded: at most `max_jobs` jobs (least recently seen evicted), a bounded set of ranks
-per job, and bounded dedup state.
+`JobTracker` is the one owner of what the agent knows about a job (`JobState`): its ranks and steps, the
+rules' dedup state (votes, non-finite values, frozen parameters), its loss detector (`daemon.job_loss`), the
+steps each rank reported (a step that goes backwards is a restore) and a pending rollback directive.
+
+`JobTracker.report(req, now)` returns what the agent must do (`ReportOutcome`): findings to journal, events
+for the checkpoint coordinator, evidence to attach to local GPUs, loss anomalies to plan a rollback for, the
+directives for the reporting rank, a job it evicted; or None, the usual case, when a report only moves the
+job along. A critical loss event becomes a directive in two steps: the outcome asks for a rollback plan
+(that needs the VERIFIED checkpoints: I/O, daemon/rollback.py), whose directive comes back through
+`set_directive`; each rank is then handed it once, in a later report's outcome.
+
+Memory is bounded: at most `max_jobs` jobs (least recently seen evicted, or idle for `idle_s`: `expire`),
+a bounded set of ranks per job, and bounded dedup state.
 """
 from __future__ import annotations
 
@@ -11,11 +20,23 @@ import collections
 import dataclasses
 import math
 from math import isfinite
-from typing import Callable
 
+from daemon.job_loss import JobLoss
+from probes.loss_detector import LossDetectorConfig, LossEvent, RollbackPolicy
 from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, Finding, Severity, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
+
+DIRECTIVE_TTL_S = 600.0   # a rollback directive not handed to a rank within this long is dropped
+
+
+@dataclasses.dataclass(slots=True)
+class PendingDirective:
+    """A rollback directive for a job: handed to each rank once, in its next report's reply."""
+    directive: pb.Directive
+    created: float
+    anomaly_start: int                       # the step the anomaly began at
+    delivered: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,6 +61,11 @@ class JobState:
     gpus: set[str] = dataclasses.field(default_factory=set)          # GPU UUIDs its ranks reported
     voted_steps: collections.deque[int] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
+    loss: JobLoss = dataclasses.field(default_factory=JobLoss)      # the job's loss detector
+    rank_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its newest report's step
+    restores_seen: collections.deque[int] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=64))         # restored steps already announced
+    directive: PendingDirective | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -49,37 +75,48 @@ class ReportOutcome:
     dropped_delta: int = 0
     mismatch: bool = False
     job_events: list[tuple[int | None, str, str]] = dataclasses.field(default_factory=list)  # for checkpoints
+    rollbacks: list[tuple[int, LossEvent]] = dataclasses.field(default_factory=list)  # (index in findings, ev)
+    directives: list[pb.Directive] = dataclasses.field(default_factory=list)   # for the reporting rank
+    evicted: list[str] = dataclasses.field(default_factory=list)   # jobs forgotten to make room for this one
 
 
 class JobTracker:
+    """`loss_config`: each job's loss detector; `rollback`: the policy that turns a critical loss event into a
+    rollback request (None: rollback directives off)."""
+
     MAX_RANKS_TRACKED = 4096
 
     def __init__(self, *, max_jobs: int = 64, idle_s: float = 3600.0,
-                 on_evict: Callable[[str], None] | None = None) -> None:
+                 loss_config: LossDetectorConfig | None = None, rollback: RollbackPolicy | None = None) -> None:
         self.jobs: collections.OrderedDict[str, JobState] = collections.OrderedDict()
         self.max_jobs = max_jobs
         self.idle_s = idle_s
-        self.on_evict = on_evict
+        self.loss_config = loss_config or LossDetectorConfig()
+        self.rollback = rollback
 
-    def _new_job(self, job_id: str, now: float) -> JobState:
+    def _make_room(self) -> list[str]:
+        """Evict the least recently seen jobs until a new one fits; returns their ids."""
+        evicted = []
         while len(self.jobs) >= self.max_jobs:
             old, _ = self.jobs.popitem(last=False)
-            if self.on_evict:
-                self.on_evict(old)
-        job = JobState(job_id=job_id, first_seen=now)
-        self.jobs[job_id] = job
-        return job
+            evicted.append(old)
+        return evicted
 
     def jobs_on_gpu(self, uuid: str) -> list[JobState]:
         return [j for j in self.jobs.values() if uuid in j.gpus]
 
     def expire(self, now: float) -> list[str]:
+        """Forget the jobs idle for `idle_s`; returns their ids."""
         gone = [j for j, s in self.jobs.items() if now - s.last_report > self.idle_s]
         for j in gone:
             del self.jobs[j]
-            if self.on_evict:
-                self.on_evict(j)
         return gone
+
+    def set_directive(self, job_id: str, directive: pb.Directive, anomaly_start: int, now: float) -> None:
+        """A planned rollback (daemon/rollback.py): each rank gets `directive` with its next report."""
+        job = self.jobs.get(job_id)
+        if job is not None:   # forgotten meanwhile: nobody left to tell
+            job.directive = PendingDirective(directive, now, anomaly_start)
 
     def report(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome | None:
         """Account one accepted report. Returns None when it needs nothing more than that (nearly every
@@ -89,7 +126,8 @@ class JobTracker:
         job = self.jobs.get(job_id)
         new = job is None
         if new:
-            job = self._new_job(job_id, now)
+            evicted = self._make_room()
+            job = self.jobs[job_id] = JobState(job_id=job_id, first_seen=now, loss=JobLoss(self.loss_config))
         else:
             self.jobs.move_to_end(job_id)
         job.last_report = now
@@ -109,12 +147,19 @@ class JobTracker:
         if checks and (rank in job.checks_run or len(job.checks_run) < self.MAX_RANKS_TRACKED):
             job.checks_run[rank] = checks   # the rank's own running count
         dropped = req.dropped_reports
-        finite = isfinite(req.loss) and isfinite(req.grad_norm)   # unset reads 0.0: finite
-        if not (new or dropped or not finite or req.HasField("canary") or req.HasField("vote")
-                or req.frozen_changed):
+        loss, grad_norm = req.loss, req.grad_norm
+        finite = isfinite(loss) and isfinite(grad_norm)   # unset reads 0.0: finite
+        went_back_from = _went_back(job, rank, step)
+        has = req.HasField
+        loss_events = job.loss.add(step, rank, world, loss if has("loss") else None,
+                                   grad_norm if has("grad_norm") else None,
+                                   req.loss_scale if has("loss_scale") else None, now)
+        if not (new or dropped or not finite or has("canary") or has("vote") or req.frozen_changed
+                or went_back_from is not None or loss_events or job.directive is not None):
             return None
         out = ReportOutcome()
         if new:
+            out.evicted = evicted
             out.findings.append(Finding(ek.JOB_STARTED, Severity.INFO, f"job/{job_id}",
                                         f"job {job_id} first reported (rank {rank}, step {step})",
                                         {"job_id": job_id, "rank": rank, "step": step,
@@ -134,9 +179,51 @@ class JobTracker:
             self._vote(req, job, out, now)
         if req.frozen_changed:
             self._frozen(req, job, out, now)
+        if went_back_from is not None:
+            self._restored(job, rank, went_back_from, step, out)
+        for ev in loss_events:
+            self._loss_event(job, ev, out)
+        if job.directive is not None:
+            self._deliver(job, rank, now, out)
         return out
 
     # -- rules -------------------------------------------------------------------------------------
+    def _restored(self, job: JobState, rank: int, prev: int, step: int, out: ReportOutcome) -> None:
+        """A rank went back from `prev` to `step`: the job restored step - 1. Announced once; a pending
+        directive that would roll back to before the same anomaly again (and skip good batches) is dropped."""
+        restored = step - 1
+        if restored in job.restores_seen:
+            return
+        job.restores_seen.append(restored)
+        pending = job.directive
+        if pending is not None and pending.directive.target_step <= restored < pending.anomaly_start:
+            # the job already went back to before that anomaly (e.g. for a replica mismatch)
+            job.directive = None
+        out.findings.append(Finding(
+            ek.JOB_ROLLBACK, Severity.INFO, f"job/{job.job_id}",
+            f"job {job.job_id} went back from step {prev} to {step}: restored step {restored}",
+            {"job_id": job.job_id, "from_step": prev, "restored_step": restored, "rank": rank}))
+        out.job_events.append((restored, "rollback", f"the job restored step {restored}"))
+
+    def _loss_event(self, job: JobState, ev: LossEvent, out: ReportOutcome) -> None:
+        """A loss detector event: journaled; a critical one tells the checkpoints and may ask for a rollback."""
+        out.findings.append(loss_finding(job.job_id, ev))
+        if ev.severity != Severity.CRITICAL:
+            return
+        out.job_events.append((ev.start_step, "nan" if ev.kind == "nonfinite" else "loss_anomaly",
+                               f"{ev.signal} {ev.kind} from step {ev.start_step}"))
+        if self.rollback is not None and ev.kind in self.rollback.kinds:
+            out.rollbacks.append((len(out.findings) - 1, ev))
+
+    def _deliver(self, job: JobState, rank: int, now: float, out: ReportOutcome) -> None:
+        pending = job.directive
+        assert pending is not None
+        if now - pending.created > DIRECTIVE_TTL_S:
+            job.directive = None
+        elif rank not in pending.delivered:
+            pending.delivered.add(rank)
+            out.directives.append(pending.directive)
+
     def _nonfinite(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
         bad = [name for name in ("loss", "grad_norm")
                if req.HasField(name) and not math.isfinite(getattr(req, name))]
@@ -225,3 +312,27 @@ class JobTracker:
                 source="frozen_params", signal="changed", value=str(req.step), implies=State.SUSPECT,
                 reason=f"frozen parameters changed at step {req.step} of job {req.job_id} (rank {req.rank})",
                 time=now)))
+
+
+def _went_back(job: JobState, rank: int, step: int) -> int | None:
+    """Record the rank's step; its previous step when this one is lower (the job restored a checkpoint).
+    Step 0 again is a fresh start, not a restore."""
+    steps = job.rank_steps
+    prev = steps.get(rank)
+    if prev is not None or len(steps) < JobTracker.MAX_RANKS_TRACKED:
+        steps[rank] = step
+    if prev is None or step >= prev or step == 0:
+        return None
+    return prev
+
+
+def loss_finding(job_id: str, ev: LossEvent) -> Finding:
+    """The journal's event for a loss detector event (of the job: the mean over its ranks)."""
+    details = {"job_id": job_id, "step": ev.step, "signal": ev.signal, "kind": ev.kind,
+               "value": _num(ev.value), "baseline": _num(ev.baseline), "magnitude": _num(ev.magnitude),
+               "start_step": ev.start_step}
+    return Finding(ev.event_kind, ev.severity, f"job/{job_id}", ev.message, details)
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)

@@ -28,6 +28,10 @@ class Journal:
         self._fh: Any = None
         self._size = 0
 
+    @property
+    def is_open(self) -> bool:
+        return self._fh is not None
+
     # -- files -------------------------------------------------------------------------------------
     def files(self) -> list[Path]:
         return sorted(self.dir.glob(f"{self.prefix}-*.jsonl"))

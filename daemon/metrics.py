@@ -9,25 +9,26 @@ from __future__ import annotations
 import bisect
 import platform
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-if TYPE_CHECKING:
-    from daemon.jobs import JobTracker
-
+from daemon.events import Event
+from daemon.jobs import JobTracker
 from sdcwatch import __version__
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
 class AgentMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        import grpc
+    """`jobs`: the job tracker whose jobs' numbers are read at scrape time (and which bounds the job labels of
+    the event counts); without it, no job series."""
 
+    def __init__(self, registry: CollectorRegistry | None = None, *, jobs: JobTracker | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.build = Info("sdcwatch_build", "Agent build: version, python and grpc versions", registry=r)
@@ -64,11 +65,19 @@ class AgentMetrics:
                                   registry=r)
         self.reports_rejected = Counter("sdcwatch_reports_rejected_total",
                                         "ReportStep calls rejected as invalid", registry=r)
+        self.jobs = jobs
+        if jobs is not None:   # each tracked job's step count, newest step and fingerprint checks
+            r.register(_JobStats(jobs))
 
-    def watch_jobs(self, tracker: "JobTracker") -> None:
-        """Expose each tracked job's step count, newest step and fingerprint checks, read from the tracker at
-        scrape time."""
-        self.registry.register(_JobStats(tracker))
+    def count_event(self, event: Event) -> None:
+        """Every journaled event by kind and severity, as the occurrences it stands for (repeats folded into
+        it included); a tracked job's also by job (the bus's `on_event`)."""
+        severity = event.severity.name.lower()
+        self.events.labels(event.kind, severity).inc(event.occurrences)
+        if self.jobs is not None and event.subject.startswith("job/"):
+            job = event.subject.split("/", 2)[1]
+            if job in self.jobs.jobs:  # bounded: only jobs the tracker holds
+                self.job_events.labels(job, event.kind, severity).inc(event.occurrences)
 
     def observe_probe(self, name: str, seconds: float, ok: bool) -> None:
         self.probe_seconds.labels(name).observe(seconds)
@@ -155,7 +164,7 @@ class _JobStats(Collector):
     own. The checks are the sum over the job's ranks of each rank's own running count (`checks_run`). An
     evicted job's series go with it."""
 
-    def __init__(self, tracker: "JobTracker") -> None:
+    def __init__(self, tracker: JobTracker) -> None:
         self.tracker = tracker
 
     def collect(self) -> Iterator[Any]:
@@ -182,6 +191,4 @@ class _JobStats(Collector):
 
 def start_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Any]:
     """Serve /metrics; returns (server, thread). `server.server_port` is the bound port."""
-    from prometheus_client import start_http_server
-
     return start_http_server(port, addr=host, registry=registry)

@@ -1,10 +1,8 @@
 """Connects peer replication (checkpoint/peers.py) to the agent, from `[peers]` (daemon/peers_config.py).
 
-    from daemon import peers_wiring
-    self.checkpoints = build_checkpoint_service(
-        ..., replicator_factory=peers_wiring.replicator_factory(self.config.peers, self.host,
-                                                                 shared_redis=self.embedded_redis is None),
-        replicate_timeout_s=self.config.peers.timeout_s)
+    checkpoints = build_checkpoint_service(           # daemon/compose.py
+        ..., replicator_factory=peers_wiring.replicator_factory(config.peers, host, shared_redis=not embedded),
+        replicate_timeout_s=config.peers.timeout_s)
 
 `replicator_factory` first sets this process's peer-transport credentials (`tls_ca`, `token_file`,
 `insecure`: checkpoint.grpc_store.set_credentials), used for replication and for reading peers' copies
@@ -21,14 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from checkpoint.coordinator import Coordinator
+from checkpoint.grpc_store import PeerCredentials, parse_location, set_credentials
+from checkpoint.peers import Peer, Replicator, peers_of
 from daemon.errors import ConfigError
 from daemon.peers_config import PeerNode, PeersConfig
-
-if TYPE_CHECKING:
-    from checkpoint.coordinator import Coordinator
-    from checkpoint.peers import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +34,6 @@ def plan_peers(cfg: PeersConfig, node: str) -> list[PeerNode]:
     """The nodes that receive copies of `node`'s shards, in placement order (pure; no I/O)."""
     if cfg.replication_factor <= 1:
         return []
-    from checkpoint.peers import peers_of
-
     nodes = cfg.node_list()
     by_name = {n.name: n for n in nodes}
     if node not in by_name:
@@ -73,8 +68,6 @@ def _is_local_host(host: str) -> bool:
 
 def check_own_url(location: str) -> None:
     """ConfigError unless the URL `location` (this node's own entry) can be this machine's agent."""
-    from checkpoint.grpc_store import parse_location
-
     scheme, target = parse_location(location)
     if scheme == "unix":
         sock_dir = os.path.dirname(target[len("unix://"):])
@@ -89,8 +82,6 @@ def check_own_url(location: str) -> None:
 
 def configure_transport(cfg: PeersConfig | None) -> None:
     """Set this process's credentials for peer URLs from `[peers]` (tls_ca, token_file, insecure)."""
-    from checkpoint.grpc_store import PeerCredentials, set_credentials
-
     if cfg is None:
         return
     set_credentials(PeerCredentials(cfg.tls_ca, cfg.token_file, cfg.insecure))
@@ -99,7 +90,7 @@ def configure_transport(cfg: PeersConfig | None) -> None:
 
 
 def replicator_factory(cfg: PeersConfig | None, node: str, *,
-                       shared_redis: bool = True) -> "Callable[[Coordinator], Replicator] | None":
+                       shared_redis: bool = True) -> Callable[[Coordinator], Replicator] | None:
     """For `build_checkpoint_service(replicator_factory=...)`; None without peers. `shared_redis` False (the
     agent's private embedded Redis) is refused: other nodes could never see the commit records or copies.
     Sets the peer-transport credentials (`configure_transport`) in every case."""
@@ -111,9 +102,7 @@ def replicator_factory(cfg: PeersConfig | None, node: str, *,
                           "(--redis-url); this agent runs a private embedded one")
     peers = plan_peers(cfg, node)   # fails now, before any service is built, on a misplaced node
 
-    def build(coordinator: "Coordinator") -> "Replicator":
-        from checkpoint.peers import Peer, Replicator
-
+    def build(coordinator: Coordinator) -> Replicator:
         me = next(n for n in cfg.node_list() if n.name == node)
         if me.is_url:
             check_own_url(me.location)

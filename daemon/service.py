@@ -1,20 +1,19 @@
-"""The `sdcwatch.v1.Agent` gRPC service. Thin: validates, then asks the agent core."""
+"""The `sdcwatch.v1.Agent` gRPC service. Thin: validates, then asks the agent core (`AgentApi`, the few
+calls it needs; daemon/agent.py's Agent is the one in production, a test may pass its own)."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import grpc
 from google.protobuf import struct_pb2
 
 from daemon import validation
 from daemon.events import Event
+from sdcwatch.types import State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from daemon.agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +47,24 @@ def _jsonable(value: object) -> object:
 _ACCEPTED = pb.ReportStepResponse(accepted=True)
 
 
+class AgentApi(Protocol):
+    def status_pb(self) -> pb.GetStatusResponse: ...
+
+    def watch(self, since_seq: int, follow: bool) -> AsyncIterator[Event]: ...
+
+    def handle_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
+        """One validated report; the rank's directives (usually none)."""
+        ...
+
+    def report_rejected(self) -> None: ...
+
+    def has_gpu(self, uuid: str) -> bool: ...
+
+    def clear_gpu(self, uuid: str, who: str, reason: str) -> tuple[State, State]: ...
+
+
 class AgentService(pb_grpc.AgentServicer):
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: AgentApi) -> None:
         self.agent = agent
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
@@ -62,7 +77,7 @@ class AgentService(pb_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         kinds = tuple(request.kinds)
         min_sev = request.min_severity or 0
-        async for event in self.agent.bus.watch(request.since_seq, request.follow):
+        async for event in self.agent.watch(request.since_seq, request.follow):
             if event.severity < min_sev:
                 continue
             if kinds and not event.kind.startswith(kinds):
@@ -73,7 +88,7 @@ class AgentService(pb_grpc.AgentServicer):
                          context: grpc.aio.ServicerContext) -> pb.ReportStepResponse:
         err = validation.check_report_step(request)
         if err:
-            self.agent.metrics.reports_rejected.inc()
+            self.agent.report_rejected()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         directives = self.agent.handle_report(request, time.time())
         return pb.ReportStepResponse(accepted=True, directives=directives) if directives else _ACCEPTED
@@ -82,7 +97,7 @@ class AgentService(pb_grpc.AgentServicer):
         err = validation.check_clear_gpu(request)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        if request.uuid not in self.agent.gpus.gpus:
+        if not self.agent.has_gpu(request.uuid):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no GPU {request.uuid} on this node")
         before, after = self.agent.clear_gpu(request.uuid, request.who or _peer_user(context), request.reason)
         return pb.ClearGpuResponse(previous=int(before), state=int(after))

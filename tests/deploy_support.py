@@ -57,8 +57,7 @@ def exported_metric_names() -> set[str]:
     from daemon.jobs import JobTracker
     from daemon.metrics import AgentMetrics
 
-    agent_metrics = AgentMetrics()
-    agent_metrics.watch_jobs(JobTracker())
+    agent_metrics = AgentMetrics(jobs=JobTracker())
     reg = CollectorRegistry()
     GpuMetrics(reg)
     AlertMetrics(reg)

@@ -232,9 +232,8 @@ def test_rpc_stats_exposition_matches_prometheus_semantics() -> None:
     from daemon.jobs import JobTracker
     from daemon.metrics import AgentMetrics
 
-    m = AgentMetrics()
     tracker = JobTracker(max_jobs=1)
-    m.watch_jobs(tracker)
+    m = AgentMetrics(jobs=tracker)
     check = m.rpc.method("Check")
     for seconds in (0.00005, 0.0001, 0.0002, 0.003, 7.0):   # 0.0001 sits on a bound: le includes it
         check.observe(seconds)

@@ -15,9 +15,8 @@ from daemon.checkpoint_service import CheckpointService, build_checkpoint_servic
 def test_metrics_and_summaries_follow_the_coordinator(redis_server, tmp_path: Path) -> None:
     # a key prefix of its own: maintenance walks every job in the (session-wide) Redis
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=1, key_prefix=f"{job_id('p')}:"), job_id("m")
-    svc = CheckpointService(co, clock=lambda: 1000.0)
     reg = CollectorRegistry()
-    svc.metrics = CheckpointMetrics(reg)
+    svc = CheckpointService(co, clock=lambda: 1000.0, metrics=CheckpointMetrics(reg))
     assert checkpoint_status(svc) == [] and checkpoint_status(None) == []
     snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
     for step in (1, 2, 3):
@@ -58,6 +57,8 @@ def test_embedded_redis_memory_dir_is_wiped_at_start_and_on_close(redis_server, 
     (mem / "old-job" / "000000000001").mkdir(parents=True)
     (mem / "old-job" / "000000000001" / "rank-00000.bin").write_bytes(b"orphan")  # a killed agent's bytes
     svc = build_checkpoint_service(redis_server.url, tmp_path / "state", memory_dir=mem, ephemeral_index=True)
+    assert (mem / "old-job").is_dir(), "nothing wiped before open(): the agent may not hold the state dir yet"
+    asyncio.run(svc.open())
     assert mem.is_dir() and not any(mem.iterdir())
     (mem / "x").write_bytes(b"1")
     asyncio.run(svc.close())

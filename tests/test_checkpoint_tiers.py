@@ -82,8 +82,7 @@ def test_policy_and_restore_falling_all_the_way_back_to_s3(redis_server, tmp_pat
              s3_tier(moto_s3, TierRule("s3", every_n=3, keep_newest=5))]
     dr = Drainer(co, tiers, orphan_ttl_s=0)
     dr.start()
-    svc = CheckpointService(co)
-    svc.drainer = dr
+    svc = CheckpointService(co, drainer=dr)
     for step in range(1, 8):
         save(co, job, step, verified=step == 4)
         dr.drain_now()
@@ -120,8 +119,7 @@ def test_flipped_bit_on_each_tier_found_by_verify_and_skipped_by_restore(redis_s
     s3 = s3_tier(moto_s3)
     dr = Drainer(co, [dir_tier("nvme", tmp_path / "nvme"), dir_tier("flash", tmp_path / "flash", shared=True), s3])
     dr.start()
-    svc = CheckpointService(co)
-    svc.drainer = dr
+    svc = CheckpointService(co, drainer=dr)
     save(co, job, 1, size=8000, verified=True)
     assert all(ok for *_, ok in dr.drain_now())
     m = co.shard_manifest(job, 1, 0)

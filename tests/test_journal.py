@@ -89,14 +89,14 @@ def test_step_log_lines_are_json_for_every_float(tmp_path) -> None:
 def test_a_failing_step_log_loses_records_not_reports(tmp_path, caplog) -> None:
     """The loop only queues step records; the step log's thread writes them. A write error loses that record
     with a log line (at most one a minute) and never fails the ReportStep."""
-    from daemon.agent import Agent
+    from daemon.compose import build_agent
     from daemon.config import Config
     from proto.sdcwatch.v1 import agent_pb2 as pb
 
     cfg = Config()
     cfg.agent.state_dir = str(tmp_path / "state")
     cfg.nvml.enabled = False
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     agent.journal.open()
     agent.steps.open()
     req = pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=1, loss=1.0)

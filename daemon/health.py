@@ -1,0 +1,64 @@
+"""`NodeHealth`: the agent's grpc.health.v1 answers and the node-state gauge, derived from the GPU table.
+
+Names (docs: DESIGN.md "Health names"): `sdcwatch.v1.Agent` is SERVING while the agent is serving (ready, not
+stopping); `""` (the node) also needs no FAILED GPU; `gpu/<UUID>` follows that GPU. `sync()` sets them all;
+after a GPU's state changed (daemon/gpu_transitions.py sets `changed`) the task started by `start()` syncs.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
+
+from daemon.background import Background
+from daemon.gpus import GpuRegistry
+from daemon.metrics import AgentMetrics
+from sdcwatch.types import State
+
+AGENT_SERVICE = "sdcwatch.v1.Agent"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class NodeHealth:
+    def __init__(self, servicer: HealthServicer, gpus: GpuRegistry, metrics: AgentMetrics,
+                 changed: asyncio.Event) -> None:
+        self.servicer = servicer
+        self.gpus = gpus
+        self.metrics = metrics
+        self.changed = changed
+        self.serving = False
+
+    def start(self, background: Background) -> None:
+        background.start(self._follow(), name="health")
+
+    async def _follow(self) -> None:
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            await self.sync()
+
+    async def not_serving(self) -> None:
+        """While starting: every name NOT_SERVING."""
+        await self.servicer.set("", NOT_SERVING)
+        await self.servicer.set(AGENT_SERVICE, NOT_SERVING)
+
+    async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
+        await self.sync()
+
+    async def sync(self) -> None:
+        serving = self.serving
+        node_state, _ = self.gpus.node_state()
+        await self.servicer.set("", SERVING if serving and node_state is not State.FAILED else NOT_SERVING)
+        await self.servicer.set(AGENT_SERVICE, SERVING if serving else NOT_SERVING)
+        for rec in list(self.gpus.gpus.values()):
+            ok = serving and rec.state is not State.FAILED
+            await self.servicer.set(f"gpu/{rec.uuid}", SERVING if ok else NOT_SERVING)
+        self.update_node_metrics()
+
+    def update_node_metrics(self) -> None:
+        node_state, _ = self.gpus.node_state()
+        for s in State:
+            self.metrics.node_state.labels(s.name).set(1 if s is node_state else 0)
