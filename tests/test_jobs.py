@@ -1,0 +1,146 @@
+"""The job tracker: the one owner of per-job state. `report(req, now)` returns what the agent must do (or None)."""
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+from daemon.background import Background
+from daemon.events import EventBus
+from daemon.jobs import DIRECTIVE_TTL_S, JobTracker
+from daemon.journal import Journal
+from daemon.rollback import RollbackPlanner
+from probes.loss_detector import RollbackPolicy
+from sdcwatch import event_kinds as ek
+from proto.sdcwatch.v1 import agent_pb2 as pb
+
+
+def report(tracker: JobTracker, step: int, rank: int = 0, now: float = 1.0, job: str = "j", **kw: object):
+    return tracker.report(pb.ReportStepRequest(job_id=job, rank=rank, world_size=1, step=step, **kw), now)
+
+
+def directive(target: int) -> pb.Directive:
+    return pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=target, skip_batches=5, event_seq=7)
+
+
+def test_the_usual_report_needs_nothing() -> None:
+    tracker = JobTracker()
+    assert report(tracker, 1, loss=1.0) is not None, "a new job is announced"
+    for step in range(2, 20):
+        assert report(tracker, step, loss=1.0, grad_norm=0.5) is None
+    assert tracker.jobs["j"].last_step == 19
+
+
+def test_a_restore_is_announced_once_and_tells_the_checkpoints() -> None:
+    tracker = JobTracker()
+    for step in range(1, 11):
+        report(tracker, step)
+    out = report(tracker, 6)   # went back from 10 to 6: the job restored step 5
+    assert out is not None
+    assert [(f.kind, f.details["from_step"], f.details["restored_step"]) for f in out.findings] == [
+        (ek.JOB_ROLLBACK, 10, 5)]
+    assert out.job_events == [(5, "rollback", "the job restored step 5")]
+    report(tracker, 7)
+    out = report(tracker, 6, rank=0)   # the same restore seen again: said once
+    assert out is None or (not out.findings and not out.job_events)
+    assert report(tracker, 0) is None, "step 0 again is a fresh start, not a restore"
+
+
+def test_a_critical_loss_event_asks_for_a_rollback_plan_only_when_rollback_is_on() -> None:
+    for policy in (RollbackPolicy(), None):
+        tracker = JobTracker(rollback=policy)
+        report(tracker, 1, loss=1.0)
+        out = report(tracker, 2, loss=math.nan)
+        assert out is not None
+        kinds = [f.kind for f in out.findings]
+        assert ek.LOSS_NONFINITE in kinds
+        assert (2, "nan") in [(s, k) for s, k, _ in out.job_events]
+        if policy is None:
+            assert out.rollbacks == []
+        else:
+            ((index, ev),) = out.rollbacks
+            assert (out.findings[index].kind, out.findings[index].subject) == (ek.LOSS_NONFINITE, "job/j")
+            assert ev.kind == "nonfinite" and ev.start_step == 2
+
+
+def test_a_directive_goes_to_each_rank_once_until_it_expires() -> None:
+    tracker = JobTracker()
+    report(tracker, 20, rank=0)
+    report(tracker, 20, rank=1)
+    tracker.set_directive("j", directive(10), anomaly_start=18, now=100.0)
+    assert report(tracker, 21, rank=0, now=101.0).directives == [directive(10)]
+    out = report(tracker, 22, rank=0, now=102.0)
+    assert out is None or out.directives == [], "rank 0 has it"
+    assert report(tracker, 21, rank=1, now=103.0).directives == [directive(10)]
+    tracker.set_directive("j", directive(12), anomaly_start=18, now=200.0)
+    out = report(tracker, 23, rank=1, now=200.0 + DIRECTIVE_TTL_S + 1)
+    assert out is None or out.directives == [], "too old: dropped"
+    assert tracker.jobs["j"].directive is None
+    tracker.set_directive("gone", directive(1), anomaly_start=2, now=1.0)   # an unknown job: nobody to tell
+    assert "gone" not in tracker.jobs
+
+
+def test_a_restore_to_before_the_anomaly_drops_the_directive() -> None:
+    tracker = JobTracker()
+    for step in range(1, 31):
+        report(tracker, step)
+    tracker.set_directive("j", directive(10), anomaly_start=25, now=1.0)
+    out = report(tracker, 16)   # the job restored step 15 on its own (e.g. for a replica mismatch)
+    assert out is not None and out.directives == []
+    assert tracker.jobs["j"].directive is None
+
+
+def test_eviction_forgets_all_of_a_jobs_state_in_one_place() -> None:
+    tracker = JobTracker(max_jobs=2, idle_s=10.0)
+    report(tracker, 1, job="a", now=1.0)
+    report(tracker, 1, job="b", now=2.0)
+    tracker.set_directive("a", directive(0), anomaly_start=1, now=2.0)
+    out = report(tracker, 1, job="c", now=3.0)
+    assert out is not None and out.evicted == ["a"]
+    assert list(tracker.jobs) == ["b", "c"]
+    out = report(tracker, 5, job="a", now=4.0)   # back: a new job, nothing of the old one left
+    assert out is not None and out.evicted == ["b"]
+    assert out.directives == [] and tracker.jobs["a"].rank_steps == {0: 5}
+    assert tracker.expire(now=13.5) == ["c"] and list(tracker.jobs) == ["a"]   # idle for over 10 s
+
+
+class Verified:
+    """The checkpoint service's `verified_steps`, for a job whose VERIFIED steps are known."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps
+
+    def verified_steps(self, job_id: str) -> list[int]:
+        return list(self.steps)
+
+
+def test_the_rollback_planner_hands_the_directive_to_the_tracker(tmp_path: Path) -> None:
+    async def run() -> tuple[list[tuple[str, dict]], JobTracker]:
+        journal = Journal(tmp_path / "journal").open()
+        bus = EventBus(journal, host="n0")
+        bus.bind_loop(asyncio.get_running_loop())
+        background = Background()
+        tracker = JobTracker(rollback=RollbackPolicy())
+        report(tracker, 1, loss=1.0)
+        out = report(tracker, 2, loss=math.nan)
+        assert out is not None
+        (index, ev), = out.rollbacks
+        event = bus.publish_finding(out.findings[index])
+        assert event is not None
+        for verified in ([], [1]):   # nothing to roll back to; then a VERIFIED step before the anomaly
+            planner = RollbackPlanner(RollbackPolicy(), checkpoints=Verified(verified), jobs=tracker,
+                                      publisher=bus, background=background)
+            planner.request("j", ev, event.seq)
+            while len(background):
+                await asyncio.sleep(0.01)
+        await background.cancel()
+        journal.close()
+        return [(e.kind, dict(e.details)) for e in bus.recent(0) or []], tracker
+
+    events, tracker = asyncio.run(run())
+    kinds = [k for k, _ in events]
+    assert kinds == ["loss.nonfinite", "job.rollback_impossible", "job.rollback_directive"]
+    assert events[-1][1]["target_step"] == 1 and events[-1][1]["cause_seq"] == 1
+    pending = tracker.jobs["j"].directive
+    assert pending is not None and pending.directive.target_step == 1 and pending.directive.event_seq == 1
+    assert pending.anomaly_start == 2
