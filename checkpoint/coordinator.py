@@ -187,8 +187,8 @@ class Coordinator:
             if info.begun_at:
                 self.observations.append(("save_commit", max(0.0, now - info.begun_at)))
             self.emit(ek.CHECKPOINT_COMMITTED, job_id,
-                       f"checkpoint step {step} committed ({world_size} shards, {info.nbytes} bytes)",
-                       {"step": step, "bytes": info.nbytes, "world_size": world_size})
+                      f"checkpoint step {step} committed ({world_size} shards, {info.nbytes} bytes)",
+                      {"step": step, "bytes": info.nbytes, "world_size": world_size})
             self.evaluate(job_id, now)
             self.maintain_job(job_id, now)
         return CommitResult(state if not committed_now else self.info(job_id, step).state,
@@ -225,19 +225,19 @@ class Coordinator:
             self.restore_sources[tier] += 1
             if tier not in ("memory",):
                 self.emit(ek.CHECKPOINT_RESTORED_FROM_TIER, r.job_id,
-                           f"rank {r.rank} restored step {r.step} from {r.source} in {r.seconds:.2f}s",
-                           {"step": r.step, "rank": r.rank, "source": r.source, "seconds": r.seconds})
+                          f"rank {r.rank} restored step {r.step} from {r.source} in {r.seconds:.2f}s",
+                          {"step": r.step, "rank": r.rank, "source": r.source, "seconds": r.seconds})
         if not r.ok:
             self.stats["restores_failed"] += 1
             self.emit(ek.CHECKPOINT_RESTORE_FAILED, r.job_id,
-                       f"restore of step {r.step} failed on rank {r.rank}: {r.error}",
-                       {"step": r.step, "rank": r.rank, "error": r.error})
+                      f"restore of step {r.step} failed on rank {r.rank}: {r.error}",
+                      {"step": r.step, "rank": r.rank, "error": r.error})
         elif r.checksum_failures:
             self.emit(ek.CHECKPOINT_RESTORE_FALLBACK, r.job_id,
-                       f"restore of step {r.step} on rank {r.rank}: {r.checksum_failures} bad chunk(s), "
-                       f"{r.fallbacks} read from another copy", {"step": r.step, "rank": r.rank,
-                                                                 "checksum_failures": r.checksum_failures,
-                                                                 "fallbacks": r.fallbacks})
+                      f"restore of step {r.step} on rank {r.rank}: {r.checksum_failures} bad chunk(s), "
+                      f"{r.fallbacks} read from another copy", {"step": r.step, "rank": r.rank,
+                                                                "checksum_failures": r.checksum_failures,
+                                                                "fallbacks": r.fallbacks})
 
     # ---- queries ------------------------------------------------------------------------------------
     def jobs(self) -> list[str]:
@@ -394,14 +394,14 @@ class Coordinator:
                 if self._transition(keys=[meta], args=[policy.VERIFIED, "verified_at", repr(now), policy.COMMITTED]):
                     self.stats["verified"] += 1
                     self.emit(ek.CHECKPOINT_VERIFIED, job_id, f"checkpoint step {i.step} is VERIFIED",
-                               {"step": i.step})
+                              {"step": i.step})
             elif i.step not in good and i.state == policy.VERIFIED:
                 why = reason or "a bad event at or before this step"
                 if self._transition(keys=[meta], args=[policy.COMMITTED, "reason",
                                                        f"verification revoked: {why}", policy.VERIFIED]):
                     self.stats["revoked"] += 1
                     self.emit(ek.CHECKPOINT_REVOKED, job_id,
-                               f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
+                              f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
 
     # ---- retention and GC ---------------------------------------------------------------------------
     def _local_bytes(self, job_id: str) -> dict[int, int]:

@@ -31,6 +31,7 @@ from checkpoint.grpc_store import grpc_store_for, is_peer_url
 from checkpoint.manifest import ShardManifest
 from checkpoint.shm_store import DirStore
 from sdcwatch import event_kinds as ek
+from sdcwatch.errors import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,8 @@ class Replicator:
                 self.coordinator.stats["replication_failures"] += 1
                 log.warning("replicating job %s step %d rank %d to %s failed: %s", job_id, step, rank, peer.node, e)
                 self.coordinator.emit(ek.CHECKPOINT_REPLICATION_FAILED, job_id,
-                                       f"step {step} rank {rank}: no copy on peer {peer.node}: {e}",
-                                       {"step": step, "rank": rank, "peer": peer.node})
+                                      f"step {step} rank {rank}: no copy on peer {peer.node}: {e}",
+                                      {"step": step, "rank": rank, "peer": peer.node, "transient": is_transient(e)})
                 continue
             self.coordinator.stats["replicas"] += 1
             self.coordinator.stats["replica_bytes"] += manifest.nbytes

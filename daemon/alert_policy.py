@@ -150,8 +150,10 @@ def _uuid_of(subject: str, details: Mapping[str, Any]) -> str:
 
 def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
                       details: Mapping[str, Any], *, node: str, runbook_base: str) -> list[Signal]:
-    """The alert signals one agent event implies (pure). Unknown INFO/WARNING events imply none; an
-    unknown CRITICAL event raises the catch-all pulse `SDCWatchCriticalEvent` so nothing critical is lost."""
+    """The alert signals one agent event implies (pure). `kind` is a catalogue name (sdcwatch/event_kinds.py),
+    whose `alerts` list what this returns. An INFO/WARNING event with no alert of its own implies none; a
+    CRITICAL one raises the catch-all pulse `SDCWatchCriticalEvent` so nothing critical is lost. An event that
+    stands for folded repeats (`repeats` in its details) counts that many in a pulse's `count`."""
 
     def labels(alertname: str, sev: str, **extra: Any) -> dict[str, str]:
         out = {"alertname": alertname, "severity": sev, "node": node, "source": SOURCE_LABEL}

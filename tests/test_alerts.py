@@ -144,6 +144,17 @@ def test_pulse_repeats_extend_and_count_then_resolve_on_their_own() -> None:
     assert not book.alerts
 
 
+def test_a_folded_event_counts_its_repeats_in_the_pulse() -> None:
+    """An event that stands for folded repeats (daemon/event_fold.py) adds them all to the pulse's count."""
+    book = AlertBook(resend_interval_s=60, hold_s=300)
+    details = {"job_id": "j"}
+    book.apply_event("replica.mismatch", Severity.CRITICAL, "job/j", "m", details, 0.0, node="n", runbook_base=RB)
+    book.apply_event("replica.mismatch", Severity.CRITICAL, "job/j", "m", {**details, "repeats": 5}, 60.0,
+                     node="n", runbook_base=RB)
+    [n] = book.tick(60.0)
+    assert n.annotations["count"] == "6"
+
+
 def test_book_is_bounded_and_counts_refusals() -> None:
     book = AlertBook(resend_interval_s=60, hold_s=300, max_alerts=2)
     for i in range(3):

@@ -3,13 +3,18 @@ pure, time passed in; daemon/events.py: the shell that journals what it returns)
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
+from agent_harness import AgentProcess
 from daemon.event_fold import REPEATS, Occurrence, RepeatFolder
 from daemon.events import EventBus
 from daemon.journal import Journal
+from proto.sdcwatch.v1 import agent_pb2 as pb
+from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 from sdcwatch import event_kinds as ek
 from sdcwatch.event_kinds import EventKind, SubjectKind, UnknownEventKind
 from sdcwatch.types import Finding, Severity
@@ -176,3 +181,33 @@ def test_publish_threadsafe_runs_on_the_loop(tmp_path: Path) -> None:
         journal.close()
 
     asyncio.run(scenario())
+
+
+# ---- the real agent -----------------------------------------------------------------------------------------------
+
+def test_the_agent_folds_a_mismatch_on_every_step_and_counts_every_one(short_tmp: Path) -> None:
+    """A replica mismatch on each of 6 steps: one event at once, the 5 repeats folded; at shutdown the count is
+    journaled (repeats: 5), and /metrics counted all 6 occurrences once it was published."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        with grpc.insecure_channel(agent.target) as ch:
+            stub = pb_grpc.AgentStub(ch)
+            for step in range(1, 7):
+                vote = pb.ReplicaVote(checked=True, agreed=False, replicas=2, method="all_disagreeing", step=step,
+                                      suspects=[pb.SuspectRank(rank=0, host="elsewhere")])
+                assert stub.ReportStep(pb.ReportStepRequest(job_id="fold-1", rank=0, world_size=2, step=step,
+                                                            loss=1.0, vote=vote), timeout=10).accepted
+            events = [e for e in stub.WatchEvents(pb.WatchEventsRequest(since_seq=0), timeout=10)
+                      if e.kind == "replica.mismatch"]
+        assert len(events) == 1   # the first at once; the window (60 s) is still open
+        metrics = agent.runtime_info()["metrics"]
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'sdcwatch_job_replica_mismatches_total{job_id="fold-1"} 6.0' in text   # per step, not folded
+        assert 'sdcwatch_events_total{kind="replica.mismatch",severity="critical"} 1.0' in text
+    finally:
+        agent.stop()
+    journal = Journal(short_tmp / "state" / "journal")
+    folded = [r for r in journal.read_since(0, limit=1000) if r["kind"] == "replica.mismatch"]
+    assert [r["details"].get(REPEATS) for r in folded] == [None, 5]
+    assert folded[1]["details"]["step"] == 6
