@@ -16,7 +16,7 @@ import pytest
 
 from checkpoint.drainer import Drainer, Tier
 from checkpoint.errors import AgentUnavailableError, CheckpointError, InvalidInputError
-from checkpoint.fault_store import Fault, FaultyStore
+from fault_store import Fault, FaultyStore
 from checkpoint.grpc_store import PeerStoreError
 from checkpoint.s3_store import is_transient as s3_is_transient
 from checkpoint.shm_store import DirStore
