@@ -60,6 +60,9 @@ want canary && step canary-cli 40 python3 -m daemon.cli canary --level quick
 want ckpt && step ckpt-bench 150 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
+# the agent's RSS after one canary round, and whether it maps libtorch (it must not: issue 17)
+want agentrss && step agent-rss-canary 400 python3 bench/agent_rss.py --timeout 360 --json "$OUT/agent_rss.json" \
+  $([ "$NVML" = 0 ] && echo --no-canary)
 # the agent on real NVML
 S=/tmp/sdcw-gpu-agent; rm -rf $S
 python3 -m daemon.cli run --state-dir $S --metrics-listen 127.0.0.1:0 "${NVFLAG[@]}" > "$OUT/agent.log" 2>&1 &

@@ -1,6 +1,6 @@
 """The core install runs the agent: `pip install sdcwatch` (no extras) into a fresh venv, without torch, then
 `sdcwatch run` (embedded defaults, fake NVML, canary on) and `sdcwatch status` against it; the commands
-that need torch say which extra brings it and exit 2.
+that need torch or matplotlib say which extra brings it and exit 2.
 
 The wheel is built once from a copy of the sources (the repo tree is left untouched); its dependencies come
 through pip's usual configuration and cache.
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo")
 SCENARIO = ROOT / "tests" / "scenarios" / "clean.json"
 NEEDS_TORCH = "needs torch: pip install 'sdcwatch[torch]'"
+NEEDS_PLOT = "needs matplotlib: pip install 'sdcwatch[plot]'"
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -88,6 +89,10 @@ def test_the_core_install_runs_the_agent_without_torch(short_tmp: Path) -> None:
         for cmd in (["canary", "--level", "tiny"], ["demo", "--steps", "10", "--out", str(short_tmp / "demo")]):
             run = _run([sdcwatch, *cmd], env, short_tmp, 120)
             assert run.returncode == 2 and NEEDS_TORCH in run.stderr, (cmd, run.stdout, run.stderr)
+        (short_tmp / "train.csv").write_text("step,loss\n" + "".join(f"{i},{2.0 - i / 100}\n" for i in range(50)))
+        run = _run([sdcwatch, "spikes", "replay", str(short_tmp / "train.csv"), "--plot", str(short_tmp / "p.png")],
+                   env, short_tmp, 60)
+        assert run.returncode == 2 and NEEDS_PLOT in run.stderr, (run.stdout, run.stderr)
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
