@@ -372,8 +372,8 @@ class Agent:
         if out.rollbacks:
             events = [self.bus.publish_finding(finding) for finding in out.findings]
             for index, ev in out.rollbacks:
-                event = events[index]
-                self.rollbacks.request(job, ev, event.seq if event is not None else 0)   # 0: folded in a count
+                event = events[index]   # None: folded into a repeat count, the directive then names seq 0
+                self.rollbacks.request(job, ev, event.seq if event is not None else 0)
         else:
             for finding in out.findings:
                 self.bus.publish_finding(finding)

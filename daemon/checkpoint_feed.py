@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class JobEventSink(Protocol):
-    async def job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None: ...
+    async def job_event(self, job_id: str, step: int | None, kind: str, now: float,
+                        reason: str = "") -> None: ...
 
 
 class CheckpointFeed:

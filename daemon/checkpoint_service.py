@@ -498,7 +498,3 @@ def summarize(infos: list[CheckpointInfo]) -> list[agent_pb2.CheckpointSummary]:
             bytes=sum(i.nbytes for i in items), latest_state=items[-1].state))
     return out
 
-
-def checkpoint_status(service: "CheckpointService | None") -> list[agent_pb2.CheckpointSummary]:
-    """For GetStatus: the per-job checkpoint summaries (cached; no I/O). Empty without the service."""
-    return service.summaries() if service is not None else []

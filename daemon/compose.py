@@ -57,7 +57,8 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     checkpoints = build_checkpoint_service(
         redis_url, state_dir, bus.publish, node=host, config=config.checkpoints,
         ephemeral_index=embedded_redis is not None,
-        replicator_factory=peers_wiring.replicator_factory(config.peers, host, shared_redis=embedded_redis is None),
+        replicator_factory=peers_wiring.replicator_factory(config.peers, host,
+                                                           shared_redis=embedded_redis is None),
         replicate_timeout_s=config.peers.timeout_s,
         drainer_factory=drain_wiring.drainer_factory(config.tiers, state_dir),
         metrics=CheckpointMetrics(metrics.registry))
@@ -73,7 +74,7 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     rollbacks = RollbackPlanner(config.rollback, checkpoints=checkpoints, jobs=jobs, publisher=bus,
                                 background=background)
     alerts = AlertDispatcher(config.alerts, node=host, registry=metrics.registry)
-    return Agent(config, journal=journal, steps=steps, step_log=StepLog(steps), bus=bus, gpus=gpus, jobs=jobs,
-                 probes=probes, checkpoints=checkpoints, checkpoint_feed=feed, rollbacks=rollbacks, alerts=alerts,
-                 health=health, metrics=metrics, background=background, redis_url=redis_url,
+    return Agent(config, journal=journal, steps=steps, step_log=StepLog(steps), bus=bus, gpus=gpus,
+                 jobs=jobs, probes=probes, checkpoints=checkpoints, checkpoint_feed=feed, rollbacks=rollbacks,
+                 alerts=alerts, health=health, metrics=metrics, background=background, redis_url=redis_url,
                  embedded_redis=embedded_redis, versions=versions or {})

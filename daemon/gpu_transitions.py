@@ -31,8 +31,8 @@ class GpuTransitions:
                     else Severity.WARNING if new is State.DEGRADED else Severity.INFO)
         self.publisher.publish(ek.GPU_STATE, f"gpu/{rec.uuid}",
                                f"GPU {rec.uuid} ({rec.pci_bus_id or '?'}) {old.name} -> {new.name}: {reason}",
-                               {"uuid": rec.uuid, "pci_bus_id": rec.pci_bus_id, "from": old.name, "to": new.name,
-                                "reason": reason}, severity=severity)
+                               {"uuid": rec.uuid, "pci_bus_id": rec.pci_bus_id, "from": old.name,
+                                "to": new.name, "reason": reason}, severity=severity)
         if self.gpu_metrics is not None:
             self.gpu_metrics.state_changed(rec.uuid, rec.state)
         if new is State.FAILED:

@@ -75,7 +75,8 @@ class ReportOutcome:
     dropped_delta: int = 0
     mismatch: bool = False
     job_events: list[tuple[int | None, str, str]] = dataclasses.field(default_factory=list)  # for checkpoints
-    rollbacks: list[tuple[int, LossEvent]] = dataclasses.field(default_factory=list)  # (index in findings, ev)
+    # (index in `findings` of the loss event that asks for a rollback plan, the event)
+    rollbacks: list[tuple[int, LossEvent]] = dataclasses.field(default_factory=list)
     directives: list[pb.Directive] = dataclasses.field(default_factory=list)   # for the reporting rank
     evicted: list[str] = dataclasses.field(default_factory=list)   # jobs forgotten to make room for this one
 
@@ -87,7 +88,8 @@ class JobTracker:
     MAX_RANKS_TRACKED = 4096
 
     def __init__(self, *, max_jobs: int = 64, idle_s: float = 3600.0,
-                 loss_config: LossDetectorConfig | None = None, rollback: RollbackPolicy | None = None) -> None:
+                 loss_config: LossDetectorConfig | None = None,
+                 rollback: RollbackPolicy | None = None) -> None:
         self.jobs: collections.OrderedDict[str, JobState] = collections.OrderedDict()
         self.max_jobs = max_jobs
         self.idle_s = idle_s
@@ -206,7 +208,7 @@ class JobTracker:
         out.job_events.append((restored, "rollback", f"the job restored step {restored}"))
 
     def _loss_event(self, job: JobState, ev: LossEvent, out: ReportOutcome) -> None:
-        """A loss detector event: journaled; a critical one tells the checkpoints and may ask for a rollback."""
+        """A loss detector event: journaled; a critical one tells the checkpoints, may ask for a rollback."""
         out.findings.append(loss_finding(job.job_id, ev))
         if ev.severity != Severity.CRITICAL:
             return

@@ -54,13 +54,13 @@ class GpuProbes:
             self._without_nvml("DISABLED", "NVML probe disabled by configuration (nvml.enabled = false)")
             return
         nvml = NvmlPoller(gpus, self.publisher, self.gpu_metrics, self.metrics)
-        runner = ProbeRunner("nvml", lambda now: None, interval_s=cfg.poll_interval_s, timeout_s=cfg.timeout_s,
-                             on_result=nvml.on_poll, publish=self.publisher.publish,
+        runner = ProbeRunner("nvml", lambda now: None, interval_s=cfg.poll_interval_s,
+                             timeout_s=cfg.timeout_s, on_result=nvml.on_poll, publish=self.publisher.publish,
                              observe=self.metrics.observe_probe, on_hung=nvml.on_hung)
         try:
             backend = await runner.call(lambda: open_backend(cfg.scenario or None, clock=time.monotonic))
-            probe = NvmlProbe(backend, NvmlProbeConfig(skip_fields=cfg.skip_list(),
-                                                       rotate_per_poll=cfg.rotate_per_poll, sweep_s=cfg.sweep_s))
+            probe = NvmlProbe(backend, NvmlProbeConfig(skip_fields=cfg.skip_list(), sweep_s=cfg.sweep_s,
+                                                       rotate_per_poll=cfg.rotate_per_poll))
             identities = await runner.call(probe.discover)
         except NvmlUnavailable as exc:
             runner.stop()
@@ -115,11 +115,13 @@ class GpuProbes:
         background.start(runner.run_forever(), name=f"probe-{runner.name}")
 
     def _start_canary(self, background: Background) -> None:
-        """The agent's canary: idle GPUs only, one at a time, memory capped, each round in a child process that
-        is killed a little before the runner would mark the probe HUNG (a crash or overrun is `canary.unknown`)."""
+        """The agent's canary: idle GPUs only, one at a time, memory capped, each round in a child process
+        that is killed a little before the runner would mark the probe HUNG (a crash or overrun is
+        `canary.unknown`)."""
         cfg = self.canary_config
         probe = AgentCanaryProbe(level=cfg.level, evidence_dir=self.state_dir / "canary",
-                                 nvml_scenario=self.nvml_config.scenario or None, timeout_s=0.9 * cfg.timeout_s)
+                                 nvml_scenario=self.nvml_config.scenario or None,
+                                 timeout_s=0.9 * cfg.timeout_s)
         results = CanaryResults(self.gpus, self.publisher, self.gpu_metrics)
         self._run(ProbeRunner("canary", probe.run_once, interval_s=cfg.interval_s, timeout_s=cfg.timeout_s,
                               on_result=results.on_result, publish=self.publisher.publish,
@@ -179,7 +181,8 @@ class NvmlPoller:
                 continue
             ev = Evidence(source="nvml", signal="hung", value="1" if hung else "0",
                           implies=State.UNKNOWN if hung else State.HEALTHY,
-                          reason=("an NVML call is hung: no fresh readings" if hung else "NVML answers again"),
+                          reason=("an NVML call is hung: no fresh readings" if hung
+                                  else "NVML answers again"),
                           time=now)
             self.gpus.add_evidence(uuid, [ev], now)
         self.metrics.probe_hung.labels("nvml").set(1 if hung else 0)

@@ -52,7 +52,7 @@ class RollbackPlanner:
                                  skip_batches=skip, reason=decision.reason, event_seq=seq)
         self.jobs.set_directive(job, directive, ev.start_step, time.time())
         self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}",
-                               f"rollback directive: restore step {decision.target_step}, skip {skip} batches "
-                               f"({decision.reason})",
+                               f"rollback directive: restore step {decision.target_step}, skip {skip} "
+                               f"batches ({decision.reason})",
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
                                 "cause_seq": seq})

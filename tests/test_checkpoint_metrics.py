@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from checkpoint.snapshot import Snapshotter, SnapshotConfig
 from ckpt_support import job_id, node, state_dict
 from daemon.checkpoint_metrics import CheckpointMetrics
-from daemon.checkpoint_service import CheckpointService, build_checkpoint_service, checkpoint_status
+from daemon.checkpoint_service import CheckpointService, build_checkpoint_service
 
 
 def test_metrics_and_summaries_follow_the_coordinator(redis_server, tmp_path: Path) -> None:
@@ -17,7 +17,7 @@ def test_metrics_and_summaries_follow_the_coordinator(redis_server, tmp_path: Pa
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=1, key_prefix=f"{job_id('p')}:"), job_id("m")
     reg = CollectorRegistry()
     svc = CheckpointService(co, clock=lambda: 1000.0, metrics=CheckpointMetrics(reg))
-    assert checkpoint_status(svc) == [] and checkpoint_status(None) == []
+    assert svc.summaries() == []
     snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
     for step in (1, 2, 3):
         assert snap.save(step, state_dict(0, step)).result(30).state == "COMMITTED"
@@ -34,7 +34,7 @@ def test_metrics_and_summaries_follow_the_coordinator(redis_server, tmp_path: Pa
     assert val("sdcwatch_checkpoint_latest_verified_step", {"job_id": job}) == 2
     assert val("sdcwatch_checkpoint_latest_step", {"job_id": job}) == 3
     assert val("sdcwatch_checkpoint_memory_bytes") > 0
-    (summary,) = [s for s in checkpoint_status(svc) if s.job_id == job]
+    (summary,) = [s for s in svc.summaries() if s.job_id == job]
     assert (summary.count, summary.latest_step, summary.latest_verified_step) == (2, 3, 2)
     # counters never go backwards, and a second update with no news changes nothing
     asyncio.run(svc.maintain_once())

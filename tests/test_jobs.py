@@ -1,4 +1,5 @@
-"""The job tracker: the one owner of per-job state. `report(req, now)` returns what the agent must do (or None)."""
+"""The job tracker, the one owner of per-job state: `report(req, now)` returns what the agent must do, or
+None."""
 from __future__ import annotations
 
 import asyncio
