@@ -46,6 +46,7 @@ class GpuProbes:
         self.runners: dict[str, ProbeRunner] = {}
         self.static: dict[str, tuple[str, str]] = {}
         self.versions: dict[str, str] = {}
+        self._nvml: NvmlProbe | None = None   # opened by start()
 
     async def start(self, background: Background) -> None:
         cfg = self.nvml_config
@@ -54,7 +55,7 @@ class GpuProbes:
             self._without_nvml("DISABLED", "NVML probe disabled by configuration (nvml.enabled = false)")
             return
         nvml = NvmlPoller(gpus, self.publisher, self.gpu_metrics, self.metrics)
-        runner = ProbeRunner("nvml", lambda now: None, interval_s=cfg.poll_interval_s,
+        runner = ProbeRunner("nvml", self._poll_nvml, interval_s=cfg.poll_interval_s,
                              timeout_s=cfg.timeout_s, on_result=nvml.on_poll, publish=self.publisher.publish,
                              observe=self.metrics.observe_probe, on_hung=nvml.on_hung)
         try:
@@ -79,7 +80,7 @@ class GpuProbes:
         now = time.time()
         for ident in identities:
             nvml.register(ident, now)
-        runner.fn = probe.poll
+        self._nvml = probe
         self._run(runner, background)
         stop = threading.Event()
         loop = asyncio.get_running_loop()
@@ -99,6 +100,11 @@ class GpuProbes:
             f"{len(identities)} GPU(s): " + ", ".join(f"{i.uuid} ({i.pci_bus_id})" for i in identities),
             {"gpus": [{"uuid": i.uuid, "pci_bus_id": i.pci_bus_id, "name": i.name, "index": i.index}
                       for i in identities]})
+
+    def _poll_nvml(self, now: float) -> Any:
+        """One NVML poll, on the nvml runner's worker (the runner opened the backend there first)."""
+        assert self._nvml is not None, "polled before start() opened NVML"
+        return self._nvml.poll(now)
 
     def stop(self) -> None:
         """Stop the probes' worker threads (their tasks are cancelled by the Background first)."""
