@@ -42,7 +42,7 @@ from sdcwatch.types import Severity
 SUSTAINED_BOUND = 50
 SPIKE_GRACE = 8
 SPIKE_CLEAN_MARGIN = 100
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "loss-curves"
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "loss-curves"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

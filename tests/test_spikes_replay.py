@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 
 from probes.spikes_replay import main
+from loss_curves import bigscience, nanogpt
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "loss-curves"
-BIGSCIENCE = DATA / "bigscience_chronicles_megatron_iter_lines.csv"
-NANOGPT = DATA / "nanogpt_issue215_fp16_nan_excerpt.csv"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"no shared data at {DATA}")
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:
@@ -29,18 +26,16 @@ def events(stdout: str) -> list[dict]:
     return [json.loads(ln) for ln in stdout.splitlines() if ln.strip()]
 
 
-@needs_data
 def test_nanogpt_fp16_nan_at_3010() -> None:
-    rc, out, _ = run([str(NANOGPT), "--json"])
+    rc, out, _ = run([str(nanogpt()), "--json"])
     assert rc == 1
     evs = events(out)
     assert [(e["step"], e["kind"], e["severity"]) for e in evs] == [(3010, "nonfinite", "critical")]
     assert evs[0]["value"] is None and evs[0]["baseline"] == pytest.approx(3.99, abs=0.1)
 
 
-@needs_data
 def test_bigscience_excerpts() -> None:
-    rc, out, err = run([str(BIGSCIENCE), "--allow-restarts", "--json"])
+    rc, out, err = run([str(bigscience()), "--allow-restarts", "--json"])
     assert rc == 1, err
     evs = events(out)
     for e in evs:
@@ -61,9 +56,8 @@ def test_bigscience_excerpts() -> None:
     assert sustained["start_step"] == 29050
 
 
-@needs_data
 def test_bigscience_without_allow_restarts_is_unreadable_with_the_line() -> None:
-    rc, out, err = run([str(BIGSCIENCE)])
+    rc, out, err = run([str(bigscience())])
     assert rc == 2 and out == ""
     assert ":26: step 2 is lower than step 45000" in err
 
@@ -106,17 +100,15 @@ def test_usage_error_exits_2() -> None:
     assert rc == 2
 
 
-@needs_data
 def test_plot(tmp_path: Path) -> None:
     out_png = tmp_path / "replay.png"
-    rc, _, _ = run([str(BIGSCIENCE), "--allow-restarts", "--plot", str(out_png)])
+    rc, _, _ = run([str(bigscience()), "--allow-restarts", "--plot", str(out_png)])
     assert rc == 1 and out_png.stat().st_size > 10_000
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@needs_data
 def test_as_a_subprocess() -> None:
-    proc = subprocess.run([sys.executable, "-m", "probes.spikes_replay", str(NANOGPT)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "probes.spikes_replay", str(nanogpt())], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "step 3010" in proc.stdout and "critical" in proc.stdout and "nonfinite" in proc.stdout

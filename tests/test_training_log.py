@@ -9,10 +9,7 @@ import pytest
 
 from probes.training_log import TrainingLogError, read_training_log
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "loss-curves"
-BIGSCIENCE = DATA / "bigscience_chronicles_megatron_iter_lines.csv"
-NANOGPT = DATA / "nanogpt_issue215_fp16_nan_excerpt.csv"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"no shared data at {DATA}")
+from loss_curves import bigscience, nanogpt
 
 
 def write(tmp_path: Path, text: str, name: str = "log.csv") -> Path:
@@ -104,9 +101,8 @@ def test_restarts_split_into_segments(tmp_path: Path) -> None:
     assert [(r.name, [s.step for s in r.samples]) for r in log.runs] == [("log", [1, 2, 3]), ("log#2", [2, 3])]
 
 
-@needs_data
 def test_bigscience_excerpts_columns() -> None:
-    log = read_training_log(BIGSCIENCE, allow_restarts=True)
+    log = read_training_log(bigscience(), allow_restarts=True)
     c = log.columns
     assert (c.step, c.loss, c.grad_norm, c.loss_scale, c.run) == ("iteration", "lm_loss", "grad_norm", "loss_scale", "run")
     assert log.n_samples == 65
@@ -115,16 +111,14 @@ def test_bigscience_excerpts_columns() -> None:
     assert bloom.samples[0].loss_scale is None           # bf16: no loss scale in those lines
 
 
-@needs_data
 def test_bigscience_excerpts_are_unsorted_without_allow_restarts() -> None:
     with pytest.raises(TrainingLogError) as info:
-        read_training_log(BIGSCIENCE)
+        read_training_log(bigscience())
     assert info.value.line == 26 and "step 2 is lower than step 45000" in str(info.value)
 
 
-@needs_data
 def test_nanogpt_excerpt() -> None:
-    log = read_training_log(NANOGPT)
+    log = read_training_log(nanogpt())
     assert (log.columns.step, log.columns.loss, log.columns.kind) == ("iter", "loss", "kind")
     assert log.skipped_rows == 1
     steps = [s.step for s in log.runs[0].samples]
