@@ -28,6 +28,8 @@ from checkpoint.errors import CheckpointError
 from checkpoint.locations import dir_store_for
 from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
 from daemon.cli_common import EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, table
+from proto.sdcwatch.v1 import checkpoint_pb2 as pb
+from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
 EXIT_NOT_FOUND = 1
 
@@ -68,8 +70,6 @@ def register(subparsers: Any) -> None:
 
 
 def _list(args: argparse.Namespace, job: str) -> tuple[int, list[Any]]:
-    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
-    from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
     client = connect(args)
     try:
@@ -88,7 +88,6 @@ def _list(args: argparse.Namespace, job: str) -> tuple[int, list[Any]]:
 
 
 def state_name(v: int) -> str:
-    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 
     return pb.CheckpointState.Name(v).removeprefix("CHECKPOINT_STATE_")
 
@@ -177,7 +176,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _rpc(args: argparse.Namespace, name: str, request: Any) -> tuple[int, Any]:
-    from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
     client = connect(args)
     try:
@@ -194,7 +192,6 @@ def _rpc(args: argparse.Namespace, name: str, request: Any) -> tuple[int, Any]:
 
 
 def cmd_tiers(args: argparse.Namespace) -> int:
-    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 
     code, resp = _rpc(args, "Tiers", pb.TiersRequest())
     if code != EXIT_OK:
@@ -216,7 +213,6 @@ def cmd_tiers(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 
     code, resp = _rpc(args, "VerifyCopies", pb.VerifyCopiesRequest(job_id=args.job, step=args.step))
     if code != EXIT_OK:

@@ -27,8 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from daemon.demo.report import Display, build_summary, write_report
 from daemon.demo.scenario import write_scenario
+from proto.sdcwatch.v1 import agent_pb2 as pb
+from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 from sdcwatch.channels import agent_channel
 from sdcwatch.extras import available, needs
 
@@ -78,9 +84,6 @@ class AgentHandle:
                                      env=_env(), start_new_session=True)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -127,12 +130,6 @@ class EventFollower(threading.Thread):
         self.last_seq = 0
 
     def run(self) -> None:
-        import grpc
-        from google.protobuf import json_format
-
-        from proto.sdcwatch.v1 import agent_pb2 as pb
-        from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
-
         while True:
             try:
                 with agent_channel(self.socket_path) as ch:
@@ -261,12 +258,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _status(sock: str) -> dict[str, Any]:
-    import grpc
-    from google.protobuf import json_format
-
-    from proto.sdcwatch.v1 import agent_pb2 as pb
-    from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
-
     try:
         with agent_channel(sock) as ch:
             st = pb_grpc.AgentStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)

@@ -32,6 +32,9 @@ import dataclasses
 import re
 from pathlib import Path
 
+from checkpoint.errors import InvalidInputError
+from checkpoint.grpc_store import parse_location
+from checkpoint.peers import placement
 from daemon.errors import ConfigError
 from sdcwatch.settings import setting
 
@@ -76,9 +79,6 @@ def parse_nodes(text: str, key: str = "peers.nodes", insecure: bool = False) -> 
 
 
 def _check_url(key: str, entry: str, location: str, insecure: bool) -> str:
-    from checkpoint.errors import InvalidInputError
-    from checkpoint.grpc_store import parse_location
-
     try:
         scheme, _target = parse_location(location)
     except InvalidInputError as e:
@@ -119,9 +119,6 @@ class PeersConfig:
         if self.replication_factor > n:
             raise ConfigError("peers.replication_factor", f"{self.replication_factor} copies need at least that "
                               f"many nodes in peers.nodes; it lists {n}")
-        from checkpoint.errors import InvalidInputError
-        from checkpoint.peers import placement
-
         try:   # placement is shift-invariant: node 0's is collision-free iff every node's is
             placement(0, n, self.stride, self.replication_factor)
         except InvalidInputError as e:
