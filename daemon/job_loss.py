@@ -2,7 +2,10 @@
 
 Each rank reports its own (per micro-batch, per rank) loss. The job's detector is fed the mean over the
 ranks that reported a step, once the step is complete (every rank of `world_size` reported, or two newer
-steps have arrived: a dropped report must not stall the detector). That mean is the global-batch loss the
+steps have arrived: a dropped report must not stall the detector). Each step is fed once, in step order.
+A straggler's report of a step already judged (at or before `horizon`) is late: counted, not fed; it never
+resets the detector. Only a restore does (`restarted`, called by `daemon.jobs` when a rank's own step goes
+back). That mean is the global-batch loss the
 user plots; per-rank noise averages out. A rank whose own loss is NaN/Inf is flagged on its own by
 `daemon.jobs` (it points at that rank's GPU); a NaN in the mean is the whole job's.
 
@@ -35,17 +38,32 @@ class JobLoss:
         self.pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()
         self.last_fed: int | None = None
         self.max_step: int | None = None
+        self.late = 0   # reports of steps already judged (at or before `horizon`): not fed
+
+    @property
+    def horizon(self) -> int:
+        """The newest step the detector has judged (-1: none); a report at or before it is late."""
+        return -1 if self.last_fed is None else self.last_fed
+
+    def restarted(self, step: int) -> None:
+        """The job restored a checkpoint and goes on from `step` (a rank's own step went back: the job
+        tracker's call, never inferred from one rank's late report). Steps before it are forgotten."""
+        if self.last_fed is None or step > self.last_fed:
+            return   # already restarted by another rank of the job (or nothing was judged past it)
+        self.pending.clear()
+        self.last_fed = step - 1
+        self.max_step = step
 
     def add(self, step: int, rank: int, world_size: int, loss: float | None, grad_norm: float | None,
             loss_scale: float | None, now: float) -> list[LossEvent]:
-        if self.last_fed is not None and step <= self.last_fed - 1 and step not in self.pending:
-            if self.max_step is not None and step < self.max_step:  # the job restarted from a checkpoint
-                self.pending.clear()
-                self.last_fed = step - 1
-                self.max_step = step
+        """Add one rank's values for `step`; the detector's events for the steps this completed. A report at
+        or before `horizon` (a step already judged: a straggler's) returns [] and is counted in `late`; it
+        never resets the detector (only `restarted` does)."""
         self.max_step = step if self.max_step is None else max(self.max_step, step)
         if self.last_fed is not None and step <= self.last_fed:
-            return []  # a late report of a step already judged
+            if loss is not None or grad_norm is not None:
+                self.late += 1
+            return []
         pending = self.pending
         p = pending.get(step)
         created = p is None

@@ -151,12 +151,17 @@ class JobTracker:
         dropped = req.dropped_reports
         loss, grad_norm = req.loss, req.grad_norm
         finite = isfinite(loss) and isfinite(grad_norm)   # unset reads 0.0: finite
+        prev_step = job.rank_steps.get(rank)
         went_back_from = _went_back(job, rank, step)
+        if prev_step is not None and step < prev_step:   # a restore, or a fresh start at step 0
+            job.loss.restarted(step)
         has = req.HasField
+        late_before = job.loss.late
         loss_events = job.loss.add(step, rank, world, loss if has("loss") else None,
                                    grad_norm if has("grad_norm") else None,
                                    req.loss_scale if has("loss_scale") else None, now)
-        if not (new or dropped or not finite or has("canary") or has("vote") or req.frozen_changed
+        late = job.loss.late - late_before   # a straggler's report of a step already judged: dropped
+        if not (new or dropped or late or not finite or has("canary") or has("vote") or req.frozen_changed
                 or went_back_from is not None or loss_events or job.directive is not None):
             return None
         out = ReportOutcome()
@@ -166,13 +171,8 @@ class JobTracker:
                                         f"job {job_id} first reported (rank {rank}, step {step})",
                                         {"job_id": job_id, "rank": rank, "step": step,
                                          "world_size": req.world_size}))
-        if dropped:
-            out.dropped_delta = dropped
-            job.dropped_reports += dropped
-            out.findings.append(Finding(
-                ek.JOB_REPORTS_DROPPED, Severity.WARNING, f"job/{job_id}/rank/{rank}",
-                f"rank {rank} dropped {dropped} report(s): the agent was slow or down",
-                {"job_id": job_id, "rank": rank, "dropped": dropped}))
+        if dropped or late:
+            self._dropped(job, rank, dropped, late, out)
         if not finite:
             self._nonfinite(req, job, out, now)
         if req.HasField("canary"):
@@ -190,6 +190,22 @@ class JobTracker:
         return out
 
     # -- rules -------------------------------------------------------------------------------------
+    def _dropped(self, job: JobState, rank: int, dropped: int, late: int, out: ReportOutcome) -> None:
+        """Reports lost on the way (`dropped`: counted by the rank) or too late to judge (`late`: a step the
+        loss detector had already judged; its loss is not used, its votes and non-finite values still are).
+        One event per job, folded by the bus per window (the catalogue's fold_s): its details carry the
+        job's running total, so the window's last event has the whole count."""
+        n = dropped + late
+        out.dropped_delta = n
+        job.dropped_reports += n
+        why = (f"rank {rank} dropped {dropped} report(s): the agent was slow or down" if dropped else
+               f"rank {rank} reported a step already judged (a straggler): too late to use")
+        out.findings.append(Finding(
+            ek.JOB_REPORTS_DROPPED, Severity.WARNING, f"job/{job.job_id}",
+            f"job {job.job_id}: {why}; {job.dropped_reports} report(s) lost so far",
+            {"job_id": job.job_id, "rank": rank, "dropped": dropped, "late": late,
+             "dropped_total": job.dropped_reports}))
+
     def _restored(self, job: JobState, rank: int, prev: int, step: int, out: ReportOutcome) -> None:
         """A rank went back from `prev` to `step`: the job restored step - 1. Announced once; a pending
         directive that would roll back to before the same anomaly again (and skip good batches) is dropped."""

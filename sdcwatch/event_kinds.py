@@ -179,8 +179,9 @@ CANARY_UNKNOWN = _kind("canary.unknown", WARNING, (GPU, NODE), "a canary round c
 
 # ---- jobs -----------------------------------------------------------------------------------------------------
 JOB_STARTED = _kind("job.started", INFO, JOB, "the first report of a job reached this agent")
-JOB_REPORTS_DROPPED = _kind("job.reports_dropped", WARNING, RANK, "a rank dropped step reports (the agent was "
-                            "slow or down)", fold_s=60.0)
+JOB_REPORTS_DROPPED = _kind("job.reports_dropped", WARNING, JOB, "a job's ranks dropped step reports (the agent "
+                            "was slow or down) or sent them too late to judge; one event per job per window, "
+                            "details.dropped_total the running count", fold_s=60.0)
 JOB_FORGOTTEN = _kind("job.forgotten", INFO, JOB, "a job sent no report for jobs.job_idle_s; its state is dropped")
 JOB_ROLLBACK = _kind("job.rollback", INFO, JOB, "a job's steps went back: it restored a checkpoint")
 JOB_ROLLBACK_DIRECTIVE = _kind("job.rollback_directive", WARNING, JOB, "the agent tells the job's ranks to restore "

@@ -52,8 +52,11 @@ def test_a_straggler_and_a_restart_keep_step_order() -> None:
     jl.add(6, 0, 2, 1.0, None, None, 0.0)    # out of order: kept in step order
     jl.add(6, 1, 2, 3.0, None, None, 0.0)    # completes 6 (5 went stale when 7 arrived)
     assert jl.fed == [(5, 1.0, None, None), (6, 2.0, None, None)]
+    jl.add(3, 1, 2, 5.0, None, None, 0.0)    # a straggler's step already judged: late, no reset
+    assert jl.late == 1 and jl.horizon == 6
+    jl.restarted(2)                          # the job restored step 1 (the tracker saw a rank go back)
     for rank in (0, 1):
-        jl.add(2, rank, 2, 4.0, None, None, 0.0)   # the job restored step 1: steps go back
+        jl.add(2, rank, 2, 4.0, None, None, 0.0)
     assert jl.fed[-1] == (2, 4.0, None, None)
 
 

@@ -145,3 +145,54 @@ def test_the_rollback_planner_hands_the_directive_to_the_tracker(tmp_path: Path)
     pending = tracker.jobs["j"].directive
     assert pending is not None and pending.directive.target_step == 1 and pending.directive.event_seq == 1
     assert pending.anomaly_start == 2
+
+
+def _excursion_run(tracker: JobTracker, straggler_lag: int) -> tuple[list, list]:
+    """8 ranks, rank 7 `straggler_lag` steps behind the others: 200 steps of loss ~1.0, then a 40-step 10x
+    excursion. Returns (the loss findings, the rollback requests)."""
+    world, findings, rollbacks = 8, [], []
+    for tick in range(240 + straggler_lag):
+        for rank in range(world):
+            step = tick - (straggler_lag if rank == world - 1 else 0)
+            if step < 0 or step >= 240:
+                continue
+            loss = (1.0 + 0.01 * ((step * 7 + rank) % 5)) * (10.0 if step >= 200 else 1.0)
+            out = tracker.report(pb.ReportStepRequest(job_id="j", rank=rank, world_size=world, step=step,
+                                                      loss=loss), 1000.0 + tick)
+            if out is not None:
+                findings += [f for f in out.findings if f.kind.name.startswith("loss.")]
+                rollbacks += out.rollbacks
+    return findings, rollbacks
+
+
+def test_a_straggler_does_not_reset_the_loss_detector() -> None:
+    """Issue 20 High 6: one rank three steps behind turned a 40-step 10x excursion from CRITICAL + rollback
+    into WARNING spikes (its late reports reset the detector)."""
+    clean_findings, clean_rollbacks = _excursion_run(JobTracker(rollback=RollbackPolicy()), 0)
+    assert clean_rollbacks, "without a straggler the excursion is CRITICAL and asks for a rollback"
+    findings, rollbacks = _excursion_run(JobTracker(rollback=RollbackPolicy()), 3)
+    assert any(f.severity.name == "CRITICAL" for f in findings), [f.message for f in findings]
+    assert rollbacks, "the straggler must not turn the rollback into warnings"
+    assert rollbacks[0][1].start_step == clean_rollbacks[0][1].start_step
+
+
+def test_late_reports_count_as_dropped_in_one_folded_event_per_job() -> None:
+    """Issue 20 High 5: every late report became its own per-rank `job.reports_dropped` warning. Now a late
+    report (a step the detector already judged) counts as dropped; the event's subject is the job, so the
+    bus folds a window's worth into one, and the details carry the running total."""
+    tracker = JobTracker()
+    subjects, totals = set(), []
+    for step in range(20):
+        for rank in range(4):
+            s = step - 3 if rank == 3 else step   # rank 3 three steps behind: its reports are late
+            if s < 0:
+                continue
+            out = tracker.report(pb.ReportStepRequest(job_id="j", rank=rank, world_size=4, step=s, loss=1.0,
+                                                      dropped_reports=1 if (rank, step) == (1, 10) else 0), 1.0)
+            for f in (out.findings if out is not None else []):
+                if f.kind is ek.JOB_REPORTS_DROPPED:
+                    subjects.add(f.subject)
+                    totals.append(f.details["dropped_total"])
+    assert subjects == {"job/j"}
+    assert totals == sorted(totals) and totals[-1] == tracker.jobs["j"].dropped_reports
+    assert tracker.jobs["j"].dropped_reports >= 15, "rank 3's late reports count as dropped"
