@@ -68,14 +68,14 @@ RULES: tuple[StateRule, ...] = (
       "UNKNOWN", Clears.READING, "the call returning"),
     R("gpu_lost", "nvml", "gpu_lost", "NVML says the GPU is lost (fell off the bus)", "FAILED",
       Clears.RESET_AND_CANARY, RC),
-    R("xid_app", "nvml", "xid.*", "an application-class or unknown XID repeated >= app_xid_repeat times "
-      "within app_xid_window_s (fewer: counted, HEALTHY)", "SUSPECT", Clears.WINDOW,
+    R("xid_app", "nvml", "xid.*", "an application-class or unknown solo XID repeated >= app_xid_repeat "
+      "times within app_xid_window_s (fewer, or a non-solo XID such as 45: counted, HEALTHY)", "SUSPECT", Clears.WINDOW,
       "the window passing without repeats; operator clear"),
     R("xid_hw", "nvml", "xid.*", "a hardware-class XID (catalog implies SUSPECT/DEGRADED/FAILED)",
       "the catalog's state", Clears.RESET_AND_CANARY,
       "needs_reset XIDs: " + RC + "; others: xid_hold_s after the last one"),
-    R("xid_repeat", "nvml", "xid.*", "a hardware-class XID seen >= hw_xid_escalate times within "
-      "hw_xid_window_s", "FAILED", Clears.RESET_AND_CANARY, RC),
+    R("xid_repeat", "nvml", "xid.*", "a solo hardware-class XID seen >= hw_xid_escalate times within "
+      "hw_xid_window_s (non-solo XIDs never escalate on their own)", "FAILED", Clears.RESET_AND_CANARY, RC),
     R("ecc_uncorrected", "nvml", "ecc.uncorrected", "the volatile uncorrected ECC count increased",
       "DEGRADED", Clears.RESET_AND_CANARY, RC),
     R("sbe_storm", "nvml", "ecc.sbe_storm", "corrected ECC errors >= sbe_storm_count within sbe_window_s",
@@ -305,14 +305,14 @@ class GpuEvidenceStore:
         label = f"XID {xid} ({entry.name})"
         if entry.implies is State.HEALTHY:
             n = sum(1 for t in times if t > now - cfg.app_xid_window_s)
-            if n >= cfg.app_xid_repeat:
+            if n >= cfg.app_xid_repeat and entry.solo:
                 return Verdict(ev, State.SUSPECT, f"{label} x{n} in the last {_span(cfg.app_xid_window_s)}, "
                                f"last {_ago(now, last)}", "xid_app")
             return Verdict(ev, State.HEALTHY, f"{label} x{n}, last {_ago(now, last)}", "xid_app")
         n_hw = sum(1 for t in times if t > now - cfg.hw_xid_window_s)
         state, rule = entry.implies, "xid_hw"
         reason = f"{label}: {entry.action.value}, x{n_hw} in {_span(cfg.hw_xid_window_s)}, last {_ago(now, last)}"
-        if n_hw >= cfg.hw_xid_escalate and state is not State.FAILED:
+        if n_hw >= cfg.hw_xid_escalate and state is not State.FAILED and entry.solo:
             state, rule = State.FAILED, "xid_repeat"
             reason = f"{label} repeated x{n_hw} in {_span(cfg.hw_xid_window_s)}, last {_ago(now, last)}"
         if entry.needs_reset or rule == "xid_repeat":

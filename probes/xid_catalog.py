@@ -15,6 +15,14 @@ are still counted, and repeats within a window make the GPU SUSPECT (`probes.gpu
 
 Unknown XIDs are classified WARNING "unknown XID", action NONE, and still counted.
 
+Solo and non-solo (NVIDIA's catalog distinguishes an XID seen on its own from one logged with, or as a
+consequence of, another XID): `solo` is True when the entry's verdict holds for the XID on its own. A
+non-solo XID (`solo=False`) reports a consequence or a detail of another error (`follows` names it; empty:
+any error): XID 45 is the cleanup after whatever faulted first, XIDs 171/172 add the DRAM/SRAM detail to
+XID 48, XID 154 announces the recovery action the driver chose after another XID. A non-solo XID is
+counted and keeps its own implied state, but its repeats never escalate on their own (a node that logged
+672 XID 45s in three hours had one fault, not 672): the XID it follows carries the escalation.
+
 The GPU recovery action (NVML field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, announced by XID 154) is mapped
 by `recovery_action()`.
 """
@@ -47,11 +55,15 @@ class XidEntry:
     implies: State
     needs_reset: bool
     known: bool = True
+    solo: bool = True
+    follows: tuple[int, ...] = ()
 
 
 def _e(xid: int, name: str, meaning: str, severity: Severity, action: XidAction, implies: State,
-       needs_reset: bool) -> XidEntry:
-    return XidEntry(xid, name, meaning, severity, action, implies, needs_reset)
+       needs_reset: bool, *, follows: tuple[int, ...] | None = None) -> XidEntry:
+    """One entry; `follows` given (empty: any XID) makes it non-solo (see the module docstring)."""
+    return XidEntry(xid, name, meaning, severity, action, implies, needs_reset,
+                    solo=follows is None, follows=follows or ())
 
 
 S = Severity
@@ -78,7 +90,7 @@ _ENTRIES = [
        S.WARNING, A.RESTART_APP, H, False),
     _e(45, "Preemptive cleanup",
        "Channels were cleaned up after an earlier error or because the process was killed; a "
-       "consequence, not a cause.", S.INFO, A.NONE, H, False),
+       "consequence, not a cause.", S.INFO, A.NONE, H, False, follows=()),
     _e(48, "Double-bit ECC error",
        "An uncorrectable ECC error in GPU memory; data in flight may be wrong. On Ampere and later it is "
        "followed by XID 63 (row remap recorded) or 64 (remap failed).", S.CRITICAL, A.RESET_GPU, D, True),
@@ -146,16 +158,86 @@ _ENTRIES = [
     _e(149, "NVLink NETIR error", "An NVLink network-interface error.", S.CRITICAL, A.RESET_GPU, D, True),
     _e(150, "NVLink MSE error", "An NVLink management/security engine error.", S.CRITICAL, A.RESET_GPU, D,
        True),
+    _e(151, "Key rotation error",
+       "Confidential-computing key rotation failed; encrypted traffic to the GPU stops. NVIDIA's bucket is "
+       "a VM restart (the application's restart on bare metal).", S.WARNING, A.RESTART_APP, SU, False),
+    _e(152, "DLA SMMU error",
+       "The deep-learning accelerator's SMMU faulted (DLA-equipped parts only); NVIDIA's bucket is ignore.",
+       S.INFO, A.NONE, H, False),
+    _e(153, "DLA timeout",
+       "A deep-learning accelerator task timed out (DLA-equipped parts only); the application's problem.",
+       S.WARNING, A.RESTART_APP, H, False),
     _e(154, "GPU recovery action changed",
-       "The driver changed the GPU's recommended recovery action; read it from the recovery-action field "
-       "(GPU reset, node reboot, drain P2P, drain and reset).", S.CRITICAL, A.RESET_GPU, D, True),
+       "The driver changed the GPU's recommended recovery action after another XID; read it from the "
+       "recovery-action field (GPU reset, node reboot, drain P2P, drain and reset).", S.CRITICAL, A.RESET_GPU,
+       D, True, follows=()),
+    _e(155, "NVLink software-defined error",
+       "The NVLink software stack flagged a link fault it defines itself (recent drivers); peer traffic "
+       "through the link is unreliable.", S.CRITICAL, A.RESET_GPU, D, True),
+    _e(156, "Resource retirement event",
+       "The GPU retired a hardware resource (a memory row or unit) after errors; like a row remap, the "
+       "repair takes effect at the next GPU reset.", S.WARNING, A.RESET_GPU, D, True),
+    _e(157, "Resource retirement failure",
+       "Retiring a failing resource did not succeed: the bad part stays in use and cannot be repaired in "
+       "the field.", S.CRITICAL, A.CONTACT_SUPPORT, D, True),
+    _e(158, "GPU fatal timeout",
+       "A GPU operation timed out fatally; the GPU does not recover without a reset.",
+       S.CRITICAL, A.RESET_GPU, D, True),
+    _e(159, "CHI non-data error",
+       "The coherent hub interface (the CPU-GPU coherent fabric on Grace parts) reported a non-data error.",
+       S.CRITICAL, A.RESET_GPU, D, True),
+    _e(160, "Channel retirement event",
+       "A memory channel was retired after errors; capacity and repair headroom shrink, the retirement "
+       "takes effect at the next reset.", S.WARNING, A.RESET_GPU, D, True),
+    _e(161, "Channel retirement failure",
+       "Retiring a failing memory channel did not succeed; the channel stays in use.",
+       S.CRITICAL, A.CONTACT_SUPPORT, D, True),
+    _e(162, "Power smoothing re-engaged",
+       "The board's power-smoothing circuitry is working again; informational.", S.INFO, A.NONE, H, False),
+    _e(163, "Power smoothing disengaged",
+       "The board's power-smoothing circuitry switched off; power swings reach the facility undamped. Not a "
+       "compute fault.", S.WARNING, A.NONE, H, False),
+    _e(164, "Power smoothing low lifetime",
+       "The power-smoothing circuitry is close to its wear limit; plan a replacement.",
+       S.WARNING, A.CONTACT_SUPPORT, SU, False),
+    _e(165, "Power smoothing lifetime exhausted",
+       "The power-smoothing circuitry reached its wear limit and stays off; the board needs service.",
+       S.WARNING, A.CONTACT_SUPPORT, SU, False),
+    _e(166, "Confidential-computing traffic before link encryption",
+       "Confidential-computing traffic arrived before the link was configured for encryption; the GPU's "
+       "secure state is not trustworthy until reset.", S.CRITICAL, A.RESET_GPU, D, True),
+    _e(167, "PCIe fatal timeout",
+       "A PCIe transaction to the GPU timed out fatally; like a fall off the bus, nothing on the GPU can be "
+       "reached until the node is rebooted.", S.CRITICAL, A.REBOOT, F, True),
+    _e(168, "Write-protected region error",
+       "Errors were found in the GPU's write-protected region (firmware-owned memory).",
+       S.CRITICAL, A.RESET_GPU, D, True),
+    _e(169, "Internal micro-controller halt (new style)",
+       "An internal micro-controller halted (the newer drivers' code for XID 62); reset needed.",
+       S.CRITICAL, A.RESET_GPU, D, True),
+    _e(170, "Interrupt in confidential-computing mode",
+       "An unexpected interrupt arrived while the GPU was in confidential-computing mode.",
+       S.WARNING, A.RESET_GPU, SU, True),
+    _e(171, "Uncorrectable ECC error in DRAM",
+       "Logged with XID 48 on recent drivers: the uncorrectable error was in device memory (HBM); the row "
+       "is remapped at the next reset.", S.CRITICAL, A.RESET_GPU, D, True, follows=(48,)),
+    _e(172, "Uncorrectable ECC error in SRAM",
+       "Logged with XID 48 on recent drivers: the uncorrectable error was in on-chip SRAM (L2, register "
+       "file, shared memory), which cannot be remapped; SRAM errors past the driver's threshold mean RMA.",
+       S.CRITICAL, A.RESET_GPU, D, True, follows=(48,)),
+    _e(173, "C2C fatal link failure",
+       "The chip-to-chip link to the CPU (Grace parts) failed fatally; the node needs a reboot.",
+       S.CRITICAL, A.REBOOT, F, True),
+    _e(185, "Memory sparing event",
+       "The GPU moved data off failing memory onto spare memory online; the repair is done, repeats mean the "
+       "memory is wearing out.", S.WARNING, A.NONE, SU, False),
 ]
 
 CATALOG: dict[int, XidEntry] = {e.xid: e for e in _ENTRIES}
 
 #: The XIDs the issue requires the catalog to cover.
 REQUIRED_XIDS = (13, 31, 32, 38, 43, 45, 48, 54, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109, 119, 120,
-                 121, 140, 154, *range(144, 151))
+                 121, 140, *range(144, 154), *range(154, 173), 185)
 
 
 def lookup(xid: int) -> XidEntry | None:

@@ -106,6 +106,19 @@ def test_row_xid_app_unknown_xid_counted() -> None:
     assert st is State.SUSPECT and "unknown XID" in why
 
 
+def test_row_xid_app_non_solo_xid45_never_escalates() -> None:
+    s = GpuEvidenceStore(GpuStateConfig(app_xid_window_s=3600, app_xid_repeat=3))
+    s.put(readable(0))
+    for t in range(1, 673):  # 672 XID 45s in three hours: one fault's cleanup, not 672 faults
+        s.put(xid(45, t * 16))
+    assert state(s, 672 * 16 + 1) is State.HEALTHY
+    assert s.xid_counts(672 * 16 + 1, 86400)[45][0] == 256  # still counted (history_max per XID)
+    s.put(xid(13, 20000))
+    s.put(xid(13, 20001))
+    s.put(xid(13, 20002))  # a solo application XID repeating still makes it SUSPECT
+    assert state(s, 20003) is State.SUSPECT
+
+
 def test_row_xid_hw_needs_reset() -> None:
     _reset_and_canary_row(xid(48, 10), State.DEGRADED)
     _reset_and_canary_row(xid(79, 10), State.FAILED)
@@ -117,6 +130,18 @@ def test_row_xid_hw_without_reset_ages_out() -> None:
     s.put(xid(92, 10))  # high SBE rate: SUSPECT, not a reset condition
     assert state(s, 50) is State.SUSPECT
     assert state(s, 111) is State.HEALTHY
+
+
+def test_row_xid_repeat_not_for_non_solo_details() -> None:
+    s = GpuEvidenceStore(GpuStateConfig(hw_xid_window_s=1000, hw_xid_escalate=3))
+    s.put(readable(0))
+    for t in (10, 20, 30):
+        s.put(xid(171, t))  # the DRAM detail of XID 48: its own state, the 48s carry the escalation
+    assert state(s, 31) is State.DEGRADED
+    for t in (11, 21, 31):
+        s.put(xid(48, t))
+    st, why = s.derive(32)
+    assert st is State.FAILED and "XID 48" in why and "repeated x3" in why
 
 
 def test_row_xid_repeat_escalates_to_failed() -> None:
