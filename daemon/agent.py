@@ -45,6 +45,7 @@ from daemon.background import Background
 from daemon.checkpoint_feed import CheckpointFeed
 from daemon.checkpoint_service import CheckpointService
 from daemon.config import Config, parse_hostport
+from daemon.errors import ConfigError
 from sdcwatch.errors import FatalError
 from daemon.events import Event, EventBus
 from daemon.gpus import GpuRegistry
@@ -63,6 +64,20 @@ from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+def ensure_state_dir(path: Path) -> None:
+    """Create the state dir (mode 0750) and check that it can be written: ConfigError (exit 2, the reason
+    named) when it cannot, before anything is built in it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o750)
+        probe = path / f".write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("agent.state_dir", f"cannot create or write {path}: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(path) else ''}; give a writable --state-dir "
+                          "(or $SDCWATCH_STATE_DIR)") from None
 
 
 class Agent:
@@ -139,8 +154,8 @@ class Agent:
                          {"addresses": dict(self.addresses)})
 
     def _prepare_state_dir(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         lock_path = self.state_dir / "agent.lock"
+        ensure_state_dir(self.state_dir)
         self._lock_fh = open(lock_path, "a+")
         try:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)

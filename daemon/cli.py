@@ -12,6 +12,7 @@ import getpass
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
@@ -97,9 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # -- run ---------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from daemon.compose import build_agent  # the agent's modules load only for `run`, not for the client commands
+    from daemon.agent import ensure_state_dir  # the agent's modules load only for `run`, not for the clients
+    from daemon.compose import build_agent
 
     cfg = config.build(args)  # ConfigError -> exit 2 in main
+    ensure_state_dir(Path(cfg.agent.state_dir))   # ConfigError (exit 2) before anything is built in it
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     profile = os.environ.get("SDCWATCH_PROFILE")  # a path: write cProfile stats of the agent there on exit
@@ -115,6 +118,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except FatalError as exc:
         print(f"sdcwatch: {exc}", file=sys.stderr)
         return 1
+    except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError) as exc:
+        return fail(f"cannot use {exc.filename}: {exc.strerror} (a configured directory: check the --state-dir "
+                    "and --tiers-*-dir settings)")   # a bad setting, not a crash: exit 2, no traceback
     return EXIT_OK
 
 
@@ -147,7 +153,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = client.status()
     except grpc.RpcError as exc:
-        return rpc_error(exc, "status")
+        return rpc_error(exc, "status", client.where)
     finally:
         client.close()
     code = status_exit_code(st.node_state, [g.state for g in st.gpus])
@@ -212,7 +218,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.CANCELLED:
             return EXIT_OK
-        return rpc_error(exc, "events")
+        return rpc_error(exc, "events", client.where)
     finally:
         client.close()
     return EXIT_OK
@@ -224,7 +230,7 @@ def cmd_gpu_clear(args: argparse.Namespace) -> int:
     try:
         resp = client.clear_gpu(args.uuid, who, args.reason)
     except grpc.RpcError as exc:
-        return rpc_error(exc, "gpu clear")
+        return rpc_error(exc, "gpu clear", client.where)
     finally:
         client.close()
     print(f"{args.uuid}: {STATE_NAMES.get(resp.previous)} -> {STATE_NAMES.get(resp.state)} (cleared by {who})")

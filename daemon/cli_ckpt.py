@@ -27,7 +27,7 @@ from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.errors import CheckpointError
 from checkpoint.locations import dir_store_for
 from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
-from daemon.cli_common import EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, table
+from daemon.cli_common import EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, rpc_error, table
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -76,12 +76,7 @@ def _list(args: argparse.Namespace, job: str) -> tuple[int, list[Any]]:
         resp = pb_grpc.CheckpointsStub(client.channel).List(pb.ListCheckpointsRequest(job_id=job),
                                                              timeout=args.timeout)
     except grpc.RpcError as exc:
-        code = exc.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            print(f"sdcwatch: cannot reach the agent (checkpoints): {exc.details()}", file=sys.stderr)
-        else:
-            print(f"sdcwatch: checkpoints: {code.name}: {exc.details()}", file=sys.stderr)
-        return EXIT_USAGE, []
+        return rpc_error(exc, "checkpoints", client.where), []
     finally:
         client.close()
     return EXIT_OK, list(resp.checkpoints)
@@ -181,12 +176,8 @@ def _rpc(args: argparse.Namespace, name: str, request: Any) -> tuple[int, Any]:
     try:
         return EXIT_OK, getattr(pb_grpc.CheckpointsStub(client.channel), name)(request, timeout=args.timeout)
     except grpc.RpcError as exc:
-        code = exc.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            print(f"sdcwatch: cannot reach the agent (checkpoints): {exc.details()}", file=sys.stderr)
-            return EXIT_USAGE, None
-        print(f"sdcwatch: checkpoints: {code.name}: {exc.details()}", file=sys.stderr)
-        return (EXIT_NOT_FOUND if code == grpc.StatusCode.NOT_FOUND else EXIT_USAGE), None
+        code = rpc_error(exc, "checkpoints", client.where)
+        return (EXIT_NOT_FOUND if exc.code() == grpc.StatusCode.NOT_FOUND else code), None
     finally:
         client.close()
 

@@ -19,6 +19,7 @@ import grpc
 
 from daemon.client import AgentClient
 from sdcwatch.channels import agent_channel, read_token
+from sdcwatch.paths import locate_socket
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 
@@ -34,7 +35,10 @@ class Parser(argparse.ArgumentParser):
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
     """The flags that say how to reach the agent (read by `connect`)."""
     g = p.add_argument_group("agent connection")
-    g.add_argument("--socket", help="agent unix socket (default: $SDCWATCH_SOCKET or the default state dir's)")
+    g.add_argument("--state-dir", help="the agent's state dir, as given to `sdcwatch run --state-dir` (its socket "
+                   "is DIR/agent.sock; default $SDCWATCH_STATE_DIR, else the agent's default)")
+    g.add_argument("--socket", help="the agent's unix socket (default: DIR/agent.sock of --state-dir, else "
+                   "$SDCWATCH_SOCKET, else the state dir's)")
     g.add_argument("--address", help="HOST:PORT of an agent serving TCP with TLS")
     g.add_argument("--tls-ca", help="CA bundle to verify the agent's certificate (default: the system roots)")
     g.add_argument("--tls-server-name", help="expected name in the agent's certificate")
@@ -45,20 +49,31 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
 
 def connect(args: argparse.Namespace) -> AgentClient:
     """A client for the agent named by the connection flags; exits 2 with the reason when they are wrong.
-    `--address` wins over `--socket`; the channel rules are `sdcwatch.channels.agent_channel`'s."""
+    `--address` wins over `--socket` and `--state-dir`; the socket is found by `sdcwatch.paths.locate_socket`
+    (the rule the agent chose it by), and when no socket is there it exits 2 saying where it looked.
+    The channel rules are `sdcwatch.channels.agent_channel`'s."""
     try:
         token = read_token(args.token_file)
     except (OSError, ValueError) as exc:
         raise SystemExit(fail(f"cannot read --token-file: {exc}"))
     try:
         if args.address:
+            where = args.address
             channel = agent_channel(args.address, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
                                     token=token, insecure=args.insecure)
         else:
-            channel = agent_channel(args.socket)   # a unix socket: no TLS, no token
+            located = locate_socket(args.socket, args.state_dir)
+            where = located.describe()
+            if not located.path.exists():
+                raise SystemExit(fail(f"cannot reach the agent: no socket at {where}; {NO_AGENT_HINT}"))
+            channel = agent_channel(located.path)   # a unix socket: no TLS, no token
     except (ValueError, OSError) as exc:
         raise SystemExit(fail(str(exc)))
-    return AgentClient(channel, timeout_s=args.timeout)
+    return AgentClient(channel, timeout_s=args.timeout, where=where)
+
+
+NO_AGENT_HINT = ("start one with `sdcwatch run`, or say where it runs: --state-dir DIR (as given to `sdcwatch "
+                 "run`), --socket PATH, $SDCWATCH_STATE_DIR or $SDCWATCH_SOCKET")
 
 
 def fail(message: str) -> int:
@@ -67,12 +82,14 @@ def fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def rpc_error(exc: grpc.RpcError, what: str) -> int:
-    """Print why the RPC `what` failed; returns EXIT_USAGE (an unreachable agent is a usage problem here)."""
+def rpc_error(exc: grpc.RpcError, what: str, where: str = "") -> int:
+    """Print why the RPC `what` failed (to the agent at `where`, as `AgentClient.where` says); returns
+    EXIT_USAGE (an unreachable agent is a usage problem here)."""
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else exc
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return fail(f"cannot reach the agent ({what}): {details}")
+        at = f" at {where}" if where else ""
+        return fail(f"cannot reach the agent{at} ({what}): {details}; {NO_AGENT_HINT}")
     return fail(f"{what}: {code.name if code is not None else 'ERROR'}: {details}")
 
 

@@ -11,8 +11,9 @@ from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
 
 class AgentClient:
-    def __init__(self, channel: grpc.Channel, timeout_s: float = 5.0) -> None:
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 5.0, where: str = "") -> None:
         self.channel = channel
+        self.where = where   # the agent's address and how it was found, for error messages
         self.stub = pb_grpc.AgentStub(channel)
         self.timeout_s = timeout_s
 

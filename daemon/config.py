@@ -27,7 +27,7 @@ from daemon.errors import ConfigError
 from daemon.peers_config import PeersConfig
 from daemon.tiers_config import TiersConfig
 from probes.loss_detector import LossDetectorConfig, RollbackPolicy
-from sdcwatch.paths import default_state_dir
+from sdcwatch.paths import default_state_dir, locate_socket
 from sdcwatch.settings import setting
 
 if sys.version_info >= (3, 11):
@@ -68,8 +68,10 @@ from and what would do, e.g. `sdcwatch: config error: tiers.nvme.keep: must be >
 /etc/sdcwatch/agent.toml)`. A variable under a section's prefix that names no key is an error too (a
 typo is never ignored), except these switches of other parts of the program: `SDCWATCH_NVML_TIMING`,
 `SDCWATCH_NVML_INPROCESS`, `SDCWATCH_NVML_CHILD_SCENARIO`, `SDCWATCH_CANARY_CHILD_TEST`. Variables
-outside the sections' prefixes are not settings of the agent: `SDCWATCH_SOCKET` tells clients (the CLI,
-the training ranks) where the agent's socket is; `SDCWATCH_PEER_TLS_CA`, `SDCWATCH_PEER_TOKEN_FILE`,
+outside the sections' prefixes are process-wide switches: `SDCWATCH_STATE_DIR` and `SDCWATCH_SOCKET` are
+the defaults of `[agent] state_dir` and `socket` for the agent and of `--state-dir` / `--socket` for every
+client (the CLI, the training ranks), which find the agent by the same rule (`sdcwatch/paths.py`);
+`SDCWATCH_PEER_TLS_CA`, `SDCWATCH_PEER_TOKEN_FILE`,
 `SDCWATCH_PEER_INSECURE` give training ranks their peer-store credentials.
 
 The flat tier keys of earlier versions (`[tiers] nvme_dir`, `flash_every_n`, `s3_url`, ...) are refused
@@ -96,9 +98,10 @@ def parse_hostport(key: str, value: str) -> tuple[str, int]:
 class AgentConfig:
     """`[agent]`: the process, where it listens, and how it is reached."""
 
-    state_dir: str = setting("", "state directory: socket, journal, lock (default $XDG_RUNTIME_DIR/sdcwatch "
-                             "or /tmp/sdcwatch-<uid>)")
-    socket: str = setting("", "unix socket path (default <state_dir>/agent.sock)")
+    state_dir: str = setting("", "state directory: socket, journal, lock (default $SDCWATCH_STATE_DIR, else "
+                             "$XDG_RUNTIME_DIR/sdcwatch, else /tmp/sdcwatch-<uid>)")
+    socket: str = setting("", "unix socket path (default <state_dir>/agent.sock; with no state_dir given, "
+                          "$SDCWATCH_SOCKET when set)")
     socket_mode: str = setting("0660", "octal file mode of the unix socket")
     listen: str = setting("", "HOST:PORT to serve TCP on as well (needs tls_cert and tls_key unless insecure)")
     tls_cert: str = setting("", "PEM certificate for the TCP listener")
@@ -116,10 +119,11 @@ class AgentConfig:
     def validate(self) -> None:
         if self.event_loop not in ("auto", "uvloop", "asyncio"):
             raise ConfigError("agent.event_loop", f"expected auto, uvloop or asyncio, got {self.event_loop!r}")
+        configured_dir = self.state_dir
         if not self.state_dir:
             self.state_dir = str(default_state_dir())
-        if not self.socket:
-            self.socket = str(Path(self.state_dir) / "agent.sock")
+        if not self.socket:   # the clients' rule (sdcwatch.paths), so `sdcwatch status` finds this socket
+            self.socket = str(locate_socket(state_dir=configured_dir or None).path)
         if len(self.socket.encode()) > 107:
             raise ConfigError("agent.socket", f"unix socket path is {len(self.socket.encode())} bytes; "
                               "the limit is 107 (use a shorter --state-dir or --socket)")

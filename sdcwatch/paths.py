@@ -1,17 +1,43 @@
-"""Where the agent keeps its state and listens, shared by the agent and the training-side reporter.
+"""Where the agent keeps its state and listens: one rule, used by the agent to choose its socket and by every
+client (the CLI, the training-side reporter and checkpoint client) to find it.
 
-Order for the socket: `$SDCWATCH_SOCKET`, else `<state dir>/agent.sock`. The state dir is
-`$XDG_RUNTIME_DIR/sdcwatch` when XDG_RUNTIME_DIR is set, else `/tmp/sdcwatch-<uid>`.
-Both functions only compute paths; they create nothing.
+The socket, first match wins:
+
+1. an explicit socket (the agent's `[agent] socket` / `--socket`; a client's `--socket`);
+2. an explicit state dir's `agent.sock` (the agent's `[agent] state_dir` / `--state-dir`; a client's
+   `--state-dir`);
+3. `$SDCWATCH_AGENT_SOCKET`, then `$SDCWATCH_AGENT_STATE_DIR/agent.sock` (the agent's config variables:
+   a client in the same environment finds the agent they configured);
+4. `$SDCWATCH_SOCKET`, then `$SDCWATCH_STATE_DIR/agent.sock` (the process-wide switches);
+5. the default state dir's `agent.sock`: `$XDG_RUNTIME_DIR/sdcwatch` when XDG_RUNTIME_DIR is set, else
+   `/tmp/sdcwatch-<uid>`.
+
+`locate_socket` returns the path with the rule that chose it (`Located.source`), so a client that finds
+no agent can say where it looked and why there. These functions only compute paths; they create nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Mapping
 
 SOCKET_NAME = "agent.sock"
 SOCKET_ENV = "SDCWATCH_SOCKET"
+STATE_DIR_ENV = "SDCWATCH_STATE_DIR"
+AGENT_SOCKET_ENV = "SDCWATCH_AGENT_SOCKET"        # the agent's own config variables ([agent] socket, state_dir)
+AGENT_STATE_DIR_ENV = "SDCWATCH_AGENT_STATE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """A socket path and the rule that chose it, e.g. `$SDCWATCH_STATE_DIR (/x)` or `the default state dir`."""
+
+    path: Path
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.path} (from {self.source})"
 
 
 def _uid() -> int:
@@ -20,19 +46,37 @@ def _uid() -> int:
 
 
 def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The agent's state dir (holds agent.sock): `$XDG_RUNTIME_DIR/sdcwatch` or `/tmp/sdcwatch-<uid>`."""
+    """The state dir when none is configured: `$SDCWATCH_STATE_DIR`, else `$XDG_RUNTIME_DIR/sdcwatch`, else
+    `/tmp/sdcwatch-<uid>`."""
     env = os.environ if environ is None else environ
+    if env.get(STATE_DIR_ENV, ""):
+        return Path(env[STATE_DIR_ENV])
     runtime = env.get("XDG_RUNTIME_DIR", "")
     if runtime:
         return Path(runtime) / "sdcwatch"
     return Path("/tmp") / f"sdcwatch-{_uid()}"
 
 
-def default_socket(environ: Mapping[str, str] | None = None) -> Path:
-    """The agent's unix socket: `$SDCWATCH_SOCKET`, else `<default_state_dir()>/agent.sock`."""
+def locate_socket(socket: str | os.PathLike[str] | None = None, state_dir: str | os.PathLike[str] | None = None,
+                  environ: Mapping[str, str] | None = None, *, flag_names: tuple[str, str] = ("--socket",
+                                                                                              "--state-dir")
+                  ) -> Located:
+    """The agent's socket under the order of the module docstring. `socket` / `state_dir` are the explicit
+    settings (empty or None: not given); `flag_names` name them in `Located.source`."""
     env = os.environ if environ is None else environ
-    explicit = env.get(SOCKET_ENV, "")
-    if explicit:
-        return Path(explicit)
-    return default_state_dir(env) / SOCKET_NAME
+    if socket:
+        return Located(Path(socket), flag_names[0])
+    if state_dir:
+        return Located(Path(state_dir) / SOCKET_NAME, f"{flag_names[1]} {os.fspath(state_dir)}")
+    for name, is_dir in ((AGENT_SOCKET_ENV, False), (AGENT_STATE_DIR_ENV, True), (SOCKET_ENV, False),
+                         (STATE_DIR_ENV, True)):
+        value = env.get(name, "")
+        if value:
+            return Located(Path(value) / SOCKET_NAME if is_dir else Path(value), f"${name}")
+    where = "$XDG_RUNTIME_DIR/sdcwatch" if env.get("XDG_RUNTIME_DIR", "") else "/tmp/sdcwatch-<uid>"
+    return Located(default_state_dir(env) / SOCKET_NAME, f"the default state dir, {where}")
 
+
+def default_socket(environ: Mapping[str, str] | None = None) -> Path:
+    """The agent's unix socket when nothing explicit is given: `locate_socket()`'s path."""
+    return locate_socket(environ=environ).path

@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class AgentProcess:
-    def __init__(self, state_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, state_dir: Path, *extra: str, env: dict[str, str] | None = None,
+                 state_dir_flag: bool = True) -> None:
+        """`state_dir_flag=False`: run without `--state-dir` (the environment must choose `state_dir`)."""
         self.state_dir = Path(state_dir)
+        self.state_dir_flag = state_dir_flag
         self.socket = self.state_dir / "agent.sock"
         self.extra = list(extra)
         self.env = env
@@ -32,7 +35,8 @@ class AgentProcess:
         env = dict(os.environ)
         env.update(self.env or {})
         env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [sys.executable, "-m", "daemon.cli", "run", "--state-dir", str(self.state_dir),
+        where = ["--state-dir", str(self.state_dir)] if self.state_dir_flag else []
+        cmd = [sys.executable, "-m", "daemon.cli", "run", *where,
                "--metrics-listen", "127.0.0.1:0", "--shutdown-grace-s", "1", *self.extra]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
