@@ -40,10 +40,12 @@ class RestoreReport:
 
 
 def read_verified(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore]], out: memoryview,
-                  report: RestoreReport | None = None) -> RestoreReport:
+                  report: RestoreReport | None = None,
+                  on_chunk: Callable[[int], None] | None = None) -> RestoreReport:
     """Fill `out` (manifest.nbytes) with the shard's bytes, each chunk checksum-verified, falling back
     across `copies` ([(name, store)]) chunk by chunk. Chunks are read and verified on `_io_pool`'s threads
-    (reads and xxh3 release the GIL): a restore runs at the node's memory bandwidth, not one core's."""
+    (reads and xxh3 release the GIL): a restore runs at the node's memory bandwidth, not one core's.
+    `on_chunk(nbytes)` is called (from those threads) after each chunk is verified (a progress bar)."""
     report = report if report is not None else RestoreReport()
     view = memoryview(out).cast("B")
     if len(view) < manifest.nbytes:
@@ -70,6 +72,8 @@ def read_verified(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore
                     report.fallbacks += i > 0
                     report.sources[name] = report.sources.get(name, 0) + c.length
                     report.chunks += 1
+                if on_chunk is not None:
+                    on_chunk(c.length)
                 return
             tried.append(f"{name} ({why})")
             with lock:

@@ -1,7 +1,8 @@
 """`sdcwatch`: the agent (`run`) and its client commands.
 
 Exit codes: 0 success / healthy; 1 the node is not healthy (`status`) or a check failed; 2 bad usage,
-a bad config, or the agent cannot be reached.
+a bad config, or the agent cannot be reached; 141 (128 + SIGPIPE, as other shell tools) the reader of
+stdout went away (`sdcwatch events | head`), quietly.
 """
 from __future__ import annotations
 
@@ -16,15 +17,18 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
+import shtab
 from google.protobuf import json_format
 
 from daemon import cli_canary, cli_ckpt, cli_demo, config
 from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, Parser, add_connection_flags, ago, connect,
                                fail, rpc_error, table)
 from daemon.errors import ConfigError
+from probes import spikes_replay
 from sdcwatch.errors import FatalError
 from sdcwatch import __version__
 
+EXIT_BROKEN_PIPE = 141
 STATE_NAMES = {0: "UNSPECIFIED", 1: "HEALTHY", 2: "SUSPECT", 3: "DEGRADED", 4: "FAILED", 5: "UNKNOWN"}
 SEVERITY_NAMES = {0: "-", 1: "info", 2: "warning", 3: "critical"}
 PROBE_NAMES = {0: "-", 1: "OK", 2: "FAILING", 3: "HUNG", 4: "DISABLED", 5: "PENDING"}
@@ -73,13 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     spikes = sub.add_parser("spikes", help="loss-spike tools")
     ssub = spikes.add_subparsers(dest="spikes_command", required=True, parser_class=Parser)
-    replay = ssub.add_parser("replay", help="run the loss detector over a training log", add_help=False)
-    replay.add_argument("rest", nargs=argparse.REMAINDER, help="the replay tool's own arguments (see its --help)")
-    replay.set_defaults(func=cmd_spikes_replay)
+    replay = ssub.add_parser("replay", help="run the loss detector over a training log",
+                             description=spikes_replay.DESCRIPTION)
+    spikes_replay.add_arguments(replay)
+    replay.set_defaults(func=spikes_replay.run)
 
     cli_ckpt.register(sub)
     cli_canary.register(sub)
     cli_demo.register(sub)
+
+    comp = sub.add_parser("completion", help="print a shell completion script (bash or zsh)",
+                          description="Print the completion script for every subcommand and flag. Activate it:\n"
+                                      "  bash: eval \"$(sdcwatch completion bash)\"   (in ~/.bashrc)\n"
+                                      "  zsh:  sdcwatch completion zsh > \"${fpath[1]}/_sdcwatch\"",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    comp.add_argument("shell", choices=["bash", "zsh"], help="the shell")
+    comp.set_defaults(func=cmd_completion)
     return parser
 
 
@@ -88,12 +101,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's exit
+        return code
     except ConfigError as exc:
         print(f"sdcwatch: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # `sdcwatch events | head`: the reader left; end quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush has nowhere to fail
+        return EXIT_BROKEN_PIPE
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """shtab writes a static script from this parser: every subcommand and flag, no Python run per TAB."""
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return EXIT_OK
 
 
 # -- run ---------------------------------------------------------------------------------------------
@@ -235,12 +259,6 @@ def cmd_gpu_clear(args: argparse.Namespace) -> int:
         client.close()
     print(f"{args.uuid}: {STATE_NAMES.get(resp.previous)} -> {STATE_NAMES.get(resp.state)} (cleared by {who})")
     return EXIT_OK
-
-
-def cmd_spikes_replay(args: argparse.Namespace) -> int:
-    from probes.spikes_replay import main as replay_main
-
-    return replay_main(list(args.rest))
 
 
 if __name__ == "__main__":

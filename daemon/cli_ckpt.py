@@ -27,7 +27,8 @@ from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.errors import CheckpointError
 from checkpoint.locations import dir_store_for
 from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
-from daemon.cli_common import EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, rpc_error, table
+from daemon.cli_common import (EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, progress_bar,
+                               rpc_error, spinner, table)
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -57,6 +58,7 @@ def register(subparsers: Any) -> None:
     ver.add_argument("step", type=int, help="the checkpoint's step")
     ver.add_argument("--job", required=True, help="the job id")
     ver.add_argument("--json", action="store_true", help="print JSON")
+    ver.add_argument("--no-progress", action="store_true", help="no sign of life while the agent verifies")
     add_connection_flags(ver)
     ver.set_defaults(func=cmd_verify, timeout=600.0)
     rest = sub.add_parser("restore", help="fetch a verified copy of a checkpoint into a directory")
@@ -64,7 +66,8 @@ def register(subparsers: Any) -> None:
     rest.add_argument("--job", required=True, help="the job id")
     rest.add_argument("--out", required=True, help="directory to write rank-<r>.bin and rank-<r>.json into")
     rest.add_argument("--rank", type=int, default=-1, help="only this rank's shard (default: every rank)")
-    rest.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rest.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (there is one, per chunk, only when stdout is a terminal)")
     add_connection_flags(rest)
     rest.set_defaults(func=cmd_restore)
 
@@ -205,7 +208,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
 
-    code, resp = _rpc(args, "VerifyCopies", pb.VerifyCopiesRequest(job_id=args.job, step=args.step))
+    with spinner(f"verifying every copy of job {args.job} step {args.step}", enabled=not args.no_progress):
+        code, resp = _rpc(args, "VerifyCopies", pb.VerifyCopiesRequest(job_id=args.job, step=args.step))
     if code != EXIT_OK:
         return code
     bad = [c for c in resp.checks if not c.ok]
@@ -241,15 +245,15 @@ def cmd_restore(args: argparse.Namespace) -> int:
         plan = link.restore_plan(args.job, target, None if args.rank < 0 else args.rank)
         out.mkdir(parents=True, exist_ok=True)
         total = sum(s.manifest.nbytes for s in plan.shards)
-        with _progress(total, not args.no_progress) as advance:
+        with progress_bar(f"restore {args.job}", total, enabled=not args.no_progress) as advance:
             for shard in plan.shards:
                 report = RestoreReport()
                 buf = bytearray(shard.manifest.nbytes)
-                read_verified(shard.manifest, copies_for(shard, dir_store_for), memoryview(buf), report)
+                read_verified(shard.manifest, copies_for(shard, dir_store_for), memoryview(buf), report,
+                              on_chunk=advance)
                 verify_fingerprints(shard.manifest, memoryview(buf))
                 (out / f"rank-{shard.rank:05d}.bin").write_bytes(buf)
                 (out / f"rank-{shard.rank:05d}.json").write_text(shard.manifest.to_json())
-                advance(shard.manifest.nbytes)
                 print(f"rank {shard.rank}: {human_bytes(shard.manifest.nbytes)} from {report.source or '-'}"
                       + (f" ({report.fallbacks} chunk(s) from another copy)" if report.fallbacks else ""))
     except CheckpointError as exc:
@@ -259,28 +263,3 @@ def cmd_restore(args: argparse.Namespace) -> int:
         client.close()
     print(f"job {args.job} step {plan.checkpoint.step} ({plan.checkpoint.state}) -> {out}")
     return EXIT_OK
-
-
-class _progress:
-    """A rich progress bar over bytes when stderr is a terminal (a no-op otherwise)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled and sys.stderr.isatty()
-        self._p: Any = None
-
-    def __enter__(self) -> Any:
-        if not self.enabled:
-            return lambda n: None
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-        from rich.console import Console
-
-        self._p = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                           TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
-        self._p.start()
-        task = self._p.add_task("restore", total=self.total)
-        return lambda n: self._p.advance(task, n)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._p is not None:
-            self._p.stop()

@@ -12,10 +12,14 @@ cannot be reached.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import NoReturn
+import threading
+from typing import Callable, Iterator, NoReturn
 
 import grpc
+from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TimeElapsedColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
 
 from daemon.client import AgentClient
 from sdcwatch.channels import agent_channel, read_token
@@ -107,3 +111,35 @@ def table(rows: list[list[str]]) -> str:
         return ""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """`advance(nbytes)` for a rich progress bar over `total` bytes, drawn only when stdout is a terminal
+    (and `enabled`); otherwise a no-op. `advance` may be called from any thread (per chunk, from the read
+    pool). Lines printed meanwhile appear above the bar."""
+    if not (enabled and sys.stdout.isatty()):
+        yield lambda n: None
+        return
+    lock = threading.Lock()
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn()) as p:
+        task = p.add_task(label, total=total)
+
+        def advance(n: int) -> None:
+            with lock:
+                p.advance(task, n)
+
+        yield advance
+
+
+@contextlib.contextmanager
+def spinner(label: str, enabled: bool = True) -> Iterator[None]:
+    """A rich spinner with the elapsed time while one long call runs, only when stdout is a terminal."""
+    if not (enabled and sys.stdout.isatty()):
+        yield
+        return
+    with Progress(SpinnerColumn(), "[progress.description]{task.description}", TimeElapsedColumn(),
+                  transient=True) as p:
+        p.add_task(label, total=None)
+        yield

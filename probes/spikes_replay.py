@@ -113,9 +113,17 @@ def plot_events(tlog: TrainingLog, events: Sequence[ReplayEvent], out: Path) -> 
     plt.close(fig)
 
 
+DESCRIPTION = "Replay a CSV or JSON-lines training log through the loss detector."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sdcwatch spikes replay",
-                                description="Replay a CSV or JSON-lines training log through the loss detector.")
+    p = argparse.ArgumentParser(prog="sdcwatch spikes replay", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The replay's arguments, on `sdcwatch spikes replay`'s parser (daemon/cli.py) or `build_parser()`'s."""
     p.add_argument("file", type=Path, help="training log (CSV with a header, or JSON lines)")
     p.add_argument("--step-col", help="step column (default: step, iteration, iter, global_step, ...)")
     p.add_argument("--loss-col", help="loss column (default: loss, lm_loss, train_loss, ...)")
@@ -127,17 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint, excerpts) instead of being an error")
     p.add_argument("--json", action="store_true", help="one JSON object per event and line")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="draw the curves with the events")
-    return p
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
     parser = build_parser()
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:   # argparse reports usage errors itself
         return int(exc.code) if isinstance(exc.code, int) else EXIT_UNREADABLE
+    return run(args, stdout=stdout, stderr=stderr)
+
+
+def run(args: argparse.Namespace, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """The replay for parsed arguments (`add_arguments`'s)."""
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
     if args.plot is not None and not available("matplotlib"):
         print(f"sdcwatch spikes replay: --plot {needs('matplotlib')}", file=err)
         return EXIT_UNREADABLE

@@ -54,12 +54,40 @@ def _restore_to_files_without_torch(sock: str, job: str, out: Path) -> None:
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[-1] == "no torch" and f"job {job} step 1 (VERIFIED)" in run.stdout
+    assert "\x1b[" not in run.stdout + run.stderr and "B/s" not in run.stdout   # no bar: stdout is no terminal
+    shown = _on_a_terminal(["ckpt", "restore", "latest_verified", "--job", job, "--out", str(out / "tty"),
+                            "--socket", sock])
+    assert f"restore {job}" in shown and "B/s" in shown, shown   # rich's bar, advanced chunk by chunk
     for rank in (0, 1):
         manifest = ShardManifest.from_json((out / f"rank-{rank:05d}.json").read_text())
         buf = torch.frombuffer(bytearray((out / f"rank-{rank:05d}.bin").read_bytes()), dtype=torch.uint8)
         tensors = [buf[e.offset:e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.shape) for e in manifest.tensors]
         assert_same(unflatten(manifest.tree, tensors), state_dict(rank, 1))
     assert cli("ckpt", "restore", "9", "--job", job, "--out", str(out), "--socket", sock).returncode == 1
+
+
+def _on_a_terminal(args: list[str]) -> str:
+    """What `sdcwatch ARGS` writes when its stdout and stderr are a terminal (a pty)."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], stdout=slave, stderr=slave,
+                            cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, TERM="xterm",
+                                                                                 COLUMNS="120"))
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:   # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(60) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
 
 
 def test_save_vote_verify_restore_and_ls_through_the_real_agent(short_tmp: Path) -> None:
