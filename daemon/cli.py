@@ -1,8 +1,10 @@
 """`sdcwatch`: the agent (`run`) and its client commands.
 
-Exit codes: 0 success / healthy; 1 the node is not healthy (`status`) or a check failed; 2 bad usage,
-a bad config, or the agent cannot be reached; 141 (128 + SIGPIPE, as other shell tools) the reader of
-stdout went away (`sdcwatch events | head`), quietly.
+Exit codes: 0 success / healthy; 1 the node is not healthy (`status`: the node, a GPU or a job is
+SUSPECT, DEGRADED or FAILED) or a check failed; 2 bad usage, a bad config, or the agent cannot be reached;
+3 (`status`) UNKNOWN: no evidence to judge the node by (no GPUs, NVML unreadable); 141 (128 + SIGPIPE, as
+other shell tools) the reader of stdout went away (`sdcwatch events | head`), quietly. The table is in
+docs/oncall.md ("Exit codes").
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ import shtab
 from google.protobuf import json_format
 
 from daemon import cli_canary, cli_ckpt, cli_demo, config
-from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, Parser, add_connection_flags, ago, connect,
-                               fail, rpc_error, table)
+from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_UNKNOWN, EXIT_USAGE, Parser, add_connection_flags, ago,
+                               connect, fail, rpc_error, table)
 from daemon.errors import ConfigError
 from probes import spikes_replay
 from sdcwatch.errors import FatalError
@@ -163,12 +165,14 @@ def _loop_runner(kind: str) -> tuple[Callable[[Any], Any], str]:
 
 
 # -- client commands ---------------------------------------------------------------------------------
-def status_exit_code(node_state: int, gpu_states: list[int]) -> int:
-    """0 when healthy (or no GPUs to judge); 1 when SUSPECT/DEGRADED/FAILED or a GPU's state is UNKNOWN."""
-    if node_state in (2, 3, 4):
+def status_exit_code(node_state: int, gpu_states: list[int], job_states: Sequence[int] = ()) -> int:
+    """0 healthy; 1 the node, a GPU or a job is SUSPECT/DEGRADED/FAILED; 3 UNKNOWN: the node or a GPU has no
+    evidence, or there are no GPUs to judge (2, unreachable, is `rpc_error`'s)."""
+    bad = (2, 3, 4)
+    if node_state in bad or any(s in bad for s in gpu_states) or any(s in bad for s in job_states):
         return EXIT_UNHEALTHY
-    if gpu_states and any(s == 5 for s in gpu_states):
-        return EXIT_UNHEALTHY
+    if node_state == 5 or not gpu_states or any(s == 5 for s in gpu_states):
+        return EXIT_UNKNOWN
     return EXIT_OK
 
 
@@ -180,7 +184,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return rpc_error(exc, "status", client.where)
     finally:
         client.close()
-    code = status_exit_code(st.node_state, [g.state for g in st.gpus])
+    code = status_exit_code(st.node_state, [g.state for g in st.gpus], [j.state for j in st.jobs])
     if args.json:
         print(json_format.MessageToJson(st, preserving_proto_field_name=True,
                                              always_print_fields_with_no_presence=True))

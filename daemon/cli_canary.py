@@ -4,9 +4,12 @@ The suite runs in the same short-lived child process as the agent's canary round
 this command never imports torch, and a broken CUDA stack or a crashed kernel cannot take it down with a
 traceback. Without torch installed the child says "needs torch: pip install 'sdcwatch[torch]'".
 
-Exit codes: 0 every check passed; 1 a check failed (evidence written when --evidence-dir is given);
-2 the canary could not run (no such GPU, no torch, a check that could not run, a bad replay file, the
-child crashed or overran --timeout-s): it says why.
+Exit codes: 0 every check passed; 1 a check failed (evidence written when --evidence-dir is given), or
+the node has GPUs that NVML sees but CUDA cannot use (fallen off the bus, a broken driver, a CUDA/driver
+mismatch): a failure of the node, with the reason; 2 the canary could not run (no GPU at all, no such
+GPU, no torch, a check that could not run, a bad replay file, the child crashed or overran --timeout-s):
+it says why. `--json` prints a record on every exit, with `exit_code` and `reason`. The CPU run (fp32
+checks only) happens only with an explicit `--device cpu`: a node without a usable GPU never passes.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.cli_common import table
-from probes.canary_process import CanaryChildError, child_replay, child_run_suite
+from probes.canary_process import CanaryChildError, PreflightReply, child_preflight, child_replay
 from sdcwatch.canary import ALL_DTYPES, LEVELS, Status, SuiteConfig, SuiteReport, exit_code
 
 EXIT_OK, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
@@ -38,6 +41,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--evidence-dir", default=None, help="write evidence of each failure here (JSON files)")
     p.add_argument("--replay", default=None, metavar="FILE", help="rerun an evidence file on --gpus (first)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default): the node's GPUs, exit 1 if NVML sees GPUs CUDA cannot use, 2 if there "
+                        "are none; cpu: fp32 checks on the CPU (a test of the install, not of a GPU)")
+    p.add_argument("--nvml-scenario", default=None, metavar="FILE",
+                   help="read the GPUs NVML sees from a fake NVML scenario (tests, demos)")
     p.add_argument("--timeout-s", type=float, default=1800.0,
                    help="give up (exit 2) when the suite has not finished after this many seconds (default 1800)")
     p.set_defaults(func=cmd_canary)
@@ -62,23 +70,68 @@ def cmd_canary(args: argparse.Namespace) -> int:
         if not args.timeout_s > 0:
             raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
     except ValueError as exc:
-        print(f"sdcwatch canary: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+        return _cannot_run(args, str(exc))
     if args.replay:
         return _replay(args, gpus)
     try:
-        report, note = child_run_suite(cfg, gpus=gpus, timeout_s=args.timeout_s)
+        reply = child_preflight(cfg, gpus=gpus, device=args.device, nvml_scenario=args.nvml_scenario,
+                                timeout_s=args.timeout_s)
     except CanaryChildError as exc:
-        print(f"sdcwatch canary: cannot run: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
-    code = exit_code(report)
+        return _cannot_run(args, f"cannot run: {exc}")
+    verdict = preflight_verdict(reply.inventory) if args.device == "cuda" else None
+    if reply.report is None:
+        code, reason = verdict if verdict is not None else (EXIT_CANNOT_RUN, reply.note)
+        if code == EXIT_CANNOT_RUN:
+            return _cannot_run(args, f"cannot run: {reason}", reply.inventory)
+        return _print(args, None, reply, code, reason)
+    code, reason = exit_code(reply.report), ""
+    if verdict is not None and verdict[0] == EXIT_FAIL:  # some GPUs checked, others unusable: the node fails
+        code, reason = EXIT_FAIL, verdict[1]
+    return _print(args, reply.report, reply, code, reason)
+
+
+def preflight_verdict(inventory: dict[str, Any]) -> tuple[int, str] | None:
+    """(exit code, reason) when what NVML sees and what CUDA can use decide the preflight, else None.
+
+    NVML sees GPUs and CUDA can use none, or fewer (by UUID when CUDA_VISIBLE_DEVICES is unset): exit 1,
+    the node is broken. Neither sees a GPU: exit 2, there is nothing to check."""
+    nvml = inventory.get("nvml") or {}
+    seen = [str(u) for u in nvml.get("uuids") or []]
+    usable = [str(u) for u in inventory.get("cuda_uuids") or []]
+    cuda_why = inventory.get("cuda_error") or "CUDA sees no GPU"
+    if not usable:
+        if seen:
+            return EXIT_FAIL, (f"NVML sees {len(seen)} GPU(s) ({', '.join(seen)}) but CUDA can use none: "
+                               f"{cuda_why}")
+        return EXIT_CANNOT_RUN, f"no GPU: NVML: {nvml.get('error') or 'sees no GPU'}; CUDA: {cuda_why}"
+    if inventory.get("cuda_visible_devices") is None:
+        missing = [u for u in seen if u not in usable]
+        if missing and all(u in seen for u in usable):
+            return EXIT_FAIL, f"NVML sees {len(missing)} GPU(s) that CUDA cannot use: {', '.join(missing)}"
+    return None
+
+
+def _cannot_run(args: argparse.Namespace, why: str, inventory: dict[str, Any] | None = None) -> int:
+    print(f"sdcwatch canary: {why}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"status": Status.UNKNOWN.value, "exit_code": EXIT_CANNOT_RUN, "reason": why,
+                          "inventory": inventory or {}}, indent=1, default=str))
+    return EXIT_CANNOT_RUN
+
+
+def _print(args: argparse.Namespace, report: SuiteReport | None, reply: PreflightReply, code: int,
+           reason: str) -> int:
     if args.json:
-        out = report.to_json()
-        out["note"] = note
-        out["exit_code"] = code
+        out: dict[str, Any] = report.to_json() if report is not None else {"status": Status.FAIL.value}
+        if reason:
+            out["status"] = Status.FAIL.value
+        out.update(note=reply.note, exit_code=code, reason=reason, inventory=reply.inventory)
         print(json.dumps(out, indent=1, default=str))
     else:
-        print(format_report(report, note))
+        if report is not None:
+            print(format_report(report, reply.note))
+        if reason:
+            print(f"FAIL: {reason}")  # the last line: the Slurm prolog puts it in the drain reason
     return code
 
 
@@ -86,8 +139,7 @@ def _replay(args: argparse.Namespace, gpus: list[int] | None) -> int:
     try:
         outcome = child_replay(Path(args.replay).resolve(), gpus=gpus, timeout_s=args.timeout_s)
     except CanaryChildError as exc:
-        print(f"sdcwatch canary: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+        return _cannot_run(args, str(exc))
     if args.json:
         print(json.dumps({"reproduces": outcome.reproduces, "same_output": outcome.same_output,
                           "result": outcome.result.to_json(), "note": outcome.note}, indent=1, default=str))

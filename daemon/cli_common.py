@@ -26,6 +26,7 @@ from sdcwatch.channels import agent_channel, read_token
 from sdcwatch.paths import locate_socket
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
+EXIT_UNKNOWN = 3  # `sdcwatch status`: no evidence to judge by (node-problem-detector's "unknown")
 
 
 class Parser(argparse.ArgumentParser):

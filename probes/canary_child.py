@@ -71,12 +71,31 @@ def scenario_snapshots(path: str) -> list[GpuSnapshot]:
         backend.close()
 
 
-def _devices(gpus: Sequence[int] | None, labels: Sequence[str] | None) -> tuple[list[DeviceInfo], str]:
+def nvml_inventory(scenario: str | None) -> dict[str, Any]:
+    """The GPUs NVML sees (a fake scenario's when given): {"uuids": [...], "error": why NVML is unavailable}."""
+    from probes.nvml_backend import PynvmlBackend  # NVML only where the preflight asks for it
+    from probes.nvml_fake import ScenarioBackend
+    from probes.nvml_types import NvmlError
+
+    try:
+        backend = ScenarioBackend.from_file(scenario) if scenario else PynvmlBackend()
+    except (NvmlError, ValueError, OSError) as exc:
+        return {"uuids": [], "error": str(exc)}
+    try:
+        return {"uuids": [backend.identity(i).uuid for i in range(backend.device_count())], "error": None}
+    except NvmlError as exc:
+        return {"uuids": [], "error": str(exc)}
+    finally:
+        backend.close()
+
+
+def _devices(gpus: Sequence[int] | None, labels: Sequence[str] | None,
+             device: str = "auto") -> tuple[list[DeviceInfo], str]:
     """(the devices a request names, a note); no devices and an error message when none is usable."""
     # torch is an optional extra: imported here, where a suite or a replay runs, never for a snapshot
     from probes import canary_suite
 
-    devices, note = canary_suite.discover_devices(gpus)
+    devices, note = canary_suite.discover_devices(gpus, device)
     if labels is not None:
         devices = [d for d in devices if d.uuid in labels or d.label in labels]
         if not devices:
@@ -85,17 +104,26 @@ def _devices(gpus: Sequence[int] | None, labels: Sequence[str] | None) -> tuple[
 
 
 def run_round(req: Mapping[str, Any]) -> dict[str, Any]:
-    """The reply to a `run` request."""
+    """The reply to a `run` request. With "inventory" set (the preflight) the reply also carries what NVML
+    and CUDA see, and a preflight whose CUDA GPUs are missing answers that instead of an error."""
     from probes import canary_suite  # torch: see _devices
 
-    devices, note = _devices(req.get("gpus"), req.get("labels"))
+    device = str(req.get("device") or "auto")
+    inventory = None
+    if req.get("inventory"):
+        inventory = {"nvml": nvml_inventory(req.get("nvml_scenario")), "cuda_uuids": canary_suite.cuda_uuids(),
+                     "cuda_error": canary_suite.cuda_unavailable_reason(),
+                     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    devices, note = _devices(req.get("gpus"), req.get("labels"), device)
     if not devices:
+        if inventory is not None:
+            return {"ok": {"report": None, "note": note, "inventory": inventory}}
         return {"error": note}
     if req.get("memory_cap_bytes"):
         _cap_memory(devices, int(req["memory_cap_bytes"]))
     cfg = SuiteConfig(level=req["level"], dtypes=req.get("dtypes"), seed=int(req.get("seed", 0)),
                       evidence_dir=Path(req["evidence_dir"]) if req.get("evidence_dir") else None, copies=True)
-    return {"ok": {"report": canary_suite.run_suite(devices, cfg).to_json(), "note": note}}
+    return {"ok": {"report": canary_suite.run_suite(devices, cfg).to_json(), "note": note, "inventory": inventory}}
 
 
 def replay(req: Mapping[str, Any]) -> dict[str, Any]:

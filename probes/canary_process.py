@@ -15,6 +15,9 @@ is unpickled. Requests (see probes.canary_child for the child's side):
 - ``{"op": "run", "labels": [...] | None, "gpus": [...] | None, "level", "dtypes", "seed", "evidence_dir",
   "memory_cap_bytes"}`` -> ``{"report": SuiteReport.to_json(), "note": ...}``: the suite on the devices whose
   UUID or label is in `labels` (the agent), or with those torch indices in `gpus` (the CLI; None: all);
+  With ``"device": "cuda" | "cpu"`` (the preflight; default "auto": the CPU when CUDA is absent) and
+  ``"inventory": true, "nvml_scenario"``, the reply adds ``"inventory"`` (the GPUs NVML sees, the UUIDs CUDA
+  can use, why CUDA is unavailable) and has ``"report": null`` when no CUDA GPU could be used;
 - ``{"op": "replay", "path": ..., "gpus": [...] | None}`` -> the replay of one evidence file.
 
 Replies: ``{"ok": result}`` or ``{"error": "why"}``. The child runs in its own process group, which is
@@ -79,6 +82,29 @@ def child_run_suite(config: SuiteConfig, *, timeout_s: float, labels: Sequence[s
                         "evidence_dir": None if config.evidence_dir is None else str(config.evidence_dir),
                         "memory_cap_bytes": int(memory_cap_bytes)}, timeout_s)
     return SuiteReport.from_json(reply["report"]), str(reply["note"])
+
+
+@dataclasses.dataclass(slots=True)
+class PreflightReply:
+    """The preflight's round: the report (None when no GPU could be used), a note, and what NVML and CUDA
+    see (`inventory`: {"nvml": {"uuids", "error"}, "cuda_uuids", "cuda_error", "cuda_visible_devices"})."""
+
+    report: SuiteReport | None
+    note: str
+    inventory: dict[str, Any]
+
+
+def child_preflight(config: SuiteConfig, *, timeout_s: float, device: str, gpus: Sequence[int] | None = None,
+                    nvml_scenario: str | None = None) -> PreflightReply:
+    """The `sdcwatch canary` preflight's round in a child: the suite on `device` ("cuda" or "cpu"), plus the
+    inventory that tells a node whose GPUs NVML sees but CUDA cannot use from a node without GPUs."""
+    reply = call_child({"op": "run", "labels": None, "gpus": None if gpus is None else [int(g) for g in gpus],
+                        "level": config.level, "dtypes": None if config.dtypes is None else list(config.dtypes),
+                        "seed": config.seed, "device": device, "inventory": True, "nvml_scenario": nvml_scenario,
+                        "evidence_dir": None if config.evidence_dir is None else str(config.evidence_dir),
+                        "memory_cap_bytes": 0}, timeout_s)
+    report = None if reply.get("report") is None else SuiteReport.from_json(reply["report"])
+    return PreflightReply(report, str(reply["note"]), dict(reply.get("inventory") or {}))
 
 
 def child_replay(path: str | Path, *, timeout_s: float, gpus: Sequence[int] | None = None) -> ReplayReply:

@@ -42,10 +42,15 @@ TIMED_REPEATS = {"tiny": 1, "quick": 3, "full": 5}
 # ----------------------------------------------------------------------------- devices and versions
 
 
-def discover_devices(gpus: Sequence[int] | None = None) -> tuple[list[DeviceInfo], str]:
-    """The CUDA devices to check (all, or the given indices), labelled by UUID; else the CPU.
+def discover_devices(gpus: Sequence[int] | None = None, device: str = "auto") -> tuple[list[DeviceInfo], str]:
+    """The CUDA devices to check (all, or the given indices), labelled by UUID; the CPU only for `device`
+    "cpu" (or "auto", the agent's rounds, when CUDA is absent).
 
-    Returns (devices, note); an empty list with the reason when a requested GPU does not exist."""
+    Returns (devices, note); an empty list with the reason when a requested GPU does not exist or `device`
+    "cuda" finds no CUDA GPU."""
+    if device == "cpu":
+        return [DeviceInfo(label="cpu", device="cpu", name=platform.processor() or "cpu")], \
+            "--device cpu: ran on the CPU (fp32 known-answer GEMMs and host copies only)"
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         idx = list(range(n)) if not gpus else list(gpus)
@@ -59,10 +64,32 @@ def discover_devices(gpus: Sequence[int] | None = None) -> tuple[list[DeviceInfo
             uuid = uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"
             devs.append(DeviceInfo(label=uuid or f"cuda:{i}", device=f"cuda:{i}", index=i, uuid=uuid, name=props.name))
         return devs, ""
-    if gpus:
-        return [], "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    if gpus or device == "cuda":
+        return [], f"no CUDA GPU is visible: {cuda_unavailable_reason()}"
     return [DeviceInfo(label="cpu", device="cpu", name=platform.processor() or "cpu")], \
         "no CUDA GPU visible: ran on the CPU (fp32 known-answer GEMMs and host copies only)"
+
+
+def cuda_unavailable_reason() -> str:
+    """Why torch cannot use CUDA, in the driver's or torch's words (first line); "" when it can."""
+    if torch.cuda.is_available():
+        return ""
+    try:
+        torch.cuda.init()
+    except Exception as exc:  # torch raises RuntimeError / AssertionError with the driver's message
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return "torch.cuda.is_available() is False"
+
+
+def cuda_uuids() -> list[str]:
+    """The UUIDs of the GPUs CUDA can use here (after CUDA_VISIBLE_DEVICES); [] without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        uuid = str(getattr(torch.cuda.get_device_properties(i), "uuid", "") or "")
+        out.append(uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}")
+    return out
 
 
 def versions() -> dict[str, str]:

@@ -166,7 +166,7 @@ def test_watch_events_filters(agent):
 
 def test_status_cli_and_json(agent):
     out = cli("status", "--socket", str(agent.socket))
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 3, out.stderr  # no NVML, no GPUs: UNKNOWN, never "healthy"
     assert "NVML" in out.stdout and "node" in out.stdout
     import json
 
@@ -178,6 +178,21 @@ def test_status_cli_and_json(agent):
     want = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"  # event_loop = auto
     assert data["versions"]["event_loop"].startswith(want)
     assert data["nvml_available"] is False and data["nvml_reason"]
+
+
+@pytest.mark.parametrize("node,gpus,jobs,code", [
+    (1, [1, 1], [], 0),
+    (1, [1, 1], [2], 1),          # a SUSPECT job
+    (2, [1, 2], [], 1), (3, [3], [], 1), (4, [4, 1], [1], 1),
+    (5, [], [], 3),               # no GPUs, no evidence
+    (1, [], [], 3),
+    (1, [1, 5], [], 3),           # one GPU without evidence
+    (5, [5, 4], [], 1),           # a FAILED GPU outranks UNKNOWN
+])
+def test_status_exit_codes(node, gpus, jobs, code):
+    from daemon.cli import status_exit_code
+
+    assert status_exit_code(node, gpus, jobs) == code
 
 
 def test_status_cli_cannot_reach(short_tmp):

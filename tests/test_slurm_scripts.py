@@ -28,7 +28,7 @@ def fakes(tmp_path: Path) -> Path:
     calls = tmp_path / "calls"
     _script(bin_dir / "sdcwatch", f"""echo "sdcwatch $*" >> {calls}
 case "$1" in
-  canary) echo "canary $3: GPU-1 bf16 GEMM mismatch at [3,7]"; exit "${{FAKE_CANARY_RC:-0}}" ;;
+  canary) echo "${{FAKE_CANARY_OUT:-canary $3: GPU-1 bf16 GEMM mismatch at [3,7]}}"; exit "${{FAKE_CANARY_RC:-0}}" ;;
   status) [ "${{FAKE_STATUS_RC:-0}}" = 0 ] || {{ echo "agent not reachable" >&2; exit "$FAKE_STATUS_RC"; }}
           s="${{FAKE_STATUS:-}}"; [ -n "$s" ] || s='{{}}'; printf '%s\\n' "$s" ;;
 esac
@@ -63,6 +63,23 @@ def test_prolog_fail_drains_the_node_and_fails_the_prolog(fakes: Path) -> None:
     assert "update nodename=gpu-node-7 state=drain reason=sdcwatch canary FAIL before job 4242" in drains[0]
     assert "bf16 GEMM mismatch" in drains[0]           # the canary's last line goes into the reason
     assert "canary FAILED" in r.stderr
+
+
+def test_prolog_drains_a_node_whose_gpus_cuda_cannot_use(fakes: Path) -> None:
+    why = "FAIL: NVML sees 8 GPU(s) (GPU-1, ...) but CUDA can use none: CUDA driver initialization failed"
+    r = _run("prolog.sh", fakes, FAKE_CANARY_RC="1", FAKE_CANARY_OUT=why)
+    assert r.returncode == 1
+    drains = [c for c in _calls(fakes) if c.startswith("scontrol")]
+    assert len(drains) == 1 and "state=drain" in drains[0] and "CUDA can use none" in drains[0]
+
+
+def test_prolog_could_not_run_says_why(fakes: Path) -> None:
+    why = "sdcwatch canary: cannot run: no GPU: NVML: NVML unavailable: driver not loaded; CUDA: no CUDA"
+    r = _run("prolog.sh", fakes, FAKE_CANARY_RC="2", FAKE_CANARY_OUT=why)
+    assert r.returncode == 0
+    assert not [c for c in _calls(fakes) if c.startswith("scontrol")]
+    assert f"could not run (exit 2), job allowed: why: {why}" in r.stderr
+    assert any(c.startswith("logger -t sdcwatch-prolog") and "why: " in c for c in _calls(fakes))
 
 
 def test_prolog_could_not_run_only_logs(fakes: Path) -> None:
@@ -105,9 +122,9 @@ def test_epilog_collects_status_json(fakes: Path) -> None:
 
 def test_epilog_never_fails_the_job(fakes: Path) -> None:
     out_dir = fakes / "jobs"
-    r = _run("epilog.sh", fakes, FAKE_STATUS_RC="3", SDCWATCH_JOB_DIR=str(out_dir))
+    r = _run("epilog.sh", fakes, FAKE_STATUS_RC="2", SDCWATCH_JOB_DIR=str(out_dir))
     assert r.returncode == 0
-    assert "sdcwatch status failed (exit 3): agent not reachable" in r.stderr
+    assert "sdcwatch status failed (exit 2): agent not reachable" in r.stderr
     assert list(out_dir.iterdir()) == []
     r = _run("epilog.sh", fakes, SDCWATCH_JOB_DIR="/proc/not-writable/jobs")
     assert r.returncode == 0 and "cannot create" in r.stderr

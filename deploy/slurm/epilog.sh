@@ -28,7 +28,8 @@ if command -v timeout >/dev/null 2>&1; then
 else
   "$bin" status --json >"$tmp" 2>"$tmp.err"; rc=$?
 fi
-if [ "$rc" -eq 0 ] && [ -s "$tmp" ]; then
+# status exits 0 healthy, 1 SUSPECT/DEGRADED/FAILED, 3 UNKNOWN: each prints the JSON; 2 is unreachable
+if { [ "$rc" -eq 0 ] || [ "$rc" -eq 1 ] || [ "$rc" -eq 3 ]; } && [ -s "$tmp" ]; then
   mv -f "$tmp" "$dir/$job.status.json"
 else
   log "sdcwatch status failed (exit $rc): $(head -c 300 "$tmp.err" 2>/dev/null)"

@@ -3,10 +3,11 @@
 #   slurm.conf:  Prolog=/etc/slurm/sdcwatch-prolog.sh   (runs as root on each allocated node)
 # Canary exit codes (sdcwatch canary):
 #   0 PASS   -> the job starts
-#   1 FAIL   -> a GPU computed a wrong answer: drain the node (scontrol) and exit 1, so Slurm requeues
-#               the job away from this node
-#   2 could not run (no GPU access, agent down, bad setup) -> logged only, the job starts: the monitor
-#               must never be the reason a healthy node refuses work
+#   1 FAIL   -> a GPU computed a wrong answer, or the node has GPUs that NVML sees but CUDA cannot use
+#               (fell off the bus, broken driver): drain the node (scontrol) with the canary's last line as
+#               the reason and exit 1, so Slurm requeues the job away from this node
+#   2 could not run (no GPU at all, no torch, bad setup) -> logged with the reason, the job starts: the
+#               monitor must never be the reason a healthy node refuses work
 #   anything else (timeout 124, missing binary 127, ...) -> logged only, the job starts
 # Settings (environment, e.g. from /etc/default/sdcwatch sourced below):
 #   SDCWATCH_BIN (sdcwatch), SDCWATCH_CANARY_LEVEL (quick), SDCWATCH_CANARY_TIMEOUT_S (120),
@@ -49,7 +50,8 @@ case "$rc" in
     exit 1
     ;;
   2)
-    log "canary could not run (exit 2), job allowed: $out"
+    log "canary could not run (exit 2), job allowed: why: $(printf '%s' "$out" | tail -n 1 | cut -c1-300)"
+    log "canary output: $out"
     exit 0
     ;;
   *)
