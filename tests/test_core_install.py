@@ -83,7 +83,7 @@ def test_the_core_install_runs_the_agent_without_torch(short_tmp: Path) -> None:
     try:
         _wait_serving(f"unix:{state / 'agent.sock'}", agent, log)
         status = _run([sdcwatch, "status", "--socket", str(state / "agent.sock")], env, short_tmp, 60)
-        assert status.returncode in (0, 1), status.stdout + status.stderr
+        assert status.returncode in (0, 3), status.stdout + status.stderr  # HEALTHY, or UNKNOWN before a poll
         assert "canary" in status.stdout and "HEALTHY" in status.stdout, status.stdout
         assert "libtorch" not in Path(f"/proc/{agent.pid}/maps").read_text()
         for cmd in (["canary", "--level", "tiny"], ["demo", "--steps", "10", "--out", str(short_tmp / "demo")]):
