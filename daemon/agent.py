@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sdcwatch import __version__
+from sdcwatch.channels import read_token
 from sdcwatch import event_kinds as ek
 from daemon import checkpoint_service
 from daemon.alerts import AlertDispatcher
@@ -52,7 +53,7 @@ from daemon.gpus import GpuRegistry
 from daemon.health import NodeHealth
 from daemon.interceptors import AgentInterceptor, MeteredServer
 from daemon.jobs import JobTracker, ReportOutcome
-from daemon.journal import Journal
+from daemon.journal import Journal, JournalOpenError
 from daemon.metrics import AgentMetrics, start_http
 from daemon.nvml_wiring import GpuProbes
 from daemon.redis_embedded import EmbeddedRedis
@@ -123,8 +124,11 @@ class Agent:
         loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         self._prepare_state_dir()
-        self.journal.open()
-        self.steps.open()
+        try:
+            self.journal.open()
+            self.steps.open()
+        except JournalOpenError as exc:   # exit 2 (a setting to fix), with the reason
+            raise ConfigError("agent.state_dir", str(exc)) from None
         self.step_log.start()
         self.bus.bind_loop(loop)
         await self.alerts.start(self.bus, since_seq=self.bus.last_seq)
@@ -231,7 +235,10 @@ class Agent:
         self._servers.append(server)
         self.addresses["socket"] = cfg.socket
         if cfg.listen:
-            token = Path(cfg.token_file).read_text().strip() if cfg.token_file else None
+            try:   # an empty token file never means "no authentication" (config validation refuses it too)
+                token = read_token(cfg.token_file)
+            except (OSError, ValueError) as exc:
+                raise ConfigError("agent.token_file", str(exc)) from None
             tcp = self._make_server(token=token)
             if cfg.tls_cert:
                 creds = grpc.ssl_server_credentials(
@@ -398,14 +405,11 @@ class Agent:
             self._attach_job_evidence(uuid, host, ev, now)
 
     def _attach_job_evidence(self, uuid: str, host: str, ev: Evidence, now: float) -> None:
-        """Evidence about a GPU named by a rank: kept only if that GPU is on this node."""
-        if not uuid:
-            return
-        if uuid not in self.gpus.gpus:
-            if host != self.host:
-                return  # another node's GPU: its own agent handles it
-            self.gpus.ensure(uuid, now, discovered_by="job-report")
-        self.gpus.add_evidence(uuid, [ev], now)
+        """Evidence about a GPU named by a rank: kept only if NVML found that GPU on this node. A report never
+        creates a GPU record (a client could invent any number); evidence about another GPU (another node's,
+        or one no probe saw) stays in the job's events."""
+        if uuid and uuid in self.gpus.gpus:
+            self.gpus.add_evidence(uuid, [ev], now)
 
     def report_rejected(self) -> None:
         self.metrics.reports_rejected.inc()
@@ -454,8 +458,11 @@ class Agent:
         for job in self.jobs.jobs.values():
             resp.jobs.add(job_id=job.job_id, ranks=sorted(job.ranks)[:1024], last_step=job.last_step,
                           last_report=job.last_report, steps_seen=job.steps_seen,
-                          dropped_reports=job.dropped_reports, state=int(job.state), reason=job.reason)
+                          dropped_reports=min(job.dropped_reports, _U64), state=int(job.state), reason=job.reason)
         return resp
+
+
+_U64 = (1 << 64) - 1   # a uint64 field's largest value: counts saturate there
 
 
 def _stream_fields(event: Any) -> dict[str, str]:

@@ -141,6 +141,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             cProfile.runctx("run(agent.run())", globals(), {"run": run, "agent": agent}, filename=profile)
         else:
             run(agent.run())
+    except ConfigError:
+        raise   # main: exit 2 with the key and the fix
     except FatalError as exc:
         print(f"sdcwatch: {exc}", file=sys.stderr)
         return 1

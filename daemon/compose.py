@@ -50,7 +50,8 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     journal = Journal(state_dir / "journal", max_bytes=jc.max_bytes, keep_files=jc.keep_files)
     steps = Journal(state_dir / "steps", prefix="steps", max_bytes=jc.max_bytes, keep_files=jc.keep_files,
                     flush_each=False)
-    bus = EventBus(journal, ring_size=jc.memory_events, host=host, on_event=metrics.count_event)
+    bus = EventBus(journal, ring_size=jc.memory_events, host=host, on_event=metrics.count_event,
+                   on_journal_lost=metrics.events_dropped.labels("journal").inc)
 
     embedded_redis = None if config.redis.url else EmbeddedRedis(state_dir, config.redis.binary)
     redis_url = embedded_redis.url if embedded_redis is not None else config.redis.url
@@ -74,7 +75,8 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     rollbacks = RollbackPlanner(config.rollback, checkpoints=checkpoints, jobs=jobs, publisher=bus,
                                 background=background)
     alerts = AlertDispatcher(config.alerts, node=host, registry=metrics.registry)
-    return Agent(config, journal=journal, steps=steps, step_log=StepLog(steps), bus=bus, gpus=gpus,
+    step_log = StepLog(steps, on_lost=metrics.step_log_lost.inc)
+    return Agent(config, journal=journal, steps=steps, step_log=step_log, bus=bus, gpus=gpus,
                  jobs=jobs, probes=probes, checkpoints=checkpoints, checkpoint_feed=feed, rollbacks=rollbacks,
                  alerts=alerts, health=health, metrics=metrics, background=background, redis_url=redis_url,
                  embedded_redis=embedded_redis, versions=versions or {})

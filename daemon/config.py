@@ -142,6 +142,9 @@ class AgentConfig:
                            ("tls_client_ca", self.tls_client_ca), ("token_file", self.token_file)):
             if value and not Path(value).is_file():
                 raise ConfigError(f"agent.{key}", f"file not found: {value}")
+        if self.token_file and not _token_in(self.token_file):
+            raise ConfigError("agent.token_file", f"{self.token_file} is empty or only whitespace: TCP would "
+                              "accept any client; write the bearer token into it")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("agent.tls_key", "tls_cert and tls_key go together")
         if self.health_listen:
@@ -321,3 +324,11 @@ def build(args: argparse.Namespace, environ: Mapping[str, str] | None = None) ->
         return cfg.validate()
     except ConfigError as exc:
         raise ConfigError(exc.key, exc.why + config_tree.where_from(raw, exc.key)) from None
+
+
+def _token_in(path: str) -> bool:
+    """Whether the token file holds a token (something besides whitespace); ConfigError if unreadable."""
+    try:
+        return bool(Path(path).read_text().strip())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("agent.token_file", f"cannot read {path}: {exc}") from None

@@ -18,7 +18,7 @@ class GpuRecord:
     pci_bus_id: str = ""
     name: str = ""
     index: int = -1
-    discovered_by: str = "nvml"      # or "job-report" (seen only in a rank's ReportStep)
+    discovered_by: str = "nvml"      # a GPU exists because NVML says so (reports never create one)
     store: GpuEvidenceStore = dataclasses.field(default_factory=GpuEvidenceStore)
     state: State = State.UNKNOWN
     reason: str = "no evidence yet"

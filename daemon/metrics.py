@@ -63,6 +63,9 @@ class AgentMetrics:
                                   "Job-level events (loss anomalies, NaN, replica mismatch, frozen-parameter "
                                   "changes, rollbacks) by kind and severity", ["job_id", "kind", "severity"],
                                   registry=r)
+        self.step_log_lost = Counter("sdcwatch_step_log_lost",
+                                     "Step-log records not written (a failing disk, or the writer too far behind)",
+                                     registry=r)
         self.reports_rejected = Counter("sdcwatch_reports_rejected_total",
                                         "ReportStep calls rejected as invalid", registry=r)
         self.jobs = jobs

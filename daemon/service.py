@@ -10,7 +10,8 @@ import grpc
 from google.protobuf import struct_pb2
 
 from daemon import validation
-from daemon.events import Event
+from daemon.events import Event, TooManyWatchers
+from sdcwatch import event_kinds as ek
 from sdcwatch.types import State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
@@ -42,6 +43,8 @@ def _jsonable(value: object) -> object:
         return float(value) if isinstance(value, float) or abs(value) < 2**53 else str(value)
     return str(value)
 
+
+_SKIPPED = ek.EVENTS_SKIPPED.name
 
 # The usual reply, built once: gRPC only serializes it, and nothing writes to it.
 _ACCEPTED = pb.ReportStepResponse(accepted=True)
@@ -77,12 +80,15 @@ class AgentService(pb_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         kinds = tuple(request.kinds)
         min_sev = request.min_severity or 0
-        async for event in self.agent.watch(request.since_seq, request.follow):
-            if event.severity < min_sev:
-                continue
-            if kinds and not event.kind.startswith(kinds):
-                continue
-            yield event_to_pb(event)
+        try:
+            async for event in self.agent.watch(request.since_seq, request.follow):
+                # a gap signal passes every filter: the events it stands for might have matched
+                if event.kind != _SKIPPED and (event.severity < min_sev or
+                                               (kinds and not event.kind.startswith(kinds))):
+                    continue
+                yield event_to_pb(event)
+        except TooManyWatchers as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def ReportStep(self, request: pb.ReportStepRequest,
                          context: grpc.aio.ServicerContext) -> pb.ReportStepResponse:

@@ -8,8 +8,10 @@ and writes the records in slices of `SLICE`, releasing the GIL between slices, a
 - formatting a second of records in one piece on the loop stalled every RPC behind it (~12 ms a second);
 - a slice of 8 holds the GIL for ~0.1-0.2 ms (measured in the agent under load on the 2-core VM; slices of 32
   held it 0.5-1.2 ms, which an RPC arriving meanwhile waited out), so the loop never waits long for it.
-A full or failing disk loses step records (counted, logged at most every `ERROR_EVERY_S`), never a report:
-the step log is for analysis; the event journal is the record. Memory is bounded by `MAX_PENDING`.
+A full or failing disk loses step records, never a report: the step log is for analysis; the event journal is
+the record. Losses are counted exactly (`lost_total`: each record dropped from the queue or from a failed
+write of the journal's buffer, `JournalWriteError.lost`; `on_lost` gets each count), logged at most every
+`ERROR_EVERY_S`; the journal retries on the next write. Memory is bounded by `MAX_PENDING`.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ import collections
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-from daemon.journal import Journal
+from daemon.journal import Journal, JournalWriteError
 from proto.sdcwatch.v1 import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,10 @@ ERROR_EVERY_S = 60.0    # a failing step log is reported at most this often
 
 
 class StepLog:
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, on_lost: Callable[[int], None] | None = None) -> None:
         self.journal = journal
+        self.on_lost = on_lost          # e.g. a metric's inc: records lost, as they are counted
+        self.lost_total = 0             # records lost since start (queue overflow and failed writes)
         self._pending: collections.deque[tuple[Any, float]] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -67,10 +71,7 @@ class StepLog:
                 log.error("step log: the writer is stuck in a write; %d record(s) not written", len(self._pending))
                 return
         self.drain()
-        try:
-            self.journal.close()
-        except (OSError, ValueError) as exc:
-            self._failed(0, exc)
+        self.journal.close()   # nothing buffered is left: drain flushed it
 
     def drain(self) -> None:
         """Write every pending record and flush (also called directly at close)."""
@@ -94,8 +95,8 @@ class StepLog:
             if flush:
                 try:
                     self.journal.flush()
-                except (OSError, ValueError) as exc:
-                    self._failed(0, exc)
+                except JournalWriteError as exc:
+                    self._failed(exc.lost, exc)
 
     def _write_slice(self) -> bool:
         """Format and write up to SLICE records; False when nothing was pending."""
@@ -106,7 +107,9 @@ class StepLog:
             n += 1
             try:
                 append(step_line(req, now))
-            except (OSError, ValueError) as exc:
+            except JournalWriteError as exc:   # this record and those buffered with it
+                self._failed(exc.lost, exc)
+            except (OSError, ValueError) as exc:   # a journal that raised on its own: this record
                 self._failed(1, exc)
         return n > 0
 
@@ -117,6 +120,9 @@ class StepLog:
 
     def _failed(self, records: int, exc: Exception) -> None:
         self.lost += records
+        self.lost_total += records
+        if records and self.on_lost is not None:
+            self.on_lost(records)
         now = time.monotonic()
         if now - self._error_logged >= ERROR_EVERY_S:
             log.error("step log: %d record(s) not written since the last report of this: %s", self.lost, exc)

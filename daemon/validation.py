@@ -21,6 +21,8 @@ MAX_FINGERPRINT_WORDS = 16
 MAX_WORLD = 1 << 20
 MAX_LABELS = 32
 MAX_SUSPECTS = 4096
+MAX_DROPPED = 1 << 32    # reports one rank dropped since its last accepted one (sums stay far inside uint64)
+MAX_CHECKS = 1 << 53     # a rank's running count of fingerprint checks (exact as a float in /metrics)
 
 
 class _Accepted:
@@ -94,6 +96,7 @@ def _plain_and_valid(req: pb.ReportStepRequest) -> bool:
             and req.step >= 0 and req.grad_norm >= 0.0 and req.loss_scale >= 0.0
             and 0.0 <= tm.step_s < _INF and 0.0 <= tm.check_s < _INF and 0.0 <= tm.data_s < _INF
             and 0.0 <= req.time < _INF and req.micro_batch >= 0
+            and req.dropped_reports <= MAX_DROPPED and req.checks_run <= MAX_CHECKS
             and (not host or host in _HOSTS.names) and (not uuid or uuid in _UUIDS.names)
             and (not group or group in _GROUPS.names)
             and len(req.fingerprint) <= MAX_FINGERPRINT_WORDS
@@ -142,6 +145,10 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
         return _finite_nonneg("time", t)
     if req.micro_batch < 0:
         return f"micro_batch is {req.micro_batch}; it must be >= 0"
+    if req.dropped_reports > MAX_DROPPED:
+        return f"dropped_reports is {req.dropped_reports}; the limit is {MAX_DROPPED}"
+    if req.checks_run > MAX_CHECKS:
+        return f"checks_run is {req.checks_run}; the limit is {MAX_CHECKS}"
     if req.labels:
         if len(req.labels) > MAX_LABELS:
             return f"{len(req.labels)} labels; the limit is {MAX_LABELS}"

@@ -147,6 +147,14 @@ def members() -> Iterator[EventKind]:
 AGENT_STARTING = _kind("agent.starting", INFO, NODE, "the agent started (version, pid, state dir, Redis)")
 AGENT_READY = _kind("agent.ready", INFO, NODE, "the agent serves its API and health (its addresses)")
 AGENT_STOPPING = _kind("agent.stopping", INFO, NODE, "the agent is shutting down")
+JOURNAL_REPAIRED = _kind("journal.repaired", WARNING, NODE, "at start the journal held lines it could not use (a "
+                         "torn last line, a seq that is not a valid number): truncated or skipped (what)")
+JOURNAL_WRITE_FAILED = _kind("journal.write_failed", WARNING, NODE, "events were not written to the journal (disk "
+                             "full, read-only, I/O error); watchers, the Redis stream and alerts got them from memory "
+                             "(count, seq range, error); journaled once writes work again")
+EVENTS_SKIPPED = _kind("events.skipped", WARNING, NODE, "sent to a watcher in place of events it cannot have (lost "
+                       "to a journal failure, or rotated out of the kept files): from_seq..to_seq; its seq is "
+                       "to_seq, so a watcher resuming from it misses nothing more (never journaled)")
 NVML_DISCOVERED = _kind("nvml.discovered", INFO, NODE, "NVML found the node's GPUs (uuid, PCI bus id, name)")
 PROBE_HUNG = _kind("probe.hung", CRITICAL, PROBE, "a probe call did not return within its timeout; the probe is "
                    "not re-entered until it does", alerts=("SDCWatchProbeHung",))
