@@ -20,9 +20,8 @@ from typing import Any, Callable, Sequence
 
 import grpc
 import shtab
-from google.protobuf import json_format
 
-from daemon import cli_canary, cli_ckpt, cli_demo, config
+from daemon import cli_canary, cli_ckpt, cli_demo, cli_json, config
 from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_UNKNOWN, EXIT_USAGE, Parser, add_connection_flags, ago,
                                connect, fail, rpc_error, table)
 from daemon.errors import ConfigError
@@ -188,8 +187,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         client.close()
     code = status_exit_code(st.node_state, [g.state for g in st.gpus], [j.state for j in st.jobs])
     if args.json:
-        print(json_format.MessageToJson(st, preserving_proto_field_name=True,
-                                             always_print_fields_with_no_presence=True))
+        print(cli_json.dump(cli_json.to_json(st)))
         return code
     print(format_status(st))
     return code
@@ -242,7 +240,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     try:
         for ev in client.events(since=args.since, follow=args.follow, min_severity=sev, kinds=args.kind):
             if args.json:
-                print(json_format.MessageToJson(ev, preserving_proto_field_name=True, indent=None), flush=True)
+                print(cli_json.dump(cli_json.to_json(ev), line=True), flush=True)
             else:
                 print(format_event(ev), flush=True)
     except grpc.RpcError as exc:

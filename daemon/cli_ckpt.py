@@ -14,19 +14,18 @@ Exit codes: 0 success; 1 no such checkpoint, or a bad copy found (`verify`) / no
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 
 from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.errors import CheckpointError
 from checkpoint.locations import dir_store_for
 from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
+from daemon import cli_json
 from daemon.cli_common import (EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, progress_bar,
                                rpc_error, spinner, table)
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
@@ -123,10 +122,6 @@ def format_list(infos: list[Any], now: float) -> str:
     return table(rows)
 
 
-def _to_json(i: Any) -> dict[str, Any]:
-    d = json_format.MessageToDict(i, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    d["state"] = state_name(i.state)
-    return d
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -134,7 +129,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if code != EXIT_OK:
         return code
     if args.json:
-        print(json.dumps({"checkpoints": [_to_json(i) for i in infos]}, indent=1))
+        print(cli_json.dump({"checkpoints": [cli_json.to_json(i) for i in infos]}))
     else:
         print(format_list(infos, time.time()))
     return EXIT_OK
@@ -167,7 +162,7 @@ def cmd_show(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_NOT_FOUND
     if args.json:
-        print(json.dumps(_to_json(hit[0]), indent=1))
+        print(cli_json.dump(cli_json.to_json(hit[0])))
     else:
         print(format_show(hit[0], time.time()))
     return EXIT_OK
@@ -191,9 +186,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     if code != EXIT_OK:
         return code
     if args.json:
-        print(json.dumps({"tiers": [json_format.MessageToDict(t, preserving_proto_field_name=True,
-                                                              always_print_fields_with_no_presence=True)
-                                    for t in resp.tiers]}, indent=1))
+        print(cli_json.dump({"tiers": [cli_json.to_json(t) for t in resp.tiers]}))
         return EXIT_OK
     if not resp.tiers:
         print("no durable tiers configured (memory only)")
@@ -214,9 +207,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return code
     bad = [c for c in resp.checks if not c.ok]
     if args.json:
-        print(json.dumps({"ok": not bad, "checks": [json_format.MessageToDict(
-            c, preserving_proto_field_name=True, always_print_fields_with_no_presence=True) for c in resp.checks]},
-            indent=1))
+        print(cli_json.dump({"ok": not bad, "checks": [cli_json.to_json(c) for c in resp.checks]}))
     else:
         rows = [["TIER", "RANK", "RESULT", "DETAIL", "LOCATION"]]
         for c in resp.checks:
