@@ -89,10 +89,10 @@ def _json_commands() -> set[tuple[str, ...]]:
 def test_every_json_command_in_one_schema(short_tmp: Path, tmp_path: Path) -> None:
     checked: set[tuple[str, ...]] = set()
 
-    def run(*words: str, rc: int = 0) -> Any:
+    def run(*words: str, rcs: tuple[int, ...] = (0,)) -> Any:
         cmd = tuple(w for w in words if not w.startswith("-") and not w[0].isdigit())
         out = cli(*words, "--json", *conn, timeout=120)
-        assert out.returncode == rc, (words, out.stderr)
+        assert out.returncode in rcs, (words, out.stderr)
         checked.add(cmd[:2] if cmd[0] in ("ckpt", "spikes") else cmd[:1])
         return out.stdout
 
@@ -113,9 +113,9 @@ def test_every_json_command_in_one_schema(short_tmp: Path, tmp_path: Path) -> No
                 apb_grpc.AgentStub(ch).ReportStep(apb.ReportStepRequest(job_id=job, rank=1, world_size=2, step=2,
                                                                          loss=float("nan")), timeout=10)
 
-            st = json.loads(run("status"))
+            st = json.loads(run("status", rcs=(0, 1, 3)))   # 3: no NVML here, GPUs UNKNOWN
             conforms(apb.GetStatusResponse.DESCRIPTOR, st)
-            assert st["node_state"] == "unknown" or st["node_state"] == "healthy"
+            assert st["node_state"] in ("unknown", "healthy", "suspect")
             events = [json.loads(ln) for ln in run("events").splitlines()]
             assert len(events) >= 2
             for e in events:
@@ -146,7 +146,7 @@ def test_every_json_command_in_one_schema(short_tmp: Path, tmp_path: Path) -> No
     for line in lines:
         e = json.loads(line)
         assert e["severity"] in ("info", "warning", "critical") and type(e["step"]) is int, e
-    report = json.loads(run("canary", "--level", "tiny"))
+    report = json.loads(run("canary", "--level", "tiny", "--device", "cpu"))
     # the canary's report keeps its own words (PASS / FAIL / UNKNOWN: evidence files share them; docs/json.md)
     assert report["status"] in ("PASS", "FAIL", "UNKNOWN") and type(report["exit_code"]) is int
     assert checked == _json_commands(), _json_commands() ^ checked
