@@ -51,6 +51,7 @@ from sdcwatch.errors import FatalError
 from daemon.events import Event, EventBus
 from daemon.gpus import GpuRegistry
 from daemon.health import NodeHealth
+from daemon.watchdog import Watchdog
 from daemon.interceptors import AgentInterceptor, MeteredServer
 from daemon.jobs import JobTracker, ReportOutcome
 from daemon.journal import Journal, JournalOpenError
@@ -144,6 +145,8 @@ class Agent:
                           "redis": "embedded" if self.embedded_redis else "external"})
         await self.probes.start(self.background)
         self.health.start(self.background)
+        watchdog = Watchdog(self.probes.loops, publish=self.bus.publish, health=self.health)
+        self.background.start(watchdog.run_forever(), name="watchdog")
         self.background.start(self._housekeeping(), name="housekeeping")
         self.background.start(self._stream_events(), name="redis-stream")
         # Everything long-lived exists now (protobuf, the servers, the probes): move it out of the cyclic GC's
@@ -449,9 +452,10 @@ class Agent:
                                reason=ev.reason, time=ev.time, count=ev.count)
         for runner in self.probes.runners.values():
             st = runner.status
-            resp.probes.add(name=st.name, state=probe_state_pb(st.state), last_run=st.last_run,
-                            last_duration_s=st.last_duration_s, last_error=st.last_error, runs=st.runs,
-                            failures=st.failures)
+            stale = self.health.stale_loops.get(st.name)   # the watchdog's reason wins: the loop is not running
+            resp.probes.add(name=st.name, state=probe_state_pb("FAILING" if stale else st.state),
+                            last_run=st.last_run, last_duration_s=st.last_duration_s,
+                            last_error=stale or st.last_error, runs=st.runs, failures=st.failures)
         for name, (state, error) in self.probes.static.items():
             resp.probes.add(name=name, state=probe_state_pb(state), last_error=error)
         resp.checkpoints.extend(self.checkpoints.summaries())

@@ -197,6 +197,19 @@ def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
     if kind == ek.PROBE_RECOVERED.name:
         probe = str(details.get("probe", subject.split("/", 1)[-1]))
         return [Signal("resolve", labels("SDCWatchProbeHung", "critical", probe=probe))]
+    if kind == ek.AGENT_LOOP_STALE.name:
+        probe = str(details.get("probe", subject.split("/", 1)[-1]))
+        name = "SDCWatchAgentLoopStale"
+        return [Signal("fire", labels(name, "critical", probe=probe),
+                       notes(name, f"the agent's {probe} loop on {node} stopped: the agent is not watching"))]
+    if kind == ek.AGENT_LOOP_RECOVERED.name:
+        probe = str(details.get("probe", subject.split("/", 1)[-1]))
+        return [Signal("resolve", labels("SDCWatchAgentLoopStale", "critical", probe=probe))]
+    if kind == ek.NVML_UNRESPONSIVE.name:
+        name = "SDCWatchDriverUnresponsive"
+        return [Signal("fire", labels(name, "critical"), notes(name, f"the NVIDIA driver on {node} does not answer"))]
+    if kind == ek.NVML_RESPONSIVE.name:
+        return [Signal("resolve", labels("SDCWatchDriverUnresponsive", "critical"))]
     job = _job_of(subject, details)
     if kind in JOB_PULSES:
         name, summary = JOB_PULSES[kind]

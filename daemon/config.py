@@ -219,6 +219,9 @@ class NvmlConfig:
             raise ConfigError("nvml.scenario", f"file not found: {self.scenario}")
         _positive("nvml.poll_interval_s", self.poll_interval_s)
         _positive("nvml.timeout_s", self.timeout_s)
+        if self.timeout_s > 30:
+            raise ConfigError("nvml.timeout_s", f"{self.timeout_s} is over 30: a hung NVML call must raise "
+                              "nvml.unresponsive within 30 s")
         _positive("nvml.rotate_per_poll", self.rotate_per_poll)
         _positive("nvml.sweep_s", self.sweep_s)
         for pat in self.skip_list():

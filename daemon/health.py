@@ -1,7 +1,8 @@
 """`NodeHealth`: the agent's grpc.health.v1 answers and the node-state gauge, derived from the GPU table.
 
 Names (docs: DESIGN.md "Health names"): `sdcwatch.v1.Agent` is SERVING while the agent is serving (ready, not
-stopping); `""` (the node) also needs no FAILED GPU; `gpu/<UUID>` follows that GPU. `sync()` sets them all;
+stopping) and none of its loops is stale (daemon/watchdog.py: `stale_loops` says why); `""` (the node) also
+needs no FAILED GPU; `gpu/<UUID>` follows that GPU. `sync()` sets them all;
 after a GPU's state changed (daemon/gpu_transitions.py sets `changed`) the task started by `start()` syncs.
 """
 from __future__ import annotations
@@ -29,6 +30,12 @@ class NodeHealth:
         self.metrics = metrics
         self.changed = changed
         self.serving = False
+        self.stale_loops: dict[str, str] = {}   # loop -> why (the watchdog's)
+
+    def set_stale_loops(self, stale: dict[str, str]) -> None:
+        """The watchdog's verdict; the follow task re-syncs the answers."""
+        self.stale_loops = dict(stale)
+        self.changed.set()
 
     def start(self, background: Background) -> None:
         background.start(self._follow(), name="health")
@@ -52,7 +59,7 @@ class NodeHealth:
         serving = self.serving
         node_state, _ = self.gpus.node_state()
         await self.servicer.set("", SERVING if serving and node_state is not State.FAILED else NOT_SERVING)
-        await self.servicer.set(AGENT_SERVICE, SERVING if serving else NOT_SERVING)
+        await self.servicer.set(AGENT_SERVICE, SERVING if serving and not self.stale_loops else NOT_SERVING)
         for rec in list(self.gpus.gpus.values()):
             ok = serving and rec.state is not State.FAILED
             await self.servicer.set(f"gpu/{rec.uuid}", SERVING if ok else NOT_SERVING)

@@ -8,11 +8,12 @@ metrics; their tasks and closers belong to the agent's `Background`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from daemon.background import Background
 from daemon.config import CanaryConfig, NvmlConfig
@@ -21,8 +22,10 @@ from daemon.gpu_metrics import GpuMetrics
 from daemon.gpus import GpuRegistry
 from daemon.metrics import AgentMetrics
 from daemon.probe_runner import ProbeRunner
+from daemon.watchdog import LoopBeat
 from probes.canary_agent import AgentCanaryProbe
 from probes.nvml_backend import GpuIdentity, NvmlUnavailable, open_backend
+from probes.nvml_fake import ScenarioBackend
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig
 from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, State
@@ -73,6 +76,8 @@ class GpuProbes:
             self._without_nvml("FAILING", f"NVML probe could not start: {type(exc).__name__}: {exc}")
             log.error("%s", gpus.nvml_reason)
             return
+        if isinstance(backend, ScenarioBackend):   # a rehearsal of the watchdog (scenario "agent_faults")
+            nvml.frozen = functools.partial(backend.loop_frozen, "nvml")
         gpus.nvml_available = True
         gpus.nvml_reason = ""
         if identities and identities[0].driver_version:
@@ -105,6 +110,10 @@ class GpuProbes:
         """One NVML poll, on the nvml runner's worker (the runner opened the backend there first)."""
         assert self._nvml is not None, "polled before start() opened NVML"
         return self._nvml.poll(now)
+
+    def loops(self) -> list[LoopBeat]:
+        """The heartbeats of the probe loops, for the agent's watchdog (daemon/watchdog.py)."""
+        return [r.heartbeat() for r in self.runners.values()]
 
     def stop(self) -> None:
         """Stop the probes' worker threads (their tasks are cancelled by the Background first)."""
@@ -144,13 +153,17 @@ class NvmlPoller:
         self.publisher = publisher
         self.gpu_metrics = gpu_metrics
         self.metrics = metrics
+        self.frozen: Callable[[], bool] = lambda: False   # a scenario's rehearsal of a stopped loop
 
     def register(self, ident: GpuIdentity, now: float) -> None:
         self.gpu_metrics.identify(ident)
         self.gpus.ensure(ident.uuid, now, pci_bus_id=ident.pci_bus_id, name=ident.name, index=ident.index,
                          discovered_by="nvml")
 
-    def on_poll(self, result: Any, now: float) -> None:
+    async def on_poll(self, result: Any, now: float) -> None:
+        if self.frozen():   # the rehearsal: this loop stops here, as a deadlock in our own code would stop it
+            log.warning("scenario agent_faults: the nvml loop stops now")
+            await asyncio.Event().wait()
         gpus = self.gpus
         for uuid, ident in result.identities.items():
             if uuid not in gpus.gpus:
@@ -192,6 +205,11 @@ class NvmlPoller:
                           time=now)
             self.gpus.add_evidence(uuid, [ev], now)
         self.metrics.probe_hung.labels("nvml").set(1 if hung else 0)
+        if hung:
+            self.publisher.publish(ek.NVML_UNRESPONSIVE, "node", "an NVML call has not returned: the driver is "
+                                   "unresponsive; the GPUs are UNKNOWN until it answers", {"probe": "nvml"})
+        else:
+            self.publisher.publish(ek.NVML_RESPONSIVE, "node", "the hung NVML call returned", {"probe": "nvml"})
 
 
 class CanaryResults:

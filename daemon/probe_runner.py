@@ -4,6 +4,10 @@ Each probe has one dedicated daemon worker thread. The loop awaits the call with
 not return in time the probe is HUNG: an event is raised and the probe is not called again until the hung
 call returns (then it is marked recovered). One failure never kills the loop: errors are recorded and the
 probe runs again next interval. Daemon threads mean a driver call stuck forever cannot block exit.
+
+Heartbeat: `last_beat` (monotonic seconds) is set at each round and every `interval_s` (at most a second)
+while the loop waits on a hung call, so the agent's watchdog (daemon/watchdog.py) tells a loop that stopped
+(a bug: the agent is not watching) from one that waits on a driver that does not answer (reported as HUNG).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import time
 import traceback
 from typing import Any, Awaitable, Callable
 
+from daemon.watchdog import LoopBeat
 from sdcwatch import event_kinds as ek
 from sdcwatch.errors import SdcwatchError
 from sdcwatch.event_kinds import Publish
@@ -110,33 +115,58 @@ class ProbeRunner:
         self.status = ProbeStatus(name)
         self.worker = Worker(name)
         self.fatal_streak = 0   # runs in a row that failed with a non-transient sdcwatch error
+        self.last_beat = time.monotonic()   # the heartbeat (module docstring)
+
+    def beat(self) -> None:
+        self.last_beat = time.monotonic()
+
+    def heartbeat(self) -> LoopBeat:
+        """The watchdog's view: the period the loop is expected to beat within (its interval, or its backoff
+        after fatal errors) and its last beat."""
+        return LoopBeat(self.name, next_run_delay(self.interval_s, self.fatal_streak), self.last_beat)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run one blocking call in this probe's worker with the timeout and HUNG handling."""
         fut = self.worker.submit(fn)
+        deadline = time.monotonic() + self.timeout_s
+        while not fut.done():   # beating while the call runs: a slow call is not a stopped loop
+            self.beat()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait({fut}, timeout=min(left, 1.0, self.interval_s))
+        if fut.done():
+            return fut.result()
+        # the call is hung
+        self.status.state = "HUNG"
+        self.status.last_error = f"call did not return within {self.timeout_s}s"
+        self.publish(ek.PROBE_HUNG, f"probe/{self.name}",
+                     f"probe {self.name} hung: no answer within {self.timeout_s}s; not re-entered until it returns",
+                     {"probe": self.name, "timeout_s": self.timeout_s})
+        if self.on_hung is not None:
+            self.on_hung(True)
+        started = time.monotonic()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-        except asyncio.TimeoutError:
-            self.status.state = "HUNG"
-            self.status.last_error = f"call did not return within {self.timeout_s}s"
-            self.publish(ek.PROBE_HUNG, f"probe/{self.name}",
-                         f"probe {self.name} hung: no answer within {self.timeout_s}s; not re-entered until it returns",
-                         {"probe": self.name, "timeout_s": self.timeout_s})
+            result = await self._await_beating(fut)  # nothing else is submitted meanwhile
+        finally:
+            self.publish(ek.PROBE_RECOVERED, f"probe/{self.name}",
+                         f"probe {self.name} returned after {time.monotonic() - started + self.timeout_s:.1f}s",
+                         {"probe": self.name})
             if self.on_hung is not None:
-                self.on_hung(True)
-            started = time.monotonic()
-            try:
-                result = await fut  # wait for the hung call; nothing else is submitted meanwhile
-            finally:
-                self.publish(ek.PROBE_RECOVERED, f"probe/{self.name}",
-                             f"probe {self.name} returned after {time.monotonic() - started + self.timeout_s:.1f}s",
-                             {"probe": self.name})
-                if self.on_hung is not None:
-                    self.on_hung(False)
-            return result
+                self.on_hung(False)
+        return result
+
+    async def _await_beating(self, fut: asyncio.Future[Any]) -> Any:
+        """Wait for a hung call, beating meanwhile: waiting on the driver is not a stopped loop."""
+        while True:
+            self.beat()
+            done, _ = await asyncio.wait({fut}, timeout=min(1.0, self.interval_s))
+            if done:
+                return fut.result()
 
     async def run_forever(self) -> None:
         while True:
+            self.beat()
             started = time.monotonic()
             now = self.clock()
             ok = True

@@ -29,6 +29,8 @@ Scenario format (JSON; docs/nvml-scenarios.md has examples)::
         {"at": 8,  "gpu": 0, "supported": ["nvmlDeviceGetRemappedRows"]},
         {"at": 2,  "hang": {"call": "nvmlDeviceGetRemappedRows", "seconds": 3, "gpu": 0, "times": 1}}
       ],
+      "agent_faults": [{"at": 5, "freeze_loop": "nvml"}],  # rehearse the agent's watchdog: from `at` on,
+                                                          # the agent's nvml loop stops (daemon/watchdog.py)
       "expect": [{"at": 13, "gpu": 1, "state": "FAILED", "reason": "XID 79"}]   # read by the tests only
     }
 
@@ -198,6 +200,7 @@ class ScenarioBackend:
         self._last_t = 0.0
         self._closed = False
         self.description = scenario.get("description", "")
+        self._freeze = self._validate_faults(scenario.get("agent_faults", []))
 
     @classmethod
     def from_file(cls, path: str | Path, clock: Callable[[], float] | None = None) -> "ScenarioBackend":
@@ -215,6 +218,24 @@ class ScenarioBackend:
     def now(self) -> float:
         """Scenario seconds since creation."""
         return self._clock() - self._t0
+
+    @staticmethod
+    def _validate_faults(faults: Any) -> dict[str, float]:
+        if not isinstance(faults, list):
+            raise ValueError("scenario: 'agent_faults' must be a list")
+        out = {}
+        for i, f in enumerate(faults):
+            if not isinstance(f, dict) or set(f) != {"at", "freeze_loop"} or not isinstance(f["freeze_loop"], str) \
+                    or not isinstance(f["at"], (int, float)) or f["at"] < 0:
+                raise ValueError(f"scenario agent_faults[{i}]: expected {{\"at\": seconds >= 0, \"freeze_loop\": "
+                                 f"name}}, got {f!r}")
+            out[f["freeze_loop"]] = float(f["at"])
+        return out
+
+    def loop_frozen(self, name: str) -> bool:
+        """True from the scenario's `freeze_loop` time for `name` on (a rehearsal of the agent's watchdog)."""
+        at = self._freeze.get(name)
+        return at is not None and self.now() >= at
 
     def _gpu_ref(self, ref: Any, where: str) -> int:
         if isinstance(ref, int) and not isinstance(ref, bool) and 0 <= ref < len(self._gpus):

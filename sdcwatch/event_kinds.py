@@ -159,6 +159,16 @@ NVML_DISCOVERED = _kind("nvml.discovered", INFO, NODE, "NVML found the node's GP
 PROBE_HUNG = _kind("probe.hung", CRITICAL, PROBE, "a probe call did not return within its timeout; the probe is "
                    "not re-entered until it does", alerts=("SDCWatchProbeHung",))
 PROBE_RECOVERED = _kind("probe.recovered", INFO, PROBE, "a hung probe call returned (resolves SDCWatchProbeHung)")
+AGENT_LOOP_STALE = _kind("agent.loop_stale", CRITICAL, PROBE, "a loop of the agent published no heartbeat for 3 "
+                         "of its intervals: the agent is not watching (sdcwatch.v1.Agent NOT_SERVING)",
+                         alerts=("SDCWatchAgentLoopStale",))
+AGENT_LOOP_RECOVERED = _kind("agent.loop_recovered", INFO, PROBE, "a stale loop beats again (resolves "
+                             "SDCWatchAgentLoopStale)")
+NVML_UNRESPONSIVE = _kind("nvml.unresponsive", CRITICAL, NODE, "an NVML call did not return within nvml.timeout_s "
+                          "(at most 30 s): the driver is unresponsive, the GPUs are UNKNOWN",
+                          alerts=("SDCWatchDriverUnresponsive",))
+NVML_RESPONSIVE = _kind("nvml.responsive", INFO, NODE, "the hung NVML call returned (resolves "
+                        "SDCWatchDriverUnresponsive)")
 
 # ---- GPUs -----------------------------------------------------------------------------------------------------
 GPU_STATE = _kind("gpu.state", INFO, GPU, "a GPU's state changed (from, to, the evidence behind it); CRITICAL "

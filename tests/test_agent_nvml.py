@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 import urllib.request
 
 import grpc
@@ -105,9 +106,30 @@ def test_hung_nvml_call_keeps_the_agent_responsive(short_tmp):
         st = status(agent.target)
         assert all(g.state == pb.STATE_UNKNOWN for g in st.gpus), "no fresh readings: UNKNOWN, not HEALTHY"
         kinds = [e.kind for e in all_events(agent.target)]
-        assert "probe.hung" in kinds
+        assert "probe.hung" in kinds and "nvml.unresponsive" in kinds
+        assert health(agent.target, "sdcwatch.v1.Agent") == SERVING, "a hung driver never fails liveness"
+        assert "agent.loop_stale" not in kinds, "a loop waiting on a hung call still beats"
         wait_for(lambda: "probe.recovered" in [e.kind for e in all_events(agent.target)], timeout=10)
+        assert "nvml.responsive" in [e.kind for e in all_events(agent.target)]
         wait_for(lambda: all(g.state == pb.STATE_HEALTHY for g in status(agent.target).gpus), timeout=10)
+    finally:
+        agent.stop()
+
+
+def test_frozen_loop_makes_the_agent_not_serving_and_loud(short_tmp):
+    """tests/scenarios/frozen_loop.json stops the nvml loop at t=2: within 3 intervals the watchdog says so."""
+    path = str(Path(__file__).resolve().parent / "scenarios" / "frozen_loop.json")
+    agent = AgentProcess(short_tmp / "s", "--nvml-scenario", path, "--nvml-poll-interval-s", "0.5").start()
+    try:
+        assert health(agent.target, "sdcwatch.v1.Agent") == SERVING
+        wait_for(lambda: health(agent.target, "sdcwatch.v1.Agent") == NOT_SERVING, timeout=30)
+        stale = [e for e in all_events(agent.target) if e.kind == "agent.loop_stale"]
+        assert len(stale) == 1 and stale[0].subject == "probe/nvml" and stale[0].severity == pb.SEVERITY_CRITICAL
+        assert "published no heartbeat" in stale[0].message
+        nvml = next(p for p in status(agent.target).probes if p.name == "nvml")
+        assert nvml.state == pb.PROBE_STATE_FAILING and "no heartbeat" in nvml.last_error
+        out = cli("status", "--socket", str(agent.socket))
+        assert "no heartbeat" in out.stdout
     finally:
         agent.stop()
 

@@ -1,0 +1,87 @@
+"""The agent's watchdog on itself: a loop that stops beating makes the agent loud, not green.
+
+Every probe loop (`daemon.probe_runner.ProbeRunner`) publishes a heartbeat, `last_beat` (monotonic seconds),
+at each round and every second while it waits on a call that is known to hang (a hung NVML call is the
+driver's fault, reported as `probe.hung` and `nvml.unresponsive`, and DESIGN.md keeps it out of liveness).
+A loop whose heartbeat is older than `STALE_INTERVALS` of its interval is stale: its task died, deadlocked or
+is stuck in our own code. Then `sdcwatch.v1.Agent` answers NOT_SERVING (Kubernetes liveness restarts the
+agent; `sdcwatch status` shows the reason on the probe), an `agent.loop_stale` event is journaled and
+`SDCWatchAgentLoopStale` fires; a beat after that journals `agent.loop_recovered` and resolves it.
+
+`stale_loops(loops, now)` is the pure rule; `Watchdog` applies it every `check_s` on the event loop (an
+event loop that is blocked answers no health check at all, which liveness sees as a failure too).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Callable, Iterable, Protocol
+
+from sdcwatch import event_kinds as ek
+from sdcwatch.event_kinds import Publish
+
+log = logging.getLogger(__name__)
+
+STALE_INTERVALS = 3.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoopBeat:
+    """One loop's heartbeat: its name, its interval and when it last beat (monotonic seconds)."""
+
+    name: str
+    interval_s: float
+    last_beat: float
+
+
+def stale_loops(loops: Iterable[LoopBeat], now: float, intervals: float = STALE_INTERVALS) -> dict[str, str]:
+    """Pure: name -> reason for every loop whose last beat is more than `intervals` intervals before `now`."""
+    out = {}
+    for lp in loops:
+        age = now - lp.last_beat
+        if age > intervals * lp.interval_s:
+            out[lp.name] = (f"loop {lp.name} published no heartbeat for {age:.0f}s ({intervals:g} intervals of "
+                            f"{lp.interval_s:g}s): it is not running")
+    return out
+
+
+class LivenessSink(Protocol):
+    """What the watchdog tells: `daemon.health.NodeHealth.set_stale_loops`."""
+
+    def set_stale_loops(self, stale: dict[str, str]) -> None: ...
+
+
+class Watchdog:
+    """Checks `loops()` every `check_s`; publishes the transitions and tells `health` which loops are stale."""
+
+    def __init__(self, loops: Callable[[], Iterable[LoopBeat]], *, publish: Publish, health: LivenessSink,
+                 check_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.loops = loops
+        self.publish = publish
+        self.health = health
+        self.check_s = check_s
+        self.clock = clock
+        self.stale: dict[str, str] = {}
+
+    def check(self, now: float) -> dict[str, str]:
+        """One check at `now`: the stale loops (name -> reason), transitions published."""
+        stale = stale_loops(self.loops(), now)
+        for name in sorted(stale.keys() - self.stale.keys()):
+            log.error("%s", stale[name])
+            self.publish(ek.AGENT_LOOP_STALE, f"probe/{name}", stale[name], {"probe": name})
+        for name in sorted(self.stale.keys() - stale.keys()):
+            self.publish(ek.AGENT_LOOP_RECOVERED, f"probe/{name}", f"loop {name} beats again", {"probe": name})
+        if stale.keys() != self.stale.keys():
+            self.health.set_stale_loops(dict(stale))
+        self.stale = stale
+        return stale
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                self.check(self.clock())
+            except Exception:  # one failure never kills the loop
+                log.exception("watchdog check failed")
+            await asyncio.sleep(self.check_s)
