@@ -27,12 +27,15 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
+import stat
 import threading
 import time
 from pathlib import Path
 
 from checkpoint.blobstore import Data, as_buffers, check_range
 from checkpoint.names import validate_key, validate_prefix
+from sdcwatch.paths import SHM, memory_base, memory_namespace
+from sdcwatch.safe_fs import remove_tree, secure_dir
 
 _TMP_MARK = ".tmp-"
 SLOTS_DIR = ".slots"       # the ranks' staging slots (checkpoint.slots), swept by `sweep_dead_slots`
@@ -41,12 +44,21 @@ _MAX_WRITE = 1 << 30
 
 
 def default_shm_root(state_dir: str | os.PathLike[str]) -> Path:
-    """The node memory tier's directory: /dev/shm/sdcwatch-<uid>/<state dir name> when /dev/shm exists,
-    else `<state dir>/memory` (which is only memory if the state dir is on tmpfs)."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / f"sdcwatch-{os.getuid()}" / Path(state_dir).name / "memory"
+    """The node memory tier's directory: `<memory base>/<namespace>/memory` (sdcwatch.paths: /dev/shm/sdcwatch
+    for root, /dev/shm/sdcwatch-<uid> else; the namespace is derived from the full state dir path) when
+    /dev/shm exists, else `<state dir>/memory` (which is only memory if the state dir is on tmpfs)."""
+    if SHM.is_dir() and os.access(SHM, os.W_OK):
+        return memory_base() / memory_namespace(state_dir) / "memory"
     return Path(state_dir) / "memory"
+
+
+def secure_memory_dir(root: str | os.PathLike[str], gid: int = -1) -> Path:
+    """Create and check the memory dir `root` and its parent (sdcwatch.safe_fs.secure_dir: never a link,
+    never another user's): the parent 0750 (0700 without a group), `root` 2770 with group `gid` (ranks of
+    other users write their shards and staging slots there; files keep the group) or 0700 without one."""
+    root = Path(os.path.abspath(root))
+    secure_dir(root.parent, 0o750 if gid >= 0 else 0o700, gid)
+    return secure_dir(root, 0o2770 if gid >= 0 else 0o700, gid)
 
 
 class DirStore:
@@ -293,24 +305,7 @@ class DirStore:
         """Delete the whole directory tree (blobs, spares, slots; the root itself unless `keep_root`); return
         the files removed. For an agent whose index died with it (embedded Redis): the bytes could never be
         restored again."""
-        n = 0
-        if not self.root.exists():
-            return 0
-        for dirpath, dirs, files in os.walk(self.root, topdown=False):
-            for f in files:
-                (Path(dirpath) / f).unlink(missing_ok=True)
-                n += 1
-            for d in dirs:
-                try:
-                    os.rmdir(Path(dirpath) / d)
-                except OSError:
-                    pass
-        if not keep_root:
-            try:
-                self.root.rmdir()
-            except OSError:
-                pass
-        return n
+        return remove_tree(self.root, keep_root)   # never follows a link (sdcwatch.safe_fs)
 
 
 class ShmStore(DirStore):
@@ -348,22 +343,27 @@ def sweep_dead_slots(root: str | os.PathLike[str], now: float | None = None, min
         return 0
     now = time.time() if now is None else now
     n = 0
-    for dirpath, _dirs, files in os.walk(base, topdown=False):
+    # fwalk without following links (a rank may write here: a planted link is skipped, never followed);
+    # names opened relative to their directory's fd, with O_NOFOLLOW and O_NONBLOCK (a FIFO never blocks)
+    for dirpath, _dirs, files, dfd in os.fwalk(base, topdown=False, follow_symlinks=False):
         for f in files:
-            p = Path(dirpath) / f
             try:
-                fd = os.open(p, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
+                fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+            except OSError:
+                continue   # gone, or a link
             try:
-                if now - os.fstat(fd).st_ctime <= min_age_s:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or now - st.st_ctime <= min_age_s:
                     continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a live rank holds it
-                p.unlink(missing_ok=True)
-                n += 1
+                try:
+                    os.unlink(f, dir_fd=dfd)
+                    n += 1
+                except FileNotFoundError:
+                    pass
             finally:
                 os.close(fd)
         if Path(dirpath) != base:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import gc
 import json
 import logging
@@ -46,7 +45,6 @@ from daemon.background import Background
 from daemon.checkpoint_feed import CheckpointFeed
 from daemon.checkpoint_service import CheckpointService
 from daemon.config import Config, parse_hostport
-from daemon.errors import ConfigError
 from sdcwatch.errors import FatalError
 from daemon.events import Event, EventBus
 from daemon.gpus import GpuRegistry
@@ -60,26 +58,13 @@ from daemon.nvml_wiring import GpuProbes
 from daemon.redis_embedded import EmbeddedRedis
 from daemon.rollback import RollbackPlanner
 from daemon.service import AgentService, probe_state_pb
+from daemon.state_dir import StateDir, claim_socket
 from daemon.step_log import StepLog
 from sdcwatch.types import Evidence, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-def ensure_state_dir(path: Path) -> None:
-    """Create the state dir (mode 0750) and check that it can be written: ConfigError (exit 2, the reason
-    named) when it cannot, before anything is built in it."""
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o750)
-        probe = path / f".write-check-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError("agent.state_dir", f"cannot create or write {path}: {exc.strerror or exc}"
-                          f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(path) else ''}; give a writable --state-dir "
-                          "(or $SDCWATCH_STATE_DIR)") from None
 
 
 class Agent:
@@ -115,7 +100,7 @@ class Agent:
         # opened by start()
         self.redis: aioredis.Redis | None = None
         self._servers: list[grpc.aio.Server] = []
-        self._lock_fh: Any = None
+        self._state_dir = StateDir(self.state_dir, mode=config.agent.state_dir_mode(), gid=config.agent.group_id())
         self._metrics_server: Any = None
         self._stop_event: asyncio.Event | None = None
         self._owns_state = False
@@ -161,24 +146,10 @@ class Agent:
                          {"addresses": dict(self.addresses)})
 
     def _prepare_state_dir(self) -> None:
-        lock_path = self.state_dir / "agent.lock"
-        ensure_state_dir(self.state_dir)
-        self._lock_fh = open(lock_path, "a+")
-        try:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_fh.seek(0)
-            holder = self._lock_fh.read().strip() or "?"
-            raise FatalError(f"another agent (pid {holder}) is running on {self.state_dir}")
+        """The state dir created and checked, its lock taken, the socket path free (daemon/state_dir.py)."""
+        self._state_dir.lock()
         self._owns_state = True
-        self._lock_fh.seek(0)
-        self._lock_fh.truncate()
-        self._lock_fh.write(f"{os.getpid()}\n")
-        self._lock_fh.flush()
-        sock = Path(self.config.agent.socket)
-        if sock.exists() or sock.is_symlink():
-            log.info("removing stale socket %s", sock)
-            sock.unlink()
+        claim_socket(self.config.agent.socket)
 
     async def _start_redis(self) -> None:
         if self.embedded_redis is not None:
@@ -228,13 +199,14 @@ class Agent:
         await self.health.not_serving()
         # unix socket: local trust (file mode), no token
         server = self._make_server(token=None)
-        old_umask = os.umask(0o117)
+        old_umask = os.umask(0o777 & ~cfg.socket_mode_int())   # the mode at bind: no chmod through a link
         try:
             server.add_insecure_port(f"unix:{cfg.socket}")
             await server.start()
         finally:
             os.umask(old_umask)
-        os.chmod(cfg.socket, cfg.socket_mode_int())
+        if cfg.group_id() >= 0:
+            os.chown(cfg.socket, -1, cfg.group_id(), follow_symlinks=False)
         self._servers.append(server)
         self.addresses["socket"] = cfg.socket
         if cfg.listen:
@@ -297,7 +269,7 @@ class Agent:
         if self.stopping:
             return
         self.stopping = True
-        if self._lock_fh is None or not self._owns_state:
+        if not self._owns_state:
             return  # never got the state dir: nothing of ours to clean up
         self.ready = False
         self.metrics.ready.set(0)
@@ -329,11 +301,11 @@ class Agent:
             self.journal.close()
         if self.embedded_redis is not None:
             await asyncio.to_thread(self.embedded_redis.stop)
-        for path in (Path(self.config.agent.socket), self.state_dir / "agent.json"):
+        ours = [Path(self.config.agent.socket)] if "socket" in self.addresses else []   # bound by us
+        for path in (*ours, self.state_dir / "agent.json"):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        if self._lock_fh is not None:
-            self._lock_fh.close()
+        self._state_dir.release()
 
     # -- background tasks --------------------------------------------------------------------------
     async def _housekeeping(self) -> None:

@@ -48,7 +48,7 @@ from checkpoint.peers import Replicator
 from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, RestorePlan, RestoreReportMsg, SaveReport,
                                 ShardPlan)
 from sdcwatch.event_kinds import Publish
-from checkpoint.shm_store import ShmStore, default_shm_root
+from checkpoint.shm_store import ShmStore, default_shm_root, secure_memory_dir
 from daemon.background import Background
 from daemon.checkpoint_metrics import CheckpointMetrics
 from daemon.peer_store_service import PeerStoreService
@@ -457,15 +457,16 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                              replicate_timeout_s: float = 120.0,
                              drainer_factory: Callable[[Coordinator], Drainer | None] | None = None,
                              metrics: CheckpointMetrics | None = None,
-                             ephemeral_index: bool = False) -> CheckpointService:
+                             ephemeral_index: bool = False, gid: int = -1) -> CheckpointService:
     """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
     training processes), the coordination Redis at `redis_url` (connected on first use). `ephemeral_index`:
     the Redis is the agent's embedded one (no persistence): the memory dir is wiped at `open()` (bytes a
     killed agent left, no longer indexed anywhere) and again on `close()`. `replicator_factory`
     (daemon/peers_wiring.py) builds the peer Replicator from the coordinator; each shard's copy to the peers
     is bounded by `replicate_timeout_s`. `drainer_factory` (daemon/drain_wiring.py) builds the durable tiers'
-    Drainer from the coordinator (None: no tiers)."""
-    root = Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir)
+    Drainer from the coordinator (None: no tiers). The memory dir is created and checked by
+    `secure_memory_dir` (never a link; `gid`: the group of ranks running as other users, -1 none)."""
+    root = secure_memory_dir(Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir), gid)
     store = ShmStore(root)
     client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
     coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),

@@ -27,6 +27,7 @@ from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_UNKNOWN, EXIT_USAGE
 from daemon.errors import ConfigError
 from probes import spikes_replay
 from sdcwatch.errors import FatalError
+from sdcwatch.safe_fs import UnsafePathError
 from sdcwatch import __version__
 
 EXIT_BROKEN_PIPE = 141
@@ -123,11 +124,12 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 # -- run ---------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from daemon.agent import ensure_state_dir  # the agent's modules load only for `run`, not for the clients
+    from daemon.state_dir import ensure_state_dir  # the agent's modules load only for `run`, not for the clients
     from daemon.compose import build_agent
 
     cfg = config.build(args)  # ConfigError -> exit 2 in main
-    ensure_state_dir(Path(cfg.agent.state_dir))   # ConfigError (exit 2) before anything is built in it
+    ensure_state_dir(Path(cfg.agent.state_dir), cfg.agent.state_dir_mode(),   # ConfigError (exit 2) before
+                     cfg.agent.group_id())                                   # anything is built in it
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     profile = os.environ.get("SDCWATCH_PROFILE")  # a path: write cProfile stats of the agent there on exit
@@ -142,6 +144,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             run(agent.run())
     except ConfigError:
         raise   # main: exit 2 with the key and the fix
+    except UnsafePathError as exc:   # a planted link, another user's dir: a setup problem, like bad config
+        print(f"sdcwatch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except FatalError as exc:
         print(f"sdcwatch: {exc}", file=sys.stderr)
         return 1

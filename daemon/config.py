@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import grp
 import os
 import re
 import socket
@@ -27,7 +28,7 @@ from daemon.errors import ConfigError
 from daemon.peers_config import PeersConfig
 from daemon.tiers_config import TiersConfig
 from probes.loss_detector import LossDetectorConfig, RollbackPolicy
-from sdcwatch.paths import default_state_dir, locate_socket
+from sdcwatch.paths import GROUP, default_state_dir, locate_socket
 from sdcwatch.settings import setting
 
 if sys.version_info >= (3, 11):
@@ -99,10 +100,14 @@ class AgentConfig:
     """`[agent]`: the process, where it listens, and how it is reached."""
 
     state_dir: str = setting("", "state directory: socket, journal, lock (default $SDCWATCH_STATE_DIR, else "
-                             "$XDG_RUNTIME_DIR/sdcwatch, else /tmp/sdcwatch-<uid>)")
+                             "/run/sdcwatch for root, else $XDG_RUNTIME_DIR/sdcwatch, else /tmp/sdcwatch-<uid>); "
+                             "created and checked: never a link, another user's, or writable by others")
     socket: str = setting("", "unix socket path (default <state_dir>/agent.sock; with no state_dir given, "
                           "$SDCWATCH_SOCKET when set)")
     socket_mode: str = setting("0660", "octal file mode of the unix socket")
+    group: str = setting("", "group given the socket, the state dir (0750) and the memory dir (2770), for ranks "
+                         "running as other users; default: sdcwatch when root runs the agent and that group "
+                         "exists, else none (0700 dirs)")
     listen: str = setting("", "HOST:PORT to serve TCP on as well (needs tls_cert and tls_key unless insecure)")
     tls_cert: str = setting("", "PEM certificate for the TCP listener")
     tls_key: str = setting("", "PEM private key for the TCP listener")
@@ -153,11 +158,28 @@ class AgentConfig:
             parse_hostport("agent.metrics_listen", self.metrics_listen)
         if not self.hostname:
             self.hostname = socket.gethostname()
+        self.group_id()   # an unknown group: ConfigError now, not at start
         _positive("agent.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
         _positive("agent.max_message_bytes", self.max_message_bytes)
 
     def socket_mode_int(self) -> int:
         return int(self.socket_mode, 8)
+
+    def group_id(self) -> int:
+        """The gid of `group` (-1: none: the dirs stay private to the agent's user)."""
+        name = self.group or (GROUP if os.geteuid() == 0 else "")
+        if not name:
+            return -1
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            if self.group:
+                raise ConfigError("agent.group", f"no group {name!r} on this host (groupadd {name}, or leave "
+                                  "agent.group empty)") from None
+            return -1
+
+    def state_dir_mode(self) -> int:
+        return 0o750 if self.group_id() >= 0 else 0o700
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

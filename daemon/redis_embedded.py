@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 
 from sdcwatch.errors import FatalError
+from sdcwatch.safe_fs import open_private_file
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> str:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cleanup_stale()
+        # redis-server opens its log by name: make sure it is our regular file, not a planted link
+        os.close(open_private_file(self.dir, "redis.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND))
         binary = find_redis_server(self.binary)
         cmd = [binary, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
                "--save", "", "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no",

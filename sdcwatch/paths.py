@@ -9,8 +9,19 @@ The socket, first match wins:
 3. `$SDCWATCH_AGENT_SOCKET`, then `$SDCWATCH_AGENT_STATE_DIR/agent.sock` (the agent's config variables:
    a client in the same environment finds the agent they configured);
 4. `$SDCWATCH_SOCKET`, then `$SDCWATCH_STATE_DIR/agent.sock` (the process-wide switches);
-5. the default state dir's `agent.sock`: `$XDG_RUNTIME_DIR/sdcwatch` when XDG_RUNTIME_DIR is set, else
-   `/tmp/sdcwatch-<uid>`.
+5. the default state dir's `agent.sock`: `/run/sdcwatch` for root (fixed system paths no other user can
+   create first); for a user `$XDG_RUNTIME_DIR/sdcwatch` when XDG_RUNTIME_DIR is set, else
+   `/tmp/sdcwatch-<uid>`; a user's client whose own agent's socket does not exist finds the system agent's
+   (`/run/sdcwatch/agent.sock`: ranks of many users reaching one root agent) when that exists.
+
+Defaults of a root agent: state dir `/run/sdcwatch` (mode 0750, group `sdcwatch` when that group exists:
+`[agent] group`), memory tier base `/dev/shm/sdcwatch`; of a user's agent: its own dirs (mode 0700) and
+`/dev/shm/sdcwatch-<uid>`. The agent creates and checks every directory with `sdcwatch.safe_fs` and refuses
+to start on a link, another user's directory or one others may write to (exit 2, naming the path and fix).
+
+The memory dir of an agent is `<memory base>/<state dir name>-<12 hex of sha256(absolute state dir)>/memory`:
+two agents whose state dirs end in the same folder name (`/a/x`, `/b/x`) never share, wipe or sweep each
+other's files; the name part only makes it readable.
 
 `locate_socket` returns the path with the rule that chose it (`Located.source`), so a client that finds
 no agent can say where it looked and why there. These functions only compute paths; they create nothing.
@@ -18,6 +29,7 @@ no agent can say where it looked and why there. These functions only compute pat
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 from typing import Mapping
@@ -27,6 +39,9 @@ SOCKET_ENV = "SDCWATCH_SOCKET"
 STATE_DIR_ENV = "SDCWATCH_STATE_DIR"
 AGENT_SOCKET_ENV = "SDCWATCH_AGENT_SOCKET"        # the agent's own config variables ([agent] socket, state_dir)
 AGENT_STATE_DIR_ENV = "SDCWATCH_AGENT_STATE_DIR"
+SYSTEM_STATE_DIR = Path("/run/sdcwatch")
+SHM = Path("/dev/shm")
+GROUP = "sdcwatch"   # a root agent gives its socket, state dir and memory dir to this group when it exists
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,22 +60,25 @@ def _uid() -> int:
     return getuid() if getuid is not None else 0
 
 
-def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The state dir when none is configured: `$SDCWATCH_STATE_DIR`, else `$XDG_RUNTIME_DIR/sdcwatch`, else
-    `/tmp/sdcwatch-<uid>`."""
+def default_state_dir(environ: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
+    """The state dir when none is configured: `$SDCWATCH_STATE_DIR`, else `/run/sdcwatch` for root, else
+    `$XDG_RUNTIME_DIR/sdcwatch`, else `/tmp/sdcwatch-<uid>`."""
     env = os.environ if environ is None else environ
+    uid = _uid() if uid is None else uid
     if env.get(STATE_DIR_ENV, ""):
         return Path(env[STATE_DIR_ENV])
+    if uid == 0:
+        return SYSTEM_STATE_DIR
     runtime = env.get("XDG_RUNTIME_DIR", "")
     if runtime:
         return Path(runtime) / "sdcwatch"
-    return Path("/tmp") / f"sdcwatch-{_uid()}"
+    return Path("/tmp") / f"sdcwatch-{uid}"
 
 
 def locate_socket(socket: str | os.PathLike[str] | None = None, state_dir: str | os.PathLike[str] | None = None,
                   environ: Mapping[str, str] | None = None, *, flag_names: tuple[str, str] = ("--socket",
-                                                                                              "--state-dir")
-                  ) -> Located:
+                                                                                              "--state-dir"),
+                  uid: int | None = None) -> Located:
     """The agent's socket under the order of the module docstring. `socket` / `state_dir` are the explicit
     settings (empty or None: not given); `flag_names` name them in `Located.source`."""
     env = os.environ if environ is None else environ
@@ -73,10 +91,30 @@ def locate_socket(socket: str | os.PathLike[str] | None = None, state_dir: str |
         value = env.get(name, "")
         if value:
             return Located(Path(value) / SOCKET_NAME if is_dir else Path(value), f"${name}")
+    uid = _uid() if uid is None else uid
+    own = default_state_dir(env, uid) / SOCKET_NAME
+    system = SYSTEM_STATE_DIR / SOCKET_NAME
+    if uid == 0:
+        return Located(own, f"the default state dir, {SYSTEM_STATE_DIR}")
+    if not own.exists() and system.exists():
+        return Located(system, f"the system agent's state dir, {SYSTEM_STATE_DIR}")
     where = "$XDG_RUNTIME_DIR/sdcwatch" if env.get("XDG_RUNTIME_DIR", "") else "/tmp/sdcwatch-<uid>"
-    return Located(default_state_dir(env) / SOCKET_NAME, f"the default state dir, {where}")
+    return Located(own, f"the default state dir, {where}")
 
 
-def default_socket(environ: Mapping[str, str] | None = None) -> Path:
+def default_socket(environ: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
     """The agent's unix socket when nothing explicit is given: `locate_socket()`'s path."""
-    return locate_socket(environ=environ).path
+    return locate_socket(environ=environ, uid=uid).path
+
+
+def memory_base(uid: int | None = None, shm: Path = SHM) -> Path:
+    """The directory holding every agent's memory dir on this node: `/dev/shm/sdcwatch` for root, else
+    `/dev/shm/sdcwatch-<uid>`."""
+    uid = _uid() if uid is None else uid
+    return shm / ("sdcwatch" if uid == 0 else f"sdcwatch-{uid}")
+
+
+def memory_namespace(state_dir: str | os.PathLike[str]) -> str:
+    """`<state dir name>-<12 hex of sha256 of its absolute path>`: one agent's folder under the memory base."""
+    full = os.path.abspath(os.fspath(state_dir))
+    return f"{Path(full).name or 'root'}-{hashlib.sha256(full.encode()).hexdigest()[:12]}"

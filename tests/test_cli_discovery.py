@@ -19,8 +19,10 @@ CLEAN = {"SDCWATCH_SOCKET": "", "SDCWATCH_STATE_DIR": "", "SDCWATCH_AGENT_SOCKET
 
 def test_the_rule_in_order() -> None:
     env = {"XDG_RUNTIME_DIR": "/run/user/7"}
-    assert locate_socket(environ=env) == Located(Path("/run/user/7/sdcwatch/agent.sock"),
-                                                 "the default state dir, $XDG_RUNTIME_DIR/sdcwatch")
+    assert locate_socket(environ=env, uid=7) == Located(Path("/run/user/7/sdcwatch/agent.sock"),
+                                                        "the default state dir, $XDG_RUNTIME_DIR/sdcwatch")
+    assert locate_socket(environ=env, uid=0) == Located(Path("/run/sdcwatch/agent.sock"),
+                                                        "the default state dir, /run/sdcwatch")
     env["SDCWATCH_STATE_DIR"] = "/s"
     assert default_state_dir(env) == Path("/s")
     assert locate_socket(environ=env).path == Path("/s/agent.sock")

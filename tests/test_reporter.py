@@ -283,11 +283,11 @@ def test_targets_and_default_paths() -> None:
     assert agent_target("[::1]:7000") == "[::1]:7000"
     assert agent_target("rel.sock") == "unix:" + os.path.abspath("rel.sock")
     env = {"XDG_RUNTIME_DIR": "/run/user/7"}
-    assert default_state_dir(env) == Path("/run/user/7/sdcwatch")
-    assert default_socket(env) == Path("/run/user/7/sdcwatch/agent.sock")
-    assert default_socket({**env, "SDCWATCH_SOCKET": "/s/a.sock"}) == Path("/s/a.sock")
-    assert default_state_dir({}) == Path(f"/tmp/sdcwatch-{os.getuid()}")
-    assert default_socket({}) == Path(f"/tmp/sdcwatch-{os.getuid()}/agent.sock")
+    assert default_state_dir(env, uid=7) == Path("/run/user/7/sdcwatch")
+    assert default_socket({**env, "SDCWATCH_SOCKET": "/s/a.sock"}, uid=7) == Path("/s/a.sock")
+    assert default_state_dir({}, uid=7) == Path("/tmp/sdcwatch-7")
+    assert default_state_dir(env, uid=0) == Path("/run/sdcwatch"), "root: the fixed system path"
+    assert default_socket({}, uid=0) == Path("/run/sdcwatch/agent.sock")
 
 
 # ---- the Monitor's protocol and the wire form ---------------------------------------------------------------
