@@ -6,8 +6,9 @@ tracker, the GPU probes, the checkpoint service and its job-event feed, the roll
 dispatcher, the health answers, the metrics, and the `Background` that owns every task and closer.
 
 Lifecycle (`run()`):
-  start: lock the state dir -> journal -> Redis (embedded or URL) -> metrics -> checkpoints -> servers
-         (health NOT_SERVING) -> GPU discovery and probes -> ready: health SERVING, `agent.json` written.
+  start: lock the state dir -> journal -> Redis (embedded or URL) -> metrics -> checkpoints (and the embedded
+         Redis's supervisor, daemon/redis_supervisor.py) -> servers (health NOT_SERVING) -> GPU discovery and
+         probes -> ready: health SERVING (and `sdcwatch.v1.Checkpoints`), `agent.json` written.
   stop (SIGTERM/SIGINT): health NOT_SERVING -> servers stop with grace (in-flight RPCs drain) ->
          background tasks cancelled -> journal flushed -> embedded Redis stopped -> socket, lock removed.
 
@@ -56,6 +57,7 @@ from daemon.journal import Journal, JournalOpenError
 from daemon.metrics import AgentMetrics, start_http
 from daemon.nvml_wiring import GpuProbes
 from daemon.redis_embedded import EmbeddedRedis
+from daemon.redis_supervisor import CHECKPOINTS_HEALTH, RedisSupervisor
 from daemon.rollback import RollbackPlanner
 from daemon.service import AgentService, probe_state_pb
 from daemon.state_dir import StateDir, claim_socket
@@ -103,6 +105,7 @@ class Agent:
         self._state_dir = StateDir(self.state_dir, mode=config.agent.state_dir_mode(), gid=config.agent.group_id())
         self._metrics_server: Any = None
         self._stop_event: asyncio.Event | None = None
+        self.redis_supervisor: RedisSupervisor | None = None   # the embedded redis-server's, from start()
         self._owns_state = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -122,6 +125,10 @@ class Agent:
         self._start_metrics()
         await self.checkpoints.open()
         self.checkpoints.start(self.background)
+        if self.embedded_redis is not None:   # restarted when it dies (daemon/redis_supervisor.py)
+            self.redis_supervisor = RedisSupervisor(self.embedded_redis, publish=self.bus.publish,
+                                                    set_health=self._set_health, on_restarted=self.checkpoints.open)
+            self.redis_supervisor.start(self.background)
         self.checkpoint_feed.start(self.background)
         await self._start_servers()
         self.bus.publish(ek.AGENT_STARTING, "node",
@@ -141,9 +148,14 @@ class Agent:
         self.ready = True
         self.metrics.ready.set(1)
         await self.health.set_serving(True)
+        await self._set_health(CHECKPOINTS_HEALTH, True)
         self._write_runtime_info()
         self.bus.publish(ek.AGENT_READY, "node", f"agent ready on {self.addresses.get('socket')}",
                          {"addresses": dict(self.addresses)})
+
+    async def _set_health(self, service: str, serving: bool) -> None:
+        await self.health.servicer.set(service, health_pb2.HealthCheckResponse.SERVING if serving
+                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _prepare_state_dir(self) -> None:
         """The state dir created and checked, its lock taken, the socket path free (daemon/state_dir.py)."""
@@ -428,6 +440,11 @@ class Agent:
             resp.probes.add(name=st.name, state=probe_state_pb("FAILING" if stale else st.state),
                             last_run=st.last_run, last_duration_s=st.last_duration_s,
                             last_error=stale or st.last_error, runs=st.runs, failures=st.failures)
+        if self.redis_supervisor is not None:
+            st = self.redis_supervisor.status
+            resp.probes.add(name=st.name, state=probe_state_pb(st.state), last_run=st.last_run,
+                            last_duration_s=st.last_duration_s, last_error=st.last_error, runs=st.runs,
+                            failures=st.failures)
         for name, (state, error) in self.probes.static.items():
             resp.probes.add(name=name, state=probe_state_pb(state), last_error=error)
         resp.checkpoints.extend(self.checkpoints.summaries())

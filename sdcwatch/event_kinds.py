@@ -155,6 +155,11 @@ JOURNAL_WRITE_FAILED = _kind("journal.write_failed", WARNING, NODE, "events were
 EVENTS_SKIPPED = _kind("events.skipped", WARNING, NODE, "sent to a watcher in place of events it cannot have (lost "
                        "to a journal failure, or rotated out of the kept files): from_seq..to_seq; its seq is "
                        "to_seq, so a watcher resuming from it misses nothing more (never journaled)")
+REDIS_DOWN = _kind("redis.down", CRITICAL, NODE, "the agent's embedded redis-server died: checkpoints are "
+                   "UNAVAILABLE until it is back (restarted with backoff; the index it held is gone)",
+                   alerts=("SDCWatchCriticalEvent",))
+REDIS_RESTARTED = _kind("redis.restarted", INFO, NODE, "the embedded redis-server is back (after redis.down); "
+                        "checkpoints work again, from an empty index")
 NVML_DISCOVERED = _kind("nvml.discovered", INFO, NODE, "NVML found the node's GPUs (uuid, PCI bus id, name)")
 PROBE_HUNG = _kind("probe.hung", CRITICAL, PROBE, "a probe call did not return within its timeout; the probe is "
                    "not re-entered until it does", alerts=("SDCWatchProbeHung",))
