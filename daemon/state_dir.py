@@ -34,7 +34,7 @@ def ensure_state_dir(path: Path, mode: int = 0o700, gid: int = -1) -> None:
     try:
         secure_dir(path, mode, gid)
     except UnsafePathError as exc:
-        raise ConfigError("agent.state_dir", str(exc)) from None
+        raise ConfigError("agent.state_dir", f"cannot use {path}: {exc} (or give another --state-dir)") from None
     except OSError as exc:
         raise ConfigError("agent.state_dir", f"cannot create or write {path}: {exc.strerror or exc}"
                           f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(path) else ''}; "
