@@ -163,7 +163,7 @@ async def memory_run(target: str, calls: int, pid: int, concurrency: int) -> lis
                 for i in range(count):
                     await stub.ReportStep(report(base + i, job=f"mem-{w % 4}", rank=w), timeout=10)
 
-            per = batch // concurrency
+            per = max(1, batch // concurrency)  # a last batch smaller than the concurrency still sends
             await asyncio.gather(*(worker(w, per, 10_000_000 + sent) for w in range(concurrency)))
             sent += per * concurrency
             samples.append((sent, rss_mb(pid)))
