@@ -20,8 +20,11 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:{J}:s:<k>              HASH state, world_size, begun_at, committed_at, verified_at, reason, bytes
   sdcw:ckpt:{J}:s:<k>:shards       HASH rank -> shard manifest JSON
   sdcw:ckpt:{J}:s:<k>:copies       HASH "<rank>@<node>" -> location (memory tier directory on that node)
-  sdcw:ckpt:{J}:votes              HASH step -> vote_agreed | vote_mismatch
-  sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback)
+  sdcw:ckpt:{J}:votes              HASH step -> vote_agreed | vote_mismatch; bounded: past MAX_VOTES + slack
+                                   fields it is pruned to the newest MAX_VOTES steps plus the steps of live
+                                   records (their VERIFIED depends on them); read per record (HMGET), never whole
+  sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback);
+                                   bounded to the MAX_BAD lowest steps (VERIFIED needs only the lowest)
 """
 from __future__ import annotations
 
@@ -92,6 +95,11 @@ return 1
 
 def blob_key(job_id: str, step: int, rank: int) -> str:
     return f"{job_id}/{step:012d}/rank-{rank:05d}.bin"
+
+
+MAX_VOTES = 512        # vote fields kept per job (plus those of live records)
+VOTE_PRUNE_SLACK = 64  # pruned when this many more have piled up: one HKEYS per 64 votes, not per vote
+MAX_BAD = 1024         # bad events kept per job (the lowest steps: policy.verified_steps needs only the lowest)
 
 
 class Coordinator:
@@ -365,11 +373,13 @@ class Coordinator:
         validate_step(step)
         votes, bad = self._jk(job_id, "votes"), self._jk(job_id, "bad")
         if kind == policy.VOTE_AGREED:
-            self.redis.hset(votes, str(step), kind)
+            self._add_vote(job_id, votes, step, kind)
         elif kind in policy.BAD_KINDS:
             if kind == policy.VOTE_MISMATCH:
-                self.redis.hset(votes, str(step), kind)
+                self._add_vote(job_id, votes, step, kind)
             self.redis.zadd(bad, {f"{kind}:{step}:{now}": step})
+            if self.redis.zcard(bad) > MAX_BAD:
+                self.redis.zremrangebyrank(bad, MAX_BAD, -1)   # keep the lowest steps
         elif kind == "rollback":
             for s in self._steps(job_id):
                 if s > step:
@@ -382,10 +392,25 @@ class Coordinator:
             self.redis.zremrangebyscore(bad, "-inf", step)
         self.evaluate(job_id, now, reason or kind)
 
+    def _add_vote(self, job_id: str, votes: str, step: int, kind: str) -> None:
+        """Record the vote at `step`; past MAX_VOTES + slack fields, keep the newest MAX_VOTES steps and the
+        steps of live records (an old VERIFIED checkpoint keeps its vote)."""
+        self.redis.hset(votes, str(step), kind)
+        if self.redis.hlen(votes) <= MAX_VOTES + VOTE_PRUNE_SLACK:
+            return
+        steps = sorted(int(_s(f)) for f in self.redis.hkeys(votes))
+        live = set(self._steps(job_id))
+        old = [s for s in steps[:-MAX_VOTES] if s not in live]
+        if old:
+            self.redis.hdel(votes, *(str(s) for s in old))
+
     def evaluate(self, job_id: str, now: float, reason: str = "") -> None:
-        """Apply `policy.verified_steps` to the records, publishing each VERIFIED / revoked change."""
+        """Apply `policy.verified_steps` to the records, publishing each VERIFIED / revoked change. Reads the
+        votes of the records' steps only (HMGET), never the whole hash."""
         infos = [i for i in self.list(job_id) if i.state in policy.RESTORABLE_STATES]
-        votes = {int(_s(k)): _s(v) for k, v in self.redis.hgetall(self._jk(job_id, "votes")).items()}
+        fields = [str(i.step) for i in infos]
+        got = self.redis.hmget(self._jk(job_id, "votes"), fields) if fields else []
+        votes = {int(f): _s(v) for f, v in zip(fields, got) if v is not None}
         bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
         good = policy.verified_steps([i.step for i in infos], votes, bad_steps)
         for i in infos:

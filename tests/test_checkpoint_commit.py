@@ -11,7 +11,7 @@ import torch
 
 from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.client import CheckpointClient
-from checkpoint.coordinator import Coordinator
+from checkpoint.coordinator import MAX_VOTES, VOTE_PRUNE_SLACK, Coordinator
 from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
                                NotInMemoryError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
@@ -274,3 +274,27 @@ def test_agent_down_never_blocks_training_past_the_deadline(short_tmp: Path) -> 
         client.restore("latest")
     assert time.monotonic() - t0 < 5
     client.close()
+
+
+def test_the_votes_hash_is_bounded_and_an_old_verified_checkpoint_keeps_its_vote(redis_server, tmp_path: Path) -> None:
+    """Issue 20 High 5: the Redis `votes` hash grew one field per step forever and was read whole (HGETALL) on
+    every job event. Now it is pruned past MAX_VOTES (keeping the votes of live records) and read per record."""
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    save_all(co, job, 5)
+    co.on_job_event(job, 5, "vote_agreed", time.time())
+    assert [i.state for i in co.list(job)] == ["VERIFIED"]
+    votes_key = co._jk(job, "votes")
+    calls: list[str] = []
+    real = co.redis.execute_command
+
+    def recording(*args, **kw):   # the commands the coordinator sends (a wrapper; the real Redis answers)
+        calls.append(str(args[0]).upper())
+        return real(*args, **kw)
+
+    co.redis.execute_command = recording
+    for step in range(6, 6 + 3 * MAX_VOTES):
+        co.on_job_event(job, step, "vote_agreed", time.time())
+    assert co.redis.hlen(votes_key) <= MAX_VOTES + VOTE_PRUNE_SLACK
+    assert "HGETALL" not in calls, "the votes hash is never read whole"
+    assert co.redis.hget(votes_key, "5") is not None, "a live record's vote is kept"
+    assert [i.state for i in co.list(job)] == ["VERIFIED"], "pruning never revokes a verified checkpoint"
