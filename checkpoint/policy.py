@@ -17,7 +17,8 @@ RESTORABLE_STATES = (COMMITTED, VERIFIED)
 
 VOTE_AGREED = "vote_agreed"
 VOTE_MISMATCH = "vote_mismatch"
-BAD_KINDS = ("vote_mismatch", "sdc", "nan", "fatal_hardware", "loss_anomaly")
+EVENTS_LOST = "events_lost"   # job events the agent could not queue (daemon/checkpoint_feed.py): bad from there
+BAD_KINDS = ("vote_mismatch", "sdc", "nan", "fatal_hardware", "loss_anomaly", EVENTS_LOST)
 CLEAR_KINDS = ("rollback", "clear")
 EVENT_KINDS = (VOTE_AGREED, *BAD_KINDS, *CLEAR_KINDS)
 

@@ -1,9 +1,18 @@
 """`CheckpointFeed`: the events that decide VERIFIED (replica votes, SDC, NaN, fatal hardware, restores),
 from the detectors to the checkpoint coordinator, in order, without ever blocking the caller.
 
-`put()` queues (bounded; an overflow is counted in `sdcwatch_events_dropped_total{sink=
-"checkpoint-job-events"}`); one task (`start(background)`) hands them to the sink one at a time, so the
+`put()` queues (bounded); one task (`start(background)`) hands them to the sink one at a time, so the
 coordinator sees them in the order they happened. A failed event is logged; the feed goes on.
+
+Overload never loses a bad event silently. An event that finds the queue full is counted in
+`sdcwatch_events_dropped_total{sink="checkpoint-job-events"}` and said in a folded
+`checkpoint.verification_withheld` event; then:
+- an agreed vote: dropped; its step is simply never VERIFIED (no vote, no verification);
+- anything else (a mismatch, SDC, NaN, fatal hardware, a rollback or a clear): the job's lowest such step is
+  kept (one int per job: bounded) and, as soon as the queue has room, queued as `events_lost` at that step,
+  a bad event for the coordinator: VERIFIED is withheld from that step on (a step of None, "now", counts as
+  step 0: the whole job) until the job rolls back or is cleared. It is queued after everything queued
+  before the overflow and before anything after, so the order the coordinator sees is kept.
 """
 from __future__ import annotations
 
@@ -14,7 +23,10 @@ from typing import Protocol
 
 from prometheus_client import Counter
 
+from checkpoint import policy
 from daemon.background import Background
+from sdcwatch import event_kinds as ek
+from sdcwatch.event_kinds import Publish
 
 log = logging.getLogger(__name__)
 
@@ -25,19 +37,52 @@ class JobEventSink(Protocol):
 
 
 class CheckpointFeed:
-    def __init__(self, sink: JobEventSink, *, dropped: Counter, maxsize: int = 10_000) -> None:
+    def __init__(self, sink: JobEventSink, *, dropped: Counter, publish: Publish | None = None,
+                 maxsize: int = 10_000) -> None:
         self.sink = sink
         self.dropped = dropped    # sdcwatch_events_dropped_total (by sink)
+        self.publish = publish
         self._queue: asyncio.Queue[tuple[str, int | None, str, float, str]] = asyncio.Queue(maxsize=maxsize)
+        self._lost: dict[str, int] = {}   # job -> the lowest step of a bad/clear event the full queue refused
 
     def start(self, background: Background) -> None:
         background.start(self._feed(), name="checkpoint-job-events")
 
     def put(self, job_id: str, step: int | None, kind: str, reason: str = "") -> None:
+        now = time.time()
+        if self._lost:
+            self._queue_lost(now)
         try:
-            self._queue.put_nowait((job_id, step, kind, time.time(), reason))
+            if self._lost.get(job_id) is not None:
+                raise asyncio.QueueFull   # behind this job's own lost events: keep the order
+            self._queue.put_nowait((job_id, step, kind, now, reason))
         except asyncio.QueueFull:
-            self.dropped.labels("checkpoint-job-events").inc()
+            self._overflow(job_id, step, kind)
+
+    def _overflow(self, job_id: str, step: int | None, kind: str) -> None:
+        self.dropped.labels("checkpoint-job-events").inc()
+        if kind == policy.VOTE_AGREED:
+            why = f"the agreed replica vote at step {step} was lost: that step is not VERIFIED"
+            from_step = step
+        else:
+            s = 0 if step is None else step
+            self._lost[job_id] = min(self._lost.get(job_id, s), s)
+            from_step = self._lost[job_id]
+            why = (f"a {kind} event at step {step if step is not None else 'now'} was lost: no checkpoint from "
+                   f"step {from_step} on is VERIFIED until the job rolls back or is cleared")
+        if self.publish is not None:
+            self.publish(ek.CHECKPOINT_VERIFICATION_WITHHELD, f"job/{job_id}",
+                         f"job {job_id}: the checkpoint coordinator's queue is full; {why}",
+                         {"job_id": job_id, "kind": kind, "step": step, "from_step": from_step})
+
+    def _queue_lost(self, now: float) -> None:
+        for job_id in list(self._lost):
+            try:
+                self._queue.put_nowait((job_id, self._lost[job_id], policy.EVENTS_LOST, now,
+                                        "job events lost under overload"))
+            except asyncio.QueueFull:
+                return
+            del self._lost[job_id]
 
     async def _feed(self) -> None:
         while True:
@@ -46,3 +91,5 @@ class CheckpointFeed:
                 await self.sink.job_event(job_id, step, kind, now, reason)
             except Exception as exc:  # one failure never stops the feed
                 log.error("checkpoint job event %s for %s failed: %s", kind, job_id, exc)
+            if self._lost:
+                self._queue_lost(time.time())

@@ -63,7 +63,7 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
         replicate_timeout_s=config.peers.timeout_s,
         drainer_factory=drain_wiring.drainer_factory(config.tiers, state_dir),
         metrics=CheckpointMetrics(metrics.registry))
-    feed = CheckpointFeed(checkpoints, dropped=metrics.events_dropped)
+    feed = CheckpointFeed(checkpoints, dropped=metrics.events_dropped, publish=bus.publish)
 
     gpu_metrics = GpuMetrics(metrics.registry) if config.nvml.enabled else None
     health_changed = asyncio.Event()

@@ -268,6 +268,10 @@ CHECKPOINT_COPY_CORRUPT = _kind("checkpoint.copy_corrupt", WARNING, JOB, "verify
                                 "tier")
 CHECKPOINT_REPLICATION_FAILED = _kind("checkpoint.replication_failed", WARNING, JOB, "copying a shard to a peer "
                                       "node failed (unreachable, full, bad read-back)")
+CHECKPOINT_VERIFICATION_WITHHELD = _kind(
+    "checkpoint.verification_withheld", WARNING, JOB, "the agent was too busy to hand the checkpoint coordinator "
+    "every job event: a lost vote leaves its step unverified; a lost bad event withholds VERIFIED from its step "
+    "on until the job rolls back or is cleared (from_step)", fold_s=60.0)
 
 
 # ---- the docs' table ------------------------------------------------------------------------------------------
