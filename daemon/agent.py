@@ -360,9 +360,16 @@ class Agent:
                                                    maxlen=self.config.redis.stream_maxlen, approximate=True), 1.0)
 
     # -- the API (daemon/service.py's AgentApi) ------------------------------------------------------
-    def handle_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
+    def handle_report(self, req: pb.ReportStepRequest, now: float, late: bool = False) -> list[pb.Directive]:
         """One accepted ReportStep: the job tracker says what to do, the agent does it; the step log queues
-        the record; returns the rank's directives (usually none)."""
+        the record; returns the rank's directives (usually none). A `late` report (its rank gave up on it and
+        counts it as dropped) moves nothing along: only what VERIFIED depends on is used (`report_late`)."""
+        if late:
+            self.metrics.reports_late.inc()
+            late_out = self.jobs.report_late(req, now)
+            if late_out is not None:
+                self._act_on(req.job_id, late_out, now)
+            return []
         out = self.jobs.report(req, now)
         if self.config.journal.step_log:
             self.step_log.add(req, now)  # formatted and written by the step log's thread (daemon/step_log.py)

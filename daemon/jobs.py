@@ -189,6 +189,30 @@ class JobTracker:
             self._deliver(job, rank, now, out)
         return out
 
+    def report_late(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome | None:
+        """A report its rank gave up on (the deadline passed before the agent got to it; the rank counts it
+        in its next `dropped_reports`): it moves nothing along (no step, no loss, no directive), but the
+        signals VERIFIED depends on (a replica vote, non-finite values, frozen parameters, a canary result)
+        are still used: they are facts about the GPUs whenever they arrive. A job's first report is never
+        late (nothing to judge it against): it goes through `report`."""
+        job = self.jobs.get(req.job_id)
+        if job is None:
+            return self.report(req, now)
+        has = req.HasField
+        finite = isfinite(req.loss) and isfinite(req.grad_norm)
+        if finite and not (has("vote") or has("canary") or req.frozen_changed):
+            return None
+        out = ReportOutcome()
+        if not finite:
+            self._nonfinite(req, job, out, now)
+        if has("canary"):
+            self._canary(req, job, out, now)
+        if has("vote"):
+            self._vote(req, job, out, now)
+        if req.frozen_changed:
+            self._frozen(req, job, out, now)
+        return out
+
     # -- rules -------------------------------------------------------------------------------------
     def _dropped(self, job: JobState, rank: int, dropped: int, late: int, out: ReportOutcome) -> None:
         """Reports lost on the way (`dropped`: counted by the rank) or too late to judge (`late`: a step the

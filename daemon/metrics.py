@@ -68,6 +68,10 @@ class AgentMetrics:
                                      registry=r)
         self.reports_rejected = Counter("sdcwatch_reports_rejected_total",
                                         "ReportStep calls rejected as invalid", registry=r)
+        self.reports_late = Counter("sdcwatch_reports_late_total",
+                                    "ReportStep calls whose deadline passed before the agent got to them (the "
+                                    "rank counts them as dropped): only their votes and non-finite values used",
+                                    registry=r)
         self.jobs = jobs
         if jobs is not None:   # each tracked job's step count, newest step and fingerprint checks
             r.register(_JobStats(jobs))

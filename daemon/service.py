@@ -55,8 +55,9 @@ class AgentApi(Protocol):
 
     def watch(self, since_seq: int, follow: bool) -> AsyncIterator[Event]: ...
 
-    def handle_report(self, req: pb.ReportStepRequest, now: float) -> list[pb.Directive]:
-        """One validated report; the rank's directives (usually none)."""
+    def handle_report(self, req: pb.ReportStepRequest, now: float, late: bool = False) -> list[pb.Directive]:
+        """One validated report; the rank's directives (usually none). `late`: its deadline passed before
+        the agent got to it (the rank gave up and counts it as dropped)."""
         ...
 
     def report_rejected(self) -> None: ...
@@ -96,7 +97,8 @@ class AgentService(pb_grpc.AgentServicer):
         if err:
             self.agent.report_rejected()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        directives = self.agent.handle_report(request, time.time())
+        remaining = context.time_remaining()   # None: no deadline; 0: the rank already gave up on it
+        directives = self.agent.handle_report(request, time.time(), late=remaining is not None and remaining <= 0)
         return pb.ReportStepResponse(accepted=True, directives=directives) if directives else _ACCEPTED
 
     async def ClearGpu(self, request: pb.ClearGpuRequest, context: grpc.aio.ServicerContext) -> pb.ClearGpuResponse:

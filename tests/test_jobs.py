@@ -196,3 +196,19 @@ def test_late_reports_count_as_dropped_in_one_folded_event_per_job() -> None:
     assert subjects == {"job/j"}
     assert totals == sorted(totals) and totals[-1] == tracker.jobs["j"].dropped_reports
     assert tracker.jobs["j"].dropped_reports >= 15, "rank 3's late reports count as dropped"
+
+
+def test_a_report_its_rank_gave_up_on_moves_nothing_but_keeps_its_vote() -> None:
+    """Issue 20 High 5: reports the rank had given up on (deadline passed) were processed anyway."""
+    tracker = JobTracker()
+    report(tracker, 1, loss=1.0)
+    late = pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=9, loss=1.0)
+    assert tracker.report_late(late, 2.0) is None
+    job = tracker.jobs["j"]
+    assert (job.last_step, job.steps_seen) == (1, 1), "a late report moves nothing along"
+    vote = pb.ReplicaVote(checked=True, agreed=False, replicas=2, step=8, method="all_disagreeing")
+    vote.suspects.add(rank=0)
+    out = tracker.report_late(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=9, vote=vote), 2.0)
+    assert out is not None and (8, "vote_mismatch") in [(s, k) for s, k, _ in out.job_events]
+    assert [f.kind for f in out.findings] == [ek.REPLICA_MISMATCH]
+    assert job.last_step == 1
