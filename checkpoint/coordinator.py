@@ -40,6 +40,7 @@ from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.errors import CommitError, InvalidInputError, NotInMemoryError, UnknownCheckpointError
 from checkpoint.manifest import ShardManifest
 from checkpoint.names import validate_job_id, validate_rank, validate_step
+from checkpoint.tier_policy import TIER_ORDER
 from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
                                 RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from sdcwatch import event_kinds as ek
@@ -229,8 +230,8 @@ class Coordinator:
         if r.seconds > 0:
             self.observations.append(("restore", float(r.seconds)))
         tier = r.source.split("@", 1)[0] if r.ok and r.source else ""
-        if tier:
-            self.restore_sources[tier] += 1
+        if tier:   # a metric label: one of the known tiers, never a client's free string
+            self.restore_sources[tier if tier in TIER_ORDER else "other"] += 1
             if tier not in ("memory",):
                 self.emit(ek.CHECKPOINT_RESTORED_FROM_TIER, r.job_id,
                           f"rank {r.rank} restored step {r.step} from {r.source} in {r.seconds:.2f}s",
@@ -248,6 +249,10 @@ class Coordinator:
                                                                 "fallbacks": r.fallbacks})
 
     # ---- queries ------------------------------------------------------------------------------------
+    def knows_job(self, job_id: str) -> bool:
+        """Whether this coordinator has (or had, until retention) a checkpoint record of `job_id`."""
+        return bool(self.redis.sismember(self._p + "jobs", job_id))
+
     def jobs(self) -> list[str]:
         return sorted(_s(j) for j in self.redis.smembers(self._p + "jobs"))
 
@@ -336,6 +341,12 @@ class Coordinator:
             shards.append(ShardPlan(r, ShardManifest.from_json(_s(text)),
                                     tuple(c for c in info.copies if c.rank == r)))
         return RestorePlan(info, tuple(shards))
+
+    def shard_manifests(self, job_id: str, step: int) -> dict[int, ShardManifest]:
+        """Every committed shard's manifest by rank: one read, as many as were committed (never `world_size`
+        lookups: a declared world size costs nothing until its shards exist)."""
+        raw = self.redis.hgetall(self._keys(job_id, step)[1])
+        return {int(_s(r)): ShardManifest.from_json(_s(text)) for r, text in raw.items()}
 
     def shard_manifest(self, job_id: str, step: int, rank: int) -> ShardManifest:
         """The committed manifest of one shard, whatever the checkpoint's state (replication uses it)."""

@@ -20,6 +20,8 @@ class CoordinatorConfig:
     tombstone_ttl_s: int = setting(3600, "seconds an evicted checkpoint's record stays (so late ranks learn it)")
     orphan_blob_ttl_s: float = setting(3600.0, "shard files no record names are deleted after this long")
     key_prefix: str = setting("sdcw:ckpt:", "prefix of this agent's keys in the coordination Redis")
+    max_world_size: int = setting(65536, "largest world_size a checkpoint may declare (Begin/CommitShard beyond it "
+                                  "are refused; the work a request causes is bounded by what exists)")
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SettingError:
@@ -34,5 +36,7 @@ class CoordinatorConfig:
                 raise bad(name, f"must be >= 0, got {value}")
         if not self.pending_timeout_s > 0:
             raise bad("pending_timeout_s", f"must be positive, got {self.pending_timeout_s}")
+        if not 1 <= self.max_world_size <= 2**31 - 1:
+            raise bad("max_world_size", f"must be in 1..2147483647, got {self.max_world_size}")
         if not self.key_prefix:
             raise bad("key_prefix", "must not be empty (it keeps this agent's keys apart in a shared Redis)")

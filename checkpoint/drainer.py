@@ -640,16 +640,7 @@ class Drainer:
                       progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
         """Re-read every copy of (job, step): `memory` [(tier, location, store)] plus every tier; each shard
         copy gets {tier, location, rank, ok, detail}. Bad copies count as tier errors and are journaled."""
-        manifests: dict[int, ShardManifest] = {}
-        try:
-            info = self.coordinator.info(job, step)
-            for r in range(info.world_size):
-                try:
-                    manifests[r] = self.coordinator.shard_manifest(job, step, r)
-                except UnknownCheckpointError:
-                    pass
-        except UnknownCheckpointError:
-            pass
+        manifests = self.coordinator.shard_manifests(job, step)   # the shards that exist, not world_size of them
         copies: list[tuple[str, str, BlobStore, ShardManifest]] = []
         for tier, location, store in memory:
             for m in manifests.values():

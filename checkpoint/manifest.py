@@ -21,7 +21,7 @@ from typing import Any
 
 from checkpoint.chunks import ALGORITHM, Chunk
 from checkpoint.errors import InvalidInputError
-from checkpoint.names import validate_job_id, validate_key, validate_rank, validate_step
+from checkpoint.names import shown, validate_job_id, validate_key, validate_rank, validate_step
 from checksums.fingerprint_host import ITEMSIZE
 
 FORMAT = "sdcwatch.ckpt.shard.v1"
@@ -62,18 +62,18 @@ class TensorEntry:
         except KeyError as e:
             raise InvalidInputError(f"tensor entry lacks field {e}") from None
         if not isinstance(path, str):
-            raise InvalidInputError(f"tensor path must be a string, got {path!r}")
+            raise InvalidInputError(f"tensor path must be a string, got {shown(path)}")
         if dt not in DTYPE_SIZES:
-            raise InvalidInputError(f"tensor {path!r}: unsupported dtype {dt!r}")
+            raise InvalidInputError(f"tensor {shown(path)}: unsupported dtype {shown(dt)}")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise InvalidInputError(f"tensor {path!r}: bad shape {shape!r}")
+            raise InvalidInputError(f"tensor {shown(path)}: bad shape {shown(shape)}")
         if not all(isinstance(x, int) and x >= 0 for x in (offset, nbytes)):
-            raise InvalidInputError(f"tensor {path!r}: bad offset/nbytes {offset!r}/{nbytes!r}")
+            raise InvalidInputError(f"tensor {shown(path)}: bad offset/nbytes {shown(offset)}/{shown(nbytes)}")
         if not isinstance(fp, list) or not fp or not all(isinstance(w, int) for w in fp):
-            raise InvalidInputError(f"tensor {path!r}: bad fingerprint {fp!r}")
+            raise InvalidInputError(f"tensor {shown(path)}: bad fingerprint {shown(fp)}")
         itemsize = DTYPE_SIZES[dt]
         if math.prod(shape) * itemsize != nbytes:
-            raise InvalidInputError(f"tensor {path!r}: nbytes {nbytes} != prod{tuple(shape)} * {itemsize}")
+            raise InvalidInputError(f"tensor {shown(path)}: nbytes {nbytes} != prod{tuple(shape)} * {itemsize}")
         return cls(path, dt, tuple(shape), offset, nbytes, tuple(fp))
 
 
@@ -107,10 +107,11 @@ class ShardManifest:
             raise InvalidInputError(f"manifest is {len(text)} chars, over the {MAX_MANIFEST_CHARS} limit")
         try:
             obj = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InvalidInputError(f"manifest is not valid JSON: {e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nested too deep
+            raise InvalidInputError(f"manifest is not valid JSON: {shown(str(e))}") from None
         if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-            raise InvalidInputError(f"not a {FORMAT} manifest (format={obj.get('format') if isinstance(obj, dict) else None!r})")
+            raise InvalidInputError(f"not a {FORMAT} manifest "
+                                    f"(format={shown(obj.get('format') if isinstance(obj, dict) else None)})")
         try:
             job_id = validate_job_id(obj["job_id"])
             step = validate_step(obj["step"])
@@ -122,15 +123,17 @@ class ShardManifest:
             tensors = tuple(TensorEntry.from_json(t) for t in obj["tensors"])
             tree, created = obj["tree"], obj["created"]
         except KeyError as e:
-            raise InvalidInputError(f"manifest lacks field {e}") from None
+            raise InvalidInputError(f"manifest lacks field {shown(str(e))}") from None
+        except (TypeError, AttributeError) as e:   # a field of the wrong kind (a number where a list goes, ...)
+            raise InvalidInputError(f"manifest has a field of the wrong type: {shown(str(e))}") from None
         except TypeError as e:
             raise InvalidInputError(f"manifest has a field of the wrong type: {e}") from None
         if algorithm != ALGORITHM:
-            raise InvalidInputError(f"manifest checksum algorithm {algorithm!r} is not {ALGORITHM!r}")
+            raise InvalidInputError(f"manifest checksum algorithm {shown(algorithm)} is not {shown(ALGORITHM)}")
         if not (isinstance(nbytes, int) and nbytes >= 0 and isinstance(chunk_bytes, int) and chunk_bytes > 0):
-            raise InvalidInputError(f"manifest has bad nbytes/chunk_bytes {nbytes!r}/{chunk_bytes!r}")
+            raise InvalidInputError(f"manifest has bad nbytes/chunk_bytes {shown(nbytes)}/{shown(chunk_bytes)}")
         if not isinstance(created, (int, float)):
-            raise InvalidInputError(f"manifest has bad created time {created!r}")
+            raise InvalidInputError(f"manifest has bad created time {shown(created)}")
         pos = 0
         for c in chunks:
             if c.offset != pos or c.length == 0:
@@ -140,7 +143,7 @@ class ShardManifest:
             raise InvalidInputError(f"manifest chunks cover {pos} bytes, blob has {nbytes}")
         for t in tensors:
             if t.offset + t.nbytes > nbytes:
-                raise InvalidInputError(f"tensor {t.path!r} runs past the end of the blob")
+                raise InvalidInputError(f"tensor {shown(t.path)} runs past the end of the blob")
         refs = _tree_refs(tree)
         if sorted(refs) != list(range(len(tensors))):
             raise InvalidInputError("manifest tree must reference every tensor, and only those")
@@ -156,7 +159,7 @@ def _tree_refs(tree: Any) -> set[int]:
             if set(obj) == {TENSOR_MARK}:
                 i = obj[TENSOR_MARK]
                 if not isinstance(i, int) or isinstance(i, bool):
-                    raise InvalidInputError(f"manifest tree has a bad tensor reference {i!r}")
+                    raise InvalidInputError(f"manifest tree has a bad tensor reference {shown(i)}")
                 refs.add(i)
                 return
             for v in obj.values():

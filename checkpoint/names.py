@@ -2,7 +2,9 @@
 
 A job id or key segment may hold letters, digits, `_`, `-`, `.` (not `.`/`..` alone, not leading `.`),
 so it can never climb out of a directory, split a Redis key, or match a glob. Anything else is
-rejected with `InvalidInputError` naming the bad value.
+rejected with `InvalidInputError` naming the bad value (shown cut to `SHOWN` characters: an error never
+echoes an unbounded client string, e.g. into gRPC metadata). A key is at most `MAX_KEY` characters, well
+under PATH_MAX once under the store's root.
 """
 from __future__ import annotations
 
@@ -11,15 +13,23 @@ import re
 from checkpoint.errors import InvalidInputError
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}$")
+MAX_KEY = 1024
+SHOWN = 80
+
+
+def shown(value: object) -> str:
+    """`value` for an error message: its repr, cut to SHOWN characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
 
 
 def validate_job_id(job_id: object) -> str:
     """Return `job_id` if it is a safe name, else raise InvalidInputError saying why."""
     if not isinstance(job_id, str) or not job_id:
-        raise InvalidInputError(f"job id must be a non-empty string, got {job_id!r}")
+        raise InvalidInputError(f"job id must be a non-empty string, got {shown(job_id)}")
     if not _SEGMENT.match(job_id):
         raise InvalidInputError(
-            f"job id {job_id!r} is not allowed: use 1-128 letters, digits, '_', '-' or '.', not starting "
+            f"job id {shown(job_id)} is not allowed: use 1-128 letters, digits, '_', '-' or '.', not starting "
             "with '.' (no '/', '\\', spaces, or other path characters)")
     return job_id
 
@@ -27,13 +37,15 @@ def validate_job_id(job_id: object) -> str:
 def validate_key(key: object) -> str:
     """A store key: segments joined by '/', each a safe name (no '..', no leading '/')."""
     if not isinstance(key, str) or not key:
-        raise InvalidInputError(f"store key must be a non-empty string, got {key!r}")
+        raise InvalidInputError(f"store key must be a non-empty string, got {shown(key)}")
+    if len(key) > MAX_KEY:
+        raise InvalidInputError(f"store key {shown(key)} is over {MAX_KEY} characters")
     if ".tmp-" in key:
-        raise InvalidInputError(f"store key {key!r} must not contain '.tmp-' (reserved for partial writes)")
+        raise InvalidInputError(f"store key {shown(key)} must not contain '.tmp-' (reserved for partial writes)")
     for seg in key.split("/"):
         if not _SEGMENT.match(seg):
             raise InvalidInputError(
-                f"store key {key!r} has a bad segment {seg!r}: segments are 1-128 letters, digits, '_', "
+                f"store key {shown(key)} has a bad segment {shown(seg)}: segments are 1-128 letters, digits, '_', "
                 "'-' or '.', not starting with '.'")
     return key
 
@@ -41,21 +53,23 @@ def validate_key(key: object) -> str:
 def validate_prefix(prefix: object) -> str:
     """A listing prefix: '' (everything), or whole safe segments followed by a partial last segment."""
     if not isinstance(prefix, str):
-        raise InvalidInputError(f"prefix must be a string, got {prefix!r}")
+        raise InvalidInputError(f"prefix must be a string, got {shown(prefix)}")
     if prefix == "":
         return prefix
+    if len(prefix) > MAX_KEY:
+        raise InvalidInputError(f"prefix {shown(prefix)} is over {MAX_KEY} characters")
     *whole, last = prefix.split("/")
     for seg in whole:
         if not _SEGMENT.match(seg):
-            raise InvalidInputError(f"prefix {prefix!r} has a bad segment {seg!r}")
+            raise InvalidInputError(f"prefix {shown(prefix)} has a bad segment {shown(seg)}")
     if last and not _SEGMENT.match(last):
-        raise InvalidInputError(f"prefix {prefix!r} has a bad last segment {last!r}")
+        raise InvalidInputError(f"prefix {shown(prefix)} has a bad last segment {shown(last)}")
     return prefix
 
 
 def validate_step(step: object) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidInputError(f"step must be a non-negative int, got {step!r}")
+        raise InvalidInputError(f"step must be a non-negative int, got {shown(step)}")
     return step
 
 

@@ -114,7 +114,8 @@ class TierCheckpoint:
 
     @property
     def complete(self) -> bool:
-        return self.ranks == frozenset(range(self.world_size))
+        ranks = self.ranks   # as many as exist: never a set of world_size numbers built to compare
+        return len(ranks) == self.world_size and all(0 <= r < self.world_size for r in ranks)
 
     @property
     def state(self) -> str:

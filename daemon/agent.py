@@ -332,6 +332,7 @@ class Agent:
                     self.bus.publish(ek.JOB_FORGOTTEN, f"job/{job}",
                                      f"job {job} sent no report for {self.config.jobs.job_idle_s:.0f}s")
                 self.health.update_node_metrics()
+                await self.health.check_pools(time.monotonic())
             except Exception:  # one failure never kills the loop
                 log.exception("housekeeping failed")
 

@@ -24,6 +24,7 @@ import logging
 import random
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Callable, Protocol
 
@@ -56,7 +57,7 @@ class AlertsConfig:
     def validate(self) -> None:
         for key, url in (("alertmanager_url", self.alertmanager_url), ("webhook_url", self.webhook_url)):
             if url and not url.startswith(("http://", "https://")):
-                raise ConfigError(f"alerts.{key}", f"expected an http:// or https:// URL, got {url!r}")
+                raise ConfigError(f"alerts.{key}", f"expected an http:// or https:// URL, got {redact_url(url)!r}")
         for key, value in (("resend_interval_s", self.resend_interval_s),
                            ("rate_limit_per_min", self.rate_limit_per_min), ("timeout_s", self.timeout_s),
                            ("hold_s", self.hold_s)):
@@ -78,6 +79,19 @@ class Transport(Protocol):
     def __call__(self, url: str, body: bytes, timeout_s: float) -> int: ...
 
 
+def redact_url(url: str) -> str:
+    """`url` as logs and errors show it: scheme, host and port only. Credentials ride in the user info and,
+    for many webhooks (Slack, Teams), in the path or the query: none of those is ever shown."""
+    try:
+        p = urllib.parse.urlsplit(url)
+        host = p.hostname or "?"
+        port = f":{p.port}" if p.port else ""
+    except ValueError:
+        return "<unparsable URL>"
+    hidden = "/..." if (p.path not in ("", "/") or p.query or p.username or p.password) else ""
+    return f"{p.scheme}://{host}{port}{hidden}"
+
+
 def post_json(url: str, body: bytes, timeout_s: float) -> int:
     """POST a JSON body with the standard library; returns the status or raises DeliveryError."""
     req = urllib.request.Request(url, data=body, method="POST",
@@ -89,9 +103,9 @@ def post_json(url: str, body: bytes, timeout_s: float) -> int:
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:200].decode(errors="replace")
         retry = exc.code >= 500 or exc.code in (408, 429)
-        raise DeliveryError(f"HTTP {exc.code} from {url}: {detail}", transient=retry) from exc
+        raise DeliveryError(f"HTTP {exc.code} from {redact_url(url)}: {detail}", transient=retry) from exc
     except (urllib.error.URLError, OSError) as exc:
-        raise DeliveryError(f"POST {url} failed: {getattr(exc, 'reason', exc)}", transient=True) from exc
+        raise DeliveryError(f"POST {redact_url(url)} failed: {getattr(exc, 'reason', exc)}", transient=True) from exc
 
 
 class AlertMetrics:
@@ -268,7 +282,7 @@ class AlertDispatcher:
         for sink in self.sinks:
             self._tasks.append(asyncio.create_task(sink.run(self.clock, self.rand),
                                                    name=f"alerts-{sink.name}"))
-        log.info("alerts: pushing to %s", ", ".join(f"{s.name} {s.url}" for s in self.sinks))
+        log.info("alerts: pushing to %s", ", ".join(f"{s.name} {redact_url(s.url)}" for s in self.sinks))
 
     async def _watch(self, bus: Any, since_seq: int) -> None:
         last = since_seq

@@ -21,8 +21,11 @@ With an embedded Redis (no persistence) the index dies with the agent, so the by
 could never be restored again: build with `ephemeral_index=True` to wipe the dir at `open()` (left by a
 killed agent) and on a clean stop. With an external Redis the bytes stay: they are still indexed.
 
-Every request is validated (INVALID_ARGUMENT with the reason); all Redis and store I/O runs in
-`asyncio.to_thread`, never on the event loop. Errors map to codes: unknown step / not in memory ->
+Every request is validated (INVALID_ARGUMENT with the reason; a world_size over `[checkpoints]
+max_world_size` too), and the work it causes is proportional to what exists (VerifyCopies reads the shards
+that were committed, not `world_size` of them). The RPCs' Redis and store I/O runs in the service's own
+bounded pool (`pool`, a daemon/pools.py WorkPool; PeerStore has its own), never on the event loop, and never
+in the threads other services need; the agent's health watches the pools. Errors map to codes: unknown step / not in memory ->
 NOT_FOUND, commit conflicts -> FAILED_PRECONDITION, corrupt bytes -> DATA_LOSS, Redis down -> UNAVAILABLE.
 """
 from __future__ import annotations
@@ -50,6 +53,7 @@ from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, R
 from sdcwatch.event_kinds import Publish
 from checkpoint.shm_store import ShmStore, default_shm_root, secure_memory_dir
 from daemon.background import Background
+from daemon.pools import WorkPool
 from daemon.checkpoint_metrics import CheckpointMetrics
 from daemon.peer_store_service import PeerStoreService
 from daemon import peer_store_service
@@ -88,7 +92,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     def __init__(self, coordinator: Coordinator, *, replicator: Replicator | None = None,
                  drainer: Drainer | None = None, metrics: CheckpointMetrics | None = None,
                  maintenance_timeout_s: float = 60.0, clock: Callable[[], float] = time.time,
-                 remove_memory_on_close: bool = False, replicate_timeout_s: float = 120.0) -> None:
+                 remove_memory_on_close: bool = False, replicate_timeout_s: float = 120.0,
+                 pool: WorkPool | None = None, peer_pool: WorkPool | None = None) -> None:
         self.coordinator = coordinator
         self.replicator = replicator
         self.drainer = drainer
@@ -98,7 +103,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         self.remove_memory_on_close = remove_memory_on_close
         self.replicate_timeout_s = replicate_timeout_s   # one shard to every peer (daemon/peers_config.py)
         # the PeerStore servicer over this node's memory tier: one for every server (unix socket, TCP)
-        self.peer_store = PeerStoreService(coordinator.store)
+        self.pool = pool or WorkPool("checkpoints")
+        self.peer_store = PeerStoreService(coordinator.store, pool=peer_pool)
         self._background: set[asyncio.Task[Any]] = set()
         self._summaries: list[agent_pb2.CheckpointSummary] = []
         self._summary_at = 0.0
@@ -159,8 +165,15 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         msg = RestoreReportMsg(job, request.step, request.rank, max(0.0, request.seconds), request.bytes,
                                request.chunks, request.fallbacks, request.checksum_failures, request.ok,
                                request.error[:2000], request.source[:200])
+        if not await self._call(context, self._knows_job, job):   # never journal a job this node never saw
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of job {job} is known on this node")
         await self._call(context, self.coordinator.report_restore, msg)
         return pb.ReportRestoreResponse()
+
+    def _knows_job(self, job: str) -> bool:
+        """Blocking: a checkpoint record of `job` in the index, or a copy of it on a durable tier."""
+        return self.coordinator.knows_job(job) or bool(self.drainer is not None and
+                                                       self.drainer.tier_checkpoints(job))
 
     async def Latest(self, request: pb.LatestRequest, context: grpc.aio.ServicerContext) -> pb.LatestResponse:
         job = await self._job(request.job_id, context)
@@ -307,7 +320,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
     async def job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
         """Feed a replica vote / SDC / NaN / fatal-hardware / rollback event (see module docstring)."""
-        await asyncio.to_thread(self.coordinator.on_job_event, job_id, step, kind, now, reason)
+        await self.pool.run(self.coordinator.on_job_event, job_id, step, kind, now, reason)
 
     async def maintain_once(self) -> dict[str, list[int]]:
         hold = self.drainer.hold if self.drainer is not None else None
@@ -379,6 +392,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.drainer is not None:
             self.drainer.close()
+        self.pool.shutdown()
+        self.peer_store.pool.shutdown()
         if remove_memory if remove_memory is not None else self.remove_memory_on_close:
             remove = getattr(self.coordinator.store, "remove_all", None)
             if remove is not None:
@@ -415,6 +430,10 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             job = validate_job_id(request.job_id)
             step = validate_step(request.step)
             rank, world = validate_rank(request.rank, request.world_size)
+            limit = self.coordinator.config.max_world_size
+            if world > limit:
+                raise InvalidInputError(f"world_size {world} is over this agent's limit of {limit} "
+                                        "([checkpoints] max_world_size)")
         except InvalidInputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise
@@ -422,7 +441,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await self.pool.run(fn, *args)
         except InvalidInputError as e:
             code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except UnknownCheckpointError as e:
@@ -457,7 +476,8 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                              replicate_timeout_s: float = 120.0,
                              drainer_factory: Callable[[Coordinator], Drainer | None] | None = None,
                              metrics: CheckpointMetrics | None = None,
-                             ephemeral_index: bool = False, gid: int = -1) -> CheckpointService:
+                             ephemeral_index: bool = False, gid: int = -1, workers: int = 8,
+                             wedged_after_s: float = 60.0) -> CheckpointService:
     """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
     training processes), the coordination Redis at `redis_url` (connected on first use). `ephemeral_index`:
     the Redis is the agent's embedded one (no persistence): the memory dir is wiped at `open()` (bytes a
@@ -473,7 +493,9 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                               config=config, publish=publish)
     return CheckpointService(coordinator, replicator=replicator_factory(coordinator) if replicator_factory else None,
                              drainer=drainer_factory(coordinator) if drainer_factory else None, metrics=metrics,
-                             remove_memory_on_close=ephemeral_index, replicate_timeout_s=replicate_timeout_s)
+                             remove_memory_on_close=ephemeral_index, replicate_timeout_s=replicate_timeout_s,
+                             pool=WorkPool("checkpoints", workers=workers, wedged_after_s=wedged_after_s),
+                             peer_pool=WorkPool("peer-store", workers=workers, wedged_after_s=wedged_after_s))
 
 
 def tier_info(tc: Any, copies: dict[int, list[Copy]]) -> CheckpointInfo:

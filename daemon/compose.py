@@ -62,14 +62,16 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
                                                            shared_redis=embedded_redis is None),
         replicate_timeout_s=config.peers.timeout_s,
         drainer_factory=drain_wiring.drainer_factory(config.tiers, state_dir),
-        metrics=CheckpointMetrics(metrics.registry))
+        metrics=CheckpointMetrics(metrics.registry), workers=config.agent.service_workers,
+        wedged_after_s=config.agent.pool_wedged_s)
     feed = CheckpointFeed(checkpoints, dropped=metrics.events_dropped, publish=bus.publish)
 
     gpu_metrics = GpuMetrics(metrics.registry) if config.nvml.enabled else None
     health_changed = asyncio.Event()
     gpus = GpuRegistry(on_transition=GpuTransitions(publisher=bus, jobs=jobs, checkpoints=feed,
                                                     gpu_metrics=gpu_metrics, health_changed=health_changed))
-    health = NodeHealth(HealthServicer(), gpus, metrics, health_changed)
+    health = NodeHealth(HealthServicer(), gpus, metrics, health_changed,
+                        pools=(checkpoints.pool, checkpoints.peer_store.pool))
     probes = GpuProbes(config.nvml, config.canary, gpus=gpus, publisher=bus, metrics=metrics,
                        gpu_metrics=gpu_metrics, state_dir=state_dir)
     rollbacks = RollbackPlanner(config.rollback, checkpoints=checkpoints, jobs=jobs, publisher=bus,

@@ -119,6 +119,10 @@ class AgentConfig:
     hostname: str = setting("", "this node's name in events, checkpoints and peers (default: the host name)")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get to finish at shutdown")
     max_message_bytes: int = setting(4 * 1024 * 1024, "largest gRPC message accepted")
+    service_workers: int = setting(8, "threads of each gRPC service's own pool for its blocking work "
+                                   "(Checkpoints, PeerStore)")
+    pool_wedged_s: float = setting(60.0, "a service pool whose threads are all busy this long without one call "
+                                   "finishing makes the agent's health (sdcwatch.v1.Agent) NOT_SERVING")
     event_loop: str = setting("auto", "auto (uvloop when installed, ~20% less CPU per call), uvloop or asyncio")
 
     def validate(self) -> None:
@@ -161,6 +165,8 @@ class AgentConfig:
         self.group_id()   # an unknown group: ConfigError now, not at start
         _positive("agent.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
         _positive("agent.max_message_bytes", self.max_message_bytes)
+        _positive("agent.service_workers", self.service_workers)
+        _positive("agent.pool_wedged_s", self.pool_wedged_s)
 
     def socket_mode_int(self) -> int:
         return int(self.socket_mode, 8)

@@ -1,13 +1,16 @@
 """`NodeHealth`: the agent's grpc.health.v1 answers and the node-state gauge, derived from the GPU table.
 
 Names (docs: DESIGN.md "Health names"): `sdcwatch.v1.Agent` is SERVING while the agent is serving (ready, not
-stopping) and none of its loops is stale (daemon/watchdog.py: `stale_loops` says why); `""` (the node) also
+stopping), none of its loops is stale (daemon/watchdog.py: `stale_loops` says why) and none of its service
+pools is wedged (`check_pools`, daemon/pools.py); `""` (the node) also
 needs no FAILED GPU; `gpu/<UUID>` follows that GPU. `sync()` sets them all;
 after a GPU's state changed (daemon/gpu_transitions.py sets `changed`) the task started by `start()` syncs.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Sequence
 
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
@@ -15,17 +18,22 @@ from grpc_health.v1._async import HealthServicer
 from daemon.background import Background
 from daemon.gpus import GpuRegistry
 from daemon.metrics import AgentMetrics
+from daemon.pools import WorkPool
 from sdcwatch.types import State
 
 AGENT_SERVICE = "sdcwatch.v1.Agent"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+log = logging.getLogger(__name__)
+
 
 class NodeHealth:
     def __init__(self, servicer: HealthServicer, gpus: GpuRegistry, metrics: AgentMetrics,
-                 changed: asyncio.Event) -> None:
+                 changed: asyncio.Event, pools: Sequence[WorkPool] = ()) -> None:
         self.servicer = servicer
+        self.pools = tuple(pools)
+        self.wedged: list[str] = []   # the wedged pools' descriptions
         self.gpus = gpus
         self.metrics = metrics
         self.changed = changed
@@ -59,11 +67,24 @@ class NodeHealth:
         serving = self.serving
         node_state, _ = self.gpus.node_state()
         await self.servicer.set("", SERVING if serving and node_state is not State.FAILED else NOT_SERVING)
-        await self.servicer.set(AGENT_SERVICE, SERVING if serving and not self.stale_loops else NOT_SERVING)
+        await self.servicer.set(AGENT_SERVICE, SERVING if serving and not self.stale_loops and not self.wedged
+                                else NOT_SERVING)
         for rec in list(self.gpus.gpus.values()):
             ok = serving and rec.state is not State.FAILED
             await self.servicer.set(f"gpu/{rec.uuid}", SERVING if ok else NOT_SERVING)
         self.update_node_metrics()
+
+    async def check_pools(self, now: float) -> None:
+        """Re-check the service pools (each second, from the agent's housekeeping); sync on a change."""
+        wedged = [p.describe() for p in self.pools if p.wedged(now)]
+        if bool(wedged) != bool(self.wedged):
+            if wedged:
+                log.error("wedged: %s; the agent's health is NOT_SERVING until calls finish", "; ".join(wedged))
+            else:
+                log.warning("the service pools make progress again; the agent's health follows its state")
+            self.wedged = wedged
+            await self.sync()
+        self.wedged = wedged
 
     def update_node_metrics(self) -> None:
         node_state, _ = self.gpus.node_state()

@@ -1,10 +1,15 @@
 """Server interceptors: bearer-token auth (TCP only) and per-RPC metrics.
 
+Each registered handler is also given a request deserializer that never raises: bytes that do not decode as
+the method's request message are answered INVALID_ARGUMENT (not UNKNOWN with a traceback). A call that ends
+because the client's deadline passed or the client cancelled is counted as DEADLINE_EXCEEDED or CANCELLED.
+
 The token check runs for every method of every service on the server (Agent, Checkpoints, PeerStore,
 reflection...), whatever its streaming kind: a denied call is answered UNAUTHENTICATED by a handler of the
 same kind, before the real handler reads a single request."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import inspect
 import time
@@ -93,13 +98,13 @@ class _Meter:
     def wrap(self, handler: Any, method: str) -> Any:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                self._wrap_unary(handler.unary_unary, method, checked=True),
+                request_deserializer=_never_raises(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_never_raises(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.stream_unary is not None:   # a client stream (PeerStore.PutBlob): timed like a unary call
             return grpc.stream_unary_rpc_method_handler(
@@ -108,7 +113,7 @@ class _Meter:
                 response_serializer=handler.response_serializer)
         return handler
 
-    def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+    def _wrap_unary(self, fn: Callable[..., Any], method: str, checked: bool = False) -> Callable[..., Any]:
         stats = self.rpc.method(method)
         observe, count = stats.observe, stats.count
         clock = time.perf_counter
@@ -116,7 +121,12 @@ class _Meter:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = clock()
             try:
+                if checked and type(request) is Undecodable:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
                 response = await fn(request, context)
+            except asyncio.CancelledError:
+                count(_ended_by_client(context))
+                raise
             except BaseException:
                 count(_code_name(context.code(), "UNKNOWN"))
                 raise
@@ -145,8 +155,13 @@ class _Meter:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             code = "OK"
             try:
+                if type(request) is Undecodable:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
                 async for item in fn(request, context):
                     yield item
+            except asyncio.CancelledError:
+                code = _ended_by_client(context)
+                raise
             except BaseException:
                 code = _code_name(context.code(), "CANCELLED")
                 raise
@@ -157,6 +172,38 @@ class _Meter:
 
 
 _OK = grpc.StatusCode.OK
+
+
+class Undecodable:
+    """What a request deserializer gives for bytes that are not the method's request message."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _never_raises(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - any decode failure is the client's bad bytes
+            return Undecodable(f"the request is not a valid message of this method ({type(exc).__name__}: "
+                               f"{str(exc)[:200]})")
+
+    return deserialize
+
+
+def _ended_by_client(context: grpc.aio.ServicerContext) -> str:
+    """The code of a call cancelled under its handler: its deadline passed, or the client cancelled."""
+    try:
+        remaining = context.time_remaining()
+    except Exception:  # noqa: BLE001
+        remaining = None
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
 def _code_name(code: Any, default: str) -> str:

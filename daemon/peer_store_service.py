@@ -17,7 +17,10 @@ Rules:
 
 Bulk messages are parsed and built as raw wire bytes (checkpoint.grpc_store codec): a received chunk is
 written to the file straight from the message buffer; a sent chunk is one `pread` plus one copy into the
-message. Blocking file I/O runs in threads, never on the event loop.
+message. Blocking file I/O runs in the service's own bounded pool (`pool`, daemon/pools.py), never on the event
+loop nor in threads other services need; at most `max_puts` puts run at once (workers - 2: gets, stats,
+lists and deletes always find a thread), one more is refused with RESOURCE_EXHAUSTED at once. A put drops its
+stream after `idle_timeout_s` without a message.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from checkpoint.blobstore import BlobStore, check_range
 from checkpoint.errors import InvalidInputError
 from checkpoint.grpc_store import CHUNK_BYTES, PutMessage, decode_put, encode_chunk
 from checkpoint.names import validate_key, validate_prefix
+from daemon.pools import WorkPool
 from proto.sdcwatch.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PeerStore"].full_name
 MAX_BLOB_BYTES = 64 << 30          # one blob (a rank's shard); larger puts are refused
 MAX_CHUNK_BYTES = 3 << 20          # GetBlob messages stay under the agent's 4 MiB message limit
 MIN_CHUNK_BYTES = 64 << 10
-IDLE_TIMEOUT_S = 60.0              # a put whose client sends nothing for this long is dropped
+IDLE_TIMEOUT_S = 30.0              # a put whose client sends nothing for this long is dropped
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG)
 
 
@@ -57,8 +61,11 @@ class PeerStoreService:
     """Serves `store` (the agent's memory tier) through PeerStore. `stats` counts puts, gets and bytes."""
 
     def __init__(self, store: BlobStore, *, max_blob_bytes: int = MAX_BLOB_BYTES,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, pool: WorkPool | None = None) -> None:
         self.store = store
+        self.pool = pool or WorkPool("peer-store")
+        self.max_puts = max(1, self.pool.workers - 2)
+        self._puts = 0
         self.max_blob_bytes = max_blob_bytes
         self.idle_timeout_s = idle_timeout_s
         self.stats = {"peer_puts": 0, "peer_put_bytes": 0, "peer_put_failures": 0, "peer_gets": 0,
@@ -66,10 +73,22 @@ class PeerStoreService:
 
     # ---- RPCs -----------------------------------------------------------------------------------------
     async def PutBlob(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutBlobResponse:
+        if self._puts >= self.max_puts:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._puts} puts are running on this node "
+                                "(the limit); retry later")
+        self._puts += 1
         try:
-            first = await requests.__anext__()
+            return await self._put(requests, context)
+        finally:
+            self._puts -= 1
+
+    async def _put(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutBlobResponse:
+        try:
+            first = await asyncio.wait_for(requests.__anext__(), self.idle_timeout_s)
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutBlob: empty stream (no key)")
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"PutBlob: no message for {self.idle_timeout_s:.0f}s")
         if isinstance(first, ValueError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(first))
         key = await self._key(first.key, context)
@@ -82,7 +101,7 @@ class PeerStoreService:
         pending: list[concurrent.futures.Future[Any]] = []
         chunks = self._chunks(key, first, requests, loop, stop, pending)
         try:
-            n = await asyncio.to_thread(self.store.put, key, chunks)
+            n = await self.pool.run(self.store.put, key, chunks)
         except asyncio.CancelledError:
             stop.set()              # the client went away: the writer thread drops the temp file
             for f in pending:
@@ -155,7 +174,7 @@ class PeerStoreService:
                 yield raw
             return
         try:
-            fd = await asyncio.to_thread(os.open, path(key), os.O_RDONLY)
+            fd = await self.pool.run(os.open, path(key), os.O_RDONLY)
         except FileNotFoundError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {key!r} on this node")
         except OSError as e:
@@ -176,7 +195,7 @@ class PeerStoreService:
                     raise EOFError(f"blob {key!r} shrank while being read")
                 return encode_chunk(at, data, size if at == off else 0)
 
-            nxt = asyncio.ensure_future(asyncio.to_thread(read, off))
+            nxt = asyncio.ensure_future(self.pool.run(read, off))
             while nxt is not None:
                 try:
                     raw = await nxt
@@ -184,7 +203,7 @@ class PeerStoreService:
                     await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
                 sent = min(chunk, end - off)
                 off += sent
-                nxt = asyncio.ensure_future(asyncio.to_thread(read, off)) if off < end else None
+                nxt = asyncio.ensure_future(self.pool.run(read, off)) if off < end else None
                 self.stats["peer_get_bytes"] += sent
                 yield raw
         finally:
@@ -195,7 +214,7 @@ class PeerStoreService:
     async def _get_generic(self, key: str, request: pb.GetBlobRequest, chunk: int,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
-            size = await asyncio.to_thread(self.store.size, key)
+            size = await self.pool.run(self.store.size, key)
             off, n = check_range(request.offset, None if request.to_end else request.length, size, key)
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {key!r} on this node")
@@ -203,7 +222,7 @@ class PeerStoreService:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         end, first = off + n, True
         while off < end or first:
-            data = await asyncio.to_thread(self.store.get, key, off, min(chunk, end - off)) if off < end else b""
+            data = await self.pool.run(self.store.get, key, off, min(chunk, end - off)) if off < end else b""
             yield encode_chunk(off, data, size if first else 0)
             first = False
             off += len(data)
@@ -211,7 +230,7 @@ class PeerStoreService:
     async def StatBlob(self, request: pb.StatBlobRequest, context: grpc.aio.ServicerContext) -> pb.StatBlobResponse:
         key = await self._key(request.key, context)
         try:
-            size = await asyncio.to_thread(self.store.size, key)
+            size = await self.pool.run(self.store.size, key)
         except KeyError:
             return pb.StatBlobResponse(exists=False)
         except OSError as e:
@@ -224,13 +243,13 @@ class PeerStoreService:
             prefix = validate_prefix(request.prefix)
         except InvalidInputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.ListBlobsResponse(keys=await asyncio.to_thread(self.store.list, prefix))
+        return pb.ListBlobsResponse(keys=await self.pool.run(self.store.list, prefix))
 
     async def DeleteBlob(self, request: pb.DeleteBlobRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeleteBlobResponse:
         key = await self._key(request.key, context)
         try:
-            deleted = await asyncio.to_thread(self.store.delete, key)
+            deleted = await self.pool.run(self.store.delete, key)
         except OSError as e:
             await context.abort(*self._os_status(e, key))
         return pb.DeleteBlobResponse(deleted=deleted)
@@ -248,7 +267,7 @@ class PeerStoreService:
         if root is None:
             return
         try:
-            st = await asyncio.to_thread(os.statvfs, root)
+            st = await self.pool.run(os.statvfs, root)
         except FileNotFoundError:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this node's memory tier {root} does not exist (agent stopping or misconfigured)")
