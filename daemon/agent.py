@@ -46,6 +46,7 @@ from daemon.background import Background
 from daemon.checkpoint_feed import CheckpointFeed
 from daemon.checkpoint_service import CheckpointService
 from daemon.config import Config, parse_hostport
+from daemon.errors import ConfigError
 from sdcwatch.errors import FatalError
 from daemon.events import Event, EventBus
 from daemon.gpus import GpuRegistry
