@@ -25,6 +25,13 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
                                    records (their VERIFIED depends on them); read per record (HMGET), never whole
   sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback);
                                    bounded to the MAX_BAD lowest steps (VERIFIED needs only the lowest)
+  sdcw:ckpt:{J}:epoch              the highest writer epoch seen for the job (checkpoint/commit_fence.py)
+
+Begin and commit go through `CommitFence`: the scripts refuse a writer from an older primary era, and with
+replicas configured a call counts only once Redis's WAIT says the replicas have it (Sentinel HA,
+docs/sentinel.md). A commit is idempotent per rank: the rank whose shard completed the record is told
+`committed` again when it retries (its first reply may have been lost in a failover); the event is
+published once per record by this coordinator.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 from checkpoint import policy
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
+from checkpoint.commit_fence import CommitFence, fenced
 from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.errors import CommitError, InvalidInputError, NotInMemoryError, UnknownCheckpointError
 from checkpoint.manifest import ShardManifest
@@ -80,17 +88,18 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[6], ARGV[7])
 local n = redis.call('HLEN', KEYS[2])
 if st == 'PENDING' and n == ws then
-  redis.call('HSET', KEYS[1], 'state', 'COMMITTED', 'committed_at', ARGV[4])
+  redis.call('HSET', KEYS[1], 'state', 'COMMITTED', 'committed_at', ARGV[4], 'completed_by', ARGV[1])
   return {'COMMITTED', 1, n}
 end
+if prev == ARGV[2] and redis.call('HGET', KEYS[1], 'completed_by') == ARGV[1] then return {st, 1, n} end
 return {st, 0, n}
 """
 
 # Set state only if the record is in the expected state. ARGV: new state, field, value, expected state.
 _TRANSITION = """
-if redis.call('HGET', KEYS[1], 'state') ~= ARGV[4] then return 0 end
+if redis.call('HGET', KEYS[1], 'state') ~= ARGV[4] then return {0} end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], ARGV[2], ARGV[3])
-return 1
+return {1}
 """
 
 
@@ -105,10 +114,12 @@ MAX_BAD = 1024         # bad events kept per job (the lowest steps: policy.verif
 
 class Coordinator:
     """See the module docstring. `store` is this node's memory tier, `location` its directory (what a
-    rank on this node is told to write into); `publish` journals events (the agent's callback)."""
+    rank on this node is told to write into); `publish` journals events (the agent's callback); `fence`
+    the epoch and replication rules of begin and commit (default: epoch 0, no WAIT: a single Redis)."""
 
     def __init__(self, redis: Any, store: BlobStore, *, node: str, location: str,
-                 config: CoordinatorConfig | None = None, publish: Publish | None = None) -> None:
+                 config: CoordinatorConfig | None = None, publish: Publish | None = None,
+                 fence: CommitFence | None = None) -> None:
         self.redis = redis
         self.store = store
         self.node = node
@@ -117,9 +128,11 @@ class Coordinator:
         self.publish = publish
         p = self.config.key_prefix
         self._p = p
-        self._begin = redis.register_script(_BEGIN)
-        self._commit = redis.register_script(_COMMIT_SHARD)
-        self._transition = redis.register_script(_TRANSITION)
+        self.fence = fence or CommitFence()
+        self._begin = redis.register_script(fenced(_BEGIN))
+        self._commit = redis.register_script(fenced(_COMMIT_SHARD))
+        self._announced: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self._transition = redis.register_script(fenced(_TRANSITION))
         self.stats: dict[str, int] = {"shards_committed": 0, "checkpoints_committed": 0, "bytes_committed": 0,
                                       "evictions": 0, "aborted": 0, "checksum_failures": 0,
                                       "verified": 0, "revoked": 0, "slots_swept": 0, "saves_skipped": 0,
@@ -146,8 +159,8 @@ class Coordinator:
         validate_rank(rank, world_size)
         now = time.time() if now is None else now
         meta, shards, copies = self._keys(job_id, step)
-        state, extra = self._begin(keys=[meta, self._jk(job_id, "idx"), shards, copies],
-                                   args=[step, world_size, repr(now)])
+        state, extra = self.fence.run(self.redis, self._begin, [meta, self._jk(job_id, "idx"), shards, copies],
+                                      [step, world_size, repr(now)], self._jk(job_id, "epoch"))[:2]
         state = _s(state)
         if state == "ERR_WORLD":
             raise CommitError(f"job {job_id} step {step} was begun with world size {_s(extra)}, not {world_size}")
@@ -169,9 +182,10 @@ class Coordinator:
             raise InvalidInputError(f"manifest blob {m.blob!r} is not {blob_key(job_id, step, rank)!r}")
         self._check_blob(m)
         meta, shards, copies = self._keys(job_id, step)
-        state, committed_now, n = self._commit(
-            keys=[meta, shards, copies],
-            args=[rank, manifest_json, world_size, repr(now), m.nbytes, f"{rank}@{self.node}", self.location])
+        state, committed_now, n = self.fence.run(
+            self.redis, self._commit, [meta, shards, copies],
+            [rank, manifest_json, world_size, repr(now), m.nbytes, f"{rank}@{self.node}", self.location],
+            self._jk(job_id, "epoch"))
         state = _s(state)
         if state == "ERR_UNKNOWN":
             raise NotInMemoryError(
@@ -189,7 +203,7 @@ class Coordinator:
                             ("save_stall", report.stall_s)):
                 if v > 0:
                     self.observations.append((name, float(v)))
-        if committed_now:
+        if committed_now and self._first_announcement(job_id, step):
             self.stats["checkpoints_committed"] += 1
             info = self.info(job_id, step)
             self.stats["bytes_committed"] += info.nbytes
@@ -202,6 +216,16 @@ class Coordinator:
             self.maintain_job(job_id, now)
         return CommitResult(state if not committed_now else self.info(job_id, step).state,
                             bool(committed_now), int(n))
+
+    def _first_announcement(self, job_id: str, step: int) -> bool:
+        """True once per (job, step) on this coordinator: a rank retrying a commit whose reply was lost is
+        told `committed` again, but the record is counted and published once (bounded memory)."""
+        if (job_id, step) in self._announced:
+            return False
+        self._announced[(job_id, step)] = None
+        while len(self._announced) > 4096:
+            self._announced.popitem(last=False)
+        return True
 
     def _check_blob(self, m: ShardManifest) -> None:
         try:
@@ -427,17 +451,23 @@ class Coordinator:
         for i in infos:
             meta = self._meta(job_id, i.step)
             if i.step in good and i.state == policy.COMMITTED:
-                if self._transition(keys=[meta], args=[policy.VERIFIED, "verified_at", repr(now), policy.COMMITTED]):
+                if self._move(job_id, meta, policy.VERIFIED, "verified_at", repr(now), policy.COMMITTED):
                     self.stats["verified"] += 1
                     self.emit(ek.CHECKPOINT_VERIFIED, job_id, f"checkpoint step {i.step} is VERIFIED",
                               {"step": i.step})
             elif i.step not in good and i.state == policy.VERIFIED:
                 why = reason or "a bad event at or before this step"
-                if self._transition(keys=[meta], args=[policy.COMMITTED, "reason",
-                                                       f"verification revoked: {why}", policy.VERIFIED]):
+                if self._move(job_id, meta, policy.COMMITTED, "reason", f"verification revoked: {why}",
+                              policy.VERIFIED):
                     self.stats["revoked"] += 1
                     self.emit(ek.CHECKPOINT_REVOKED, job_id,
                               f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
+
+    def _move(self, job_id: str, meta: str, state: str, field: str, value: str, expected: str) -> bool:
+        """Set `state` (and `field`) if the record is in `expected`: fenced and acknowledged like a commit, so
+        a VERIFIED that was announced is on the replicas."""
+        return bool(self.fence.run(self.redis, self._transition, [meta], [state, field, value, expected],
+                                   self._jk(job_id, "epoch"))[0])
 
     # ---- retention and GC ---------------------------------------------------------------------------
     def _local_bytes(self, job_id: str) -> dict[int, int]:

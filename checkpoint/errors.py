@@ -36,3 +36,11 @@ class AgentUnavailableError(CheckpointError):
     """The node agent did not answer within the deadline."""
 
     transient = True
+
+
+class StoreUnavailableError(CheckpointError):
+    """The coordination store did not confirm a write: it was not replicated in time, the primary refused it
+    (too few replicas), or a newer primary era fenced it (checkpoint/commit_fence.py). Nothing was reported
+    as done; the same call may succeed once the failover completes."""
+
+    transient = True

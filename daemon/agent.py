@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from checkpoint.redis_connect import connect_async
 from sdcwatch import __version__
 from sdcwatch.channels import read_token
 from sdcwatch import event_kinds as ek
@@ -167,8 +168,7 @@ class Agent:
     async def _start_redis(self) -> None:
         if self.embedded_redis is not None:
             await asyncio.to_thread(self.embedded_redis.start)
-        self.redis = aioredis.from_url(self.redis_url, socket_connect_timeout=self.config.redis.connect_timeout_s,
-                                       socket_timeout=self.config.redis.connect_timeout_s)
+        self.redis = connect_async(self.redis_url, self.config.redis.options())
         try:
             await asyncio.wait_for(self.redis.ping(), self.config.redis.connect_timeout_s)
         except Exception as exc:

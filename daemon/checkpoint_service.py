@@ -44,10 +44,13 @@ import redis
 from checkpoint import policy
 from checkpoint.coordinator import Coordinator, CoordinatorConfig
 from checkpoint.drainer import Drainer
-from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, UnknownCheckpointError)
+from checkpoint.commit_fence import CommitFence
+from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, StoreUnavailableError,
+                               UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
+from checkpoint.redis_connect import RedisOptions, connect, epoch_source
 from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, RestorePlan, RestoreReportMsg, SaveReport,
                                 ShardPlan)
 from sdcwatch.event_kinds import Publish
@@ -446,6 +449,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except UnknownCheckpointError as e:
             code, msg = grpc.StatusCode.NOT_FOUND, str(e)
+        except StoreUnavailableError as e:
+            code, msg = grpc.StatusCode.UNAVAILABLE, f"coordination store: {e}"
         except CommitError as e:
             code, msg = grpc.StatusCode.FAILED_PRECONDITION, str(e)
         except CorruptCheckpointError as e:
@@ -477,7 +482,8 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                              drainer_factory: Callable[[Coordinator], Drainer | None] | None = None,
                              metrics: CheckpointMetrics | None = None,
                              ephemeral_index: bool = False, gid: int = -1, workers: int = 8,
-                             wedged_after_s: float = 60.0) -> CheckpointService:
+                             wedged_after_s: float = 60.0,
+                             redis_options: RedisOptions | None = None) -> CheckpointService:
     """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
     training processes), the coordination Redis at `redis_url` (connected on first use). `ephemeral_index`:
     the Redis is the agent's embedded one (no persistence): the memory dir is wiped at `open()` (bytes a
@@ -485,12 +491,17 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
     (daemon/peers_wiring.py) builds the peer Replicator from the coordinator; each shard's copy to the peers
     is bounded by `replicate_timeout_s`. `drainer_factory` (daemon/drain_wiring.py) builds the durable tiers'
     Drainer from the coordinator (None: no tiers). The memory dir is created and checked by
-    `secure_memory_dir` (never a link; `gid`: the group of ranks running as other users, -1 none)."""
+    `secure_memory_dir` (never a link; `gid`: the group of ranks running as other users, -1 none).
+    `redis_options`: timeouts, how long to ride out a failover, and how many replicas must acknowledge a
+    begin/commit (checkpoint/commit_fence.py); a `redis+sentinel://` URL fences commits with Sentinel's epoch."""
     root = secure_memory_dir(Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir), gid)
     store = ShmStore(root)
-    client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+    opts = redis_options or RedisOptions(timeout_s=10.0)
+    client = connect(redis_url, opts)
+    fence = CommitFence(epoch_source(redis_url, opts), replicas=opts.replicas_to_ack,
+                        ack_timeout_ms=opts.ack_timeout_ms)
     coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),
-                              config=config, publish=publish)
+                              config=config, publish=publish, fence=fence)
     return CheckpointService(coordinator, replicator=replicator_factory(coordinator) if replicator_factory else None,
                              drainer=drainer_factory(coordinator) if drainer_factory else None, metrics=metrics,
                              remove_memory_on_close=ephemeral_index, replicate_timeout_s=replicate_timeout_s,

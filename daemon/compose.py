@@ -58,6 +58,7 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     checkpoints = build_checkpoint_service(
         redis_url, state_dir, bus.publish, node=host, config=config.checkpoints,
         ephemeral_index=embedded_redis is not None, gid=config.agent.group_id(),
+        redis_options=config.redis.options(),
         replicator_factory=peers_wiring.replicator_factory(config.peers, host,
                                                            shared_redis=embedded_redis is None),
         replicate_timeout_s=config.peers.timeout_s,
@@ -66,7 +67,7 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
         wedged_after_s=config.agent.pool_wedged_s)
     feed = CheckpointFeed(checkpoints, dropped=metrics.events_dropped, publish=bus.publish)
 
-    gpu_metrics = GpuMetrics(metrics.registry) if config.nvml.enabled else None
+    gpu_metrics = GpuMetrics(metrics.registry, hostname=host) if config.nvml.enabled else None
     health_changed = asyncio.Event()
     gpus = GpuRegistry(on_transition=GpuTransitions(publisher=bus, jobs=jobs, checkpoints=feed,
                                                     gpu_metrics=gpu_metrics, health_changed=health_changed))

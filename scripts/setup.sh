@@ -3,7 +3,8 @@
 #   bash scripts/setup.sh          the package with the training side and the demo: sdcwatch[demo]
 #                                  (the core, which runs the agent, + torch + matplotlib)
 #   bash scripts/setup.sh --test   sdcwatch[test] (also psutil and the test tools) and the system packages
-#                                  the tests start (Prometheus' promtool and Alertmanager from Debian)
+#                                  the tests start (Prometheus' promtool and Alertmanager, redis-server and
+#                                  redis-sentinel from Debian)
 # torch: `pip install torch==2.13.0` (the CPU wheel where one is provided locally, never a CUDA download);
 # a torch already in the venv that satisfies the requirement is kept. The agent alone needs none of it:
 # `pip install sdcwatch` is the core.
@@ -17,6 +18,9 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || apt_pkgs+=(python3-venv)
 if [ "$want_test" = 1 ]; then
   command -v promtool >/dev/null || apt_pkgs+=(prometheus)
   command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || apt_pkgs+=(prometheus-alertmanager)
+  # the Sentinel HA tests start real redis-server and redis-sentinel processes (tests/sentinel_support.py)
+  command -v redis-server >/dev/null || apt_pkgs+=(redis-server)
+  command -v redis-sentinel >/dev/null || apt_pkgs+=(redis-sentinel)
 fi
 if [ "${#apt_pkgs[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
@@ -24,7 +28,7 @@ if [ "${#apt_pkgs[@]}" -gt 0 ]; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
     # the Debian packages start their services: the tests start their own on free ports
-    for svc in prometheus prometheus-alertmanager prometheus-node-exporter; do
+    for svc in prometheus prometheus-alertmanager prometheus-node-exporter redis-server redis-sentinel; do
       (systemctl stop "$svc" 2>/dev/null || service "$svc" stop 2>/dev/null || true) >/dev/null 2>&1
     done
   else

@@ -1,0 +1,115 @@
+"""`CommitFence`: what makes a begin or commit in the coordination Redis count, across a Sentinel failover.
+
+Two rules, both enforced by Redis itself (no home-made consensus):
+
+1. **Epoch fence.** Every fenced script carries the writer's epoch (Sentinel's `config-epoch` of the service,
+   which every failover raises; checkpoint/redis_connect.py `epoch_source`) and the job's fence key
+   (`<prefix>{J}:epoch`, same hash slot as the job's records). `FENCE_LUA`, run first in the script, refuses
+   an epoch lower than the highest the store has seen for the job (reply `ERR_FENCED`) and raises the stored
+   one otherwise. A writer that decided under the old primary's era (a stalled agent, a retry queued before
+   the failover) cannot land on the new primary once anyone wrote there under the new era: it re-reads the
+   epoch and redoes the call, which re-checks the record as the new primary has it (e.g. a begin the old
+   primary never replicated is gone: the commit says so instead of flipping a record that lost shards).
+2. **Replication ack.** With `replicas > 0` the script is followed, on the same connection (one pipeline),
+   by `WAIT replicas ack_timeout_ms`; the call counts only when Redis says that many replicas have the
+   write, otherwise `StoreUnavailableError` (transient: the caller retries; the scripts are idempotent).
+   A commit reported to a rank is therefore on a replica, which Sentinel promotes; a commit whose primary
+   died before replicating is never reported. Pair it with the primary's `min-replicas-to-write` so an
+   isolated old primary refuses writes outright (docs/sentinel.md).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+import redis
+
+from checkpoint.errors import StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+FENCED = "ERR_FENCED"
+
+# Prepended to a script whose last KEY is the fence key and last ARGV the writer's epoch.
+FENCE_LUA = """
+local fence_key = KEYS[#KEYS]
+local epoch = tonumber(ARGV[#ARGV])
+local fence = tonumber(redis.call('GET', fence_key) or '0')
+if epoch < fence then return {'ERR_FENCED', tostring(fence), 0} end
+if epoch > fence then redis.call('SET', fence_key, epoch) end
+"""
+
+
+def fenced(script_body: str) -> str:
+    """`script_body` with the fence check in front (see FENCE_LUA for its KEYS/ARGV convention)."""
+    return FENCE_LUA + script_body
+
+
+class CommitFence:
+    """The epoch a writer presents and the replication it waits for. `epoch_source()` returns the current
+    epoch (0 for a single server); it is read once and again whenever the store refuses the cached one."""
+
+    def __init__(self, epoch_source: Callable[[], int] = lambda: 0, *, replicas: int = 0,
+                 ack_timeout_ms: int = 1000) -> None:
+        if replicas < 0 or ack_timeout_ms < 0:
+            raise ValueError(f"replicas and ack_timeout_ms must be >= 0, got {replicas}, {ack_timeout_ms}")
+        self._source = epoch_source
+        self.replicas = replicas
+        self.ack_timeout_ms = ack_timeout_ms
+        self._epoch: int | None = None
+        self._lock = threading.Lock()
+        self.stats = {"fenced": 0, "not_replicated": 0}
+
+    def epoch(self) -> int:
+        with self._lock:
+            if self._epoch is None:
+                self._epoch = self._read()
+            return self._epoch
+
+    def refresh(self) -> int:
+        with self._lock:
+            self._epoch = self._read()
+            return self._epoch
+
+    def _read(self) -> int:
+        try:
+            return int(self._source())
+        except redis.RedisError as e:
+            raise StoreUnavailableError(f"cannot read the coordination store's epoch: {e}") from e
+
+    def run(self, client: Any, script: Any, keys: Sequence[str], args: Sequence[Any], fence_key: str) -> list:
+        """Run a `fenced` script (plus WAIT when `replicas`) in one pipeline; return the script's reply.
+        A refused epoch is re-read once and the call redone; refused again, or not replicated in time, raises
+        StoreUnavailableError."""
+        for attempt in range(2):
+            epoch = self.epoch() if attempt == 0 else self.refresh()
+            pipe = client.pipeline(transaction=False)
+            script(keys=[*keys, fence_key], args=[*args, epoch], client=pipe)
+            if self.replicas:
+                pipe.wait(self.replicas, self.ack_timeout_ms)
+            try:
+                replies = pipe.execute()
+            except redis.ResponseError as e:
+                if "NOREPLICAS" in str(e):
+                    self.stats["not_replicated"] += 1
+                    raise StoreUnavailableError(f"the coordination store's primary refuses writes: {e}") from e
+                raise
+            reply = list(replies[0])
+            if _s(reply[0]) == FENCED:
+                self.stats["fenced"] += 1
+                log.warning("write fenced: epoch %s is older than the store's %s; re-reading it", epoch,
+                            _s(reply[1]))
+                continue
+            if self.replicas and int(replies[1]) < self.replicas:
+                self.stats["not_replicated"] += 1
+                raise StoreUnavailableError(
+                    f"the write reached {int(replies[1])} of {self.replicas} replicas within "
+                    f"{self.ack_timeout_ms} ms; it does not count (retry)")
+            return reply
+        raise StoreUnavailableError(f"the coordination store fenced epoch {epoch} (a newer primary era exists) "
+                                    "and the epoch read again is no newer")
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,201 @@
+"""Connections to the coordination Redis: the one place a URL becomes a client, plain or through Sentinel.
+
+URLs:
+  redis://[user:password@]host:port[/db], rediss://..., unix:///path/to/sock   a single server (redis-py's own)
+  redis+sentinel://[user:password@]host1:26379,host2:26379,host3:26379/<service>[/<db>][?sentinel_password=...]
+                                                 the primary of Sentinel's `<service>`, discovered on every
+                                                 (re)connect; user/password are the data nodes'
+                                                 (`sentinel_password` the Sentinels' own, if they have one)
+
+A failover is ridden out by retrying commands on connection errors for `RedisOptions.failover_s`: each retry
+reconnects, and a Sentinel-managed connection asks the Sentinels for the primary again (redis-py turns an old
+primary's READONLY reply into a connection error). The scripts the coordinator retries are idempotent.
+
+`epoch_source(url)` gives the fencing epoch: Sentinel's `config-epoch` of the service (raised by every
+failover), 0 for a single server. checkpoint/commit_fence.py explains how the store checks it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import urllib.parse
+from typing import Any, Callable
+
+import redis
+import redis.asyncio
+import redis.asyncio.retry
+import redis.asyncio.sentinel
+import redis.retry
+import redis.sentinel
+from redis.backoff import ExponentialBackoff
+
+from checkpoint.errors import InvalidInputError
+
+SENTINEL_SCHEME = "redis+sentinel"
+PLAIN_SCHEMES = ("redis", "rediss", "unix")
+_BACKOFF_CAP_S = 0.25
+_RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RedisOptions:
+    """How the agent talks to the coordination Redis (the agent's `[redis]` section fills it)."""
+
+    timeout_s: float = 5.0          # connect, and per command
+    failover_s: float = 10.0        # commands retry on connection errors this long (a failover's duration)
+    replicas_to_ack: int = 0        # a begin/commit counts once this many replicas have it (Redis WAIT)
+    ack_timeout_ms: int = 1000      # how long WAIT waits for them
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SentinelUrl:
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+
+
+class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
+    """Reconnects through the Sentinels. redis-py 8.1 reconnects a dropped connection inside
+    `send_packed_command` straight to its cached address, so the retry after a failover dials the dead
+    primary until its retries run out (measured: 15 s of refused connects with `failover_s` 15, against
+    2.5 s with this class). `connect()` asks the Sentinels for the primary first."""
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:
+            self.connect()
+        super().send_packed_command(command, check_health)
+
+
+class _AsyncSentinelConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """`_SentinelConnection` for asyncio clients."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            await self.connect()
+        await super().send_packed_command(command, check_health)
+
+
+def is_sentinel(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEME + "://")
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Parse a `redis+sentinel://` URL; InvalidInputError names what is wrong and the expected form."""
+    form = "redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>]"
+    if not is_sentinel(url):
+        raise InvalidInputError(f"not a Sentinel URL (expected {form}): {url!r}")
+    rest = url[len(SENTINEL_SCHEME) + 3:]
+    rest, _, query = rest.partition("?")
+    creds, at, hosts_path = rest.rpartition("@")
+    if not at:
+        creds, hosts_path = "", rest
+    hosts, _, path = hosts_path.partition("/")
+    sentinels = []
+    for hp in filter(None, hosts.split(",")):
+        host, colon, port = hp.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidInputError(f"Sentinel address {hp!r} is not host:port (expected {form})")
+        sentinels.append((host.strip("[]"), int(port)))
+    if not sentinels:
+        raise InvalidInputError(f"no Sentinel address in {redact(url)!r} (expected {form})")
+    parts = [p for p in path.split("/") if p]
+    if not parts or len(parts) > 2:
+        raise InvalidInputError(f"the Sentinel URL names no service (expected {form}): {redact(url)!r}")
+    if len(parts) == 2 and not parts[1].isdigit():
+        raise InvalidInputError(f"the database {parts[1]!r} is not a number (expected {form})")
+    user, _, password = creds.partition(":")
+    q = urllib.parse.parse_qs(query)
+    unknown = set(q) - {"sentinel_password"}
+    if unknown:
+        raise InvalidInputError(f"unknown Sentinel URL parameter(s) {sorted(unknown)}; known: sentinel_password")
+    return SentinelUrl(tuple(sentinels), urllib.parse.unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0,
+                       urllib.parse.unquote(user) or None, urllib.parse.unquote(password) or None,
+                       q["sentinel_password"][0] if "sentinel_password" in q else None)
+
+
+def validate_url(url: str) -> None:
+    """InvalidInputError unless `url` is one this module connects to."""
+    if is_sentinel(url):
+        parse_sentinel_url(url)
+        return
+    if urllib.parse.urlsplit(url).scheme not in PLAIN_SCHEMES:
+        raise InvalidInputError(f"expected a redis://, rediss://, unix:// or {SENTINEL_SCHEME}:// URL, got {redact(url)!r}")
+
+
+def _retries(options: RedisOptions) -> int:
+    return max(1, math.ceil(options.failover_s / _BACKOFF_CAP_S))
+
+
+def _sentinel_kwargs(s: SentinelUrl, options: RedisOptions) -> dict[str, Any]:
+    kw: dict[str, Any] = {"socket_timeout": options.timeout_s, "socket_connect_timeout": options.timeout_s}
+    if s.sentinel_password:
+        kw["password"] = s.sentinel_password
+    return kw
+
+
+def connect(url: str, options: RedisOptions | None = None) -> redis.Redis:
+    """A synchronous client (the checkpoint coordinator's, used from worker threads)."""
+    o = options or RedisOptions()
+    validate_url(url)
+    retry = redis.retry.Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.02), _retries(o), _RETRY_ERRORS)
+    common = {"socket_timeout": o.timeout_s, "socket_connect_timeout": o.timeout_s, "retry": retry,
+              "retry_on_error": list(_RETRY_ERRORS)}
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **common)
+    s = parse_sentinel_url(url)
+    sentinel = redis.sentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, o))
+    return sentinel.master_for(s.service, db=s.db, username=s.username, password=s.password,
+                               connection_class=_SentinelConnection, **common)
+
+
+def connect_async(url: str, options: RedisOptions | None = None) -> redis.asyncio.Redis:
+    """An asyncio client (the agent's event stream)."""
+    o = options or RedisOptions()
+    validate_url(url)
+    retry = redis.asyncio.retry.Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.02), _retries(o), _RETRY_ERRORS)
+    common = {"socket_timeout": o.timeout_s, "socket_connect_timeout": o.timeout_s, "retry": retry,
+              "retry_on_error": list(_RETRY_ERRORS)}
+    if not is_sentinel(url):
+        return redis.asyncio.Redis.from_url(url, **common)
+    s = parse_sentinel_url(url)
+    sentinel = redis.asyncio.sentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, o))
+    return sentinel.master_for(s.service, db=s.db, username=s.username, password=s.password,
+                               connection_class=_AsyncSentinelConnection, **common)
+
+
+def epoch_source(url: str, options: RedisOptions | None = None) -> Callable[[], int]:
+    """A callable returning the current fencing epoch: the highest `config-epoch` of the service that any
+    reachable Sentinel reports (a Sentinel that has not heard of a failover yet reports the older one), 0 for
+    a single server. Raises redis.ConnectionError when no Sentinel answers."""
+    if not is_sentinel(url):
+        return lambda: 0
+    o = options or RedisOptions()
+    s = parse_sentinel_url(url)
+    clients = [redis.Redis(host=h, port=p, decode_responses=True, **_sentinel_kwargs(s, o)) for h, p in s.sentinels]
+
+    def current() -> int:
+        best, errors = -1, []
+        for c in clients:
+            try:
+                state = c.sentinel_master(s.service)
+            except redis.RedisError as e:
+                errors.append(f"{c.connection_pool.connection_kwargs.get('port')}: {e}")
+                continue
+            best = max(best, int(state.get("config-epoch", 0)))
+        if best < 0:
+            raise redis.ConnectionError(f"no Sentinel answered for {s.service!r}: {'; '.join(errors)}")
+        return best
+
+    return current
+
+
+def redact(url: str) -> str:
+    """`url` with its credentials replaced by ***."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+

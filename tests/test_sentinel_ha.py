@@ -1,0 +1,158 @@
+"""The coordination store on Redis Sentinel (docs/sentinel.md): real redis-server and redis-sentinel
+processes, the primary killed while several agents save and commit."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+
+from checkpoint import policy
+from checkpoint.commit_fence import CommitFence
+from checkpoint.errors import InvalidInputError, StoreUnavailableError
+from checkpoint.redis_connect import parse_sentinel_url, validate_url
+from daemon.config import ConfigError, RedisConfig
+from sentinel_support import SaveLog, SentinelCluster, agent, resumed_after, save_shard, shard, wait_for
+
+JOB = "ha-job"
+
+
+@pytest.fixture()
+def cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
+    c = SentinelCluster(tmp_path / "redis").start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture()
+def cluster_without_min_replicas(tmp_path: Path) -> Iterator[SentinelCluster]:
+    c = SentinelCluster(tmp_path / "redis", min_replicas=0).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_sentinel_urls_parse_and_bad_ones_say_what_is_wrong() -> None:
+    s = parse_sentinel_url("redis+sentinel://u:p%40ss@h1:26379,10.0.0.2:26380/mymaster/3?sentinel_password=x")
+    assert s.sentinels == (("h1", 26379), ("10.0.0.2", 26380)) and s.service == "mymaster" and s.db == 3
+    assert (s.username, s.password, s.sentinel_password) == ("u", "p@ss", "x")
+    for bad, why in (("redis+sentinel://h1:26379", "names no service"), ("redis+sentinel:///svc", "no Sentinel"),
+                     ("redis+sentinel://h1/svc", "not host:port"), ("redis+sentinel://h:1/svc/x", "not a number"),
+                     ("redis+sentinel://h:1/svc?tls=1", "unknown"), ("http://h:1", "expected a redis://")):
+        with pytest.raises(InvalidInputError, match=why):
+            validate_url(bad)
+    with pytest.raises(ConfigError, match="redis.url"):
+        RedisConfig(url="redis+sentinel://h1:26379").validate()
+    with pytest.raises(ConfigError, match="replicas_to_ack"):
+        RedisConfig(replicas_to_ack=1).validate()   # the embedded Redis has no replicas
+
+
+def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluster, tmp_path: Path) -> None:
+    """Three agents (one rank each) save step after step; the primary is killed twice. Every commit a rank
+    was told about is in the store afterwards, each step is completed and announced once, every announced
+    VERIFIED is still VERIFIED, and saves resume after each kill."""
+    log, world, stop = SaveLog(), 3, threading.Event()
+    agents = [agent(cluster.url, tmp_path, f"node{r}", log) for r in range(world)]
+
+    def run(rank: int) -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            save_shard(agents[rank], JOB, step, rank, world, log, deadline_s=30, vote=rank == 0)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    epochs = [cluster.epoch()]
+    for _ in range(2):
+        wait_for(lambda: len(log.reported) >= 3 * world + len(epochs) * world * 3, 60, "saves before a kill")
+        cluster.wait_healthy()
+        primary, killed_at = cluster.primary_port(), time.monotonic()
+        cluster.kill(primary)
+        wait_for(lambda: resumed_after(log, killed_at), 60, "a save after the kill")
+        assert cluster.primary_port() != primary
+        epochs.append(cluster.epoch())
+        cluster.restart(primary)
+    n = len(log.reported)
+    wait_for(lambda: len(log.reported) >= n + 2 * world, 60, "saves after the last restart")
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not log.errors, log.errors
+    assert epochs == sorted(set(epochs)), f"every failover raises the epoch: {epochs}"
+
+    co = agents[0]
+    final = {i.step: i for i in co.list(JOB)}
+    steps_reported = {s for s, _ in log.reported}
+    complete = {s for s in steps_reported if all((s, r) in log.reported for r in range(world))}
+    assert len(complete) >= 8
+    for s in complete:      # every rank was told its shard is in: the checkpoint is, with every shard
+        assert final[s].state in policy.RESTORABLE_STATES and final[s].shards == world, (s, final[s])
+    for s, ranks in log.completed.items():
+        assert len(ranks) == 1, f"step {s} completed by ranks {ranks}"
+        assert log.announced.get(s) == 1, f"step {s} announced {log.announced.get(s)} times"
+    assert set(log.completed) == complete
+    for s in log.verified:  # nothing VERIFIED is lost
+        assert final[s].state == policy.VERIFIED, (s, final[s])
+    assert all(v == 1 for v in log.verified.values())
+
+
+def test_commit_killed_before_replication_is_durable_or_never_reported(
+        cluster_without_min_replicas: SentinelCluster, tmp_path: Path) -> None:
+    """The replicas are paused, so the primary takes the completing commit but no replica acknowledges it:
+    WAIT says so and the rank is not told. The primary dies. The promoted replica either lacks the flip (it
+    never got it) or has it (the bytes were already in its socket buffer when it was paused): either the
+    commit is durable or it was never reported. The rank's retry then reports it, once."""
+    c = cluster_without_min_replicas
+    log = SaveLog()
+    a, b = agent(c.url, tmp_path, "a", log), agent(c.url, tmp_path, "b", log)
+    assert save_shard(b, JOB, 7, 1, 2, log, 20)                 # replicated: WAIT said so
+    data, manifest = shard(JOB, 7, 0, 2)
+    a.store.put(f"{JOB}/{7:012d}/rank-00000.bin", data)
+    a.begin(JOB, 7, 0, 2)
+    primary = c.primary_port()
+    replicas = [p for p in c.ports if p != primary]
+    for p in replicas:
+        c.pause(p, True)
+    try:
+        with pytest.raises(StoreUnavailableError, match="replicas"):
+            a.commit_shard(JOB, 7, 0, 2, manifest)
+        assert redis.Redis(port=primary).hget(f"sdcw:ckpt:{{{JOB}}}:s:7", "state") == b"COMMITTED"
+        assert log.announced == {} and a.stats["checkpoints_committed"] == 0
+        c.kill(primary)
+    finally:
+        for p in replicas:
+            c.pause(p, False)
+    new = c.primary_port()
+    assert new in replicas
+    rec = redis.Redis(port=new, decode_responses=True).hgetall(f"sdcw:ckpt:{{{JOB}}}:s:7")
+    assert rec["state"] in ("PENDING", "COMMITTED")
+    assert rec["state"] == "PENDING" or rec["completed_by"] == "0"
+    r = a.commit_shard(JOB, 7, 0, 2, manifest)
+    assert r.state == "COMMITTED" and r.committed_now and log.announced == {7: 1}
+    assert not b.commit_shard(JOB, 7, 1, 2, b.shard_manifest(JOB, 7, 1).to_json()).committed_now
+
+
+def test_a_write_from_the_old_primary_era_cannot_land(cluster: SentinelCluster, tmp_path: Path) -> None:
+    log = SaveLog()
+    old_epoch = cluster.epoch()
+    stale = agent(cluster.url, tmp_path, "stale", log, fence=CommitFence(lambda: old_epoch, replicas=1))
+    fresh = agent(cluster.url, tmp_path, "fresh", log)
+    assert save_shard(stale, JOB, 1, 0, 2, log, 20)
+    primary = cluster.primary_port()
+    cluster.kill(primary)
+    wait_for(lambda: cluster.primary_port() != primary and cluster.epoch() > old_epoch, 60, "the failover")
+    assert save_shard(fresh, JOB, 1, 1, 2, log, 30)             # the new era writes: the fence moves up
+    assert fresh.info(JOB, 1).state == policy.COMMITTED
+    data, manifest = shard(JOB, 2, 0, 2)
+    stale.store.put(f"{JOB}/{2:012d}/rank-00000.bin", data)
+    with pytest.raises(StoreUnavailableError, match="fenced epoch"):
+        stale.begin(JOB, 2, 0, 2)
+    assert stale.fence.stats["fenced"] == 2
+    assert [i.step for i in fresh.list(JOB)] == [1], "the fenced begin left no record"
