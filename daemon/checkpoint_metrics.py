@@ -70,7 +70,8 @@ class CheckpointMetrics:
                                   "Bytes in this node's checkpoint memory tier (blobs, slots, spares)", registry=r)
         self.job_bytes = Gauge("sdcwatch_checkpoint_bytes", "Bytes of a job's live checkpoints (all ranks)",
                                ["job_id"], registry=r)
-        self.job_count = Gauge("sdcwatch_checkpoint_count", "A job's live checkpoints (pending, committed, "
+        # not `_count`: promtool reserves that suffix for histograms and summaries
+        self.job_count = Gauge("sdcwatch_checkpoints", "A job's live checkpoints (pending, committed, "
                                "verified)", ["job_id"], registry=r)
         self.latest_step = Gauge("sdcwatch_checkpoint_latest_step", "Newest restorable checkpoint step; -1 none",
                                  ["job_id"], registry=r)

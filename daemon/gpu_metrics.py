@@ -2,6 +2,10 @@
 
 Every series is labelled by `uuid`, `pci_bus_id` and `model`. Counters follow the probe's deltas, which
 never go negative: a GPU reset zeroes the GPU's volatile counters but our `_total` series keep growing.
+`sdcwatch_gpu_info` also carries the node's `hostname`; the recording rules `sdcwatch:gpu_info:dcgm` and
+`sdcwatch:gpu_state:dcgm` (deploy/prometheus/sdcwatch-rules.yml) copy `uuid`, `model`, `hostname` and
+`index` to dcgm-exporter's `UUID`, `modelName`, `Hostname` and `gpu`, so the two exporters join. (The
+agent does not export camelCase labels itself: `promtool check metrics` rejects them.)
 """
 from __future__ import annotations
 
@@ -19,10 +23,14 @@ L = ("uuid", "pci_bus_id", "model")
 
 
 class GpuMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """`hostname`: the node's name as dcgm-exporter reports it in `Hostname` (the agent's `[agent] hostname`;
+    in Kubernetes the node name), the `hostname` label of `sdcwatch_gpu_info`."""
+
+    def __init__(self, registry: CollectorRegistry, hostname: str = "") -> None:
         r = registry
-        self.info = Gauge("sdcwatch_gpu_info", "GPU identity (value 1)", L + ("index", "serial", "driver_version"),
-                          registry=r)
+        self.hostname = hostname
+        self.info = Gauge("sdcwatch_gpu_info", "GPU identity (value 1); hostname is the node's name",
+                          L + ("index", "serial", "driver_version", "hostname"), registry=r)
         self.state = Gauge("sdcwatch_gpu_state", "1 for the GPU's current state, 0 for the others", L + ("state",),
                            registry=r)
         self.xid = Counter("sdcwatch_gpu_xid_events", "XID events seen", L + ("xid",), registry=r)
@@ -118,7 +126,7 @@ class GpuMetrics:
     def update(self, identity: GpuIdentity, readings: GpuReadings | None, state: State) -> None:
         """One poll's readings (None when the GPU could not be read) and the derived state."""
         i = identity
-        self._set(i, self.info, (str(i.index), i.serial or "", i.driver_version or ""), 1)
+        self._set(i, self.info, (str(i.index), i.serial or "", i.driver_version or "", self.hostname), 1)
         for s in State:
             self._set(i, self.state, (s.name,), 1 if s is state else 0)
         self._set(i, self.up, (), 1 if readings is not None else 0)

@@ -12,7 +12,8 @@ import time
 from typing import Any, Iterator
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics,
+                               start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -29,6 +30,9 @@ class AgentMetrics:
     the event counts); without it, no job series."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, jobs: JobTracker | None = None) -> None:
+        # prometheus_client's process-wide switch: no `<counter>_created` / `<histogram>_created` series (a
+        # quarter of the agent's samples, which no rule or dashboard reads); the agent owns its process
+        disable_created_metrics()
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.build = Info("sdcwatch_build", "Agent build: version, python and grpc versions", registry=r)

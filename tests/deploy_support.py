@@ -67,7 +67,7 @@ def exported_metric_names() -> set[str]:
         for mf in r.collect():
             names.add(mf.name)
             if mf.type == "counter":
-                names.update({mf.name + "_total", mf.name + "_created"})
+                names.add(mf.name + "_total")
             elif mf.type == "info":
                 names.add(mf.name + "_info")
             elif mf.type == "histogram":

@@ -72,3 +72,54 @@ def test_external_redis_keeps_the_bytes(redis_server, tmp_path: Path) -> None:
     svc = build_checkpoint_service(redis_server.url, tmp_path / "state", memory_dir=mem)
     asyncio.run(svc.close())
     assert (mem / "job" / "blob").read_bytes() == b"indexed"
+
+
+def test_exposition_passes_promtool_in_every_state_without_created_series(redis_server, tmp_path: Path) -> None:
+    """The agent's registry as it is exported: empty, with a GPU, an event, an alert and checkpoints
+    (sdcwatch_checkpoints, not `_count`: promtool reserves that suffix), each checked by
+    `promtool check metrics`; no `_created` series; the GPU info carries the node's hostname (the recording
+    rules turn it and the GPU's labels into dcgm-exporter's, tests in deploy/prometheus)."""
+    import shutil
+    import subprocess
+
+    from prometheus_client import generate_latest
+
+    from daemon.alerts import AlertMetrics
+    from daemon.gpu_metrics import GpuMetrics
+    from daemon.jobs import JobTracker
+    from daemon.metrics import AgentMetrics
+    from probes.nvml_backend import GpuIdentity
+    from probes.nvml_rules import RuleConfig, make_readings
+    from sdcwatch.types import State
+
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not installed (Debian package 'prometheus'; bash scripts/setup.sh --test)"
+    agent = AgentMetrics(jobs=JobTracker())
+    reg = agent.registry
+
+    def check(state: str) -> str:
+        text = generate_latest(reg).decode()
+        out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"{state}: {out.stdout}{out.stderr}"
+        assert "_created" not in text, state
+        return text
+
+    check("empty")
+    gpus = GpuMetrics(reg, hostname="node-7")
+    AlertMetrics(reg)
+    ident = GpuIdentity("GPU-a", "00000000:19:00.0", "NVIDIA H200", 3, "123", "550.90.07")
+    gpus.update(ident, make_readings("GPU-a", None, {"temp.gpu": 71, "ecc.corrected.volatile.total": 2},
+                                     frozenset(), {}, 0, RuleConfig()), State.FAILED)
+    gpus.observe_xid(ident, 79)
+    assert reg.get_sample_value("sdcwatch_gpu_info", {
+        "uuid": "GPU-a", "pci_bus_id": "00000000:19:00.0", "model": "NVIDIA H200", "index": "3", "serial": "123",
+        "driver_version": "550.90.07", "hostname": "node-7"}) == 1
+    check("a GPU")
+    co, job = node(redis_server.port, tmp_path, "n0", key_prefix=f"{job_id('p')}:"), job_id("m")
+    svc = CheckpointService(co, clock=lambda: 1000.0, metrics=CheckpointMetrics(reg))
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
+    assert snap.save(1, state_dict(0, 1)).result(30).state == "COMMITTED"
+    snap.close()
+    asyncio.run(svc.maintain_once())
+    text = check("a checkpoint")
+    assert f'sdcwatch_checkpoints{{job_id="{job}"}} 1.0' in text

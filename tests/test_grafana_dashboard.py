@@ -33,7 +33,7 @@ def test_dashboard_is_valid_and_has_node_and_job_views() -> None:
     dash = _dashboard()
     assert dash["uid"] and dash["title"]
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert "Node" in rows and "Job" in rows
+    assert "Node" in rows and "Job" in rows and "Checkpoints" in rows
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     variables = {v["name"] for v in dash["templating"]["list"]}

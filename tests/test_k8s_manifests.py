@@ -150,7 +150,7 @@ def test_prometheusrule_runbook_base_can_be_rewritten(tmp_path: Path) -> None:
     assert gen_prometheusrule.main(["--output", str(out), "--runbook-base", "https://wiki.example/rb/",
                                     "--label", "team=gpu", "--namespace", "monitoring"]) == 0
     pr = yaml.safe_load(out.read_text())
-    urls = [r["annotations"]["runbook_url"] for g in pr["spec"]["groups"] for r in g["rules"]]
+    urls = [r["annotations"]["runbook_url"] for g in pr["spec"]["groups"] for r in g["rules"] if "alert" in r]
     assert urls and all(u.startswith("https://wiki.example/rb/SDCWatch") and u.endswith(".md") for u in urls)
     assert pr["metadata"]["labels"]["team"] == "gpu" and pr["metadata"]["namespace"] == "monitoring"
     with pytest.raises(ValueError, match="groups"):
