@@ -197,6 +197,12 @@ def signals_for_event(kind: str, severity: Severity, subject: str, message: str,
     if kind == ek.PROBE_RECOVERED.name:
         probe = str(details.get("probe", subject.split("/", 1)[-1]))
         return [Signal("resolve", labels("SDCWatchProbeHung", "critical", probe=probe))]
+    if kind == ek.GPU_ECC_STORM.name:
+        uuid = _uuid_of(subject, details)
+        name = "SDCWatchGPUCorrectableECCStorm"
+        return [Signal("pulse", labels(name, "warning", uuid=uuid),
+                       {**notes(name, f"correctable ECC storm on GPU {uuid} ({node})"),
+                        "pci_bus_id": str(details.get("pci_bus_id", ""))})]
     if kind == ek.AGENT_LOOP_STALE.name:
         probe = str(details.get("probe", subject.split("/", 1)[-1]))
         name = "SDCWatchAgentLoopStale"

@@ -1,6 +1,8 @@
 """Repeat folding (pure): one event per (kind, subject, window), by the catalogue's `fold_s`.
 
-The first occurrence of a kind for a subject is published at once and opens a window of the kind's
+The key is (kind, subject) plus the kind's `fold_by` details (e.g. the XID number). An occurrence whose
+details carry `repeats` already stands for that many (a batch of XIDs). The first occurrence of a key is
+published at once and opens a window of the kind's
 `fold_s` seconds. Later occurrences inside the window are counted, not published. When the window closes
 (`due(now)`, or the next `offer` after it), the folded occurrences become one event: the last one's message
 and details, the worst severity among them, and `repeats` (how many occurrences it stands for) in its
@@ -16,10 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from sdcwatch.event_kinds import EventKind
+from sdcwatch.event_kinds import REPEATS, EventKind
 from sdcwatch.types import Severity
 
-REPEATS = "repeats"   # the details key of a folded event
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class RepeatFolder:
         if max_keys < 1:
             raise ValueError(f"RepeatFolder max_keys must be >= 1, got {max_keys}")
         self.max_keys = max_keys
-        self._windows: dict[tuple[str, str], _Window] = {}
+        self._windows: dict[tuple[str, ...], _Window] = {}
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -58,7 +59,7 @@ class RepeatFolder:
         window_s = occ.kind.fold_s
         if window_s <= 0:
             return [occ]
-        key = (occ.kind.name, occ.subject)
+        key = (occ.kind.name, occ.subject, *(str(occ.details.get(k, "")) for k in occ.kind.fold_by))
         out: list[Occurrence] = []
         w = self._windows.get(key)
         if w is not None and now >= w.until:
@@ -71,7 +72,7 @@ class RepeatFolder:
             self._windows[key] = _Window(until=now + window_s)
             out.append(occ)
             return out
-        w.folded += 1
+        w.folded += int(occ.details.get(REPEATS, 1))   # an occurrence may already stand for several
         w.last = occ
         if occ.severity > w.severity:
             w.severity = occ.severity
@@ -93,7 +94,7 @@ class RepeatFolder:
         self._windows.clear()
         return out
 
-    def _close(self, key: tuple[str, str], w: _Window, now: float) -> list[Occurrence]:
+    def _close(self, key: tuple[str, ...], w: _Window, now: float) -> list[Occurrence]:
         """Close `w` (and the empty windows after it up to `now`); a window that folded something is
         followed by the next one."""
         if not w.folded:
@@ -110,7 +111,7 @@ class RepeatFolder:
         return out
 
     @staticmethod
-    def _summary(key: tuple[str, str], w: _Window) -> list[Occurrence]:
+    def _summary(key: tuple[str, ...], w: _Window) -> list[Occurrence]:
         if not w.folded or w.last is None:
             return []
         last = w.last

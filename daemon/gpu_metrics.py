@@ -102,8 +102,8 @@ class GpuMetrics:
         self._inc(identity, self.canary_runs, (result,), 1)
         self._inc(identity, self.canary_failures, (), 1 if result == "fail" else 0)
 
-    def observe_xid(self, identity: GpuIdentity, xid: int) -> None:
-        self._inc(identity, self.xid, (str(int(xid)),), 1)
+    def observe_xid(self, identity: GpuIdentity, xid: int, count: int = 1) -> None:
+        self._inc(identity, self.xid, (str(int(xid)),), count)
 
     def identify(self, identity: GpuIdentity) -> None:
         """The GPU's identity as NVML reports it (its labels); series are kept only for identified GPUs."""

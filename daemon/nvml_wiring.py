@@ -26,6 +26,7 @@ from daemon.watchdog import LoopBeat
 from probes.canary_agent import AgentCanaryProbe
 from probes.nvml_backend import GpuIdentity, NvmlUnavailable, open_backend
 from probes.nvml_fake import ScenarioBackend
+from probes.nvml_fields import EVENT_TYPES
 from probes.nvml_probe import NvmlProbe, NvmlProbeConfig
 from sdcwatch import event_kinds as ek
 from sdcwatch.types import Evidence, State
@@ -89,8 +90,11 @@ class GpuProbes:
         self._run(runner, background)
         stop = threading.Event()
         loop = asyncio.get_running_loop()
-        thread = threading.Thread(target=probe.run_xid_listener, name="sdcwatch-xid", daemon=True,
-                                  args=(lambda ev: loop.call_soon_threadsafe(nvml.on_xid, ev), stop))
+        thread = threading.Thread(
+            target=probe.run_xid_listener, name="sdcwatch-xid", daemon=True,
+            args=(lambda ev: loop.call_soon_threadsafe(nvml.on_events, [ev]), stop),
+            kwargs={"on_batch": lambda batch: loop.call_soon_threadsafe(nvml.on_events, batch),
+                    "on_open": lambda registered: loop.call_soon_threadsafe(nvml.on_events_open, registered)})
         thread.start()
 
         def close() -> None:   # the XID thread told to stop first, then NVML closed under it
@@ -154,6 +158,7 @@ class NvmlPoller:
         self.gpu_metrics = gpu_metrics
         self.metrics = metrics
         self.frozen: Callable[[], bool] = lambda: False   # a scenario's rehearsal of a stopped loop
+        self.events_unsupported: dict[str, list[str]] = {}   # uuid -> NVML event types it does not deliver
 
     def register(self, ident: GpuIdentity, now: float) -> None:
         self.gpu_metrics.identify(ident)
@@ -174,7 +179,7 @@ class NvmlPoller:
                 gpus.replace_source(uuid, "nvml", evidence, now)
         for uuid, fields in result.unsupported.items():
             if uuid in gpus.gpus:
-                gpus.set_unsupported(uuid, fields)
+                gpus.set_unsupported(uuid, [*fields, *self.events_unsupported.get(uuid, ())])
         for finding in result.findings:
             self.publisher.publish_finding(finding)
         for uuid, readings in result.readings.items():
@@ -182,16 +187,32 @@ class NvmlPoller:
             if ident is not None and uuid in gpus.gpus:
                 self.gpu_metrics.update(ident, readings, gpus.gpus[uuid].state)
 
-    def on_xid(self, ev: Any) -> None:
-        evidence, finding = NvmlProbe.xid_evidence(ev)
+    def on_events(self, batch: list[Any]) -> None:
+        """A batch of NVML events from the listener thread (identical ones folded, `count` each): evidence,
+        metrics and one journal offer per distinct event; the bus folds repeats per (kind, GPU, XID, window)."""
         now = time.time()
-        if ev.uuid not in self.gpus.gpus:
-            self.gpus.ensure(ev.uuid, now, pci_bus_id=ev.pci_bus_id)
-        ident = self.gpu_metrics.identity(ev.uuid)
-        if ident is not None:
-            self.gpu_metrics.observe_xid(ident, ev.xid)
-        self.publisher.publish_finding(finding)
-        self.gpus.add_evidence(ev.uuid, [evidence], now)
+        touched: dict[str, list[Evidence]] = {}
+        for ev in batch:
+            evidence, finding = NvmlProbe.event_evidence(ev)
+            if ev.uuid not in self.gpus.gpus:
+                self.gpus.ensure(ev.uuid, now, pci_bus_id=ev.pci_bus_id)
+            ident = self.gpu_metrics.identity(ev.uuid)
+            if ident is not None and ev.event == "xid":
+                self.gpu_metrics.observe_xid(ident, ev.xid, ev.count)
+            self.publisher.publish_finding(finding)
+            touched.setdefault(ev.uuid, []).append(evidence)
+        for uuid, evidence in touched.items():
+            self.gpus.add_evidence(uuid, evidence, now)
+
+    def on_events_open(self, registered: dict[int, list[str]]) -> None:
+        """The event types registered per GPU index: the others are recorded NotSupported (`event.<name>`
+        among the GPU's unsupported fields)."""
+        by_index = {rec.index: uuid for uuid, rec in self.gpus.gpus.items() if rec.discovered_by == "nvml"}
+        for index, uuid in by_index.items():
+            names = registered.get(index, [])
+            self.events_unsupported[uuid] = [f"event.{n}" for n in EVENT_TYPES if n not in names]
+            rec = self.gpus.gpus[uuid]
+            self.gpus.set_unsupported(uuid, [*rec.unsupported, *self.events_unsupported[uuid]])
 
     def on_hung(self, hung: bool) -> None:
         now = time.time()

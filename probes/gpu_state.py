@@ -180,7 +180,7 @@ class GpuEvidenceStore:
             except ValueError as exc:
                 raise ValueError(f"XID evidence signal must be 'xid.<number>', got {ev.signal!r}") from exc
             hist = self._xids.setdefault(xid, deque(maxlen=self.config.history_max))
-            for _ in range(max(1, ev.count)):
+            for _ in range(min(max(1, ev.count), self.config.history_max)):   # a batch of 800,000: 256 kept
                 hist.append(ev.time)
         elif ev.key == ("nvml", "gpu_reset"):
             self._remember(self._resets, ev.time)

@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from probes.nvml_fake import ScenarioBackend
-from probes.nvml_fields import FIELD_VALUES_CALL, FieldSpec, spec_for
+from probes.nvml_fields import EVENT_TYPES, FIELD_VALUES_CALL, FieldSpec, spec_for
 from probes.nvml_isolated import IsolatedBackend
 from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, GpuNeedsReset, NvmlError, NvmlUnavailable, RawXid
 
@@ -57,7 +57,7 @@ class NvmlBackend(Protocol):
 
     def read_fields(self, index: int, names: Sequence[str]) -> dict[str, int | float | NvmlError]: ...
 
-    def xid_open(self) -> list[int]: ...
+    def xid_open(self) -> dict[int, list[str]]: ...
 
     def xid_wait(self, timeout_ms: int) -> RawXid | None: ...
 
@@ -77,7 +77,7 @@ _GPU_IS_LOST = 15
 _RESET_REQUIRED = 16
 _UNAVAILABLE_CODES = {1, 9, 12, 18}  # uninitialized, driver not loaded, library not found, lib/RM mismatch
 _TRANSIENT_CODES = {10, 11, 19, 20, 23, 27, 999}  # timeout, irq, in use, memory, resources, not ready, unknown
-_XID_EVENT_TYPE = 0x0000000000000008  # nvmlEventTypeXidCriticalError
+_XID_EVENT_TYPE = EVENT_TYPES["xid"]
 
 
 def read_many(backend: NvmlBackend, requests: Sequence[tuple[int, Sequence[str]]]
@@ -267,17 +267,25 @@ class PynvmlBackend:
             return float(value) * spec.scale
         return int(value)
 
-    def xid_open(self) -> list[int]:
+    def xid_open(self) -> dict[int, list[str]]:
         with self._lock:
             if self._event_set is None:
                 self._event_set = self._call("nvmlEventSetCreate")
-        registered: list[int] = []
+        registered: dict[int, list[str]] = {}
         for index in range(self.device_count()):
+            handle = self._handle(index)
             try:
-                self._call("nvmlDeviceRegisterEvents", self._handle(index), _XID_EVENT_TYPE, self._event_set)
-                registered.append(index)
+                supported = int(self._call("nvmlDeviceGetSupportedEventTypes", handle))
+            except NvmlError as err:   # an older driver: XIDs only, as before
+                log.info("GPU index %d: supported event types unknown (%s): XIDs only", index, err)
+                supported = _XID_EVENT_TYPE
+            names = [n for n, bit in EVENT_TYPES.items() if supported & bit]
+            mask = sum(EVENT_TYPES[n] for n in names)
+            try:
+                self._call("nvmlDeviceRegisterEvents", handle, mask, self._event_set)
+                registered[index] = names
             except NvmlError as err:
-                log.warning("XID events unavailable on GPU index %d: %s", index, err)
+                log.warning("NVML events unavailable on GPU index %d: %s", index, err)
         return registered
 
     def xid_wait(self, timeout_ms: int) -> RawXid | None:
@@ -290,13 +298,14 @@ class PynvmlBackend:
             if err.code == 10:  # NVML_ERROR_TIMEOUT: nothing happened
                 return None
             raise
-        if int(data.eventType) & _XID_EVENT_TYPE == 0:
+        kind = next((n for n, bit in EVENT_TYPES.items() if int(data.eventType) & bit), None)
+        if kind is None:
             return None
         try:
             uuid: str | None = _text(self._call("nvmlDeviceGetUUID", data.device))
         except NvmlError:
             uuid = None
-        return RawXid(uuid=uuid, xid=int(data.eventData))
+        return RawXid(uuid=uuid, xid=int(data.eventData), event=kind)
 
     def xid_close(self) -> None:
         with self._lock:

@@ -70,11 +70,11 @@ def _dispatch(backend: Any, method: str, args: list[Any]) -> Any:
             except NvmlError as err:
                 out.append({"error": error_to_json(err)})
         return out
-    if method == "xid_open":
-        return backend.xid_open()
+    if method == "xid_open":   # pairs: JSON object keys would turn the indices into strings
+        return [[i, names] for i, names in backend.xid_open().items()]
     if method == "xid_wait":
         ev = backend.xid_wait(*args)
-        return None if ev is None else {"uuid": ev.uuid, "xid": ev.xid}
+        return None if ev is None else {"uuid": ev.uuid, "xid": ev.xid, "event": ev.event}
     if method == "xid_close":
         backend.xid_close()
         return None

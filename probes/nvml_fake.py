@@ -13,7 +13,8 @@ Scenario format (JSON; docs/nvml-scenarios.md has examples)::
         {"uuid": "GPU-...", "pci_bus_id": "00000000:19:00.0", "name": "NVIDIA H200", "serial": "...",
          "nvlink_links": 18,                          # default 18; 0 for none
          "fields": {"temp.gpu": 41},                  # initial values over a healthy H200-like default
-         "unsupported": ["retired_pages.*"],          # field names, globs or NVML call names
+         "unsupported": ["retired_pages.*"],          # field names, globs or NVML call names; "xid_events"
+                                                      # (no NVML events at all) or "event.<name>" (that one)
          "supported": []}                             # remove defaults from the unsupported set
       ],
       "timeline": [                                   # items in any order; applied when time >= "at"
@@ -21,6 +22,8 @@ Scenario format (JSON; docs/nvml-scenarios.md has examples)::
         {"at": 5,  "gpu": 0, "add": {"ecc.corrected.volatile.dram": 3}},
         {"at": 10, "gpu": 0, "rate": {"pcie.replay": 2.5}, "until": 40},   # per second in [at, until)
         {"at": 12, "gpu": 1, "xid": 79},
+        {"at": 1, "gpu": 0, "xid": 13, "count": 800000, "until": 61},   # a flood: count XIDs spread evenly
+        {"at": 3, "gpu": 0, "event": "sbe_storm"},     # an NVML event (EVENT_TYPES name), "data" optional
         {"at": 12, "gpu": 1, "lost": true},           # fell off the bus: every call raises GpuLost
         {"at": 30, "gpu": 1, "reset": true},          # GPU reset: volatile counters zeroed, pending
                                                       # remap/retirement applied, recovery action NONE,
@@ -42,6 +45,7 @@ early); call names are those of `probes.nvml_fields.FieldSpec.call`, plus `nvmlD
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -51,6 +55,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from probes.nvml_fields import (
     ECC_LOCATIONS,
+    EVENT_TYPES,
     ECC_SCOPES,
     REMAP_HIST_BUCKETS,
     THROTTLE_REASONS,
@@ -63,8 +68,8 @@ from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, NvmlError
 log = logging.getLogger(__name__)
 
 DEFAULT_UNSUPPORTED = ("retired_pages.*",)  # Hopper answers NotSupported for page retirement
-_TIMELINE_KEYS = {"at", "gpu", "set", "add", "rate", "until", "xid", "lost", "reset", "unsupported",
-                  "supported", "hang"}
+_TIMELINE_KEYS = {"at", "gpu", "set", "add", "rate", "until", "xid", "count", "lost", "reset", "unsupported",
+                  "supported", "hang", "event", "data"}
 
 
 def default_fields(nvlink_links: int) -> dict[str, float]:
@@ -107,9 +112,13 @@ class _Gpu:
         self.unsupported: set[str] = names_matching(DEFAULT_UNSUPPORTED, self.specs)
         self.unsupported |= self._match(spec.get("unsupported", []), f"gpus[{index}].unsupported")
         self.unsupported -= self._match(spec.get("supported", []), f"gpus[{index}].supported")
-        self.xid_events_supported = "xid_events" not in spec.get("unsupported", [])
+        self._unsupported_events = set(spec.get("unsupported", []))
         self.lost = False
         self.rates: list[tuple[float, float, dict[str, float]]] = []  # (start, until, per-second)
+
+    def events_supported(self, name: str) -> bool:
+        """Whether this GPU delivers NVML event `name` ("xid_events" unsupported: no events at all)."""
+        return "xid_events" not in self._unsupported_events and f"event.{name}" not in self._unsupported_events
 
     def _match(self, patterns: Any, where: str) -> set[str]:
         if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
@@ -195,7 +204,8 @@ class ScenarioBackend:
         self._pending = sorted((self._validate(i, item) for i, item in enumerate(timeline)),
                                key=lambda it: (it["at"], it["_order"]))
         self._hangs: list[dict[str, Any]] = []
-        self._xids: list[RawXid] = []
+        self._xids: collections.deque[list[Any]] = collections.deque()   # [event, how many times]
+        self._floods: list[list[Any]] = []
         self._xid_open = False
         self._last_t = 0.0
         self._closed = False
@@ -278,6 +288,12 @@ class ScenarioBackend:
             raise ValueError(f"scenario {where}: 'rate' needs 'until' (seconds)")
         if "xid" in item and (not isinstance(item["xid"], int) or item["xid"] <= 0):
             raise ValueError(f"scenario {where}: 'xid' must be a positive integer")
+        if "count" in item and (not isinstance(item["count"], int) or item["count"] < 1 or "xid" not in item
+                                or not isinstance(item.get("until"), (int, float)) or item["until"] <= at):
+            raise ValueError(f"scenario {where}: 'count' (>= 1) goes with 'xid' and 'until' (> at)")
+        if "event" in item and (item["event"] not in EVENT_TYPES or item["event"] == "xid"):
+            raise ValueError(f"scenario {where}: 'event' must be one of "
+                             f"{sorted(n for n in EVENT_TYPES if n != 'xid')}, got {item.get('event')!r}")
         return out
 
     def _advance(self) -> None:
@@ -289,7 +305,18 @@ class ScenarioBackend:
             self._apply(item)
         self._apply_rates(now)
 
+    def _apply_floods(self, t: float) -> None:
+        """Queue the XIDs of each flood due by `t` as runs (one queue entry per run, not per XID)."""
+        for fl in self._floods:
+            g, xid, start, until, count, done = fl
+            due = count if t >= until else int(count * max(0.0, t - start) / (until - start))
+            if due > done and self._xid_open and g.events_supported("xid"):
+                self._xids.append([RawXid(g.identity.uuid, xid), due - done])
+                self._xid_wakeup.notify_all()
+            fl[5] = max(done, due)
+
     def _apply_rates(self, t: float) -> None:
+        self._apply_floods(t)
         if t <= self._last_t:
             return
         for g in self._gpus:
@@ -319,8 +346,13 @@ class ScenarioBackend:
             g.reset()
         if item.get("lost"):
             g.lost = True
-        if "xid" in item and self._xid_open and g.xid_events_supported:
-            self._xids.append(RawXid(g.identity.uuid, int(item["xid"])))
+        if "xid" in item and "count" in item:
+            self._floods.append([g, int(item["xid"]), float(item["at"]), float(item["until"]), int(item["count"]), 0])
+        elif "xid" in item and self._xid_open and g.events_supported("xid"):
+            self._xids.append([RawXid(g.identity.uuid, int(item["xid"])), 1])
+            self._xid_wakeup.notify_all()
+        if "event" in item and self._xid_open and g.events_supported(item["event"]):
+            self._xids.append([RawXid(g.identity.uuid, int(item.get("data", 0)), event=item["event"]), 1])
             self._xid_wakeup.notify_all()
 
     def _maybe_hang(self, calls: set[str], index: int | None) -> None:
@@ -381,19 +413,28 @@ class ScenarioBackend:
         with self._lock:
             self._xid_open = True
             self._advance()
-            return [g.identity.index for g in self._gpus if g.xid_events_supported]
+            return {g.identity.index: [n for n in EVENT_TYPES if g.events_supported(n)] for g in self._gpus
+                    if g.events_supported("xid")}
 
     def xid_wait(self, timeout_ms: int) -> RawXid | None:
         self._live()
         if not self._xid_open:
             raise NvmlError("xid_wait before xid_open")
-        self._maybe_hang({"nvmlEventSetWait_v2"}, None)
+        if not self._xids:   # draining a queue does not wait (nor does NVML's event set with events queued)
+            self._maybe_hang({"nvmlEventSetWait_v2"}, None)
         with self._lock:
-            self._advance()
+            if not self._xids:   # a queue being drained is not re-timed per event (a flood's cost stays ours)
+                self._advance()
             if not self._xids and timeout_ms > 0:
                 self._xid_wakeup.wait(min(timeout_ms, 50) / 1000.0)
                 self._advance()
-            return self._xids.pop(0) if self._xids else None
+            if not self._xids:
+                return None
+            head = self._xids[0]
+            head[1] -= 1
+            if head[1] <= 0:
+                self._xids.popleft()
+            return head[0]
 
     def xid_close(self) -> None:
         with self._lock:

@@ -156,3 +156,18 @@ def names_matching(patterns: Iterable[str], names: Iterable[str]) -> set[str]:
         if any(fnmatch.fnmatchcase(n, p) or p == call for p in pats):
             out.add(n)
     return out
+
+
+#: The NVML event types the agent registers where the GPU supports them (nvmlDeviceGetSupportedEventTypes),
+#: name -> nvmlEventType bit. Not the per-error single-bit ECC event (0x1): under a storm of 20,000 corrected
+#: errors a second it would be 20,000 events a second; the driver's storm event says the same once.
+EVENT_TYPES: dict[str, int] = {
+    "xid": 0x8,                          # nvmlEventTypeXidCriticalError
+    "sbe_storm": 0x200,                  # nvmlEventTypeSingleBitEccErrorStorm
+    "dram_retirement": 0x400,            # nvmlEventTypeDramRetirementEvent
+    "dram_retirement_failure": 0x800,    # nvmlEventTypeDramRetirementFailure
+    "poison_nonfatal": 0x1000,           # nvmlEventTypeNonFatalPoisonError (contained)
+    "poison_fatal": 0x2000,              # nvmlEventTypeFatalPoisonError
+    "gpu_unavailable": 0x4000,           # nvmlEventTypeGpuUnavailableError
+    "recovery_action": 0x8000,           # nvmlEventTypeGpuRecoveryAction
+}

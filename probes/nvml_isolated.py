@@ -173,12 +173,12 @@ class IsolatedBackend:
             return [err] * len(requests)
         return [error_from_json(r["error"]) if "error" in r else values_from_json(r["ok"]) for r in replies]
 
-    def xid_open(self) -> list[int]:
-        return list(self._xid.call("xid_open"))
+    def xid_open(self) -> dict[int, list[str]]:
+        return {int(i): list(names) for i, names in self._xid.call("xid_open")}
 
     def xid_wait(self, timeout_ms: int) -> RawXid | None:
         r = self._xid.call("xid_wait", int(timeout_ms))
-        return None if r is None else RawXid(uuid=r["uuid"], xid=int(r["xid"]))
+        return None if r is None else RawXid(uuid=r["uuid"], xid=int(r["xid"]), event=str(r.get("event", "xid")))
 
     def xid_close(self) -> None:
         try:

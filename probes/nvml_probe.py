@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from probes import nvml_rules, xid_catalog
 from probes.nvml_backend import NvmlBackend, read_many
@@ -24,6 +24,7 @@ from probes.nvml_fields import field_specs, names_matching
 from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, NvmlError
 from probes.nvml_rules import GpuReadings, RuleConfig
 from sdcwatch import event_kinds as ek
+from sdcwatch.event_kinds import REPEATS
 from sdcwatch.types import Evidence, Finding, Severity, State
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,49 @@ def rotation_unit(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class XidEvent:
+    """One NVML event (an XID, or another `EVENT_TYPES` event: `event`), or `count` identical ones in a
+    row (a batch drained from the event set under a flood; `time` is the last one's)."""
+
     uuid: str
     pci_bus_id: str
     xid: int
     time: float
+    event: str = "xid"
+    count: int = 1
+
+
+def fold_batch(events: Sequence[XidEvent]) -> list[XidEvent]:
+    """Pure: identical events of a batch (same GPU, event and data) as one with their count, in first-seen
+    order. 800,000 repeated XIDs cost the agent one evidence update and one journal offer per batch."""
+    runs: dict[tuple[str, str, int], list[Any]] = {}   # key -> [last event, count]
+    for ev in events:
+        key = (ev.uuid, ev.event, ev.xid)
+        run = runs.get(key)
+        if run is None:
+            runs[key] = [ev, ev.count]
+        else:
+            run[0] = ev
+            run[1] += ev.count
+    return [ev if n == ev.count else dataclasses.replace(ev, count=n) for ev, n in runs.values()]
+
+
+#: Non-XID NVML events: (implied state, seconds the evidence holds, severity, what it means). The polled
+#: fields carry the lasting state (remap pending, recovery action, ...); the event makes it known at once.
+_EVENT_MEANING: dict[str, tuple[State, float, Severity, str]] = {
+    "sbe_storm": (State.SUSPECT, 3600.0, Severity.WARNING,
+                  "single-bit ECC storm: corrected memory errors at storm rate (memory wearing out)"),
+    "dram_retirement": (State.SUSPECT, 3600.0, Severity.WARNING,
+                        "a DRAM row/page was retired after errors (repaired at the next reset)"),
+    "dram_retirement_failure": (State.DEGRADED, 86400.0, Severity.CRITICAL,
+                                "retiring a failing DRAM row/page failed: the bad memory stays in use"),
+    "poison_nonfatal": (State.SUSPECT, 3600.0, Severity.WARNING,
+                        "poisoned data was contained to the application that touched it"),
+    "poison_fatal": (State.DEGRADED, 86400.0, Severity.CRITICAL,
+                     "poisoned data was consumed and could not be contained"),
+    "gpu_unavailable": (State.FAILED, 86400.0, Severity.CRITICAL, "the GPU became unavailable"),
+    "recovery_action": (State.SUSPECT, 600.0, Severity.WARNING,
+                        "the driver changed the GPU's recovery action (read from the recovery-action field)"),
+}
 
 
 @dataclasses.dataclass(slots=True)
@@ -346,7 +386,9 @@ class NvmlProbe:
             slot.implied[ev.signal] = ev.implies
             if before is ev.implies or (before is None and ev.implies is State.HEALTHY):
                 continue
-            out.append(Finding(ek.GPU_SIGNAL, _CHANGE_SEVERITY[ev.implies], slot.identity.subject,
+            storm = ev.signal == "ecc.sbe_storm" and ev.implies is not State.HEALTHY  # its own kind and alert
+            out.append(Finding(ek.GPU_ECC_STORM if storm else ek.GPU_SIGNAL,
+                               Severity.WARNING if storm else _CHANGE_SEVERITY[ev.implies], slot.identity.subject,
                                f"{ev.signal}: {before.name if before else 'new'} -> {ev.implies.name}: {ev.reason}",
                                {"signal": ev.signal, "value": ev.value, "implies": ev.implies.name,
                                 "before": before.name if before else None, "uuid": slot.identity.uuid,
@@ -363,39 +405,74 @@ class NvmlProbe:
         ident = self._index_of(raw.uuid)
         uuid = raw.uuid or "unknown"
         return XidEvent(uuid=uuid, pci_bus_id=ident.pci_bus_id if ident else "unknown", xid=raw.xid,
-                        time=self._clock())
+                        time=self._clock(), event=raw.event)
 
-    def run_xid_listener(self, on_event: Callable[[XidEvent], None], stop: threading.Event) -> None:
-        """Loop on the NVML event set until `stop` is set; call `on_event` for each XID. Run on its own
-        thread. Returns if XID events cannot be opened (logged); transient errors are retried."""
+    def run_xid_listener(self, on_event: Callable[[XidEvent], None], stop: threading.Event, *,
+                         on_batch: Callable[[list[XidEvent]], None] | None = None,
+                         on_open: Callable[[dict[int, list[str]]], None] | None = None,
+                         batch_max: int = 4096) -> None:
+        """Loop on the NVML event set until `stop` is set; call `on_event` for each event, or, with
+        `on_batch`, drain what is queued (up to `batch_max`) and hand it over folded (`fold_batch`). `on_open`
+        gets the event types registered per GPU index (the others are NotSupported there). Run on its own
+        thread. Returns if events cannot be opened (logged); transient errors are retried."""
         try:
             registered = self.backend.xid_open()
         except NvmlError as err:
-            log.warning("XID events unavailable: %s", err)
+            log.warning("NVML events unavailable: %s", err)
             return
-        log.info("XID listener registered on %d GPU(s)", len(registered))
+        log.info("NVML events registered on %d GPU(s): %s", len(registered),
+                 {i: ",".join(names) for i, names in registered.items()})
+        if on_open is not None:
+            on_open(registered)
         try:
             while not stop.is_set():
                 try:
                     ev = self.xid_step()
+                    batch = [ev] if ev is not None else []
+                    while on_batch is not None and batch and len(batch) < batch_max:
+                        more = self.xid_step(0)
+                        if more is None:
+                            break
+                        batch.append(more)
                 except NvmlError as err:
                     if not err.transient and not isinstance(err, GpuLost):
-                        log.error("XID listener stopping: %s", err)
+                        log.error("NVML event listener stopping: %s", err)
                         return
-                    log.warning("XID wait failed (retrying): %s", err)
+                    log.warning("NVML event wait failed (retrying): %s", err)
                     stop.wait(min(1.0, self.config.xid_wait_ms / 1000))
                     continue
-                if ev is None:
+                if not batch:
                     continue
                 try:
-                    on_event(ev)
+                    if on_batch is not None:
+                        on_batch(fold_batch(batch))
+                    else:
+                        on_event(batch[0])
                 except Exception:  # noqa: BLE001 - one bad handler must not kill the listener
-                    log.exception("XID handler failed for %s", ev)
+                    log.exception("NVML event handler failed for %s", batch[0])
         finally:
             try:
                 self.backend.xid_close()
             except NvmlError as err:
-                log.warning("closing XID events: %s", err)
+                log.warning("closing NVML events: %s", err)
+
+    @staticmethod
+    def event_evidence(ev: XidEvent) -> tuple[Evidence, Finding]:
+        """Pure: the evidence and the journal event for one NVML event (an XID: `xid_evidence`)."""
+        if ev.event == "xid":
+            return NvmlProbe.xid_evidence(ev)
+        implies, hold_s, severity, meaning = _EVENT_MEANING.get(
+            ev.event, (State.SUSPECT, 3600.0, Severity.WARNING, f"NVML event {ev.event}"))
+        n = f" x{ev.count}" if ev.count > 1 else ""
+        evidence = Evidence(SOURCE, f"event.{ev.event}", str(ev.xid), implies, f"NVML event {ev.event}{n}: {meaning}",
+                            ev.time, count=ev.count, expires=ev.time + hold_s)
+        details = {"event": ev.event, "data": ev.xid, "implies": implies.name, "uuid": ev.uuid,
+                   "pci_bus_id": ev.pci_bus_id, "time": ev.time}
+        if ev.count > 1:
+            details[REPEATS] = ev.count
+        kind = ek.GPU_ECC_STORM if ev.event == "sbe_storm" else ek.GPU_NVML_EVENT
+        return evidence, Finding(kind, severity, f"gpu/{ev.uuid}",
+                                 f"NVML event {ev.event} on {ev.pci_bus_id}: {meaning}", details)
 
     @staticmethod
     def xid_evidence(ev: XidEvent) -> tuple[Evidence, Finding]:
@@ -403,12 +480,14 @@ class NvmlProbe:
         entry = xid_catalog.classify(ev.xid)
         label = f"XID {ev.xid} ({entry.name})" if entry.known else f"unknown XID {ev.xid}"
         evidence = Evidence(SOURCE, f"xid.{ev.xid}", str(ev.xid), entry.implies,
-                            f"{label}: {entry.action.value}", ev.time)
+                            f"{label}: {entry.action.value}", ev.time, count=ev.count)
+        details: dict[str, Any] = {"xid": ev.xid, "name": entry.name, "action": entry.action.value,
+                                   "implies": entry.implies.name, "known": entry.known, "solo": entry.solo,
+                                   "uuid": ev.uuid, "pci_bus_id": ev.pci_bus_id, "time": ev.time}
+        if ev.count > 1:
+            details[REPEATS] = ev.count   # a batch of identical XIDs: the bus folds and counts them
         finding = Finding(ek.GPU_XID, entry.severity, f"gpu/{ev.uuid}",
-                          f"{label} on {ev.pci_bus_id}: {entry.meaning} Action: {entry.action.value}",
-                          {"xid": ev.xid, "name": entry.name, "action": entry.action.value,
-                           "implies": entry.implies.name, "known": entry.known, "uuid": ev.uuid,
-                           "pci_bus_id": ev.pci_bus_id, "time": ev.time})
+                          f"{label} on {ev.pci_bus_id}: {entry.meaning} Action: {entry.action.value}", details)
         return evidence, finding
 
     def close(self) -> None:

@@ -63,7 +63,9 @@ class GpuIdentity:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RawXid:
-    """One XID as the backend saw it: the GPU's UUID (None if NVML could not tell) and the XID number."""
+    """One NVML event as the backend saw it: the GPU's UUID (None if NVML could not tell), the event's data
+    (the XID number for an XID) and which event (`event`: a name of `probes.nvml_backend.EVENT_TYPES`)."""
 
     uuid: str | None
     xid: int
+    event: str = "xid"

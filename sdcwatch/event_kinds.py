@@ -15,7 +15,9 @@ that is not a member of this catalogue. The member says:
                daemon/alert_policy.py); each has a runbook, docs/runbooks/<alert>.md (`runbooks`);
 - `fold_s`     the repeat-folding window: 0 publishes every occurrence; > 0 publishes the first occurrence
                per (kind, subject) at once and folds later ones within `fold_s` seconds into one event that
-               carries `repeats` in its details (daemon/event_fold.py; docs/metrics.md "Repeats").
+               carries `repeats` in its details (daemon/event_fold.py; docs/metrics.md "Repeats");
+- `fold_by`    detail keys that are part of the folding key besides (kind, subject): `gpu.xid` folds per XID
+               number, so a flood of XID 13 never delays an XID 79 on the same GPU.
 
 Torch-free and I/O-free: the training side and the agent both import it. Tests check that every member is
 emitted somewhere, that the alert policy and the Prometheus rules name only members, and that every
@@ -31,6 +33,7 @@ from sdcwatch.errors import SdcwatchError
 from sdcwatch.severity import Severity
 
 INFO, WARNING, CRITICAL = Severity.INFO, Severity.WARNING, Severity.CRITICAL
+REPEATS = "repeats"   # the details key of an event that stands for several occurrences (daemon/event_fold.py)
 
 
 class SubjectKind(enum.Enum):
@@ -72,6 +75,7 @@ class EventKind:
     alerts: tuple[str, ...] = ()
     severities: frozenset[Severity] = frozenset()
     fold_s: float = 0.0
+    fold_by: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.severities:
@@ -115,11 +119,12 @@ _CATALOGUE: dict[str, EventKind] = {}
 
 
 def _kind(name: str, severity: Severity, subjects: SubjectKind | tuple[SubjectKind, ...], means: str, *,
-          alerts: tuple[str, ...] = (), severities: tuple[Severity, ...] = (), fold_s: float = 0.0) -> EventKind:
+          alerts: tuple[str, ...] = (), severities: tuple[Severity, ...] = (), fold_s: float = 0.0,
+          fold_by: tuple[str, ...] = ()) -> EventKind:
     if name in _CATALOGUE:
         raise ValueError(f"event kind {name} declared twice")
     member = EventKind(name, severity, subjects if isinstance(subjects, tuple) else (subjects,), means,
-                       alerts, frozenset(severities), fold_s)
+                       alerts, frozenset(severities), fold_s, fold_by)
     _CATALOGUE[name] = member
     return member
 
@@ -183,16 +188,25 @@ GPU_STATE = _kind("gpu.state", INFO, GPU, "a GPU's state changed (from, to, the 
 GPU_CLEARED = _kind("gpu.cleared", WARNING, GPU, "an operator cleared a GPU's evidence (who, why, states; the "
                     "state alerts follow the state it leaves)",
                     alerts=("SDCWatchGPUFailed", "SDCWatchGPUDegraded", "SDCWatchGPUSuspect"))
-GPU_XID = _kind("gpu.xid", WARNING, GPU, "the driver raised an XID (number, catalog name, action)",
-                alerts=("SDCWatchGPUXid", "SDCWatchGPUXidReboot", "SDCWatchGPUXidResetRequired",
-                        "SDCWatchGPUXidContactSupport", "SDCWatchGPUXidAppRepeats", "SDCWatchGPUXidUnknown"),
-                severities=(INFO, WARNING, CRITICAL))
+GPU_XID = _kind("gpu.xid", WARNING, GPU, "the driver raised an XID (number, catalog name, action); repeats of one "
+                "XID on one GPU fold per minute", alerts=("SDCWatchGPUXid", "SDCWatchGPUXidReboot",
+                                                          "SDCWatchGPUXidResetRequired", "SDCWatchGPUXidContactSupport",
+                                                          "SDCWatchGPUXidAppRepeats", "SDCWatchGPUXidUnknown"),
+                severities=(INFO, WARNING, CRITICAL), fold_s=60.0, fold_by=("xid",))
 GPU_LOST = _kind("gpu.lost", CRITICAL, GPU, "a GPU NVML saw before is gone (fell off the bus)",
                  alerts=("SDCWatchGPUFailed",))
 GPU_SIGNAL = _kind("gpu.signal", WARNING, GPU, "an NVML condition changed (remap pending, link down, ...) and "
                    "what state it implies", alerts=("SDCWatchCriticalEvent",), severities=(INFO, WARNING, CRITICAL))
-GPU_COUNTER_JUMP = _kind("gpu_counter_jump", INFO, GPU, "an NVML error counter rose between polls (counter, delta)",
-                         alerts=("SDCWatchCriticalEvent",), severities=(INFO, WARNING, CRITICAL))
+GPU_COUNTER_JUMP = _kind("gpu_counter_jump", INFO, GPU, "an NVML error counter rose between polls (counter, delta); "
+                         "one event per counter and GPU a minute", alerts=("SDCWatchCriticalEvent",),
+                         severities=(INFO, WARNING, CRITICAL), fold_s=60.0, fold_by=("field",))
+GPU_ECC_STORM = _kind("gpu.ecc_storm", WARNING, GPU, "correctable ECC errors at storm rate: NVML's single-bit-ECC "
+                      "storm event, or the polled rate rule (sbe_storm_count in sbe_window_s)",
+                      alerts=("SDCWatchGPUCorrectableECCStorm",), fold_s=60.0)
+GPU_NVML_EVENT = _kind("gpu.nvml_event", WARNING, GPU, "an NVML event other than an XID: recovery action changed, "
+                       "poison (contained or fatal), DRAM retirement or its failure, GPU unavailable",
+                       alerts=("SDCWatchCriticalEvent",), severities=(INFO, WARNING, CRITICAL), fold_s=60.0,
+                       fold_by=("event",))
 GPU_RESET_DETECTED = _kind("gpu_reset_detected", WARNING, GPU, "a GPU's volatile counters went back to zero: it "
                            "was reset")
 CANARY_FAIL = _kind("canary.fail", CRITICAL, (GPU, RANK), "a known-answer canary computed a wrong result (the "

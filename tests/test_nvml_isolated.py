@@ -83,17 +83,26 @@ def test_xid_events_come_through_their_own_child(tmp_path: Path, monkeypatch: py
     scen = tmp_path / "x.json"
     scen.write_text(json.dumps({"gpus": [{"uuid": "GPU-00000000-0000-4000-8000-0000000000b0",
                                           "pci_bus_id": "00000000:19:00.0", "name": "NVIDIA H200"}],
-                                "timeline": [{"at": 0, "gpu": 0, "xid": 48}]}))
+                                "timeline": [{"at": 0, "gpu": 0, "xid": 48},
+                                             {"at": 0.5, "gpu": 0, "event": "sbe_storm"}]}))
     monkeypatch.setenv("SDCWATCH_NVML_CHILD_SCENARIO", str(scen))
     b = IsolatedBackend(call_timeout_s=10)
     try:
-        assert b.xid_open() == [0]
+        opened = b.xid_open()
+        assert list(opened) == [0] and {"xid", "sbe_storm", "recovery_action"} <= set(opened[0])
         ev = None
         for _ in range(50):
             ev = b.xid_wait(100)
             if ev is not None:
                 break
         assert ev is not None and ev.xid == 48 and ev.uuid == "GPU-00000000-0000-4000-8000-0000000000b0"
+        assert ev.event == "xid"
+        ev = None
+        for _ in range(50):
+            ev = b.xid_wait(100)
+            if ev is not None:
+                break
+        assert ev is not None and ev.event == "sbe_storm"   # a non-XID event crosses the child's pipe too
         b.xid_close()
     finally:
         b.close()

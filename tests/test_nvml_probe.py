@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from daemon.event_fold import Occurrence, RepeatFolder
 from probes.gpu_state import GpuEvidenceStore
 from probes.nvml_backend import GpuLost, NvmlBackend, NvmlUnavailable, PynvmlBackend, open_backend
 from probes.nvml_fake import ScenarioBackend
-from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, XidEvent
+from probes.nvml_probe import NvmlProbe, NvmlProbeConfig, XidEvent, fold_batch
 from sdcwatch.types import Evidence, Severity, State
 from sdcwatch import event_kinds as ek
 
@@ -40,6 +41,7 @@ class Harness:
         self.backend.xid_open()
         self.stores = {i.uuid: GpuEvidenceStore() for i in self.ids}
         self.findings: list = []
+        self.timed: list = []   # (scenario second, finding)
         self.last = None
 
     def uuid(self, ref: int | str) -> str:
@@ -50,11 +52,16 @@ class Harness:
         res = self.probe.poll(now=t)
         self.last = res
         self.findings.extend(res.findings)
+        self.timed.extend((t, f) for f in res.findings)
         for uuid, evs in res.evidence.items():
             self.stores[uuid].put_all("nvml", evs)
+        batch = []
         while (ev := self.probe.xid_step(0)) is not None:
-            evidence, finding = self.probe.xid_evidence(ev)
+            batch.append(ev)
+        for ev in fold_batch(batch):   # as the agent's listener hands them over
+            evidence, finding = self.probe.event_evidence(ev)
             self.findings.append(finding)
+            self.timed.append((t, finding))
             self.stores[ev.uuid].put(evidence)
 
     def state(self, ref: int | str, t: float) -> tuple[State, str]:
@@ -492,3 +499,48 @@ def test_a_failed_first_poll_reads_every_field_again() -> None:
     assert r is not None and "pcie.width.max" in r.values and "clock.sm_max_mhz" in r.values
     statics = [n for n in asked[-1] if poll_class(n) == "static"]
     assert statics, "the read after the failures asked for the static fields"
+
+
+def _fold(h: Harness) -> list:
+    """The harness's findings through the bus's real repeat folder, at their times; the summaries flushed."""
+    folder, out = RepeatFolder(), []
+    for t, f in h.timed:
+        out += folder.offer(Occurrence(f.kind, f.severity, f.subject, f.message, f.details), float(t))
+    return out + folder.flush()
+
+
+def test_xid_flood_is_counted_and_folded_and_never_hides_another_xid() -> None:
+    h = _run_expectations(ROOT / "tests/scenarios/xid_flood.json")
+    xid13 = [f for f in h.findings if f.kind is ek.GPU_XID and f.details["xid"] == 13]
+    assert sum(f.details.get("repeats", 1) for f in xid13) == 800_000
+    assert len(xid13) <= 25, "one finding per drained batch, not per XID"
+    published = _fold(h)
+    p13 = [o for o in published if o.kind is ek.GPU_XID and o.details["xid"] == 13]
+    assert len(p13) == 2 and sum(o.details.get("repeats", 1) for o in p13) == 800_000   # first + one summary
+    p79 = [o for o in published if o.kind is ek.GPU_XID and o.details["xid"] == 79]
+    assert len(p79) == 1 and p79[0].subject.endswith("0001"), "XID 79 published at once, not folded into 13s"
+    assert h.stores[h.uuid(0)].xid_counts(30, 3600)[13][0] == 256   # bounded history, counted
+
+
+def test_ecc_storm_20k_per_second_is_one_event_per_kind_and_window() -> None:
+    h = _run_expectations(ROOT / "tests/scenarios/ecc_storm_20k.json")
+    storms = [f for f in h.findings if f.kind is ek.GPU_ECC_STORM]
+    assert {f.details.get("event", f.details.get("signal")) for f in storms} == {"sbe_storm", "ecc.sbe_storm"}
+    published = _fold(h)
+    by_kind: dict = {}
+    for o in published:
+        by_kind.setdefault((o.kind.name, o.subject, o.details.get("field", "")), []).append(o)
+    assert len(by_kind[("gpu.ecc_storm", f"gpu/{h.uuid(0)}", "")]) <= 2
+    jumps = [k for k in by_kind if k[0] == "gpu_counter_jump"]
+    assert jumps and all(len(by_kind[k]) <= 2 for k in jumps), {k: len(by_kind[k]) for k in jumps}
+
+
+def test_every_nvml_event_kind_and_not_supported_recorded() -> None:
+    h = _run_expectations(ROOT / "tests/scenarios/nvml_events.json")
+    events = {f.details["event"]: f for f in h.findings if f.kind in (ek.GPU_NVML_EVENT, ek.GPU_ECC_STORM)
+              and "event" in f.details}
+    assert set(events) == {"poison_nonfatal", "dram_retirement", "recovery_action", "dram_retirement_failure",
+                           "poison_fatal", "gpu_unavailable"}, "GPU 1 does not deliver sbe_storm"
+    assert events["poison_fatal"].severity is Severity.CRITICAL and events["recovery_action"].details["data"] == 1
+    registered = h.backend.xid_open()
+    assert "sbe_storm" in registered[0] and "sbe_storm" not in registered[1] and "xid" in registered[1]
