@@ -178,5 +178,7 @@ def test_agent_pushed_alert_names_match_the_rules_where_shared() -> None:
     silences and inhibitions written for one apply to the other."""
     rules = set(_alert_names())
     agent = _runbook_names_for_agent_alerts()
-    agent_only = {"SDCWatchGPUXid", "SDCWatchCriticalEvent"}
+    # the watchdog's and the driver's: the agent knows at once (Prometheus sees a stale loop only as a missing
+    # scrape, and a hung NVML call as SDCWatchProbeHung two minutes later)
+    agent_only = {"SDCWatchGPUXid", "SDCWatchCriticalEvent", "SDCWatchAgentLoopStale", "SDCWatchDriverUnresponsive"}
     assert agent - agent_only <= rules, sorted(agent - agent_only - rules)
