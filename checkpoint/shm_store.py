@@ -54,11 +54,14 @@ def default_shm_root(state_dir: str | os.PathLike[str]) -> Path:
 
 def secure_memory_dir(root: str | os.PathLike[str], gid: int = -1) -> Path:
     """Create and check the memory dir `root` and its parent (sdcwatch.safe_fs.secure_dir: never a link,
-    never another user's): the parent 0750 (0700 without a group), `root` 2770 with group `gid` (ranks of
-    other users write their shards and staging slots there; files keep the group) or 0700 without one."""
+    never another user's): the parent 0750 (0700 without a group), `root` and its `.slots` 2770 with group
+    `gid` (ranks of other users write their shards and staging slots there; files keep the group) or 0700
+    without one."""
     root = Path(os.path.abspath(root))
     secure_dir(root.parent, 0o750 if gid >= 0 else 0o700, gid)
-    return secure_dir(root, 0o2770 if gid >= 0 else 0o700, gid)
+    out = secure_dir(root, 0o2770 if gid >= 0 else 0o700, gid)
+    secure_dir(root / SLOTS_DIR, 0o2770 if gid >= 0 else 0o700, gid)   # the agent's: ranks make their job dirs
+    return out
 
 
 class DirStore:

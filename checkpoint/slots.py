@@ -23,11 +23,13 @@ gone), so a killed rank's staging memory is returned; blobs linked to those slot
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import itertools
 import logging
 import mmap
 import os
+import stat
 from pathlib import Path
 import torch
 
@@ -63,6 +65,16 @@ def unregister_host_memory(ptr: int) -> None:
             log.warning("cudaHostUnregister returned cudaError %d", err)
     except Exception as e:  # noqa: BLE001
         log.warning("cudaHostUnregister failed: %s", e)
+
+
+def _check_own_dir(d: Path, root: Path) -> None:
+    """`d` must be a real directory of ours or of the memory dir's owner (the agent): OSError (ELOOP) if not,
+    so the save falls back to a private buffer instead of writing where a planted link points."""
+    st = os.lstat(d)
+    owners = {os.geteuid(), os.stat(root).st_uid}
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid not in owners:
+        raise OSError(errno.ELOOP, f"{d} is not a directory of uid {sorted(owners)} (a link, or another "
+                      "user's): staging slots are not created there")
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,6 +136,8 @@ class SlotRing:
 
     def _create(self, nbytes: int) -> Slot:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in (self.dir.parent, self.dir):   # `.slots` and `.slots/<job>`: never a link another user planted
+            _check_own_dir(d, self.root)
         path = self.dir / f"rank-{self.rank:05d}-{os.getpid()}-{next(_counter)}.slot"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

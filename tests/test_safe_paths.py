@@ -14,6 +14,7 @@ import pytest
 
 from agent_harness import ROOT, AgentProcess
 from checkpoint.shm_store import default_shm_root, sweep_dead_slots
+from checkpoint.slots import SlotRing
 from sdcwatch import paths
 from sdcwatch.safe_fs import UnsafePathError, remove_tree, secure_dir
 
@@ -179,3 +180,15 @@ def test_defaults_root_uses_system_paths_a_user_their_own() -> None:
     assert paths.memory_base(uid=1000) == Path("/dev/shm/sdcwatch-1000")
     assert paths.default_socket({"SDCWATCH_SOCKET": "/x.sock"}, uid=1000) == Path("/x.sock")
     assert paths.default_socket({}, uid=0) == Path("/run/sdcwatch/agent.sock")
+
+
+def test_a_rank_never_creates_slots_through_a_planted_link(tmp_path: Path, victim: Path) -> None:
+    """The memory dir is shared with the ranks' group: a link planted as `.slots/<job>` is refused (the save
+    then stages privately), never written through."""
+    memory = tmp_path / "memory"
+    (memory / ".slots").mkdir(parents=True)
+    (memory / ".slots" / "j").symlink_to(victim)
+    ring = SlotRing(memory, "j", 0, register_cuda=False)
+    with pytest.raises(OSError, match="not a directory of uid"):
+        ring.acquire(16)
+    assert sorted(p.name for p in victim.iterdir()) == ["precious"]
