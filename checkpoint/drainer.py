@@ -255,6 +255,16 @@ class Drainer:
                 self._seen.setdefault(job, set()).add(i.step)
         return out
 
+    def _in_memory(self, job: str, step: int) -> bool:
+        """Whether (job, step) is still a restorable checkpoint; True when that cannot be read (then a bad
+        source is reported as before). The coordinator tombstones a record before deleting its blobs, so a
+        source that vanished with its record was evicted, not corrupted."""
+        try:
+            infos = self.coordinator.list(job)
+        except Exception:  # noqa: BLE001 - Redis unreachable: cannot tell
+            return True
+        return any(i.step == step and i.state in policy.RESTORABLE_STATES for i in infos)
+
     def plan(self, now: float) -> list[tuple[_TierRuntime, str, int]]:
         mem = self._memory_checkpoints()
         states = {k: v[0] for k, v in mem.items()}
@@ -312,6 +322,10 @@ class Drainer:
             return False
         except CorruptCheckpointError as e:
             rt.step_failures[(job, step)] = self.max_step_failures  # no good source: do not retry
+            if not self._in_memory(job, step):   # retention or a rollback dropped it while its drain was queued
+                log.info("drain of %s step %d to %s skipped: the checkpoint left memory meanwhile (%s)",
+                         job, step, name, e)
+                return False
             self._fail(rt, job, step, ek.CHECKPOINT_DRAIN_SOURCE_CORRUPT, str(e), retry=False)
             return False
         except UnknownCheckpointError as e:

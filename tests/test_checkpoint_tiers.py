@@ -336,3 +336,27 @@ def test_a_corrupt_source_is_never_drained(redis_server, tmp_path: Path) -> None
     assert dr.drain_now() == []                                    # not retried: no good source exists
     with pytest.raises(CorruptCheckpointError):
         dr.drain_one(dr.tiers[0], job, 1)
+
+
+def test_a_checkpoint_evicted_while_its_drain_is_queued_is_skipped_not_critical(redis_server, tmp_path: Path) -> None:
+    """Memory retention (or a rollback) drops a step after its hop was planned: its blobs vanish under the
+    read. That is a skip (logged), never `checkpoint.drain_source_corrupt` (CRITICAL, pages)."""
+    ev = Events()
+    co, job = node(redis_server.port, tmp_path, "n0", publish=ev), job_id()
+    dr = Drainer(co, [dir_tier("nvme", tmp_path / "nvme")])
+    dr.start()
+    save(co, job, 1)
+    save(co, job, 2)
+    planned = dr._sources
+
+    def then_evicted(rt: Any, j: str, step: int) -> Any:   # the hop has its sources; retention runs now
+        got = planned(rt, j, step)
+        if step == 2:
+            co.on_job_event(job, 1, "rollback", time.time())   # drops step 2: tombstone, then its blobs
+        return got
+
+    dr._sources = then_evicted
+    hops = dr.drain_now()
+    assert ("nvme", job, 2, False) in hops, hops
+    assert "checkpoint.drain_source_corrupt" not in ev.kinds(), ev
+    assert not any(k.startswith(f"{job}/000000000002") for k in DirStore(tmp_path / "nvme").list())
