@@ -12,6 +12,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deadlines import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -45,6 +47,8 @@ class AgentProcess:
         return self
 
     def wait_serving(self, timeout: float = 30.0, service: str = "") -> None:
+        """Polls the health check; `timeout` is for an idle machine (scaled by the suite's slowdown)."""
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:
@@ -80,7 +84,7 @@ class AgentProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(scaled(timeout))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -95,7 +99,8 @@ class AgentProcess:
 
 
 def cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`sdcwatch ARGS` in a subprocess; `timeout` is for an idle machine (scaled by the suite's slowdown)."""
     e = dict(os.environ)
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "daemon.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=e)
+                          timeout=scaled(timeout), env=e)

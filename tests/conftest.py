@@ -12,6 +12,8 @@ from typing import Iterator
 
 import pytest
 
+from deadlines import SLOWDOWN, describe, scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,7 +55,7 @@ class RedisServer:
                  "--appendonly", "no", "--dir", str(self.workdir)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + scaled(10)
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
                     if client.ping():
@@ -68,7 +70,7 @@ class RedisServer:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(5)
+                self.proc.wait(scaled(5))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -84,7 +86,7 @@ class RedisServer:
         import redis
 
         client = redis.Redis(port=port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while time.monotonic() < deadline:
             try:
                 if client.ping():
@@ -115,7 +117,20 @@ def fresh_redis(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    d = describe()
+    return f"sdcwatch: deadlines x{d['slowdown']:.1f} (from {d['from']}; set SDCWATCH_TEST_SLOWDOWN to change)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        base = float(config.getini("timeout") or 0)   # pytest-timeout's ini key (pyproject: 300)
+    except (TypeError, ValueError):   # pytest-timeout not installed
+        base = 0.0
+    if base > 0 and SLOWDOWN != 1.0:   # pytest-timeout's per-test limit scales like every wait
+        for item in items:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(base * SLOWDOWN))
     try:
         import torch
 

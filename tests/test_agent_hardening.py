@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent_harness import AgentProcess, cli
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+from deadlines import scaled
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NAN = float("nan")
@@ -57,7 +58,7 @@ class Follower:
             self.error = exc
 
     def wait_for(self, pred, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while time.monotonic() < deadline:
             if pred(self.events):
                 return

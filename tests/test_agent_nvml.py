@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent_harness import AgentProcess, cli
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+from deadlines import scaled
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -36,7 +37,7 @@ def health(target, service, timeout=2.0):
 
 
 def wait_for(pred, timeout=20.0, every=0.05):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         value = pred()
         if value:

@@ -36,6 +36,7 @@ from daemon.events import EventBus
 from daemon.journal import Journal
 from sdcwatch import event_kinds as ek
 from sdcwatch.types import Severity
+from deadlines import scaled
 
 GPU = "GPU-5dc0a7e1-0000-4000-8000-000000000001"
 BUS = "00000000:39:00.0"
@@ -263,7 +264,7 @@ def webhook() -> Iterator[Webhook]:
 
 
 async def _until(pred: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not pred():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")

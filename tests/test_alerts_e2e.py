@@ -30,6 +30,7 @@ from alerting_support import HOLD, WINDOW, Alertmanager, Prometheus, alertmanage
 from deploy_support import RULES
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+from deadlines import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +80,7 @@ def agent_with_scenario(short_tmp: Path) -> Iterator[AgentProcess]:
 
 
 def _wait(what: str, pred: Callable[[], Any], timeout: float, prom: Prometheus, agent: AgentProcess) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         got = pred()
         if got:

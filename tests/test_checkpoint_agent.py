@@ -23,6 +23,7 @@ from checkpoint.state_tree import DTYPES, unflatten
 from ckpt_support import assert_same, job_id, state_dict
 from proto.sdcwatch.v1 import agent_pb2 as apb
 from proto.sdcwatch.v1 import agent_pb2_grpc as apb_grpc
+from deadlines import scaled
 
 
 def _vote(job: str, step: int, agreed: bool) -> apb.ReportStepRequest:
@@ -35,7 +36,7 @@ def _vote(job: str, step: int, agreed: bool) -> apb.ReportStepRequest:
 
 
 def _wait_for(pred, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         got = pred()
         if got:

@@ -15,13 +15,14 @@ from checkpoint.shm_store import DirStore
 from checkpoint.tier_manifest import scan
 from ckpt_support import assert_same, job_id, state_dict
 from daemon.config import Config
+from deadlines import scaled
 
 pytestmark = pytest.mark.skipif("tiers" not in {f.name for f in dataclasses.fields(Config)},
                                 reason="the agent's config has no [tiers] section yet (daemon/drain_wiring.py)")
 
 
 def _wait(pred, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not pred():
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")

@@ -22,12 +22,13 @@ from daemon import config, drain_wiring
 from probes.loss_detector import LossDetector
 from proto.sdcwatch.v1 import agent_pb2 as apb
 from proto.sdcwatch.v1 import agent_pb2_grpc as apb_grpc
+from deadlines import scaled
 
 WAIT_S = 60.0   # a generous bound on a loaded machine; every wait returns as soon as its condition holds
 
 
 def _wait_for(pred: Callable[[], Any], what: str) -> Any:
-    deadline = time.monotonic() + WAIT_S
+    deadline = time.monotonic() + scaled(WAIT_S)
     while time.monotonic() < deadline:
         got = pred()
         if got:

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from deadlines import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo")
@@ -51,7 +52,7 @@ def _core_venv(tmp: Path, env: dict[str, str]) -> Path:
 
 
 def _wait_serving(target: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the agent exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
         try:

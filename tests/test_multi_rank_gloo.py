@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deadlines import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 FLIP_STEP = 3
-SMALL = ["--device", "cpu", "--flip-step", str(FLIP_STEP), "--timeout-s", "90", "--block", "2",
+SMALL = ["--device", "cpu", "--flip-step", str(FLIP_STEP), "--timeout-s", f"{scaled(90):.0f}", "--block", "2",
          "--rounds", "2", "--warmup", "1", "--ckpt-mib", "1", "--saves", "3"]
 
 
@@ -50,7 +51,7 @@ def launch(world: int, argv: list[str], max_restarts: int = 1,
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp", "grpc",
                                 "checksums.monitor", "checkpoint.client", "probes.canary_random"])
     attempts: list[list[int | None]] = []
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     for attempt in range(max_restarts + 1):
         port = _free_port()
         procs = []
@@ -69,7 +70,7 @@ def launch(world: int, argv: list[str], max_restarts: int = 1,
                 if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world} ranks still running after {timeout:.0f}s: "
+                    raise TimeoutError(f"{world} ranks still running after {scaled(timeout):.0f}s: "
                                        f"exit codes {codes}")
                 time.sleep(0.05)
         finally:

@@ -25,6 +25,7 @@ from checksums.reporter import CanaryReport, Directive, StepReport, StepReporter
 from proto.sdcwatch.v1 import agent_pb2, agent_pb2_grpc
 from sdcwatch.channels import agent_target
 from sdcwatch.paths import default_socket, default_state_dir
+from deadlines import scaled
 
 REPORTER_LOGGER = "checksums.reporter"
 
@@ -98,7 +99,7 @@ def _req(step: int) -> StepReport:
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True

@@ -44,10 +44,11 @@ from daemon.client import AgentClient
 from proto.sdcwatch.v1 import agent_pb2
 from sdcwatch.channels import agent_channel
 from wire_released import PreviousAgent, ReleasedCheckpointLink, released_wire, unknown_enum_values, unset_fields
+from deadlines import scaled
 
 
 def _until(what: str, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         got = fn()
         if got:
