@@ -211,7 +211,7 @@ def test_config_validation() -> None:
 @pytest.fixture()
 def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
     if not alertmanager_binary():
-        pytest.skip("prometheus-alertmanager not installed (bash scripts/setup.sh --test installs it)")
+        pytest.fail("prometheus-alertmanager not installed: bash scripts/setup.sh --test installs it")
     am = Alertmanager(tmp_path)
     try:
         yield am

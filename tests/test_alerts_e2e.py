@@ -63,7 +63,7 @@ def _scenario(path: Path) -> Path:
 def prometheus_binary() -> str:
     found = shutil.which("prometheus")
     if not found:
-        pytest.skip("prometheus not installed (Debian package 'prometheus'; bash scripts/setup.sh --test)")
+        pytest.fail("prometheus not installed (Debian package 'prometheus'): bash scripts/setup.sh --test")
     return found
 
 
@@ -141,7 +141,7 @@ def test_xid79_fires_the_right_alerts_and_they_resolve(
 @pytest.fixture(scope="module")
 def loss_stack() -> Iterator[tuple[AgentProcess, Prometheus, Alertmanager]]:
     if not shutil.which("prometheus") or not alertmanager_binary():
-        pytest.skip("prometheus or prometheus-alertmanager not installed (bash scripts/setup.sh --test)")
+        pytest.fail("prometheus or prometheus-alertmanager not installed: bash scripts/setup.sh --test")
     workdir = Path(tempfile.mkdtemp(prefix="sdcw-", dir="/tmp"))   # short: unix socket paths
     am = Alertmanager(workdir)
     agent = AgentProcess(workdir / "state", "--alerts-alertmanager-url", am.url, "--hostname", "e2e-node")

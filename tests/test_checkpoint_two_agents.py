@@ -4,7 +4,6 @@ node's memory; node-a is lost (agent killed, memory gone) and rank 0 restores fr
 replacement node's agent, bit for bit; a flipped bit in that copy is detected."""
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import signal
 import uuid
@@ -19,16 +18,10 @@ from checkpoint.shard_reader import RestoreReport
 from checkpoint.shm_store import default_shm_root
 from checkpoint.snapshot import SnapshotConfig
 from ckpt_support import assert_same, flip_bit, job_id, save_on_two_nodes, state_dict
-from daemon.config import Config
 from daemon.errors import ConfigError
 from daemon.peers_config import PeersConfig, parse_nodes
 from daemon.peers_wiring import plan_peers, replicator_factory
 
-needs_wiring = pytest.mark.skipif("peers" not in {f.name for f in dataclasses.fields(Config)},
-                                  reason="the agent's config has no [peers] section yet (daemon/peers_wiring.py)")
-
-
-@needs_wiring
 def test_two_agents_replicate_and_a_lost_node_restores_from_its_peer(redis_server, short_tmp: Path) -> None:
     tag = uuid.uuid4().hex[:6]
     states = {n: short_tmp / f"{n}-{tag}" for n in ("node-a", "node-b", "node-c")}

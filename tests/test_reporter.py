@@ -244,7 +244,6 @@ def test_monitor_keeps_training_when_the_agent_dies(sock, caplog) -> None:
 
 
 def _self_signed(tmp: Path) -> tuple[bytes, bytes]:
-    pytest.importorskip("cryptography.x509")
     from support import self_signed_cert
 
     return self_signed_cert()

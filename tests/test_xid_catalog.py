@@ -110,6 +110,6 @@ def test_unknown_recovery_action_is_suspect() -> None:
 
 
 def test_recovery_enum_matches_pynvml() -> None:
-    pynvml = pytest.importorskip("pynvml")
+    import pynvml   # nvidia-ml-py, a core dependency
     for ra in RecoveryAction:
         assert getattr(pynvml, f"NVML_GPU_RECOVERY_ACTION_{ra.name}") == ra.value
