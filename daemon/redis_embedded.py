@@ -100,7 +100,8 @@ class EmbeddedRedis:
                "--save", "", "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no",
                "--loglevel", "warning", "--logfile", str(self.dir / "redis.log")]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid(), own_group=True), close_fds=True)
+                                     stderr=subprocess.DEVNULL, close_fds=True,
+                                     preexec_fn=die_with_parent(os.getpid(), own_group=True))
         self.pidfile.write_text(f"{self.proc.pid}\n")
         client = redis.Redis(unix_socket_path=str(self.socket), socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
