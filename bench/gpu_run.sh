@@ -57,6 +57,10 @@ want monitor && step monitor-1gpu 80 python3 bench/bench_monitor_overhead.py
 want monitor && [ "$NGPU" -ge 2 ] && step monitor-2gpu 100 torchrun --nproc-per-node 2 bench/bench_monitor_overhead.py
 want canary && step canary-bench 90 python3 bench/bench_canary.py
 want canary && step canary-cli 40 python3 -m daemon.cli canary --level quick
+# the SM-naming canary: per-SM coverage and a fault placed on SM 17 located (issue 23)
+want canarysm && step canary-sm 180 python3 bench/bench_canary_sm.py --fault-sm 17 --json "$OUT/canary_sm.json"
+# the agent under the storm scenario: CPU, RSS, health-check latency (fake NVML in the agent: see the script)
+want storm && step storm 300 python3 bench/bench_storm.py --seconds 30 --json "$OUT/storm.json"
 want ckpt && step ckpt-bench 150 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"

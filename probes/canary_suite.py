@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from checksums.fingerprint import fingerprint_tensor
+from checksums.fingerprint import fingerprint_tensor, triton_available
 from checksums import canary_gemm
 from checksums.canary_gemm import KnownAnswerSpec, Matmul
 from probes import canary_copy, canary_random
@@ -157,6 +157,8 @@ def run_suite(devices: Sequence[DeviceInfo], config: SuiteConfig | None = None, 
             for spec in specs:
                 reps = TIMED_REPEATS[cfg.level] if spec.shape_name == "large" else 0
                 results.append(canary_gemm.run_known_answer(spec, dev, matmul=mm, repeats=reps))
+            if torch.device(dev.device).type == "cuda" and cfg.level != "tiny" and triton_available():
+                results.append(_sm_check(dev, cfg.seed))
     if cfg.random:
         results += _random_checks(devices, dtypes_of, cfg, matmul_for, vers)
     if cfg.copies:
@@ -174,6 +176,14 @@ def run_suite(devices: Sequence[DeviceInfo], config: SuiteConfig | None = None, 
             if r.status is Status.FAIL and r.check in SDC_CHECKS:
                 r.evidence_path = str(write_evidence(r, report, Path(cfg.evidence_dir)))
     return report
+
+
+def _sm_check(dev: DeviceInfo, seed: int) -> CheckResult:
+    """The SM-naming known-answer GEMM (checksums.canary_sm): a FAIL names the SM and the tile, a PASS proves
+    every SM of the GPU computed at least one tile."""
+    from checksums import canary_sm  # Triton, an optional extra: imported only where a GPU and Triton are
+
+    return canary_sm.run_sm_canary(canary_sm.sm_spec("bf16", seed=seed), dev)
 
 
 def _random_checks(devices: Sequence[DeviceInfo], dtypes_of: Mapping[str, list[str]], cfg: SuiteConfig,
@@ -318,8 +328,15 @@ def replay(path: Path | str, dev: DeviceInfo, *, matmul: Matmul | None = None,
                           + ("" if bc["ok"] else f"; {bc['beyond']} elements beyond the float64 bound"),
                           details={"spec": spec.to_json(), "fingerprint": fp, "float64_bound": bc})
         return ReplayOutcome(bad, fp == details.get("fingerprint"), res, rec)
+    if check == "gemm_sm":
+        from checksums import canary_sm  # Triton, an optional extra (see _sm_check)
+
+        res = canary_sm.run_sm_canary(KnownAnswerSpec.from_json(details["spec"]), dev)
+        sms = res.details.get("suspect_sms")
+        same_sm = sms == details.get("suspect_sms") if sms else False
+        return ReplayOutcome(res.status is Status.FAIL, same_sm, res, rec)
     if check == "h2d":
         res = canary_copy.check_h2d(dev, int(details.get("bytes", 1 << 20)), copier, int(details.get("seed", 0)))
         return ReplayOutcome(res.status is Status.FAIL, None, res, rec)
-    raise ValueError(f"cannot replay a {check!r} check on one device (replay supports gemm, random, h2d; "
-                     "rerun the suite with --gpus for pair checks)")
+    raise ValueError(f"cannot replay a {check!r} check on one device (replay supports gemm, gemm_sm, random, "
+                     "h2d; rerun the suite with --gpus for pair checks)")

@@ -17,7 +17,8 @@ from sdcwatch.types import Evidence, State
 
 LEVELS = ("tiny", "quick", "full")
 ALL_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
-SDC_CHECKS = ("gemm", "random", "h2d", "p2p", "allreduce")   # checks whose failure is wrong data, not slowness
+# checks whose failure is wrong data, not slowness
+SDC_CHECKS = ("gemm", "gemm_sm", "random", "h2d", "p2p", "allreduce")
 
 
 class Status(str, enum.Enum):
