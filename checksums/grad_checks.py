@@ -1,0 +1,239 @@
+"""Pre-reduction gradient checks: each rank summarises its own gradient before the all-reduce averages it.
+
+The replica vote cannot see a fault in one rank's forward or backward: the all-reduce averages the wrong
+gradient into every replica and the replicas stay bit-identical. So each rank summarises its *local*
+gradient, per DDP bucket, before the reduction, and the ranks compare the summaries:
+
+    summaries = GradSummaries.attach(ddp_model)      # a DDP communication hook: stats, then allreduce
+    ...                                              # forward, backward: the hook fills one row per bucket
+    rows = summaries.gather()                        # [world, buckets, 4] int64, every rank's rows
+    verdict = spread.judge(stats_of(rows))           # the robust cross-rank comparison (pure)
+
+A bucket's summary (`bucket_summary`) is four int64 words computed on the gradient's device with no host
+synchronisation: the L2 norm and the max-abs (float64 bit patterns) and the exact fingerprint of the
+bucket's gradients (checksums.fingerprint: two words; the Triton kernel on CUDA, torch ops elsewhere).
+The norm and max-abs find outliers; the fingerprint lets a replay (checksums.replay) compare a recomputed
+gradient bit for bit.
+
+Ranks see different data, so their gradients differ; the comparison is over distributions, not values.
+For each bucket and statistic, the log of each rank's value is compared with the median over ranks; the
+distance is divided by the clean cross-rank spread of that bucket and statistic (`SpreadTracker`: the
+largest distance seen on clean steps, floored), and a rank whose distance exceeds `margin` times the spread
+is an outlier. A non-finite value names its rank at once. With fewer than 3 ranks the median does not
+single out one rank: an outlier then makes both ranks suspects, and the replay decides (checksums.replay).
+
+Training-side module: never imports the agent (`daemon`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from checksums.fingerprint import fingerprint_tensors_async
+
+ROW_WORDS = 4          # norm bits, max-abs bits, fingerprint word 0, fingerprint word 1
+_TINY = 1e-30          # log of a zero statistic: far from any live gradient, finite
+
+
+def bucket_summary(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 [4] on the gradients' device: norm and max-abs (float64 bit patterns), fingerprint (2 words).
+
+    No host synchronisation. Non-finite values make the norm non-finite, so they travel in the same row.
+    """
+    device = grads[0].device
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    amax = torch.stack([g.detach().abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
+                        for g in grads])
+    stats = torch.stack([torch.linalg.vector_norm(norms), amax.amax()]).double()
+    # a NaN in a gradient makes its norm NaN but amax may skip it on some backends: carry it in both
+    stats = stats + (norms.sum() * 0).double()
+    fp = fingerprint_tensors_async(list(grads))
+    return torch.cat([stats.view(torch.int64), fp.to(device)])
+
+
+def stats_of(rows: torch.Tensor) -> torch.Tensor:
+    """float64 [..., 2] (norm, max-abs) from summary rows int64 [..., 4]."""
+    return rows[..., :2].contiguous().view(torch.float64)
+
+
+def fingerprints_of(rows: torch.Tensor) -> torch.Tensor:
+    """int64 [..., 2] fingerprints from summary rows int64 [..., 4]."""
+    return rows[..., 2:4]
+
+
+class GradSummaries:
+    """The DDP communication hook that summarises each bucket's local gradient, then all-reduces it.
+
+    One row per bucket per step, kept on the device; `rows()` stacks them, `gather()` all-gathers them.
+    `layout` maps each bucket index to the indices (into `params`) of its parameters, in bucket order:
+    a replay summarises a recomputed gradient bucket by bucket with the same layout, so the fingerprints
+    compare exactly. DDP rebuilds its buckets after the first step; the layout follows. One micro-batch
+    per optimizer step: under `no_sync()` accumulation the hook sees the sum of the micro-batches.
+    """
+
+    def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None) -> None:
+        if not hasattr(ddp, "register_comm_hook"):
+            raise TypeError(f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}")
+        self._group = group
+        self.params: list[torch.Tensor] = [p for p in ddp.module.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._rows: dict[int, torch.Tensor] = {}
+        self.layout: dict[int, tuple[int, ...]] = {}
+        self.hook_calls = 0
+        self._inject = inject           # fault injection (bench/): called with the bucket's flat buffer
+        ddp.register_comm_hook(None, self._hook)
+
+    @classmethod
+    def attach(cls, ddp: nn.Module, **kwargs: Any) -> "GradSummaries":
+        return cls(ddp, **kwargs)
+
+    def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
+        if self._inject is not None:
+            self._inject(bucket.index(), bucket.buffer())
+        grads = bucket.gradients()
+        idx = bucket.index()
+        self._rows[idx] = bucket_summary(grads)
+        layout = self.layout.get(idx)
+        if layout is None or len(layout) != len(grads):
+            self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
+        self.hook_calls += 1
+        return allreduce_hook(self._group, bucket)
+
+    def rows(self) -> torch.Tensor:
+        """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index."""
+        if not self._rows:
+            raise RuntimeError("no gradient bucket was reduced since the last step (no backward?)")
+        n = max(self._rows) + 1
+        if len(self._rows) != n:
+            raise RuntimeError(f"buckets {sorted(set(range(n)) - set(self._rows))} were not reduced")
+        return torch.stack([self._rows[i] for i in range(n)])
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+    def gather(self) -> torch.Tensor:
+        """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call)."""
+        mine = self.rows()
+        world = dist.get_world_size(self._group)
+        out = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine, group=self._group)
+        return torch.stack(out)
+
+    def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""
+        rows = []
+        for b in range(len(self.layout)):
+            gs = []
+            for i in self.layout[b]:
+                g = grads[i]
+                gs.append(torch.zeros_like(self.params[i]) if g is None else g)
+            rows.append(bucket_summary(gs))
+        return torch.stack(rows)
+
+
+# ---- the cross-rank comparison (pure: tensors in, verdict out) -------------------------------------------
+
+
+def deviations(stats: torch.Tensor) -> torch.Tensor:
+    """|log(x_r) - median_r log(x)| per rank, bucket and statistic: float64 [world, buckets, 2].
+
+    Non-finite values are counted as zero here (their rank is named by `nonfinite_ranks`)."""
+    x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
+    med = x.median(dim=0).values
+    return (x - med).abs()
+
+
+def nonfinite_ranks(stats: torch.Tensor) -> list[int]:
+    bad = ~torch.isfinite(stats).reshape(stats.shape[0], -1).all(dim=1)
+    return [int(r) for r in torch.nonzero(bad).reshape(-1).tolist()]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatsVerdict:
+    """One step's cross-rank comparison. `scores[r]`: rank r's largest distance over buckets and statistics,
+    in units of the clean spread; `outliers`: ranks over the margin; `nonfinite`: ranks with NaN/Inf;
+    `bucket`/`stat`: where the worst outlier's distance was largest; `warming`: the spread is still
+    being learned (only non-finite values count)."""
+
+    scores: tuple[float, ...]
+    outliers: tuple[int, ...]
+    nonfinite: tuple[int, ...]
+    bucket: int = -1
+    stat: str = ""
+    warming: bool = False
+
+    @property
+    def suspects(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.outliers) | set(self.nonfinite)))
+
+
+STAT_NAMES = ("norm", "maxabs")
+
+
+class SpreadTracker:
+    """The clean cross-rank spread per bucket and statistic, and the verdict against it.
+
+    `spread[b, s]` is the largest distance from the median (in log units) seen on a clean step, floored at
+    `floor` (log(1.05) by default); a step is clean when no rank exceeded `margin` spreads, or when a replay
+    cleared it (`learn`). The first `warmup` steps only learn (non-finite values still count). Pure: the
+    caller passes the gathered statistics; nothing here reads a clock or a GPU.
+    """
+
+    def __init__(self, *, margin: float = 3.0, warmup: int = 20, floor: float = math.log(1.05)) -> None:
+        if margin <= 1.0:
+            raise ValueError(f"margin must be > 1 (units of the clean spread), got {margin!r}")
+        self.margin = margin
+        self.warmup = warmup
+        self.floor = floor
+        self.spread: torch.Tensor | None = None
+        self.learned = 0
+        self.max_score_clean = 0.0        # the largest score of a step judged clean after warm-up
+
+    def judge(self, stats: torch.Tensor) -> StatsVerdict:
+        """The verdict on one step's gathered statistics float64 [world, buckets, 2] (host or device)."""
+        stats = stats.detach().double().cpu()
+        world, nb = stats.shape[0], stats.shape[1]
+        nonfinite = tuple(nonfinite_ranks(stats))
+        dev = deviations(stats)
+        if self.spread is None or self.spread.shape[0] != nb:     # DDP rebuilt its buckets: learn anew
+            self.spread = torch.full((nb, 2), self.floor, dtype=torch.float64)
+            self.learned = 0
+        if self.learned < self.warmup or world < 2:
+            if not nonfinite:
+                self._learn(dev, nonfinite)
+            return StatsVerdict(scores=(0.0,) * world, outliers=(), nonfinite=nonfinite, warming=True)
+        ratio = dev / self.spread
+        scores = ratio.reshape(world, -1).amax(dim=1)
+        over = [r for r in range(world) if r not in nonfinite and float(scores[r]) > self.margin]
+        if world == 2 and over:
+            over = [0, 1]                   # two ranks: the median is their midpoint, both are suspects
+        bucket, stat = -1, ""
+        if over:
+            worst = max(over, key=lambda r: float(scores[r]))
+            flat = int(ratio[worst].reshape(-1).argmax())
+            bucket, stat = flat // 2, STAT_NAMES[flat % 2]
+        elif not nonfinite:
+            self.max_score_clean = max(self.max_score_clean, float(scores.max()))
+            self._learn(dev, nonfinite)
+        return StatsVerdict(scores=tuple(float(s) for s in scores), outliers=tuple(over), nonfinite=nonfinite,
+                            bucket=bucket, stat=stat)
+
+    def learn(self, stats: torch.Tensor) -> None:
+        """A step a replay cleared (its values were the data's): widen the spread to include it."""
+        stats = stats.detach().double().cpu()
+        if self.spread is not None and self.spread.shape[0] == stats.shape[1]:
+            self._learn(deviations(stats), nonfinite_ranks(stats))
+
+    def _learn(self, dev: torch.Tensor, nonfinite: Sequence[int]) -> None:
+        assert self.spread is not None
+        keep = [r for r in range(dev.shape[0]) if r not in nonfinite]
+        if keep:
+            self.spread = torch.maximum(self.spread, dev[keep].amax(dim=0))
+            self.learned += 1
