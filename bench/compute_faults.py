@@ -137,17 +137,15 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     for step in range(1, steps + 1):
         on = case is not None and rank == fault_rank and (
             step == fault_step or (case.persistent and step >= fault_step))
-        # the hooks fire during the step; a replay of a persistent fault's step repeats it (same GPU)
+        # the forward and gradient faults hit this step's backward; a persistent one also hits the replays
+        # this rank runs in the gate (the same GPU computes wrong again), a transient one does not
         active["on"] = on and case is not None and case.where in ("mm", "grad")
-        if case is not None and case.where == "mm" and case.persistent and rank == fault_rank:
-            active["on"] = step >= fault_step
         batch = batch_for(rank, step, device)
         checks.retain(batch)
         loss_fn(ddp, batch).backward()
-        if not (case is not None and case.where == "mm" and case.persistent):
-            active["on"] = False if case is None or case.where != "mm" or not case.persistent else active["on"]
+        if case is None or not case.persistent:
+            active["on"] = False
         opt.step()
-        active["on"] = False if case is None or not case.persistent or step < fault_step else active["on"]
         opt.zero_grad(set_to_none=True)
         if on and case is not None and case.where == "opt":
             st = opt.state[model[2].weight]
@@ -204,8 +202,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
 
 
 def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
-    lines = [f"{'fault (rank %d, step %d)' % (fault_rank, fault_step):34} {'detector':17} {'caught':6} "
-             f"{'steps':5} {'rank named':10} {'cause':11} update"]
+    head = f"fault (rank {fault_rank}, step {fault_step})"
+    lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
     for name, r in results.items():
         if name == "clean":
             continue

@@ -117,7 +117,7 @@ class ComputeChecks:
         self.guard.add(self)
 
     @classmethod
-    def attach(cls, ddp: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> "ComputeChecks":
+    def attach(cls, ddp: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> ComputeChecks:
         return cls(ddp, optimizer, **kwargs)
 
     def retain(self, batch: Any) -> None:
@@ -189,4 +189,4 @@ class ComputeChecks:
         self.guard.remove(self.name)
 
 
-__all__ = ["ComputeChecks", "ComputeFinding", "ComputeStatus", "Cause"]
+__all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus"]

@@ -91,7 +91,7 @@ class GradSummaries:
         ddp.register_comm_hook(None, self._hook)
 
     @classmethod
-    def attach(cls, ddp: nn.Module, **kwargs: Any) -> "GradSummaries":
+    def attach(cls, ddp: nn.Module, **kwargs: Any) -> GradSummaries:
         return cls(ddp, **kwargs)
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
