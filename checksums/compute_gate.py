@@ -15,7 +15,8 @@ apply. A step is replayed at most once per suspect and never retried: the gate n
 
 How the update is masked. On gloo/CPU the gather is synchronous and the verdict is on the host before
 `optimizer.step()`: a suspect step's update is vetoed through the step guard (`Veto`), its number kept.
-On CUDA (`mask="device"`) the gather and the comparison are device ops and the verdict is a float flag on
+On CUDA (the design; not built yet: today the CUDA path reads the gathered rows on the host, one
+synchronisation per step) the gather and the comparison are device ops and the verdict is a float flag on
 the device that the optimizer's own skip respects, as a fused optimizer skips on GradScaler's `found_inf`
 (`optimizer.found_inf`, combined with the scaler's when there is one): no host synchronisation in the step.
 The host reads the flag a step later (a non-blocking copy) and then replays the masked step from its
