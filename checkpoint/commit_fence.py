@@ -17,6 +17,7 @@ Two rules, both enforced by Redis itself (no home-made consensus):
    died before replicating is never reported. Pair it with the primary's `min-replicas-to-write` so an
    isolated old primary refuses writes outright (docs/sentinel.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,9 @@ class CommitFence:
     """The epoch a writer presents and the replication it waits for. `epoch_source()` returns the current
     epoch (0 for a single server); it is read once and again whenever the store refuses the cached one."""
 
-    def __init__(self, epoch_source: Callable[[], int] = lambda: 0, *, replicas: int = 0,
-                 ack_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, epoch_source: Callable[[], int] = lambda: 0, *, replicas: int = 0, ack_timeout_ms: int = 1000
+    ) -> None:
         if replicas < 0 or ack_timeout_ms < 0:
             raise ValueError(f"replicas and ack_timeout_ms must be >= 0, got {replicas}, {ack_timeout_ms}")
         self._source = epoch_source
@@ -93,22 +95,28 @@ class CommitFence:
             except redis.ResponseError as e:
                 if "NOREPLICAS" in str(e):
                     self.stats["not_replicated"] += 1
-                    raise StoreUnavailableError(f"the coordination store's primary refuses writes: {e}") from e
+                    raise StoreUnavailableError(
+                        f"the coordination store's primary refuses writes: {e}"
+                    ) from e
                 raise
             reply = list(replies[0])
             if _s(reply[0]) == FENCED:
                 self.stats["fenced"] += 1
-                log.warning("write fenced: epoch %s is older than the store's %s; re-reading it", epoch,
-                            _s(reply[1]))
+                log.warning(
+                    "write fenced: epoch %s is older than the store's %s; re-reading it", epoch, _s(reply[1])
+                )
                 continue
             if self.replicas and int(replies[1]) < self.replicas:
                 self.stats["not_replicated"] += 1
                 raise StoreUnavailableError(
                     f"the write reached {int(replies[1])} of {self.replicas} replicas within "
-                    f"{self.ack_timeout_ms} ms; it does not count (retry)")
+                    f"{self.ack_timeout_ms} ms; it does not count (retry)"
+                )
             return reply
-        raise StoreUnavailableError(f"the coordination store fenced epoch {epoch} (a newer primary era exists) "
-                                    "and the epoch read again is no newer")
+        raise StoreUnavailableError(
+            f"the coordination store fenced epoch {epoch} (a newer primary era exists) "
+            "and the epoch read again is no newer"
+        )
 
 
 def _s(v: Any) -> str:

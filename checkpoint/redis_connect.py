@@ -1,7 +1,7 @@
 """Connections to the coordination Redis: the one place a URL becomes a client, plain or through Sentinel.
 
 URLs:
-  redis://[user:password@]host:port[/db], rediss://..., unix:///path/to/sock   a single server (redis-py's own)
+  redis://[user:password@]host:port[/db], rediss://..., unix:///path/to/sock   one server (redis-py's own)
   redis+sentinel://[user:password@]host1:26379,host2:26379,host3:26379/<service>[/<db>][?sentinel_password=...]
                                                  the primary of Sentinel's `<service>`, discovered on every
                                                  (re)connect; user/password are the data nodes'
@@ -14,6 +14,7 @@ primary's READONLY reply into a connection error). The scripts the coordinator r
 `epoch_source(url)` gives the fencing epoch: Sentinel's `config-epoch` of the service (raised by every
 failover), 0 for a single server. checkpoint/commit_fence.py explains how the store checks it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,10 +42,10 @@ _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 class RedisOptions:
     """How the agent talks to the coordination Redis (the agent's `[redis]` section fills it)."""
 
-    timeout_s: float = 5.0          # connect, and per command
-    failover_s: float = 10.0        # commands retry on connection errors this long (a failover's duration)
-    replicas_to_ack: int = 0        # a begin/commit counts once this many replicas have it (Redis WAIT)
-    ack_timeout_ms: int = 1000      # how long WAIT waits for them
+    timeout_s: float = 5.0  # connect, and per command
+    failover_s: float = 10.0  # commands retry on connection errors this long (a failover's duration)
+    replicas_to_ack: int = 0  # a begin/commit counts once this many replicas have it (Redis WAIT)
+    ack_timeout_ms: int = 1000  # how long WAIT waits for them
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +88,7 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     form = "redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>]"
     if not is_sentinel(url):
         raise InvalidInputError(f"not a Sentinel URL (expected {form}): {url!r}")
-    rest = url[len(SENTINEL_SCHEME) + 3:]
+    rest = url[len(SENTINEL_SCHEME) + 3 :]
     rest, _, query = rest.partition("?")
     creds, at, hosts_path = rest.rpartition("@")
     if not at:
@@ -110,10 +111,17 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     q = urllib.parse.parse_qs(query)
     unknown = set(q) - {"sentinel_password"}
     if unknown:
-        raise InvalidInputError(f"unknown Sentinel URL parameter(s) {sorted(unknown)}; known: sentinel_password")
-    return SentinelUrl(tuple(sentinels), urllib.parse.unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0,
-                       urllib.parse.unquote(user) or None, urllib.parse.unquote(password) or None,
-                       q["sentinel_password"][0] if "sentinel_password" in q else None)
+        raise InvalidInputError(
+            f"unknown Sentinel URL parameter(s) {sorted(unknown)}; known: sentinel_password"
+        )
+    return SentinelUrl(
+        tuple(sentinels),
+        urllib.parse.unquote(parts[0]),
+        int(parts[1]) if len(parts) == 2 else 0,
+        urllib.parse.unquote(user) or None,
+        urllib.parse.unquote(password) or None,
+        q["sentinel_password"][0] if "sentinel_password" in q else None,
+    )
 
 
 def validate_url(url: str) -> None:
@@ -122,7 +130,9 @@ def validate_url(url: str) -> None:
         parse_sentinel_url(url)
         return
     if urllib.parse.urlsplit(url).scheme not in PLAIN_SCHEMES:
-        raise InvalidInputError(f"expected a redis://, rediss://, unix:// or {SENTINEL_SCHEME}:// URL, got {redact(url)!r}")
+        raise InvalidInputError(
+            f"expected a redis://, rediss://, unix:// or {SENTINEL_SCHEME}:// URL, got {redact(url)!r}"
+        )
 
 
 def _retries(options: RedisOptions) -> int:
@@ -141,29 +151,51 @@ def connect(url: str, options: RedisOptions | None = None) -> redis.Redis:
     o = options or RedisOptions()
     validate_url(url)
     retry = redis.retry.Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.02), _retries(o), _RETRY_ERRORS)
-    common = {"socket_timeout": o.timeout_s, "socket_connect_timeout": o.timeout_s, "retry": retry,
-              "retry_on_error": list(_RETRY_ERRORS)}
+    common = {
+        "socket_timeout": o.timeout_s,
+        "socket_connect_timeout": o.timeout_s,
+        "retry": retry,
+        "retry_on_error": list(_RETRY_ERRORS),
+    }
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **common)
     s = parse_sentinel_url(url)
     sentinel = redis.sentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, o))
-    return sentinel.master_for(s.service, db=s.db, username=s.username, password=s.password,
-                               connection_class=_SentinelConnection, **common)
+    return sentinel.master_for(
+        s.service,
+        db=s.db,
+        username=s.username,
+        password=s.password,
+        connection_class=_SentinelConnection,
+        **common,
+    )
 
 
 def connect_async(url: str, options: RedisOptions | None = None) -> redis.asyncio.Redis:
     """An asyncio client (the agent's event stream)."""
     o = options or RedisOptions()
     validate_url(url)
-    retry = redis.asyncio.retry.Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.02), _retries(o), _RETRY_ERRORS)
-    common = {"socket_timeout": o.timeout_s, "socket_connect_timeout": o.timeout_s, "retry": retry,
-              "retry_on_error": list(_RETRY_ERRORS)}
+    retry = redis.asyncio.retry.Retry(
+        ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.02), _retries(o), _RETRY_ERRORS
+    )
+    common = {
+        "socket_timeout": o.timeout_s,
+        "socket_connect_timeout": o.timeout_s,
+        "retry": retry,
+        "retry_on_error": list(_RETRY_ERRORS),
+    }
     if not is_sentinel(url):
         return redis.asyncio.Redis.from_url(url, **common)
     s = parse_sentinel_url(url)
     sentinel = redis.asyncio.sentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, o))
-    return sentinel.master_for(s.service, db=s.db, username=s.username, password=s.password,
-                               connection_class=_AsyncSentinelConnection, **common)
+    return sentinel.master_for(
+        s.service,
+        db=s.db,
+        username=s.username,
+        password=s.password,
+        connection_class=_AsyncSentinelConnection,
+        **common,
+    )
 
 
 def epoch_source(url: str, options: RedisOptions | None = None) -> Callable[[], int]:
@@ -174,7 +206,9 @@ def epoch_source(url: str, options: RedisOptions | None = None) -> Callable[[], 
         return lambda: 0
     o = options or RedisOptions()
     s = parse_sentinel_url(url)
-    clients = [redis.Redis(host=h, port=p, decode_responses=True, **_sentinel_kwargs(s, o)) for h, p in s.sentinels]
+    clients = [
+        redis.Redis(host=h, port=p, decode_responses=True, **_sentinel_kwargs(s, o)) for h, p in s.sentinels
+    ]
 
     def current() -> int:
         best, errors = -1, []
@@ -198,4 +232,3 @@ def redact(url: str) -> str:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
     return url
-

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from grpc_health.v1._async import HealthServicer
 
-from daemon import drain_wiring, peers_wiring
+from daemon import drain_wiring, k8s_nodes, peers_wiring
 from daemon.agent import Agent
 from daemon.alerts import AlertDispatcher
 from daemon.background import Background
@@ -71,8 +71,9 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     health_changed = asyncio.Event()
     gpus = GpuRegistry(on_transition=GpuTransitions(publisher=bus, jobs=jobs, checkpoints=feed,
                                                     gpu_metrics=gpu_metrics, health_changed=health_changed))
+    followers = ([k8s_nodes.build(config.kubernetes, host, gpus)] if config.kubernetes.node_conditions else [])
     health = NodeHealth(HealthServicer(), gpus, metrics, health_changed,
-                        pools=(checkpoints.pool, checkpoints.peer_store.pool))
+                        pools=(checkpoints.pool, checkpoints.peer_store.pool), followers=followers)
     probes = GpuProbes(config.nvml, config.canary, gpus=gpus, publisher=bus, metrics=metrics,
                        gpu_metrics=gpu_metrics, state_dir=state_dir)
     rollbacks = RollbackPlanner(config.rollback, checkpoints=checkpoints, jobs=jobs, publisher=bus,

@@ -27,6 +27,7 @@ from checkpoint.redis_connect import RedisOptions, validate_url
 from daemon import config_tree
 from daemon.alerts import AlertsConfig
 from daemon.errors import ConfigError
+from daemon.node_conditions import KubernetesConfig
 from daemon.peers_config import PeersConfig
 from daemon.tiers_config import TiersConfig
 from probes.loss_detector import LossDetectorConfig, RollbackPolicy
@@ -325,11 +326,13 @@ class Config:
     tiers: TiersConfig = setting(factory=TiersConfig, help="durable checkpoint tiers after memory")
     peers: PeersConfig = setting(factory=PeersConfig, help="checkpoint copies in other nodes' memory")
     alerts: AlertsConfig = setting(factory=AlertsConfig, help="alert pushes (Alertmanager, webhook)")
+    kubernetes: KubernetesConfig = setting(factory=KubernetesConfig,
+                                           help="node conditions and the FAILED taint (docs/kubernetes.md)")
 
     def validate(self) -> "Config":
         """Cross-field and environment checks of each section (each was range-checked when built)."""
         for section in (self.agent, self.redis, self.journal, self.nvml, self.canary, self.jobs, self.tiers,
-                        self.peers, self.alerts):
+                        self.peers, self.alerts, self.kubernetes):
             section.validate()
         return self
 

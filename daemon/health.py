@@ -5,12 +5,13 @@ stopping), none of its loops is stale (daemon/watchdog.py: `stale_loops` says wh
 pools is wedged (`check_pools`, daemon/pools.py); `""` (the node) also
 needs no FAILED GPU; `gpu/<UUID>` follows that GPU. `sync()` sets them all;
 after a GPU's state changed (daemon/gpu_transitions.py sets `changed`) the task started by `start()` syncs.
+`followers` (e.g. daemon/k8s_nodes.py's node conditions) are started with it and notified after each sync.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
@@ -28,10 +29,17 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 log = logging.getLogger(__name__)
 
 
+class HealthFollower(Protocol):
+    def start(self, background: Background) -> None: ...
+    def notify(self) -> None: ...
+
+
 class NodeHealth:
     def __init__(self, servicer: HealthServicer, gpus: GpuRegistry, metrics: AgentMetrics,
-                 changed: asyncio.Event, pools: Sequence[WorkPool] = ()) -> None:
+                 changed: asyncio.Event, pools: Sequence[WorkPool] = (),
+                 followers: Sequence[HealthFollower] = ()) -> None:
         self.servicer = servicer
+        self.followers = tuple(followers)
         self.pools = tuple(pools)
         self.wedged: list[str] = []   # the wedged pools' descriptions
         self.gpus = gpus
@@ -47,6 +55,8 @@ class NodeHealth:
 
     def start(self, background: Background) -> None:
         background.start(self._follow(), name="health")
+        for f in self.followers:
+            f.start(background)
 
     async def _follow(self) -> None:
         while True:
@@ -73,6 +83,8 @@ class NodeHealth:
             ok = serving and rec.state is not State.FAILED
             await self.servicer.set(f"gpu/{rec.uuid}", SERVING if ok else NOT_SERVING)
         self.update_node_metrics()
+        for f in self.followers:
+            f.notify()
 
     async def check_pools(self, now: float) -> None:
         """Re-check the service pools (each second, from the agent's housekeeping); sync on a change."""

@@ -3,6 +3,7 @@ primary, two replicas) and 3 redis-sentinel on free ports of 127.0.0.1, and "age
 each, with its own Sentinel-discovered client and memory tier) saving shards in threads while the primary
 is killed. Torch-free: shards are plain bytes with a checksummed manifest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,10 @@ FAILOVER_TIMEOUT_MS = 5000
 def redis_binary(name: str) -> str:
     found = shutil.which(name)
     if not found:
-        raise RuntimeError(f"{name} is not on PATH: `apt-get install redis-server redis-sentinel` "
-                           "(scripts/setup.sh --test does)")
+        raise RuntimeError(
+            f"{name} is not on PATH: `apt-get install redis-server redis-sentinel` "
+            "(scripts/setup.sh --test does)"
+        )
     return found
 
 
@@ -88,19 +91,43 @@ class SentinelCluster:
     def _server(self, port: int, replica_of: int | None) -> None:
         d = self.workdir / f"redis-{port}"
         d.mkdir(parents=True, exist_ok=True)
-        args = [redis_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(d), "--repl-diskless-sync", "yes",
-                "--repl-diskless-sync-delay", "0", "--min-replicas-to-write", str(self.min_replicas),
-                "--min-replicas-max-lag", str(self.max_lag), "--repl-ping-replica-period", "1",
-                "--logfile", str(d / "redis.log")]
+        args = [
+            redis_binary("redis-server"),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+            "--repl-diskless-sync",
+            "yes",
+            "--repl-diskless-sync-delay",
+            "0",
+            "--min-replicas-to-write",
+            str(self.min_replicas),
+            "--min-replicas-max-lag",
+            str(self.max_lag),
+            "--repl-ping-replica-period",
+            "1",
+            "--logfile",
+            str(d / "redis.log"),
+        ]
         if replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(replica_of)]
-        proc = self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                                   preexec_fn=_set_pdeathsig)
+        proc = self.procs[port] = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_set_pdeathsig
+        )
         c = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
         # ours, not another process that took the port (other tests pick free ports at the same time)
-        wait_for(lambda: proc.poll() is None and c.info("server")["process_id"] == proc.pid, 20,
-                 f"our redis-server on {port}")
+        wait_for(
+            lambda: proc.poll() is None and c.info("server")["process_id"] == proc.pid,
+            20,
+            f"our redis-server on {port}",
+        )
         c.close()
 
     def _sentinel(self, port: int, primary: int) -> None:
@@ -112,9 +139,14 @@ class SentinelCluster:
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
-            f"sentinel parallel-syncs {SERVICE} 2\n")
-        self.procs[port] = subprocess.Popen([redis_binary("redis-sentinel"), str(conf)], stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, preexec_fn=_set_pdeathsig)
+            f"sentinel parallel-syncs {SERVICE} 2\n"
+        )
+        self.procs[port] = subprocess.Popen(
+            [redis_binary("redis-sentinel"), str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_set_pdeathsig,
+        )
 
     def start(self) -> "SentinelCluster":
         ports = _free_ports(6)
@@ -129,12 +161,18 @@ class SentinelCluster:
             self._sentinel(p, primary)
         for p in self.sentinel_ports:
             s = redis.Redis(port=p, decode_responses=True, socket_connect_timeout=0.2)
-            wait_for(lambda: (lambda m: m["num-other-sentinels"] == 2 and m["num-slaves"] == 2)(
-                s.sentinel_master(SERVICE)), 60, f"sentinel {p} to see its peers and replicas")
+            wait_for(
+                lambda: (lambda m: m["num-other-sentinels"] == 2 and m["num-slaves"] == 2)(
+                    s.sentinel_master(SERVICE)
+                ),
+                60,
+                f"sentinel {p} to see its peers and replicas",
+            )
         return self
 
     def primary_port(self) -> int:
         """The primary the Sentinels agree on (waits until a majority name the same live one)."""
+
         def agreed() -> int | None:
             seen = []
             for p in self.sentinel_ports:
@@ -148,6 +186,7 @@ class SentinelCluster:
                 return None
             role = redis.Redis(port=top, socket_timeout=1).role()[0]
             return top if role in (b"master", "master") else None
+
         return int(wait_for(agreed, 60, "the Sentinels to agree on a primary", every=0.05))  # type: ignore[arg-type]
 
     def alive(self, port: int) -> bool:
@@ -165,7 +204,8 @@ class SentinelCluster:
 
     def restart(self, port: int) -> int:
         """Start a killed server again, empty, as a replica of the current primary: on its old port, which
-        the Sentinels know (or, if another process took the port meanwhile, on a fresh one); returns the port."""
+        the Sentinels know (or, if another process took the port meanwhile, on a fresh one); returns the
+        port."""
         primary = self.primary_port()
         del self.procs[port]
         try:
@@ -182,20 +222,30 @@ class SentinelCluster:
         """Until the primary has two replicas online and in sync and every Sentinel knows them (Sentinel
         learns a new replica from the primary's INFO, every 10 s): only a replica Sentinel knows can be
         promoted, so killing the primary before that is a second failure, not a failover."""
+
         def healthy() -> bool:
             primary = self.primary_port()
             info = redis.Redis(port=primary, decode_responses=True, socket_timeout=1).info("replication")
             offset = int(info["master_repl_offset"])
-            online = {int(v["port"]) for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                      and v.get("state") == "online" and offset - int(v["offset"]) < 1_000_000}
+            online = {
+                int(v["port"])
+                for k, v in info.items()
+                if k.startswith("slave")
+                and isinstance(v, dict)
+                and v.get("state") == "online"
+                and offset - int(v["offset"]) < 1_000_000
+            }
             if len(online) < 2:
                 return False
             for p in self.sentinel_ports:
                 reps = redis.Redis(port=p, decode_responses=True, socket_timeout=1).sentinel_slaves(SERVICE)
-                known = {int(r["port"]) for r in reps if not r["is_sdown"] and r.get("master-port") == primary}
+                known = {
+                    int(r["port"]) for r in reps if not r["is_sdown"] and r.get("master-port") == primary
+                }
                 if not online <= known:
                     return False
             return True
+
         wait_for(healthy, timeout_s, "two in-sync replicas that every Sentinel knows", every=0.2)
 
     def epoch(self) -> int:
@@ -221,8 +271,19 @@ def shard(job: str, step: int, rank: int, world: int, nbytes: int = 4096) -> tup
     """Deterministic bytes for (job, step, rank) and their manifest JSON."""
     seed = f"{job}/{step}/{rank}".encode()
     data = (seed * (nbytes // len(seed) + 1))[:nbytes]
-    m = ShardManifest(job, step, rank, world, blob_key(job, step, rank), len(data), 1024,
-                      tuple(checksum_chunks(memoryview(data), 1024)), (), {}, time.time())
+    m = ShardManifest(
+        job,
+        step,
+        rank,
+        world,
+        blob_key(job, step, rank),
+        len(data),
+        1024,
+        tuple(checksum_chunks(memoryview(data), 1024)),
+        (),
+        {},
+        time.time(),
+    )
     return data, m.to_json()
 
 
@@ -231,17 +292,29 @@ class SaveLog:
     """What agents were told: (step, rank) -> time a commit of that shard was reported."""
 
     reported: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
-    attempts: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (start, end) of each reported try
-    completed: dict[int, list[int]] = dataclasses.field(default_factory=dict)   # step -> ranks told "committed"
-    announced: dict[int, int] = dataclasses.field(default_factory=dict)          # step -> CHECKPOINT_COMMITTED events
-    verified: dict[int, int] = dataclasses.field(default_factory=dict)           # step -> CHECKPOINT_VERIFIED events
+    attempts: list[tuple[float, float]] = dataclasses.field(
+        default_factory=list
+    )  # (start, end) of each reported try
+    completed: dict[int, list[int]] = dataclasses.field(
+        default_factory=dict
+    )  # step -> ranks told "committed"
+    announced: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> CHECKPOINT_COMMITTED events
+    verified: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> CHECKPOINT_VERIFIED events
     errors: list[str] = dataclasses.field(default_factory=list)
-    retried: list[tuple[float, str]] = dataclasses.field(default_factory=list)   # (time, error) of each retry
+    retried: list[tuple[float, str]] = dataclasses.field(default_factory=list)  # (time, error) of each retry
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-def agent(url: str, root: Path, name: str, log: SaveLog, *, replicas: int = 1, fence: CommitFence | None = None,
-          failover_s: float = 15.0) -> Coordinator:
+def agent(
+    url: str,
+    root: Path,
+    name: str,
+    log: SaveLog,
+    *,
+    replicas: int = 1,
+    fence: CommitFence | None = None,
+    failover_s: float = 15.0,
+) -> Coordinator:
     """A coordinator as an agent builds it for a Sentinel URL (daemon/checkpoint_service.py)."""
     opts = RedisOptions(timeout_s=2.0, failover_s=failover_s, replicas_to_ack=replicas, ack_timeout_ms=1000)
 
@@ -252,14 +325,27 @@ def agent(url: str, root: Path, name: str, log: SaveLog, *, replicas: int = 1, f
             elif kind is ek.CHECKPOINT_VERIFIED:
                 log.verified[details["step"]] = log.verified.get(details["step"], 0) + 1
 
-    return Coordinator(connect(url, opts), DirStore(root / name), node=name, location=str(root / name),
-                       config=CoordinatorConfig(keep_committed=100_000, pending_timeout_s=3600.0),
-                       publish=publish,
-                       fence=fence or CommitFence(epoch_source(url, opts), replicas=replicas, ack_timeout_ms=1000))
+    return Coordinator(
+        connect(url, opts),
+        DirStore(root / name),
+        node=name,
+        location=str(root / name),
+        config=CoordinatorConfig(keep_committed=100_000, pending_timeout_s=3600.0),
+        publish=publish,
+        fence=fence or CommitFence(epoch_source(url, opts), replicas=replicas, ack_timeout_ms=1000),
+    )
 
 
-def save_shard(co: Coordinator, job: str, step: int, rank: int, world: int, log: SaveLog, deadline_s: float,
-               vote: bool = False) -> bool:
+def save_shard(
+    co: Coordinator,
+    job: str,
+    step: int,
+    rank: int,
+    world: int,
+    log: SaveLog,
+    deadline_s: float,
+    vote: bool = False,
+) -> bool:
     """begin -> write -> commit (-> vote) for one shard, retrying what is transient until `deadline_s`
     (a lost begin is begun again); True once reported."""
     data, manifest = shard(job, step, rank, world)
@@ -274,13 +360,13 @@ def save_shard(co: Coordinator, job: str, step: int, rank: int, world: int, log:
             with log.lock:
                 log.reported[(step, rank)] = time.monotonic()
                 log.attempts.append((start, log.reported[(step, rank)]))
-                if r.committed_now and rank not in log.completed.get(step, []):   # a retry after the vote
+                if r.committed_now and rank not in log.completed.get(step, []):  # a retry after the vote
                     log.completed.setdefault(step, []).append(rank)
             if vote and r.committed_now:
                 co.on_job_event(job, step, "vote_agreed", time.time())
             return True
         except NotInMemoryError:
-            continue       # the begin was lost with the old primary: begin again
+            continue  # the begin was lost with the old primary: begin again
         except (CheckpointError, redis.RedisError) as e:
             last = e
             with log.lock:

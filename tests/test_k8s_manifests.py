@@ -68,7 +68,8 @@ def test_daemonset_has_nvidia_runtime_hostpaths_limits_and_grpc_probes() -> None
     health_port = int(next(a for a in args if a.startswith("--health-listen=")).rsplit(":", 1)[1])
     metrics_port = int(next(a for a in args if a.startswith("--metrics-listen=")).rsplit(":", 1)[1])
     assert c["livenessProbe"]["grpc"] == {"port": health_port, "service": "sdcwatch.v1.Agent"}
-    assert c["readinessProbe"]["grpc"] == {"port": health_port}   # "" = the node (FAILED GPU: not ready)
+    # readiness too follows the agent, never "" (the GPU verdict): a rollout must not stall on sick hardware
+    assert c["readinessProbe"]["grpc"] == {"port": health_port, "service": "sdcwatch.v1.Agent"}
     assert c["startupProbe"]["grpc"]["port"] == health_port
     assert {p["containerPort"] for p in c["ports"]} == {health_port, metrics_port}
     for kind in ("requests", "limits"):
@@ -79,7 +80,15 @@ def test_daemonset_has_nvidia_runtime_hostpaths_limits_and_grpc_probes() -> None
     state = next(a for a in args if a.startswith("--state-dir=")).split("=", 1)[1]
     assert any(mounts[n] == str(Path(socket).parent) for n in host), "socket dir must be a hostPath"
     assert any(mounts[n] == state for n in host), "state dir must be a hostPath"
-    assert pod.get("automountServiceAccountToken") is False   # the agent uses no Kubernetes API: no RBAC
+    # the token is mounted for the node conditions, and the ServiceAccount may do only that
+    assert pod.get("automountServiceAccountToken") is True
+    role = _by_kind("ClusterRole")
+    assert sorted((tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]) == [
+        (("nodes",), ("get",)), (("nodes/status",), ("patch",))]
+    binding = _by_kind("ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": ds["metadata"]["namespace"]}]
 
 
 def test_daemonset_flags_are_agent_flags() -> None:
@@ -102,7 +111,7 @@ def test_daemonset_environment_settings_are_agent_settings() -> None:
 
     env = _by_kind("DaemonSet")["spec"]["template"]["spec"]["containers"][0]["env"]
     names = {e["name"] for e in env if e["name"].startswith("SDCWATCH_")}
-    assert names == {"SDCWATCH_AGENT_HOSTNAME"}
+    assert names == {"SDCWATCH_AGENT_HOSTNAME", "SDCWATCH_KUBERNETES_NODE_CONDITIONS"}
     assert names <= {k.env for k in config_tree.keys(config.Config)}
     import argparse
 
@@ -166,3 +175,22 @@ def test_prometheusrule_groups_pass_promtool(tmp_path: Path) -> None:
     out = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_node_problem_detector_plugin_runs_sdcwatch_status() -> None:
+    """The alternative route to the node condition: node-problem-detector's custom plugin runs `sdcwatch
+    status`, whose exit codes are NPD's (0 OK, 1 problem, other unknown), with flags that command accepts."""
+    import json
+
+    from daemon import cli
+
+    npd = json.loads((ROOT / "deploy" / "node-problem-detector" / "sdcwatch-gpu.json").read_text())
+    assert npd["plugin"] == "custom" and npd["pluginConfig"]["timeout"]
+    (cond,) = npd["conditions"]
+    (rule,) = npd["rules"]
+    assert rule["type"] == "permanent" and rule["condition"] == cond["type"] == "SdcwatchGPUProblem"
+    assert rule["path"].endswith("/sdcwatch") and rule["args"][0] == "status"
+    assert cli.EXIT_OK == 0 and cli.EXIT_UNHEALTHY == 1 and cli.EXIT_UNKNOWN not in (0, 1)
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", *rule["args"], "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr

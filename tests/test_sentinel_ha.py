@@ -1,5 +1,6 @@
 """The coordination store on Redis Sentinel (docs/sentinel.md): real redis-server and redis-sentinel
 processes, the primary killed while several agents save and commit."""
+
 from __future__ import annotations
 
 import threading
@@ -42,15 +43,20 @@ def test_sentinel_urls_parse_and_bad_ones_say_what_is_wrong() -> None:
     s = parse_sentinel_url("redis+sentinel://u:p%40ss@h1:26379,10.0.0.2:26380/mymaster/3?sentinel_password=x")
     assert s.sentinels == (("h1", 26379), ("10.0.0.2", 26380)) and s.service == "mymaster" and s.db == 3
     assert (s.username, s.password, s.sentinel_password) == ("u", "p@ss", "x")
-    for bad, why in (("redis+sentinel://h1:26379", "names no service"), ("redis+sentinel:///svc", "no Sentinel"),
-                     ("redis+sentinel://h1/svc", "not host:port"), ("redis+sentinel://h:1/svc/x", "not a number"),
-                     ("redis+sentinel://h:1/svc?tls=1", "unknown"), ("http://h:1", "expected a redis://")):
+    for bad, why in (
+        ("redis+sentinel://h1:26379", "names no service"),
+        ("redis+sentinel:///svc", "no Sentinel"),
+        ("redis+sentinel://h1/svc", "not host:port"),
+        ("redis+sentinel://h:1/svc/x", "not a number"),
+        ("redis+sentinel://h:1/svc?tls=1", "unknown"),
+        ("http://h:1", "expected a redis://"),
+    ):
         with pytest.raises(InvalidInputError, match=why):
             validate_url(bad)
     with pytest.raises(ConfigError, match="redis.url"):
         RedisConfig(url="redis+sentinel://h1:26379").validate()
     with pytest.raises(ConfigError, match="replicas_to_ack"):
-        RedisConfig(replicas_to_ack=1).validate()   # the embedded Redis has no replicas
+        RedisConfig(replicas_to_ack=1).validate()  # the embedded Redis has no replicas
 
 
 def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluster, tmp_path: Path) -> None:
@@ -92,7 +98,7 @@ def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluste
     steps_reported = {s for s, _ in log.reported}
     complete = {s for s in steps_reported if all((s, r) in log.reported for r in range(world))}
     assert len(complete) >= 8
-    for s in complete:      # every rank was told its shard is in: the checkpoint is, with every shard
+    for s in complete:  # every rank was told its shard is in: the checkpoint is, with every shard
         assert final[s].state in policy.RESTORABLE_STATES and final[s].shards == world, (s, final[s])
     for s, ranks in log.completed.items():
         assert len(ranks) == 1, f"step {s} completed by ranks {ranks}"
@@ -104,7 +110,8 @@ def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluste
 
 
 def test_commit_killed_before_replication_is_durable_or_never_reported(
-        cluster_without_min_replicas: SentinelCluster, tmp_path: Path) -> None:
+    cluster_without_min_replicas: SentinelCluster, tmp_path: Path
+) -> None:
     """The replicas are paused, so the primary takes the completing commit but no replica acknowledges it:
     WAIT says so and the rank is not told. The primary dies. The promoted replica either lacks the flip (it
     never got it) or has it (the bytes were already in its socket buffer when it was paused): either the
@@ -112,7 +119,7 @@ def test_commit_killed_before_replication_is_durable_or_never_reported(
     c = cluster_without_min_replicas
     log = SaveLog()
     a, b = agent(c.url, tmp_path, "a", log), agent(c.url, tmp_path, "b", log)
-    assert save_shard(b, JOB, 7, 1, 2, log, 20)                 # replicated: WAIT said so
+    assert save_shard(b, JOB, 7, 1, 2, log, 20)  # replicated: WAIT said so
     data, manifest = shard(JOB, 7, 0, 2)
     a.store.put(f"{JOB}/{7:012d}/rank-00000.bin", data)
     a.begin(JOB, 7, 0, 2)
@@ -148,7 +155,7 @@ def test_a_write_from_the_old_primary_era_cannot_land(cluster: SentinelCluster, 
     primary = cluster.primary_port()
     cluster.kill(primary)
     wait_for(lambda: cluster.primary_port() != primary and cluster.epoch() > old_epoch, 60, "the failover")
-    assert save_shard(fresh, JOB, 1, 1, 2, log, 30)             # the new era writes: the fence moves up
+    assert save_shard(fresh, JOB, 1, 1, 2, log, 30)  # the new era writes: the fence moves up
     assert fresh.info(JOB, 1).state == policy.COMMITTED
     data, manifest = shard(JOB, 2, 0, 2)
     stale.store.put(f"{JOB}/{2:012d}/rank-00000.bin", data)
