@@ -26,7 +26,7 @@ from checkpoint.errors import CheckpointError, NotInMemoryError
 from checkpoint.manifest import ShardManifest
 from checkpoint.redis_connect import RedisOptions, connect, epoch_source
 from checkpoint.shm_store import DirStore
-from daemon.redis_embedded import _set_pdeathsig
+from sdcwatch.proc import die_with_parent
 from sdcwatch import event_kinds as ek
 from sdcwatch.event_kinds import EventKind
 
@@ -119,7 +119,7 @@ class SentinelCluster:
         if replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(replica_of)]
         proc = self.procs[port] = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_set_pdeathsig
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid())
         )
         c = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
         # ours, not another process that took the port (other tests pick free ports at the same time)
@@ -145,7 +145,7 @@ class SentinelCluster:
             [redis_binary("redis-sentinel"), str(conf)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_set_pdeathsig,
+            preexec_fn=die_with_parent(os.getpid()),
         )
 
     def start(self) -> "SentinelCluster":
