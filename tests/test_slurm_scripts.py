@@ -22,15 +22,17 @@ def _script(path: Path, body: str) -> None:
 @pytest.fixture()
 def fakes(tmp_path: Path) -> Path:
     """bin/sdcwatch: records its args; `canary` exits $FAKE_CANARY_RC after printing a line; `status --json`
-    prints $FAKE_STATUS or exits $FAKE_STATUS_RC. bin/scontrol and bin/logger record their args."""
+    prints $FAKE_STATUS and exits $FAKE_STATUS_RC as the real one does (0 healthy, 1 unhealthy, 3 unknown:
+    the JSON printed; 2 unreachable: a message only). bin/scontrol and bin/logger record their args."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
     _script(bin_dir / "sdcwatch", f"""echo "sdcwatch $*" >> {calls}
 case "$1" in
   canary) echo "${{FAKE_CANARY_OUT:-canary $3: GPU-1 bf16 GEMM mismatch at [3,7]}}"; exit "${{FAKE_CANARY_RC:-0}}" ;;
-  status) [ "${{FAKE_STATUS_RC:-0}}" = 0 ] || {{ echo "agent not reachable" >&2; exit "$FAKE_STATUS_RC"; }}
-          s="${{FAKE_STATUS:-}}"; [ -n "$s" ] || s='{{}}'; printf '%s\\n' "$s" ;;
+  status) rc="${{FAKE_STATUS_RC:-0}}"
+          case "$rc" in 0|1|3) ;; *) echo "agent not reachable" >&2; exit "$rc" ;; esac
+          s="${{FAKE_STATUS:-}}"; [ -n "$s" ] || s='{{}}'; printf '%s\\n' "$s"; exit "$rc" ;;
 esac
 """)
     _script(bin_dir / "scontrol", f'echo "scontrol $*" >> {calls}\nexit "${{FAKE_SCONTROL_RC:-0}}"\n')
@@ -118,6 +120,18 @@ def test_epilog_collects_status_json(fakes: Path) -> None:
     assert json.loads((out_dir / "4242.status.json").read_text()) == status
     assert _calls(fakes) == ["sdcwatch status --json"]
     assert [p.name for p in out_dir.iterdir()] == ["4242.status.json"]   # no temp files left
+
+
+def test_epilog_keeps_the_record_of_an_unhealthy_or_unknown_node(fakes: Path) -> None:
+    """The record matters most when the node is not healthy: `status` exits 1 (SUSPECT/DEGRADED/FAILED) or
+    3 (UNKNOWN) with the JSON printed, and the epilog keeps it (and still never fails the job)."""
+    for rc, state in (("1", "FAILED"), ("3", "UNKNOWN")):
+        status = {"node_state": state, "gpus": [{"uuid": "GPU-1", "state": state}]}
+        out_dir = fakes / f"jobs-{rc}"
+        r = _run("epilog.sh", fakes, FAKE_STATUS=json.dumps(status), FAKE_STATUS_RC=rc, SDCWATCH_JOB_DIR=str(out_dir))
+        assert r.returncode == 0, r.stderr
+        assert json.loads((out_dir / "4242.status.json").read_text()) == status
+        assert [p.name for p in out_dir.iterdir()] == ["4242.status.json"]
 
 
 def test_epilog_never_fails_the_job(fakes: Path) -> None:
