@@ -225,9 +225,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 uuids = write_scenario(scenario, args.ranks, xid=xid, xid_gpu=0, xid_at=max(0.0, args.xid_at))
                 if xid:
                     plan["xid"] = {"xid": 79, "gpu_uuid": uuids[0], "at_s": args.xid_at}
-            # a state dir name of its own: the memory tier is /dev/shm/sdcwatch-<uid>/<its name>, and another
-            # demo (or agent) with a dir named "state" must not share (and, stopping, wipe) it
-            agent = AgentHandle(tmp / f"state-{tmp.name.rsplit('-', 1)[-1]}", scenario)
+            agent = AgentHandle(tmp / "state", scenario)   # tmp is the demo's own: so is the memory tier
             agent.wait_ready()
             sock = agent.socket
         display.info(f"agent ready on {sock}; training {args.steps} steps on {args.ranks} "
