@@ -27,7 +27,8 @@ def _state(v: int) -> str:
 def _info(i: Any) -> CheckpointInfo:
     return CheckpointInfo(i.job_id, i.step, _state(i.state), i.world_size, i.shards, i.bytes, i.begun_at,
                           i.committed_at, i.verified_at, i.reason,
-                          tuple(Copy(c.rank, c.node, c.location, c.tier or "memory") for c in i.copies))
+                          tuple(Copy(c.rank, c.node, c.location, c.tier or "memory") for c in i.copies),
+                          i.vouched_by)
 
 
 class GrpcAgentLink:

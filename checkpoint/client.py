@@ -9,6 +9,11 @@ Every RPC carries a deadline. If the agent is down, `save` logs and drops the ch
 on: the failure shows in the SaveHandle's result), and queries raise `AgentUnavailableError` after
 the deadline. Bytes go straight into the agent's memory tier (files), never through gRPC.
 
+`replica_set`: the ranks that save identical bytes (None: the guard's, which the Monitor sets from its replica
+group; "" when this rank's shard has no replica, or when the saved state differs per rank, e.g. holds the
+rank's RNG state). The agent compares the fingerprints of the bytes saved across the set before a checkpoint
+can be VERIFIED (checkpoint.replica_bytes).
+
 `link` may be a `GrpcAgentLink` (checkpoint.agent_link) or anything with the same methods, e.g. a
 `Coordinator` in-process.
 
@@ -40,11 +45,13 @@ class CheckpointClient:
     def __init__(self, link: Any, job_id: str, rank: int, world_size: int, *,
                  config: SnapshotConfig | None = None,
                  store_for: Callable[[str], BlobStore] = dir_store_for,
-                 guard: StepGuard | None = None) -> None:
+                 guard: StepGuard | None = None, replica_set: str | None = None) -> None:
         self.link = link
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.store_for = store_for
-        self.snapshotter = Snapshotter(link, job_id, rank, world_size, config, store_for)
+        if replica_set is None:
+            replica_set = guard.replica_set if guard is not None else ""
+        self.snapshotter = Snapshotter(link, job_id, rank, world_size, config, store_for, replica_set)
         self.guard = guard
         if guard is not None:
             guard.add(self.snapshotter.copy_fence())

@@ -9,20 +9,28 @@ Lifecycle of one checkpoint (job J, step k, world size W):
                                  `verify_on_commit`), then ONE Lua script records the shard and, when all
                                  W shards are in, flips the record to COMMITTED (the marker, written last).
                                  Idempotent: the same manifest again changes nothing.
-4. `on_job_event(J, step, kind, now)`  replica votes and SDC/NaN/fatal-hardware events: COMMITTED <->
-                                 VERIFIED (see `checkpoint.policy.verified_steps`); each change is published.
+   Once COMMITTED, the bytes are compared across replicas (`checkpoint.replica_bytes.compare` over every
+   rank's manifest: ranks of one replica set must have saved identical tensor fingerprints); the verdict
+   and which fingerprints vouched are kept on the record (`bytes_check`, `vouched_by`); a mismatch is
+   journaled (checkpoint.replicas_differ) and that checkpoint is never VERIFIED.
+4. `on_job_event(J, step, kind, now)`  replica votes, clean in-step checks and SDC/NaN/fatal-hardware
+                                 events: COMMITTED <-> VERIFIED (see `checkpoint.policy.verified_steps`);
+                                 each change is published.
 5. `maintain(now)`              retention (keep newest K + newest verified, memory cap), abort stale
                                  PENDING saves and delete their partial blobs, sweep evicted blobs.
 
 Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redis Cluster):
   sdcw:ckpt:jobs                   SET of job ids
   sdcw:ckpt:{J}:idx                ZSET step -> step, every live or tombstoned record
-  sdcw:ckpt:{J}:s:<k>              HASH state, world_size, begun_at, committed_at, verified_at, reason, bytes
+  sdcw:ckpt:{J}:s:<k>              HASH state, world_size, begun_at, committed_at, verified_at, reason, bytes,
+                                   bytes_check (agreed | mismatch | unreplicated), vouched_by
   sdcw:ckpt:{J}:s:<k>:shards       HASH rank -> shard manifest JSON
   sdcw:ckpt:{J}:s:<k>:copies       HASH "<rank>@<node>" -> location (memory tier directory on that node)
   sdcw:ckpt:{J}:votes              HASH step -> vote_agreed | vote_mismatch; bounded: past MAX_VOTES + slack
                                    fields it is pruned to the newest MAX_VOTES steps plus the steps of live
                                    records (their VERIFIED depends on them); read per record (HMGET), never whole
+  sdcw:ckpt:{J}:checked            the highest step the job's checks reported clean through (an agreed vote, or
+                                   clean in-step checks without replicas); lowered to the target on rollback
   sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback);
                                    bounded to the MAX_BAD lowest steps (VERIFIED needs only the lowest)
   sdcw:ckpt:{J}:epoch              the highest writer epoch seen for the job (checkpoint/commit_fence.py)
@@ -40,7 +48,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from checkpoint import policy
+from checkpoint import policy, replica_bytes
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import verify
 from checkpoint.commit_fence import CommitFence, fenced
@@ -96,6 +104,21 @@ return {st, 0, n}
 """
 
 # Set state only if the record is in the expected state. ARGV: new state, field, value, expected state.
+# Raise a number to ARGV[1] if it is lower (or absent).
+_RAISE = """
+local cur = tonumber(redis.call('GET', KEYS[1]))
+if cur == nil or cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return {1}
+"""
+
+# Set fields (ARGV: field, value, ...) on a record that is still COMMITTED or VERIFIED.
+_SET_IF_LIVE = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if st ~= 'COMMITTED' and st ~= 'VERIFIED' then return {0} end
+for i = 1, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return {1}
+"""
+
 _TRANSITION = """
 if redis.call('HGET', KEYS[1], 'state') ~= ARGV[4] then return {0} end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], ARGV[2], ARGV[3])
@@ -133,9 +156,12 @@ class Coordinator:
         self._commit = redis.register_script(fenced(_COMMIT_SHARD))
         self._announced: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._transition = redis.register_script(fenced(_TRANSITION))
+        self._raise = redis.register_script(fenced(_RAISE))
+        self._set_live = redis.register_script(fenced(_SET_IF_LIVE))
         self.stats: dict[str, int] = {"shards_committed": 0, "checkpoints_committed": 0, "bytes_committed": 0,
                                       "evictions": 0, "aborted": 0, "checksum_failures": 0,
-                                      "verified": 0, "revoked": 0, "slots_swept": 0, "saves_skipped": 0,
+                                      "verified": 0, "revoked": 0, "replicas_differ": 0, "slots_swept": 0,
+                                      "saves_skipped": 0,
                                       "restores": 0, "restores_failed": 0, "restore_fallbacks": 0}
         self.restore_sources: collections.Counter[str] = collections.Counter()   # tier -> restores served
         # (name, seconds) samples for histograms, drained by daemon.checkpoint_metrics; bounded.
@@ -300,7 +326,8 @@ class Coordinator:
         cps.sort(key=lambda c: (c.rank, c.node != self.node, c.node))
         return CheckpointInfo(job_id, step, h.get("state", "?"), int(h.get("world_size", 0)), int(n),
                               int(h.get("bytes", 0)), float(h.get("begun_at", 0)), float(h.get("committed_at", 0)),
-                              float(h.get("verified_at", 0)), h.get("reason", ""), tuple(cps))
+                              float(h.get("verified_at", 0)), h.get("reason", ""), tuple(cps),
+                              h.get("vouched_by", ""))
 
     def list(self, job_id: str) -> list[CheckpointInfo]:
         validate_job_id(job_id)
@@ -407,8 +434,10 @@ class Coordinator:
             step = steps[-1]
         validate_step(step)
         votes, bad = self._jk(job_id, "votes"), self._jk(job_id, "bad")
-        if kind == policy.VOTE_AGREED:
-            self._add_vote(job_id, votes, step, kind)
+        if kind in policy.CLEAN_KINDS:
+            if kind == policy.VOTE_AGREED:
+                self._add_vote(job_id, votes, step, kind)
+            self.fence.run(self.redis, self._raise, [self._jk(job_id, "checked")], [step], self._jk(job_id, "epoch"))
         elif kind in policy.BAD_KINDS:
             if kind == policy.VOTE_MISMATCH:
                 self._add_vote(job_id, votes, step, kind)
@@ -420,6 +449,9 @@ class Coordinator:
                 if s > step:
                     self._drop(job_id, s, policy.EVICTED, f"rolled back to step {step}", now)
             self.redis.zremrangebyscore(bad, f"({step}", "+inf")
+            checked = self.redis.get(self._jk(job_id, "checked"))
+            if checked is not None and int(_s(checked)) > step:   # the steps after the target are gone
+                self.redis.set(self._jk(job_id, "checked"), step)
             for f in self.redis.hkeys(votes):
                 if int(_s(f)) > step:
                     self.redis.hdel(votes, f)
@@ -441,20 +473,26 @@ class Coordinator:
 
     def evaluate(self, job_id: str, now: float, reason: str = "") -> None:
         """Apply `policy.verified_steps` to the records, publishing each VERIFIED / revoked change. Reads the
-        votes of the records' steps only (HMGET), never the whole hash."""
+        records, the job's checked-through step and its lowest bad steps, never the whole votes hash. A
+        committed record whose bytes were not compared yet (this agent just committed it, or the one that did
+        stopped first) is compared here."""
         infos = [i for i in self.list(job_id) if i.state in policy.RESTORABLE_STATES]
-        fields = [str(i.step) for i in infos]
-        got = self.redis.hmget(self._jk(job_id, "votes"), fields) if fields else []
-        votes = {int(f): _s(v) for f, v in zip(fields, got) if v is not None}
+        verdicts = {}
+        for i in infos:
+            verdict = self.redis.hget(self._meta(job_id, i.step), "bytes_check")
+            verdicts[i.step] = _s(verdict) if verdict is not None else self._check_bytes(job_id, i.step, now)
+        checked = self.redis.get(self._jk(job_id, "checked"))
         bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
-        good = policy.verified_steps([i.step for i in infos], votes, bad_steps)
+        good = policy.verified_steps([i.step for i in infos], verdicts,
+                                     None if checked is None else int(_s(checked)), bad_steps)
         for i in infos:
             meta = self._meta(job_id, i.step)
             if i.step in good and i.state == policy.COMMITTED:
                 if self._move(job_id, meta, policy.VERIFIED, "verified_at", repr(now), policy.COMMITTED):
                     self.stats["verified"] += 1
-                    self.emit(ek.CHECKPOINT_VERIFIED, job_id, f"checkpoint step {i.step} is VERIFIED",
-                              {"step": i.step})
+                    vouched = _s(self.redis.hget(meta, "vouched_by") or "")
+                    self.emit(ek.CHECKPOINT_VERIFIED, job_id, f"checkpoint step {i.step} is VERIFIED ({vouched})",
+                              {"step": i.step, "vouched_by": vouched})
             elif i.step not in good and i.state == policy.VERIFIED:
                 why = reason or "a bad event at or before this step"
                 if self._move(job_id, meta, policy.COMMITTED, "reason", f"verification revoked: {why}",
@@ -468,6 +506,34 @@ class Coordinator:
         a VERIFIED that was announced is on the replicas."""
         return bool(self.fence.run(self.redis, self._transition, [meta], [state, field, value, expected],
                                    self._jk(job_id, "epoch"))[0])
+
+    def _check_bytes(self, job_id: str, step: int, now: float) -> str:
+        """Compare the bytes every rank saved across replicas (`checkpoint.replica_bytes`); keep the verdict
+        and which fingerprints vouched on the record; journal a mismatch. Returns the verdict."""
+        meta, shards, _ = self._keys(job_id, step)
+        raw = self.redis.hgetall(shards)
+        try:
+            check = replica_bytes.compare(ShardManifest.from_json(_s(t)) for t in raw.values())
+        except InvalidInputError as e:   # validated on commit: only a damaged record gets here
+            log.error("job %s step %d: shard manifests unreadable: %s", job_id, step, e)
+            return replica_bytes.MISMATCH
+        fields = {"bytes_check": check.verdict, "vouched_by": check.summary()}
+        if check.verdict == replica_bytes.MISMATCH:
+            fields["reason"] = f"never VERIFIED: {check.summary()}"
+        if not self._set_if_live(job_id, meta, fields):
+            return check.verdict
+        if check.verdict == replica_bytes.MISMATCH:
+            self.stats["replicas_differ"] += 1
+            self.emit(ek.CHECKPOINT_REPLICAS_DIFFER, job_id,
+                      f"checkpoint step {step}: replicas saved different bytes ({check.summary()})",
+                      {"step": step, "odd_ranks": list(check.odd_ranks),
+                       "differing": sorted({p for s in check.sets for p in s.differing})})
+        return check.verdict
+
+    def _set_if_live(self, job_id: str, meta: str, fields: Mapping[str, str]) -> bool:
+        """Set `fields` on a record still COMMITTED or VERIFIED (fenced like every other write)."""
+        args = [x for kv in fields.items() for x in kv]
+        return bool(self.fence.run(self.redis, self._set_live, [meta], args, self._jk(job_id, "epoch"))[0])
 
     # ---- retention and GC ---------------------------------------------------------------------------
     def _local_bytes(self, job_id: str) -> dict[int, int]:

@@ -29,6 +29,7 @@ TENSOR_MARK = "__sdcw_tensor__"
 TUPLE_MARK = "__sdcw_tuple__"
 ITEMS_MARK = "__sdcw_items__"  # a dict with non-str (int) keys: [[key, value], ...]
 MAX_MANIFEST_CHARS = 256 << 20
+MAX_REPLICA_SET_CHARS = 256
 
 # The tensor dtypes a checkpoint holds (torch's names) and their item sizes in bytes.
 DTYPE_SIZES: dict[str, int] = {
@@ -91,6 +92,8 @@ class ShardManifest:
     tree: Any                    # JSON structure of the state dict with tensor references
     created: float
     algorithm: str = ALGORITHM
+    replica_set: str = ""        # the ranks that must have saved identical bytes (checkpoint.replica_bytes);
+                                 # "" when this shard has no replica
 
     def to_json(self) -> str:
         return json.dumps({
@@ -98,7 +101,7 @@ class ShardManifest:
             "world_size": self.world_size, "blob": self.blob, "nbytes": self.nbytes,
             "chunk_bytes": self.chunk_bytes, "algorithm": self.algorithm,
             "chunks": [c.to_json() for c in self.chunks], "tensors": [t.to_json() for t in self.tensors],
-            "tree": self.tree, "created": self.created,
+            "tree": self.tree, "created": self.created, "replica_set": self.replica_set,
         }, separators=(",", ":"), allow_nan=True)
 
     @classmethod
@@ -122,6 +125,7 @@ class ShardManifest:
             chunks = tuple(Chunk.from_json(c) for c in obj["chunks"])
             tensors = tuple(TensorEntry.from_json(t) for t in obj["tensors"])
             tree, created = obj["tree"], obj["created"]
+            replica_set = obj.get("replica_set", "")   # absent in manifests written before it existed
         except KeyError as e:
             raise InvalidInputError(f"manifest lacks field {shown(str(e))}") from None
         except (TypeError, AttributeError) as e:   # a field of the wrong kind (a number where a list goes, ...)
@@ -132,6 +136,9 @@ class ShardManifest:
             raise InvalidInputError(f"manifest checksum algorithm {shown(algorithm)} is not {shown(ALGORITHM)}")
         if not (isinstance(nbytes, int) and nbytes >= 0 and isinstance(chunk_bytes, int) and chunk_bytes > 0):
             raise InvalidInputError(f"manifest has bad nbytes/chunk_bytes {shown(nbytes)}/{shown(chunk_bytes)}")
+        if not isinstance(replica_set, str) or len(replica_set) > MAX_REPLICA_SET_CHARS:
+            raise InvalidInputError(f"manifest has a bad replica_set {shown(replica_set)} (a string of at most "
+                                    f"{MAX_REPLICA_SET_CHARS} chars)")
         if not isinstance(created, (int, float)):
             raise InvalidInputError(f"manifest has bad created time {shown(created)}")
         pos = 0
@@ -148,7 +155,7 @@ class ShardManifest:
         if sorted(refs) != list(range(len(tensors))):
             raise InvalidInputError("manifest tree must reference every tensor, and only those")
         return cls(job_id, step, rank, world, blob, nbytes, chunk_bytes, chunks, tensors, tree,
-                   float(created), algorithm)
+                   float(created), algorithm, replica_set)
 
 
 def _tree_refs(tree: Any) -> set[int]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Mapping
 
+from checkpoint.replica_bytes import VOUCHING
+
 PENDING = "PENDING"
 COMMITTED = "COMMITTED"
 VERIFIED = "VERIFIED"
@@ -17,10 +19,12 @@ RESTORABLE_STATES = (COMMITTED, VERIFIED)
 
 VOTE_AGREED = "vote_agreed"
 VOTE_MISMATCH = "vote_mismatch"
+CHECKS_CLEAN = "checks_clean"   # a job without replicas: every rank's in-step checks ran clean through the step
 EVENTS_LOST = "events_lost"   # job events the agent could not queue (daemon/checkpoint_feed.py): bad from there
 BAD_KINDS = ("vote_mismatch", "sdc", "nan", "fatal_hardware", "loss_anomaly", EVENTS_LOST)
 CLEAR_KINDS = ("rollback", "clear")
-EVENT_KINDS = (VOTE_AGREED, *BAD_KINDS, *CLEAR_KINDS)
+EVENT_KINDS = (VOTE_AGREED, CHECKS_CLEAN, *BAD_KINDS, *CLEAR_KINDS)
+CLEAN_KINDS = (VOTE_AGREED, CHECKS_CLEAN)   # move the job's "checked through" step forward
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,16 +37,24 @@ class Record:
     begun_at: float = 0.0
 
 
-def verified_steps(committed: Iterable[int], votes: Mapping[int, str], bad_steps: Iterable[int]) -> set[int]:
-    """Steps that are VERIFIED: committed, the replica vote at that step agreed, and no bad event (SDC,
-    NaN, fatal hardware, vote mismatch) at or before that step since the last rollback/clear.
-
-    That is DESIGN.md's "no bad event since the previous verified checkpoint": a bad event at step s
-    blocks every checkpoint >= s, and a later report of it revokes those already verified.
+def verified_steps(committed: Iterable[int], bytes_verdicts: Mapping[int, str], checked_through: int | None,
+                   bad_steps: Iterable[int]) -> set[int]:
+    """Steps that are VERIFIED: committed, and
+    - the bytes each rank saved agree across its replicas (`bytes_verdicts[k]` is
+      `checkpoint.replica_bytes.AGREED`), or no rank has a replica (UNREPLICATED): bytes, not step numbers;
+    - the job's checks reported clean through step k (`checked_through` >= k: an agreed replica vote, or for
+      a job without replicas its ranks' in-step checks, at k or later; the vote is read a step after the
+      update, so until then a fault at k could still be on its way);
+    - no bad event (SDC, NaN, fatal hardware, vote mismatch, loss anomaly, lost events) at or before k since
+      the last rollback/clear: DESIGN.md's "no bad event since the previous verified checkpoint". A bad event
+      at step s blocks every checkpoint >= s, and a later report of it revokes those already verified.
     """
     first_bad = min(bad_steps, default=None)
+    if checked_through is None:
+        return set()
     return {k for k in committed
-            if votes.get(k) == VOTE_AGREED and (first_bad is None or k < first_bad)}
+            if bytes_verdicts.get(k) in VOUCHING and k <= checked_through
+            and (first_bad is None or k < first_bad)}
 
 
 def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_bytes: int | None,

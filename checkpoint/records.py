@@ -35,6 +35,7 @@ class CheckpointInfo:
     verified_at: float
     reason: str
     copies: tuple[Copy, ...]
+    vouched_by: str = ""  # which fingerprints vouched for the bytes, or why none did (checkpoint.replica_bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -150,10 +150,11 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 class Snapshotter:
     def __init__(self, sink: ShardSink, job_id: str, rank: int, world_size: int,
                  config: SnapshotConfig | None = None,
-                 store_for: Callable[[str], BlobStore] = dir_store_for) -> None:
+                 store_for: Callable[[str], BlobStore] = dir_store_for, replica_set: str = "") -> None:
         validate_job_id(job_id)
         validate_rank(rank, world_size)
         self.sink = sink
+        self.replica_set = replica_set   # stamped on each manifest: ranks of one set saved identical bytes
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.config = config or SnapshotConfig()
         pin = self.config.pin_memory
@@ -385,7 +386,8 @@ class Snapshotter:
                             f"the GPU fingerprint {want} taken before the copy (corrupted in transfer)")
                 tensors.append(TensorEntry(path, dtype_name(dt), shape, off, n, fp))
             manifest = ShardManifest(self.job_id, step, self.rank, self.world_size, begin.blob_key, total,
-                                     self.config.chunk_bytes, tuple(chunks), tuple(tensors), tree, time.time())
+                                     self.config.chunk_bytes, tuple(chunks), tuple(tensors), tree, time.time(),
+                                     replica_set=self.replica_set)
             report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
             commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size, manifest.to_json(),
                                             report=report)

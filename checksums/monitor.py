@@ -241,6 +241,8 @@ class Monitor:
         self._setup_group(replica_group, vote_enabled)
         self._setup_words()
         self._verify_replicas_at_attach()
+        if self.guard is not None:   # the checkpoint client compares saved bytes across this set
+            self.guard.replica_set = self.replica_group_name
         self._setup_buffers()
         self._setup_reporter(reporter, agent_socket)
         # counters and state

@@ -160,6 +160,11 @@ class StepGuard:
         self._skipped_total = 0
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []   # (param, grad) of a vetoed step
         self._ctx = StepContext(optimizer)
+        # The replicas of what this guard updates: ranks naming the same set hold bit-identical weights after
+        # every update ("" when none: one rank, plain FSDP, or the vote is off). The Monitor sets it from its
+        # replica group; a checkpoint client bound to the guard stamps it on each shard, so the agent compares
+        # the bytes saved across the set (checkpoint.replica_bytes).
+        self.replica_set = ""
         self._handles = (optimizer.register_step_pre_hook(self._pre_hook),
                          optimizer.register_step_post_hook(self._post_hook))
         _GUARDS[id(optimizer)] = self

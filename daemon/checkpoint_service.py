@@ -85,7 +85,7 @@ def info_to_pb(i: CheckpointInfo, tiers: list[str] | None = None, node: str = ""
         job_id=i.job_id, step=i.step, state=STATE_TO_PB.get(i.state, pb.CHECKPOINT_STATE_UNSPECIFIED),
         world_size=i.world_size, shards=i.shards, bytes=i.nbytes, begun_at=i.begun_at,
         committed_at=i.committed_at, verified_at=i.verified_at, reason=i.reason,
-        copies=[copy_to_pb(c, node) for c in i.copies], tiers=tiers or [])
+        copies=[copy_to_pb(c, node) for c in i.copies], tiers=tiers or [], vouched_by=i.vouched_by)
 
 
 class CheckpointService(pb_grpc.CheckpointsServicer):

@@ -141,6 +141,8 @@ def format_show(i: Any, now: float) -> str:
              f"  shards {i.shards}/{i.world_size}, {human_bytes(i.bytes)} ({i.bytes} bytes)",
              f"  begun {ago(i.begun_at, now)}, committed {ago(i.committed_at, now)}, "
              f"verified {ago(i.verified_at, now)}"]
+    if i.vouched_by:
+        lines.append(f"  vouched by: {i.vouched_by}")
     if i.reason:
         lines.append(f"  reason: {i.reason}")
     if i.tiers:

@@ -66,6 +66,10 @@ class JobState:
     restores_seen: collections.deque[int] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64))         # restored steps already announced
     directive: PendingDirective | None = None
+    # ranks without replicas (no vote): the newest step each rank's in-step checks ran at, and the lowest of
+    # them over every rank last told to the checkpoints ("checks_clean": what vouches in place of a vote)
+    clean_through: dict[int, int] = dataclasses.field(default_factory=dict)
+    clean_sent: int = -1
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,8 +165,9 @@ class JobTracker:
                                    grad_norm if has("grad_norm") else None,
                                    req.loss_scale if has("loss_scale") else None, now)
         late = job.loss.late - late_before   # a straggler's report of a step already judged: dropped
+        unvoted_check = bool(req.fingerprint) and not has("vote") and not req.replica_group
         if not (new or dropped or late or not finite or has("canary") or has("vote") or req.frozen_changed
-                or went_back_from is not None or loss_events or job.directive is not None):
+                or went_back_from is not None or loss_events or job.directive is not None or unvoted_check):
             return None
         out = ReportOutcome()
         if new:
@@ -183,6 +188,8 @@ class JobTracker:
             self._frozen(req, job, out, now)
         if went_back_from is not None:
             self._restored(job, rank, went_back_from, step, out)
+        if unvoted_check:
+            self._checks_clean(job, rank, step, world, out)
         for ev in loss_events:
             self._loss_event(job, ev, out)
         if job.directive is not None:
@@ -314,6 +321,21 @@ class JobTracker:
             {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
              "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
              "reported_by_rank": req.rank}))
+
+    def _checks_clean(self, job: JobState, rank: int, step: int, world: int, out: ReportOutcome) -> None:
+        """A rank without replicas ran its in-step checks at `step` (a bad finding, if any, was added first).
+        Once every rank of the job has, the lowest such step is what the checkpoints may trust through."""
+        if rank not in job.clean_through and len(job.clean_through) >= self.MAX_RANKS_TRACKED:
+            return
+        if step < job.clean_through.get(rank, -1):   # a restore: its checks start again from there
+            job.clean_sent = min(job.clean_sent, step)
+        job.clean_through[rank] = step
+        if len(job.clean_through) < max(world, 1):
+            return
+        through = min(job.clean_through.values())
+        if through > job.clean_sent:
+            job.clean_sent = through
+            out.job_events.append((through, "checks_clean", ""))
 
     def _canary(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
         """An in-job canary result: evidence on the rank's GPU (FAIL: SUSPECT; PASS: healthy evidence)."""

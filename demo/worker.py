@@ -71,7 +71,7 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
     sock = spec["socket"]
     monitor = Monitor.attach(ddp, opt, job_id=spec["job_id"], agent_socket=sock, every=1,
                              gpu_uuid=uuids[rank] if rank < len(uuids) else None)
-    ckpt = CheckpointClient.connect(spec["job_id"], rank, world, target=sock, deadline_s=10)
+    ckpt = CheckpointClient.connect(spec["job_id"], rank, world, target=sock, deadline_s=10, guard=monitor.guard)
     steps, every = int(spec["steps"]), int(spec.get("ckpt_every", 10))
     step, data_index, iteration = 0, 0, 0
     seen_vote: Any = None

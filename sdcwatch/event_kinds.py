@@ -258,6 +258,10 @@ CHECKPOINT_VERIFIED = _kind("checkpoint.verified", INFO, JOB, "a committed step 
                             "bad event since)")
 CHECKPOINT_REVOKED = _kind("checkpoint.revoked", WARNING, JOB, "a step lost VERIFIED (a bad event touched it)",
                            alerts=("SDCWatchCheckpointNotVerified",))
+CHECKPOINT_REPLICAS_DIFFER = _kind("checkpoint.replicas_differ", CRITICAL, JOB, "replicas saved different bytes "
+                                   "for one checkpoint (fingerprints of the saved tensors differ): it is never "
+                                   "VERIFIED; the odd ranks are named",
+                                   alerts=("SDCWatchCriticalEvent", "SDCWatchCheckpointNotVerified"))
 CHECKPOINT_ABORTED = _kind("checkpoint.aborted", INFO, JOB, "a save was abandoned before it committed")
 CHECKPOINT_EVICTED = _kind("checkpoint.evicted", INFO, JOB, "retention removed a step from node memory")
 CHECKPOINT_RESTORED_FROM_TIER = _kind("checkpoint.restored_from_tier", INFO, JOB, "a restore read its bytes from a "

@@ -56,4 +56,4 @@ def test_a_full_queue_withholds_verified_and_says_so() -> None:
 
 def test_events_lost_blocks_verified_from_its_step() -> None:
     assert policy.EVENTS_LOST in policy.BAD_KINDS
-    assert policy.verified_steps([1, 4], {1: policy.VOTE_AGREED, 4: policy.VOTE_AGREED}, [3]) == {1}
+    assert policy.verified_steps([1, 4], {1: "agreed", 4: "agreed"}, 4, [3]) == {1}

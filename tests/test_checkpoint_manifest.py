@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from checkpoint import policy
+from checkpoint import policy, replica_bytes
 from checkpoint.chunks import Chunk, checksum, checksum_chunks, chunk_ranges, chunks_covering, verify
 from checkpoint.errors import InvalidInputError
 from checkpoint.manifest import ShardManifest, TensorEntry
@@ -107,11 +107,17 @@ def test_manifest_rejects_non_json_and_pickle() -> None:
 
 
 def test_verified_steps_rule() -> None:
-    votes = {10: policy.VOTE_AGREED, 20: policy.VOTE_AGREED, 30: policy.VOTE_MISMATCH, 40: policy.VOTE_AGREED}
-    assert policy.verified_steps([10, 20, 30, 40], votes, []) == {10, 20, 40}
+    ok = {k: replica_bytes.AGREED for k in (10, 20, 30, 40)}
+    assert policy.verified_steps([10, 20, 30, 40], ok, 40, []) == {10, 20, 30, 40}
     # a bad event at step 25 blocks every checkpoint at or after it
-    assert policy.verified_steps([10, 20, 30, 40], votes, [25]) == {10, 20}
-    assert policy.verified_steps([10, 20], {}, []) == set()  # no vote, no verification
+    assert policy.verified_steps([10, 20, 30, 40], ok, 40, [25]) == {10, 20}
+    # checks clean only through 20: 30 and 40 wait (a fault at 30 may still be on its way)
+    assert policy.verified_steps([10, 20, 30, 40], ok, 20, []) == {10, 20}
+    assert policy.verified_steps([10, 20], ok, None, []) == set()  # no check reported, no verification
+    # bytes, not step numbers: replicas that saved different bytes at 20 never verify it; unreplicated
+    # shards are vouched for by their own fingerprints and the clean checks; not yet compared: not verified
+    mixed = {10: replica_bytes.UNREPLICATED, 20: replica_bytes.MISMATCH, 40: replica_bytes.AGREED}
+    assert policy.verified_steps([10, 20, 30, 40], mixed, 40, []) == {10, 40}
 
 
 def R(step: int, state: str, n: int = 10) -> policy.Record:

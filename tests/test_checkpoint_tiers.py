@@ -76,7 +76,9 @@ def forget_job(co: Coordinator, job: str) -> None:
 
 def test_policy_and_restore_falling_all_the_way_back_to_s3(redis_server, tmp_path: Path, moto_s3: MotoS3) -> None:
     ev = Events()
-    co, job = node(redis_server.port, tmp_path, "n0", publish=ev), job_id()
+    # the vote at 4 vouches for 1..4 (checked through 4); no rollback span, so memory keeps only the newest
+    # VERIFIED (4) of them and 3 is held by S3 alone
+    co, job = node(redis_server.port, tmp_path, "n0", publish=ev, rollback_span_steps=0), job_id()
     tiers = [dir_tier("nvme", tmp_path / "nvme", TierRule("nvme", keep_newest=2)),
              dir_tier("flash", tmp_path / "flash", TierRule("flash", every_n=2, keep_newest=2), shared=True),
              s3_tier(moto_s3, TierRule("s3", every_n=3, keep_newest=5))]

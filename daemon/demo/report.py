@@ -154,7 +154,9 @@ def build_summary(out: Path, plan: dict[str, Any], events: list[dict[str, Any]],
                     and _num(e.get("details", {}), "step", -1) >= inj["step"]
                     and any(_num(s, "rank") == inj["rank"] for s in e.get("details", {}).get("suspects", []))), None)
         rb = next((r for r in rollbacks if r["reason"] == "vote" and r["at_step"] >= inj["step"]), None)
-        verified_steps = {_num(e.get("details", {}), "step") for e in events if e.get("kind") == "checkpoint.verified"}
+        # verified before the job rolled back from the flip (after it, the step is trained again, cleanly)
+        verified_steps = {_num(e.get("details", {}), "step") for e in events if e.get("kind") == "checkpoint.verified"
+                          and (rb is None or e.get("time", 0) < rb.get("t", float("inf")))}
         saved_steps = {_num(e.get("details", {}), "step") for e in events if e.get("kind") == "checkpoint.committed"}
         ckpt_note = ("VERIFIED (wrong!)" if inj["step"] in verified_steps else
                      "committed, never VERIFIED" if inj["step"] in saved_steps else "no checkpoint at that step")

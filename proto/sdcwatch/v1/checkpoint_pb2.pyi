@@ -44,7 +44,7 @@ class ShardCopy(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., location: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job_id", "step", "state", "world_size", "shards", "bytes", "begun_at", "committed_at", "verified_at", "reason", "copies", "tiers")
+    __slots__ = ("job_id", "step", "state", "world_size", "shards", "bytes", "begun_at", "committed_at", "verified_at", "reason", "copies", "tiers", "vouched_by")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class CheckpointInfo(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    VOUCHED_BY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     state: CheckpointState
@@ -69,7 +70,8 @@ class CheckpointInfo(_message.Message):
     reason: str
     copies: _containers.RepeatedCompositeFieldContainer[ShardCopy]
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., world_size: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., begun_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., verified_at: _Optional[float] = ..., reason: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    vouched_by: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., world_size: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., begun_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., verified_at: _Optional[float] = ..., reason: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., tiers: _Optional[_Iterable[str]] = ..., vouched_by: _Optional[str] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("job_id", "step", "rank", "world_size")
