@@ -212,3 +212,23 @@ def test_a_report_its_rank_gave_up_on_moves_nothing_but_keeps_its_vote() -> None
     assert out is not None and (8, "vote_mismatch") in [(s, k) for s, k, _ in out.job_events]
     assert [f.kind for f in out.findings] == [ek.REPLICA_MISMATCH]
     assert job.last_step == 1
+
+
+def test_ranks_without_replicas_tell_the_checkpoints_their_checks_ran_clean() -> None:
+    """Issue 18: with no replica vote, what vouches for VERIFIED is every rank's in-step checks at k or later."""
+    tracker = JobTracker()
+
+    def clean(step: int, rank: int) -> list:
+        out = tracker.report(pb.ReportStepRequest(job_id="f", rank=rank, world_size=2, step=step,
+                                                  fingerprint=[1, 2]), 1.0)
+        return [e for e in (out.job_events if out else []) if e[1] == "checks_clean"]
+
+    assert clean(1, 0) == [], "rank 1 has not checked step 1 yet"
+    assert clean(1, 1) == [(1, "checks_clean", "")]
+    assert clean(2, 1) == [] and clean(2, 0) == [(2, "checks_clean", "")]
+    assert clean(3, 0) == [] and clean(1, 0) == [] and clean(3, 1) == [], "rank 0 went back: min is 1"
+    assert clean(3, 0) == [(3, "checks_clean", "")]
+    # a rank with a replica group is vouched for by its vote, never by checks_clean
+    out = tracker.report(pb.ReportStepRequest(job_id="g", rank=0, world_size=1, step=1, fingerprint=[1],
+                                              replica_group="world"), 1.0)
+    assert not [e for e in out.job_events if e[1] == "checks_clean"]
