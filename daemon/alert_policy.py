@@ -52,8 +52,8 @@ JOB_PULSES: dict[str, tuple[str, str]] = {
 }
 # The loss detector's anomalies: kind -> alert (labelled with the kind; INFO events, e.g. recoveries, raise none)
 LOSS_ALERTS: dict[str, str] = {
-    ek.LOSS_SPIKE.name: "SDCWatchLossSpike", ek.LOSS_SUSTAINED.name: "SDCWatchLossSpike",
-    ek.LOSS_DIVERGENCE.name: "SDCWatchLossSpike",
+    ek.LOSS_SPIKE.name: "SDCWatchLossSpike", ek.LOSS_SHIFT.name: "SDCWatchLossSpike",
+    ek.LOSS_SUSTAINED.name: "SDCWatchLossSustained", ek.LOSS_DIVERGENCE.name: "SDCWatchLossSustained",
     ek.GRAD_NORM_SPIKE.name: "SDCWatchGradNormSpike", ek.GRAD_NORM_SUSTAINED.name: "SDCWatchGradNormSpike",
     ek.LOSS_SCALE_COLLAPSE.name: "SDCWatchLossScaleCollapse",
 }

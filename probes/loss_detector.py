@@ -48,7 +48,7 @@ from sdcwatch.types import Finding, Severity
 
 log = logging.getLogger(__name__)
 
-AnomalyKind = Literal["nonfinite", "spike", "recovered", "sustained", "divergence", "loss_scale_collapse"]
+AnomalyKind = Literal["nonfinite", "spike", "recovered", "shift", "sustained", "divergence", "loss_scale_collapse"]
 Signal = Literal["loss", "grad_norm", "loss_scale"]
 # the critical kinds a rollback can answer (a spike is a WARNING, `recovered` is INFO)
 ROLLBACK_KINDS: frozenset[str] = frozenset({"nonfinite", "sustained", "divergence", "loss_scale_collapse"})
@@ -56,7 +56,7 @@ ROLLBACK_KINDS: frozenset[str] = frozenset({"nonfinite", "sustained", "divergenc
 # (signal, kind) -> the catalogue member it is journaled as
 EVENT_KINDS: dict[tuple[str, str], EventKind] = {
     ("loss", "nonfinite"): ek.LOSS_NONFINITE, ("loss", "spike"): ek.LOSS_SPIKE,
-    ("loss", "recovered"): ek.LOSS_RECOVERED, ("loss", "sustained"): ek.LOSS_SUSTAINED,
+    ("loss", "recovered"): ek.LOSS_RECOVERED, ("loss", "shift"): ek.LOSS_SHIFT, ("loss", "sustained"): ek.LOSS_SUSTAINED,
     ("loss", "divergence"): ek.LOSS_DIVERGENCE,
     ("grad_norm", "nonfinite"): ek.GRAD_NORM_NONFINITE, ("grad_norm", "spike"): ek.GRAD_NORM_SPIKE,
     ("grad_norm", "recovered"): ek.GRAD_NORM_RECOVERED, ("grad_norm", "sustained"): ek.GRAD_NORM_SUSTAINED,
@@ -65,6 +65,9 @@ EVENT_KINDS: dict[tuple[str, str], EventKind] = {
 
 _MEDIAN_EFFICIENCY = 1.2533  # sd(median of n) ~ 1.2533 * sigma / sqrt(n) for normal noise
 _MAD_TO_SIGMA = 1.4826
+_CLIP_Z = 3.0                  # accepted samples enter the trend clipped to this many sigmas around it
+_RAMP_PATIENCE = 10            # a still-rising excursion may stay open this many patience_steps
+_LEVEL_FLOOR = math.log(1.01)   # no excursion under 1%, whatever the noise (min_sigma's counterpart)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -74,7 +77,9 @@ class LossDetectorConfig:
     count samples. Defaults are the ones chosen by bench/spikes_eval.py (see docs/loss-detector.md).
     The agent's `[loss]` config section."""
 
-    window: int = setting(128, "samples in the baseline (median) and noise-scale window")
+    window: int = setting(128, "samples in the noise-scale window (and the history an onset is estimated on)")
+    trend_samples: int = setting(64, "accepted samples the trend line (the baseline) is fitted on (at most window)")
+    trend_min_samples: int = setting(16, "samples before the trend has a slope (until then: their median)")
     min_samples: int = setting(3, "samples before any level rule runs (at most window)")
     sigma_samples: int = setting(16, "samples before the measured noise scale replaces prior_sigma")
     prior_sigma: float = setting(0.05, "noise scale (log space) until sigma_samples samples are in")
@@ -83,13 +88,20 @@ class LossDetectorConfig:
 
     spike_ratio: float = setting(1.2, "a loss spike is at least this many times the baseline")
     spike_z: float = setting(6.0, "a loss spike is at least this many robust sigmas above the baseline")
+    spike_alone_ratio: float = setting(2.0, "a spike this many times the baseline is reported on its own sample; "
+                                       "a smaller one when the next sample confirms it")
+    level_z: float = setting(5.0, "an excursion opens when the level is this many sigmas (of the level's "
+                             "estimate) above the trend")
     level_steps: int = setting(8, "steps whose samples' median is the level that sustained rules test")
-    sustained_ratio: float = setting(1.1, "a sustained excursion: the level this many times the baseline")
-    sustained_z: float = setting(4.0, "a sustained excursion holds the level this many sigmas above the baseline")
+    sustained_ratio: float = setting(1.1, "a CRITICAL sustained excursion: the level this many times the baseline")
+    sustained_z: float = setting(5.0, "a sustained excursion holds the level this many sigmas (of the median of "
+                                 "its samples) above the baseline")
+    shift_ratio: float = setting(1.02, "a held excursion under sustained_ratio but this many times the baseline "
+                                 "is a WARNING level shift")
     patience_steps: int = setting(32, "steps an excursion must last to be sustained (CRITICAL)")
     min_sustained_samples: int = setting(3, "samples an excursion needs before it can be called sustained")
 
-    divergence_ratio: float = setting(1.25, "divergence: block medians climbing to this many times the lowest")
+    divergence_ratio: float = setting(1.2, "divergence: block medians climbing to this many times the lowest")
     divergence_z: float = setting(4.0, "the climb must also be this many sigmas of a block median")
     divergence_block: int = setting(16, "samples per block of the divergence rule")
     divergence_min_blocks: int = setting(3, "blocks the climb must span")
@@ -98,7 +110,11 @@ class LossDetectorConfig:
     grad_norm_spike_ratio: float = setting(2.0, "a grad-norm spike is at least this many times its baseline")
     grad_norm_spike_z: float = setting(6.0, "a grad-norm spike is at least this many sigmas above its baseline")
     grad_norm_sustained_ratio: float = setting(1.5, "a sustained grad-norm excursion: this many times the baseline")
-    grad_norm_sustained_z: float = setting(4.0, "a sustained grad-norm excursion: this many sigmas above it")
+    grad_norm_sustained_z: float = setting(5.0, "a sustained grad-norm excursion: this many sigmas above it")
+    grad_norm_spike_alone_ratio: float = setting(4.0, "a grad-norm spike this many times its baseline is "
+                                                 "reported on its own sample")
+    grad_norm_warmup_steps: int = setting(100, "steps from the start of a job before the grad-norm rules run "
+                                          "(the first steps of a run have erratic gradient norms)")
     grad_norm_critical: bool = setting(False, "a sustained grad-norm excursion is CRITICAL, not a WARNING")
 
     loss_scale_collapse_factor: float = setting(8.0, "a loss scale falling this many times below its settled value collapses")
@@ -106,7 +122,7 @@ class LossDetectorConfig:
     loss_scale_floor: float = setting(1.0, "a loss scale falling to this value (from above) collapses")
 
     def __post_init__(self) -> None:
-        positive_ints = ("window", "min_samples", "sigma_samples", "level_steps", "patience_steps",
+        positive_ints = ("window", "trend_samples", "trend_min_samples", "min_samples", "sigma_samples", "level_steps", "patience_steps",
                          "min_sustained_samples", "divergence_block",
                          "divergence_min_blocks", "loss_scale_window_steps")
         for f in dataclasses.fields(self):
@@ -118,19 +134,23 @@ class LossDetectorConfig:
                 raise _bad(f.name, f"must be a finite ratio > 1, got {value!r}")
             if f.name in _NON_NEGATIVE and not (finite and value >= 0):
                 raise _bad(f.name, f"must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise _bad("warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}")
-        if self.min_samples > self.window:
-            raise _bad("min_samples", f"({self.min_samples}) must be <= window ({self.window})")
+        for name in ("warmup_steps", "grad_norm_warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise _bad(name, f"must be an integer >= 0, got {value!r}")
+        if self.min_samples > min(self.window, self.trend_samples):
+            raise _bad("min_samples", f"({self.min_samples}) must be <= window ({self.window}) and trend_samples "
+                                      f"({self.trend_samples})")
         if not 0.0 < self.divergence_max_jump <= 1.0:
             raise _bad("divergence_max_jump", f"must be in (0, 1], got {self.divergence_max_jump!r}")
         if not math.isfinite(self.loss_scale_floor) or self.loss_scale_floor <= 0:
             raise _bad("loss_scale_floor", f"must be > 0, got {self.loss_scale_floor!r}")
 
 
-_RATIOS = frozenset({"spike_ratio", "sustained_ratio", "divergence_ratio", "grad_norm_spike_ratio",
+_RATIOS = frozenset({"spike_ratio", "spike_alone_ratio", "shift_ratio", "grad_norm_spike_alone_ratio",
+                     "sustained_ratio", "divergence_ratio", "grad_norm_spike_ratio",
                      "grad_norm_sustained_ratio", "loss_scale_collapse_factor"})
-_NON_NEGATIVE = frozenset({"spike_z", "sustained_z", "divergence_z", "grad_norm_spike_z", "grad_norm_sustained_z",
+_NON_NEGATIVE = frozenset({"level_z", "spike_z", "sustained_z", "divergence_z", "grad_norm_spike_z", "grad_norm_sustained_z",
                            "prior_sigma", "min_sigma"})
 
 
@@ -190,26 +210,124 @@ class _Rules:
     signal: Signal
     spike_ratio: float
     spike_z: float
+    spike_alone_ratio: float
     sustained_ratio: float
     sustained_z: float
     sustained_severity: Severity
     spike_severity: Severity
+    warmup_steps: int                    # the signal's rules run from this step on
     divergence: bool
+
+
+def _u(step: int) -> float:
+    """The trend's abscissa: log(step + 1). A loss decays about as a power of the step, which is close to
+    a line in log-log, so a line extrapolated a few dozen steps through the steep early decline stays
+    close to the curve (in steps it would fall below a decelerating curve); late in a run it is
+    proportional to the step."""
+    return math.log1p(step)
+
+
+class _Trend:
+    """Least-squares line of the log value on log(step + 1) through the last `n` accepted samples, O(1)
+    per sample (running sums, recentred every `n` samples so that they stay exact)."""
+
+    __slots__ = ("pts", "ref", "s1", "s2", "sx", "stx", "_since")
+
+    def __init__(self, n: int) -> None:
+        self.pts: deque[tuple[float, float]] = deque(maxlen=n)     # (u, log value)
+        self.ref = 0.0
+        self.s1 = self.s2 = self.sx = self.stx = 0.0
+        self._since = 0
+
+    def add(self, u: float, x: float) -> None:
+        pts = self.pts
+        if len(pts) == pts.maxlen:
+            ot, ox = pts[0]
+            d = ot - self.ref
+            self.s1 -= d
+            self.s2 -= d * d
+            self.sx -= ox
+            self.stx -= d * ox
+        pts.append((u, x))
+        self._since += 1
+        if self._since >= (pts.maxlen or 1) or len(pts) == 1:
+            self._recentre(u)
+            return
+        d = u - self.ref
+        self.s1 += d
+        self.s2 += d * d
+        self.sx += x
+        self.stx += d * x
+
+    def _recentre(self, ref: float) -> None:
+        self.ref, self._since = ref, 0
+        self.s1 = self.s2 = self.sx = self.stx = 0.0
+        for t, x in self.pts:
+            d = t - ref
+            self.s1 += d
+            self.s2 += d * d
+            self.sx += x
+            self.stx += d * x
+
+    def clear(self) -> None:
+        self.pts.clear()
+        self._since = 0
+        self.s1 = self.s2 = self.sx = self.stx = 0.0
+
+    def line(self, min_fit: int) -> _Line:
+        """The fitted line; with fewer than `min_fit` samples (or all on one step): their median, flat."""
+        n = len(self.pts)
+        den = n * self.s2 - self.s1 * self.s1
+        if n < min_fit or den <= 1e-12 * max(1e-12, self.s2) * n:
+            xs = sorted(x for _, x in self.pts)
+            return _Line(self.ref, _median_of_sorted(xs), 0.0, n, self.ref, 0.0)
+        b = (n * self.stx - self.s1 * self.sx) / den
+        a = (self.sx - b * self.s1) / n
+        return _Line(self.ref, a, b, n, self.ref + self.s1 / n, den / n)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Line:
+    """x = a + b * (u(step) - ref), u capped at `until`; with its least-squares variance factor."""
+
+    ref: float
+    a: float
+    b: float
+    n: int
+    ubar: float
+    sxx: float                 # 0: a median, no slope
+    until: float = math.inf
+
+    def predict(self, step: int) -> float:
+        return self.a + self.b * (min(_u(step), self.until) - self.ref)
+
+    def var(self, step: int) -> float:
+        """Variance of the prediction at `step`, in units of the noise variance."""
+        if self.sxx <= 0.0:
+            return _MEDIAN_EFFICIENCY ** 2 / self.n
+        d = min(_u(step), self.until) - self.ubar
+        return 1.0 / self.n + d * d / self.sxx
 
 
 @dataclasses.dataclass(slots=True)
 class _Episode:
-    """An open excursion above the baseline: from its first elevated sample until recovery."""
+    """An open excursion above the trend: from its first elevated sample until it recovers, is adopted
+    as the new level, or escalates. The trend is frozen while it is open."""
 
     start_step: int
-    baseline: float                      # log baseline, frozen while the episode is open
+    line: _Line                          # the trend when it opened, extrapolated at most 2 patiences
     peak: float = 0.0                    # largest log residual seen
     peak_step: int = 0
     spike_reported: bool = False
     last_spike_step: int | None = None
+    pending: tuple[int, float, float] | None = None    # an unconfirmed spike: (step, x, residual)
     in_spike: bool = False
+    abrupt: bool = False                 # it opened on a spike: it began on that sample
     elevated_since: int | None = None    # start of the current run of elevated levels
-    run_residuals: deque[float] = dataclasses.field(default_factory=deque)
+    run_residuals: list[float] = dataclasses.field(default_factory=list)
+
+    def predict(self, step: int) -> float:
+        return self.line.predict(step)
 
 
 @dataclasses.dataclass(slots=True)
@@ -234,25 +352,75 @@ def _median_of_sorted(xs: Sequence[float]) -> float:
     return xs[half] if n % 2 else (xs[half - 1] + xs[half]) / 2
 
 
+def _hinge(pts: Sequence[tuple[int, float]]) -> int | None:
+    """The knot of the best broken-stick fit x = a + b*t + c*max(0, t - t0) over the samples (least
+    squares over every sample as t0, O(n) with suffix sums): where a climb began. None without a knot
+    that bends the line upwards (c > 0) inside the samples."""
+    n = len(pts)
+    if n < 8:
+        return None
+    t_first = pts[0][0]
+    ts = [float(st - t_first) for st, _ in pts]
+    xs = [x for _, x in pts]
+    s1, s2 = sum(ts), sum(t * t for t in ts)
+    sx, stx = sum(xs), sum(t * x for t, x in zip(ts, xs))
+    best: tuple[float, int] | None = None
+    ns = s1s = s2s = sxs = stxs = 0.0          # suffix sums over the samples after the knot
+    for k in range(n - 1, 1, -1):
+        t, x = ts[k], xs[k]
+        ns, s1s, s2s, sxs, stxs = ns + 1, s1s + t, s2s + t * t, sxs + x, stxs + t * x
+        t0 = ts[k - 1]
+        if ns < 4 or n - ns < 4:
+            continue
+        sh = s1s - t0 * ns
+        shh = s2s - 2 * t0 * s1s + t0 * t0 * ns
+        sth = s2s - t0 * s1s
+        sxh = stxs - t0 * sxs
+        # normal equations of (a, b, c): [[n, s1, sh], [s1, s2, sth], [sh, sth, shh]] . beta = [sx, stx, sxh]
+        m = ((n, s1, sh), (s1, s2, sth), (sh, sth, shh))
+        det = _det3(m)
+        if abs(det) < 1e-9:
+            continue
+        y = (sx, stx, sxh)
+        coef = [_det3(tuple(tuple(y[r] if col == j else m[r][col] for col in range(3)) for r in range(3))) / det
+                for j in range(3)]
+        fit = coef[0] * sx + coef[1] * stx + coef[2] * sxh      # beta . X'y: SSE = sum x^2 - fit
+        if coef[2] > 0 and (best is None or fit > best[0]):
+            best = (fit, k - 1)
+    return None if best is None else pts[best[1]][0]
+
+
+def _det3(m: Sequence[Sequence[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+
 class _SignalTracker:
-    """Baseline, robust scale, spike/sustained episodes and divergence for one positive signal."""
+    """Trend, robust scale, spike/sustained episodes and divergence for one positive signal."""
 
     def __init__(self, cfg: LossDetectorConfig, rules: _Rules) -> None:
         self.cfg = cfg
         self.rules = rules
-        self.accepted: deque[float] = deque(maxlen=cfg.window)
-        self._sorted: list[float] = []   # the same samples, in order: the baseline without a sort per step
-        self.recent: deque[tuple[int, float]] = deque(maxlen=cfg.window)
+        self.accepted: deque[float] = deque(maxlen=cfg.window)     # the noise scale's samples
+        self.trend = _Trend(min(cfg.trend_samples, cfg.window))
+        self.recent: deque[tuple[int, float, float]] = deque(maxlen=cfg.window)    # (step, u, x)
+        self.history: deque[tuple[int, float]] = deque(maxlen=3 * cfg.window)   # every sample (onsets)
         self.episode: _Episode | None = None
         self.block: list[float] = []
         self.div = _Divergence()
         self._sigma_cache: tuple[tuple[int, int], float] | None = None
         self._accepted_count = 0         # accepted samples ever (cache key)
+        self._low_since: int | None = None   # start of a run of levels below the trend
 
     # -- statistics ------------------------------------------------------------------------------
-    def baseline(self) -> float:
-        """The median of the accepted window (StatisticsError when empty, as statistics.median)."""
-        return _median_of_sorted(self._sorted)
+    def baseline(self, step: int | None = None) -> float:
+        """The expected log value at `step` (default: the last accepted one): the trend line, or the
+        frozen one of an open episode. StatisticsError when no sample was accepted."""
+        ep = self.episode
+        line = ep.line if ep is not None else self.trend.line(self.cfg.trend_min_samples)
+        if step is None:
+            return line.a + line.b * (min(self.trend.pts[-1][0] if self.trend.pts else 0.0, line.until) - line.ref)
+        return line.predict(step)
 
     def sigma(self) -> float:
         """Robust noise scale of the log value: MAD of successive differences / sqrt(2)."""
@@ -265,32 +433,36 @@ class _SignalTracker:
         vals = list(self.accepted)
         if len(vals) < cfg.sigma_samples:
             s = cfg.prior_sigma      # too few samples (or ones far apart) for a scale of their own
-        elif len(vals) >= 3:
+        else:
             diffs = sorted([b - a for a, b in zip(vals, vals[1:])])
             med = _median_of_sorted(diffs)
             mad = _median_of_sorted(sorted([abs(d - med) for d in diffs]))
             s = _MAD_TO_SIGMA * mad / math.sqrt(2.0)
-        else:
-            s = 0.0
         s = max(s, cfg.min_sigma)
         self._sigma_cache = (key, s)
         return s
 
-    def _accept(self, x: float) -> None:
-        accepted, xs = self.accepted, self._sorted
-        if len(accepted) == accepted.maxlen:   # the oldest leaves the window
-            del xs[bisect.bisect_left(xs, accepted[0])]
-        accepted.append(x)
-        bisect.insort(xs, x)
+    def _accept(self, step: int, x: float, clip: tuple[float, float] | None = None, u: float | None = None) -> None:
+        """Take a sample into the noise window and (clipped to `clip`, a band around the trend, so that
+        a bump under the thresholds does not tilt the line) into the trend."""
+        self.accepted.append(x)
+        self.trend.add(_u(step) if u is None else u, x if clip is None else min(max(x, clip[0]), clip[1]))
         self._accepted_count += 1
 
-    def _rebase(self, xs: Sequence[float], clear_divergence: bool) -> None:
-        """Adopt a new level as the baseline: after a reported critical (which also restarts the
-        divergence reference) or a long benign shift (which must not hide a slow divergence)."""
-        self.accepted.clear()
-        self._sorted.clear()
-        for x in xs:
-            self._accept(x)
+    def _adopt(self, since: int, clear_divergence: bool) -> None:
+        """Adopt the samples from step `since` on as the new level: the trend restarts from them (the
+        noise scale is kept: a level shift does not change the noise)."""
+        pts = [(_u(st), x) for st, x in self.history if st >= since]
+        clip = _CLIP_Z * self.sigma()        # a spike among them must not tilt the new line: fit, clip, refit
+        first = _Trend(len(pts) or 1)
+        for u, x in pts:
+            first.add(u, x)
+        self.trend.clear()
+        if pts:
+            rough = first.line(self.cfg.trend_min_samples)
+            for u, x in pts:
+                mid = rough.a + rough.b * (u - rough.ref)
+                self.trend.add(u, min(max(x, mid - clip), mid + clip))
         self.episode = None
         if clear_divergence:
             self.block.clear()
@@ -302,97 +474,171 @@ class _SignalTracker:
         self.recent.clear()
         self.block.clear()
         self.div.armed = 0
+        self.trend.clear()
+        self.history.clear()
+
+    def _onset(self, ep: _Episode, until: int, s: float) -> int:
+        """Where the excursion began: the last minimum of the cumulative residual above the frozen
+        trend (less a quarter sigma per sample) over the samples before `until` (a ramp starts well
+        before it crosses any threshold)."""
+        lookback = ep.start_step - 2 * self.cfg.patience_steps
+        best, best_step, acc = 0.0, ep.start_step, 0.0
+        kappa = 0.25 * s
+        for st, x in self.history:
+            if st < lookback or st > until:
+                continue
+            acc += x - ep.predict(st) - kappa
+            if acc <= best:
+                best, best_step = acc, st
+        # the minimum is the last sample before the climb, or its first sample by a hair: report it (a
+        # rollback goes strictly before the start, and one step early is the safe side)
+        return ep.start_step if ep.abrupt else min(ep.start_step, best_step)
 
     # -- one sample ------------------------------------------------------------------------------
     def update(self, step: int, value: float, now: float, judge: bool) -> list[LossEvent]:
         cfg, rules = self.cfg, self.rules
         x = math.log(value)
-        self.recent.append((step, x))
+        u = _u(step)
+        self.recent.append((step, u, x))
+        self.history.append((step, x))
         while self.recent and self.recent[0][0] <= step - cfg.level_steps:
             self.recent.popleft()
-        if not judge or len(self.accepted) < cfg.min_samples:
-            self._accept(x)
+        if not judge or step < rules.warmup_steps or len(self.trend.pts) < cfg.min_samples:
+            self._accept(step, x)
             self._divergence_feed(step, x, now, judge=False)
             return []
         events = self._divergence_feed(step, x, now, judge=True)
         if events:        # a divergence closes whatever was open (the detector was rebased)
             return events
         ep = self.episode
-        b = ep.baseline if ep is not None else self.baseline()
         s = self.sigma()
+        line = ep.line if ep is not None else self.trend.line(cfg.trend_min_samples)
+        b = line.predict(step)
+        pvar = line.var(step)
         r = x - b
         # The level: the median of the last `level_steps` steps, only since the start of an open episode
-        # (so the samples before a spike do not hide it).
-        level_rs = [xi - b for st, xi in self.recent if ep is None or st >= ep.start_step] or [r]
+        # (so the samples before a spike do not hide it), against the trend at each sample's step.
+        la, lb, lref, luntil = line.a, line.b, line.ref, line.until
+        since = ep.start_step if ep is not None else -1
+        level_rs = [xi - la - lb * (min(ui, luntil) - lref) for st, ui, xi in self.recent if st >= since] or [r]
         level_rs.sort()
         level = _median_of_sorted(level_rs)
         n = len(level_rs)
-        spike_thr = max(math.log(rules.spike_ratio), rules.spike_z * s)
-        elev_thr = max(math.log(rules.sustained_ratio), rules.sustained_z * s * _MEDIAN_EFFICIENCY / math.sqrt(n))
-        # Recovered: the level back under half the sustained floor (in log), and within 2 sigmas of it.
-        recover_thr = max(0.5 * math.log(rules.sustained_ratio), 2 * s * _MEDIAN_EFFICIENCY / math.sqrt(n))
+        sd_level = s * math.sqrt(_MEDIAN_EFFICIENCY ** 2 / n + pvar)
+        # (a median baseline, over few samples, has prior_sigma as its scale: conservative enough)
+        spike_thr = max(math.log(rules.spike_ratio), rules.spike_z * s * (math.sqrt(1.0 + pvar) if line.sxx else 1.0))
+        elev_thr = max(_LEVEL_FLOOR, cfg.level_z * sd_level)
+        recover_thr = max(0.5 * _LEVEL_FLOOR, 2.0 * sd_level)
         is_spike = r >= spike_thr
         is_elev = level >= elev_thr
 
         if ep is None:
             if not (is_spike or is_elev):
-                self._accept(x)
+                clip = _CLIP_Z * s * math.sqrt(1.0 + pvar)
+                self._accept(step, x, (b - clip, b + clip) if line.sxx > 0.0 else None, u)
+                self._follow_drop(step, level, elev_thr)
                 return events
-            floor = math.log(rules.sustained_ratio)
-            start = step if is_spike else next((st for st, xi in self.recent if xi - b >= floor), step)
-            ep = self.episode = _Episode(start_step=start, baseline=b, peak=r, peak_step=step)
+            half = 0.5 * level
+            start = step if is_spike else next((st for st, _, xi in self.recent
+                                                if xi - line.predict(st) >= half), step)
+            frozen = dataclasses.replace(line, until=_u(step + 2 * cfg.patience_steps))
+            ep = self.episode = _Episode(start_step=start, line=frozen, peak=r, peak_step=step, abrupt=is_spike)
         if r > ep.peak:
             ep.peak, ep.peak_step = r, step
 
+        # A spike: reported at once when it is spike_alone_ratio x the trend, else when the next sample
+        # confirms it (still half as high, or the level elevated): a lone sample is a benign blip.
+        pend = ep.pending
+        if pend is not None and step > pend[0]:
+            ep.pending = None
+            if r >= 0.5 * spike_thr:
+                events.append(self._spike(ep, pend[0], pend[1], pend[2], ep.predict(pend[0]), now, step))
         if is_spike and not ep.in_spike and (ep.last_spike_step is None
                                              or step - ep.last_spike_step >= cfg.level_steps):
-            ep.spike_reported, ep.last_spike_step = True, step
-            events.append(self._event(step, "spike", rules.spike_severity, x, b, step, now,
-                                      f"{rules.signal} spike at step {step}: {math.exp(x):.6g} is "
-                                      f"{math.exp(r):.2f}x the baseline {math.exp(b):.6g}"))
+            if r >= math.log(rules.spike_alone_ratio):
+                events.append(self._spike(ep, step, x, r, b, now, step))
+            elif ep.pending is None:
+                ep.pending = (step, x, r)
         ep.in_spike = is_spike
 
-        # The elevated run: starts when the level crosses the sustained threshold, ends under recovery.
+        # The elevated run: starts when the level crosses the threshold, ends under recovery.
         if ep.elevated_since is None:
             if is_elev:
-                floor = math.log(rules.sustained_ratio)
-                ep.elevated_since = max(ep.start_step,
-                                        next((st for st, xi in self.recent if xi - b >= floor), step))
-                ep.run_residuals = deque((xi - b for st, xi in self.recent if st >= ep.elevated_since),
-                                         maxlen=cfg.window)
+                half = 0.5 * level
+                ep.elevated_since = max(ep.start_step, next((st for st, _, xi in self.recent
+                                                             if xi - ep.predict(st) >= half), step))
+                ep.run_residuals = [xi - ep.predict(st) for st, _, xi in self.recent if st >= ep.elevated_since]
         else:
             ep.run_residuals.append(r)
 
-        if level < recover_thr and not is_spike:
+        if level < recover_thr and not is_spike and ep.pending is None:
             if ep.spike_reported:
                 events.append(self._event(
                     step, "recovered", Severity.INFO, b + ep.peak, b, ep.start_step, now,
                     f"{rules.signal} back to its baseline at step {step} after {step - ep.start_step} steps "
                     f"(peak {math.exp(ep.peak):.2f}x at step {ep.peak_step})"))
             self.episode = None
-            self._accept(x)
+            self._accept(step, x)
             return events
 
-        if ep.elevated_since is not None and is_elev and step - ep.elevated_since >= cfg.patience_steps:
-            run = list(ep.run_residuals)
-            run_level = statistics.median(run)
-            run_thr = max(math.log(rules.sustained_ratio),
-                          rules.sustained_z * s * _MEDIAN_EFFICIENCY / math.sqrt(len(run)))
-            if len(run) >= cfg.min_sustained_samples and run_level >= run_thr:
+        rising = False
+        if ep.elevated_since is not None and step - ep.elevated_since >= cfg.patience_steps:
+            run = ep.run_residuals
+            k = len(run) // 2
+            ordered = sorted(run)
+            run_level = _median_of_sorted(ordered)
+            run_sd = s * math.sqrt(_MEDIAN_EFFICIENCY ** 2 / len(run) + pvar)
+            held = len(run) >= cfg.min_sustained_samples and run_level >= cfg.sustained_z * run_sd
+            # still climbing (a ramp): the later half of the run above the earlier half
+            rise = statistics.median(run[k:]) - statistics.median(run[:k]) if k else 0.0
+            rising = rise >= max(0.25 * run_level, 3.0 * s * _MEDIAN_EFFICIENCY * math.sqrt(2.0 / max(1, k)))
+            floor = math.log(rules.sustained_ratio)
+            if held and level >= floor and (run_level >= floor or rising):
+                start = self._onset(ep, ep.elevated_since, s)
                 events.append(self._event(
-                    step, "sustained", rules.sustained_severity, b + run_level, b, ep.elevated_since, now,
-                    f"{rules.signal} {math.exp(run_level):.2f}x its baseline {math.exp(b):.6g} for "
-                    f"{step - ep.elevated_since} steps (since step {ep.elevated_since}; "
-                    f"peak {math.exp(ep.peak):.2f}x)"))
-                self._rebase([xi for _, xi in self.recent], clear_divergence=True)
+                    step, "sustained", rules.sustained_severity, b + level, b, start, now,
+                    f"{rules.signal} {math.exp(level):.2f}x its baseline {math.exp(b):.6g} for "
+                    f"{step - start} steps (since step {start}; peak {math.exp(ep.peak):.2f}x)"))
+                self._adopt(ep.elevated_since, clear_divergence=True)
                 return events
-            if level < elev_thr:      # the run did not hold: wait for a new one
-                ep.elevated_since, ep.run_residuals = None, deque()
-        elif ep.elevated_since is None and step - ep.start_step >= 4 * cfg.patience_steps:
-            log.debug("%s: benign level shift of %.3fx since step %d adopted as the baseline",
-                      rules.signal, math.exp(level), ep.start_step)
-            self._rebase([xi for _, xi in self.recent], clear_divergence=False)
+            if held and not rising and run_level >= math.log(cfg.shift_ratio):
+                start = self._onset(ep, ep.elevated_since, s)
+                events.append(self._event(      # the grad norm's is a (WARNING) sustained excursion
+                    step, "shift" if rules.signal == "loss" else "sustained", Severity.WARNING, b + run_level, b,
+                    start, now,
+                    f"{rules.signal} level shift: {math.exp(run_level):.3f}x its baseline {math.exp(b):.6g} "
+                    f"for {step - start} steps (since step {start}; {run_level / s:.0f} sigma of its noise), "
+                    f"under the {rules.sustained_ratio}x of a critical excursion; adopted as the new level"))
+                self._adopt(ep.elevated_since, clear_divergence=False)
+                return events
+            if not is_elev:      # the run did not hold: wait for a new one
+                ep.elevated_since, ep.run_residuals = None, []
+        if step - ep.start_step >= (_RAMP_PATIENCE if rising else 3) * cfg.patience_steps:
+            # neither recovered nor escalated: the level is adopted (an episode never stays open)
+            log.debug("%s: excursion since step %d neither recovered nor held: adopted as the level",
+                      rules.signal, ep.start_step)
+            self._adopt(ep.elevated_since if ep.elevated_since is not None else ep.start_step,
+                        clear_divergence=False)
         return events
+
+    def _follow_drop(self, step: int, level: float, thr: float) -> None:
+        """A level as far BELOW the trend as an excursion would be above it (an LR drop, a step decay):
+        once it has held for `level_steps`, the trend restarts from it (a line through a drop would
+        slope down too steeply and make the flat curve after it look elevated)."""
+        if level > -thr:
+            self._low_since = None
+        elif self._low_since is None:
+            self._low_since = step
+        elif step - self._low_since >= self.cfg.level_steps:
+            self._adopt(self._low_since, clear_divergence=False)
+            self._low_since = None
+
+    def _spike(self, ep: _Episode, at: int, x: float, r: float, b: float, now: float, step: int) -> LossEvent:
+        ep.spike_reported, ep.last_spike_step = True, at
+        rules = self.rules
+        return self._event(step, "spike", rules.spike_severity, x, b, at, now,
+                           f"{rules.signal} spike at step {at}: {math.exp(x):.6g} is "
+                           f"{math.exp(r):.2f}x the baseline {math.exp(b):.6g}")
 
     def _divergence_feed(self, step: int, x: float, now: float, judge: bool) -> list[LossEvent]:
         """Block medians against the lowest block since the last reset (O(1) state): a rise of
@@ -427,10 +673,12 @@ class _SignalTracker:
         d.armed += 1
         if d.armed < 2:
             return []
-        event = self._event(step, "divergence", Severity.CRITICAL, m, d.ref, d.low_step + 1, now,
+        start = _hinge(list(self.history))
+        start = d.low_step + 1 if start is None else min(start, d.low_step + 1)
+        event = self._event(step, "divergence", Severity.CRITICAL, m, d.ref, start, now,
                             f"{rules.signal} trending up: {math.exp(rise):.2f}x its lowest level "
                             f"{math.exp(d.ref):.6g} (step {d.ref_step}) over {step - d.ref_step} steps")
-        self._rebase([xi for _, xi in self.recent], clear_divergence=True)
+        self._adopt(step - cfg.level_steps, clear_divergence=True)
         return [event]
 
     def _event(self, step: int, kind: AnomalyKind, severity: Severity, x: float, b: float, start: int,
@@ -497,12 +745,13 @@ class LossDetector:
     def __init__(self, config: LossDetectorConfig | None = None) -> None:
         self.config = cfg = config if config is not None else LossDetectorConfig()
         self._loss = _SignalTracker(cfg, _Rules(
-            "loss", cfg.spike_ratio, cfg.spike_z, cfg.sustained_ratio, cfg.sustained_z,
-            Severity.CRITICAL, Severity.WARNING, divergence=True))
+            "loss", cfg.spike_ratio, cfg.spike_z, cfg.spike_alone_ratio, cfg.sustained_ratio, cfg.sustained_z,
+            Severity.CRITICAL, Severity.WARNING, warmup_steps=cfg.warmup_steps, divergence=True))
         grad_sev = Severity.CRITICAL if cfg.grad_norm_critical else Severity.WARNING
         self._grad = _SignalTracker(cfg, _Rules(
-            "grad_norm", cfg.grad_norm_spike_ratio, cfg.grad_norm_spike_z, cfg.grad_norm_sustained_ratio,
-            cfg.grad_norm_sustained_z, grad_sev, Severity.WARNING, divergence=False))
+            "grad_norm", cfg.grad_norm_spike_ratio, cfg.grad_norm_spike_z, cfg.grad_norm_spike_alone_ratio,
+            cfg.grad_norm_sustained_ratio, cfg.grad_norm_sustained_z, grad_sev, Severity.WARNING,
+            warmup_steps=max(cfg.warmup_steps, cfg.grad_norm_warmup_steps), divergence=False))
         self._scale = _LossScaleTracker(cfg)
         self._last_step: int | None = None
         self._nonfinite_open = {"loss": False, "grad_norm": False}
@@ -536,7 +785,7 @@ class LossDetector:
                     log.debug("step %d: grad norm %s with a loss scale: the scaler's overflow skip", step, value)
                 elif not self._nonfinite_open[signal]:
                     self._nonfinite_open[signal] = True
-                    base = tracker.baseline() if tracker.accepted else math.nan
+                    base = tracker.baseline() if tracker.trend.pts else math.nan
                     events.append(LossEvent(
                         step=step, kind="nonfinite", signal=signal, severity=Severity.CRITICAL,  # type: ignore[arg-type]
                         value=value, baseline=math.exp(base) if math.isfinite(base) else math.nan,
@@ -562,10 +811,11 @@ class LossDetector:
             if ep is None or self._last_step is None:
                 continue
             step = self._last_step
-            last = tracker.recent[-1][1] if tracker.recent else ep.baseline + ep.peak
+            base = ep.predict(step)
+            last = tracker.recent[-1][2] if tracker.recent else base + ep.peak
             events.append(tracker._event(
-                step, "spike", Severity.WARNING, last, ep.baseline, ep.start_step, now,
-                f"{tracker.rules.signal} still {math.exp(last - ep.baseline):.2f}x its baseline at the end "
+                step, "spike", Severity.WARNING, last, base, ep.start_step, now,
+                f"{tracker.rules.signal} still {math.exp(last - base):.2f}x its baseline at the end "
                 f"of the data ({step - ep.start_step} steps since step {ep.start_step}; "
                 f"peak {math.exp(ep.peak):.2f}x)"))
         return events

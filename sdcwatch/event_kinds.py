@@ -236,10 +236,12 @@ LOSS_NONFINITE = _kind("loss.nonfinite", CRITICAL, (JOB, RANK), "a NaN or Inf lo
 LOSS_SPIKE = _kind("loss.spike", WARNING, JOB, "one loss sample far above the baseline",
                    alerts=("SDCWatchLossSpike",))
 LOSS_RECOVERED = _kind("loss.recovered", INFO, JOB, "the loss came back to its baseline after a spike (peak)")
+LOSS_SHIFT = _kind("loss.shift", WARNING, JOB, "the loss level shifted up by many sigmas of its noise but less than "
+                   "sustained_ratio, and became the new level", alerts=("SDCWatchLossSpike",))
 LOSS_SUSTAINED = _kind("loss.sustained", CRITICAL, JOB, "the loss level stayed above the baseline for "
-                       "patience_steps", alerts=("SDCWatchLossSpike",))
+                       "patience_steps", alerts=("SDCWatchLossSustained",))
 LOSS_DIVERGENCE = _kind("loss.divergence", CRITICAL, JOB, "the loss rose gradually well above its lowest level",
-                        alerts=("SDCWatchLossSpike",))
+                        alerts=("SDCWatchLossSustained",))
 GRAD_NORM_NONFINITE = _kind("grad_norm.nonfinite", CRITICAL, (JOB, RANK), "a NaN or Inf gradient norm (without "
                             "a loss scale, or a rank's own)", alerts=("SDCWatchGradNormNonFinite",), fold_s=60.0)
 GRAD_NORM_SPIKE = _kind("grad_norm.spike", WARNING, JOB, "one gradient-norm sample far above the baseline (an "

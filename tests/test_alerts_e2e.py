@@ -185,11 +185,23 @@ def _nan_grad_norm(stub: pb_grpc.AgentStub, job: str) -> None:
         _report(stub, job, step, 2.0 + 0.01 * (step % 5), math.nan if step == 50 else 1.0 + 0.01 * (step % 3))
 
 
+def _loss_sustained(stub: pb_grpc.AgentStub, job: str) -> None:
+    for step in range(260):
+        _report(stub, job, step, (2.0 if step < 200 else 4.0) + 0.01 * (step % 5), 1.0 + 0.01 * (step % 3))
+
+
+def _loss_spike(stub: pb_grpc.AgentStub, job: str) -> None:
+    for step in range(170):
+        _report(stub, job, step, (10.0 if step in (150, 151) else 2.0) + 0.01 * (step % 5), 1.0 + 0.01 * (step % 3))
+
+
 @pytest.mark.parametrize("feed, kind, alert, severity", [
+    (_loss_sustained, "loss.sustained", "SDCWatchLossSustained", "critical"),
+    (_loss_spike, "loss.spike", "SDCWatchLossSpike", "warning"),
     (_grad_norm_spike, "grad_norm.spike", "SDCWatchGradNormSpike", "warning"),
     (_loss_scale_collapse, "loss_scale.collapse", "SDCWatchLossScaleCollapse", "critical"),
     (_nan_grad_norm, "grad_norm.nonfinite", "SDCWatchGradNormNonFinite", "critical"),
-], ids=["grad-norm-spike", "loss-scale-collapse", "nan-grad-norm"])
+], ids=["loss-sustained", "loss-spike", "grad-norm-spike", "loss-scale-collapse", "nan-grad-norm"])
 def test_loss_detector_alert_reaches_alertmanager(loss_stack: tuple[AgentProcess, Prometheus, Alertmanager],
                                                   feed: Callable[[pb_grpc.AgentStub, str], None], kind: str,
                                                   alert: str, severity: str) -> None:
@@ -212,8 +224,8 @@ def test_loss_detector_alert_reaches_alertmanager(loss_stack: tuple[AgentProcess
     pushed = _wait(f"{alert} pushed by the agent", lambda: [a for a in named("sdcwatch-agent")
                                                             if a["labels"].get("job_id") == job], 30, prom, agent)
     assert pushed[0]["labels"]["node"] == "e2e-node"
-    # neither the loss-spike rule nor the catch-all swallowed it
+    # no other loss rule (a warning's rule for a critical kind, or the reverse) nor the catch-all swallowed it
+    others = {"SDCWatchLossSpike", "SDCWatchLossSustained", "SDCWatchCriticalEvent"} - {alert}
     rules_firing = {(a["labels"]["alertname"], a["labels"].get("kind")) for a in prom.alerts()}
-    assert ("SDCWatchLossSpike", kind) not in rules_firing
-    assert not [a for a in am.alerts() if a["labels"]["alertname"] in ("SDCWatchLossSpike", "SDCWatchCriticalEvent")
-                and a["labels"].get("kind") == kind]
+    assert not {(name, kind) for name in others} & rules_firing
+    assert not [a for a in am.alerts() if a["labels"]["alertname"] in others and a["labels"].get("kind") == kind]

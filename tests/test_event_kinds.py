@@ -190,10 +190,20 @@ def test_rules_select_only_catalogue_kinds_and_the_catalogue_lists_their_alerts(
     assert {"SDCWatchGradNormSpike", "SDCWatchLossScaleCollapse", "SDCWatchGradNormNonFinite"} <= selected
 
 
-def test_loss_spike_rule_no_longer_swallows_grad_norm_and_loss_scale() -> None:
-    rule = next(r for r in _rules() if r["alert"] == "SDCWatchLossSpike")
-    kinds = set().union(*(_kinds_selected(op, v) for op, v in _kind_selectors(rule["expr"])))
-    assert kinds == {"loss.spike", "loss.sustained", "loss.divergence"}
+def test_loss_rules_split_by_severity() -> None:
+    """Warnings (a spike, a small level shift) do not page; a sustained excursion and divergence do; the
+    gradient norm and the loss scale have their own rules."""
+    def kinds(alert: str) -> tuple[set[str], str]:
+        rule = next(r for r in _rules() if r["alert"] == alert)
+        return set().union(*(_kinds_selected(op, v) for op, v in _kind_selectors(rule["expr"]))), \
+            rule["labels"]["severity"]
+
+    assert kinds("SDCWatchLossSpike") == ({"loss.spike", "loss.shift"}, "warning")
+    assert kinds("SDCWatchLossSustained") == ({"loss.sustained", "loss.divergence"}, "critical")
+    assert kinds("SDCWatchLossNonFinite") == ({"loss.nonfinite"}, "critical")
+    for alert in ("SDCWatchLossSpike", "SDCWatchLossSustained"):
+        for name in kinds(alert)[0]:
+            assert ek.lookup(name).severity.name.lower() == kinds(alert)[1]
 
 
 def test_dashboard_selects_only_catalogue_kinds() -> None:

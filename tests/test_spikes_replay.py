@@ -46,8 +46,13 @@ def test_bigscience_excerpts() -> None:
     assert ("tr11-176B-ml", 31216, "grad_norm", "spike", "warning") in got
     assert ("tr11-176B-ml", 31219, "loss", "spike", "warning") in got
     assert not any(e["run"] == "tr11-176B-ml" and e["severity"] == "critical" for e in evs)
-    # 104B (tr8b): fp16 loss-scale collapse while the loss jumps
-    assert ("tr8b-104B", 17062, "loss", "spike", "warning") in got
+    # 104B (tr8b): fp16 loss-scale collapse while the loss jumps (the jump is below 2x: reported when the
+    # next sample confirms it, with the step it began)
+    assert ("tr8b-104B", 17063, "loss", "spike", "warning") in got
+    assert next(e for e in evs if e["run"] == "tr8b-104B" and e["kind"] == "spike" and e["signal"] == "loss"
+                )["start_step"] == 17062
+    # 104B-wide: the loss climbing 1.38x, 1.55x (confirmed on the second sample)
+    assert ("tr8-104B-wide#2", 6940, "loss", "spike", "warning") in got
     assert ("tr8b-104B", 17065, "loss_scale", "loss_scale_collapse", "critical") in got
     # 13B: the loss jumps x2.6 with a loss-scale collapse and stays up (40 steps, sampled every 10)
     assert ("tr1-13B-base", 29060, "loss_scale", "loss_scale_collapse", "critical") in got
