@@ -72,7 +72,7 @@ def test_clean_log_exits_0_and_prints_a_summary(tmp_path: Path) -> None:
     p = tmp_path / "clean.csv"
     p.write_text("step,loss\n" + "".join(f"{i},{3 * np.exp(rng.normal(0, 0.01)):.5f}\n" for i in range(500)))
     rc, out, _ = run([str(p)])
-    assert rc == 0 and out.strip() == "# 500 samples in 1 run(s), 0 events, 0 critical"
+    assert rc == 0 and out.strip() == "# 500 samples in 1 run(s) (csv), 0 events, 0 critical"
 
 
 def test_custom_columns_and_runs(tmp_path: Path) -> None:
@@ -117,3 +117,47 @@ def test_as_a_subprocess() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "step 3010" in proc.stdout and "critical" in proc.stdout and "nonfinite" in proc.stdout
+
+
+def test_options_in_any_order_through_the_sdcwatch_cli() -> None:
+    """`sdcwatch spikes replay --json FILE` and `FILE --json` are the same command."""
+    for argv in (["--allow-restarts", "--json", str(bigscience())], [str(bigscience()), "--json", "--allow-restarts"]):
+        proc = subprocess.run([sys.executable, "-m", "daemon.cli", "spikes", "replay", *argv], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert any(json.loads(ln)["kind"] == "sustained" for ln in proc.stdout.splitlines())
+
+
+def test_text_log_with_a_format_and_a_pattern(tmp_path: Path) -> None:
+    lines = [f"iter {i}: loss {3.0 * (2.0 if i >= 300 else 1.0) * (1 + 0.003 * ((i * 7919) % 13 - 6)):.4f}, "
+             f"time 98.1ms" for i in range(400)]
+    p = tmp_path / "train.log"
+    p.write_text("starting\n" + "\n".join(lines) + "\n")
+    rc, out, _ = run(["--format", "nanogpt", "--json", str(p)])
+    assert rc == 1 and [e["kind"] for e in events(out) if e["severity"] == "critical"] == ["sustained"]
+    rc2, out2, _ = run([str(p), "--pattern", r"iter (?P<step>\d+): loss (?P<loss>[0-9.]+)", "--json"])
+    assert rc2 == 1 and out2 == out
+
+
+def test_unknown_format_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run([str(nanogpt()), "--format", "bogus"])
+    assert rc == 2 and out == "" and "--format" in capsys.readouterr().err     # argparse's own message
+
+
+def test_plot_of_many_runs_is_a_grid_of_readable_size(tmp_path: Path) -> None:
+    """60 runs: small multiples, 4 columns, at most 24 panels (the runs with critical events first)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    rows = ["run,step,loss"]
+    for r in range(60):
+        for i in range(200):
+            jump = 3.0 if r % 10 == 0 and i >= 150 else 1.0
+            rows.append(f"r{r},{i},{3.0 * jump * np.exp(rng.normal(0, 0.01)):.5f}")
+    p = tmp_path / "many.csv"
+    p.write_text("\n".join(rows) + "\n")
+    out_png = tmp_path / "many.png"
+    rc, _, _ = run([str(p), "--plot", str(out_png)])
+    assert rc == 1
+    width, height = Image.open(out_png).size
+    assert width <= 2000 and height <= 1800, (width, height)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,78 @@ def test_nanogpt_excerpt() -> None:
     steps = [s.step for s in log.runs[0].samples]
     assert steps[0] == 2920 and 3010 in steps
     assert math.isnan(next(s.loss for s in log.runs[0].samples if s.step == 3010))
+
+
+# -- text logs ----------------------------------------------------------------------------------------
+
+TEXT_LOGS = Path(__file__).resolve().parent / "data" / "training-logs"
+
+
+def text_log(name: str) -> Path:
+    path = TEXT_LOGS / name
+    assert path.is_file(), f"test data missing: {path}"
+    return path
+
+
+@pytest.mark.parametrize("name,fmt,expected", [
+    # (file, the preset auto-detection picks, [(line, step, loss, grad_norm, loss_scale)])
+    ("megatron.log", "kv", [(2, 100, 2.775923, 0.523, 32768.0), (3, 110, 2.772822, 0.511, 32768.0)]),
+    ("nemo.log", "kv", [(1, 99, 2.34, None, None), (2, 100, 2.338, None, None)]),
+    ("hf.log", "hf", [(1, 1, 2.3456, 1.234, None), (3, 2, 2.3012, math.nan, None)]),
+    ("nanogpt.log", "nanogpt", [(2, 0, 10.9876, None, None), (3, 10, 9.1234, None, None)]),
+    ("torchtitan.log", "torchtitan", [(1, 1, 12.2345, 3.2103, None), (2, 2, 11.1, None, None)]),
+    ("kv.log", "kv", [(1, 100, 2.34, 0.5, None), (2, 110, 2.3, 0.6, None)]),
+])
+def test_text_logs_as_trainers_print_them(name: str, fmt: str, expected: list) -> None:
+    log = read_training_log(text_log(name))
+    assert log.format == fmt
+    got = [(s.line, s.step, s.loss, s.grad_norm, s.loss_scale) for s in log.runs[0].samples]
+    for g, e in zip(got, expected, strict=True):
+        assert g[:2] == e[:2]
+        for a, b in zip(g[2:], e[2:]):
+            assert (a is None and b is None) or (a is not None and b is not None and (
+                math.isnan(a) and math.isnan(b) or a == pytest.approx(b)))
+
+
+def test_hf_nan_grad_norm_and_eval_dicts_skipped() -> None:
+    samples = read_training_log(text_log("hf.log")).runs[0].samples
+    assert math.isnan(samples[1].grad_norm) and len(samples) == 2
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "nemo", "kv"])
+def test_named_kv_presets_read_megatron_lines(fmt: str) -> None:
+    log = read_training_log(text_log("megatron.log"), fmt=fmt)
+    assert [s.step for s in log.runs[0].samples] == [100, 110]
+
+
+def test_pattern_with_named_groups(tmp_path: Path) -> None:
+    p = write(tmp_path, "noise\n[100] L=2.5 g=0.3\n[101] L=nan g=0.4\nmore noise\n", "log.txt")
+    log = read_training_log(p, pattern=r"\[(?P<step>\d+)\] L=(?P<loss>\S+) g=(?P<grad_norm>\S+)")
+    assert log.format == "pattern"
+    assert [(s.line, s.step, s.grad_norm) for s in log.runs[0].samples] == [(2, 100, 0.3), (3, 101, 0.4)]
+    assert math.isnan(log.runs[0].samples[1].loss)
+
+
+@pytest.mark.parametrize("kwargs,what", [
+    (dict(pattern=r"step (?P<step>\d+)"), "needs the named groups step and loss (missing: loss)"),
+    (dict(pattern=r"(?P<step>"), "is not a regular expression"),
+    (dict(fmt="nanogpt"), "no line has a step and a loss (--format nanogpt)"),
+    (dict(fmt="bogus"), "unknown --format 'bogus'"),
+])
+def test_text_errors_name_the_flags(kwargs: dict, what: str) -> None:
+    with pytest.raises(TrainingLogError, match=re.escape(what)):
+        read_training_log(text_log("megatron.log"), **kwargs)
+
+
+def test_unreadable_text_log_suggests_format_and_pattern(tmp_path: Path) -> None:
+    p = write(tmp_path, "hello\nworld 12\n", "log.txt")
+    with pytest.raises(TrainingLogError) as info:
+        read_training_log(p)
+    assert "--format (" in str(info.value) and "--pattern REGEX" in str(info.value)
+    assert "--step-col" not in str(info.value)
+
+
+def test_step_going_back_without_a_run_column_names_run_col(tmp_path: Path) -> None:
+    p = write(tmp_path, "step,loss\n5,3.0\n6,3.0\n4,3.0\n")
+    with pytest.raises(TrainingLogError, match="--allow-restarts; a log that interleaves runs needs --run-col"):
+        read_training_log(p)
