@@ -9,7 +9,7 @@ other controllers' stay), and, with `taint_failed`, PATCHes the taint list (a me
 node's resourceVersion: a concurrent change to the node makes it fail with 409 and the next try re-reads).
 A failed push is logged and retried with backoff; it never stops the agent.
 
-RBAC (deploy/kubernetes/base/rbac.yaml): `get` on nodes, `patch` on nodes/status, and `patch` on nodes only
+RBAC (deploy/kubernetes/base/sdcwatch-agent.yaml, overlays/fleet-sentinel/rbac-taint.yaml): `get` on nodes, `patch` on nodes/status, and `patch` on nodes only
 with the taint.
 """
 

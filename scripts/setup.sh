@@ -21,6 +21,8 @@ if [ "$want_test" = 1 ]; then
   # the Sentinel HA tests start real redis-server and redis-sentinel processes (tests/sentinel_support.py)
   command -v redis-server >/dev/null || apt_pkgs+=(redis-server)
   command -v redis-sentinel >/dev/null || apt_pkgs+=(redis-sentinel)
+  # tests/test_images.py checks the systemd unit with systemd-analyze verify
+  command -v systemd-analyze >/dev/null || apt_pkgs+=(systemd)
 fi
 if [ "${#apt_pkgs[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then

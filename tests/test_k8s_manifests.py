@@ -27,8 +27,11 @@ def _docs(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
 
 
+MANIFESTS = ("base/sdcwatch-agent.yaml", "monitoring/servicemonitor.yaml", "monitoring/prometheusrule.yaml")
+
+
 def _all_docs() -> list[dict[str, Any]]:
-    return [d for p in sorted(K8S.glob("*.yaml")) for d in _docs(p.name)]
+    return [d for name in MANIFESTS for d in _docs(name)]
 
 
 def _by_kind(kind: str) -> dict[str, Any]:
@@ -147,9 +150,9 @@ def test_servicemonitor_selects_the_agent_service() -> None:
 
 
 def test_prometheusrule_is_generated_from_the_rules_file() -> None:
-    committed = (K8S / "prometheusrule.yaml").read_text()
+    committed = (K8S / "monitoring" / "prometheusrule.yaml").read_text()
     assert committed == gen_prometheusrule.render(gen_prometheusrule.build(RULES.read_text())), \
-        "deploy/kubernetes/prometheusrule.yaml is stale: run python deploy/kubernetes/gen_prometheusrule.py"
+        "deploy/kubernetes/monitoring/prometheusrule.yaml is stale: run python deploy/kubernetes/gen_prometheusrule.py"
     pr = yaml.safe_load(committed)
     assert pr["kind"] == "PrometheusRule" and pr["apiVersion"] == "monitoring.coreos.com/v1"
     assert pr["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
@@ -169,7 +172,7 @@ def test_prometheusrule_runbook_base_can_be_rewritten(tmp_path: Path) -> None:
 
 def test_prometheusrule_groups_pass_promtool(tmp_path: Path) -> None:
     assert shutil.which("promtool"), "promtool not installed (Debian package 'prometheus'): bash scripts/setup.sh --test"
-    pr = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())
+    pr = yaml.safe_load((K8S / "monitoring" / "prometheusrule.yaml").read_text())
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump({"groups": pr["spec"]["groups"]}))
     out = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True,

@@ -4,7 +4,7 @@
 The rules file is the one source; this wraps its groups unchanged (optionally with runbook URLs pointing
 somewhere else). tests/test_k8s_manifests.py checks that the committed prometheusrule.yaml is current.
 
-    python deploy/kubernetes/gen_prometheusrule.py                   # rewrite prometheusrule.yaml
+    python deploy/kubernetes/gen_prometheusrule.py                   # rewrite monitoring/prometheusrule.yaml
     python deploy/kubernetes/gen_prometheusrule.py --output - \\
         --namespace monitoring --label release=kube-prometheus \\
         --runbook-base https://wiki.example.com/sdcwatch/runbooks      # for your cluster
@@ -20,7 +20,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 RULES = HERE.parent / "prometheus" / "sdcwatch-rules.yml"
-OUTPUT = HERE / "prometheusrule.yaml"
+OUTPUT = HERE / "monitoring" / "prometheusrule.yaml"
 RUNBOOK_MARK = "/docs/runbooks/"
 
 
