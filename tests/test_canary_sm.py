@@ -14,6 +14,7 @@ from pathlib import Path
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,6 +90,31 @@ def test_coverage_and_attribution_are_pure() -> None:
     located = attribute([[1, 0], [0, 2]], tile_sm)
     assert located == [{"tile_row": 1, "tile_col": 0, "sm": 2}, {"tile_row": 0, "tile_col": 2, "sm": 2}]
     assert suspect_sms(located) == {2: 2}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_kernel_compiles_for_the_h200_reading_smid(dtype: str) -> None:
+    """No GPU here, but Triton compiles for one: the kernel that reads %smid builds for sm_90 (ptxas included
+    with Triton), with the SM register read in its PTX and tensor-core MMAs for the 16-bit inputs."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("run without TRITON_INTERPRET=1: this test compiles the kernel for the GPU")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from checksums.canary_sm import BK, BM, BN, _sm_gemm_kernel
+
+    ptr = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}[dtype]
+    sig = {"a_ptr": ptr, "b_ptr": ptr, "c_ptr": "*fp32", "tile_sm_ptr": "*i32", "fed_ptr": "*i32",
+           **{n: "i32" for n in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
+                                 "stride_cn", "fault_sm")},
+           **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "READ_SMID")}}
+    src = ASTSource(fn=_sm_gemm_kernel, signature=sig,
+                    constexprs={"BLOCK_M": BM, "BLOCK_N": BN, "BLOCK_K": BK, "READ_SMID": True})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    ptx = kernel.asm["ptx"]
+    assert "%smid" in ptx and kernel.asm["cubin"]
+    assert ("mma" in ptx) == (dtype != "fp32")   # fp32 "ieee" is not a tensor-core dot: FMAs
 
 
 if __name__ == "__main__":
