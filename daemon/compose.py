@@ -17,6 +17,7 @@ from typing import Mapping
 from grpc_health.v1._async import HealthServicer
 
 from daemon import drain_wiring, k8s_nodes, peers_wiring
+from daemon.nvsentinel import NvsentinelEvents
 from daemon.agent import Agent
 from daemon.alerts import AlertDispatcher
 from daemon.background import Background
@@ -28,7 +29,7 @@ from daemon.events import EventBus
 from daemon.gpu_metrics import GpuMetrics
 from daemon.gpu_transitions import GpuTransitions
 from daemon.gpus import GpuRegistry
-from daemon.health import NodeHealth
+from daemon.health import HealthFollower, NodeHealth
 from daemon.jobs import JobTracker
 from daemon.journal import Journal
 from daemon.metrics import AgentMetrics
@@ -71,7 +72,11 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     health_changed = asyncio.Event()
     gpus = GpuRegistry(on_transition=GpuTransitions(publisher=bus, jobs=jobs, checkpoints=feed,
                                                     gpu_metrics=gpu_metrics, health_changed=health_changed))
-    followers = ([k8s_nodes.build(config.kubernetes, host, gpus)] if config.kubernetes.node_conditions else [])
+    followers: list[HealthFollower] = []
+    if config.kubernetes.node_conditions:
+        followers.append(k8s_nodes.build(config.kubernetes, host, gpus))
+    if config.nvsentinel.socket:
+        followers.append(NvsentinelEvents(config.nvsentinel, config.kubernetes.node_name or host, gpus))
     health = NodeHealth(HealthServicer(), gpus, metrics, health_changed,
                         pools=(checkpoints.pool, checkpoints.peer_store.pool), followers=followers)
     probes = GpuProbes(config.nvml, config.canary, gpus=gpus, publisher=bus, metrics=metrics,

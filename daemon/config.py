@@ -28,6 +28,7 @@ from daemon import config_tree
 from daemon.alerts import AlertsConfig
 from daemon.errors import ConfigError
 from daemon.node_conditions import KubernetesConfig
+from daemon.nvsentinel import NvsentinelConfig
 from daemon.peers_config import PeersConfig
 from daemon.tiers_config import TiersConfig
 from probes.loss_detector import LossDetectorConfig, RollbackPolicy
@@ -328,11 +329,14 @@ class Config:
     alerts: AlertsConfig = setting(factory=AlertsConfig, help="alert pushes (Alertmanager, webhook)")
     kubernetes: KubernetesConfig = setting(factory=KubernetesConfig,
                                            help="node conditions and the FAILED taint (docs/kubernetes.md)")
+    nvsentinel: NvsentinelConfig = setting(factory=NvsentinelConfig,
+                                           help="GPU health events to NVIDIA NVSentinel (docs/kubernetes.md)")
 
     def validate(self) -> "Config":
         """Cross-field and environment checks of each section (each was range-checked when built)."""
         for section in (self.agent, self.redis, self.journal, self.nvml, self.canary, self.jobs, self.tiers,
-                        self.peers, self.alerts, self.kubernetes):
+                        self.peers, self.alerts, self.kubernetes,
+                        self.nvsentinel):
             section.validate()
         return self
 

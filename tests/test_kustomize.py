@@ -15,7 +15,7 @@ from deploy_support import ROOT
 
 K8S = ROOT / "deploy" / "kubernetes"
 K8S_VERSION = "1.30.0"
-OVERLAYS = ("single-node", "fleet-sentinel")
+OVERLAYS = ("single-node", "fleet-sentinel", "nvsentinel")
 
 
 def render(path: Path) -> list[dict[str, Any]]:
@@ -72,6 +72,31 @@ def test_fleet_overlay_points_every_agent_at_sentinel_and_may_taint() -> None:
     assert _agent(docs)["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
     assert ("nodes", "patch") in _rules(docs)
     assert {"ServiceMonitor", "PrometheusRule"} <= {d["kind"] for d in docs}
+
+
+def test_nvsentinel_overlay_sends_to_the_connector_socket_and_sets_no_conditions() -> None:
+    docs = render(K8S / "overlays" / "nvsentinel")
+    agent = _agent(docs)
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    sock = env["SDCWATCH_NVSENTINEL_SOCKET"]
+    assert env["SDCWATCH_KUBERNETES_NODE_CONDITIONS"] == "false"
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    host = {v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    assert any(mounts.get(n) == str(Path(sock).parent) == p for n, p in host.items())
+    from daemon import config
+
+    config.build(_parser(), {k: v for k, v in env.items() if k.startswith("SDCWATCH_") and v is not None}).validate()
+
+
+def _parser():
+    import argparse
+
+    from daemon import config
+
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    return p.parse_args([])
 
 
 def test_the_validator_sees_a_broken_rendering(tmp_path: Path) -> None:
