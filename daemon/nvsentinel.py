@@ -4,17 +4,18 @@
 GPUs whose state changed since the last send go to `PlatformConnector.HealthEventOccuredV1` in one
 `HealthEvents` (proto/nvsentinel/platformconnector.proto). A GPU's event:
 
-  state     checkName                isFatal  isHealthy  recommendedAction
-  FAILED    SdcwatchGPUHealth        true     false      RESET_GPU (NVSentinel's remediation decides more)
-  DEGRADED  SdcwatchGPUHealth        false    false      REPORT_ISSUE
-  SUSPECT   SdcwatchSilentDataCorruption  false  false   RUN_FIELDDIAG (field diagnostics settle an SDC suspicion)
-  HEALTHY   both checks              false    true       NONE (clears what the two checks raised)
+  state     checkName                     isFatal  isHealthy  recommendedAction
+  FAILED    SdcwatchGPUHealth             true     false      RESET_GPU (NVSentinel's remediation decides more)
+  DEGRADED  SdcwatchGPUHealth             false    false      REPORT_ISSUE
+  SUSPECT   SdcwatchSilentDataCorruption  false    false      RUN_FIELDDIAG (field diagnostics settle it)
+  HEALTHY   both checks                   false    true       NONE (clears what the two checks raised)
   UNKNOWN   nothing is sent (no verdict without evidence)
 
 with agent "sdcwatch", componentClass "GPU", the GPU's UUID as entity GPU_UUID (and PCI bus id as PCI), the
 evidence's reason as the message, the node's name and the time. A failed send is retried with backoff,
 the unsent changes kept; it never stops the agent.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,10 @@ SDC_CHECK = "SdcwatchSilentDataCorruption"
 class NvsentinelConfig:
     """`[nvsentinel]`: GPU health events to NVSentinel's platform connector."""
 
-    socket: str = setting("", "the platform connector's unix socket, e.g. /var/run/nvsentinel/platform-connector.sock "
-                              "(empty: off)")
+    socket: str = setting(
+        "",
+        "the platform connector's unix socket, e.g. /var/run/nvsentinel/platform-connector.sock (empty: off)",
+    )
     timeout_s: float = setting(5.0, "seconds per send")
 
     def validate(self) -> None:
@@ -67,10 +70,21 @@ def events_for(gpus: Iterable[tuple[str, str, State, str]], node: str, now: floa
             entities.append(pc.Entity(entityType="PCI", entityValue=pci))
 
         def event(check: str, fatal: bool, healthy: bool, action: int, message: str) -> Any:
-            return pc.HealthEvent(version=1, agent=AGENT, componentClass="GPU", checkName=check, isFatal=fatal,
-                                  isHealthy=healthy, message=message[:1000], recommendedAction=action,
-                                  errorCode=[state.name], entitiesImpacted=entities,
-                                  metadata={"sdcwatch_state": state.name}, generatedTimestamp=ts, nodeName=node)
+            return pc.HealthEvent(
+                version=1,
+                agent=AGENT,
+                componentClass="GPU",
+                checkName=check,
+                isFatal=fatal,
+                isHealthy=healthy,
+                message=message[:1000],
+                recommendedAction=action,
+                errorCode=[state.name],
+                entitiesImpacted=entities,
+                metadata={"sdcwatch_state": state.name},
+                generatedTimestamp=ts,
+                nodeName=node,
+            )
 
         text = f"GPU {uuid} is {state.name}: {reason}" if reason else f"GPU {uuid} is {state.name}"
         if state is State.FAILED:
@@ -88,15 +102,22 @@ def events_for(gpus: Iterable[tuple[str, str, State, str]], node: str, now: floa
 class NvsentinelEvents:
     """A NodeHealth follower: `notify()` after a sync; `start(background)` runs the sender."""
 
-    def __init__(self, config: NvsentinelConfig, node: str, gpus: GpuRegistry, *,
-                 clock: Callable[[], float] = time.time, retry_s: tuple[float, float] = (0.5, 30.0)) -> None:
+    def __init__(
+        self,
+        config: NvsentinelConfig,
+        node: str,
+        gpus: GpuRegistry,
+        *,
+        clock: Callable[[], float] = time.time,
+        retry_s: tuple[float, float] = (0.5, 30.0),
+    ) -> None:
         self.config = config
         self.node = node
         self.gpus = gpus
         self.clock = clock
         self.retry_s = retry_s
         self.changed = asyncio.Event()
-        self.sent: dict[str, State] = {}          # uuid -> the state NVSentinel last heard
+        self.sent: dict[str, State] = {}  # uuid -> the state NVSentinel last heard
         self.stats = {"sends": 0, "events": 0, "failures": 0}
         self._channel: grpc.aio.Channel | None = None
 
@@ -107,8 +128,11 @@ class NvsentinelEvents:
         background.start(self.run(), name="nvsentinel")
 
     def pending(self) -> list[tuple[str, str, State, str]]:
-        return [(r.uuid, r.pci_bus_id, r.state, r.reason) for r in list(self.gpus.gpus.values())
-                if r.state is not State.UNKNOWN and self.sent.get(r.uuid) is not r.state]
+        return [
+            (r.uuid, r.pci_bus_id, r.state, r.reason)
+            for r in list(self.gpus.gpus.values())
+            if r.state is not State.UNKNOWN and self.sent.get(r.uuid) is not r.state
+        ]
 
     async def send_once(self) -> int:
         """Send the pending changes; returns how many events went. Raises grpc.aio.AioRpcError on failure."""
@@ -119,7 +143,9 @@ class NvsentinelEvents:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(f"unix://{self.config.socket}")
         stub = pc_grpc.PlatformConnectorStub(self._channel)
-        await stub.HealthEventOccuredV1(pc.HealthEvents(version=1, events=events), timeout=self.config.timeout_s)
+        await stub.HealthEventOccuredV1(
+            pc.HealthEvents(version=1, events=events), timeout=self.config.timeout_s
+        )
         for uuid, _, state, _ in todo:
             self.sent[uuid] = state
         self.stats["sends"] += 1
@@ -144,8 +170,13 @@ class NvsentinelEvents:
                 except grpc.aio.AioRpcError as e:
                     self.stats["failures"] += 1
                     delay = min(self.retry_s[1], max(self.retry_s[0], delay * 2))
-                    log.warning("NVSentinel at %s did not take the health events (retry in %.1f s): %s %s",
-                                self.config.socket, delay, e.code().name, e.details())
+                    log.warning(
+                        "NVSentinel at %s did not take the health events (retry in %.1f s): %s %s",
+                        self.config.socket,
+                        delay,
+                        e.code().name,
+                        e.details(),
+                    )
         finally:
             if self._channel is not None:
                 await self._channel.close()

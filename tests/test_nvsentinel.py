@@ -1,6 +1,7 @@
 """GPU health events to NVSentinel: the agent's sender against a PlatformConnector server generated from
 the same proto (proto/nvsentinel/platformconnector.proto), on a unix socket; the wire pinned to NVIDIA's
 published field numbers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,19 +27,38 @@ def test_the_wire_is_nvsentinels() -> None:
     (svc,) = fd.services_by_name.values()
     assert svc.full_name == "platformconnector.PlatformConnector"
     m = svc.methods_by_name["HealthEventOccuredV1"]
-    assert (m.input_type.full_name, m.output_type.full_name) == ("platformconnector.HealthEvents",
-                                                                 "google.protobuf.Empty")
+    assert (m.input_type.full_name, m.output_type.full_name) == (
+        "platformconnector.HealthEvents",
+        "google.protobuf.Empty",
+    )
     fields = {f.name: (f.number, f.type) for f in pc.HealthEvent.DESCRIPTOR.fields}
-    T = pc.HealthEvent.DESCRIPTOR.fields_by_name["agent"].type   # string
+    T = pc.HealthEvent.DESCRIPTOR.fields_by_name["agent"].type  # string
     assert {k: v[0] for k, v in fields.items()} == {
-        "version": 1, "agent": 2, "componentClass": 3, "checkName": 4, "isFatal": 5, "isHealthy": 6, "message": 7,
-        "recommendedAction": 8, "errorCode": 9, "entitiesImpacted": 10, "metadata": 11, "generatedTimestamp": 12,
-        "nodeName": 13}
+        "version": 1,
+        "agent": 2,
+        "componentClass": 3,
+        "checkName": 4,
+        "isFatal": 5,
+        "isHealthy": 6,
+        "message": 7,
+        "recommendedAction": 8,
+        "errorCode": 9,
+        "entitiesImpacted": 10,
+        "metadata": 11,
+        "generatedTimestamp": 12,
+        "nodeName": 13,
+    }
     assert fields["agent"][1] == T and fields["isFatal"][1] != T
     assert {f.name: f.number for f in pc.HealthEvents.DESCRIPTOR.fields} == {"version": 1, "events": 2}
     assert {f.name: f.number for f in pc.Entity.DESCRIPTOR.fields} == {"entityType": 1, "entityValue": 2}
     assert {v.name: v.number for v in pc.RecommenedAction.DESCRIPTOR.values} == {
-        "NONE": 0, "COMPONENT_RESET": 2, "REPORT_ISSUE": 5, "RUN_FIELDDIAG": 6, "RESET_GPU": 20, "UNKNOWN": 99}
+        "NONE": 0,
+        "COMPONENT_RESET": 2,
+        "REPORT_ISSUE": 5,
+        "RUN_FIELDDIAG": 6,
+        "RESET_GPU": 20,
+        "UNKNOWN": 99,
+    }
 
 
 class Recorder(pc_grpc.PlatformConnectorServicer):
@@ -67,8 +87,9 @@ def test_state_changes_reach_the_connector_and_a_failed_send_is_retried(tmp_path
         now = time.time()
         for i, pci in enumerate(("00000000:19:00.0", "00000000:3B:00.0", "00000000:4C:00.0")):
             gpus.ensure(f"GPU-{i}", now, pci_bus_id=pci)
-        sender = NvsentinelEvents(NvsentinelConfig(socket=str(sock), timeout_s=5), "gpu-node-7", gpus,
-                                  retry_s=(0.05, 0.2))
+        sender = NvsentinelEvents(
+            NvsentinelConfig(socket=str(sock), timeout_s=5), "gpu-node-7", gpus, retry_s=(0.05, 0.2)
+        )
         gpus.on_transition = lambda *a: sender.notify()
         bg = Background()
         sender.start(bg)
@@ -79,27 +100,42 @@ def test_state_changes_reach_the_connector_and_a_failed_send_is_retried(tmp_path
                 assert time.monotonic() < deadline, what
                 await asyncio.sleep(0.01)
 
-        gpus.add_evidence("GPU-0", [Evidence("nvml", "xid", "79", State.FAILED, "XID 79: fell off the bus", now)], now)
-        gpus.add_evidence("GPU-1", [Evidence("canary", "bf16", "mismatch", State.SUSPECT, "canary mismatch", now)], now)
-        await until(lambda: {e.checkName for b in rec.batches for e in b.events} >= {GPU_CHECK, SDC_CHECK},
-                    "the FAILED and SUSPECT GPUs never reached NVSentinel")
+        gpus.add_evidence(
+            "GPU-0", [Evidence("nvml", "xid", "79", State.FAILED, "XID 79: fell off the bus", now)], now
+        )
+        gpus.add_evidence(
+            "GPU-1", [Evidence("canary", "bf16", "mismatch", State.SUSPECT, "canary mismatch", now)], now
+        )
+        await until(
+            lambda: {e.checkName for b in rec.batches for e in b.events} >= {GPU_CHECK, SDC_CHECK},
+            "the FAILED and SUSPECT GPUs never reached NVSentinel",
+        )
         events = {(e.entitiesImpacted[0].entityValue, e.checkName): e for b in rec.batches for e in b.events}
         failed = events[("GPU-0", GPU_CHECK)]
         assert failed.isFatal and not failed.isHealthy and failed.recommendedAction == pc.RESET_GPU
         assert (failed.agent, failed.componentClass, failed.nodeName) == ("sdcwatch", "GPU", "gpu-node-7")
         assert "XID 79" in failed.message and failed.generatedTimestamp.seconds >= int(now) - 1
         assert [(x.entityType, x.entityValue) for x in failed.entitiesImpacted] == [
-            ("GPU_UUID", "GPU-0"), ("PCI", "00000000:19:00.0")]
+            ("GPU_UUID", "GPU-0"),
+            ("PCI", "00000000:19:00.0"),
+        ]
         sdc = events[("GPU-1", SDC_CHECK)]
         assert not sdc.isFatal and sdc.recommendedAction == pc.RUN_FIELDDIAG
         assert "GPU-2" not in {k[0] for k in events}, "UNKNOWN: nothing sent without evidence"
         # the connector is down for a while: the change is kept and sent when it answers again
         rec.fail = 2
         gpus.clear("GPU-0", time.time(), by="test", why="replaced")
-        gpus.add_evidence("GPU-0", [Evidence("nvml", "poll", "ok", State.HEALTHY, "readable", time.time())],
-                          time.time())
-        await until(lambda: any(e.isHealthy and e.entitiesImpacted[0].entityValue == "GPU-0"
-                                for b in rec.batches for e in b.events), "the recovery never reached NVSentinel")
+        gpus.add_evidence(
+            "GPU-0", [Evidence("nvml", "poll", "ok", State.HEALTHY, "readable", time.time())], time.time()
+        )
+        await until(
+            lambda: any(
+                e.isHealthy and e.entitiesImpacted[0].entityValue == "GPU-0"
+                for b in rec.batches
+                for e in b.events
+            ),
+            "the recovery never reached NVSentinel",
+        )
         assert sender.stats["failures"] == 2
         healthy = [e for e in rec.batches[-1].events if e.entitiesImpacted[0].entityValue == "GPU-0"]
         assert {e.checkName for e in healthy} == {GPU_CHECK, SDC_CHECK} and all(e.isHealthy for e in healthy)
