@@ -24,8 +24,8 @@ retained batch; a step classified DATA there is lost rather than applied late (t
 suspect update either way). Cost on the device path: the all-gather of 32 bytes per bucket per rank and a
 handful of tiny kernels (median, log, max) per step.
 
-Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and the evidence; the Monitor's
-report carries them to the agent. Training-side module: never imports the agent (`daemon`).
+Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and the evidence; with
+`monitor=` the Monitor's next step report carries them to the agent (ReportStepRequest.compute). Training-side module: never imports the agent (`daemon`).
 """
 from __future__ import annotations
 
@@ -42,29 +42,12 @@ from torch import nn
 
 from checksums.grad_checks import GradSummaries, SpreadTracker, StatsVerdict, stats_of
 from checksums.replay import Cause, Classification, LossFn, Replayer
+from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_AUDIT_EVERY = 334      # one replay per 334 steps: <= 0.3% when a replay costs about one step
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ComputeFinding:
-    """A suspicion and its outcome. detector: "nonfinite", "stats" (pre-reduction outlier) or "audit";
-    cause: checksums.replay.Cause; faulty: the ranks named, with `where` (rank -> (host, gpu_uuid))."""
-
-    step: int
-    detector: str
-    suspect: int
-    cause: str
-    faulty: tuple[int, ...]
-    dropped: bool
-    detail: str
-    score: float = 0.0
-    bucket: int = -1
-    stat: str = ""
-    where: tuple[tuple[int, str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +73,7 @@ class ComputeChecks:
     def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: LossFn,
                  margin: float = 3.0, warmup: int = 20, audit_every: int = DEFAULT_AUDIT_EVERY,
                  group: Any = None, host: str | None = None, gpu_uuid: str = "",
-                 inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
+                 monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
                  max_findings: int = 1000) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
@@ -108,6 +91,8 @@ class ComputeChecks:
                                group=group)
         self.where: list[tuple[str, str]] = [tuple(w) for w in where]  # type: ignore[misc]
         self.findings: collections.deque[ComputeFinding] = collections.deque(maxlen=max_findings)
+        self._unreported: collections.deque[ComputeFinding] = collections.deque(maxlen=64)
+        self._last_audit: dict[int, int] = {}      # rank -> the step of its last audit that passed
         self.last_verdict: StatsVerdict | None = None
         self._steps = 0
         self._suspicions = 0
@@ -116,6 +101,8 @@ class ComputeChecks:
         self._determinism_checked = False
         self.guard = StepGuard.attach(optimizer)
         self.guard.add(self)
+        if monitor is not None:
+            monitor.report_compute(self.take_findings)
 
     @classmethod
     def attach(cls, ddp: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> ComputeChecks:
@@ -149,6 +136,8 @@ class ComputeChecks:
             got = self.replayer.audit(audited, rows[audited])
             if got is not None:
                 outcomes.append(("audit", audited, got))
+            else:
+                self._last_audit[audited] = ctx.step
         if not outcomes:
             return None
         self._suspicions += 1
@@ -167,16 +156,25 @@ class ComputeChecks:
                 verdict: StatsVerdict) -> None:
         score = verdict.scores[suspect] if suspect < len(verdict.scores) else 0.0
         where = tuple((r, *self.where[r]) for r in c.faulty)
+        # an audit finds what may have slipped through since the rank's last clean audit
+        since = self._last_audit.get(suspect, 0) + 1 if detector == "audit" else step
         finding = ComputeFinding(step=step, detector=detector, suspect=suspect, cause=c.cause.value,
                                  faulty=c.faulty, dropped=drop, detail=c.detail, score=score,
-                                 bucket=verdict.bucket, stat=verdict.stat, where=where)
+                                 bucket=verdict.bucket, stat=verdict.stat, where=where, since_step=since)
         self.findings.append(finding)
+        self._unreported.append(finding)
         if self.rank == 0 or self.rank in c.faulty:
             logger.warning("sdcwatch: compute check at step %d: %s on rank %d -> %s, faulty %s, %s",
                            step, detector, suspect, c.cause.value, list(where),
                            "dropped" if drop else "applied")
 
     # ---- what it says -------------------------------------------------------------------------------
+
+    def take_findings(self) -> tuple[ComputeFinding, ...]:
+        """The findings not handed out yet, oldest first (the Monitor puts them on its next step report)."""
+        out = tuple(self._unreported)
+        self._unreported.clear()
+        return out
 
     def status(self) -> ComputeStatus:
         spread = self.tracker.spread

@@ -48,7 +48,9 @@ from torch import nn
 from checksums.canary_injob import InJobCanary
 from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
 from checksums.replica_vote import VoteResult, vote
-from checksums.reporter import CanaryReport, Directive, ReporterStats, StepReport, StepReporter, StepSink
+from checksums.reporter import (
+    CanaryReport, ComputeFinding, Directive, ReporterStats, StepReport, StepReporter, StepSink,
+)
 from checksums.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
@@ -265,6 +267,7 @@ class Monitor:
         # in-job canary: True = checksums.canary_injob.InJobCanary on this device within 0.5% of step time
         self._canary: Any = None
         self._canary_result: Any = None
+        self._compute_findings: Callable[[], tuple[ComputeFinding, ...]] | None = None
         if canary is True:
             self._canary = InJobCanary(self.device, budget_fraction=0.005, label=self.gpu_uuid or str(self.device))
         elif canary:
@@ -775,7 +778,8 @@ class Monitor:
                 time=slot.wall_time, host=self.host, gpu_uuid=self.gpu_uuid, replica_group=self.replica_group_name,
                 fingerprint=tuple(mine), frozen_changed=tuple(frozen_changed), checks_run=self._checks_run,
                 loss=loss, grad_norm=grad_norm, loss_scale=loss_scale, step_s=slot.step_s, check_s=slot.check_s,
-                vote=None if step_vote is None else step_vote.result, canary=canary))
+                vote=None if step_vote is None else step_vote.result, canary=canary,
+                compute=self._compute_findings() if self._compute_findings is not None else ()))
             if not self._agent_down_said:
                 stats = self._reporter.stats()
                 if stats.agent_down:
@@ -787,6 +791,10 @@ class Monitor:
             if not self._report_error_said:
                 self._report_error_said = True
                 logger.exception("sdcwatch: could not report step %d to the agent (said once)", slot.step)
+
+    def report_compute(self, take: Callable[[], tuple[ComputeFinding, ...]]) -> None:
+        """Put what `take()` returns (the compute gate's new findings) on each step report."""
+        self._compute_findings = take
 
     def _poll_directives(self) -> None:
         if self._reporter is None:

@@ -47,6 +47,7 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 _OUTAGE_WARN_INTERVAL_S = 300.0
 _CANARY_WHY_CHARS = 1000
+_MAX_COMPUTE = 16          # compute findings per report (each step has at most three)
 _STOP = object()
 
 
@@ -61,6 +62,29 @@ class CanaryReport:
     check: str                  # e.g. "injob/gemm/fp32/..."
     status: str                 # PASS | FAIL | UNKNOWN
     why: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ComputeFinding:
+    """A compute-fault suspicion of the compute gate (checksums/compute_gate.py) and its outcome.
+
+    detector: "nonfinite", "stats" (pre-reduction outlier) or "audit" (replay); cause: "transient",
+    "persistent", "data" or "unresolved" (checksums.replay.Cause); faulty: the ranks named, `where` their
+    (rank, host, gpu_uuid); since_step: the earliest step the fault may have touched (an audit's: the step
+    after the previous audit of that rank; a step's own check: the step itself)."""
+
+    step: int
+    detector: str
+    suspect: int
+    cause: str
+    faulty: tuple[int, ...]
+    dropped: bool
+    detail: str
+    score: float = 0.0
+    bucket: int = -1
+    stat: str = ""
+    where: tuple[tuple[int, str, str], ...] = ()
+    since_step: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,6 +114,7 @@ class StepReport:
     check_s: float = 0.0
     vote: VoteResult | None = None
     canary: CanaryReport | None = None
+    compute: tuple[ComputeFinding, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,6 +182,12 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
         req.canary.check = c.check
         req.canary.why = c.why[:_CANARY_WHY_CHARS]
         req.canary.step = c.step
+    for f in report.compute[:_MAX_COMPUTE]:
+        pf = req.compute.add(step=f.step, detector=f.detector, suspect=f.suspect, cause=f.cause,
+                             dropped=f.dropped, detail=f.detail[:_CANARY_WHY_CHARS], score=f.score,
+                             bucket=f.bucket, stat=f.stat, since_step=f.since_step or f.step)
+        for rank, host, uuid in f.where:
+            pf.faulty.add(rank=rank, host=host, gpu_uuid=uuid)
     if report.vote is not None:
         r, pv = report.vote, req.vote
         pv.checked = True

@@ -45,6 +45,8 @@ GPU_STATE_ALERTS = {"FAILED": "SDCWatchGPUFailed", "DEGRADED": "SDCWatchGPUDegra
 # Job-scoped pulses: kind -> (alert, summary with {job})
 JOB_PULSES: dict[str, tuple[str, str]] = {
     ek.REPLICA_MISMATCH.name: ("SDCWatchReplicaMismatch", "SDC suspected: replicas of job {job} disagree"),
+    ek.COMPUTE_FAULT.name: ("SDCWatchComputeFault",
+                            "SDC suspected: one rank of job {job} computed a wrong gradient"),
     ek.SDC_FROZEN_CHANGED.name: ("SDCWatchFrozenParamsChanged",
                                  "SDC suspected: frozen parameters of job {job} changed"),
     ek.LOSS_NONFINITE.name: ("SDCWatchLossNonFinite", "NaN/Inf loss in job {job}"),

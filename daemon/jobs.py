@@ -70,6 +70,9 @@ class JobState:
     # them over every rank last told to the checkpoints ("checks_clean": what vouches in place of a vote)
     clean_through: dict[int, int] = dataclasses.field(default_factory=dict)
     clean_sent: int = -1
+    compute_seen: collections.deque[tuple[int, str, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=256))       # (step, detector, suspect) announced
+    compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,7 +170,8 @@ class JobTracker:
         late = job.loss.late - late_before   # a straggler's report of a step already judged: dropped
         unvoted_check = bool(req.fingerprint) and not has("vote") and not req.replica_group
         if not (new or dropped or late or not finite or has("canary") or has("vote") or req.frozen_changed
-                or went_back_from is not None or loss_events or job.directive is not None or unvoted_check):
+                or req.compute or went_back_from is not None or loss_events or job.directive is not None
+                or unvoted_check):
             return None
         out = ReportOutcome()
         if new:
@@ -186,6 +190,8 @@ class JobTracker:
             self._vote(req, job, out, now)
         if req.frozen_changed:
             self._frozen(req, job, out, now)
+        if req.compute:
+            self._compute(req, job, out, now)
         if went_back_from is not None:
             self._restored(job, rank, went_back_from, step, out)
         if unvoted_check:
@@ -207,7 +213,7 @@ class JobTracker:
             return self.report(req, now)
         has = req.HasField
         finite = isfinite(req.loss) and isfinite(req.grad_norm)
-        if finite and not (has("vote") or has("canary") or req.frozen_changed):
+        if finite and not (has("vote") or has("canary") or req.frozen_changed or req.compute):
             return None
         out = ReportOutcome()
         if not finite:
@@ -218,6 +224,8 @@ class JobTracker:
             self._vote(req, job, out, now)
         if req.frozen_changed:
             self._frozen(req, job, out, now)
+        if req.compute:
+            self._compute(req, job, out, now)
         return out
 
     # -- rules -------------------------------------------------------------------------------------
@@ -357,6 +365,50 @@ class JobTracker:
                 implies=State.SUSPECT if failed else State.HEALTHY,
                 reason=(f"in-job canary {c.check} failed: {c.why}" if failed
                         else f"in-job canary {c.check} passed (job {req.job_id})"), time=now)))
+
+    def _compute(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
+        """Compute-fault findings of the ranks' pre-reduction checks and replay audits. Every rank reports the
+        same finding: announced once per (step, detector, suspect); evidence on each faulty rank's GPU from
+        every report (the agent keeps its own GPUs): SUSPECT, FAILED when that GPU was faulty on two steps.
+        A fault the gate did not resolve, or one an audit found (it may have slipped into updates since the
+        rank's last clean audit), keeps the job's checkpoints from `since_step` on from VERIFIED."""
+        for f in req.compute:
+            named = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in f.faulty]
+            for s in f.faulty:
+                steps = job.compute_faults.setdefault(s.gpu_uuid or f"rank/{s.rank}", set())
+                if len(steps) < 64:
+                    steps.add(f.step)
+                repeat = len(steps) > 1
+                if s.gpu_uuid:
+                    out.evidence.append((s.gpu_uuid, s.host, Evidence(
+                        source="compute_check", signal="fault", value=f"{f.cause}@{f.step}",
+                        implies=State.FAILED if repeat else State.SUSPECT,
+                        reason=(f"{'repeated ' if repeat else ''}compute fault ({f.detector}, {f.cause}) at step "
+                                f"{f.step} of job {req.job_id} on rank {s.rank}: {f.detail}"), time=now)))
+            key = (f.step, f.detector, f.suspect)
+            if key in job.compute_seen:
+                continue
+            job.compute_seen.append(key)
+            details = {"job_id": req.job_id, "step": f.step, "detector": f.detector, "suspect": f.suspect,
+                       "cause": f.cause, "dropped": f.dropped, "faulty": named, "detail": f.detail,
+                       "score": round(f.score, 3), "bucket": f.bucket, "stat": f.stat,
+                       "since_step": f.since_step, "reported_by_rank": req.rank}
+            if not named:
+                out.findings.append(Finding(
+                    ek.COMPUTE_CLEARED, Severity.INFO, f"job/{req.job_id}",
+                    f"compute suspicion on rank {f.suspect} at step {f.step} cleared by replay ({f.detail})",
+                    details))
+                continue
+            first = named[0]
+            who = ", ".join(f"rank {n['rank']} on {n['host'] or '?'} GPU {n['gpu_uuid'] or '?'}" for n in named)
+            out.findings.append(Finding(
+                ek.COMPUTE_FAULT, Severity.CRITICAL, f"job/{req.job_id}/rank/{first['rank']}",
+                f"compute fault at step {f.step} ({f.detector}, {f.cause}): {who}; update "
+                f"{'dropped' if f.dropped else 'applied'}", details))
+            job.state, job.reason = State.SUSPECT, f"compute fault at step {f.step} on {who}"
+            if f.cause == "unresolved" or f.detector == "audit" or not f.dropped:
+                out.job_events.append((min(f.since_step or f.step, f.step), "sdc",
+                                       f"compute fault ({f.detector}, {f.cause}) on {who}"))
 
     def _frozen(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
         if not req.frozen_changed or req.step in job.frozen_steps:

@@ -101,7 +101,7 @@ def _plain_and_valid(req: pb.ReportStepRequest) -> bool:
             and (not group or group in _GROUPS.names)
             and len(req.fingerprint) <= MAX_FINGERPRINT_WORDS
             and not req.labels and not req.frozen_changed and not req.HasField("canary")
-            and not req.HasField("vote")
+            and not req.HasField("vote") and not req.compute
             and req.ByteSize() <= MAX_REPORT_BYTES)
 
 
@@ -180,6 +180,32 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
                 return err
             if len(s.fingerprint) > MAX_FINGERPRINT_WORDS:
                 return "vote suspect fingerprint too long"
+    return _check_compute(req)
+
+
+COMPUTE_DETECTORS = ("stats", "nonfinite", "audit")
+COMPUTE_CAUSES = ("transient", "persistent", "data", "unresolved")
+MAX_COMPUTE_FINDINGS = 16
+
+
+def _check_compute(req: pb.ReportStepRequest) -> str | None:
+    if len(req.compute) > MAX_COMPUTE_FINDINGS:
+        return f"{len(req.compute)} compute findings; the limit is {MAX_COMPUTE_FINDINGS}"
+    for f in req.compute:
+        if f.detector not in COMPUTE_DETECTORS:
+            return f"compute.detector {f.detector[:32]!r} is unknown ({', '.join(COMPUTE_DETECTORS)})"
+        if f.cause not in COMPUTE_CAUSES:
+            return f"compute.cause {f.cause[:32]!r} is unknown ({', '.join(COMPUTE_CAUSES)})"
+        if f.step < 0 or f.since_step < 0 or f.suspect < 0 or (req.world_size and f.suspect >= req.world_size):
+            return "compute: step and since_step must be >= 0 and suspect a rank of the job"
+        if len(f.detail) > 2000 or len(f.stat) > 16 or not math.isfinite(f.score) or len(f.faulty) > MAX_SUSPECTS:
+            return "compute: detail (max 2000) or stat (max 16) too long, score not finite, or too many faulty"
+        for s in f.faulty:
+            if s.rank < 0 or (req.world_size and s.rank >= req.world_size):
+                return f"compute faulty rank {s.rank} is out of range"
+            err = check_host(s.host, "compute faulty host") or check_gpu_uuid(s.gpu_uuid, "compute faulty gpu_uuid")
+            if err:
+                return err
     return None
 
 

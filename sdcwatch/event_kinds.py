@@ -227,6 +227,11 @@ JOB_ROLLBACK_IMPOSSIBLE = _kind("job.rollback_impossible", CRITICAL, JOB, "a rol
                                 "checkpoint is older than the anomaly", alerts=("SDCWatchCriticalEvent",))
 REPLICA_MISMATCH = _kind("replica.mismatch", CRITICAL, JOB, "data-parallel replicas held different weights after "
                          "a step (suspect ranks, hosts, GPUs)", alerts=("SDCWatchReplicaMismatch",), fold_s=60.0)
+COMPUTE_FAULT = _kind("compute.fault", CRITICAL, RANK, "one rank's forward or backward computed a wrong gradient "
+                      "(pre-reduction check or replay audit): rank, host, GPU, cause, whether the update was "
+                      "dropped", alerts=("SDCWatchComputeFault",), fold_s=60.0)
+COMPUTE_CLEARED = _kind("compute.cleared", INFO, JOB, "a compute suspicion that the replays cleared: the "
+                        "outlier gradient reproduces on every rank (the data's), the update was applied")
 SDC_FROZEN_CHANGED = _kind("sdc.frozen_changed", CRITICAL, RANK, "parameters that must not change changed their "
                            "fingerprint", alerts=("SDCWatchFrozenParamsChanged",), fold_s=60.0)
 

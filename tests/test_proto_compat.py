@@ -88,8 +88,8 @@ BREAKS = {
         [f'{AGENT}: message sdcwatch.v1.ReportStepRequest: field 5 "loss": deleted',
          "[FIELD_NO_DELETE_UNLESS_NUMBER_RESERVED]"]),
     "renumbered field": (
-        {AGENT: [("uint64 checks_run = 19;", "uint64 checks_run = 21;")]},
-        [f'{AGENT}: message sdcwatch.v1.ReportStepRequest: field 19 "checks_run": renumbered 19 -> 21']),
+        {AGENT: [("uint64 checks_run = 19;", "uint64 checks_run = 41;")]},
+        [f'{AGENT}: message sdcwatch.v1.ReportStepRequest: field 19 "checks_run": renumbered 19 -> 41']),
     "changed type": (
         {AGENT: [("double uptime_s = 11;", "float uptime_s = 11;")]},
         [f'{AGENT}: message sdcwatch.v1.GetStatusResponse: field 11 "uptime_s": type changed double -> float',
@@ -162,7 +162,7 @@ def test_a_reused_reserved_number_is_reported(tmp_path: Path) -> None:
 
 def test_additions_are_accepted(tmp_path: Path) -> None:
     edits = {
-        AGENT: [("  CanaryResult canary = 20;", "  CanaryResult canary = 20;\n  string note = 21;\n"
+        AGENT: [("  CanaryResult canary = 20;", "  CanaryResult canary = 20;\n  string note = 41;\n"
                  "  optional Extra extra = 22;"),
                 ("  STATE_UNKNOWN = 5;", "  STATE_UNKNOWN = 5;\n  STATE_QUARANTINED = 6;"),
                 ("  rpc ClearGpu(ClearGpuRequest) returns (ClearGpuResponse);",

@@ -270,8 +270,34 @@ class CanaryResult(_message.Message):
     step: int
     def __init__(self, status: _Optional[str] = ..., check: _Optional[str] = ..., why: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
+class ComputeFinding(_message.Message):
+    __slots__ = ("step", "detector", "suspect", "cause", "faulty", "dropped", "detail", "score", "bucket", "stat", "since_step")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    FAULTY_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    STAT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    detector: str
+    suspect: int
+    cause: str
+    faulty: _containers.RepeatedCompositeFieldContainer[SuspectRank]
+    dropped: bool
+    detail: str
+    score: float
+    bucket: int
+    stat: str
+    since_step: int
+    def __init__(self, step: _Optional[int] = ..., detector: _Optional[str] = ..., suspect: _Optional[int] = ..., cause: _Optional[str] = ..., faulty: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., dropped: _Optional[bool] = ..., detail: _Optional[str] = ..., score: _Optional[float] = ..., bucket: _Optional[int] = ..., stat: _Optional[str] = ..., since_step: _Optional[int] = ...) -> None: ...
+
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary")
+    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary", "compute")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +325,7 @@ class ReportStepRequest(_message.Message):
     FROZEN_CHANGED_FIELD_NUMBER: _ClassVar[int]
     CHECKS_RUN_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -319,7 +346,8 @@ class ReportStepRequest(_message.Message):
     frozen_changed: _containers.RepeatedScalarFieldContainer[str]
     checks_run: int
     canary: CanaryResult
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ..., canary: _Optional[_Union[CanaryResult, _Mapping]] = ...) -> None: ...
+    compute: _containers.RepeatedCompositeFieldContainer[ComputeFinding]
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ..., canary: _Optional[_Union[CanaryResult, _Mapping]] = ..., compute: _Optional[_Iterable[_Union[ComputeFinding, _Mapping]]] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("kind", "target_step", "skip_batches", "reason", "event_seq")

@@ -1,0 +1,96 @@
+"""Compute-fault findings on ReportStep (issue 19): the job tracker turns them into compute.fault events naming
+rank, host and GPU, evidence that makes the GPU SUSPECT and FAILED on a repeat, and bad events that keep the
+job's checkpoints from VERIFIED; the rank's reporter puts them on the wire; bad ones are refused."""
+from __future__ import annotations
+
+from checksums.reporter import ComputeFinding, StepReport, to_request
+from daemon.jobs import JobTracker
+from daemon.validation import check_report_step
+from proto.sdcwatch.v1 import agent_pb2 as pb
+from sdcwatch import event_kinds as ek
+from sdcwatch.types import State
+
+GPU = "GPU-11111111-2222-3333-4444-555555555555"
+
+
+def finding(step: int, *, detector: str = "stats", cause: str = "transient", dropped: bool = True,
+            since: int = 0) -> pb.ComputeFinding:
+    return pb.ComputeFinding(step=step, detector=detector, suspect=1, cause=cause, dropped=dropped,
+                             detail="why", score=9.5, bucket=0, stat="norm", since_step=since or step,
+                             faulty=[pb.SuspectRank(rank=1, host="node2", gpu_uuid=GPU)]
+                             if cause != "data" else [])
+
+
+def report(tracker: JobTracker, step: int, rank: int, *found: pb.ComputeFinding):
+    req = pb.ReportStepRequest(job_id="j", rank=rank, world_size=3, step=step, compute=list(found))
+    assert check_report_step(req) is None
+    return tracker.report(req, 1.0)
+
+
+def test_a_dropped_transient_fault_is_an_event_and_suspect_evidence_but_not_a_bad_checkpoint_event():
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    out = report(tracker, 40, 0, finding(40))
+    faults = [f for f in out.findings if f.kind is ek.COMPUTE_FAULT]
+    assert len(faults) == 1
+    f = faults[0]
+    assert f.subject == "job/j/rank/1" and f.details["faulty"] == [{"rank": 1, "host": "node2", "gpu_uuid": GPU}]
+    assert f.details["cause"] == "transient" and f.details["dropped"] is True
+    assert [(u, ev.implies) for u, _, ev in out.evidence] == [(GPU, State.SUSPECT)]
+    assert out.job_events == []          # the update was masked: the weights never saw it
+    assert tracker.jobs["j"].state is State.SUSPECT
+    # every rank reports the same finding: one event, evidence again (the agent keeps its own GPUs)
+    again = report(tracker, 40, 2, finding(40))
+    assert not [f for f in again.findings if f.kind is ek.COMPUTE_FAULT]
+    assert [ev.implies for _, _, ev in again.evidence] == [State.SUSPECT]
+
+
+def test_a_repeat_on_the_same_gpu_makes_it_failed():
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    report(tracker, 40, 0, finding(40))
+    out = report(tracker, 45, 0, finding(45, detector="audit", cause="persistent", since=36))
+    assert [ev.implies for _, _, ev in out.evidence] == [State.FAILED]
+    assert "repeated" in out.evidence[0][2].reason
+
+
+def test_an_audit_finding_withholds_verified_from_its_since_step():
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    out = report(tracker, 50, 0, finding(50, detector="audit", cause="persistent", since=36))
+    assert out.job_events == [(36, "sdc", out.job_events[0][2])]
+    assert "rank 1" in out.job_events[0][2]
+    out = report(tracker, 60, 0, finding(60, cause="unresolved"))
+    assert out.job_events and out.job_events[0][:2] == (60, "sdc")
+
+
+def test_a_cleared_suspicion_is_an_info_event_only():
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    out = report(tracker, 30, 0, finding(30, cause="data", dropped=False))
+    assert [f.kind for f in out.findings] == [ek.COMPUTE_CLEARED]
+    assert out.evidence == [] and out.job_events == []
+    assert tracker.jobs["j"].state is State.HEALTHY
+
+
+def test_the_reporter_puts_findings_on_the_wire():
+    f = ComputeFinding(step=7, detector="audit", suspect=2, cause="persistent", faulty=(2,), dropped=True,
+                       detail="d", score=0.0, bucket=-1, stat="", where=((2, "node3", GPU),), since_step=3)
+    req = to_request(StepReport(job_id="j", rank=0, world_size=3, step=7, compute=(f,)))
+    assert check_report_step(req) is None
+    (pf,) = req.compute
+    assert (pf.step, pf.detector, pf.suspect, pf.cause, pf.since_step) == (7, "audit", 2, "persistent", 3)
+    assert [(s.rank, s.host, s.gpu_uuid) for s in pf.faulty] == [(2, "node3", GPU)]
+
+
+def test_bad_findings_are_refused_with_the_reason():
+    def bad(**kw: object) -> str | None:
+        base = dict(step=1, detector="stats", suspect=0, cause="transient")
+        base.update(kw)
+        return check_report_step(pb.ReportStepRequest(job_id="j", rank=0, world_size=2, step=1,
+                                                      compute=[pb.ComputeFinding(**base)]))
+    assert "compute.detector" in bad(detector="guess")
+    assert "compute.cause" in bad(cause="gremlins")
+    assert "suspect" in bad(suspect=5)
+    assert "faulty rank 7" in bad(faulty=[pb.SuspectRank(rank=7)])
+    assert "gpu_uuid" in bad(faulty=[pb.SuspectRank(rank=1, gpu_uuid="nope")])
