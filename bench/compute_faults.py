@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checksums.compute_gate import ComputeChecks
 from checksums.monitor import Monitor
+from checksums.reporter import ReporterStats, StepReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,23 @@ def corrupt(t: torch.Tensor, case: Case) -> None:
             t[:, 3] = 0.0
 
 
+class _Sink:
+    """A StepSink that keeps the compute findings the Monitor's reports carry (no agent in the bench)."""
+
+    def __init__(self) -> None:
+        self.compute: list[Any] = []
+
+    def submit(self, report: StepReport) -> bool:
+        self.compute.extend(report.compute)
+        return True
+
+    def take_directives(self) -> list[Any]:
+        return []
+
+    def stats(self) -> ReporterStats:
+        return ReporterStats()
+
+
 def make_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
@@ -128,10 +146,11 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     model[2].register_forward_hook(mm_hook)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    sink = _Sink()
+    monitor = Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}")
     checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=audit_every, warmup=warmup,
-                                  margin=margin, gpu_uuid=f"GPU-fake-{rank}",
+                                  margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor,
                                   inject_bucket=grad_inject if rank == fault_rank else None)
-    monitor = Monitor.attach(ddp, opt, job_id="compute-faults", reporter=False, gpu_uuid=f"GPU-fake-{rank}")
     caught: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
@@ -168,7 +187,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     st = checks.status()
     monitor.close()
     checks.close()
+    reported = [(f.step, f.detector, f.cause, [list(w) for w in f.where]) for f in sink.compute]
     return {"caught": caught, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
+            "reported": reported,
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else []}
 
 

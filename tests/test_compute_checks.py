@@ -121,6 +121,10 @@ def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
         assert hit["named"] == [1] and hit["dropped"], f"{name}: {hit}"
         assert hit["step"] - 50 <= 5, f"{name}: caught late: {hit}"
     assert results["mm one elem =1e4"]["caught"]["compute"]["cause"] == "transient"
+    # the Monitor's step reports carried the finding to the agent's side, naming rank 1's host and GPU
+    reported = results["mm one elem =1e4"]["reported"]
+    assert reported and reported[0][:3] == [50, "stats", "transient"]
+    assert [w[0] for w in reported[0][3]] == [1] and reported[0][3][0][2] == "GPU-fake-1"
     assert results["mm one elem x1.01 persistent"]["caught"]["compute"]["cause"] == "persistent"
     clean = results["clean"]
     assert clean["status"]["suspicions"] == 0 and clean["status"]["dropped"] == 0, clean["status"]
