@@ -83,7 +83,7 @@ def test_the_core_install_runs_the_agent_without_torch(short_tmp: Path) -> None:
                                  env=env, cwd=short_tmp, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_serving(f"unix:{state / 'agent.sock'}", agent, log)
-        status = _run([sdcwatch, "status", "--socket", str(state / "agent.sock")], env, short_tmp, 60)
+        status = _run([sdcwatch, "status", "--state-dir", str(state)], env, short_tmp, 60)   # as `run` was given
         assert status.returncode in (0, 3), status.stdout + status.stderr  # HEALTHY, or UNKNOWN before a poll
         assert "canary" in status.stdout and "HEALTHY" in status.stdout, status.stdout
         assert "libtorch" not in Path(f"/proc/{agent.pid}/maps").read_text()
@@ -94,6 +94,8 @@ def test_the_core_install_runs_the_agent_without_torch(short_tmp: Path) -> None:
         run = _run([sdcwatch, "spikes", "replay", str(short_tmp / "train.csv"), "--plot", str(short_tmp / "p.png")],
                    env, short_tmp, 60)
         assert run.returncode == 2 and NEEDS_PLOT in run.stderr, (run.stdout, run.stderr)
+        run = _run([sdcwatch, "completion", "bash"], env, short_tmp, 60)   # shtab: a core dependency
+        assert run.returncode == 0 and "_shtab_sdcwatch" in run.stdout, run.stderr
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
