@@ -139,7 +139,8 @@ class Agent:
                           "redis": "embedded" if self.embedded_redis else "external"})
         await self.probes.start(self.background)
         self.health.start(self.background)
-        watchdog = Watchdog(self.probes.loops, publish=self.bus.publish, health=self.health)
+        watchdog = Watchdog(self.probes.loops, publish=self.bus.publish, health=self.health,
+                            on_change=self.probes.on_loop_stale)
         self.background.start(watchdog.run_forever(), name="watchdog")
         self.background.start(self._housekeeping(), name="housekeeping")
         self.background.start(self._stream_events(), name="redis-stream")

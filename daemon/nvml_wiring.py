@@ -51,6 +51,7 @@ class GpuProbes:
         self.static: dict[str, tuple[str, str]] = {}
         self.versions: dict[str, str] = {}
         self._nvml: NvmlProbe | None = None   # opened by start()
+        self._poller: NvmlPoller | None = None
 
     async def start(self, background: Background) -> None:
         cfg = self.nvml_config
@@ -59,6 +60,7 @@ class GpuProbes:
             self._without_nvml("DISABLED", "NVML probe disabled by configuration (nvml.enabled = false)")
             return
         nvml = NvmlPoller(gpus, self.publisher, self.gpu_metrics, self.metrics)
+        self._poller = nvml
         runner = ProbeRunner("nvml", self._poll_nvml, interval_s=cfg.poll_interval_s,
                              timeout_s=cfg.timeout_s, on_result=nvml.on_poll, publish=self.publisher.publish,
                              observe=self.metrics.observe_probe, on_hung=nvml.on_hung)
@@ -114,6 +116,12 @@ class GpuProbes:
         """One NVML poll, on the nvml runner's worker (the runner opened the backend there first)."""
         assert self._nvml is not None, "polled before start() opened NVML"
         return self._nvml.poll(now)
+
+    def on_loop_stale(self, name: str, why: str | None) -> None:
+        """The watchdog's news: while the nvml loop is stale its GPUs are UNKNOWN (no fresh readings), never
+        the HEALTHY of their last poll; the next poll after it beats again replaces that."""
+        if name == "nvml" and self._poller is not None:
+            self._poller.mark_unknown(why)
 
     def loops(self) -> list[LoopBeat]:
         """The heartbeats of the probe loops, for the agent's watchdog (daemon/watchdog.py)."""
@@ -214,17 +222,19 @@ class NvmlPoller:
             rec = self.gpus.gpus[uuid]
             self.gpus.set_unsupported(uuid, [*rec.unsupported, *self.events_unsupported[uuid]])
 
-    def on_hung(self, hung: bool) -> None:
+    def mark_unknown(self, why: str | None) -> None:
+        """Every NVML GPU UNKNOWN with `why` (no fresh readings), or back to its readings (None)."""
         now = time.time()
         for uuid in list(self.gpus.gpus):
             if self.gpus.gpus[uuid].discovered_by != "nvml":
                 continue
-            ev = Evidence(source="nvml", signal="hung", value="1" if hung else "0",
-                          implies=State.UNKNOWN if hung else State.HEALTHY,
-                          reason=("an NVML call is hung: no fresh readings" if hung
-                                  else "NVML answers again"),
-                          time=now)
+            ev = Evidence(source="nvml", signal="hung", value="0" if why is None else "1",
+                          implies=State.HEALTHY if why is None else State.UNKNOWN,
+                          reason=why or "NVML answers again", time=now)
             self.gpus.add_evidence(uuid, [ev], now)
+
+    def on_hung(self, hung: bool) -> None:
+        self.mark_unknown("an NVML call is hung: no fresh readings" if hung else None)
         self.metrics.probe_hung.labels("nvml").set(1 if hung else 0)
         if hung:
             self.publisher.publish(ek.NVML_UNRESPONSIVE, "node", "an NVML call has not returned: the driver is "

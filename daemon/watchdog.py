@@ -57,10 +57,14 @@ class Watchdog:
     """Checks `loops()` every `check_s`; publishes the transitions and tells `health` which loops are stale."""
 
     def __init__(self, loops: Callable[[], Iterable[LoopBeat]], *, publish: Publish, health: LivenessSink,
+                 on_change: Callable[[str, str | None], None] | None = None,
                  check_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """`on_change(loop, reason or None)`: told when a loop goes stale and when it beats again (the GPU
+        probes mark what the loop judged UNKNOWN: its verdicts are no longer fresh)."""
         self.loops = loops
         self.publish = publish
         self.health = health
+        self.on_change = on_change
         self.check_s = check_s
         self.clock = clock
         self.stale: dict[str, str] = {}
@@ -71,8 +75,12 @@ class Watchdog:
         for name in sorted(stale.keys() - self.stale.keys()):
             log.error("%s", stale[name])
             self.publish(ek.AGENT_LOOP_STALE, f"probe/{name}", stale[name], {"probe": name})
+            if self.on_change is not None:
+                self.on_change(name, stale[name])
         for name in sorted(self.stale.keys() - stale.keys()):
             self.publish(ek.AGENT_LOOP_RECOVERED, f"probe/{name}", f"loop {name} beats again", {"probe": name})
+            if self.on_change is not None:
+                self.on_change(name, None)
         if stale.keys() != self.stale.keys():
             self.health.set_stale_loops(dict(stale))
         self.stale = stale

@@ -64,8 +64,9 @@ RULES: tuple[StateRule, ...] = (
     R("no_evidence", "", "", "no evidence from any source", "UNKNOWN", Clears.READING, "any evidence"),
     R("unreadable", "nvml", "readable", "the probe could read no field of this GPU (NVML unavailable, "
       "every field failed or unsupported)", "UNKNOWN", Clears.READING, "a poll that reads a field"),
-    R("hung", "nvml", "hung", "an NVML call for this GPU has not returned (put by the agent's runner)",
-      "UNKNOWN", Clears.READING, "the call returning"),
+    R("hung", "nvml", "hung", "an NVML call for this GPU has not returned, or the agent's nvml loop stopped "
+      "(put by the agent's runner and watchdog)", "UNKNOWN", Clears.READING, "the call returning, the loop "
+      "beating again"),
     R("gpu_lost", "nvml", "gpu_lost", "NVML says the GPU is lost (fell off the bus)", "FAILED",
       Clears.RESET_AND_CANARY, RC),
     R("xid_app", "nvml", "xid.*", "an application-class or unknown solo XID repeated >= app_xid_repeat "

@@ -129,8 +129,10 @@ def test_frozen_loop_makes_the_agent_not_serving_and_loud(short_tmp):
         assert "published no heartbeat" in stale[0].message
         nvml = next(p for p in status(agent.target).probes if p.name == "nvml")
         assert nvml.state == pb.PROBE_STATE_FAILING and "no heartbeat" in nvml.last_error
+        wait_for(lambda: all(g.state == pb.STATE_UNKNOWN for g in status(agent.target).gpus), timeout=10)
         out = cli("status", "--socket", str(agent.socket))
         assert "no heartbeat" in out.stdout
+        assert out.returncode == 3, "a frozen agent is not green: its GPUs have no fresh verdict"
     finally:
         agent.stop()
 
