@@ -14,8 +14,6 @@ import asyncio
 from pathlib import Path
 from typing import Mapping
 
-from grpc_health.v1._async import HealthServicer
-
 from daemon import drain_wiring, k8s_nodes, peers_wiring
 from daemon.nvsentinel import NvsentinelEvents
 from daemon.agent import Agent
@@ -29,7 +27,7 @@ from daemon.events import EventBus
 from daemon.gpu_metrics import GpuMetrics
 from daemon.gpu_transitions import GpuTransitions
 from daemon.gpus import GpuRegistry
-from daemon.health import HealthFollower, NodeHealth
+from daemon.health import AgentHealthServicer, HealthFollower, NodeHealth
 from daemon.jobs import JobTracker
 from daemon.journal import Journal
 from daemon.metrics import AgentMetrics
@@ -77,7 +75,7 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
         followers.append(k8s_nodes.build(config.kubernetes, host, gpus))
     if config.nvsentinel.socket:
         followers.append(NvsentinelEvents(config.nvsentinel, config.kubernetes.node_name or host, gpus))
-    health = NodeHealth(HealthServicer(), gpus, metrics, health_changed,
+    health = NodeHealth(AgentHealthServicer(), gpus, metrics, health_changed,
                         pools=(checkpoints.pool, checkpoints.peer_store.pool), followers=followers)
     probes = GpuProbes(config.nvml, config.canary, gpus=gpus, publisher=bus, metrics=metrics,
                        gpu_metrics=gpu_metrics, state_dir=state_dir)

@@ -29,6 +29,16 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 log = logging.getLogger(__name__)
 
 
+class AgentHealthServicer(HealthServicer):
+    """grpc's asyncio health servicer, with `List` (newer stubs declare it; this grpcio-health-checking's
+    servicer leaves it unimplemented, so a client calling it got UNKNOWN and the agent logged a traceback)."""
+
+    async def List(self, request: health_pb2.HealthListRequest, context: object) -> health_pb2.HealthListResponse:
+        statuses = dict(self._server_status)   # the parent's table (name -> status), the one Check reads
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=st) for name, st in statuses.items()})
+
+
 class HealthFollower(Protocol):
     def start(self, background: Background) -> None: ...
     def notify(self) -> None: ...
