@@ -131,7 +131,7 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
-             fault_rank: int, audit_every: int, warmup: int, margin: float) -> dict[str, Any]:
+             fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto") -> dict[str, Any]:
     model = make_model(0).to(device)
     active = {"on": False}
 
@@ -145,14 +145,15 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
     model[2].register_forward_hook(mm_hook)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=mask == "device" or device.type == "cuda")
     sink = _Sink()
     monitor = Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}")
     checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=audit_every, warmup=warmup,
-                                  margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor,
+                                  margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor, mask=mask,
                                   inject_bucket=grad_inject if rank == fault_rank else None)
     caught: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
+    unchanged = None
     for step in range(1, steps + 1):
         on = case is not None and rank == fault_rank and (
             step == fault_step or (case.persistent and step >= fault_step))
@@ -164,7 +165,10 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         loss_fn(ddp, batch).backward()
         if case is None or not case.persistent:
             active["on"] = False
+        before = [p.detach().clone() for p in model.parameters()] if step == fault_step else None
         opt.step()
+        if before is not None:      # did the fault's step change the weights? (masked: no)
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         opt.zero_grad(set_to_none=True)
         if on and case is not None and case.where == "opt":
             st = opt.state[model[2].weight]
@@ -189,7 +193,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     checks.close()
     reported = [(f.step, f.detector, f.cause, [list(w) for w in f.where]) for f in sink.compute]
     return {"caught": caught, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
-            "reported": reported,
+            "reported": reported, "fault_step_unchanged": unchanged,
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else []}
 
 
@@ -210,11 +214,12 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     for case in [c for c in CASES if c.name in names]:
         results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + 30,
                                       fault_step=args.fault_step, fault_rank=args.fault_rank,
-                                      audit_every=args.audit_every, warmup=args.warmup, margin=args.margin)
+                                      audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
+                                      mask=args.mask)
     if args.clean:
         results["clean"] = run_case(None, rank=rank, world=world, device=device, steps=args.clean,
                                     fault_step=args.clean + 1, fault_rank=-1, audit_every=args.audit_every,
-                                    warmup=args.warmup, margin=args.margin)
+                                    warmup=args.warmup, margin=args.margin, mask=args.mask)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -260,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--margin", type=float, default=3.0)
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
+    p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",
+                   help="how a suspect update is masked: host veto, or the device found_inf flag (fused Adam)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,16 +13,20 @@ only when a rank is an outlier, has a non-finite value or is due for an audit, t
 checksums.replay. Every rank reaches the same verdict from the same gathered rows, so all drop or all
 apply. A step is replayed at most once per suspect and never retried: the gate never loops.
 
-How the update is masked. On gloo/CPU the gather is synchronous and the verdict is on the host before
-`optimizer.step()`: a suspect step's update is vetoed through the step guard (`Veto`), its number kept.
-On CUDA (the design; not built yet: today the CUDA path reads the gathered rows on the host, one
-synchronisation per step) the gather and the comparison are device ops and the verdict is a float flag on
-the device that the optimizer's own skip respects, as a fused optimizer skips on GradScaler's `found_inf`
-(`optimizer.found_inf`, combined with the scaler's when there is one): no host synchronisation in the step.
-The host reads the flag a step later (a non-blocking copy) and then replays the masked step from its
-retained batch; a step classified DATA there is lost rather than applied late (the weights never see a
-suspect update either way). Cost on the device path: the all-gather of 32 bytes per bucket per rank and a
-handful of tiny kernels (median, log, max) per step.
+How the update is masked (`mask=`). "host" (gloo/CPU; the default without a fused optimizer): the gather
+is synchronous and the verdict is on the host before `optimizer.step()`; a suspect step's update is vetoed
+through the step guard (`Veto`), its number kept. "device" (the default on CUDA with a fused optimizer,
+e.g. `torch.optim.Adam(fused=True)`): the gather and the comparison (`device_flag`, the same rule as the
+host's) are device ops, and the verdict is a 0-d float flag set as `optimizer.found_inf`, which a fused
+optimizer honours on the device exactly as it does GradScaler's (parameters, moments and step count left
+unchanged; combined with the scaler's flag when there is one; the AFTER stage takes it back): no host
+synchronisation in the step. The rows travel to pinned host memory without waiting; the next step reads
+them (`_settle_previous`), learns the spread, and replays and classifies a masked step from its retained
+batch (its weights are unchanged, the masked update changed nothing). A masked step classified DATA there
+is lost rather than applied late. Audit steps (every `audit_every`) take the host path: one
+synchronisation per audit. Cost of the device path per step: the bucket summaries (a norm, a max-abs and the
+fingerprint kernel per bucket), one all-gather of 32 bytes per bucket per rank, and a handful of tiny
+kernels (median, log, compare) for the flag.
 
 Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and the evidence; with
 `monitor=` the Monitor's next step report carries them to the agent (ReportStepRequest.compute). Training-side module: never imports the agent (`daemon`).
@@ -30,9 +34,11 @@ Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import logging
 import socket
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checksums.grad_checks import GradSummaries, SpreadTracker, StatsVerdict, stats_of
-from checksums.replay import Cause, Classification, LossFn, Replayer
+from checksums.grad_checks import GradSummaries, SpreadTracker, StatsVerdict, deviations, stats_of
+from checksums.replay import Cause, Classification, LossFn, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 
@@ -73,7 +79,7 @@ class ComputeChecks:
     def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: LossFn,
                  margin: float = 3.0, warmup: int = 20, audit_every: int = DEFAULT_AUDIT_EVERY,
                  group: Any = None, host: str | None = None, gpu_uuid: str = "",
-                 monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
+                 mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
                  max_findings: int = 1000) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
@@ -99,8 +105,15 @@ class ComputeChecks:
         self._dropped = 0
         self._audits = 0
         self._determinism_checked = False
+        self.mask = _choose_mask(mask, optimizer, device)
+        self._optimizer_ref = weakref.ref(optimizer)
+        self._pending: tuple[int, torch.Tensor, Any, bool, Retained] | None = None
+        self._spread_dev: torch.Tensor | None = None
+        self._spread_version = -1
+        self._set_found_inf = False
         self.guard = StepGuard.attach(optimizer)
         self.guard.add(self)
+        self.guard.add(_After(self))
         if monitor is not None:
             monitor.report_compute(self.take_findings)
 
@@ -115,14 +128,23 @@ class ComputeChecks:
     # ---- the stage ----------------------------------------------------------------------------------
 
     def run(self, ctx: StepContext) -> Veto | None:
-        rows = self.summaries.gather().cpu()
-        self.summaries.clear()
         self._steps += 1
         if not self._determinism_checked:
             self._determinism_checked = True
             if not self.replayer.check_determinism():
                 logger.warning("sdcwatch: replays of one batch differ bit for bit on this model; compute "
                                "replays compare norms within a rounding bound instead of fingerprints")
+        audit_due = bool(self.audit_every) and ctx.step % self.audit_every == 0
+        if self.mask == "device":
+            self._settle_previous()
+            if not audit_due:
+                return self._mask_on_device(ctx)
+        rows = self.summaries.gather().cpu()
+        self.summaries.clear()
+        return self._judge_now(ctx, rows, audit_due)
+
+    def _judge_now(self, ctx: StepContext, rows: torch.Tensor, audit_due: bool) -> Veto | None:
+        """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps)."""
         stats = stats_of(rows)
         verdict = self.tracker.judge(stats)
         self.last_verdict = verdict
@@ -130,7 +152,7 @@ class ComputeChecks:
         for r in verdict.suspects[:2]:                   # at most two replays per step: bounded
             detector = "nonfinite" if r in verdict.nonfinite else "stats"
             outcomes.append((detector, r, self.replayer.classify(r, rows[r])))
-        if not outcomes and self.audit_every and ctx.step % self.audit_every == 0:
+        if not outcomes and audit_due:
             audited = (ctx.step // self.audit_every) % self.world
             self._audits += 1
             got = self.replayer.audit(audited, rows[audited])
@@ -138,19 +160,87 @@ class ComputeChecks:
                 outcomes.append(("audit", audited, got))
             else:
                 self._last_audit[audited] = ctx.step
-        if not outcomes:
-            return None
-        self._suspicions += 1
-        drop = any(c.drop or d == "nonfinite" for d, _, c in outcomes)
-        if not drop:
-            self.tracker.learn(stats)                    # the data's own spread: widen it
-        for detector, r, c in outcomes:
-            self._record(ctx.step, detector, r, c, drop, verdict)
+        drop = self._conclude(ctx.step, stats, verdict, outcomes)
         if drop:
-            self._dropped += 1
             why = "; ".join(f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
             return Veto(self.name, why)
         return None
+
+    def _conclude(self, step: int, stats: torch.Tensor, verdict: StatsVerdict,
+                  outcomes: list[tuple[str, int, Classification]], masked: bool = False) -> bool:
+        """Record the outcomes of one step's suspicions; whether its update is (or was) dropped."""
+        if not outcomes:
+            return False
+        self._suspicions += 1
+        drop = masked or any(c.drop or d == "nonfinite" for d, _, c in outcomes)
+        if all(c.cause is Cause.DATA for _, _, c in outcomes):
+            self.tracker.learn(stats)                    # the data's own spread: widen it
+        for detector, r, c in outcomes:
+            self._record(step, detector, r, c, drop, verdict)
+        if drop:
+            self._dropped += 1
+        return drop
+
+    # ---- the device path (CUDA, fused optimizers): mask now, judge a step later ---------------------
+
+    def _mask_on_device(self, ctx: StepContext) -> None:
+        """Gather and compare on the device; a 0-d flag masks the update through the optimizer's own
+        `found_inf` (a fused optimizer skips params, moments and step count on the device). The rows go to
+        pinned host memory without waiting; `_settle_previous` reads them at the next step."""
+        rows = self.summaries.gather()
+        self.summaries.clear()
+        spread = self._spread_on(rows.device)
+        armed = spread is not None and self.tracker.learned >= self.tracker.warmup
+        flag = device_flag(stats_of(rows), spread if armed else None, self.tracker.margin)
+        opt = ctx.optimizer
+        prev = getattr(opt, "found_inf", None)            # GradScaler's, when the loop uses one
+        opt.found_inf = flag if prev is None else torch.maximum(prev.reshape(()).float(), flag)
+        self._set_found_inf = prev is None
+        host = torch.empty(rows.shape, dtype=rows.dtype, device="cpu",
+                           pin_memory=rows.device.type == "cuda")
+        host.copy_(rows, non_blocking=True)
+        done = torch.cuda.Event() if rows.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        self._pending = (ctx.step, host, done, armed, copy.copy(self.replayer.retained))
+
+    def _spread_on(self, device: torch.device) -> torch.Tensor | None:
+        spread = self.tracker.spread
+        if spread is None:
+            return None
+        if self._spread_dev is None or self._spread_dev.shape != spread.shape:
+            self._spread_dev = spread.to(device)
+        elif self._spread_version != self.tracker.learned:
+            self._spread_dev.copy_(spread, non_blocking=True)
+        self._spread_version = self.tracker.learned
+        return self._spread_dev
+
+    def after(self) -> None:
+        """AFTER the update: take back the `found_inf` this stage set (GradScaler removes its own)."""
+        if self._set_found_inf:
+            opt = self._optimizer_ref()
+            if opt is not None and hasattr(opt, "found_inf"):
+                del opt.found_inf
+            self._set_found_inf = False
+
+    def _settle_previous(self) -> None:
+        """The previous step's verdict on the host (its copy landed a step ago): learn the spread, and
+        replay and classify a step the device masked, from its retained batch (its weights are still the
+        ones it saw: the masked update changed nothing). A step classified DATA here is lost, not applied."""
+        if self._pending is None:
+            return
+        step, host, done, armed, retained = self._pending
+        self._pending = None
+        if done is not None:
+            done.synchronize()                            # recorded a step ago: already complete
+        stats = stats_of(host)
+        verdict = self.tracker.judge(stats)
+        self.last_verdict = verdict
+        if not armed and not verdict.nonfinite:
+            return
+        outcomes = [("nonfinite" if r in verdict.nonfinite else "stats", r,
+                     self.replayer.classify(r, host[r], retained)) for r in verdict.suspects[:2]]
+        self._conclude(step, stats, verdict, outcomes, masked=bool(outcomes))
 
     def _record(self, step: int, detector: str, suspect: int, c: Classification, drop: bool,
                 verdict: StatsVerdict) -> None:
@@ -186,6 +276,47 @@ class ComputeChecks:
 
     def close(self) -> None:
         self.guard.remove(self.name)
+        self.guard.remove(_After.name)
+
+
+class _After:
+    """The compute gate's AFTER stage: takes back the `found_inf` flag the device mask set."""
+
+    name = "compute.after"
+    phase = Phase.AFTER
+
+    def __init__(self, checks: ComputeChecks) -> None:
+        self._checks = weakref.ref(checks)
+
+    def run(self, ctx: StepContext) -> None:
+        checks = self._checks()
+        if checks is not None:
+            checks.after()
+
+
+def device_flag(stats: torch.Tensor, spread: torch.Tensor | None, margin: float) -> torch.Tensor:
+    """0-d float32 on the stats' device: 1.0 when a rank has a non-finite statistic or (with `spread`) is
+    more than `margin` spreads from the median; the same rule as `SpreadTracker.judge`, no host sync."""
+    bad = ~torch.isfinite(stats).all()
+    if spread is not None:
+        bad = bad | ((deviations(stats) / spread) > margin).any()
+    return bad.float()
+
+
+def _choose_mask(mask: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
+    """"host": the verdict is read before the update (gloo/CPU; one sync a step on CUDA); "device": a
+    found_inf flag masks the update (a fused optimizer that supports it); "auto": device on CUDA when the
+    optimizer can, else host."""
+    fused = any(g.get("fused") for g in optimizer.param_groups) and getattr(
+        optimizer, "_step_supports_amp_scaling", False)
+    if mask == "auto":
+        return "device" if device.type == "cuda" and fused else "host"
+    if mask == "device" and not fused:
+        raise ValueError(f"mask='device' needs a fused optimizer that honours found_inf (e.g. "
+                         f"torch.optim.Adam(fused=True)); {type(optimizer).__name__} is not one: use mask='host'")
+    if mask not in ("host", "device"):
+        raise ValueError(f"mask is 'auto', 'host' or 'device', got {mask!r}")
+    return mask
 
 
 __all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus"]

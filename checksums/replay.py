@@ -152,9 +152,10 @@ class Replayer:
         self.replays += 1
         return self.summaries.bucket_grads(grads)
 
-    def fetch(self, src: int) -> Retained:
-        """Rank `src`'s retained batch and RNG state on every rank (a collective: all ranks call)."""
-        mine = self.retained
+    def fetch(self, src: int, mine: Retained | None = None) -> Retained:
+        """Rank `src`'s retained batch and RNG state (`mine`, default this step's) on every rank (a
+        collective: all ranks call)."""
+        mine = mine if mine is not None else self.retained
         payload = [None]
         if dist.get_rank(self.group) == src:
             payload = [(_map_tensors(mine.batch, lambda t: t.detach().cpu()), mine.cpu_rng,
@@ -170,9 +171,10 @@ class Replayer:
         dist.all_gather(out, rows.contiguous(), group=self.group)
         return torch.stack(out).cpu()
 
-    def classify(self, suspect: int, original: torch.Tensor) -> Classification:
-        """Every rank replays `suspect`'s batch; the replays decide (a collective: all ranks call)."""
-        retained = self.fetch(suspect)
+    def classify(self, suspect: int, original: torch.Tensor, mine: Retained | None = None) -> Classification:
+        """Every rank replays `suspect`'s batch (of this step, or `mine`: an earlier step's); the replays
+        decide (a collective: all ranks call)."""
+        retained = self.fetch(suspect, mine)
         rows = self.replay(retained)
         return classify_replays(suspect, original, self.gather(rows), exact=self.exact)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import compute_faults
+from checksums.compute_gate import _choose_mask
 from checksums.grad_checks import SpreadTracker, bucket_summary, stats_of
 from checksums.replay import Cause, audit_every, classify_replays
 
@@ -129,3 +130,26 @@ def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
     clean = results["clean"]
     assert clean["status"]["suspicions"] == 0 and clean["status"]["dropped"] == 0, clean["status"]
     assert clean["status"]["exact"] and clean["status"]["audits"] >= 100
+
+
+def test_device_mask_skips_the_update_through_found_inf_and_judges_a_step_later():
+    """The CUDA design run on CPU: fused Adam's found_inf masks the suspect step with no host veto (weights,
+    moments and step count unchanged); the rows are judged and the masked step replayed at the next step."""
+    results = compute_faults.main(["--world", "3", "--fault-step", "47", "--mask", "device",
+                                   "--cases", "mm one elem =1e4,grad elem NaN"])
+    for name in ("mm one elem =1e4", "grad elem NaN"):
+        r = results[name]
+        assert r["fault_step_unchanged"] is True, f"{name}: the masked step changed the weights"
+        hit = r["caught"]["compute"]
+        assert hit["step"] == 47 and hit["named"] == [1] and hit["dropped"], f"{name}: {hit}"
+
+
+def test_device_mask_needs_a_fused_optimizer():
+    plain = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+    fused = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], fused=True)
+    with pytest.raises(ValueError, match="fused optimizer"):
+        _choose_mask("device", plain, torch.device("cpu"))
+    assert _choose_mask("device", fused, torch.device("cpu")) == "device"
+    assert _choose_mask("auto", fused, torch.device("cpu")) == "host"
+    with pytest.raises(ValueError, match="mask is"):
+        _choose_mask("sometimes", fused, torch.device("cpu"))
