@@ -266,15 +266,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class Stopped(SystemExit):
-    """The demo was told to stop (SIGTERM, SIGHUP): unwinds through `cmd_demo`'s cleanup, exit 128 + signal."""
-
-
 def stop_on_signals() -> None:
     """SIGTERM and SIGHUP end the demo as ^C does, through its `finally` (ranks killed, the agent stopped in
-    order); a SIGKILL cannot be caught, and then the children's parent-death signal stops them."""
+    order), with exit code 128 + the signal; a SIGKILL cannot be caught, and then the children's
+    parent-death signal stops them."""
     def handler(signum: int, _frame: Any) -> None:
-        raise Stopped(128 + signum)
+        raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)

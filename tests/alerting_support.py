@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import free_port
+from deadlines import scaled
 
 WINDOW = "12s"
 HOLD = "2s"
@@ -48,7 +49,7 @@ class Alertmanager:
              f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="],
             stdout=subprocess.DEVNULL, stderr=open(workdir / "am.log", "wb"))
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"alertmanager exited: {(workdir / 'am.log').read_text()[-2000:]}")
@@ -98,7 +99,7 @@ class Prometheus:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited: {self.log.read_text()[-3000:]}")

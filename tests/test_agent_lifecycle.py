@@ -16,6 +16,7 @@ from agent_harness import AgentProcess, cli
 from conftest import free_port
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+from deadlines import scaled
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -37,7 +38,7 @@ def test_sigterm_leaves_nothing_behind(short_tmp):
     assert not agent.socket.exists()
     assert not (agent.state_dir / "redis.sock").exists()
     assert not (agent.state_dir / "agent.json").exists()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while redis_pids_for(agent.state_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert redis_pids_for(agent.state_dir) == []
@@ -118,7 +119,7 @@ def test_external_redis_gets_the_event_stream(short_tmp, redis_server):
     try:
         assert not redis_pids_for(agent.state_dir), "no embedded redis with --redis-url"
         client = redis.Redis.from_url(redis_server.url)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         entries = []
         while time.monotonic() < deadline:
             entries = client.xrange("sdcwatch:events:node-ext")

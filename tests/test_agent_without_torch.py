@@ -17,6 +17,7 @@ import pytest
 from agent_harness import AgentProcess
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+from deadlines import scaled
 
 SCENARIO = Path(__file__).parent / "scenarios" / "clean.json"
 TORCH_LIB = re.compile(r"/(libtorch[^/]*\.so|torch/_C[^/]*\.so|libtriton[^/]*\.so)")
@@ -40,7 +41,7 @@ def _rss_mb(pid: int) -> float:
 def test_the_agent_maps_no_torch_after_a_canary_round(short_tmp: Path, record_property: pytest.RecordProperty) -> None:
     with AgentProcess(short_tmp / "state", "--nvml-scenario", str(SCENARIO), "--canary-enabled") as agent:
         assert agent.proc is not None
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         probe = _canary_probe(agent.target)
         while (probe is None or probe.runs < 1) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -448,7 +448,7 @@ def test_agent_pushes_xid_alert_to_alertmanager_and_webhook(alertmanager: Alertm
                          "--alerts-alertmanager-url", alertmanager.url, "--alerts-webhook-url", webhook.url,
                          "--hostname", "node-7").start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         names: set[str] = set()
         while time.monotonic() < deadline:
             names = {a["labels"]["alertname"] for a in alertmanager.alerts()}

@@ -21,6 +21,7 @@ from sdcwatch import canary as sc
 from sdcwatch.canary import Status
 from sdcwatch.types import Severity, State
 from sdcwatch import event_kinds as ek
+from deadlines import scaled
 
 IDLE_CPU = [GpuSnapshot("cpu", 0, 0.0, 8 << 30)]
 
@@ -88,7 +89,7 @@ def test_a_hung_child_is_killed_with_its_process_group(monkeypatch: pytest.Monke
     [f] = rep.findings
     assert (f.kind, f.severity) == (ek.CANARY_UNKNOWN, Severity.WARNING) and "did not finish within 3s" in f.message
     assert rep.suite is None and probe.last_run == {"cpu": 0.0}
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while _processes_with(marker) and time.monotonic() < deadline:  # SIGKILL lands asynchronously
         time.sleep(0.05)
     assert _processes_with(marker) == []
@@ -149,7 +150,7 @@ def test_the_child_dies_with_an_agent_killed_mid_round(tmp_path: Path) -> None:
     agent = subprocess.Popen([sys.executable, "-c", "from probes.canary_process import call_child; "
                               "call_child({'op': 'snapshots'}, 120)"], cwd=root, env=env)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         child = None
         while child is None and time.monotonic() < deadline:
             for pid in _processes_with(marker):
@@ -163,7 +164,7 @@ def test_the_child_dies_with_an_agent_killed_mid_round(tmp_path: Path) -> None:
         time.sleep(0.5)  # past its start-up, into the hook's sleep
         agent.kill()
         agent.wait()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while Path(f"/proc/{child}").exists() and "State:\tZ" not in _status(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not Path(f"/proc/{child}").exists() or "State:\tZ" in _status(child), "the child outlived its parent"

@@ -28,6 +28,7 @@ from daemon.errors import ConfigError
 from daemon.probe_runner import MAX_BACKOFF_S, ProbeRunner, next_run_delay
 from probes.nvml_backend import NvmlError, NvmlUnavailable
 from sdcwatch.errors import FatalError, SdcwatchError, is_transient
+from deadlines import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("daemon", "probes", "checkpoint", "checksums", "sdcwatch")
@@ -115,7 +116,7 @@ def test_probe_runner_counts_only_non_transient_failures(error: Exception, strea
         runner = ProbeRunner("p", fn, interval_s=0.01, timeout_s=5, on_result=lambda r, now: None,
                              publish=lambda *a, **k: None)
         task = asyncio.create_task(runner.run_forever())
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while runner.status.runs < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         task.cancel()

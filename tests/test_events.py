@@ -18,6 +18,7 @@ from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 from sdcwatch import event_kinds as ek
 from sdcwatch.event_kinds import EventKind, SubjectKind, UnknownEventKind
 from sdcwatch.types import Finding, Severity
+from deadlines import scaled
 
 W = ek.REPLICA_MISMATCH.fold_s
 
@@ -173,7 +174,7 @@ def test_publish_threadsafe_runs_on_the_loop(tmp_path: Path) -> None:
         b = EventBus(journal)
         b.bind_loop(asyncio.get_running_loop())
         await asyncio.to_thread(b.publish_threadsafe, ek.PROBE_HUNG, "probe/nvml", "hung", {"probe": "nvml"})
-        deadline = asyncio.get_running_loop().time() + 10
+        deadline = asyncio.get_running_loop().time() + scaled(10)
         while b.last_seq < 1 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         assert [r["kind"] for r in journal.read_since(0, limit=5)] == ["probe.hung"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 from daemon.journal import Journal
+from deadlines import scaled
 
 
 def test_sequence_continues_after_reopen(tmp_path):
@@ -135,7 +136,7 @@ def test_the_step_log_thread_writes_and_flushes_without_the_loop(tmp_path, monke
     log.start()
     for step in range(100):
         log.add(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step, loss=1.0), 1.0)
-    deadline = _time.monotonic() + 10
+    deadline = _time.monotonic() + scaled(10)
     while len(list(j.read_since(0))) < 100 and _time.monotonic() < deadline:  # flushed within FLUSH_S
         _time.sleep(0.05)
     assert [r["step"] for r in j.read_since(0)] == list(range(100))

@@ -17,6 +17,7 @@ from daemon.node_conditions import GPU_PROBLEM, SDC_SUSPECTED, KubernetesConfig,
 from k8s_support import FakeApiServer
 from sdcwatch.errors import FatalError
 from sdcwatch.types import Evidence, State
+from deadlines import scaled
 
 NODE = "gpu-node-7"
 KEY = "sdcwatch.io/gpu-failed"
@@ -107,7 +108,7 @@ def test_the_agent_loop_follows_the_gpu_table_and_survives_an_api_outage(server:
         gpus.add_evidence(
             "GPU-a", [Evidence("nvml", "xid", "79", State.FAILED, "XID 79", time.time())], time.time()
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while (server.condition(GPU_PROBLEM) or {}).get("status") != "True":
             assert time.monotonic() < deadline, "the FAILED GPU never became a node condition"
             await asyncio.sleep(0.01)

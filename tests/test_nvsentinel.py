@@ -17,6 +17,7 @@ from daemon.nvsentinel import GPU_CHECK, SDC_CHECK, NvsentinelConfig, Nvsentinel
 from proto.nvsentinel import platformconnector_pb2 as pc
 from proto.nvsentinel import platformconnector_pb2_grpc as pc_grpc
 from sdcwatch.types import Evidence, State
+from deadlines import scaled
 
 
 def test_the_wire_is_nvsentinels() -> None:
@@ -95,7 +96,7 @@ def test_state_changes_reach_the_connector_and_a_failed_send_is_retried(tmp_path
         sender.start(bg)
 
         async def until(pred, what: str) -> None:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + scaled(30)
             while not pred():
                 assert time.monotonic() < deadline, what
                 await asyncio.sleep(0.01)

@@ -17,6 +17,7 @@ from proto.sdcwatch.v1 import checkpoint_pb2 as cpb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as cpb_grpc
 from proto.sdcwatch.v1 import peer_pb2 as ppb
 from proto.sdcwatch.v1 import peer_pb2_grpc as ppb_grpc
+from deadlines import scaled
 
 GARBAGE = b"\xff\xff\xff\xff\x0f"   # a field tag with no valid wire type, then a truncated varint
 
@@ -95,7 +96,7 @@ def test_restore_reports_name_known_jobs_and_known_tiers_only(short_tmp):
         for i in range(50):
             ckpt.ReportRestore(cpb.ReportRestoreRequest(job_id="known", step=1, rank=0, ok=True, seconds=0.1,
                                                         source=f"made-up-{i}@somewhere"), timeout=10)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         text = ""
         while time.monotonic() < deadline:   # the checkpoint metrics are updated each maintenance round
             text = scrape(agent)
@@ -118,7 +119,7 @@ def test_client_strings_never_forge_log_lines_and_webhook_secrets_never_show(sho
                                                  frozen_changed=["w\n2026-12-01 00:00:00 ERROR forged: pwned"]),
                             timeout=10)
             stub.ReportStep(pb.ReportStepRequest(job_id="j", rank=0, step=2, loss=float("nan")), timeout=10)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline and "webhook" not in agent.log():
             time.sleep(0.2)
         time.sleep(2.0)   # the alert's POST to a closed port fails and is logged

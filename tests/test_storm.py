@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_harness import AgentProcess
 from alerting_support import Alertmanager, alertmanager_binary
+from deadlines import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 STORM = ROOT / "tests" / "scenarios" / "storm.json"
@@ -50,7 +51,7 @@ def test_storm_alert_folded_events_and_health(short_tmp: Path) -> None:
             pushed = [a for a in am.alerts() if a["labels"]["alertname"] == "SDCWatchGPUCorrectableECCStorm"
                       and a["labels"].get("uuid") == GPU0 and a["labels"].get("source") == "sdcwatch-agent"]
             time.sleep(0.5)
-        deadline = time.monotonic() + 120   # the flood ends at t=22 of the scenario
+        deadline = time.monotonic() + scaled(120)   # the flood ends at t=22 of the scenario
         while True:
             counted = sum(e.get("details", {}).get("repeats", 1) for e in _journal(state)
                           if e["kind"] == "gpu.xid" and e.get("details", {}).get("xid") == 13)

@@ -17,6 +17,7 @@ from daemon.probe_runner import ProbeRunner
 from daemon.watchdog import LoopBeat, Watchdog, stale_loops
 from sdcwatch import event_kinds as ek
 from sdcwatch.types import Severity
+from deadlines import scaled
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -109,14 +110,14 @@ def test_runner_beats_while_a_call_hangs_and_stops_beating_when_its_loop_stops()
 
         runner = ProbeRunner("nvml", fn, interval_s=0.1, timeout_s=0.2, on_result=on_result, publish=pub)
         task = asyncio.get_running_loop().create_task(runner.run_forever())
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while ek.PROBE_HUNG not in [e[0] for e in pub.events]:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.6)                       # 6 intervals into the hang
         assert stale_loops([runner.heartbeat()], time.monotonic()) == {}, "waiting on the driver still beats"
         release.set()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while not stale_loops([runner.heartbeat()], time.monotonic()):
             assert time.monotonic() < deadline, "the frozen loop was never seen stale"
             await asyncio.sleep(0.05)

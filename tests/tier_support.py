@@ -14,6 +14,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 import logging  # noqa: E402
+from deadlines import scaled
 
 logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
@@ -39,7 +40,7 @@ class MotoS3:
         import boto3
 
         client = boto3.client("s3", endpoint_url=self.url, region_name="us-east-1")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while True:
             try:
                 client.list_buckets()
