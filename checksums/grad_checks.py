@@ -36,16 +36,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from checksums.fingerprint import fingerprint_tensors_async
+from checksums.fingerprint import fingerprint_tensors_async, prepare_fingerprint, triton_available
 
 ROW_WORDS = 4          # norm bits, max-abs bits, fingerprint word 0, fingerprint word 1
 _TINY = 1e-30          # log of a zero statistic: far from any live gradient, finite
 
 
-def bucket_summary(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:
     """int64 [4] on the gradients' device: norm and max-abs (float64 bit patterns), fingerprint (2 words).
 
     No host synchronisation. Non-finite values make the norm non-finite, so they travel in the same row.
+    `plan`: a prepared fingerprint plan of exactly these tensors (CUDA: checksums.fingerprint's
+    `prepare_fingerprint`), so the hot path does no planning.
     """
     device = grads[0].device
     norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
@@ -54,7 +56,7 @@ def bucket_summary(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     stats = torch.stack([torch.linalg.vector_norm(norms), amax.amax()]).double()
     # a NaN in a gradient makes its norm NaN but amax may skip it on some backends: carry it in both
     stats = stats + (norms.sum() * 0).double()
-    fp = fingerprint_tensors_async(list(grads))
+    fp = plan.run_async() if plan is not None else fingerprint_tensors_async(list(grads))
     return torch.cat([stats.view(torch.int64), fp.to(device)])
 
 
@@ -85,6 +87,7 @@ class GradSummaries:
         self.params: list[torch.Tensor] = [p for p in ddp.module.parameters() if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._rows: dict[int, torch.Tensor] = {}
+        self._plans: dict[int, tuple[tuple[int, int, int], Any]] = {}
         self.layout: dict[int, tuple[int, ...]] = {}
         self.hook_calls = 0
         self._inject = inject           # fault injection (bench/): called with the bucket's flat buffer
@@ -99,12 +102,25 @@ class GradSummaries:
             self._inject(bucket.index(), bucket.buffer())
         grads = bucket.gradients()
         idx = bucket.index()
-        self._rows[idx] = bucket_summary(grads)
+        self._rows[idx] = bucket_summary(grads, self._plan(idx, grads))
         layout = self.layout.get(idx)
         if layout is None or len(layout) != len(grads):
             self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
         self.hook_calls += 1
         return allreduce_hook(self._group, bucket)
+
+    def _plan(self, idx: int, grads: Sequence[torch.Tensor]) -> Any:
+        """CUDA with Triton: one fingerprint plan per bucket, kept while the bucket's views stay where they
+        are (DDP rebuilds its buckets once, after the first step), so no bucket count thrashes the shared
+        plan cache. Elsewhere None (torch ops)."""
+        if not grads or grads[0].device.type != "cuda" or not triton_available():
+            return None
+        key = (grads[0].data_ptr(), len(grads), grads[-1].data_ptr())
+        held = self._plans.get(idx)
+        if held is None or held[0] != key:
+            held = (key, prepare_fingerprint(list(grads)))
+            self._plans[idx] = held
+        return held[1]
 
     def rows(self) -> torch.Tensor:
         """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index."""
