@@ -19,7 +19,7 @@ Bulk messages are parsed and built as raw wire bytes (checkpoint.grpc_store code
 written to the file straight from the message buffer; a sent chunk is one `pread` plus one copy into the
 message. Blocking file I/O runs in the service's own bounded pool (`pool`, daemon/pools.py), never on the event
 loop nor in threads other services need; at most `max_puts` puts run at once (workers - 2: gets, stats,
-lists and deletes always find a thread), one more is refused with RESOURCE_EXHAUSTED at once. A put drops its
+lists and deletes always find a thread); more wait for a slot (no thread held) up to `idle_timeout_s`. A put drops its
 stream after `idle_timeout_s` without a message.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PeerStoreService:
         self.store = store
         self.pool = pool or WorkPool("peer-store")
         self.max_puts = max(1, self.pool.workers - 2)
-        self._puts = 0
+        self._put_slots: asyncio.Semaphore | None = None   # made on the event loop, at the first put
         self.max_blob_bytes = max_blob_bytes
         self.idle_timeout_s = idle_timeout_s
         self.stats = {"peer_puts": 0, "peer_put_bytes": 0, "peer_put_failures": 0, "peer_gets": 0,
@@ -73,14 +73,17 @@ class PeerStoreService:
 
     # ---- RPCs -----------------------------------------------------------------------------------------
     async def PutBlob(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutBlobResponse:
-        if self._puts >= self.max_puts:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._puts} puts are running on this node "
-                                "(the limit); retry later")
-        self._puts += 1
+        if self._put_slots is None:
+            self._put_slots = asyncio.Semaphore(self.max_puts)
+        try:   # waiting for a slot holds no thread; the client's stream is held back by flow control
+            await asyncio.wait_for(self._put_slots.acquire(), self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_puts} puts ran on this node for "
+                                f"{self.idle_timeout_s:.0f}s without one finishing; retry later")
         try:
             return await self._put(requests, context)
         finally:
-            self._puts -= 1
+            self._put_slots.release()
 
     async def _put(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutBlobResponse:
         try:

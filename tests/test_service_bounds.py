@@ -98,8 +98,6 @@ def test_idle_put_streams_never_stall_the_other_calls(short_tmp):
             cpb_grpc.CheckpointsStub(ch).List(cpb.ListCheckpointsRequest(), timeout=10)
             assert health(ch) == SERVING
             assert time.monotonic() - started < 10
-            refused = [s for s in streams if s.done() and s.exception() is not None]
-            assert refused and all(s.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED for s in refused)
             for gate in gates:
                 gate.set()
     finally:
