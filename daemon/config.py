@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -376,7 +377,13 @@ def build(args: argparse.Namespace, environ: Mapping[str, str] | None = None) ->
     if path:
         raw.update(config_tree.from_file(load_file(path), Config, str(path)))
     raw.update(config_tree.from_env(os.environ if environ is None else environ, Config))
-    raw.update(config_tree.from_flags(args, Config))
+    flags = config_tree.from_flags(args, Config)
+    for key, (value, where) in flags.items():
+        if key in URL_KEYS and isinstance(value, str) and _carries_secret(value):
+            raise ConfigError(key, f"the URL given {where} carries a secret (a password or a token), and a "
+                              "command line is readable by every local user (/proc/<pid>/cmdline): set it in "
+                              f"{_env_of(key)} or in the --config file instead")
+    raw.update(flags)
     cfg: Config = config_tree.construct(Config, raw)
     try:
         return cfg.validate()
@@ -390,3 +397,22 @@ def _token_in(path: str) -> bool:
         return bool(Path(path).read_text().strip())
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("agent.token_file", f"cannot read {path}: {exc}") from None
+
+
+URL_KEYS = frozenset({"redis.url", "alerts.webhook_url", "alerts.alertmanager_url", "tiers.s3.url"})
+_SECRET_PARAMS = re.compile(r"(?:^|&)(?:token|key|secret|sig|signature|password|access_key|secret_key)=", re.I)
+
+
+def _carries_secret(url: str) -> bool:
+    """A password in the URL's user info, or a query parameter that names a credential."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return False
+    return bool(password) or bool(_SECRET_PARAMS.search(parts.query))
+
+
+def _env_of(dotted: str) -> str:
+    """The environment variable of a dotted key (`redis.url` -> SDCWATCH_REDIS_URL)."""
+    return next(k.env for k in config_tree.keys(Config) if k.dotted == dotted)

@@ -162,3 +162,11 @@ def test_counts_past_their_type_never_break_status_and_reports_never_make_gpus(s
         assert all(j.dropped_reports < 2**64 for j in st.jobs)
         assert list(st.gpus) == [], "a GPU exists because NVML says so"
         assert st.node_state == pb.STATE_UNKNOWN
+
+
+def test_secrets_in_flags_are_refused_with_where_to_put_them(short_tmp):
+    for flag, url in (("--redis-url", "redis://:hunter2@127.0.0.1:6379/0"),
+                      ("--alerts-webhook-url", "https://hooks.example.com/x?token=hunter2")):
+        r = cli("run", "--state-dir", str(short_tmp / "s"), "--metrics-listen", "off", flag, url, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert "SDCWATCH_" in r.stderr and "hunter2" not in r.stderr and "Traceback" not in r.stderr
