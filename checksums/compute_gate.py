@@ -115,7 +115,7 @@ class ComputeChecks:
         self.guard.add(self)
         self.guard.add(_After(self))
         if monitor is not None:
-            monitor.report_compute(self.take_findings)
+            monitor.report_compute(self.take_findings, self.mode)
 
     @classmethod
     def attach(cls, ddp: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> ComputeChecks:
@@ -259,6 +259,15 @@ class ComputeChecks:
                            "dropped" if drop else "applied")
 
     # ---- what it says -------------------------------------------------------------------------------
+
+    def mode(self) -> str:
+        """How replays compare, for the agent's GetStatus: "exact" (bit-exact fingerprints), "bounded: ..."
+        (the determinism check found replays differ: norms within a rounding bound), "" before the check."""
+        if not self._determinism_checked:
+            return ""
+        if self.replayer.exact:
+            return "exact"
+        return "bounded: replays of one batch differ bit for bit; norm and max-abs compared within 1e-3"
 
     def take_findings(self) -> tuple[ComputeFinding, ...]:
         """The findings not handed out yet, oldest first (the Monitor puts them on its next step report)."""

@@ -268,6 +268,7 @@ class Monitor:
         self._canary: Any = None
         self._canary_result: Any = None
         self._compute_findings: Callable[[], tuple[ComputeFinding, ...]] | None = None
+        self._compute_mode: Callable[[], str] | None = None
         if canary is True:
             self._canary = InJobCanary(self.device, budget_fraction=0.005, label=self.gpu_uuid or str(self.device))
         elif canary:
@@ -779,7 +780,8 @@ class Monitor:
                 fingerprint=tuple(mine), frozen_changed=tuple(frozen_changed), checks_run=self._checks_run,
                 loss=loss, grad_norm=grad_norm, loss_scale=loss_scale, step_s=slot.step_s, check_s=slot.check_s,
                 vote=None if step_vote is None else step_vote.result, canary=canary,
-                compute=self._compute_findings() if self._compute_findings is not None else ()))
+                compute=self._compute_findings() if self._compute_findings is not None else (),
+                compute_checks=self._compute_mode() if self._compute_mode is not None else ""))
             if not self._agent_down_said:
                 stats = self._reporter.stats()
                 if stats.agent_down:
@@ -792,9 +794,11 @@ class Monitor:
                 self._report_error_said = True
                 logger.exception("sdcwatch: could not report step %d to the agent (said once)", slot.step)
 
-    def report_compute(self, take: Callable[[], tuple[ComputeFinding, ...]]) -> None:
-        """Put what `take()` returns (the compute gate's new findings) on each step report."""
+    def report_compute(self, take: Callable[[], tuple[ComputeFinding, ...]], mode: Callable[[], str]) -> None:
+        """Put what `take()` returns (the compute gate's new findings) and `mode()` (its replay mode) on each
+        step report."""
         self._compute_findings = take
+        self._compute_mode = mode
 
     def _poll_directives(self) -> None:
         if self._reporter is None:

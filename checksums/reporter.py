@@ -47,6 +47,7 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 _OUTAGE_WARN_INTERVAL_S = 300.0
 _CANARY_WHY_CHARS = 1000
+_COMPUTE_MODE_CHARS = 120
 _MAX_COMPUTE = 16          # compute findings per report (each step has at most three)
 _STOP = object()
 
@@ -115,6 +116,7 @@ class StepReport:
     vote: VoteResult | None = None
     canary: CanaryReport | None = None
     compute: tuple[ComputeFinding, ...] = ()
+    compute_checks: str = ""    # the compute gate's replay mode: "exact", "bounded: why", "" (no gate)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,7 +169,7 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
         job_id=report.job_id, rank=report.rank, world_size=report.world_size, step=report.step,
         fingerprint=report.fingerprint, replica_group=report.replica_group, host=report.host,
         gpu_uuid=report.gpu_uuid, time=report.time, frozen_changed=report.frozen_changed,
-        checks_run=report.checks_run)
+        checks_run=report.checks_run, compute_checks=report.compute_checks[:_COMPUTE_MODE_CHARS])
     if report.loss is not None:
         req.loss = report.loss
     if report.grad_norm is not None:

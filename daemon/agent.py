@@ -461,7 +461,8 @@ class Agent:
         for job in self.jobs.jobs.values():
             resp.jobs.add(job_id=job.job_id, ranks=sorted(job.ranks)[:1024], last_step=job.last_step,
                           last_report=job.last_report, steps_seen=job.steps_seen,
-                          dropped_reports=min(job.dropped_reports, _U64), state=int(job.state), reason=job.reason)
+                          dropped_reports=min(job.dropped_reports, _U64), state=int(job.state), reason=job.reason,
+                          compute_checks=job.compute_checks)
         return resp
 
 

@@ -70,6 +70,7 @@ class JobState:
     # them over every rank last told to the checkpoints ("checks_clean": what vouches in place of a vote)
     clean_through: dict[int, int] = dataclasses.field(default_factory=dict)
     clean_sent: int = -1
+    compute_checks: str = ""                                          # the ranks' replay mode, as reported
     compute_seen: collections.deque[tuple[int, str, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))       # (step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
@@ -155,6 +156,8 @@ class JobTracker:
         checks = req.checks_run
         if checks and (rank in job.checks_run or len(job.checks_run) < self.MAX_RANKS_TRACKED):
             job.checks_run[rank] = checks   # the rank's own running count
+        if req.compute_checks:
+            job.compute_checks = req.compute_checks   # the same on every rank (the check is collective)
         dropped = req.dropped_reports
         loss, grad_norm = req.loss, req.grad_norm
         finite = isfinite(loss) and isfinite(grad_norm)   # unset reads 0.0: finite

@@ -94,3 +94,16 @@ def test_bad_findings_are_refused_with_the_reason():
     assert "suspect" in bad(suspect=5)
     assert "faulty rank 7" in bad(faulty=[pb.SuspectRank(rank=7)])
     assert "gpu_uuid" in bad(faulty=[pb.SuspectRank(rank=1, gpu_uuid="nope")])
+
+
+def test_the_replay_mode_reaches_the_job_status():
+    tracker = JobTracker()
+    req = pb.ReportStepRequest(job_id="j", rank=0, world_size=3, step=1, compute_checks="bounded: why")
+    assert check_report_step(req) is None
+    tracker.report(req, 1.0)
+    report(tracker, 2, 0)                       # a report without it keeps what was said
+    assert tracker.jobs["j"].compute_checks == "bounded: why"
+    assert "compute_checks" in (check_report_step(pb.ReportStepRequest(
+        job_id="j", rank=0, world_size=3, step=3, compute_checks="x" * 500)) or "")
+    wire = to_request(StepReport(job_id="j", rank=0, world_size=3, step=1, compute_checks="exact"))
+    assert wire.compute_checks == "exact"

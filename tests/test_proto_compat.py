@@ -163,7 +163,7 @@ def test_a_reused_reserved_number_is_reported(tmp_path: Path) -> None:
 def test_additions_are_accepted(tmp_path: Path) -> None:
     edits = {
         AGENT: [("  CanaryResult canary = 20;", "  CanaryResult canary = 20;\n  string note = 41;\n"
-                 "  optional Extra extra = 22;"),
+                 "  optional Extra extra = 42;"),
                 ("  STATE_UNKNOWN = 5;", "  STATE_UNKNOWN = 5;\n  STATE_QUARANTINED = 6;"),
                 ("  rpc ClearGpu(ClearGpuRequest) returns (ClearGpuResponse);",
                  "  rpc ClearGpu(ClearGpuRequest) returns (ClearGpuResponse);\n"
