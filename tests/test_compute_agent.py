@@ -85,7 +85,7 @@ def test_the_reporter_puts_findings_on_the_wire():
 
 def test_bad_findings_are_refused_with_the_reason():
     def bad(**kw: object) -> str | None:
-        base = dict(step=1, detector="stats", suspect=0, cause="transient")
+        base: dict[str, object] = {"step": 1, "detector": "stats", "suspect": 0, "cause": "transient"}
         base.update(kw)
         return check_report_step(pb.ReportStepRequest(job_id="j", rank=0, world_size=2, step=1,
                                                       compute=[pb.ComputeFinding(**base)]))
