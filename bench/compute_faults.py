@@ -10,7 +10,8 @@ and the measured clean cross-rank spread.
 
     PYTHONPATH=$PWD python bench/compute_faults.py --world 3                 # the CPU matrix (gloo)
     PYTHONPATH=$PWD python bench/compute_faults.py --world 3 --clean 10000 --cases none
-    PYTHONPATH=$PWD torchrun --nproc-per-node 2 bench/compute_faults.py --device cuda --cases h200
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=$PWD torchrun --nproc-per-node 2 bench/compute_faults.py \
+        --device cuda --model gpt2 --cases h200 --clean 2000 --overhead 400
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import struct
 import sys
 import tempfile
 import time
@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
 from checksums.monitor import Monitor
 from checksums.reporter import ReporterStats, StepReport
@@ -67,33 +68,38 @@ H200 = ["mm one elem =1e4", "mm one elem =10", "mm one elem x1.01 persistent", "
         "weight exp-flip", "mm tile 4x8 x2", "grad elem NaN"]
 
 
-def flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
-    """Flip one bit of element `index` of a float32 tensor in place."""
+def flip_bit(t: torch.Tensor, index: int, which: str) -> None:
+    """Flip one bit of element `index` in place: its lowest mantissa bit ("ulp"), or its top exponent bit
+    ("exp": for |x| < 1 the one that makes it huge, else the next one down). float32 or bfloat16/float16."""
     flat = t.detach().view(-1)
-    v = struct.unpack("<I", struct.pack("<f", float(flat[index])))[0] ^ (1 << bit)
-    flat[index] = struct.unpack("<f", struct.pack("<I", v))[0]
+    size = flat.element_size()
+    ints = flat.view(torch.int32 if size == 4 else torch.int16)
+    nbits = 8 * size
+    bit = 0 if which == "ulp" else (nbits - 2 if abs(float(flat[index])) < 1.0 else nbits - 3)
+    ints[index:index + 1].bitwise_xor_(1 << bit)
 
 
 def corrupt(t: torch.Tensor, case: Case) -> None:
-    """Apply `case` to tensor t (2-D activations [batch, features] or any flat tensor) in place."""
+    """Apply `case` to tensor t in place (activations [..., features] seen as 2-D, or a flat tensor)."""
     with torch.no_grad():
         flat = t.view(-1)
+        t2 = t.view(-1, t.shape[-1]) if t.dim() >= 2 else t.view(1, -1)
         if case.how == "set":
             flat[3] = case.value
         elif case.how == "scale":
             flat[3] *= case.value
         elif case.how == "ulp":
-            flip_bit(t, 3, 0)
+            flip_bit(t, 3, "ulp")
         elif case.how == "expflip":
-            flip_bit(t, 3, 30 if abs(float(flat[3])) < 1.0 else 29)
+            flip_bit(t, 3, "exp")
         elif case.how == "channel":
-            t[:, 5] *= case.value
+            t2[:, 5] *= case.value
         elif case.how == "tile":
-            t[:4, :8] *= case.value
+            t2[:4, :8] *= case.value
         elif case.how == "warp":
             flat[::32] *= case.value
         elif case.how == "zero":
-            t[:, 3] = 0.0
+            t2[:, 3] = 0.0
 
 
 class _Sink:
@@ -113,13 +119,26 @@ class _Sink:
         return ReporterStats()
 
 
-def make_model(seed: int) -> nn.Module:
+MODEL = {"name": "mlp"}     # set by --model in each worker
+
+
+def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
+    """The model and the Linear whose output the matmul faults hit."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    if MODEL["name"] == "mlp":
+        m = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        return m, m[2]
+    cfg = GPTConfig() if MODEL["name"] == "gpt2" else GPTConfig(layers=2, width=64, heads=2, vocab=256, seq=32)
+    g = TinyGPT(cfg)
+    return g, g.blocks[0].fc
 
 
 def batch_for(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000_003 * rank + step)
+    if MODEL["name"] != "mlp":
+        seq, vocab, n = (1024, 50257, 8) if MODEL["name"] == "gpt2" else (32, 256, 8)
+        idx = torch.randint(0, vocab, (n, seq + 1), generator=g)
+        return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
     x = torch.randn(32, 16, generator=g)
     y = torch.sin(x[:, :4] * 1.3) + 0.1 * torch.randn(32, 4, generator=g)
     return x.to(device), y.to(device)
@@ -127,12 +146,16 @@ def batch_for(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor,
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
+    if MODEL["name"] != "mlp":
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+            return model(x, y)
     return nn.functional.mse_loss(model(x), y)
 
 
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto") -> dict[str, Any]:
-    model = make_model(0).to(device)
+    model, target = make_model(0)
+    model = model.to(device)
     active = {"on": False}
 
     def mm_hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> None:
@@ -143,7 +166,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         if active["on"] and case is not None and case.where == "grad" and idx == 0:
             corrupt(buf, case)
 
-    model[2].register_forward_hook(mm_hook)
+    target.register_forward_hook(mm_hook)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=mask == "device" or device.type == "cuda")
     sink = _Sink()
@@ -171,10 +194,10 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         opt.zero_grad(set_to_none=True)
         if on and case is not None and case.where == "opt":
-            st = opt.state[model[2].weight]
+            st = opt.state[target.weight]
             corrupt(st["exp_avg"], case)
         if on and case is not None and case.where == "weight":
-            corrupt(model[2].weight.data, case)
+            corrupt(target.weight.data, case)
         monitor.step()
         for f in checks.findings:
             if f.step >= fault_step and "compute" not in caught:
@@ -197,6 +220,44 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else []}
 
 
+def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
+             mask: str) -> dict[str, Any]:
+    """Step time with the compute gate against the same DDP model without it, in alternating blocks of
+    `block` steps (interleaved, so drift in the machine's speed hits both alike). Each block's time is
+    measured over the whole block with one synchronisation at its end."""
+    fused = mask == "device" or device.type == "cuda"
+    models = []
+    for gated in (False, True):
+        model = make_model(0)[0].to(device)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=fused)
+        checks = (ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=audit_every, mask=mask,
+                                       gpu_uuid=f"GPU-fake-{rank}") if gated else None)
+        models.append((ddp, opt, checks))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    step = 0
+    while step < steps:
+        for gated in (False, True):
+            ddp, opt, checks = models[gated]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k in range(block):
+                batch = batch_for(rank, step + k, device)
+                if checks is not None:
+                    checks.retain(batch)
+                loss_fn(ddp, batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[gated].append((time.perf_counter() - t0) / block)
+        step += block
+    base = sorted(times[False])[len(times[False]) // 2]
+    gated_t = sorted(times[True])[len(times[True]) // 2]
+    return {"base_step_s": base, "gated_step_s": gated_t, "overhead": gated_t / base - 1.0,
+            "blocks": len(times[False]), "block": block}
+
+
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -209,6 +270,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     else:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     torch.set_num_threads(1)
+    MODEL["name"] = args.model
     results = {}
     names = {"all": [c.name for c in CASES], "h200": H200, "none": []}.get(args.cases, args.cases.split(","))
     for case in [c for c in CASES if c.name in names]:
@@ -220,6 +282,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         results["clean"] = run_case(None, rank=rank, world=world, device=device, steps=args.clean,
                                     fault_step=args.clean + 1, fault_rank=-1, audit_every=args.audit_every,
                                     warmup=args.warmup, margin=args.margin, mask=args.mask)
+    if args.overhead:
+        results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
+                                       audit_every=args.audit_every, mask=args.mask)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -231,7 +296,7 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     head = f"fault (rank {fault_rank}, step {fault_step})"
     lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
     for name, r in results.items():
-        if name == "clean":
+        if name in ("clean", "overhead"):
             continue
         c = r["caught"]
         det = next((k for k in c if k.startswith("compute:")), None) or ("vote" if "vote" in c else None)
@@ -247,10 +312,23 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     if "clean" in results:
         r = results["clean"]
         st = r["status"]
+        sp = torch.tensor(r["spread"], dtype=torch.float64)
+        if sp.numel():
+            for k, stat in enumerate(("norm", "maxabs")):
+                col = sp[:, k]
+                lines.append(f"clean spread of {stat:6} over {col.numel()} buckets: median {col.median():.3f}, "
+                             f"max {col.max():.3f} (log units: x{col.median().exp():.2f} / x{col.max().exp():.2f}); "
+                             f"caught on its step beyond x{(col.median() * st['margin']).exp():.1f} (median "
+                             f"bucket) at margin {st['margin']}")
         lines.append(f"clean: {r['steps']} steps, {st['suspicions']} suspicions, {st['dropped']} dropped, "
                      f"{st['audits']} audits, exact={st['exact']}, largest clean spread "
                      f"{st['spread_max']:.3f} (log units, x{2.718281828 ** st['spread_max']:.3f}), largest "
                      f"clean score {st['max_score_clean']:.2f} of margin {st['margin']}, {r['elapsed_s']:.1f}s")
+    if "overhead" in results:
+        o = results["overhead"]
+        lines.append(f"overhead (compute gate, audits every its --audit-every, interleaved blocks of {o['block']} "
+                     f"steps x {o['blocks']}): base {o['base_step_s'] * 1e3:.3f} ms/step, gated "
+                     f"{o['gated_step_s'] * 1e3:.3f} ms/step, overhead {o['overhead'] * 100:+.2f}%")
     return "\n".join(lines)
 
 
@@ -267,6 +345,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",
                    help="how a suspect update is masked: host veto, or the device found_inf flag (fused Adam)")
+    p.add_argument("--overhead", type=int, default=0, help="also measure step time with and without the gate "
+                   "over this many steps each, interleaved")
+    p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
+    p.add_argument("--model", choices=["mlp", "tiny-gpt", "gpt2"], default="mlp",
+                   help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); gpt2: GPT-2 small, bf16 autocast "
+                   "on CUDA (the matmul faults hit block 0's MLP fc output)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
