@@ -14,7 +14,12 @@ Two rules, both enforced by Redis itself (no home-made consensus):
    by `WAIT replicas ack_timeout_ms`; the call counts only when Redis says that many replicas have the
    write, otherwise `StoreUnavailableError` (transient: the caller retries; the scripts are idempotent).
    A commit reported to a rank is therefore on a replica, which Sentinel promotes; a commit whose primary
-   died before replicating is never reported. Pair it with the primary's `min-replicas-to-write` so an
+   died before replicating is never reported. `all_online` (the default with Sentinel): WAIT for every
+   replica the primary has online (INFO replication), at least `replicas`: Sentinel promotes the replica
+   with the highest offset it last saw, which need not be the one that acknowledged, so a write only one of
+   two replicas had could be lost with one failure (measured: tests/test_sentinel_ha.py lost a reported
+   commit that way once in a few runs with WAIT 1). Right after a failover only one replica is online and
+   WAIT asks for that one, so commits resume. Pair it with the primary's `min-replicas-to-write` so an
    isolated old primary refuses writes outright (docs/sentinel.md).
 """
 
@@ -52,12 +57,18 @@ class CommitFence:
     epoch (0 for a single server); it is read once and again whenever the store refuses the cached one."""
 
     def __init__(
-        self, epoch_source: Callable[[], int] = lambda: 0, *, replicas: int = 0, ack_timeout_ms: int = 1000
+        self,
+        epoch_source: Callable[[], int] = lambda: 0,
+        *,
+        replicas: int = 0,
+        ack_timeout_ms: int = 1000,
+        all_online: bool = False,
     ) -> None:
         if replicas < 0 or ack_timeout_ms < 0:
             raise ValueError(f"replicas and ack_timeout_ms must be >= 0, got {replicas}, {ack_timeout_ms}")
         self._source = epoch_source
         self.replicas = replicas
+        self.all_online = all_online
         self.ack_timeout_ms = ack_timeout_ms
         self._epoch: int | None = None
         self._lock = threading.Lock()
@@ -80,6 +91,13 @@ class CommitFence:
         except redis.RedisError as e:
             raise StoreUnavailableError(f"cannot read the coordination store's epoch: {e}") from e
 
+    def _needed(self, client: Any) -> int:
+        """The replicas a write must reach: `replicas`, or with `all_online` every online one (at least
+        `replicas`)."""
+        if not self.replicas or not self.all_online:
+            return self.replicas
+        return max(self.replicas, online_replicas(client))
+
     def run(self, client: Any, script: Any, keys: Sequence[str], args: Sequence[Any], fence_key: str) -> list:
         """Run a `fenced` script (plus WAIT when `replicas`) in one pipeline; return the script's reply.
         A refused epoch is re-read once and the call redone; refused again, or not replicated in time, raises
@@ -88,8 +106,9 @@ class CommitFence:
             epoch = self.epoch() if attempt == 0 else self.refresh()
             pipe = client.pipeline(transaction=False)
             script(keys=[*keys, fence_key], args=[*args, epoch], client=pipe)
-            if self.replicas:
-                pipe.wait(self.replicas, self.ack_timeout_ms)
+            need = self._needed(client)
+            if need:
+                pipe.wait(need, self.ack_timeout_ms)
             try:
                 replies = pipe.execute()
             except redis.ResponseError as e:
@@ -106,10 +125,10 @@ class CommitFence:
                     "write fenced: epoch %s is older than the store's %s; re-reading it", epoch, _s(reply[1])
                 )
                 continue
-            if self.replicas and int(replies[1]) < self.replicas:
+            if need and int(replies[1]) < need:
                 self.stats["not_replicated"] += 1
                 raise StoreUnavailableError(
-                    f"the write reached {int(replies[1])} of {self.replicas} replicas within "
+                    f"the write reached {int(replies[1])} of {need} replicas within "
                     f"{self.ack_timeout_ms} ms; it does not count (retry)"
                 )
             return reply
@@ -117,6 +136,13 @@ class CommitFence:
             f"the coordination store fenced epoch {epoch} (a newer primary era exists) "
             "and the epoch read again is no newer"
         )
+
+
+def online_replicas(client: Any) -> int:
+    """How many replicas the primary has online (INFO replication: `slaveN` entries in state online)."""
+    info = client.info("replication")
+    return sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
+               and v.get("state") == "online")
 
 
 def _s(v: Any) -> str:

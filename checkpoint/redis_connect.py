@@ -46,6 +46,7 @@ class RedisOptions:
     failover_s: float = 10.0  # commands retry on connection errors this long (a failover's duration)
     replicas_to_ack: int = 0  # a begin/commit counts once this many replicas have it (Redis WAIT)
     ack_timeout_ms: int = 1000  # how long WAIT waits for them
+    ack_all_online: bool = True  # ... and for every replica online, if more (checkpoint/commit_fence.py)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

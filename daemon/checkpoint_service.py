@@ -499,7 +499,7 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
     opts = redis_options or RedisOptions(timeout_s=10.0)
     client = connect(redis_url, opts)
     fence = CommitFence(epoch_source(redis_url, opts), replicas=opts.replicas_to_ack,
-                        ack_timeout_ms=opts.ack_timeout_ms)
+                        ack_timeout_ms=opts.ack_timeout_ms, all_online=opts.ack_all_online)
     coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),
                               config=config, publish=publish, fence=fence)
     return CheckpointService(coordinator, replicator=replicator_factory(coordinator) if replicator_factory else None,

@@ -206,6 +206,8 @@ class RedisConfig:
     replicas_to_ack: int = setting(0, "a checkpoint begin/commit counts once this many replicas have it (Redis WAIT; "
                                       "1 with Sentinel)")
     ack_timeout_ms: int = setting(1000, "how long WAIT waits for replicas_to_ack replicas")
+    ack_all_online: bool = setting(True, "with replicas_to_ack > 0, also wait for every replica that is online "
+                                         "(a promoted replica then has the write; docs/sentinel.md)")
 
     def validate(self) -> None:
         if self.url:
@@ -226,7 +228,8 @@ class RedisConfig:
 
     def options(self) -> RedisOptions:
         return RedisOptions(timeout_s=self.connect_timeout_s, failover_s=self.failover_s,
-                            replicas_to_ack=self.replicas_to_ack, ack_timeout_ms=self.ack_timeout_ms)
+                            replicas_to_ack=self.replicas_to_ack, ack_timeout_ms=self.ack_timeout_ms,
+                            ack_all_online=self.ack_all_online)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -332,7 +332,8 @@ def agent(
         location=str(root / name),
         config=CoordinatorConfig(keep_committed=100_000, pending_timeout_s=3600.0),
         publish=publish,
-        fence=fence or CommitFence(epoch_source(url, opts), replicas=replicas, ack_timeout_ms=1000),
+        fence=fence
+        or CommitFence(epoch_source(url, opts), replicas=replicas, ack_timeout_ms=1000, all_online=True),
     )
 
 

@@ -163,3 +163,43 @@ def test_a_write_from_the_old_primary_era_cannot_land(cluster: SentinelCluster, 
         stale.begin(JOB, 2, 0, 2)
     assert stale.fence.stats["fenced"] == 2
     assert [i.step for i in fresh.list(JOB)] == [1], "the fenced begin left no record"
+
+
+def test_the_agent_runs_on_sentinel_and_rides_out_a_failover(cluster: SentinelCluster, short_tmp: Path) -> None:
+    """The real agent (`sdcwatch run --redis-url redis+sentinel://...`, WAIT for one replica): its events
+    stream and its checkpoint records land on the primary Sentinel names, and after the primary is killed a
+    rank's Begin is served by the new one."""
+    from agent_harness import AgentProcess
+    from checkpoint.agent_link import GrpcAgentLink
+    from checkpoint.errors import AgentUnavailableError
+
+    agent_proc = AgentProcess(short_tmp / "state", "--redis-url", cluster.url, "--hostname", "ha-node",
+                              env={"SDCWATCH_REDIS_REPLICAS_TO_ACK": "1", "SDCWATCH_NVML_ENABLED": "false",
+                                   "SDCWATCH_CANARY_ENABLED": "false"})
+    agent_proc.start(wait=False)
+    try:
+        agent_proc.wait_serving(60, service="sdcwatch.v1.Agent")
+        link = GrpcAgentLink.connect(str(agent_proc.socket), deadline_s=20)
+        assert link.begin("ha-agent", 1, 0, 2).state == "PENDING"
+        primary = cluster.primary_port()
+        pr = redis.Redis(port=primary)
+        assert pr.hget("sdcw:ckpt:{ha-agent}:s:1", "state") == b"PENDING"
+        assert wait_for(lambda: pr.xlen("sdcwatch:events:ha-node") >= 1, 30, "the agent's events in the stream")
+        cluster.kill(primary)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert link.begin("ha-agent", 2, 0, 2).state == "PENDING"
+                break
+            except AgentUnavailableError:
+                assert time.monotonic() < deadline, "the agent never served a Begin after the failover"
+                time.sleep(0.2)
+        new = cluster.primary_port()
+        assert new != primary
+        assert redis.Redis(port=new).hget("sdcw:ckpt:{ha-agent}:s:2", "state") == b"PENDING"
+        assert redis.Redis(port=new).hget("sdcw:ckpt:{ha-agent}:s:1", "state") == b"PENDING", "replicated"
+        link.channel.close()
+    finally:
+        # the exit code is not asserted: after a failover the agent's stop sometimes waits on its Redis-stream
+        # task until the harness kills it (seen 2 runs in 4 on this machine; reported with issue 24's work)
+        agent_proc.stop()
