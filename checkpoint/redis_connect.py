@@ -63,12 +63,22 @@ class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
     """Reconnects through the Sentinels. redis-py 8.1 reconnects a dropped connection inside
     `send_packed_command` straight to its cached address, so the retry after a failover dials the dead
     primary until its retries run out (measured: 15 s of refused connects with `failover_s` 15, against
-    2.5 s with this class). `connect()` asks the Sentinels for the primary first."""
+    2.5 s with this class). `connect()` asks the Sentinels for the primary first.
+
+    And checks that the server it reached is the primary (`ROLE`): a Sentinel that has not heard of the
+    failover yet names the old primary, which, restarted, answers reads from an empty data set until it
+    has resynced as a replica (tests/test_sentinel_ha.py saw "no checkpoint at step N" from such a read)."""
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         if not self._sock:
             self.connect()
         super().send_packed_command(command, check_health)
+
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        super().on_connect_check_health(check_health)
+        if self.connection_pool.is_master:
+            self.send_command("ROLE", check_health=False)
+            _check_primary(self.read_response(), self.host, self.port)
 
 
 class _AsyncSentinelConnection(redis.asyncio.sentinel.SentinelManagedConnection):
@@ -78,6 +88,18 @@ class _AsyncSentinelConnection(redis.asyncio.sentinel.SentinelManagedConnection)
         if not self.is_connected:
             await self.connect()
         await super().send_packed_command(command, check_health)
+
+    async def on_connect_check_health(self, check_health: bool = True) -> None:
+        await super().on_connect_check_health(check_health)
+        if self.connection_pool.is_master:
+            await self.send_command("ROLE", check_health=False)
+            _check_primary(await self.read_response(), self.host, self.port)
+
+
+def _check_primary(role: Any, host: Any, port: Any) -> None:
+    name = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+    if name != "master":
+        raise redis.ConnectionError(f"{host}:{port} is a {name}, not the primary (a Sentinel's stale answer)")
 
 
 def is_sentinel(url: str) -> bool:

@@ -119,7 +119,10 @@ class SentinelCluster:
         if replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(replica_of)]
         proc = self.procs[port] = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid())
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(os.getpid()),
         )
         c = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
         # ours, not another process that took the port (other tests pick free ports at the same time)
