@@ -109,10 +109,12 @@ def test_the_agent_loop_follows_the_gpu_table_and_survives_an_api_outage(server:
             "GPU-a", [Evidence("nvml", "xid", "79", State.FAILED, "XID 79", time.time())], time.time()
         )
         deadline = time.monotonic() + scaled(30)
-        while (server.condition(GPU_PROBLEM) or {}).get("status") != "True":
-            assert time.monotonic() < deadline, "the FAILED GPU never became a node condition"
+        # the status patch comes first, the taint patch right after it in the same push
+        while (server.condition(GPU_PROBLEM) or {}).get("status") != "True" or KEY not in [
+            t["key"] for t in server.taints()
+        ]:
+            assert time.monotonic() < deadline, "the FAILED GPU never became a node condition and taint"
             await asyncio.sleep(0.01)
-        assert KEY in [t["key"] for t in server.taints()]
         server.stop()  # the API goes away: pushes fail, are retried, the loop lives on
         gpus.clear("GPU-a", time.time(), by="test", why="replaced")
         await asyncio.sleep(0.5)
