@@ -39,6 +39,16 @@ class PendingDirective:
     delivered: set[int] = dataclasses.field(default_factory=set)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class MismatchIncident:
+    """Replicas disagreed from `first_step` on (one incident: open until the job restores a step before it).
+    The rollback planner turns it into a directive to the newest VERIFIED checkpoint older than `first_step`,
+    replaying the batches since (a hardware fault, not bad data: nothing to skip)."""
+    first_step: int
+    method: str       # the vote's: "all_disagreeing" (two replicas, or no majority), or "majority"
+    replicas: int
+
+
 @dataclasses.dataclass(slots=True)
 class JobState:
     job_id: str
@@ -74,6 +84,7 @@ class JobState:
     compute_seen: collections.deque[tuple[int, str, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))       # (step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
+    mismatch_from: int | None = None   # the first step of the open replica-mismatch incident
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,7 +95,7 @@ class ReportOutcome:
     mismatch: bool = False
     job_events: list[tuple[int | None, str, str]] = dataclasses.field(default_factory=list)  # for checkpoints
     # (index in `findings` of the loss event that asks for a rollback plan, the event)
-    rollbacks: list[tuple[int, LossEvent]] = dataclasses.field(default_factory=list)
+    rollbacks: list[tuple[int, LossEvent | MismatchIncident]] = dataclasses.field(default_factory=list)
     directives: list[pb.Directive] = dataclasses.field(default_factory=list)   # for the reporting rank
     evicted: list[str] = dataclasses.field(default_factory=list)   # jobs forgotten to make room for this one
 
@@ -255,6 +266,8 @@ class JobTracker:
         if restored in job.restores_seen:
             return
         job.restores_seen.append(restored)
+        if job.mismatch_from is not None and restored < job.mismatch_from:
+            job.mismatch_from = None   # back before the incident: a later mismatch is a new one
         pending = job.directive
         if pending is not None and pending.directive.target_step <= restored < pending.anomaly_start:
             # the job already went back to before that anomaly (e.g. for a replica mismatch)
@@ -325,13 +338,19 @@ class JobTracker:
         job.mismatch_steps.append(vote.step)
         job.state = State.SUSPECT
         job.reason = f"replica mismatch at step {vote.step}"
+        first = job.mismatch_from is None or vote.step < job.mismatch_from
+        if first:
+            job.mismatch_from = vote.step
         names = ", ".join(f"rank {s['rank']} on {s['host'] or '?'} GPU {s['gpu_uuid'] or '?'}" for s in suspects)
         out.findings.append(Finding(
             ek.REPLICA_MISMATCH, Severity.CRITICAL, f"job/{req.job_id}",
             f"replica vote at step {vote.step}: suspect {names}",
             {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
              "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
-             "reported_by_rank": req.rank}))
+             "reported_by_rank": req.rank, "incident_from_step": job.mismatch_from}))
+        if first and self.rollback is not None:   # one plan per incident (its first step), not one per step
+            out.rollbacks.append((len(out.findings) - 1,
+                                  MismatchIncident(vote.step, vote.method, vote.replicas)))
 
     def _checks_clean(self, job: JobState, rank: int, step: int, world: int, out: ReportOutcome) -> None:
         """A rank without replicas ran its in-step checks at `step` (a bad finding, if any, was added first).

@@ -1,6 +1,11 @@
 """Rollback planning: a critical loss event (sustained, divergence, non-finite mean, loss-scale collapse)
 becomes a directive to roll back to the newest VERIFIED checkpoint older than the anomaly's start and skip
-the batches after it (`probes.loss_detector.RollbackPolicy`, pure).
+the batches after it (`probes.loss_detector.RollbackPolicy`, pure). A replica-mismatch incident
+(`daemon.jobs.MismatchIncident`) becomes a directive to the newest VERIFIED checkpoint older than its first
+mismatching step, replaying the batches since (skip 0: the fault was the hardware's, not the data's). Ranks
+that repair in place (checksums.replica_recovery, 3+ replicas with a majority) go back past the incident's
+step without it: the tracker drops a directive the job no longer needs (`JobTracker._restored`), and a rank
+ignores a directive older than its own recovery.
 
 The job tracker asks for a plan (`ReportOutcome.rollbacks`, daemon/jobs.py); planning reads the job's
 checkpoints (Redis, off the event loop), so it runs as a background task; the directive goes back to the
@@ -14,7 +19,7 @@ from typing import Protocol
 
 from daemon.background import Background
 from daemon.events import Publisher
-from daemon.jobs import JobTracker
+from daemon.jobs import JobTracker, MismatchIncident
 from probes.loss_detector import LossEvent, RollbackPolicy
 from sdcwatch import event_kinds as ek
 from proto.sdcwatch.v1 import agent_pb2 as pb
@@ -35,12 +40,15 @@ class RollbackPlanner:
         self.publisher = publisher
         self.background = background
 
-    def request(self, job: str, ev: LossEvent, event_seq: int) -> None:
-        """Plan a rollback for the loss event journaled as `event_seq` (in the background)."""
+    def request(self, job: str, ev: LossEvent | MismatchIncident, event_seq: int) -> None:
+        """Plan a rollback for the anomaly journaled as `event_seq` (in the background)."""
         self.background.start(self.plan(job, ev, event_seq), name=f"rollback-plan-{job}")
 
-    async def plan(self, job: str, ev: LossEvent, seq: int) -> None:
+    async def plan(self, job: str, ev: LossEvent | MismatchIncident, seq: int) -> None:
         verified = await asyncio.to_thread(self.checkpoints.verified_steps, job)
+        if isinstance(ev, MismatchIncident):
+            self._plan_mismatch(job, ev, seq, verified)
+            return
         decision = self.policy.decide(ev, verified)
         if decision is None:
             self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
@@ -56,3 +64,21 @@ class RollbackPlanner:
                                f"batches ({decision.reason})",
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
                                 "cause_seq": seq})
+
+    def _plan_mismatch(self, job: str, inc: MismatchIncident, seq: int, verified: list[int]) -> None:
+        older = [s for s in verified if s < inc.first_step]
+        if not older:
+            self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
+                                   f"replicas disagree from step {inc.first_step} and no VERIFIED checkpoint is "
+                                   "older to roll back to",
+                                   {"job_id": job, "anomaly_start": inc.first_step, "verified": verified[-8:]})
+            return
+        target = max(older)
+        reason = (f"replica mismatch from step {inc.first_step} ({inc.method}, {inc.replicas} replicas): roll "
+                  f"back to verified step {target} and replay the batches since")
+        directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=target, skip_batches=0,
+                                 reason=reason, event_seq=seq)
+        self.jobs.set_directive(job, directive, inc.first_step, time.time())
+        self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step "
+                               f"{target}, skip 0 batches ({reason})",
+                               {"job_id": job, "target_step": target, "skip_batches": 0, "cause_seq": seq})

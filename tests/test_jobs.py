@@ -232,3 +232,57 @@ def test_ranks_without_replicas_tell_the_checkpoints_their_checks_ran_clean() ->
     out = tracker.report(pb.ReportStepRequest(job_id="g", rank=0, world_size=1, step=1, fingerprint=[1],
                                               replica_group="world"), 1.0)
     assert not [e for e in out.job_events if e[1] == "checks_clean"]
+
+
+def _vote(step: int, rank: int, agreed: bool) -> pb.ReportStepRequest:
+    req = pb.ReportStepRequest(job_id="m", rank=rank, world_size=2, step=step + 1, replica_group="world")
+    req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = True, agreed, step, 2
+    req.vote.method = "majority" if agreed else "all_disagreeing"
+    if not agreed:
+        req.vote.suspects.add(rank=0, host="h", gpu_uuid="GPU-0")
+        req.vote.suspects.add(rank=1, host="h", gpu_uuid="GPU-1")
+    return req
+
+
+def test_a_replica_mismatch_incident_asks_for_one_rollback_to_before_its_first_step(tmp_path: Path) -> None:
+    """Issue 18 item 2: a mismatch yields a rollback directive (it never did), once per incident, to the newest
+    VERIFIED checkpoint older than the first mismatching step, replaying the batches (skip 0)."""
+    async def run() -> tuple[list, JobTracker, int]:
+        journal = Journal(tmp_path / "journal").open()
+        bus = EventBus(journal, host="n0")
+        bus.bind_loop(asyncio.get_running_loop())
+        background = Background()
+        tracker = JobTracker(rollback=RollbackPolicy())
+        planner = RollbackPlanner(RollbackPolicy(), checkpoints=Verified([50, 100]), jobs=tracker,
+                                  publisher=bus, background=background)
+        requests = 0
+        for step in range(95, 130):
+            for rank in (0, 1):
+                out = tracker.report(_vote(step, rank, agreed=step < 100), float(step))
+                published = [bus.publish_finding(f) for f in (out.findings if out else [])]
+                for index, ev in (out.rollbacks if out else []):
+                    requests += 1
+                    event = published[index]
+                    planner.request("m", ev, event.seq if event else 0)
+        while len(background):
+            await asyncio.sleep(0.01)
+        await background.cancel()
+        journal.close()
+        return [(e.kind, dict(e.details)) for e in bus.recent(0) or []], tracker, requests
+
+    events, tracker, requests = asyncio.run(run())
+    assert requests == 1, "one incident, one plan"
+    directives = [d for k, d in events if k == "job.rollback_directive"]
+    assert len(directives) == 1 and directives[0]["target_step"] == 50 and directives[0]["skip_batches"] == 0
+    mismatch = [d for k, d in events if k == "replica.mismatch"]
+    assert len(mismatch) == 1, "repeats folded into the first event (the catalogue's fold_s)"
+    # each rank is handed the directive once
+    job = tracker.jobs["m"]
+    assert job.directive is not None and job.directive.anomaly_start == 100
+    got = [tracker.report(_vote(130, r, agreed=False), 200.0) for r in (0, 1, 0)]
+    assert [len(o.directives) if o else 0 for o in got] == [1, 1, 0]
+    # the job restores 50: the incident is closed; a new mismatch later is a new incident
+    tracker.report(pb.ReportStepRequest(job_id="m", rank=0, world_size=2, step=51), 201.0)
+    assert job.mismatch_from is None
+    out = tracker.report(_vote(140, 0, agreed=False), 202.0)
+    assert out is not None and len(out.rollbacks) == 1 and out.rollbacks[0][1].first_step == 140
