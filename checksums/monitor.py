@@ -828,6 +828,11 @@ class Monitor:
         return list(self._events)
 
     @property
+    def replica_group(self) -> Any:
+        """The process group the replica vote runs over, or None (no replicas, or the vote is off)."""
+        return self._group
+
+    @property
     def last_vote(self) -> StepVote | None:
         return self._last_vote
 

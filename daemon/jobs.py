@@ -85,6 +85,7 @@ class JobState:
         default_factory=lambda: collections.deque(maxlen=256))       # (step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
     mismatch_from: int | None = None   # the first step of the open replica-mismatch incident
+    mismatch_planned: bool = False     # its rollback plan was asked for
 
 
 @dataclasses.dataclass(slots=True)
@@ -138,6 +139,12 @@ class JobTracker:
         job = self.jobs.get(job_id)
         if job is not None:   # forgotten meanwhile: nobody left to tell
             job.directive = PendingDirective(directive, now, anomaly_start)
+
+    def mismatch_open(self, job_id: str, first_step: int) -> bool:
+        """Is the replica-mismatch incident that began at `first_step` still open (the job has not gone back
+        before it since, by a repair or a rollback of its own)?"""
+        job = self.jobs.get(job_id)
+        return job is not None and job.mismatch_from == first_step
 
     def report(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome | None:
         """Account one accepted report. Returns None when it needs nothing more than that (nearly every
@@ -267,7 +274,7 @@ class JobTracker:
             return
         job.restores_seen.append(restored)
         if job.mismatch_from is not None and restored < job.mismatch_from:
-            job.mismatch_from = None   # back before the incident: a later mismatch is a new one
+            job.mismatch_from, job.mismatch_planned = None, False   # back before it: a later one is new
         pending = job.directive
         if pending is not None and pending.directive.target_step <= restored < pending.anomaly_start:
             # the job already went back to before that anomaly (e.g. for a replica mismatch)
@@ -323,6 +330,9 @@ class JobTracker:
             out.job_events.append((vote.step, "vote_agreed" if vote.agreed else "vote_mismatch",
                                    "" if vote.agreed else f"replica vote disagreed ({vote.method})"))
         if vote.agreed:
+            if job.mismatch_from is not None and vote.step > job.mismatch_from:
+                job.mismatch_from = None   # the replicas agree again (repaired in place): the incident is over
+                job.mismatch_planned = False
             return
         out.mismatch = vote.step not in job.mismatch_steps
         suspects = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in vote.suspects]
@@ -338,9 +348,11 @@ class JobTracker:
         job.mismatch_steps.append(vote.step)
         job.state = State.SUSPECT
         job.reason = f"replica mismatch at step {vote.step}"
-        first = job.mismatch_from is None or vote.step < job.mismatch_from
-        if first:
-            job.mismatch_from = vote.step
+        if job.mismatch_from is None or vote.step < job.mismatch_from:
+            job.mismatch_from, job.mismatch_planned = vote.step, False
+        # one plan per incident: at once without a majority (two replicas); with a majority the ranks may
+        # repair in place (checksums.replica_recovery) at the next update, so only if it still disagrees after
+        plan = not job.mismatch_planned and (vote.method != "majority" or vote.step > job.mismatch_from + 1)
         names = ", ".join(f"rank {s['rank']} on {s['host'] or '?'} GPU {s['gpu_uuid'] or '?'}" for s in suspects)
         out.findings.append(Finding(
             ek.REPLICA_MISMATCH, Severity.CRITICAL, f"job/{req.job_id}",
@@ -348,9 +360,10 @@ class JobTracker:
             {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
              "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
              "reported_by_rank": req.rank, "incident_from_step": job.mismatch_from}))
-        if first and self.rollback is not None:   # one plan per incident (its first step), not one per step
+        if plan and self.rollback is not None:
+            job.mismatch_planned = True
             out.rollbacks.append((len(out.findings) - 1,
-                                  MismatchIncident(vote.step, vote.method, vote.replicas)))
+                                  MismatchIncident(job.mismatch_from, vote.method, vote.replicas)))
 
     def _checks_clean(self, job: JobState, rank: int, step: int, world: int, out: ReportOutcome) -> None:
         """A rank without replicas ran its in-step checks at `step` (a bad finding, if any, was added first).

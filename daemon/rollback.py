@@ -66,6 +66,8 @@ class RollbackPlanner:
                                 "cause_seq": seq})
 
     def _plan_mismatch(self, job: str, inc: MismatchIncident, seq: int, verified: list[int]) -> None:
+        if not self.jobs.mismatch_open(job, inc.first_step):
+            return   # the ranks already went back before it (their own rollback or repair): nothing to do
         older = [s for s in verified if s < inc.first_step]
         if not older:
             self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from daemon.background import Background
 from daemon.events import EventBus
-from daemon.jobs import DIRECTIVE_TTL_S, JobTracker
+from daemon.jobs import DIRECTIVE_TTL_S, JobTracker, ReportOutcome
 from daemon.journal import Journal
 from daemon.rollback import RollbackPlanner
 from probes.loss_detector import RollbackPolicy
@@ -286,3 +286,23 @@ def test_a_replica_mismatch_incident_asks_for_one_rollback_to_before_its_first_s
     assert job.mismatch_from is None
     out = tracker.report(_vote(140, 0, agreed=False), 202.0)
     assert out is not None and len(out.rollbacks) == 1 and out.rollbacks[0][1].first_step == 140
+
+
+def test_with_a_majority_the_ranks_get_one_update_to_repair_before_a_rollback_is_planned() -> None:
+    def vote(tracker: JobTracker, step: int, agreed: bool) -> ReportOutcome | None:
+        req = pb.ReportStepRequest(job_id="h", rank=0, world_size=3, step=step + 1, replica_group="world")
+        req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = True, agreed, step, 3
+        req.vote.method = "majority"
+        if not agreed:
+            req.vote.suspects.add(rank=2, host="h", gpu_uuid="GPU-2")
+        return tracker.report(req, 1.0)
+
+    repaired = JobTracker(rollback=RollbackPolicy())
+    assert not vote(repaired, 5, False).rollbacks, "the next update may repair it in place"
+    vote(repaired, 6, True)
+    assert repaired.jobs["h"].mismatch_from is None, "agreeing again closes the incident"
+    stuck = JobTracker(rollback=RollbackPolicy())
+    assert not vote(stuck, 5, False).rollbacks and not vote(stuck, 6, False).rollbacks
+    (_, inc), = vote(stuck, 7, False).rollbacks
+    assert inc.first_step == 5 and inc.method == "majority"
+    assert not vote(stuck, 8, False).rollbacks, "one plan per incident"
