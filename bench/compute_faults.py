@@ -200,9 +200,13 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             corrupt(target.weight.data, case)
         monitor.step()
         for f in checks.findings:
-            if f.step >= fault_step and "compute" not in caught:
+            first = caught.get("compute")
+            # the finding that names a rank wins over a cleared one of the same step (two ranks: both are
+            # suspects, the replays clear one and name the other)
+            if f.step >= fault_step and (first is None or (not first["named"] and f.faulty
+                                                            and first["step"] == f.step)):
                 caught["compute:" + f.detector] = {"step": f.step, "named": list(f.faulty), "cause": f.cause,
-                                                   "dropped": f.dropped}
+                                                   "dropped": f.dropped, "detector": f.detector}
                 caught["compute"] = caught["compute:" + f.detector]
         checks.findings.clear()
         for ev in monitor.events:
@@ -299,11 +303,11 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         if name in ("clean", "overhead"):
             continue
         c = r["caught"]
-        det = next((k for k in c if k.startswith("compute:")), None) or ("vote" if "vote" in c else None)
+        det = ("compute:" + c["compute"]["detector"]) if "compute" in c else ("vote" if "vote" in c else None)
         if det is None:
             lines.append(f"{name:34} {'-':17} {'no':6}")
             continue
-        hit = c[det]
+        hit = c["compute"] if det != "vote" else c["vote"]
         named = hit["named"]
         lines.append(f"{name:34} {det:17} {'yes':6} {hit['step'] - fault_step:<5} "
                      f"{('yes ' if named == [fault_rank] else 'NO ') + str(named):10} "
