@@ -65,6 +65,7 @@ EVENT_KINDS: dict[tuple[str, str], EventKind] = {
 
 _MEDIAN_EFFICIENCY = 1.2533  # sd(median of n) ~ 1.2533 * sigma / sqrt(n) for normal noise
 _MAD_TO_SIGMA = 1.4826
+_SLOPE_SHRINK_T2 = 2.25        # a trend slope within 1.5 standard errors of 0 counts as none
 _CLIP_Z = 3.0                  # accepted samples enter the trend clipped to this many sigmas around it
 _RAMP_PATIENCE = 10            # a still-rising excursion may stay open this many patience_steps
 _LEVEL_FLOOR = math.log(1.01)   # no excursion under 1%, whatever the noise (min_sigma's counterpart)
@@ -274,16 +275,23 @@ class _Trend:
         self._since = 0
         self.s1 = self.s2 = self.sx = self.stx = 0.0
 
-    def line(self, min_fit: int) -> _Line:
-        """The fitted line; with fewer than `min_fit` samples (or all on one step): their median, flat."""
+    def line(self, min_fit: int, sigma: float) -> _Line:
+        """The fitted line; with fewer than `min_fit` samples (or all on one step): their median, flat. The
+        slope is shrunk towards 0 by its own uncertainty (noise `sigma`): a slope within 1.5 standard
+        errors of 0 is none (a flat curve, a line refitted on few samples after a shift, must not be extrapolated
+        as a decline), one many standard errors wide (the steep early decline) is kept."""
         n = len(self.pts)
         den = n * self.s2 - self.s1 * self.s1
         if n < min_fit or den <= 1e-12 * max(1e-12, self.s2) * n:
             xs = sorted(x for _, x in self.pts)
             return _Line(self.ref, _median_of_sorted(xs), 0.0, n, self.ref, 0.0)
+        sxx = den / n
         b = (n * self.stx - self.s1 * self.sx) / den
-        a = (self.sx - b * self.s1) / n
-        return _Line(self.ref, a, b, n, self.ref + self.s1 / n, den / n)
+        t2 = b * b * sxx / (sigma * sigma)          # (slope / its standard error)^2
+        b *= max(0.0, 1.0 - _SLOPE_SHRINK_T2 / t2) if t2 > 0 else 0.0
+        ubar = self.ref + self.s1 / n
+        a = self.sx / n - b * (ubar - self.ref)
+        return _Line(self.ref, a, b, n, ubar, sxx)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -417,7 +425,7 @@ class _SignalTracker:
         """The expected log value at `step` (default: the last accepted one): the trend line, or the
         frozen one of an open episode. StatisticsError when no sample was accepted."""
         ep = self.episode
-        line = ep.line if ep is not None else self.trend.line(self.cfg.trend_min_samples)
+        line = ep.line if ep is not None else self.trend.line(self.cfg.trend_min_samples, self.sigma())
         if step is None:
             return line.a + line.b * (min(self.trend.pts[-1][0] if self.trend.pts else 0.0, line.until) - line.ref)
         return line.predict(step)
@@ -447,35 +455,43 @@ class _SignalTracker:
         a bump under the thresholds does not tilt the line) into the trend."""
         self.accepted.append(x)
         self.trend.add(_u(step) if u is None else u, x if clip is None else min(max(x, clip[0]), clip[1]))
+        if len(self.trend.pts) == self.cfg.trend_min_samples:   # the line gets its slope: from clipped samples
+            self._refit(list(self.trend.pts))
         self._accepted_count += 1
 
     def _adopt(self, since: int, clear_divergence: bool) -> None:
         """Adopt the samples from step `since` on as the new level: the trend restarts from them (the
         noise scale is kept: a level shift does not change the noise)."""
-        pts = [(_u(st), x) for st, x in self.history if st >= since]
-        clip = _CLIP_Z * self.sigma()        # a spike among them must not tilt the new line: fit, clip, refit
-        first = _Trend(len(pts) or 1)
-        for u, x in pts:
-            first.add(u, x)
-        self.trend.clear()
-        if pts:
-            rough = first.line(self.cfg.trend_min_samples)
-            for u, x in pts:
-                mid = rough.a + rough.b * (u - rough.ref)
-                self.trend.add(u, min(max(x, mid - clip), mid + clip))
+        self._refit([(_u(st), x) for st, x in self.history if st >= since])
         self.episode = None
         if clear_divergence:
             self.block.clear()
             self.div = _Divergence()
 
+    def _refit(self, pts: Sequence[tuple[float, float]]) -> None:
+        """The trend through `pts` (u, x), clipped to 3 sigmas of a robust first fit through them: a spike
+        among them (a blip on the first sample of a job, a decaying spike's tail) must not tilt the line."""
+        clip = _CLIP_Z * self.sigma()
+        self.trend.clear()
+        if not pts:
+            return
+        # Theil-Sen (the median of the pairwise slopes): O(n^2), only when the trend is rebuilt
+        slopes = sorted((x2 - x1) / (u2 - u1) for i, (u1, x1) in enumerate(pts) for u2, x2 in pts[i + 1:]
+                        if u2 > u1)
+        b = _median_of_sorted(slopes) if len(pts) >= self.cfg.trend_min_samples and slopes else 0.0
+        a = statistics.median(x - b * u for u, x in pts)
+        for u, x in pts:
+            mid = a + b * u
+            self.trend.add(u, min(max(x, mid - clip), mid + clip))
+
     def restart(self) -> None:
-        """A restart from a checkpoint: forget open anomalies and the samples after the restart."""
+        """A restart from a checkpoint: forget open anomalies and the samples after the restart (the trend
+        line and the noise scale stay: they describe the steps being replayed)."""
         self.episode = None
         self.recent.clear()
         self.block.clear()
         self.div.armed = 0
-        self.trend.clear()
-        self.history.clear()
+        self.history.clear()      # the trend stays: the steps replayed are ones it has seen
 
     def _onset(self, ep: _Episode, until: int, s: float) -> int:
         """Where the excursion began: the last minimum of the cumulative residual above the frozen
@@ -512,7 +528,7 @@ class _SignalTracker:
             return events
         ep = self.episode
         s = self.sigma()
-        line = ep.line if ep is not None else self.trend.line(cfg.trend_min_samples)
+        line = ep.line if ep is not None else self.trend.line(cfg.trend_min_samples, s)
         b = line.predict(step)
         pvar = line.var(step)
         r = x - b
@@ -534,7 +550,7 @@ class _SignalTracker:
 
         if ep is None:
             if not (is_spike or is_elev):
-                clip = _CLIP_Z * s * math.sqrt(1.0 + pvar)
+                clip = _CLIP_Z * s * math.sqrt(1.0 + pvar)   # (a median over few samples: not clipped)
                 self._accept(step, x, (b - clip, b + clip) if line.sxx > 0.0 else None, u)
                 self._follow_drop(step, level, elev_thr)
                 return events
@@ -609,7 +625,8 @@ class _SignalTracker:
                     f"{rules.signal} level shift: {math.exp(run_level):.3f}x its baseline {math.exp(b):.6g} "
                     f"for {step - start} steps (since step {start}; {run_level / s:.0f} sigma of its noise), "
                     f"under the {rules.sustained_ratio}x of a critical excursion; adopted as the new level"))
-                self._adopt(ep.elevated_since, clear_divergence=False)
+                # the new level is where the run ended (its start may still carry a decaying spike's tail)
+                self._adopt(max(ep.elevated_since, step - cfg.level_steps), clear_divergence=False)
                 return events
             if not is_elev:      # the run did not hold: wait for a new one
                 ep.elevated_since, ep.run_residuals = None, []
@@ -617,8 +634,7 @@ class _SignalTracker:
             # neither recovered nor escalated: the level is adopted (an episode never stays open)
             log.debug("%s: excursion since step %d neither recovered nor held: adopted as the level",
                       rules.signal, ep.start_step)
-            self._adopt(ep.elevated_since if ep.elevated_since is not None else ep.start_step,
-                        clear_divergence=False)
+            self._adopt(step - cfg.level_steps, clear_divergence=False)
         return events
 
     def _follow_drop(self, step: int, level: float, thr: float) -> None:
