@@ -23,7 +23,7 @@ def _batch(rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
-def _run(rank: int, batches: list[int], flip: bool, recover: bool) -> dict[str, Any]:
+def _run(rank: int, batches: list[int], flip: bool, recover: bool, world: int = WORLD) -> dict[str, Any]:
     from checksums.monitor import Monitor
     from checksums.replica_recovery import ReplicaRecovery
 
@@ -39,7 +39,7 @@ def _run(rank: int, batches: list[int], flip: bool, recover: bool) -> dict[str, 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if flip and index == FLIP_STEP and rank == WORLD - 1:
+        if flip and index == FLIP_STEP and rank == world - 1:
             with torch.no_grad():
                 model[0].weight.view(torch.int32).view(-1)[3] ^= 1 << 20
         monitor.step(loss.detach())
@@ -54,10 +54,14 @@ def _run(rank: int, batches: list[int], flip: bool, recover: bool) -> dict[str, 
     return out
 
 
-def _worker(rank: int, store: str, outdir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+def _worker(rank: int, store: str, outdir: str, world: int = WORLD) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
+        if world == 2:
+            out = _run(rank, list(range(1, STEPS + 1)), flip=True, recover=True, world=2)
+            Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+            return
         faulty = _run(rank, list(range(1, STEPS + 1)), flip=True, recover=True)
         skipped = set(faulty["skipped"])
         clean = _run(rank, [i for i in range(1, STEPS + 1) if i not in skipped], flip=False, recover=False)
@@ -77,3 +81,14 @@ def test_three_replicas_repair_in_place_and_match_a_clean_run_that_skipped_the_b
         assert f["step"] == STEPS, "training went on; the vetoed step kept its number"
         assert f["state"] == r["clean"]["state"], "bit-identical to a clean run that skipped that batch"
     assert res[0]["faulty"]["state"] == res[WORLD - 1]["faulty"]["state"]
+
+
+def test_two_replicas_hold_every_update_until_the_rollback(tmp_path: Path) -> None:
+    """No majority: nothing is repaired; the gate vetoes every update while the replicas differ (the agent's
+    rollback directive, tested in test_jobs.py, brings them back), so no update mixes the odd replica in."""
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), 2), nprocs=2, join=True)
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["skipped"] == list(range(FLIP_STEP + 1, STEPS + 1))
+        assert res["repairs"] and not any(ok for *_, ok in res["repairs"])
+        assert res["repairs"][0][:3] == [FLIP_STEP, FLIP_STEP + 1, -1]
