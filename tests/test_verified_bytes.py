@@ -41,11 +41,12 @@ class FlipAfterCopy:
         return self.link.commit_shard(*a, **kw)
 
 
-def save_replicas(co: Coordinator, job: str, step: int, world: int, flip_rank: int | None = None,
-                  replica_set: str = "world") -> list:
+def save_replicas(co: Coordinator | list[Coordinator], job: str, step: int, world: int,
+                  flip_rank: int | None = None, replica_set: str = "world") -> list:
     out = []
     for r in range(world):
-        link: Any = FlipAfterCopy(co, 100) if r == flip_rank else co
+        mine = co[r % len(co)] if isinstance(co, list) else co   # a list: rank r commits through node r
+        link: Any = FlipAfterCopy(mine, 100) if r == flip_rank else mine
         snap = Snapshotter(link, job, r, world, SnapshotConfig(chunk_bytes=4096, staging="private"),
                            replica_set=replica_set)
         if r == flip_rank:
@@ -123,3 +124,17 @@ def test_compare_rules() -> None:
 def _pb(info: Any) -> Any:
     from daemon.checkpoint_service import info_to_pb
     return info_to_pb(info)
+
+
+def test_two_agents_sharing_one_redis_compare_the_replicas_of_both_nodes(redis_server, tmp_path: Path) -> None:
+    """Replicas on two nodes: each rank commits through its own node's agent; whichever commits last compares
+    every rank's manifest (they are in the shared Redis), and either node sees the verdict."""
+    n0, n1 = node(redis_server.port, tmp_path, "n0"), node(redis_server.port, tmp_path, "n1")
+    job = job_id()
+    save_replicas([n0, n1], job, 10, 2)
+    save_replicas([n0, n1], job, 20, 2, flip_rank=1)
+    n1.on_job_event(job, 20, "vote_agreed", time.time())   # the votes may come through either agent
+    for co in (n0, n1):
+        assert [(i.step, i.state) for i in co.list(job)] == [(10, "VERIFIED"), (20, "COMMITTED")]
+    assert "odd ranks 0,1" in n0.info(job, 20).vouched_by
+    assert n0.stats["replicas_differ"] + n1.stats["replicas_differ"] == 1, "compared once, by the last commit"
