@@ -259,6 +259,7 @@ class Monitor:
         self._last_suspects: tuple[int, ...] = ()
         self._directives: collections.deque[Directive] = collections.deque(maxlen=64)
         self._seen_directive_seqs: collections.deque[int] = collections.deque(maxlen=256)
+        self._agreed_seq = -1                  # the newest directive agreed across the ranks (agreed_directive)
         self._agent_down_said = False
         self._report_error_said = False
         self._read_errors = 0
@@ -822,6 +823,32 @@ class Monitor:
     def pending_directive(self) -> Directive | None:
         """The oldest directive from the agent not yet taken (a `checksums.reporter.Directive`), or None."""
         return self._directives.popleft() if self._directives else None
+
+    def agreed_directive(self) -> Directive | None:
+        """A directive every rank acts on at the same iteration: a collective over the world group (call it on
+        every rank at the same point of the loop). The agent hands a directive to each rank in its own next
+        reply, so ranks see it at different iterations; acting on `pending_directive()` alone would restore
+        some ranks a step before the others. Here the ranks all_reduce (MAX) the newest directive any of them
+        holds (event seq, kind, target, skip: the same on every rank that has it), so all get it now; a copy
+        that reaches a rank later is ignored. Costs one all_reduce of 4 int64 (on NCCL, and its read a host
+        sync): call it every few steps if that matters. Without torch.distributed: `pending_directive()`."""
+        self._poll_directives()
+        mine = self._directives.popleft() if self._directives else None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return mine
+        device = self.device if str(dist.get_backend()).lower() == "nccl" else torch.device("cpu")
+        row = [0, 0, 0, 0] if mine is None else [int(mine.event_seq) + 1, int(mine.kind),
+                                                 int(mine.target_step) + 1, int(mine.skip_batches)]
+        t = torch.tensor(row, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seq1, kind, target1, skip = (int(x) for x in t.tolist())
+        if seq1 == 0 or seq1 - 1 <= self._agreed_seq:
+            return None
+        self._agreed_seq = seq = seq1 - 1
+        self._seen_directive_seqs.append(seq)          # its copy, arriving later here, is not acted on again
+        self._directives = collections.deque((d for d in self._directives if int(d.event_seq) > seq), maxlen=64)
+        reason = mine.reason if mine is not None and int(mine.event_seq) == seq else "agreed across the ranks"
+        return Directive(kind=kind, target_step=target1 - 1, skip_batches=skip, reason=reason, event_seq=seq)
 
     @property
     def events(self) -> list[MonitorEvent]:
