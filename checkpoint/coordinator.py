@@ -111,10 +111,12 @@ if cur == nil or cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]
 return {1}
 """
 
-# Set fields (ARGV: field, value, ...) on a record that is still COMMITTED or VERIFIED.
+# Set fields (ARGV: field, value, ...) on a record that is still COMMITTED or VERIFIED and has no bytes_check
+# yet (two evaluations racing record and announce one verdict).
 _SET_IF_LIVE = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if st ~= 'COMMITTED' and st ~= 'VERIFIED' then return {0} end
+if redis.call('HEXISTS', KEYS[1], 'bytes_check') == 1 then return {0} end
 for i = 1, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return {1}
 """
@@ -531,7 +533,8 @@ class Coordinator:
         return check.verdict
 
     def _set_if_live(self, job_id: str, meta: str, fields: Mapping[str, str]) -> bool:
-        """Set `fields` on a record still COMMITTED or VERIFIED (fenced like every other write)."""
+        """Set `fields` on a record still COMMITTED or VERIFIED whose bytes were not judged yet (fenced like
+        every other write); False when another evaluation got there first or the record is gone."""
         args = [x for kv in fields.items() for x in kv]
         return bool(self.fence.run(self.redis, self._set_live, [meta], args, self._jk(job_id, "epoch"))[0])
 

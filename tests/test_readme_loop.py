@@ -1,0 +1,118 @@
+"""Issue 18 item 4: README.md's "In the training script" loop, extracted from the README and run as written
+(2 gloo ranks, a tiny model, the real agent on a temp socket), with one bit flipped in rank 1's weights after
+the update of step FLIP. Outcomes: the checkpoint holding the flip is never VERIFIED (its replicas' bytes
+differ); the vote gates the updates; the agent's rollback directive takes both ranks, at the same iteration,
+back to a VERIFIED checkpoint before the flip; the replicas are bit-identical at the end and later checkpoints
+are VERIFIED. Only `device="cuda"` becomes "cpu" (no GPU here)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from agent_harness import ROOT, AgentProcess, cli
+
+STEPS, FLIP = 200, 100
+
+
+def readme_loop() -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"In the training script[^\n]*\n\n```python\n(.*?)```", text, re.S)
+    assert m, "README.md has no python block after 'In the training script'"
+    return m.group(1).replace('device="cuda"', 'device="cpu"')
+
+
+def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
+    os.environ["SDCWATCH_SOCKET"] = socket
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"restores": []}
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        ddp_model = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        w_true = torch.linspace(-1, 1, 8).reshape(8, 1)        # a task the model learns smoothly
+        xs = [torch.randn(16, 8, generator=gen) for _ in range(STEPS)]
+        loader = [(x, x @ w_true) for x in xs]
+        g: dict[str, Any] = {"ddp_model": ddp_model, "model": model, "optimizer": optimizer, "rank": rank,
+                             "world_size": 2, "loader": loader}
+        flipped = []
+
+        def train_step(batch: Any) -> torch.Tensor:
+            x, y = batch
+            loss = ((ddp_model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            g["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            optimizer.step()
+            monitor = g["monitor"]
+            if rank == 1 and monitor.guard.step == FLIP and not flipped:
+                flipped.append(FLIP)
+                with torch.no_grad():
+                    model[0].weight.view(torch.int32).view(-1)[5] ^= 1 << 22
+            return loss
+
+        g["train_step"] = train_step
+        real_restore: Any = None
+
+        def recording_restore(target: Any, **kw: Any) -> Any:
+            out["restores"].append(target)
+            return real_restore(target, **kw)
+
+        code_main, _, _ = code.partition("batches = iter(loader)")
+        exec(code_main, g)                               # the imports, attach and connect
+        real_restore = g["ckpt"].restore
+        g["ckpt"].restore = recording_restore
+        exec("batches = iter(loader)" + code.partition("batches = iter(loader)")[2], g)   # the loop
+        g["ckpt"].wait(60)
+        g["monitor"].flush()
+        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        other = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(other, mine)
+        out["identical"] = bool(torch.equal(other[0].view(torch.int32), other[1].view(torch.int32)))
+        out["final_step"] = g["monitor"].step_count
+        g["monitor"].close()
+        g["ckpt"].close()
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -> None:
+    code = readme_loop()
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code), nprocs=2,
+                 join=True)
+        from checkpoint.agent_link import GrpcAgentLink
+        link = GrpcAgentLink.connect(agent.target, 10)
+        infos = link.list("llama-7b-run3")
+        link.close()
+        journal = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
+    finally:
+        agent.stop()
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["restores"] and all(t < FLIP for t in r["restores"]), r
+        assert r["identical"], "the replicas are bit-identical at the end"
+    assert res[0]["restores"] == res[1]["restores"], "both ranks restored the same step, together"
+    assert res[0]["final_step"] == res[1]["final_step"]
+    rolled = next(i for i, line in enumerate(journal) if "job.rollback " in line)
+    early = [line for line in journal[:rolled] if "checkpoint.verified" in line
+             and int(re.search(r"step (\d+) is VERIFIED", line).group(1)) >= FLIP]
+    assert not early, f"a checkpoint holding the flip was VERIFIED: {early}"
+    assert any("job.rollback_directive" in line and "replica mismatch from step" in line for line in journal)
+    assert sum("critical replica.mismatch" in line for line in journal) == 1, "one incident, one event"
+    states = {i.step: i.state for i in infos}
+    assert states, "checkpoints listed"
+    after = [s for s, st in states.items() if s > res[0]["restores"][-1]]
+    assert after and all(states[s] == "VERIFIED" for s in after if s < max(states)), states
