@@ -3,7 +3,9 @@
 the update of step FLIP. Outcomes: the checkpoint holding the flip is never VERIFIED (its replicas' bytes
 differ); the vote gates the updates; the agent's rollback directive takes both ranks, at the same iteration,
 back to a VERIFIED checkpoint before the flip; the replicas are bit-identical at the end and later checkpoints
-are VERIFIED. Only `device="cuda"` becomes "cpu" (no GPU here)."""
+are VERIFIED. And with a corrupted range of batches: the loss detector's directive takes both ranks back once,
+to a checkpoint before the range, and the batches are skipped. Only `device="cuda"` becomes "cpu" (no GPU
+here)."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ from torch import nn
 from agent_harness import ROOT, AgentProcess, cli
 
 STEPS, FLIP = 200, 100
+BAD = (130, 170)   # the corrupted batches (loader positions) of the bad-data run
 
 
 def readme_loop() -> str:
@@ -29,7 +32,7 @@ def readme_loop() -> str:
     return m.group(1).replace('device="cuda"', 'device="cpu"')
 
 
-def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
+def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario: str = "flip") -> None:
     os.environ["SDCWATCH_SOCKET"] = socket
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -43,6 +46,8 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
         w_true = torch.linspace(-1, 1, 8).reshape(8, 1)        # a task the model learns smoothly
         xs = [torch.randn(16, 8, generator=gen) for _ in range(STEPS)]
         loader = [(x, x @ w_true) for x in xs]
+        if scenario == "bad_data":                             # a corrupted range of batches: wild targets
+            loader = [(x, y * 1000.0 if BAD[0] <= i < BAD[1] else y) for i, (x, y) in enumerate(loader)]
         g: dict[str, Any] = {"ddp_model": ddp_model, "model": model, "optimizer": optimizer, "rank": rank,
                              "world_size": 2, "loader": loader}
         flipped = []
@@ -55,7 +60,7 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
             g["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
             optimizer.step()
             monitor = g["monitor"]
-            if rank == 1 and monitor.guard.step == FLIP and not flipped:
+            if scenario == "flip" and rank == 1 and monitor.guard.step == FLIP and not flipped:
                 flipped.append(FLIP)
                 with torch.no_grad():
                     model[0].weight.view(torch.int32).view(-1)[5] ^= 1 << 22
@@ -116,3 +121,20 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
     assert states, "checkpoints listed"
     after = [s for s, st in states.items() if s > res[0]["restores"][-1]]
     assert after and all(states[s] == "VERIFIED" for s in after if s < max(states)), states
+
+
+def test_the_readme_loop_rolls_back_before_a_corrupted_data_range(short_tmp: Path, tmp_path: Path) -> None:
+    code = readme_loop()
+    agent = AgentProcess(short_tmp / "state", "--rollback-skip-batches", "60",
+                         "--rollback-skip-before-steps", "0").start()
+    try:
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "bad_data"),
+                 nprocs=2, join=True)
+        journal = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
+    finally:
+        agent.stop()
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert res[0]["restores"] == res[1]["restores"] and res[0]["restores"], (res, journal[-30:])
+    assert len(res[0]["restores"]) == 1 and res[0]["restores"][0] < BAD[0], "once, to a checkpoint before the range"
+    assert all(r["identical"] for r in res)
+    assert any("job.rollback_directive" in line for line in journal)
