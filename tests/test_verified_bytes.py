@@ -138,3 +138,21 @@ def test_two_agents_sharing_one_redis_compare_the_replicas_of_both_nodes(redis_s
         assert [(i.step, i.state) for i in co.list(job)] == [(10, "VERIFIED"), (20, "COMMITTED")]
     assert "odd ranks 0,1" in n0.info(job, 20).vouched_by
     assert n0.stats["replicas_differ"] + n1.stats["replicas_differ"] == 1, "compared once, by the last commit"
+
+
+def test_a_flip_in_one_replicas_optimizer_state_is_never_verified(redis_server, tmp_path: Path) -> None:
+    """The vote fingerprints the weights; the bytes saved include the optimizer's state, so a flip there (which
+    the next updates would spread into the weights) keeps the checkpoint from VERIFIED and names the tensor."""
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    for r in range(3):
+        state = replicated_state(30)
+        state["optim"] = {"exp_avg": torch.linspace(-1, 1, 64)}
+        if r == 2:
+            state["optim"]["exp_avg"].view(torch.int32)[7] ^= 1 << 3
+        snap = Snapshotter(co, job, r, 3, SnapshotConfig(chunk_bytes=4096), replica_set="world")
+        assert snap.save(30, state).result(30).error == ""
+        snap.close()
+    co.on_job_event(job, 30, "vote_agreed", time.time())
+    info = co.info(job, 30)
+    assert info.state == "COMMITTED"
+    assert "DIFFERS in state_dict/optim/exp_avg; odd ranks 2" in info.vouched_by
