@@ -23,6 +23,9 @@ Per step (`every` steps for the fingerprint check):
 3. on a side stream: wait for the gather, copy the buffer into pinned host memory, record an event;
 4. at a later `step()` (normally the next one), once the event has completed, the host reads the words:
    the replica vote, the frozen check and the NaN/Inf check run, and one StepReport goes to the reporter.
+Once `agreed_directive()` has been called, each step also carries the rank's directive row (4 int64 from a
+pinned buffer, copied host->device non_blocking) in the same pipeline: an async all_reduce (MAX) over the
+world group, waited for on the side stream and copied to pinned host memory with the vote's words.
 Nothing in `step()` synchronises with the GPU or allocates host buffers; all buffers are allocated at
 attach. On CPU (gloo) the same steps run synchronously and are read in the same `step()` call.
 
@@ -60,6 +63,7 @@ DirectiveCallback = Callable[[Directive], None]
 
 _U64 = (1 << 64) - 1
 _N_SCALARS = 3          # loss, grad_norm, loss_scale
+_N_DIRECTIVE = 4        # a directive row: event seq + 1, kind, target step + 1, skip batches (0s: none)
 _CUDA_SLOTS = 4         # ring of in-flight steps on CUDA
 _NONFINITE_LOG_EVERY = 1000
 
@@ -105,7 +109,7 @@ class MonitorStats:
 
 @dataclasses.dataclass(slots=True)
 class _Slot:
-    dev: torch.Tensor               # [G*V words | 3 float64 scalars] on the buffer device
+    dev: torch.Tensor               # [G*V words | 3 float64 scalars | 4 directive ints] on the buffer device
     host: torch.Tensor              # pinned copy (CUDA async) or `dev` itself
     gathered: torch.Tensor          # dev[:G*V], the all_gather output
     scalar_views: list[torch.Tensor]  # one-element float64 views of dev's scalar tail
@@ -114,6 +118,10 @@ class _Slot:
     ready: Any = None               # CUDA event on the main stream (copy stream waits on it)
     done: Any = None                # CUDA event after the host copy
     work: Any = None                # the async all_gather handle of this slot
+    directive: torch.Tensor | None = None  # dev's directive tail (the world MAX lands here)
+    directive_src: torch.Tensor | None = None  # pinned host row copied into `directive` (CUDA async)
+    directive_work: Any = None      # the async world all_reduce of the directive row
+    directive_row: tuple[int, ...] | None = None  # the world MAX, once read (None: not launched this step)
     busy: bool = False
     device_work: bool = False       # the host must wait for `done` before reading
     step: int = 0
@@ -260,6 +268,8 @@ class Monitor:
         self._directives: collections.deque[Directive] = collections.deque(maxlen=64)
         self._seen_directive_seqs: collections.deque[int] = collections.deque(maxlen=256)
         self._agreed_seq = -1                  # the newest directive agreed across the ranks (agreed_directive)
+        self._agreeing = False                 # set by the first agreed_directive(): step() carries the rows
+        self._directive_slot: _Slot | None = None  # the slot agreed_directive() reads (see there)
         self._agent_down_said = False
         self._report_error_said = False
         self._read_errors = 0
@@ -461,9 +471,20 @@ class Monitor:
             return self._fp(tensors, out=out)  # type: ignore[call-arg]
         return run
 
+    def _setup_directive_mode(self) -> None:
+        """How step() carries the directive rows over the world group (agreed_directive): in the slot's
+        device buffer, all_reduced asynchronously and copied with the vote (NCCL world, buffers on the GPU);
+        otherwise a synchronous all_reduce of a preallocated tensor (gloo: on the host, read at once)."""
+        self._directive_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() >= 2
+        nccl = self._directive_world and "nccl" in str(dist.get_backend()).lower()
+        self._directive_async = bool(self._async and nccl)
+        sync_device = self.device if nccl else torch.device("cpu")
+        self._directive_sync = torch.zeros(_N_DIRECTIVE, dtype=torch.int64, device=sync_device)
+
     def _setup_buffers(self) -> None:
+        self._setup_directive_mode()
         g = len(self._group_ranks)
-        n = g * self._v + _N_SCALARS
+        n = g * self._v + _N_SCALARS + _N_DIRECTIVE
         buf_device = self.device if self._async else torch.device("cpu")
         slots = _CUDA_SLOTS if self._async else 1
         self._slots: list[_Slot] = []
@@ -471,15 +492,20 @@ class Monitor:
             dev = torch.zeros(n, dtype=torch.int64, device=buf_device)
             host = torch.zeros(n, dtype=torch.int64, pin_memory=True) if self._async else dev
             local = torch.zeros(self._v, dtype=torch.int64, device=self.device)
-            tail = dev[n - _N_SCALARS:].view(torch.float64)
+            at = g * self._v
+            tail = dev[at:at + _N_SCALARS].view(torch.float64)
             slot = _Slot(dev=dev, host=host, gathered=dev[: g * self._v],
                          scalar_views=[tail[i:i + 1] for i in range(_N_SCALARS)], local=local,
                          local_parts=[local[i * self._w:(i + 1) * self._w] for i in range(len(self._runners))])
+            slot.directive = dev[n - _N_DIRECTIVE:]
+            if self._directive_async:
+                slot.directive_src = torch.zeros(_N_DIRECTIVE, dtype=torch.int64, pin_memory=True)
             if self._async:
                 slot.ready = torch.cuda.Event()
                 slot.done = torch.cuda.Event()
             self._slots.append(slot)
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._async else None
+        self._directive_slot = None
 
     def _setup_reporter(self, reporter: StepSink | Literal[False] | None, agent_socket: str | None) -> None:
         """`reporter`: a StepSink, False (none), or None (a StepReporter to the agent at `agent_socket`)."""
@@ -540,6 +566,11 @@ class Monitor:
             device_work = self._async
         for i, x in enumerate((loss, grad_norm, loss_scale)):
             device_work |= self._stage_scalar(slot, i, x)
+        slot.directive_row = None
+        if self._agreeing and self._directive_async:   # the row rides this step's async pipeline
+            self._poll_directives()
+            self._launch_directive(slot)
+            device_work = True
         slot.device_work = device_work
         if device_work:
             self._finish_on_copy_stream(slot)
@@ -551,6 +582,10 @@ class Monitor:
         if self._canary is not None:
             self._run_canary(slot.step, slot.step_s)
         self._poll_directives()
+        if self._agreeing and not self._directive_async:  # synchronous (gloo): reduced and read at once
+            self._launch_directive(slot)
+        if self._agreeing:
+            self._directive_slot = slot
         self._last_step_end = time.perf_counter()
 
     def _take_guard_step(self, step: int | None) -> None:
@@ -647,6 +682,29 @@ class Monitor:
         slot.values[i] = float(x)
         return False
 
+    def _directive_row(self) -> list[int]:
+        """This rank's row: the oldest directive it holds that the ranks have not agreed on yet."""
+        for d in self._directives:
+            if int(d.event_seq) > self._agreed_seq:
+                return [int(d.event_seq) + 1, int(d.kind), int(d.target_step) + 1, int(d.skip_batches)]
+        return [0] * _N_DIRECTIVE
+
+    def _launch_directive(self, slot: _Slot) -> None:
+        """All_reduce (MAX) this rank's directive row over the world group, as part of this step."""
+        row = self._directive_row()
+        if self._directive_async:
+            assert slot.directive is not None and slot.directive_src is not None
+            for i, x in enumerate(row):   # the pinned source is free: its slot's previous copy has completed
+                slot.directive_src[i] = x
+            slot.directive.copy_(slot.directive_src, non_blocking=True)
+            slot.directive_work = dist.all_reduce(slot.directive, op=dist.ReduceOp.MAX, async_op=True)
+            return
+        t = self._directive_sync          # gloo: host tensors, synchronous; NCCL with host buffers: syncs
+        for i, x in enumerate(row):
+            t[i] = x
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        slot.directive_row = tuple(int(x) for x in t.tolist())
+
     def _finish_on_copy_stream(self, slot: _Slot) -> None:
         assert self._copy_stream is not None
         main = torch.cuda.current_stream(self.device)
@@ -656,6 +714,8 @@ class Monitor:
             if slot.work is not None:
                 slot.work.wait()        # the copy stream waits for the gather (no host wait on NCCL)
                 slot.work = None
+            if slot.directive_work is not None:
+                slot.directive_work.wait()   # and for the directive all_reduce (kept for _read)
             slot.host.copy_(slot.dev, non_blocking=True)
             slot.done.record(self._copy_stream)
 
@@ -686,7 +746,11 @@ class Monitor:
 
     def _read(self, slot: _Slot) -> None:
         n = len(slot.host)
-        scalars = slot.host[n - _N_SCALARS:].view(torch.float64).tolist() if self._has_device(slot) else None
+        at = len(self._group_ranks) * self._v
+        scalars = slot.host[at:at + _N_SCALARS].view(torch.float64).tolist() if self._has_device(slot) else None
+        if slot.directive_work is not None:     # the world MAX of this step's directive rows, now on the host
+            slot.directive_work = None
+            slot.directive_row = tuple(int(x) for x in slot.host[n - _N_DIRECTIVE:].tolist())
         values: list[float | None] = []
         for i in range(_N_SCALARS):
             kind = slot.kinds[i]
@@ -825,29 +889,46 @@ class Monitor:
         return self._directives.popleft() if self._directives else None
 
     def agreed_directive(self) -> Directive | None:
-        """A directive every rank acts on at the same iteration: a collective over the world group (call it on
-        every rank at the same point of the loop). The agent hands a directive to each rank in its own next
-        reply, so ranks see it at different iterations; acting on `pending_directive()` alone would restore
-        some ranks a step before the others. Here the ranks all_reduce (MAX) the newest directive any of them
-        holds (event seq, kind, target, skip: the same on every rank that has it), so all get it now; a copy
-        that reaches a rank later is ignored. Costs one all_reduce of 4 int64 (on NCCL, and its read a host
-        sync): call it every few steps if that matters. Without torch.distributed: `pending_directive()`."""
+        """A directive every rank acts on at the same iteration (call it on every rank at the same point of
+        the loop, e.g. after `step()`). The agent hands a directive to each rank in its own next reply, so
+        ranks see it at different iterations; acting on `pending_directive()` alone would restore some ranks
+        a step before the others. Each `step()` carries this rank's directive row (event seq, kind, target,
+        skip of the oldest directive it holds and the ranks have not agreed on) in the step's pipeline: an
+        all_reduce (MAX) over the world group, on NCCL asynchronous and copied to pinned host memory with the
+        vote. Here the ranks read the same step's result, so all get the directive at the same call, once; a
+        copy that reaches a rank later is ignored. No collective and no host synchronisation of its own.
+
+        Which step's result: on CUDA (NCCL) the previous `step()`'s, so a directive is acted on one step later
+        than it reaches the last rank that needed it (it waits for that step's copy only if the GPU runs more
+        than a step behind the host, like the vote's ring); on CPU (gloo) the last `step()`'s, read at once.
+        The first call switches the rows on (every rank calls it at the same point, so they switch together);
+        it returns None. Calling it every few steps is fine: a directive waits in the rows until read.
+        Without torch.distributed or with one rank: `pending_directive()`."""
         self._poll_directives()
-        mine = self._directives.popleft() if self._directives else None
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return mine
-        device = self.device if str(dist.get_backend()).lower() == "nccl" else torch.device("cpu")
-        row = [0, 0, 0, 0] if mine is None else [int(mine.event_seq) + 1, int(mine.kind),
-                                                 int(mine.target_step) + 1, int(mine.skip_batches)]
-        t = torch.tensor(row, dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        seq1, kind, target1, skip = (int(x) for x in t.tolist())
+        if not self._directive_world:
+            return self._directives.popleft() if self._directives else None
+        if not self._agreeing:
+            self._agreeing = True
+            return None
+        slot = self._directive_slot
+        if slot is None:
+            return None
+        if self._directive_async:
+            if slot is self._slots[(self._next - 1) % len(self._slots)]:   # the newest step: read the one before
+                slot = self._slots[(self._next - 2) % len(self._slots)]
+            if slot.busy:             # normally read already; else wait for that step's copy (as the ring does)
+                self._drain(block=True, until=slot)
+        row = slot.directive_row
+        if row is None:
+            return None
+        seq1, kind, target1, skip = row
         if seq1 == 0 or seq1 - 1 <= self._agreed_seq:
             return None
         self._agreed_seq = seq = seq1 - 1
         self._seen_directive_seqs.append(seq)          # its copy, arriving later here, is not acted on again
+        mine = next((d for d in self._directives if int(d.event_seq) == seq), None)
         self._directives = collections.deque((d for d in self._directives if int(d.event_seq) > seq), maxlen=64)
-        reason = mine.reason if mine is not None and int(mine.event_seq) == seq else "agreed across the ranks"
+        reason = mine.reason if mine is not None else "agreed across the ranks"
         return Directive(kind=kind, target_step=target1 - 1, skip_batches=skip, reason=reason, event_seq=seq)
 
     @property

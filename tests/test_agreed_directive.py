@@ -60,3 +60,77 @@ def test_every_rank_acts_on_a_directive_at_the_same_iteration_once(tmp_path: Pat
     mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert got[0] == got[1] == [[3, Directive.KIND_ROLLBACK, 2, 3, 41]]
+
+
+class DirectiveAt(RecordingReporter):
+    """Hands directive `seq` to this rank at each iteration listed in `at` (iteration = reports so far)."""
+
+    def __init__(self, at: dict[int, int]) -> None:
+        super().__init__()
+        self.at = at
+
+    def take_directives(self) -> list[Directive]:
+        seq = self.at.pop(len(self.reports), None)
+        if seq is None:
+            return []
+        return [Directive(kind=Directive.KIND_ROLLBACK, target_step=seq, skip_batches=1, reason=f"d{seq}",
+                          event_seq=seq)]
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object",
+                "barrier", "reduce_scatter_tensor")
+
+
+def _count_collectives(counter: list[int]) -> None:
+    """Wrap torch.distributed's collectives (the Monitor calls them through the module) to count calls."""
+    for name in _COLLECTIVES:
+        real = getattr(dist, name)
+
+        def counted(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            counter[0] += 1
+            return _real(*args, **kwargs)
+        setattr(dist, name, counted)
+
+
+def _every_few_worker(rank: int, store: str, outdir: str) -> None:
+    from checksums.monitor import Monitor
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # no replica group (vote off): the rows still travel over the world group.
+        # seq 7 reaches rank 0 at iteration 2 and rank 1 at 6; seq 9 reaches rank 1 only, at iteration 8.
+        at = {2: 7} if rank == 0 else {6: 7, 8: 9}
+        monitor = Monitor.attach(model, opt, job_id="agree-few", vote_enabled=False, reporter=DirectiveAt(at))
+        counter = [0]
+        _count_collectives(counter)
+        got: list[Any] = []
+        own = 0
+        for i in range(1, 16):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).pow(2).mean().backward()
+            opt.step()
+            monitor.step()
+            if i % 3 == 0:                       # every few steps
+                before = counter[0]
+                d = monitor.agreed_directive()
+                own += counter[0] - before
+                if d is not None:
+                    got.append([i, d.target_step, d.event_seq, d.reason])
+        monitor.close()
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps({"got": got, "own": own}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_agreed_directive_issues_no_collective_and_ranks_agree_when_called_every_few_steps(tmp_path: Path) -> None:
+    mp.spawn(_every_few_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert out[0]["own"] == out[1]["own"] == 0            # the rows travel in step(), not in the call
+    # the first call (iteration 3) switches the rows on; seq 7 (held by rank 0 since iteration 2) is agreed
+    # at the next call on both ranks, rank 1's late copy (iteration 6) is ignored, seq 9 (rank 1 only) reaches
+    # rank 0 through the rows.
+    assert [g[:3] for g in out[0]["got"]] == [g[:3] for g in out[1]["got"]] == [[6, 7, 7], [9, 9, 9]]
+    assert out[1]["got"][1][3] == "d9"            # the rank holding it keeps the agent's reason
