@@ -32,6 +32,7 @@ from daemon.errors import ConfigError
 from daemon.gpus import GpuRegistry
 from proto.nvsentinel import platformconnector_pb2 as pc
 from proto.nvsentinel import platformconnector_pb2_grpc as pc_grpc
+from sdcwatch.channels import unix_aio_channel
 from sdcwatch.settings import setting
 from sdcwatch.types import State
 
@@ -141,7 +142,7 @@ class NvsentinelEvents:
             return 0
         events = events_for(todo, self.node, self.clock())
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(f"unix://{self.config.socket}")
+            self._channel = unix_aio_channel(self.config.socket)
         stub = pc_grpc.PlatformConnectorStub(self._channel)
         await stub.HealthEventOccuredV1(
             pc.HealthEvents(version=1, events=events), timeout=self.config.timeout_s

@@ -74,6 +74,12 @@ def agent_channel(target: str | os.PathLike[str] | None = None, *,
     return grpc.secure_channel(resolved, creds, options=opts)
 
 
+def unix_aio_channel(path: str | os.PathLike[str]) -> grpc.aio.Channel:
+    """An asyncio channel to a local service's unix socket (e.g. NVSentinel's platform connector): trusted by
+    its file mode, as the agent's own socket is; no TLS, no token."""
+    return grpc.aio.insecure_channel("unix:" + os.path.abspath(os.fspath(path)))
+
+
 def read_token(path: str | os.PathLike[str] | None) -> str | None:
     """The bearer token held in the file at `path` (stripped); None for no path. OSError if unreadable,
     ValueError if empty."""

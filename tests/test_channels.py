@@ -80,7 +80,7 @@ def test_refusals_name_the_setting(short_tmp: Path) -> None:
 
 
 def test_no_module_builds_agent_channels_its_own_way() -> None:
-    """grpc.insecure_channel / secure_channel are called by sdcwatch/channels.py alone (tests and benches
+    """grpc.insecure_channel / secure_channel (sync or aio) are called by sdcwatch/channels.py alone (tests and benches
     talk to bare servers and are exempt)."""
     pattern = re.compile(r"grpc\.(aio\.)?(insecure|secure)_channel\(")
     offenders = []
