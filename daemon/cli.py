@@ -27,6 +27,7 @@ from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_UNKNOWN, EXIT_USAGE
 from daemon.errors import ConfigError
 from probes import spikes_replay
 from sdcwatch.errors import FatalError
+from sdcwatch.proc import bind_to_parent
 from sdcwatch.safe_fs import UnsafePathError
 from sdcwatch import __version__
 
@@ -127,6 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from daemon.state_dir import ensure_state_dir  # the agent's modules load only for `run`, not for the clients
     from daemon.compose import build_agent
 
+    bind_to_parent()   # started by `sdcwatch demo` (or any starter that passes its pid): die with it
     cfg = config.build(args)  # ConfigError -> exit 2 in main
     ensure_state_dir(Path(cfg.agent.state_dir), cfg.agent.state_dir_mode(),   # ConfigError (exit 2) before
                      cfg.agent.group_id())                                   # anything is built in it

@@ -37,7 +37,7 @@ from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 from sdcwatch.channels import agent_channel
 from sdcwatch.extras import available, needs
-from sdcwatch.proc import die_with_parent
+from sdcwatch.proc import parent_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ class AgentHandle:
         # its own process group (a terminal's ^C reaches the demo, which stops the agent in order), and it dies
         # with the demo however the demo ends (SIGKILL from a CI timeout included); so does its redis-server
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=_env(), preexec_fn=die_with_parent(os.getpid(), own_group=True))
+                                     env=parent_env(_env()), start_new_session=True)
 
     def wait_ready(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -244,8 +244,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             env = _env() | {"RANK": str(r), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(r),
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             ranks.append(subprocess.Popen([sys.executable, "-m", "demo.worker", str(spec_path)], cwd=ROOT,
-                                          env=env, stdout=open(out / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT,
-                                          preexec_fn=die_with_parent(os.getpid())))
+                                          env=parent_env(env), stdout=open(out / f"rank{r}.log", "wb"),
+                                          stderr=subprocess.STDOUT))
         codes = display.follow_training(out / "rank0.jsonl", ranks, deadline=started + args.timeout)
         time.sleep(1.0)  # let the last reports and events arrive
         follower.stop()

@@ -27,6 +27,7 @@ from checksums.monitor import Monitor
 from demo.data import Batches, load_corpus
 from demo.faults import FaultPlan, Injector
 from demo.model import GPT, GPTConfig
+from sdcwatch.proc import bind_to_parent
 
 ROLLBACK_VOTE, ROLLBACK_DIRECTIVE = 1, 2
 
@@ -41,6 +42,7 @@ class Log:
 
 
 def main(spec_path: str) -> int:
+    bind_to_parent()   # dies with `sdcwatch demo`, even when that is SIGKILLed (sdcwatch/proc.py)
     spec = json.loads(Path(spec_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     use_cuda = spec.get("device") == "cuda" and torch.cuda.is_available()

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 from probes.canary_schedule import GpuSnapshot
 from sdcwatch.canary import DeviceInfo, SuiteConfig
 from sdcwatch.extras import needs
+from sdcwatch.proc import bind_to_parent
 
 log = logging.getLogger(__name__)
 
@@ -169,23 +170,10 @@ def _test_hook(hook: str) -> None:
         os.abort()
 
 
-def _die_with_parent() -> None:
-    """The child has its own session (so that its whole group can be killed); this keeps it from outliving an
-    agent that is killed mid-round (Linux: PR_SET_PDEATHSIG)."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # the agent died before the signal was armed
-        os._exit(1)
-
-
 def main() -> int:
-    _die_with_parent()
+    # The child has its own session (so that its whole group can be killed); this keeps it from outliving an
+    # agent killed mid-round.
+    bind_to_parent(signal.SIGKILL, parent_pid=os.getppid())
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints from torch or the CUDA libraries go to stderr, not into the reply
     try:

@@ -1,7 +1,16 @@
 """Child processes that die with their parent (Linux `PR_SET_PDEATHSIG`): the agent's redis-server, the
 demo's agent and ranks. Stopped from outside, even by SIGKILL (a CI timeout), a parent leaves nothing running.
 
-    subprocess.Popen(cmd, preexec_fn=die_with_parent(os.getpid()))
+Two ways, one rule: no Python code runs between fork and exec where it can be avoided.
+- Our own programs arm the signal themselves, first thing after exec (`bind_to_parent`), from the parent's
+  pid that the starter passes in the environment (`parent_env`):
+
+      subprocess.Popen([sys.executable, "-m", "demo.worker", ...], env=parent_env(env), start_new_session=True)
+
+  A `preexec_fn` forces a plain fork() in a parent that has gRPC threads; gRPC's fork handlers then run in
+  the child before exec, and a child that died there looked started to Popen: the demo's ranks waited for
+  it at the rendezvous for good.
+- A foreign binary (redis-server) can only get it from a `preexec_fn`: `die_with_parent`.
 """
 from __future__ import annotations
 
@@ -11,6 +20,35 @@ import signal
 from typing import Callable
 
 PR_SET_PDEATHSIG = 1
+PARENT_ENV = "SDCWATCH_PARENT_PID"
+
+
+def parent_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's environment) plus this process's pid for the child's `bind_to_parent`."""
+    return {**(dict(os.environ) if env is None else env), PARENT_ENV: str(os.getpid())}
+
+
+def bind_to_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+    """Die with the parent: called by a child program first thing after exec. `parent_pid` is the starter's
+    pid (default: `$SDCWATCH_PARENT_PID`, taken out of the environment so that this process's own children
+    do not inherit it; nothing is done when neither is there). A parent already gone before the signal was
+    armed is caught by comparing it with getppid."""
+    if parent_pid is None:
+        text = os.environ.pop(PARENT_ENV, "")
+        if not text.isdigit():
+            return
+        parent_pid = int(text)
+    _set_pdeathsig(sig)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+
+
+def _set_pdeathsig(sig: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):   # not Linux
+        pass
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM, *, own_group: bool = False) -> Callable[[], None]:
@@ -22,11 +60,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM, *, own_group: bo
     def preexec() -> None:
         if own_group:
             os.setpgrp()
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        except (OSError, AttributeError):
-            return
+        _set_pdeathsig(sig)
         if os.getppid() != parent_pid:   # the parent died before the prctl: nobody would signal us
             os.kill(os.getpid(), sig)
 
