@@ -34,21 +34,14 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from bench.agent_rss import status_kib  # noqa: E402 - one /proc reader for the benches
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK   # utime + stime
-
-
-def status_kib(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if value.strip().endswith("kB"):
-            out[key] = int(value.split()[0])
-    return out
 
 
 def run(scenario: Path, seconds: float) -> dict:
