@@ -49,6 +49,20 @@ class TooManyWatchers(SdcwatchError):
     transient = True
 
 
+class WatchAhead(SdcwatchError):
+    """A watcher asked for events after a seq this agent has not reached (gRPC OUT_OF_RANGE): its since_seq
+    came from before a restart whose journal lost its tail, or from another agent. Answered at once, never
+    waited on: the seqs it expects would be given to other events."""
+
+    def __init__(self, since_seq: int, last_seq: int) -> None:
+        super().__init__(f"since_seq {since_seq} is ahead of this agent's newest event (seq {last_seq}): the "
+                         f"events it counts on do not exist here (the agent restarted with a journal that lost "
+                         f"its tail, or this is another agent); watch again with since_seq={last_seq} (from now "
+                         f"on) or 0 (everything kept)")
+        self.since_seq = since_seq
+        self.last_seq = last_seq
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Event:
     seq: int
@@ -280,8 +294,11 @@ class EventBus:
         """Every event with seq > since_seq (oldest first); with follow, then new ones as they come. Events
         that cannot be sent (not journaled, rotated away) come as one `events.skipped` event (`skipped`); with
         since_seq 0 ("from the oldest kept") what was rotated away before the oldest kept is not a gap.
-        TooManyWatchers when `max_watchers` follow already."""
+        TooManyWatchers when `max_watchers` follow already; WatchAhead, before anything is sent, when
+        since_seq is past the newest seq (it would otherwise wait, silently, for seqs that mean other events)."""
         assert self._loop is not None, "bind_loop() first"
+        if since_seq > self.last_seq:
+            raise WatchAhead(since_seq, self.last_seq)
         if follow and self.watchers >= self.max_watchers:
             raise TooManyWatchers(f"{self.watchers} watchers follow the events already (the limit); retry later")
         self.watchers += follow

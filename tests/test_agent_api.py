@@ -312,3 +312,17 @@ def test_the_rpc_meter_counts_a_code_set_without_an_abort(tmp_path) -> None:
     stats = asyncio.run(run()).rpc.methods["ReportStep"]
     assert stats.codes == {"OK": 1, "FAILED_PRECONDITION": 1}
     assert sum(stats.buckets) == 2
+
+
+def test_watch_events_ahead_of_the_journal_is_out_of_range_at_once(agent):
+    """Issue 20: a since_seq past the newest event (a journal that lost its tail in a restart) waited forever."""
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        last = list(stub.WatchEvents(pb.WatchEventsRequest(since_seq=0), timeout=10))[-1].seq
+        for follow in (True, False):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.WatchEvents(pb.WatchEventsRequest(since_seq=last + 1000, follow=follow), timeout=30))
+            assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE, err.value
+            assert f"since_seq {last + 1000} is ahead" in err.value.details()
+    out = cli("events", "--since", str(last + 1000), "--follow", "--socket", str(agent.socket))
+    assert out.returncode == 2 and "OUT_OF_RANGE" in out.stderr and "is ahead" in out.stderr, out

@@ -113,6 +113,10 @@ def test_a_torn_tail_never_gives_its_seq_again(tmp_path):
     assert Journal(tmp_path).open().last_seq == 9
 
 
+async def _drain(events) -> list:
+    return [e async for e in events]
+
+
 async def _collect(bus: EventBus, since: int, n: int) -> list:
     out = []
     async for ev in bus.watch(since, follow=True):
@@ -183,6 +187,33 @@ def test_many_idle_watchers_are_woken_together_not_once_per_event(tmp_path):
         assert len(asyncio.all_tasks()) - before <= 1
         results = await asyncio.wait_for(asyncio.gather(*watchers), 60)
         assert all([e.seq for e in r] == list(range(1, 201)) for r in results)
+        await bus.close()
+        journal.close()
+
+    asyncio.run(main())
+
+
+def test_a_watcher_ahead_of_the_journal_is_answered_at_once_not_left_waiting(tmp_path):
+    """Issue 20: after a restart whose journal lost its tail, a watcher resuming from a seq it saw before
+    asked for seqs that do not exist yet (and would be given to other events): it waited forever, silently."""
+    from daemon.events import WatchAhead
+
+    async def main() -> None:
+        journal = Journal(tmp_path).open()
+        bus = EventBus(journal)
+        bus.bind_loop(asyncio.get_running_loop())
+        for i in range(5):
+            bus.publish(ek.AGENT_READY, "node", f"event {i}")
+        for follow in (True, False):
+            with pytest.raises(WatchAhead) as err:
+                await asyncio.wait_for(_drain(bus.watch(50, follow)), 5)
+            assert err.value.last_seq == 5 and "since_seq 50 is ahead" in str(err.value)
+        assert bus.watchers == 0
+        assert await asyncio.wait_for(_drain(bus.watch(5, False)), 5) == [], "at the newest: nothing, no error"
+        late = asyncio.ensure_future(_collect(bus, 5, 1))   # exactly the newest: waits for the next one
+        await asyncio.sleep(0)
+        bus.publish(ek.AGENT_READY, "node", "next")
+        assert [e.seq for e in await asyncio.wait_for(late, 10)] == [6]
         await bus.close()
         journal.close()
 
