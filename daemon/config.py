@@ -108,7 +108,8 @@ class AgentConfig:
                              "/run/sdcwatch for root, else $XDG_RUNTIME_DIR/sdcwatch, else /tmp/sdcwatch-<uid>); "
                              "created and checked: never a link, another user's, or writable by others")
     socket: str = setting("", "unix socket path (default <state_dir>/agent.sock; with no state_dir given, "
-                          "$SDCWATCH_SOCKET when set)")
+                          "$SDCWATCH_SOCKET when set); its directory must exist, be root's or this user's, writable by its "
+                          "owner only, with no link on the way")
     socket_mode: str = setting("0660", "octal file mode of the unix socket")
     group: str = setting("", "group given the socket, the state dir (0750) and the memory dir (2770), for ranks "
                          "running as other users; default: sdcwatch when root runs the agent and that group "

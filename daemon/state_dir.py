@@ -21,7 +21,7 @@ from pathlib import Path
 
 from daemon.errors import ConfigError
 from sdcwatch.errors import FatalError
-from sdcwatch.safe_fs import UnsafePathError, open_private_file, secure_dir
+from sdcwatch.safe_fs import UnsafePathError, check_dir, open_private_file, secure_dir
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ class StateDir:
 def claim_socket(path: str | os.PathLike[str], timeout_s: float = 1.0) -> None:
     """Make way for our socket at `path`: nothing there -> nothing to do; a socket a live process accepts on
     -> AgentRunningError (never unlink another agent's live socket); a dead socket -> removed; a link or any
-    other file -> UnsafePathError."""
+    other file -> UnsafePathError. Its directory is checked first (`check_dir`: no planted link on the way,
+    root's or ours, writable by its owner only), whether it is the state dir or an explicit `--socket`'s."""
     p = os.fspath(path)
+    check_dir(os.path.dirname(os.path.abspath(p)), "socket's directory")
     try:
         st = os.stat(p, follow_symlinks=False)
     except FileNotFoundError:

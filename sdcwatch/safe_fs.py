@@ -8,6 +8,8 @@ name (`--socket`). So nothing is trusted by name alone:
   others may write to it, carry the sticky bit (/tmp, /dev/shm); a symlink on the way is refused unless root
   owns it and its directory (/var/run -> /run). The directory itself is never a link (whoever made it), must
   be ours (created now or before); its mode and group are then set to what was asked.
+- `check_dir(path, what)` checks, creating and changing nothing, an existing directory the agent puts a
+  name in (an explicit `--socket`'s directory): the same walk, and the directory writable by its owner only.
 - `open_private_file(dir, name, flags)` opens a file inside such a directory with `O_NOFOLLOW` (and no
   `O_TRUNC`: a truncation happens on the fd, after `fstat` proved it is our regular file).
 - `remove_tree(path)` empties a directory with `os.fwalk(follow_symlinks=False)`: links are unlinked, never
@@ -64,8 +66,24 @@ def secure_dir(path: str | os.PathLike[str], mode: int = 0o700, gid: int = -1) -
     raise UnsafePathError(path, "too many symbolic links on the way", "use a path without links")
 
 
-def _walk(target: str, mode: int, gid: int) -> str | None:
-    """One pass down `target`; a root-owned link on the way returns the path with it resolved (walk again)."""
+def check_dir(path: str | os.PathLike[str], what: str = "directory") -> Path:
+    """Check, without creating or changing anything, an existing directory the agent puts a name in that
+    others must not swap (an explicit `--socket`'s directory): every directory on the way as `secure_dir`
+    checks them (no link but root's, owned by root or us, others' write only with the sticky bit), and the
+    directory itself owned by root or us and writable by nobody else (group and others: with write access
+    they could rename another socket over ours). Returns the absolute path (links on the way resolved)."""
+    target = os.path.abspath(os.fspath(path))
+    for _ in range(_MAX_LINKS):
+        resolved = _walk(target, 0, -1, check_only=what)
+        if resolved is None:
+            return Path(target)
+        target = resolved
+    raise UnsafePathError(path, "too many symbolic links on the way", "use a path without links")
+
+
+def _walk(target: str, mode: int, gid: int, check_only: str = "") -> str | None:
+    """One pass down `target`; a root-owned link on the way returns the path with it resolved (walk again).
+    With `check_only` (what the directory is for, for messages) nothing is created or changed."""
     parts = [p for p in target.split("/") if p]
     fd = os.open("/", _DIR_FLAGS)
     try:
@@ -76,6 +94,10 @@ def _walk(target: str, mode: int, gid: int) -> str | None:
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
+                if check_only:
+                    raise UnsafePathError(path, f"it does not exist (it should be the {check_only})",
+                                          "create it (owned by root or you, writable by its owner only) or "
+                                          "choose another path") from None
                 try:
                     os.mkdir(name, mode if last else 0o755, dir_fd=fd)
                 except FileExistsError:
@@ -104,6 +126,14 @@ def _walk(target: str, mode: int, gid: int) -> str | None:
                 _check_parent(path, now)
                 here = path
                 continue
+            if check_only:
+                _check_parent(path, now)
+                if now.st_mode & 0o022:
+                    raise UnsafePathError(path, f"it is the {check_only} and others may write to it (mode "
+                                          f"{stat.S_IMODE(now.st_mode):04o}), so they could put their own "
+                                          "socket in place of ours", f"chmod go-w {path}, or choose a "
+                                          "directory only its owner can write (the default: the state dir)")
+                return None
             if now.st_uid != _euid():
                 raise UnsafePathError(path, f"it is owned by uid {now.st_uid}, not by this agent's uid {_euid()}",
                                       f"remove it (someone else created it) or choose another path")

@@ -192,3 +192,44 @@ def test_a_rank_never_creates_slots_through_a_planted_link(tmp_path: Path, victi
     with pytest.raises(OSError, match="not a directory of uid"):
         ring.acquire(16)
     assert sorted(p.name for p in victim.iterdir()) == ["precious"]
+
+
+@pytest.mark.parametrize("case", ["open to all", "sticky like /tmp", "group-writable", "another user's",
+                                  "planted link", "missing"])
+def test_an_explicit_socket_directory_is_checked_like_the_state_dir(tmp_path: Path, case: str) -> None:
+    """Issue 20: `--socket PATH` was bound wherever PATH's directory was (another user's, a link someone planted,
+    a directory anyone can write and so swap our socket in): now the same checks as the default location,
+    exit 2 naming the directory, nothing created there."""
+    d = tmp_path / "sockdir"
+    if case == "planted link":
+        real = tmp_path / "real"
+        real.mkdir(mode=0o700)
+        d.symlink_to(real)
+        os.chown(d, NOBODY, NOBODY, follow_symlinks=False)
+    elif case != "missing":
+        d.mkdir()
+        d.chmod({"open to all": 0o777, "sticky like /tmp": 0o1777, "group-writable": 0o770}.get(case, 0o755))
+        if case == "another user's":
+            os.chown(d, NOBODY, NOBODY)
+    state = tmp_path / "node"
+    try:
+        out = run_agent(state, "--socket", str(d / "agent.sock"))
+        assert out.returncode == 2, out.stdout
+        assert f"refusing to use {d}" in out.stdout, out.stdout
+        assert {"open to all": "others may write", "sticky like /tmp": "others may write",
+                "group-writable": "others may write", "another user's": f"owned by uid {NOBODY}",
+                "planted link": "symbolic link", "missing": "does not exist"}[case] in out.stdout, out.stdout
+        assert "Traceback" not in out.stdout
+        assert not (d / "agent.sock").exists() and not (tmp_path / "real" / "agent.sock").exists()
+    finally:
+        remove_tree(default_shm_root(state).parent)
+
+
+def test_an_explicit_socket_in_a_directory_of_ours_is_fine(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir(mode=0o755)
+    agent = AgentProcess(tmp_path / "node", "--socket", str(d / "agent.sock"))
+    agent.socket = d / "agent.sock"
+    with agent:
+        agent.wait_serving(10)
+    remove_tree(default_shm_root(tmp_path / "node").parent)
