@@ -20,21 +20,30 @@ StorageReader lifecycle: reset(checkpoint_id) -> read_metadata (the restore plan
 from the JSON) -> set_up_storage_reader -> prepare_local_plan -> prepare_global_plan -> read_data (each shard
 it needs read once, verified, then narrowed to the requested piece).
 
-No pickle. DCP stores non-tensor values (ints, strings, lists in an optimizer's param_groups...) as
-"bytes" items made with `torch.save`, and its default load planner reads them back with
-`torch.load(..., weights_only=False)`: full unpickling, i.e. running code chosen by whoever wrote the
-bytes. A checkpoint from the memory tier is data, never code, so these items are refused: on save, with
-an error naming the item (put such values in our own `CheckpointClient.save`, whose manifest carries
-JSON-safe values, or turn them into tensors), and on load, should a store ever hold one.
+The whole training state, no pickle. Besides tensors, a training state holds plain values (an optimizer's
+param groups, an LR scheduler's and a data loader's state: numbers, strings, lists, tuples, dicts) and bytes
+(torchtitan keeps `io.BytesIO` items). DCP's own file storage writes these "bytes" items with `torch.save`
+and its default load planner reads them back with `torch.load(..., weights_only=False)`: full unpickling,
+i.e. running code chosen by whoever wrote the bytes. Here each such item is encoded by
+`checkpoint.plain_values` instead (JSON with exact ints and bit-exact floats, tuples kept as tuples; bytes and
+BytesIO raw) and stored in the rank's shard blob as a uint8 tensor: it gets chunk checksums and a fingerprint
+like every tensor. Its kind rides in the DCP storage data. On load the value is decoded (never unpickled)
+and put in the state dict where the default planner's `load_bytes` would put it (a BytesIO comes back as a
+BytesIO); a planner with its own `load_bytes` gets a BytesIO that `torch.save` made, here, from the decoded
+value (so it holds only the plain types above). Anything else (an arbitrary object) is refused on save with
+an error naming the key and saying what to do. Loading at another world size or sharding works for these
+items as for tensors: DCP writes each once (deduplicated across ranks) and every rank that asks reads it.
 """
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 from torch.futures import Future
 from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
@@ -47,6 +56,7 @@ from checkpoint.errors import CorruptCheckpointError, InvalidInputError, Unknown
 from checkpoint.locations import dir_store_for
 from checkpoint.manifest import ShardManifest
 from checkpoint.names import validate_job_id, validate_step
+from checkpoint.plain_values import KINDS, decode_item, encode_item
 from checkpoint.records import LATEST, LATEST_VERIFIED, CommitResult, RestorePlan
 from checkpoint.restore import restore_shard
 from checkpoint.shard_reader import copies_for
@@ -58,8 +68,6 @@ log = logging.getLogger(__name__)
 ITEMS = "dcp_items"
 META = "dcp_metadata"
 FORMAT = "sdcwatch.dcp.v1"
-NO_PICKLE = ("DCP stores non-tensor values as torch.save bytes and loads them with torch.load(weights_only="
-             "False), i.e. unpickling, which can run arbitrary code; sdcwatch checkpoints are data, never code")
 
 
 def _step_of(checkpoint_id: Any) -> int:
@@ -114,7 +122,7 @@ def metadata_from_json(obj: Any) -> Metadata:
             sd[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=DTYPES[m["dtype"]]), torch.Size(m["size"]),
                 [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in m["chunks"]])
-        storage = {MetadataIndex(fqn, None if off is None else torch.Size(off)): (int(v[0]), int(v[1]))
+        storage = {MetadataIndex(fqn, None if off is None else torch.Size(off)): _storage_entry(fqn, v)
                    for fqn, off, v in obj["storage"]}
         planner = {k: tuple(v) for k, v in obj["planner"].items()} if obj.get("planner") else None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -123,6 +131,59 @@ def metadata_from_json(obj: Any) -> Metadata:
         raise InvalidInputError(f"malformed DCP metadata in the checkpoint manifest: {e}") from None
     return Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage,
                     version=obj.get("version"))
+
+
+def _storage_entry(fqn: str, v: Any) -> tuple[Any, ...]:
+    """(rank, index in the shard's items) for a tensor, (rank, index, kind) for a non-tensor item."""
+    if len(v) == 3:
+        if v[2] not in KINDS:
+            raise InvalidInputError(f"DCP metadata for {fqn!r}: unknown value kind {v[2]!r}")
+        return int(v[0]), int(v[1]), str(v[2])
+    if len(v) != 2:
+        raise InvalidInputError(f"DCP metadata for {fqn!r}: bad storage entry {v!r}")
+    return int(v[0]), int(v[1])
+
+
+def _item_object(planner: SavePlanner, item: Any) -> Any:
+    """The value behind a BYTE_IO write item, as the user gave it (not DCP's torch.save bytes of it)."""
+    lookup = getattr(planner, "lookup_object", None)   # DefaultSavePlanner and its subclasses
+    if callable(lookup):
+        return lookup(item.index)
+    data = planner.resolve_data(item)
+    if isinstance(data, io.BytesIO):   # a planner that only hands out torch.save bytes: plain values only
+        try:
+            return torch.load(io.BytesIO(data.getvalue()), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - said below, with the key
+            raise InvalidInputError(
+                f"DCP item {item.index.fqn!r}: the save planner {type(planner).__name__} has no lookup_object() "
+                f"and its torch.save bytes do not load with weights_only=True ({type(e).__name__}); use "
+                "DefaultSavePlanner or a subclass of it") from None
+    return data
+
+
+def _tensor_of(payload: bytes) -> torch.Tensor:
+    if not payload:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def _put_value(planner: LoadPlanner, req: Any, value: Any) -> None:
+    """Where DefaultLoadPlanner.load_bytes would put `value`, without its torch.load(weights_only=False)."""
+    if type(planner).load_bytes is not DefaultLoadPlanner.load_bytes:   # the planner's own load_bytes
+        buf = io.BytesIO()
+        torch.save(value, buf)   # made here from the decoded plain value: nothing read from storage is in it
+        buf.seek(0)
+        planner.load_bytes(req, buf)
+        return
+    fqn = req.dest_index.fqn
+    if not getattr(planner, "flatten_state_dict", False):
+        planner.state_dict[fqn] = value
+        return
+    path = planner.mappings[fqn]
+    node: Any = planner.original_state_dict
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
 
 
 # ---- writer ----------------------------------------------------------------------------------------
@@ -172,11 +233,6 @@ class SdcwStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                raise InvalidInputError(
-                    f"DCP item {item.index.fqn!r} is not a tensor: refused ({NO_PICKLE}). Save non-tensor "
-                    "state with CheckpointClient.save (JSON-safe values travel in the manifest) or as tensors.")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -203,8 +259,12 @@ class SdcwStorageWriter(StorageWriter):
         slot_of: dict[int, int] = {}
         results = []
         for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                raise InvalidInputError(f"DCP item {item.index.fqn!r} is not a tensor: refused ({NO_PICKLE})")
+            if item.type == WriteItemType.BYTE_IO:   # a plain value or bytes: encoded, stored as uint8 bytes
+                kind, payload = encode_item(_item_object(planner, item), item.index.fqn)
+                tensors.append(_tensor_of(payload))
+                results.append(WriteResult(index=item.index, size_in_bytes=len(payload),
+                                           storage_data=(snap.rank, len(tensors) - 1, kind)))
+                continue
             t = planner.resolve_data(item)
             if not isinstance(t, torch.Tensor):
                 raise InvalidInputError(f"DCP item {item.index.fqn!r} resolved to {type(t).__name__}, not a tensor")
@@ -306,10 +366,8 @@ class SdcwStorageReader(StorageReader):
         shards = {s.rank: s for s in self.plan.shards}
         loaded: dict[int, list[torch.Tensor]] = {}
         for req in plan.items:
-            if req.type == LoadItemType.BYTE_IO:
-                raise InvalidInputError(f"DCP item {req.storage_index.fqn!r} is not a tensor: refused ({NO_PICKLE})")
             try:
-                rank, idx = self.storage_data[req.storage_index]
+                rank, idx, *kind = self.storage_data[req.storage_index]
             except KeyError:
                 raise UnknownCheckpointError(f"DCP item {req.storage_index} is not in the checkpoint") from None
             if rank not in loaded:
@@ -318,6 +376,15 @@ class SdcwStorageReader(StorageReader):
                     raise UnknownCheckpointError(f"checkpoint step {self.plan.checkpoint.step} has no shard {rank}")
                 loaded[rank] = restore_shard(shard.manifest, copies_for(shard, self.store_for), "cpu")[ITEMS]
             stored = loaded[rank][idx]
+            if req.type == LoadItemType.BYTE_IO:
+                if not kind:
+                    raise CorruptCheckpointError(f"DCP item {req.storage_index.fqn!r} is stored as a tensor, "
+                                                 "the load plan wants a non-tensor value")
+                _put_value(planner, req, decode_item(kind[0], stored.numpy().tobytes()))
+                continue
+            if kind:
+                raise CorruptCheckpointError(f"DCP item {req.storage_index.fqn!r} is stored as a {kind[0]} value, "
+                                             "the load plan wants a tensor")
             piece = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != piece.size():
