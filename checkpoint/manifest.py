@@ -2,9 +2,11 @@
 
 A state dict is split into
 - `tensors`: one `TensorEntry` per tensor (dtype, shape, byte range in the shard blob, fingerprint);
-- `tree`: the state dict's structure as JSON, with each tensor replaced by {"__sdcw_tensor__": index}
-  and each tuple by {"__sdcw_tuple__": [...]}. Other values must be JSON-safe: dict with str keys,
-  list, tuple, str, int, float, bool, None. Anything else is rejected with the path to it.
+- `tree`: the state dict's structure as JSON, with each tensor replaced by {"__sdcw_tensor__": index},
+  each tuple by {"__sdcw_tuple__": [...]}, and each tensor-free part (plain values, bytes, BytesIO) by
+  {"__sdcw_value__": index, "kind": "json" | "bytes" | "bytesio"}: its bytes (checkpoint.plain_values) are a
+  uint8 entry of `tensors`, so they are checksummed, fingerprinted and compared across replicas like a
+  tensor's. (Manifests written before held plain values inline in the tree; they still restore.)
 
 `ShardManifest.from_json` validates everything it reads (names, ranges, chunk coverage, references),
 so a damaged or hostile manifest fails with `InvalidInputError`, never deep inside a restore.
@@ -28,6 +30,9 @@ FORMAT = "sdcwatch.ckpt.shard.v1"
 TENSOR_MARK = "__sdcw_tensor__"
 TUPLE_MARK = "__sdcw_tuple__"
 ITEMS_MARK = "__sdcw_items__"  # a dict with non-str (int) keys: [[key, value], ...]
+VALUE_MARK = "__sdcw_value__"  # {VALUE_MARK: index, KIND_KEY: kind}: a non-tensor value stored as uint8 bytes
+KIND_KEY = "kind"
+VALUE_KINDS = ("json", "bytes", "bytesio")   # checkpoint.plain_values
 MAX_MANIFEST_CHARS = 256 << 20
 MAX_REPLICA_SET_CHARS = 256
 
@@ -151,23 +156,32 @@ class ShardManifest:
         for t in tensors:
             if t.offset + t.nbytes > nbytes:
                 raise InvalidInputError(f"tensor {shown(t.path)} runs past the end of the blob")
-        refs = _tree_refs(tree)
+        refs, values = _tree_refs(tree)
         if sorted(refs) != list(range(len(tensors))):
             raise InvalidInputError("manifest tree must reference every tensor, and only those")
+        for i in values:
+            if tensors[i].dtype != "uint8" or len(tensors[i].shape) != 1:
+                raise InvalidInputError(f"manifest value {shown(tensors[i].path)} is not stored as 1-D uint8 bytes")
         return cls(job_id, step, rank, world, blob, nbytes, chunk_bytes, chunks, tensors, tree,
                    float(created), algorithm, replica_set)
 
 
-def _tree_refs(tree: Any) -> set[int]:
-    refs: set[int] = set()
+def _tree_refs(tree: Any) -> tuple[list[int], set[int]]:
+    """(the tensor indices the tree references, sorted, each once; those that hold values)."""
+    refs: list[int] = []
+    values: set[int] = set()
 
     def walk(obj: Any) -> None:
         if isinstance(obj, dict):
-            if set(obj) == {TENSOR_MARK}:
-                i = obj[TENSOR_MARK]
+            if set(obj) == {TENSOR_MARK} or set(obj) == {VALUE_MARK, KIND_KEY}:
+                i = obj[TENSOR_MARK] if TENSOR_MARK in obj else obj[VALUE_MARK]
                 if not isinstance(i, int) or isinstance(i, bool):
                     raise InvalidInputError(f"manifest tree has a bad tensor reference {shown(i)}")
-                refs.add(i)
+                if VALUE_MARK in obj:
+                    if obj[KIND_KEY] not in VALUE_KINDS:
+                        raise InvalidInputError(f"manifest tree has a value of unknown kind {shown(obj[KIND_KEY])}")
+                    values.add(i)
+                refs.append(i)
                 return
             for v in obj.values():
                 walk(v)
@@ -176,4 +190,4 @@ def _tree_refs(tree: Any) -> set[int]:
                 walk(v)
 
     walk(tree)
-    return refs
+    return sorted(set(refs)), values

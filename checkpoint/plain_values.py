@@ -30,14 +30,13 @@ import struct
 from typing import Any, Mapping
 
 from checkpoint.errors import InvalidInputError
-from checkpoint.manifest import ITEMS_MARK, TUPLE_MARK
+from checkpoint.manifest import ITEMS_MARK, TUPLE_MARK, VALUE_KINDS
 
 FLOAT_MARK = "__sdcw_float__"
 BYTES_MARK = "__sdcw_bytes__"
 BYTESIO_MARK = "__sdcw_bytesio__"
 RESERVED = "__sdcw_"
-JSON, BYTES, BYTESIO = "json", "bytes", "bytesio"
-KINDS = (JSON, BYTES, BYTESIO)
+JSON, BYTES, BYTESIO = KINDS = VALUE_KINDS
 _MARKS = (FLOAT_MARK, BYTES_MARK, BYTESIO_MARK, TUPLE_MARK, ITEMS_MARK)
 
 WHAT_IS_PLAIN = ("a checkpoint holds tensors, bytes / io.BytesIO, and plain values: None, bool, int, float, str, "

@@ -44,7 +44,7 @@ def restore_shard(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore
                     raise CorruptCheckpointError(
                         f"job {manifest.job_id} step {manifest.step} rank {manifest.rank}: tensor {e.path} "
                         f"changed on upload to {device}: fingerprint {g}, expected {e.fingerprint}")
-    return unflatten(manifest.tree, tensors)
+    return unflatten(manifest.tree, tensors, host)
 
 
 def restore_from_plan(plan: RestorePlan, rank: int, store_for: Callable[[str], BlobStore],

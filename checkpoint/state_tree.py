@@ -1,9 +1,10 @@
 """A state dict as tensors plus a JSON tree, and back (the training side: torch).
 
 `flatten` splits a state dict into the `tree` of its `ShardManifest` (checkpoint.manifest: the structure as
-JSON, each tensor replaced by {"__sdcw_tensor__": index}, each tuple by {"__sdcw_tuple__": [...]}) and the
-list of its tensors; `unflatten` rebuilds it from the tree and the restored tensors. `DTYPES` maps the
-manifest's dtype names (checkpoint.manifest.DTYPE_SIZES) to torch dtypes.
+JSON, each tensor replaced by {"__sdcw_tensor__": index}, each tuple by {"__sdcw_tuple__": [...]}, each
+tensor-free part by {"__sdcw_value__": index, "kind": ...}) and the list of its tensors, the values' bytes
+among them as uint8 tensors (checkpoint.plain_values: JSON for plain values, raw for bytes and BytesIO);
+`unflatten` rebuilds it from the tree and the restored tensors. `DTYPES` maps the manifest's dtype names (checkpoint.manifest.DTYPE_SIZES) to torch dtypes.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any, Mapping
 import torch
 
 from checkpoint.errors import InvalidInputError
-from checkpoint.manifest import DTYPE_SIZES, ITEMS_MARK, TENSOR_MARK, TUPLE_MARK
+from checkpoint.manifest import DTYPE_SIZES, ITEMS_MARK, KIND_KEY, TENSOR_MARK, TUPLE_MARK, VALUE_MARK
+from checkpoint.plain_values import decode_item, encode_item, is_bytes_like
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
@@ -25,15 +27,37 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise InvalidInputError(f"unsupported tensor dtype {dtype}; supported: {sorted(DTYPES)}") from None
 
 
+def value_tensor(payload: bytes) -> torch.Tensor:
+    """A value's bytes as a 1-D uint8 tensor (its own buffer)."""
+    if not payload:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
 def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
-    """Split `state_dict` into (JSON tree with tensor references, [(path, tensor)]) or raise
-    InvalidInputError naming the path of the first unsupported object."""
+    """Split `state_dict` into (JSON tree with tensor and value references, [(path, tensor)]) or raise
+    InvalidInputError naming the path of the first unsupported object. Each bytes / BytesIO value, and each
+    maximal part without tensors or bytes (a plain value, a dict or list of them), becomes one uint8 tensor
+    of its encoded bytes (checkpoint.plain_values), at its path."""
     if not isinstance(state_dict, Mapping):
         raise InvalidInputError(f"state dict must be a mapping, got {type(state_dict).__name__}")
     tensors: list[tuple[str, torch.Tensor]] = []
     seen: dict[int, int] = {}
 
+    def value(obj: Any, path: str) -> dict[str, Any]:
+        kind, payload = encode_item(obj, path)
+        tensors.append((path, value_tensor(payload)))
+        return {VALUE_MARK: len(tensors) - 1, KIND_KEY: kind}
+
+    def children(pairs: list[tuple[Any, Any, str]]) -> list[tuple[Any, Any]] | None:
+        """[(key, subtree)] with the tensor-free children stored as values, or None if none holds a tensor."""
+        walked = [(k, walk(v, p), v, p) for k, v, p in pairs]
+        if all(w is _PLAIN for _, w, _, _ in walked):
+            return None
+        return [(k, value(v, p) if w is _PLAIN else w) for k, w, v, p in walked]
+
     def walk(obj: Any, path: str) -> Any:
+        """The subtree for `obj`, or _PLAIN when it holds no tensor (its parent stores it whole)."""
         if isinstance(obj, torch.Tensor):
             if type(obj) not in (torch.Tensor, torch.nn.Parameter):
                 raise InvalidInputError(
@@ -49,51 +73,62 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
             # as long as the user's tensor, not one save; callers copy under torch.no_grad().
             tensors.append((path, obj))
             return {TENSOR_MARK: len(tensors) - 1}
-        if obj is None or isinstance(obj, (bool, str)):
-            return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            return float(obj)
+        if is_bytes_like(obj):   # bytes / BytesIO: stored raw at their own path (never base64 inside JSON)
+            return value(obj, path)
         if isinstance(obj, Mapping):
             if not all(isinstance(k, str) for k in obj):
                 # optimizer state dicts key their state by int parameter id: keep the key types exactly
-                items = []
-                for k, v in obj.items():
+                for k in obj:
                     if isinstance(k, bool) or not isinstance(k, (int, str)):
                         raise InvalidInputError(
                             f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str or int")
-                    items.append([k, walk(v, f"{path}/{k}")])
-                return {ITEMS_MARK: items}
-            out = {}
-            for k, v in obj.items():
+                kids = children([(k, v, f"{path}/{k}") for k, v in obj.items()])
+                return _PLAIN if kids is None else {ITEMS_MARK: [[k, w] for k, w in kids]}
+            for k in obj:
                 if k.startswith("__sdcw_"):
                     raise InvalidInputError(f"{path}: dict key {k!r} is reserved")
-                out[k] = walk(v, f"{path}/{k}")
-            return out
-        if isinstance(obj, tuple):
-            return {TUPLE_MARK: [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-        raise InvalidInputError(
-            f"{path}: unsupported object of type {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint "
-            "holds tensors and JSON-safe values (dict with str keys, list, tuple, str, int, float, bool, None)")
+            kids = children([(k, v, f"{path}/{k}") for k, v in obj.items()])
+            return _PLAIN if kids is None else dict(kids)
+        if isinstance(obj, (tuple, list)):
+            kids = children([(i, v, f"{path}[{i}]") for i, v in enumerate(obj)])
+            if kids is None:
+                return _PLAIN
+            return {TUPLE_MARK: [w for _, w in kids]} if isinstance(obj, tuple) else [w for _, w in kids]
+        return _PLAIN   # a leaf: plain_values encodes it (or refuses it, naming the path) with its parent
 
     tree = walk(state_dict, "state_dict")
+    if tree is _PLAIN:   # no tensor at all: the whole state is one value
+        tree = value(state_dict, "state_dict")
     # Tied tensors: a second reference reuses the index, so refs may repeat; keep one entry per index.
     return tree, tensors
 
 
-def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of `flatten`: rebuild the state dict from the tree and the restored tensors."""
-    if isinstance(tree, dict):
-        if set(tree) == {TENSOR_MARK}:
-            return tensors[tree[TENSOR_MARK]]
-        if set(tree) == {TUPLE_MARK}:
-            return tuple(unflatten(v, tensors) for v in tree[TUPLE_MARK])
-        if set(tree) == {ITEMS_MARK}:
-            return {k: unflatten(v, tensors) for k, v in tree[ITEMS_MARK]}
-        return {k: unflatten(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [unflatten(v, tensors) for v in tree]
-    return tree
+class _Plain:
+    pass
+
+
+_PLAIN = _Plain()
+
+
+def unflatten(tree: Any, tensors: list[torch.Tensor], host: list[torch.Tensor] | None = None) -> Any:
+    """Inverse of `flatten`: rebuild the state dict from the tree and the restored tensors. Values are
+    decoded from `host` (the host copies, when `tensors` were moved to a device) or from `tensors`."""
+    src = tensors if host is None else host
+
+    def walk(tree: Any) -> Any:
+        if isinstance(tree, dict):
+            if set(tree) == {TENSOR_MARK}:
+                return tensors[tree[TENSOR_MARK]]
+            if set(tree) == {VALUE_MARK, KIND_KEY}:
+                t = src[tree[VALUE_MARK]]
+                return decode_item(tree[KIND_KEY], t.cpu().numpy().tobytes() if t.numel() else b"")
+            if set(tree) == {TUPLE_MARK}:
+                return tuple(walk(v) for v in tree[TUPLE_MARK])
+            if set(tree) == {ITEMS_MARK}:
+                return {k: walk(v) for k, v in tree[ITEMS_MARK]}
+            return {k: walk(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [walk(v) for v in tree]
+        return tree
+
+    return walk(tree)

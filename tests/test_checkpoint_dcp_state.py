@@ -149,3 +149,26 @@ def test_saved_on_two_ranks_loads_on_one_and_on_three(redis_server, tmp_path: Pa
         _run(ctx, _load_rank, 3, (str(short_tmp / "init3"), server.target, job))
     finally:
         server.stop()
+
+
+def test_whole_train_state_through_checkpoint_client(redis_server, tmp_path: Path, monkeypatch) -> None:
+    """The same state through CheckpointClient.save / restore, plus torch's own optimizer state dict (int keys)."""
+    from checkpoint.client import CheckpointClient
+    from checkpoint.snapshot import SnapshotConfig
+
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("clis")
+    model, opt, _ = trained(0)
+    sd = full_state(0)
+    sd["torch_optim"] = opt.state_dict()
+    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096))
+    assert client.save(4, sd).result(30).error == ""
+    with pytest.raises(Exception, match="state_dict/loader/hook: builtins.function is not supported"):
+        client.save(5, {**sd, "loader": {"hook": lambda: 0}})
+    m = co.shard_manifest(job, 4, 0)
+    assert {"state_dict/loader", "state_dict/train/global_avg_losses", "state_dict/optim/param_groups"} <= \
+        {t.path for t in m.tensors}   # values are fingerprinted bytes of the blob, not manifest text
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+    back = client.restore(4)
+    same(back, sd)
+    assert set(back["torch_optim"]["state"]) == {0, 1, 2, 3}
+    client.close()

@@ -49,7 +49,10 @@ def _state() -> dict:
 def test_flatten_unflatten_round_trip_keeps_structure_and_ties() -> None:
     sd = _state()
     tree, named = flatten(sd)
-    assert [p for p, _ in named] == ["state_dict/model/w", "state_dict/model/b", "state_dict/empty"]
+    assert [p for p, _ in named] == ["state_dict/model/w", "state_dict/model/b", "state_dict/empty",
+                                     "state_dict/step", "state_dict/rng", "state_dict/cfg"]
+    # the plain values are bytes of the blob (checksummed, fingerprinted, compared across replicas)
+    assert all(t.dtype == torch.uint8 and t.dim() == 1 for _, t in named[3:])
     text = json.dumps(tree)
     back = unflatten(json.loads(text), [t for _, t in named])
     assert back["model"]["w"] is back["model"]["tied"]
@@ -60,7 +63,8 @@ def test_flatten_unflatten_round_trip_keeps_structure_and_ties() -> None:
 @pytest.mark.parametrize("bad, where", [
     ({"x": {1, 2}}, "state_dict/x"),
     ({"x": {"y": object()}}, "state_dict/x/y"),
-    ({"x": [b"bytes"]}, r"state_dict/x\[0\]"),
+    ({"x": [1, object()]}, r"state_dict/x\[1\]: builtins.object is not supported"),
+    ({"x": {"y": [torch.zeros(1), {"z": {1.5}}]}}, r"state_dict/x/y\[1\]/z"),
     ({"x": {(1, 2): torch.zeros(1)}}, "keys must be str or int"),
     ({"x": {True: torch.zeros(1)}}, "keys must be str or int"),
     ({"__sdcw_tensor__": 1}, "reserved"),
@@ -71,7 +75,7 @@ def test_flatten_rejects_unsupported_objects_with_the_path(bad: dict, where: str
 
 
 def _manifest(**over: object) -> ShardManifest:
-    tree, named = flatten({"a": torch.zeros(4), "n": 1})
+    tree = {"a": {"__sdcw_tensor__": 0}, "n": 1}   # plain values inline: the format before values were bytes
     base = dict(job_id="j", step=1, rank=0, world_size=2, blob="j/000000000001/rank-00000.bin", nbytes=16,
                 chunk_bytes=8, chunks=(Chunk(0, 8, "0" * 32), Chunk(8, 8, "1" * 32)),
                 tensors=(TensorEntry("state_dict/a", "float32", (4,), 0, 16, (1, 2)),), tree=tree, created=1.0)
@@ -185,3 +189,30 @@ def test_the_torch_free_dtype_table_matches_torch() -> None:
     assert set(DTYPES) == set(DTYPE_SIZES)
     for name, dt in DTYPES.items():
         assert torch.empty((), dtype=dt).element_size() == DTYPE_SIZES[name] and dtype_name(dt) == name
+
+
+def test_values_round_trip_exactly_and_bytes_stay_bytes() -> None:
+    import io
+    import struct
+
+    nan = struct.unpack(">d", bytes.fromhex("7ff4000000000abc"))[0]
+    sd = {"w": torch.ones(2), "meta": {"big": 2 ** 70, "f": 0.1, "neg0": -0.0, "nan": nan, "inf": float("inf"),
+                                        "t": (1, [2, (3,)]), "ids": {3: "a", 7: "b"}},
+          "blob": io.BytesIO(b"\x00\xff"), "raw": bytearray(b"xy"), "nested": [torch.zeros(1), b"z", None]}
+    tree, named = flatten(sd)
+    back = unflatten(json.loads(json.dumps(tree)), [t.clone() for _, t in named])
+    m = back["meta"]
+    assert m["big"] == 2 ** 70 and type(m["big"]) is int and m["t"] == (1, [2, (3,)]) and m["ids"] == {3: "a", 7: "b"}
+    assert [struct.pack(">d", m[k]) for k in ("f", "neg0", "nan", "inf")] == \
+        [struct.pack(">d", x) for x in (0.1, -0.0, nan, float("inf"))]
+    assert isinstance(back["blob"], io.BytesIO) and back["blob"].getvalue() == b"\x00\xff"
+    assert back["raw"] == b"xy" and back["nested"][1:] == [b"z", None]
+    assert unflatten(*[x for x in (flatten({"only": 1})[0], [t for _, t in flatten({"only": 1})[1]])]) == {"only": 1}
+
+
+def test_manifest_value_refs_are_checked() -> None:
+    bad = _manifest(tree={"a": {"__sdcw_value__": 0, "kind": "pickle"}})
+    with pytest.raises(InvalidInputError, match="unknown kind"):
+        ShardManifest.from_json(bad.to_json())
+    with pytest.raises(InvalidInputError, match="uint8"):   # a value must be stored as bytes
+        ShardManifest.from_json(_manifest(tree={"a": {"__sdcw_value__": 0, "kind": "json"}}).to_json())

@@ -77,7 +77,7 @@ def test_a_flip_in_the_saved_bytes_is_never_verified(redis_server, tmp_path: Pat
     assert len(differ) == 1 and differ[0][3]["odd_ranks"] == odd and differ[0][3]["step"] == 100
     good = co.info(job, 150)
     assert good.vouched_by.startswith("bytes agreed: replica set 'world' (ranks "
-                                      + ",".join(map(str, range(world))) + "): 2 tensor fingerprints identical")
+                                      + ",".join(map(str, range(world))) + "): 3 tensor fingerprints identical")   # w, b, step
     shown = format_show(_pb(good), time.time())
     assert "vouched by: bytes agreed" in shown
     # a later vote never verifies the flipped checkpoint: bytes, not step numbers
@@ -156,3 +156,21 @@ def test_a_flip_in_one_replicas_optimizer_state_is_never_verified(redis_server, 
     info = co.info(job, 30)
     assert info.state == "COMMITTED"
     assert "DIFFERS in state_dict/optim/exp_avg; odd ranks 2" in info.vouched_by
+
+
+def test_replicas_that_saved_different_plain_values_are_never_verified(redis_server, tmp_path: Path) -> None:
+    """Non-tensor state (a loader position, bytes) is bytes of the shard too: replicas must agree on it."""
+    import io
+
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id()
+    for r in range(3):
+        state = replicated_state(40)
+        state["loader"] = {"epoch": 1, "pos": 640 + (r == 1)}
+        state["extra"] = io.BytesIO(b"same")
+        snap = Snapshotter(co, job, r, 3, SnapshotConfig(chunk_bytes=4096), replica_set="world")
+        assert snap.save(40, state).result(30).error == ""
+        snap.close()
+    co.on_job_event(job, 40, "vote_agreed", time.time())
+    info = co.info(job, 40)
+    assert info.state == "COMMITTED"
+    assert "DIFFERS in state_dict/loader; odd ranks 1" in info.vouched_by
