@@ -19,7 +19,8 @@ through the step guard (`Veto`), its number kept. "device" (the default on CUDA 
 e.g. `torch.optim.Adam(fused=True)`): the gather and the comparison (`device_flag`, the same rule as the
 host's) are device ops, and the verdict is a 0-d float flag set as `optimizer.found_inf`, which a fused
 optimizer honours on the device exactly as it does GradScaler's (parameters, moments and step count left
-unchanged; combined with the scaler's flag when there is one; the AFTER stage takes it back): no host
+unchanged; combined with the scaler's flag when there is one; the AFTER stage takes it back: the shared
+mechanism of checksums/device_mask.py, which the replica vote's gate uses too): no host
 synchronisation in the step. The rows travel to pinned host memory without waiting; the next step reads
 them (`_settle_previous`), learns the spread, and replays and classifies a masked step from its retained
 batch (its weights are unchanged, the masked update changed nothing). A masked step classified DATA there
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checksums.device_mask import DeviceMask, choose_mask
 from checksums.grad_checks import GradSummaries, SpreadTracker, StatsVerdict, deviations, stats_of
 from checksums.replay import Cause, Classification, LossFn, Replayer, Retained
 from checksums.reporter import ComputeFinding
@@ -110,10 +112,9 @@ class ComputeChecks:
         self._pending: tuple[int, torch.Tensor, Any, bool, Retained] | None = None
         self._spread_dev: torch.Tensor | None = None
         self._spread_version = -1
-        self._set_found_inf = False
         self.guard = StepGuard.attach(optimizer)
         self.guard.add(self)
-        self.guard.add(_After(self))
+        self._device_mask = DeviceMask.of(self.guard)     # checksums/device_mask.py: found_inf, put back AFTER
         if monitor is not None:
             monitor.report_compute(self.take_findings, self.mode)
 
@@ -192,10 +193,7 @@ class ComputeChecks:
         spread = self._spread_on(rows.device)
         armed = spread is not None and self.tracker.learned >= self.tracker.warmup
         flag = device_flag(stats_of(rows), spread if armed else None, self.tracker.margin)
-        opt = ctx.optimizer
-        prev = getattr(opt, "found_inf", None)            # GradScaler's, when the loop uses one
-        opt.found_inf = flag if prev is None else torch.maximum(prev.reshape(()).float(), flag)
-        self._set_found_inf = prev is None
+        self._device_mask.add(ctx, flag)                  # combined with GradScaler's found_inf, if any
         host = torch.empty(rows.shape, dtype=rows.dtype, device="cpu",
                            pin_memory=rows.device.type == "cuda")
         host.copy_(rows, non_blocking=True)
@@ -214,14 +212,6 @@ class ComputeChecks:
             self._spread_dev.copy_(spread, non_blocking=True)
         self._spread_version = self.tracker.learned
         return self._spread_dev
-
-    def after(self) -> None:
-        """AFTER the update: take back the `found_inf` this stage set (GradScaler removes its own)."""
-        if self._set_found_inf:
-            opt = self._optimizer_ref()
-            if opt is not None and hasattr(opt, "found_inf"):
-                del opt.found_inf
-            self._set_found_inf = False
 
     def _settle_previous(self) -> None:
         """The previous step's verdict on the host (its copy landed a step ago): learn the spread, and
@@ -285,22 +275,6 @@ class ComputeChecks:
 
     def close(self) -> None:
         self.guard.remove(self.name)
-        self.guard.remove(_After.name)
-
-
-class _After:
-    """The compute gate's AFTER stage: takes back the `found_inf` flag the device mask set."""
-
-    name = "compute.after"
-    phase = Phase.AFTER
-
-    def __init__(self, checks: ComputeChecks) -> None:
-        self._checks = weakref.ref(checks)
-
-    def run(self, ctx: StepContext) -> None:
-        checks = self._checks()
-        if checks is not None:
-            checks.after()
 
 
 def device_flag(stats: torch.Tensor, spread: torch.Tensor | None, margin: float) -> torch.Tensor:
@@ -312,20 +286,7 @@ def device_flag(stats: torch.Tensor, spread: torch.Tensor | None, margin: float)
     return bad.float()
 
 
-def _choose_mask(mask: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
-    """"host": the verdict is read before the update (gloo/CPU; one sync a step on CUDA); "device": a
-    found_inf flag masks the update (a fused optimizer that supports it); "auto": device on CUDA when the
-    optimizer can, else host."""
-    fused = any(g.get("fused") for g in optimizer.param_groups) and getattr(
-        optimizer, "_step_supports_amp_scaling", False)
-    if mask == "auto":
-        return "device" if device.type == "cuda" and fused else "host"
-    if mask == "device" and not fused:
-        raise ValueError(f"mask='device' needs a fused optimizer that honours found_inf (e.g. "
-                         f"torch.optim.Adam(fused=True)); {type(optimizer).__name__} is not one: use mask='host'")
-    if mask not in ("host", "device"):
-        raise ValueError(f"mask is 'auto', 'host' or 'device', got {mask!r}")
-    return mask
+_choose_mask = choose_mask   # the name this module had for it
 
 
 __all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus"]

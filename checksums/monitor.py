@@ -123,6 +123,7 @@ class _Slot:
     directive_work: Any = None      # the async world all_reduce of the directive row
     directive_row: tuple[int, ...] | None = None  # the world MAX, once read (None: not launched this step)
     busy: bool = False
+    call: int = 0                   # the step() call that launched it (1 for the first)
     device_work: bool = False       # the host must wait for `done` before reading
     step: int = 0
     checked: bool = False
@@ -264,6 +265,9 @@ class Monitor:
         self._frozen_changes = 0
         self._nonfinite = 0
         self._last_vote: StepVote | None = None
+        self._recent_votes: collections.deque[tuple[int, StepVote]] = collections.deque(maxlen=4 * _CUDA_SLOTS)
+        self._latest_checked: _Slot | None = None   # the newest slot whose check launched a vote
+        self._latest_checked_call = 0
         self._last_suspects: tuple[int, ...] = ()
         self._directives: collections.deque[Directive] = collections.deque(maxlen=64)
         self._seen_directive_seqs: collections.deque[int] = collections.deque(maxlen=256)
@@ -535,6 +539,7 @@ class Monitor:
         self._setup_words()
         self._setup_buffers()
         self._next = 0
+        self._latest_checked = None
 
     # ---- the training step -----------------------------------------------------------------------
 
@@ -557,6 +562,7 @@ class Monitor:
         self._drain(block=False)
         slot = self._take_slot()
         slot.step = self._step
+        slot.call = self._calls
         slot.checked = self._step % self.every == 0
         slot.wall_time = time.time()
         slot.step_s = t0 - self._last_step_end
@@ -564,6 +570,8 @@ class Monitor:
         if slot.checked:
             self._launch_check(slot)
             device_work = self._async
+            if self._group is not None:
+                self._latest_checked, self._latest_checked_call = slot, slot.call
         for i, x in enumerate((loss, grad_norm, loss_scale)):
             device_work |= self._stage_scalar(slot, i, x)
         slot.directive_row = None
@@ -769,7 +777,7 @@ class Monitor:
             mine = list(rows[self._group_rank])
             frozen_changed = self._check_frozen(slot.step, mine)
             if self._group is not None:
-                step_vote = self._take_vote(slot.step, rows)
+                step_vote = self._take_vote(slot.step, rows, slot.call)
         self._report(slot, loss, grad_norm, loss_scale, mine, step_vote, frozen_changed)
 
     def _check_finite(self, step: int, loss: float | None, grad_norm: float | None) -> None:
@@ -801,11 +809,12 @@ class Monitor:
                     {"names": names, "rank": self.rank, "host": self.host, "gpu_uuid": self.gpu_uuid})
         return names
 
-    def _take_vote(self, step: int, rows: list[tuple[int, ...]]) -> StepVote:
+    def _take_vote(self, step: int, rows: list[tuple[int, ...]], call: int = 0) -> StepVote:
         result = vote({r: rows[i] for i, r in enumerate(self._group_ranks)}, self._where)
         self._votes += 1
         sv = StepVote(step=step, result=result, replica_group=self.replica_group_name, ranks=self._group_ranks)
         self._last_vote = sv
+        self._recent_votes.append((call, sv))
         if not result.agreed:
             self._mismatches += 1
             if result.suspect_ranks != self._last_suspects:
@@ -947,6 +956,38 @@ class Monitor:
     @property
     def step_count(self) -> int:
         return self._step
+
+    # ---- for a device-side gate (checksums/replica_recovery.py) ----------------------------------------
+
+    @property
+    def step_calls(self) -> int:
+        """`step()` calls so far; a vote is numbered by the call that launched it (`recent_votes`)."""
+        return self._calls
+
+    @property
+    def vote_lag(self) -> int:
+        """Every rank has read the vote launched by call c once call c + `vote_lag` has returned, without any
+        wait of its own: on CUDA the ring of in-flight steps (a call reuses the slot of `vote_lag` calls ago,
+        reading it first if it is still in flight); on CPU 0 (read in the call that launched it)."""
+        return len(self._slots) if self._async else 0
+
+    @property
+    def recent_votes(self) -> list[tuple[int, StepVote]]:
+        """The newest votes read on the host (up to 16), oldest first, each with the call that launched it."""
+        return list(self._recent_votes)
+
+    def latest_vote_words(self) -> tuple[int, int, torch.Tensor] | None:
+        """(step, call, words) of the newest fingerprint check with a vote, read or not: `words` is its
+        gathered fingerprints, [replicas, V] int64 on the Monitor's buffer device. On CUDA the current stream
+        is made to wait for that gather (a device-side wait: no host synchronisation), so device work queued
+        after this call may read `words` until the slot is reused (`vote_lag` calls later). None before the
+        first check, without a vote, or once the slot holds a newer step."""
+        slot = self._latest_checked
+        if slot is None or slot.call != self._latest_checked_call or not slot.checked:
+            return None
+        if slot.device_work and slot.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.done)
+        return slot.step, slot.call, slot.gathered.view(len(self._group_ranks), self._v)
 
     @property
     def stats(self) -> MonitorStats:

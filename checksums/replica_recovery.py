@@ -5,28 +5,47 @@ majority (3+ replicas) the odd replicas are repaired in place from a majority re
 
 Two stages on the optimizer's `StepGuard` (checksums/step_guard.py), apart from any other GATE stage:
 
-- `replica.vote_gate` (Phase.GATE): reads the votes of the steps taken so far (`monitor.flush()`: on CPU they
-  are already read; on CUDA this waits for the previous step's fingerprint gather, launched a whole forward
-  and backward earlier, so usually done: the cost is one host wait per step on an event that has normally
-  completed, and it stops the host from running more than one step ahead of the GPU). A vote that disagreed,
-  and that this stage has not acted on, vetoes this update: the suspect update is not applied. Every replica
-  reads the same vote (it is an all_gather), so all of them veto the same step and stay in lock step.
-  Gated on the host: a device-side mask (the update multiplied by the verdict, as fused optimizers skip on
-  `found_inf`) would avoid the wait; not built.
-- `replica.repair` (Phase.REPAIR): after a veto for a mismatch with a strict majority (3+ replicas), every
+- `replica.vote_gate` (Phase.GATE) gates the update with the vote's verdict, in one of two ways (`mask=`):
+
+  * on the device ("device"; the default on CUDA with NCCL and a fused optimizer, e.g.
+    `torch.optim.Adam(fused=True)`): no host synchronisation. The gate takes the newest fingerprint check's
+    gathered words, still on the GPU (`Monitor.latest_vote_words`: the current stream waits for that gather
+    on the device), computes "some replica differs" there (`device_disagree`, a 0-d flag) and masks this
+    update with it through the optimizer's `found_inf` (checksums/device_mask.py, the mechanism the compute
+    gate uses: a fused optimizer leaves parameters, moments and step count unchanged, as it does for
+    GradScaler). Every replica computes the flag from the same all_gathered words, so all mask the same
+    step. While the replicas differ every later vote disagrees too, so every later update is masked and no
+    update mixes the odd replica in; with `every` > 1 the flag of the newest check holds until the next.
+    The host acts on a vote once every replica has surely read it, which needs no wait of its own: the
+    Monitor reads a vote at the latest when its slot of the ring is reused, `Monitor.vote_lag` (4) step()
+    calls later, so the gate acts on the votes launched that many calls ago. For those that disagreed it
+    records the masked updates as skipped steps (`guard.masked`, so `guard.skipped` and the Monitor's
+    step.skipped events say which updates were lost) and hands the first one to the REPAIR stage. On CUDA
+    with 3+ replicas a mismatch at step M is therefore repaired at the update of step M + 5, and the updates
+    of steps M + 1 .. M + 5 are masked: the result is bit-identical to a clean run that skipped those
+    batches. After a repair or a restore (the guard's step going back) the votes launched before it are
+    about weights that no longer exist: the flag clears, and the next check decides again.
+  * on the host ("host"; CPU/gloo, or an optimizer that is not fused): reads the votes of the steps taken
+    so far (`monitor.flush()`: on CPU they are already read, so it costs nothing; on CUDA it waits for the
+    previous step's gather: one host wait per step, and the host never runs more than a step ahead). A
+    vote that disagreed, and that this stage has not acted on, vetoes this update (a `Veto`, its number
+    kept); the REPAIR stage acts in the same step.
+
+- `replica.repair` (Phase.REPAIR): for a disagreeing vote with a strict majority (3+ replicas), every
   parameter and optimizer-state tensor is broadcast from the lowest-ranked majority replica over the replica
-  group, then fingerprinted and compared across the group (an all_gather of two int64): the repair counts
-  only if every replica now holds the majority's exact bytes. The weights are then those after the last
-  agreed update; the vetoed step's batch is skipped: bit-identical to a clean run that skipped that batch.
-  With two replicas (no majority), or when the comparison after the copy fails, nothing is repaired: the
-  gate keeps vetoing updates while the replicas differ, and the agent's rollback directive (the newest
-  VERIFIED checkpoint older than the mismatch) brings every replica back; after the restore, call
-  `monitor.guard.renumber(target)`.
+  group, then fingerprinted and compared across the group (an all_gather of two int64; this rare path reads
+  the result on the host): the repair counts only if every replica now holds the majority's exact bytes.
+  The weights are then those after the last agreed update; the skipped steps' batches are lost:
+  bit-identical to a clean run that skipped them. With two replicas (no majority), or when the comparison
+  after the copy fails, nothing is repaired: the gate keeps vetoing (masking) updates while the replicas
+  differ, and the agent's rollback directive (the newest VERIFIED checkpoint older than the mismatch)
+  brings every replica back; after the restore, call `monitor.guard.renumber(target)`.
 
 Training-side module: torch and torch.distributed only; never imports the agent.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Any
@@ -34,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checksums.device_mask import DeviceMask, choose_mask, device_disagree
 from checksums.fingerprint import fingerprint_tensors_async
 from checksums.step_guard import Phase, StepContext, Veto
 
@@ -53,25 +73,46 @@ class Repair:
 
 class ReplicaRecovery:
     """See the module docstring. `monitor`: the rank's `checksums.monitor.Monitor` (its guard, replica group
-    and votes)."""
+    and votes). `mask`: "auto" (the device gate on CUDA with NCCL and a fused optimizer, else the host gate),
+    "host" or "device" (forces the device gate, on CPU too: how the tests run it). `settle_lag`: calls after
+    which the device gate acts on a vote on the host (default `monitor.vote_lag`; a test may set the CUDA
+    value on CPU)."""
 
-    def __init__(self, monitor: Any) -> None:
+    def __init__(self, monitor: Any, *, mask: str = "auto", settle_lag: int | None = None) -> None:
         if monitor.guard is None:
             raise ValueError("ReplicaRecovery needs a Monitor attached with an optimizer (its step guard)")
         self.monitor = monitor
         self.guard = monitor.guard
-        self._acted: Any = None           # the last vote acted on
-        self._pending: Any = None         # a disagreeing vote the gate vetoed for, for the repair stage
+        optimizer = monitor._optimizer
+        chosen = choose_mask(mask, optimizer, monitor.device)
+        if mask == "auto" and chosen == "device" and not monitor.vote_lag:
+            chosen = "host"           # a synchronous vote (gloo on CUDA): read at once, nothing to save
+        self.mask = chosen
+        if settle_lag is not None and settle_lag < 0:
+            raise ValueError(f"settle_lag is a number of steps >= 0, got {settle_lag!r}")
+        self.settle_lag = monitor.vote_lag if settle_lag is None else settle_lag
+        self._acted: Any = None           # host gate: the last vote acted on
+        self._pending: Any = None         # a disagreeing vote to repair for, at this step's REPAIR stage
         self.repairs: list[Repair] = []
-        self.vetoed = 0
+        self.vetoed = 0                   # updates skipped for a disagreeing vote (device: once read)
+        # the device gate's state (host side: ints and the flag tensor, never read on the host)
+        self._flag: torch.Tensor | None = None    # 0-d float on the device: the newest vote disagreed
+        self._flag_call = 0               # the call of the vote the flag was computed from
+        self._mask_from: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)  # (step, vote call)
+        self._settled_call = 0            # votes launched up to this call were looked at on the host
+        self._fresh_from = 0              # votes launched before this call hold weights since repaired/restored
+        self._last_ctx_step = -1
+        self._device_mask: DeviceMask | None = None
         self.gate = _Gate(self)
         self.repair = _Repair(self)
 
     @classmethod
-    def attach(cls, monitor: Any) -> "ReplicaRecovery":
-        rec = cls(monitor)
+    def attach(cls, monitor: Any, **kwargs: Any) -> "ReplicaRecovery":
+        rec = cls(monitor, **kwargs)
         rec.guard.add(rec.gate)
         rec.guard.add(rec.repair)
+        if rec.mask == "device":
+            rec._device_mask = DeviceMask.of(rec.guard)
         return rec
 
     def detach(self) -> None:
@@ -82,6 +123,8 @@ class ReplicaRecovery:
     def _gate(self, ctx: StepContext) -> Veto | None:
         if self.monitor.replica_group is None:
             return None
+        if self.mask == "device":
+            return self._gate_on_device(ctx)
         self.monitor.flush()
         vote = self.monitor.last_vote
         if vote is None or vote is self._acted or vote.result.agreed:
@@ -92,6 +135,53 @@ class ReplicaRecovery:
         return Veto(self.gate.name, f"replica vote at step {vote.step} disagreed ({vote.result.method}): "
                                     "the update is not applied")
 
+    def _gate_on_device(self, ctx: StepContext) -> None:
+        """Mask this update on the device with the newest vote's verdict; act on the host on the votes every
+        replica has read by now (`settle_lag` calls old). No host synchronisation, no veto."""
+        mon = self.monitor
+        calls = mon.step_calls
+        if ctx.step <= self._last_ctx_step:       # renumbered back: a restore; older votes are about old weights
+            self._fresh_from, self._flag = calls + 1, None
+        self._last_ctx_step = ctx.step
+        latest = mon.latest_vote_words()
+        if latest is not None:
+            step, call, words = latest
+            if call < self._fresh_from or step >= ctx.step:
+                self._flag = None                 # about weights since restored or repaired: no verdict
+            elif call != self._flag_call:
+                flag = device_disagree(words)
+                if flag.device != mon.device:     # a synchronous vote on host buffers (forced device gate)
+                    flag = flag.to(mon.device, non_blocking=True)
+                self._flag, self._flag_call = flag, call
+        if self._flag is not None:
+            assert self._device_mask is not None
+            self._device_mask.add(ctx, self._flag)
+            self._mask_from.append((ctx.step, self._flag_call))
+        self._settle(ctx, calls)
+        return None
+
+    def _settle(self, ctx: StepContext, calls: int) -> None:
+        """The host's part, on votes every replica has read (so every replica decides the same, at the same
+        step): record the updates a disagreeing vote masked, and hand the first disagreeing vote of weights
+        not yet repaired to the REPAIR stage."""
+        through = calls - self.settle_lag
+        if through <= self._settled_call:
+            return
+        for call, vote in self.monitor.recent_votes:
+            if call <= self._settled_call or call > through:
+                continue
+            if vote.result.agreed:
+                continue
+            why = (f"replica vote at step {vote.step} disagreed ({vote.result.method}): the update was masked "
+                   "on the device")
+            for step, by in self._mask_from:
+                if by == call:
+                    self.guard.masked(step, self.gate.name, why)
+                    self.vetoed += 1
+            if call >= self._fresh_from and self._pending is None:
+                self._pending = vote              # the REPAIR stage, this step
+        self._settled_call = through
+
     # ---- the repair ----------------------------------------------------------------------------------
     def _repair(self, ctx: StepContext) -> Veto | None:
         vote, self._pending = self._pending, None
@@ -101,6 +191,8 @@ class ReplicaRecovery:
         if result.majority is None:   # two replicas, or no strict majority: the rollback directive recovers
             self.repairs.append(Repair(vote.step, ctx.step, -1, False, f"no majority ({result.method})"))
             return None
+        if self.mask == "device":     # the votes launched before the next step() are about unrepaired weights
+            self._fresh_from = self.monitor.step_calls + 1
         odd = {s.rank for s in result.suspects}
         source = min(r for r in vote.ranks if r not in odd)
         group = self.monitor.replica_group

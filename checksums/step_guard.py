@@ -205,6 +205,10 @@ class StepGuard:
         self._before = tuple(s for s in ordered if s.phase < Phase.UPDATE)
         self._after = tuple(s for s in ordered if s.phase > Phase.UPDATE)
 
+    def stage(self, name: str) -> Stage | None:
+        """The stage called `name`, or None."""
+        return self._stages.get(name)
+
     @property
     def stages(self) -> tuple[Stage, ...]:
         """Every stage, in the order they run."""
@@ -228,6 +232,13 @@ class StepGuard:
         self._attempts += 1
         self._record_skip(SkippedStep(self._step, "", reason), log=False)
         return self._step
+
+    def masked(self, step: int, stage: str, reason: str) -> None:
+        """Record, afterwards, that step `step`'s update was skipped on the device (checksums.device_mask: the
+        fused optimizer left the weights unchanged): it was counted applied then; the host learns it later."""
+        if self._applied > 0:
+            self._applied -= 1
+        self._record_skip(SkippedStep(step, stage, reason), log=True)
 
     def renumber(self, step: int) -> None:
         """The weights are at `step` now (after a restore, or when the loop numbers its own steps)."""

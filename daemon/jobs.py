@@ -28,6 +28,11 @@ from sdcwatch.types import Evidence, Finding, Severity, State
 from proto.sdcwatch.v1 import agent_pb2 as pb
 
 DIRECTIVE_TTL_S = 600.0   # a rollback directive not handed to a rank within this long is dropped
+# With a majority (3+ replicas) the ranks repair a mismatch in place (checksums/replica_recovery.py): the
+# device gate acts on the vote of step M once every replica has read it, at the update of step M + 5 (the
+# Monitor's ring of 4 in-flight steps, checksums.monitor._CUDA_SLOTS, + 1), so votes up to step M + 4 may
+# still disagree. A vote after that disagreeing means the repair failed: the agent plans a rollback.
+MAJORITY_REPAIR_STEPS = 5
 
 
 @dataclasses.dataclass(slots=True)
@@ -351,8 +356,10 @@ class JobTracker:
         if job.mismatch_from is None or vote.step < job.mismatch_from:
             job.mismatch_from, job.mismatch_planned = vote.step, False
         # one plan per incident: at once without a majority (two replicas); with a majority the ranks may
-        # repair in place (checksums.replica_recovery) at the next update, so only if it still disagrees after
-        plan = not job.mismatch_planned and (vote.method != "majority" or vote.step > job.mismatch_from + 1)
+        # repair in place (checksums.replica_recovery): at the next update (host gate) or, with the device
+        # gate, MAJORITY_REPAIR_STEPS later; so only if a vote still disagrees after that
+        plan = not job.mismatch_planned and (
+            vote.method != "majority" or vote.step > job.mismatch_from + MAJORITY_REPAIR_STEPS)
         names = ", ".join(f"rank {s['rank']} on {s['host'] or '?'} GPU {s['gpu_uuid'] or '?'}" for s in suspects)
         out.findings.append(Finding(
             ek.REPLICA_MISMATCH, Severity.CRITICAL, f"job/{req.job_id}",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from daemon.background import Background
 from daemon.events import EventBus
-from daemon.jobs import DIRECTIVE_TTL_S, JobTracker, ReportOutcome
+from daemon.jobs import DIRECTIVE_TTL_S, MAJORITY_REPAIR_STEPS, JobTracker, ReportOutcome
 from daemon.journal import Journal
 from daemon.rollback import RollbackPlanner
 from probes.loss_detector import RollbackPolicy
@@ -302,7 +302,16 @@ def test_with_a_majority_the_ranks_get_one_update_to_repair_before_a_rollback_is
     vote(repaired, 6, True)
     assert repaired.jobs["h"].mismatch_from is None, "agreeing again closes the incident"
     stuck = JobTracker(rollback=RollbackPolicy())
-    assert not vote(stuck, 5, False).rollbacks and not vote(stuck, 6, False).rollbacks
-    (_, inc), = vote(stuck, 7, False).rollbacks
+    for step in range(5, 5 + MAJORITY_REPAIR_STEPS + 1):   # the device gate repairs at update 5 + 5
+        assert not vote(stuck, step, False).rollbacks, f"step {step}: the repair may still come"
+    (_, inc), = vote(stuck, 5 + MAJORITY_REPAIR_STEPS + 1, False).rollbacks
     assert inc.first_step == 5 and inc.method == "majority"
-    assert not vote(stuck, 8, False).rollbacks, "one plan per incident"
+    assert not vote(stuck, 5 + MAJORITY_REPAIR_STEPS + 2, False).rollbacks, "one plan per incident"
+
+
+def test_the_agents_repair_grace_covers_the_device_gates_lag() -> None:
+    """The device gate repairs the vote of step M at update M + vote_lag + 1 (checksums/replica_recovery.py);
+    the agent must not plan a rollback for a vote before that (it does not import torch: its own constant)."""
+    from checksums import monitor
+
+    assert MAJORITY_REPAIR_STEPS == monitor._CUDA_SLOTS + 1
