@@ -1,0 +1,175 @@
+"""Issue 18 item 3: a rollback goes to a checkpoint older than the anomaly's START, and nothing saved at or
+after it is VERIFIED. Run through the agent's own parts: the ranks' reports into `JobTracker` (the rules),
+its job events into the checkpoint coordinator in order (what `CheckpointFeed` does), and a rollback plan by
+`RollbackPlanner` over `CheckpointService.verified_steps`; checkpoints saved by `Snapshotter` with real
+bytes (replica bytes compared). Three cases: a loss anomaly detected steps after it began, a replica
+mismatch that persists past the in-place repair's grace, and an unresolved compute fault."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.snapshot import SnapshotConfig, Snapshotter
+from ckpt_support import job_id, node
+from daemon.checkpoint_service import CheckpointService
+from daemon.jobs import MAJORITY_REPAIR_STEPS, JobTracker
+from daemon.rollback import RollbackPlanner
+from probes.loss_detector import RollbackPolicy
+from proto.sdcwatch.v1 import agent_pb2 as pb
+
+
+class _Checkpoints:
+    """The agent's checkpoint service, for what the planner reads: its own `verified_steps`."""
+
+    verified_steps = CheckpointService.verified_steps
+
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+
+class _Publisher:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def publish(self, kind: Any, subject: str, message: str, details: dict | None = None) -> None:
+        self.events.append((kind.name, dict(details or {})))
+
+
+class Agent:
+    """The report path of daemon/agent.py with its real rules, coordinator and planner."""
+
+    def __init__(self, co: Any, job: str) -> None:
+        self.co, self.job = co, job
+        self.policy = RollbackPolicy(skip_batches=0)
+        self.tracker = JobTracker(rollback=self.policy)
+        self.publisher = _Publisher()
+        self.planner = RollbackPlanner(self.policy, checkpoints=_Checkpoints(co), jobs=self.tracker,
+                                       publisher=self.publisher, background=None)  # type: ignore[arg-type]
+        self.anomalies: list[tuple[int, Any]] = []    # (the step reported when planned, the anomaly)
+
+    def report(self, req: pb.ReportStepRequest) -> None:
+        now = time.time()
+        out = self.tracker.report(req, now)
+        if out is None:
+            return
+        for _, ev in out.rollbacks:
+            self.anomalies.append((req.step, ev))
+            asyncio.run(self.planner.plan(self.job, ev, len(self.anomalies)))
+        for step, kind, reason in out.job_events:
+            self.co.on_job_event(self.job, step, kind, now, reason)
+
+    @property
+    def target(self) -> int | None:
+        pending = self.tracker.jobs[self.job].directive
+        return None if pending is None else int(pending.directive.target_step)
+
+
+def _save(co: Any, job: str, step: int, world: int, replica_set: str) -> None:
+    for r in range(world):
+        g = torch.Generator().manual_seed(step * 10 + (0 if replica_set else r))   # replicas: the same bytes
+        state = {"model": {"w": torch.randn(256, generator=g)}, "step": step}
+        snap = Snapshotter(co, job, r, world, SnapshotConfig(chunk_bytes=4096), replica_set=replica_set)
+        assert snap.save(step, state).result(30).error == ""
+        snap.close()
+
+
+def _vote_req(job: str, rank: int, world: int, step: int, agreed: bool) -> pb.ReportStepRequest:
+    req = pb.ReportStepRequest(job_id=job, rank=rank, world_size=world, step=step + 1, replica_group="world",
+                               fingerprint=[1])
+    req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = True, agreed, step, world
+    req.vote.method = "majority"
+    if not agreed:
+        req.vote.suspects.add(rank=world - 1, host="h", gpu_uuid=f"GPU-{world - 1}")
+    return req
+
+
+def _ever_verified(co: Any) -> set[int]:
+    return {d["step"] for kind, _, _, d in co._h18_events if kind == "checkpoint.verified"}
+
+
+def _node(redis_server: Any, tmp_path: Path) -> Any:
+    events: list[tuple] = []
+    co = node(redis_server.port, tmp_path, "n0", publish=lambda kind, job, msg, d: events.append(
+        (kind.name, job, msg, dict(d))), keep_committed=100)
+    co._h18_events = events
+    return co
+
+
+def test_a_loss_anomaly_rolls_back_to_before_its_start_not_its_detection(redis_server, tmp_path: Path) -> None:
+    """Two replicas, loss ~1.0 for 200 steps then 10x: the detector (patience) sees it steps after it began.
+    Checkpoints between the start and the detection were VERIFIED meanwhile (their votes agreed): they are
+    revoked, and the target is the newest VERIFIED one strictly older than the START step."""
+    co, job = _node(redis_server, tmp_path), job_id("loss")
+    agent = Agent(co, job)
+    verified_before: set[int] = set()
+    for step in range(240):
+        if step >= 150 and step % 5 == 0:
+            _save(co, job, step, 2, "world")
+        for rank in range(2):
+            loss = (1.0 + 0.01 * ((step * 7 + rank) % 5)) * (10.0 if step >= 200 else 1.0)
+            req = _vote_req(job, rank, 2, step, agreed=True)
+            req.step, req.loss = step, loss
+            agent.report(req)
+        if agent.anomalies:
+            break
+        verified_before = {i.step for i in co.list(job) if i.state == "VERIFIED"}
+    assert agent.anomalies, "the 10x excursion is a critical loss event"
+    detected_at, ev = agent.anomalies[0]
+    assert ev.start_step == 200 and detected_at > ev.start_step, (detected_at, ev)
+    assert any(s >= ev.start_step for s in verified_before), \
+        f"a checkpoint after the start was VERIFIED before the detection (the case under test): {verified_before}"
+    assert agent.target == 195, "the newest VERIFIED checkpoint strictly older than the anomaly's start"
+    states = {i.step: i.state for i in co.list(job)}
+    assert all(state != "VERIFIED" for s, state in states.items() if s >= ev.start_step), states
+    assert states[195] == "VERIFIED"
+
+
+def test_a_replica_mismatch_rolls_back_to_before_its_first_step(redis_server, tmp_path: Path) -> None:
+    """Three replicas; the votes disagree from step M = 115 for longer than the in-place repair may take
+    (the device gate's lag), then agree again. The rollback goes to the newest VERIFIED checkpoint older than
+    M; no checkpoint saved at or after M (bytes identical, votes agreeing later) is ever VERIFIED."""
+    co, job = _node(redis_server, tmp_path), job_id("mismatch")
+    agent = Agent(co, job)
+    m, persists = 115, MAJORITY_REPAIR_STEPS + 3
+    for step in range(100, 140):
+        if step % 5 == 0:
+            _save(co, job, step, 3, "world")
+        for rank in range(3):
+            agent.report(_vote_req(job, rank, 3, step, agreed=not m <= step < m + persists))
+    assert len(agent.anomalies) == 1, "one incident, one plan"
+    planned_at, inc = agent.anomalies[0]
+    assert inc.first_step == m and planned_at > m + MAJORITY_REPAIR_STEPS
+    assert agent.target == 110
+    assert agent.tracker.jobs[job].directive.anomaly_start == m
+    assert _ever_verified(co) == {100, 105, 110}, "nothing saved at or after the mismatch was ever VERIFIED"
+
+
+def test_an_unresolved_compute_fault_keeps_later_checkpoints_from_verified(redis_server, tmp_path: Path) -> None:
+    """A job without replicas (its checks vouch instead of a vote): a compute fault the gate did not resolve at
+    step 130 keeps every checkpoint from 130 on from VERIFIED while the checks go on clean; an audit that finds
+    a fault at 145 which may date back to 125 (its last clean audit) revokes the one at 125 too."""
+    co, job = _node(redis_server, tmp_path), job_id("compute")
+    agent = Agent(co, job)
+    for step in range(100, 160):
+        if step % 5 == 0:
+            _save(co, job, step, 2, "")
+        for rank in range(2):
+            req = pb.ReportStepRequest(job_id=job, rank=rank, world_size=2, step=step, fingerprint=[1])
+            if step in (130, 145):
+                audit = step == 145
+                f = req.compute.add(step=step, detector="audit" if audit else "stats", suspect=1,
+                                    cause="transient" if audit else "unresolved", dropped=not audit,
+                                    since_step=125 if audit else step, detail="injected")
+                f.faulty.add(rank=1, host="h", gpu_uuid="GPU-1")
+            agent.report(req)
+        if step == 140:
+            assert {i.step for i in co.list(job) if i.state == "VERIFIED"} == {100, 105, 110, 115, 120, 125}
+    ever = _ever_verified(co)
+    assert ever and max(ever) == 125 and all(s < 130 for s in ever)
+    states = {i.step: i.state for i in co.list(job)}
+    assert [s for s, st in sorted(states.items()) if st == "VERIFIED"] == [100, 105, 110, 115, 120], states
+    assert not agent.anomalies, "a compute fault asks for no rollback: its update was dropped or it is flagged"
