@@ -67,29 +67,35 @@ class JobState:
     world_size: int = 0
     state: State = State.HEALTHY
     reason: str = "no anomaly reported"
-    mismatch_steps: collections.deque[int] = dataclasses.field(
+    # The rules' dedup state is keyed by the restore the reporting rank is in (`rank_restores`): after a
+    # restore the job runs its steps again, and a signal at a step seen before the restore is a new one; a
+    # straggler still reporting from before the restore is in the old one, so its repeats stay repeats.
+    mismatch_steps: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64))
-    frozen_steps: collections.deque[int] = dataclasses.field(
+    frozen_steps: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64))
-    nonfinite_steps: collections.deque[tuple[int, int]] = dataclasses.field(
+    nonfinite_steps: collections.deque[tuple[int, int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
     gpus: set[str] = dataclasses.field(default_factory=set)          # GPU UUIDs its ranks reported
-    voted_steps: collections.deque[int] = dataclasses.field(
+    voted_steps: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
     loss: JobLoss = dataclasses.field(default_factory=JobLoss)      # the job's loss detector
     rank_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its newest report's step
     restores_seen: collections.deque[int] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64))         # restored steps already announced
+    restores: int = 0                                                 # restores announced
+    rank_restores: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> the restore it is in
     directive: PendingDirective | None = None
     # ranks without replicas (no vote): the newest step each rank's in-step checks ran at, and the lowest of
     # them over every rank last told to the checkpoints ("checks_clean": what vouches in place of a vote)
     clean_through: dict[int, int] = dataclasses.field(default_factory=dict)
     clean_sent: int = -1
     compute_checks: str = ""                                          # the ranks' replay mode, as reported
-    compute_seen: collections.deque[tuple[int, str, int]] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=256))       # (step, detector, suspect) announced
+    compute_seen: collections.deque[tuple[int, int, str, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=256))  # (restores, step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
     mismatch_from: int | None = None   # the first step of the open replica-mismatch incident
+    incidents: int = 0                 # replica-mismatch incidents opened (the events fold per incident)
     mismatch_planned: bool = False     # its rollback plan was asked for
 
 
@@ -186,6 +192,13 @@ class JobTracker:
         finite = isfinite(loss) and isfinite(grad_norm)   # unset reads 0.0: finite
         prev_step = job.rank_steps.get(rank)
         went_back_from = _went_back(job, rank, step)
+        if went_back_from is not None:   # this rank is now in the restore of step - 1 (a new one, or its peers')
+            if step - 1 not in job.restores_seen:
+                job.restores += 1
+            if rank in job.rank_restores or len(job.rank_restores) < self.MAX_RANKS_TRACKED:
+                job.rank_restores[rank] = job.restores
+        elif rank not in job.rank_restores and len(job.rank_restores) < self.MAX_RANKS_TRACKED:
+            job.rank_restores[rank] = job.restores          # a rank first seen is in the job's current restore
         if prev_step is not None and step < prev_step:   # a restore, or a fresh start at step 0
             job.loss.restarted(step)
         has = req.HasField
@@ -312,9 +325,10 @@ class JobTracker:
     def _nonfinite(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
         bad = [name for name in ("loss", "grad_norm")
                if req.HasField(name) and not math.isfinite(getattr(req, name))]
-        if not bad or (req.step, req.rank) in job.nonfinite_steps:
+        key = (_era(job, req.rank), req.step, req.rank)
+        if not bad or key in job.nonfinite_steps:
             return
-        job.nonfinite_steps.append((req.step, req.rank))
+        job.nonfinite_steps.append(key)
         values = {n: str(getattr(req, n)) for n in bad}
         kind = ek.LOSS_NONFINITE if "loss" in bad else ek.GRAD_NORM_NONFINITE
         out.findings.append(Finding(
@@ -330,8 +344,12 @@ class JobTracker:
         if not req.HasField("vote") or not req.vote.checked:
             return
         vote = req.vote
-        if vote.step not in job.voted_steps:  # every rank reports the same vote: tell checkpoints once
-            job.voted_steps.append(vote.step)
+        gen = _era(job, req.rank)
+        if gen < job.restores:   # a straggler's vote of weights the job has since restored over
+            self._mismatch_evidence(req, now, out)
+            return
+        if (gen, vote.step) not in job.voted_steps:  # every rank reports the same vote: tell checkpoints once
+            job.voted_steps.append((gen, vote.step))
             out.job_events.append((vote.step, "vote_agreed" if vote.agreed else "vote_mismatch",
                                    "" if vote.agreed else f"replica vote disagreed ({vote.method})"))
         if vote.agreed:
@@ -339,20 +357,16 @@ class JobTracker:
                 job.mismatch_from = None   # the replicas agree again (repaired in place): the incident is over
                 job.mismatch_planned = False
             return
-        out.mismatch = vote.step not in job.mismatch_steps
+        out.mismatch = (gen, vote.step) not in job.mismatch_steps
         suspects = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in vote.suspects]
-        for s in vote.suspects:  # every reporter attaches evidence; the agent keeps only its own GPUs
-            ev = Evidence(source="replica_vote", signal="mismatch", value=str(vote.step),
-                          implies=State.SUSPECT,
-                          reason=(f"replica vote at step {vote.step} of job {req.job_id}: rank {s.rank} "
-                                  f"disagreed ({vote.method}, {vote.replicas} replicas)"),
-                          time=now)
-            out.evidence.append((s.gpu_uuid, s.host, ev))
+        self._mismatch_evidence(req, now, out)
         if not out.mismatch:
             return
-        job.mismatch_steps.append(vote.step)
+        job.mismatch_steps.append((gen, vote.step))
         job.state = State.SUSPECT
         job.reason = f"replica mismatch at step {vote.step}"
+        if job.mismatch_from is None:
+            job.incidents += 1                 # a new incident: its own event (the bus folds per incident)
         if job.mismatch_from is None or vote.step < job.mismatch_from:
             job.mismatch_from, job.mismatch_planned = vote.step, False
         # one plan per incident: at once without a majority (two replicas); with a majority the ranks may
@@ -366,11 +380,27 @@ class JobTracker:
             f"replica vote at step {vote.step}: suspect {names}",
             {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
              "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
-             "reported_by_rank": req.rank, "incident_from_step": job.mismatch_from}))
+             "reported_by_rank": req.rank, "incident_from_step": job.mismatch_from,
+             "incident": job.incidents}))
         if plan and self.rollback is not None:
             job.mismatch_planned = True
             out.rollbacks.append((len(out.findings) - 1,
                                   MismatchIncident(job.mismatch_from, vote.method, vote.replicas)))
+
+    @staticmethod
+    def _mismatch_evidence(req: pb.ReportStepRequest, now: float, out: ReportOutcome) -> None:
+        """Evidence on each suspect's GPU from a disagreeing vote (every reporter attaches it; the agent keeps
+        only its own GPUs): a fact about the GPUs whenever it arrives."""
+        vote = req.vote
+        if vote.agreed:
+            return
+        for s in vote.suspects:
+            ev = Evidence(source="replica_vote", signal="mismatch", value=str(vote.step),
+                          implies=State.SUSPECT,
+                          reason=(f"replica vote at step {vote.step} of job {req.job_id}: rank {s.rank} "
+                                  f"disagreed ({vote.method}, {vote.replicas} replicas)"),
+                          time=now)
+            out.evidence.append((s.gpu_uuid, s.host, ev))
 
     def _checks_clean(self, job: JobState, rank: int, step: int, world: int, out: ReportOutcome) -> None:
         """A rank without replicas ran its in-step checks at `step` (a bad finding, if any, was added first).
@@ -427,7 +457,7 @@ class JobTracker:
                         implies=State.FAILED if repeat else State.SUSPECT,
                         reason=(f"{'repeated ' if repeat else ''}compute fault ({f.detector}, {f.cause}) at step "
                                 f"{f.step} of job {req.job_id} on rank {s.rank}: {f.detail}"), time=now)))
-            key = (f.step, f.detector, f.suspect)
+            key = (_era(job, req.rank), f.step, f.detector, f.suspect)
             if key in job.compute_seen:
                 continue
             job.compute_seen.append(key)
@@ -453,9 +483,10 @@ class JobTracker:
                                        f"compute fault ({f.detector}, {f.cause}) on {who}"))
 
     def _frozen(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
-        if not req.frozen_changed or req.step in job.frozen_steps:
+        key = (_era(job, req.rank), req.step)
+        if not req.frozen_changed or key in job.frozen_steps:
             return
-        job.frozen_steps.append(req.step)
+        job.frozen_steps.append(key)
         names = list(req.frozen_changed)
         job.state, job.reason = State.SUSPECT, f"frozen parameters changed at step {req.step}"
         out.job_events.append((req.step, "sdc", f"frozen parameters changed on rank {req.rank}"))
@@ -470,6 +501,11 @@ class JobTracker:
                 source="frozen_params", signal="changed", value=str(req.step), implies=State.SUSPECT,
                 reason=f"frozen parameters changed at step {req.step} of job {req.job_id} (rank {req.rank})",
                 time=now)))
+
+
+def _era(job: JobState, rank: int) -> int:
+    """The restore `rank` is in (0: none yet): its reports are about the weights since that restore."""
+    return job.rank_restores.get(rank, job.restores)
 
 
 def _went_back(job: JobState, rank: int, step: int) -> int | None:

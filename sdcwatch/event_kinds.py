@@ -226,7 +226,8 @@ JOB_ROLLBACK_DIRECTIVE = _kind("job.rollback_directive", WARNING, JOB, "the agen
 JOB_ROLLBACK_IMPOSSIBLE = _kind("job.rollback_impossible", CRITICAL, JOB, "a rollback was due but no VERIFIED "
                                 "checkpoint is older than the anomaly", alerts=("SDCWatchCriticalEvent",))
 REPLICA_MISMATCH = _kind("replica.mismatch", CRITICAL, JOB, "data-parallel replicas held different weights after "
-                         "a step (suspect ranks, hosts, GPUs)", alerts=("SDCWatchReplicaMismatch",), fold_s=60.0)
+                         "a step (suspect ranks, hosts, GPUs); repeats fold per incident (a new one after a restore is "
+                         "its own event)", alerts=("SDCWatchReplicaMismatch",), fold_s=60.0, fold_by=("incident",))
 COMPUTE_FAULT = _kind("compute.fault", CRITICAL, RANK, "one rank's forward or backward computed a wrong gradient "
                       "(pre-reduction check or replay audit): rank, host, GPU, cause, whether the update was "
                       "dropped", alerts=("SDCWatchComputeFault",), fold_s=60.0)

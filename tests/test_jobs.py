@@ -315,3 +315,51 @@ def test_the_agents_repair_grace_covers_the_device_gates_lag() -> None:
     from checksums import monitor
 
     assert MAJORITY_REPAIR_STEPS == monitor._CUDA_SLOTS + 1
+
+
+def test_a_new_mismatch_after_a_restore_is_a_new_incident_with_its_own_event_and_plan() -> None:
+    """Issue 18: the rules' dedup state (votes, mismatches) must not swallow a second incident after a
+    rollback, even at the same step numbers (the job runs them again). One incident: one critical event
+    (its repeats folded into a count) and one plan; a new one after the restore: a new event at once (the
+    bus folds replica.mismatch per incident) and a new plan; a straggler still reporting from before the
+    restore is a repeat, not a new incident."""
+    from daemon.event_fold import Occurrence, RepeatFolder
+
+    tracker, folder = JobTracker(rollback=RollbackPolicy()), RepeatFolder()
+    published: list[Occurrence] = []
+    plans: list[int] = []
+    checkpoint_events: list[tuple] = []
+
+    def feed(req: pb.ReportStepRequest, now: float) -> None:
+        out = tracker.report(req, now)
+        if out is None:
+            return
+        for f in out.findings:
+            published.extend(folder.offer(Occurrence(f.kind, f.severity, f.subject, f.message, f.details), now))
+        plans.extend(inc.first_step for _, inc in out.rollbacks)
+        checkpoint_events.extend((s, k) for s, k, _ in out.job_events)
+
+    def mismatches() -> list[Occurrence]:
+        return [o for o in published if o.kind == ek.REPLICA_MISMATCH]
+
+    for step in range(110, 121):                       # incident 1: disagreeing from 115
+        for rank in (0, 1):
+            feed(_vote(step, rank, agreed=step < 115), 10.0 + step / 100)
+    assert len(mismatches()) == 1 and plans == [115], "one incident: one event, one plan"
+    assert (115, "vote_mismatch") in checkpoint_events
+    feed(pb.ReportStepRequest(job_id="m", rank=0, world_size=2, step=111), 12.0)   # rank 0 restored 110
+    feed(_vote(121, 1, agreed=False), 12.1)            # rank 1, still before its restore: a straggler
+    assert len(mismatches()) == 1 and plans == [115], "a straggler's vote is a repeat"
+    feed(pb.ReportStepRequest(job_id="m", rank=1, world_size=2, step=111), 12.2)
+    checkpoint_events.clear()
+    for step in range(111, 118):                       # the replay: a new fault, again from step 115
+        for rank in (0, 1):
+            feed(_vote(step, rank, agreed=step < 115), 13.0 + step / 100)
+    assert len(mismatches()) == 2, "the new incident is its own event, within the fold window"
+    assert mismatches()[1].details["incident"] == 2 and mismatches()[1].details["incident_from_step"] == 115
+    assert plans == [115, 115], "and its own rollback plan"
+    assert (114, "vote_agreed") in checkpoint_events and (115, "vote_mismatch") in checkpoint_events, \
+        "the checkpoints hear the replayed steps' votes"
+    summaries = folder.flush()
+    folded = [o for o in summaries if o.kind == ek.REPLICA_MISMATCH]
+    assert sorted(o.details["repeats"] for o in folded) == [2, 5], "the repeats after each first, per incident"
