@@ -576,6 +576,45 @@ class Coordinator:
         self._sweep_blobs(job_id, local, now)
         return sorted(dropped)
 
+    def reconcile_local(self, now: float) -> dict[str, list[int]]:
+        """After an agent (or its Redis) restarted: every live record's copy on this node must still be in the
+        memory tier whole (its blob there, of the manifest's size). A copy whose bytes are gone (the node
+        rebooted, /dev/shm was cleared) is removed from the record; a COMMITTED or VERIFIED record left with
+        a rank that has no copy at all is evicted with the reason (a durable tier may still hold it: restore
+        plans then come from the tiers). Returns job -> steps evicted. The checksums are checked on restore."""
+        out: dict[str, list[int]] = {}
+        for job in self.jobs():
+            try:
+                validate_job_id(job)
+            except InvalidInputError:
+                continue
+            for info in self.list(job):
+                lost = []
+                manifests = self.shard_manifests(job, info.step)
+                for c in info.copies:
+                    if c.node != self.node or c.tier != "memory":
+                        continue
+                    m = manifests.get(c.rank)
+                    try:
+                        whole = m is not None and self.store.size(m.blob) == m.nbytes
+                    except KeyError:
+                        whole = False
+                    if not whole:
+                        lost.append(c)
+                if not lost:
+                    continue
+                self.redis.hdel(self._keys(job, info.step)[2], *(f"{c.rank}@{c.node}" for c in lost))
+                left = {c.rank for c in info.copies if c not in lost}
+                missing = sorted(set(manifests) - left)
+                log.warning("job %s step %d: %d copy(ies) on this node lost their bytes (ranks %s)", job,
+                            info.step, len(lost), [c.rank for c in lost])
+                if info.state in policy.RESTORABLE_STATES and missing:
+                    self._drop(job, info.step, policy.EVICTED,
+                               f"the bytes of rank(s) {missing[:8]} are gone from memory (found after a restart)", now)
+                    self.stats["evictions"] += 1
+                    out.setdefault(job, []).append(info.step)
+        return out
+
     def maintain(self, now: float, hold: RetentionHold | None = None) -> dict[str, list[int]]:
         """`maintain_job` over every job; one job's failure is logged, not raised."""
         out = {}

@@ -7,7 +7,7 @@ Built by the agent's composition (daemon/compose.py), with what it uses passed i
     # peer replicas ([peers], daemon/peers_wiring.py): build_checkpoint_service(..., replicator_factory=
     #     peers_wiring.replicator_factory(config.peers, hostname), replicate_timeout_s=config.peers.timeout_s)
     # durable tiers ([tiers], daemon/drain_wiring.py): drainer_factory=drain_wiring.drainer_factory(...)
-    await svc.open()                 # after the agent holds its state dir: wipes an ephemeral index's dir
+    await svc.open()                 # after the agent holds its state dir: reconciles index and memory dir
     register(server, svc)            # Checkpoints and PeerStore; SERVICE_NAMES lists both
     svc.start(background)            # the maintenance loop (retention + GC) and the drainer, as tasks
     # replica votes and bad events, from the detectors (kinds in checkpoint.policy.EVENT_KINDS:
@@ -15,11 +15,13 @@ Built by the agent's composition (daemon/compose.py), with what it uses passed i
     await svc.job_event(job_id, step_or_None, "vote_agreed", time.time())
     svc.stats()  # counters for /metrics: shards/checkpoints committed, bytes, evictions, aborted, ...
     svc.summaries()  # per-job summary, refreshed each maintenance round (no I/O): GetStatus, metrics
-    await svc.close()  # on stop; removes the memory dir when built with ephemeral_index=True
+    await svc.close()  # on stop; the memory dir stays (its checkpoints are restorable after a restart)
 
-With an embedded Redis (no persistence) the index dies with the agent, so the bytes in the memory dir
-could never be restored again: build with `ephemeral_index=True` to wipe the dir at `open()` (left by a
-killed agent) and on a clean stop. With an external Redis the bytes stay: they are still indexed.
+The memory tier outlives the agent: the embedded Redis persists its index in the state dir
+(daemon/redis_embedded.py), an external Redis is the job's. `open()` (at start, and after the embedded
+server was restarted) reconciles the two: a record's copy on this node whose bytes are gone is dropped
+(`Coordinator.reconcile_local`), and with `own_index=True` (the agent's own embedded Redis: nobody else can
+index this node's memory dir) the job dirs no record names are removed (a previous index was lost).
 
 Every request is validated (INVALID_ARGUMENT with the reason; a world_size over `[checkpoints]
 max_world_size` too), and the work it causes is proportional to what exists (VerifyCopies reads the shards
@@ -95,7 +97,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     def __init__(self, coordinator: Coordinator, *, replicator: Replicator | None = None,
                  drainer: Drainer | None = None, metrics: CheckpointMetrics | None = None,
                  maintenance_timeout_s: float = 60.0, clock: Callable[[], float] = time.time,
-                 remove_memory_on_close: bool = False, replicate_timeout_s: float = 120.0,
+                 own_index: bool = False, replicate_timeout_s: float = 120.0,
                  pool: WorkPool | None = None, peer_pool: WorkPool | None = None) -> None:
         self.coordinator = coordinator
         self.replicator = replicator
@@ -103,7 +105,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         self.metrics = metrics
         self.maintenance_timeout_s = maintenance_timeout_s
         self.clock = clock
-        self.remove_memory_on_close = remove_memory_on_close
+        self.own_index = own_index
         self.replicate_timeout_s = replicate_timeout_s   # one shard to every peer (daemon/peers_config.py)
         # the PeerStore servicer over this node's memory tier: one for every server (unix socket, TCP)
         self.pool = pool or WorkPool("checkpoints")
@@ -305,13 +307,35 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         return [i.step for i in self.coordinator.list(job_id) if i.state == policy.VERIFIED]
 
     async def open(self) -> None:
-        """Called once the agent holds its state dir: with an ephemeral index (the agent's embedded Redis),
-        wipe the bytes a killed agent left in the memory dir (no longer indexed anywhere)."""
-        if self.remove_memory_on_close:
-            remove = getattr(self.coordinator.store, "remove_all", None)
-            n = await asyncio.to_thread(remove, True) if remove is not None else 0
+        """Called once the agent holds its state dir (and again after its embedded Redis restarted): drop the
+        copies whose bytes are gone from this node's memory tier; with `own_index`, remove the job dirs no
+        record names (bytes indexed by nothing, e.g. the index file was lost)."""
+        evicted = await asyncio.to_thread(self.coordinator.reconcile_local, self.clock())
+        for job, steps in evicted.items():
+            log.warning("job %s: checkpoint(s) %s evicted: their bytes are gone from %s", job, steps,
+                        self.coordinator.location)
+        if self.own_index:
+            n = await asyncio.to_thread(self._remove_unindexed)
             if n:
-                log.info("removed %d unindexed file(s) a previous agent left in %s", n, self.coordinator.location)
+                log.info("removed %d unindexed file(s) from %s", n, self.coordinator.location)
+
+    def _remove_unindexed(self) -> int:
+        """Blocking: delete the memory dir's job dirs that no record of the index names (own index only)."""
+        store = self.coordinator.store
+        root = getattr(store, "root", None)
+        purge = getattr(store, "purge", None)
+        if root is None or purge is None or not Path(root).is_dir():
+            return 0
+        known = set(self.coordinator.jobs())
+        n = 0
+        for entry in Path(root).iterdir():
+            if entry.name.startswith(".") or entry.name in known or not entry.is_dir() or entry.is_symlink():
+                continue
+            try:
+                n += purge(entry.name)
+            except (OSError, ValueError) as e:   # a name that is no job id: leave it
+                log.warning("cannot remove unindexed %s: %s", entry, e)
+        return n
 
     def start(self, background: Background, maintenance_interval_s: float = 10.0) -> None:
         """The maintenance loop and, with durable tiers, the drainer: tasks of `background`."""
@@ -387,9 +411,9 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             out.update(self.peer_store.stats)
         return out
 
-    async def close(self, remove_memory: bool | None = None) -> None:
-        """Stop background work; remove this node's memory dir when `remove_memory` (default: the
-        `remove_memory_on_close` given at construction, i.e. the index is an embedded Redis)."""
+    async def close(self, remove_memory: bool = False) -> None:
+        """Stop background work; remove this node's memory dir only when `remove_memory` (never by default:
+        the checkpoints stay restorable by the next agent on the same state dir)."""
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -397,12 +421,11 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             self.drainer.close()
         self.pool.shutdown()
         self.peer_store.pool.shutdown()
-        if remove_memory if remove_memory is not None else self.remove_memory_on_close:
+        if remove_memory:
             remove = getattr(self.coordinator.store, "remove_all", None)
             if remove is not None:
                 n = await asyncio.to_thread(remove)
-                log.info("removed the checkpoint memory dir %s (%d files): its index died with the embedded "
-                         "Redis", self.coordinator.location, n)
+                log.info("removed the checkpoint memory dir %s (%d files)", self.coordinator.location, n)
 
     # ---- helpers ------------------------------------------------------------------------------------
     async def _replicate(self, job: str, step: int, rank: int) -> None:
@@ -481,13 +504,13 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                              replicate_timeout_s: float = 120.0,
                              drainer_factory: Callable[[Coordinator], Drainer | None] | None = None,
                              metrics: CheckpointMetrics | None = None,
-                             ephemeral_index: bool = False, gid: int = -1, workers: int = 8,
+                             own_index: bool = False, gid: int = -1, workers: int = 8,
                              wedged_after_s: float = 60.0,
                              redis_options: RedisOptions | None = None) -> CheckpointService:
     """The service with production defaults: the memory tier in /dev/shm (owned by this agent, survives
-    training processes), the coordination Redis at `redis_url` (connected on first use). `ephemeral_index`:
-    the Redis is the agent's embedded one (no persistence): the memory dir is wiped at `open()` (bytes a
-    killed agent left, no longer indexed anywhere) and again on `close()`. `replicator_factory`
+    training processes and the agent), the coordination Redis at `redis_url` (connected on first use).
+    `own_index`: the Redis is the agent's embedded one: `open()` removes job dirs it does not index (see
+    the module docstring). `replicator_factory`
     (daemon/peers_wiring.py) builds the peer Replicator from the coordinator; each shard's copy to the peers
     is bounded by `replicate_timeout_s`. `drainer_factory` (daemon/drain_wiring.py) builds the durable tiers'
     Drainer from the coordinator (None: no tiers). The memory dir is created and checked by
@@ -504,7 +527,7 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
                               config=config, publish=publish, fence=fence)
     return CheckpointService(coordinator, replicator=replicator_factory(coordinator) if replicator_factory else None,
                              drainer=drainer_factory(coordinator) if drainer_factory else None, metrics=metrics,
-                             remove_memory_on_close=ephemeral_index, replicate_timeout_s=replicate_timeout_s,
+                             own_index=own_index, replicate_timeout_s=replicate_timeout_s,
                              pool=WorkPool("checkpoints", workers=workers, wedged_after_s=wedged_after_s),
                              peer_pool=WorkPool("peer-store", workers=workers, wedged_after_s=wedged_after_s))
 

@@ -31,6 +31,7 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from checkpoint.shm_store import default_shm_root
 from daemon.demo.report import Display, build_summary, write_report
 from daemon.demo.scenario import write_scenario
 from proto.sdcwatch.v1 import agent_pb2 as pb
@@ -38,6 +39,7 @@ from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 from sdcwatch.channels import agent_channel
 from sdcwatch.extras import available, needs
 from sdcwatch.proc import parent_env
+from sdcwatch.safe_fs import remove_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -263,6 +265,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 p.wait()
         if agent is not None:
             agent.stop()
+            # the memory tier outlives its agent (issue 21); the demo's is its own: removed with its state dir
+            remove_tree(default_shm_root(tmp / "state").parent)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

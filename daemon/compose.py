@@ -56,7 +56,7 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     redis_url = embedded_redis.url if embedded_redis is not None else config.redis.url
     checkpoints = build_checkpoint_service(
         redis_url, state_dir, bus.publish, node=host, config=config.checkpoints,
-        ephemeral_index=embedded_redis is not None, gid=config.agent.group_id(),
+        own_index=embedded_redis is not None, gid=config.agent.group_id(),
         redis_options=config.redis.options(),
         replicator_factory=peers_wiring.replicator_factory(config.peers, host,
                                                            shared_redis=embedded_redis is None),

@@ -2,9 +2,17 @@
 
 Lifecycle: `start()` cleans up after a previous agent that was killed (a live redis-server recorded in
 `redis.pid` that serves our socket is stopped; a stale socket file is removed), starts redis-server with
-no persistence and no TCP port, waits for PING, and returns the `unix://` URL. `stop()` sends SIGTERM,
-waits, then SIGKILL. On Linux the child also gets PR_SET_PDEATHSIG, so it dies with the agent even on
-`kill -9`.
+no TCP port, waits for PING (and for the end of loading what it persisted), and returns the `unix://` URL.
+`stop()` sends SIGTERM (the server flushes what it persists and exits), waits, then SIGKILL. On Linux the
+child is bound to the agent (PR_SET_PDEATHSIG, armed by `sdcwatch.proc` after exec: no `preexec_fn` in a
+threaded agent), so it gets SIGTERM when the agent dies, even on `kill -9`.
+
+Persistence (`PERSISTENCE`, chosen by measurement: docs/BENCHMARKS.md, bench/bench_redis_persist.py): the
+checkpoint index survives the agent and the server. "aof" (the default): an append-only file in the state
+dir, `appendfsync everysec`; Redis writes the file before it answers, so a reply the agent got survives a
+kill -9 of the agent or of the server (the fsync each second only matters for a power loss, which also
+loses the memory tier). "rdb" (a snapshot each second with a change) loses what came after the last
+snapshot on a kill -9 of the server; "none" is the old behaviour (the index dies with the server).
 """
 from __future__ import annotations
 
@@ -19,10 +27,18 @@ from pathlib import Path
 import redis
 
 from sdcwatch.errors import FatalError
-from sdcwatch.proc import die_with_parent
+from sdcwatch.proc import bound_command, parent_env
 from sdcwatch.safe_fs import open_private_file
 
 log = logging.getLogger(__name__)
+
+AOF_NAME = "redis.aof"      # Redis 7 keeps it as files under <state dir>/appendonlydir/, Redis 6 as this file
+RDB_NAME = "redis.rdb"
+PERSISTENCE = {
+    "aof": ["--appendonly", "yes", "--appendfsync", "everysec", "--appendfilename", AOF_NAME, "--save", ""],
+    "rdb": ["--appendonly", "no", "--save", "1 1", "--dbfilename", RDB_NAME],
+    "none": ["--appendonly", "no", "--save", ""],
+}
 
 
 def find_redis_server(explicit: str = "") -> str:
@@ -59,7 +75,10 @@ def _cmdline(pid: int) -> str:
 
 
 class EmbeddedRedis:
-    def __init__(self, state_dir: str | Path, binary: str = "") -> None:
+    def __init__(self, state_dir: str | Path, binary: str = "", persistence: str = "aof") -> None:
+        if persistence not in PERSISTENCE:
+            raise ValueError(f"persistence must be one of {sorted(PERSISTENCE)}, got {persistence!r}")
+        self.persistence = persistence
         self.dir = Path(state_dir)
         self.socket = self.dir / "redis.sock"
         self.pidfile = self.dir / "redis.pid"
@@ -97,11 +116,12 @@ class EmbeddedRedis:
         os.close(open_private_file(self.dir, "redis.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND))
         binary = find_redis_server(self.binary)
         cmd = [binary, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
-               "--save", "", "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no",
+               *PERSISTENCE[self.persistence], "--dir", str(self.dir), "--daemonize", "no",
                "--loglevel", "warning", "--logfile", str(self.dir / "redis.log")]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, close_fds=True,
-                                     preexec_fn=die_with_parent(os.getpid(), own_group=True))
+        # its own session: a terminal's ^C reaches only the agent, which stops it in order
+        self.proc = subprocess.Popen(bound_command(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, close_fds=True, env=parent_env(),
+                                     start_new_session=True)
         self.pidfile.write_text(f"{self.proc.pid}\n")
         client = redis.Redis(unix_socket_path=str(self.socket), socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
@@ -114,7 +134,7 @@ class EmbeddedRedis:
                     if client.ping():
                         log.info("embedded redis-server pid %d on %s", self.proc.pid, self.socket)
                         return self.url
-                except (redis.ConnectionError, FileNotFoundError):
+                except (redis.ConnectionError, FileNotFoundError):   # BusyLoadingError too: still loading
                     time.sleep(0.02)
         finally:
             client.close()

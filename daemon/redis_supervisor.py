@@ -5,12 +5,12 @@ Lifecycle: built with the `EmbeddedRedis` after it started -> `start(background)
 the health name `sdcwatch.v1.Checkpoints` goes NOT_SERVING and GetStatus's probe `redis` says FAILING with
 the exit code; then it is started again, waiting `backoff(n)` before the n-th attempt in a row (doubling
 from `first_delay_s`, at most `max_delay_s`: bounded, and never a busy loop). Once it answers PING:
-`on_restarted()` (the agent wipes the memory dir, whose index died with the old server), `redis.restarted`,
+`on_restarted()` (the checkpoint service reconciles the reloaded index with the memory dir), `redis.restarted`,
 health SERVING, probe OK. The checkpoint service's clients reconnect by themselves; while the server is
 down their calls answer UNAVAILABLE.
 
-The embedded server has no persistence, so a restart starts from an empty index: checkpoints saved before
-are gone (their bytes are wiped), and the next save works again.
+The embedded server persists its index in the state dir (an append-only file, daemon/redis_embedded.py), so
+the restarted server has every checkpoint the old one had committed: they stay listed and restorable.
 """
 from __future__ import annotations
 
@@ -97,6 +97,6 @@ class RedisSupervisor:
         self.status.state, self.status.last_error = "OK", ""
         self.publish(ek.REDIS_RESTARTED, "node",
                      f"embedded redis-server back after {time.time() - down_since:.1f}s ({attempt} attempt(s)); "
-                     "checkpoints work again from an empty index",
+                     "checkpoints work again (the index reloaded from the state dir)",
                      {"attempts": attempt, "down_s": round(time.time() - down_since, 3)})
         await self.set_health(CHECKPOINTS_HEALTH, True)

@@ -161,10 +161,10 @@ EVENTS_SKIPPED = _kind("events.skipped", WARNING, NODE, "sent to a watcher in pl
                        "to a journal failure, or rotated out of the kept files): from_seq..to_seq; its seq is "
                        "to_seq, so a watcher resuming from it misses nothing more (never journaled)")
 REDIS_DOWN = _kind("redis.down", CRITICAL, NODE, "the agent's embedded redis-server died: checkpoints are "
-                   "UNAVAILABLE until it is back (restarted with backoff; the index it held is gone)",
+                   "UNAVAILABLE until it is back (restarted with backoff; its index is reloaded from the state dir)",
                    alerts=("SDCWatchCriticalEvent",))
 REDIS_RESTARTED = _kind("redis.restarted", INFO, NODE, "the embedded redis-server is back (after redis.down); "
-                        "checkpoints work again, from an empty index")
+                        "checkpoints work again, with the index it persisted")
 NVML_DISCOVERED = _kind("nvml.discovered", INFO, NODE, "NVML found the node's GPUs (uuid, PCI bus id, name)")
 PROBE_HUNG = _kind("probe.hung", CRITICAL, PROBE, "a probe call did not return within its timeout; the probe is "
                    "not re-entered until it does", alerts=("SDCWatchProbeHung",))

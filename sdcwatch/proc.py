@@ -10,14 +10,23 @@ Two ways, one rule: no Python code runs between fork and exec where it can be av
   A `preexec_fn` forces a plain fork() in a parent that has gRPC threads; gRPC's fork handlers then run in
   the child before exec, and a child that died there looked started to Popen: the demo's ranks waited for
   it at the rendezvous for good.
-- A foreign binary (redis-server) can only get it from a `preexec_fn`: `die_with_parent`.
+- A foreign binary (the agent's redis-server) is started through this module as a program, which arms the
+  signal and then execs the binary (the signal survives exec): `bound_command`, no `preexec_fn` either:
+
+      subprocess.Popen(bound_command(["redis-server", ...]), env=parent_env(), start_new_session=True)
+
+  `die_with_parent` (a `preexec_fn`) is left for single-threaded starters only (tests' helpers).
+
+The kernel sends the signal when the *thread* that forked the child exits, not the process: start such
+children from a thread that lives as long as they should (the agent's event loop thread or its executor).
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
-from typing import Callable
+import sys
+from typing import Callable, Sequence
 
 PR_SET_PDEATHSIG = 1
 PARENT_ENV = "SDCWATCH_PARENT_PID"
@@ -65,3 +74,22 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM, *, own_group: bo
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+def bound_command(argv: Sequence[str]) -> list[str]:
+    """The command line that runs `argv` (a foreign binary and its arguments) bound to its starter: this module
+    as a program arms PR_SET_PDEATHSIG from `$SDCWATCH_PARENT_PID` (pass `env=parent_env()`), then execs
+    `argv[0]` in place (same pid). `argv[0]` must be a path or a name on PATH."""
+    return [sys.executable, "-m", "sdcwatch.proc", "--", *argv]
+
+
+def _exec_bound(argv: Sequence[str]) -> None:
+    if not argv:
+        sys.stderr.write("usage: python -m sdcwatch.proc -- BINARY [ARGS...]\n")
+        raise SystemExit(2)
+    bind_to_parent()
+    os.execvp(argv[0], list(argv))
+
+
+if __name__ == "__main__":
+    _exec_bound(sys.argv[2:] if sys.argv[1:2] == ["--"] else sys.argv[1:])

@@ -152,7 +152,19 @@ def short_tmp() -> Iterator[Path]:
     try:
         yield Path(d)
     finally:
+        _remove_memory_dirs(Path(d))
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _remove_memory_dirs(tmp: Path) -> None:
+    """The node memory dirs of agents whose state dirs were under `tmp` (they outlive their agents)."""
+    from checkpoint.shm_store import default_shm_root
+    from sdcwatch.safe_fs import remove_tree
+
+    for state in [tmp, *(p for p in tmp.iterdir() if p.is_dir() and not p.is_symlink())]:
+        mem = default_shm_root(state)
+        if mem.parent.is_dir():
+            remove_tree(mem.parent)
 
 
 os.environ.setdefault("SDCWATCH_TEST", "1")

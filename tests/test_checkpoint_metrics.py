@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.snapshot import Snapshotter, SnapshotConfig
 from ckpt_support import job_id, node, state_dict
 from daemon.checkpoint_metrics import CheckpointMetrics
@@ -52,17 +54,24 @@ def test_metrics_and_summaries_follow_the_coordinator(redis_server, tmp_path: Pa
     assert val("sdcwatch_checkpoint_restore_seconds_count") == 1
 
 
-def test_embedded_redis_memory_dir_is_wiped_at_start_and_on_close(redis_server, tmp_path: Path) -> None:
+def test_own_index_removes_only_unindexed_job_dirs_and_close_keeps_the_memory_dir(redis_server,
+                                                                                   tmp_path: Path) -> None:
+    """With the agent's own (embedded, persistent) index, `open()` removes job dirs the index never heard
+    of (bytes nothing can restore) and keeps the indexed ones; `close()` keeps everything (issue 21: the
+    memory tier survives the agent)."""
     mem = tmp_path / "memory"
     (mem / "old-job" / "000000000001").mkdir(parents=True)
-    (mem / "old-job" / "000000000001" / "rank-00000.bin").write_bytes(b"orphan")  # a killed agent's bytes
-    svc = build_checkpoint_service(redis_server.url, tmp_path / "state", memory_dir=mem, ephemeral_index=True)
-    assert (mem / "old-job").is_dir(), "nothing wiped before open(): the agent may not hold the state dir yet"
+    (mem / "old-job" / "000000000001" / "rank-00000.bin").write_bytes(b"orphan")  # indexed by nothing
+    svc = build_checkpoint_service(redis_server.url, tmp_path / "state", memory_dir=mem, own_index=True,
+                                   config=CoordinatorConfig(key_prefix=f"own-{uuid.uuid4().hex[:6]}:"))
+    svc.coordinator.redis.sadd(svc.coordinator.config.key_prefix + "jobs", "kept-job")
+    (mem / "kept-job").mkdir()
+    (mem / "kept-job" / "blob").write_bytes(b"indexed")
+    assert (mem / "old-job").is_dir(), "nothing removed before open(): the agent may not hold the state dir yet"
     asyncio.run(svc.open())
-    assert mem.is_dir() and not any(mem.iterdir())
-    (mem / "x").write_bytes(b"1")
+    assert not (mem / "old-job").exists() and (mem / "kept-job" / "blob").read_bytes() == b"indexed"
     asyncio.run(svc.close())
-    assert not mem.exists()
+    assert (mem / "kept-job" / "blob").read_bytes() == b"indexed"
 
 
 def test_external_redis_keeps_the_bytes(redis_server, tmp_path: Path) -> None:

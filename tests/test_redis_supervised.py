@@ -1,6 +1,7 @@
 """Issue 20 High 7: the embedded redis-server is supervised. kill -9 it: `redis.down`, the health name
 `sdcwatch.v1.Checkpoints` NOT_SERVING and GetStatus's probe `redis` FAILING while it is down; then it is
-restarted by itself, `redis.restarted`, SERVING, and checkpoints work again."""
+restarted by itself, `redis.restarted`, SERVING, and checkpoints work again; the checkpoint saved before
+the kill is still listed and restores (the index persists in the state dir, issue 21)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from agent_harness import AgentProcess
 from checkpoint.client import CheckpointClient
 from checkpoint.shm_store import default_shm_root
 from checkpoint.snapshot import SnapshotConfig
-from ckpt_support import job_id, state_dict
+from ckpt_support import assert_same, job_id, state_dict
 from daemon.redis_supervisor import backoff
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
@@ -78,7 +79,9 @@ def test_a_killed_embedded_redis_is_restarted_and_checkpoints_work_again(short_t
 
                 _wait_for("a checkpoint saved after the restart", saved, timeout=60)
                 listed = {i.step: i.state for i in client.list()}
-                assert listed.get(2) == "COMMITTED" and 1 not in listed, f"the index restarted empty: {listed}"
+                assert listed.get(2) == "COMMITTED" and listed.get(1) == "COMMITTED", \
+                    f"the index is reloaded from the state dir (issue 21): {listed}"
+                assert_same(client.restore(1), state_dict(0, 1))
             finally:
                 client.close()
     finally:
