@@ -2,8 +2,8 @@
 
     PYTHONPATH=$PWD python bench/bench_redis_persist.py [--dir /var/lib/x] [--rounds 5] [--commits 200] [--world 8]
 
-One embedded redis-server per mode (daemon/redis_embedded.py's settings: "none", "aof" = appendfsync
-everysec, "aof-always" = appendfsync always, "rdb" = a snapshot each second with a change), each with its
+One embedded redis-server per mode (daemon/redis_embedded.py's settings: "none", "aof" = appendfsync no (the
+agent's), "aof-everysec", "aof-always", "rdb" = a snapshot each second with a change), each with its
 state dir under `--dir` (default: a temp dir in /tmp; give the disk the agent's state dir is on, e.g.
 /var/lib/sdcwatch's). A real `Coordinator` commits checkpoints of `--world` shards (Begin and CommitShard of
 every rank, the Lua scripts and the blob check the agent runs; tiny blobs, so Redis dominates), one after
@@ -37,6 +37,8 @@ from daemon.redis_embedded import EmbeddedRedis  # noqa: E402
 MODES = {
     "none": redis_embedded.PERSISTENCE["none"],
     "aof": redis_embedded.PERSISTENCE["aof"],
+    "aof-everysec": ["--appendonly", "yes", "--appendfsync", "everysec", "--appendfilename", "redis.aof",
+                     "--save", ""],
     "aof-always": ["--appendonly", "yes", "--appendfsync", "always", "--appendfilename", "redis.aof",
                    "--save", ""],
     "rdb": redis_embedded.PERSISTENCE["rdb"],
@@ -144,15 +146,15 @@ def main() -> int:
               f"{args.rounds} x {args.commits} per mode, state dirs on {root}")
         base_rate = args.rounds * args.commits / wall["none"]
         base_p50 = statistics.median(lat["none"])
-        print(f"{'mode':<11} {'commits/s':>10} {'ratio':>6} {'p50 ms':>8} {'ratio':>6} {'p99 ms':>8}")
+        print(f"{'mode':<13} {'commits/s':>10} {'ratio':>6} {'p50 ms':>8} {'ratio':>6} {'p99 ms':>8}")
         for m in MODES:
             rate = args.rounds * args.commits / wall[m]
             p50 = statistics.median(lat[m])
-            print(f"{m:<11} {rate:>10.0f} {rate / base_rate:>6.2f} {p50 * 1e3:>8.2f} {p50 / base_p50:>6.2f} "
+            print(f"{m:<13} {rate:>10.0f} {rate / base_rate:>6.2f} {p50 * 1e3:>8.2f} {p50 / base_p50:>6.2f} "
                   f"{_pct(lat[m], 0.99) * 1e3:>8.2f}")
         print(f"acknowledged writes lost over {args.kills} SIGKILLs of the server (50 writes each):")
         for m in MODES:
-            print(f"{m:<11} {lost_on_kill(m, root, args.kills)}")
+            print(f"{m:<13} {lost_on_kill(m, root, args.kills)}")
     return 0
 
 

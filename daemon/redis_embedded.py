@@ -9,10 +9,13 @@ threaded agent), so it gets SIGTERM when the agent dies, even on `kill -9`.
 
 Persistence (`PERSISTENCE`, chosen by measurement: docs/BENCHMARKS.md, bench/bench_redis_persist.py): the
 checkpoint index survives the agent and the server. "aof" (the default): an append-only file in the state
-dir, `appendfsync everysec`; Redis writes the file before it answers, so a reply the agent got survives a
-kill -9 of the agent or of the server (the fsync each second only matters for a power loss, which also
-loses the memory tier). "rdb" (a snapshot each second with a change) loses what came after the last
-snapshot on a kill -9 of the server; "none" is the old behaviour (the index dies with the server).
+dir, `appendfsync no`. Redis then writes (2) every command to the file before it answers, so every reply the
+agent got is in the kernel's page cache and survives a kill -9 of the agent or of the server, at no cost
+on the commit path. An fsync would only matter for a power loss or a kernel crash, which also empties the
+memory tier the index describes (`reconcile_local` then drops what it lost). `everysec` is no better: it
+postpones the write while a slow disk is still fsyncing, and a SIGKILL of the server then lost acknowledged
+commits (measured). "rdb" (a snapshot each second with a change) loses what came after the last snapshot on
+a kill -9 of the server; "none" is the old behaviour (the index dies with the server).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ log = logging.getLogger(__name__)
 AOF_NAME = "redis.aof"      # Redis 7 keeps it as files under <state dir>/appendonlydir/, Redis 6 as this file
 RDB_NAME = "redis.rdb"
 PERSISTENCE = {
-    "aof": ["--appendonly", "yes", "--appendfsync", "everysec", "--appendfilename", AOF_NAME, "--save", ""],
+    "aof": ["--appendonly", "yes", "--appendfsync", "no", "--appendfilename", AOF_NAME, "--save", ""],
     "rdb": ["--appendonly", "no", "--save", "1 1", "--dbfilename", RDB_NAME],
     "none": ["--appendonly", "no", "--save", ""],
 }

@@ -6,15 +6,16 @@ checked on the way).
 The 100-cycle test alternates SIGTERM and kill -9 while a client saves. Most cycles restart the agent's
 checkpoint side in this process: a clean stop (the service closed, the redis-server stopped), or a "kill -9"
 (nothing closed; the thread that started the redis-server exits, so the kernel sends it the SIGTERM that
-a killed agent's redis-server gets, sdcwatch/proc.py); the last `REAL_CYCLES` start a real agent process
+a killed agent's redis-server gets, sdcwatch/proc.py; every other time the redis-server is SIGKILLed
+instead, which a crash of Redis itself does); the last `REAL_CYCLES` start a real agent process
 and kill -9 it while a client saves from another thread (a real SIGTERM stop comes first and last).
 
-A SIGKILL of the redis-server itself is not in the cycles: with `appendfsync everysec` Redis may postpone
-its write while a slow disk is still fsyncing (up to 2 s), so acknowledged writes can be lost then
-(bench/bench_redis_persist.py counts them; docs/BENCHMARKS.md)."""
+tests/test_redis_supervised.py SIGKILLs the redis-server itself; bench/bench_redis_persist.py counts what each
+persistence mode loses then."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
 import uuid
@@ -133,7 +134,13 @@ def test_100_restarts_alternating_sigterm_and_kill9_lose_nothing(short_tmp: Path
             save_one(client)
         finally:
             client.close()
-        if cycle % 2:
+        if cycle % 4 == 3:   # nothing closed, and the redis-server SIGKILLed (what the supervisor restarts)
+            assert redis.proc is not None
+            os.kill(redis.proc.pid, signal.SIGKILL)
+            starter.die()
+            svc.pool.shutdown()
+            svc.peer_store.pool.shutdown()
+        elif cycle % 2:
             starter.die()   # nothing closed: the redis-server learns of its parent's death from the kernel
             svc.pool.shutdown()
             svc.peer_store.pool.shutdown()
