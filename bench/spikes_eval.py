@@ -279,7 +279,10 @@ def parse_sets(items: list[str]) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", choices=("eval", "tuning"), default="eval")
+    ap.add_argument("--seeds", choices=("eval", "tuning", "fresh"), default="eval",
+                    help="eval (the reported set), tuning (defaults chosen on it), or fresh: --seed-base onwards")
+    ap.add_argument("--seed-base", type=int, default=300_000,
+                    help="first seed of the fresh set (a check on seeds neither chosen nor reported before)")
     ap.add_argument("--n", type=int, default=0, help="use only the first N seeds of the set")
     ap.add_argument("--classes", default=",".join(CLASSES), help="comma-separated classes to generate")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="real loss-curve excerpts (CSV)")
@@ -288,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-replay", action="store_true")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
-    seeds = list(EVAL_SEEDS if args.seeds == "eval" else TUNING_SEEDS)
+    seeds = list(EVAL_SEEDS if args.seeds == "eval" else TUNING_SEEDS if args.seeds == "tuning"
+                 else range(args.seed_base, args.seed_base + len(EVAL_SEEDS)))
     if args.n:
         seeds = seeds[:args.n]
     classes = tuple(c for c in args.classes.split(",") if c)

@@ -100,6 +100,10 @@ class LossDetectorConfig:
     shift_ratio: float = setting(1.02, "a held excursion under sustained_ratio but this many times the baseline "
                                  "is a WARNING level shift")
     patience_steps: int = setting(32, "steps an excursion must last to be sustained (CRITICAL)")
+    onset_slack: float = setting(6.63, "the reported start of a climb is the earliest knot of a broken-stick "
+                                 "fit within this many residual variances of the best one (6.63: a 99% "
+                                 "likelihood-ratio bound), so a rollback lands before the climb; 0 = the best "
+                                 "knot")
     min_sustained_samples: int = setting(3, "samples an excursion needs before it can be called sustained")
 
     divergence_ratio: float = setting(1.2, "divergence: block medians climbing to this many times the lowest")
@@ -152,7 +156,7 @@ _RATIOS = frozenset({"spike_ratio", "spike_alone_ratio", "shift_ratio", "grad_no
                      "sustained_ratio", "divergence_ratio", "grad_norm_spike_ratio",
                      "grad_norm_sustained_ratio", "loss_scale_collapse_factor"})
 _NON_NEGATIVE = frozenset({"level_z", "spike_z", "sustained_z", "divergence_z", "grad_norm_spike_z", "grad_norm_sustained_z",
-                           "prior_sigma", "min_sigma"})
+                           "prior_sigma", "min_sigma", "onset_slack"})
 
 
 def _bad(name: str, why: str) -> SettingError:
@@ -360,7 +364,8 @@ def _median_of_sorted(xs: Sequence[float]) -> float:
     return xs[half] if n % 2 else (xs[half - 1] + xs[half]) / 2
 
 
-def _hinge(pts: Sequence[tuple[int, float]]) -> int | None:
+
+def _hinge(pts: Sequence[tuple[int, float]], slack: float = 0.0) -> int | None:
     """The knot of the best broken-stick fit x = a + b*t + c*max(0, t - t0) over the samples (least
     squares over every sample as t0, O(n) with suffix sums): where a climb began. None without a knot
     that bends the line upwards (c > 0) inside the samples."""
@@ -373,6 +378,7 @@ def _hinge(pts: Sequence[tuple[int, float]]) -> int | None:
     s1, s2 = sum(ts), sum(t * t for t in ts)
     sx, stx = sum(xs), sum(t * x for t, x in zip(ts, xs))
     best: tuple[float, int] | None = None
+    fits: list[tuple[float, int]] = []
     ns = s1s = s2s = sxs = stxs = 0.0          # suffix sums over the samples after the knot
     for k in range(n - 1, 1, -1):
         t, x = ts[k], xs[k]
@@ -393,9 +399,19 @@ def _hinge(pts: Sequence[tuple[int, float]]) -> int | None:
         coef = [_det3(tuple(tuple(y[r] if col == j else m[r][col] for col in range(3)) for r in range(3))) / det
                 for j in range(3)]
         fit = coef[0] * sx + coef[1] * stx + coef[2] * sxh      # beta . X'y: SSE = sum x^2 - fit
-        if coef[2] > 0 and (best is None or fit > best[0]):
-            best = (fit, k - 1)
-    return None if best is None else pts[best[1]][0]
+        if coef[2] > 0:
+            fits.append((fit, k - 1))
+            if best is None or fit > best[0]:
+                best = (fit, k - 1)
+    if best is None:
+        return None
+    if slack <= 0.0 or n <= 4:
+        return pts[best[1]][0]
+    # the earliest knot whose fit is within `slack` residual variances of the best one: a lower confidence
+    # bound on where the climb began (a likelihood-ratio interval on the knot)
+    sse_min = max(sum(x * x for x in xs) - best[0], 0.0)
+    allowed = slack * sse_min / (n - 4)
+    return pts[min(k for fit, k in fits if best[0] - fit <= allowed)][0]
 
 
 def _det3(m: Sequence[Sequence[float]]) -> float:
@@ -493,10 +509,11 @@ class _SignalTracker:
         self.div.armed = 0
         self.history.clear()      # the trend stays: the steps replayed are ones it has seen
 
-    def _onset(self, ep: _Episode, until: int, s: float) -> int:
+    def _onset(self, ep: _Episode, until: int, s: float, now_step: int, rising: bool) -> int:
         """Where the excursion began: the last minimum of the cumulative residual above the frozen
         trend (less a quarter sigma per sample) over the samples before `until` (a ramp starts well
-        before it crosses any threshold)."""
+        before it crosses any threshold); while still `rising`, no later than the lower confidence
+        bound on a broken-stick knot (`_hinge` with `onset_slack`)."""
         lookback = ep.start_step - 2 * self.cfg.patience_steps
         best, best_step, acc = 0.0, ep.start_step, 0.0
         kappa = 0.25 * s
@@ -508,7 +525,15 @@ class _SignalTracker:
                 best, best_step = acc, st
         # the minimum is the last sample before the climb, or its first sample by a hair: report it (a
         # rollback goes strictly before the start, and one step early is the safe side)
-        return ep.start_step if ep.abrupt else min(ep.start_step, best_step)
+        start = ep.start_step if ep.abrupt else min(ep.start_step, best_step)
+        if not rising:
+            return start
+        # Still climbing (a ramp): the cumulative sum's minimum lags its start (the residual must outgrow
+        # kappa first), and an episode that opened on a spike may sit on a climb that began before it. The
+        # broken-stick fit's lower confidence bound on the knot, over the same look-back, is the safe side.
+        knot = _hinge([(st, x) for st, x in self.history if lookback <= st <= now_step],
+                      self.cfg.onset_slack)
+        return start if knot is None else min(start, knot)
 
     # -- one sample ------------------------------------------------------------------------------
     def update(self, step: int, value: float, now: float, judge: bool) -> list[LossEvent]:
@@ -610,7 +635,7 @@ class _SignalTracker:
             rising = rise >= max(0.25 * run_level, 3.0 * s * _MEDIAN_EFFICIENCY * math.sqrt(2.0 / max(1, k)))
             floor = math.log(rules.sustained_ratio)
             if held and level >= floor and (run_level >= floor or rising):
-                start = self._onset(ep, ep.elevated_since, s)
+                start = self._onset(ep, ep.elevated_since, s, step, rising)
                 events.append(self._event(
                     step, "sustained", rules.sustained_severity, b + level, b, start, now,
                     f"{rules.signal} {math.exp(level):.2f}x its baseline {math.exp(b):.6g} for "
@@ -618,7 +643,7 @@ class _SignalTracker:
                 self._adopt(ep.elevated_since, clear_divergence=True)
                 return events
             if held and not rising and run_level >= math.log(cfg.shift_ratio):
-                start = self._onset(ep, ep.elevated_since, s)
+                start = self._onset(ep, ep.elevated_since, s, step, rising)
                 events.append(self._event(      # the grad norm's is a (WARNING) sustained excursion
                     step, "shift" if rules.signal == "loss" else "sustained", Severity.WARNING, b + run_level, b,
                     start, now,
@@ -689,7 +714,7 @@ class _SignalTracker:
         d.armed += 1
         if d.armed < 2:
             return []
-        start = _hinge(list(self.history))
+        start = _hinge(list(self.history), cfg.onset_slack)
         start = d.low_step + 1 if start is None else min(start, d.low_step + 1)
         event = self._event(step, "divergence", Severity.CRITICAL, m, d.ref, start, now,
                             f"{rules.signal} trending up: {math.exp(rise):.2f}x its lowest level "

@@ -338,3 +338,23 @@ def test_heavy_tailed_noisy_curve_warns_rarely() -> None:
     events = feed(LossDetector(), x)
     assert crit(events) == []
     assert len([e for e in events if e.severity == Severity.WARNING]) <= 4
+
+
+@pytest.mark.parametrize("sigma", [0.01, 0.03, 0.045])
+def test_noisy_ramp_start_is_before_the_climb(sigma: float) -> None:
+    """A slow ramp in noise: the reported start (the rollback's bound) is before the climb began, for
+    every seed, and not far before it (the onset_slack bound, issue 22)."""
+    for seed in range(8):
+        x = noisy(1400, sigma=sigma, seed=seed)
+        ramp = np.clip((np.arange(1400) - 1000) / 150.0, 0.0, 1.0)
+        x = x * np.exp(math.log(1.3) * ramp)
+        events = crit(feed(LossDetector(), x))
+        assert events, f"seed {seed}: the ramp was not caught"
+        assert 1000 - 120 <= events[0].start_step <= 1000, (seed, events[0])
+
+
+def test_onset_slack_zero_reports_the_best_knot_later_than_the_bound() -> None:
+    x = noisy(1400, sigma=0.03, seed=3) * np.exp(math.log(1.3) * np.clip((np.arange(1400) - 1000) / 150.0, 0, 1))
+    bound = crit(feed(LossDetector(), x))[0].start_step
+    best = crit(feed(LossDetector(LossDetectorConfig(onset_slack=0.0)), x))[0].start_step
+    assert bound <= best
