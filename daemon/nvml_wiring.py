@@ -22,7 +22,7 @@ from daemon.gpu_metrics import GpuMetrics
 from daemon.gpus import GpuRegistry
 from daemon.metrics import AgentMetrics
 from daemon.probe_runner import ProbeRunner
-from daemon.watchdog import LoopBeat
+from daemon.watchdog import LoopBeat, ThreadBeat
 from probes.canary_agent import AgentCanaryProbe
 from probes.nvml_backend import GpuIdentity, NvmlUnavailable, open_backend
 from probes.nvml_fake import ScenarioBackend
@@ -48,6 +48,7 @@ class GpuProbes:
         self.gpu_metrics = gpu_metrics   # None when NVML is disabled
         self.state_dir = state_dir
         self.runners: dict[str, ProbeRunner] = {}
+        self._xid_beat: ThreadBeat | None = None
         self.static: dict[str, tuple[str, str]] = {}
         self.versions: dict[str, str] = {}
         self._nvml: NvmlProbe | None = None   # opened by start()
@@ -92,11 +93,23 @@ class GpuProbes:
         self._run(runner, background)
         stop = threading.Event()
         loop = asyncio.get_running_loop()
-        thread = threading.Thread(
-            target=probe.run_xid_listener, name="sdcwatch-xid", daemon=True,
-            args=(lambda ev: loop.call_soon_threadsafe(nvml.on_events, [ev]), stop),
-            kwargs={"on_batch": lambda batch: loop.call_soon_threadsafe(nvml.on_events, batch),
-                    "on_open": lambda registered: loop.call_soon_threadsafe(nvml.on_events_open, registered)})
+        beat = _ListenerBeat("xid", max(1.0, probe.config.xid_wait_ms / 1000.0), stop)
+        if isinstance(backend, ScenarioBackend):   # the rehearsal of a listener stuck in our own code
+            beat.frozen = functools.partial(backend.loop_frozen, "xid")
+        self._xid_beat = beat
+
+        def listen() -> None:
+            try:
+                probe.run_xid_listener(
+                    lambda ev: loop.call_soon_threadsafe(nvml.on_events, [ev]), stop, beat=beat,
+                    on_batch=lambda batch: loop.call_soon_threadsafe(nvml.on_events, batch),
+                    on_open=lambda registered: loop.call_soon_threadsafe(nvml.on_events_open, registered))
+            except BaseException:   # a bug: the thread is gone, its beat goes stale and the watchdog says so
+                log.exception("the NVML event listener died")
+                return
+            self._xid_beat = None   # it ended by design (events unsupported, a fatal driver error, stop)
+
+        thread = threading.Thread(target=listen, name="sdcwatch-xid", daemon=True)
         thread.start()
 
         def close() -> None:   # the XID thread told to stop first, then NVML closed under it
@@ -125,7 +138,9 @@ class GpuProbes:
 
     def loops(self) -> list[LoopBeat]:
         """The heartbeats of the probe loops, for the agent's watchdog (daemon/watchdog.py)."""
-        return [r.heartbeat() for r in self.runners.values()]
+        beats = [r.heartbeat() for r in self.runners.values()]
+        xid = self._xid_beat
+        return beats + ([xid.heartbeat()] if xid is not None else [])
 
     def stop(self) -> None:
         """Stop the probes' worker threads (their tasks are cancelled by the Background first)."""
@@ -153,6 +168,21 @@ class GpuProbes:
         self._run(ProbeRunner("canary", probe.run_once, interval_s=cfg.interval_s, timeout_s=cfg.timeout_s,
                               on_result=results.on_result, publish=self.publisher.publish,
                               observe=self.metrics.observe_probe), background)
+
+
+class _ListenerBeat(ThreadBeat):
+    """The XID listener's heartbeat; `frozen` (a scenario's rehearsal) stops the thread at its beat, as a
+    deadlock in our own code would, until the agent stops."""
+
+    def __init__(self, name: str, interval_s: float, stop: threading.Event) -> None:
+        super().__init__(name, interval_s)
+        self._stop = stop
+        self.frozen: Callable[[], bool] = lambda: False
+
+    def beat(self) -> None:
+        if self.frozen():
+            self._stop.wait()
+        super().beat()
 
 
 class NvmlPoller:

@@ -14,10 +14,11 @@ event loop that is blocked answers no health check at all, which liveness sees a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from sdcwatch import event_kinds as ek
 from sdcwatch.event_kinds import Publish
@@ -34,6 +35,37 @@ class LoopBeat:
     name: str
     interval_s: float
     last_beat: float
+
+
+class ThreadBeat:
+    """The heartbeat of a loop that runs on a thread of its own (the NVML event listener), for `Watchdog`.
+
+    The thread calls `beat()` every round and wraps each call that waits in the driver in `waiting()`: time
+    spent there counts as beating (a driver that does not answer is the poll loop's HUNG and
+    `nvml.unresponsive`, never a stopped loop: DESIGN.md keeps it out of liveness). A thread that died on an
+    exception, or is stuck in our own code, stops beating and goes stale like any probe loop."""
+
+    def __init__(self, name: str, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self._clock = clock
+        self.last_beat = clock()
+        self._waiting = False
+
+    def beat(self) -> None:
+        self.last_beat = self._clock()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+            self.last_beat = self._clock()
+
+    def heartbeat(self) -> LoopBeat:
+        return LoopBeat(self.name, self.interval_s, self._clock() if self._waiting else self.last_beat)
 
 
 def stale_loops(loops: Iterable[LoopBeat], now: float, intervals: float = STALE_INTERVALS) -> dict[str, str]:

@@ -12,11 +12,12 @@ GPUs are named by UUID and PCI bus id; the backend index is used only to talk to
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 from probes import nvml_rules, xid_catalog
 from probes.nvml_backend import NvmlBackend, read_many
@@ -37,6 +38,14 @@ __all__ = ["NvmlProbe", "NvmlProbeConfig", "PollResult", "XidEvent", "GpuIdentit
 # whole rest of a poll, and power draw (`power.usage_w`, 2 us) is read every poll.
 DEFAULT_SKIP = ("energy.total_j",)
 
+
+
+class ListenerBeat(Protocol):
+    """The event listener's heartbeat (the agent's `daemon.watchdog.ThreadBeat`)."""
+
+    def beat(self) -> None: ...
+
+    def waiting(self) -> ContextManager[None]: ...
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class NvmlProbeConfig:
@@ -410,11 +419,12 @@ class NvmlProbe:
     def run_xid_listener(self, on_event: Callable[[XidEvent], None], stop: threading.Event, *,
                          on_batch: Callable[[list[XidEvent]], None] | None = None,
                          on_open: Callable[[dict[int, list[str]]], None] | None = None,
-                         batch_max: int = 4096) -> None:
+                         batch_max: int = 4096, beat: ListenerBeat | None = None) -> None:
         """Loop on the NVML event set until `stop` is set; call `on_event` for each event, or, with
         `on_batch`, drain what is queued (up to `batch_max`) and hand it over folded (`fold_batch`). `on_open`
         gets the event types registered per GPU index (the others are NotSupported there). Run on its own
-        thread. Returns if events cannot be opened (logged); transient errors are retried."""
+        thread. Returns if events cannot be opened (logged); transient errors are retried. `beat` (the agent's
+        watchdog): `beat()` every round, the driver's waits inside `beat.waiting()`."""
         try:
             registered = self.backend.xid_open()
         except NvmlError as err:
@@ -425,9 +435,13 @@ class NvmlProbe:
         if on_open is not None:
             on_open(registered)
         try:
+            waiting = beat.waiting if beat is not None else contextlib.nullcontext
             while not stop.is_set():
+                if beat is not None:
+                    beat.beat()
                 try:
-                    ev = self.xid_step()
+                    with waiting():
+                        ev = self.xid_step()
                     batch = [ev] if ev is not None else []
                     while on_batch is not None and batch and len(batch) < batch_max:
                         more = self.xid_step(0)

@@ -135,6 +135,20 @@ def test_frozen_loop_makes_the_agent_not_serving_and_loud(short_tmp):
         agent.stop()
 
 
+def test_frozen_xid_listener_makes_the_agent_not_serving(short_tmp):
+    """tests/scenarios/frozen_xid_listener.json stops the XID listener thread at t=2: the watchdog sees its
+    heartbeat go stale (it was not watched before), though the poll loop still beats."""
+    path = str(Path(__file__).resolve().parent / "scenarios" / "frozen_xid_listener.json")
+    agent = AgentProcess(short_tmp / "s", "--nvml-scenario", path, "--nvml-poll-interval-s", "0.5").start()
+    try:
+        wait_for(lambda: health(agent.target, "sdcwatch.v1.Agent") == NOT_SERVING, timeout=30)
+        stale = [e for e in all_events(agent.target) if e.kind == "agent.loop_stale"]
+        assert [e.subject for e in stale] == ["probe/xid"], stale
+        assert "published no heartbeat" in stale[0].message
+    finally:
+        agent.stop()
+
+
 def test_no_nvml_library_in_scenario(short_tmp):
     path = scenario(short_tmp, [], unavailable="libnvidia-ml.so.1: cannot open shared object file")
     agent = AgentProcess(short_tmp / "s", "--nvml-scenario", path).start()

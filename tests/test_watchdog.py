@@ -125,3 +125,17 @@ def test_runner_beats_while_a_call_hangs_and_stops_beating_when_its_loop_stops()
         runner.stop()
 
     asyncio.run(main())
+
+
+def test_thread_beat_counts_driver_waits_as_beating_and_goes_stale_when_the_thread_stops() -> None:
+    from daemon.watchdog import ThreadBeat
+    now = [100.0]
+    beat = ThreadBeat("xid", 1.0, clock=lambda: now[0])
+    with beat.waiting():
+        now[0] += 50.0     # a driver wait that takes long: not a stopped loop
+        assert stale_loops([beat.heartbeat()], now[0]) == {}
+    assert stale_loops([beat.heartbeat()], now[0]) == {}
+    now[0] += 3.5          # no beat for 3.5 intervals: the thread died or is stuck in our code
+    assert "xid" in stale_loops([beat.heartbeat()], now[0])
+    beat.beat()
+    assert stale_loops([beat.heartbeat()], now[0]) == {}
