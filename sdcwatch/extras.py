@@ -10,7 +10,8 @@ import importlib.util
 
 from sdcwatch.errors import SdcwatchError
 
-EXTRA_OF = {"torch": "torch", "triton": "triton", "matplotlib": "plot", "psutil": "bench", "boto3": "s3"}
+EXTRA_OF = {"torch": "torch", "triton": "triton", "matplotlib": "plot", "psutil": "bench", "boto3": "s3",
+            "transformers": "hf", "lightning": "lightning", "torchtitan": "torchtitan"}
 
 
 class MissingExtraError(SdcwatchError, ImportError):

@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deadlines import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo")
+SOURCES = ("pyproject.toml", "README.md", "sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo",
+           "integrations")
 SCENARIO = ROOT / "tests" / "scenarios" / "clean.json"
 NEEDS_TORCH = "needs torch: pip install 'sdcwatch[torch]'"
 NEEDS_PLOT = "needs matplotlib: pip install 'sdcwatch[plot]'"

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo")
+PACKAGES = ("sdcwatch", "daemon", "probes", "checksums", "checkpoint", "proto", "demo", "integrations")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 

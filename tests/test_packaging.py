@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["sdcwatch", "daemon", "proto", "probes", "checksums", "checkpoint", "demo"])
+@pytest.mark.parametrize("name", ["sdcwatch", "daemon", "proto", "probes", "checksums", "checkpoint", "demo",
+                                  "integrations"])
 def test_top_level_packages_are_ours(name):
     mod = importlib.import_module(name)
     assert Path(mod.__file__).resolve().parent == ROOT / name, f"{name} imported from {mod.__file__}"

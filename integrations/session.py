@@ -1,0 +1,169 @@
+"""The README's training loop as an object a framework's hooks drive, once per optimizer step.
+
+    session = TrainingSession(model, optimizer, job_id="run-42", state_fn=get_state, load_fn=put_state)
+    ...                                       # the framework runs forward, backward, optimizer.step()
+    directive = session.step(loss)            # after each optimizer step, on every rank at the same point
+    if directive is not None and directive.kind == directive.KIND_STOP: ...   # the framework stops
+    session.close()
+
+What `step()` does (the README's loop, line by line): `monitor.step(loss, grad_norm)`; a checkpoint of
+`state_fn()` through the agent every `save_every` steps (as `monitor.step_count`, the step guard's number);
+`monitor.agreed_directive()`, the same directive on every rank at the same call; for a rollback it restores
+the target step through the checkpoint client (every chunk verified), hands the state to `load_fn`,
+renumbers the step guard and skips the directive's batches. It returns the directive it acted on (the
+framework then sets its own step counter: `directive.target_step`) or None.
+
+Skipping batches: a framework owns its data loader, so the session skips a batch's *update* instead: a GATE
+stage on the step guard (`rollback.skip_batches`) vetoes the next ceil(skip_batches / batches_per_step)
+optimizer steps (the batches are read and run forward and backward, the weights do not change; the steps
+keep their numbers, as every vetoed step does). `batches_per_step` is the gradient accumulation factor.
+
+Training-side module: torch only; never imports the agent.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checkpoint.client import CheckpointClient
+from checksums.monitor import Monitor
+from checksums.replica_recovery import ReplicaRecovery
+from checksums.reporter import Directive
+from checksums.step_guard import Phase, StepContext, Veto
+
+logger = logging.getLogger(__name__)
+
+StateFn = Callable[[], Mapping[str, Any]]
+LoadFn = Callable[[Mapping[str, Any]], None]
+
+
+class _SkipBatches:
+    """GATE stage: vetoes the next `remaining` updates (the batches a rollback directive skips)."""
+
+    phase = Phase.GATE
+    name = "rollback.skip_batches"
+
+    def __init__(self) -> None:
+        self.remaining = 0
+        self.vetoed = 0
+
+    def run(self, ctx: StepContext) -> Veto | None:
+        if self.remaining <= 0:
+            return None
+        self.remaining -= 1
+        self.vetoed += 1
+        return Veto(self.name, f"skipping the batches of a rollback directive ({self.remaining} more steps)")
+
+
+class TrainingSession:
+    """See the module docstring.
+
+    model, optimizer: the rank's model (any wrapper: DDP, FSDP2, torch.compile) and its torch optimizer.
+    state_fn: the state to checkpoint (e.g. {"model": ..., "optim": ..., "sched": ...}); load_fn: puts a
+    restored state back. save_every: steps between checkpoints (0: none). checkpoints: False for no
+    checkpoint client (no rollback possible), or a ready `CheckpointClient`. recovery: attach
+    `ReplicaRecovery` (a replica mismatch vetoes the next update; 3+ replicas repair). start_step: the
+    guard's number at attach (a resumed run). monitor_kwargs: passed to `Monitor.attach` (e.g. every=,
+    reporter=, agent_socket=, canary=)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, job_id: str,
+                 state_fn: StateFn, load_fn: LoadFn, save_every: int = 50,
+                 checkpoints: bool | CheckpointClient = True, recovery: bool = True,
+                 start_step: int | None = None, batches_per_step: int = 1,
+                 monitor_kwargs: Mapping[str, Any] | None = None, agent_target: str | None = None) -> None:
+        if not isinstance(save_every, int) or save_every < 0:
+            raise ValueError(f"save_every must be an int >= 0, got {save_every!r}")
+        if not isinstance(batches_per_step, int) or batches_per_step < 1:
+            raise ValueError(f"batches_per_step must be an int >= 1, got {batches_per_step!r}")
+        self.state_fn, self.load_fn = state_fn, load_fn
+        self.save_every = save_every
+        self.batches_per_step = batches_per_step
+        self.monitor = Monitor.attach(model, optimizer, job_id=job_id, start_step=start_step,
+                                      **dict(monitor_kwargs or {}))
+        assert self.monitor.guard is not None
+        self.guard = self.monitor.guard
+        self.recovery = ReplicaRecovery.attach(self.monitor) if recovery else None
+        self.skipper = _SkipBatches()
+        self.guard.add(self.skipper)
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.ckpt: CheckpointClient | None
+        if isinstance(checkpoints, CheckpointClient):
+            self.ckpt = checkpoints
+        elif checkpoints:
+            self.ckpt = CheckpointClient.connect(job_id, self.rank, self.world_size, target=agent_target,
+                                                 guard=self.guard)
+        else:
+            self.ckpt = None
+        self._own_ckpt = self.ckpt is not None and not isinstance(checkpoints, CheckpointClient)
+        self._last_saved = -1
+        self.rollbacks: list[Directive] = []
+        self.directives: list[Directive] = []
+        self._closed = False
+
+    @property
+    def step_count(self) -> int:
+        """The step guard's number: the optimizer steps taken, skipped ones included."""
+        return self.monitor.step_count
+
+    def step(self, loss: Any = None, grad_norm: Any = None) -> Directive | None:
+        """After each optimizer step, on every rank at the same point (see the module docstring)."""
+        self.monitor.step(loss, grad_norm)
+        step = self.monitor.step_count
+        if (self.ckpt is not None and self.save_every and step % self.save_every == 0
+                and step != self._last_saved):
+            self.ckpt.save(step, self.state_fn())
+            self._last_saved = step
+        directive = self.monitor.agreed_directive()
+        if directive is None:
+            return None
+        self.directives.append(directive)
+        if directive.kind == Directive.KIND_ROLLBACK:
+            self.rollback(directive)
+        elif directive.kind == Directive.KIND_SKIP_BATCHES:
+            self._skip(directive.skip_batches)
+        elif directive.kind == Directive.KIND_STOP:
+            logger.error("sdcwatch: the agent asks this job to stop: %s", directive.reason)
+        return directive
+
+    def rollback(self, directive: Directive) -> None:
+        """Restore `directive.target_step` (verified), load it, renumber the guard, skip its batches."""
+        if self.ckpt is None:
+            logger.error("sdcwatch: rollback directive to step %d but no checkpoint client (checkpoints="
+                         "False): not restored", directive.target_step)
+            return
+        self.ckpt.wait(600)                  # saves still in flight land before the restore reads the agent
+        state = self.ckpt.restore(directive.target_step, device=self.monitor.device)
+        self.load_fn(state)
+        self.guard.renumber(directive.target_step)
+        self._last_saved = directive.target_step
+        self._skip(directive.skip_batches)
+        self.rollbacks.append(directive)
+        logger.warning("sdcwatch: rolled back to step %d (%s); skipping %d batches", directive.target_step,
+                       directive.reason, directive.skip_batches)
+
+    def _skip(self, batches: int) -> None:
+        if batches > 0:
+            self.skipper.remaining += math.ceil(batches / self.batches_per_step)
+
+    def close(self) -> None:
+        """Flush the Monitor, wait for checkpoint copies, close what the session opened. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.ckpt is not None:
+            try:
+                self.ckpt.wait(60)
+            except Exception as err:  # noqa: BLE001 - closing must not fail the end of training
+                logger.warning("sdcwatch: checkpoint copies still in flight at close: %s", err)
+        self.monitor.close()
+        self.guard.remove(self.skipper.name)
+        if self.recovery is not None:
+            self.recovery.detach()
+        if self.ckpt is not None and self._own_ckpt:
+            self.ckpt.close()

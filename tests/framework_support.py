@@ -1,0 +1,90 @@
+"""Shared by the framework tests (issue 25): ranks started like torchrun (the rendezvous in the environment),
+a one-bit weight flip, and the checks on the agent's journal and checkpoints after a run."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from agent_harness import AgentProcess, cli
+from conftest import free_port
+
+
+def torchrun_env(rank: int, world: int, port: int, socket: str) -> None:
+    """What torchrun sets for a rank (frameworks read these and call init_process_group themselves)."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0", "GROUP_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SDCWATCH_SOCKET": socket,
+                       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                       "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+
+
+def flip_bit(weight: torch.Tensor, index: int = 5, bit: int = 22) -> None:
+    """Flip one mantissa bit of one float32 element of `weight` in place (the silent corruption)."""
+    with torch.no_grad():
+        weight.view(torch.int32).view(-1)[index] ^= 1 << bit
+
+
+def spawn(worker: Callable[..., None], world: int, socket: str, outdir: Path, *args: Any) -> list[dict[str, Any]]:
+    """Run `worker(rank, world, port, socket, outdir, *args)` on `world` processes; their rank{r}.json."""
+    port = free_port()
+    mp.spawn(worker, args=(world, port, socket, str(outdir), *args), nprocs=world, join=True)
+    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def journal(agent: AgentProcess) -> list[str]:
+    return cli("events", "--socket", str(agent.socket)).stdout.splitlines()
+
+
+def checkpoint_states(agent: AgentProcess, job: str) -> dict[int, str]:
+    from checkpoint.agent_link import GrpcAgentLink
+    link = GrpcAgentLink.connect(agent.target, 10)
+    try:
+        return {i.step: i.state for i in link.list(job)}
+    finally:
+        link.close()
+
+
+def check_recovered(res: list[dict[str, Any]], lines: list[str], states: dict[int, str], flip: int) -> None:
+    """The flip run: both ranks rolled back together to a checkpoint before the flip, none holding the flip
+    was VERIFIED before the rollback, the replicas are bit-identical at the end, later checkpoints VERIFIED."""
+    for r in res:
+        assert r["rollbacks"] and all(t < flip for t in r["rollbacks"]), (r, lines[-30:])
+        assert r["identical"], "the replicas are bit-identical at the end"
+    assert res[0]["rollbacks"] == res[1]["rollbacks"], "both ranks restored the same step, together"
+    assert res[0]["final_step"] == res[1]["final_step"] == res[0]["framework_step"], res
+    rolled = next(i for i, line in enumerate(lines) if "job.rollback " in line)
+    early = [line for line in lines[:rolled] if "checkpoint.verified" in line
+             and int(re.search(r"step (\d+) is VERIFIED", line).group(1)) >= flip]
+    assert not early, f"a checkpoint holding the flip was VERIFIED: {early}"
+    assert any("job.rollback_directive" in line and "replica mismatch from step" in line for line in lines)
+    assert sum("critical replica.mismatch" in line for line in lines) == 1, "one incident, one event"
+    after = [s for s in states if s > res[0]["rollbacks"][-1]]
+    assert after and all(states[s] == "VERIFIED" for s in after if s < max(states)), states
+
+
+def check_clean(res: list[dict[str, Any]], lines: list[str], states: dict[int, str], steps: int) -> None:
+    """The clean run: no rollback, no mismatch, no warning or worse in the journal (but a straggler's late
+    report, `job.reports_dropped`, which a loaded 2-core machine causes), every checkpoint but the newest
+    VERIFIED, the replicas identical."""
+    for r in res:
+        assert not r["rollbacks"] and r["identical"] and r["final_step"] == steps, r
+        assert not r["monitor_events"], r["monitor_events"]
+    bad = [line for line in lines if re.search(r"\b(warning|error|critical)\b", line)
+           and "job.reports_dropped" not in line]
+    assert not bad, bad
+    assert states and all(st == "VERIFIED" for s, st in states.items() if s < max(states)), states
+
+
+def replicas_identical(params: list[torch.Tensor]) -> bool:
+    import torch.distributed as dist
+    mine = torch.cat([p.detach().reshape(-1).float() for p in params])
+    other = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(other, mine)
+    return all(torch.equal(o.view(torch.int32), other[0].view(torch.int32)) for o in other)
