@@ -29,9 +29,11 @@ The Monitor and the checkpoint client read this one counter.
 
 How a veto skips the update: the pre-hook hides this step's gradients from the optimizer (`p.grad = None`
 for its parameters: every torch optimizer leaves a parameter without a gradient untouched, moments and step
-counts included) and the post-hook puts them back, so a check may still recompute or inspect them. An
-optimizer that computes its gradients inside `step(closure)` (LBFGS) cannot be vetoed this way: a veto of
-such a step raises `StepGuardError` instead of letting the update through.
+counts included) and the post-hook puts them back, so a check may still recompute or inspect them. With
+`step(closure)` (Lightning's forward+backward) the pre-hook wraps the closure: the stages run after its
+first evaluation, when this step's gradients exist. An optimizer that evaluates the closure again within a
+step (LBFGS) cannot be vetoed this way: a veto of such a step raises `StepGuardError` instead of letting the
+update through.
 
 One guard per optimizer: `StepGuard.attach` returns the guard an optimizer already has. Two optimizers
 (say a generator and a discriminator) get two guards, each with its own stages and its own count.
@@ -159,6 +161,7 @@ class StepGuard:
         self._skipped: collections.deque[SkippedStep] = collections.deque(maxlen=_MAX_SKIPPED)
         self._skipped_total = 0
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []   # (param, grad) of a vetoed step
+        self._staged = False          # this step's stages before the update have run
         self._ctx = StepContext(optimizer)
         # The replicas of what this guard updates: ranks naming the same set hold bit-identical weights after
         # every update ("" when none: one rank, plain FSDP, or the vote is off). The Monitor sets it from its
@@ -270,28 +273,54 @@ class StepGuard:
 
     # ---- the hooks ----------------------------------------------------------------------------------
 
-    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self._hidden:                   # the previous step raised inside optimizer.step(): undo its veto
             self._restore_grads()
         ctx = self._ctx
         ctx.step = self._step + 1
         ctx.veto = None
         ctx.applied = None
+        self._staged = False
+        closure = _closure_of(args, kwargs)
+        if closure is not None and not isinstance(optimizer, _MULTI_EVAL):
+            # The closure computes this step's gradients (Lightning passes forward+backward as one): the
+            # stages run once it has, before the update, and a veto hides the gradients it made.
+            return _with_closure(args, kwargs, self._closure_then_stages(optimizer, closure))
+        self._run_before(optimizer, ctx, closure is not None)
+        return None
+
+    def _run_before(self, optimizer: torch.optim.Optimizer, ctx: StepContext, multi_eval: bool) -> None:
+        self._staged = True
         for stage in self._before:
             verdict = self._run(stage, ctx)
             if verdict is not None and ctx.veto is None:
                 ctx.veto = verdict
         if ctx.veto is not None:
-            if _has_closure(args, kwargs):
+            if multi_eval:
                 raise StepGuardError(
                     f"step {ctx.step}: {ctx.veto.stage} vetoed the update ({ctx.veto.reason}), but this "
                     "optimizer.step() has a closure that computes its own gradients, so it cannot be "
                     "skipped; the update was not applied (stop, or restore a checkpoint)")
             self._hide_grads(optimizer)
-        return None
+
+    def _closure_then_stages(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        def guarded(*a: Any, **kw: Any) -> Any:
+            if self._staged:
+                if self._ctx.veto is not None:
+                    raise StepGuardError(
+                        f"step {self._ctx.step}: the update was vetoed ({self._ctx.veto.reason}) but the "
+                        "optimizer evaluates its closure again, recomputing the gradients; it cannot be "
+                        "skipped (stop, or restore a checkpoint)")
+                return closure(*a, **kw)
+            loss = closure(*a, **kw)
+            self._run_before(optimizer, self._ctx, False)
+            return loss
+        return guarded
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         ctx = self._ctx
+        if not self._staged:               # a closure the optimizer never called: the stages still run
+            self._run_before(optimizer, ctx, False)
         vetoed = ctx.veto is not None
         if vetoed:
             self._restore_grads()
@@ -338,8 +367,22 @@ class StepGuard:
         self._hidden.clear()
 
 
-def _has_closure(args: Any, kwargs: Any) -> bool:
-    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+# Optimizers that evaluate their closure several times per step (the stages run before it, as without one).
+_MULTI_EVAL: tuple[type, ...] = (torch.optim.LBFGS,)
+
+
+def _closure_of(args: Any, kwargs: Any) -> Any:
+    """The closure of an `optimizer.step(closure)` call (args[0] is the optimizer), or None."""
+    if kwargs.get("closure") is not None:
+        return kwargs["closure"]
+    return args[1] if len(args) > 1 and args[1] is not None else None
+
+
+def _with_closure(args: Any, kwargs: Any, closure: Any) -> tuple[Any, Any]:
+    """(args, kwargs) of the step call with `closure` in place of the caller's."""
+    if kwargs.get("closure") is not None:
+        return args, {**kwargs, "closure": closure}
+    return (args[0], closure, *args[2:]), kwargs
 
 
 def _check_step(step: Any) -> None:

@@ -167,3 +167,66 @@ class TrainingSession:
             self.recovery.detach()
         if self.ckpt is not None and self._own_ckpt:
             self.ckpt.close()
+
+
+# ---- helpers the adapters share --------------------------------------------------------------------
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's AcceleratedOptimizer (and similar `.optimizer` wrappers)."""
+    seen = 0
+    while not _is_plain(optimizer) and hasattr(optimizer, "optimizer") and seen < 8:
+        optimizer = optimizer.optimizer
+        seen += 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"sdcwatch needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+def _is_plain(optimizer: Any) -> bool:
+    return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")
+
+
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss of a model output (a ModelOutput, a dict with "loss", or a 0-dim tensor), or None."""
+    loss = None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif hasattr(output, "loss"):
+        loss = output.loss
+    elif torch.is_tensor(output):
+        loss = output
+    elif isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+        loss = output[0]
+    if torch.is_tensor(loss) and loss.numel() == 1:
+        return loss.detach()
+    return None
+
+
+class LossTap:
+    """A forward hook that keeps the training loss of each micro-batch (summed on the device, averaged at
+    `take()`): no host sync."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._sum: torch.Tensor | None = None
+        self._n = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        loss = output_loss(output)
+        if loss is None:
+            return
+        loss = loss.reshape(()).float()
+        self._sum = loss if self._sum is None else self._sum + loss
+        self._n += 1
+
+    def take(self) -> torch.Tensor | None:
+        if self._sum is None:
+            return None
+        out = self._sum / self._n if self._n > 1 else self._sum
+        self._sum, self._n = None, 0
+        return out
+
+    def remove(self) -> None:
+        self._handle.remove()

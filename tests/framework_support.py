@@ -31,7 +31,8 @@ def flip_bit(weight: torch.Tensor, index: int = 5, bit: int = 22) -> None:
         weight.view(torch.int32).view(-1)[index] ^= 1 << bit
 
 
-def spawn(worker: Callable[..., None], world: int, socket: str, outdir: Path, *args: Any) -> list[dict[str, Any]]:
+def spawn(worker: Callable[..., None], world: int, socket: str, outdir: Path,
+          *args: Any) -> list[dict[str, Any]]:
     """Run `worker(rank, world, port, socket, outdir, *args)` on `world` processes; their rank{r}.json."""
     port = free_port()
     mp.spawn(worker, args=(world, port, socket, str(outdir), *args), nprocs=world, join=True)
@@ -51,9 +52,11 @@ def checkpoint_states(agent: AgentProcess, job: str) -> dict[int, str]:
         link.close()
 
 
-def check_recovered(res: list[dict[str, Any]], lines: list[str], states: dict[int, str], flip: int) -> None:
-    """The flip run: both ranks rolled back together to a checkpoint before the flip, none holding the flip
-    was VERIFIED before the rollback, the replicas are bit-identical at the end, later checkpoints VERIFIED."""
+def check_recovered(res: list[dict[str, Any]], lines: list[str], states: dict[int, str],
+                    flip: int) -> None:
+    """The flip run: both ranks rolled back together to a checkpoint before the flip, none holding the
+    flip was VERIFIED before the rollback, the replicas are bit-identical at the end, later checkpoints
+    VERIFIED."""
     for r in res:
         assert r["rollbacks"] and all(t < flip for t in r["rollbacks"]), (r, lines[-30:])
         assert r["identical"], "the replicas are bit-identical at the end"

@@ -15,7 +15,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, journal, replicas_identical, spawn, torchrun_env,
+    check_clean, check_recovered, checkpoint_states, flip_bit, journal, replicas_identical, spawn,
+    torchrun_env,
 )
 
 JOB = "hf-gpt2"

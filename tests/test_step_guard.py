@@ -203,6 +203,41 @@ def test_a_veto_of_a_closure_step_is_refused_not_applied() -> None:
     assert torch.equal(before, model.weight)
 
 
+def test_a_closure_step_runs_the_stages_after_the_closure_and_can_be_vetoed() -> None:
+    """Issue 25: Lightning passes forward and backward as the closure of `optimizer.step(closure)`; a
+    first-order optimizer evaluates it once, so the stages run once the gradients exist, and a veto
+    hides them."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = StepGuard.attach(opt)
+    x = torch.randn(4, 3)
+    seen: list[bool] = []
+
+    class Look:
+        name, phase = "look", Phase.GATE
+
+        def run(self, ctx: Any) -> Any:
+            seen.append(model.weight.grad is not None)
+            return Veto(self.name, "no") if ctx.step == 2 else None
+
+    guard.add(Look())
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    before = model.weight.detach().clone()
+    opt.step(closure)
+    assert not torch.equal(before, model.weight) and seen == [True]
+    before = model.weight.detach().clone()
+    opt.step(closure=closure)                       # vetoed: the closure ran, the update did not
+    assert torch.equal(before, model.weight) and seen == [True, True]
+    assert model.weight.grad is not None, "the gradients are given back after the veto"
+    assert guard.step == 2 and guard.stats.skipped == 1
+
+
 def test_a_compiled_models_optimizer_is_guarded() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))

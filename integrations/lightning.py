@@ -1,0 +1,120 @@
+"""sdcwatch in a Lightning `Trainer`: one callback (`pip install 'sdcwatch[lightning]'`).
+
+    from integrations.lightning import SdcwatchCallback
+    trainer = L.Trainer(strategy="ddp", max_steps=10_000,
+                        callbacks=[SdcwatchCallback(job_id="gpt2-run3", save_every=50)])
+    trainer.fit(module, loader)
+
+At `on_train_start` (after the strategy wrapped the module and set up the optimizer) the callback starts an
+`integrations.session.TrainingSession` on the LightningModule and the trainer's (single) torch optimizer.
+After each batch whose optimizer step ran (`on_train_batch_end`; with gradient accumulation, every k-th
+batch) it runs the session's step with the batch's loss (`outputs["loss"]`, detached, never `.item()`),
+checkpoints {"model", "optim", "sched"} through the agent every `save_every` steps, and honours the agent's
+directives through the trainer's own state:
+
+- rollback: the module, optimizer and LR schedulers are loaded from the verified checkpoint, the step
+  guard and `trainer.global_step` (the loop's optimizer-step progress) go back to its step, so `max_steps`
+  counts the redone steps, and the directive's batches are skipped: their updates are vetoed
+  (ceil(skip_batches / accumulate_grad_batches) steps);
+- skip batches: the same skip without a restore;
+- stop: `trainer.should_stop = True`.
+
+Automatic optimization with one optimizer; with manual optimization, call the session yourself
+(`callback.session.step(loss)` after your `opt.step()`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from sdcwatch.extras import require
+
+require("lightning")
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+from checksums.reporter import Directive  # noqa: E402
+from integrations.session import TrainingSession, output_loss, torch_optimizer  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def set_global_step(trainer: Any, step: int) -> None:
+    """Set Lightning's optimizer-step progress (what `trainer.global_step` reads) to `step`."""
+    loop = trainer.fit_loop.epoch_loop
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization:
+        total = loop.automatic_optimization.optim_progress.optimizer.step.total
+    else:
+        total = loop.manual_optimization.optim_step_progress.total
+    total.ready = total.completed = step
+    loop._batches_that_stepped = step
+
+
+class SdcwatchCallback(Callback):
+    """See the module docstring; the options are those of `integrations.hf.SdcwatchCallback`."""
+
+    def __init__(self, job_id: str, *, save_every: int = 50, checkpoints: bool = True, recovery: bool = True,
+                 monitor_kwargs: Mapping[str, Any] | None = None, agent_target: str | None = None) -> None:
+        self.job_id = job_id
+        self.save_every = save_every
+        self.checkpoints = checkpoints
+        self.recovery = recovery
+        self.monitor_kwargs = dict(monitor_kwargs or {})
+        self.agent_target = agent_target
+        self.session: TrainingSession | None = None
+        self._trainer: Any = None
+        self._module: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._attempts = 0
+
+    def _state(self) -> dict[str, Any]:
+        assert self._optimizer is not None
+        state: dict[str, Any] = {"model": self._module.state_dict(), "optim": self._optimizer.state_dict()}
+        scheds = [c.scheduler.state_dict() for c in self._trainer.lr_scheduler_configs]
+        if scheds:
+            state["sched"] = scheds
+        return state
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        assert self._optimizer is not None
+        self._module.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optim"])
+        for config, sd in zip(self._trainer.lr_scheduler_configs, state.get("sched", [])):
+            config.scheduler.load_state_dict(sd)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"sdcwatch's Lightning callback supports one optimizer, got "
+                             f"{len(trainer.optimizers)}; attach a Monitor per optimizer instead")
+        self._trainer, self._module = trainer, pl_module
+        self._optimizer = torch_optimizer(trainer.optimizers[0])
+        self.session = TrainingSession(
+            pl_module, self._optimizer, job_id=self.job_id, state_fn=self._state, load_fn=self._load,
+            save_every=self.save_every, checkpoints=self.checkpoints, recovery=self.recovery,
+            start_step=int(trainer.global_step), batches_per_step=int(trainer.accumulate_grad_batches),
+            monitor_kwargs=self.monitor_kwargs, agent_target=self.agent_target)
+        self._attempts = self.session.guard.attempts
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        session = self.session
+        if session is None or session.guard.attempts == self._attempts:
+            return                              # no optimizer step this batch (gradient accumulation)
+        self._attempts = session.guard.attempts
+        directive = session.step(output_loss(outputs))
+        self._attempts = session.guard.attempts
+        if directive is None:
+            return
+        if directive.kind == Directive.KIND_ROLLBACK and session.rollbacks[-1:] == [directive]:
+            set_global_step(trainer, directive.target_step)
+        elif directive.kind == Directive.KIND_STOP:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
