@@ -19,8 +19,17 @@ can be VERIFIED (checkpoint.replica_bytes).
 
 `guard=` (the optimizer's `checksums.step_guard.StepGuard`, e.g. `monitor.guard`) binds the client to the
 optimizer's steps: `save(step, ...)` is refused unless `step` is the guard's step (the number of optimizer
-steps taken, the Monitor's step too), and the guard's COPIES stage makes the next update wait for copies a
-`block="update"` save left in flight.
+steps taken, the Monitor's step too), and `save` then returns as soon as the device-to-host copies are
+enqueued on a side stream: the guard's COPIES stage makes the next update wait, on the device, for the
+copies of the optimizer's tensors (`SnapshotConfig(block="auto")`; checkpoint.snapshot says which tensors
+wait where). Without a guard `save` returns when the copy is complete.
+
+    client.prepare(state_dict)   # optional, once the state has its shapes: the first save's buffer, ahead
+    client.stats                 # saves, committed, skipped (by reason), slots made ahead / inline
+
+Every step: `CheckpointClient(..., config=SnapshotConfig.every_step(), guard=monitor.guard)` and a `save`
+after each `optimizer.step()`; saves that find the previous still copying or committing are skipped and
+counted (`client.stats.skipped_by`).
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ from checkpoint.locations import dir_store_for
 from checkpoint.records import LATEST_VERIFIED, CheckpointInfo, RestoreReportMsg
 from checkpoint.restore import restore_from_plan
 from checkpoint.shard_reader import RestoreReport
-from checkpoint.snapshot import SaveHandle, Snapshotter, SnapshotConfig
+from checkpoint.snapshot import SaveHandle, SaveStats, Snapshotter, SnapshotConfig
 from checksums.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
@@ -54,7 +63,7 @@ class CheckpointClient:
         self.snapshotter = Snapshotter(link, job_id, rank, world_size, config, store_for, replica_set)
         self.guard = guard
         if guard is not None:
-            guard.add(self.snapshotter.copy_fence())
+            guard.add(self.snapshotter.copy_fence(guard.optimizer))
 
     @classmethod
     def connect(cls, job_id: str, rank: int, world_size: int, target: str | None = None,
@@ -73,8 +82,17 @@ class CheckpointClient:
     def wait(self, timeout: float | None = None) -> Any:
         return self.snapshotter.wait(timeout)
 
+    def prepare(self, state_dict: Mapping[str, Any]) -> Any:
+        """Make the staging buffer for `state_dict`'s size ahead, in the background (a future)."""
+        return self.snapshotter.prepare(state_dict)
+
+    @property
+    def stats(self) -> SaveStats:
+        return self.snapshotter.stats
+
     def restore(self, target: int | str = LATEST_VERIFIED, device: Any = "cpu",
                 report: RestoreReport | None = None) -> dict[str, Any]:
+        self.snapshotter.order_before_update()   # loading the result into the model comes after any copy
         plan = self.link.restore_plan(self.job_id, target, self.rank)
         report = report if report is not None else RestoreReport()
         t0 = time.perf_counter()

@@ -9,8 +9,12 @@ a slot is the write into node memory: once it completes, the bytes survive the t
 Publishing the shard is then a hard link (`DirStore.link_in`): no bytes move.
 
 Lifecycle of a slot:
+0. `SlotRing.ensure_spare(nbytes)`  run off the training thread (the Snapshotter's background worker, after a
+                               commit, or `Snapshotter.prepare`): creates a slot of `nbytes` ahead, so the next
+                               save finds one ready and never pays fallocate + populate + cudaHostRegister;
 1. `SlotRing.acquire(nbytes)`  a slot of exactly `nbytes` that no checkpoint references (its file's link
-                               count is 1: only the slot name), created on first use (up to `max_slots`);
+                               count is 1: only the slot name), created on first use (up to `max_slots`) only
+                               when none was made ahead;
 2. the caller copies into `slot.tensor` and the background publishes it as the shard's blob (link count 2);
 3. when the agent evicts or aborts that checkpoint it unlinks the blob name, the link count drops to 1
    and the slot is free again: the filesystem is the reference count, no protocol needed;
@@ -30,7 +34,9 @@ import logging
 import mmap
 import os
 import stat
+import threading
 from pathlib import Path
+
 import torch
 
 from checkpoint.errors import InvalidInputError
@@ -95,9 +101,47 @@ class Slot:
         return not self.busy and self.links() == 1
 
 
+def ring_size(nbytes: int, *, mem_available: int, dir_free: int, local_ranks: int = 1,
+              fraction: float = 0.5, most: int = 16) -> int:
+    """How many slots of `nbytes` a rank may keep (`SnapshotConfig(max_slots="auto")`), from memory:
+    the slots of every rank on the node together take at most `fraction` of the smaller of the host's
+    available memory and the memory dir's free space; at most `most`, at least 1.
+
+    Pure: the caller reads the inputs (`memory_budget`). A ring must hold the agent's `keep_committed`
+    checkpoints (their slots stay referenced until evicted) plus one save being written; with fewer slots
+    a save stages in the private buffer (logged once)."""
+    if nbytes <= 0:
+        return most
+    budget = fraction * min(mem_available, dir_free) / max(1, local_ranks)
+    return max(1, min(most, int(budget // nbytes)))
+
+
+def memory_budget(root: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """(MemAvailable bytes, free bytes of the filesystem of `root`, ranks on this node) for `ring_size`.
+    Ranks on the node: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return (avail or free), free, max(1, local)
+
+
 class SlotRing:
-    """A rank's slots for one job in one agent memory dir. Not thread-safe: the Snapshotter calls
-    `acquire` under its lock and `release` from its single background worker."""
+    """A rank's slots for one job in one agent memory dir. The slot list is guarded by a lock: the
+    Snapshotter `acquire`s on the training thread while its background worker `release`s and creates
+    slots ahead (`ensure_spare`); a slot being created is invisible until its file is mapped and
+    registered."""
 
     def __init__(self, root: str | os.PathLike[str], job_id: str, rank: int, *, max_slots: int = 4,
                  register_cuda: bool | None = None) -> None:
@@ -110,29 +154,71 @@ class SlotRing:
         self.max_slots = max_slots
         self.register_cuda = torch.cuda.is_available() if register_cuda is None else register_cuda
         self.slots: list[Slot] = []
+        self._lock = threading.Lock()
+        self._creating = 0            # slots being created outside the lock (count against max_slots)
+        self.created_ahead = 0        # slots made by ensure_spare (off the training thread)
+        self.created_inline = 0       # slots made by acquire (on the caller's thread: the blocking kind)
 
     def __len__(self) -> int:
         return len(self.slots)
 
-    def acquire(self, nbytes: int) -> Slot | None:
-        """A free slot of exactly `nbytes` (created if needed), marked busy; None when all `max_slots` are
-        referenced by stored checkpoints or in use."""
+    def acquire(self, nbytes: int, *, create: bool = True) -> Slot | None:
+        """A free slot of exactly `nbytes`, marked busy; one is created here only when `create` and none is
+        free (a slot made ahead by `ensure_spare` is the usual case). None when all `max_slots` are
+        referenced by stored checkpoints or in use (or none is free and `create` is False)."""
+        with self._lock:
+            self._drop_other_sizes(nbytes)
+            for s in self.slots:
+                if s.nbytes == nbytes and s.free():
+                    s.busy = True
+                    return s
+            if not create or len(self.slots) + self._creating >= self.max_slots:
+                return None
+            self._creating += 1
+        try:
+            s = self._create(nbytes)
+        finally:
+            with self._lock:
+                self._creating -= 1
+        s.busy = True
+        with self._lock:
+            self.slots.append(s)
+            self.created_inline += 1
+        return s
+
+    def ensure_spare(self, nbytes: int) -> bool:
+        """Create one slot of `nbytes` ahead when none is free and the ring has room (off the training
+        thread: this is the fallocate + populate + cudaHostRegister a save would otherwise block on).
+        True when a slot was created."""
+        with self._lock:
+            self._drop_other_sizes(nbytes)
+            if any(s.nbytes == nbytes and s.free() for s in self.slots):
+                return False
+            if len(self.slots) + self._creating >= self.max_slots:
+                return False
+            self._creating += 1
+        try:
+            s = self._create(nbytes)
+        finally:
+            with self._lock:
+                self._creating -= 1
+        with self._lock:
+            self.slots.append(s)
+            self.created_ahead += 1
+        return True
+
+    def free_slots(self, nbytes: int) -> int:
+        with self._lock:
+            return sum(1 for s in self.slots if s.nbytes == nbytes and s.free())
+
+    def _drop_other_sizes(self, nbytes: int) -> None:
         for s in list(self.slots):
             if s.nbytes != nbytes and s.free():
                 self._drop(s)  # the state changed size: its slots are useless now
-        for s in self.slots:
-            if s.nbytes == nbytes and s.free():
-                s.busy = True
-                return s
-        if len(self.slots) >= self.max_slots:
-            return None
-        s = self._create(nbytes)
-        s.busy = True
-        self.slots.append(s)
-        return s
 
     def release(self, slot: Slot) -> None:
-        slot.busy = False
+        with self._lock:
+            slot.busy = False
 
     def _create(self, nbytes: int) -> Slot:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -175,8 +261,9 @@ class SlotRing:
         os.close(s.fd)
 
     def close(self) -> None:
-        for s in list(self.slots):
-            self._drop(s)
+        with self._lock:
+            for s in list(self.slots):
+                self._drop(s)
         try:
             self.dir.rmdir()
         except OSError:

@@ -9,25 +9,44 @@
      agent's dir is from its Begin) one private pinned arena reused across saves;
   3. on CUDA: on a side stream that waits for the current stream, fingerprints the GPU tensors
      (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into the buffer;
-  4. returns when the copy is complete (`block="copy"`, the default) or as soon as it is enqueued
-     (`block="enqueue"`: the current stream then waits for the copy on the GPU, so later in-place updates
-     cannot race it; the host never blocks), or as soon as it is enqueued with only the next optimizer
-     step made to wait for it (`block="update"`: the forward and backward overlap the copy; the
-     `CheckpointCopies` stage of a `checksums.step_guard.StepGuard` makes the update's stream wait, on the
-     GPU; refused unless `copy_fence()` was put on a guard. Only for state whose tensors change in
-     `optimizer.step()` alone: a buffer the forward updates in place, e.g. BatchNorm's running stats, would
-     race the copy).
-Background (one worker thread, so saves never overlap): `sink.begin` -> publish the shard as the blob
-`<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for a private buffer, a streamed
-file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which must equal the GPU fingerprint
--> `sink.commit_shard(manifest)`. Each host byte is checksummed once and fingerprinted once.
+  4. returns when the copy is complete (`block="copy"`) or as soon as it is enqueued (`block="enqueue"`:
+     the current stream then waits for the copy on the GPU, so later in-place updates cannot race it; the
+     host never blocks), or as soon as it is enqueued with only the next optimizer step made to wait for
+     it (`block="update"`, what `block="auto"`, the default, means when a step guard is bound, else "copy").
+
+Overlap (`block="update"`, issue 21): the copy runs while the next forward and backward run. The tensors
+are split in two groups: those `optimizer.step()` changes (the bound optimizer's parameters and its state,
+matched by storage) are copied last, and only the update waits for them: the `CheckpointCopies` stage,
+`Phase.COPIES` of the optimizer's `checksums.step_guard.StepGuard`, makes the current stream wait for
+their copy's event (a device-side `wait_event`, never a host sync); every other tensor (a buffer the
+forward updates in place, e.g. BatchNorm's running stats, an EMA copy) is copied first and the current
+stream waits for that group at once, so nothing but the optimizer can overwrite a tensor before its copy
+read it. With no optimizer known every tensor is in the first group's place in the update's wait. Do not
+change the optimizer's tensors in place outside `optimizer.step()` between a save and the next step
+(`CheckpointClient.restore` and `close` order themselves after the copies; anything else should call
+`Snapshotter.order_before_update()` first).
+
+Background (one worker thread, so saves never overlap): wait for the copy's events -> `sink.begin` ->
+publish the shard as the blob `<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for
+a private buffer, a streamed file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which
+must equal the GPU fingerprint -> `sink.commit_shard(manifest)` -> create the next staging slot ahead
+(`SlotRing.ensure_spare`), so no save blocks on creating one. Each host byte is checksummed once and
+fingerprinted once. `prepare(state_dict)` makes the first save's buffer ahead, in the background, too.
 
 A save requested while the previous one is still in the background waits for it (`policy="wait"`) or is
-skipped (`policy="skip"`); a staging buffer is never overwritten under a running save, and a slot is never
-overwritten while a stored checkpoint still references it.
+skipped (`policy="skip"`); every skip is counted by reason (`Snapshotter.stats`, and the next commit tells
+the agent how many saves were skipped before it); a staging buffer is never overwritten under a running
+save, and a slot is never overwritten while a stored checkpoint still references it.
+
+Checkpoint every step: `SnapshotConfig.every_step()` = `policy="skip"`, `block="update"`,
+`max_slots="auto"` (the ring size from memory: `checkpoint.slots.ring_size`), and the loop calls `save`
+after every `optimizer.step()`. A save that finds the previous one still copying or still being hashed
+and committed is skipped and counted ("copying" / "writing"); the committed ones are what
+`stats.committed` counts.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -45,7 +64,7 @@ from checkpoint.locations import dir_store_for
 from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.records import SaveReport
-from checkpoint.slots import Slot, SlotRing
+from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
 from checkpoint.state_tree import dtype_name, flatten
 from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
 from checksums.step_guard import Phase, StepContext, Veto
@@ -68,25 +87,40 @@ class ShardSink(Protocol):
 class SnapshotConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     policy: str = "wait"            # a save while the previous is still writing: "wait" or "skip"
-    block: str = "copy"             # save() returns when the host copy is "copy" (done) or "enqueue"(d),
-                                    # or enqueued with the next optimizer step waiting for it: "update"
+    block: str = "auto"             # save() returns when the host copy is "copy" (done) or "enqueue"(d),
+                                    # or enqueued with the next optimizer step waiting for it: "update";
+                                    # "auto": "update" when a step guard is bound (copy_fence), else "copy"
     pin_memory: bool | None = None  # None: pin when CUDA is available
     check_source_fingerprint: bool | None = None  # None: for CUDA tensors (CPU tensors cannot change under us)
     fingerprint_threads: int = 4    # host fingerprints of the tensors run in parallel (numpy frees the GIL)
     staging: str = "slots"          # "slots": agent-owned shm slot files; "private": own pinned buffer + file write
-    max_slots: int = 4              # slots per rank (keep_committed + newest verified + one being written)
+    max_slots: int | str = 4        # slots per rank (keep_committed + newest verified + one being written),
+                                    # or "auto": from memory (checkpoint.slots.ring_size)
+    ring_fraction: float = 0.5      # max_slots="auto": share of min(MemAvailable, memory dir free) for slots
+
+    @classmethod
+    def every_step(cls, **kw: Any) -> "SnapshotConfig":
+        """Checkpoint after every optimizer step: the copy overlaps the next forward/backward, a save that
+        finds the previous still copying or committing is skipped (counted), the ring size from memory."""
+        kw.setdefault("policy", "skip")
+        kw.setdefault("block", "update")
+        kw.setdefault("max_slots", "auto")
+        return cls(**kw)
 
     def __post_init__(self) -> None:
         if self.policy not in ("wait", "skip"):
             raise InvalidInputError(f"policy must be 'wait' or 'skip', got {self.policy!r}")
-        if self.block not in ("copy", "enqueue", "update"):
-            raise InvalidInputError(f"block must be 'copy', 'enqueue' or 'update', got {self.block!r}")
+        if self.block not in ("auto", "copy", "enqueue", "update"):
+            raise InvalidInputError(f"block must be 'auto', 'copy', 'enqueue' or 'update', got {self.block!r}")
+        if not (0.0 < self.ring_fraction <= 1.0):
+            raise InvalidInputError(f"ring_fraction must be in (0, 1], got {self.ring_fraction}")
         if self.chunk_bytes <= 0:
             raise InvalidInputError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.staging not in ("slots", "private"):
             raise InvalidInputError(f"staging must be 'slots' or 'private', got {self.staging!r}")
-        if self.max_slots < 1:
-            raise InvalidInputError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.max_slots != "auto" and (not isinstance(self.max_slots, int) or isinstance(self.max_slots, bool)
+                                         or self.max_slots < 1):
+            raise InvalidInputError(f"max_slots must be an int >= 1 or 'auto', got {self.max_slots!r}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
 
@@ -104,7 +138,25 @@ class SaveResult:
     checksum_s: float = 0.0     # background time spent on chunk checksums
     fingerprint_s: float = 0.0  # background time spent on the host fingerprint
     staging: str = ""           # "slot" (copy landed in node memory) or "private" (copied again after)
+    skipped_before: int = 0     # saves skipped (by policy) since the previous save handed to the background
+    spare_s: float = 0.0        # background time creating the next staging slot ahead (after the commit)
     error: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveStats:
+    """A Snapshotter's counts since it was made (`Snapshotter.stats`)."""
+
+    saves: int                  # saves handed to the background
+    committed: int              # of which reached COMMITTED or VERIFIED (as far as finished)
+    failed: int                 # of which failed
+    skipped: int                # saves skipped by policy="skip"
+    skipped_by: dict[str, int]  # reason -> count: "copying" (the previous copy still in flight), "writing"
+                                # (the previous save still hashed/committed), "preparing" (no buffer ready)
+    slots: int                  # staging slots in the ring now
+    ring_size: int              # the ring's limit (max_slots, or what "auto" chose)
+    slots_ahead: int            # slots created in the background, before a save needed them
+    slots_inline: int           # slots created inside a save (the blocking kind; 0 in steady state)
 
 
 class SaveHandle:
@@ -127,6 +179,9 @@ class _Arena:
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def ready(self, nbytes: int) -> bool:
+        return self.buf.numel() >= nbytes
 
     def ensure(self, nbytes: int) -> torch.Tensor:
         if self.buf.numel() < nbytes:
@@ -163,6 +218,7 @@ class Snapshotter:
         self._arena = _Arena(bool(pin))
         self._store_for = store_for
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt")
+        self._prep: concurrent.futures.Future[None] | None = None   # prepare(): buffers made ahead
         self._fp_pool = concurrent.futures.ThreadPoolExecutor(self.config.fingerprint_threads,
                                                               thread_name_prefix="sdcw-ckpt-fp")
         self._last: SaveHandle | None = None
@@ -174,58 +230,122 @@ class Snapshotter:
         self._slots_off = self.config.staging != "slots"
         self._warned_full = False
         self._skipped = 0                       # saves skipped since the last one handed to the background
+        self._skips: collections.Counter[str] = collections.Counter()   # reason -> saves skipped
+        self._saves = self._committed = self._failed = 0
+        self._last_events: list[Any] = []      # the last save's copy events (is it still copying?)
+        self._ring_lock = threading.Lock()      # the ring is made/reset from both threads
+        self._ring_limit = 0                    # what max_slots resolved to (auto: from memory)
         self._inflight: list[tuple[torch.device, Any]] = []  # block="update": copies the update must wait for
         self._fence: CheckpointCopies | None = None
+        self._opt_key: tuple[int, int, int] | None = None    # the optimizer's storages, cached per layout
+        self._opt_storages: frozenset[int] = frozenset()
+
+    def _block(self) -> str:
+        block = self.config.block
+        if block == "auto":
+            return "update" if self._fence is not None else "copy"
+        return block
 
     def save(self, step: int, state_dict: Mapping[str, Any]) -> SaveHandle | None:
         """Snapshot `state_dict` as `step`; None when skipped by policy. Raises InvalidInputError on
         unsupported content (before anything is copied)."""
         validate_step(step)
-        if self.config.block == "update" and self._fence is None:
+        block = self._block()
+        if block == "update" and self._fence is None:
             raise InvalidInputError("SnapshotConfig(block='update') leaves the copy in flight until the next "
                                     "optimizer.step(): bind a step guard so the update waits for it "
                                     "(CheckpointClient(..., guard=monitor.guard)), or use block='enqueue'")
         t0 = time.perf_counter()
         tree, named = flatten(state_dict)
+        skip = self.config.policy == "skip"
         with self._lock:
-            if self._last is not None and not self._last.done():
-                if self.config.policy == "skip":
-                    log.warning("checkpoint step %d skipped: step %d is still being written", step, self._last.step)
-                    self._skipped += 1
+            busy = [f for f in (self._last.future if self._last is not None else None, self._prep)
+                    if f is not None and not f.done()]
+            if busy:
+                if skip:
+                    self._skip(step, self._busy_reason())
                     return None
                 t_wait = time.perf_counter()
-                concurrent.futures.wait([self._last.future])
+                concurrent.futures.wait(busy)
                 stall = time.perf_counter() - t_wait
             else:
                 stall = 0.0
             tensors = [t for _, t in named]
             offsets, total = layout(tensors)
-            slot = self._acquire_slot(total)
+            # policy "skip" never blocks on making a buffer: with none ready it skips and makes one ahead
+            slot = self._acquire_slot(total, create=not skip)
+            if slot is None and skip and not self._arena.ready(total):
+                self._skip(step, "preparing")
+                self._prep = self._pool.submit(self._prepare_buffers, total)
+                return None
             arena = slot.tensor if slot is not None else self._arena.ensure(total)
+            late = self._changed_by_update(tensors) if block == "update" else None
             try:
                 with torch.no_grad():
-                    events, src_fps = self._copy(tensors, offsets, arena)
+                    events, src_fps = self._copy(tensors, offsets, arena, block, late)
             except BaseException:
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)
                 raise
-            if self.config.block == "copy":
+            if block == "copy":
                 for ev in events:
                     ev.synchronize()
             blocking = time.perf_counter() - t0
             entries = [(path, t.dtype, tuple(t.shape), off, t.numel() * t.element_size())
                        for (path, t), off in zip(named, offsets)]
             skipped, self._skipped = self._skipped, 0
+            self._saves += 1
+            self._last_events = events
             fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
                                     blocking, time.perf_counter(), slot, stall, skipped)
             self._last = SaveHandle(step, fut)
             return self._last
 
-    def copy_fence(self) -> "CheckpointCopies":
+    def prepare(self, state_dict: Mapping[str, Any]) -> "concurrent.futures.Future[None]":
+        """Make the staging buffer for saves of `state_dict`'s size ahead, in the background (call it once
+        the state has its final shapes, e.g. after the first optimizer step created the optimizer's state):
+        a staging slot when the agent's dir is known (from an earlier save), else the private pinned buffer
+        the first save copies into. A save meanwhile waits for it (`policy="wait"`) or is skipped. Nothing
+        is copied."""
+        _, named = flatten(state_dict)
+        _, total = layout([t for _, t in named])
+        with self._lock:
+            if self._prep is None or self._prep.done():
+                self._prep = self._pool.submit(self._prepare_buffers, total)
+            return self._prep
+
+    @property
+    def stats(self) -> SaveStats:
+        ring = self._ring
+        return SaveStats(self._saves, self._committed, self._failed, sum(self._skips.values()), dict(self._skips),
+                         len(ring) if ring is not None else 0, self._ring_limit,
+                         ring.created_ahead if ring is not None else 0,
+                         ring.created_inline if ring is not None else 0)
+
+    def _skip(self, step: int, reason: str) -> None:
+        self._skipped += 1
+        self._skips[reason] += 1
+        n = self._skips[reason]
+        if n == 1 or n % 1000 == 0:   # counted always; said on the first and every 1000th of a kind
+            prev = self._last.step if self._last is not None else None
+            log.warning("checkpoint step %d skipped (%s; previous save: step %s): %d skipped for this reason "
+                        "so far (Snapshotter.stats)", step, _SKIP_WHY[reason], prev, n)
+
+    def _busy_reason(self) -> str:
+        if self._prep is not None and not self._prep.done():
+            return "preparing"
+        if any(not _event_done(ev) for ev in self._last_events):
+            return "copying"
+        return "writing"
+
+    def copy_fence(self, optimizer: torch.optim.Optimizer | None = None) -> "CheckpointCopies":
         """The stage that makes the next optimizer step wait for this snapshotter's copies in flight; put it
-        on the optimizer's `StepGuard` (the checkpoint client does)."""
+        on the optimizer's `StepGuard` (the checkpoint client does). `optimizer`: whose tensors only the
+        update waits for (the others' copies are ordered at once); None: every tensor waits for the update."""
         if self._fence is None:
-            self._fence = CheckpointCopies(self)
+            self._fence = CheckpointCopies(self, optimizer)
+        elif optimizer is not None:
+            self._fence.optimizer = optimizer
         return self._fence
 
     def order_before_update(self) -> None:
@@ -233,69 +353,133 @@ class Snapshotter:
         device, the host never waits. Nothing to do on CPU or in the other modes (save ordered them)."""
         if not self._inflight:
             return
-        for dev, ev in self._inflight:
-            torch.cuda.current_stream(dev).wait_event(ev)
-        self._inflight.clear()
+        inflight, self._inflight = self._inflight, []
+        for dev, ev in inflight:
+            _stream_wait(dev, ev)
+
+    def _changed_by_update(self, tensors: list[torch.Tensor]) -> list[bool]:
+        """Per tensor: does the bound optimizer's step change it (its parameters and state, by storage)?
+        Every tensor when no optimizer is known. Cached while the optimizer's layout stays the same."""
+        opt = self._fence.optimizer if self._fence is not None else None
+        if opt is None:
+            return [True] * len(tensors)
+        key = (id(opt), len(opt.state), sum(len(g["params"]) for g in opt.param_groups))
+        if key != self._opt_key:
+            self._opt_storages = optimizer_storages(opt)
+            self._opt_key = key
+        mine = self._opt_storages
+        return [_storage(t) in mine for t in tensors]
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         last = self._last
         return None if last is None else last.result(timeout)
 
     def close(self) -> None:
+        self.order_before_update()   # whatever the caller does to the weights next comes after the copies
         self._pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        with self._ring_lock:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
 
     # ---- staging ------------------------------------------------------------------------------------
-    def _acquire_slot(self, total: int) -> Slot | None:
+    def _ring_for(self, total: int) -> SlotRing | None:
+        """The slot ring in the agent's memory dir (made on first need; cheap: no file), or None when
+        slots are off or the dir is not known or not visible here."""
+        with self._ring_lock:
+            if self._slots_off:
+                return None
+            if self._reset_ring and self._ring is not None:
+                self._ring.close()
+                self._ring = None
+            self._reset_ring = False
+            if self._location is None:
+                return None
+            if self._ring is None:
+                if not os.path.isdir(self._location):
+                    log.warning("agent memory dir %s is not visible from this process: staging in a private "
+                                "buffer (the shard is copied again into node memory after save returns)",
+                                self._location)
+                    self._slots_off = True
+                    return None
+                limit = self.config.max_slots
+                if limit == "auto":
+                    avail, free, local = memory_budget(self._location)
+                    limit = ring_size(total, mem_available=avail, dir_free=free, local_ranks=local,
+                                      fraction=self.config.ring_fraction)
+                    log.info("checkpoint ring for %s rank %d: %d slots of %d bytes (%.0f%% of min(MemAvailable "
+                             "%d, memory dir free %d) over %d local ranks)", self.job_id, self.rank, limit, total,
+                             100 * self.config.ring_fraction, avail, free, local)
+                assert isinstance(limit, int)
+                self._ring_limit = limit
+                self._ring = SlotRing(self._location, self.job_id, self.rank, max_slots=limit,
+                                      register_cuda=bool(self._arena.pin))
+            return self._ring
+
+    def _acquire_slot(self, total: int, create: bool = True) -> Slot | None:
         """A staging slot in the agent's memory dir, or None (use the private arena). The dir is learned
         from the agent's answer to the first save's Begin (in the background: save() never waits on an
-        RPC), so the first save stages privately and slots are used from the second on."""
-        if self._slots_off:
+        RPC), so the first save stages privately and slots are used from the second on. Slots are made
+        ahead by the background (`_make_spare`); one is made here only when `create` and none is ready."""
+        ring = self._ring_for(total)
+        if ring is None:
             return None
-        if self._reset_ring and self._ring is not None:
-            self._ring.close()
-            self._ring = None
-        self._reset_ring = False
-        if self._location is None:
-            return None
-        if self._ring is None:
-            if not os.path.isdir(self._location):
-                log.warning("agent memory dir %s is not visible from this process: staging in a private buffer "
-                            "(the shard is copied again into node memory after save returns)", self._location)
-                self._slots_off = True
-                return None
-            self._ring = SlotRing(self._location, self.job_id, self.rank, max_slots=self.config.max_slots,
-                                  register_cuda=bool(self._arena.pin))
         try:
-            slot = self._ring.acquire(total)
+            slot = ring.acquire(total, create=create)
         except OSError as e:
             log.warning("cannot create a staging slot of %d bytes in %s (%s): using a private buffer",
                         total, self._location, e)
             return None
         if slot is None:
-            if not self._warned_full:
+            if len(ring) >= ring.max_slots and not self._warned_full:
                 self._warned_full = True
                 log.warning("all %d staging slots hold stored checkpoints: this save uses a private buffer "
                             "(raise SnapshotConfig.max_slots above the agent's keep_committed + 2)",
-                            self.config.max_slots)
+                            ring.max_slots)
             return None
         self._arena.release()  # slots work here: the private buffer is no longer needed
         return slot
 
+    def _make_spare(self, total: int) -> float:
+        """Background: create the next slot ahead when none is free (so no save blocks on creating one);
+        the seconds it took (0 when nothing was made)."""
+        ring = self._ring_for(total)
+        if ring is None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            made = ring.ensure_spare(total)
+        except OSError as e:
+            log.warning("cannot create a staging slot of %d bytes in %s ahead (%s)", total, self._location, e)
+            return 0.0
+        return time.perf_counter() - t0 if made else 0.0
+
+    def _prepare_buffers(self, total: int) -> None:
+        """Background (`prepare`, or a skipped save that found no buffer): a free slot of `total` bytes if
+        slots work here, else the private pinned arena."""
+        try:
+            self._make_spare(total)
+            ring = self._ring
+            if ring is not None and ring.free_slots(total):
+                return
+            self._arena.ensure(total)
+        except Exception as e:  # noqa: BLE001 - the save that needs it makes it or reports why
+            log.warning("preparing a %d-byte checkpoint buffer failed: %s", total, e)
+
     # ---- the copy -----------------------------------------------------------------------------------
-    def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor
-              ) -> tuple[list[Any], dict[int, torch.Tensor]]:
-        """Enqueue every copy; return CUDA events to wait on and {tensor index: host fingerprint words}."""
+    def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor, block: str = "copy",
+              late: list[bool] | None = None) -> tuple[list[Any], dict[int, torch.Tensor]]:
+        """Enqueue every copy; return CUDA events to wait on and {tensor index: host fingerprint words}.
+        `late[i]`: tensor i changes only in the optimizer step (block="update": only the update waits)."""
         by_dev: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             by_dev.setdefault(t.device, []).append(i)
         events, src_fps = [], {}
         for dev, idx in by_dev.items():
             if dev.type == "cuda":
-                ev, fps = self._copy_cuda(dev, [tensors[i] for i in idx], [offsets[i] for i in idx], arena)
+                ev, fps = self._copy_cuda(dev, [tensors[i] for i in idx], [offsets[i] for i in idx], arena,
+                                          block, None if late is None else [late[i] for i in idx])
                 events.append(ev)
                 if fps is not None:
                     src_fps.update({i: fps[j] for j, i in enumerate(idx)})
@@ -312,7 +496,7 @@ class Snapshotter:
         return events, src_fps
 
     def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],
-                   arena: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+                   arena: torch.Tensor, block: str, late: list[bool] | None) -> tuple[Any, torch.Tensor | None]:
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(device=dev)
@@ -326,17 +510,27 @@ class Snapshotter:
                 fingerprint_tensors_async(tensors, per_tensor_out=per)
                 fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
                 fps_host.copy_(per, non_blocking=True)
-            for t, off in zip(tensors, offsets):
+            # first what anything but the optimizer may change (ordered at once below), then the rest
+            order = sorted(range(len(tensors)), key=lambda j: bool(late[j])) if late is not None else None
+            early = sum(1 for x in late if not x) if late is not None else 0
+            ev_early = None
+            for k, j in enumerate(order if order is not None else range(len(tensors))):
+                if k == early and 0 < early < len(tensors):
+                    ev_early = torch.cuda.Event()
+                    ev_early.record(side)
+                t = tensors[j]
                 if t.numel():
-                    _dst(arena, off, t).copy_(t, non_blocking=True)
+                    _dst(arena, offsets[j], t).copy_(t, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(side)
         for t in tensors:
             t.record_stream(side)
-        if self.config.block == "enqueue":
+        if block == "enqueue" or (block == "update" and late is not None and early == len(tensors)):
             cur.wait_event(ev)
-        elif self.config.block == "update":
-            self._inflight.append((dev, ev))
+        elif block == "update":
+            if ev_early is not None:
+                cur.wait_event(ev_early)      # tensors the optimizer does not change: ordered now
+            self._inflight.append((dev, ev))  # the optimizer's: the update waits (CheckpointCopies)
         return ev, fps_host
 
     # ---- the background -----------------------------------------------------------------------------
@@ -399,6 +593,15 @@ class Snapshotter:
         finally:
             if slot is not None and self._ring is not None:
                 self._ring.release(slot)
+        if res.error:
+            self._failed += 1
+        elif res.state in ("COMMITTED", "VERIFIED"):
+            self._committed += 1
+        res.skipped_before = skipped
+        try:
+            res.spare_s = self._make_spare(total)   # the next save's slot, made now, off the training thread
+        except Exception as e:  # noqa: BLE001
+            log.warning("creating a staging slot ahead failed: %s", e)
         return res
 
     def _publish_slot(self, store: BlobStore, begin: Any, slot: Slot) -> bool:
@@ -421,17 +624,51 @@ class Snapshotter:
 
 class CheckpointCopies:
     """`Phase.COPIES` stage of the step guard: the update waits (on the device) for the copies of the
-    weights a save left in flight (`SnapshotConfig(block="update")`). Costs one list check per step."""
+    weights a save left in flight (`SnapshotConfig(block="update")`). Costs one list check per step.
+    `optimizer`: the guarded optimizer, whose tensors are the ones left in flight (see the module doc)."""
 
     phase = Phase.COPIES
 
-    def __init__(self, snapshotter: Snapshotter) -> None:
+    def __init__(self, snapshotter: Snapshotter, optimizer: torch.optim.Optimizer | None = None) -> None:
         self._snapshotter = snapshotter
+        self.optimizer = optimizer
         self.name = f"checkpoint.copies[{snapshotter.job_id} rank {snapshotter.rank}]"
 
     def run(self, ctx: StepContext) -> Veto | None:
         self._snapshotter.order_before_update()
         return None
+
+
+_SKIP_WHY = {"copying": "the previous save's copy is still in flight",
+             "writing": "the previous save is still being hashed and committed",
+             "preparing": "its staging buffer is still being made, in the background"}
+
+
+def optimizer_storages(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """The storage addresses of everything `optimizer.step()` changes: its parameters and its state."""
+    out = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.add(_storage(p))
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.add(_storage(v))
+    return frozenset(out)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _event_done(ev: Any) -> bool:
+    """Has a copy's event completed? Non-blocking (a query)."""
+    return bool(ev.query())
+
+
+def _stream_wait(dev: torch.device, ev: Any) -> None:
+    """The device's current stream waits for `ev` (on the device; the host goes on)."""
+    torch.cuda.current_stream(dev).wait_event(ev)
 
 
 def _dst(arena: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:

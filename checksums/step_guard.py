@@ -178,6 +178,11 @@ class StepGuard:
         guard = _guard_of(optimizer)
         return guard if guard is not None else cls(optimizer)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The guarded optimizer (None once it was garbage collected)."""
+        return self._optimizer_ref()
+
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> "StepGuard | None":
         """The guard of `optimizer`, or None."""

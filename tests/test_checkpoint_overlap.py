@@ -1,0 +1,358 @@
+"""Issue 21 item 1 on CPU: the checkpoint copy overlaps the next forward/backward and only the update waits
+for it (the step guard's COPIES stage), slots are made ahead in the background, the every-step ring's size
+comes from memory, and every skipped save is counted.
+
+The device path is forced with a fake copy whose bytes are read only when its event is waited for (a stream
+wait on the device, or the background's synchronize): if the update ran before the COPIES stage's wait, the
+checkpoint would hold the updated weights. The real CUDA path is tested in test_step_guard.py (gpu) and
+checked by bench/ckpt_overlap.py.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import checkpoint.snapshot as snapshot_mod
+from checkpoint.client import CheckpointClient
+from checkpoint.errors import InvalidInputError
+from checkpoint.slots import SlotRing, memory_budget, ring_size
+from checkpoint.snapshot import SnapshotConfig, Snapshotter, layout, optimizer_storages
+from checkpoint.state_tree import flatten
+from checksums.step_guard import Phase, StepContext, StepGuard, Veto
+from ckpt_support import assert_same, job_id, node, state_dict
+from deadlines import scaled
+
+MiB = 1 << 20
+
+
+# ---- the ring size rule ------------------------------------------------------------------------------
+
+
+def test_ring_size_is_the_share_of_memory_over_the_node_ranks() -> None:
+    # 50% of min(64 GiB available, 100 GiB free) over 8 ranks = 4 GiB per rank: 4 slots of 1 GiB
+    assert ring_size(1 << 30, mem_available=64 << 30, dir_free=100 << 30, local_ranks=8) == 4
+    # the memory dir's free space is the smaller: it decides
+    assert ring_size(1 << 30, mem_available=64 << 30, dir_free=16 << 30, local_ranks=1) == 8
+    assert ring_size(1 << 20, mem_available=64 << 30, dir_free=64 << 30) == 16        # capped
+    assert ring_size(8 << 30, mem_available=4 << 30, dir_free=4 << 30) == 1           # at least one
+    assert ring_size(1 << 30, mem_available=8 << 30, dir_free=8 << 30, fraction=0.25) == 2
+    avail, free, local = memory_budget("/tmp")
+    assert avail > 0 and free > 0 and local >= 1
+
+
+def test_every_step_config_and_its_ring_from_memory(redis_server, tmp_path: Path) -> None:
+    cfg = SnapshotConfig.every_step(chunk_bytes=4096)
+    assert (cfg.policy, cfg.block, cfg.max_slots) == ("skip", "update", "auto")
+    with pytest.raises(InvalidInputError, match="max_slots"):
+        SnapshotConfig(max_slots="lots")
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("ring")
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = CheckpointClient(co, job, 0, 1, config=cfg, guard=StepGuard.attach(opt))
+    _train_step(model, opt)
+    assert client.save(1, {"model": model.state_dict()}) is None   # policy skip: no buffer yet, none blocks
+    client.prepare({"model": model.state_dict()}).result(scaled(30))
+    for step in range(1, 4):
+        client.guard.renumber(step - 1)
+        _train_step(model, opt)
+        h = client.save(step, {"model": model.state_dict()})
+        assert h is not None and h.result(scaled(30)).state == "COMMITTED"
+    st = client.stats
+    avail, free, local = memory_budget(co.location)
+    total = layout(list(model.state_dict().values()))[1]
+    assert st.ring_size == ring_size(total, mem_available=avail, dir_free=free, local_ranks=local)
+    assert (st.saves, st.committed, st.skipped_by, st.slots_inline) == (3, 3, {"preparing": 1}, 0)
+    client.close()
+
+
+# ---- slots made ahead ----------------------------------------------------------------------------------
+
+
+def test_slots_are_made_ahead_in_the_background_never_inside_a_save(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("ahead")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, max_slots=4))
+    first = snap.save(1, state_dict(0, 1)).result(scaled(30))
+    assert first.staging == "private" and first.spare_s > 0     # learnt the dir, then made a slot ahead
+    assert snap.stats.slots == 1 and snap.stats.slots_ahead == 1
+    for step in range(2, 8):
+        res = snap.save(step, state_dict(0, step)).result(scaled(30))
+        assert res.error == "" and res.staging == "slot", res
+    st = snap.stats
+    assert st.slots_inline == 0, "a save created a slot on the training thread"
+    assert st.slots == st.slots_ahead <= 4
+    for step in (6, 7):   # keep_committed=2: the newest two, from slots reused ahead of time
+        assert_same(_restore(co, job, step), state_dict(0, step))
+    snap.close()
+
+
+def test_prepare_makes_the_first_saves_buffer_ahead(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("prep")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
+    sd = state_dict(0, 1)
+    total = layout([t for _, t in flatten(sd)[1]])[1]
+    assert not snap._arena.ready(total)
+    snap.prepare(sd).result(scaled(30))
+    assert snap._arena.ready(total)                    # the dir is not known yet: the private buffer
+    buf = snap._arena.buf
+    res = snap.save(1, sd).result(scaled(30))
+    assert res.error == "" and res.staging == "private"
+    assert snap.stats.slots_ahead == 1                  # and the slot for the next, made after the commit
+    assert snap._arena.buf is buf or snap._arena.buf.numel() == 0
+    assert snap.save(2, state_dict(0, 2)).result(scaled(30)).staging == "slot"
+    assert snap.stats.slots_inline == 0
+    snap.close()
+
+
+def test_slot_ring_ensure_spare_respects_the_limit_and_sizes(tmp_path: Path) -> None:
+    ring = SlotRing(tmp_path, "j", 0, max_slots=2, register_cuda=False)
+    assert ring.ensure_spare(1000) and not ring.ensure_spare(1000)   # one free spare is enough
+    s1 = ring.acquire(1000, create=False)
+    assert s1 is not None and ring.ensure_spare(1000)
+    ring.acquire(1000, create=False)
+    assert not ring.ensure_spare(1000) and ring.acquire(1000, create=False) is None   # the ring is full
+    ring.release(s1)
+    assert ring.ensure_spare(2000) and len(ring) == 2   # the state grew: free s1 is dropped, one made anew
+    assert s1 not in ring.slots and not ring.ensure_spare(2000)
+    assert (ring.created_ahead, ring.created_inline) == (3, 0)
+    ring.close()
+
+
+# ---- skips are counted ---------------------------------------------------------------------------------
+
+
+class GatedSink:
+    """A Coordinator whose Begin waits for a gate: the background stays busy while the test saves."""
+
+    def __init__(self, co: Any) -> None:
+        self.co, self.gate, self.reports = co, threading.Event(), []
+
+    def begin(self, *a: Any, **kw: Any) -> Any:
+        assert self.gate.wait(scaled(30))
+        return self.co.begin(*a, **kw)
+
+    def commit_shard(self, *a: Any, report: Any = None, **kw: Any) -> Any:
+        self.reports.append(report)
+        return self.co.commit_shard(*a, report=report, **kw)
+
+
+def test_a_save_while_the_previous_is_still_writing_is_skipped_and_counted(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("skip")
+    sink = GatedSink(co)
+    snap = Snapshotter(sink, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", staging="private"))
+    # policy "skip" never blocks on a buffer: the very first save finds none and makes it in the background
+    assert snap.save(1, state_dict(0, 1)) is None
+    assert snap.stats.skipped_by == {"preparing": 1}
+    snap._prep.result(scaled(30))
+    h = snap.save(2, state_dict(0, 2))
+    assert h is not None
+    assert snap.save(3, state_dict(0, 3)) is None and snap.save(4, state_dict(0, 4)) is None
+    assert snap.stats.skipped_by == {"preparing": 1, "writing": 2}   # CPU copies are done: "writing"
+    sink.gate.set()
+    assert h.result(scaled(30)).skipped_before == 1
+    res = snap.save(5, state_dict(0, 5)).result(scaled(30))
+    assert res.skipped_before == 2 and sink.reports[-1].skipped_saves == 2   # the agent is told too
+    st = snap.stats
+    assert (st.saves, st.committed, st.skipped) == (2, 2, 3)
+    snap.close()
+
+
+# ---- the COPIES stage orders the update after the copy (forced device path) ---------------------------
+
+
+class LateCopy:
+    """A fake CUDA event whose copy runs only when waited for: a stream wait (`_stream_wait`) or the
+    background's synchronize, which also waits for the stream wait (as the device's copy would be done by
+    then). If the update ran first, the copy reads the updated weights."""
+
+    def __init__(self, copy: Any) -> None:
+        self.copy, self.done, self.waited = copy, False, threading.Event()
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        with self.lock:
+            if not self.done:
+                self.copy()
+                self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        assert self.waited.wait(scaled(30)), "nothing ever waited for the copy"
+        self.run()
+
+
+class Trace:
+    name, phase = "trace.gate", Phase.GATE
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.log = weight, []
+
+    def run(self, ctx: StepContext) -> Veto | None:
+        self.log.append(("gate", ctx.step))
+        return None
+
+
+class Copies(list):
+    log: list[Any]
+
+
+@pytest.fixture()
+def late_copies(monkeypatch: pytest.MonkeyPatch) -> Copies:
+    """Snapshotter._copy as on a device: tensors the optimizer changes are copied late (LateCopy), the
+    others at once (their group is ordered before save returns); `_stream_wait` runs a late copy."""
+    made = Copies()
+
+    def fake_copy(self: Snapshotter, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor,
+                  block: str = "copy", late: list[bool] | None = None) -> tuple[list[Any], dict]:
+        deferred = [i for i in range(len(tensors)) if late is not None and late[i]]
+        for i, t in enumerate(tensors):
+            if i not in deferred and t.numel():
+                snapshot_mod._dst(arena, offsets[i], t).copy_(t)
+
+        def copy_late() -> None:
+            for i in deferred:
+                snapshot_mod._dst(arena, offsets[i], tensors[i]).copy_(tensors[i])
+        ev = LateCopy(copy_late)
+        made.append(ev)
+        if block == "update" and deferred:
+            self._inflight.append((torch.device("cuda", 0), ev))
+        else:
+            ev.run()
+            ev.waited.set()
+        return [ev], {}
+
+    def fake_wait(dev: torch.device, ev: LateCopy) -> None:
+        made_log.append(("wait", id(ev)))
+        ev.run()
+        ev.waited.set()
+
+    made_log: list[Any] = []
+    monkeypatch.setattr(Snapshotter, "_copy", fake_copy)
+    monkeypatch.setattr(snapshot_mod, "_stream_wait", fake_wait)
+    made.log = made_log
+    return made
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, model.in_features if isinstance(model, nn.Linear) else 8, generator=g)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 4), nn.BatchNorm1d(4)
+        self.in_features = 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+def test_the_update_waits_for_the_copy_and_only_the_update(redis_server, tmp_path: Path,
+                                                           late_copies: Copies) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("order")
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    guard = StepGuard.attach(opt)
+    gate = Trace(model.fc.weight)
+    guard.add(gate)
+    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096), guard=guard)  # auto
+    _train_step(model, opt, 0)
+    for step in (1, 2, 3):
+        expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "optim": _clone(opt.state_dict())}
+        h = client.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+        ev = late_copies[-1]
+        assert not ev.done, "save waited for the copy of the optimizer's tensors"
+        model(torch.randn(4, 8)).pow(2).mean().backward()   # the forward changes BatchNorm's running stats
+        assert not ev.done, "the forward and backward ran while the copy was in flight"
+        opt.step()                                          # COPIES: the stream wait, then the update
+        opt.zero_grad()
+        assert ev.done and late_copies.log[-1] == ("wait", id(ev))
+        assert gate.log[-1] == ("gate", step + 1)
+        assert h.result(scaled(30)).state == "COMMITTED"
+        assert_same(_restore(co, job, step), expected)      # pre-step weights, moments and running stats
+    assert len(late_copies.log) == 3                        # one wait per save
+    client.close()
+
+
+def test_without_the_copies_stage_the_update_would_race_the_copy(redis_server, tmp_path: Path,
+                                                                  late_copies: Copies) -> None:
+    """The negative control: the same forced path with the stage taken off the guard saves updated
+    weights, so the test above would catch an update that did not wait."""
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("race")
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    guard = StepGuard.attach(opt)
+    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096, block="update"), guard=guard)
+    guard.remove(client.snapshotter.copy_fence().name)
+    _train_step(model, opt, 0)
+    before = model.weight.detach().clone()
+    h = client.save(1, {"model": model.state_dict()})
+    _train_step(model, opt, 1)                              # nothing makes it wait
+    client.snapshotter.order_before_update()                # the copy runs now, after the update
+    assert h.result(scaled(30)).state == "COMMITTED"
+    assert not torch.equal(_restore(co, job, 1)["model"]["weight"], before)
+    client.close()
+
+
+def test_which_tensors_only_the_update_waits_for() -> None:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train_step(model, opt)
+    _, named = flatten({"model": model.state_dict(), "optim": opt.state_dict()})
+    mine = optimizer_storages(opt)
+    late = {path.removeprefix("state_dict/"): t.untyped_storage().data_ptr() in mine for path, t in named}
+    assert late["model/fc.weight"] and late["model/bn.bias"]
+    assert not late["model/bn.running_mean"] and not late["model/bn.num_batches_tracked"]
+    moments = [v for p, v in late.items() if p.startswith("optim/state/") and "exp_avg" in p]
+    assert len(moments) == 8 and all(moments)
+
+
+def test_restore_and_close_order_after_copies_in_flight(redis_server, tmp_path: Path,
+                                                        late_copies: Copies) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("rclose")
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096),
+                              guard=StepGuard.attach(opt))
+    _train_step(model, opt)
+    first = client.save(1, {"model": model.state_dict()})
+    _train_step(model, opt)                                 # the update orders itself after the copy
+    assert first.result(scaled(30)).state == "COMMITTED"
+    second = client.save(2, {"model": model.state_dict()})  # left in flight: no step follows
+    assert client.snapshotter._inflight
+    client.restore(1)                                       # restore orders itself after that copy
+    assert not client.snapshotter._inflight and late_copies[-1].done
+    assert second.result(scaled(30)).state == "COMMITTED"
+    _train_step(model, opt)
+    client.save(3, {"model": model.state_dict()})
+    client.close()                                          # so does close
+    assert late_copies[-1].done
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    return x
+
+
+def _restore(co: Any, job: str, step: int) -> Any:
+    from checkpoint.locations import dir_store_for
+    from checkpoint.restore import restore_from_plan
+
+    return restore_from_plan(co.restore_plan(job, step, 0), 0, dir_store_for)
