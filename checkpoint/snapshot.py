@@ -97,6 +97,9 @@ class SnapshotConfig:
     max_slots: int | str = 4        # slots per rank (keep_committed + newest verified + one being written),
                                     # or "auto": from memory (checkpoint.slots.ring_size)
     ring_fraction: float = 0.5      # max_slots="auto": share of min(MemAvailable, memory dir free) for slots
+    skip_until_ready: bool = False  # a save that finds no staging buffer ready is skipped (counted
+                                    # "preparing") while one is made in the background, instead of
+                                    # making it inline (blocking); every_step() sets it
 
     @classmethod
     def every_step(cls, **kw: Any) -> "SnapshotConfig":
@@ -105,6 +108,7 @@ class SnapshotConfig:
         kw.setdefault("policy", "skip")
         kw.setdefault("block", "update")
         kw.setdefault("max_slots", "auto")
+        kw.setdefault("skip_until_ready", True)
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -258,6 +262,7 @@ class Snapshotter:
         t0 = time.perf_counter()
         tree, named = flatten(state_dict)
         skip = self.config.policy == "skip"
+        ahead = self.config.skip_until_ready
         with self._lock:
             busy = [f for f in (self._last.future if self._last is not None else None, self._prep)
                     if f is not None and not f.done()]
@@ -272,9 +277,9 @@ class Snapshotter:
                 stall = 0.0
             tensors = [t for _, t in named]
             offsets, total = layout(tensors)
-            # policy "skip" never blocks on making a buffer: with none ready it skips and makes one ahead
-            slot = self._acquire_slot(total, create=not skip)
-            if slot is None and skip and not self._arena.ready(total):
+            # skip_until_ready never blocks on making a buffer: with none ready it skips and makes one ahead
+            slot = self._acquire_slot(total, create=not ahead)
+            if slot is None and ahead and not self._arena.ready(total):
                 self._skip(step, "preparing")
                 self._prep = self._pool.submit(self._prepare_buffers, total)
                 return None

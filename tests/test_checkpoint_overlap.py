@@ -47,7 +47,7 @@ def test_ring_size_is_the_share_of_memory_over_the_node_ranks() -> None:
 
 def test_every_step_config_and_its_ring_from_memory(redis_server, tmp_path: Path) -> None:
     cfg = SnapshotConfig.every_step(chunk_bytes=4096)
-    assert (cfg.policy, cfg.block, cfg.max_slots) == ("skip", "update", "auto")
+    assert (cfg.policy, cfg.block, cfg.max_slots, cfg.skip_until_ready) == ("skip", "update", "auto", True)
     with pytest.raises(InvalidInputError, match="max_slots"):
         SnapshotConfig(max_slots="lots")
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("ring")
@@ -143,8 +143,9 @@ class GatedSink:
 def test_a_save_while_the_previous_is_still_writing_is_skipped_and_counted(redis_server, tmp_path: Path) -> None:
     co, job = node(redis_server.port, tmp_path, "n0"), job_id("skip")
     sink = GatedSink(co)
-    snap = Snapshotter(sink, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", staging="private"))
-    # policy "skip" never blocks on a buffer: the very first save finds none and makes it in the background
+    snap = Snapshotter(sink, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", staging="private",
+                                                       skip_until_ready=True))
+    # skip_until_ready never blocks on a buffer: the very first save finds none and makes it in the background
     assert snap.save(1, state_dict(0, 1)) is None
     assert snap.stats.skipped_by == {"preparing": 1}
     snap._prep.result(scaled(30))
