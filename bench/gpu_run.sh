@@ -62,6 +62,11 @@ want canarysm && step canary-sm 180 python3 bench/bench_canary_sm.py --fault-sm 
 # the agent under the storm scenario: CPU, RSS, health-check latency (fake NVML in the agent: see the script)
 want storm && step storm 300 python3 bench/bench_storm.py --seconds 30 --json "$OUT/storm.json"
 want ckpt && step ckpt-bench 150 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
+# issue 21: the copy overlapped with the next forward/backward (a-d at 2 GiB), then part d at 12 GiB
+want ckptoverlap && step ckpt-overlap-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_step_guard.py
+want ckptoverlap && step ckpt-overlap 400 python3 bench/ckpt_overlap.py
+want ckptoverlap12 && step ckpt-overlap-12g 400 python3 bench/ckpt_overlap.py --parts d --gib 12
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent's RSS after one canary round, and whether it maps libtorch (it must not: issue 17)

@@ -357,3 +357,36 @@ def _restore(co: Any, job: str, step: int) -> Any:
     from checkpoint.restore import restore_from_plan
 
     return restore_from_plan(co.restore_plan(job, step, 0), 0, dir_store_for)
+
+
+# ---- CUDA: the real streams ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_forward_buffers_are_ordered_at_once_weights_only_before_the_update(redis_server,
+                                                                                 tmp_path: Path) -> None:
+    """BatchNorm's running stats change in the next forward: their copy is ordered before save returns;
+    the weights and AdamW's moments are copied while that forward runs and the update waits for them."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("cudabn")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.BatchNorm1d(4096)).cuda()   # 64 MiB of weights
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt), config=SnapshotConfig())
+    x = torch.randn(256, 4096, device="cuda")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    for step in range(1, 4):
+        expected = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                    "optim": _clone(opt.state_dict())}
+        expected["optim"] = {"state": {k: {n: t.cpu() for n, t in s.items()}
+                                       for k, s in expected["optim"]["state"].items()}}
+        h = client.save(step, {"model": model.state_dict(), "optim": {"state": opt.state_dict()["state"]}})
+        model(x).pow(2).mean().backward()      # running stats change at once; the weights wait for the update
+        opt.step()
+        opt.zero_grad()
+        res = h.result(scaled(60))
+        assert res.state == "COMMITTED", res.error
+        assert_same(_restore(co, job, step), expected)
+    assert client.stats.slots_inline == 0
+    client.close()

@@ -1,0 +1,567 @@
+"""Checkpoint overlap (issue 21): what a checkpoint adds to a training step, side by side in one run.
+
+    python bench/ckpt_overlap.py                               # CUDA, parts a b c d, 2 GiB state
+    python bench/ckpt_overlap.py --parts d --gib 12            # part d on a 12 GiB state
+    python bench/ckpt_overlap.py --device cpu --smoke          # tiny sizes, for the test suite (no claims)
+
+Our save is `CheckpointClient(config=SnapshotConfig(...), guard=StepGuard.attach(optimizer))` with an
+in-process Coordinator (a Redis of its own) as the agent: `save` enqueues the device-to-host copies on a
+side stream into a staging slot and returns; the guard's COPIES stage makes the next `optimizer.step()`
+wait for them on the device; hashing and commit run in the background.
+
+Parts (every ratio is against a baseline measured in the same run, modes interleaved in blocks):
+  a  Added step time per save: a training loop over --gib GiB of fp32 parameters (16-64 MiB tensors) with
+     SGD updating them in place and a GPU "forward/backward" of --busy-ms (matmuls; default: 2x the copy,
+     so the copy fits). Modes `off` and `ckpt` (a save after every step, policy skip: a save is skipped
+     while the previous is still hashed/committed). Added per save = (ckpt block time - off block time) /
+     saves in the block; against the pinned copy of the same bytes (target <= 5%). Then a check: the saved
+     bytes equal the weights before the next update (restored and compared, for 3 saves).
+  b  Every step on GPT-2 small (bf16 autocast, fp32 parameters, fused AdamW: 1.5 GB of state) for each
+     --batches size: `off` against `every` (SnapshotConfig.every_step()), interleaved; the overhead per step
+     (target < 1%), the saves that reached COMMITTED and the skips by reason, and the copy time against
+     the step time ("fits": the copy is shorter than a step's forward+backward).
+  c  First save against steady saves: blocking time of save() for a fresh client without prepare(), with
+     prepare() (the buffer made ahead, in the background), and the steady saves after.
+  d  The same --gib bytes (half bf16, half fp32) saved by: ours (blocking, until the copy is done, until
+     COMMITTED), DCP async_save with its default stager and with DefaultStager(pinned memory), and
+     torch.save to local disk. DCP's "added" = call + wait for its staging (the weights may change only
+     after).
+
+Prints tables last. The memory dir is /dev/shm when it has room (3x the state), else a temp dir.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_checkpoint import make_state, start_redis  # noqa: E402
+from checkpoint.client import CheckpointClient  # noqa: E402
+from checkpoint.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
+from checkpoint.shm_store import ShmStore  # noqa: E402
+from checkpoint.snapshot import SnapshotConfig  # noqa: E402
+from checksums.step_guard import StepGuard  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+Row = tuple[str, float, str]
+
+
+# ------------------------------------------------------------------------------------------- harness
+class Node:
+    """A Redis + Coordinator + memory dir for the run (the agent, in process)."""
+
+    def __init__(self, need_bytes: int, tag: str) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix=f"sdcw-ovl-{tag}-"))
+        shm = Path("/dev/shm")
+        root = None
+        if shm.is_dir():
+            st = os.statvfs(shm)
+            if st.f_bavail * st.f_frsize > 3 * need_bytes:
+                root = shm
+        self.mem = Path(tempfile.mkdtemp(prefix=f"sdcw-ovl-{tag}-mem-", dir=str(root) if root else str(self.work)))
+        self.proc, sock = start_redis(self.work, "r")
+        import redis
+
+        # one rank, no replicas: keep 2 committed, no rollback span (so slots are freed as saves go on)
+        self.co = Coordinator(redis.Redis(unix_socket_path=sock), ShmStore(self.mem), node="bench",
+                              location=str(self.mem),
+                              config=CoordinatorConfig(keep_committed=2, rollback_span_steps=0))
+        self.jobs = 0
+
+    def client(self, optimizer: torch.optim.Optimizer, config: SnapshotConfig, tag: str) -> CheckpointClient:
+        self.jobs += 1
+        return CheckpointClient(self.co, f"ovl-{tag}-{self.jobs}-{os.getpid()}", 0, 1, config=config,
+                                guard=StepGuard.attach(optimizer))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+        shutil.rmtree(self.mem, ignore_errors=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pinned_copy_time(tensors: list[torch.Tensor], device: torch.device, repeat: int = 3) -> float:
+    """Best time of a device-to-host copy of `tensors` into a reused pinned buffer (the baseline)."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    times = []
+    for _ in range(repeat + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        off = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+            off += n
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device
+               ) -> dict[str, list[float]]:
+    """Per mode, the per-step mean of each block (blocks timed between syncs; order rotated each round)."""
+    names = list(modes)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(block):
+                modes[name]()
+            sync(device)
+            out[name].append((time.perf_counter() - t0) / block)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- part a
+def busy_fn(device: torch.device, ms: float) -> Callable[[], None]:
+    """A GPU 'forward/backward' of about `ms` (bf16 matmuls), calibrated here."""
+    n = 4096 if device.type == "cuda" else 64
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+
+    def once(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, b)
+
+    sync(device)
+    t0 = time.perf_counter()
+    once(20)
+    sync(device)
+    per = max((time.perf_counter() - t0) / 20, 1e-6)
+    k = max(1, round(ms / 1e3 / per))
+    return lambda: once(k)
+
+
+def part_a(args: argparse.Namespace, device: torch.device) -> list[Row]:
+    nbytes = int(args.gib * GiB)
+    per = 64 * MiB if nbytes >= 4 * GiB else 16 * MiB
+    params = [torch.nn.Parameter(torch.randn(max(1, min(per, nbytes - i)) // 4, device=device))
+              for i in range(0, nbytes, per)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-6)
+    opt = torch.optim.SGD(params, lr=1.0)
+    t_copy = pinned_copy_time(params, device)
+    busy_ms = args.busy_ms if args.busy_ms > 0 else max(1.0, 2e3 * t_copy)
+    busy = busy_fn(device, busy_ms)
+    node = Node(nbytes, "a")
+    rows: list[Row] = []
+    try:
+        client = node.client(opt, SnapshotConfig(policy="skip", fingerprint_threads=args.fp_threads), "a")
+        sd = {f"p{i}": p for i, p in enumerate(params)}
+
+        def step_off() -> None:
+            busy()
+            opt.step()
+
+        saves: list[Any] = []
+        blocking: list[float] = []
+
+        def step_ckpt() -> None:
+            busy()
+            opt.step()
+            t0 = time.perf_counter()
+            h = client.save(client.guard.step, sd)
+            blocking.append(time.perf_counter() - t0)
+            if h is not None:
+                saves.append(h)
+
+        client.prepare(sd).result(600)
+        for _ in range(args.warmup):
+            step_ckpt()
+        client.wait(600)
+        sync(device)
+        saves.clear()
+        blocking.clear()
+        counted: dict[str, int] = {}
+        times: dict[str, list[float]] = {"off": [], "ckpt": []}
+        for r in range(args.rounds):   # per round: how many saves the ckpt block made
+            n0 = len(saves)
+            got = interleave({"off": step_off, "ckpt": step_ckpt} if r % 2 == 0 else
+                             {"ckpt": step_ckpt, "off": step_off}, args.block, 1, device)
+            for k, v in got.items():
+                times[k] += v
+            counted[f"r{r}"] = len(saves) - n0
+        client.wait(600)
+        results = [h.result(600) for h in saves]
+        committed = sum(1 for res in results if res.state in ("COMMITTED", "VERIFIED"))
+        per_round = [(c - o) * args.block / max(1, n) for c, o, n in
+                     zip(times["ckpt"], times["off"], counted.values())]
+        added = statistics.median(per_round)
+        off_step = statistics.median(times["off"])
+        rows += [
+            (f"pinned copy of the {args.gib:g} GiB (baseline)", t_copy, f"{nbytes / t_copy / 1e9:.1f} GB/s"),
+            ("step without checkpoint (busy + SGD update)", off_step, f"busy {busy_ms:.1f} ms"),
+            ("step with a save after it", statistics.median(times["ckpt"]), ""),
+            ("added step time per save (median over rounds)", added,
+             f"{100 * added / t_copy:.1f}% of the pinned copy (target <= 5%)"),
+            ("  of which save() call, host (median)", statistics.median(blocking) if blocking else float("nan"),
+             f"{100 * statistics.median(blocking) / t_copy:.1f}% of the copy" if blocking else ""),
+            ("  saves made / committed / skipped", float(len(results)),
+             f"{committed} committed; skipped {client.stats.skipped_by}"),
+            ("  save call -> safe in node memory (median)", statistics.median(r.safe_s for r in results)
+             if results else float("nan"), "from the save's return"),
+            ("  save call -> COMMITTED (median)", statistics.median(r.commit_s for r in results)
+             if results else float("nan"), f"{args.fp_threads} fingerprint threads"),
+        ]
+        rows.append(check_bytes(client, node, opt, sd, busy, device))
+        client.close()
+    finally:
+        node.close()
+    return rows
+
+
+def check_bytes(client: CheckpointClient, node: Node, opt: torch.optim.Optimizer, sd: dict,
+                busy: Callable[[], None], device: torch.device) -> Row:
+    """3 saves: the restored bytes equal the weights before the next update (cloned on the current stream
+    before save: the exact values the copy must read); a step right after each save races it if nothing
+    orders them."""
+    ok = 0
+    for _ in range(3):
+        client.wait(600)
+        busy()
+        opt.step()
+        ref = {k: v.detach().clone() for k, v in sd.items()}
+        step = client.guard.step
+        h = client.save(step, sd)
+        busy()
+        opt.step()                      # the next update: waits for the copy on the device
+        res = h.result(600) if h is not None else None
+        if res is None or res.error:
+            return ("saved bytes == weights before the next update", float("nan"),
+                    f"FAILED: {res.error if res else 'skipped'}")
+        got = client.restore(step, device=device)
+        ok += all(torch.equal(got[k], ref[k]) for k in ref)
+    return ("saved bytes == weights before the next update", float(ok), f"{ok}/3 identical")
+
+
+# ------------------------------------------------------------------------------------------- part b
+def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
+    from bench.tiny_gpt import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq)
+    rows: list[Row] = []
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(device)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+           else torch.autocast("cpu", dtype=torch.bfloat16, enabled=False))
+    gen = torch.Generator(device=device).manual_seed(1)
+    state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
+
+    for batch in args.batches:
+        x = torch.randint(0, cfg.vocab, (batch, cfg.seq), device=device, generator=gen)
+
+        def fwd_bwd() -> None:
+            with amp:
+                loss = model(x, x)
+            loss.backward()
+
+        def step_off() -> None:
+            fwd_bwd()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step_off()   # the optimizer's state exists from here
+        tensors = [t for t in _tensors(state())]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        t_copy = pinned_copy_time(tensors, device)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fwd_bwd()
+        sync(device)
+        t_fb = (time.perf_counter() - t0) / 3
+        opt.zero_grad(set_to_none=True)
+        node = Node(nbytes, "b")
+        try:
+            client = node.client(opt, SnapshotConfig.every_step(fingerprint_threads=args.fp_threads), f"b{batch}")
+            handles: list[Any] = []
+
+            def step_every() -> None:
+                step_off()
+                h = client.save(client.guard.step, state())
+                if h is not None:
+                    handles.append(h)
+
+            client.prepare(state()).result(600)
+            for _ in range(args.warmup):
+                step_off()
+                step_every()
+            client.wait(600)
+            handles.clear()
+            skipped0 = dict(client.stats.skipped_by)
+            times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
+            client.wait(600)
+            results = [h.result(600) for h in handles]
+            committed = sum(1 for r in results if r.state in ("COMMITTED", "VERIFIED"))
+            attempts = args.block * args.rounds
+            skipped = {k: v - skipped0.get(k, 0) for k, v in client.stats.skipped_by.items()
+                       if v - skipped0.get(k, 0)}
+            off = statistics.median(times["off"])
+            every = statistics.median(times["every"])
+            over = (every - off) / off
+            fits = "fits" if t_copy < t_fb else "does NOT fit"
+            rows += [
+                (f"[b={batch}] step, no checkpoint", off, f"fwd+bwd {t_fb * 1e3:.1f} ms; state "
+                 f"{nbytes / 1e9:.2f} GB"),
+                (f"[b={batch}] step, checkpoint every step", every,
+                 f"{100 * over:+.2f}% of the step (target < 1%)"),
+                (f"[b={batch}] pinned copy of the state", t_copy,
+                 f"{t_copy / t_fb:.2f}x fwd+bwd: the copy {fits} in a step"),
+                (f"[b={batch}] saves attempted / made / COMMITTED", float(attempts),
+                 f"{len(results)} made, {committed} committed ({100 * committed / attempts:.0f}% of steps); "
+                 f"skipped {skipped}"),
+                (f"[b={batch}] save call -> COMMITTED (median)",
+                 statistics.median(r.commit_s for r in results) if results else float("nan"),
+                 "the background's pace: one commit per this much"),
+            ]
+            client.close()
+        finally:
+            node.close()
+    return rows
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    from checkpoint.state_tree import flatten
+
+    for _, t in flatten(tree)[1]:
+        yield t
+
+
+# ------------------------------------------------------------------------------------------- part c
+def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
+    nbytes = int(args.gib * GiB)
+    sd = make_state(nbytes, device)
+    params = [torch.nn.Parameter(t) for t in sd["model"].values()]
+    sd["model"] = {f"p{i}": p for i, p in enumerate(params)}
+    opt = torch.optim.SGD(params, lr=0.0)
+    rows: list[Row] = []
+    node = Node(nbytes, "c")
+    try:
+        for prepared in (False, True):
+            client = node.client(opt, SnapshotConfig(), f"c{int(prepared)}")
+            t_prep = 0.0
+            if prepared:
+                t0 = time.perf_counter()
+                client.prepare(sd).result(600)
+                t_prep = time.perf_counter() - t0
+            blk = []
+            for _ in range(2 + args.repeat):
+                sync(device)
+                t0 = time.perf_counter()
+                h = client.save(client.guard.step, sd)
+                blk.append(time.perf_counter() - t0)
+                opt.step()          # lr 0: orders after the copy, changes nothing
+                assert h is not None and h.result(600).error == ""
+            steady = min(blk[2:])
+            tag = "with prepare()" if prepared else "no prepare()"
+            rows += [
+                (f"first save blocking, {tag}", blk[0], f"{blk[0] / steady:.2f}x steady" +
+                 (f"; prepare took {t_prep:.2f} s in the background" if prepared else "")),
+                (f"second save blocking, {tag}", blk[1], f"{blk[1] / steady:.2f}x steady"),
+                (f"steady save blocking, {tag}", steady,
+                 f"slots made ahead {client.stats.slots_ahead}, inline {client.stats.slots_inline}"),
+            ]
+            client.close()
+    finally:
+        node.close()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- part d
+def part_d(args: argparse.Namespace, device: torch.device) -> list[Row]:
+    nbytes = int(args.gib * GiB)
+    sd = make_state(nbytes, device)
+    tensors = list(sd["model"].values())
+    params = [torch.nn.Parameter(t) for t in tensors]
+    sd["model"] = {f"p{i}": p for i, p in enumerate(params)}
+    opt = torch.optim.SGD(params, lr=0.0)
+    tag = f"{args.gib:g} GiB"
+    t_copy = pinned_copy_time(params, device)
+    rows: list[Row] = [(f"[{tag}] pinned copy (baseline)", t_copy, f"{nbytes / t_copy / 1e9:.1f} GB/s")]
+    node = Node(nbytes, "d")
+    disk = Path(tempfile.mkdtemp(prefix="sdcw-ovl-disk-", dir=args.disk_dir))
+    try:
+        client = node.client(opt, SnapshotConfig(fingerprint_threads=args.fp_threads), "d")
+        client.prepare(sd).result(600)
+        res_all = []
+        for _ in range(args.repeat + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            h = client.save(client.guard.step, sd)
+            t_call = time.perf_counter() - t0
+            opt.step()                 # what the step waits for: the copy
+            sync(device)
+            t_added = time.perf_counter() - t0
+            res = h.result(600)
+            res_all.append((t_call, t_added, res))
+        steady = res_all[1:]
+        rows += [
+            (f"[{tag}] ours: save() call", min(c for c, _, _ in steady), "host blocking"),
+            (f"[{tag}] ours: save() + update's wait for the copy", min(a for _, a, _ in steady),
+             f"{min(a for _, a, _ in steady) / t_copy:.2f}x copy (no compute to hide it here)"),
+            (f"[{tag}] ours: save() -> COMMITTED", min(c + r.commit_s for c, _, r in steady),
+             f"first save {res_all[0][0]:.3f} s blocking"),
+        ]
+        client.close()
+        rows += dcp_rows(sd, disk, args.repeat, device, tag, t_copy)
+        f = disk / "ts.pt"
+        times = []
+        for _ in range(args.repeat):
+            sync(device)
+            t0 = time.perf_counter()
+            torch.save(sd, f)
+            times.append(time.perf_counter() - t0)
+            f.unlink()
+        rows.append((f"[{tag}] torch.save to local disk (blocking)", min(times), f"{min(times) / t_copy:.1f}x copy"))
+    finally:
+        node.close()
+        shutil.rmtree(disk, ignore_errors=True)
+    return rows
+
+
+def dcp_rows(sd: dict, disk: Path, repeat: int, device: torch.device, tag: str, t_copy: float) -> list[Row]:
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError as e:
+        return [(f"[{tag}] DCP: not run ({e})", float("nan"), "")]
+    kw: dict[str, Any] = {}
+    if "no_dist" in inspect.signature(dcp.async_save).parameters:
+        kw["no_dist"] = True
+    rows: list[Row] = []
+    stagers: list[tuple[str, Callable[[], Any]]] = [
+        ("default stager", lambda: None),
+        ("DefaultStager(pinned)", lambda: DefaultStager(StagingOptions(
+            use_pinned_memory=device.type == "cuda", use_shared_memory=False, use_async_staging=True,
+            use_non_blocking_copy=device.type == "cuda"))),
+    ]
+    for name, make in stagers:
+        calls, staged, done = [], [], []
+        stager = None
+        try:
+            stager = make()
+            for i in range(repeat + 1):
+                sync(device)
+                t0 = time.perf_counter()
+                out = dcp.async_save(sd, checkpoint_id=str(disk / f"dcp-{name[:7]}-{i}"),
+                                     **({"async_stager": stager} if stager is not None else {}), **kw)
+                t1 = time.perf_counter()
+                staging = getattr(out, "staging_completion", None)
+                upload = getattr(out, "upload_completion", out)
+                if staging is not None:
+                    staging.result()
+                t2 = time.perf_counter()
+                upload.result()
+                t3 = time.perf_counter()
+                calls.append(t1 - t0)
+                staged.append(t2 - t0)
+                done.append(t3 - t0)
+                shutil.rmtree(disk / f"dcp-{name[:7]}-{i}", ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 - DCP's API moves between versions: say so, go on
+            rows.append((f"[{tag}] DCP async_save, {name}: failed ({type(e).__name__}: {str(e)[:80]})",
+                         float("nan"), ""))
+            continue
+        finally:
+            close = getattr(stager, "close", None)
+            if close is not None:
+                close()
+        k = slice(1, None) if len(calls) > 1 else slice(None)
+        rows += [
+            (f"[{tag}] DCP async_save, {name}: call", min(calls[k]), f"first {calls[0]:.3f} s"),
+            (f"[{tag}] DCP async_save, {name}: call + staging", min(staged[k]),
+             f"{min(staged[k]) / t_copy:.2f}x copy: the added step time"),
+            (f"[{tag}] DCP async_save, {name}: until written", min(done[k]), "local disk"),
+        ]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- main
+@dataclasses.dataclass
+class Smoke:
+    gib: float = 4 / 1024
+    busy_ms: float = 2.0
+    batches: tuple[int, ...] = (2,)
+    layers: int = 1
+    width: int = 32
+    heads: int = 2
+    vocab: int = 128
+    seq: int = 16
+    block: int = 3
+    rounds: int = 2
+    warmup: int = 2
+    repeat: int = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="abcd")
+    ap.add_argument("--gib", type=float, default=2.0, help="state size for parts a, c, d")
+    ap.add_argument("--busy-ms", type=float, default=0.0, help="part a's forward/backward (0: 2x the copy)")
+    ap.add_argument("--batches", default="8,16,32", help="part b: batch sizes (x --seq tokens)")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--block", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--fp-threads", type=int, default=max(4, min(12, (os.cpu_count() or 4) - 4)),
+                    help="host fingerprint threads of the background (the commit's pace)")
+    ap.add_argument("--disk-dir", default=None, help="where torch.save / DCP write (default: a temp dir)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU test); no timing claims")
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.smoke:
+        for k, v in dataclasses.asdict(Smoke()).items():
+            setattr(args, k, list(v) if isinstance(v, tuple) else v)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: pass --device cpu --smoke for a smoke run")
+    parts = {"a": ("a. added step time per save vs the pinned copy", part_a),
+             "b": ("b. checkpoint every step, GPT-2-sized model, interleaved with none", part_b),
+             "c": ("c. first save vs steady saves (blocking)", part_c),
+             "d": ("d. ours vs DCP async_save vs torch.save, same bytes", part_d)}
+    tables = []
+    for p in args.parts:
+        title, fn = parts[p]
+        t0 = time.perf_counter()
+        tables.append((title, fn(args, device), time.perf_counter() - t0))
+    print(f"\nhost: {os.cpu_count()} cores, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          + f", torch {torch.__version__}, state {args.gib:g} GiB, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for title, rows, took in tables:
+        print(f"\n{title}  ({took:.0f} s)")
+        print(f"{'measure':<66} {'value':>10}  note")
+        for name, v, note in rows:
+            print(f"{name:<66} {v:10.4f}  {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
