@@ -57,6 +57,10 @@ want monitor && step monitor-1gpu 80 python3 bench/bench_monitor_overhead.py
 want monitor && [ "$NGPU" -ge 2 ] && step monitor-2gpu 100 torchrun --nproc-per-node 2 bench/bench_monitor_overhead.py
 want canary && step canary-bench 90 python3 bench/bench_canary.py
 want canary && step canary-cli 40 python3 -m daemon.cli canary --level quick
+# the full canary suite with each check's time (issue 23: target 12.5 s per GPU), as JSON
+want canaryfull && step canary-full 120 bash -c "python3 -m daemon.cli canary --level full --json > $OUT/canary_full.json"
+# the loss detector on a clean GPT-2-small run from scratch (issue 22): exit 1 on any warning or critical
+want lossclean && step loss-clean 300 python3 -m bench.loss_clean_run --device cuda --steps 600
 # the SM-naming canary: per-SM coverage and a fault placed on SM 17 located (issue 23)
 want canarysm && step canary-sm 180 python3 bench/bench_canary_sm.py --fault-sm 17 --json "$OUT/canary_sm.json"
 # the agent under the storm scenario: CPU, RSS, health-check latency (fake NVML in the agent: see the script)
