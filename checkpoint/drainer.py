@@ -50,7 +50,7 @@ from checkpoint.coordinator import Coordinator
 from checkpoint.errors import CheckpointError, CorruptCheckpointError, UnknownCheckpointError
 from checkpoint.manifest import ShardManifest
 from checkpoint.records import Copy
-from checkpoint.tier_manifest import (TierCheckpoint, TierManifest, manifest_key, orphans, scan)
+from checkpoint.tier_manifest import (MAX_VOUCHED, TierCheckpoint, TierManifest, manifest_key, orphans, scan)
 from checkpoint.tier_policy import Candidate, DrainPlan, Held, TierRule, plan_drains, plan_retention
 from sdcwatch import event_kinds as ek
 from sdcwatch.errors import SdcwatchError
@@ -372,17 +372,18 @@ class Drainer:
         else:
             log.info("drain of %s step %d to %s failed again: %s", job, step, name, why)
 
-    def _sources(self, rt: _TierRuntime, job: str, step: int) -> tuple[dict[int, ShardManifest], dict[int, list[tuple[str, BlobStore]]], int, str]:
-        """Shard manifests of this node's ranks, their sources fastest first, world size and state."""
+    def _sources(self, rt: _TierRuntime, job: str, step: int) -> tuple[dict[int, ShardManifest], dict[int, list[tuple[str, BlobStore]]], int, str, str]:
+        """Shard manifests of this node's ranks, their sources fastest first, world size, state and what
+        vouched for the bytes (the record's, else the faster tier's manifest's)."""
         manifests: dict[int, ShardManifest] = {}
         sources: dict[int, list[tuple[str, BlobStore]]] = collections.defaultdict(list)
-        world, state = 0, policy.COMMITTED
+        world, state, vouched = 0, policy.COMMITTED, ""
         try:
             info = self.coordinator.info(job, step)
         except UnknownCheckpointError:
             info = None
         if info is not None and info.state in policy.RESTORABLE_STATES:
-            world, state = info.world_size, info.state
+            world, state, vouched = info.world_size, info.state, info.vouched_by
             for c in info.copies:
                 if c.node == self.coordinator.node:
                     try:
@@ -400,17 +401,18 @@ class Drainer:
             world = world or part.world_size
             if info is None or info.state not in policy.RESTORABLE_STATES:
                 state = part.state
+                vouched = vouched or part.vouched_by
             for s in part.shards:
                 manifests.setdefault(s.rank, s)
                 sources[s.rank].append((other.tier.name, other.tier.store))
         if not manifests:
             raise UnknownCheckpointError(f"{job} step {step}: no source copy on this node any more")
-        return manifests, sources, world, state
+        return manifests, sources, world, state, vouched
 
     def drain_one(self, rt: _TierRuntime, job: str, step: int) -> tuple[int, float]:
         """Copy this node's shards of (job, step) to the tier, verified, then commit the tier manifest."""
         t0 = time.perf_counter()
-        manifests, sources, world, state = self._sources(rt, job, step)
+        manifests, sources, world, state, vouched = self._sources(rt, job, step)
         dest = rt.tier.store
         written: list[str] = []
         total = 0
@@ -423,7 +425,7 @@ class Drainer:
                 self._verify_written(rt, m)
                 total += m.nbytes
             tm = TierManifest(job, step, world, self.node, state, self.clock(),
-                              tuple(manifests[r] for r in sorted(manifests)))
+                              tuple(manifests[r] for r in sorted(manifests)), vouched[:MAX_VOUCHED])
             key = manifest_key(job, step, self.node)
             text = tm.to_json()
             dest.put(key, text.encode())
@@ -563,13 +565,14 @@ class Drainer:
         store, name = rt.tier.store, rt.tier.name
         deleted: list[tuple[str, int]] = []
         mine = {k: tc.parts[self.node] for k, tc in rt.catalog.items() if self.node in tc.parts}
-        for (job, step), part in mine.items():   # refresh VERIFIED / revoked from the coordination Redis
+        for (job, step), part in mine.items():   # refresh VERIFIED / revoked (and its evidence) from the Redis
             try:
-                st = self.coordinator.info(job, step).state
+                info = self.coordinator.info(job, step)
             except UnknownCheckpointError:
                 continue
-            if st in policy.RESTORABLE_STATES and st != part.state:
-                new = part.with_state(st)
+            st, vouched = info.state, (info.vouched_by or part.vouched_by)[:MAX_VOUCHED]
+            if st in policy.RESTORABLE_STATES and (st, vouched) != (part.state, part.vouched_by):
+                new = part.with_state(st, vouched)
                 store.put(manifest_key(job, step, self.node), new.to_json().encode())
                 rt.catalog[(job, step)].parts[self.node] = mine[(job, step)] = new
         busy = set(rt.inflight)

@@ -5,13 +5,18 @@ keys as the memory tier (`<job>/<step:012d>/rank-<r>.bin`) and, written only aft
 stored and verified, `<job>/<step:012d>/manifest-<node>.json`:
 
     {"format": "sdcwatch.ckpt.tier.v1", "job_id", "step", "world_size", "node", "state", "created",
-     "shards": {"<rank>": <the shard's ShardManifest JSON object>, ...}}
+     "shards": {"<rank>": <the shard's ShardManifest JSON object>, ...}, "vouched_by": "..."}
 
 The manifest is that tier's commit: a blob without a manifest naming its rank is never listed (it is a
 partial drain, an orphan for `orphans`), and a checkpoint is complete on a tier when the manifests of all
 nodes together name every rank. `state` is COMMITTED or VERIFIED as the coordination Redis said when the
 copy was written (refreshed when it changes), so a durable tier still knows its newest VERIFIED checkpoint
-after the Redis is gone. Everything is validated on read (`TierManifest.from_json`), like shard manifests.
+after the Redis is gone. `vouched_by` is the record's evidence as the coordinator wrote it (which replica
+sets' tensor fingerprints agreed, or, for ranks without replicas, that their own fingerprints and checksums and
+clean in-step checks vouch; checkpoint.replica_bytes), refreshed with the state, so `sdcwatch ckpt ls/show`
+says it for a checkpoint only the tiers still hold. A manifest without it (written before it existed) gets
+it recomputed from its shard manifests' fingerprints (`TierCheckpoint.vouched_by`). Everything is validated
+on read (`TierManifest.from_json`), like shard manifests.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import logging
 import re
 from typing import Iterable
 
+from checkpoint import replica_bytes
 from checkpoint.blobstore import BlobStore
 from checkpoint.errors import InvalidInputError
 from checkpoint.manifest import ShardManifest
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 FORMAT = "sdcwatch.ckpt.tier.v1"
 _MANIFEST_RE = re.compile(r"^(?P<job>[^/]+)/(?P<step>\d{12})/manifest-(?P<node>[^/]+)\.json$")
 STATES = ("COMMITTED", "VERIFIED")
+MAX_VOUCHED = 4096   # characters of `vouched_by` kept (the coordinator's line is far shorter)
 
 
 def step_prefix(job_id: str, step: int) -> str:
@@ -50,6 +57,7 @@ class TierManifest:
     state: str
     created: float
     shards: tuple[ShardManifest, ...]
+    vouched_by: str = ""       # the coordinator record's evidence (checkpoint.replica_bytes), "" unknown
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -59,14 +67,16 @@ class TierManifest:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
 
-    def with_state(self, state: str) -> "TierManifest":
-        return dataclasses.replace(self, state=state)
+    def with_state(self, state: str, vouched_by: str | None = None) -> "TierManifest":
+        return dataclasses.replace(self, state=state,
+                                   vouched_by=self.vouched_by if vouched_by is None else vouched_by[:MAX_VOUCHED])
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "job_id": self.job_id, "step": self.step,
                            "world_size": self.world_size, "node": self.node, "state": self.state,
                            "created": self.created,
-                           "shards": {str(s.rank): json.loads(s.to_json()) for s in self.shards}},
+                           "shards": {str(s.rank): json.loads(s.to_json()) for s in self.shards},
+                           "vouched_by": self.vouched_by[:MAX_VOUCHED]},
                           separators=(",", ":"))
 
     @classmethod
@@ -86,6 +96,10 @@ class TierManifest:
             raise InvalidInputError(f"tier manifest has a bad world_size/node {world!r}/{node!r}")
         if state not in STATES or not isinstance(created, (int, float)) or not isinstance(shards, dict):
             raise InvalidInputError(f"tier manifest has a bad state/created/shards {state!r}/{created!r}")
+        vouched = obj.get("vouched_by", "")      # absent in manifests written before it existed
+        if not isinstance(vouched, str) or len(vouched) > MAX_VOUCHED:
+            raise InvalidInputError("tier manifest has a bad vouched_by (a string of at most "
+                                    f"{MAX_VOUCHED} characters)")
         parsed = []
         for r, m in shards.items():
             sm = ShardManifest.from_json(json.dumps(m))
@@ -93,7 +107,8 @@ class TierManifest:
                 raise InvalidInputError(f"tier manifest of {job} step {step}: shard {r} is for "
                                         f"{sm.job_id} step {sm.step} rank {sm.rank}/{sm.world_size}")
             parsed.append(sm)
-        return cls(job, step, world, node, state, float(created), tuple(sorted(parsed, key=lambda s: s.rank)))
+        return cls(job, step, world, node, state, float(created), tuple(sorted(parsed, key=lambda s: s.rank)),
+                   vouched)
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,6 +143,19 @@ class TierCheckpoint:
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.parts.values())
+
+    @property
+    def vouched_by(self) -> str:
+        """What vouched for the bytes: the coordinator's line a part carries (a VERIFIED part's first), else,
+        for a complete checkpoint, the comparison of its shard manifests' fingerprints recomputed here."""
+        parts = sorted(self.parts.values(), key=lambda m: (m.state != "VERIFIED", m.node))
+        for m in parts:
+            if m.vouched_by:
+                return m.vouched_by
+        if not self.complete:
+            return ""
+        shards = [s for m in parts for s in m.shards]
+        return replica_bytes.compare(shards).summary() + " (recomputed from the tier's shard manifests)"
 
     def shard(self, rank: int) -> ShardManifest | None:
         for m in self.parts.values():

@@ -362,3 +362,58 @@ def test_a_checkpoint_evicted_while_its_drain_is_queued_is_skipped_not_critical(
     assert ("nvme", job, 2, False) in hops, hops
     assert "checkpoint.drain_source_corrupt" not in ev.kinds(), ev
     assert not any(k.startswith(f"{job}/000000000002") for k in DirStore(tmp_path / "nvme").list())
+
+
+def test_tier_only_listings_say_what_vouched(redis_server, tmp_path: Path) -> None:
+    """Issue 18: a checkpoint only the durable tiers know (the Redis index gone) still shows what vouched for
+    its bytes in `ckpt ls/show`: the tier manifest carries the record's evidence (replica sets whose
+    fingerprints agreed; for a job without replicas, its own fingerprints and clean checks), and a manifest
+    written without it gets it recomputed from its shard manifests."""
+    import json
+
+    import torch
+
+    from checkpoint.tier_manifest import TierManifest, scan
+    from daemon.cli_ckpt import format_show
+
+    co = node(redis_server.port, tmp_path, "n0")
+    replicated, alone = job_id("rep"), job_id("alone")
+    for r in range(3):   # three replicas saving the same bytes
+        g = torch.Generator().manual_seed(5)
+        snap = Snapshotter(co, replicated, r, 3, SnapshotConfig(chunk_bytes=4096), replica_set="world")
+        assert not snap.save(5, {"w": torch.randn(500, generator=g)}).result(30).error
+        snap.close()
+    co.on_job_event(replicated, 5, "vote_agreed", time.time())
+    save(co, alone, 5)
+    co.on_job_event(alone, 5, "checks_clean", time.time())
+    assert co.info(replicated, 5).state == co.info(alone, 5).state == "VERIFIED"
+    tier_root = tmp_path / "nvme"
+    dr = Drainer(co, [dir_tier("nvme", tier_root, TierRule("nvme", keep_newest=5))])
+    dr.start()
+    dr.drain_now()
+    for job in (replicated, alone):
+        co.store.remove_all()
+        forget_job(co, job)
+    fresh = Drainer(co, [dir_tier("nvme", tier_root, TierRule("nvme", keep_newest=5))])   # a restarted agent
+    fresh.start()
+    svc = CheckpointService(co, drainer=fresh)
+    (rep,) = svc._with_tiers([], replicated)
+    (solo,) = svc._with_tiers([], alone)
+    from proto.sdcwatch.v1 import checkpoint_pb2
+
+    assert rep.state == solo.state == checkpoint_pb2.CHECKPOINT_STATE_VERIFIED
+    assert rep.reason == "held by the durable tiers only"
+    assert rep.vouched_by.startswith("bytes agreed: replica set 'world' (ranks 0,1,2): 1 tensor fingerprints "
+                                     "identical"), rep.vouched_by
+    assert solo.vouched_by.startswith("bytes unreplicated: ranks 0,1 unreplicated: own fingerprints"), solo.vouched_by
+    assert "vouched by: bytes agreed: replica set 'world'" in format_show(rep, time.time())
+    # a manifest from before the field existed: the evidence is recomputed from the shards' fingerprints
+    store = DirStore(tier_root, fsync=True)
+    key = manifest_key(replicated, 5, "n0")
+    obj = json.loads(store.get(key))
+    del obj["vouched_by"]
+    store.put(key, json.dumps(obj).encode())
+    assert TierManifest.from_json(store.get(key)).vouched_by == ""
+    tc = scan(store, replicated)[(replicated, 5)]
+    assert tc.vouched_by.startswith("bytes agreed: replica set 'world' (ranks 0,1,2)")
+    assert tc.vouched_by.endswith("(recomputed from the tier's shard manifests)")
