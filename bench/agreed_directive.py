@@ -4,7 +4,12 @@ different steps, a late copy is ignored.
 
     torchrun --standalone --nproc-per-node 2 bench/agreed_directive.py [--device cpu] [--every K]
 
-NCCL on GPUs (NVLink multicast stays off: NCCL_NVLS_ENABLE=0), gloo on the CPU. The model is DDP over the
+NCCL on GPUs (NVLink multicast stays off: NCCL_NVLS_ENABLE=0), gloo on the CPU; `--backend gloo` with
+`--device cuda` puts every rank on the GPUs there are (rank r on cuda:(r mod GPUs): two ranks share one GPU,
+which NCCL refuses), with the CUDA model and a synchronous vote:
+
+    torchrun --standalone --nproc-per-node 2 bench/agreed_directive.py --device cuda --backend gloo  # one GPU
+ The model is DDP over the
 world, so the vote's group is the world; `--hsdp` gives each rank its own one-rank replica group (vote off)
 to check that the rows still travel over the world group. Directive seq 7 reaches rank 0 at its 3rd report
 and every other rank at its 9th; seq 9 reaches the last rank only, at its 14th. `agreed_directive()` runs
@@ -68,12 +73,24 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=1, help="call agreed_directive() every K steps")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--hsdp", action="store_true", help="one-rank replica groups: the vote is off")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                    help="default: nccl on cuda, gloo on cpu (gloo on cuda: ranks may share a GPU)")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     cuda = args.device == "cuda"
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        ap.error("--backend nccl needs --device cuda")
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+        gpus = torch.cuda.device_count()
+        local, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if gpus < 1:
+            ap.error("--device cuda: no GPU visible")
+        if backend == "nccl" and local_world > gpus:
+            ap.error(f"{local_world} ranks on this node over NCCL need {local_world} GPUs, {gpus} visible (NCCL "
+                     "refuses two ranks on one GPU): use --backend gloo")
+        torch.cuda.set_device(local % gpus)
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)

@@ -71,6 +71,12 @@ want ckptoverlap && step ckpt-overlap-tests 150 python3 -m pytest -p no:cachepro
   tests/test_checkpoint_overlap.py tests/test_step_guard.py
 want ckptoverlap && step ckpt-overlap 400 python3 bench/ckpt_overlap.py
 want ckptoverlap12 && step ckpt-overlap-12g 400 python3 bench/ckpt_overlap.py --parts d --gib 12
+# issue 18: the cost of VERIFIED and of a repair against the save; the replica vote gated on the device
+want verify && step verify-cost-1gpu 300 python3 -m bench.verify_cost --device cuda --world 1
+want verify && step verify-cost-gloo 300 python3 -m bench.verify_cost --device cuda --world 2 --backend gloo
+want verify && [ "$NGPU" -ge 2 ] && step verify-cost-nccl 300 python3 -m bench.verify_cost --device cuda --world 2
+want verify && step agreed-directive 120 torchrun --standalone --nproc-per-node 2 bench/agreed_directive.py \
+  --device cuda $([ "$NGPU" -ge 2 ] || echo --backend gloo)
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent's RSS after one canary round, and whether it maps libtorch (it must not: issue 17)
