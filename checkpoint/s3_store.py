@@ -10,13 +10,20 @@ pod roles): boto3's default chain; nothing is stored here.
   failed multipart upload is aborted, and `sweep_temp` aborts uploads left by a killed agent.
 - **Multipart with concurrency**: blobs over `part_bytes` go up in parts, `concurrency` parts in flight
   (memory bound: concurrency x part_bytes).
-- **Checksums**: every PutObject / UploadPart carries its SHA-256 (`x-amz-checksum-sha256`), so the service
-  rejects bytes that changed on the way; the service's composite checksum returned on completion is
-  compared with ours (`last_checksum`), which is how the drainer verifies the written copy without a
-  download.
-- **Retries**: throttling (503 SlowDown, 429), 5xx, timeouts and connection errors are retried with full
-  jitter exponential backoff (`retry_policy.backoff_s`), up to `max_attempts`; botocore's own retries are
-  off so the schedule is ours. Exhausted -> `TierUnavailableError` (transient).
+- **Checksums** (S3's flexible checksums): every PutObject / UploadPart carries our CRC64NVME of its bytes
+  (`x-amz-checksum-crc64nvme`; CRC32 where awscrt, the `s3` extra's, is missing), so the service rejects
+  bytes that changed on the way; a multipart upload is a FULL_OBJECT checksum upload, completed with our CRC
+  of the whole object, and the service's checksum of the stored object is compared with ours
+  (`last_checksum`, `verify_stored`): how the drainer verifies the written copy without a download. A whole
+  GET asks for the checksum (`ChecksumMode=ENABLED`) and botocore checks the body against it.
+- **Retries**: botocore's own (`retries={"mode": "standard" | "adaptive", "max_attempts": N}`, `RetryPolicy`):
+  throttling (503 SlowDown, 429), 5xx, timeouts and connection errors, with its jittered backoff (and, in
+  adaptive mode, client-side rate limiting). Exhausted -> `TierUnavailableError` (transient). A response
+  body that fails part-way (a read timeout, a connection reset, fewer bytes than announced) is not botocore's
+  to retry: `get` asks again for the range from the last good byte, at most `max_attempts` times, and never
+  returns a partial body.
+- **Listings** go through botocore's paginators (list_objects_v2, list_multipart_uploads): every page, past
+  the 1,000 keys or uploads of one.
 - **Spread key prefixes**: S3 partitions by key prefix; keys of many jobs and steps starting with the same
   characters would share one hot partition. A key `job/step/name` is stored as
   `<prefix><2 hex digits of xxh32("job/step")>/job/step/name`, so the shards of one checkpoint stay together
@@ -28,12 +35,10 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
-import random
 import threading
-import time
 import urllib.parse
+import zlib
 from typing import Any, Callable, Iterator, TypeVar
 
 import xxhash
@@ -50,6 +55,7 @@ MIN_PART_BYTES = 5 << 20           # S3's minimum for every part but the last
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
                     "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "TooManyRequests",
                     "RequestLimitExceeded", "OperationAborted"}
+_READ_BYTES = 1 << 20              # a GET body is read this much at a time
 
 
 class TierUnavailableError(CheckpointError):
@@ -67,13 +73,59 @@ class StoredChecksumMismatch(CheckpointError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    max_attempts: int = 8
-    base_s: float = 0.1
-    cap_s: float = 20.0
+    """botocore's retry mode and attempts per request (the first try included); `max_attempts` also bounds
+    the re-reads of a GET body that failed part-way."""
 
-    def backoff_s(self, attempt: int, rnd: Callable[[], float] = random.random) -> float:
-        """Full jitter: uniform in [0, min(cap, base * 2**attempt)) before retry number `attempt` (0-based)."""
-        return rnd() * min(self.cap_s, self.base_s * (2 ** attempt))
+    max_attempts: int = 8
+    mode: str = "standard"          # or "adaptive" (client-side rate limiting on throttling)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("standard", "adaptive", "legacy"):
+            raise InvalidInputError(f"retry mode must be standard, adaptive or legacy, got {self.mode!r}")
+        if self.max_attempts < 1:
+            raise InvalidInputError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+    def botocore(self) -> dict[str, Any]:
+        return {"mode": self.mode, "max_attempts": self.max_attempts}
+
+
+class _Crc:
+    """The running checksum of an upload: CRC64NVME (awscrt, S3's default) or CRC32 (zlib) without awscrt."""
+
+    def __init__(self) -> None:
+        try:
+            from awscrt import checksums
+
+            self._fn: Callable[[Any, int], int] = checksums.crc64nvme
+            self.algorithm, self.width = "CRC64NVME", 8
+        except ImportError:
+            self._fn, self.algorithm, self.width = zlib.crc32, "CRC32", 4
+        self.value = 0
+
+    def update(self, buf: Any) -> "_Crc":
+        self.value = self._fn(buf, self.value)
+        return self
+
+    def b64(self) -> str:
+        return base64.b64encode(self.value.to_bytes(self.width, "big")).decode()
+
+    @classmethod
+    def of(cls, buf: Any) -> "_Crc":
+        return cls().update(buf)
+
+
+def checksum_algorithm() -> str:
+    """The flexible checksum this process uploads with: CRC64NVME with awscrt, else CRC32."""
+    return _Crc().algorithm
+
+
+def _body_failed(exc: BaseException) -> bool:
+    """A GET body read that broke part-way: worth asking again for the rest."""
+    from botocore.exceptions import (ConnectionClosedError, IncompleteReadError, ReadTimeoutError,
+                                     ResponseStreamingError)
+
+    return isinstance(exc, (ReadTimeoutError, ResponseStreamingError, IncompleteReadError, ConnectionClosedError,
+                            ConnectionError, TimeoutError))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -101,16 +153,11 @@ def _not_found(exc: BaseException) -> bool:
     return code in ("404", "NoSuchKey", "NotFound") or status == 404
 
 
-def _sha256_b64(buf: Any) -> tuple[bytes, str]:
-    d = hashlib.sha256(buf).digest()
-    return d, base64.b64encode(d).decode()
-
-
 class S3Store:
     def __init__(self, bucket: str, prefix: str = "", *, client: Any = None, endpoint_url: str | None = None,
                  region: str | None = None, part_bytes: int = 16 << 20, concurrency: int = 4,
                  retry: RetryPolicy | None = None, spread: bool = True, connect_timeout_s: float = 5.0,
-                 read_timeout_s: float = 60.0, sleep: Callable[[float], None] = time.sleep) -> None:
+                 read_timeout_s: float = 60.0) -> None:
         if not bucket or "/" in bucket:
             raise InvalidInputError(f"S3 bucket name must be non-empty without '/', got {bucket!r}")
         if prefix and not prefix.endswith("/"):
@@ -123,21 +170,24 @@ class S3Store:
         self.endpoint_url, self.region = endpoint_url, region
         self.part_bytes, self.concurrency = part_bytes, concurrency
         self.retry_policy = retry or RetryPolicy()
-        self.sleep = sleep
+        self.algorithm = checksum_algorithm()
         if client is None:
             import boto3
             from botocore.config import Config
 
             client = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint_url, region_name=region,
-                config=Config(retries={"total_max_attempts": 1}, max_pool_connections=max(10, 2 * concurrency),
-                              connect_timeout=connect_timeout_s, read_timeout=read_timeout_s))
+                config=Config(retries=self.retry_policy.botocore(),   # type: ignore[arg-type]
+                              max_pool_connections=max(10, 2 * concurrency),
+                              connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                              request_checksum_calculation="when_supported",
+                              response_checksum_validation="when_supported"))
         self.client = client
         self._pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="sdcw-s3-part")
         self._local = threading.local()
         self._sent: dict[str, str] = {}       # key -> the checksum we computed at put (bounded)
         self._sent_lock = threading.Lock()
-        self.retries = 0            # transient failures retried (all calls)
+        self.retries = 0            # requests botocore retried, and GET bodies read again from the last good byte
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> "S3Store":
@@ -175,24 +225,31 @@ class S3Store:
                 return None
         return rest
 
-    # ---- retries -------------------------------------------------------------------------------------
+    # ---- calls -------------------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[..., T], **kw: Any) -> T:
-        last: BaseException | None = None
-        for attempt in range(self.retry_policy.max_attempts):
-            try:
-                return fn(**kw)
-            except Exception as e:  # noqa: BLE001 - classified below
-                if _not_found(e) or not is_transient(e):
-                    raise
-                last = e
-                self.retries += 1
-                if attempt + 1 < self.retry_policy.max_attempts:
-                    delay = self.retry_policy.backoff_s(attempt)
-                    log.info("S3 %s %s: transient error (%s), retry %d in %.2fs", what, self.bucket, e,
-                             attempt + 1, delay)
-                    self.sleep(delay)
-        raise TierUnavailableError(
-            f"S3 {what} on bucket {self.bucket!r} failed {self.retry_policy.max_attempts} times: {last}") from last
+        """One API call; botocore retries it (`RetryPolicy`). Its retries are counted; a transient failure
+        that outlived them is a `TierUnavailableError`."""
+        try:
+            resp = fn(**kw)
+        except Exception as e:  # noqa: BLE001 - classified below
+            err = self._failed(what, e)
+            if err is e:
+                raise
+            raise err from e
+        self._count_retries(resp)
+        return resp
+
+    def _failed(self, what: str, e: Exception) -> Exception:
+        """What a failed call raises: `e` itself (not found, or not transient), else `TierUnavailableError`."""
+        self._count_retries(getattr(e, "response", None))
+        if _not_found(e) or not is_transient(e):
+            return e
+        return TierUnavailableError(f"S3 {what} on bucket {self.bucket!r} failed after "
+                                    f"{self.retry_policy.max_attempts} attempt(s): {e}")
+
+    def _count_retries(self, resp: Any) -> None:
+        if isinstance(resp, dict):
+            self.retries += int(resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
 
     # ---- BlobStore -----------------------------------------------------------------------------------
     def put(self, key: str, data: Data) -> int:
@@ -216,10 +273,10 @@ class S3Store:
                         upload.add(bytes(buf))
                         buf = bytearray()
             if upload is None:
-                digest, b64 = _sha256_b64(buf)
+                b64 = _Crc.of(buf).b64()
                 resp = self._call("put", self.client.put_object, Bucket=self.bucket, Key=okey, Body=bytes(buf),
-                                  ChecksumSHA256=b64)
-                self._check_service_checksum(key, b64, resp.get("ChecksumSHA256"))
+                                  ChecksumAlgorithm=self.algorithm, **{f"Checksum{self.algorithm}": b64})
+                self._check_service_checksum(key, b64, resp.get(f"Checksum{self.algorithm}"))
                 return size
             if buf:
                 upload.add(bytes(buf))
@@ -242,7 +299,7 @@ class S3Store:
 
     @property
     def last_checksum(self) -> tuple[str, str | None] | None:
-        """(our SHA-256 or composite checksum, the service's) of this thread's last put."""
+        """(our full-object CRC, the service's) of this thread's last put."""
         return getattr(self._local, "last", None)
 
     def verify_stored(self, key: str) -> bool | None:
@@ -255,13 +312,13 @@ class S3Store:
         theirs = self.stored_checksum(key)
         if theirs is None:
             return None
-        return theirs.split("-")[0] == ours.split("-")[0]
+        return theirs == ours
 
     def stored_checksum(self, key: str) -> str | None:
-        """The service's SHA-256 checksum of the stored object (composite `...-N` for multipart), if it keeps one."""
+        """The service's full-object checksum of the stored object (our algorithm), if it keeps one."""
         resp = self._call("head", self.client.head_object, Bucket=self.bucket, Key=self.object_key(key),
                           ChecksumMode="ENABLED")
-        return resp.get("ChecksumSHA256")
+        return resp.get(f"Checksum{self.algorithm}")
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         okey = self.object_key(key)
@@ -269,20 +326,69 @@ class S3Store:
         off, n = check_range(offset, length, size, key)
         if n == 0:
             return b""
-        try:
-            resp = self._call("get", self.client.get_object, Bucket=self.bucket, Key=okey,
-                              Range=f"bytes={off}-{off + n - 1}")
-        except Exception as e:
-            if _not_found(e):
-                raise KeyError(f"no blob {key!r} in {self.location}") from None
-            raise
-        return self._call("read", resp["Body"].read)
+        out = bytearray(n)
+        self._read_range(key, okey, off, memoryview(out), whole=off == 0 and n == size)
+        return bytes(out)
+
+    def _read_range(self, key: str, okey: str, off: int, out: memoryview, whole: bool) -> None:
+        """Fill `out` with the object's bytes from `off`: a body that breaks part-way is asked again for the
+        range from the last good byte (botocore retries requests, not bodies), at most `max_attempts` times.
+        A whole-object GET has botocore check the service's checksum (a mismatch: read it all again)."""
+        from botocore.exceptions import FlexibleChecksumError
+
+        n, got, attempts = len(out), 0, 0
+        while got < n:
+            attempts += 1
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Key": okey}
+            if whole and got == 0:
+                kw["ChecksumMode"] = "ENABLED"   # S3 sends the checksum with whole GETs only, never with a Range
+            else:
+                kw["Range"] = f"bytes={off + got}-{off + n - 1}"
+            try:
+                resp = self._call("get", self.client.get_object, **kw)
+            except Exception as e:
+                if _not_found(e):
+                    raise KeyError(f"no blob {key!r} in {self.location}") from None
+                raise
+            body, start = resp["Body"], got
+            try:
+                while got < n:
+                    chunk = body.read(min(_READ_BYTES, n - got))
+                    if not chunk:
+                        break
+                    out[got:got + len(chunk)] = chunk
+                    got += len(chunk)
+                if "ChecksumMode" in kw:
+                    body.read()   # at the end: botocore compares the body with the service's checksum
+            except FlexibleChecksumError as e:
+                got = 0           # the whole body is suspect: read it all again
+                err: BaseException = e
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not _body_failed(e):
+                    raise
+                err = e
+            else:
+                if got == n:
+                    return
+                err = ConnectionError(f"the body ended after {got - start} of {n - start} bytes")
+            finally:
+                body.close()
+            if attempts >= self.retry_policy.max_attempts:
+                if isinstance(err, FlexibleChecksumError):
+                    raise StoredChecksumMismatch(f"S3 {key!r}: the body never matched the service's checksum "
+                                                 f"in {attempts} reads: {err}") from err
+                raise TierUnavailableError(f"S3 get of {key!r}: the body failed {attempts} times "
+                                           f"({got} of {n} bytes read): {err}") from err
+            self.retries += 1
+            log.info("S3 get %s: body failed at byte %d of %d (%s); reading again from there", key, got, n, err)
 
     def readinto(self, key: str, offset: int, buf: memoryview) -> int:
         view = memoryview(buf).cast("B")
-        data = self.get(key, offset, len(view))
-        view[: len(data)] = data
-        return len(data)
+        size = self.size(key)
+        off, n = check_range(offset, len(view), size, key)
+        if n:
+            self._read_range(key, self.object_key(key), off, view[:n], whole=off == 0 and n == size)
+        return n
 
     def exists(self, key: str) -> bool:
         try:
@@ -301,16 +407,24 @@ class S3Store:
         return int(resp["ContentLength"])
 
     def _iter_objects(self, s3_prefix: str) -> Iterator[dict[str, Any]]:
-        token: str | None = None
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=s3_prefix)
+        for page in self._pages("list", pages):
+            yield from page.get("Contents", [])
+
+    def _pages(self, what: str, pages: Any) -> Iterator[dict[str, Any]]:
+        it = iter(pages)
         while True:
-            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": s3_prefix}
-            if token:
-                kw["ContinuationToken"] = token
-            resp = self._call("list", self.client.list_objects_v2, **kw)
-            yield from resp.get("Contents", [])
-            if not resp.get("IsTruncated"):
+            try:
+                page = next(it)
+            except StopIteration:
                 return
-            token = resp.get("NextContinuationToken")
+            except Exception as e:  # noqa: BLE001 - classified by _failed
+                err = self._failed(what, e)
+                if err is e:
+                    raise
+                raise err from e
+            self._count_retries(page)
+            yield page
 
     def list(self, prefix: str = "") -> list[str]:
         validate_prefix(prefix)
@@ -333,18 +447,19 @@ class S3Store:
         return True
 
     def sweep_temp(self, older_than_s: float, now: float) -> int:
-        """Abort multipart uploads under this prefix begun more than `older_than_s` ago (a killed agent's)."""
-        resp = self._call("list_uploads", self.client.list_multipart_uploads, Bucket=self.bucket, Prefix=self.prefix)
+        """Abort multipart uploads under this prefix begun more than `older_than_s` ago (a killed agent's);
+        every page of the listing (more than 1,000 uploads)."""
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix)
+        stale = [u for page in self._pages("list_uploads", pages) for u in page.get("Uploads", [])
+                 if u.get("Initiated") is not None and now - u["Initiated"].timestamp() > older_than_s]
         n = 0
-        for u in resp.get("Uploads", []):
-            started = u.get("Initiated")
-            if started is not None and now - started.timestamp() > older_than_s:
-                try:
-                    self._call("abort", self.client.abort_multipart_upload, Bucket=self.bucket, Key=u["Key"],
-                               UploadId=u["UploadId"])
-                    n += 1
-                except Exception as e:  # noqa: BLE001 - best effort
-                    log.info("aborting stale upload %s failed: %s", u.get("Key"), e)
+        for u in stale:
+            try:
+                self._call("abort", self.client.abort_multipart_upload, Bucket=self.bucket, Key=u["Key"],
+                           UploadId=u["UploadId"])
+                n += 1
+            except Exception as e:  # noqa: BLE001 - best effort
+                log.info("aborting stale upload %s failed: %s", u.get("Key"), e)
         return n
 
     def close(self) -> None:
@@ -352,21 +467,22 @@ class S3Store:
 
 
 class _Multipart:
-    """One multipart upload: parts go up on the store's pool, at most `concurrency` in flight."""
+    """One multipart upload with a FULL_OBJECT checksum: parts go up on the store's pool, at most
+    `concurrency` in flight, each with its own CRC; the completion carries our CRC of the whole object."""
 
     def __init__(self, store: S3Store, okey: str) -> None:
         self.store, self.okey = store, okey
         resp = store._call("create_upload", store.client.create_multipart_upload, Bucket=store.bucket, Key=okey,
-                           ChecksumAlgorithm="SHA256")
+                           ChecksumAlgorithm=store.algorithm, ChecksumType="FULL_OBJECT")
         self.upload_id = resp["UploadId"]
         self.futures: list[concurrent.futures.Future[dict[str, Any]]] = []
-        self.digests: list[bytes] = []
+        self.whole = _Crc()
         self.slots = threading.Semaphore(store.concurrency)
 
     def add(self, body: bytes) -> None:
         number = len(self.futures) + 1
-        digest, b64 = _sha256_b64(body)
-        self.digests.append(digest)
+        self.whole.update(body)
+        b64 = _Crc.of(body).b64()
         self.slots.acquire()
         for f in self.futures:  # fail early when a part already failed
             if f.done() and f.exception() is not None:
@@ -378,21 +494,23 @@ class _Multipart:
 
     def _upload(self, number: int, body: bytes, b64: str) -> dict[str, Any]:
         s = self.store
+        field = f"Checksum{s.algorithm}"
         resp = s._call("upload_part", s.client.upload_part, Bucket=s.bucket, Key=self.okey, UploadId=self.upload_id,
-                       PartNumber=number, Body=body, ChecksumSHA256=b64)
-        theirs = resp.get("ChecksumSHA256")
+                       PartNumber=number, Body=body, ChecksumAlgorithm=s.algorithm, **{field: b64})
+        theirs = resp.get(field)
         if theirs is not None and theirs != b64:
             raise StoredChecksumMismatch(f"S3 part {number} of {self.okey}: stored checksum {theirs}, sent {b64}")
-        return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": b64}
+        return {"PartNumber": number, "ETag": resp["ETag"], field: b64}
 
     def complete(self, key: str) -> None:
         s = self.store
+        field = f"Checksum{s.algorithm}"
         parts = [f.result() for f in self.futures]
+        ours = self.whole.b64()
         resp = s._call("complete_upload", s.client.complete_multipart_upload, Bucket=s.bucket, Key=self.okey,
-                       UploadId=self.upload_id, MultipartUpload={"Parts": parts})
-        ours = base64.b64encode(hashlib.sha256(b"".join(self.digests)).digest()).decode() + f"-{len(parts)}"
-        theirs = resp.get("ChecksumSHA256")
-        s._check_service_checksum(key, ours, theirs if theirs is None or "-" in theirs else theirs + f"-{len(parts)}")
+                       UploadId=self.upload_id, MultipartUpload={"Parts": parts}, ChecksumType="FULL_OBJECT",
+                       **{field: ours})
+        s._check_service_checksum(key, ours, resp.get(field))
 
     def abort(self) -> None:
         for f in self.futures:

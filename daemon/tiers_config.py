@@ -68,7 +68,10 @@ class S3TierConfig(TierRuleConfig):
 
     url: str = setting("", "s3://bucket/prefix?endpoint_url=...&region=... (empty: no S3 tier)")
     part_mib: int = setting(16, "multipart upload part size in MiB (S3's minimum is 5)")
-    max_attempts: int = setting(8, "attempts per S3 request before the copy fails")
+    max_attempts: int = setting(8, "attempts per S3 request before the copy fails (botocore's retries; also the "
+                                   "re-reads of a GET body that broke part-way)")
+    retry_mode: str = setting("standard", "botocore's retry mode: standard, or adaptive (also rate-limits the "
+                                          "client while S3 throttles)")
     verify: str = setting("store", "store: trust S3's checksum of what it stored; readback: download and compare")
 
     def validate(self, section: str) -> None:
@@ -80,6 +83,8 @@ class S3TierConfig(TierRuleConfig):
             raise ConfigError(f"{section}.part_mib", f"S3 parts are at least 5 MiB, got {self.part_mib}")
         if self.max_attempts < 1:
             raise ConfigError(f"{section}.max_attempts", f"must be >= 1, got {self.max_attempts}")
+        if self.retry_mode not in ("standard", "adaptive"):
+            raise ConfigError(f"{section}.retry_mode", f"expected standard or adaptive, got {self.retry_mode!r}")
         if self.verify not in ("store", "readback"):
             raise ConfigError(f"{section}.verify", f"expected store or readback, got {self.verify!r}")
 

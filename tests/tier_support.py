@@ -65,7 +65,7 @@ class MotoS3:
     def store(self, **kw: Any) -> Any:
         from checkpoint.s3_store import RetryPolicy, S3Store
 
-        kw.setdefault("retry", RetryPolicy(max_attempts=4, base_s=0.001, cap_s=0.01))
+        kw.setdefault("retry", RetryPolicy(max_attempts=4))
         kw.setdefault("part_bytes", 5 << 20)
         return S3Store(self.bucket(), "ckpt", endpoint_url=self.url, region="us-east-1", **kw)
 
