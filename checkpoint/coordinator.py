@@ -23,7 +23,7 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:jobs                   SET of job ids
   sdcw:ckpt:{J}:idx                ZSET step -> step, every live or tombstoned record
   sdcw:ckpt:{J}:s:<k>              HASH state, world_size, begun_at, committed_at, verified_at, reason, bytes,
-                                   bytes_check (agreed | mismatch | unreplicated), vouched_by
+                                   bytes_check (agreed | mismatch | unreplicated | imported), vouched_by
   sdcw:ckpt:{J}:s:<k>:shards       HASH rank -> shard manifest JSON
   sdcw:ckpt:{J}:s:<k>:copies       HASH "<rank>@<node>" -> location (memory tier directory on that node)
   sdcw:ckpt:{J}:votes              HASH step -> vote_agreed | vote_mismatch; bounded: past MAX_VOTES + slack
@@ -520,7 +520,7 @@ class Coordinator:
             log.error("job %s step %d: shard manifests unreadable: %s", job_id, step, e)
             return replica_bytes.MISMATCH
         fields = {"bytes_check": check.verdict, "vouched_by": check.summary()}
-        if check.verdict == replica_bytes.MISMATCH:
+        if check.verdict in (replica_bytes.MISMATCH, replica_bytes.IMPORTED):
             fields["reason"] = f"never VERIFIED: {check.summary()}"
         if not self._set_if_live(job_id, meta, fields):
             return check.verdict

@@ -155,7 +155,8 @@ def _item_object(planner: SavePlanner, item: Any) -> Any:
             return torch.load(io.BytesIO(data.getvalue()), weights_only=True)
         except Exception as e:  # noqa: BLE001 - said below, with the key
             raise InvalidInputError(
-                f"DCP item {item.index.fqn!r}: the save planner {type(planner).__name__} has no lookup_object() "
+                f"DCP item {item.index.fqn!r}: the save planner {type(planner).__name__} has no lookup_object()"
+                " "
                 f"and its torch.save bytes do not load with weights_only=True ({type(e).__name__}); use "
                 "DefaultSavePlanner or a subclass of it") from None
     return data
@@ -175,6 +176,11 @@ def _put_value(planner: LoadPlanner, req: Any, value: Any) -> None:
         buf.seek(0)
         planner.load_bytes(req, buf)
         return
+    put_loaded_value(planner, req, value)
+
+
+def put_loaded_value(planner: Any, req: Any, value: Any) -> None:
+    """Set a loaded non-tensor value in a DefaultLoadPlanner's state dict, as its load_bytes does."""
     fqn = req.dest_index.fqn
     if not getattr(planner, "flatten_state_dict", False):
         planner.state_dict[fqn] = value
@@ -209,9 +215,11 @@ class SdcwStorageWriter(StorageWriter):
 
     def __init__(self, link: Any, job_id: str, *, rank: int | None = None, world_size: int | None = None,
                  config: SnapshotConfig | None = None,
-                 store_for: Callable[[str], BlobStore] = dir_store_for, timeout_s: float = 600.0) -> None:
+                 store_for: Callable[[str], BlobStore] = dir_store_for, timeout_s: float = 600.0,
+                 origin: str = "") -> None:
         super().__init__()
         self.link = link
+        self.origin = origin   # the coordinator shard's ShardManifest.origin ("import:...": dcp_export)
         self.job_id = validate_job_id(job_id)
         self._rank, self._world = rank, world_size
         self.config = config or SnapshotConfig()
@@ -295,7 +303,7 @@ class SdcwStorageWriter(StorageWriter):
         m = ShardManifest.from_json(manifest_json)
         tree = dict(m.tree)
         tree[META] = metadata_to_json(metadata)
-        m = dataclasses.replace(m, tree=tree)
+        m = dataclasses.replace(m, tree=tree, origin=self.origin)
         commit = self.link.commit_shard(job, step, rank, world, m.to_json(), **kw)
         self._deferred.held = None
         log.info("DCP checkpoint job %s step %d: coordinator shard committed (%s)", job, step, commit.state)

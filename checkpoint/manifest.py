@@ -35,6 +35,7 @@ KIND_KEY = "kind"
 VALUE_KINDS = ("json", "bytes", "bytesio")   # checkpoint.plain_values
 MAX_MANIFEST_CHARS = 256 << 20
 MAX_REPLICA_SET_CHARS = 256
+MAX_ORIGIN_CHARS = 1024
 
 # The tensor dtypes a checkpoint holds (torch's names) and their item sizes in bytes.
 DTYPE_SIZES: dict[str, int] = {
@@ -99,6 +100,8 @@ class ShardManifest:
     algorithm: str = ALGORITHM
     replica_set: str = ""        # the ranks that must have saved identical bytes (checkpoint.replica_bytes);
                                  # "" when this shard has no replica
+    origin: str = ""             # "" when a watched rank saved it; "import:<where from>" for bytes brought in
+                                 # from outside (`sdcwatch ckpt import`): never VERIFIED (replica_bytes.IMPORTED)
 
     def to_json(self) -> str:
         return json.dumps({
@@ -107,6 +110,7 @@ class ShardManifest:
             "chunk_bytes": self.chunk_bytes, "algorithm": self.algorithm,
             "chunks": [c.to_json() for c in self.chunks], "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree, "created": self.created, "replica_set": self.replica_set,
+            **({"origin": self.origin} if self.origin else {}),
         }, separators=(",", ":"), allow_nan=True)
 
     @classmethod
@@ -131,6 +135,7 @@ class ShardManifest:
             tensors = tuple(TensorEntry.from_json(t) for t in obj["tensors"])
             tree, created = obj["tree"], obj["created"]
             replica_set = obj.get("replica_set", "")   # absent in manifests written before it existed
+            origin = obj.get("origin", "")
         except KeyError as e:
             raise InvalidInputError(f"manifest lacks field {shown(str(e))}") from None
         except (TypeError, AttributeError) as e:   # a field of the wrong kind (a number where a list goes, ...)
@@ -144,6 +149,9 @@ class ShardManifest:
         if not isinstance(replica_set, str) or len(replica_set) > MAX_REPLICA_SET_CHARS:
             raise InvalidInputError(f"manifest has a bad replica_set {shown(replica_set)} (a string of at most "
                                     f"{MAX_REPLICA_SET_CHARS} chars)")
+        if not isinstance(origin, str) or len(origin) > MAX_ORIGIN_CHARS:
+            raise InvalidInputError(f"manifest has a bad origin {shown(origin)} (a string of at most "
+                                    f"{MAX_ORIGIN_CHARS} chars)")
         if not isinstance(created, (int, float)):
             raise InvalidInputError(f"manifest has bad created time {shown(created)}")
         pos = 0
@@ -163,7 +171,7 @@ class ShardManifest:
             if tensors[i].dtype != "uint8" or len(tensors[i].shape) != 1:
                 raise InvalidInputError(f"manifest value {shown(tensors[i].path)} is not stored as 1-D uint8 bytes")
         return cls(job_id, step, rank, world, blob, nbytes, chunk_bytes, chunks, tensors, tree,
-                   float(created), algorithm, replica_set)
+                   float(created), algorithm, replica_set, origin)
 
 
 def _tree_refs(tree: Any) -> tuple[list[int], set[int]]:

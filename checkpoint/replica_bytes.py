@@ -11,6 +11,9 @@ Verdicts:
   replica (a set of one, or no set named) are listed as unreplicated;
 - MISMATCH: some set disagrees: the differing paths and, where a strict majority of the set agrees, the odd
   ranks (with two replicas, or no majority, every rank of the set is odd);
+- IMPORTED: a shard came from outside (`sdcwatch ckpt import` of a stock DCP directory): no watched rank
+  saved it, no in-step check or replica vote covered the step, so nothing vouches for the bytes beyond their
+  checksums from the import on: restorable as COMMITTED, never VERIFIED;
 - UNREPLICATED: no rank has a replica (plain FSDP or one rank): the bytes cannot be compared; what vouches
   then is that they are the bytes the rank fingerprinted and checksummed (on CUDA: equal to the GPU's
   fingerprint before the copy) and that the rank's in-step checks reported clean through the step with no
@@ -29,6 +32,7 @@ from checkpoint.manifest import ShardManifest
 AGREED = "agreed"
 MISMATCH = "mismatch"
 UNREPLICATED = "unreplicated"
+IMPORTED = "imported"               # bytes brought in from outside (ShardManifest.origin): nothing vouches
 VOUCHING = (AGREED, UNREPLICATED)   # verdicts that let a checkpoint become VERIFIED
 _MAX_PATHS = 8                      # differing paths named in a verdict
 
@@ -48,6 +52,7 @@ class BytesCheck:
     verdict: str
     sets: tuple[ReplicaSet, ...]
     unreplicated: tuple[int, ...]   # ranks whose shard has no replica
+    origin: str = ""                # IMPORTED: where the bytes came from
 
     @property
     def odd_ranks(self) -> tuple[int, ...]:
@@ -55,6 +60,9 @@ class BytesCheck:
 
     def summary(self) -> str:
         """One line for `sdcwatch ckpt show`: which fingerprints vouched (or why none did)."""
+        if self.verdict == IMPORTED:
+            return (f"bytes imported ({self.origin}): saved by no rank sdcwatch watched, so no in-step check or "
+                    "replica vote covers them; checksummed from the import on; restorable, never VERIFIED")
         parts = []
         for s in self.sets:
             ranks = ",".join(map(str, s.ranks))
@@ -77,6 +85,10 @@ def compare(manifests: Iterable[ShardManifest]) -> BytesCheck:
     """The verdict over one checkpoint's shard manifests (one per rank)."""
     by_set: dict[str, list[ShardManifest]] = collections.defaultdict(list)
     alone: list[int] = []
+    manifests = list(manifests)
+    imported = sorted({m.origin for m in manifests if m.origin})
+    if imported:
+        return BytesCheck(IMPORTED, (), tuple(sorted(m.rank for m in manifests)), "; ".join(imported)[:512])
     for m in manifests:
         if m.replica_set:
             by_set[m.replica_set].append(m)

@@ -7,13 +7,23 @@
     sdcwatch ckpt restore TARGET --job JOB --out DIR [--rank R]
                                                  fetch a verified copy (fastest good tier first, chunk by
                                                  chunk fallback) into DIR: rank-<r>.bin + rank-<r>.json
+    sdcwatch ckpt export STEP --job JOB --dcp DIR [--force] [--rank R]
+                                                 write a stock torch.distributed.checkpoint directory that
+                                                 `dcp.load` reads without sdcwatch installed
+    sdcwatch ckpt import DIR --job JOB --step N  bring a stock DCP directory (FileSystemWriter) into the tiers
+                                                 as step N: COMMITTED, never VERIFIED
 
-Exit codes: 0 success; 1 no such checkpoint, or a bad copy found (`verify`) / no good copy (`restore`);
-2 bad usage or the agent cannot be reached.
+Exit codes: 0 success; 1 no such checkpoint, or a bad copy found (`verify`) / no good copy (`restore`,
+`export`); 2 bad usage or the agent cannot be reached (for `export` and `import` also: step not found, an
+output directory not empty without --force, a missing, partial or non-DCP input directory).
+`export` and `import` need torch; they run in a child (`python -m checkpoint.dcp_export`), so this command
+never imports torch, and they run on the agent's node (they read and write its memory tier).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,10 +36,12 @@ from checkpoint.errors import CheckpointError
 from checkpoint.locations import dir_store_for
 from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
 from daemon import cli_json
-from daemon.cli_common import (EXIT_OK, EXIT_USAGE, Parser, add_connection_flags, ago, connect, progress_bar,
-                               rpc_error, spinner, table)
+from daemon.cli_common import (EXIT_OK, EXIT_USAGE, NO_AGENT_HINT, Parser, add_connection_flags, ago, connect, fail,
+                               progress_bar, rpc_error, spinner, table)
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
+from sdcwatch.extras import available, needs
+from sdcwatch.paths import locate_socket
 
 EXIT_NOT_FOUND = 1
 
@@ -69,6 +81,27 @@ def register(subparsers: Any) -> None:
                       help="no progress bar (there is one, per chunk, only when stdout is a terminal)")
     add_connection_flags(rest)
     rest.set_defaults(func=cmd_restore)
+    exp = sub.add_parser("export", help="write a checkpoint as a stock torch.distributed.checkpoint directory",
+                         description="Write a checkpoint as a plain DCP directory (FileSystemWriter's format): "
+                                     "torch.distributed.checkpoint.load reads it without sdcwatch installed, "
+                                     "into any world size or sharding. Every byte is verified on the way out.")
+    exp.add_argument("step", help="a step, 'latest' or 'latest_verified'")
+    exp.add_argument("--job", required=True, help="the job id")
+    exp.add_argument("--dcp", required=True, metavar="DIR", help="the directory to write (new, or empty)")
+    exp.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
+    exp.add_argument("--rank", type=int, default=None,
+                     help="a CheckpointClient checkpoint of several ranks: export this rank's state dict")
+    add_connection_flags(exp)
+    exp.set_defaults(func=cmd_export)
+    imp = sub.add_parser("import", help="bring a stock DCP directory into the tiers as a checkpoint",
+                         description="Read a directory written by torch.distributed.checkpoint.save "
+                                     "(FileSystemWriter) and store it as step N of the job: COMMITTED, restorable "
+                                     "with dcp.load at any world size, never VERIFIED (no watched step made it).")
+    imp.add_argument("dir", help="the DCP directory")
+    imp.add_argument("--job", required=True, help="the job id")
+    imp.add_argument("--step", type=int, required=True, help="the step to store it as")
+    add_connection_flags(imp)
+    imp.set_defaults(func=cmd_import)
 
 
 def _list(args: argparse.Namespace, job: str) -> tuple[int, list[Any]]:
@@ -256,3 +289,38 @@ def cmd_restore(args: argparse.Namespace) -> int:
         client.close()
     print(f"job {args.job} step {plan.checkpoint.step} ({plan.checkpoint.state}) -> {out}")
     return EXIT_OK
+
+
+def _dcp_child(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run `python -m checkpoint.dcp_export ARGV` (torch) against the agent's local socket; its exit code."""
+    if getattr(args, "address", None):
+        return fail("export and import read and write the agent's memory tier: run them on its node, with "
+                    "--socket or --state-dir, not --address")
+    if not available("torch"):
+        return fail(f"ckpt {argv[0]} {needs('torch')}")
+    try:
+        located = locate_socket(args.socket, args.state_dir)
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
+    if not located.path.exists():
+        return fail(f"cannot reach the agent: no socket at {located.describe()}; {NO_AGENT_HINT}")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "checkpoint.dcp_export", *argv, "--socket", str(located.path),
+           "--timeout", str(max(args.timeout, 30.0))]
+    rc = subprocess.run(cmd, env=env).returncode
+    return rc if rc in (0, 1, 2) else EXIT_NOT_FOUND
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    argv = ["export", args.step, "--job", args.job, "--dcp", str(Path(args.dcp).absolute())]
+    if args.force:
+        argv.append("--force")
+    if args.rank is not None:
+        argv += ["--rank", str(args.rank)]
+    return _dcp_child(args, argv)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    return _dcp_child(args, ["import", str(Path(args.dir).absolute()), "--job", args.job, "--step", str(args.step)])
