@@ -155,8 +155,8 @@ def _item_object(planner: SavePlanner, item: Any) -> Any:
             return torch.load(io.BytesIO(data.getvalue()), weights_only=True)
         except Exception as e:  # noqa: BLE001 - said below, with the key
             raise InvalidInputError(
-                f"DCP item {item.index.fqn!r}: the save planner {type(planner).__name__} has no lookup_object()"
-                " "
+                f"DCP item {item.index.fqn!r}: the save planner {type(planner).__name__} has no "
+                "lookup_object() "
                 f"and its torch.save bytes do not load with weights_only=True ({type(e).__name__}); use "
                 "DefaultSavePlanner or a subclass of it") from None
     return data

@@ -1,7 +1,7 @@
 """Export a checkpoint as a stock DCP directory, and import one into the tiers (the training side: torch).
 
-    sdcwatch ckpt export STEP --job J --dcp DIR [--force] [--rank R]   (runs `python -m checkpoint.dcp_export`)
-    sdcwatch ckpt import DIR --job J --step N
+    sdcwatch ckpt export STEP --job J --dcp DIR [--force] [--rank R]
+    sdcwatch ckpt import DIR --job J --step N          (both run `python -m checkpoint.dcp_export`)
 
 Export reads the checkpoint the way a rank restores it (the agent's restore plan, every chunk checksum and
 tensor fingerprint verified) and writes it with DCP's own `FileSystemWriter`, in one process: full tensors,
@@ -9,14 +9,14 @@ non-tensor values as DCP writes them (`torch.save` bytes), the `.metadata` file 
 DCP directory: `torch.distributed.checkpoint.load(state_dict, checkpoint_id=DIR)` reads it without sdcwatch
 installed, into any world size and sharding (DCP reshards full tensors like any others). The nesting of the
 saved state dict is kept (DCP's planner data), so DCP's own tools (`format_utils.dcp_to_torch_save`) work too.
-A checkpoint saved through DCP exports whole; one saved with `CheckpointClient` holds one state dict per rank:
-world size 1 exports as is, otherwise `--rank R` names the rank whose state dict to export.
+A checkpoint saved through DCP exports whole; one saved with `CheckpointClient` holds one state dict per
+rank: world size 1 exports as is, otherwise `--rank R` names the rank whose state dict to export.
 
-Import reads a directory written by `torch.distributed.checkpoint.save` with `FileSystemWriter` and saves it as
-step N of job J through `SdcwStorageWriter` (world size 1; `dcp.load` reshards it like any DCP checkpoint). It
-is COMMITTED, never VERIFIED: no rank sdcwatch watched saved those bytes and no in-step check or replica vote
-covered them (its manifest's `origin` says "import:DIR"; `sdcwatch ckpt show` gives the reason). Stock DCP
-is pickle: `.metadata` is read with an unpickler that builds only DCP's metadata classes (anything else is
+Import reads a directory written by `torch.distributed.checkpoint.save` with `FileSystemWriter` and saves it
+as step N of job J through `SdcwStorageWriter` (world size 1; `dcp.load` reshards it like any DCP checkpoint).
+It is COMMITTED, never VERIFIED: no rank sdcwatch watched saved those bytes and no in-step check or replica
+vote covered them (its manifest's `origin` says "import:DIR"; `sdcwatch ckpt show` gives the reason). Stock
+DCP is pickle: `.metadata` is read with an unpickler that builds only DCP's metadata classes (anything else is
 refused, nothing of it runs), tensors with `torch.load(weights_only=True)` (DCP's reader does), non-tensor
 items with `torch.load(weights_only=True)` allowing `bytes` and `io.BytesIO` only. The data file names come
 from `.metadata` and are checked (plain names inside DIR) before anything is opened.
@@ -41,13 +41,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
+                                                   TensorStorageMetadata)
 
 from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.blobstore import BlobStore
 from checkpoint.dcp import META, SdcwStorageReader, SdcwStorageWriter, put_loaded_value
-from checkpoint.errors import (AgentUnavailableError, CheckpointError, CorruptCheckpointError, InvalidInputError,
-                               UnknownCheckpointError)
+from checkpoint.errors import (AgentUnavailableError, CheckpointError, CorruptCheckpointError,
+                               InvalidInputError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.manifest import MAX_ORIGIN_CHARS
 from checkpoint.names import validate_job_id, validate_step
@@ -61,8 +62,9 @@ _DATA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 
 # What a stock `.metadata` pickle may name: DCP's metadata dataclasses and the torch values inside them.
 _MD = "torch.distributed.checkpoint.metadata"
-_ALLOWED = ({(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+_ALLOWED = ({(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta",
+                                "_MEM_FORMAT_ENCODING")}
             | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
                ("collections", "OrderedDict")}
@@ -71,7 +73,8 @@ _ALLOWED = ({(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStora
 
 # ---- export --------------------------------------------------------------------------------------------
 def export_dcp(link: Any, job_id: str, target: int | str, out: str | os.PathLike, *, force: bool = False,
-               rank: int | None = None, store_for: Callable[[str], BlobStore] = dir_store_for) -> dict[str, Any]:
+               rank: int | None = None,
+               store_for: Callable[[str], BlobStore] = dir_store_for) -> dict[str, Any]:
     """Write checkpoint `target` of `job_id` into `out` as a stock DCP directory; returns a summary."""
     validate_job_id(job_id)
     out = Path(out)
@@ -81,14 +84,15 @@ def export_dcp(link: Any, job_id: str, target: int | str, out: str | os.PathLike
     is_dcp = any(isinstance(s.manifest.tree, dict) and META in s.manifest.tree for s in plan.shards)
     if is_dcp:
         if rank is not None:
-            raise InvalidInputError(f"job {job_id} step {step} was saved through DCP: it exports whole (drop --rank)")
+            raise InvalidInputError(f"job {job_id} step {step} was saved through DCP: it exports whole "
+                                    "(drop --rank)")
         state = _dcp_state(link, job_id, step, store_for)
     else:
         world = plan.checkpoint.world_size
         if rank is None and world != 1:
             raise InvalidInputError(
-                f"job {job_id} step {step} was saved by CheckpointClient on {world} ranks, each its own state "
-                "dict: pass --rank R to export one of them")
+                f"job {job_id} step {step} was saved by CheckpointClient on {world} ranks, each its own "
+                "state dict: pass --rank R to export one of them")
         rank = 0 if rank is None else rank
         if not any(s.rank == rank for s in plan.shards):
             raise InvalidInputError(f"job {job_id} step {step} has no rank {rank} (world size {world})")
@@ -102,8 +106,8 @@ def _check_out_dir(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise InvalidInputError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise InvalidInputError(f"{out} exists and is not empty: pick a new directory, or pass --force to write "
-                                f"into it (its {METADATA} is replaced last)")
+        raise InvalidInputError(f"{out} exists and is not empty: pick a new directory, or pass --force to "
+                                f"write into it (its {METADATA} is replaced last)")
 
 
 def _dcp_state(link: Any, job_id: str, step: int, store_for: Callable[[str], BlobStore]) -> Any:
@@ -130,7 +134,8 @@ def _dir_bytes(out: Path) -> int:
 # ---- import --------------------------------------------------------------------------------------------
 def import_dcp(link: Any, job_id: str, step: int, src: str | os.PathLike, *,
                store_for: Callable[[str], BlobStore] = dir_store_for) -> dict[str, Any]:
-    """Save the stock DCP directory `src` as step `step` of `job_id` (world size 1, COMMITTED, never VERIFIED)."""
+    """Save the stock DCP directory `src` as step `step` of `job_id` (world size 1; COMMITTED, never
+    VERIFIED)."""
     validate_job_id(job_id)
     validate_step(step)
     src = Path(src)
@@ -162,8 +167,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        raise InvalidInputError(f"{self.where} names {module}.{name}, which DCP metadata does not hold: refused "
-                                "(nothing of it was run)")
+        raise InvalidInputError(f"{self.where} names {module}.{name}, which DCP metadata does not hold: "
+                                "refused (nothing of it was run)")
 
 
 def read_stock_metadata(src: Path) -> Metadata:
@@ -174,15 +179,16 @@ def read_stock_metadata(src: Path) -> Metadata:
         raise InvalidInputError(f"{src} is not a directory")
     path = src / METADATA
     if not path.is_file():
-        raise InvalidInputError(f"{src} is not a complete DCP checkpoint: it has no {METADATA} (DCP writes it "
-                                "last: a save that did not finish, or not a DCP directory)")
+        raise InvalidInputError(f"{src} is not a complete DCP checkpoint: it has no {METADATA} (DCP writes "
+                                "it last: a save that did not finish, or not a DCP directory)")
     try:
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f, path).load()
     except InvalidInputError:
         raise
     except Exception as e:  # noqa: BLE001 - any damage in the file: said with its name
-        raise InvalidInputError(f"{path} is not readable DCP metadata: {type(e).__name__}: {str(e)[:200]}") from None
+        raise InvalidInputError(f"{path} is not readable DCP metadata: {type(e).__name__}: "
+                                f"{str(e)[:200]}") from None
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
             or not isinstance(md.storage_data, dict):
         raise InvalidInputError(f"{path} is not DCP metadata (it holds a {type(md).__name__})")
@@ -197,8 +203,8 @@ def check_stock_files(src: Path, md: Metadata) -> None:
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(name, str) or not _DATA_NAME.fullmatch(name) or ".." in name:
-            raise InvalidInputError(f"{src}/{METADATA}: item {index.fqn!r} points at {name!r}, not a file name "
-                                    "inside the directory: refused")
+            raise InvalidInputError(f"{src}/{METADATA}: item {index.fqn!r} points at {name!r}, not a file "
+                                    "name inside the directory: refused")
         if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
             raise InvalidInputError(f"{src}/{METADATA}: item {index.fqn!r} has a bad byte range")
         if getattr(info, "transform_descriptors", None):
@@ -210,8 +216,8 @@ def check_stock_files(src: Path, md: Metadata) -> None:
                 raise InvalidInputError(f"{src} is a partial DCP checkpoint: {name} is missing")
             sizes[name] = p.stat().st_size
         if offset + length > sizes[name]:
-            raise InvalidInputError(f"{src} is a partial DCP checkpoint: {name} has {sizes[name]} bytes, item "
-                                    f"{index.fqn!r} needs bytes up to {offset + length}")
+            raise InvalidInputError(f"{src} is a partial DCP checkpoint: {name} has {sizes[name]} bytes, "
+                                    f"item {index.fqn!r} needs bytes up to {offset + length}")
     for fqn, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata) and m.properties.dtype not in DTYPES.values():
             raise InvalidInputError(f"{src}: tensor {fqn!r} has dtype {m.properties.dtype}, which sdcwatch "
@@ -244,9 +250,9 @@ class _NoPickleLoadPlanner(DefaultLoadPlanner):
         except Exception as e:  # noqa: BLE001 - said with the item's name
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise InvalidInputError(
-                f"DCP item {fqn!r} is a pickled object that is not plain data ({first[:200]}): refused, nothing of "
-                "it was run; import takes tensors, plain values (numbers, strings, lists, dicts), bytes and "
-                "BytesIO") from None
+                f"DCP item {fqn!r} is a pickled object that is not plain data ({first[:200]}): refused, "
+                "nothing of it was run; import takes tensors, plain values (numbers, strings, lists, dicts), "
+                "bytes and BytesIO") from None
         put_loaded_value(self, read_item, obj)
 
 
@@ -267,9 +273,12 @@ def _skeleton(md: Metadata, where: str) -> dict[str, Any]:
 def _nest(flat: dict[str, Any], mappings: Any) -> Any:
     """The state dict as it was saved, from DCP's flat one and its planner data (fqn -> path of keys; an int
     is a list index, as DCP's own `set_element` reads it). Without usable planner data, the flat dict."""
-    if not isinstance(mappings, dict) or set(mappings) != set(flat) or not all(
-            isinstance(p, (tuple, list)) and p and isinstance(p[0], str)
-            and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in p) for p in mappings.values()):
+    def usable(p: Any) -> bool:
+        return isinstance(p, (tuple, list)) and bool(p) and isinstance(p[0], str) and all(
+            isinstance(k, (str, int)) and not isinstance(k, bool) for k in p)
+
+    if not (isinstance(mappings, dict) and set(mappings) == set(flat)
+            and all(map(usable, mappings.values()))):
         return flat
     root: dict[str, Any] = {}
     try:
@@ -331,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                                             f"got {target!r}")
                 target = int(target)
             r = export_dcp(link, args.job, target, args.dcp, force=args.force, rank=args.rank)
-            print(f"job {r['job_id']} step {r['step']} ({r['state']}, {r['source']}) -> {r['dir']}: stock DCP, "
-                  f"{r['bytes']} bytes; load with torch.distributed.checkpoint.load(state_dict, "
+            print(f"job {r['job_id']} step {r['step']} ({r['state']}, {r['source']}) -> {r['dir']}: stock "
+                  f"DCP, {r['bytes']} bytes; load with torch.distributed.checkpoint.load(state_dict, "
                   f"checkpoint_id={r['dir']!r})")
         else:
             r = import_dcp(link, args.job, args.step, args.dir)

@@ -100,8 +100,8 @@ class ShardManifest:
     algorithm: str = ALGORITHM
     replica_set: str = ""        # the ranks that must have saved identical bytes (checkpoint.replica_bytes);
                                  # "" when this shard has no replica
-    origin: str = ""             # "" when a watched rank saved it; "import:<where from>" for bytes brought in
-                                 # from outside (`sdcwatch ckpt import`): never VERIFIED (replica_bytes.IMPORTED)
+    origin: str = ""             # "" when a watched rank saved it; "import:<where from>" for bytes brought
+                                 # in (`sdcwatch ckpt import`): never VERIFIED (replica_bytes.IMPORTED)
 
     def to_json(self) -> str:
         return json.dumps({

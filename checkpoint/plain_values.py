@@ -1,4 +1,4 @@
-"""Non-tensor state as bytes, and back, without pickle: JSON for plain values, raw bytes for bytes (torch-free).
+"""Non-tensor state as bytes, and back, without pickle: JSON for plain values, bytes raw (torch-free).
 
 A training state holds more than tensors: an optimizer's param groups (floats, ints, tuples, strings), an LR
 scheduler's state, a data loader's position, torchtitan's `BytesIO` items. `encode_item` turns one such
@@ -39,8 +39,8 @@ RESERVED = "__sdcw_"
 JSON, BYTES, BYTESIO = KINDS = VALUE_KINDS
 _MARKS = (FLOAT_MARK, BYTES_MARK, BYTESIO_MARK, TUPLE_MARK, ITEMS_MARK)
 
-WHAT_IS_PLAIN = ("a checkpoint holds tensors, bytes / io.BytesIO, and plain values: None, bool, int, float, str, "
-                 "list, tuple, dict with str or int keys")
+WHAT_IS_PLAIN = ("a checkpoint holds tensors, bytes / io.BytesIO, and plain values: None, bool, int, float, "
+                 "str, list, tuple, dict with str or int keys")
 
 
 def is_bytes_like(obj: Any) -> bool:
@@ -101,13 +101,15 @@ def _to_json(obj: Any, path: str) -> Any:
             out = {}
             for k, v in obj.items():
                 if k.startswith(RESERVED):
-                    raise InvalidInputError(f"{path}: dict key {k!r} is reserved (keys starting {RESERVED!r})")
+                    raise InvalidInputError(f"{path}: dict key {k!r} is reserved (keys starting "
+                                            f"{RESERVED!r})")
                 out[str(k)] = _to_json(v, f"{path}/{k}")
             return out
         items = []
         for k, v in obj.items():
             if isinstance(k, bool) or not isinstance(k, (int, str)):
-                raise InvalidInputError(f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str or int")
+                raise InvalidInputError(f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str "
+                                        "or int")
             items.append([int(k) if isinstance(k, int) else str(k), _to_json(v, f"{path}/{k}")])
         return {ITEMS_MARK: items}
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
@@ -148,7 +150,8 @@ def _from_json(tree: Any) -> Any:
             raise InvalidInputError(f"stored plain value has an unknown reserved key in {sorted(tree)[:4]}")
         return {k: _from_json(v) for k, v in tree.items()}
     if len(tree) != 1:
-        raise InvalidInputError(f"stored plain value has a malformed marker object with keys {sorted(tree)[:4]}")
+        raise InvalidInputError(f"stored plain value has a malformed marker object with keys "
+                                f"{sorted(tree)[:4]}")
     mark, v = marks[0], tree[marks[0]]
     try:
         if mark == FLOAT_MARK:

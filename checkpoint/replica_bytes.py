@@ -61,8 +61,8 @@ class BytesCheck:
     def summary(self) -> str:
         """One line for `sdcwatch ckpt show`: which fingerprints vouched (or why none did)."""
         if self.verdict == IMPORTED:
-            return (f"bytes imported ({self.origin}): saved by no rank sdcwatch watched, so no in-step check or "
-                    "replica vote covers them; checksummed from the import on; restorable, never VERIFIED")
+            return (f"bytes imported ({self.origin}): saved by no rank sdcwatch watched, so no in-step check "
+                    "or replica vote covers them; checksummed from the import on; restorable, never VERIFIED")
         parts = []
         for s in self.sets:
             ranks = ",".join(map(str, s.ranks))

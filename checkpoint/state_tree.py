@@ -4,7 +4,8 @@
 JSON, each tensor replaced by {"__sdcw_tensor__": index}, each tuple by {"__sdcw_tuple__": [...]}, each
 tensor-free part by {"__sdcw_value__": index, "kind": ...}) and the list of its tensors, the values' bytes
 among them as uint8 tensors (checkpoint.plain_values: JSON for plain values, raw for bytes and BytesIO);
-`unflatten` rebuilds it from the tree and the restored tensors. `DTYPES` maps the manifest's dtype names (checkpoint.manifest.DTYPE_SIZES) to torch dtypes.
+`unflatten` rebuilds it from the tree and the restored tensors. `DTYPES` maps the manifest's dtype names
+(checkpoint.manifest.DTYPE_SIZES) to torch dtypes.
 """
 from __future__ import annotations
 

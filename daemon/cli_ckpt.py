@@ -36,8 +36,8 @@ from checkpoint.errors import CheckpointError
 from checkpoint.locations import dir_store_for
 from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
 from daemon import cli_json
-from daemon.cli_common import (EXIT_OK, EXIT_USAGE, NO_AGENT_HINT, Parser, add_connection_flags, ago, connect, fail,
-                               progress_bar, rpc_error, spinner, table)
+from daemon.cli_common import (EXIT_OK, EXIT_USAGE, NO_AGENT_HINT, Parser, add_connection_flags, ago, connect,
+                               fail, progress_bar, rpc_error, spinner, table)
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 from sdcwatch.extras import available, needs
@@ -81,10 +81,11 @@ def register(subparsers: Any) -> None:
                       help="no progress bar (there is one, per chunk, only when stdout is a terminal)")
     add_connection_flags(rest)
     rest.set_defaults(func=cmd_restore)
-    exp = sub.add_parser("export", help="write a checkpoint as a stock torch.distributed.checkpoint directory",
-                         description="Write a checkpoint as a plain DCP directory (FileSystemWriter's format): "
-                                     "torch.distributed.checkpoint.load reads it without sdcwatch installed, "
-                                     "into any world size or sharding. Every byte is verified on the way out.")
+    exp = sub.add_parser("export", help="write a checkpoint as a stock DCP directory",
+                         description="Write a checkpoint as a plain DCP directory (FileSystemWriter's "
+                                     "format): torch.distributed.checkpoint.load reads it without sdcwatch "
+                                     "installed, into any world size or sharding. Every byte is verified on "
+                                     "the way out.")
     exp.add_argument("step", help="a step, 'latest' or 'latest_verified'")
     exp.add_argument("--job", required=True, help="the job id")
     exp.add_argument("--dcp", required=True, metavar="DIR", help="the directory to write (new, or empty)")
@@ -95,8 +96,9 @@ def register(subparsers: Any) -> None:
     exp.set_defaults(func=cmd_export)
     imp = sub.add_parser("import", help="bring a stock DCP directory into the tiers as a checkpoint",
                          description="Read a directory written by torch.distributed.checkpoint.save "
-                                     "(FileSystemWriter) and store it as step N of the job: COMMITTED, restorable "
-                                     "with dcp.load at any world size, never VERIFIED (no watched step made it).")
+                                     "(FileSystemWriter) and store it as step N of the job: COMMITTED, "
+                                     "restorable with dcp.load at any world size, never VERIFIED (no watched "
+                                     "step made it).")
     imp.add_argument("dir", help="the DCP directory")
     imp.add_argument("--job", required=True, help="the job id")
     imp.add_argument("--step", type=int, required=True, help="the step to store it as")
@@ -323,4 +325,5 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    return _dcp_child(args, ["import", str(Path(args.dir).absolute()), "--job", args.job, "--step", str(args.step)])
+    return _dcp_child(args, ["import", str(Path(args.dir).absolute()), "--job", args.job,
+                             "--step", str(args.step)])

@@ -152,7 +152,7 @@ def test_saved_on_two_ranks_loads_on_one_and_on_three(redis_server, tmp_path: Pa
 
 
 def test_whole_train_state_through_checkpoint_client(redis_server, tmp_path: Path, monkeypatch) -> None:
-    """The same state through CheckpointClient.save / restore, plus torch's own optimizer state dict (int keys)."""
+    """The same state through CheckpointClient.save / restore, plus torch's optimizer state_dict."""
     from checkpoint.client import CheckpointClient
     from checkpoint.snapshot import SnapshotConfig
 

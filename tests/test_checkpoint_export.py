@@ -1,6 +1,6 @@
 """`sdcwatch ckpt export` / `import` (issue 21 item 3): a checkpoint out as a stock DCP directory that
-torch.distributed.checkpoint loads in a python that cannot import sdcwatch, bit-exact; a stock DCP directory in
-as a COMMITTED, never VERIFIED checkpoint; bad input exits 2 with a message, and nothing pickled runs."""
+torch.distributed.checkpoint loads in a python that cannot import sdcwatch, bit-exact; a stock DCP directory
+in as a COMMITTED, never VERIFIED checkpoint; bad input exits 2 with a message, and nothing pickled runs."""
 from __future__ import annotations
 
 import os
@@ -104,12 +104,13 @@ def test_export_loads_with_plain_torch_without_sdcwatch(agent, tmp_path: Path) -
     fresh["bf"] = torch.zeros(7, dtype=torch.bfloat16)
     torch.save(fresh, tmp_path / "fresh.pt")
     (tmp_path / "stock.py").write_text(STOCK)
-    stock = subprocess.run([sys.executable, "-I", str(tmp_path / "stock.py"), str(out), str(tmp_path / "want.pt"),
-                            str(tmp_path / "fresh.pt")], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=scaled(120), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    stock = subprocess.run([sys.executable, "-I", str(tmp_path / "stock.py"), str(out),
+                            str(tmp_path / "want.pt"), str(tmp_path / "fresh.pt")], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=scaled(120), env=env)
     assert stock.returncode == 0, stock.stdout + stock.stderr
     assert "stock load ok" in stock.stdout
-    # DCP's own tool rebuilds the nesting from the planner data: the exported dir is DCP's format through and through
+    # DCP's own tool rebuilds the nesting from the planner data: DCP's format through and through
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(out, tmp_path / "whole.pt")
@@ -117,7 +118,7 @@ def test_export_loads_with_plain_torch_without_sdcwatch(agent, tmp_path: Path) -
     # an existing, non-empty directory: refused without --force, replaced with it
     again = cli("ckpt", "export", "5", "--job", job, "--dcp", str(out), "--socket", sock, timeout=120)
     assert again.returncode == 2 and "not empty" in again.stderr and "--force" in again.stderr
-    assert dcp_export.main(["export", "latest", "--job", job, "--dcp", str(out), "--force", "--socket", sock]) == 0
+    assert _export(sock, "latest", "--job", job, "--dcp", str(out), "--force") == 0
 
 
 def _export(sock: str, *args: str) -> int:
@@ -175,7 +176,8 @@ def test_import_stock_dir_is_committed_never_verified(agent, tmp_path: Path) -> 
     info = co.info(job, 7)
     assert info.state == "COMMITTED" and "never VERIFIED" in info.reason and "imported" in info.reason
     shown = cli("ckpt", "show", "7", "--job", job, "--socket", sock)
-    assert shown.returncode == 0 and "COMMITTED" in shown.stdout and "never VERIFIED: bytes imported" in shown.stdout
+    assert shown.returncode == 0 and "COMMITTED" in shown.stdout
+    assert "never VERIFIED: bytes imported" in shown.stdout
     assert str(src) in shown.stdout
     back = full_state(3)
     dcp.load(back, storage_reader=SdcwStorageReader(co, job), checkpoint_id=7)
@@ -202,7 +204,8 @@ def test_import_refuses_bad_directories_and_runs_nothing(agent, tmp_path: Path, 
         rc = dcp_export.main(["import", str(src), "--job", job, "--step", str(step), "--socket", sock])
         return rc, capsys.readouterr().err
 
-    assert imp(tmp_path / "nope") == (2, f"sdcwatch: import of job {job}: {tmp_path / 'nope'}: no such directory\n")
+    nope = tmp_path / "nope"
+    assert imp(nope) == (2, f"sdcwatch: import of job {job}: {nope}: no such directory\n")
     (tmp_path / "empty").mkdir()
     rc, err = imp(tmp_path / "empty")
     assert rc == 2 and "no .metadata" in err

@@ -36,8 +36,8 @@ def loader_state(seed: int = 0) -> dict[str, Any]:
 
 def train_extras(seed: int = 0) -> dict[str, Any]:
     """torchtitan's TrainState keeps lists of losses as BytesIO of torch.save bytes; raw bytes too."""
-    return {"global_avg_losses": io.BytesIO(b"losses\x00\xff" * (3 + seed)), "raw": b"\x00\x01\xfe" + bytes([seed]),
-            "empty": b""}
+    return {"global_avg_losses": io.BytesIO(b"losses\x00\xff" * (3 + seed)),
+            "raw": b"\x00\x01\xfe" + bytes([seed]), "empty": b""}
 
 
 def full_state(seed: int = 0) -> dict[str, Any]:
@@ -58,9 +58,9 @@ def same(a: Any, b: Any, path: str = "") -> None:
     assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), \
         f"{path}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)) \
-            if a.numel() and a.dtype != torch.bool else torch.equal(a, b), path
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}"
+        raw = lambda t: t.detach().reshape(-1).view(torch.uint8)   # noqa: E731
+        assert torch.equal(raw(a), raw(b)) if a.numel() and a.dtype != torch.bool else torch.equal(a, b), path
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
         for k in a:
