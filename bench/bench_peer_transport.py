@@ -12,17 +12,35 @@ the agent's default 4 MiB message limit. Rows:
   of the same buffer into a local /dev/shm directory (the same-host directory transport);
 - get: `GrpcBlobStore.readinto` of the whole blob vs `DirStore.readinto` from the local directory.
 Ratio: network throughput / local directory throughput.
+
+Streams and the cap (issue 21 item 6), same run, same endpoints: the link's reference is a plain TLS stream
+(Python `ssl` socket, the same certificate, `sendall` of the same bytes to a peer-side sink); then
+`GrpcBlobStore` puts with 1 stream (one blob), with --streams connections (the shards of a step, --streams
+blobs of N/--streams MiB put together, as the agent replicates them), the parallel ranged read of one blob,
+and a put capped at half the link (`max_bytes_per_s`). Target: the parallel rows >= 80% of the plain TLS
+stream.
+
+    python bench/bench_peer_transport.py --streams 4 --netns            # peer in its own network namespace,
+    python bench/bench_peer_transport.py --streams 4 --netns --rate-gbit 10   # over a veth pair (root), tc cap
+
+--netns needs root (ip netns, veth); the certificate then names the peer's address.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import datetime
+import ipaddress
 import os
 import shutil
+import socket
+import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,9 +52,102 @@ MiB = 1 << 20
 TOKEN = "bench-token"
 
 
-def serve(root: str, sock: str, cert: str, key: str) -> None:
-    """The peer side: PeerStore on `sock` and on TLS 127.0.0.1:<free port>; prints the port, runs until stdin
-    closes."""
+def tls_sink(host: str, cert: str, key: str, tls: bool = True) -> int:
+    """A plain TLS (or, `tls` False, TCP) server that reads each connection to its end, then answers the byte
+    count (8 bytes): the reference for what one stream between these endpoints carries. Returns its port."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    srv = socket.create_server((host, 0))
+    port = srv.getsockname()[1]
+
+    def one(conn: socket.socket) -> None:
+        with (ctx.wrap_socket(conn, server_side=True) if tls else conn) as c:
+            want = int.from_bytes(c.recv(8), "big")
+            buf = bytearray(4 * MiB)
+            got = 0
+            while got < want:
+                n = c.recv_into(buf)
+                if not n:
+                    break
+                got += n
+            c.sendall(got.to_bytes(8, "big"))
+
+    def loop() -> None:
+        while True:
+            conn, _ = srv.accept()
+            threading.Thread(target=one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return port
+
+
+def tls_send(host: str, port: int, cafile: str, data: memoryview, tls: bool = True) -> None:
+    ctx = ssl.create_default_context(cafile=cafile)
+    with socket.create_connection((host, port)) as raw, \
+            (ctx.wrap_socket(raw, server_hostname="localhost") if tls else raw) as c:
+        c.sendall(len(data).to_bytes(8, "big"))
+        for i in range(0, len(data), 2 * MiB):
+            c.sendall(data[i:i + 2 * MiB])
+        assert int.from_bytes(c.recv(8), "big") == len(data)
+
+
+def write_cert(tmp: Path, addresses: list[str]) -> tuple[Path, Path]:
+    """A self-signed certificate for `localhost` and the given IP addresses."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    san = [x509.DNSName("localhost")] + [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName(san), critical=False)
+            .sign(key, hashes.SHA256()))
+    cp, kp = tmp / "cert.pem", tmp / "key.pem"
+    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+    return cp, kp
+
+
+class NetNs:
+    """A network namespace for the peer joined to this one by a veth pair (10.213.x.1 here, .2 there),
+    optionally with a tc token-bucket rate on both ends (the emulated link)."""
+
+    def __init__(self, rate_gbit: float = 0.0) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns, self.a, self.b = f"sdcwbp{tag}", f"vbpa{tag}", f"vbpb{tag}"
+        self.here, self.there = "10.213.7.1", "10.213.7.2"
+        cmds = [f"ip netns add {self.ns}", f"ip link add {self.a} type veth peer name {self.b}",
+                f"ip link set {self.b} netns {self.ns}", f"ip addr add {self.here}/30 dev {self.a}",
+                f"ip link set {self.a} up", f"ip netns exec {self.ns} ip addr add {self.there}/30 dev {self.b}",
+                f"ip netns exec {self.ns} ip link set {self.b} up", f"ip netns exec {self.ns} ip link set lo up"]
+        if rate_gbit > 0:
+            tbf = f"tbf rate {rate_gbit}gbit burst 4mb latency 100ms"
+            cmds += [f"tc qdisc add dev {self.a} root {tbf}", f"ip netns exec {self.ns} tc qdisc add dev {self.b} root {tbf}"]
+        try:
+            for c in cmds:
+                subprocess.run(c.split(), check=True, capture_output=True)
+        except subprocess.CalledProcessError as e:
+            self.close()
+            raise SystemExit(f"--netns: {' '.join(e.cmd)} failed ({e.stderr.decode().strip()}); needs root")
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.ns]
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+def serve(root: str, sock: str, cert: str, key: str, host: str = "127.0.0.1") -> None:
+    """The peer side: PeerStore on `sock` and on TLS `host`:<free port>, and a plain TLS sink; prints both
+    ports, runs until stdin closes."""
     import grpc
 
     from checkpoint.shm_store import ShmStore
@@ -51,11 +162,11 @@ def serve(root: str, sock: str, cert: str, key: str) -> None:
         unix.add_insecure_port(f"unix:{sock}")
         tcp = grpc.aio.server(interceptors=[AgentInterceptor(TOKEN)], options=opts)
         register(tcp, service)
-        port = tcp.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        port = tcp.add_secure_port(f"{host}:0", grpc.ssl_server_credentials(
             [(Path(key).read_bytes(), Path(cert).read_bytes())]))
         await unix.start()
         await tcp.start()
-        print(port, flush=True)
+        print(port, tls_sink(host, cert, key), tls_sink(host, cert, key, tls=False), flush=True)
         await asyncio.to_thread(sys.stdin.read)
         await tcp.stop(0)
         await unix.stop(0)
@@ -76,33 +187,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--serve", nargs=4, metavar=("ROOT", "SOCK", "CERT", "KEY"), help=argparse.SUPPRESS)
+    ap.add_argument("--streams", type=int, default=4, help="parallel streams (connections) for the streams rows")
+    ap.add_argument("--netns", action="store_true", help="the peer in its own network namespace over a veth pair")
+    ap.add_argument("--rate-gbit", type=float, default=0.0, help="--netns: tc rate of the veth link (0: none)")
+    ap.add_argument("--serve", nargs=5, metavar=("ROOT", "SOCK", "CERT", "KEY", "HOST"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         return serve(*args.serve)
 
     from checkpoint.grpc_store import GrpcBlobStore, PeerCredentials
     from checkpoint.shm_store import ShmStore
-    from support import write_self_signed
 
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="sdcw-bench-peer-", dir=shm))
     tmp = Path(tempfile.mkdtemp(prefix="sdcw-bp-", dir="/tmp"))
-    cert, key = write_self_signed(tmp)
+    ns = NetNs(args.rate_gbit) if args.netns else None
+    host = ns.there if ns is not None else "127.0.0.1"
+    cert, key = write_cert(tmp, [host])
     (tmp / "token").write_text(TOKEN)
     sock = tmp / "peer.sock"
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(work / "peer"), str(sock), str(cert), str(key)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen((ns.prefix() if ns is not None else []) + [
+        sys.executable, __file__, "--serve", str(work / "peer"), str(sock), str(cert), str(key), host],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        port = int(proc.stdout.readline())
+        port, sink_port, tcp_port = (int(x) for x in proc.stdout.readline().split())
         data = memoryview(bytearray(os.urandom(MiB)) * args.mib)
         nbytes = len(data)
         local = ShmStore(work / "local", spares=0)
-        stores = {
-            "unix socket": GrpcBlobStore(f"unix://{sock}"),
-            "TLS TCP 127.0.0.1": GrpcBlobStore(f"grpcs://localhost:{port}", credentials=PeerCredentials(
-                str(cert), str(tmp / "token"))),
-        }
+        creds = PeerCredentials(str(cert), str(tmp / "token"))
+        url = f"grpcs://{host}:{port}"
+        stores = {} if ns is not None else {"unix socket": GrpcBlobStore(f"unix://{sock}")}
+        stores[f"TLS TCP {host}"] = GrpcBlobStore(url, credentials=creds)
         buf = memoryview(bytearray(nbytes))
         rows = []
         key_ = "bench/step-1/rank-0.bin"
@@ -134,7 +249,19 @@ def main() -> None:
             rows.append((f"put  {name}", t_put, base_put))
             rows.append((f"get  {name}", t_get, base_get))
             store.close()
+        streams = stream_rows(url, creds, host, sink_port, str(cert), data, args.streams, args.repeat)
+        streams.insert(1, ("plain TCP stream (no TLS): the link without encryption",
+                           timed(lambda: tls_send(host, tcp_port, str(cert), data, tls=False), args.repeat)))
         gb = nbytes / 1e9
+        print(f"\nStreams and cap ({args.mib} MiB, median of {args.repeat}; {host}"
+              + (f", own network namespace over veth" + (f", tc {args.rate_gbit:g} Gbit/s" if args.rate_gbit else "")
+                 if ns is not None else ", loopback") + f"; {os.cpu_count()} cores)")
+        link = streams[0][1]
+        print(f"| {'transfer':<58} | {'GB/s':>6} | {'x TLS stream':>12} |")
+        print(f"|{'-' * 60}|{'-' * 7}:|{'-' * 13}:|")
+        for name, t in streams:
+            print(f"| {name:<58} | {gb / t:>6.2f} | {link / t:>12.2f} |")
+        print()
         print(f"{args.mib} MiB, median of {args.repeat}; baseline: the same bytes to/from a local directory "
               f"({work})")
         print(f"| {'transfer':<24} | {'network GB/s':>12} | {'local dir GB/s':>14} | {'ratio':>6} |")
@@ -145,8 +272,60 @@ def main() -> None:
         if proc.stdin:
             proc.stdin.close()
         proc.wait(10)
+        if ns is not None:
+            ns.close()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stream_rows(url: str, creds, host: str, sink_port: int, cafile: str, data: memoryview, streams: int,
+                repeat: int) -> list[tuple[str, float]]:
+    """(name, median seconds for all of `data`) for: the plain TLS stream (first: the reference), our put
+    on 1 stream, the same bytes as `streams` shards put together over `streams` connections, the parallel
+    ranged read, and a put capped at half the plain stream's rate."""
+    from checkpoint.grpc_store import GrpcBlobStore
+
+    nbytes = len(data)
+    rows = []
+    tls_send(host, sink_port, cafile, data[:4 * MiB])
+    t_link = timed(lambda: tls_send(host, sink_port, cafile, data), repeat)
+    rows.append(("plain TLS stream (python ssl), the reference", t_link))
+    one = GrpcBlobStore(url, credentials=creds, streams=1)
+    many = GrpcBlobStore(url, credentials=creds, streams=streams)
+    key = "bench/000000000001/rank-00000.bin"
+    part = -(-nbytes // streams)
+    keys = [f"bench/000000000002/rank-{i:05d}.bin" for i in range(streams)]
+    pool = concurrent.futures.ThreadPoolExecutor(streams)
+    try:
+        for s in (one, many):
+            s.put(key, data[:4 * MiB])
+        rows.append(("ours: put, 1 stream, one blob", timed(lambda: one.put(key, data), repeat)))
+
+        def put_shards() -> None:
+            list(pool.map(lambda i: many.put(keys[i], data[i * part:(i + 1) * part]), range(len(keys))))
+        rows.append((f"ours: put, {streams} shards over {streams} streams", timed(put_shards, repeat)))
+
+        def put_shards_one_conn() -> None:
+            list(pool.map(lambda i: one.put(keys[i], data[i * part:(i + 1) * part]), range(len(keys))))
+        rows.append((f"ours: put, {streams} shards over 1 connection", timed(put_shards_one_conn, repeat)))
+        one.put(key, data)
+        buf = memoryview(bytearray(nbytes))
+        rows.append(("ours: get, 1 stream", timed(lambda: one.readinto(key, 0, buf), repeat)))
+        rows.append((f"ours: get, {streams} ranged streams", timed(lambda: many.readinto(key, 0, buf), repeat)))
+        assert bytes(buf[-MiB:]) == bytes(data[-MiB:])
+        cap = nbytes / t_link / 2
+        capped = GrpcBlobStore(url, credentials=creds, streams=streams, max_bytes_per_s=cap)
+        try:
+            rows.append((f"ours: put, {streams} shards, capped at {cap / 1e9:.2f} GB/s (half the link)",
+                         timed(lambda: list(pool.map(lambda i: capped.put(keys[i], data[i * part:(i + 1) * part]),
+                                                     range(len(keys)))), repeat)))
+        finally:
+            capped.close()
+    finally:
+        pool.shutdown()
+        one.close()
+        many.close()
+    return rows
 
 
 if __name__ == "__main__":

@@ -19,15 +19,26 @@ to the next copy as it does for a missing directory.
 
 Chunks travel as raw protobuf wire bytes built and parsed here (`encode_put`, `decode_chunk`, wire-equal
 to `PutBlobRequest` / `BlobChunk`): each chunk is copied once into the message and once out of it.
+
+Streams and a cap (issue 21 item 6; `[peers] streams`, `max_mb_per_s`; `set_transport`): a store opens
+`streams` connections to its peer (separate TCP/TLS connections, so encryption and framing run on as many
+cores); puts take the connections in turn (the agent replicates the shards of a step concurrently, one
+stream each), and a large `readinto` (restore, the replicator's read-back) is split into `streams` ranged
+GetBlob calls run in parallel. `max_bytes_per_s` caps the bytes per second to and from that peer, all
+streams together (a token bucket paced per message: `RateLimit`), so replication leaves the link to the
+training job's own traffic.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
 import re
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -42,6 +53,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = "/sdcwatch.v1.PeerStore/"
 CHUNK_BYTES = 2 << 20            # bytes per message (the agent accepts 4 MiB messages by default)
+PARALLEL_MIN_BYTES = 16 << 20    # a readinto at least this large is split over the store's streams
 MAX_MESSAGE_BYTES = 64 << 20     # this side's gRPC message limits (responses are chunked by the server)
 SCHEMES = ("grpcs", "grpc", "unix")
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$")
@@ -73,8 +85,23 @@ class PeerCredentials:
                    os.environ.get("SDCWATCH_PEER_INSECURE", "") in ("1", "true", "yes"))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerTransport:
+    """How bytes move to and from one peer: `streams` connections, at most `max_bytes_per_s` (0: no cap)."""
+
+    streams: int = 4
+    max_bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
+            raise InvalidInputError(f"peer streams must be an int in 1..64, got {self.streams!r}")
+        if not self.max_bytes_per_s >= 0:
+            raise InvalidInputError(f"peer max_bytes_per_s must be >= 0, got {self.max_bytes_per_s!r}")
+
+
 _creds: PeerCredentials | None = None
-_stores: dict[tuple[str, PeerCredentials], "GrpcBlobStore"] = {}
+_transport = PeerTransport()
+_stores: dict[tuple[str, PeerCredentials, PeerTransport], "GrpcBlobStore"] = {}
 _lock = threading.Lock()
 
 
@@ -89,8 +116,47 @@ def set_credentials(creds: PeerCredentials | None) -> None:
         s.close()
 
 
+def set_transport(transport: PeerTransport | None) -> None:
+    """This process's streams and cap per peer (None: the defaults). Closes cached channels."""
+    global _transport
+    with _lock:
+        _transport = transport or PeerTransport()
+        stores = list(_stores.values())
+        _stores.clear()
+    for s in stores:
+        s.close()
+
+
 def credentials() -> PeerCredentials:
     return _creds if _creds is not None else PeerCredentials.from_env()
+
+
+class RateLimit:
+    """At most `rate` bytes per second over all callers, with `burst_s` seconds of credit: `take(n)`
+    returns after the n bytes fit (a virtual clock: each take books n / rate seconds). `clock` and `sleep`
+    are injectable for tests."""
+
+    def __init__(self, rate: float, burst_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not rate > 0:
+            raise InvalidInputError(f"a rate limit must be positive, got {rate!r}")
+        self.rate, self.burst_s = float(rate), burst_s
+        self._clock, self._sleep = clock, sleep
+        self._t = clock()
+        self._lock = threading.Lock()
+        self.waited_s = 0.0
+
+    def take(self, n: int) -> float:
+        """Book `n` bytes; sleeps while over the rate. Returns the seconds slept."""
+        with self._lock:
+            now = self._clock()
+            self._t = max(self._t, now) + n / self.rate
+            delay = self._t - now - self.burst_s
+        if delay > 0:
+            self._sleep(delay)
+            self.waited_s += delay
+            return delay
+        return 0.0
 
 
 def is_peer_url(location: str) -> bool:
@@ -122,9 +188,11 @@ def grpc_store_for(location: str) -> "GrpcBlobStore":
     """The (cached, thread-safe) store for a peer URL under this process's credentials."""
     creds = credentials()
     with _lock:
-        store = _stores.get((location, creds))
+        tr = _transport
+        store = _stores.get((location, creds, tr))
         if store is None:
-            store = _stores[(location, creds)] = GrpcBlobStore(location, credentials=creds)
+            store = _stores[(location, creds, tr)] = GrpcBlobStore(
+                location, credentials=creds, streams=tr.streams, max_bytes_per_s=tr.max_bytes_per_s)
         return store
 
 
@@ -241,8 +309,12 @@ class GrpcBlobStore:
     """A `BlobStore` over a peer agent's PeerStore service (see the module docstring)."""
 
     def __init__(self, location: str, *, credentials: PeerCredentials | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 30.0, stream_timeout_s: float = 600.0) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 30.0, stream_timeout_s: float = 600.0,
+                 streams: int = 1, max_bytes_per_s: float = 0.0) -> None:
+        PeerTransport(streams, max_bytes_per_s)   # validates
         self.location = location
+        self.streams = streams
+        self.limit = RateLimit(max_bytes_per_s) if max_bytes_per_s > 0 else None
         self.scheme, self.target = parse_location(location)
         creds = credentials if credentials is not None else PeerCredentials()
         self.chunk_bytes = chunk_bytes
@@ -261,14 +333,22 @@ class GrpcBlobStore:
             _warn_insecure(location)
         # the token travels as per-call metadata (above), not channel credentials: a grpc:// peer that asks
         # for one gets it over plain TCP, which the insecure setting accepted
-        self._channel = agent_channel(self.target, tls_ca=(creds.tls_ca or None) if self.scheme == "grpcs" else None,
-                                      insecure=self.scheme == "grpc", options=options)
         ident = lambda b: b  # noqa: E731 - raw wire bytes in and out for the bulk messages
+        self._lanes: list[tuple[Any, Any, Any]] = []   # (channel, PutBlob, GetBlob) per connection
+        for i in range(streams):
+            # a subchannel pool of its own: each channel is its own TCP (TLS) connection
+            opts = options + ([("grpc.use_local_subchannel_pool", 1), ("sdcwatch.lane", i)] if streams > 1 else [])
+            ch = agent_channel(self.target, tls_ca=(creds.tls_ca or None) if self.scheme == "grpcs" else None,
+                               insecure=self.scheme == "grpc", options=opts)
+            self._lanes.append((ch, ch.stream_unary(SERVICE + "PutBlob", request_serializer=ident,
+                                                    response_deserializer=pb.PutBlobResponse.FromString),
+                                ch.unary_stream(SERVICE + "GetBlob", request_serializer=pb.GetBlobRequest.
+                                                SerializeToString, response_deserializer=ident)))
+        self._turn = itertools.count()
+        self._parts: concurrent.futures.ThreadPoolExecutor | None = None
+        self._parts_lock = threading.Lock()
+        self._channel, self._put, self._get = self._lanes[0]
         self._pb = pb
-        self._put = self._channel.stream_unary(SERVICE + "PutBlob", request_serializer=ident,
-                                               response_deserializer=pb.PutBlobResponse.FromString)
-        self._get = self._channel.unary_stream(SERVICE + "GetBlob", request_serializer=pb.GetBlobRequest.
-                                               SerializeToString, response_deserializer=ident)
         self._stat = self._channel.unary_unary(SERVICE + "StatBlob", request_serializer=pb.StatBlobRequest.
                                                SerializeToString, response_deserializer=pb.StatBlobResponse.FromString)
         self._list = self._channel.unary_unary(SERVICE + "ListBlobs", request_serializer=pb.ListBlobsRequest.
@@ -282,7 +362,13 @@ class GrpcBlobStore:
         return f"GrpcBlobStore({self.location!r})"
 
     def close(self) -> None:
-        self._channel.close()
+        for ch, _, _ in self._lanes:
+            ch.close()
+        if self._parts is not None:
+            self._parts.shutdown(wait=False)
+
+    def _lane(self) -> tuple[Any, Any, Any]:
+        return self._lanes[next(self._turn) % len(self._lanes)]
 
     # ---- BlobStore ----------------------------------------------------------------------------------------
     def put(self, key: str, data: Data) -> int:
@@ -292,15 +378,20 @@ class GrpcBlobStore:
             total = memoryview(data).nbytes
         elif isinstance(data, (list, tuple)):
             total = sum(memoryview(b).nbytes for b in data)
-        resp = self._call(self._put, self._requests(key, data, total), key, timeout=self.stream_timeout_s)
+        _, put, _ = self._lane()
+        resp = self._call(put, self._requests(key, data, total), key, timeout=self.stream_timeout_s)
         return int(resp.bytes)
 
     def _requests(self, key: str, data: Data, total: int | None) -> Iterator[bytes]:
         first = True
         step = self.chunk_bytes
+        limit = self.limit
         for buf in as_buffers(data):
             for i in range(0, len(buf), step):
-                yield encode_put(buf[i:i + step], key if first else "", total if first else None)
+                part = buf[i:i + step]
+                if limit is not None:
+                    limit.take(len(part))
+                yield encode_put(part, key if first else "", total if first else None)
                 first = False
         yield encode_put(memoryview(b""), key if first else "", total if first else None, finish=True)
 
@@ -312,23 +403,54 @@ class GrpcBlobStore:
 
     def readinto(self, key: str, offset: int, buf: memoryview) -> int:
         view = memoryview(buf).cast("B")
+        if self.streams > 1 and len(view) >= PARALLEL_MIN_BYTES:
+            return self._readinto_parallel(key, offset, view)
+        return self._readinto_one(key, offset, view, self._get)
+
+    def _readinto_one(self, key: str, offset: int, view: memoryview, get: Any) -> int:
         n = 0
-        for off, data in self._chunks(key, offset, len(view)):
+        for off, data in self._chunks(key, offset, len(view), get):
             if off != offset + n or n + len(data) > len(view):
                 raise PeerStoreError(f"{self.location}: GetBlob {key!r} sent bytes out of order")
             view[n:n + len(data)] = data
             n += len(data)
         return n
 
-    def _chunks(self, key: str, offset: int, length: int | None) -> Iterator[tuple[int, memoryview]]:
+    def _readinto_parallel(self, key: str, offset: int, view: memoryview) -> int:
+        """One ranged GetBlob per stream, each on its own connection, run together. Short reads behave as
+        one stream's would: the bytes up to the blob's end."""
+        size = self.size(key)
+        want = max(0, min(len(view), size - offset))
+        if want < PARALLEL_MIN_BYTES:
+            return self._readinto_one(key, offset, view, self._get)
+        part = -(-want // self.streams)
+        part = -(-part // self.chunk_bytes) * self.chunk_bytes   # whole messages per range
+        ranges = [(a, min(part, want - a)) for a in range(0, want, part)]
+        with self._parts_lock:
+            if self._parts is None:
+                self._parts = concurrent.futures.ThreadPoolExecutor(self.streams, thread_name_prefix="sdcw-peer-get")
+        futs = [self._parts.submit(self._readinto_one, key, offset + a, view[a:a + n], self._lanes[i % len(self._lanes)][2])
+                for i, (a, n) in enumerate(ranges)]
+        got = [f.result() for f in futs]
+        for (a, n), g in zip(ranges, got):
+            if g != n:
+                raise PeerStoreError(f"{self.location}: GetBlob {key!r} range at {offset + a} returned {g} of "
+                                     f"{n} bytes (the blob changed under the read?)")
+        return want
+
+    def _chunks(self, key: str, offset: int, length: int | None, get: Any = None) -> Iterator[tuple[int, memoryview]]:
         validate_key(key)
         if offset < 0 or (length is not None and length < 0):
             raise ValueError(f"bad range offset={offset} length={length} for {key!r}")
         req = self._pb.GetBlobRequest(key=key, offset=offset, length=length or 0, to_end=length is None,
                                       chunk_bytes=self.chunk_bytes)
+        get = get if get is not None else self._lane()[2]
+        limit = self.limit
         try:
-            for raw in self._get(req, timeout=self.stream_timeout_s, metadata=self._metadata):
+            for raw in get(req, timeout=self.stream_timeout_s, metadata=self._metadata):
                 off, data, _size = decode_chunk(raw)
+                if limit is not None:
+                    limit.take(len(data))
                 yield off, data
         except grpc.RpcError as e:
             raise self._error(e, key) from None

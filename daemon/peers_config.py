@@ -9,9 +9,12 @@
     tls_ca = "/etc/sdcwatch/ca.pem"      # CA that signed the peers' agent certificates (grpcs://)
     token_file = "/etc/sdcwatch/token"   # bearer token the peers' agents require on TCP
     insecure = false                     # true allows plain-TCP grpc:// entries (warns)
+    streams = 4                          # connections per network peer (parallel streams)
+    max_mb_per_s = 0                     # cap per network peer, MB/s (0: none)
 
 Every key is also a flag: `--peers-nodes`, `--peers-replication-factor`, `--peers-stride`,
-`--peers-timeout-s`, `--peers-tls-ca`, `--peers-token-file`, `--peers-insecure`. `nodes` is the job's whole
+`--peers-timeout-s`, `--peers-tls-ca`, `--peers-token-file`, `--peers-insecure`, `--peers-streams`,
+`--peers-max-mb-per-s`. `nodes` is the job's whole
 node list in one fixed order, the same on every node (so every node computes the same placement), each
 entry `NAME=LOCATION`, comma-separated. LOCATION is how this agent reaches that node's memory tier:
 
@@ -99,6 +102,10 @@ class PeersConfig:
     tls_ca: str = setting("", "PEM CA file verifying the peers' agent certificates (grpcs://)")
     token_file: str = setting("", "file holding the bearer token the peers' agents require on TCP")
     insecure: bool = setting(False, "allow grpc:// (plain TCP) entries (warns)")
+    streams: int = setting(4, "connections to each network peer: puts take them in turn, a large read is split "
+                           "over them (1..64)")
+    max_mb_per_s: float = setting(0.0, "cap on the MB/s (1e6 bytes) sent to and read from each network peer, "
+                                  "all streams together (0: no cap)")
 
     def validate(self) -> None:
         if self.replication_factor < 1:
@@ -107,6 +114,10 @@ class PeersConfig:
             raise ConfigError("peers.stride", f"must be >= 1, got {self.stride}")
         if not self.timeout_s > 0:
             raise ConfigError("peers.timeout_s", f"must be > 0, got {self.timeout_s!r}")
+        if not 1 <= self.streams <= 64:
+            raise ConfigError("peers.streams", f"must be in 1..64, got {self.streams}")
+        if not self.max_mb_per_s >= 0:
+            raise ConfigError("peers.max_mb_per_s", f"must be >= 0 (0: no cap), got {self.max_mb_per_s!r}")
         for key, value in (("tls_ca", self.tls_ca), ("token_file", self.token_file)):
             if value and not Path(value).is_file():
                 raise ConfigError(f"peers.{key}", f"file not found: {value}")

@@ -22,7 +22,7 @@ import socket
 from typing import Callable
 
 from checkpoint.coordinator import Coordinator
-from checkpoint.grpc_store import PeerCredentials, parse_location, set_credentials
+from checkpoint.grpc_store import PeerCredentials, PeerTransport, parse_location, set_credentials, set_transport
 from checkpoint.peers import Peer, Replicator, peers_of
 from daemon.errors import ConfigError
 from daemon.peers_config import PeerNode, PeersConfig
@@ -81,10 +81,12 @@ def check_own_url(location: str) -> None:
 
 
 def configure_transport(cfg: PeersConfig | None) -> None:
-    """Set this process's credentials for peer URLs from `[peers]` (tls_ca, token_file, insecure)."""
+    """Set this process's credentials (tls_ca, token_file, insecure), streams and cap for peer URLs from
+    `[peers]`."""
     if cfg is None:
         return
     set_credentials(PeerCredentials(cfg.tls_ca, cfg.token_file, cfg.insecure))
+    set_transport(PeerTransport(cfg.streams, cfg.max_mb_per_s * 1e6))
     if cfg.insecure:
         log.warning("peers.insecure: grpc:// peers are reached over PLAIN TCP (bytes and token unencrypted)")
 

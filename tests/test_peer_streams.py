@@ -1,0 +1,102 @@
+"""Issue 21 item 6: the peer transport's parallel streams (connections taken in turn by puts, a large read
+split into ranged GetBlob calls run together) and its per-peer cap; real gRPC servers (TLS TCP, token)."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from pathlib import Path
+
+import pytest
+
+import checkpoint.grpc_store as gs
+from checkpoint.errors import InvalidInputError
+from checkpoint.grpc_store import GrpcBlobStore, PeerTransport, RateLimit, grpc_store_for, set_transport
+from daemon.errors import ConfigError
+from daemon.peers_config import PeersConfig
+from daemon.peers_wiring import configure_transport
+from test_peer_network import PeerServer, _creds, peer, tls  # noqa: F401 - fixtures
+
+MiB = 1 << 20
+
+
+def test_rate_limit_books_each_message_against_the_rate() -> None:
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    lim = RateLimit(1_000_000, burst_s=0.05, clock=lambda: now[0], sleep=sleep)
+    assert lim.take(50_000) == 0.0                 # inside the burst credit
+    for _ in range(10):
+        lim.take(100_000)                          # 1 MB more at 1 MB/s
+    assert sum(slept) == pytest.approx(1.0, abs=1e-6)   # 1.05 MB in 1.05 s, 0.05 s of it credit
+    now[0] += 10.0                                 # idle: the credit does not pile up past burst_s
+    assert lim.take(50_000) == 0.0 and lim.take(100_000) == pytest.approx(0.1)
+    with pytest.raises(InvalidInputError):
+        RateLimit(0)
+    with pytest.raises(InvalidInputError):
+        PeerTransport(streams=0)
+
+
+def test_streams_split_a_large_read_and_carry_puts_in_turn(peer: PeerServer, tls: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gs, "PARALLEL_MIN_BYTES", 1 * MiB)
+    store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10, streams=3)
+    calls: list[tuple[int, int, int]] = []
+    one = store._readinto_one
+
+    def counted(key: str, offset: int, view: memoryview, get: object) -> int:
+        calls.append((offset, len(view), id(get)))
+        return one(key, offset, view, get)
+
+    monkeypatch.setattr(store, "_readinto_one", counted)
+    try:
+        blobs = {f"j/000000000001/rank-{r:05d}.bin": os.urandom(MiB + 4097 * r) for r in range(6)}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:   # the shards of a step, replicated together
+            sizes = list(pool.map(lambda kv: store.put(*kv), blobs.items()))
+        assert sizes == [len(b) for b in blobs.values()]
+        key, data = "j/000000000002/rank-00000.bin", os.urandom(5 * MiB + 123)
+        store.put(key, data)
+        buf = bytearray(len(data) + 1000)          # longer than the blob: a short read, as one stream gives
+        assert store.readinto(key, 0, memoryview(buf)) == len(data) and bytes(buf[:len(data)]) == data
+        assert len(calls) == 3 and len({g for _, _, g in calls}) == 3   # three ranges, three connections
+        assert sorted(o for o, _, _ in calls)[0] == 0 and sum(n for _, n, _ in calls) == len(data)
+        calls.clear()
+        view = memoryview(bytearray(2 * MiB))
+        assert store.readinto(key, 3 * MiB, view) == 2 * MiB and bytes(view) == data[3 * MiB:5 * MiB]
+        for k, b in blobs.items():
+            assert store.get(k) == b
+        assert len({id(ch) for ch, _, _ in store._lanes}) == 3
+    finally:
+        store.close()
+
+
+def test_the_cap_paces_puts_and_reads(peer: PeerServer, tls: dict[str, Path]) -> None:
+    store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10, streams=2,
+                          max_bytes_per_s=8e6)
+    try:
+        data = os.urandom(MiB)
+        store.put("j/000000000001/rank-00000.bin", data)
+        assert store.limit is not None and store.limit.waited_s > 0   # 1 MiB at 8 MB/s: paced
+        before = store.limit.waited_s
+        assert store.get("j/000000000001/rank-00000.bin") == data
+        assert store.limit.waited_s > before
+    finally:
+        store.close()
+
+
+def test_peers_config_sets_streams_and_cap(tls: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="peers.streams"):
+        PeersConfig(streams=0).validate()
+    with pytest.raises(ConfigError, match="peers.max_mb_per_s"):
+        PeersConfig(max_mb_per_s=-1).validate()
+    try:
+        configure_transport(PeersConfig(streams=3, max_mb_per_s=250, tls_ca=str(tls["cert"]),
+                                        token_file=str(tls["token"])))
+        store = grpc_store_for("grpcs://localhost:1")
+        assert store.streams == 3 and store.limit is not None and store.limit.rate == 250e6
+    finally:
+        set_transport(None)
+        gs.set_credentials(None)
