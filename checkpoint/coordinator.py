@@ -34,6 +34,8 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback);
                                    bounded to the MAX_BAD lowest steps (VERIFIED needs only the lowest)
   sdcw:ckpt:{J}:epoch              the highest writer epoch seen for the job (checkpoint/commit_fence.py)
+  sdcw:ckpt:nodes                  HASH node -> its agent's lease (checkpoint/node_leases.py): restore plans leave
+                                   out the copies of nodes whose agents are gone
 
 Begin and commit go through `CommitFence`: the scripts refuse a writer from an older primary era, and with
 replicas configured a call counts only once Redis's WAIT says the replicas have it (Sentinel HA,
@@ -56,6 +58,7 @@ from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.errors import CommitError, InvalidInputError, NotInMemoryError, UnknownCheckpointError
 from checkpoint.manifest import ShardManifest
 from checkpoint.names import validate_job_id, validate_rank, validate_step
+from checkpoint.node_leases import Lease, dead_nodes, live_copies
 from checkpoint.tier_policy import TIER_ORDER
 from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
                                 RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
@@ -382,18 +385,51 @@ class Coordinator:
         raise UnknownCheckpointError(f"job {job_id} has no checkpoint at step {target} in memory (have: {have})")
 
     def restore_plan(self, job_id: str, target: int | str, rank: int | None = None) -> RestorePlan:
+        """The checkpoint's shards and their memory copies, this node's first; the copies on nodes whose agents
+        are gone (`dead_nodes`) are left out. A shard left with no copy at all: NotInMemoryError naming the
+        gone nodes (the agent's service then plans from the durable tiers)."""
         info = self.resolve(job_id, target)
         if rank is not None:
             validate_rank(rank, info.world_size)
         ranks = range(info.world_size) if rank is None else [rank]
         raw = self.redis.hmget(self._keys(job_id, info.step)[1], [str(r) for r in ranks])
+        dead = self.dead_nodes() if any(c.node != self.node for c in info.copies) else set()
         shards = []
         for r, text in zip(ranks, raw):
             if text is None:
                 raise NotInMemoryError(f"job {job_id} step {info.step}: manifest of rank {r} is missing")
-            shards.append(ShardPlan(r, ShardManifest.from_json(_s(text)),
-                                    tuple(c for c in info.copies if c.rank == r)))
+            copies = tuple(c for c in info.copies if c.rank == r)
+            live = live_copies(copies, dead)
+            if copies and not live:
+                raise NotInMemoryError(
+                    f"job {job_id} step {info.step}: every memory copy of rank {r} is on a node whose agent is "
+                    f"gone ({', '.join(sorted({c.node for c in copies}))})")
+            shards.append(ShardPlan(r, ShardManifest.from_json(_s(text)), live))
         return RestorePlan(info, tuple(shards))
+
+    # ---- node leases (checkpoint/node_leases.py) ----------------------------------------------------------
+    def _server_time(self) -> float:
+        sec, usec = self.redis.time()
+        return float(sec) + float(usec) / 1e6
+
+    def renew_lease(self) -> None:
+        """This node's agent is alive for another `node_lease_s` (the Redis server's clock)."""
+        lease = Lease(self._server_time(), self.config.node_lease_s)
+        self.redis.hset(self._p + "nodes", self.node, lease.to_json())
+
+    def say_goodbye(self) -> None:
+        """This node's agent stops cleanly: its copies leave other nodes' restore plans until it renews."""
+        lease = Lease(self._server_time(), self.config.node_lease_s, gone=True)
+        self.redis.hset(self._p + "nodes", self.node, lease.to_json())
+
+    def dead_nodes(self) -> set[str]:
+        """The nodes whose agents are known gone now (goodbye said, or the lease ran out)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self._p + "nodes")
+        pipe.time()
+        raw, (sec, usec) = pipe.execute()
+        leases = {_s(node): Lease.from_json(text) for node, text in raw.items()}
+        return dead_nodes(leases, float(sec) + float(usec) / 1e6, self.node)
 
     def shard_manifests(self, job_id: str, step: int) -> dict[int, ShardManifest]:
         """Every committed shard's manifest by rank: one read, as many as were committed (never `world_size`

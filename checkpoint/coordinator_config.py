@@ -20,6 +20,8 @@ class CoordinatorConfig:
     tombstone_ttl_s: int = setting(3600, "seconds an evicted checkpoint's record stays (so late ranks learn it)")
     orphan_blob_ttl_s: float = setting(3600.0, "shard files no record names are deleted after this long")
     key_prefix: str = setting("sdcw:ckpt:", "prefix of this agent's keys in the coordination Redis")
+    node_lease_s: float = setting(30.0, "an agent renews its node's lease every third of this; a node whose lease ran "
+                                  "out (or whose agent said goodbye) is gone: its copies leave restore plans")
     max_world_size: int = setting(65536, "largest world_size a checkpoint may declare (Begin/CommitShard beyond it "
                                   "are refused; the work a request causes is bounded by what exists)")
 
@@ -34,6 +36,8 @@ class CoordinatorConfig:
                             ("orphan_blob_ttl_s", self.orphan_blob_ttl_s)):
             if not value >= 0:
                 raise bad(name, f"must be >= 0, got {value}")
+        if not self.node_lease_s > 0:
+            raise bad("node_lease_s", f"must be positive, got {self.node_lease_s}")
         if not self.pending_timeout_s > 0:
             raise bad("pending_timeout_s", f"must be positive, got {self.pending_timeout_s}")
         if not 1 <= self.max_world_size <= 2**31 - 1:

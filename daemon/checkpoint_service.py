@@ -310,6 +310,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         """Called once the agent holds its state dir (and again after its embedded Redis restarted): drop the
         copies whose bytes are gone from this node's memory tier; with `own_index`, remove the job dirs no
         record names (bytes indexed by nothing, e.g. the index file was lost)."""
+        await asyncio.to_thread(self.coordinator.renew_lease)   # alive again: our copies are planned again
         evicted = await asyncio.to_thread(self.coordinator.reconcile_local, self.clock())
         for job, steps in evicted.items():
             log.warning("job %s: checkpoint(s) %s evicted: their bytes are gone from %s", job, steps,
@@ -340,6 +341,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     def start(self, background: Background, maintenance_interval_s: float = 10.0) -> None:
         """The maintenance loop and, with durable tiers, the drainer: tasks of `background`."""
         background.start(self.run_maintenance(interval_s=maintenance_interval_s), name="checkpoint-maintenance")
+        background.start(self.run_leases(), name="checkpoint-node-lease")
         if self.drainer is not None and self.drainer.tiers:
             background.start(self.drainer.run(), name="checkpoint-drainer")
             log.info("checkpoint tiers: %s", ", ".join(f"{rt.tier.name}={rt.tier.location}"
@@ -405,6 +407,19 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
                 log.exception("checkpoint maintenance round failed")
             await asyncio.sleep(interval_s)
 
+    async def run_leases(self) -> None:
+        """Renew this node's lease every third of `node_lease_s` (checkpoint/node_leases.py), forever; a
+        failed renewal is logged (three in a row and other nodes plan without our copies)."""
+        every = self.coordinator.config.node_lease_s / 3
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.coordinator.renew_lease), every)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Redis down: the supervisor or a failover brings it back
+                log.warning("renewing this node's lease failed: %s", e)
+
     def stats(self) -> dict[str, int]:
         out = dict(self.coordinator.stats)
         if self.peer_store is not None:
@@ -417,6 +432,10 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        try:   # other nodes' restore plans leave our copies out until an agent here renews the lease
+            await asyncio.wait_for(asyncio.to_thread(self.coordinator.say_goodbye), 2.0)
+        except Exception as e:  # noqa: BLE001 - best effort: the lease runs out by itself
+            log.info("saying goodbye in the coordination Redis failed: %s", e)
         if self.drainer is not None:
             self.drainer.close()
         self.pool.shutdown()
