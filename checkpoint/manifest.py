@@ -4,7 +4,7 @@ A state dict is split into
 - `tensors`: one `TensorEntry` per tensor (dtype, shape, byte range in the shard blob, fingerprint);
 - `tree`: the state dict's structure as JSON, with each tensor replaced by {"__sdcw_tensor__": index},
   each tuple by {"__sdcw_tuple__": [...]}, and each tensor-free part (plain values, bytes, BytesIO) by
-  {"__sdcw_value__": index, "kind": "json" | "bytes" | "bytesio"}: its bytes (checkpoint.plain_values) are a
+  {"__sdcw_value__": {"__sdcw_tensor__": index}, "kind": "json" | "bytes" | "bytesio"}: its bytes (checkpoint.plain_values) are a
   uint8 entry of `tensors`, so they are checksummed, fingerprinted and compared across replicas like a
   tensor's. (Manifests written before held plain values inline in the tree; they still restore.)
 
@@ -30,7 +30,10 @@ FORMAT = "sdcwatch.ckpt.shard.v1"
 TENSOR_MARK = "__sdcw_tensor__"
 TUPLE_MARK = "__sdcw_tuple__"
 ITEMS_MARK = "__sdcw_items__"  # a dict with non-str (int) keys: [[key, value], ...]
-VALUE_MARK = "__sdcw_value__"  # {VALUE_MARK: index, KIND_KEY: kind}: a non-tensor value stored as uint8 bytes
+# {VALUE_MARK: {TENSOR_MARK: index}, KIND_KEY: kind}: a non-tensor value stored as uint8 bytes. The index sits
+# in an ordinary tensor reference so that a 0.1.0 agent, which knows only those, still finds every tensor
+# referenced and accepts the manifest (docs/wire-compat.md: manifest_json is a contract too).
+VALUE_MARK = "__sdcw_value__"
 KIND_KEY = "kind"
 VALUE_KINDS = ("json", "bytes", "bytesio")   # checkpoint.plain_values
 MAX_MANIFEST_CHARS = 256 << 20
@@ -181,11 +184,13 @@ def _tree_refs(tree: Any) -> tuple[list[int], set[int]]:
 
     def walk(obj: Any) -> None:
         if isinstance(obj, dict):
-            if set(obj) == {TENSOR_MARK} or set(obj) == {VALUE_MARK, KIND_KEY}:
-                i = obj[TENSOR_MARK] if TENSOR_MARK in obj else obj[VALUE_MARK]
+            is_value = set(obj) == {VALUE_MARK, KIND_KEY}
+            if set(obj) == {TENSOR_MARK} or is_value:
+                ref = obj[VALUE_MARK] if is_value else obj
+                i = ref.get(TENSOR_MARK) if isinstance(ref, dict) and set(ref) == {TENSOR_MARK} else None
                 if not isinstance(i, int) or isinstance(i, bool):
-                    raise InvalidInputError(f"manifest tree has a bad tensor reference {shown(i)}")
-                if VALUE_MARK in obj:
+                    raise InvalidInputError(f"manifest tree has a bad tensor reference {shown(ref)}")
+                if is_value:
                     if obj[KIND_KEY] not in VALUE_KINDS:
                         raise InvalidInputError(f"manifest tree has a value of unknown kind {shown(obj[KIND_KEY])}")
                     values.add(i)

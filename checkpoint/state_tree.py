@@ -2,7 +2,7 @@
 
 `flatten` splits a state dict into the `tree` of its `ShardManifest` (checkpoint.manifest: the structure as
 JSON, each tensor replaced by {"__sdcw_tensor__": index}, each tuple by {"__sdcw_tuple__": [...]}, each
-tensor-free part by {"__sdcw_value__": index, "kind": ...}) and the list of its tensors, the values' bytes
+tensor-free part by {"__sdcw_value__": {"__sdcw_tensor__": index}, "kind": ...}) and the list of its tensors, the values' bytes
 among them as uint8 tensors (checkpoint.plain_values: JSON for plain values, raw for bytes and BytesIO);
 `unflatten` rebuilds it from the tree and the restored tensors. `DTYPES` maps the manifest's dtype names
 (checkpoint.manifest.DTYPE_SIZES) to torch dtypes.
@@ -48,7 +48,7 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
     def value(obj: Any, path: str) -> dict[str, Any]:
         kind, payload = encode_item(obj, path)
         tensors.append((path, value_tensor(payload)))
-        return {VALUE_MARK: len(tensors) - 1, KIND_KEY: kind}
+        return {VALUE_MARK: {TENSOR_MARK: len(tensors) - 1}, KIND_KEY: kind}
 
     def children(pairs: list[tuple[Any, Any, str]]) -> list[tuple[Any, Any]] | None:
         """[(key, subtree)] with the tensor-free children stored as values, or None if none holds a tensor."""
@@ -121,7 +121,7 @@ def unflatten(tree: Any, tensors: list[torch.Tensor], host: list[torch.Tensor] |
             if set(tree) == {TENSOR_MARK}:
                 return tensors[tree[TENSOR_MARK]]
             if set(tree) == {VALUE_MARK, KIND_KEY}:
-                t = src[tree[VALUE_MARK]]
+                t = src[tree[VALUE_MARK][TENSOR_MARK]]
                 return decode_item(tree[KIND_KEY], t.cpu().numpy().tobytes() if t.numel() else b"")
             if set(tree) == {TUPLE_MARK}:
                 return tuple(walk(v) for v in tree[TUPLE_MARK])

@@ -28,8 +28,9 @@ def test_whole_train_state_round_trip_in_one_process(redis_server, tmp_path: Pat
     co, job = node(redis_server.port, tmp_path, "n0"), job_id("dcps")
     writer = SdcwStorageWriter(co, job)
     dcp.save(full_state(0), storage_writer=writer, checkpoint_id=5)
+    dcp.async_save(full_state(0), storage_writer=writer, checkpoint_id=6).result(60)   # staged copy: the same
     writer.close()
-    assert [(i.step, i.state) for i in co.list(job)] == [(5, "COMMITTED")]
+    assert [(i.step, i.state) for i in co.list(job)] == [(5, "COMMITTED"), (6, "COMMITTED")]
     m = co.shard_manifest(job, 5, 0)
     paths = {t.path for t in m.tensors}
     assert len(paths) > 20   # every non-tensor item is a uint8 entry in the blob: checksummed, fingerprinted
@@ -47,6 +48,9 @@ def test_whole_train_state_round_trip_in_one_process(redis_server, tmp_path: Pat
     want = full_state(0)
     same(sd, want)
     assert isinstance(sd["train"]["global_avg_losses"], io.BytesIO)
+    sd6 = _skeleton(2)
+    dcp.load(sd6, storage_reader=SdcwStorageReader(co, job), checkpoint_id=6)
+    same(sd6, want)
     assert type(sd["loader"]["order"]) is tuple and type(sd["loader"]["pos"]) is int
     # and the loaded state drives the objects: a model, AdamW and scheduler set from it continue identically
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -147,6 +151,15 @@ def test_saved_on_two_ranks_loads_on_one_and_on_three(redis_server, tmp_path: Pa
         same(sd.pop("w"), w_full())
         same(sd, full_state(0))
         _run(ctx, _load_rank, 3, (str(short_tmp / "init3"), server.target, job))
+        # exported from both shards into one stock DCP directory, read back by DCP's own FileSystemReader
+        from checkpoint.dcp_export import export_dcp
+
+        assert export_dcp(co, job, 9, tmp_path / "stock")["step"] == 9
+        sd = _skeleton(6)
+        sd["w"] = torch.zeros(W_ROWS, 5)
+        dcp.load(sd, checkpoint_id=str(tmp_path / "stock"), no_dist=True)
+        same(sd.pop("w"), w_full())
+        same(sd, full_state(0))
     finally:
         server.stop()
 

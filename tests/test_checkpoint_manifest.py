@@ -211,8 +211,41 @@ def test_values_round_trip_exactly_and_bytes_stay_bytes() -> None:
 
 
 def test_manifest_value_refs_are_checked() -> None:
-    bad = _manifest(tree={"a": {"__sdcw_value__": 0, "kind": "pickle"}})
+    bad = _manifest(tree={"a": {"__sdcw_value__": {"__sdcw_tensor__": 0}, "kind": "pickle"}})
     with pytest.raises(InvalidInputError, match="unknown kind"):
         ShardManifest.from_json(bad.to_json())
     with pytest.raises(InvalidInputError, match="uint8"):   # a value must be stored as bytes
+        ShardManifest.from_json(_manifest(tree={"a": {"__sdcw_value__": {"__sdcw_tensor__": 0},
+                                                      "kind": "json"}}).to_json())
+    with pytest.raises(InvalidInputError, match="bad tensor reference"):
         ShardManifest.from_json(_manifest(tree={"a": {"__sdcw_value__": 0, "kind": "json"}}).to_json())
+
+
+def test_a_0_1_0_agent_accepts_manifests_with_values() -> None:
+    """manifest_json is a wire contract (docs/wire-compat.md). 0.1.0's ShardManifest.from_json counted only
+    {"__sdcw_tensor__": i} objects, walking into every other dict and list, and required exactly
+    range(len(tensors)): a manifest with values (each one's index inside an ordinary tensor reference) passes."""
+    def refs_0_1_0(tree: object) -> set:
+        refs: set = set()
+
+        def walk(obj: object) -> None:
+            if isinstance(obj, dict):
+                if set(obj) == {"__sdcw_tensor__"}:
+                    refs.add(obj["__sdcw_tensor__"])
+                    return
+                for v in obj.values():
+                    walk(v)
+            elif isinstance(obj, list):
+                for v in obj:
+                    walk(v)
+
+        walk(tree)
+        return refs
+
+    import io
+
+    sd = {"model": {"w": torch.ones(3)}, "optim": {"state": {0: {"step": torch.tensor(1.0)}},
+                                                   "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95)}]},
+          "loader": {"pos": 3}, "extra": io.BytesIO(b"x"), "step": 4}
+    tree, named = flatten(sd)
+    assert len(named) == 6 and sorted(refs_0_1_0(json.loads(json.dumps(tree)))) == list(range(len(named)))
