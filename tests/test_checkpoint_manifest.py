@@ -224,7 +224,7 @@ def test_manifest_value_refs_are_checked() -> None:
 def test_a_0_1_0_agent_accepts_manifests_with_values() -> None:
     """manifest_json is a wire contract (docs/wire-compat.md). 0.1.0's ShardManifest.from_json counted only
     {"__sdcw_tensor__": i} objects, walking into every other dict and list, and required exactly
-    range(len(tensors)): a manifest with values (each one's index inside an ordinary tensor reference) passes."""
+    range(len(tensors)): a manifest with values (each index inside an ordinary tensor reference) passes."""
     def refs_0_1_0(tree: object) -> set:
         refs: set = set()
 
