@@ -6,7 +6,8 @@ A state dict is split into
   each tuple by {"__sdcw_tuple__": [...]}, and each tensor-free part (plain values, bytes, BytesIO) by
   {"__sdcw_value__": {"__sdcw_tensor__": index}, "kind": "json" | "bytes" | "bytesio"}: its bytes
   (checkpoint.plain_values) are a uint8 entry of `tensors`, so they are checksummed, fingerprinted and
-  compared across replicas like a tensor's. (Manifests written before held plain values inline in the tree; they still restore.)
+  compared across replicas like a tensor's. (Manifests written before held plain values inline in the tree;
+  they still restore.)
 
 `ShardManifest.from_json` validates everything it reads (names, ranges, chunk coverage, references),
 so a damaged or hostile manifest fails with `InvalidInputError`, never deep inside a restore.

@@ -3,7 +3,8 @@
 `flatten` splits a state dict into the `tree` of its `ShardManifest` (checkpoint.manifest: the structure as
 JSON, each tensor replaced by {"__sdcw_tensor__": index}, each tuple by {"__sdcw_tuple__": [...]}, each
 tensor-free part by {"__sdcw_value__": {"__sdcw_tensor__": index}, "kind": ...}) and the list of its
-tensors, the values' bytes among them as uint8 tensors (checkpoint.plain_values: JSON for plain values, raw for bytes and BytesIO);
+tensors, the values' bytes among them as uint8 tensors (checkpoint.plain_values: JSON for plain values, raw
+for bytes and BytesIO);
 `unflatten` rebuilds it from the tree and the restored tensors. `DTYPES` maps the manifest's dtype names
 (checkpoint.manifest.DTYPE_SIZES) to torch dtypes.
 """
