@@ -29,19 +29,29 @@ MAX_OFFSETS = 64
 
 
 def bit_pattern(nbytes: int, seed: int = 0) -> torch.Tensor:
-    """A uint8 CPU tensor of `nbytes`: 4 KiB blocks cycling 0x00, 0xFF, 0x55, 0xAA, walking ones, random."""
+    """A uint8 CPU tensor of `nbytes`: 4 KiB blocks cycling 0x00, 0xFF, 0x55, 0xAA, walking ones, random.
+    Built block-wise in place (memset speed: the full suite's 512 MiB in well under a second)."""
     if nbytes < 1:
         raise ValueError(f"pattern size must be >= 1 byte, got {nbytes}")
     gen = torch.Generator().manual_seed(seed)
     out = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
-    idx = torch.arange(nbytes)
-    kind = (idx // BLOCK) % 6
-    out = torch.where(kind == 0, torch.zeros_like(out), out)
-    out = torch.where(kind == 1, torch.full_like(out, 0xFF), out)
-    out = torch.where(kind == 2, torch.full_like(out, 0x55), out)
-    out = torch.where(kind == 3, torch.full_like(out, 0xAA), out)
-    walking = (torch.ones_like(out, dtype=torch.int64) << (idx % 8)).to(torch.uint8)
-    return torch.where(kind == 4, walking, out)
+    walking = (torch.ones(BLOCK, dtype=torch.int64) << (torch.arange(BLOCK) % 8)).to(torch.uint8)
+    full = nbytes // BLOCK
+    rows = out[:full * BLOCK].view(full, BLOCK)
+    for kind, value in _FIXED_BLOCKS.items():
+        rows[kind::6] = value
+    rows[4::6] = walking
+    tail = out[full * BLOCK:]
+    if tail.numel():
+        kind = full % 6
+        if kind in _FIXED_BLOCKS:
+            tail.fill_(_FIXED_BLOCKS[kind])
+        elif kind == 4:
+            tail.copy_(walking[:tail.numel()])
+    return out
+
+
+_FIXED_BLOCKS = {0: 0x00, 1: 0xFF, 2: 0x55, 3: 0xAA}   # block kind (index mod 6) -> its byte
 
 
 @runtime_checkable

@@ -1,6 +1,7 @@
 """Cross-device vote (simulated devices on the CPU) and the data-movement canaries."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from probes import canary_copy as cc
@@ -80,6 +81,17 @@ def test_bit_pattern_has_the_fixed_blocks() -> None:
     assert int(p[2 * cc.BLOCK]) == 0x55 and int(p[3 * cc.BLOCK]) == 0xAA
     assert p[4 * cc.BLOCK: 4 * cc.BLOCK + 8].tolist() == [1, 2, 4, 8, 16, 32, 64, 128]
     assert torch.equal(p, cc.bit_pattern(6 * cc.BLOCK, seed=1))
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4 * 4096 + 9, 5 * 4096 + 100, 6 * 4096 + 5, 13 * 4096 + 3])
+def test_bit_pattern_matches_its_per_byte_definition(nbytes: int) -> None:
+    """Built block-wise for speed, it stays the per-byte definition, partial last blocks included."""
+    gen = torch.Generator().manual_seed(7)
+    rnd = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8).tolist()
+    fixed = {0: 0x00, 1: 0xFF, 2: 0x55, 3: 0xAA}
+    want = [fixed.get((i // cc.BLOCK) % 6, (1 << (i % 8)) if (i // cc.BLOCK) % 6 == 4 else rnd[i])
+            for i in range(nbytes)]
+    assert cc.bit_pattern(nbytes, seed=7).tolist() == want
 
 
 def test_h2d_corrupted_byte_is_found() -> None:
