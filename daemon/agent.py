@@ -10,7 +10,8 @@ Lifecycle (`run()`):
          Redis's supervisor, daemon/redis_supervisor.py) -> servers (health NOT_SERVING) -> GPU discovery and
          probes -> ready: health SERVING (and `sdcwatch.v1.Checkpoints`), `agent.json` written.
   stop (SIGTERM/SIGINT): health NOT_SERVING -> servers stop with grace (in-flight RPCs drain) ->
-         background tasks cancelled -> journal flushed -> embedded Redis stopped -> socket, lock removed.
+         background tasks cancelled -> journal flushed -> embedded Redis stopped -> socket, lock removed
+         (each step bounded: a Redis failing over or gone never holds the stop up; daemon/background.py).
 
 ReportStep (`handle_report`, called by daemon/service.py after validation): the job tracker accounts the
 report and says what to do (`JobTracker.report`, daemon/jobs.py: None for the usual report), the agent does
@@ -69,6 +70,7 @@ from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+_STOP_STEP_S = 3.0   # the most each shutdown step waits (tasks, the checkpoint service, the Redis stream)
 
 
 class Agent:
@@ -297,16 +299,17 @@ class Agent:
             await self.alerts.stop(flush_timeout_s=2.0)
         grace = self.config.agent.shutdown_grace_s
         await asyncio.gather(*(s.stop(grace) for s in self._servers), return_exceptions=True)
-        await self.background.cancel()
+        # every step below is bounded: a Redis that is failing over (or gone) never holds the stop up
+        await self.background.cancel(_STOP_STEP_S)
         self.probes.stop()
         with contextlib.suppress(Exception):
-            await self.checkpoints.close()
+            await asyncio.wait_for(self.checkpoints.close(timeout_s=_STOP_STEP_S), 2 * _STOP_STEP_S)
         self.background.run_closers()
         if self.redis is not None:
             with contextlib.suppress(Exception):
-                await self._flush_stream()
+                await asyncio.wait_for(self._flush_stream(), _STOP_STEP_S)
             with contextlib.suppress(Exception):
-                await self.redis.aclose()
+                await asyncio.wait_for(self.redis.aclose(), _STOP_STEP_S)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -57,7 +57,7 @@ from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, R
                                 ShardPlan)
 from sdcwatch.event_kinds import Publish
 from checkpoint.shm_store import ShmStore, default_shm_root, secure_memory_dir
-from daemon.background import Background
+from daemon.background import Background, cancel_tasks
 from daemon.pools import WorkPool
 from daemon.checkpoint_metrics import CheckpointMetrics
 from daemon.peer_store_service import PeerStoreService
@@ -426,12 +426,11 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             out.update(self.peer_store.stats)
         return out
 
-    async def close(self, remove_memory: bool = False) -> None:
+    async def close(self, remove_memory: bool = False, timeout_s: float = 5.0) -> None:
         """Stop background work; remove this node's memory dir only when `remove_memory` (never by default:
-        the checkpoints stay restorable by the next agent on the same state dir)."""
-        for t in list(self._background):
-            t.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        the checkpoints stay restorable by the next agent on the same state dir). Waits at most `timeout_s`
+        for its tasks (`cancel_tasks`); the pools never wait for a call in progress."""
+        await cancel_tasks(self._background, timeout_s)
         try:   # other nodes' restore plans leave our copies out until an agent here renews the lease
             await asyncio.wait_for(asyncio.to_thread(self.coordinator.say_goodbye), 2.0)
         except Exception as e:  # noqa: BLE001 - best effort: the lease runs out by itself
