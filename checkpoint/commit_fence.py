@@ -21,6 +21,10 @@ Two rules, both enforced by Redis itself (no home-made consensus):
    commit that way once in a few runs with WAIT 1). Right after a failover only one replica is online and
    WAIT asks for that one, so commits resume. Pair it with the primary's `min-replicas-to-write` so an
    isolated old primary refuses writes outright (docs/sentinel.md).
+3. **Era check.** After WAIT the epoch is read again (from the Sentinels); a write during which a failover
+   began does not count, even acknowledged: a primary being demoted still takes writes and WAIT counts the
+   replicas it still has, which then resync from the promoted one and drop them. The caller retries in the
+   new era (one extra retry per failover; one Sentinel query per replicated write).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class CommitFence:
         self.ack_timeout_ms = ack_timeout_ms
         self._epoch: int | None = None
         self._lock = threading.Lock()
-        self.stats = {"fenced": 0, "not_replicated": 0}
+        self.stats = {"fenced": 0, "not_replicated": 0, "era_changed": 0}
 
     def epoch(self) -> int:
         with self._lock:
@@ -131,10 +135,30 @@ class CommitFence:
                     f"the write reached {int(replies[1])} of {need} replicas within "
                     f"{self.ack_timeout_ms} ms; it does not count (retry)"
                 )
+            if need:
+                self._check_era(epoch)
             return reply
         raise StoreUnavailableError(
             f"the coordination store fenced epoch {epoch} (a newer primary era exists) "
             "and the epoch read again is no newer"
+        )
+
+
+    def _check_era(self, epoch: int) -> None:
+        """After WAIT: the write counts only if no failover began meanwhile. A primary Sentinel is demoting
+        (a false failover under load, or the promotion of a replica already under way) still takes writes,
+        and WAIT counts the replicas it still has, which are about to resync from the promoted one and drop
+        them: an acknowledged write lost. A moved epoch makes this ack uncertain: the call raises
+        StoreUnavailableError (transient) and the caller redoes it, idempotently, in the new era."""
+        now = self._read()
+        if now == epoch:
+            return
+        with self._lock:
+            self._epoch = now
+        self.stats["era_changed"] += 1
+        raise StoreUnavailableError(
+            f"the coordination store failed over during this write (epoch {epoch} -> {now}): whether the "
+            "write survived is uncertain; it does not count (retry)"
         )
 
 

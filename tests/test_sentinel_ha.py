@@ -59,12 +59,6 @@ def test_sentinel_urls_parse_and_bad_ones_say_what_is_wrong() -> None:
         RedisConfig(replicas_to_ack=1).validate()  # the embedded Redis has no replicas
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap (issue 24 report): under load about one run in four loses a commit all ranks were told "
-    "of (the step is missing from the promoted primary) although WAIT acknowledged it; "
-    "bench/bench_sentinel.py passes 20 kills",
-)
 def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluster, tmp_path: Path) -> None:
     """Three agents (one rank each) save step after step; the primary is killed twice. Every commit a rank
     was told about is in the store afterwards, each step is completed and announced once, every announced
@@ -78,12 +72,16 @@ def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluste
             step += 1
             save_shard(agents[rank], JOB, step, rank, world, log, deadline_s=30, vote=rank == 0)
 
+    def complete() -> set[int]:   # the steps every rank was told are in (the ranks run at their own pace)
+        with log.lock:
+            return {s for s, _ in log.reported if all((s, r) in log.reported for r in range(world))}
+
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
     for t in threads:
         t.start()
     epochs = [cluster.epoch()]
     for _ in range(2):
-        wait_for(lambda: len(log.reported) >= 3 * world + len(epochs) * world * 3, 60, "saves before a kill")
+        wait_for(lambda: len(complete()) >= 3 * len(epochs), 60, "complete saves before a kill")
         cluster.wait_healthy()
         primary, killed_at = cluster.primary_port(), time.monotonic()
         cluster.kill(primary)
@@ -91,8 +89,8 @@ def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluste
         assert cluster.primary_port() != primary
         epochs.append(cluster.epoch())
         cluster.restart(primary)
-    n = len(log.reported)
-    wait_for(lambda: len(log.reported) >= n + 2 * world, 60, "saves after the last restart")
+    n = len(complete())
+    wait_for(lambda: len(complete()) >= max(n + 2, 8), 60, "complete saves after the last restart")
     stop.set()
     for t in threads:
         t.join(60)
@@ -102,14 +100,14 @@ def test_primary_killed_during_saves_from_several_agents(cluster: SentinelCluste
     co = agents[0]
     final = {i.step: i for i in co.list(JOB)}
     steps_reported = {s for s, _ in log.reported}
-    complete = {s for s in steps_reported if all((s, r) in log.reported for r in range(world))}
-    assert len(complete) >= 8
-    for s in complete:  # every rank was told its shard is in: the checkpoint is, with every shard
+    complete_steps = {s for s in steps_reported if all((s, r) in log.reported for r in range(world))}
+    assert len(complete_steps) >= 8
+    for s in complete_steps:  # every rank was told its shard is in: the checkpoint is, with every shard
         assert final[s].state in policy.RESTORABLE_STATES and final[s].shards == world, (s, final[s])
     for s, ranks in log.completed.items():
         assert len(ranks) == 1, f"step {s} completed by ranks {ranks}"
         assert log.announced.get(s) == 1, f"step {s} announced {log.announced.get(s)} times"
-    assert set(log.completed) == complete
+    assert set(log.completed) == complete_steps
     for s in log.verified:  # nothing VERIFIED is lost
         assert final[s].state == policy.VERIFIED, (s, final[s])
     assert all(v == 1 for v in log.verified.values())
@@ -121,7 +119,8 @@ def test_commit_killed_before_replication_is_durable_or_never_reported(
     """The replicas are paused, so the primary takes the completing commit but no replica acknowledges it:
     WAIT says so and the rank is not told. The primary dies. The promoted replica either lacks the flip (it
     never got it) or has it (the bytes were already in its socket buffer when it was paused): either the
-    commit is durable or it was never reported. The rank's retry then reports it, once."""
+    commit is durable or it was never reported. The rank's retry then reports it, once (its first try in the
+    new era may hear that the era changed under it, and tries again)."""
     c = cluster_without_min_replicas
     log = SaveLog()
     a, b = agent(c.url, tmp_path, "a", log), agent(c.url, tmp_path, "b", log)
@@ -147,7 +146,12 @@ def test_commit_killed_before_replication_is_durable_or_never_reported(
     rec = redis.Redis(port=new, decode_responses=True).hgetall(f"sdcw:ckpt:{{{JOB}}}:s:7")
     assert rec["state"] in ("PENDING", "COMMITTED")
     assert rec["state"] == "PENDING" or rec["completed_by"] == "0"
-    r = a.commit_shard(JOB, 7, 0, 2, manifest)
+    for _ in range(3):   # a write acknowledged across the failover does not count (commit_fence: era check)
+        try:
+            r = a.commit_shard(JOB, 7, 0, 2, manifest)
+            break
+        except StoreUnavailableError as e:
+            assert "failed over during this write" in str(e)
     assert r.state == "COMMITTED" and r.committed_now and log.announced == {7: 1}
     assert not b.commit_shard(JOB, 7, 1, 2, b.shard_manifest(JOB, 7, 1).to_json()).committed_now
 
@@ -223,3 +227,36 @@ def test_the_agent_runs_on_sentinel_and_rides_out_a_failover(
         assert agent_proc.stop() == 0, agent_proc.log()
     finally:
         agent_proc.stop()
+
+
+class _Pipe:
+    def __init__(self, acks: int) -> None:
+        self.acks, self.calls = acks, []
+
+    def wait(self, n: int, timeout_ms: int) -> None:
+        self.calls.append(("WAIT", n))
+
+    def execute(self) -> list:
+        return [["OK"], self.acks]
+
+
+def test_an_ack_across_a_failover_does_not_count_and_the_retry_does() -> None:
+    """A write that WAIT acknowledged while Sentinel's epoch moved (a primary being demoted still takes
+    writes, and the replicas WAIT counted resync from the promoted one) is uncertain: StoreUnavailableError,
+    and the retry in the new era counts."""
+    reads = iter([5, 6, 6])
+    fence = CommitFence(lambda: next(reads), replicas=1)
+    pipe = _Pipe(acks=1)
+
+    class Client:
+        def pipeline(self, transaction: bool = False) -> _Pipe:
+            return pipe
+
+    def script(keys: list, args: list, client: _Pipe) -> None:
+        client.calls.append(("SCRIPT", args[-1]))   # the epoch the write presents
+
+    with pytest.raises(StoreUnavailableError, match=r"failed over during this write \(epoch 5 -> 6\)"):
+        fence.run(Client(), script, ["k"], [], "fence")
+    assert fence.run(Client(), script, ["k"], [], "fence") == ["OK"]
+    assert pipe.calls == [("SCRIPT", 5), ("WAIT", 1), ("SCRIPT", 6), ("WAIT", 1)]
+    assert fence.stats["era_changed"] == 1
