@@ -64,6 +64,23 @@ _UNHEALTHY_ERRNOS = {errno.ENOSPC: "disk full", errno.EROFS: "read-only filesyst
 
 _THROTTLE_SLICE = 1 << 20
 
+Progress = Callable[[int, int, str], None]   # (done_bytes, total_bytes, what): a long operation's progress
+
+
+class _Meter:
+    """Counts bytes handled towards a total and reports each step to a `Progress` callback (if any)."""
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total, self.done, self.what, self._progress = total, 0, "", progress
+
+    def add(self, n: int) -> None:
+        if n <= 0:
+            return
+        self.done += n
+        self.total = max(self.total, self.done)
+        if self._progress is not None:
+            self._progress(self.done, self.total, self.what)
+
 
 class VerifyError(CheckpointError):
     """The copy written to a tier does not read back as what was sent (it is deleted; the next attempt may
@@ -112,6 +129,17 @@ class Throttle:
             self.sleep(wait)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DrainResult:
+    """One copy `Drainer.drain_all` tried (or skipped): to `tier`, of this node's part of (`job`, `step`)."""
+    tier: str
+    job: str
+    step: int
+    ok: bool
+    detail: str
+    bytes: int
+
+
 @dataclasses.dataclass(slots=True)
 class TierStats:
     bytes: int = 0
@@ -143,6 +171,7 @@ class _TierRuntime:
         self.orphan_seen: dict[str, float] = {}
         self.hung = False
         self.dropped_noted: set[tuple[str, int]] = set()
+        self.last_error: dict[tuple[str, int], str] = {}   # why the newest hop of (job, step) failed
         self.lock = threading.Lock()
 
 
@@ -236,6 +265,82 @@ class Drainer:
                     rt.inflight.pop((job, step), None)
         return out
 
+    def drain_all(self, job: str = "", progress: Progress | None = None, now: float | None = None,
+                  wait_s: float = 3600.0) -> list[DrainResult]:
+        """Blocking (`sdcwatch ckpt drain`, e.g. before maintenance): copy, verified, what the tiers'
+        policies have pending now and the newest and the newest VERIFIED checkpoint of each job in this node's
+        memory (or of `job`) onto every tier that lacks this node's part of it, fastest tier first, ignoring
+        the retry backoff; copies the background drainer is already making are waited for (up to `wait_s`).
+        Each (tier, job, step) is tried at most once. A hung tier is not tried (its result says so).
+        `progress(done_bytes, total_bytes, what)` after every chunk. Returns every copy tried or skipped."""
+        now = self.clock() if now is None else now
+        meter = _Meter(0, progress)
+        results: dict[tuple[str, str, int], DrainResult] = {}
+        give_up = time.monotonic() + wait_s
+        while True:
+            targets = [t for t in self._drain_targets(job, now) if (t[0].tier.name, t[1], t[2]) not in results]
+            runnable = [t for t in targets if (t[1], t[2]) not in t[0].inflight]
+            if not runnable:   # the background drainer is copying the rest: wait for its results
+                for rt, j, step, _ in targets:
+                    started = rt.inflight.get((j, step))
+                    late = started is not None and time.monotonic() - started > rt.tier.hop_timeout_s
+                    if rt.hung or late or time.monotonic() > give_up:
+                        results[(rt.tier.name, j, step)] = DrainResult(
+                            rt.tier.name, j, step, False, "tier hung: a copy there has run over "
+                            f"{rt.tier.hop_timeout_s:.0f}s" if rt.hung or late else
+                            f"still being copied after {wait_s:.0f}s", 0)
+                if not targets:
+                    break
+                time.sleep(0.05)
+                continue
+            meter.total += sum(n for *_, n in runnable)
+            for rt, j, step, nbytes in runnable:
+                key = (rt.tier.name, j, step)
+                if rt.hung:
+                    results[key] = DrainResult(rt.tier.name, j, step, False, "tier hung: a copy there has run "
+                                               f"over {rt.tier.hop_timeout_s:.0f}s; not tried", 0)
+                    meter.add(nbytes)
+                    continue
+                meter.what = f"{rt.tier.name} {j} step {step}"
+                start = meter.done
+                rt.inflight[(j, step)] = time.monotonic()
+                try:
+                    ok = self._hop_guarded(rt, j, step, meter.add)
+                finally:
+                    rt.inflight.pop((j, step), None)
+                meter.add(start + nbytes - meter.done)
+                results[key] = DrainResult(rt.tier.name, j, step, ok,
+                                           "copied, verified" if ok else rt.last_error.get((j, step), "failed"),
+                                           nbytes if ok else 0)
+        return list(results.values())
+
+    def _drain_targets(self, job: str, now: float) -> list[tuple[_TierRuntime, str, int, int]]:
+        """(tier, job, step, this node's bytes) that `drain_all` copies, tier order."""
+        mem = self._memory_checkpoints()
+        wanted: dict[str, set[int]] = collections.defaultdict(set)
+        for (j, step), (state, *_rest) in mem.items():
+            if job and j != job:
+                continue
+            wanted[j].add(step)
+        newest: dict[str, set[int]] = {}
+        for j, steps in wanted.items():
+            verified = [s for s in steps if mem[(j, s)][0] == policy.VERIFIED]
+            newest[j] = {max(steps), *([max(verified)] if verified else [])}
+        nbytes = {k: v[3] for k, v in mem.items()}
+        out: list[tuple[_TierRuntime, str, int, int]] = []
+        for rt, j, step in self.plan(now):
+            if not job or j == job:
+                out.append((rt, j, step, nbytes.get((j, step), 0)))
+        planned = {(rt.tier.name, j, step) for rt, j, step, _ in out}
+        for rt in self.tiers:
+            for j, steps in sorted(newest.items()):
+                for step in sorted(steps):
+                    tc = rt.catalog.get((j, step))
+                    if (tc is None or self.node not in tc.parts) and (rt.tier.name, j, step) not in planned:
+                        out.append((rt, j, step, nbytes.get((j, step), 0)))
+        order = {rt.tier.name: i for i, rt in enumerate(self.tiers)}
+        return sorted(out, key=lambda t: (order[t[0].tier.name], t[1], -t[2]))
+
     # ---- planning -----------------------------------------------------------------------------------
     def _memory_checkpoints(self) -> dict[tuple[str, int], tuple[str, int, frozenset[int], int]]:
         """(job, step) -> (state, world_size, ranks this node holds in memory, bytes) for restorable records."""
@@ -312,10 +417,12 @@ class Drainer:
         return set(undrained[-2:])
 
     # ---- a hop --------------------------------------------------------------------------------------
-    def _hop_guarded(self, rt: _TierRuntime, job: str, step: int) -> bool:
+    def _hop_guarded(self, rt: _TierRuntime, job: str, step: int,
+                     on_chunk: Callable[[int], None] | None = None) -> bool:
         name = rt.tier.name
+        rt.last_error.pop((job, step), None)
         try:
-            nbytes, seconds = self.drain_one(rt, job, step)
+            nbytes, seconds = self.drain_one(rt, job, step, on_chunk)
         except VerifyError as e:
             self._fail(rt, job, step, ek.CHECKPOINT_TIER_VERIFY_FAILED, str(e), retry=True)
             rt.stats.verify_failures += 1
@@ -325,11 +432,13 @@ class Drainer:
             if not self._in_memory(job, step):   # retention or a rollback dropped it while its drain was queued
                 log.info("drain of %s step %d to %s skipped: the checkpoint left memory meanwhile (%s)",
                          job, step, name, e)
+                rt.last_error[(job, step)] = f"skipped: the checkpoint left memory meanwhile ({e})"
                 return False
             self._fail(rt, job, step, ek.CHECKPOINT_DRAIN_SOURCE_CORRUPT, str(e), retry=False)
             return False
         except UnknownCheckpointError as e:
             log.info("drain of %s step %d to %s skipped: %s", job, step, name, e)
+            rt.last_error[(job, step)] = f"skipped: {e}"
             return False
         except Exception as e:  # noqa: BLE001 - disk full, read-only, S3 down, hung...
             why = _why(e)
@@ -356,6 +465,9 @@ class Drainer:
     def _fail(self, rt: _TierRuntime, job: str, step: int, kind: EventKind, why: str, *, retry: bool,
               unhealthy: str = "") -> None:
         name = rt.tier.name
+        rt.last_error[(job, step)] = why
+        while len(rt.last_error) > 1024:
+            rt.last_error.pop(next(iter(rt.last_error)))
         rt.stats.failures += 1
         rt.stats.errors += 1
         rt.step_failures[(job, step)] += 1
@@ -409,8 +521,10 @@ class Drainer:
             raise UnknownCheckpointError(f"{job} step {step}: no source copy on this node any more")
         return manifests, sources, world, state, vouched
 
-    def drain_one(self, rt: _TierRuntime, job: str, step: int) -> tuple[int, float]:
-        """Copy this node's shards of (job, step) to the tier, verified, then commit the tier manifest."""
+    def drain_one(self, rt: _TierRuntime, job: str, step: int,
+                  on_chunk: Callable[[int], None] | None = None) -> tuple[int, float]:
+        """Copy this node's shards of (job, step) to the tier, verified, then commit the tier manifest;
+        `on_chunk(nbytes)` after each chunk sent (or each shard found already there, for its size)."""
         t0 = time.perf_counter()
         manifests, sources, world, state, vouched = self._sources(rt, job, step)
         dest = rt.tier.store
@@ -419,9 +533,11 @@ class Drainer:
         try:
             for rank, m in sorted(manifests.items()):
                 if self._already_there(dest, m):
+                    if on_chunk is not None:
+                        on_chunk(m.nbytes)
                     continue  # resume: a previous (killed) hop stored this shard whole
                 written.append(m.blob)
-                dest.put(m.blob, self._verified_chunks(m, sources[rank], rt.throttle))
+                dest.put(m.blob, self._verified_chunks(m, sources[rank], rt.throttle, on_chunk))
                 self._verify_written(rt, m)
                 total += m.nbytes
             tm = TierManifest(job, step, world, self.node, state, self.clock(),
@@ -455,7 +571,7 @@ class Drainer:
         return not self._bad_chunks(dest, m)
 
     def _verified_chunks(self, m: ShardManifest, srcs: list[tuple[str, BlobStore]],
-                         throttle: Throttle) -> Iterator[memoryview]:
+                         throttle: Throttle, on_chunk: Callable[[int], None] | None = None) -> Iterator[memoryview]:
         buf = memoryview(bytearray(max((c.length for c in m.chunks), default=0)))
         with contextlib.ExitStack() as maps:
             mapped = [maps.enter_context(_mapped(store, m.blob, m.nbytes)) for _, store in srcs]
@@ -481,14 +597,18 @@ class Drainer:
                                                  f"to drain from: {'; '.join(tried) or 'no source'}")
                 if throttle.rate <= 0:
                     yield dst
-                    continue
-                for off in range(0, c.length, _THROTTLE_SLICE):   # paced in slices: a big chunk is paced too
-                    piece = dst[off:off + _THROTTLE_SLICE]
-                    throttle.take(len(piece))
-                    yield piece
+                else:
+                    for off in range(0, c.length, _THROTTLE_SLICE):   # paced in slices: a big chunk too
+                        piece = dst[off:off + _THROTTLE_SLICE]
+                        throttle.take(len(piece))
+                        yield piece
+                if on_chunk is not None:
+                    on_chunk(c.length)
 
-    def _bad_chunks(self, store: BlobStore, m: ShardManifest) -> list[str]:
-        """What is wrong with `store`'s copy of the shard: [] when every chunk checksum matches."""
+    def _bad_chunks(self, store: BlobStore, m: ShardManifest,
+                    on_chunk: Callable[[int], None] | None = None) -> list[str]:
+        """What is wrong with `store`'s copy of the shard: [] when every chunk checksum matches.
+        `on_chunk(nbytes)` after each chunk read."""
         try:
             size = store.size(m.blob)
         except KeyError:
@@ -508,6 +628,8 @@ class Drainer:
                         return ["missing"]
                 if not verify(got, c):
                     bad.append(f"chunk @{c.offset}: " + ("short read" if len(got) != c.length else "checksum mismatch"))
+                if on_chunk is not None:
+                    on_chunk(c.length)
         return bad
 
     def _verify_written(self, rt: _TierRuntime, m: ShardManifest) -> None:
@@ -654,9 +776,11 @@ class Drainer:
         return out
 
     def verify_copies(self, job: str, step: int, memory: list[tuple[str, str, BlobStore]],
-                      progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+                      progress: Progress | None = None) -> list[dict[str, Any]]:
         """Re-read every copy of (job, step): `memory` [(tier, location, store)] plus every tier; each shard
-        copy gets {tier, location, rank, ok, detail}. Bad copies count as tier errors and are journaled."""
+        copy gets {tier, location, rank, ok, detail}. Bad copies count as tier errors and are journaled.
+        `progress(done_bytes, total_bytes, what)` after every chunk read (and once per copy that could not
+        be read, for its whole size)."""
         manifests = self.coordinator.shard_manifests(job, step)   # the shards that exist, not world_size of them
         copies: list[tuple[str, str, BlobStore, ShardManifest]] = []
         for tier, location, store in memory:
@@ -673,11 +797,15 @@ class Drainer:
         if not copies:
             raise UnknownCheckpointError(f"job {job} step {step}: no copy on any tier this node can read")
         out = []
+        meter = _Meter(sum(m.nbytes for *_, m in copies), progress)
         for tier, location, store, m in copies:
+            meter.what = f"{tier} rank {m.rank}"
+            start = meter.done
             try:
-                bad = self._bad_chunks(store, m)
+                bad = self._bad_chunks(store, m, meter.add)
             except Exception as e:  # noqa: BLE001
                 bad = [f"read error: {_why(e)}"]
+            meter.add(start + m.nbytes - meter.done)   # a copy cut short still counts as handled
             out.append({"tier": tier, "location": location, "rank": m.rank, "ok": not bad,
                         "detail": "; ".join(bad[:4]) or f"{len(m.chunks)} chunks ok", "bytes": m.nbytes})
             if bad:
@@ -687,8 +815,6 @@ class Drainer:
                 self._emit(ek.CHECKPOINT_COPY_CORRUPT, job,
                            f"step {step} rank {m.rank} on {tier} ({location}) is bad: {'; '.join(bad[:4])}",
                            {"step": step, "rank": m.rank, "tier": tier})
-            if progress is not None:
-                progress(m.nbytes)
         return out
 
     def stats(self) -> dict[str, TierStats]:

@@ -33,12 +33,14 @@ NOT_FOUND, commit conflicts -> FAILED_PRECONDITION, corrupt bytes -> DATA_LOSS, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 import redis
@@ -111,6 +113,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         self.pool = pool or WorkPool("checkpoints")
         self.peer_store = PeerStoreService(coordinator.store, pool=peer_pool)
         self._background: set[asyncio.Task[Any]] = set()
+        self._drain_lock = asyncio.Lock()
         self._summaries: list[agent_pb2.CheckpointSummary] = []
         self._summary_at = 0.0
         self._memory_bytes = 0
@@ -267,8 +270,77 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         checks = await self._call(context, self.verify_copies, job, request.step)
         return pb.VerifyCopiesResponse(checks=[pb.CopyCheck(**c) for c in checks])
 
-    def verify_copies(self, job: str, step: int) -> list[dict[str, Any]]:
-        """Blocking: re-check every copy (memory here and on peers this node can open, every tier)."""
+    async def WatchVerifyCopies(self, request: pb.VerifyCopiesRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VerifyCopiesUpdate]:
+        """VerifyCopies with progress: an update after every chunk read (coalesced while the client is
+        slower), then the result."""
+        job = await self._job(request.job_id, context)
+        if request.step < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {request.step}")
+        async for kind, value in self._with_progress(context, self.verify_copies, job, request.step):
+            if kind == "progress":
+                yield pb.VerifyCopiesUpdate(progress=value)
+            else:
+                yield pb.VerifyCopiesUpdate(result=pb.VerifyCopiesResponse(checks=[pb.CopyCheck(**c) for c in value]))
+
+    async def Drain(self, request: pb.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DrainUpdate]:
+        """Copy this node's checkpoints to the durable tiers now and wait (`Drainer.drain_all`): progress
+        after every chunk, then every copy tried and the tiers' state. FAILED_PRECONDITION without tiers."""
+        job = request.job_id
+        if job:
+            job = await self._job(job, context)
+        if self.drainer is None or not self.drainer.tiers:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "no durable checkpoint tier is configured ([tiers] nvme, flash or s3): a node's "
+                                "checkpoints live in memory only and cannot be drained")
+        async with self._drain_lock:   # one drain at a time; a second waits for the first
+            async for kind, value in self._with_progress(context, self.drainer.drain_all, job):
+                if kind == "progress":
+                    yield pb.DrainUpdate(progress=value)
+                else:
+                    hops = [pb.DrainHop(tier=r.tier, job_id=r.job, step=r.step, ok=r.ok, detail=r.detail,
+                                        bytes=r.bytes) for r in value]
+                    yield pb.DrainUpdate(result=pb.DrainResponse(hops=hops, tiers=self.tier_status()))
+
+    async def _with_progress(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any],
+                             *args: Any) -> AsyncIterator[tuple[str, Any]]:
+        """Run the blocking `fn(*args, progress)` on a thread of its own (a long drain must not hold one of the
+        RPC pool's workers, nor the loop's shutdown); yield ("progress", pb.Progress) as it reports (the newest
+        only, when several are waiting), then ("result", its return value). Errors map like `_call`'s."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[tuple[int, int, str]] = asyncio.Queue()
+
+        def progress(done: int, total: int, what: str) -> None:
+            with contextlib.suppress(RuntimeError):   # the loop is gone: the agent is stopping
+                loop.call_soon_threadsafe(updates.put_nowait, (done, total, what))
+
+        done = run_in_thread(loop, getattr(fn, "__name__", "checkpoint-op"), fn, *args, progress)
+        while True:
+            getter = asyncio.ensure_future(updates.get())
+            try:
+                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if getter.done() and not getter.cancelled():
+                latest = getter.result()
+                while not updates.empty():
+                    latest = updates.get_nowait()
+                yield "progress", pb.Progress(done_bytes=latest[0], total_bytes=latest[1], what=latest[2])
+                continue
+            if done.done():
+                break
+        try:
+            result = done.result()
+        except Exception as e:  # noqa: BLE001
+            code, msg = _status_for(e, fn)
+            await context.abort(code, msg)
+        yield "result", result
+
+    def verify_copies(self, job: str, step: int, progress: Any = None) -> list[dict[str, Any]]:
+        """Blocking: re-check every copy (memory here and on peers this node can open, every tier);
+        `progress(done_bytes, total_bytes, what)` after every chunk (checkpoint.drainer.Progress)."""
         memory: list[tuple[str, str, Any]] = []
         try:
             info = self.coordinator.info(job, step)
@@ -283,8 +355,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         except UnknownCheckpointError:
             pass
         if self.drainer is not None:
-            return self.drainer.verify_copies(job, step, memory)
-        return Drainer(self.coordinator, []).verify_copies(job, step, memory)
+            return self.drainer.verify_copies(job, step, memory, progress)
+        return Drainer(self.coordinator, []).verify_copies(job, step, memory, progress)
 
     async def Tiers(self, request: pb.TiersRequest, context: grpc.aio.ServicerContext) -> pb.TiersResponse:
         return pb.TiersResponse(tiers=self.tier_status())
@@ -486,22 +558,53 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return await self.pool.run(fn, *args)
-        except InvalidInputError as e:
-            code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-        except UnknownCheckpointError as e:
-            code, msg = grpc.StatusCode.NOT_FOUND, str(e)
-        except StoreUnavailableError as e:
-            code, msg = grpc.StatusCode.UNAVAILABLE, f"coordination store: {e}"
-        except CommitError as e:
-            code, msg = grpc.StatusCode.FAILED_PRECONDITION, str(e)
-        except CorruptCheckpointError as e:
-            code, msg = grpc.StatusCode.DATA_LOSS, str(e)
-        except redis.RedisError as e:
-            code, msg = grpc.StatusCode.UNAVAILABLE, f"coordination Redis unavailable: {e}"
         except Exception as e:  # noqa: BLE001
-            log.exception("checkpoint RPC %s failed", getattr(fn, "__name__", fn))
-            code, msg = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+            code, msg = _status_for(e, fn)
         await context.abort(code, msg)
+
+
+def _status_for(e: Exception, fn: Any) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a checkpoint RPC answers for the error its work `fn` raised."""
+    if isinstance(e, InvalidInputError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, UnknownCheckpointError):
+        return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, StoreUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, f"coordination store: {e}"
+    if isinstance(e, CommitError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    if isinstance(e, CorruptCheckpointError):
+        return grpc.StatusCode.DATA_LOSS, str(e)
+    if isinstance(e, redis.RedisError):
+        return grpc.StatusCode.UNAVAILABLE, f"coordination Redis unavailable: {e}"
+    log.error("checkpoint RPC %s failed", getattr(fn, "__name__", fn), exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+def run_in_thread(loop: asyncio.AbstractEventLoop, name: str, fn: Callable[..., Any],
+                  *args: Any) -> "asyncio.Future[Any]":
+    """`fn(*args)` on a daemon thread of its own; a future of the loop settles with its result. Unlike
+    `asyncio.to_thread`, the loop's end never waits for it (a drain to a slow tier outliving a stop)."""
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):   # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name=f"sdcw-{name}", daemon=True).start()
+    return fut
 
 
 def register(server: grpc.aio.Server, service: CheckpointService) -> None:

@@ -4,6 +4,10 @@
     sdcwatch ckpt show STEP --job JOB [--json]   one checkpoint: every shard copy, its tier and location
     sdcwatch ckpt tiers [--json]                 each durable tier: health, backlog, what it holds
     sdcwatch ckpt verify STEP --job JOB [--json] re-read every copy on every tier, chunk checksums
+                                                 (a progress bar per chunk on a terminal)
+    sdcwatch ckpt drain [--job JOB] [--json]     copy this node's checkpoints to the durable tiers now and
+                                                 wait (before maintenance): the tiers' pending copies and the
+                                                 newest and newest VERIFIED of each job onto every tier
     sdcwatch ckpt restore TARGET --job JOB --out DIR [--rank R]
                                                  fetch a verified copy (fastest good tier first, chunk by
                                                  chunk fallback) into DIR: rank-<r>.bin + rank-<r>.json
@@ -14,8 +18,9 @@
                                                  as step N: COMMITTED, never VERIFIED
 
 Exit codes: 0 success; 1 no such checkpoint, or a bad copy found (`verify`) / no good copy (`restore`,
-`export`); 2 bad usage or the agent cannot be reached (for `export` and `import` also: step not found, an
-output directory not empty without --force, a missing, partial or non-DCP input directory).
+`export`) / a copy that failed or no durable tier configured (`drain`); 2 bad usage or the agent cannot be
+reached (for `export` and `import` also: step not found, an output directory not empty without --force, a
+missing, partial or non-DCP input directory).
 `export` and `import` need torch; they run in a child (`python -m checkpoint.dcp_export`), so this command
 never imports torch, and they run on the agent's node (they read and write its memory tier).
 """
@@ -37,7 +42,7 @@ from checkpoint.locations import dir_store_for
 from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
 from daemon import cli_json
 from daemon.cli_common import (EXIT_OK, EXIT_USAGE, NO_AGENT_HINT, Parser, add_connection_flags, ago, connect,
-                               fail, progress_bar, rpc_error, spinner, table)
+                               fail, progress_bar, progress_meter, rpc_error, spinner, table)
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 from sdcwatch.extras import available, needs
@@ -47,7 +52,7 @@ EXIT_NOT_FOUND = 1
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("ckpt", help="checkpoints: list, show, tiers, verify, restore",
+    p = subparsers.add_parser("ckpt", help="checkpoints: list, show, tiers, verify, drain, restore",
                               description="The checkpoints this agent knows, in memory and on the durable tiers.")
     sub = p.add_subparsers(dest="ckpt_command", required=True, parser_class=Parser)
     ls = sub.add_parser("ls", help="list checkpoints: step, state, size, where each copy is")
@@ -69,9 +74,22 @@ def register(subparsers: Any) -> None:
     ver.add_argument("step", type=int, help="the checkpoint's step")
     ver.add_argument("--job", required=True, help="the job id")
     ver.add_argument("--json", action="store_true", help="print JSON")
-    ver.add_argument("--no-progress", action="store_true", help="no sign of life while the agent verifies")
+    ver.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (there is one, per chunk read, only when stdout is a terminal)")
     add_connection_flags(ver)
     ver.set_defaults(func=cmd_verify, timeout=600.0)
+    drain = sub.add_parser("drain", help="copy this node's checkpoints to the durable tiers now, and wait",
+                           description="Copy this node's checkpoints to the durable tiers (NVMe, flash, S3) now, "
+                           "verified, and wait: what the tiers' policies have pending, and the newest and the "
+                           "newest VERIFIED checkpoint of each job onto every tier that lacks them (e.g. before "
+                           "maintenance). Exit 0 when every copy was made or nothing was missing, 1 when a copy "
+                           "failed or no tier is configured, 2 when the agent cannot be reached.")
+    drain.add_argument("--job", default="", help="only this job (default: every job in this node's memory)")
+    drain.add_argument("--json", action="store_true", help="print JSON")
+    drain.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (there is one, per chunk, only when stdout is a terminal)")
+    add_connection_flags(drain)
+    drain.set_defaults(func=cmd_drain, timeout=3600.0)
     rest = sub.add_parser("restore", help="fetch a verified copy of a checkpoint into a directory")
     rest.add_argument("target", help="a step, 'latest' or 'latest_verified'")
     rest.add_argument("--job", required=True, help="the job id")
@@ -236,10 +254,39 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _stream(args: argparse.Namespace, name: str, request: Any, label: str) -> tuple[int, Any]:
+    """Call the streaming RPC `name`: its progress updates drive a bar (per chunk, on a terminal); returns
+    (exit code, the final `result`). An agent without the RPC (older) gets the unary call `fallback`."""
+    client = connect(args)
+    try:
+        stub = pb_grpc.CheckpointsStub(client.channel)
+        result = None
+        with progress_meter(label, enabled=not args.no_progress) as update:
+            for msg in getattr(stub, name)(request, timeout=args.timeout):
+                if msg.WhichOneof("update") == "progress":
+                    update(msg.progress.done_bytes, msg.progress.total_bytes, msg.progress.what)
+                else:
+                    result = msg.result
+        if result is None:
+            print(f"sdcwatch: {name}: the agent ended the call without a result", file=sys.stderr)
+            return EXIT_USAGE, None
+        return EXIT_OK, result
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED and name == "WatchVerifyCopies":
+            with spinner(label, enabled=not args.no_progress):   # an agent older than the streaming call
+                return _rpc(args, "VerifyCopies", request)
+        code = rpc_error(exc, "checkpoints", client.where)
+        if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+            code = EXIT_NOT_FOUND
+        return code, None
+    finally:
+        client.close()
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
 
-    with spinner(f"verifying every copy of job {args.job} step {args.step}", enabled=not args.no_progress):
-        code, resp = _rpc(args, "VerifyCopies", pb.VerifyCopiesRequest(job_id=args.job, step=args.step))
+    code, resp = _stream(args, "WatchVerifyCopies", pb.VerifyCopiesRequest(job_id=args.job, step=args.step),
+                         f"verify {args.job} step {args.step}")
     if code != EXIT_OK:
         return code
     bad = [c for c in resp.checks if not c.ok]
@@ -252,6 +299,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(table(rows))
         print(f"{len(resp.checks) - len(bad)}/{len(resp.checks)} copies good"
               + (f"; {len(bad)} BAD (restore skips them chunk by chunk)" if bad else ""))
+    return EXIT_NOT_FOUND if bad else EXIT_OK
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Copy this node's checkpoints to the durable tiers now, verified, and wait (before maintenance): what
+    the tiers' policies have pending, and the newest and newest VERIFIED checkpoint of each job onto every
+    tier. Exit 0: every copy made (or nothing was missing); 1: a copy failed, or no tier is configured."""
+    what = f"job {args.job}" if args.job else "every job"
+    code, resp = _stream(args, "Drain", pb.DrainRequest(job_id=args.job), f"drain {what}")
+    if code != EXIT_OK:
+        return code
+    bad = [h for h in resp.hops if not h.ok]
+    if args.json:
+        print(cli_json.dump({"ok": not bad, "hops": [cli_json.to_json(h) for h in resp.hops],
+                             "tiers": [cli_json.to_json(t) for t in resp.tiers]}))
+        return EXIT_NOT_FOUND if bad else EXIT_OK
+    if not resp.hops:
+        print(f"nothing to drain: the tiers already hold what {what} has in this node's memory")
+    else:
+        rows = [["TIER", "JOB", "STEP", "RESULT", "SIZE", "DETAIL"]]
+        for h in resp.hops:
+            rows.append([h.tier, h.job_id, str(h.step), "ok" if h.ok else "FAILED", human_bytes(h.bytes),
+                         "" if h.ok else h.detail])
+        print(table(rows))
+        print(f"{len(resp.hops) - len(bad)}/{len(resp.hops)} copies made"
+              + (f"; {len(bad)} FAILED: those checkpoints are not on that tier" if bad else ""))
+    for t in resp.tiers:
+        if not t.healthy:
+            print(f"tier {t.tier} is UNHEALTHY: {t.reason}", file=sys.stderr)
     return EXIT_NOT_FOUND if bad else EXIT_OK
 
 

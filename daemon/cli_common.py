@@ -135,6 +135,24 @@ def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[Calla
 
 
 @contextlib.contextmanager
+def progress_meter(label: str, enabled: bool = True) -> Iterator[Callable[[int, int, str], None]]:
+    """`update(done_bytes, total_bytes, what)` for a rich progress bar fed by the agent's progress updates
+    (cumulative, per chunk), drawn only when stdout is a terminal (and `enabled`); otherwise a no-op."""
+    if not (enabled and sys.stdout.isatty()):
+        yield lambda done, total, what: None
+        return
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True) as p:
+        task = p.add_task(label, total=None)
+
+        def update(done: int, total: int, what: str) -> None:
+            p.update(task, completed=done, total=total or None,
+                     description=f"{label}: {what}" if what else label)
+
+        yield update
+
+
+@contextlib.contextmanager
 def spinner(label: str, enabled: bool = True) -> Iterator[None]:
     """A rich spinner with the elapsed time while one long call runs, only when stdout is a terminal."""
     if not (enabled and sys.stdout.isatty()):

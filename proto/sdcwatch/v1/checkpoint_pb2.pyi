@@ -247,6 +247,62 @@ class VerifyCopiesResponse(_message.Message):
     checks: _containers.RepeatedCompositeFieldContainer[CopyCheck]
     def __init__(self, checks: _Optional[_Iterable[_Union[CopyCheck, _Mapping]]] = ...) -> None: ...
 
+class Progress(_message.Message):
+    __slots__ = ("done_bytes", "total_bytes", "what")
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    done_bytes: int
+    total_bytes: int
+    what: str
+    def __init__(self, done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., what: _Optional[str] = ...) -> None: ...
+
+class VerifyCopiesUpdate(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: Progress
+    result: VerifyCopiesResponse
+    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[VerifyCopiesResponse, _Mapping]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DrainHop(_message.Message):
+    __slots__ = ("tier", "job_id", "step", "ok", "detail", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    job_id: str
+    step: int
+    ok: bool
+    detail: str
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("hops", "tiers")
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    hops: _containers.RepeatedCompositeFieldContainer[DrainHop]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    def __init__(self, hops: _Optional[_Iterable[_Union[DrainHop, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...
+
+class DrainUpdate(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: Progress
+    result: DrainResponse
+    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[DrainResponse, _Mapping]] = ...) -> None: ...
+
 class TierStatus(_message.Message):
     __slots__ = ("tier", "location", "healthy", "reason", "backlog_bytes", "checkpoints", "bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]

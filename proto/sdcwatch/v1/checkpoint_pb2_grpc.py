@@ -79,6 +79,16 @@ class CheckpointsStub:
                 request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersRequest.SerializeToString,
                 response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersResponse.FromString,
                 _registered_method=True)
+        self.WatchVerifyCopies = channel.unary_stream(
+                '/sdcwatch.v1.Checkpoints/WatchVerifyCopies',
+                request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesRequest.SerializeToString,
+                response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesUpdate.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_stream(
+                '/sdcwatch.v1.Checkpoints/Drain',
+                request_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.DrainUpdate.FromString,
+                _registered_method=True)
 
 
 class CheckpointsServicer:
@@ -138,6 +148,18 @@ class CheckpointsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchVerifyCopies(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_CheckpointsServicer_to_server(servicer, server):
                     servicer.Tiers,
                     request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersRequest.FromString,
                     response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersResponse.SerializeToString,
+            ),
+            'WatchVerifyCopies': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchVerifyCopies,
+                    request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesRequest.FromString,
+                    response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesUpdate.SerializeToString,
+            ),
+            'Drain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.DrainUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class Checkpoints:
             '/sdcwatch.v1.Checkpoints/Tiers',
             proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersRequest.SerializeToString,
             proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.TiersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchVerifyCopies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sdcwatch.v1.Checkpoints/WatchVerifyCopies',
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesRequest.SerializeToString,
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.VerifyCopiesUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sdcwatch.v1.Checkpoints/Drain',
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.DrainRequest.SerializeToString,
+            proto_dot_sdcwatch_dot_v1_dot_checkpoint__pb2.DrainUpdate.FromString,
             options,
             channel_credentials,
             insecure,
