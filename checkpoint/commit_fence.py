@@ -21,10 +21,13 @@ Two rules, both enforced by Redis itself (no home-made consensus):
    commit that way once in a few runs with WAIT 1). Right after a failover only one replica is online and
    WAIT asks for that one, so commits resume. Pair it with the primary's `min-replicas-to-write` so an
    isolated old primary refuses writes outright (docs/sentinel.md).
-3. **Era check.** After WAIT the epoch is read again (from the Sentinels); a write during which a failover
-   began does not count, even acknowledged: a primary being demoted still takes writes and WAIT counts the
-   replicas it still has, which then resync from the promoted one and drop them. The caller retries in the
-   new era (one extra retry per failover; one Sentinel query per replicated write).
+3. **Era check.** After WAIT the Sentinels are asked again (`redis_connect.era_source`); a write does not
+   count, even acknowledged, when the epoch moved or a Sentinel reports the primary down or failing over
+   (`s_down`, `o_down`, `failover_in_progress`): a primary being demoted (a failover of a live but slow
+   primary, under load) still takes writes, and WAIT counts the replicas it still has, which then resync from
+   the promoted one and drop them (tests/test_sentinel_ha.py lost a reported commit that way at load 28 on
+   2 cores). The caller retries in the new era (one extra retry per failover; one query per Sentinel per
+   replicated write).
 """
 
 from __future__ import annotations
@@ -67,10 +70,12 @@ class CommitFence:
         replicas: int = 0,
         ack_timeout_ms: int = 1000,
         all_online: bool = False,
+        era_source: Callable[[], Any] | None = None,
     ) -> None:
         if replicas < 0 or ack_timeout_ms < 0:
             raise ValueError(f"replicas and ack_timeout_ms must be >= 0, got {replicas}, {ack_timeout_ms}")
         self._source = epoch_source
+        self._era = era_source   # redis_connect.era_source: the epoch and whether a failover is under way
         self.replicas = replicas
         self.all_online = all_online
         self.ack_timeout_ms = ack_timeout_ms
@@ -150,16 +155,24 @@ class CommitFence:
         and WAIT counts the replicas it still has, which are about to resync from the promoted one and drop
         them: an acknowledged write lost. A moved epoch makes this ack uncertain: the call raises
         StoreUnavailableError (transient) and the caller redoes it, idempotently, in the new era."""
-        now = self._read()
-        if now == epoch:
+        if self._era is None:
+            now, unsettled = self._read(), False
+        else:
+            try:
+                era = self._era()
+            except redis.RedisError as e:
+                raise StoreUnavailableError(f"cannot read the coordination store's epoch: {e}") from e
+            now, unsettled = int(era.epoch), bool(era.unsettled)
+        if now == epoch and not unsettled:
             return
         with self._lock:
             self._epoch = now
         self.stats["era_changed"] += 1
-        raise StoreUnavailableError(
-            f"the coordination store failed over during this write (epoch {epoch} -> {now}): whether the "
-            "write survived is uncertain; it does not count (retry)"
-        )
+        if now != epoch:
+            why = f"the coordination store failed over during this write (epoch {epoch} -> {now})"
+        else:
+            why = "a Sentinel reports the primary down or failing over"
+        raise StoreUnavailableError(f"{why}: whether the write survived is uncertain; it does not count (retry)")
 
 
 def online_replicas(client: Any) -> int:

@@ -221,20 +221,33 @@ def connect_async(url: str, options: RedisOptions | None = None) -> redis.asynci
     )
 
 
-def epoch_source(url: str, options: RedisOptions | None = None) -> Callable[[], int]:
-    """A callable returning the current fencing epoch: the highest `config-epoch` of the service that any
-    reachable Sentinel reports (a Sentinel that has not heard of a failover yet reports the older one), 0 for
-    a single server. Raises redis.ConnectionError when no Sentinel answers."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Era:
+    """What the Sentinels say of the service now: the highest `config-epoch`, and whether any of them
+    thinks the primary is down or is failing it over (`s_down`, `o_down`, `failover_in_progress` in its
+    flags): a write acknowledged then may be on a primary about to be demoted."""
+
+    epoch: int
+    unsettled: bool = False
+
+
+_UNSETTLED_FLAGS = {"s_down", "o_down", "failover_in_progress"}
+
+
+def era_source(url: str, options: RedisOptions | None = None) -> Callable[[], Era]:
+    """A callable returning the `Era` from every reachable Sentinel (a Sentinel that has not heard of a
+    failover yet reports the older epoch, hence the highest); `Era(0)` for a single server. Raises
+    redis.ConnectionError when no Sentinel answers."""
     if not is_sentinel(url):
-        return lambda: 0
+        return lambda: Era(0)
     o = options or RedisOptions()
     s = parse_sentinel_url(url)
     clients = [
         redis.Redis(host=h, port=p, decode_responses=True, **_sentinel_kwargs(s, o)) for h, p in s.sentinels
     ]
 
-    def current() -> int:
-        best, errors = -1, []
+    def current() -> Era:
+        best, unsettled, errors = -1, False, []
         for c in clients:
             try:
                 state = c.sentinel_master(s.service)
@@ -242,11 +255,20 @@ def epoch_source(url: str, options: RedisOptions | None = None) -> Callable[[], 
                 errors.append(f"{c.connection_pool.connection_kwargs.get('port')}: {e}")
                 continue
             best = max(best, int(state.get("config-epoch", 0)))
+            flags = state.get("flags", "")
+            flags = set(flags.split(",")) if isinstance(flags, str) else set(flags)
+            unsettled = unsettled or bool(flags & _UNSETTLED_FLAGS)
         if best < 0:
             raise redis.ConnectionError(f"no Sentinel answered for {s.service!r}: {'; '.join(errors)}")
-        return best
+        return Era(best, unsettled)
 
     return current
+
+
+def epoch_source(url: str, options: RedisOptions | None = None) -> Callable[[], int]:
+    """A callable returning the current fencing epoch: `era_source`'s epoch, 0 for a single server."""
+    era = era_source(url, options)
+    return lambda: era().epoch
 
 
 def redact(url: str) -> str:

@@ -54,7 +54,7 @@ from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInput
 from checkpoint.locations import dir_store_for
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
-from checkpoint.redis_connect import RedisOptions, connect, epoch_source
+from checkpoint.redis_connect import RedisOptions, connect, epoch_source, era_source
 from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, RestorePlan, RestoreReportMsg, SaveReport,
                                 ShardPlan)
 from sdcwatch.event_kinds import Publish
@@ -643,7 +643,8 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
     opts = redis_options or RedisOptions(timeout_s=10.0)
     client = connect(redis_url, opts)
     fence = CommitFence(epoch_source(redis_url, opts), replicas=opts.replicas_to_ack,
-                        ack_timeout_ms=opts.ack_timeout_ms, all_online=opts.ack_all_online)
+                        ack_timeout_ms=opts.ack_timeout_ms, all_online=opts.ack_all_online,
+                        era_source=era_source(redis_url, opts))
     coordinator = Coordinator(client, store, node=node or socket.gethostname(), location=str(root),
                               config=config, publish=publish, fence=fence)
     return CheckpointService(coordinator, replicator=replicator_factory(coordinator) if replicator_factory else None,

@@ -24,7 +24,7 @@ from checkpoint.coordinator import Coordinator, blob_key
 from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.errors import CheckpointError, NotInMemoryError
 from checkpoint.manifest import ShardManifest
-from checkpoint.redis_connect import RedisOptions, connect, epoch_source
+from checkpoint.redis_connect import RedisOptions, connect, epoch_source, era_source
 from checkpoint.shm_store import DirStore
 from sdcwatch.proc import die_with_parent
 from sdcwatch import event_kinds as ek
@@ -336,7 +336,8 @@ def agent(
         config=CoordinatorConfig(keep_committed=100_000, pending_timeout_s=3600.0),
         publish=publish,
         fence=fence
-        or CommitFence(epoch_source(url, opts), replicas=replicas, ack_timeout_ms=1000, all_online=True),
+        or CommitFence(epoch_source(url, opts), replicas=replicas, ack_timeout_ms=1000, all_online=True,
+                       era_source=era_source(url, opts)),
     )
 
 
