@@ -83,12 +83,13 @@ def main() -> int:
         ap.error("--backend nccl needs --device cuda")
     if cuda:
         gpus = torch.cuda.device_count()
-        local, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if gpus < 1:
             ap.error("--device cuda: no GPU visible")
         if backend == "nccl" and local_world > gpus:
-            ap.error(f"{local_world} ranks on this node over NCCL need {local_world} GPUs, {gpus} visible (NCCL "
-                     "refuses two ranks on one GPU): use --backend gloo")
+            ap.error(f"{local_world} ranks on this node over NCCL need {local_world} GPUs, {gpus} visible "
+                     "(NCCL refuses two ranks on one GPU): use --backend gloo")
         torch.cuda.set_device(local % gpus)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -149,12 +149,14 @@ def _save_cost(state: dict[str, Any], replicas: int, saves: int, device: torch.d
                                                      "verified", "compare_live")}
     try:
         co = Coordinator(redis.Redis(unix_socket_path=sock), ShmStore(shm_root), node="bench",
-                         location=str(shm_root), config=CoordinatorConfig(keep_committed=1, rollback_span_steps=0))
+                         location=str(shm_root),
+                         config=CoordinatorConfig(keep_committed=1, rollback_span_steps=0))
         snaps = {mode: [Snapshotter(co, f"verify-{mode}", r, replicas, SnapshotConfig(), replica_set="world")
                         for r in range(replicas)] for mode in ("real", "stub")}
         for step in range(1, 2 * (saves + 3)):
             mode = "real" if step % 2 else "stub"
-            coordinator_mod.replica_bytes.compare = real_compare if mode == "real" else stub  # type: ignore[attr-defined]
+            coordinator_mod.replica_bytes.compare = (  # type: ignore[attr-defined]
+                real_compare if mode == "real" else stub)
             try:
                 results = []
                 for snap in snaps[mode]:
@@ -274,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         if gpus < 1:
             p.error("--device cuda: no GPU visible")
         if args.backend == "nccl" and gpus < args.world:
-            p.error(f"--world {args.world} over NCCL needs {args.world} GPUs, {gpus} visible (NCCL refuses two "
-                    "ranks on one GPU): use --backend gloo to put them on one")
+            p.error(f"--world {args.world} over NCCL needs {args.world} GPUs, {gpus} visible (NCCL refuses "
+                    "two ranks on one GPU): use --backend gloo to put them on one")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(args, os.path.join(tmp, "store"), tmp), nprocs=args.world, join=True)
@@ -317,8 +319,8 @@ def print_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         print(f"save rows not run: {r0['save_error']}")
     base = f"{compare / save['block_real']:.3f}x save blocking" if save else "no save measured"
     print(f"{'agent: compare saved bytes per checkpoint':<62} {compare * 1e3:9.2f} ms   "
-          f"({max(args.world, 2)} manifests, {r0['tensors']} tensors, {r0['manifest_chars'] / 2**10:.0f} KiB JSON; "
-          f"verdict {r0['verdict']}; {base})")
+          f"({max(args.world, 2)} manifests, {r0['tensors']} tensors, "
+          f"{r0['manifest_chars'] / 2**10:.0f} KiB JSON; verdict {r0['verdict']}; {base})")
     ratio = f"{repair / save['block_real']:.2f}x save blocking" if save else "no save measured"
     print(f"{'in-place repair (broadcast + fingerprint check)':<62} {repair * 1e3:9.2f} ms   ({ratio}"
           + ("; one rank: fingerprint only" if args.world == 1 else "") + ")")

@@ -484,7 +484,8 @@ class Drainer:
         else:
             log.info("drain of %s step %d to %s failed again: %s", job, step, name, why)
 
-    def _sources(self, rt: _TierRuntime, job: str, step: int) -> tuple[dict[int, ShardManifest], dict[int, list[tuple[str, BlobStore]]], int, str, str]:
+    def _sources(self, rt: _TierRuntime, job: str, step: int) -> tuple[
+            dict[int, ShardManifest], dict[int, list[tuple[str, BlobStore]]], int, str, str]:
         """Shard manifests of this node's ranks, their sources fastest first, world size, state and what
         vouched for the bytes (the record's, else the faster tier's manifest's)."""
         manifests: dict[int, ShardManifest] = {}
@@ -687,7 +688,7 @@ class Drainer:
         store, name = rt.tier.store, rt.tier.name
         deleted: list[tuple[str, int]] = []
         mine = {k: tc.parts[self.node] for k, tc in rt.catalog.items() if self.node in tc.parts}
-        for (job, step), part in mine.items():   # refresh VERIFIED / revoked (and its evidence) from the Redis
+        for (job, step), part in mine.items():   # refresh VERIFIED / revoked, and its evidence, from Redis
             try:
                 info = self.coordinator.info(job, step)
             except UnknownCheckpointError:

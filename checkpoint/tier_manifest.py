@@ -12,11 +12,11 @@ partial drain, an orphan for `orphans`), and a checkpoint is complete on a tier 
 nodes together name every rank. `state` is COMMITTED or VERIFIED as the coordination Redis said when the
 copy was written (refreshed when it changes), so a durable tier still knows its newest VERIFIED checkpoint
 after the Redis is gone. `vouched_by` is the record's evidence as the coordinator wrote it (which replica
-sets' tensor fingerprints agreed, or, for ranks without replicas, that their own fingerprints and checksums and
-clean in-step checks vouch; checkpoint.replica_bytes), refreshed with the state, so `sdcwatch ckpt ls/show`
-says it for a checkpoint only the tiers still hold. A manifest without it (written before it existed) gets
-it recomputed from its shard manifests' fingerprints (`TierCheckpoint.vouched_by`). Everything is validated
-on read (`TierManifest.from_json`), like shard manifests.
+sets' tensor fingerprints agreed, or, for ranks without replicas, that their own fingerprints and checksums
+and clean in-step checks vouch; checkpoint.replica_bytes), refreshed with the state, so
+`sdcwatch ckpt ls/show` says it for a checkpoint only the tiers still hold. A manifest without it (written
+before it existed) gets it recomputed from its shard manifests' fingerprints (`TierCheckpoint.vouched_by`).
+Everything is validated on read (`TierManifest.from_json`), like shard manifests.
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ class TierManifest:
         return sum(s.nbytes for s in self.shards)
 
     def with_state(self, state: str, vouched_by: str | None = None) -> "TierManifest":
-        return dataclasses.replace(self, state=state,
-                                   vouched_by=self.vouched_by if vouched_by is None else vouched_by[:MAX_VOUCHED])
+        vouched = self.vouched_by if vouched_by is None else vouched_by[:MAX_VOUCHED]
+        return dataclasses.replace(self, state=state, vouched_by=vouched)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "job_id": self.job_id, "step": self.step,

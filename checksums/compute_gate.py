@@ -114,7 +114,8 @@ class ComputeChecks:
         self._spread_version = -1
         self.guard = StepGuard.attach(optimizer)
         self.guard.add(self)
-        self._device_mask = DeviceMask.of(self.guard)     # checksums/device_mask.py: found_inf, put back AFTER
+        # checksums/device_mask.py: found_inf set here, put back AFTER the update (only the device path masks)
+        self._device_mask = DeviceMask.of(self.guard) if self.mask == "device" else None
         if monitor is not None:
             monitor.report_compute(self.take_findings, self.mode)
 
@@ -193,6 +194,7 @@ class ComputeChecks:
         spread = self._spread_on(rows.device)
         armed = spread is not None and self.tracker.learned >= self.tracker.warmup
         flag = device_flag(stats_of(rows), spread if armed else None, self.tracker.margin)
+        assert self._device_mask is not None
         self._device_mask.add(ctx, flag)                  # combined with GradScaler's found_inf, if any
         host = torch.empty(rows.shape, dtype=rows.dtype, device="cpu",
                            pin_memory=rows.device.type == "cuda")

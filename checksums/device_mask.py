@@ -1,8 +1,8 @@
 """The device-side update mask: a GATE stage's verdict skips this step's update on the device, with no host
 synchronisation, the way a fused optimizer skips a step when GradScaler finds inf/NaN gradients.
 
-    mask = DeviceMask.of(guard)            # one per step guard (checksums/step_guard.py); adds its AFTER stage
-    mask.add(ctx, flag)                    # in a GATE stage: flag is a 0-d float tensor on the device, 1.0: skip
+    mask = DeviceMask.of(guard)        # one per step guard (checksums/step_guard.py); adds its AFTER stage
+    mask.add(ctx, flag)                # in a GATE stage: flag is a 0-d float tensor on the device; 1: skip
 
 A fused torch optimizer (`torch.optim.Adam(fused=True)`, AdamW, SGD: those with `_step_supports_amp_scaling`)
 reads `optimizer.found_inf` and, when it is non-zero, leaves parameters, moments and step counts unchanged,
@@ -40,7 +40,8 @@ def choose_mask(mask: str, optimizer: torch.optim.Optimizer, device: torch.devic
         return "device" if device.type == "cuda" and fused else "host"
     if mask == "device" and not fused:
         raise ValueError(f"mask='device' needs a fused optimizer that honours found_inf (e.g. "
-                         f"torch.optim.Adam(fused=True)); {type(optimizer).__name__} is not one: use mask='host'")
+                         f"torch.optim.Adam(fused=True)); {type(optimizer).__name__} is not one: "
+                         "use mask='host'")
     return mask
 
 

@@ -265,7 +265,8 @@ class Monitor:
         self._frozen_changes = 0
         self._nonfinite = 0
         self._last_vote: StepVote | None = None
-        self._recent_votes: collections.deque[tuple[int, StepVote]] = collections.deque(maxlen=4 * _CUDA_SLOTS)
+        self._recent_votes: collections.deque[tuple[int, StepVote]] = collections.deque(
+            maxlen=4 * _CUDA_SLOTS)
         self._latest_checked: _Slot | None = None   # the newest slot whose check launched a vote
         self._latest_checked_call = 0
         self._last_suspects: tuple[int, ...] = ()

@@ -98,9 +98,9 @@ class ReplicaRecovery:
         # the device gate's state (host side: ints and the flag tensor, never read on the host)
         self._flag: torch.Tensor | None = None    # 0-d float on the device: the newest vote disagreed
         self._flag_call = 0               # the call of the vote the flag was computed from
-        self._mask_from: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)  # (step, vote call)
+        self._mask_from: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)  # (step, its vote)
         self._settled_call = 0            # votes launched up to this call were looked at on the host
-        self._fresh_from = 0              # votes launched before this call hold weights since repaired/restored
+        self._fresh_from = 0              # votes launched before this call: weights since repaired/restored
         self._last_ctx_step = -1
         self._device_mask: DeviceMask | None = None
         self.gate = _Gate(self)
@@ -140,7 +140,7 @@ class ReplicaRecovery:
         replica has read by now (`settle_lag` calls old). No host synchronisation, no veto."""
         mon = self.monitor
         calls = mon.step_calls
-        if ctx.step <= self._last_ctx_step:       # renumbered back: a restore; older votes are about old weights
+        if ctx.step <= self._last_ctx_step:   # renumbered back: a restore; older votes are about old weights
             self._fresh_from, self._flag = calls + 1, None
         self._last_ctx_step = ctx.step
         latest = mon.latest_vote_words()
@@ -172,8 +172,8 @@ class ReplicaRecovery:
                 continue
             if vote.result.agreed:
                 continue
-            why = (f"replica vote at step {vote.step} disagreed ({vote.result.method}): the update was masked "
-                   "on the device")
+            why = (f"replica vote at step {vote.step} disagreed ({vote.result.method}): the update was "
+                   "masked on the device")
             for step, by in self._mask_from:
                 if by == call:
                     self.guard.masked(step, self.gate.name, why)

@@ -656,9 +656,9 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
 
 def tier_info(tc: Any, copies: dict[int, list[Copy]]) -> CheckpointInfo:
     """A CheckpointInfo for a checkpoint only the durable tiers hold (a `tier_manifest.TierCheckpoint`)."""
-    return CheckpointInfo(tc.job_id, tc.step, tc.state, tc.world_size, len(tc.ranks), tc.nbytes, 0.0, tc.created,
-                          0.0, "held by the durable tiers only", tuple(c for r in sorted(copies) for c in copies[r]),
-                          vouched_by=tc.vouched_by)
+    return CheckpointInfo(tc.job_id, tc.step, tc.state, tc.world_size, len(tc.ranks), tc.nbytes, 0.0,
+                          tc.created, 0.0, "held by the durable tiers only",
+                          tuple(c for r in sorted(copies) for c in copies[r]), vouched_by=tc.vouched_by)
 
 
 def summarize(infos: list[CheckpointInfo]) -> list[agent_pb2.CheckpointSummary]:
