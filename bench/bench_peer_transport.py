@@ -21,7 +21,7 @@ and a put capped at half the link (`max_bytes_per_s`). Target: the parallel rows
 stream.
 
     python bench/bench_peer_transport.py --streams 4 --netns            # peer in its own network namespace,
-    python bench/bench_peer_transport.py --streams 4 --netns --rate-gbit 10   # over a veth pair (root), tc cap
+    python bench/bench_peer_transport.py --streams 4 --netns --rate-gbit 10   # veth pair (root), tc cap
 
 --netns needs root (ip netns, veth); the certificate then names the peer's address.
 """
@@ -125,11 +125,14 @@ class NetNs:
         self.here, self.there = "10.213.7.1", "10.213.7.2"
         cmds = [f"ip netns add {self.ns}", f"ip link add {self.a} type veth peer name {self.b}",
                 f"ip link set {self.b} netns {self.ns}", f"ip addr add {self.here}/30 dev {self.a}",
-                f"ip link set {self.a} up", f"ip netns exec {self.ns} ip addr add {self.there}/30 dev {self.b}",
-                f"ip netns exec {self.ns} ip link set {self.b} up", f"ip netns exec {self.ns} ip link set lo up"]
+                f"ip link set {self.a} up",
+                f"ip netns exec {self.ns} ip addr add {self.there}/30 dev {self.b}",
+                f"ip netns exec {self.ns} ip link set {self.b} up",
+                f"ip netns exec {self.ns} ip link set lo up"]
         if rate_gbit > 0:
             tbf = f"tbf rate {rate_gbit}gbit burst 4mb latency 100ms"
-            cmds += [f"tc qdisc add dev {self.a} root {tbf}", f"ip netns exec {self.ns} tc qdisc add dev {self.b} root {tbf}"]
+            cmds += [f"tc qdisc add dev {self.a} root {tbf}",
+                     f"ip netns exec {self.ns} tc qdisc add dev {self.b} root {tbf}"]
         try:
             for c in cmds:
                 subprocess.run(c.split(), check=True, capture_output=True)
@@ -187,10 +190,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--streams", type=int, default=4, help="parallel streams (connections) for the streams rows")
-    ap.add_argument("--netns", action="store_true", help="the peer in its own network namespace over a veth pair")
-    ap.add_argument("--rate-gbit", type=float, default=0.0, help="--netns: tc rate of the veth link (0: none)")
-    ap.add_argument("--serve", nargs=5, metavar=("ROOT", "SOCK", "CERT", "KEY", "HOST"), help=argparse.SUPPRESS)
+    ap.add_argument("--streams", type=int, default=4, help="parallel streams (connections), streams rows")
+    ap.add_argument("--netns", action="store_true", help="the peer in its own network namespace, over veth")
+    ap.add_argument("--rate-gbit", type=float, default=0.0, help="--netns: tc rate of the veth (0: none)")
+    ap.add_argument("--serve", nargs=5, metavar=("ROOT", "SOCK", "CERT", "KEY", "HOST"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         return serve(*args.serve)
@@ -254,7 +258,8 @@ def main() -> None:
                            timed(lambda: tls_send(host, tcp_port, str(cert), data, tls=False), args.repeat)))
         gb = nbytes / 1e9
         print(f"\nStreams and cap ({args.mib} MiB, median of {args.repeat}; {host}"
-              + (f", own network namespace over veth" + (f", tc {args.rate_gbit:g} Gbit/s" if args.rate_gbit else "")
+              + (", own network namespace over veth"
+                 + (f", tc {args.rate_gbit:g} Gbit/s" if args.rate_gbit else "")
                  if ns is not None else ", loopback") + f"; {os.cpu_count()} cores)")
         link = streams[0][1]
         print(f"| {'transfer':<58} | {'GB/s':>6} | {'x TLS stream':>12} |")
@@ -311,14 +316,16 @@ def stream_rows(url: str, creds, host: str, sink_port: int, cafile: str, data: m
         one.put(key, data)
         buf = memoryview(bytearray(nbytes))
         rows.append(("ours: get, 1 stream", timed(lambda: one.readinto(key, 0, buf), repeat)))
-        rows.append((f"ours: get, {streams} ranged streams", timed(lambda: many.readinto(key, 0, buf), repeat)))
+        rows.append((f"ours: get, {streams} ranged streams",
+                     timed(lambda: many.readinto(key, 0, buf), repeat)))
         assert bytes(buf[-MiB:]) == bytes(data[-MiB:])
         cap = nbytes / t_link / 2
         capped = GrpcBlobStore(url, credentials=creds, streams=streams, max_bytes_per_s=cap)
         try:
             rows.append((f"ours: put, {streams} shards, capped at {cap / 1e9:.2f} GB/s (half the link)",
-                         timed(lambda: list(pool.map(lambda i: capped.put(keys[i], data[i * part:(i + 1) * part]),
-                                                     range(len(keys)))), repeat)))
+                         timed(lambda: list(pool.map(
+                             lambda i: capped.put(keys[i], data[i * part:(i + 1) * part]), range(len(keys)))),
+                             repeat)))
         finally:
             capped.close()
     finally:

@@ -71,7 +71,8 @@ class Node:
             st = os.statvfs(shm)
             if st.f_bavail * st.f_frsize > 3 * need_bytes:
                 root = shm
-        self.mem = Path(tempfile.mkdtemp(prefix=f"sdcw-ovl-{tag}-mem-", dir=str(root) if root else str(self.work)))
+        self.mem = Path(tempfile.mkdtemp(prefix=f"sdcw-ovl-{tag}-mem-",
+                                         dir=str(root) if root else str(self.work)))
         self.proc, sock = start_redis(self.work, "r")
         import redis
 
@@ -215,7 +216,8 @@ def part_a(args: argparse.Namespace, device: torch.device) -> list[Row]:
             ("step with a save after it", statistics.median(times["ckpt"]), ""),
             ("added step time per save (median over rounds)", added,
              f"{100 * added / t_copy:.1f}% of the pinned copy (target <= 5%)"),
-            ("  of which save() call, host (median)", statistics.median(blocking) if blocking else float("nan"),
+            ("  of which save() call, host (median)",
+             statistics.median(blocking) if blocking else float("nan"),
              f"{100 * statistics.median(blocking) / t_copy:.1f}% of the copy" if blocking else ""),
             ("  saves made / committed / skipped", float(len(results)),
              f"{committed} committed; skipped {client.stats.skipped_by}"),
@@ -296,7 +298,8 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         opt.zero_grad(set_to_none=True)
         node = Node(nbytes, "b")
         try:
-            client = node.client(opt, SnapshotConfig.every_step(fingerprint_threads=args.fp_threads), f"b{batch}")
+            cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads)
+            client = node.client(opt, cfg_every, f"b{batch}")
             handles: list[Any] = []
 
             def step_every() -> None:
@@ -435,7 +438,8 @@ def part_d(args: argparse.Namespace, device: torch.device) -> list[Row]:
             torch.save(sd, f)
             times.append(time.perf_counter() - t0)
             f.unlink()
-        rows.append((f"[{tag}] torch.save to local disk (blocking)", min(times), f"{min(times) / t_copy:.1f}x copy"))
+        rows.append((f"[{tag}] torch.save to local disk (blocking)", min(times),
+                     f"{min(times) / t_copy:.1f}x copy"))
     finally:
         node.close()
         shutil.rmtree(disk, ignore_errors=True)
@@ -554,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         tables.append((title, fn(args, device), time.perf_counter() - t0))
     print(f"\nhost: {os.cpu_count()} cores, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-          + f", torch {torch.__version__}, state {args.gib:g} GiB, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+          + f", torch {torch.__version__}, state {args.gib:g} GiB, "
+          + time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
     for title, rows, took in tables:
         print(f"\n{title}  ({took:.0f} s)")
         print(f"{'measure':<66} {'value':>10}  note")

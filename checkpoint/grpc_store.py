@@ -337,7 +337,8 @@ class GrpcBlobStore:
         self._lanes: list[tuple[Any, Any, Any]] = []   # (channel, PutBlob, GetBlob) per connection
         for i in range(streams):
             # a subchannel pool of its own: each channel is its own TCP (TLS) connection
-            opts = options + ([("grpc.use_local_subchannel_pool", 1), ("sdcwatch.lane", i)] if streams > 1 else [])
+            own = [("grpc.use_local_subchannel_pool", 1), ("sdcwatch.lane", i)]
+            opts = options + (own if streams > 1 else [])
             ch = agent_channel(self.target, tls_ca=(creds.tls_ca or None) if self.scheme == "grpcs" else None,
                                insecure=self.scheme == "grpc", options=opts)
             self._lanes.append((ch, ch.stream_unary(SERVICE + "PutBlob", request_serializer=ident,
@@ -428,17 +429,20 @@ class GrpcBlobStore:
         ranges = [(a, min(part, want - a)) for a in range(0, want, part)]
         with self._parts_lock:
             if self._parts is None:
-                self._parts = concurrent.futures.ThreadPoolExecutor(self.streams, thread_name_prefix="sdcw-peer-get")
-        futs = [self._parts.submit(self._readinto_one, key, offset + a, view[a:a + n], self._lanes[i % len(self._lanes)][2])
+                self._parts = concurrent.futures.ThreadPoolExecutor(self.streams,
+                                                                    thread_name_prefix="sdcw-peer-get")
+        futs = [self._parts.submit(self._readinto_one, key, offset + a, view[a:a + n],
+                                   self._lanes[i % len(self._lanes)][2])
                 for i, (a, n) in enumerate(ranges)]
         got = [f.result() for f in futs]
         for (a, n), g in zip(ranges, got):
             if g != n:
-                raise PeerStoreError(f"{self.location}: GetBlob {key!r} range at {offset + a} returned {g} of "
-                                     f"{n} bytes (the blob changed under the read?)")
+                raise PeerStoreError(f"{self.location}: GetBlob {key!r} range at {offset + a} returned "
+                                     f"{g} of {n} bytes (the blob changed under the read?)")
         return want
 
-    def _chunks(self, key: str, offset: int, length: int | None, get: Any = None) -> Iterator[tuple[int, memoryview]]:
+    def _chunks(self, key: str, offset: int, length: int | None,
+                get: Any = None) -> Iterator[tuple[int, memoryview]]:
         validate_key(key)
         if offset < 0 or (length is not None and length < 0):
             raise ValueError(f"bad range offset={offset} length={length} for {key!r}")

@@ -9,9 +9,10 @@ a slot is the write into node memory: once it completes, the bytes survive the t
 Publishing the shard is then a hard link (`DirStore.link_in`): no bytes move.
 
 Lifecycle of a slot:
-0. `SlotRing.ensure_spare(nbytes)`  run off the training thread (the Snapshotter's background worker, after a
-                               commit, or `Snapshotter.prepare`): creates a slot of `nbytes` ahead, so the next
-                               save finds one ready and never pays fallocate + populate + cudaHostRegister;
+0. `SlotRing.ensure_spare(nbytes)`  run off the training thread (the Snapshotter's background worker,
+                               after a commit, or `Snapshotter.prepare`): creates a slot of `nbytes`
+                               ahead, so the next save finds one ready and never pays fallocate +
+                               populate + cudaHostRegister;
 1. `SlotRing.acquire(nbytes)`  a slot of exactly `nbytes` that no checkpoint references (its file's link
                                count is 1: only the slot name), created on first use (up to `max_slots`) only
                                when none was made ahead;

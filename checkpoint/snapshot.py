@@ -115,15 +115,16 @@ class SnapshotConfig:
         if self.policy not in ("wait", "skip"):
             raise InvalidInputError(f"policy must be 'wait' or 'skip', got {self.policy!r}")
         if self.block not in ("auto", "copy", "enqueue", "update"):
-            raise InvalidInputError(f"block must be 'auto', 'copy', 'enqueue' or 'update', got {self.block!r}")
+            raise InvalidInputError(f"block must be 'auto', 'copy', 'enqueue' or 'update', "
+                                    f"got {self.block!r}")
         if not (0.0 < self.ring_fraction <= 1.0):
             raise InvalidInputError(f"ring_fraction must be in (0, 1], got {self.ring_fraction}")
         if self.chunk_bytes <= 0:
             raise InvalidInputError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.staging not in ("slots", "private"):
             raise InvalidInputError(f"staging must be 'slots' or 'private', got {self.staging!r}")
-        if self.max_slots != "auto" and (not isinstance(self.max_slots, int) or isinstance(self.max_slots, bool)
-                                         or self.max_slots < 1):
+        slots = self.max_slots
+        if slots != "auto" and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
             raise InvalidInputError(f"max_slots must be an int >= 1 or 'auto', got {self.max_slots!r}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
@@ -260,14 +261,13 @@ class Snapshotter:
                                     "optimizer.step(): bind a step guard so the update waits for it "
                                     "(CheckpointClient(..., guard=monitor.guard)), or use block='enqueue'")
         t0 = time.perf_counter()
-        tree, named = flatten(state_dict)
         skip = self.config.policy == "skip"
         ahead = self.config.skip_until_ready
         with self._lock:
             busy = [f for f in (self._last.future if self._last is not None else None, self._prep)
                     if f is not None and not f.done()]
             if busy:
-                if skip:
+                if skip:   # before walking the state: skipped saves (most, every step) stay cheap
                     self._skip(step, self._busy_reason())
                     return None
                 t_wait = time.perf_counter()
@@ -275,6 +275,7 @@ class Snapshotter:
                 stall = time.perf_counter() - t_wait
             else:
                 stall = 0.0
+            tree, named = flatten(state_dict)
             tensors = [t for _, t in named]
             offsets, total = layout(tensors)
             # skip_until_ready never blocks on making a buffer: with none ready it skips and makes one ahead
@@ -322,8 +323,8 @@ class Snapshotter:
     @property
     def stats(self) -> SaveStats:
         ring = self._ring
-        return SaveStats(self._saves, self._committed, self._failed, sum(self._skips.values()), dict(self._skips),
-                         len(ring) if ring is not None else 0, self._ring_limit,
+        return SaveStats(self._saves, self._committed, self._failed, sum(self._skips.values()),
+                         dict(self._skips), len(ring) if ring is not None else 0, self._ring_limit,
                          ring.created_ahead if ring is not None else 0,
                          ring.created_inline if ring is not None else 0)
 
@@ -413,9 +414,9 @@ class Snapshotter:
                     avail, free, local = memory_budget(self._location)
                     limit = ring_size(total, mem_available=avail, dir_free=free, local_ranks=local,
                                       fraction=self.config.ring_fraction)
-                    log.info("checkpoint ring for %s rank %d: %d slots of %d bytes (%.0f%% of min(MemAvailable "
-                             "%d, memory dir free %d) over %d local ranks)", self.job_id, self.rank, limit, total,
-                             100 * self.config.ring_fraction, avail, free, local)
+                    log.info("checkpoint ring for %s rank %d: %d slots of %d bytes (%.0f%% of "
+                             "min(MemAvailable %d, memory dir free %d) over %d local ranks)", self.job_id,
+                             self.rank, limit, total, 100 * self.config.ring_fraction, avail, free, local)
                 assert isinstance(limit, int)
                 self._ring_limit = limit
                 self._ring = SlotRing(self._location, self.job_id, self.rank, max_slots=limit,
@@ -501,7 +502,8 @@ class Snapshotter:
         return events, src_fps
 
     def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],
-                   arena: torch.Tensor, block: str, late: list[bool] | None) -> tuple[Any, torch.Tensor | None]:
+                   arena: torch.Tensor, block: str, late: list[bool] | None
+                   ) -> tuple[Any, torch.Tensor | None]:
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(device=dev)

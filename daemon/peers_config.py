@@ -102,8 +102,8 @@ class PeersConfig:
     tls_ca: str = setting("", "PEM CA file verifying the peers' agent certificates (grpcs://)")
     token_file: str = setting("", "file holding the bearer token the peers' agents require on TCP")
     insecure: bool = setting(False, "allow grpc:// (plain TCP) entries (warns)")
-    streams: int = setting(4, "connections to each network peer: puts take them in turn, a large read is split "
-                           "over them (1..64)")
+    streams: int = setting(4, "connections to each network peer: puts take them in turn, a large read is "
+                           "split over them (1..64)")
     max_mb_per_s: float = setting(0.0, "cap on the MB/s (1e6 bytes) sent to and read from each network peer, "
                                   "all streams together (0: no cap)")
 

@@ -22,7 +22,8 @@ import socket
 from typing import Callable
 
 from checkpoint.coordinator import Coordinator
-from checkpoint.grpc_store import PeerCredentials, PeerTransport, parse_location, set_credentials, set_transport
+from checkpoint.grpc_store import (PeerCredentials, PeerTransport, parse_location, set_credentials,
+                                   set_transport)
 from checkpoint.peers import Peer, Replicator, peers_of
 from daemon.errors import ConfigError
 from daemon.peers_config import PeerNode, PeersConfig

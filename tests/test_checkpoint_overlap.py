@@ -140,7 +140,8 @@ class GatedSink:
         return self.co.commit_shard(*a, report=report, **kw)
 
 
-def test_a_save_while_the_previous_is_still_writing_is_skipped_and_counted(redis_server, tmp_path: Path) -> None:
+def test_a_save_while_the_previous_is_still_writing_is_skipped_and_counted(redis_server,
+                                                                          tmp_path: Path) -> None:
     co, job = node(redis_server.port, tmp_path, "n0"), job_id("skip")
     sink = GatedSink(co)
     snap = Snapshotter(sink, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", staging="private",
@@ -295,7 +296,8 @@ def test_without_the_copies_stage_the_update_would_race_the_copy(redis_server, t
     model = nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     guard = StepGuard.attach(opt)
-    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096, block="update"), guard=guard)
+    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096, block="update"),
+                              guard=guard)
     guard.remove(client.snapshotter.copy_fence().name)
     _train_step(model, opt, 0)
     before = model.weight.detach().clone()

@@ -14,7 +14,10 @@ from checkpoint.grpc_store import GrpcBlobStore, PeerTransport, RateLimit, grpc_
 from daemon.errors import ConfigError
 from daemon.peers_config import PeersConfig
 from daemon.peers_wiring import configure_transport
-from test_peer_network import PeerServer, _creds, peer, tls  # noqa: F401 - fixtures
+import test_peer_network
+from test_peer_network import PeerServer, _creds
+
+tls, peer = test_peer_network.tls, test_peer_network.peer    # the peer-transport fixtures, shared
 
 MiB = 1 << 20
 
