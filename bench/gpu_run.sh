@@ -71,6 +71,10 @@ want ckptoverlap && step ckpt-overlap-tests 150 python3 -m pytest -p no:cachepro
   tests/test_checkpoint_overlap.py tests/test_step_guard.py
 want ckptoverlap && step ckpt-overlap 400 python3 bench/ckpt_overlap.py
 want ckptoverlap12 && step ckpt-overlap-12g 400 python3 bench/ckpt_overlap.py --parts d --gib 12
+# issue 21 item 6: peer transport streams and cap against a plain TLS/TCP stream (CPU-only; the 16-core host)
+want peerstreams && step peer-streams 200 python3 bench/bench_peer_transport.py --mib 1024 --streams 4
+want peerstreams && step peer-streams-netns 200 python3 bench/bench_peer_transport.py --mib 1024 --streams 4 \
+  --netns --rate-gbit 25
 # issue 18: the cost of VERIFIED and of a repair against the save; the replica vote gated on the device
 want verify && step verify-cost-1gpu 300 python3 -m bench.verify_cost --device cuda --world 1
 want verify && step verify-cost-gloo 300 python3 -m bench.verify_cost --device cuda --world 2 --backend gloo
