@@ -77,6 +77,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+class _ExitedAtStart(Exception):
+    """The server exited before it answered (bad arguments, a damaged persisted file)."""
+
+
 class EmbeddedRedis:
     def __init__(self, state_dir: str | Path, binary: str = "", persistence: str = "aof") -> None:
         if persistence not in PERSISTENCE:
@@ -112,7 +116,33 @@ class EmbeddedRedis:
             except FileNotFoundError:
                 pass
 
+    def persisted(self) -> list[Path]:
+        """The files this server persists its data in, that exist."""
+        names = ["appendonlydir", AOF_NAME] if self.persistence == "aof" else [RDB_NAME]
+        return [self.dir / n for n in names if (self.dir / n).exists()]
+
     def start(self, timeout_s: float = 10.0) -> str:
+        """Start the server and wait for it (`timeout_s` without an answer; loading what it persisted does not
+        count). A server that exits at start while files it persisted exist (a file damaged by a power loss):
+        they are moved aside (`<name>.bad-<time>`, logged) and the server starts once more, empty: the agent
+        comes up, and the memory dir's unindexed checkpoints are removed (they could not be restored)."""
+        try:
+            return self._start(timeout_s)
+        except _ExitedAtStart as exc:
+            bad = self.persisted()
+            if not bad:
+                raise FatalError(str(exc)) from None
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            for path in bad:
+                path.rename(path.with_name(f"{path.name}.bad-{stamp}"))
+            log.error("%s; moved its persisted index aside (%s) and starting it empty: the checkpoints it "
+                      "indexed are lost", exc, ", ".join(f"{p.name}.bad-{stamp}" for p in bad))
+            try:
+                return self._start(timeout_s)
+            except _ExitedAtStart as again:
+                raise FatalError(str(again)) from None
+
+    def _start(self, timeout_s: float) -> str:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cleanup_stale()
         # redis-server opens its log by name: make sure it is our regular file, not a planted link
@@ -131,13 +161,16 @@ class EmbeddedRedis:
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise FatalError(f"redis-server exited with code {self.proc.returncode}; "
-                                     f"see {self.dir / 'redis.log'}")
+                    code, self.proc = self.proc.returncode, None
+                    raise _ExitedAtStart(f"redis-server exited with code {code}; see {self.dir / 'redis.log'}")
                 try:
                     if client.ping():
                         log.info("embedded redis-server pid %d on %s", self.proc.pid, self.socket)
                         return self.url
-                except (redis.ConnectionError, FileNotFoundError):   # BusyLoadingError too: still loading
+                except redis.BusyLoadingError:   # loading what it persisted: alive, however long that takes
+                    deadline = time.monotonic() + timeout_s
+                    time.sleep(0.05)
+                except (redis.ConnectionError, FileNotFoundError):
                     time.sleep(0.02)
         finally:
             client.close()

@@ -178,3 +178,27 @@ def test_100_restarts_alternating_sigterm_and_kill9_lose_nothing(short_tmp: Path
         assert verified_upto == len(committed) >= CYCLES
     finally:
         agent.stop(signal.SIGTERM)
+
+
+def test_a_damaged_index_file_is_moved_aside_and_the_server_starts_empty(short_tmp: Path) -> None:
+    """A persisted file Redis refuses (e.g. damaged by a power loss) must not keep the agent down: it is
+    moved aside (`<name>.bad-<time>`) and the server starts empty."""
+    import redis as redis_py
+
+    state = short_tmp / "dmg"
+    server = EmbeddedRedis(state)
+    server.start()
+    redis_py.Redis(unix_socket_path=str(server.socket)).set("k", "v")
+    server.stop()
+    files = server.persisted()
+    assert files, "the index is persisted in the state dir"
+    for path in files:
+        for f in ([path] if path.is_file() else sorted(path.iterdir())):
+            f.write_bytes(b"this is no AOF\n")
+    try:
+        server.start()
+        client = redis_py.Redis(unix_socket_path=str(server.socket))
+        assert client.dbsize() == 0 and client.set("k2", "v2")
+        assert [p.name.split(".bad-")[0] for p in state.iterdir() if ".bad-" in p.name] == [p.name for p in files]
+    finally:
+        server.stop()
