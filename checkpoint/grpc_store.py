@@ -358,6 +358,9 @@ class GrpcBlobStore:
         self._delete = self._channel.unary_unary(SERVICE + "DeleteBlob", request_serializer=pb.DeleteBlobRequest.
                                                  SerializeToString,
                                                  response_deserializer=pb.DeleteBlobResponse.FromString)
+        self._sums = self._channel.unary_unary(SERVICE + "ChecksumBlob",
+                                               request_serializer=pb.ChecksumBlobRequest.SerializeToString,
+                                               response_deserializer=pb.ChecksumBlobResponse.FromString)
 
     def __repr__(self) -> str:
         return f"GrpcBlobStore({self.location!r})"
@@ -477,6 +480,20 @@ class GrpcBlobStore:
     def delete(self, key: str) -> bool:
         validate_key(key)
         return bool(self._call(self._delete, self._pb.DeleteBlobRequest(key=key), key).deleted)
+
+    def checksums(self, key: str, ranges: list[tuple[int, int]]) -> tuple[int, list[str]]:
+        """(the blob's size, xxh3-128 hex of each range) computed by the peer from what it stored: a copy
+        checked without reading it back. NotImplementedError from an agent that predates the call."""
+        validate_key(key)
+        req = self._pb.ChecksumBlobRequest(key=key, ranges=[self._pb.ByteRange(offset=o, length=n)
+                                                            for o, n in ranges])
+        try:
+            r = self._sums(req, timeout=self.stream_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise NotImplementedError(f"{self.location} has no ChecksumBlob (an older agent)") from None
+            raise self._error(e, key) from None
+        return int(r.size), list(r.checksums)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _call(self, method: Any, request: Any, key: str, timeout: float | None = None) -> Any:

@@ -6,9 +6,10 @@ and a replication factor F, node n's shards are copied to nodes (n + i*J) mod N 
 equal to the nodes per failure domain (rack, switch), the copies land outside the domain.
 
 `Replicator.replicate(job, step, rank)` reads the shard chunk by chunk from this node's tier, verifies
-each chunk checksum (a corrupt copy is never propagated), streams it into each peer's store, reads the
-written copy back and verifies it again, and only then records the copy in the coordination Redis
-(data first, record last). A peer whose copy fails is journaled and the others still get theirs.
+each chunk checksum (a corrupt copy is never propagated), streams it into each peer's store, verifies
+the written copy's chunk checksums again (a network peer computes them from the bytes it stored:
+`ChecksumBlob`, so the copy is not read back over the network; an older peer's copy is read back), and
+only then records the copy in the coordination Redis (data first, record last). A peer whose copy fails is journaled and the others still get theirs.
 
 Transport (`Peer.open`, by the location's form): a directory (the same host, several "nodes" per host in
 tests, or a filesystem both nodes mount; it must already exist: the peer agent creates it, and a lost
@@ -128,8 +129,34 @@ class Replicator:
                 raise CorruptCheckpointError(f"{m.blob} chunk at {c.offset} fails its checksum here; not replicated")
             yield buf[:n]
 
+    @staticmethod
+    def _check_on_peer(store: BlobStore, m: ShardManifest, peer: Peer) -> bool:
+        """True when the peer computed the copy's chunk checksums and they match; False when it cannot
+        (a directory store, an older agent): read the copy back. CorruptCheckpointError on a mismatch."""
+        remote = getattr(store, "checksums", None)
+        if remote is None:
+            return False
+        try:
+            size, sums = remote(m.blob, [(c.offset, c.length) for c in m.chunks])
+        except NotImplementedError:
+            return False
+        if size != m.nbytes:
+            raise CorruptCheckpointError(f"copy on {peer.node} has {size} bytes, the shard {m.nbytes}")
+        bad = [c.offset for c, s in zip(m.chunks, sums) if s != c.checksum]
+        if len(sums) != len(m.chunks) or bad:
+            raise CorruptCheckpointError(f"copy on {peer.node}: chunk(s) at {bad[:5]} fail their checksum on the "
+                                         "peer")
+        return True
+
     def _check_copy(self, store: BlobStore, m: ShardManifest, peer: Peer) -> None:
-        """Read the written copy back; a bad one is deleted (never recorded)."""
+        """Check the written copy's chunks (on the peer when it can, else read back); a bad one is deleted
+        (never recorded)."""
+        try:
+            if self._check_on_peer(store, m, peer):
+                return
+        except BaseException:
+            store.delete(m.blob)
+            raise
         buf = memoryview(bytearray(max((c.length for c in m.chunks), default=0)))
         try:
             size = store.size(m.blob)

@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Iterator
 import grpc
 
 from checkpoint.blobstore import BlobStore, check_range
+from checkpoint.chunks import checksum
 from checkpoint.errors import InvalidInputError
 from checkpoint.grpc_store import CHUNK_BYTES, PutMessage, decode_put, encode_chunk
 from checkpoint.names import validate_key, validate_prefix
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PeerStore"].full_name
 MAX_BLOB_BYTES = 64 << 30          # one blob (a rank's shard); larger puts are refused
+MAX_RANGES = 1 << 20               # ChecksumBlob: ranges per request (a 64 GiB blob in 64 KiB chunks)
+MAX_RANGE_BYTES = 256 << 20        # ChecksumBlob: bytes per range (one buffer of this size at most)
 MAX_CHUNK_BYTES = 3 << 20          # GetBlob messages stay under the agent's 4 MiB message limit
 MIN_CHUNK_BYTES = 64 << 10
 IDLE_TIMEOUT_S = 30.0              # a put whose client sends nothing for this long is dropped
@@ -69,6 +72,7 @@ class PeerStoreService:
         self.max_blob_bytes = max_blob_bytes
         self.idle_timeout_s = idle_timeout_s
         self.stats = {"peer_puts": 0, "peer_put_bytes": 0, "peer_put_failures": 0, "peer_gets": 0,
+                      "peer_checksums": 0, "peer_checksum_bytes": 0,
                       "peer_get_bytes": 0}
 
     # ---- RPCs -----------------------------------------------------------------------------------------
@@ -240,6 +244,42 @@ class PeerStoreService:
             await context.abort(*self._os_status(e, key))
         return pb.StatBlobResponse(exists=True, size=size)
 
+    async def ChecksumBlob(self, request: pb.ChecksumBlobRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ChecksumBlobResponse:
+        """xxh3-128 of each requested range of the stored blob (the work: at most the blob's size, once)."""
+        key = await self._key(request.key, context)
+        try:
+            size = await self.pool.run(self.store.size, key)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {key!r} here")
+            raise
+        except OSError as e:
+            await context.abort(*self._os_status(e, key))
+            raise
+        ranges = [(r.offset, r.length) for r in request.ranges]
+        why = _check_ranges(ranges, size)
+        if why:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ChecksumBlob {key!r}: {why}")
+        try:
+            sums = await self.pool.run(self._checksums, key, ranges)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {key!r} here (deleted during the read)")
+            raise
+        except OSError as e:
+            await context.abort(*self._os_status(e, key))
+            raise
+        self.stats["peer_checksums"] += 1
+        self.stats["peer_checksum_bytes"] += sum(n for _, n in ranges)
+        return pb.ChecksumBlobResponse(size=size, checksums=sums)
+
+    def _checksums(self, key: str, ranges: list[tuple[int, int]]) -> list[str]:
+        buf = memoryview(bytearray(max((n for _, n in ranges), default=0)))
+        out = []
+        for off, n in ranges:
+            got = self.store.readinto(key, off, buf[:n])
+            out.append(checksum(buf[:got]))   # a short read (the blob shrank) gives a checksum that differs
+        return out
+
     async def ListBlobs(self, request: pb.ListBlobsRequest,
                         context: grpc.aio.ServicerContext) -> pb.ListBlobsResponse:
         try:
@@ -296,6 +336,19 @@ async def _next(requests: AsyncIterator[Any]) -> Any:
         return None
 
 
+def _check_ranges(ranges: list[tuple[int, int]], size: int) -> str:
+    """Why ChecksumBlob's ranges are refused ('' when fine): in order, not overlapping, inside the blob."""
+    if len(ranges) > MAX_RANGES:
+        return f"{len(ranges)} ranges; at most {MAX_RANGES}"
+    end = 0
+    for off, n in ranges:
+        if off < end or n < 0 or n > MAX_RANGE_BYTES or off + n > size:
+            return (f"range ({off}, {n}) is out of order, overlaps, exceeds {MAX_RANGE_BYTES} bytes or lies "
+                    f"outside the blob of {size} bytes")
+        end = off + n
+    return ""
+
+
 def _decode_put(raw: bytes) -> PutMessage | ValueError:
     """Never raises (a deserializer error would be an opaque INTERNAL): the handler reports the ValueError."""
     try:
@@ -325,5 +378,8 @@ def register(server: grpc.aio.Server, service: PeerStoreService) -> None:
         "DeleteBlob": grpc.unary_unary_rpc_method_handler(
             service.DeleteBlob, request_deserializer=pb.DeleteBlobRequest.FromString,
             response_serializer=pb.DeleteBlobResponse.SerializeToString),
+        "ChecksumBlob": grpc.unary_unary_rpc_method_handler(
+            service.ChecksumBlob, request_deserializer=pb.ChecksumBlobRequest.FromString,
+            response_serializer=pb.ChecksumBlobResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

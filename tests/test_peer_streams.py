@@ -103,3 +103,80 @@ def test_peers_config_sets_streams_and_cap(tls: dict[str, Path]) -> None:
     finally:
         set_transport(None)
         gs.set_credentials(None)
+
+
+# ---- ChecksumBlob: a copy verified on the peer, not read back over the network -------------------------
+
+
+def test_checksum_blob_hashes_what_the_peer_stored(peer: PeerServer, tls: dict[str, Path]) -> None:
+    from checkpoint.chunks import checksum_chunks
+
+    store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10)
+    try:
+        data = os.urandom(300_000)
+        key = "j/000000000001/rank-00000.bin"
+        store.put(key, data)
+        chunks = checksum_chunks(memoryview(data), 65536)
+        size, sums = store.checksums(key, [(c.offset, c.length) for c in chunks])
+        assert size == len(data) and sums == [c.checksum for c in chunks]
+        assert store.checksums(key, []) == (len(data), [])
+        for bad in ([(0, 10), (5, 10)], [(100, 10), (0, 10)], [(299_990, 11)], [(0, -1)]):
+            with pytest.raises(InvalidInputError, match="out of order"):
+                store.checksums(key, bad)
+        with pytest.raises(KeyError):
+            store.checksums("j/000000000001/rank-00009.bin", [(0, 1)])
+        assert peer.service.stats["peer_checksums"] == 2 and peer.service.stats["peer_gets"] == 0
+    finally:
+        store.close()
+
+
+class Flipping:
+    """The peer's store, flipping one byte of every blob it writes (a copy corrupted on the peer)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def put(self, key: str, data: object) -> int:
+        n = self.inner.put(key, data)   # type: ignore[attr-defined]
+        path = self.inner.path(key)     # type: ignore[attr-defined]
+        with open(path, "r+b") as f:
+            f.seek(n // 2)
+            b = f.read(1)
+            f.seek(n // 2)
+            f.write(bytes([b[0] ^ 0x10]))
+        return n
+
+
+@pytest.mark.parametrize("peer_checks", [True, False])
+def test_replicas_are_verified_on_the_peer_and_a_bad_copy_is_never_recorded(
+        redis_server, short_tmp: Path, peer: PeerServer, tls: dict[str, Path], peer_checks: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from checkpoint.peers import Peer, Replicator
+    from checkpoint.snapshot import SnapshotConfig, Snapshotter
+    from ckpt_support import job_id, node, state_dict
+
+    if not peer_checks:   # an agent from before ChecksumBlob: the copy is read back instead
+        def old(self: GrpcBlobStore, key: str, ranges: list) -> tuple[int, list[str]]:
+            raise NotImplementedError("an older agent")
+        monkeypatch.setattr(GrpcBlobStore, "checksums", old)
+    co, job = node(redis_server.port, short_tmp, "node-a"), job_id("sums")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=64 << 10, staging="private"))
+    assert snap.save(1, state_dict(0, 1, size=200_000)).result(30).state == "COMMITTED"
+    assert snap.save(2, state_dict(0, 2, size=200_000)).result(30).state == "COMMITTED"
+    snap.close()
+    store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10)
+    try:
+        rep = Replicator(co, [Peer("node-b", store, peer.tls_url)])
+        assert rep.replicate(job, 1, 0) == ["node-b"]
+        stats = peer.service.stats
+        assert (stats["peer_checksums"], stats["peer_gets"] > 0) == ((1, False) if peer_checks else (0, True))
+        peer.service.store = Flipping(peer.service.store)
+        assert rep.replicate(job, 2, 0) == []                          # the corrupted copy: refused
+        assert co.stats["replication_failures"] == 1
+        assert not store.exists(co.shard_manifest(job, 2, 0).blob)     # and deleted on the peer
+        assert {c.node for c in co.info(job, 2).copies} == {"node-a"}
+    finally:
+        store.close()

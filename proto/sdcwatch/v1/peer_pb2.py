@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/sdcwatch/v1/peer.proto\x12\x0bsdcwatch.v1\"P\n\x0ePutBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x66inish\x18\x04 \x01(\x08\" \n\x0fPutBlobResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"b\n\x0eGetBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0e\n\x06to_end\x18\x04 \x01(\x08\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x05\"=\n\tBlobChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\nblob_bytes\x18\x03 \x01(\x03\"\x1e\n\x0fStatBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"0\n\x10StatBlobResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x03\"\"\n\x10ListBlobsRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"!\n\x11ListBlobsResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\" \n\x11\x44\x65leteBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"%\n\x12\x44\x65leteBlobResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xf9\x02\n\tPeerStore\x12\x46\n\x07PutBlob\x12\x1b.sdcwatch.v1.PutBlobRequest\x1a\x1c.sdcwatch.v1.PutBlobResponse(\x01\x12@\n\x07GetBlob\x12\x1b.sdcwatch.v1.GetBlobRequest\x1a\x16.sdcwatch.v1.BlobChunk0\x01\x12G\n\x08StatBlob\x12\x1c.sdcwatch.v1.StatBlobRequest\x1a\x1d.sdcwatch.v1.StatBlobResponse\x12J\n\tListBlobs\x12\x1d.sdcwatch.v1.ListBlobsRequest\x1a\x1e.sdcwatch.v1.ListBlobsResponse\x12M\n\nDeleteBlob\x12\x1e.sdcwatch.v1.DeleteBlobRequest\x1a\x1f.sdcwatch.v1.DeleteBlobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/sdcwatch/v1/peer.proto\x12\x0bsdcwatch.v1\"P\n\x0ePutBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x66inish\x18\x04 \x01(\x08\" \n\x0fPutBlobResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"b\n\x0eGetBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0e\n\x06to_end\x18\x04 \x01(\x08\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x05\"=\n\tBlobChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\nblob_bytes\x18\x03 \x01(\x03\"\x1e\n\x0fStatBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"0\n\x10StatBlobResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x03\"\"\n\x10ListBlobsRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"!\n\x11ListBlobsResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\" \n\x11\x44\x65leteBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"%\n\x12\x44\x65leteBlobResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"+\n\tByteRange\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06length\x18\x02 \x01(\x03\"J\n\x13\x43hecksumBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x06ranges\x18\x02 \x03(\x0b\x32\x16.sdcwatch.v1.ByteRange\"7\n\x14\x43hecksumBlobResponse\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x11\n\tchecksums\x18\x02 \x03(\t2\xce\x03\n\tPeerStore\x12\x46\n\x07PutBlob\x12\x1b.sdcwatch.v1.PutBlobRequest\x1a\x1c.sdcwatch.v1.PutBlobResponse(\x01\x12@\n\x07GetBlob\x12\x1b.sdcwatch.v1.GetBlobRequest\x1a\x16.sdcwatch.v1.BlobChunk0\x01\x12G\n\x08StatBlob\x12\x1c.sdcwatch.v1.StatBlobRequest\x1a\x1d.sdcwatch.v1.StatBlobResponse\x12J\n\tListBlobs\x12\x1d.sdcwatch.v1.ListBlobsRequest\x1a\x1e.sdcwatch.v1.ListBlobsResponse\x12M\n\nDeleteBlob\x12\x1e.sdcwatch.v1.DeleteBlobRequest\x1a\x1f.sdcwatch.v1.DeleteBlobResponse\x12S\n\x0c\x43hecksumBlob\x12 .sdcwatch.v1.ChecksumBlobRequest\x1a!.sdcwatch.v1.ChecksumBlobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,6 +51,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETEBLOBREQUEST']._serialized_end=509
   _globals['_DELETEBLOBRESPONSE']._serialized_start=511
   _globals['_DELETEBLOBRESPONSE']._serialized_end=548
-  _globals['_PEERSTORE']._serialized_start=551
-  _globals['_PEERSTORE']._serialized_end=928
+  _globals['_BYTERANGE']._serialized_start=550
+  _globals['_BYTERANGE']._serialized_end=593
+  _globals['_CHECKSUMBLOBREQUEST']._serialized_start=595
+  _globals['_CHECKSUMBLOBREQUEST']._serialized_end=669
+  _globals['_CHECKSUMBLOBRESPONSE']._serialized_start=671
+  _globals['_CHECKSUMBLOBRESPONSE']._serialized_end=726
+  _globals['_PEERSTORE']._serialized_start=729
+  _globals['_PEERSTORE']._serialized_end=1191
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,11 @@ class PeerStoreStub:
                 request_serializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.DeleteBlobRequest.SerializeToString,
                 response_deserializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.DeleteBlobResponse.FromString,
                 _registered_method=True)
+        self.ChecksumBlob = channel.unary_unary(
+                '/sdcwatch.v1.PeerStore/ChecksumBlob',
+                request_serializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.ChecksumBlobRequest.SerializeToString,
+                response_deserializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.ChecksumBlobResponse.FromString,
+                _registered_method=True)
 
 
 class PeerStoreServicer:
@@ -99,6 +104,16 @@ class PeerStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChecksumBlob(self, request, context):
+        """xxh3-128 of byte ranges of a blob, computed by this agent from the bytes it stored, so a replicator
+        verifies its copy without reading it back over the network. Ranges must be in increasing order, not
+        overlap and lie inside the blob (INVALID_ARGUMENT otherwise); a missing blob is NOT_FOUND. Added after
+        0.1.0: an older agent answers UNIMPLEMENTED and the caller reads the copy back instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +141,11 @@ def add_PeerStoreServicer_to_server(servicer, server):
                     servicer.DeleteBlob,
                     request_deserializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.DeleteBlobRequest.FromString,
                     response_serializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.DeleteBlobResponse.SerializeToString,
+            ),
+            'ChecksumBlob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChecksumBlob,
+                    request_deserializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.ChecksumBlobRequest.FromString,
+                    response_serializer=proto_dot_sdcwatch_dot_v1_dot_peer__pb2.ChecksumBlobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +283,33 @@ class PeerStore:
             '/sdcwatch.v1.PeerStore/DeleteBlob',
             proto_dot_sdcwatch_dot_v1_dot_peer__pb2.DeleteBlobRequest.SerializeToString,
             proto_dot_sdcwatch_dot_v1_dot_peer__pb2.DeleteBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChecksumBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sdcwatch.v1.PeerStore/ChecksumBlob',
+            proto_dot_sdcwatch_dot_v1_dot_peer__pb2.ChecksumBlobRequest.SerializeToString,
+            proto_dot_sdcwatch_dot_v1_dot_peer__pb2.ChecksumBlobResponse.FromString,
             options,
             channel_credentials,
             insecure,
