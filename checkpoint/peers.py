@@ -9,7 +9,8 @@ equal to the nodes per failure domain (rack, switch), the copies land outside th
 each chunk checksum (a corrupt copy is never propagated), streams it into each peer's store, verifies
 the written copy's chunk checksums again (a network peer computes them from the bytes it stored:
 `ChecksumBlob`, so the copy is not read back over the network; an older peer's copy is read back), and
-only then records the copy in the coordination Redis (data first, record last). A peer whose copy fails is journaled and the others still get theirs.
+only then records the copy in the coordination Redis (data first, record last). A peer whose copy fails is
+journaled and the others still get theirs.
 
 Transport (`Peer.open`, by the location's form): a directory (the same host, several "nodes" per host in
 tests, or a filesystem both nodes mount; it must already exist: the peer agent creates it, and a lost
@@ -144,8 +145,8 @@ class Replicator:
             raise CorruptCheckpointError(f"copy on {peer.node} has {size} bytes, the shard {m.nbytes}")
         bad = [c.offset for c, s in zip(m.chunks, sums) if s != c.checksum]
         if len(sums) != len(m.chunks) or bad:
-            raise CorruptCheckpointError(f"copy on {peer.node}: chunk(s) at {bad[:5]} fail their checksum on the "
-                                         "peer")
+            raise CorruptCheckpointError(f"copy on {peer.node}: chunk(s) at {bad[:5]} fail their checksum "
+                                         "on the peer")
         return True
 
     def _check_copy(self, store: BlobStore, m: ShardManifest, peer: Peer) -> None:
