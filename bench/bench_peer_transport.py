@@ -319,6 +319,11 @@ def stream_rows(url: str, creds, host: str, sink_port: int, cafile: str, data: m
         rows.append((f"ours: get, {streams} ranged streams",
                      timed(lambda: many.readinto(key, 0, buf), repeat)))
         assert bytes(buf[-MiB:]) == bytes(data[-MiB:])
+        ranges = [(o, min(16 * MiB, nbytes - o)) for o in range(0, nbytes, 16 * MiB)]
+        rows.append(("ours: replica = put + checksums on the peer (ChecksumBlob)",
+                     timed(lambda: (one.put(key, data), one.checksums(key, ranges)), repeat)))
+        rows.append(("ours: replica = put + read back (an older peer)",
+                     timed(lambda: (one.put(key, data), one.readinto(key, 0, buf)), repeat)))
         cap = nbytes / t_link / 2
         capped = GrpcBlobStore(url, credentials=creds, streams=streams, max_bytes_per_s=cap)
         try:
