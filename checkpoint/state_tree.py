@@ -10,6 +10,7 @@ for bytes and BytesIO);
 """
 from __future__ import annotations
 
+from collections import abc
 from typing import Any, Mapping
 
 import torch
@@ -51,12 +52,17 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
         tensors.append((path, value_tensor(payload)))
         return {VALUE_MARK: {TENSOR_MARK: len(tensors) - 1}, KIND_KEY: kind}
 
-    def children(pairs: list[tuple[Any, Any, str]]) -> list[tuple[Any, Any]] | None:
+    def child(path: str, k: Any, index: bool) -> str:
+        return f"{path}[{k}]" if index else f"{path}/{k}"
+
+    def children(items: Any, path: str, index: bool) -> list[tuple[Any, Any]] | None:
         """[(key, subtree)] with the tensor-free children stored as values, or None if none holds a tensor."""
-        walked = [(k, walk(v, p), v, p) for k, v, p in pairs]
-        if all(w is _PLAIN for _, w, _, _ in walked):
+        walked = []
+        for k, v in items:   # scalars (most of a param group) are plain without a call
+            walked.append((k, _PLAIN if type(v) in _SCALARS else walk(v, child(path, k, index)), v))
+        if all(w is _PLAIN for _, w, _ in walked):
             return None
-        return [(k, value(v, p) if w is _PLAIN else w) for k, w, v, p in walked]
+        return [(k, value(v, child(path, k, index)) if w is _PLAIN else w) for k, w, v in walked]
 
     def walk(obj: Any, path: str) -> Any:
         """The subtree for `obj`, or _PLAIN when it holds no tensor (its parent stores it whole)."""
@@ -77,22 +83,22 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
             return {TENSOR_MARK: len(tensors) - 1}
         if is_bytes_like(obj):   # bytes / BytesIO: stored raw at their own path (never base64 inside JSON)
             return value(obj, path)
-        if isinstance(obj, Mapping):
-            if not all(isinstance(k, str) for k in obj):
+        if isinstance(obj, (dict, abc.Mapping)):
+            if not all(type(k) is str or isinstance(k, str) for k in obj):
                 # optimizer state dicts key their state by int parameter id: keep the key types exactly
                 for k in obj:
                     if isinstance(k, bool) or not isinstance(k, (int, str)):
                         raise InvalidInputError(
                             f"{path}: dict key {k!r} is a {type(k).__name__}; keys must be str or int")
-                kids = children([(k, v, f"{path}/{k}") for k, v in obj.items()])
+                kids = children(obj.items(), path, False)
                 return _PLAIN if kids is None else {ITEMS_MARK: [[k, w] for k, w in kids]}
             for k in obj:
                 if k.startswith("__sdcw_"):
                     raise InvalidInputError(f"{path}: dict key {k!r} is reserved")
-            kids = children([(k, v, f"{path}/{k}") for k, v in obj.items()])
+            kids = children(obj.items(), path, False)
             return _PLAIN if kids is None else dict(kids)
         if isinstance(obj, (tuple, list)):
-            kids = children([(i, v, f"{path}[{i}]") for i, v in enumerate(obj)])
+            kids = children(enumerate(obj), path, True)
             if kids is None:
                 return _PLAIN
             return {TUPLE_MARK: [w for _, w in kids]} if isinstance(obj, tuple) else [w for _, w in kids]
@@ -108,6 +114,8 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
 class _Plain:
     pass
 
+
+_SCALARS = frozenset((type(None), bool, int, float, str))
 
 _PLAIN = _Plain()
 

@@ -185,3 +185,18 @@ def test_whole_train_state_through_checkpoint_client(redis_server, tmp_path: Pat
     same(back, sd)
     assert set(back["torch_optim"]["state"]) == {0, 1, 2, 3}
     client.close()
+
+
+def test_bench_train_state_smoke() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from deadlines import scaled
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "bench/bench_train_state.py", "--smoke"], cwd=root,
+                         capture_output=True, text=True, timeout=scaled(120),
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr
+    assert "x baseline" in run.stdout and "DCP items" in run.stdout
