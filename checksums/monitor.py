@@ -74,7 +74,8 @@ _NONE, _VALUE, _DEVICE = 0, 1, 2
 @dataclasses.dataclass(frozen=True, slots=True)
 class MonitorEvent:
     """A local event. kind: replica.mismatch, frozen.changed, nonfinite.loss, nonfinite.grad_norm,
-    agent.unreachable, directive, vote.disabled, step.skipped (a guard stage vetoed the update)."""
+    agent.unreachable, directive, vote.disabled, vote.unavailable (sharded without replicas: plain FSDP),
+    step.skipped (a guard stage vetoed the update)."""
 
     kind: str
     step: int
@@ -347,6 +348,7 @@ class Monitor:
 
     def _setup_group(self, replica_group: Any, vote_enabled: bool) -> None:
         self._group: Any = None
+        self.vote_unavailable = ""     # why no vote is possible (plain FSDP: no replica of a shard), or ""
         if vote_enabled and dist.is_available() and dist.is_initialized():
             if replica_group is not None:
                 self._group = replica_group
@@ -404,9 +406,13 @@ class Monitor:
                 replicate = [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
                 if len(replicate) == 1:
                     return p.device_mesh.get_group(mesh_dim=replicate[0])
-                logger.info("sdcwatch: sharded parameters without exactly one replicate mesh dim "
-                            "(placements %s): the replica vote is off; pass replica_group= to enable it",
-                            p.placements)
+                self.vote_unavailable = (f"sharded parameters without exactly one replicate mesh dim "
+                                         f"(placements {tuple(str(x) for x in p.placements)}): no replica "
+                                         "holds this rank's shard, so no vote is possible")
+                self._event("vote.unavailable", self._step,
+                            f"{self.vote_unavailable}; replica_group= enables it when replicas exist "
+                            "(HSDP: device_mesh['replicate'].get_group())",
+                            {"placements": [str(x) for x in p.placements]})
                 return None
         return dist.group.WORLD
 

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from agent_harness import AgentProcess, cli
 from conftest import free_port
+from deadlines import wait_until
 
 
 def torchrun_env(rank: int, world: int, port: int, socket: str) -> None:
@@ -43,11 +44,28 @@ def journal(agent: AgentProcess) -> list[str]:
     return cli("events", "--socket", str(agent.socket)).stdout.splitlines()
 
 
-def checkpoint_states(agent: AgentProcess, job: str) -> dict[int, str]:
+def checkpoint_states(agent: AgentProcess, job: str, settled: bool = False) -> dict[int, str]:
+    """{step: state} of the job's checkpoints; `settled`: once every one but the newest is VERIFIED (the
+    agent compares the replicas' bytes in the background: on a loaded machine that can trail the run),
+    or what there is after the deadline."""
     from checkpoint.agent_link import GrpcAgentLink
     link = GrpcAgentLink.connect(agent.target, 10)
+    last: dict[int, str] = {}
+
+    def done() -> bool:
+        last.clear()
+        last.update({i.step: i.state for i in link.list(job)})
+        return bool(last) and all(st == "VERIFIED" for s, st in last.items() if s < max(last))
+
     try:
-        return {i.step: i.state for i in link.list(job)}
+        if settled:
+            try:
+                wait_until(done, 20, "checkpoints VERIFIED", interval=0.2)
+            except AssertionError:
+                pass
+        else:
+            done()
+        return dict(last)
     finally:
         link.close()
 

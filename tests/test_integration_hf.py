@@ -104,7 +104,7 @@ def test_hf_trainer_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> 
     try:
         res = spawn(_worker, 2, str(agent.socket), tmp_path, False)
         lines = journal(agent)
-        states = checkpoint_states(agent, JOB)
+        states = checkpoint_states(agent, JOB, settled=True)
     finally:
         agent.stop()
     check_clean(res, lines, states, STEPS)

@@ -1,0 +1,170 @@
+"""Issue 25: FSDP2 / HSDP replica groups and torch.compile'd models, on gloo (CPU).
+
+- HSDP on a 2x2 mesh (4 ranks, `init_device_mesh("cpu", (2, 2))`, `fully_shard` over ("replicate",
+  "shard")): the Monitor finds each shard's replica group by itself (ranks 0,2 and 1,3); one bit flipped in
+  rank 1's shard is caught by the vote of its group, on ranks 1 and 3 only, at the step of the flip.
+- Plain FSDP (a 1-D mesh of 4): no replica holds a shard, so no vote is possible: the Monitor says so
+  (`vote_unavailable`, a `vote.unavailable` event, a warning in the log) instead of an INFO line.
+- torch.compile: a compiled DDP model on 2 ranks (backend "aot_eager": the training graph through
+  AOTAutograd, without inductor's C++ code generation, which takes over a minute per rank on the 2-core CI
+  machine): fingerprints match the eager model's, the training driver's loss hook reads the compiled
+  module's output, and a flip is caught by the vote and its update vetoed."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from conftest import free_port
+from framework_support import flip_bit
+
+FLIP, STEPS = 3, 6
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _train(model: nn.Module, monitor: Any, opt: torch.optim.Optimizer, rank: int, flip_at: int | None,
+           weight: Any) -> None:
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if flip_at is not None and monitor.guard.step == flip_at:
+            flip_bit(weight(), index=1)
+        monitor.step(loss.detach())
+
+
+def _sharded_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    _init(rank, world, port)
+    out: dict[str, Any] = {}
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from checksums.monitor import Monitor
+
+        # HSDP: replicate over mesh dim 0, shard over dim 1
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _mlp()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = Monitor.attach(model, opt, job_id="hsdp", reporter=False)
+        out["hsdp_group"] = monitor.replica_group_name
+        _train(model, monitor, opt, rank, FLIP if rank == 1 else None, lambda: model[0].weight._local_tensor)
+        monitor.flush()
+        out["hsdp_events"] = [(e.kind, e.step) for e in monitor.events]
+        out["hsdp_votes"] = monitor.stats.votes
+        monitor.close()
+
+        # plain FSDP: one shard dim, no replicas
+        flat = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+        model = _mlp()
+        fully_shard(model, mesh=flat)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = Monitor.attach(model, opt, job_id="fsdp", reporter=False)
+        out["fsdp_group"] = monitor.replica_group_name
+        out["fsdp_unavailable"] = monitor.vote_unavailable
+        _train(model, monitor, opt, rank, None, lambda: None)
+        out["fsdp_events"] = [e.kind for e in monitor.events]
+        out["fsdp_checks"] = monitor.stats.checks_run
+        monitor.close()
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def test_hsdp_replica_groups_vote_and_plain_fsdp_says_no_vote(tmp_path: Path) -> None:
+    mp.spawn(_sharded_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["hsdp_group"] for r in res] == ["ranks:0,2", "ranks:1,3", "ranks:0,2", "ranks:1,3"], res
+    for rank, r in enumerate(res):
+        mism = [step for kind, step in r["hsdp_events"] if kind == "replica.mismatch"]
+        if rank in (1, 3):
+            assert mism == [FLIP], (rank, r["hsdp_events"])   # from the flip's step on; one event
+        else:
+            assert not mism, (rank, r["hsdp_events"])
+        assert r["hsdp_votes"] == STEPS
+        assert r["fsdp_group"] == "" and "no vote is possible" in r["fsdp_unavailable"], r
+        assert r["fsdp_events"] == ["vote.unavailable"] and r["fsdp_checks"] == STEPS, r
+
+
+class _WithLoss(nn.Module):
+    """A model whose forward returns its loss (as a Hugging Face model's output does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).pow(2).mean()
+
+
+def _compiled_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    _init(rank, world, port)
+    out: dict[str, Any] = {}
+    try:
+        from checksums.fingerprint import fingerprint_tensors
+        from integrations.session import LossTap, TrainingSession
+
+        eager = _mlp()
+        model = _WithLoss()
+        compiled = torch.compile(nn.parallel.DistributedDataParallel(model), backend="aot_eager")
+        opt = torch.optim.AdamW(compiled.parameters(), lr=0.01)
+        sess = TrainingSession(compiled, opt, job_id="compiled", state_fn=dict, load_fn=lambda s: None,
+                               checkpoints=False, monitor_kwargs={"reporter": False})
+        tap = LossTap(compiled)
+        words = fingerprint_tensors([p.detach() for p in model.parameters()])
+        out["same_as_eager"] = words == fingerprint_tensors([p.detach() for p in eager.parameters()])
+        gen = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(STEPS):
+            x = torch.randn(4, 8, generator=gen)
+            loss = compiled(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 1 and sess.guard.step == FLIP:
+                flip_bit(model.net[0].weight, index=1)
+            taken = tap.take()
+            losses.append(None if taken is None else float(taken))
+            sess.step(taken)
+        sess.monitor.flush()
+        out["losses"] = losses
+        out["events"] = [(e.kind, e.step) for e in sess.monitor.events]
+        out["vetoed"] = sess.recovery.vetoed
+        out["checks"] = sess.monitor.stats.checks_run
+        sess.close()
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def test_a_compiled_model_is_fingerprinted_hooked_and_voted(tmp_path: Path) -> None:
+    mp.spawn(_compiled_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["same_as_eager"], "a compiled module's parameters are the eager module's"
+        assert r["checks"] == STEPS
+        assert all(x is not None for x in r["losses"]), "the forward hook sees the compiled module's loss"
+        kinds = [k for k, _ in r["events"]]
+        assert ("replica.mismatch", FLIP) in [tuple(e) for e in r["events"]], r["events"]
+        assert r["vetoed"] >= 1 and "step.skipped" in kinds, r
