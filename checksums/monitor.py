@@ -862,7 +862,8 @@ class Monitor:
                 loss=loss, grad_norm=grad_norm, loss_scale=loss_scale, step_s=slot.step_s, check_s=slot.check_s,
                 vote=None if step_vote is None else step_vote.result, canary=canary,
                 compute=self._compute_findings() if self._compute_findings is not None else (),
-                compute_checks=self._compute_mode() if self._compute_mode is not None else ""))
+                compute_checks=self._compute_mode() if self._compute_mode is not None else "",
+                vote_unavailable=self.vote_unavailable))
             if not self._agent_down_said:
                 stats = self._reporter.stats()
                 if stats.agent_down:

@@ -117,6 +117,7 @@ class StepReport:
     canary: CanaryReport | None = None
     compute: tuple[ComputeFinding, ...] = ()
     compute_checks: str = ""    # the compute gate's replay mode: "exact", "bounded: why", "" (no gate)
+    vote_unavailable: str = ""  # why no replica vote is possible (plain FSDP), or ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,7 +170,8 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
         job_id=report.job_id, rank=report.rank, world_size=report.world_size, step=report.step,
         fingerprint=report.fingerprint, replica_group=report.replica_group, host=report.host,
         gpu_uuid=report.gpu_uuid, time=report.time, frozen_changed=report.frozen_changed,
-        checks_run=report.checks_run, compute_checks=report.compute_checks[:_COMPUTE_MODE_CHARS])
+        checks_run=report.checks_run, compute_checks=report.compute_checks[:_COMPUTE_MODE_CHARS],
+        vote_unavailable=report.vote_unavailable[:_COMPUTE_MODE_CHARS])
     if report.loss is not None:
         req.loss = report.loss
     if report.grad_norm is not None:

@@ -91,6 +91,7 @@ class JobState:
     clean_through: dict[int, int] = dataclasses.field(default_factory=dict)
     clean_sent: int = -1
     compute_checks: str = ""                                          # the ranks' replay mode, as reported
+    vote_unavailable: str = ""                                        # why the ranks cannot vote, as reported
     compute_seen: collections.deque[tuple[int, int, str, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))  # (restores, step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
@@ -187,6 +188,7 @@ class JobTracker:
             job.checks_run[rank] = checks   # the rank's own running count
         if req.compute_checks:
             job.compute_checks = req.compute_checks   # the same on every rank (the check is collective)
+        no_vote = req.vote_unavailable and not job.vote_unavailable   # said once per job
         dropped = req.dropped_reports
         loss, grad_norm = req.loss, req.grad_norm
         finite = isfinite(loss) and isfinite(grad_norm)   # unset reads 0.0: finite
@@ -210,9 +212,15 @@ class JobTracker:
         unvoted_check = bool(req.fingerprint) and not has("vote") and not req.replica_group
         if not (new or dropped or late or not finite or has("canary") or has("vote") or req.frozen_changed
                 or req.compute or went_back_from is not None or loss_events or job.directive is not None
-                or unvoted_check):
+                or unvoted_check or no_vote):
             return None
         out = ReportOutcome()
+        if no_vote:
+            job.vote_unavailable = req.vote_unavailable
+            out.findings.append(Finding(ek.JOB_VOTE_UNAVAILABLE, Severity.WARNING, f"job/{job_id}",
+                                        f"job {job_id} cannot vote across replicas (rank {rank}): "
+                                        f"{req.vote_unavailable}",
+                                        {"job_id": job_id, "rank": rank, "reason": req.vote_unavailable}))
         if new:
             out.evicted = evicted
             out.findings.append(Finding(ek.JOB_STARTED, Severity.INFO, f"job/{job_id}",

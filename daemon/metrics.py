@@ -183,21 +183,27 @@ class _JobStats(Collector):
         last = GaugeMetricFamily("sdcwatch_job_last_step", "Newest step reported by a job", labels=["job_id"])
         checks = CounterMetricFamily("sdcwatch_job_fingerprint_checks", "Fingerprint checks run by the job's ranks",
                                      labels=["job_id"])
+        no_vote = GaugeMetricFamily("sdcwatch_job_replica_vote_unavailable", "1 when the job's ranks cannot vote "
+                                    "across replicas (plain FSDP: no replica of a shard)", labels=["job_id"])
         for job in list(self.tracker.jobs.values()):
             steps.add_metric([job.job_id], job.steps_seen)
             if job.last_step >= 0:
                 last.add_metric([job.job_id], job.last_step)
             if job.checks_run:
                 checks.add_metric([job.job_id], sum(list(job.checks_run.values())))
+            no_vote.add_metric([job.job_id], 1.0 if job.vote_unavailable else 0.0)
         yield steps
         yield last
         yield checks
+        yield no_vote
 
     def describe(self) -> Iterator[Any]:
         yield CounterMetricFamily("sdcwatch_job_steps", "ReportStep calls accepted", labels=["job_id"])
         yield GaugeMetricFamily("sdcwatch_job_last_step", "Newest step reported by a job", labels=["job_id"])
         yield CounterMetricFamily("sdcwatch_job_fingerprint_checks", "Fingerprint checks run by the job's ranks",
                                   labels=["job_id"])
+        yield GaugeMetricFamily("sdcwatch_job_replica_vote_unavailable", "1 when the job's ranks cannot vote "
+                                "across replicas (plain FSDP: no replica of a shard)", labels=["job_id"])
 
 
 def start_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Any]:

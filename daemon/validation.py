@@ -102,6 +102,7 @@ def _plain_and_valid(req: pb.ReportStepRequest) -> bool:
             and len(req.fingerprint) <= MAX_FINGERPRINT_WORDS
             and not req.labels and not req.frozen_changed and not req.HasField("canary")
             and not req.HasField("vote") and not req.compute and len(req.compute_checks) <= 120
+            and len(req.vote_unavailable) <= 120
             and req.ByteSize() <= MAX_REPORT_BYTES)
 
 
@@ -191,6 +192,8 @@ MAX_COMPUTE_FINDINGS = 16
 def _check_compute(req: pb.ReportStepRequest) -> str | None:
     if len(req.compute_checks) > 120:
         return f"compute_checks is {len(req.compute_checks)} characters; the limit is 120"
+    if len(req.vote_unavailable) > 120:
+        return f"vote_unavailable is {len(req.vote_unavailable)} characters; the limit is 120"
     if len(req.compute) > MAX_COMPUTE_FINDINGS:
         return f"{len(req.compute)} compute findings; the limit is {MAX_COMPUTE_FINDINGS}"
     for f in req.compute:

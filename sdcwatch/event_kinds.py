@@ -225,6 +225,9 @@ JOB_ROLLBACK_DIRECTIVE = _kind("job.rollback_directive", WARNING, JOB, "the agen
                                "a VERIFIED checkpoint and skip batches")
 JOB_ROLLBACK_IMPOSSIBLE = _kind("job.rollback_impossible", CRITICAL, JOB, "a rollback was due but no VERIFIED "
                                 "checkpoint is older than the anomaly", alerts=("SDCWatchCriticalEvent",))
+JOB_VOTE_UNAVAILABLE = _kind("job.vote_unavailable", WARNING, JOB, "a job's ranks cannot vote: their shards have "
+                             "no replica (plain FSDP); silent corruption of the weights is not caught by a vote "
+                             "(checks still run; use HSDP for a vote); once per job")
 REPLICA_MISMATCH = _kind("replica.mismatch", CRITICAL, JOB, "data-parallel replicas held different weights after "
                          "a step (suspect ranks, hosts, GPUs); repeats fold per incident (a new one after a restore is "
                          "its own event)", alerts=("SDCWatchReplicaMismatch",), fold_s=60.0, fold_by=("incident",))

@@ -100,7 +100,8 @@ def check_clean(res: list[dict[str, Any]], lines: list[str], states: dict[int, s
     bad = [line for line in lines if re.search(r"\b(warning|error|critical)\b", line)
            and "job.reports_dropped" not in line]
     assert not bad, bad
-    assert states and all(st == "VERIFIED" for s, st in states.items() if s < max(states)), states
+    assert states and all(st == "VERIFIED" for s, st in states.items() if s < max(states)), (
+        states, [line for line in lines if "checkpoint." in line])
 
 
 def replicas_identical(params: list[torch.Tensor]) -> bool:

@@ -108,7 +108,7 @@ class ProbeStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ProbeState, str]] = ..., last_run: _Optional[float] = ..., last_duration_s: _Optional[float] = ..., last_error: _Optional[str] = ..., runs: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "ranks", "last_step", "last_report", "steps_seen", "dropped_reports", "state", "reason", "compute_checks")
+    __slots__ = ("job_id", "ranks", "last_step", "last_report", "steps_seen", "dropped_reports", "state", "reason", "compute_checks", "vote_unavailable")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class JobStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    VOTE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     last_step: int
@@ -127,7 +128,8 @@ class JobStatus(_message.Message):
     state: State
     reason: str
     compute_checks: str
-    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., last_step: _Optional[int] = ..., last_report: _Optional[float] = ..., steps_seen: _Optional[int] = ..., dropped_reports: _Optional[int] = ..., state: _Optional[_Union[State, str]] = ..., reason: _Optional[str] = ..., compute_checks: _Optional[str] = ...) -> None: ...
+    vote_unavailable: str
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., last_step: _Optional[int] = ..., last_report: _Optional[float] = ..., steps_seen: _Optional[int] = ..., dropped_reports: _Optional[int] = ..., state: _Optional[_Union[State, str]] = ..., reason: _Optional[str] = ..., compute_checks: _Optional[str] = ..., vote_unavailable: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -299,7 +301,7 @@ class ComputeFinding(_message.Message):
     def __init__(self, step: _Optional[int] = ..., detector: _Optional[str] = ..., suspect: _Optional[int] = ..., cause: _Optional[str] = ..., faulty: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., dropped: _Optional[bool] = ..., detail: _Optional[str] = ..., score: _Optional[float] = ..., bucket: _Optional[int] = ..., stat: _Optional[str] = ..., since_step: _Optional[int] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary", "compute", "compute_checks")
+    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary", "compute", "compute_checks", "vote_unavailable")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +331,7 @@ class ReportStepRequest(_message.Message):
     CANARY_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    VOTE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -351,7 +354,8 @@ class ReportStepRequest(_message.Message):
     canary: CanaryResult
     compute: _containers.RepeatedCompositeFieldContainer[ComputeFinding]
     compute_checks: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ..., canary: _Optional[_Union[CanaryResult, _Mapping]] = ..., compute: _Optional[_Iterable[_Union[ComputeFinding, _Mapping]]] = ..., compute_checks: _Optional[str] = ...) -> None: ...
+    vote_unavailable: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ..., canary: _Optional[_Union[CanaryResult, _Mapping]] = ..., compute: _Optional[_Iterable[_Union[ComputeFinding, _Mapping]]] = ..., compute_checks: _Optional[str] = ..., vote_unavailable: _Optional[str] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("kind", "target_step", "skip_batches", "reason", "event_seq")
