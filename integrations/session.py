@@ -42,7 +42,7 @@ StateFn = Callable[[], Mapping[str, Any]]
 LoadFn = Callable[[Mapping[str, Any]], None]
 
 
-class _SkipBatches:
+class SkipBatches:
     """GATE stage: vetoes the next `remaining` updates (the batches a rollback directive skips)."""
 
     phase = Phase.GATE
@@ -88,7 +88,7 @@ class TrainingSession:
         assert self.monitor.guard is not None
         self.guard = self.monitor.guard
         self.recovery = ReplicaRecovery.attach(self.monitor) if recovery else None
-        self.skipper = _SkipBatches()
+        self.skipper = SkipBatches()
         self.guard.add(self.skipper)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -14,8 +14,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, journal, replicas_identical, spawn,
-    torchrun_env,
+    check_clean, check_recovered, checkpoint_states, flip_bit, journal, replicas_identical,
+    settled_journal, spawn, torchrun_env,
 )
 from test_integration_hf import Tokens, tiny_gpt2
 
@@ -89,8 +89,8 @@ def test_lightning_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> N
     agent = AgentProcess(short_tmp / "state").start()
     try:
         res = spawn(_worker, 2, str(agent.socket), tmp_path, False)
-        lines = journal(agent)
-        states = checkpoint_states(agent, JOB, settled=True)
+        lines = settled_journal(agent)
+        states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
     check_clean(res, lines, states, STEPS)
