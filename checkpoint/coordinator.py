@@ -460,7 +460,10 @@ class Coordinator:
 
         `step` None means "now": the newest step begun for the job. "rollback" (the job restored `step`):
         records after `step` are dropped with their bad events and votes. "clear": an operator accepts
-        the bad events at or before `step`.
+        the bad events at or before `step`. "repaired": the replicas agree again at `step` R without a restore
+        (checksums.replica_recovery repaired the odd replica in place): the records saved from the first
+        mismatching step M of the vote mismatches before R up to R - 1 hold weights from diverged replicas
+        and are dropped, and those vote mismatches no longer block the checkpoints from R on.
         """
         validate_job_id(job_id)
         if kind not in policy.EVENT_KINDS:
@@ -495,7 +498,24 @@ class Coordinator:
                     self.redis.hdel(votes, f)
         elif kind == "clear":
             self.redis.zremrangebyscore(bad, "-inf", step)
+        elif kind == policy.REPAIRED:
+            self._repaired(job_id, bad, step, now)
         self.evaluate(job_id, now, reason or kind)
+
+    def _repaired(self, job_id: str, bad: str, step: int, now: float) -> None:
+        """See `on_job_event` ("repaired")."""
+        prefix = policy.VOTE_MISMATCH + ":"
+        mismatches = [(_s(m), int(float(sc))) for m, sc in self.redis.zrangebyscore(bad, "-inf", f"({step}",
+                                                                                   withscores=True)
+                      if _s(m).startswith(prefix)]
+        if not mismatches:
+            return
+        first = min(sc for _, sc in mismatches)
+        for s in self._steps(job_id):
+            if first <= s < step:
+                self._drop(job_id, s, policy.EVICTED, f"saved while the replicas differed (from step {first}); "
+                           f"they were repaired in place at step {step}", now)
+        self.redis.zrem(bad, *(m for m, _ in mismatches))
 
     def _add_vote(self, job_id: str, votes: str, step: int, kind: str) -> None:
         """Record the vote at `step`; past MAX_VOTES + slack fields, keep the newest MAX_VOTES steps and the

@@ -22,7 +22,8 @@ VOTE_MISMATCH = "vote_mismatch"
 CHECKS_CLEAN = "checks_clean"   # a job without replicas: every rank's in-step checks ran clean through the step
 EVENTS_LOST = "events_lost"   # job events the agent could not queue (daemon/checkpoint_feed.py): bad from there
 BAD_KINDS = ("vote_mismatch", "sdc", "nan", "fatal_hardware", "loss_anomaly", EVENTS_LOST)
-CLEAR_KINDS = ("rollback", "clear")
+REPAIRED = "repaired"   # the replicas agree again without a restore (repaired in place): see the coordinator
+CLEAR_KINDS = ("rollback", "clear", REPAIRED)
 EVENT_KINDS = (VOTE_AGREED, CHECKS_CLEAN, *BAD_KINDS, *CLEAR_KINDS)
 CLEAN_KINDS = (VOTE_AGREED, CHECKS_CLEAN)   # move the job's "checked through" step forward
 

@@ -362,7 +362,11 @@ class JobTracker:
                                    "" if vote.agreed else f"replica vote disagreed ({vote.method})"))
         if vote.agreed:
             if job.mismatch_from is not None and vote.step > job.mismatch_from:
-                job.mismatch_from = None   # the replicas agree again (repaired in place): the incident is over
+                # the replicas agree again (repaired in place): the incident is over; the checkpoints saved
+                # during it are dropped and its mismatches stop blocking VERIFIED from this step on
+                out.job_events.append((vote.step, "repaired", f"replicas agree again from step {vote.step} "
+                                       f"(they differed from step {job.mismatch_from})"))
+                job.mismatch_from = None
                 job.mismatch_planned = False
             return
         out.mismatch = (gen, vote.step) not in job.mismatch_steps

@@ -130,22 +130,31 @@ def test_a_loss_anomaly_rolls_back_to_before_its_start_not_its_detection(redis_s
 
 def test_a_replica_mismatch_rolls_back_to_before_its_first_step(redis_server, tmp_path: Path) -> None:
     """Three replicas; the votes disagree from step M = 115 for longer than the in-place repair may take
-    (the device gate's lag), then agree again. The rollback goes to the newest VERIFIED checkpoint older than
-    M; no checkpoint saved at or after M (bytes identical, votes agreeing later) is ever VERIFIED."""
+    (the device gate's lag): the rollback goes to the newest VERIFIED checkpoint older than M, and nothing
+    saved from M on is VERIFIED while they differ (bytes identical here: the events decide). When the
+    replicas agree again at R = 123 (a late repair in place), the checkpoints saved from M to R - 1 are
+    dropped, never having been VERIFIED, and those from R on verify again."""
     co, job = _node(redis_server, tmp_path), job_id("mismatch")
     agent = Agent(co, job)
     m, persists = 115, MAJORITY_REPAIR_STEPS + 3
+    repaired = m + persists
     for step in range(100, 140):
         if step % 5 == 0:
             _save(co, job, step, 3, "world")
         for rank in range(3):
-            agent.report(_vote_req(job, rank, 3, step, agreed=not m <= step < m + persists))
+            agent.report(_vote_req(job, rank, 3, step, agreed=not m <= step < repaired))
+        if step == repaired - 1:
+            assert _ever_verified(co) == {100, 105, 110}, "nothing saved from the mismatch on was VERIFIED"
     assert len(agent.anomalies) == 1, "one incident, one plan"
     planned_at, inc = agent.anomalies[0]
     assert inc.first_step == m and planned_at > m + MAJORITY_REPAIR_STEPS
     assert agent.target == 110
     assert agent.tracker.jobs[job].directive.anomaly_start == m
-    assert _ever_verified(co) == {100, 105, 110}, "nothing saved at or after the mismatch was ever VERIFIED"
+    ever = _ever_verified(co)
+    assert not [s for s in ever if m <= s < repaired], f"saved while the replicas differed, VERIFIED: {ever}"
+    states = {i.step: i.state for i in co.list(job)}
+    assert 115 not in states and 120 not in states, f"dropped once the replicas were repaired: {states}"
+    assert [s for s, st in sorted(states.items()) if st == "VERIFIED"] == [100, 105, 110, 125, 130, 135]
 
 
 def test_an_unresolved_compute_fault_keeps_later_checkpoints_from_verified(redis_server, tmp_path: Path) -> None:
@@ -173,3 +182,24 @@ def test_an_unresolved_compute_fault_keeps_later_checkpoints_from_verified(redis
     states = {i.step: i.state for i in co.list(job)}
     assert [s for s, st in sorted(states.items()) if st == "VERIFIED"] == [100, 105, 110, 115, 120], states
     assert not agent.anomalies, "a compute fault asks for no rollback: its update was dropped or it is flagged"
+
+
+def test_a_repair_in_place_drops_what_was_saved_while_the_replicas_differed(redis_server, tmp_path: Path):
+    """The coordinator's "repaired" event: records from the first vote mismatch before it are dropped, those
+    mismatches stop blocking later checkpoints, any other bad event still blocks from its step."""
+    co, job = _node(redis_server, tmp_path), job_id("repaired")
+    now = time.time()
+    _save(co, job, 10, 3, "world")
+    co.on_job_event(job, 10, "vote_agreed", now)
+    co.on_job_event(job, 15, "vote_mismatch", now)
+    _save(co, job, 20, 3, "world")
+    co.on_job_event(job, 40, "sdc", now)
+    _save(co, job, 30, 3, "world")
+    co.on_job_event(job, 30, "vote_agreed", now)
+    assert {i.step: i.state for i in co.list(job)} == {10: "VERIFIED", 20: "COMMITTED", 30: "COMMITTED"}
+    co.on_job_event(job, 30, "repaired", now)
+    assert {i.step: i.state for i in co.list(job)} == {10: "VERIFIED", 30: "VERIFIED"}
+    _save(co, job, 40, 3, "world")
+    co.on_job_event(job, 40, "vote_agreed", now)
+    assert co.info(job, 40).state == "COMMITTED", "the SDC event at 40 still blocks"
+    assert 20 not in _ever_verified(co)
