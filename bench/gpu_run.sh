@@ -60,7 +60,7 @@ want canary && step canary-cli 40 python3 -m daemon.cli canary --level quick
 # the full canary suite with each check's time (issue 23: target 12.5 s per GPU), as JSON
 want canaryfull && step canary-full 120 bash -c "python3 -m daemon.cli canary --level full --json > $OUT/canary_full.json"
 # the loss detector on a clean GPT-2-small run from scratch (issue 22): exit 1 on any warning or critical
-want lossclean && step loss-clean 300 python3 -m bench.loss_clean_run --device cuda --steps 600
+want lossclean && step loss-clean 300 python3 -m bench.loss_clean_run --device cuda --steps 600 --csv "$OUT/loss_clean.csv"
 # the SM-naming canary: per-SM coverage and a fault placed on SM 17 located (issue 23)
 want canarysm && step canary-sm 180 python3 bench/bench_canary_sm.py --fault-sm 17 --json "$OUT/canary_sm.json"
 # the agent under the storm scenario: CPU, RSS, health-check latency (fake NVML in the agent: see the script)

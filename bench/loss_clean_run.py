@@ -37,13 +37,14 @@ def batches(vocab: int, batch: int, seq: int, device: str, seed: int = 0):
         yield x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-def run(steps: int, device: str, cfg: GPTConfig, batch: int, warmup: int, lr: float) -> int:
+def run(steps: int, device: str, cfg: GPTConfig, batch: int, warmup: int, lr: float, csv: str = "") -> int:
     torch.manual_seed(0)
     model = TinyGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     det = LossDetector()
     data = batches(cfg.vocab, batch, cfg.seq, device)
     events = []
+    series: list[tuple[int, float, float]] = []
     t0 = time.perf_counter()
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.startswith("cuda") else None
     for step in range(steps):
@@ -60,11 +61,16 @@ def run(steps: int, device: str, cfg: GPTConfig, batch: int, warmup: int, lr: fl
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        for ev in det.update(step, loss.item(), gnorm.item(), time.perf_counter() - t0):
+        series.append((step, loss.item(), gnorm.item()))
+        for ev in det.update(step, series[-1][1], series[-1][2], time.perf_counter() - t0):
             events.append(ev)
             print(f"step {ev.step}: {ev.severity.name.lower()} {ev.signal} {ev.kind}: {ev.message}")
         if step % 100 == 0 or step == steps - 1:
             print(f"step {step}: loss {loss.item():.4f} grad norm {gnorm.item():.3f}")
+    if csv:     # the series, to replay through the detector elsewhere (`sdcwatch spikes` reads this CSV)
+        with open(csv, "w") as f:
+            f.write("step,loss,grad_norm\n")
+            f.writelines(f"{st},{lo!r},{gn!r}\n" for st, lo, gn in series)
     raised = [e for e in events if e.severity >= Severity.WARNING]
     print(f"clean run on {device}: {steps} steps, {len(raised)} warnings or critical events "
           f"({sum(1 for e in raised if e.critical)} critical), {time.perf_counter() - t0:.0f} s")
@@ -83,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--csv", default="", help="write step,loss,grad_norm of every step to this file")
     a = ap.parse_args(argv)
     cfg = GPTConfig(layers=a.layers, width=a.width, heads=a.heads, vocab=a.vocab, seq=a.seq)
-    return run(a.steps, a.device, cfg, a.batch, a.warmup, a.lr)
+    return run(a.steps, a.device, cfg, a.batch, a.warmup, a.lr, a.csv)
 
 
 if __name__ == "__main__":

@@ -116,8 +116,9 @@ class LossDetectorConfig:
     grad_norm_spike_z: float = setting(6.0, "a grad-norm spike is at least this many sigmas above its baseline")
     grad_norm_sustained_ratio: float = setting(1.5, "a sustained grad-norm excursion: this many times the baseline")
     grad_norm_sustained_z: float = setting(5.0, "a sustained grad-norm excursion: this many sigmas above it")
-    grad_norm_spike_alone_ratio: float = setting(4.0, "a grad-norm spike this many times its baseline is "
-                                                 "reported on its own sample")
+    grad_norm_spike_alone_ratio: float = setting(100.0, "a grad-norm spike this many times its baseline is "
+                                                 "reported on its own sample; a smaller one when the next "
+                                                 "sample confirms it (clean runs show lone 4-10x samples)")
     grad_norm_warmup_steps: int = setting(100, "steps from the start of a job before the grad-norm rules run "
                                           "(the first steps of a run have erratic gradient norms)")
     grad_norm_critical: bool = setting(False, "a sustained grad-norm excursion is CRITICAL, not a WARNING")

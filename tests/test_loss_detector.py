@@ -358,3 +358,18 @@ def test_onset_slack_zero_reports_the_best_knot_later_than_the_bound() -> None:
     bound = crit(feed(LossDetector(), x))[0].start_step
     best = crit(feed(LossDetector(LossDetectorConfig(onset_slack=0.0)), x))[0].start_step
     assert bound <= best
+
+
+def test_a_lone_grad_norm_sample_is_not_a_warning_but_two_in_a_row_are() -> None:
+    """The H200's clean run had lone grad-norm samples of 4-9x its baseline, back on the next step."""
+    x, g = noisy(600), noisy(600, level=0.6, sigma=0.1, seed=4)
+    g[340] *= 9.4
+    g[480] *= 8.4
+    events = feed(LossDetector(), x, grads=g)
+    assert [e for e in events if e.severity >= Severity.WARNING] == []
+    g[520:522] *= 9.0
+    events = feed(LossDetector(), x, grads=g)
+    warned = [e for e in events if e.severity >= Severity.WARNING]
+    assert [(e.signal, e.kind, e.start_step) for e in warned] == [("grad_norm", "spike", 520)]
+    g[560] *= 1000.0       # an exponent flip or an overflow: reported on its own sample
+    assert any(e.start_step == 560 and e.step == 560 for e in feed(LossDetector(), x, grads=g))

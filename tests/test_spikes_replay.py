@@ -42,8 +42,11 @@ def test_bigscience_excerpts() -> None:
         assert {"step", "kind", "severity", "value", "baseline"} <= e.keys()
         assert e["severity"] in ("info", "warning", "critical")
     got = {(e["run"], e["step"], e["signal"], e["kind"], e["severity"]) for e in evs}
-    # BLOOM-176B: the grad norm warns 3 steps before the loss spike, which recovers on its own: no page
-    assert ("tr11-176B-ml", 31216, "grad_norm", "spike", "warning") in got
+    # BLOOM-176B: the grad norm warns 2 steps before the loss spike, which recovers on its own: no page (its
+    # 10x sample at 31216 is confirmed by the next, 66x: a lone sample under 100x is not reported)
+    assert ("tr11-176B-ml", 31217, "grad_norm", "spike", "warning") in got
+    assert any(e["run"] == "tr11-176B-ml" and e["signal"] == "grad_norm" and e["step"] == 31217
+               and e.get("start_step") == 31216 for e in evs), [e for e in evs if e["signal"] == "grad_norm"]
     assert ("tr11-176B-ml", 31219, "loss", "spike", "warning") in got
     assert not any(e["run"] == "tr11-176B-ml" and e["severity"] == "critical" for e in evs)
     # 104B (tr8b): fp16 loss-scale collapse while the loss jumps (the jump is below 2x: reported when the
