@@ -724,12 +724,12 @@ class Coordinator:
             self.store.delete(key)
 
     def _old(self, key: str, now: float) -> bool:
-        path = getattr(self.store, "path", None)
-        if path is None:
+        mtime = getattr(self.store, "mtime", None)   # DirStore: an lstat by dir fd, never through a link
+        if mtime is None:
             return False
         try:
-            return now - path(key).stat().st_mtime > self.config.orphan_blob_ttl_s
-        except FileNotFoundError:
+            return now - mtime(key) > self.config.orphan_blob_ttl_s
+        except (KeyError, OSError):
             return False
 
     def emit(self, kind: EventKind, job_id: str, message: str, details: dict) -> None:

@@ -40,6 +40,7 @@ from checkpoint.errors import InvalidInputError
 from checkpoint.grpc_store import CHUNK_BYTES, PutMessage, decode_put, encode_chunk
 from checkpoint.names import validate_key, validate_prefix
 from daemon.pools import WorkPool
+from sdcwatch.safe_fs import PlantedLinkError
 from proto.sdcwatch.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -175,14 +176,14 @@ class PeerStoreService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"bad range offset={request.offset} length={request.length} for {key!r}")
         chunk = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, request.chunk_bytes or CHUNK_BYTES))
-        path = getattr(self.store, "path", None)
-        if path is None:   # a store without files: ranged gets
+        open_blob = getattr(self.store, "open_blob", None)   # DirStore: fd-relative, never through a link
+        if open_blob is None:   # a store without files: ranged gets
             async for raw in self._get_generic(key, request, chunk, context):
                 yield raw
             return
         try:
-            fd = await self.pool.run(os.open, path(key), os.O_RDONLY)
-        except FileNotFoundError:
+            fd = await self.pool.run(open_blob, key)
+        except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no blob {key!r} on this node")
         except OSError as e:
             await context.abort(*self._os_status(e, key))
@@ -321,6 +322,8 @@ class PeerStoreService:
                                 f"blob {key!r} needs {nbytes} bytes; this node's memory tier has {free} free")
 
     def _os_status(self, e: OSError, key: str) -> tuple[grpc.StatusCode, str]:
+        if isinstance(e, PlantedLinkError):
+            return grpc.StatusCode.FAILED_PRECONDITION, f"{key!r} on this node is refused: {e}"
         if e.errno in _FULL:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, f"this node's memory tier is full writing {key!r}: {e}"
         if isinstance(e, FileNotFoundError):

@@ -12,6 +12,10 @@ name (`--socket`). So nothing is trusted by name alone:
   name in (an explicit `--socket`'s directory): the same walk, and the directory writable by its owner only.
 - `open_private_file(dir, name, flags)` opens a file inside such a directory with `O_NOFOLLOW` (and no
   `O_TRUNC`: a truncation happens on the fd, after `fstat` proved it is our regular file).
+- `PlantedLinkError`: what a store working fd-relative in a directory others may write (the 2770 memory dir,
+  shared with the ranks' group) raises on a link or special file where its own file or directory should be:
+  refused, never followed. An `OSError` (ELOOP) too, so callers that treat a missing or unreadable copy as
+  "try another copy" do so.
 - `remove_tree(path)` empties a directory with `os.fwalk(follow_symlinks=False)`: links are unlinked, never
   followed, and a top that is itself a link is left alone.
 
@@ -20,6 +24,7 @@ into exit 2 (a setup problem, like a config error). Standard library only: the a
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -36,6 +41,34 @@ class UnsafePathError(FatalError):
     def __init__(self, path: str | os.PathLike[str], problem: str, fix: str) -> None:
         super().__init__(f"refusing to use {os.fspath(path)}: {problem}; {fix}")
         self.path = os.fspath(path)
+
+
+class PlantedLinkError(UnsafePathError, OSError):
+    """A link (or FIFO, socket, device) where a store expected its own regular file or directory."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str = "a symbolic link or special file") -> None:
+        super().__init__(path, f"it is {what}, not the agent's own file (someone who can write the directory may "
+                         "have planted it); it is neither followed nor read", "remove it, and see who made it")
+        self.errno = errno.ELOOP
+        self.filename = os.fspath(path)
+
+
+def open_dir(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
+    """An fd of the directory `path` (relative to `dir_fd` when given), opened with O_NOFOLLOW: a link there
+    is PlantedLinkError (ENOTDIR for a file; FileNotFoundError as usual)."""
+    try:
+        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:   # Linux says ENOTDIR for a link with O_DIRECTORY | O_NOFOLLOW, ELOOP without
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and _is_link(path, dir_fd)):
+            raise PlantedLinkError(path) from None
+        raise
+
+
+def _is_link(path: str | os.PathLike[str], dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _euid() -> int:
