@@ -33,14 +33,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
-import itertools
 import logging
 import mmap
 import os
 import re
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from checkpoint import policy
@@ -200,6 +198,9 @@ class Drainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         # (tier, seconds, bytes) per completed hop, drained by the metrics; bounded
         self.observations: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=1024)
+        # catalogs and planning (Redis, the tiers' listings): one thread of the drainer's own, never asyncio's
+        # shared default executor; a round still running when the next is due is waited for, not doubled
+        self._planner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-drain-plan")
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -217,7 +218,7 @@ class Drainer:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._kick = asyncio.Event()
-        await asyncio.to_thread(self.start)
+        await self._loop.run_in_executor(self._planner, self.start)
         while True:
             try:
                 await self.tick()
@@ -234,7 +235,7 @@ class Drainer:
     async def tick(self) -> list[tuple[str, str, int]]:
         now = self.clock()
         self._check_hung(now)
-        plans = await asyncio.to_thread(self.plan, now)
+        plans = await asyncio.get_running_loop().run_in_executor(self._planner, self.plan, now)
         started = []
         for rt, job, step in plans:
             if len(rt.inflight) >= rt.tier.concurrency:
@@ -246,6 +247,7 @@ class Drainer:
         return started
 
     def close(self) -> None:
+        self._planner.shutdown(wait=False, cancel_futures=True)
         for rt in self.tiers:
             rt.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -825,35 +827,25 @@ class Drainer:
         self.coordinator.emit(kind, job_id, message, details)
 
 
-_pins = itertools.count()
 
 
 @contextlib.contextmanager
 def _mapped(store: BlobStore, key: str, nbytes: int) -> Iterator[memoryview | None]:
     """A read-only mapping of a directory store's blob (None for other stores, or when it cannot be mapped:
     the caller then reads with `readinto`). The file is pinned by a hard link under `<root>/.pins/` while
-    mapped: a file with more than one link is never recycled by ShmStore nor reused as a rank's staging
-    slot, so nobody truncates it under the mapping (which would be a SIGBUS)."""
-    path_of, root = getattr(store, "path", None), getattr(store, "root", None)
-    if path_of is None or root is None or nbytes == 0:
+    mapped (`DirStore.pinned`, made fd-relative without following a link): a file with more than one link is
+    never recycled by ShmStore nor reused as a rank's staging slot, so nobody truncates it under the mapping
+    (which would be a SIGBUS)."""
+    pinned = getattr(store, "pinned", None)
+    if pinned is None or nbytes == 0:
         yield None
         return
-    pin = Path(root) / ".pins" / f"{os.getpid()}-{next(_pins)}"
-    try:
-        pin.parent.mkdir(exist_ok=True)
-        os.link(path_of(key), pin)
-    except (OSError, ValueError):
-        yield None
-        return
-    try:
-        fd = os.open(pin, os.O_RDONLY)
+    with contextlib.ExitStack() as stack:
         try:
-            if os.fstat(fd).st_size != nbytes:
-                mm = None
-            else:
-                mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+            fd = stack.enter_context(pinned(key))
+            mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if os.fstat(fd).st_size == nbytes else None
+        except (OSError, ValueError, KeyError):
+            mm = None
         if mm is None:
             yield None
             return
@@ -866,8 +858,6 @@ def _mapped(store: BlobStore, key: str, nbytes: int) -> Iterator[memoryview | No
                 mm.close()
             except BufferError:  # a consumer still holds a slice; the mapping goes with the last reference
                 pass
-    finally:
-        pin.unlink(missing_ok=True)
 
 
 def _why(e: BaseException) -> str:

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from daemon.alert_policy import AlertBook, Notification, Signal, SinkQueue, TokenBucket, backoff_delay
 from daemon.errors import ConfigError
+from daemon.pools import WorkPool
 from sdcwatch.errors import SdcwatchError
 from sdcwatch.settings import setting
 
@@ -127,8 +128,11 @@ class Sink:
     """One destination: a bounded queue, a rate limit, a sender with retries."""
 
     def __init__(self, name: str, url: str, encode: Callable[[list[Notification]], bytes], cfg: AlertsConfig,
-                 metrics: AlertMetrics, transport: Transport, now: float, retry_base_s: float = 1.0) -> None:
+                 metrics: AlertMetrics, transport: Transport, now: float, retry_base_s: float = 1.0,
+                 pool: WorkPool | None = None) -> None:
         self.name = name
+        # deliveries block (DNS, connect, the POST): their own pool, never asyncio's shared default executor
+        self.pool = pool or WorkPool(f"alerts-{name}", workers=1)
         self.retry_base_s = retry_base_s
         self.url = url
         self.encode = encode
@@ -165,7 +169,12 @@ class Sink:
             return True
         body = self.encode(batch)
         try:
-            await asyncio.to_thread(self.transport, self.url, body, self.cfg.timeout_s)
+            try:   # the transport's own timeout does not bound DNS: this does
+                await asyncio.wait_for(self.pool.run(self.transport, self.url, body, self.cfg.timeout_s),
+                                       self.cfg.timeout_s * 3)
+            except asyncio.TimeoutError:
+                raise DeliveryError(f"no answer from {self.name} in {self.cfg.timeout_s * 3:.0f}s "
+                                    f"({self.pool.describe()})", transient=True) from None
         except DeliveryError as exc:
             self.metrics.failures.labels(self.name).inc()
             self.last_error = str(exc)

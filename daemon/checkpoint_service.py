@@ -112,6 +112,12 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         # the PeerStore servicer over this node's memory tier: one for every server (unix socket, TCP)
         self.pool = pool or WorkPool("checkpoints")
         self.peer_store = PeerStoreService(coordinator.store, pool=peer_pool)
+        # the background work's own pools (never asyncio's shared default executor): a maintenance round that
+        # hangs (Redis, the memory dir) holds one of these, and the next rounds are skipped, not queued
+        wedged = self.pool.wedged_after_s
+        self.maintenance_pool = WorkPool("checkpoint-maintenance", workers=2, wedged_after_s=wedged)
+        self.replication_pool = WorkPool("replication", workers=4, wedged_after_s=wedged)
+        self.lease_pool = WorkPool("node-lease", workers=1, wedged_after_s=wedged)   # never behind maintenance
         self._background: set[asyncio.Task[Any]] = set()
         self._drain_lock = asyncio.Lock()
         self._summaries: list[agent_pb2.CheckpointSummary] = []
@@ -382,13 +388,13 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         """Called once the agent holds its state dir (and again after its embedded Redis restarted): drop the
         copies whose bytes are gone from this node's memory tier; with `own_index`, remove the job dirs no
         record names (bytes indexed by nothing, e.g. the index file was lost)."""
-        await asyncio.to_thread(self.coordinator.renew_lease)   # alive again: our copies are planned again
-        evicted = await asyncio.to_thread(self.coordinator.reconcile_local, self.clock())
+        await self._maintenance(self.coordinator.renew_lease)   # alive again: our copies are planned again
+        evicted = await self._maintenance(self.coordinator.reconcile_local, self.clock())
         for job, steps in evicted.items():
             log.warning("job %s: checkpoint(s) %s evicted: their bytes are gone from %s", job, steps,
                         self.coordinator.location)
         if self.own_index:
-            n = await asyncio.to_thread(self._remove_unindexed)
+            n = await self._maintenance(self._remove_unindexed)
             if n:
                 log.info("removed %d unindexed file(s) from %s", n, self.coordinator.location)
 
@@ -423,14 +429,30 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         """Feed a replica vote / SDC / NaN / fatal-hardware / rollback event (see module docstring)."""
         await self.pool.run(self.coordinator.on_job_event, job_id, step, kind, now, reason)
 
+    def pools(self) -> tuple[WorkPool, ...]:
+        """Every pool of this service's blocking work."""
+        return self.pool, self.peer_store.pool, self.maintenance_pool, self.replication_pool, self.lease_pool
+
+    def local_pools(self) -> tuple[WorkPool, ...]:
+        """The pools whose work is this node's own (Redis, the memory dir): wedged, the agent's health says
+        NOT_SERVING. Replication waits on peers: a hung peer is not this agent's failure (logged, bounded)."""
+        return self.pool, self.peer_store.pool, self.maintenance_pool, self.lease_pool
+
+    async def _maintenance(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in the maintenance pool, bounded by `maintenance_timeout_s` (a call that overruns goes
+        on in its thread: its worker stays busy, and the pool says wedged once none finishes)."""
+        return await asyncio.wait_for(self.maintenance_pool.run(fn, *args), self.maintenance_timeout_s)
+
     async def maintain_once(self) -> dict[str, list[int]]:
+        if self.maintenance_pool.full():
+            log.warning("checkpoint maintenance skipped: %s (an earlier round still runs)",
+                        self.maintenance_pool.describe())
+            return {}
         hold = self.drainer.hold if self.drainer is not None else None
-        out = await asyncio.wait_for(asyncio.to_thread(self.coordinator.maintain, self.clock(), hold),
-                                     self.maintenance_timeout_s)
+        out = await self._maintenance(self.coordinator.maintain, self.clock(), hold)
         if self.drainer is not None:
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.drainer.maintain, self.clock()),
-                                       self.maintenance_timeout_s)
+                await self._maintenance(self.drainer.maintain, self.clock())
             except asyncio.TimeoutError:
                 log.warning("tier maintenance took over %.0fs; it goes on in its thread", self.maintenance_timeout_s)
         await self.refresh_summaries()
@@ -443,10 +465,10 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
     async def refresh_summaries(self) -> list[agent_pb2.CheckpointSummary]:
         """Recompute the per-job summaries (Redis reads, off the loop); `summaries()` returns them."""
-        infos = await asyncio.wait_for(asyncio.to_thread(self._list_all), self.maintenance_timeout_s)
+        infos = await self._maintenance(self._list_all)
         used = getattr(self.coordinator.store, "used_bytes", None)
         if used is not None:
-            self._memory_bytes = await asyncio.wait_for(asyncio.to_thread(used), self.maintenance_timeout_s)
+            self._memory_bytes = await self._maintenance(used)
         self._summaries = summarize(infos)
         self._summary_at = self.clock()
         return self._summaries
@@ -486,7 +508,10 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         while True:
             await asyncio.sleep(every)
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.coordinator.renew_lease), every)
+                if self.lease_pool.full():
+                    log.warning("renewing this node's lease skipped: %s", self.lease_pool.describe())
+                    continue
+                await asyncio.wait_for(self.lease_pool.run(self.coordinator.renew_lease), every)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - Redis down: the supervisor or a failover brings it back
@@ -504,24 +529,29 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         for its tasks (`cancel_tasks`); the pools never wait for a call in progress."""
         await cancel_tasks(self._background, timeout_s)
         try:   # other nodes' restore plans leave our copies out until an agent here renews the lease
-            await asyncio.wait_for(asyncio.to_thread(self.coordinator.say_goodbye), 2.0)
+            await asyncio.wait_for(self.lease_pool.run(self.coordinator.say_goodbye), 2.0)
         except Exception as e:  # noqa: BLE001 - best effort: the lease runs out by itself
             log.info("saying goodbye in the coordination Redis failed: %s", e)
         if self.drainer is not None:
             self.drainer.close()
-        self.pool.shutdown()
-        self.peer_store.pool.shutdown()
         if remove_memory:
             remove = getattr(self.coordinator.store, "remove_all", None)
             if remove is not None:
-                n = await asyncio.to_thread(remove)
-                log.info("removed the checkpoint memory dir %s (%d files)", self.coordinator.location, n)
+                try:
+                    n = await self._maintenance(remove)
+                    log.info("removed the checkpoint memory dir %s (%d files)", self.coordinator.location, n)
+                except asyncio.TimeoutError:
+                    log.warning("removing the checkpoint memory dir %s took over %.0fs (%s); left to the next "
+                                "agent's start", self.coordinator.location, self.maintenance_timeout_s,
+                                self.maintenance_pool.describe())
+        for p in self.pools():
+            p.shutdown()
 
     # ---- helpers ------------------------------------------------------------------------------------
     async def _replicate(self, job: str, step: int, rank: int) -> None:
         assert self.replicator is not None
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.replicator.replicate, job, step, rank),
+            await asyncio.wait_for(self.replication_pool.run(self.replicator.replicate, job, step, rank),
                                    self.replicate_timeout_s)
         except asyncio.TimeoutError:
             log.warning("peer replication of job %s step %d rank %d took over %.0fs; abandoned here (its "

@@ -31,6 +31,7 @@ from daemon.health import AgentHealthServicer, HealthFollower, NodeHealth
 from daemon.jobs import JobTracker
 from daemon.journal import Journal
 from daemon.metrics import AgentMetrics
+from daemon.pools import WorkPool
 from daemon.nvml_wiring import GpuProbes
 from daemon.redis_embedded import EmbeddedRedis
 from daemon.rollback import RollbackPlanner
@@ -50,7 +51,8 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     steps = Journal(state_dir / "steps", prefix="steps", max_bytes=jc.max_bytes, keep_files=jc.keep_files,
                     flush_each=False)
     bus = EventBus(journal, ring_size=jc.memory_events, host=host, on_event=metrics.count_event,
-                   on_journal_lost=metrics.events_dropped.labels("journal").inc)
+                   on_journal_lost=metrics.events_dropped.labels("journal").inc,
+                   read_pool=WorkPool("journal-reads", workers=2, wedged_after_s=config.agent.pool_wedged_s))
 
     embedded_redis = None if config.redis.url else EmbeddedRedis(state_dir, config.redis.binary)
     redis_url = embedded_redis.url if embedded_redis is not None else config.redis.url
@@ -66,6 +68,7 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
         wedged_after_s=config.agent.pool_wedged_s)
     feed = CheckpointFeed(checkpoints, dropped=metrics.events_dropped, publish=bus.publish)
 
+    rollback_pool = WorkPool("rollback-planning", workers=2, wedged_after_s=config.agent.pool_wedged_s)
     gpu_metrics = GpuMetrics(metrics.registry, hostname=host) if config.nvml.enabled else None
     health_changed = asyncio.Event()
     gpus = GpuRegistry(on_transition=GpuTransitions(publisher=bus, jobs=jobs, checkpoints=feed,
@@ -76,11 +79,11 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     if config.nvsentinel.socket:
         followers.append(NvsentinelEvents(config.nvsentinel, config.kubernetes.node_name or host, gpus))
     health = NodeHealth(AgentHealthServicer(), gpus, metrics, health_changed,
-                        pools=(checkpoints.pool, checkpoints.peer_store.pool), followers=followers)
+                        pools=(*checkpoints.local_pools(), bus.read_pool, rollback_pool), followers=followers)
     probes = GpuProbes(config.nvml, config.canary, gpus=gpus, publisher=bus, metrics=metrics,
                        gpu_metrics=gpu_metrics, state_dir=state_dir)
     rollbacks = RollbackPlanner(config.rollback, checkpoints=checkpoints, jobs=jobs, publisher=bus,
-                                background=background)
+                                background=background, pool=rollback_pool)
     alerts = AlertDispatcher(config.alerts, node=host, registry=metrics.registry)
     step_log = StepLog(steps, on_lost=metrics.step_log_lost.inc)
     return Agent(config, journal=journal, steps=steps, step_log=step_log, bus=bus, gpus=gpus,

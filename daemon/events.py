@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from daemon.event_fold import REPEATS, Occurrence, RepeatFolder
 from daemon.journal import Journal, JournalWriteError
+from daemon.pools import WorkPool
 from sdcwatch import event_kinds as ek
 from sdcwatch.errors import SdcwatchError
 from sdcwatch.event_kinds import EventKind, UnknownEventKind, is_member
@@ -45,6 +46,12 @@ JOURNAL_ERROR_EVERY_S = 60.0
 
 class TooManyWatchers(SdcwatchError):
     """`max_watchers` watchers are following already."""
+
+    transient = True
+
+
+class JournalReadTimeout(SdcwatchError):
+    """A watcher's read of the journal files did not finish in time (a hung disk): gRPC UNAVAILABLE."""
 
     transient = True
 
@@ -110,8 +117,12 @@ class EventBus:
                  clock: Callable[[], float] = time.time,
                  on_event: Callable[[Event], None] | None = None,
                  stream_queue_size: int = 10_000, max_watchers: int = MAX_WATCHERS,
-                 on_journal_lost: Callable[[int], None] | None = None) -> None:
+                 on_journal_lost: Callable[[int], None] | None = None,
+                 read_pool: WorkPool | None = None, read_timeout_s: float = 30.0) -> None:
         self.journal = journal
+        # watchers' journal reads: their own pool (never asyncio's shared default executor), each bounded
+        self.read_pool = read_pool or WorkPool("journal-reads", workers=2)
+        self.read_timeout_s = read_timeout_s
         self.host = host
         self.clock = clock
         self.on_event = on_event  # metrics hook; must not raise
@@ -343,7 +354,12 @@ class EventBus:
                 log.warning("reading the journal for a watcher failed: %s", exc)
                 return []
 
-        return [Event.from_record(r) for r in await asyncio.to_thread(read)]
+        try:
+            records = await asyncio.wait_for(self.read_pool.run(read), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise JournalReadTimeout(f"reading the journal took over {self.read_timeout_s:.0f}s "
+                                     f"({self.read_pool.describe()}); retry later") from None
+        return [Event.from_record(r) for r in records]
 
 
 def _escape(text: str) -> str:

@@ -25,6 +25,7 @@ from daemon.background import Background
 from daemon.gpus import GpuRegistry
 from sdcwatch.errors import FatalError
 from daemon.node_conditions import KubernetesConfig, NodeVerdict, condition_patch, node_verdict, taints_after
+from daemon.pools import WorkPool
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class NodeConditions:
         self.retry_s = retry_s
         self.changed = asyncio.Event()
         self.last_error = ""
+        # the API calls block: their own pool (never asyncio's shared default executor), each bounded below
+        self.pool = WorkPool("kubernetes", workers=1)
 
     def notify(self) -> None:
         self.changed.set()
@@ -131,7 +134,7 @@ class NodeConditions:
             self.changed.clear()
             try:
                 await asyncio.wait_for(
-                    asyncio.to_thread(self.reporter.push, self.verdict()), self.reporter.timeout_s * 3
+                    self.pool.run(self.reporter.push, self.verdict()), self.reporter.timeout_s * 3
                 )
                 delay, self.last_error = 0.0, ""
             except Exception as e:  # noqa: BLE001 - the API being down must not stop the agent

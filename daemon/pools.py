@@ -2,7 +2,12 @@
 
 Each gRPC service whose handlers block (Checkpoints: Redis and file I/O; PeerStore: the memory tier's files)
 runs that work in its own pool rather than asyncio's shared default executor, so one service's slow or
-hung calls never take the threads another service (or the agent's own housekeeping) needs. A pool is
+hung calls never take the threads another service (or the agent's own housekeeping) needs. So does each
+other class of blocking work: checkpoint maintenance and peer replication (daemon/checkpoint_service.py),
+journal reads for watchers (daemon/events.py), rollback planning's Redis reads (daemon/rollback.py), alert
+deliveries (daemon/alerts.py) and node-condition pushes (daemon/k8s_nodes.py); nothing of the agent's runs
+on asyncio's default executor (`asyncio.to_thread`), which is shared and small (cores + 4 threads), so a
+class of calls that hangs there wedged every other. A pool is
 *wedged* when every worker has been busy for `wedged_after_s` without any call finishing: the agent's own
 health (`sdcwatch.v1.Agent`, DESIGN.md's health table) then says NOT_SERVING (daemon/health.py), and says
 SERVING again once calls finish.
@@ -90,6 +95,11 @@ class WorkPool:
                 loop.call_soon_threadsafe(_settle, fut, result, error)
             except RuntimeError:   # the loop is closed: nobody waits any more
                 pass
+
+    def full(self) -> bool:
+        """Every worker busy or spoken for: periodic work skips its round rather than queue behind them."""
+        with self._lock:
+            return self.running + self.queued >= self.workers
 
     def wedged(self, now: float | None = None) -> bool:
         """Every worker busy and no call finished for `wedged_after_s`."""

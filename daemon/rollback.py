@@ -20,6 +20,7 @@ from typing import Protocol
 from daemon.background import Background
 from daemon.events import Publisher
 from daemon.jobs import JobTracker, MismatchIncident
+from daemon.pools import WorkPool
 from probes.loss_detector import LossEvent, RollbackPolicy
 from sdcwatch import event_kinds as ek
 from proto.sdcwatch.v1 import agent_pb2 as pb
@@ -33,8 +34,12 @@ class VerifiedSteps(Protocol):
 
 class RollbackPlanner:
     def __init__(self, policy: RollbackPolicy, *, checkpoints: VerifiedSteps, jobs: JobTracker,
-                 publisher: Publisher, background: Background) -> None:
+                 publisher: Publisher, background: Background, pool: WorkPool | None = None,
+                 timeout_s: float = 60.0) -> None:
         self.policy = policy
+        # the Redis reads of planning: their own pool, each bounded (never asyncio's shared default executor)
+        self.pool = pool or WorkPool("rollback-planning", workers=2)
+        self.timeout_s = timeout_s
         self.checkpoints = checkpoints
         self.jobs = jobs
         self.publisher = publisher
@@ -45,7 +50,14 @@ class RollbackPlanner:
         self.background.start(self.plan(job, ev, event_seq), name=f"rollback-plan-{job}")
 
     async def plan(self, job: str, ev: LossEvent | MismatchIncident, seq: int) -> None:
-        verified = await asyncio.to_thread(self.checkpoints.verified_steps, job)
+        try:
+            verified = await asyncio.wait_for(self.pool.run(self.checkpoints.verified_steps, job), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
+                                   f"the checkpoint index did not answer in {self.timeout_s:.0f}s "
+                                   f"({self.pool.describe()}): no rollback planned",
+                                   {"job_id": job, "anomaly_start": _start(ev), "verified": []})
+            return
         if isinstance(ev, MismatchIncident):
             self._plan_mismatch(job, ev, seq, verified)
             return
@@ -84,3 +96,7 @@ class RollbackPlanner:
         self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step "
                                f"{target}, skip 0 batches ({reason})",
                                {"job_id": job, "target_step": target, "skip_batches": 0, "cause_seq": seq})
+
+
+def _start(ev: LossEvent | MismatchIncident) -> int:
+    return ev.first_step if isinstance(ev, MismatchIncident) else ev.start_step

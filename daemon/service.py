@@ -10,7 +10,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from daemon import validation
-from daemon.events import Event, TooManyWatchers, WatchAhead
+from daemon.events import Event, JournalReadTimeout, TooManyWatchers, WatchAhead
 from sdcwatch import event_kinds as ek
 from sdcwatch.types import State
 from proto.sdcwatch.v1 import agent_pb2 as pb
@@ -92,6 +92,8 @@ class AgentService(pb_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except WatchAhead as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except JournalReadTimeout as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def ReportStep(self, request: pb.ReportStepRequest,
                          context: grpc.aio.ServicerContext) -> pb.ReportStepResponse:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -16,7 +18,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent_harness import AgentProcess
+from agent_harness import ROOT, AgentProcess
+from deadlines import scaled, wait_until
+from proto.sdcwatch.v1 import agent_pb2 as apb
+from proto.sdcwatch.v1 import agent_pb2_grpc as apb_grpc
 from proto.sdcwatch.v1 import checkpoint_pb2 as cpb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as cpb_grpc
 from proto.sdcwatch.v1 import peer_pb2 as ppb
@@ -166,3 +171,89 @@ def test_client_deadlines_are_counted_as_deadline_exceeded(short_tmp):
         for pid in redis_pids:
             os.kill(pid, signal.SIGCONT)
         agent.stop(timeout=30)
+
+
+# A launcher for the real agent in which one class of blocking call hangs for good: every watcher's read of
+# the journal files (the fake blocks forever, as a dead disk would).
+_WEDGED_JOURNAL = ("import sys, threading; import daemon.journal as j; "
+                   "j.Journal.read_since = lambda *a, **k: threading.Event().wait(); "
+                   "from daemon.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_a_hung_class_of_blocking_calls_wedges_only_its_pool_and_health_says_so(short_tmp):
+    """Issue 20: blocking calls ran on asyncio's shared default executor (cores + 4 threads): one class that
+    hangs (here: journal reads for watchers) took it over, and health still said SERVING. Now each class has
+    its own bounded pool: health says NOT_SERVING, and every other RPC still answers within a deadline."""
+    state = short_tmp / "s"
+    first = AgentProcess(state).start()          # events only the journal files will hold after a restart
+    with grpc.insecure_channel(first.target) as ch:
+        for i in range(3):
+            apb_grpc.AgentStub(ch).ReportStep(apb.ReportStepRequest(job_id=f"w{i}", step=1), timeout=10)
+    assert first.stop(timeout=30) == 0
+    agent = AgentProcess(state)
+    agent._log = open(agent.log_path, "ab")     # the harness's process, started by the launcher instead
+    cmd = [sys.executable, "-c", _WEDGED_JOURNAL, "run", "--state-dir", str(state), "--metrics-listen", "off",
+           "--shutdown-grace-s", "1", "--pool-wedged-s", "1"]
+    agent.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=agent._log, stderr=subprocess.STDOUT)
+    agent.wait_serving(30)
+    watchers = []
+    try:
+        with grpc.insecure_channel(agent.target) as ch:
+            stub = apb_grpc.AgentStub(ch)
+            # more watchers than the pool has threads, each resuming from seq 1: a journal read, hung
+            watchers = [stub.WatchEvents(apb.WatchEventsRequest(since_seq=1, follow=True), timeout=600)
+                        for _ in range(6)]
+            for w in watchers:
+                assert not w.done()
+            wait_until(lambda: health(ch) == NOT_SERVING, 30, "the agent's health says NOT_SERVING")
+            deadline = scaled(10)
+            # everything else answers, within a deadline
+            assert health(ch, "") in (SERVING, NOT_SERVING)
+            stub.GetStatus(apb.GetStatusRequest(), timeout=deadline)
+            assert stub.ReportStep(apb.ReportStepRequest(job_id="live", step=1), timeout=deadline).accepted
+            cpb_grpc.CheckpointsStub(ch).List(cpb.ListCheckpointsRequest(job_id="live"), timeout=deadline)
+            recent = list(stub.WatchEvents(apb.WatchEventsRequest(since_seq=stub.GetStatus(
+                apb.GetStatusRequest(), timeout=deadline).last_event_seq - 1), timeout=deadline))
+            assert recent, "a watcher the memory ring serves needs no journal read"
+    finally:
+        for w in watchers:
+            w.cancel()
+        rc = agent.stop(timeout=30)
+    assert rc == 0, agent.log()
+
+
+def test_hung_maintenance_rounds_hold_two_threads_not_the_default_executor(tmp_path):
+    """A maintenance round that hangs (Redis, the memory dir) left a thread of asyncio's default executor
+    behind at each timeout; the next rounds took the rest, and every other `to_thread` in the agent waited.
+    Now the rounds have their own pool of 2: later rounds are skipped while it is full, and it says wedged."""
+    import asyncio
+    import types
+
+    from checkpoint.shm_store import DirStore
+    from daemon.checkpoint_service import CheckpointService
+    from daemon.pools import WorkPool
+
+    release = threading.Event()
+    coordinator = types.SimpleNamespace(store=DirStore(tmp_path / "m"), maintain=lambda now, hold: release.wait())
+
+    async def main() -> None:
+        try:
+            service = CheckpointService(coordinator, maintenance_timeout_s=0.05,   # type: ignore[arg-type]
+                                        pool=WorkPool("checkpoints", wedged_after_s=0.2))
+            for _ in range((os.cpu_count() or 1) + 8):
+                try:
+                    await service.maintain_once()
+                except asyncio.TimeoutError:
+                    pass
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), scaled(5)) == "free", \
+                "asyncio's default executor is free"
+            assert service.maintenance_pool.running == 2 and service.maintenance_pool.full()
+            await asyncio.sleep(0.3)
+            assert service.maintenance_pool.wedged()
+            assert service.maintenance_pool in service.local_pools()
+            for p in service.pools():
+                p.shutdown()
+        finally:
+            release.set()   # before asyncio.run waits for its default executor's threads
+
+    asyncio.run(main())
