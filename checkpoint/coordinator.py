@@ -653,7 +653,7 @@ class Coordinator:
                     m = manifests.get(c.rank)
                     try:
                         whole = m is not None and self.store.size(m.blob) == m.nbytes
-                    except KeyError:
+                    except (KeyError, OSError):   # gone, or a link planted in its place: not a copy
                         whole = False
                     if not whole:
                         lost.append(c)
