@@ -189,7 +189,7 @@ def test_a_hung_class_of_blocking_calls_wedges_only_its_pool_and_health_says_so(
     with grpc.insecure_channel(first.target) as ch:
         for i in range(3):
             apb_grpc.AgentStub(ch).ReportStep(apb.ReportStepRequest(job_id=f"w{i}", step=1), timeout=10)
-    assert first.stop(timeout=30) == 0
+    assert first.stop(timeout=30) == 0, first.log()
     agent = AgentProcess(state)
     agent._log = open(agent.log_path, "ab")     # the harness's process, started by the launcher instead
     cmd = [sys.executable, "-c", _WEDGED_JOURNAL, "run", "--state-dir", str(state), "--metrics-listen", "off",
