@@ -10,10 +10,15 @@ Two ways, one rule: no Python code runs between fork and exec where it can be av
   A `preexec_fn` forces a plain fork() in a parent that has gRPC threads; gRPC's fork handlers then run in
   the child before exec, and a child that died there looked started to Popen: the demo's ranks waited for
   it at the rendezvous for good.
-- A foreign binary (the agent's redis-server) is started through this module as a program, which arms the
-  signal and then execs the binary (the signal survives exec): `bound_command`, no `preexec_fn` either:
+- A foreign binary (the agent's redis-server) is started through a small program that arms the signal and
+  then execs the binary (the signal survives exec): `bound_command`, no `preexec_fn` either:
 
       subprocess.Popen(bound_command(["redis-server", ...]), env=parent_env(), start_new_session=True)
+
+  That program is util-linux's `setpriv --pdeathsig TERM` where it works (no interpreter to start), else
+  this module run as a program (`python -m sdcwatch.proc -- BINARY ...`, which also catches a starter
+  process that died before the signal was armed; with setpriv such a child is left for the next agent's
+  cleanup). Neither sees a starter *thread* that exited before exec: start from a thread that lives on.
 
   `die_with_parent` (a `preexec_fn`) is left for single-threaded starters only (tests' helpers).
 
@@ -23,8 +28,11 @@ children from a thread that lives as long as they should (the agent's event loop
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from typing import Callable, Sequence
 
@@ -76,11 +84,29 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM, *, own_group: bo
     return preexec
 
 
-def bound_command(argv: Sequence[str]) -> list[str]:
-    """The command line that runs `argv` (a foreign binary and its arguments) bound to its starter: this module
-    as a program arms PR_SET_PDEATHSIG from `$SDCWATCH_PARENT_PID` (pass `env=parent_env()`), then execs
-    `argv[0]` in place (same pid). `argv[0]` must be a path or a name on PATH."""
+def bound_command(argv: Sequence[str], sig: str = "TERM") -> list[str]:
+    """The command line that runs `argv` (a foreign binary and its arguments) bound to its starter, in place
+    (same pid): `setpriv --pdeathsig SIG` where it works, else this module as a program, which arms
+    PR_SET_PDEATHSIG from `$SDCWATCH_PARENT_PID` (so pass `env=parent_env()`) and execs `argv[0]` (a path or
+    a name on PATH)."""
+    setpriv = _setpriv()
+    if setpriv:
+        return [setpriv, "--pdeathsig", sig, "--", *argv]
     return [sys.executable, "-m", "sdcwatch.proc", "--", *argv]
+
+
+@functools.lru_cache(maxsize=1)
+def _setpriv() -> str:
+    """util-linux's setpriv if it is on PATH and knows --pdeathsig (util-linux 2.33 and later), else ""."""
+    found = shutil.which("setpriv")
+    if not found:
+        return ""
+    try:
+        ok = subprocess.run([found, "--pdeathsig", "TERM", "--", "true"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return found if ok else ""
 
 
 def _exec_bound(argv: Sequence[str]) -> None:
