@@ -648,8 +648,8 @@ class Coordinator:
                 lost = []
                 manifests = self.shard_manifests(job, info.step)
                 for c in info.copies:
-                    if c.node != self.node or c.tier != "memory":
-                        continue
+                    if c.node != self.node or c.tier != "memory" or c.location != self.location:
+                        continue   # another node's, or a memory dir this agent does not serve: not ours to judge
                     m = manifests.get(c.rank)
                     try:
                         whole = m is not None and self.store.size(m.blob) == m.nbytes
