@@ -81,6 +81,9 @@ want verify && step verify-cost-gloo 300 python3 -m bench.verify_cost --device c
 want verify && [ "$NGPU" -ge 2 ] && step verify-cost-nccl 300 python3 -m bench.verify_cost --device cuda --world 2
 want verify && step agreed-directive 120 torchrun --standalone --nproc-per-node 2 bench/agreed_directive.py \
   --device cuda $([ "$NGPU" -ge 2 ] || echo --backend gloo)
+# the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
+# GPT-2 small from a config (offline); needs the wheels of bench/framework_wheels.sh in .whl/
+want frameworks && step frameworks 580 python3 -m bench.bench_frameworks --device cuda
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent's RSS after one canary round, and whether it maps libtorch (it must not: issue 17)
