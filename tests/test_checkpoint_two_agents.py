@@ -21,13 +21,15 @@ from ckpt_support import assert_same, flip_bit, job_id, save_on_two_nodes, state
 from daemon.errors import ConfigError
 from daemon.peers_config import PeersConfig, parse_nodes
 from daemon.peers_wiring import plan_peers, replicator_factory
+from deadlines import wait_until
 
 def test_two_agents_replicate_and_a_lost_node_restores_from_its_peer(redis_server, short_tmp: Path) -> None:
     tag = uuid.uuid4().hex[:6]
     states = {n: short_tmp / f"{n}-{tag}" for n in ("node-a", "node-b", "node-c")}
     mem = {n: default_shm_root(s) for n, s in states.items()}
     nodes = ",".join(f"{n}={mem[n]}" for n in ("node-a", "node-b"))
-    common = ["--redis-url", redis_server.url, "--no-nvml-enabled", "--no-canary-enabled", "--no-tiers-enabled"]
+    common = ["--redis-url", redis_server.url, "--no-nvml-enabled", "--no-canary-enabled", "--no-tiers-enabled",
+              "--checkpoints-node-lease-s", "6"]
     agents = {n: AgentProcess(states[n], *common, "--hostname", n, "--peers-nodes", nodes,
                               "--peers-replication-factor", "2", "--peers-stride", "1").start(wait=False)
               for n in ("node-a", "node-b")}
@@ -59,6 +61,12 @@ def test_two_agents_replicate_and_a_lost_node_restores_from_its_peer(redis_serve
         assert rep.source == f"peer@node-b:{mem['node-b']}", rep.sources
         assert rep.chunks == len(m0.chunks) and all("node-a" in f and "missing" in f for f in rep.failures)
         assert_same(clients[0].restore("latest"), state_dict(1, 3))        # rank 1's own copy still serves
+        # node-a's lease runs out (6 s, no goodbye from a kill -9): its copies leave the plan (issue 21 item 6)
+        wait_until(lambda: [c.node for c in rank0.link.restore_plan(job, 3, 0).shards[0].copies] == ["node-b"],
+                   60, "node-a's copy left the restore plan")
+        rep = RestoreReport()
+        assert_same(rank0.restore(3, report=rep), state_dict(0, 3))
+        assert rep.source == f"peer@node-b:{mem['node-b']}" and rep.failures == [], rep.failures
 
         # a flipped bit in the peer copy (now the only one) is detected, naming the tensor and the copies
         flip_bit(mem["node-b"] / m0.blob, m0.tensors[0].offset + 5)
