@@ -56,6 +56,7 @@ CASES = [
     Case("mm warp-periodic chunk x4", "mm", "warp", 4.0),
     Case("mm zeroed column", "mm", "zero"),
     Case("mm x1.05 persistent", "mm", "scale", 1.05, True),
+    Case("mm one elem =1e4 persistent", "mm", "set", 1e4, True),
     Case("grad elem =100", "grad", "set", 100.0),
     Case("grad elem =0.01", "grad", "set", 0.01),
     Case("grad elem ulp persistent", "grad", "ulp", 0.0, True),
@@ -133,8 +134,8 @@ def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
     return g, g.blocks[0].fc
 
 
-def batch_for(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1_000_003 * rank + step)
+def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * rank + step + 7919 * micro)
     if MODEL["name"] != "mlp":
         seq, vocab, n = (1024, 50257, 8) if MODEL["name"] == "gpt2" else (32, 256, 8)
         idx = torch.randint(0, vocab, (n, seq + 1), generator=g)
@@ -153,7 +154,8 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
-             fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto") -> dict[str, Any]:
+             fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
+             accum: int = 1, fault_micro: int = 0, fsdp: bool = False) -> dict[str, Any]:
     model, target = make_model(0)
     model = model.to(device)
     active = {"on": False}
@@ -167,28 +169,58 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             corrupt(buf, case)
 
     target.register_forward_hook(mm_hook)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=mask == "device" or device.type == "cuda")
+    if fsdp:                # FSDP2: each Linear (or GPT block) its own group, then the root; no replica vote
+        from torch.distributed.fsdp import fully_shard
+        for sub in model.modules():
+            if sub is not model and (isinstance(sub, nn.Linear) and MODEL["name"] == "mlp"
+                                     or type(sub).__name__ == "Block"):
+                fully_shard(sub)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=not fsdp and (mask == "device" or device.type == "cuda"))
     sink = _Sink()
-    monitor = Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}")
-    checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=audit_every, warmup=warmup,
+    monitor = (None if fsdp else
+               Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
+    step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=step_loss, audit_every=audit_every, warmup=warmup,
                                   margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor, mask=mask,
                                   inject_bucket=grad_inject if rank == fault_rank else None)
     caught: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
     unchanged = None
+    effective = None          # the fault changed the faulty rank's gradient (mm/grad faults; None: not measured)
     for step in range(1, steps + 1):
         on = case is not None and rank == fault_rank and (
             step == fault_step or (case.persistent and step >= fault_step))
         # the forward and gradient faults hit this step's backward; a persistent one also hits the replays
         # this rank runs in the gate (the same GPU computes wrong again), a transient one does not
-        active["on"] = on and case is not None and case.where in ("mm", "grad")
-        batch = batch_for(rank, step, device)
-        checks.retain(batch)
-        loss_fn(ddp, batch).backward()
+        # with --accum N: N micro-batches, all but the last under no_sync(); a transient matmul fault hits
+        # micro-batch --fault-micro only
+        for micro in range(accum):
+            active["on"] = on and case is not None and (
+                case.where == "grad" or (case.where == "mm" and (case.persistent or micro == fault_micro)))
+            batch = batch_for(rank, step, device, micro)
+            checks.retain(batch)
+            if fsdp:
+                ddp.set_requires_gradient_sync(micro == accum - 1)
+                step_loss(ddp, batch).backward()
+            elif micro < accum - 1:
+                with ddp.no_sync():
+                    step_loss(ddp, batch).backward()
+            else:
+                step_loss(ddp, batch).backward()
         if case is None or not case.persistent:
             active["on"] = False
-        before = [p.detach().clone() for p in model.parameters()] if step == fault_step else None
+        if on and step == fault_step and case is not None and case.where in ("mm", "grad") and not fsdp:
+            # did the fault change any bit of the gradient this rank hands to the all-reduce? (a one-ulp flip
+            # of an activation often rounds away): the original rows against a clean recompute
+            held, active["on"] = active["on"], False
+            effective = not torch.equal(checks.summaries.rows()[:, 2:].cpu(),
+                                        checks.replayer.replay(checks.replayer.retained)[:, 2:].cpu())
+            checks.replayer.replays -= 1
+            active["on"] = held
+        before = [p.detach().clone() for p in model.parameters()] if step == fault_step and not fsdp else None
         opt.step()
         if before is not None:      # did the fault's step change the weights? (masked: no)
             unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -198,7 +230,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             corrupt(st["exp_avg"], case)
         if on and case is not None and case.where == "weight":
             corrupt(target.weight.data, case)
-        monitor.step()
+        if monitor is not None:
+            monitor.step()
         for f in checks.findings:
             first = caught.get("compute")
             # the finding that names a rank wins over a cleared one of the same step (two ranks: both are
@@ -209,18 +242,23 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                                    "dropped": f.dropped, "detector": f.detector}
                 caught["compute"] = caught["compute:" + f.detector]
         checks.findings.clear()
-        for ev in monitor.events:
+        for ev in (monitor.events if monitor is not None else ()):
             if ev.kind == "replica.mismatch" and ev.step >= fault_step and "vote" not in caught:
                 caught["vote"] = {"step": ev.step, "named": [s["rank"] for s in ev.details["suspects"]]}
         if caught and step > fault_step + 2 and (case is None or not case.persistent or step > fault_step + 10):
             break
     elapsed = time.perf_counter() - t0
+    if 0 <= fault_rank < world:                # rank 0 writes the results: it needs the faulty rank's measure
+        box = [effective]
+        dist.broadcast_object_list(box, src=fault_rank)
+        effective = box[0]
     st = checks.status()
-    monitor.close()
+    if monitor is not None:
+        monitor.close()
     checks.close()
     reported = [(f.step, f.detector, f.cause, [list(w) for w in f.where]) for f in sink.compute]
     return {"caught": caught, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
-            "reported": reported, "fault_step_unchanged": unchanged,
+            "reported": reported, "fault_step_unchanged": unchanged, "effective": effective,
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else []}
 
 
@@ -281,11 +319,13 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + 30,
                                       fault_step=args.fault_step, fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
-                                      mask=args.mask)
+                                      mask=args.mask, accum=args.accum, fault_micro=args.fault_micro,
+                                      fsdp=args.fsdp)
     if args.clean:
         results["clean"] = run_case(None, rank=rank, world=world, device=device, steps=args.clean,
                                     fault_step=args.clean + 1, fault_rank=-1, audit_every=args.audit_every,
-                                    warmup=args.warmup, margin=args.margin, mask=args.mask)
+                                    warmup=args.warmup, margin=args.margin, mask=args.mask, accum=args.accum,
+                                    fsdp=args.fsdp)
     if args.overhead:
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
                                        audit_every=args.audit_every, mask=args.mask)
@@ -305,7 +345,8 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         c = r["caught"]
         det = ("compute:" + c["compute"]["detector"]) if "compute" in c else ("vote" if "vote" in c else None)
         if det is None:
-            lines.append(f"{name:34} {'-':17} {'no':6}")
+            lines.append(f"{name:34} {'-':17} {'no':6}" + ("      (no effect: the faulty rank's gradient was bit "
+                                                           "for bit the clean one)" if r.get("effective") is False else ""))
             continue
         hit = c["compute"] if det != "vote" else c["vote"]
         named = hit["named"]
@@ -346,6 +387,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--audit-every", type=int, default=5)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--margin", type=float, default=3.0)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
+                   "accumulation: all but the last under ddp.no_sync())")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: the checks run "
+                   "before each reduce-scatter; no replays (audits off), no replica vote")
+    p.add_argument("--fault-micro", type=int, default=0, help="the micro-batch a transient matmul fault hits")
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",
                    help="how a suspect update is masked: host veto, or the device found_inf flag (fused Adam)")

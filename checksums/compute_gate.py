@@ -35,7 +35,6 @@ Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and 
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import logging
 import socket
@@ -48,7 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
-from checksums.grad_checks import GradSummaries, SpreadTracker, StatsVerdict, deviations, stats_of
+from checksums.grad_checks import (FsdpGradSummaries, GradSummaries, SpreadTracker, StatsVerdict, deviations,
+                                   stats_of)
 from checksums.replay import Cause, Classification, LossFn, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
@@ -88,10 +88,19 @@ class ComputeChecks:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket)
+        self.fsdp = _is_fsdp(ddp)
+        if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; no replays (not built)
+            self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
+            if audit_every:
+                logger.warning("sdcwatch: FSDP2 steps are not replayed yet: replay audits are off; the "
+                               "pre-reduce-scatter statistics name an outlier rank (3+ ranks) and drop its step")
+            audit_every = 0
+        else:
+            self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket)
         device = self.summaries.params[0].device if self.summaries.params else torch.device("cpu")
         self.device = device
-        self.replayer = Replayer(ddp.module, self.summaries, loss_fn, device=device, group=group)
+        self.replayer = Replayer(getattr(ddp, "module", ddp), None if self.fsdp else self.summaries, loss_fn,
+                                 device=device, group=group)
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)
         self.audit_every = audit_every
         where = [None] * self.world
@@ -131,33 +140,55 @@ class ComputeChecks:
 
     def run(self, ctx: StepContext) -> Veto | None:
         self._steps += 1
-        if not self._determinism_checked:
+        if not self._determinism_checked and not self.fsdp:
             self._determinism_checked = True
             if not self.replayer.check_determinism():
                 logger.warning("sdcwatch: replays of one batch differ bit for bit on this model; compute "
                                "replays compare norms within a rounding bound instead of fingerprints")
         audit_due = bool(self.audit_every) and ctx.step % self.audit_every == 0
-        if self.mask == "device":
-            self._settle_previous()
-            if not audit_due:
-                return self._mask_on_device(ctx)
-        rows = self.summaries.gather().cpu()
-        self.summaries.clear()
-        return self._judge_now(ctx, rows, audit_due)
+        try:
+            if self.mask == "device":
+                self._settle_previous()
+                if not audit_due:
+                    return self._mask_on_device(ctx)
+            rows = self.summaries.gather().cpu()
+            self.summaries.clear()
+            return self._judge_now(ctx, rows, audit_due)
+        finally:
+            self.replayer.end_step()              # the next retain() starts the next step's micro-batches
+
+    def _classify(self, verdict: StatsVerdict, rows: torch.Tensor, jumps: tuple[float, ...],
+                  retained: Retained | None = None) -> list[tuple[str, int, Classification]]:
+        """Replay and classify a step's suspects: each of at most two (3+ ranks), or both batches on both
+        ranks at once (two ranks: `classify_pair`)."""
+        if not verdict.suspects:
+            return []
+        if self.fsdp:
+            named = verdict.suspects if self.world > 2 or verdict.nonfinite else (0, 1)
+            c = Classification(Cause.UNRESOLVED, tuple(named), True, "FSDP2: no replay; the pre-reduce-scatter "
+                               f"statistics name rank(s) {list(named)}")
+            return [("nonfinite" if verdict.nonfinite else "stats", named[0], c)]
+        if self.world == 2:
+            c = self.replayer.classify_pair(rows, retained, (jumps[0], jumps[1]))
+            detector = "nonfinite" if verdict.nonfinite else "stats"
+            named = c.faulty[0] if len(c.faulty) == 1 else max((0, 1), key=lambda r: verdict.scores[r])
+            return [(detector, named, c)]
+        return [("nonfinite" if r in verdict.nonfinite else "stats", r,
+                 self.replayer.classify(r, rows[r], retained))
+                for r in verdict.suspects[:2]]              # at most two replays per step: bounded
 
     def _judge_now(self, ctx: StepContext, rows: torch.Tensor, audit_due: bool) -> Veto | None:
         """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps)."""
         stats = stats_of(rows)
+        jumps = self.tracker.jumps(stats)                # before judge() learns this step
         verdict = self.tracker.judge(stats)
         self.last_verdict = verdict
-        outcomes: list[tuple[str, int, Classification]] = []
-        for r in verdict.suspects[:2]:                   # at most two replays per step: bounded
-            detector = "nonfinite" if r in verdict.nonfinite else "stats"
-            outcomes.append((detector, r, self.replayer.classify(r, rows[r])))
+        outcomes = self._classify(verdict, rows, jumps)
         if not outcomes and audit_due:
             audited = (ctx.step // self.audit_every) % self.world
             self._audits += 1
-            got = self.replayer.audit(audited, rows[audited])
+            got = self.replayer.audit(audited, rows[audited], rows if self.world == 2 else None,
+                                      (jumps[0], jumps[-1]))
             if got is not None:
                 outcomes.append(("audit", audited, got))
             else:
@@ -202,7 +233,7 @@ class ComputeChecks:
         done = torch.cuda.Event() if rows.device.type == "cuda" else None
         if done is not None:
             done.record()
-        self._pending = (ctx.step, host, done, armed, copy.copy(self.replayer.retained))
+        self._pending = (ctx.step, host, done, armed, self.replayer.retained)
 
     def _spread_on(self, device: torch.device) -> torch.Tensor | None:
         spread = self.tracker.spread
@@ -226,12 +257,12 @@ class ComputeChecks:
         if done is not None:
             done.synchronize()                            # recorded a step ago: already complete
         stats = stats_of(host)
+        jumps = self.tracker.jumps(stats)
         verdict = self.tracker.judge(stats)
         self.last_verdict = verdict
         if not armed and not verdict.nonfinite:
             return
-        outcomes = [("nonfinite" if r in verdict.nonfinite else "stats", r,
-                     self.replayer.classify(r, host[r], retained)) for r in verdict.suspects[:2]]
+        outcomes = self._classify(verdict, host, jumps, retained)
         self._conclude(step, stats, verdict, outcomes, masked=bool(outcomes))
 
     def _record(self, step: int, detector: str, suspect: int, c: Classification, drop: bool,
@@ -255,6 +286,8 @@ class ComputeChecks:
     def mode(self) -> str:
         """How replays compare, for the agent's GetStatus: "exact" (bit-exact fingerprints), "bounded: ..."
         (the determinism check found replays differ: norms within a rounding bound), "" before the check."""
+        if self.fsdp:
+            return "stats only: FSDP2 steps are not replayed"
         if not self._determinism_checked:
             return ""
         if self.replayer.exact:
@@ -286,6 +319,14 @@ def device_flag(stats: torch.Tensor, spread: torch.Tensor | None, margin: float)
     if spread is not None:
         bad = bad | ((deviations(stats) / spread) > margin).any()
     return bad.float()
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:              # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
 
 
 _choose_mask = choose_mask   # the name this module had for it

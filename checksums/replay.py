@@ -1,6 +1,12 @@
 """Replay: recompute a rank's forward and backward from its retained batch and compare exact fingerprints.
 
-The rank keeps each step's batch and RNG state (`Replayer.retain`, before the forward). A replay runs the
+The rank keeps each step's batch and RNG state (`Replayer.retain`, before the forward). With gradient
+accumulation (`ddp.no_sync()` on all but the last micro-batch) `retain` is called before each micro-batch's
+forward and keeps them all: the DDP hook fires on the last micro-batch only and summarises the accumulated
+gradient, so a replay recomputes every micro-batch of the step and sums their gradients in the order
+autograd accumulated them into `.grad` ((g1 + g2) + g3 ...), which reproduces the accumulated gradient bit
+for bit. `loss_fn` must return what the loop back-propagates (divided by the number of micro-batches when
+the loop divides). A replay runs the
 user's `loss_fn(module, batch)` on the bare module (not the DDP wrapper: no hooks, no all-reduce) under
 that RNG state and takes the gradient with `torch.autograd.grad`, so the step's own `.grad` and the
 module's buffers (batch-norm statistics) are left as they were. The recomputed gradient is summarised
@@ -13,9 +19,16 @@ Two uses, both collectives (every rank calls, in the same order):
   reproduces everywhere (DATA: apply), the suspect's own replay agrees with the others but its original
   did not (TRANSIENT on the suspect: drop), or the suspect's replay disagrees with the others' majority
   (PERSISTENT on the suspect's GPU: drop). A rank whose replay disagrees with the majority is named too.
-  With two ranks a disagreement has no majority: UNRESOLVED, naming the suspect (the statistics chose it).
+- `classify_pair` (two ranks: the median names no one, there is no majority): both batches are replayed
+  on both ranks, and `classify_pair_replays` (pure) decides. A transient fault does not repeat: the GPUs'
+  replays of a batch agree with each other but not with its original, whose rank is named. A persistent
+  fault repeats on its GPU: each GPU reproduces its own originals and the two disagree on both batches;
+  fingerprints alone are symmetric then, so the third witness is each rank's own history (the jump of its
+  bucket statistics from its last clean step, in units of the clean step-to-step spread,
+  `SpreadTracker.jumps`): the rank that jumped `PAIR_WITNESS` times more than the other is named, else
+  both are (UNRESOLVED), never one wrong rank.
 - `audit`: every `every` steps one rank's batch is replayed by its neighbour; a mismatch becomes a
-  `classify` of that rank (with 3+ ranks a third result decides; with 2 each replays its own as well).
+  `classify` of that rank (with 3+ ranks a third result decides; with 2, `classify_pair`).
 
 One replay per step at most, never retried: the gate never loops.
 
@@ -94,11 +107,49 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
                           f"rank {suspect} recomputes its wrong result again; ranks {ref} agree on another")
 
 
+PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
+
+
+def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor, jumps: tuple[float, float] = (0.0, 0.0),
+                          *, exact: bool = True, rtol: float = 1e-3) -> Classification:
+    """Two ranks: decide from both originals [2 (batch), B, 4] and every replay [2 (GPU), 2 (batch), B, 4]
+    (`replays[g, j]`: GPU g's replay of rank j's batch), with `jumps[r]`, rank r's own-history jump (the
+    tie-break of a persistent fault). Pure; see the module docstring."""
+    def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return _equal(a, b, exact, rtol)
+
+    cross = [eq(replays[0, j], replays[1, j]) for j in (0, 1)]        # the GPUs agree on batch j's replay
+    own = [eq(originals[j], replays[j, j]) for j in (0, 1)]           # batch j's original repeats on its GPU
+    if all(cross):
+        bad = tuple(j for j in (0, 1) if not eq(originals[j], replays[0, j]))
+        if not bad:
+            return Classification(Cause.DATA, (), False, "both ranks' gradients reproduce on both GPUs")
+        return Classification(Cause.TRANSIENT, bad, True,
+                              f"rank {list(bad)}'s original gradient does not repeat; both GPUs' replays agree")
+    if not any(cross) and all(own):
+        hi, lo = (0, 1) if jumps[0] >= jumps[1] else (1, 0)
+        if jumps[hi] > PAIR_WITNESS * max(jumps[lo], 1e-12) and jumps[hi] > 1.0:
+            return Classification(Cause.PERSISTENT, (hi,), True,
+                                  f"each GPU repeats its own result and they disagree on both batches; rank {hi}'s "
+                                  f"statistics jumped {jumps[hi]:.1f} clean spreads from its own history, rank "
+                                  f"{lo}'s {jumps[lo]:.1f}")
+        return Classification(Cause.UNRESOLVED, (0, 1), True,
+                              "each GPU repeats its own result and they disagree on both batches; no third "
+                              f"witness tells which (history jumps {jumps[0]:.1f} and {jumps[1]:.1f})")
+    return Classification(Cause.UNRESOLVED, (0, 1), True,
+                          f"the GPUs' replays agree on {sum(cross)} of 2 batches, originals repeat on "
+                          f"{sum(own)} of 2: no consistent story")
+
+
 @dataclasses.dataclass(slots=True)
 class Retained:
-    batch: Any = None
-    cpu_rng: torch.Tensor | None = None
-    dev_rng: torch.Tensor | None = None
+    """One step's micro-batches, each with the RNG state before its forward: (batch, cpu_rng, dev_rng)."""
+
+    micro: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(default_factory=list)
+
+    @property
+    def batch(self) -> Any:
+        return self.micro[-1][0] if self.micro else None
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -114,7 +165,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 class Replayer:
     """Retains each step's batch and RNG state and recomputes gradients from them (see the module doc)."""
 
-    def __init__(self, module: nn.Module, summaries: GradSummaries, loss_fn: LossFn, *,
+    def __init__(self, module: nn.Module, summaries: GradSummaries | None, loss_fn: LossFn, *,
                  device: torch.device, group: Any = None) -> None:
         self.module = module
         self.summaries = summaries
@@ -122,48 +173,82 @@ class Replayer:
         self.device = device
         self.group = group
         self.retained = Retained()
+        self._step_open = False
         self.exact = True
         self.replays = 0
 
     def retain(self, batch: Any) -> None:
-        """Keep this step's batch and RNG state; call before the forward."""
-        r = self.retained
-        r.batch = batch
-        r.cpu_rng = torch.get_rng_state()
-        r.dev_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        """Keep this micro-batch and the RNG state before its forward; call before each forward. Every
+        micro-batch retained since the last `end_step` belongs to this step."""
+        if not self._step_open:
+            self.retained = Retained()            # a new object: a step kept for later keeps its own list
+            self._step_open = True
+        dev_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self.retained.micro.append((batch, torch.get_rng_state(), dev_rng))
+
+    def end_step(self) -> None:
+        """The optimizer step is over: the next `retain` starts the next step's micro-batches."""
+        self._step_open = False
 
     def replay(self, retained: Retained) -> torch.Tensor:
-        """Summary rows [buckets, 4] of the gradient of `retained`'s batch on this rank, with its RNG state."""
-        if retained.batch is None:
+        """Summary rows [buckets, 4] of the gradient of `retained`'s micro-batches on this rank (each with
+        its RNG state), accumulated in the order autograd accumulates `.grad`."""
+        if not retained.micro:
             raise RuntimeError("no batch retained: call retain(batch) before each step's forward")
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
+        grads: list[torch.Tensor | None] | None = None
         with torch.random.fork_rng(devices=devices):
-            if retained.cpu_rng is not None:
-                torch.set_rng_state(retained.cpu_rng)
-            if retained.dev_rng is not None:
-                torch.cuda.set_rng_state(retained.dev_rng, self.device)
-            with torch.enable_grad():
-                loss = self.loss_fn(self.module, retained.batch)
-                grads = torch.autograd.grad(loss, self.summaries.params, allow_unused=True)
+            for batch, cpu_rng, dev_rng in retained.micro:
+                if cpu_rng is not None:
+                    torch.set_rng_state(cpu_rng)
+                if dev_rng is not None:
+                    torch.cuda.set_rng_state(dev_rng, self.device)
+                with torch.enable_grad():
+                    loss = self.loss_fn(self.module, batch)
+                    assert self.summaries is not None, "a gradient replay needs the bucket summaries"
+                    got = torch.autograd.grad(loss, self.summaries.params, allow_unused=True)
+                grads = list(got) if grads is None else [
+                    g if a is None else (a if g is None else a + g) for a, g in zip(grads, got)]
+        assert grads is not None
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
         self.replays += 1
+        assert self.summaries is not None, "a gradient replay needs the bucket summaries"
         return self.summaries.bucket_grads(grads)
+
+    def replay_loss(self, retained: Retained) -> float:
+        """The loss of `retained`'s micro-batches (summed) recomputed on this rank with their RNG states,
+        forward only (no gradient), buffers left as they were; a host float (one sync: a suspicion only)."""
+        if not retained.micro:
+            raise RuntimeError("no batch retained: call retain(batch) before each step's forward")
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        total = 0.0
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for batch, cpu_rng, dev_rng in retained.micro:
+                if cpu_rng is not None:
+                    torch.set_rng_state(cpu_rng)
+                if dev_rng is not None:
+                    torch.cuda.set_rng_state(dev_rng, self.device)
+                total += float(self.loss_fn(self.module, batch).detach().float().sum())
+            for b, saved in buffers:
+                b.copy_(saved)
+        self.replays += 1
+        return total
 
     def fetch(self, src: int, mine: Retained | None = None) -> Retained:
         """Rank `src`'s retained batch and RNG state (`mine`, default this step's) on every rank (a
         collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
-        payload = [None]
+        payload: list[Any] = [None]
         if dist.get_rank(self.group) == src:
-            payload = [(_map_tensors(mine.batch, lambda t: t.detach().cpu()), mine.cpu_rng,
-                        None if mine.dev_rng is None else mine.dev_rng.cpu())]
+            payload = [[(_map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
+                        for b, c, d in mine.micro]]
         dist.broadcast_object_list(payload, src=src, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
-        batch, cpu_rng, dev_rng = payload[0]
-        return Retained(_map_tensors(batch, lambda t: t.to(self.device)), cpu_rng, dev_rng)
+        return Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in payload[0]])
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size(self.group)
@@ -178,8 +263,18 @@ class Replayer:
         rows = self.replay(retained)
         return classify_replays(suspect, original, self.gather(rows), exact=self.exact)
 
-    def audit(self, audited: int, original: torch.Tensor) -> Classification | None:
-        """Rank `audited`'s neighbour replays its batch; None when it agrees, else the full `classify`."""
+    def classify_pair(self, originals: torch.Tensor, mine: Retained | None = None,
+                      jumps: tuple[float, float] = (0.0, 0.0)) -> Classification:
+        """Two ranks: both replay both batches (of this step, or `mine`: an earlier step's); originals
+        [2, B, 4] are both ranks' rows; `jumps` the own-history tie-break (a collective: all ranks call)."""
+        mine = mine if mine is not None else self.retained
+        rows = torch.stack([self.replay(self.fetch(j, mine)) for j in (0, 1)])
+        return classify_pair_replays(originals, self.gather(rows), jumps, exact=self.exact)
+
+    def audit(self, audited: int, original: torch.Tensor, originals: torch.Tensor | None = None,
+              jumps: tuple[float, float] = (0.0, 0.0)) -> Classification | None:
+        """Rank `audited`'s neighbour replays its batch; None when it agrees, else the full `classify`
+        (with two ranks and every rank's `originals` [2, B, 4]: `classify_pair`)."""
         world = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         auditor = (audited + 1) % world
@@ -188,6 +283,13 @@ class Replayer:
         got = self.gather(rows)
         if _equal(original, got[auditor], self.exact, 1e-3):
             return None
+        if world == 2 and originals is not None:
+            c = self.classify_pair(originals, jumps=jumps)
+            if c.cause is Cause.DATA:
+                return Classification(Cause.TRANSIENT, (auditor,), False,
+                                      f"auditor rank {auditor}'s replay of rank {audited}'s batch differed once; "
+                                      "every replay after it agrees with the originals")
+            return c
         got = self.gather(self.replay(retained))                     # every rank replays it now
         c = classify_replays(audited, original, got, exact=self.exact)
         if c.cause is Cause.DATA:      # the auditor's first replay was the odd one out, once

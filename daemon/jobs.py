@@ -455,14 +455,17 @@ class JobTracker:
         same finding: announced once per (step, detector, suspect); evidence on each faulty rank's GPU from
         every report (the agent keeps its own GPUs): SUSPECT, FAILED when that GPU was faulty on two steps.
         A fault the gate did not resolve, or one an audit found (it may have slipped into updates since the
-        rank's last clean audit), keeps the job's checkpoints from `since_step` on from VERIFIED."""
+        rank's last clean audit), keeps the job's checkpoints from `since_step` on from VERIFIED. An
+        unresolved finding that names several ranks (two ranks, no witness: one of them is faulty) makes their
+        GPUs SUSPECT, never FAILED: a repeat of it does not say which one is."""
         for f in req.compute:
             named = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in f.faulty]
+            either = f.cause == "unresolved" and len(f.faulty) > 1
             for s in f.faulty:
                 steps = job.compute_faults.setdefault(s.gpu_uuid or f"rank/{s.rank}", set())
-                if len(steps) < 64:
+                if len(steps) < 64 and not either:
                     steps.add(f.step)
-                repeat = len(steps) > 1
+                repeat = len(steps) > 1 and not either
                 if s.gpu_uuid:
                     out.evidence.append((s.gpu_uuid, s.host, Evidence(
                         source="compute_check", signal="fault", value=f"{f.cause}@{f.step}",

@@ -184,7 +184,7 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
     return _check_compute(req)
 
 
-COMPUTE_DETECTORS = ("stats", "nonfinite", "audit")
+COMPUTE_DETECTORS = ("stats", "nonfinite", "audit", "loss")
 COMPUTE_CAUSES = ("transient", "persistent", "data", "unresolved")
 MAX_COMPUTE_FINDINGS = 16
 

@@ -107,3 +107,19 @@ def test_the_replay_mode_reaches_the_job_status():
         job_id="j", rank=0, world_size=3, step=3, compute_checks="x" * 500)) or "")
     wire = to_request(StepReport(job_id="j", rank=0, world_size=3, step=1, compute_checks="exact"))
     assert wire.compute_checks == "exact"
+
+
+def test_an_unresolved_finding_naming_two_ranks_makes_both_suspect_never_failed():
+    """Two ranks, a persistent fault without a third witness: the gate names both; the agent suspects both
+    GPUs on every repeat but fails neither (one of them is fine)."""
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    other = "GPU-99999999-2222-3333-4444-555555555555"
+    for step in (40, 41, 42):
+        f = pb.ComputeFinding(step=step, detector="stats", suspect=1, cause="unresolved", dropped=True,
+                              detail="why", since_step=step,
+                              faulty=[pb.SuspectRank(rank=0, host="node1", gpu_uuid=other),
+                                      pb.SuspectRank(rank=1, host="node2", gpu_uuid=GPU)])
+        out = report(tracker, step, 0, f)
+        assert sorted((u, ev.implies) for u, _, ev in out.evidence) == sorted(
+            [(GPU, State.SUSPECT), (other, State.SUSPECT)])
