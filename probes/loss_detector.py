@@ -33,7 +33,6 @@ checkpoint: open anomalies are dropped, the baselines are kept.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import math

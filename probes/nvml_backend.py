@@ -12,8 +12,8 @@ Lifecycle (the same for both):
 2. `device_count()` and `identity(index)` to discover GPUs (the probe then names every GPU by UUID and PCI
    bus id; the index is only this session's handle);
 3. `read_fields(index, names)` on every poll; names come from `probes.nvml_fields.field_specs()`;
-4. XID events: `xid_open()` once, then `xid_wait(timeout_ms)` in a loop on a dedicated thread,
-   `xid_close()` at the end;
+4. XID events: `xid_open()` once, then `xid_wait(timeout_ms)` in a loop on a dedicated thread, each
+   event followed by `xid_drain(max_events)` (what else is queued, folded), `xid_close()` at the end;
 5. `close()`: `nvmlShutdown`. No other method may be called after it.
 
 Errors (in `probes.nvml_types`, with the identity and XID values every backend returns): one root,
@@ -37,7 +37,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 from probes.nvml_fake import ScenarioBackend
 from probes.nvml_fields import EVENT_TYPES, FIELD_VALUES_CALL, FieldSpec, spec_for
 from probes.nvml_isolated import IsolatedBackend
-from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, GpuNeedsReset, NvmlError, NvmlUnavailable, RawXid
+from probes.nvml_types import (EventFold, FieldNotSupported, GpuIdentity, GpuLost, GpuNeedsReset, NvmlError,
+                               NvmlUnavailable, RawXid)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class NvmlBackend(Protocol):
     def xid_open(self) -> dict[int, list[str]]: ...
 
     def xid_wait(self, timeout_ms: int) -> RawXid | None: ...
+
+    def xid_drain(self, max_events: int) -> list[RawXid]: ...
 
     def xid_close(self) -> None: ...
 
@@ -306,6 +309,17 @@ class PynvmlBackend:
         except NvmlError:
             uuid = None
         return RawXid(uuid=uuid, xid=int(data.eventData), event=kind)
+
+    def xid_drain(self, max_events: int) -> list[RawXid]:
+        """The events queued now (no wait), at most `max_events` read, identical ones folded with their count:
+        under a flood, one call (one message from the isolated child) for thousands of repeats."""
+        fold = EventFold()
+        for _ in range(max_events):
+            ev = self.xid_wait(0)
+            if ev is None:
+                break
+            fold.add((ev,))
+        return fold.take()
 
     def xid_close(self) -> None:
         with self._lock:

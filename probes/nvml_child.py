@@ -75,6 +75,9 @@ def _dispatch(backend: Any, method: str, args: list[Any]) -> Any:
     if method == "xid_wait":
         ev = backend.xid_wait(*args)
         return None if ev is None else {"uuid": ev.uuid, "xid": ev.xid, "event": ev.event}
+    if method == "xid_drain":
+        return [{"uuid": ev.uuid, "xid": ev.xid, "event": ev.event, "count": ev.count}
+                for ev in backend.xid_drain(*args)]
     if method == "xid_close":
         backend.xid_close()
         return None

@@ -46,6 +46,7 @@ early); call names are those of `probes.nvml_fields.FieldSpec.call`, plus `nvmlD
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -63,7 +64,7 @@ from probes.nvml_fields import (
     field_specs,
     names_matching,
 )
-from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, NvmlError, NvmlUnavailable, RawXid
+from probes.nvml_types import EventFold, FieldNotSupported, GpuIdentity, GpuLost, NvmlError, NvmlUnavailable, RawXid
 
 log = logging.getLogger(__name__)
 
@@ -435,6 +436,26 @@ class ScenarioBackend:
             if head[1] <= 0:
                 self._xids.popleft()
             return head[0]
+
+    def xid_drain(self, max_events: int) -> list[RawXid]:
+        """What is queued now, whole runs at a time (a run of 800,000 repeats is one entry, as the real
+        backend's fold makes it), at most `max_events` events."""
+        self._live()
+        if not self._xid_open:
+            raise NvmlError("xid_drain before xid_open")
+        fold = EventFold()
+        left = max_events
+        with self._lock:
+            self._advance()
+            while self._xids and left > 0:
+                head = self._xids[0]
+                n = min(head[1], left)
+                fold.add((dataclasses.replace(head[0], count=n),))
+                left -= n
+                head[1] -= n
+                if head[1] <= 0:
+                    self._xids.popleft()
+        return fold.take()
 
     def xid_close(self) -> None:
         with self._lock:

@@ -180,6 +180,10 @@ class IsolatedBackend:
         r = self._xid.call("xid_wait", int(timeout_ms))
         return None if r is None else RawXid(uuid=r["uuid"], xid=int(r["xid"]), event=str(r.get("event", "xid")))
 
+    def xid_drain(self, max_events: int) -> list[RawXid]:
+        return [RawXid(uuid=r["uuid"], xid=int(r["xid"]), event=str(r.get("event", "xid")), count=int(r["count"]))
+                for r in self._xid.call("xid_drain", int(max_events))]
+
     def xid_close(self) -> None:
         try:
             self._xid.call("xid_close")

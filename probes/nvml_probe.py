@@ -22,7 +22,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 from probes import nvml_rules, xid_catalog
 from probes.nvml_backend import NvmlBackend, read_many
 from probes.nvml_fields import field_specs, names_matching
-from probes.nvml_types import FieldNotSupported, GpuIdentity, GpuLost, NvmlError
+from probes.nvml_types import EventFold, FieldNotSupported, GpuIdentity, GpuLost, NvmlError, RawXid
 from probes.nvml_rules import GpuReadings, RuleConfig
 from sdcwatch import event_kinds as ek
 from sdcwatch.event_kinds import REPEATS
@@ -127,16 +127,7 @@ class XidEvent:
 def fold_batch(events: Sequence[XidEvent]) -> list[XidEvent]:
     """Pure: identical events of a batch (same GPU, event and data) as one with their count, in first-seen
     order. 800,000 repeated XIDs cost the agent one evidence update and one journal offer per batch."""
-    runs: dict[tuple[str, str, int], list[Any]] = {}   # key -> [last event, count]
-    for ev in events:
-        key = (ev.uuid, ev.event, ev.xid)
-        run = runs.get(key)
-        if run is None:
-            runs[key] = [ev, ev.count]
-        else:
-            run[0] = ev
-            run[1] += ev.count
-    return [ev if n == ev.count else dataclasses.replace(ev, count=n) for ev, n in runs.values()]
+    return EventFold().add(events).take()
 
 
 #: Non-XID NVML events: (implied state, seconds the evidence holds, severity, what it means). The polled
@@ -411,10 +402,17 @@ class NvmlProbe:
         raw = self.backend.xid_wait(self.config.xid_wait_ms if timeout_ms is None else timeout_ms)
         if raw is None:
             return None
+        return self._event_of(raw, self._clock())
+
+    def xid_drain(self, max_events: int) -> list[XidEvent]:
+        """The events queued now (no wait), folded with their counts (the backend folds them at the source)."""
+        now = self._clock()
+        return [self._event_of(raw, now) for raw in self.backend.xid_drain(max_events)]
+
+    def _event_of(self, raw: RawXid, now: float) -> XidEvent:
         ident = self._index_of(raw.uuid)
-        uuid = raw.uuid or "unknown"
-        return XidEvent(uuid=uuid, pci_bus_id=ident.pci_bus_id if ident else "unknown", xid=raw.xid,
-                        time=self._clock(), event=raw.event)
+        return XidEvent(uuid=raw.uuid or "unknown", pci_bus_id=ident.pci_bus_id if ident else "unknown",
+                        xid=raw.xid, time=now, event=raw.event, count=raw.count)
 
     def run_xid_listener(self, on_event: Callable[[XidEvent], None], stop: threading.Event, *,
                          on_batch: Callable[[list[XidEvent]], None] | None = None,
@@ -443,11 +441,8 @@ class NvmlProbe:
                     with waiting():
                         ev = self.xid_step()
                     batch = [ev] if ev is not None else []
-                    while on_batch is not None and batch and len(batch) < batch_max:
-                        more = self.xid_step(0)
-                        if more is None:
-                            break
-                        batch.append(more)
+                    if on_batch is not None and batch:   # what else is queued, in one backend call
+                        batch += self.xid_drain(batch_max)
                 except NvmlError as err:
                     if not err.transient and not isinstance(err, GpuLost):
                         log.error("NVML event listener stopping: %s", err)

@@ -6,6 +6,7 @@ backend's parent and child (`probes.nvml_isolated`, `probes.nvml_child`) and the
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Iterable
 
 from sdcwatch.errors import SdcwatchError
 
@@ -64,8 +65,36 @@ class GpuIdentity:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RawXid:
     """One NVML event as the backend saw it: the GPU's UUID (None if NVML could not tell), the event's data
-    (the XID number for an XID) and which event (`event`: a name of `probes.nvml_backend.EVENT_TYPES`)."""
+    (the XID number for an XID) and which event (`event`: a name of `probes.nvml_backend.EVENT_TYPES`), or
+    `count` identical ones."""
 
     uuid: str | None
     xid: int
     event: str = "xid"
+    count: int = 1            # identical events in a row, folded (`xid_drain`)
+
+
+class EventFold:
+    """Identical events (same GPU, event and data) kept as one with their count, in first-seen order: memory
+    is bounded by the distinct events, however many repeats arrive. For `RawXid` (a backend's drain) and
+    `probes.nvml_probe.XidEvent` alike (both have uuid, event, xid, count). Not thread-safe (callers lock)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[str, str, int], list[Any]] = {}   # key -> [last event, count]
+
+    def add(self, events: Iterable[Any]) -> "EventFold":
+        runs = self._runs
+        for ev in events:
+            key = (ev.uuid, ev.event, ev.xid)
+            run = runs.get(key)
+            if run is None:
+                runs[key] = [ev, ev.count]
+            else:
+                run[0] = ev
+                run[1] += ev.count
+        return self
+
+    def take(self) -> list[Any]:
+        """The folded events so far (each the last of its run, with the run's count); the fold is emptied."""
+        runs, self._runs = self._runs, {}
+        return [ev if n == ev.count else dataclasses.replace(ev, count=n) for ev, n in runs.values()]
