@@ -70,7 +70,7 @@ want ckpt && step ckpt-bench 150 python3 bench/bench_checkpoint.py --mib 2048 --
 want ckptoverlap && step ckpt-overlap-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_step_guard.py
 want ckptoverlap && step ckpt-overlap 400 python3 bench/ckpt_overlap.py
-want ckptoverlap12 && step ckpt-overlap-12g 400 python3 bench/ckpt_overlap.py --parts d --gib 12
+want ckptoverlap12 && step ckpt-overlap-12g 500 python3 bench/ckpt_overlap.py --parts d --gib 12 --repeat 1
 # issue 21 item 6: peer transport streams and cap against a plain TLS/TCP stream (CPU-only; the 16-core host)
 want peerstreams && step peer-streams 200 python3 bench/bench_peer_transport.py --mib 1024 --streams 4
 want peerstreams && step peer-streams-netns 200 python3 bench/bench_peer_transport.py --mib 1024 --streams 4 \
