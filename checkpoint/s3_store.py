@@ -11,7 +11,8 @@ pod roles): boto3's default chain; nothing is stored here.
 - **Multipart with concurrency**: blobs over `part_bytes` go up in parts, `concurrency` parts in flight
   (memory bound: concurrency x part_bytes).
 - **Checksums** (S3's flexible checksums): every PutObject / UploadPart carries our CRC64NVME of its bytes
-  (`x-amz-checksum-crc64nvme`; CRC32 where awscrt, the `s3` extra's, is missing), so the service rejects
+  (`x-amz-checksum-crc64nvme`; `checksum=` CRC32C or CRC32 for a store without CRC64NVME; "auto" falls back
+  to CRC32 where awscrt, the `s3` extra's, is missing), so the service rejects
   bytes that changed on the way; a multipart upload is a FULL_OBJECT checksum upload, completed with our CRC
   of the whole object, and the service's checksum of the stored object is compared with ours
   (`last_checksum`, `verify_stored`): how the drainer verifies the written copy without a download. A whole
@@ -89,17 +90,21 @@ class RetryPolicy:
         return {"mode": self.mode, "max_attempts": self.max_attempts}
 
 
+ALGORITHMS = ("CRC64NVME", "CRC32C", "CRC32")   # S3's full-object flexible checksums
+
+
 class _Crc:
-    """The running checksum of an upload: CRC64NVME (awscrt, S3's default) or CRC32 (zlib) without awscrt."""
+    """The running checksum of an upload: CRC64NVME (S3's default) or CRC32C (both need awscrt), or CRC32
+    (zlib)."""
 
-    def __init__(self) -> None:
-        try:
-            from awscrt import checksums
+    def __init__(self, algorithm: str) -> None:
+        if algorithm == "CRC32":
+            self._fn: Callable[[Any, int], int] = zlib.crc32
+        else:
+            from awscrt import checksums   # ImportError without the s3 extra's awscrt
 
-            self._fn: Callable[[Any, int], int] = checksums.crc64nvme
-            self.algorithm, self.width = "CRC64NVME", 8
-        except ImportError:
-            self._fn, self.algorithm, self.width = zlib.crc32, "CRC32", 4
+            self._fn = checksums.crc64nvme if algorithm == "CRC64NVME" else checksums.crc32c
+        self.algorithm, self.width = algorithm, 8 if algorithm == "CRC64NVME" else 4
         self.value = 0
 
     def update(self, buf: Any) -> "_Crc":
@@ -110,13 +115,25 @@ class _Crc:
         return base64.b64encode(self.value.to_bytes(self.width, "big")).decode()
 
     @classmethod
-    def of(cls, buf: Any) -> "_Crc":
-        return cls().update(buf)
+    def of(cls, algorithm: str, buf: Any) -> "_Crc":
+        return cls(algorithm).update(buf)
 
 
-def checksum_algorithm() -> str:
-    """The flexible checksum this process uploads with: CRC64NVME with awscrt, else CRC32."""
-    return _Crc().algorithm
+def checksum_algorithm(wanted: str = "auto") -> str:
+    """The flexible checksum to upload with: `wanted`, or for "auto" CRC64NVME with awscrt, else CRC32.
+    InvalidInputError for an unknown name, or CRC64NVME / CRC32C without awscrt."""
+    if wanted not in ("auto", *ALGORITHMS):
+        raise InvalidInputError(f"S3 checksum must be auto or one of {', '.join(ALGORITHMS)}, got {wanted!r}")
+    try:
+        import awscrt.checksums  # noqa: F401
+        have_crt = True
+    except ImportError:
+        have_crt = False
+    if wanted == "auto":
+        return "CRC64NVME" if have_crt else "CRC32"
+    if wanted != "CRC32" and not have_crt:
+        raise InvalidInputError(f"the S3 checksum {wanted} needs awscrt (pip install 'sdcwatch[s3]'); or use CRC32")
+    return wanted
 
 
 def _body_failed(exc: BaseException) -> bool:
@@ -157,7 +174,7 @@ class S3Store:
     def __init__(self, bucket: str, prefix: str = "", *, client: Any = None, endpoint_url: str | None = None,
                  region: str | None = None, part_bytes: int = 16 << 20, concurrency: int = 4,
                  retry: RetryPolicy | None = None, spread: bool = True, connect_timeout_s: float = 5.0,
-                 read_timeout_s: float = 60.0) -> None:
+                 read_timeout_s: float = 60.0, checksum: str = "auto") -> None:
         if not bucket or "/" in bucket:
             raise InvalidInputError(f"S3 bucket name must be non-empty without '/', got {bucket!r}")
         if prefix and not prefix.endswith("/"):
@@ -170,7 +187,7 @@ class S3Store:
         self.endpoint_url, self.region = endpoint_url, region
         self.part_bytes, self.concurrency = part_bytes, concurrency
         self.retry_policy = retry or RetryPolicy()
-        self.algorithm = checksum_algorithm()
+        self.algorithm = checksum_algorithm(checksum)
         if client is None:
             import boto3
             from botocore.config import Config
@@ -273,7 +290,7 @@ class S3Store:
                         upload.add(bytes(buf))
                         buf = bytearray()
             if upload is None:
-                b64 = _Crc.of(buf).b64()
+                b64 = _Crc.of(self.algorithm, buf).b64()
                 resp = self._call("put", self.client.put_object, Bucket=self.bucket, Key=okey, Body=bytes(buf),
                                   ChecksumAlgorithm=self.algorithm, **{f"Checksum{self.algorithm}": b64})
                 self._check_service_checksum(key, b64, resp.get(f"Checksum{self.algorithm}"))
@@ -476,13 +493,13 @@ class _Multipart:
                            ChecksumAlgorithm=store.algorithm, ChecksumType="FULL_OBJECT")
         self.upload_id = resp["UploadId"]
         self.futures: list[concurrent.futures.Future[dict[str, Any]]] = []
-        self.whole = _Crc()
+        self.whole = _Crc(store.algorithm)
         self.slots = threading.Semaphore(store.concurrency)
 
     def add(self, body: bytes) -> None:
         number = len(self.futures) + 1
         self.whole.update(body)
-        b64 = _Crc.of(body).b64()
+        b64 = _Crc.of(self.store.algorithm, body).b64()
         self.slots.acquire()
         for f in self.futures:  # fail early when a part already failed
             if f.done() and f.exception() is not None:

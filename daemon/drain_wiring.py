@@ -47,7 +47,8 @@ def build_tiers(cfg: TiersConfig, state_dir: str | Path) -> list[Tier]:
                           hop_timeout_s=cfg.hop_timeout_s))
     if s3.url:
         store = S3Store.from_url(s3.url, part_bytes=s3.part_mib * _MIB, concurrency=s3.concurrency,
-                                 retry=RetryPolicy(max_attempts=s3.max_attempts, mode=s3.retry_mode))
+                                 retry=RetryPolicy(max_attempts=s3.max_attempts, mode=s3.retry_mode),
+                                 checksum=s3.checksum)
         tiers.append(Tier("s3", store, store.location, _rule("s3", s3), shared=True, verify=s3.verify,
                           concurrency=max(1, s3.concurrency // 2),
                           bandwidth_bytes_s=s3.bandwidth_mib_s * _MIB, hop_timeout_s=cfg.hop_timeout_s))

@@ -70,6 +70,8 @@ class S3TierConfig(TierRuleConfig):
     part_mib: int = setting(16, "multipart upload part size in MiB (S3's minimum is 5)")
     max_attempts: int = setting(8, "attempts per S3 request before the copy fails (botocore's retries; also the "
                                    "re-reads of a GET body that broke part-way)")
+    checksum: str = setting("auto", "flexible checksum of uploads: auto (CRC64NVME, or CRC32 without awscrt), "
+                                    "CRC64NVME, CRC32C or CRC32 (for an S3-compatible store without CRC64NVME)")
     retry_mode: str = setting("standard", "botocore's retry mode: standard, or adaptive (also rate-limits the "
                                           "client while S3 throttles)")
     verify: str = setting("store", "store: trust S3's checksum of what it stored; readback: download and compare")
@@ -83,6 +85,8 @@ class S3TierConfig(TierRuleConfig):
             raise ConfigError(f"{section}.part_mib", f"S3 parts are at least 5 MiB, got {self.part_mib}")
         if self.max_attempts < 1:
             raise ConfigError(f"{section}.max_attempts", f"must be >= 1, got {self.max_attempts}")
+        if self.checksum not in ("auto", "CRC64NVME", "CRC32C", "CRC32"):
+            raise ConfigError(f"{section}.checksum", f"expected auto, CRC64NVME, CRC32C or CRC32, got {self.checksum!r}")
         if self.retry_mode not in ("standard", "adaptive"):
             raise ConfigError(f"{section}.retry_mode", f"expected standard or adaptive, got {self.retry_mode!r}")
         if self.verify not in ("store", "readback"):

@@ -198,3 +198,13 @@ def test_listings_page_past_1000_objects_and_uploads(moto_s3: MotoS3) -> None:
     assert len(s.list("many/")) == 1005
     assert s.sweep_temp(older_than_s=-60, now=time.time()) == 1003
     assert not s.client.list_multipart_uploads(Bucket=s.bucket).get("Uploads")
+
+
+def test_crc32_for_a_store_without_crc64nvme_and_bad_names_refused(moto_s3: MotoS3) -> None:
+    s = moto_s3.store(checksum="CRC32")
+    data = os.urandom((5 << 20) + 99)                  # two parts: a FULL_OBJECT CRC32 upload
+    key = "k/000000000001/rank-00000.bin"
+    s.put(key, data)
+    assert s.algorithm == "CRC32" and s.verify_stored(key) is True and s.get(key) == data
+    with pytest.raises(ValueError, match="S3 checksum must be"):
+        moto_s3.store(checksum="MD5")
