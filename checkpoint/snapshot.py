@@ -653,7 +653,7 @@ _SKIP_WHY = {"copying": "the previous save's copy is still in flight",
 
 def optimizer_storages(optimizer: torch.optim.Optimizer) -> frozenset[int]:
     """The storage addresses of everything `optimizer.step()` changes: its parameters and its state."""
-    out = set()
+    out: set[int | None] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             out.add(_storage(p))
@@ -661,11 +661,18 @@ def optimizer_storages(optimizer: torch.optim.Optimizer) -> frozenset[int]:
         for v in st.values():
             if isinstance(v, torch.Tensor):
                 out.add(_storage(v))
-    return frozenset(out)
+    out.discard(None)
+    return frozenset(x for x in out if x is not None)
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of `t`'s storage; None when it has none to read (a tensor subclass without storage):
+    such a tensor is never matched, so its copy is ordered at once (the safe side)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return ptr or None
 
 
 def _event_done(ev: Any) -> bool:
