@@ -83,15 +83,24 @@ def test_bit_pattern_has_the_fixed_blocks() -> None:
     assert torch.equal(p, cc.bit_pattern(6 * cc.BLOCK, seed=1))
 
 
-@pytest.mark.parametrize("nbytes", [1, 4095, 4 * 4096 + 9, 5 * 4096 + 100, 6 * 4096 + 5, 13 * 4096 + 3])
+@pytest.mark.parametrize("nbytes", [1, 4095, 4 * 4096 + 9, 5 * 4096 + 100, 6 * 4096 + 5, 13 * 4096 + 3,
+                                    11 * 4096 + 77])
 def test_bit_pattern_matches_its_per_byte_definition(nbytes: int) -> None:
-    """Built block-wise for speed, it stays the per-byte definition, partial last blocks included."""
-    gen = torch.Generator().manual_seed(7)
-    rnd = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8).tolist()
+    """Built block-wise for speed, every fixed block is its per-byte definition (partial last blocks
+    included) and the random blocks are seeded: the same for a seed, different across seeds."""
     fixed = {0: 0x00, 1: 0xFF, 2: 0x55, 3: 0xAA}
-    want = [fixed.get((i // cc.BLOCK) % 6, (1 << (i % 8)) if (i // cc.BLOCK) % 6 == 4 else rnd[i])
-            for i in range(nbytes)]
-    assert cc.bit_pattern(nbytes, seed=7).tolist() == want
+    p = cc.bit_pattern(nbytes, seed=7).tolist()
+    for i, v in enumerate(p):
+        kind = (i // cc.BLOCK) % 6
+        if kind in fixed:
+            assert v == fixed[kind], i
+        elif kind == 4:
+            assert v == 1 << (i % 8), i
+    assert cc.bit_pattern(nbytes, seed=7).tolist() == p
+    random = [v for i, v in enumerate(p) if (i // cc.BLOCK) % 6 == 5]
+    if len(random) > 64:
+        other = [v for i, v in enumerate(cc.bit_pattern(nbytes, seed=8).tolist()) if (i // cc.BLOCK) % 6 == 5]
+        assert other != random and len(set(random)) > 64
 
 
 def test_h2d_corrupted_byte_is_found() -> None:
