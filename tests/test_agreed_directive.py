@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import rank_spawn
 from torch import nn
 
 from checksums.reporter import Directive
@@ -57,7 +57,7 @@ def _worker(rank: int, store: str, outdir: str) -> None:
 
 
 def test_every_rank_acts_on_a_directive_at_the_same_iteration_once(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    rank_spawn.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert got[0] == got[1] == [[3, Directive.KIND_ROLLBACK, 2, 3, 41]]
 
@@ -126,7 +126,7 @@ def _every_few_worker(rank: int, store: str, outdir: str) -> None:
 
 
 def test_agreed_directive_issues_no_collective_and_ranks_agree_when_called_every_few_steps(tmp_path: Path) -> None:
-    mp.spawn(_every_few_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    rank_spawn.spawn(_every_few_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert out[0]["own"] == out[1]["own"] == 0            # the rows travel in step(), not in the call
     # the first call (iteration 3) switches the rows on; seq 7 (held by rank 0 since iteration 2) is agreed

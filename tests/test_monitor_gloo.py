@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import rank_spawn
 from torch import nn
 
 from checksums.monitor import Monitor
@@ -118,9 +118,7 @@ def _spawn(world: int, tmp: Path, scenarios: list[str]) -> list[dict[str, Any]]:
     """The ranks are forked from a forkserver that has torch imported already (as tests/test_multi_rank_gloo.py
     does): a fresh interpreter per rank imports torch again, ~5 s each on the 2-core CI machine."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.set_forkserver_preload(["torch", "torch.distributed", "checksums.monitor"])
-    mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp), scenarios), nprocs=world, join=True,
-                       start_method="forkserver")
+    rank_spawn.spawn(_worker, args=(world, str(tmp / "store"), str(tmp), scenarios), nprocs=world)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 

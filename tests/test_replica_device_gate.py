@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import rank_spawn
 from torch import nn
 
 from support import RecordingReporter
@@ -136,7 +136,7 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
 
 
 def test_three_replicas_mask_on_the_device_then_repair_when_every_replica_has_read_the_vote(tmp_path: Path):
-    mp.spawn(_worker, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
+    rank_spawn.spawn(_worker, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     masked = list(range(FLIP_STEP + 1, FLIP_STEP + LAG + 2))      # steps 6..10: until the vote of 5 is settled
     for r in res:
@@ -154,7 +154,7 @@ def test_three_replicas_mask_on_the_device_then_repair_when_every_replica_has_re
 def test_two_replicas_stay_masked_until_the_restore_which_clears_the_flag(tmp_path: Path):
     """No majority: every update is masked on the device while the replicas differ (no drift); the rollback
     restores step 3 on both; the flag clears at once, so the replay matches a clean run bit for bit."""
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    rank_spawn.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         f = res["faulty"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import rank_spawn
 from torch import nn
 
 from support import RecordingReporter
@@ -71,7 +71,7 @@ def _worker(rank: int, store: str, outdir: str, world: int = WORLD) -> None:
 
 
 def test_three_replicas_repair_in_place_and_match_a_clean_run_that_skipped_the_batch(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    rank_spawn.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r in res:
         f = r["faulty"]
@@ -86,7 +86,7 @@ def test_three_replicas_repair_in_place_and_match_a_clean_run_that_skipped_the_b
 def test_two_replicas_hold_every_update_until_the_rollback(tmp_path: Path) -> None:
     """No majority: nothing is repaired; the gate vetoes every update while the replicas differ (the agent's
     rollback directive, tested in test_jobs.py, brings them back), so no update mixes the odd replica in."""
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), 2), nprocs=2, join=True)
+    rank_spawn.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), 2), nprocs=2)
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert res["skipped"] == list(range(FLIP_STEP + 1, STEPS + 1))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import rank_spawn
 from torch import nn
 
 from checkpoint.client import CheckpointClient
@@ -370,8 +370,8 @@ def _readme_worker(rank: int, world: int, store: str, outdir: str, redis_port: i
 def test_the_readme_loop_saves_the_step_the_monitor_fingerprinted(redis_server, tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world, job = 2, job_id("readme")
-    mp.spawn(_readme_worker, args=(world, str(tmp_path / "store"), str(tmp_path), redis_server.port, job),
-             nprocs=world, join=True)
+    rank_spawn.spawn(_readme_worker, args=(world, str(tmp_path / "store"), str(tmp_path), redis_server.port, job),
+                     nprocs=world)
     for rank in range(world):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["reported"] == list(range(1, README_STEPS + 1))

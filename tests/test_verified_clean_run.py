@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import rank_spawn
 from torch import nn
 
 from ckpt_support import job_id, node
@@ -65,8 +65,8 @@ def _worker(rank: int, store: str, outdir: str, redis_port: int, job: str) -> No
 def test_500_clean_steps_every_checkpoint_verified_by_its_bytes(redis_server, tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     job = job_id("clean500")
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), redis_server.port, job), nprocs=WORLD,
-             join=True)
+    rank_spawn.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), redis_server.port, job),
+                     nprocs=WORLD)
     got = json.loads((tmp_path / "rank0.json").read_text())["checkpoints"]
     assert [c[0] for c in got] == list(range(EVERY, STEPS + 1, EVERY))
     assert all(c[1] == "VERIFIED" for c in got), got
