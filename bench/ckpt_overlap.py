@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -431,13 +432,14 @@ def part_d(args: argparse.Namespace, device: torch.device) -> list[Row]:
         ]
         client.close()
         node.close()              # our checkpoints' memory back before DCP and torch.save write theirs
-        rows += dcp_rows(sd, disk, args.repeat, device, tag, t_copy)
+        plain = detached(sd)      # what model.state_dict() hands DCP: plain tensors, not Parameters
+        rows += dcp_rows(plain, disk, args.repeat, device, tag, t_copy)
         f = disk / "ts.pt"
         times = []
         for _ in range(args.repeat):
             sync(device)
             t0 = time.perf_counter()
-            torch.save(sd, f)
+            torch.save(plain, f)
             times.append(time.perf_counter() - t0)
             f.unlink()
         rows.append((f"[{tag}] torch.save to local disk (blocking)", min(times),
@@ -446,6 +448,19 @@ def part_d(args: argparse.Namespace, device: torch.device) -> list[Row]:
         node.close()
         shutil.rmtree(disk, ignore_errors=True)
     return rows
+
+
+def detached(tree: Any) -> Any:
+    """`tree` with every tensor detached (a Parameter becomes a plain tensor on the same storage), as
+    `model.state_dict()` gives it. DCP's StateDictStager (the pinned stager) deep-copies a Parameter through
+    its class, whose metaclass torch 2.11's copier table lacks (KeyError: <class 'type'>, seen on the H200)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach()
+    if isinstance(tree, dict):
+        return {k: detached(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(detached(v) for v in tree)
+    return tree
 
 
 def dcp_rows(sd: dict, disk: Path, repeat: int, device: torch.device, tag: str, t_copy: float) -> list[Row]:
@@ -487,8 +502,9 @@ def dcp_rows(sd: dict, disk: Path, repeat: int, device: torch.device, tag: str, 
                 done.append(t3 - t0)
                 shutil.rmtree(disk / f"dcp-{name[:7]}-{i}", ignore_errors=True)
         except Exception as e:  # noqa: BLE001 - DCP's API moves between versions: say so, go on
+            where = traceback.extract_tb(e.__traceback__)[-1]
             rows.append((f"[{tag}] DCP async_save, {name}: failed ({type(e).__name__}: {str(e)[:80]})",
-                         float("nan"), ""))
+                         float("nan"), f"at {Path(where.filename).name}:{where.lineno} {where.name}"))
             continue
         finally:
             close = getattr(stager, "close", None)
