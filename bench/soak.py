@@ -1,13 +1,15 @@
 """The ReportStep soak: N ranks reporting at H Hz to the real agent, on its unix socket (issue 20).
 
-  python bench/soak.py [--ranks 256] [--hz 10] [--minutes 10] [--deadline-s 0.5] [--vote-every 10]
+  python -m bench.soak [--ranks 256] [--hz 10] [--minutes 10] [--deadline-s 0.5] [--vote-every 10] [--json OUT]
 
 Starts the real agent (`sdcwatch run`, embedded Redis, a temp state dir), drives it with one grpc.aio client
 whose tasks are the ranks, and prints one line per minute: reports offered, accepted, late (deadline
 exceeded), skipped (the rank was behind: counted in its next `dropped_reports`, as the training-side reporter
 does), accepted per second, the agent's RSS, health Check p50/p99 (one probe every 0.2 s), and the journal's
-new events. At the end: vote steps sent vs those the checkpoint coordinator holds, and
-`sdcwatch_events_dropped_total{sink="checkpoint-job-events"}`.
+new events. At the end: vote steps sent vs those the checkpoint coordinator holds,
+`sdcwatch_events_dropped_total{sink="checkpoint-job-events"}`, and one `summary:` JSON line (`summarize`: RSS
+growth, health p50/p99 over every probe and the worst window, accepted/s first and last window, errors, the
+load average before and after). The temp state dir and the agent's memory dir are removed at the end.
 
 Each rank behaves like the training-side reporter (checksums/reporter.py): its step s is produced at t0 + s/H
 into a queue of `queue_size` (256); one call in flight with the reporter's deadline; a report that finds the
@@ -24,6 +26,7 @@ import collections
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -194,6 +197,33 @@ async def run_soak(target: str, *, job: str, ranks: int, hz: float, seconds: flo
     return totals
 
 
+def _p99(values: list[float]) -> float:
+    h = sorted(values)
+    return h[min(len(h) - 1, int(len(h) * 0.99))] if h else float("nan")
+
+
+def summarize(result: SoakResult, load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict:
+    """The run in one object: RSS growth (first window to last, and the largest), health Check p50/p99 over
+    every probe and the worst window's p99, probes over 100 ms, accepted/s first and last window, errors,
+    and the 1-minute load average before and after (other work on the machine)."""
+    ws = result.windows
+    probes = [ms for w in ws for ms in w.health_ms]
+    rate = [w.accepted / w.seconds if w.seconds else 0.0 for w in ws]
+    return {"windows": len(ws), "offered": result.offered, "accepted": result.accepted,
+            "accepted_pct": round(100 * result.accepted / max(1, result.offered), 2), "late": result.late,
+            "skipped": result.skipped, "errors": result.errors, "error_codes": dict(result.error_codes),
+            "rss_first_mb": round(ws[0].rss_mb, 1), "rss_last_mb": round(ws[-1].rss_mb, 1),
+            "rss_max_mb": round(max(w.rss_mb for w in ws), 1),
+            "rss_growth_mb": round(ws[-1].rss_mb - ws[0].rss_mb, 1),
+            "health_probes": len(probes), "health_p50_ms": round(statistics.median(probes), 2) if probes else None,
+            "health_p99_ms": round(_p99(probes), 2), "health_worst_window_p99_ms":
+                round(max(_p99(w.health_ms) for w in ws), 2),
+            "health_over_100ms": sum(ms > 100 for ms in probes),
+            "accepted_per_s_first": round(rate[0]), "accepted_per_s_last": round(rate[-1]),
+            "journal_events": sum(w.events for w in ws),
+            "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in load_after]}
+
+
 def feed_dropped(metrics_address: str) -> float:
     """`sdcwatch_events_dropped_total{sink="checkpoint-job-events"}` from the agent's /metrics."""
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
@@ -211,7 +241,9 @@ def main() -> int:
     ap.add_argument("--window-s", type=float, default=60.0)
     ap.add_argument("--deadline-s", type=float, default=0.5)
     ap.add_argument("--vote-every", type=int, default=10)
+    ap.add_argument("--json", help="also write the summary (and each window) here")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     state = Path(tempfile.mkdtemp(prefix="sdcw-soak-", dir="/tmp")) / "state"
     sock = state / "agent.sock"
     log = open(state.parent / "agent.log", "ab")
@@ -234,8 +266,15 @@ def main() -> int:
         print(f"total: offered {result.offered}, accepted {result.accepted} "
               f"({100 * result.accepted / max(1, result.offered):.1f}%), late {result.late}, skipped "
               f"{result.skipped}, errors {result.errors} {dict(result.error_codes)}")
-        print(f"votes: {len(result.votes_sent)} vote steps accepted; checkpoint feed drops: "
-              f"{feed_dropped(info['metrics']):.0f}")
+        drops = feed_dropped(info['metrics'])
+        print(f"votes: {len(result.votes_sent)} vote steps accepted; checkpoint feed drops: {drops:.0f}")
+        summary = summarize(result, load_before, os.getloadavg())
+        print("summary: " + json.dumps(summary))
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"command": " ".join(sys.argv), **summary, "vote_steps": len(result.votes_sent),
+                 "feed_drops": drops, "per_window": [dataclasses.asdict(w) | {"health_ms": None}
+                                                  for w in result.windows]}, indent=1) + "\n")
         return 0
     finally:
         agent.terminate()
@@ -244,6 +283,10 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             agent.kill()
         log.close()
+        from checkpoint.shm_store import default_shm_root
+        from sdcwatch.safe_fs import remove_tree
+        remove_tree(default_shm_root(state).parent)   # the memory dir the agent keeps for a restart
+        shutil.rmtree(state.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":
