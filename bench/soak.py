@@ -204,11 +204,13 @@ def _p99(values: list[float]) -> float:
 
 def summarize(result: SoakResult, load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict:
     """The run in one object: RSS growth (first window to last, and the largest), health Check p50/p99 over
-    every probe and the worst window's p99, probes over 100 ms, accepted/s first and last window, errors,
+    every probe and the worst window's p99, probes over 100 ms, accepted/s (first, last, min, max of the
+    windows before the final drain), errors,
     and the 1-minute load average before and after (other work on the machine)."""
     ws = result.windows
     probes = [ms for w in ws for ms in w.health_ms]
-    rate = [w.accepted / w.seconds if w.seconds else 0.0 for w in ws]
+    # accepted/s per window; the last window also counts the reports the ranks drain after the end: left out
+    rate = [w.accepted / w.seconds if w.seconds else 0.0 for w in (ws[:-1] if len(ws) > 1 else ws)]
     return {"windows": len(ws), "offered": result.offered, "accepted": result.accepted,
             "accepted_pct": round(100 * result.accepted / max(1, result.offered), 2), "late": result.late,
             "skipped": result.skipped, "errors": result.errors, "error_codes": dict(result.error_codes),
@@ -220,6 +222,7 @@ def summarize(result: SoakResult, load_before: tuple[float, ...], load_after: tu
                 round(max(_p99(w.health_ms) for w in ws), 2),
             "health_over_100ms": sum(ms > 100 for ms in probes),
             "accepted_per_s_first": round(rate[0]), "accepted_per_s_last": round(rate[-1]),
+            "accepted_per_s_min": round(min(rate)), "accepted_per_s_max": round(max(rate)),
             "journal_events": sum(w.events for w in ws),
             "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in load_after]}
 
