@@ -171,7 +171,7 @@ def _report(stub: pb_grpc.AgentStub, job: str, step: int, loss: float, grad_norm
 
 def _grad_norm_spike(stub: pb_grpc.AgentStub, job: str) -> None:
     for step in range(160):
-        _report(stub, job, step, 2.0 + 0.01 * (step % 5), 50.0 if step == 150 else 1.0 + 0.01 * (step % 3))
+        _report(stub, job, step, 2.0 + 0.01 * (step % 5), 50.0 if step in (150, 151) else 1.0 + 0.01 * (step % 3))
 
 
 def _loss_scale_collapse(stub: pb_grpc.AgentStub, job: str) -> None:
