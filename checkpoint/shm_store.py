@@ -296,8 +296,8 @@ class DirStore:
         with self._lock:
             try:
                 sfd = self._open_dir(SPARES_DIR)
-            except FileNotFoundError:
-                return None
+            except (FileNotFoundError, PlantedLinkError, NotADirectoryError):
+                return None   # none yet; or a link planted in its place (refused, logged): no recycling
             try:
                 spares = []
                 with os.scandir(sfd) as it:
@@ -337,7 +337,10 @@ class DirStore:
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             return False  # a link; or also a rank's staging slot (link_in): never reuse its pages for another blob
         with self._lock:
-            sfd = self._open_dir(SPARES_DIR, create=True)
+            try:
+                sfd = self._open_dir(SPARES_DIR, create=True)
+            except (PlantedLinkError, NotADirectoryError):
+                return False   # refused and logged; the blob is deleted instead
             try:
                 if len(os.listdir(sfd)) >= self.spares:
                     return False

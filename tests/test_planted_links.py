@@ -142,3 +142,17 @@ def test_the_agent_serves_no_planted_link_to_a_peer(short_tmp: Path, victim: Pat
         assert agent.stop(timeout=30) == 0, agent.log()
         remove_tree(memory.parent)
     untouched(victim)
+
+
+def test_a_link_planted_in_place_of_the_spares_dir_stops_no_put(tmp_path: Path, victim: Path) -> None:
+    """The memory dir's own entries can be renamed by any group member: `.spares` swapped for a link must
+    neither be written through nor make puts fail (recycling is simply off)."""
+    root = tmp_path / "memory"
+    store = ShmStore(root, spares=2)
+    (root / ".spares").symlink_to(victim.parent)
+    store.put("job/000000000001/rank-0", b"a" * 10)
+    assert store.delete("job/000000000001/rank-0")     # not recycled into the link's target
+    store.put("job/000000000002/rank-0", b"b" * 10)
+    assert store.get("job/000000000002/rank-0") == b"b" * 10
+    assert store.refused >= 1
+    untouched(victim)
