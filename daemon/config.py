@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.errors import InvalidInputError
-from checkpoint.redis_connect import RedisOptions, validate_url
+from checkpoint.redis_url import RedisOptions, validate_url
 from daemon import config_tree
 from daemon.alerts import AlertsConfig
 from daemon.errors import ConfigError

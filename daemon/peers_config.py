@@ -37,7 +37,6 @@ from pathlib import Path
 
 from checkpoint.errors import InvalidInputError
 from checkpoint.grpc_store import parse_location
-from checkpoint.peers import placement
 from daemon.errors import ConfigError
 from sdcwatch.settings import setting
 
@@ -130,6 +129,8 @@ class PeersConfig:
         if self.replication_factor > n:
             raise ConfigError("peers.replication_factor", f"{self.replication_factor} copies need at least that "
                               f"many nodes in peers.nodes; it lists {n}")
+        from checkpoint.peers import placement   # here: the coordinator (and redis-py) stay out of the CLI's start
+
         try:   # placement is shift-invariant: node 0's is collision-free iff every node's is
             placement(0, n, self.stride, self.replication_factor)
         except InvalidInputError as e:
