@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python bench/bench_node_conditions.py [--cycles 200]
 
 The agent's real path: GpuRegistry (evidence -> FAILED) -> the health-changed event -> NodeHealth.sync ->
-NodeConditions.notify -> NodeReporter.push through the official `kubernetes` client (GET the node, PATCH its
+NodeConditions.notify -> NodeReporter.push through the `lightkube` client (GET the node, PATCH its
 status, PATCH its taints). Each cycle makes a GPU FAILED and measures until the PATCH that says
 SdcwatchGPUProblem=True arrives at the server, then clears it (until False arrives). Prints p50 / p99 / max
 of both; target: p99 < 1 s. CPU only.

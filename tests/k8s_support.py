@@ -1,6 +1,7 @@
 """A recording stand-in for the Kubernetes API server (not a test module): the three node calls the agent
 makes, answered the way the API server does, every request recorded with its arrival time. A real API
-server cannot run here; the agent's side is the official `kubernetes` client, unchanged.
+server cannot run here; the agent's side is its real client (`lightkube`, the `sdcwatch[k8s]` extra),
+unchanged.
 
   GET   /api/v1/nodes/<name>          the node (404 for another name)
   PATCH /api/v1/nodes/<name>/status   strategic merge patch: conditions merge by `type`
@@ -26,6 +27,10 @@ class Request:
     content_type: str
     body: Any
     at: float  # time.monotonic() when it arrived
+    authorization: str = ""
+
+
+TOKEN = "sdcwatch-test-serviceaccount-token"
 
 
 class FakeApiServer:
@@ -71,7 +76,7 @@ class FakeApiServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                server._record("GET", self.path, "", None)
+                server._record("GET", self.path, "", None, self.headers.get("Authorization", ""))
                 code, obj = server._get(self.path)
                 self._send(code, obj)
 
@@ -79,7 +84,7 @@ class FakeApiServer:
                 n = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(n) or b"null")
                 ctype = self.headers.get("Content-Type", "")
-                server._record("PATCH", self.path, ctype, body)
+                server._record("PATCH", self.path, ctype, body, self.headers.get("Authorization", ""))
                 code, obj = server._patch(self.path, ctype, body)
                 self._send(code, obj)
 
@@ -87,7 +92,7 @@ class FakeApiServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def start(self) -> "FakeApiServer":
+    def start(self) -> FakeApiServer:
         self.thread.start()
         return self
 
@@ -95,17 +100,21 @@ class FakeApiServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def api(self) -> Any:
-        """A CoreV1Api of the official client pointed at this server."""
-        import kubernetes.client
+    def api(self, timeout_s: float = 5.0) -> Any:
+        """The agent's client (daemon.k8s_nodes.client: lightkube) pointed at this server, with a bearer
+        token as a ServiceAccount's (the server records its Authorization header)."""
+        import lightkube
+        from lightkube.config.models import Cluster, User
 
-        conf = kubernetes.client.Configuration(host=self.url)
-        return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(conf))
+        from daemon.k8s_nodes import client
+
+        config = lightkube.KubeConfig.from_one(cluster=Cluster(server=self.url), user=User(token=TOKEN))
+        return client(config, timeout_s, trust_env=False)
 
     # ---- state ---------------------------------------------------------------------------------------
-    def _record(self, method: str, path: str, ctype: str, body: Any) -> None:
+    def _record(self, method: str, path: str, ctype: str, body: Any, auth: str) -> None:
         with self.lock:
-            self.requests.append(Request(method, path, ctype, body, time.monotonic()))
+            self.requests.append(Request(method, path, ctype, body, time.monotonic(), auth))
 
     def _name_ok(self, path: str, suffix: str = "") -> bool:
         return path.split("?")[0] == f"/api/v1/nodes/{self.node['metadata']['name']}{suffix}"

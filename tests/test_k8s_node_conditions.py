@@ -1,23 +1,23 @@
-"""Node conditions and the FAILED taint through the official `kubernetes` client, against a recording
+"""Node conditions and the FAILED taint through the agent's client (lightkube), against a recording
 stand-in for the API server (tests/k8s_support.py): what is sent, with which patch type, and when."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
+from deadlines import scaled
+from k8s_support import TOKEN, FakeApiServer
 
 from daemon.background import Background
 from daemon.errors import ConfigError
 from daemon.gpus import GpuRegistry
 from daemon.k8s_nodes import NodeConditions, NodeReporter, build
 from daemon.node_conditions import GPU_PROBLEM, SDC_SUSPECTED, KubernetesConfig, node_verdict
-from k8s_support import FakeApiServer
 from sdcwatch.errors import FatalError
 from sdcwatch.types import Evidence, State
-from deadlines import scaled
 
 NODE = "gpu-node-7"
 KEY = "sdcwatch.io/gpu-failed"
@@ -52,6 +52,7 @@ def test_failed_gpu_sets_conditions_and_taint_and_evidence_clears_them(server: F
     assert status_patch.content_type == "application/strategic-merge-patch+json"
     assert taint_patch.content_type == "application/merge-patch+json"
     assert taint_patch.body["metadata"]["resourceVersion"] == "2", "the version the status patch returned"
+    assert {r.authorization for r in server.requests} == {f"Bearer {TOKEN}"}
     # the same verdict again: read, nothing patched
     rep.push(
         node_verdict([("GPU-a", State.FAILED, "XID 79: fell off the bus"), ("GPU-b", State.HEALTHY, "")])
@@ -81,13 +82,13 @@ def test_no_evidence_is_unknown_and_no_taint_without_the_option(server: FakeApiS
 
 
 def test_a_concurrent_taint_change_conflicts_and_the_next_push_applies_it(server: FakeApiServer) -> None:
-    import kubernetes.client
+    import lightkube
 
     rep = NodeReporter(server.api(), NODE, taint_key=KEY)
     server.conflict_next = 1
-    with pytest.raises(kubernetes.client.ApiException) as err:
+    with pytest.raises(lightkube.ApiError) as err:
         rep.push(node_verdict([("GPU-a", State.FAILED, "x")]))
-    assert err.value.status == 409 and server.taints() == [OTHER]
+    assert err.value.status.code == 409 and server.taints() == [OTHER]
     rep.push(node_verdict([("GPU-a", State.FAILED, "x")]))
     assert [t["key"] for t in server.taints()] == ["nvidia.com/gpu", KEY]
 
@@ -97,7 +98,7 @@ def test_the_agent_loop_follows_the_gpu_table_and_survives_an_api_outage(server:
         gpus = GpuRegistry()
         gpus.ensure("GPU-a", time.time())
         live = NodeConditions(
-            NodeReporter(server.api(), NODE, taint_key=KEY, timeout_s=2.0),
+            NodeReporter(server.api(2.0), NODE, taint_key=KEY, timeout_s=2.0),
             gpus,
             resync_s=60.0,
             retry_s=(0.05, 0.2),
@@ -131,3 +132,27 @@ def test_config_and_credentials_are_checked() -> None:
         KubernetesConfig(node_conditions=True, taint_key="not a key").validate()
     with pytest.raises(FatalError, match="ServiceAccount|kubeconfig"):
         build(KubernetesConfig(node_conditions=True), NODE, GpuRegistry())  # not in a pod, no kubeconfig
+
+
+def test_build_from_a_kubeconfig_pushes_to_its_server(server: FakeApiServer, tmp_path) -> None:
+    """The production constructor end to end: a kubeconfig file (server, bearer token) -> lightkube ->
+    the recording server."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters:\n- name: k\n  cluster:\n    server: {server.url}\n"
+        f"users:\n- name: u\n  user:\n    token: {TOKEN}\n"
+        "contexts:\n- name: c\n  context:\n    cluster: k\n    user: u\n"
+    )
+    live = build(
+        KubernetesConfig(node_conditions=True, taint_failed=True, kubeconfig=str(kubeconfig)),
+        NODE,
+        GpuRegistry(),
+    )
+    assert live.reporter.taint_key == KEY and live.reporter.node_name == NODE
+    live.reporter.push(node_verdict([("GPU-a", State.FAILED, "XID 79")]))
+    assert server.condition(GPU_PROBLEM)["status"] == "True" and KEY in [t["key"] for t in server.taints()]
+    assert {r.authorization for r in server.requests} == {f"Bearer {TOKEN}"}
+    with pytest.raises(FatalError, match="kubeconfig"):
+        missing = str(tmp_path / "missing")
+        build(KubernetesConfig(node_conditions=True, kubeconfig=missing), NODE, GpuRegistry())
