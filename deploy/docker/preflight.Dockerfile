@@ -17,6 +17,7 @@ COPY checksums ./checksums
 COPY checkpoint ./checkpoint
 COPY proto ./proto
 COPY demo ./demo
+COPY integrations ./integrations
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}
