@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
@@ -120,7 +121,7 @@ class _Sink:
         return ReporterStats()
 
 
-MODEL = {"name": "mlp"}     # set by --model in each worker
+MODEL: dict[str, Any] = {"name": "mlp", "bf16": False}   # set by --model (and --sdcguard: bf16) per worker
 
 
 def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
@@ -147,21 +148,65 @@ def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tup
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
+    bf16 = x.device.type == "cuda" or MODEL["bf16"]     # sdcguard checks bf16/fp16 matmuls only: CPU too
     if MODEL["name"] != "mlp":
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
             return model(x, y)
-    return nn.functional.mse_loss(model(x), y)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=MODEL["bf16"]):
+        return nn.functional.mse_loss(model(x).float(), y)
+
+
+class MatmulFault(TorchDispatchMode):
+    """The faulty GPU, inside the matmul: corrupts the output of the target layer's matmul op (aten::mm,
+    addmm, bmm, linear) where it is computed, so a check of the matmul itself (sdcguard's ABFT checksums,
+    a dispatch mode entered inside this one) sees the wrong output, and so does everything downstream (our
+    gradient statistics). Used with --sdcguard; without it a forward hook corrupts the layer's output, the
+    same values."""
+
+    OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
+
+    def __init__(self, target: nn.Module, case: Case | None, active: dict[str, bool]) -> None:
+        super().__init__()
+        self.case, self.active, self.inside = case, active, False
+        target.register_forward_pre_hook(lambda m, i: setattr(self, "inside", True))
+        target.register_forward_hook(lambda m, i, o: setattr(self, "inside", False))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        # (no grad-mode test: sdcguard's checked linear runs its matmul inside an autograd.Function's forward)
+        if (self.inside and self.active["on"] and self.case is not None and self.case.where == "mm"
+                and getattr(func, "_schema", None) is not None
+                and func._schema.name in self.OPS):
+            corrupt(out, self.case)
+        return out
+
+
+def _sdcguard(every: int, model: nn.Module | None = None) -> Any:
+    """sdcguard's guard checking every `every`-th step. With `model` (SDCGUARD["mode"] "protect", its
+    documented training mode, `SDCGuard(every=20).protect(model)`): every nn.Linear's matmuls, forward, dX and
+    dW; without ("dispatch", its default mode): every matmul PyTorch runs. Both check bf16/fp16 matmuls only."""
+    try:
+        from sdcguard import SDCGuard
+    except ImportError as e:          # the [bench] extra has it
+        raise SystemExit(f"--sdcguard needs the sdcguard package (pip install 'sdcwatch[bench]'): {e}") from e
+    guard = SDCGuard(every=every)
+    if model is not None and SDCGUARD["mode"] == "protect":
+        guard.protect(model)
+    return guard
+
+
+SDCGUARD = {"mode": "protect"}       # set by --sdcguard-mode in each worker
 
 
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
-             accum: int = 1, fault_micro: int = 0, fsdp: bool = False) -> dict[str, Any]:
+             accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0) -> dict[str, Any]:
     model, target = make_model(0)
     model = model.to(device)
     active = {"on": False}
 
     def mm_hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> None:
-        if active["on"] and case is not None and case.where == "mm" and torch.is_grad_enabled():
+        if active["on"] and case is not None and case.where == "mm" and torch.is_grad_enabled() and not sdcguard:
             corrupt(out, case)
 
     def grad_inject(idx: int, buf: torch.Tensor) -> None:
@@ -187,6 +232,11 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                   margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor, mask=mask,
                                   inject_bucket=grad_inject if rank == fault_rank else None)
     caught: dict[str, dict[str, Any]] = {}
+    mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
+    guard = _sdcguard(sdcguard, model) if sdcguard else None
+    fault_mode = MatmulFault(target, case, active) if sdcguard else None
+    if fault_mode is not None:
+        fault_mode.__enter__()        # the whole run, replays included (a persistent fault is the GPU's)
     t0 = time.perf_counter()
     unchanged = None
     effective = None          # the fault changed the faulty rank's gradient (mm/grad faults; None: not measured)
@@ -202,7 +252,14 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 case.where == "grad" or (case.where == "mm" and (case.persistent or micro == fault_micro)))
             batch = batch_for(rank, step, device, micro)
             checks.retain(batch)
-            if fsdp:
+            if guard is not None:
+                with guard.on_step(step):
+                    if micro < accum - 1:
+                        with ddp.no_sync():
+                            step_loss(ddp, batch).backward()
+                    else:
+                        step_loss(ddp, batch).backward()
+            elif fsdp:
                 ddp.set_requires_gradient_sync(micro == accum - 1)
                 step_loss(ddp, batch).backward()
             elif micro < accum - 1:
@@ -245,9 +302,27 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         for ev in (monitor.events if monitor is not None else ()):
             if ev.kind == "replica.mismatch" and ev.step >= fault_step and "vote" not in caught:
                 caught["vote"] = {"step": ev.step, "named": [s["rank"] for s in ev.details["suspects"]]}
-        if caught and step > fault_step + 2 and (case is None or not case.persistent or step > fault_step + 10):
+        if guard is not None and "sdcguard" not in mine:
+            for ev in guard.log.events:
+                if ev.step is not None and ev.step >= fault_step:
+                    mine["sdcguard"] = ev.step
+                    break
+        if caught and step > fault_step + 2 and (case is None or not case.persistent or step > fault_step + 10) and (
+                guard is None or step >= fault_step + sdcguard):
             break
     elapsed = time.perf_counter() - t0
+    if fault_mode is not None:
+        fault_mode.__exit__(None, None, None)
+    if guard is not None:                      # which ranks' sdcguard alerted, and when
+        alerts: list[Any] = [None] * world
+        dist.all_gather_object(alerts, mine.get("sdcguard"))
+        hits = [(s_, r) for r, s_ in enumerate(alerts) if s_ is not None]
+        if hits:
+            first = min(s_ for s_, _ in hits)
+            caught["sdcguard"] = {"step": first, "named": [r for s_, r in hits if s_ == first]}
+        caught["sdcguard_stats"] = {"checked": guard.stats.get("checked", 0),
+                                    "skipped_dtype": guard.stats.get("skipped_dtype", 0),
+                                    "alerts": guard.stats.get("alerts", 0)}
     if 0 <= fault_rank < world:                # rank 0 writes the results: it needs the faulty rank's measure
         box = [effective]
         dist.broadcast_object_list(box, src=fault_rank)
@@ -263,41 +338,59 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
-             mask: str) -> dict[str, Any]:
-    """Step time with the compute gate against the same DDP model without it, in alternating blocks of
-    `block` steps (interleaved, so drift in the machine's speed hits both alike). Each block's time is
-    measured over the whole block with one synchronisation at its end."""
+             mask: str, sdcguard: int = 0) -> dict[str, Any]:
+    """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
+    so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
+    pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
+    `sdcguard` "sdcguard" (its ABFT checks every `sdcguard`-th step, no gate). Each block's time is measured
+    over the whole block with one synchronisation at its end. Each arm's step time is its mean over all its
+    blocks (an audit every 334 steps lands in one block in several: a median would leave it out); the
+    median block is kept too."""
     fused = mask == "device" or device.type == "cuda"
-    models = []
-    for gated in (False, True):
+    arms: list[tuple[str, Any, Any, Any, Any]] = []
+    names = ["base", "checks", "checks+audits"] + (["sdcguard"] if sdcguard else [])
+    for name in names:
         model = make_model(0)[0].to(device)
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=fused)
-        checks = (ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=audit_every, mask=mask,
-                                       gpu_uuid=f"GPU-fake-{rank}") if gated else None)
-        models.append((ddp, opt, checks))
-    times: dict[bool, list[float]] = {False: [], True: []}
+        checks = None
+        if name.startswith("checks"):
+            checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, mask=mask, gpu_uuid=f"GPU-fake-{rank}",
+                                          audit_every=audit_every if name == "checks+audits" else 0)
+        guard = _sdcguard(sdcguard, model) if name == "sdcguard" else None
+        arms.append((name, ddp, opt, checks, guard))
+    times: dict[str, list[float]] = {name: [] for name in names}
     step = 0
     while step < steps:
-        for gated in (False, True):
-            ddp, opt, checks = models[gated]
+        for name, ddp, opt, checks, guard in arms:
             dist.barrier()
             t0 = time.perf_counter()
             for k in range(block):
                 batch = batch_for(rank, step + k, device)
                 if checks is not None:
                     checks.retain(batch)
-                loss_fn(ddp, batch).backward()
+                if guard is not None:
+                    with guard.on_step(step + k + 1):
+                        loss_fn(ddp, batch).backward()
+                else:
+                    loss_fn(ddp, batch).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            times[gated].append((time.perf_counter() - t0) / block)
+            times[name].append((time.perf_counter() - t0) / block)
         step += block
-    base = sorted(times[False])[len(times[False]) // 2]
-    gated_t = sorted(times[True])[len(times[True]) // 2]
-    return {"base_step_s": base, "gated_step_s": gated_t, "overhead": gated_t / base - 1.0,
-            "blocks": len(times[False]), "block": block}
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    mean = {name: sum(t) / len(t) for name, t in times.items()}
+    out: dict[str, Any] = {"arms": {name: {"step_s": mean[name], "median_s": med[name],
+                                           "overhead": mean[name] / mean["base"] - 1.0,
+                                           "blocks": times[name]} for name in names},
+                           "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
+                           "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"]}
+    # the previous keys (one gated arm: checks with audits)
+    out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
+               overhead=mean["checks+audits"] / mean["base"] - 1.0)
+    return out
 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
@@ -313,6 +406,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     torch.set_num_threads(1)
     MODEL["name"] = args.model
+    MODEL["bf16"] = bool(args.sdcguard)
+    SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
     names = {"all": [c.name for c in CASES], "h200": H200, "none": []}.get(args.cases, args.cases.split(","))
     for case in [c for c in CASES if c.name in names]:
@@ -320,15 +415,16 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                       fault_step=args.fault_step, fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
                                       mask=args.mask, accum=args.accum, fault_micro=args.fault_micro,
-                                      fsdp=args.fsdp)
+                                      fsdp=args.fsdp, sdcguard=args.sdcguard)
     if args.clean:
         results["clean"] = run_case(None, rank=rank, world=world, device=device, steps=args.clean,
                                     fault_step=args.clean + 1, fault_rank=-1, audit_every=args.audit_every,
                                     warmup=args.warmup, margin=args.margin, mask=args.mask, accum=args.accum,
-                                    fsdp=args.fsdp)
+                                    fsdp=args.fsdp, sdcguard=args.sdcguard)
     if args.overhead:
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
-                                       audit_every=args.audit_every, mask=args.mask)
+                                       audit_every=args.overhead_audit_every, mask=args.mask,
+                                       sdcguard=args.sdcguard)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -343,17 +439,26 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         if name in ("clean", "overhead"):
             continue
         c = r["caught"]
+        sg = ""
+        if "sdcguard_stats" in c:
+            hit_sg = c.get("sdcguard")
+            sg = ("   | sdcguard: " + (f"caught +{hit_sg['step'] - fault_step}, rank "
+                                     f"{('yes ' if hit_sg['named'] == [fault_rank] else 'NO ') + str(hit_sg['named'])}"
+                                     if hit_sg else "not caught")
+                  + f" ({c['sdcguard_stats']['checked']} matmuls checked)")
         det = ("compute:" + c["compute"]["detector"]) if "compute" in c else ("vote" if "vote" in c else None)
         if det is None:
             lines.append(f"{name:34} {'-':17} {'no':6}" + ("      (no effect: the faulty rank's gradient was bit "
-                                                           "for bit the clean one)" if r.get("effective") is False else ""))
+                                                           "for bit the clean one)" if r.get("effective") is False else "")
+                         + sg)
             continue
         hit = c["compute"] if det != "vote" else c["vote"]
         named = hit["named"]
         lines.append(f"{name:34} {det:17} {'yes':6} {hit['step'] - fault_step:<5} "
                      f"{('yes ' if named == [fault_rank] else 'NO ') + str(named):10} "
                      f"{hit.get('cause', '-'):11} {('dropped' if hit.get('dropped') else 'applied') if 'cause' in hit else '-'}"
-                     + (f"   (vote also, +{c['vote']['step'] - fault_step})" if det != "vote" and "vote" in c else ""))
+                     + (f"   (vote also, +{c['vote']['step'] - fault_step})" if det != "vote" and "vote" in c else "")
+                     + sg)
     if "clean" in results:
         r = results["clean"]
         st = r["status"]
@@ -371,9 +476,14 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                      f"clean score {st['max_score_clean']:.2f} of margin {st['margin']}, {r['elapsed_s']:.1f}s")
     if "overhead" in results:
         o = results["overhead"]
-        lines.append(f"overhead (compute gate, audits every its --audit-every, interleaved blocks of {o['block']} "
-                     f"steps x {o['blocks']}): base {o['base_step_s'] * 1e3:.3f} ms/step, gated "
-                     f"{o['gated_step_s'] * 1e3:.3f} ms/step, overhead {o['overhead'] * 100:+.2f}%")
+        lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm (mean over blocks):")
+        lines.append(f"  {'arm':42} {'ms/step':>9} {'ratio':>7} {'overhead':>9}")
+        base = o["arms"]["base"]["step_s"]
+        for name, a in o["arms"].items():
+            what = {"base": "base (no checks)", "checks": "pre-reduction checks every step",
+                    "checks+audits": f"checks + audits every {o['audit_every']}",
+                    "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
+            lines.append(f"  {what:42} {a['step_s'] * 1e3:9.3f} {a['step_s'] / base:7.4f} {a['overhead'] * 100:+8.2f}%")
     return "\n".join(lines)
 
 
@@ -397,6 +507,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="how a suspect update is masked: host veto, or the device found_inf flag (fused Adam)")
     p.add_argument("--overhead", type=int, default=0, help="also measure step time with and without the gate "
                    "over this many steps each, interleaved")
+    p.add_argument("--overhead-audit-every", type=int, default=334, help="the audit cadence of --overhead's "
+                   "checks+audits arm (default: the gate's default, 334)")
+    p.add_argument("--sdcguard", type=int, default=0, metavar="EVERY", help="also run sdcguard's ABFT checks "
+                   "(the sdcguard package, [bench] extra) every EVERY-th step in the same run, on the same "
+                   "injected faults (the matmul faults then hit inside the matmul), and as an --overhead arm; "
+                   "forces bf16 autocast (sdcguard checks bf16/fp16 matmuls only)")
+    p.add_argument("--sdcguard-mode", choices=["protect", "dispatch"], default="protect",
+                   help="protect: SDCGuard(every).protect(model), its training mode (every nn.Linear); "
+                   "dispatch: its default mode (every matmul, slower)")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
     p.add_argument("--model", choices=["mlp", "tiny-gpt", "gpt2"], default="mlp",
                    help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); gpt2: GPT-2 small, bf16 autocast "

@@ -81,6 +81,12 @@ want verify && step verify-cost-gloo 300 python3 -m bench.verify_cost --device c
 want verify && [ "$NGPU" -ge 2 ] && step verify-cost-nccl 300 python3 -m bench.verify_cost --device cuda --world 2
 want verify && step agreed-directive 120 torchrun --standalone --nproc-per-node 2 bench/agreed_directive.py \
   --device cuda $([ "$NGPU" -ge 2 ] || echo --backend gloo)
+# issue 19 on one GPU: the compute checks' overhead (DDP world 1 on NCCL: real comm hooks; arms base, checks,
+# checks + audits every 334, sdcguard every 20th step) and the 12-case subset + smallest fault on virtual ranks
+# (sdcguard needs its wheel in .whl/: pip download sdcguard==0.4.0 --no-deps -d .whl)
+want compute && step compute-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --overhead 400 --block 20 --sdcguard 20
+want compute && step compute-gpu1 480 python3 -m bench.compute_gpu1 --device cuda --model gpt2 --clean 200 --sdcguard 20
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
 # GPT-2 small from a config (offline); needs the wheels of bench/framework_wheels.sh in .whl/
 want frameworks && step frameworks 580 python3 -m bench.bench_frameworks --device cuda

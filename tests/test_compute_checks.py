@@ -246,3 +246,32 @@ def test_fsdp2_pre_reduce_scatter_checks_name_the_rank_and_drop():
         assert hit and hit["named"] == [1] and hit["dropped"] and hit["step"] == 40, f"{name}: {hit}"
     st = results["clean"]["status"]
     assert st["suspicions"] == 0 and st["audits"] == 0 and st["steps"] == 150, st
+
+
+def test_sdcguard_side_by_side_on_the_same_faults():
+    """--sdcguard 1: sdcguard's ABFT check (its default dispatch mode, bf16 autocast on CPU) and the compute
+    gate on the same injected faults in the same run: a matmul element set to 1e4 inside the matmul is caught
+    by both on its step on rank 1; a gradient fault after the matmul is ours only (no matmul is wrong)."""
+    results = compute_faults.main(["--world", "3", "--fault-step", "30", "--sdcguard", "1", "--audit-every", "0",
+                                   "--cases", "mm one elem =1e4,grad elem =100"])
+    mm = results["mm one elem =1e4"]["caught"]
+    assert mm["compute"]["named"] == [1] and mm["compute"]["step"] == 30, mm
+    assert mm["sdcguard"] == {"step": 30, "named": [1]}, mm
+    assert mm["sdcguard_stats"]["checked"] > 0
+    grad = results["grad elem =100"]["caught"]
+    assert grad["compute"]["named"] == [1] and "sdcguard" not in grad, grad
+
+
+def test_one_gpu_bench_runs_on_cpu():
+    """bench.compute_gpu1 (virtual ranks on one device) on CPU: a large fault caught on its step naming rank
+    1, the clean steps quiet, the sweep finds a smallest size; an overhead arm table from compute_faults on
+    one rank (the numbers are the GPU run's business, not asserted)."""
+    from bench import compute_gpu1
+    r = compute_gpu1.main(["--model", "mlp", "--clean", "10", "--cases", "mm one elem =1e4,grad elem NaN"])
+    assert r["clean"]["suspicions"] == 0
+    for name in ("mm one elem =1e4", "grad elem NaN"):
+        assert r["cases"][name]["right"], r["cases"][name]
+    assert r["sweep"]["mm one elem = v"]["smallest"] is not None
+    o = compute_faults.main(["--world", "1", "--cases", "none", "--overhead", "8", "--block", "4",
+                             "--overhead-audit-every", "5"])["overhead"]
+    assert set(o["arms"]) == {"base", "checks", "checks+audits"} and o["blocks"] == 2

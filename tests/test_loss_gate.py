@@ -49,10 +49,10 @@ def _loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(m(b[0]), b[1])
 
 
-def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = False):
+def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = False, mask: str = "auto"):
     model, layer = _model()
     net = nn.parallel.DistributedDataParallel(model) if ddp else model
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=mask == "device")
     on = {"v": False}
 
     def hook(mod, inp, out):
@@ -60,7 +60,7 @@ def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = Fal
             with torch.no_grad():
                 out.view(-1)[3] = fault["value"]
     layer.register_forward_hook(hook)
-    gate = LossGate.attach(opt, module=net, loss_fn=_loss, gate_on=gate_on)
+    gate = LossGate.attach(opt, module=net, loss_fn=_loss, gate_on=gate_on, mask=mask)
     for step in range(1, steps + 1):
         b = _batch(rank, step)
         gate.retain(b)
@@ -85,6 +85,17 @@ def test_a_non_finite_loss_masks_its_own_step_and_a_transient_one_is_named():
     assert len(f) == 1 and (f[0].step, f[0].detector, f[0].cause, f[0].faulty) == (25, "loss", "transient", (0,))
     st = gate.status()
     assert st.flagged == 1 and st.dropped == 1 and st.replays == 1
+
+
+def test_device_mask_skips_the_update_through_found_inf_and_classifies_a_step_later():
+    """The CUDA design on CPU: fused Adam's found_inf (checksums.device_mask) masks the step of the non-finite
+    loss with no host veto; the flags are read and the step replayed and classified at the next step."""
+    model, gate = _train(40, {"step": 25, "value": math.inf}, mask="device")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert gate.guard.skipped == [], "the device mask is no host veto"
+    f = list(gate.findings)
+    assert len(f) == 1 and (f[0].step, f[0].cause, f[0].dropped) == (25, "transient", True), f
+    assert not hasattr(gate.guard._optimizer_ref(), "found_inf"), "found_inf left on the optimizer"
 
 
 def test_a_persistent_non_finite_loss_is_dropped_every_step_and_never_loops():
