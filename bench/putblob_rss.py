@@ -173,6 +173,9 @@ class Agent:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+        from checkpoint.shm_store import default_shm_root
+        from sdcwatch.safe_fs import remove_tree
+        remove_tree(default_shm_root(self.state).parent)   # the memory dir the agent keeps for a restart
         shutil.rmtree(self.state, ignore_errors=True)
         self.log_path.unlink(missing_ok=True)
 
