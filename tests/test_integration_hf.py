@@ -15,7 +15,7 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, journal, replicas_identical,
+    check_clean, check_recovered, checkpoint_states, flip_bit, replicas_identical,
     settled_journal, spawn, torchrun_env,
 )
 
@@ -70,7 +70,8 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
             per_device_train_batch_size=4, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=5,
             logging_steps=1000, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
             dataloader_num_workers=0, max_grad_norm=1.0)
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens(8 * STEPS), callbacks=[Flip(), sdc])
+        # two epochs' worth of batches in the one epoch max_steps asks for: the redone steps need batches
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(16 * STEPS), callbacks=[Flip(), sdc])
         assert sdc.session is None
         trainer.train()
         sess = sdc.session
@@ -90,13 +91,13 @@ def test_hf_trainer_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -> Non
     agent = AgentProcess(short_tmp / "state").start()
     try:
         res = spawn(_worker, 2, str(agent.socket), tmp_path, True)
-        lines = journal(agent)
+        lines = settled_journal(agent, since="job.rollback ")
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
     for r in res:   # the vote's veto and the skipped update are the rank's local events
         r["monitor_events"] = []
-    check_recovered(res, lines, states, FLIP)
+    check_recovered(res, lines, states, FLIP, STEPS)
 
 
 def test_hf_trainer_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from agent_harness import AgentProcess
-from framework_support import check_recovered, checkpoint_states, flip_bit, journal, spawn, torchrun_env
+from framework_support import (
+    check_recovered, checkpoint_states, flip_bit, settled_journal, spawn, torchrun_env,
+)
 
 JOB = "titan-tiny"
 STEPS, FLIP, SAVE_EVERY = 40, 20, 5
@@ -102,8 +104,8 @@ def test_torchtitan_checkpointer_recovers_from_a_flip(short_tmp: Path, tmp_path:
     agent = AgentProcess(short_tmp / "state").start()
     try:
         res = spawn(_worker, 2, str(agent.socket), tmp_path)
-        lines = journal(agent)
+        lines = settled_journal(agent, since="job.rollback ")
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
-    check_recovered(res, lines, states, FLIP)
+    check_recovered(res, lines, states, FLIP, STEPS)
