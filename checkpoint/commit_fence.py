@@ -172,7 +172,8 @@ class CommitFence:
             why = f"the coordination store failed over during this write (epoch {epoch} -> {now})"
         else:
             why = "a Sentinel reports the primary down or failing over"
-        raise StoreUnavailableError(f"{why}: whether the write survived is uncertain; it does not count (retry)")
+        raise StoreUnavailableError(f"{why}: whether the write survived is uncertain; it does not count "
+                                    "(retry)")
 
 
 def online_replicas(client: Any) -> int:

@@ -280,7 +280,8 @@ class Drainer:
         results: dict[tuple[str, str, int], DrainResult] = {}
         give_up = time.monotonic() + wait_s
         while True:
-            targets = [t for t in self._drain_targets(job, now) if (t[0].tier.name, t[1], t[2]) not in results]
+            targets = [t for t in self._drain_targets(job, now)
+                       if (t[0].tier.name, t[1], t[2]) not in results]
             runnable = [t for t in targets if (t[1], t[2]) not in t[0].inflight]
             if not runnable:   # the background drainer is copying the rest: wait for its results
                 for rt, j, step, _ in targets:
@@ -299,8 +300,8 @@ class Drainer:
             for rt, j, step, nbytes in runnable:
                 key = (rt.tier.name, j, step)
                 if rt.hung:
-                    results[key] = DrainResult(rt.tier.name, j, step, False, "tier hung: a copy there has run "
-                                               f"over {rt.tier.hop_timeout_s:.0f}s; not tried", 0)
+                    results[key] = DrainResult(rt.tier.name, j, step, False, "tier hung: a copy there has "
+                                               f"run over {rt.tier.hop_timeout_s:.0f}s; not tried", 0)
                     meter.add(nbytes)
                     continue
                 meter.what = f"{rt.tier.name} {j} step {step}"
@@ -311,9 +312,8 @@ class Drainer:
                 finally:
                     rt.inflight.pop((j, step), None)
                 meter.add(start + nbytes - meter.done)
-                results[key] = DrainResult(rt.tier.name, j, step, ok,
-                                           "copied, verified" if ok else rt.last_error.get((j, step), "failed"),
-                                           nbytes if ok else 0)
+                why = "copied, verified" if ok else rt.last_error.get((j, step), "failed")
+                results[key] = DrainResult(rt.tier.name, j, step, ok, why, nbytes if ok else 0)
         return list(results.values())
 
     def _drain_targets(self, job: str, now: float) -> list[tuple[_TierRuntime, str, int, int]]:
@@ -574,7 +574,8 @@ class Drainer:
         return not self._bad_chunks(dest, m)
 
     def _verified_chunks(self, m: ShardManifest, srcs: list[tuple[str, BlobStore]],
-                         throttle: Throttle, on_chunk: Callable[[int], None] | None = None) -> Iterator[memoryview]:
+                         throttle: Throttle,
+                         on_chunk: Callable[[int], None] | None = None) -> Iterator[memoryview]:
         buf = memoryview(bytearray(max((c.length for c in m.chunks), default=0)))
         with contextlib.ExitStack() as maps:
             mapped = [maps.enter_context(_mapped(store, m.blob, m.nbytes)) for _, store in srcs]

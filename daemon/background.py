@@ -62,7 +62,8 @@ class Background:
                 log.exception("closing %r failed", fn)
 
 
-async def cancel_tasks(tasks: "set[asyncio.Task[Any]] | list[asyncio.Task[Any]]", timeout_s: float) -> list[str]:
+async def cancel_tasks(tasks: "set[asyncio.Task[Any]] | list[asyncio.Task[Any]]",
+                       timeout_s: float) -> list[str]:
     """Cancel `tasks` and wait until they have ended, for at most `timeout_s`; a task still running is
     cancelled again every `_RECANCEL_S` (a library may have swallowed the first). Returns the names of the
     tasks that outlived the deadline (logged with their stacks; left to the loop's end)."""
@@ -79,6 +80,6 @@ async def cancel_tasks(tasks: "set[asyncio.Task[Any]] | list[asyncio.Task[Any]]"
     for task in pending:
         stack = io.StringIO()
         task.print_stack(file=stack)
-        log.error("background task %s did not end within %.1fs of its cancel:\n%s", task.get_name(), timeout_s,
-                  stack.getvalue())
+        log.error("background task %s did not end within %.1fs of its cancel:\n%s", task.get_name(),
+                  timeout_s, stack.getvalue())
     return sorted(t.get_name() for t in pending)

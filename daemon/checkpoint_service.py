@@ -287,7 +287,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             if kind == "progress":
                 yield pb.VerifyCopiesUpdate(progress=value)
             else:
-                yield pb.VerifyCopiesUpdate(result=pb.VerifyCopiesResponse(checks=[pb.CopyCheck(**c) for c in value]))
+                checks = [pb.CopyCheck(**c) for c in value]
+                yield pb.VerifyCopiesUpdate(result=pb.VerifyCopiesResponse(checks=checks))
 
     async def Drain(self, request: pb.DrainRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DrainUpdate]:
@@ -298,8 +299,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             job = await self._job(job, context)
         if self.drainer is None or not self.drainer.tiers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "no durable checkpoint tier is configured ([tiers] nvme, flash or s3): a node's "
-                                "checkpoints live in memory only and cannot be drained")
+                                "no durable checkpoint tier is configured ([tiers] nvme, flash or s3): a "
+                                "node's checkpoints live in memory only and cannot be drained")
         async with self._drain_lock:   # one drain at a time; a second waits for the first
             async for kind, value in self._with_progress(context, self.drainer.drain_all, job):
                 if kind == "progress":
@@ -311,9 +312,10 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
     async def _with_progress(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any],
                              *args: Any) -> AsyncIterator[tuple[str, Any]]:
-        """Run the blocking `fn(*args, progress)` on a thread of its own (a long drain must not hold one of the
-        RPC pool's workers, nor the loop's shutdown); yield ("progress", pb.Progress) as it reports (the newest
-        only, when several are waiting), then ("result", its return value). Errors map like `_call`'s."""
+        """Run the blocking `fn(*args, progress)` on a thread of its own (a long drain must not hold one of
+        the RPC pool's workers, nor the loop's shutdown); yield ("progress", pb.Progress) as it reports (the
+        newest only, when several are waiting), then ("result", its return value). Errors map like
+        `_call`'s."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[int, int, str]] = asyncio.Queue()
 

@@ -78,12 +78,13 @@ def register(subparsers: Any) -> None:
                      help="no progress bar (there is one, per chunk read, only when stdout is a terminal)")
     add_connection_flags(ver)
     ver.set_defaults(func=cmd_verify, timeout=600.0)
-    drain = sub.add_parser("drain", help="copy this node's checkpoints to the durable tiers now, and wait",
-                           description="Copy this node's checkpoints to the durable tiers (NVMe, flash, S3) now, "
-                           "verified, and wait: what the tiers' policies have pending, and the newest and the "
-                           "newest VERIFIED checkpoint of each job onto every tier that lacks them (e.g. before "
-                           "maintenance). Exit 0 when every copy was made or nothing was missing, 1 when a copy "
-                           "failed or no tier is configured, 2 when the agent cannot be reached.")
+    drain = sub.add_parser(
+        "drain", help="copy this node's checkpoints to the durable tiers now, and wait",
+        description="Copy this node's checkpoints to the durable tiers (NVMe, flash, S3) now, verified, and "
+        "wait: what the tiers' policies have pending, and the newest and the newest VERIFIED checkpoint of "
+        "each job onto every tier that lacks them (e.g. before maintenance). Exit 0 when every copy was made "
+        "or nothing was missing, 1 when a copy failed or no tier is configured, 2 when the agent cannot be "
+        "reached.")
     drain.add_argument("--job", default="", help="only this job (default: every job in this node's memory)")
     drain.add_argument("--json", action="store_true", help="print JSON")
     drain.add_argument("--no-progress", action="store_true",

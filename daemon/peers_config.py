@@ -129,7 +129,7 @@ class PeersConfig:
         if self.replication_factor > n:
             raise ConfigError("peers.replication_factor", f"{self.replication_factor} copies need at least that "
                               f"many nodes in peers.nodes; it lists {n}")
-        from checkpoint.peers import placement   # here: the coordinator (and redis-py) stay out of the CLI's start
+        from checkpoint.peers import placement   # here: the coordinator and redis-py stay out of CLI start-up
 
         try:   # placement is shift-invariant: node 0's is collision-free iff every node's is
             placement(0, n, self.stride, self.replication_factor)

@@ -421,13 +421,14 @@ def test_tier_only_listings_say_what_vouched(redis_server, tmp_path: Path) -> No
 
 def test_drain_all_puts_the_newest_and_newest_verified_on_every_tier_with_progress_per_chunk(
         redis_server, tmp_path: Path) -> None:
-    """`sdcwatch ckpt drain`'s work: the tiers' policies (every 5th step here) would copy nothing yet; the drain
-    copies the newest (3) and the newest VERIFIED (1) to every tier, verified, reporting after every chunk;
-    a second drain finds nothing missing; a tier that fails says why."""
+    """`sdcwatch ckpt drain`'s work: the tiers' policies (every 5th step here) would copy nothing yet;
+    the drain copies the newest (3) and the newest VERIFIED (1) to every tier, verified, reporting after
+    every chunk; a second drain finds nothing missing; a tier that fails says why."""
     ev = Events()
     co, job = node(redis_server.port, tmp_path, "n0", publish=ev), job_id()
     tiers = [dir_tier("nvme", tmp_path / "nvme", TierRule("nvme", every_n=5, newest_verified=False)),
-             dir_tier("flash", tmp_path / "flash", TierRule("flash", every_n=5, newest_verified=False), shared=True)]
+             dir_tier("flash", tmp_path / "flash", TierRule("flash", every_n=5, newest_verified=False),
+                      shared=True)]
     dr = Drainer(co, tiers)
     dr.start()
     for step in (1, 2, 3):
@@ -440,7 +441,8 @@ def test_drain_all_puts_the_newest_and_newest_verified_on_every_tier_with_progre
     chunks = [c.length for s in (1, 3) for r in (0, 1) for c in co.shard_manifest(job, s, r).chunks]
     assert len(chunks) >= 8
     assert len(seen) == 2 * len(chunks)              # one update per chunk copied, on each of the two tiers
-    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen) and seen[-1][0] == seen[-1][1] == 2 * sum(chunks)
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+    assert seen[-1][0] == seen[-1][1] == 2 * sum(chunks)
     assert {w for *_, w in seen} == {f"{t} {job} step {s}" for t in ("nvme", "flash") for s in (1, 3)}
     assert {(rt.tier.name, s) for rt in dr.tiers for (_, s) in rt.catalog} == {
         ("nvme", 1), ("nvme", 3), ("flash", 1), ("flash", 3)}
@@ -453,8 +455,8 @@ def test_drain_all_puts_the_newest_and_newest_verified_on_every_tier_with_progre
     assert len(seen) == 3 * len(per_copy) and seen[-1][0] == seen[-1][1] == 3 * sum(per_copy)
     # a tier that cannot take the copy: the drain says so (and tries it once)
     save(co, job, 4, size=8000)
-    dr.tiers[1].tier.store = FaultyStore(dr.tiers[1].tier.store,
-                                         [Fault("put", "fail", times=0, error=OSError(errno.ENOSPC, "No space"))])
+    full = Fault("put", "fail", times=0, error=OSError(errno.ENOSPC, "No space"))
+    dr.tiers[1].tier.store = FaultyStore(dr.tiers[1].tier.store, [full])
     res = dr.drain_all(job)
     assert sorted((r.tier, r.step, r.ok) for r in res) == [("flash", 4, False), ("nvme", 4, True)]
     assert "disk full" in next(r.detail for r in res if not r.ok)

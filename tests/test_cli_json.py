@@ -136,19 +136,20 @@ def test_every_json_command_in_one_schema(short_tmp: Path, tmp_path: Path) -> No
             assert ver["ok"] is True and ver["checks"]
             for c in ver["checks"]:
                 conforms(cpb.CopyCheck.DESCRIPTOR, c)
-            drained = json.loads(run("ckpt", "drain", "--job", job))   # the default NVMe tier under the state dir
+            drained = json.loads(run("ckpt", "drain", "--job", job))   # the default NVMe tier (state dir)
             assert drained["ok"] is True and [t["tier"] for t in drained["tiers"]] == ["nvme"]
             for h in drained["hops"]:
                 conforms(cpb.DrainHop.DESCRIPTOR, h)
             for t in drained["tiers"]:
                 conforms(cpb.TierStatus.DESCRIPTOR, t)
-            with grpc.insecure_channel(agent.target) as ch:   # what drives `verify`'s bar: an update per chunk
+            with grpc.insecure_channel(agent.target) as ch:   # what drives `verify`'s bar: updates per chunk
                 updates = list(cpb_grpc.CheckpointsStub(ch).WatchVerifyCopies(
                     cpb.VerifyCopiesRequest(job_id=job, step=1), timeout=60))
             assert [u.WhichOneof("update") for u in updates][-1] == "result"
             done = [(u.progress.done_bytes, u.progress.total_bytes) for u in updates[:-1]]
             assert done and done == sorted(done) and done[-1][0] == done[-1][1] > 0
-            assert len(updates[-1].result.checks) == len(ver["checks"]) and all(c.ok for c in updates[-1].result.checks)
+            result = updates[-1].result
+            assert len(result.checks) == len(ver["checks"]) and all(c.ok for c in result.checks)
     finally:
         shutil.rmtree(memory.parent, ignore_errors=True)
     conn = []
