@@ -1,7 +1,14 @@
-"""Split a shard's bytes into fixed-size chunks, each with an xxh3-128 checksum.
+"""Split a shard's bytes into fixed-size chunks, each with a 128-bit checksum.
 
 A chunk is a byte range of one blob. Chunks are the unit of verification and of fallback on restore:
 a chunk that fails its checksum is read again from another copy, not the whole shard.
+
+Two checksum algorithms (the manifest's `algorithm` names which; every chunk of a manifest uses it):
+- "xxh3-128": xxh3-128 of the chunk's bytes, computed on the host from the bytes that landed there;
+- "sdcw-fp1": the exact fingerprint (checksums.fingerprint_host, spec version 1) of the chunk's bytes read
+  as a 1-D uint8 tensor, `f0` then `f1` as 32 hex digits. Being linear sums, it can be computed where the
+  bytes come from (the GPU kernel over the source tensors, checkpoint.snapshot's "source" checksums) and
+  checked on the host with numpy; the same integers either way.
 """
 from __future__ import annotations
 
@@ -11,16 +18,20 @@ from typing import Iterator
 import xxhash
 
 from checkpoint.errors import InvalidInputError
+from checksums.fingerprint_host import fingerprint_bytes
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-ALGORITHM = "xxh3-128"
+ALGORITHM = "xxh3-128"          # the default, and what a manifest without the field means
+FP_ALGORITHM = "sdcw-fp1"       # exact fingerprint words of the chunk (computable at the source)
+ALGORITHMS = (ALGORITHM, FP_ALGORITHM)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Chunk:
     offset: int
     length: int
-    checksum: str  # hex xxh3-128
+    checksum: str  # 32 hex digits of `algorithm`
+    algorithm: str = ALGORITHM   # the manifest's (not in the chunk's JSON)
 
     def to_json(self) -> list[object]:
         return [self.offset, self.length, self.checksum]
@@ -37,9 +48,20 @@ class Chunk:
         return cls(obj[0], obj[1], obj[2])
 
 
-def checksum(buf: bytes | bytearray | memoryview) -> str:
-    """xxh3-128 of `buf` as 32 hex digits."""
+def checksum(buf: bytes | bytearray | memoryview, algorithm: str = ALGORITHM) -> str:
+    """The chunk checksum of `buf` (32 hex digits): xxh3-128, or the fingerprint words (FP_ALGORITHM)."""
+    if algorithm == FP_ALGORITHM:
+        view = memoryview(buf).cast("B")
+        return fp_hex(fingerprint_bytes(view, "uint8", (len(view),)))
+    if algorithm != ALGORITHM:
+        raise InvalidInputError(f"unknown chunk checksum algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     return xxhash.xxh3_128_hexdigest(buf)
+
+
+def fp_hex(words: tuple[int, ...]) -> str:
+    """Two fingerprint words as the 32 hex digits of an FP_ALGORITHM chunk checksum."""
+    f0, f1 = words
+    return f"{f0:016x}{f1:016x}"
 
 
 def chunk_ranges(nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -66,8 +88,15 @@ def iter_checksummed(buf: memoryview, chunk_bytes: int, out: list[Chunk]) -> Ite
         yield piece
 
 
+def iter_chunks(buf: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
+    """Yield the chunks of `buf` (their checksums are known already: computed at the source)."""
+    view = memoryview(buf).cast("B")
+    for off, n in chunk_ranges(len(view), chunk_bytes):
+        yield view[off:off + n]
+
+
 def verify(buf: bytes | bytearray | memoryview, chunk: Chunk) -> bool:
-    return len(buf) == chunk.length and checksum(buf) == chunk.checksum
+    return len(buf) == chunk.length and checksum(buf, chunk.algorithm) == chunk.checksum
 
 
 def chunks_covering(chunks: list[Chunk], offset: int, nbytes: int) -> list[Chunk]:

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 from checkpoint import policy, replica_bytes
 from checkpoint.blobstore import BlobStore
-from checkpoint.chunks import verify
+from checkpoint.chunks import ALGORITHM, verify
 from checkpoint.commit_fence import CommitFence, fenced
 from checkpoint.coordinator_config import CoordinatorConfig
 from checkpoint.errors import CommitError, InvalidInputError, NotInMemoryError, UnknownCheckpointError
@@ -137,6 +138,10 @@ def blob_key(job_id: str, step: int, rank: int) -> str:
 
 MAX_VOTES = 512        # vote fields kept per job (plus those of live records)
 VOTE_PRUNE_SLACK = 64  # pruned when this many more have piled up: one HKEYS per 64 votes, not per vote
+SCRUB_FIELD = "scrub:"      # record field scrub:<rank>: pending | ok | bad: <why> (source-checksummed shards)
+SCRUB_PENDING = "pending"
+SCRUB_OK = "ok"
+SCRUB_QUEUE = 256           # shards queued for the scrub at most (newest first; maintenance re-queues live ones)
 MAX_BAD = 1024         # bad events kept per job (the lowest steps: policy.verified_steps needs only the lowest)
 
 
@@ -166,11 +171,17 @@ class Coordinator:
         self.stats: dict[str, int] = {"shards_committed": 0, "checkpoints_committed": 0, "bytes_committed": 0,
                                       "evictions": 0, "aborted": 0, "checksum_failures": 0,
                                       "verified": 0, "revoked": 0, "replicas_differ": 0, "slots_swept": 0,
-                                      "saves_skipped": 0,
+                                      "saves_skipped": 0, "scrubbed_bytes": 0, "scrub_failures": 0,
                                       "restores": 0, "restores_failed": 0, "restore_fallbacks": 0}
         self.restore_sources: collections.Counter[str] = collections.Counter()   # tier -> restores served
         # (name, seconds) samples for histograms, drained by daemon.checkpoint_metrics; bounded.
         self.observations: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
+        # The scrub (`scrub`): shards committed here with source checksums, whose bytes in this node's memory
+        # tier are still to be checked: (job, step, rank) in commit order, and the one being checked now.
+        self._scrub_queue: collections.OrderedDict[tuple[str, int, int], None] = collections.OrderedDict()
+        self._scrub_at: tuple[tuple[str, int, int], ShardManifest, int] | None = None
+        self._scrub_buf = bytearray()
+        self._scrub_lock = threading.Lock()   # commits (the RPC pool) queue, the scrub (maintenance) takes
 
     # ---- keys ---------------------------------------------------------------------------------------
     def _jk(self, job: str, suffix: str) -> str:
@@ -213,6 +224,9 @@ class Coordinator:
             raise InvalidInputError(f"manifest blob {m.blob!r} is not {blob_key(job_id, step, rank)!r}")
         self._check_blob(m)
         meta, shards, copies = self._keys(job_id, step)
+        scrub = m.algorithm != ALGORITHM   # checksummed at the source: the bytes here are checked by the scrub
+        if scrub:   # before the record can flip to COMMITTED: VERIFIED waits for this field to say "ok"
+            self.redis.hsetnx(meta, SCRUB_FIELD + str(rank), SCRUB_PENDING)
         state, committed_now, n = self.fence.run(
             self.redis, self._commit, [meta, shards, copies],
             [rank, manifest_json, world_size, repr(now), m.nbytes, f"{rank}@{self.node}", self.location],
@@ -228,6 +242,11 @@ class Coordinator:
         if state in (policy.ABORTED, policy.EVICTED):
             raise CommitError(f"job {job_id} step {step} was {state.lower()}; the shard is not kept")
         self.stats["shards_committed"] += 1
+        if scrub:
+            with self._scrub_lock:
+                self._scrub_queue[(job_id, step, rank)] = None
+                while len(self._scrub_queue) > SCRUB_QUEUE:   # the oldest first: retention drops them first
+                    self._scrub_queue.popitem(last=False)
         if report is not None:
             self.stats["saves_skipped"] += max(0, int(report.skipped_saves))
             for name, v in (("save_blocking", report.blocking_s), ("save_safe", report.safe_s),
@@ -265,7 +284,7 @@ class Coordinator:
             raise CommitError(f"shard blob {m.blob!r} is not in this node's memory tier ({self.location})") from None
         if size != m.nbytes:
             raise CommitError(f"shard blob {m.blob!r} has {size} bytes, manifest says {m.nbytes}")
-        if not self.config.verify_on_commit:
+        if not self.config.verify_on_commit or m.algorithm != ALGORITHM:   # source checksums: the scrub's
             return
         buf = bytearray(max((c.length for c in m.chunks), default=0))
         view = memoryview(buf)
@@ -539,6 +558,9 @@ class Coordinator:
         for i in infos:
             verdict = self.redis.hget(self._meta(job_id, i.step), "bytes_check")
             verdicts[i.step] = _s(verdict) if verdict is not None else self._check_bytes(job_id, i.step, now)
+            unchecked = self._unscrubbed(job_id, i.step)
+            if unchecked:   # the host bytes of a source-checksummed shard are not checked (yet, or failed)
+                verdicts[i.step] = f"host bytes {unchecked}"
         checked = self.redis.get(self._jk(job_id, "checked"))
         bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
         good = policy.verified_steps([i.step for i in infos], verdicts,
@@ -558,6 +580,108 @@ class Coordinator:
                     self.stats["revoked"] += 1
                     self.emit(ek.CHECKPOINT_REVOKED, job_id,
                               f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
+
+    # ---- the scrub: host bytes of source-checksummed shards -----------------------------------------------
+    def _unscrubbed(self, job_id: str, step: int) -> str:
+        """"" when every shard of the record saved with source checksums had its bytes checked here (or
+        none was); else what is missing ("not checked yet (ranks 0, 3)" / "bad (rank 2: ...)")."""
+        fields = self._scrub_fields(self._meta(job_id, step))
+        bad = sorted(f"rank {k[len(SCRUB_FIELD):]}: {v}" for k, v in fields.items()
+                     if v not in (SCRUB_OK, SCRUB_PENDING))
+        if bad:
+            return f"bad ({'; '.join(bad)})"
+        pending = sorted(int(k[len(SCRUB_FIELD):]) for k, v in fields.items() if v == SCRUB_PENDING)
+        return f"not checked yet (ranks {', '.join(map(str, pending))})" if pending else ""
+
+    def _scrub_fields(self, meta: str) -> dict[str, str]:
+        """The record's scrub:<rank> fields (HSCAN on the small record hash, never a whole-hash read)."""
+        return {_s(k): _s(v) for k, v in self.redis.hscan_iter(meta, match=SCRUB_FIELD + "*")}
+
+    def scrub(self, now: float, budget_bytes: int) -> int:
+        """Check up to about `budget_bytes` of the shards committed here with source checksums against their
+        chunk checksums, reading this node's memory tier (the agent calls it at a bounded rate: its
+        `[checkpoints] scrub_bytes_per_s`). A shard whose every chunk matches gets `scrub:<rank>` = ok on its
+        record (VERIFIED needs every such shard ok); a bad chunk marks it bad (never VERIFIED: the restore
+        reads another copy) and is journaled. Returns the bytes read."""
+        done = 0
+        while done < budget_bytes:
+            if self._scrub_at is None:
+                with self._scrub_lock:
+                    if not self._scrub_queue:
+                        break
+                    key, _ = self._scrub_queue.popitem(last=True)   # the newest: the next VERIFIED
+                m = self._scrub_manifest(*key)
+                if m is None:
+                    continue
+                self._scrub_at = (key, m, 0)
+            key, m, k = self._scrub_at
+            if k >= len(m.chunks):
+                self._scrub_at = None
+                self._scrub_mark(key, SCRUB_OK, now)
+                continue
+            c = m.chunks[k]
+            if len(self._scrub_buf) < c.length:
+                self._scrub_buf = bytearray(c.length)
+            view = memoryview(self._scrub_buf)[:c.length]
+            try:
+                n = self.store.readinto(m.blob, c.offset, view)
+            except (KeyError, OSError) as e:   # evicted meanwhile, or the tier lost it: nothing to vouch for
+                self._scrub_at = None
+                log.info("scrub of %s stopped: %s", m.blob, e)
+                continue
+            done += n
+            self.stats["scrubbed_bytes"] += n
+            if not verify(view[:n], c):
+                self._scrub_at = None
+                self.stats["checksum_failures"] += 1
+                self.stats["scrub_failures"] += 1
+                why = f"chunk at {c.offset} differs from its checksum taken at the source"
+                self._scrub_mark(key, f"bad: {why}", now)
+                self.emit(ek.CHECKPOINT_COPY_CORRUPT, key[0],
+                          f"checkpoint step {key[1]} rank {key[2]}: the bytes in node memory do not match the "
+                          f"source ({why}): never VERIFIED", {"step": key[1], "rank": key[2], "tier": "memory",
+                                                               "offset": c.offset})
+                continue
+            self._scrub_at = (key, m, k + 1)
+        return done
+
+    def scrub_pending(self) -> int:
+        """Shards waiting for the scrub (the one being checked included)."""
+        return len(self._scrub_queue) + (self._scrub_at is not None)
+
+    def _scrub_manifest(self, job_id: str, step: int, rank: int) -> ShardManifest | None:
+        meta, shards, _ = self._keys(job_id, step)
+        raw = self.redis.hget(shards, str(rank))
+        if raw is None or _s(self.redis.hget(meta, SCRUB_FIELD + str(rank)) or "") != SCRUB_PENDING:
+            return None   # dropped meanwhile, or already judged
+        try:
+            return ShardManifest.from_json(_s(raw))
+        except InvalidInputError as e:
+            log.error("job %s step %d rank %d: manifest unreadable for the scrub: %s", job_id, step, rank, e)
+            return None
+
+    def _scrub_mark(self, key: tuple[str, int, int], verdict: str, now: float) -> None:
+        job_id, step, rank = key
+        meta = self._meta(job_id, step)
+        if _s(self.redis.hget(meta, "state") or "") not in policy.RESTORABLE_STATES:
+            return   # evicted or aborted meanwhile: nothing to record
+        self.redis.hset(meta, SCRUB_FIELD + str(rank), verdict)
+        self.evaluate(job_id, now, "host bytes checked")
+
+    def _requeue_scrubs(self, job_id: str, steps: Sequence[int]) -> None:
+        """Shards of this node still waiting for the scrub that this coordinator does not know (the agent
+        restarted): queue them again."""
+        for step in steps:
+            meta, _, copies = self._keys(job_id, step)
+            for f, v in self._scrub_fields(meta).items():
+                if v != SCRUB_PENDING:
+                    continue
+                rank = int(f[len(SCRUB_FIELD):])
+                key = (job_id, step, rank)
+                at = self._scrub_at[0] if self._scrub_at is not None else None
+                if key != at and key not in self._scrub_queue and self.redis.hexists(copies, f"{rank}@{self.node}"):
+                    with self._scrub_lock:
+                        self._scrub_queue[key] = None
 
     def _move(self, job_id: str, meta: str, state: str, field: str, value: str, expected: str) -> bool:
         """Set `state` (and `field`) if the record is in `expected`: fenced and acknowledged like a commit, so
@@ -611,6 +735,9 @@ class Coordinator:
         still evicts them)."""
         local = self._local_bytes(job_id)
         infos = self.list(job_id)
+        self._requeue_scrubs(job_id, [i.step for i in infos if i.state in policy.RESTORABLE_STATES])
+        at = self._scrub_at
+        scrubbing = {at[0][1]} if at is not None and at[0][0] == job_id else set()
         records = [policy.Record(i.step, i.state, local.get(i.step, 0), i.begun_at) for i in infos]
         dropped = []
         for step in policy.stale_pending(records, now, self.config.pending_timeout_s):
@@ -625,7 +752,7 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - a hint only
                 log.exception("retention hold failed")
         for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes or None,
-                                           self.config.rollback_span_steps, held):
+                                           self.config.rollback_span_steps, set(held) | scrubbing):
             self._drop(job_id, step, policy.EVICTED, "retention", now)
             self.stats["evictions"] += 1
             dropped.append(step)

@@ -15,7 +15,11 @@ class CoordinatorConfig:
     keep_committed: int = setting(2, "newest restorable checkpoints kept in memory per job (>= 1)")
     rollback_span_steps: int = setting(160, "also keep VERIFIED checkpoints reaching this many steps back (0: off)")
     memory_cap_bytes: int = setting(0, "bytes of checkpoints kept in memory per job; older ones evicted first (0: no cap)")
-    verify_on_commit: bool = setting(True, "re-read every chunk's checksum when a shard commits")
+    verify_on_commit: bool = setting(True, "re-read every chunk's checksum when a shard commits (shards checksummed "
+                                     "on the host; those checksummed at the source are checked by the scrub)")
+    scrub_bytes_per_s: float = setting(2e9, "rate at which the agent checks the bytes of shards checksummed at the "
+                                       "source (on the GPU) against their checksums, after COMMITTED; VERIFIED "
+                                       "waits for it (0: never checked, never VERIFIED)")
     pending_timeout_s: float = setting(600.0, "a save not committed by every rank after this long is aborted")
     tombstone_ttl_s: int = setting(3600, "seconds an evicted checkpoint's record stays (so late ranks learn it)")
     orphan_blob_ttl_s: float = setting(3600.0, "shard files no record names are deleted after this long")
@@ -36,6 +40,8 @@ class CoordinatorConfig:
                             ("orphan_blob_ttl_s", self.orphan_blob_ttl_s)):
             if not value >= 0:
                 raise bad(name, f"must be >= 0, got {value}")
+        if not self.scrub_bytes_per_s >= 0:
+            raise bad("scrub_bytes_per_s", f"must be >= 0, got {self.scrub_bytes_per_s}")
         if not self.node_lease_s > 0:
             raise bad("node_lease_s", f"must be positive, got {self.node_lease_s}")
         if not self.pending_timeout_s > 0:

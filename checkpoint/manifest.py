@@ -22,7 +22,7 @@ import json
 import math
 from typing import Any
 
-from checkpoint.chunks import ALGORITHM, Chunk
+from checkpoint.chunks import ALGORITHM, ALGORITHMS, Chunk
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import shown, validate_job_id, validate_key, validate_rank, validate_step
 from checksums.fingerprint_host import ITEMSIZE
@@ -146,8 +146,11 @@ class ShardManifest:
             raise InvalidInputError(f"manifest has a field of the wrong type: {shown(str(e))}") from None
         except TypeError as e:
             raise InvalidInputError(f"manifest has a field of the wrong type: {e}") from None
+        if algorithm not in ALGORITHMS:
+            raise InvalidInputError(f"manifest checksum algorithm {shown(algorithm)} is not one of "
+                                    f"{', '.join(ALGORITHMS)}")
         if algorithm != ALGORITHM:
-            raise InvalidInputError(f"manifest checksum algorithm {shown(algorithm)} is not {shown(ALGORITHM)}")
+            chunks = tuple(dataclasses.replace(c, algorithm=algorithm) for c in chunks)
         if not (isinstance(nbytes, int) and nbytes >= 0 and isinstance(chunk_bytes, int) and chunk_bytes > 0):
             raise InvalidInputError(f"manifest has bad nbytes/chunk_bytes {shown(nbytes)}/{shown(chunk_bytes)}")
         if not isinstance(replica_set, str) or len(replica_set) > MAX_REPLICA_SET_CHARS:

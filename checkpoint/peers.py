@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from checkpoint.blobstore import BlobStore
-from checkpoint.chunks import verify
+from checkpoint.chunks import ALGORITHM, verify
 from checkpoint.coordinator import Coordinator
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError, NotInMemoryError
 from checkpoint.grpc_store import grpc_store_for, is_peer_url
@@ -135,7 +135,7 @@ class Replicator:
         """True when the peer computed the copy's chunk checksums and they match; False when it cannot
         (a directory store, an older agent): read the copy back. CorruptCheckpointError on a mismatch."""
         remote = getattr(store, "checksums", None)
-        if remote is None:
+        if remote is None or m.algorithm != ALGORITHM:   # the peer computes xxh3-128 only: read back
             return False
         try:
             size, sums = remote(m.blob, [(c.offset, c.length) for c in m.chunks])

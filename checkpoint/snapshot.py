@@ -58,20 +58,36 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from checkpoint.blobstore import BlobStore
-from checkpoint.chunks import DEFAULT_CHUNK_BYTES, Chunk, checksum_chunks, iter_checksummed
+from checkpoint.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    FP_ALGORITHM,
+    Chunk,
+    checksum_chunks,
+    iter_checksummed,
+    iter_chunks,
+)
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError
 from checkpoint.locations import dir_store_for
 from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.records import SaveReport
 from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
+from checkpoint.source_sums import Piece, combine, pieces
 from checkpoint.state_tree import dtype_name, flatten
-from checksums.fingerprint import MASK64, fingerprint_bytes, fingerprint_tensors_async
+from checksums.fingerprint import (
+    MASK64,
+    fingerprint_bytes,
+    fingerprint_tensors_async,
+    prepare_fingerprint,
+    prepare_fingerprint_torch,
+    triton_available,
+)
 from checksums.step_guard import Phase, StepContext, Veto
 
 log = logging.getLogger(__name__)
 
 ALIGN = 64
+DEVICE_STAGING_SHARE = 0.8   # a GPU staging buffer may take at most this share of the GPU's free memory
 
 
 class ShardSink(Protocol):
@@ -100,6 +116,14 @@ class SnapshotConfig:
     skip_until_ready: bool = False  # a save that finds no staging buffer ready is skipped (counted
                                     # "preparing") while one is made in the background, instead of
                                     # making it inline (blocking); every_step() sets it
+    device_staging: bool = True     # a save that finds no host buffer ready (the first) copies to a GPU
+                                    # buffer and returns; the background makes the host buffer and copies
+                                    # on (costs the state's size in GPU memory, for that save only)
+    checksums: str = "auto"         # "source": chunk checksums and tensor fingerprints computed from the
+                                    # source tensors with the copy (the GPU kernel; torch on CPU): the
+                                    # host hashes nothing to commit, the agent's scrub checks the bytes;
+                                    # "host": hashed on the host from the landed bytes (xxh3-128 + numpy);
+                                    # "auto": "source" when the state has a CUDA tensor, else "host"
 
     @classmethod
     def every_step(cls, **kw: Any) -> "SnapshotConfig":
@@ -126,6 +150,10 @@ class SnapshotConfig:
         slots = self.max_slots
         if slots != "auto" and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
             raise InvalidInputError(f"max_slots must be an int >= 1 or 'auto', got {self.max_slots!r}")
+        if self.checksums not in ("auto", "source", "host"):
+            raise InvalidInputError(f"checksums must be 'auto', 'source' or 'host', got {self.checksums!r}")
+        if self.checksums == "source" and self.chunk_bytes % 4:
+            raise InvalidInputError(f"checksums='source' needs chunk_bytes a multiple of 4, got {self.chunk_bytes}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
 
@@ -146,6 +174,8 @@ class SaveResult:
     skipped_before: int = 0     # saves skipped (by policy) since the previous save handed to the background
     spare_s: float = 0.0        # background time creating the next staging slot ahead (after the commit)
     error: str = ""
+    device_staged: bool = False  # copied to a GPU buffer first (no host buffer was ready): save() did not wait
+                                 # for a host buffer to be made
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -244,6 +274,9 @@ class Snapshotter:
         self._fence: CheckpointCopies | None = None
         self._opt_key: tuple[int, int, int] | None = None    # the optimizer's storages, cached per layout
         self._opt_storages: frozenset[int] = frozenset()
+        self._cuts: tuple[Any, list[Piece]] | None = None   # source checksums: the pieces of the last layout
+        self._fp_plans: dict[torch.device, tuple[Any, Any]] = {}   # device -> (layout key, fingerprint plan)
+        self._zeroed: dict[int, Any] = {}       # staging buffer address -> the layout whose gaps it has zero
 
     def _block(self) -> str:
         block = self.config.block
@@ -280,15 +313,24 @@ class Snapshotter:
             offsets, total = layout(tensors)
             # skip_until_ready never blocks on making a buffer: with none ready it skips and makes one ahead
             slot = self._acquire_slot(total, create=not ahead)
-            if slot is None and ahead and not self._arena.ready(total):
-                self._skip(step, "preparing")
-                self._prep = self._pool.submit(self._prepare_buffers, total)
-                return None
-            arena = slot.tensor if slot is not None else self._arena.ensure(total)
+            staged = None   # no host buffer ready: stage on the GPU, the host buffer is made in the background
+            if slot is None and not self._arena.ready(total):
+                staged = self._device_stage(tensors, total, block)
+                if staged is None and ahead:
+                    self._skip(step, "preparing")
+                    self._prep = self._pool.submit(self._prepare_buffers, total)
+                    return None
+            if staged is not None:
+                arena = staged
+            else:
+                arena = slot.tensor if slot is not None else self._arena.ensure(total)
             late = self._changed_by_update(tensors) if block == "update" else None
+            cut = self._source_cut(tensors, offsets) if self._source_mode(tensors) else None
+            if cut is not None and staged is None:   # a staging buffer on the GPU is made of zeros
+                self._zero_gaps(arena, tensors, offsets, total)
             try:
                 with torch.no_grad():
-                    events, src_fps = self._copy(tensors, offsets, arena, block, late)
+                    events, src_fps = self._copy(tensors, offsets, arena, block, late, cut)
             except BaseException:
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)
@@ -303,9 +345,39 @@ class Snapshotter:
             self._saves += 1
             self._last_events = events
             fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
-                                    blocking, time.perf_counter(), slot, stall, skipped)
+                                    blocking, time.perf_counter(), slot, stall, skipped, cut, staged)
             self._last = SaveHandle(step, fut)
             return self._last
+
+    def _source_mode(self, tensors: list[torch.Tensor]) -> bool:
+        mode = self.config.checksums
+        if mode == "auto":
+            return self.config.chunk_bytes % 4 == 0 and any(t.device.type == "cuda" for t in tensors)
+        return mode == "source"
+
+    def _source_cut(self, tensors: list[torch.Tensor], offsets: list[int]) -> list[Piece]:
+        """The pieces of this layout (checkpoint.source_sums), cached while the layout stays."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        key = (tuple(offsets), tuple(sizes), self.config.chunk_bytes)
+        if self._cuts is None or self._cuts[0] != key:
+            self._cuts = (key, pieces(offsets, sizes, self.config.chunk_bytes))
+        return self._cuts[1]
+
+    def _zero_gaps(self, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int], total: int) -> None:
+        """Zero the bytes between tensors in the staging buffer (the source checksums count them as zero),
+        once per buffer and layout: a reused slot may hold another layout's bytes there."""
+        key = (tuple(offsets), total)
+        ptr = arena.data_ptr()
+        if self._zeroed.get(ptr) == key:
+            return
+        end = 0
+        for t, off in zip(tensors, offsets):
+            if off > end:
+                arena[end:off].zero_()
+            end = off + t.numel() * t.element_size()
+        self._zeroed[ptr] = key
+        while len(self._zeroed) > 64:
+            self._zeroed.pop(next(iter(self._zeroed)))
 
     def prepare(self, state_dict: Mapping[str, Any]) -> "concurrent.futures.Future[None]":
         """Make the staging buffer for saves of `state_dict`'s size ahead, in the background (call it once
@@ -475,22 +547,38 @@ class Snapshotter:
 
     # ---- the copy -----------------------------------------------------------------------------------
     def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor, block: str = "copy",
-              late: list[bool] | None = None) -> tuple[list[Any], dict[int, torch.Tensor]]:
-        """Enqueue every copy; return CUDA events to wait on and {tensor index: host fingerprint words}.
-        `late[i]`: tensor i changes only in the optimizer step (block="update": only the update waits)."""
+              late: list[bool] | None = None, cut: list[Piece] | None = None
+              ) -> tuple[list[Any], dict[Any, torch.Tensor]]:
+        """Enqueue every copy; return CUDA events to wait on and the source fingerprints: host-mode
+        {tensor index: host fingerprint words}, or with `cut` (source checksums) {("pieces", device):
+        (piece indices, host words [n, 2])}. `late[i]`: tensor i changes only in the optimizer step
+        (block="update": only the update waits)."""
         by_dev: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             by_dev.setdefault(t.device, []).append(i)
-        events, src_fps = [], {}
+        by_dev_pieces: dict[torch.device, list[int]] = {}
+        for k, p in enumerate(cut or ()):
+            by_dev_pieces.setdefault(tensors[p.tensor].device, []).append(k)
+        events: list[Any] = []
+        src_fps: dict[Any, Any] = {}
         for dev, idx in by_dev.items():
+            mine = by_dev_pieces.get(dev, [])
             if dev.type == "cuda":
                 ev, fps = self._copy_cuda(dev, [tensors[i] for i in idx], [offsets[i] for i in idx], arena,
-                                          block, None if late is None else [late[i] for i in idx])
+                                          block, None if late is None else [late[i] for i in idx],
+                                          None if cut is None else (tensors, [cut[k] for k in mine]))
                 events.append(ev)
-                if fps is not None:
+                if cut is not None:
+                    src_fps[("pieces", dev)] = (mine, fps)
+                elif fps is not None:
                     src_fps.update({i: fps[j] for j, i in enumerate(idx)})
                 continue
-            check = bool(self.config.check_source_fingerprint)
+            if cut is not None and mine:   # the CPU's source fingerprint: torch on the source tensors
+                views = _piece_views(tensors, [cut[k] for k in mine])
+                per = torch.empty(len(views), 2, dtype=torch.int64)
+                fingerprint_tensors_async(views, per_tensor_out=per)
+                src_fps[("pieces", dev)] = (mine, per)
+            check = cut is None and bool(self.config.check_source_fingerprint)
             if check and idx:
                 per = torch.empty(len(idx), 2, dtype=torch.int64)
                 fingerprint_tensors_async([tensors[i] for i in idx], per_tensor_out=per)
@@ -502,16 +590,27 @@ class Snapshotter:
         return events, src_fps
 
     def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],
-                   arena: torch.Tensor, block: str, late: list[bool] | None
+                   arena: torch.Tensor, block: str, late: list[bool] | None,
+                   source: tuple[list[torch.Tensor], list[Piece]] | None = None
                    ) -> tuple[Any, torch.Tensor | None]:
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(device=dev)
         cur = torch.cuda.current_stream(dev)
+        run_pieces = None
+        if source is not None and source[1]:
+            with torch.cuda.stream(side):   # a new plan's tables go up before the side stream waits for work
+                run_pieces = self._piece_fingerprinter(dev, *source)
         side.wait_stream(cur)
-        check = self.config.check_source_fingerprint is not False
+        check = source is None and self.config.check_source_fingerprint is not False
         fps_host = None
         with torch.cuda.stream(side):
+            if run_pieces is not None:   # the pieces' fingerprints, before any copy reads on
+                per = run_pieces()
+                fps_host = torch.empty(per.shape, dtype=torch.int64, pin_memory=True)
+                fps_host.copy_(per, non_blocking=True)
+            elif source is not None:
+                fps_host = torch.empty(0, 2, dtype=torch.int64)
             if check:
                 per = torch.empty(len(tensors), 2, dtype=torch.int64, device=dev)
                 fingerprint_tensors_async(tensors, per_tensor_out=per)
@@ -540,19 +639,59 @@ class Snapshotter:
             self._inflight.append((dev, ev))  # the optimizer's: the update waits (CheckpointCopies)
         return ev, fps_host
 
+    def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece]
+                             ) -> Callable[[], torch.Tensor]:
+        """A call that launches (on the current stream: the side stream) the fingerprint of every piece of
+        this device's tensors and returns int64 [len(cut), 2] on the device. The fused Triton plan is kept
+        while the layout (the tensors' addresses, dtypes, shapes and the pieces) stays; without Triton (or
+        for a non-contiguous tensor, fingerprinted from a contiguous copy), torch ops."""
+        key = (tuple((tensors[p.tensor].data_ptr(), p.start, p.length) for p in cut),
+               tuple((tensors[p.tensor].dtype, tuple(tensors[p.tensor].shape)) for p in cut))
+        held = self._fp_plans.get(dev)
+        if held is None or held[0] != key:
+            held = None
+            if (triton_available() and _triton_ready(dev)
+                    and all(tensors[p.tensor].is_contiguous() for p in cut)):
+                held = self._fp_plans[dev] = (key, prepare_fingerprint(_piece_views(tensors, cut)))
+        if held is not None:
+            plan = held[1]
+
+            def run() -> torch.Tensor:
+                per = torch.empty(len(cut), 2, dtype=torch.int64, device=dev)
+                plan.run_async(per_tensor_out=per)
+                return per
+            return run
+        # torch ops (no Triton, or its kernel still compiling in the background): the per-piece header table
+        # goes up now, before the side stream waits for the training's work (a pageable upload syncs it)
+        if all(tensors[p.tensor].is_contiguous() for p in cut):   # views: read when the kernels run
+            return prepare_fingerprint_torch(_piece_views(tensors, cut))
+
+        def run_copied() -> torch.Tensor:   # a non-contiguous tensor is read (copied) after the wait only
+            per = torch.empty(len(cut), 2, dtype=torch.int64, device=dev)
+            fingerprint_tensors_async(_piece_views(tensors, cut), per_tensor_out=per)
+            return per
+        return run_copied
+
     # ---- the background -----------------------------------------------------------------------------
     def _background(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
                     total: int, arena: torch.Tensor, events: list[Any], src_fps: dict[int, torch.Tensor],
                     blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
-                    skipped: int = 0) -> SaveResult:
+                    skipped: int = 0, cut: list[Piece] | None = None,
+                    staged: torch.Tensor | None = None) -> SaveResult:
         res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall)
         try:
             for ev in events:
                 ev.synchronize()
+            if staged is not None:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
+                res.device_staged = True
+                arena = self._unstage(staged, total, tuple(e[3] for e in entries))
+                staged = None        # the GPU memory goes back now
             begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
             if begin.state not in ("PENDING",):
                 res.state = begin.state
                 res.error = f"step {step} is already {begin.state}; shard not written again"
+                if slot is not None and self._ring is not None:
+                    self._ring.release(slot)
                 return res
             view = memoryview(arena.numpy()).cast("B")[:total]
             store = self._store_for(begin.location)
@@ -561,9 +700,13 @@ class Snapshotter:
             if slot is not None and self._publish_slot(store, begin, slot):
                 res.staging = "slot"
                 res.safe_s = time.perf_counter() - returned
-                t0 = time.perf_counter()
-                chunks = checksum_chunks(view, self.config.chunk_bytes)
-                res.checksum_s = time.perf_counter() - t0
+                if cut is None:
+                    t0 = time.perf_counter()
+                    chunks = checksum_chunks(view, self.config.chunk_bytes)
+                    res.checksum_s = time.perf_counter() - t0
+            elif cut is not None:   # checksums known from the source: the write only moves bytes
+                store.put(begin.blob_key, iter_chunks(view, self.config.chunk_bytes))
+                res.safe_s = time.perf_counter() - returned
             else:
                 t0 = time.perf_counter()
                 store.put(begin.blob_key, iter_checksummed(view, self.config.chunk_bytes, chunks))
@@ -571,6 +714,14 @@ class Snapshotter:
                 res.checksum_s = res.safe_s - (t0 - returned)  # checksums interleaved with the write
             if not self._slots_off:
                 self._location = begin.location
+            if cut is not None:
+                manifest = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut, res)
+                report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
+                commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size,
+                                                manifest.to_json(), report=report)
+                res.commit_s = time.perf_counter() - returned
+                res.state, res.committed_now = commit.state, commit.committed_now
+                return self._finish(res, slot, skipped, total)
             t0 = time.perf_counter()
             fps = list(self._fp_pool.map(lambda e: fingerprint_bytes(view[e[3]:e[3] + e[4]], dtype_name(e[1]), e[2]),
                                          entries))
@@ -597,9 +748,70 @@ class Snapshotter:
         except Exception as e:  # noqa: BLE001 - a failed save must never reach the training loop
             res.error = f"{type(e).__name__}: {e}"
             log.warning("checkpoint step %d rank %d failed: %s", step, self.rank, res.error)
-        finally:
-            if slot is not None and self._ring is not None:
-                self._ring.release(slot)
+        return self._finish(res, slot, skipped, total)
+
+    def _device_stage(self, tensors: list[torch.Tensor], total: int, block: str) -> torch.Tensor | None:
+        """A zeroed GPU buffer of `total` bytes for a save that finds no host buffer ready (the first one,
+        or after the state changed size), when the state is on one GPU with room to spare and the save does
+        not promise a finished host copy (`block` is not "copy"). The copy into it runs at device memory
+        speed; the background makes the pinned host buffer and copies there (`_unstage`). Costs `total`
+        bytes of GPU memory until then. None: stage on the host as before."""
+        if not self.config.device_staging or block == "copy" or total == 0:
+            return None
+        devs = {t.device for t in tensors if t.device.type == "cuda"}
+        if len(devs) != 1:
+            return None
+        dev = devs.pop()
+        try:
+            free, _ = torch.cuda.mem_get_info(dev)
+            free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        except RuntimeError:
+            return None
+        if total > DEVICE_STAGING_SHARE * free:
+            log.info("no room to stage a %d-byte checkpoint on %s (%d bytes free): staging on the host, "
+                     "blocking while its buffer is made", total, dev, free)
+            return None
+        return torch.zeros(total, dtype=torch.uint8, device=dev)
+
+    def _unstage(self, staged: torch.Tensor, total: int, offsets: tuple[int, ...]) -> torch.Tensor:
+        """Background: the private host buffer (made now, pinned), holding the GPU staging buffer's bytes."""
+        host = self._arena.ensure(total)
+        if staged.device.type == "cuda":
+            side = self._side[staged.device]
+            with torch.cuda.stream(side):
+                host[:total].copy_(staged, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(side)
+            ev.synchronize()
+        else:
+            host[:total].copy_(staged)
+        self._zeroed[host.data_ptr()] = (offsets, total)   # the gaps came over as zeros
+        return host
+
+    def _source_manifest(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
+                         total: int, blob_key: str, src_fps: dict[Any, Any], cut: list[Piece],
+                         res: SaveResult) -> ShardManifest:
+        """The manifest from the pieces' source fingerprints (checkpoint.source_sums): no host byte read."""
+        t0 = time.perf_counter()
+        words: list[Any] = [None] * len(cut)
+        for key, (idx, per) in src_fps.items():
+            if isinstance(key, tuple) and key[0] == "pieces":
+                for j, row in zip(idx, per.tolist()):
+                    words[j] = row
+        if any(w is None for w in words):
+            raise CorruptCheckpointError(f"step {step} rank {self.rank}: a piece has no source fingerprint")
+        chunks, fps = combine(cut, words, total, self.config.chunk_bytes,
+                              [(dtype_name(dt), shape) for _, dt, shape, _, _ in entries])
+        tensors = [TensorEntry(path, dtype_name(dt), shape, off, n, fp)
+                   for (path, dt, shape, off, n), fp in zip(entries, fps)]
+        res.checksum_s = time.perf_counter() - t0
+        return ShardManifest(self.job_id, step, self.rank, self.world_size, blob_key, total,
+                             self.config.chunk_bytes, tuple(chunks), tuple(tensors), tree, time.time(),
+                             algorithm=FP_ALGORITHM, replica_set=self.replica_set)
+
+    def _finish(self, res: SaveResult, slot: Slot | None, skipped: int, total: int) -> SaveResult:
+        if slot is not None and self._ring is not None:
+            self._ring.release(slot)
         if res.error:
             self._failed += 1
         elif res.state in ("COMMITTED", "VERIFIED"):
@@ -683,6 +895,49 @@ def _event_done(ev: Any) -> bool:
 def _stream_wait(dev: torch.device, ev: Any) -> None:
     """The device's current stream waits for `ev` (on the device; the host goes on)."""
     torch.cuda.current_stream(dev).wait_event(ev)
+
+
+_warm_lock = threading.Lock()
+_warm: dict[torch.device, threading.Event] = {}
+
+
+def _triton_ready(dev: torch.device) -> bool:
+    """Is the fingerprint kernel compiled for `dev`? If not, compile it in a thread of its own (on a tiny
+    tensor and a stream of its own) and say no: a save never blocks on the JIT (seconds); it fingerprints
+    with torch ops meanwhile."""
+    with _warm_lock:
+        ev = _warm.get(dev)
+        if ev is None:
+            ev = _warm[dev] = threading.Event()
+            threading.Thread(target=_warm_triton, args=(dev, ev), name="sdcw-ckpt-fp-jit", daemon=True).start()
+    return ev.is_set()
+
+
+def _warm_triton(dev: torch.device, done: threading.Event) -> None:
+    try:
+        with torch.cuda.device(dev):
+            stream = torch.cuda.Stream(device=dev)
+            with torch.cuda.stream(stream):
+                t = torch.zeros(64, dtype=torch.uint8, device=dev)
+                prepare_fingerprint([t[:64], t[:5]]).run_async()
+            stream.synchronize()
+        done.set()
+    except Exception as e:  # noqa: BLE001 - saves go on with torch ops
+        log.warning("compiling the fingerprint kernel on %s failed (%s): checkpoint fingerprints use torch ops",
+                    dev, e)
+
+
+def _piece_views(tensors: list[torch.Tensor], cut: list[Piece]) -> list[torch.Tensor]:
+    """Each piece as a 1-D uint8 view of its tensor's bytes (a contiguous copy of a non-contiguous one)."""
+    flat: dict[int, torch.Tensor] = {}
+    out = []
+    for p in cut:
+        b = flat.get(p.tensor)
+        if b is None:
+            t = tensors[p.tensor]
+            b = flat[p.tensor] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        out.append(b[p.start:p.start + p.length])
+    return out
 
 
 def _dst(arena: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,22 @@ def fingerprint_tensors_torch(tensors: Sequence[torch.Tensor]) -> tuple[torch.Te
     return _torch_finish(sums, _mix_table(locs, device), len(locs))
 
 
+def prepare_fingerprint_torch(tensors: Sequence[torch.Tensor]) -> Any:
+    """The torch-ops path in two halves, for a caller that must not sync later: the per-tensor header table
+    is uploaded now (a pageable upload syncs the current stream), and the returned call launches the sums
+    and the mixing and returns the per-tensor words (int64 [len, 2], on the tensors' device), no host sync.
+    Read the tensors when the call runs, not now."""
+    locs = [local_tensor(t) for t in tensors]
+    if not locs:
+        raise ValueError("prepare_fingerprint_torch needs a non-empty list")
+    table = _mix_table(locs, locs[0].device)
+
+    def run() -> torch.Tensor:
+        sums = torch.stack([_torch_word_sums(local_tensor(t)) for t in tensors])
+        return _torch_finish(sums, table, len(tensors))[1]
+    return run
+
+
 # ---------------------------------------------------------------- public API and dispatch
 
 

@@ -144,6 +144,41 @@ def tensor_words_from_sums(s0: int, s1: int, dtype_name: str, shape: Sequence[in
     return f0, f1
 
 
+_INV_C1 = pow(0xBF58476D1CE4E5B9, -1, 1 << 64)
+_INV_C2 = pow(0x94D049BB133111EB, -1, 1 << 64)
+
+
+def _unxorshift(y: int, k: int) -> int:
+    x, shift = y, k
+    while shift < 64:
+        x ^= y >> shift
+        shift += k
+    return x & MASK64
+
+
+def fmix64_inverse(z: int) -> int:
+    """The inverse of `fmix64` (a bijection): `fmix64_inverse(fmix64(x)) == x`."""
+    z = _unxorshift(z & MASK64, 31)
+    z = _unxorshift((z * _INV_C2) & MASK64, 27)
+    return _unxorshift((z * _INV_C1) & MASK64, 30)
+
+
+def sums_from_tensor_words(f0: int, f1: int, dtype_name: str, shape: Sequence[int]) -> tuple[int, int]:
+    """Spec step 5 inverted: the sums (S0, S1) behind a tensor fingerprint (exact: fmix64 is a bijection).
+    So the fingerprints of byte ranges, taken where the bytes are (the GPU kernel), combine on the host
+    into the fingerprint of any concatenation of them (`combine_sums`) without reading a byte."""
+    h0, h1 = header_words(dtype_name, shape)
+    s0 = fmix64_inverse(f0) ^ h0
+    s1 = ((fmix64_inverse(f1) - (f0 & MASK64)) & MASK64) ^ h1
+    return s0, s1
+
+
+def shift_sums(s0: int, s1: int, word_offset: int) -> tuple[int, int]:
+    """The sums of a word range that starts `word_offset` words into a longer range: S1 gains
+    `word_offset * S0` (every word's index moves by the offset), S0 is unchanged."""
+    return s0 & MASK64, (s1 + word_offset * s0) & MASK64
+
+
 def fingerprint_list_from_parts(parts: Sequence[Sequence[int]]) -> tuple[int, int]:
     """Spec step 6: combine per-tensor fingerprints (in list order) into the list fingerprint."""
     l0 = l1 = 0

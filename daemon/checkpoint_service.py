@@ -422,6 +422,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         """The maintenance loop and, with durable tiers, the drainer: tasks of `background`."""
         background.start(self.run_maintenance(interval_s=maintenance_interval_s), name="checkpoint-maintenance")
         background.start(self.run_leases(), name="checkpoint-node-lease")
+        if self.coordinator.config.scrub_bytes_per_s > 0:
+            background.start(self.run_scrub(), name="checkpoint-scrub")
         if self.drainer is not None and self.drainer.tiers:
             background.start(self.drainer.run(), name="checkpoint-drainer")
             log.info("checkpoint tiers: %s", ", ".join(f"{rt.tier.name}={rt.tier.location}"
@@ -502,6 +504,23 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             except Exception:  # noqa: BLE001
                 log.exception("checkpoint maintenance round failed")
             await asyncio.sleep(interval_s)
+
+    async def run_scrub(self, interval_s: float = 0.1) -> None:
+        """The scrub (Coordinator.scrub) forever, at `[checkpoints] scrub_bytes_per_s` on average: every
+        `interval_s`, that rate's share of bytes of the source-checksummed shards committed here is checked
+        against their checksums, in the maintenance pool (another process than the training ranks: no GIL
+        shared with them; one core at most, for the time the bytes take)."""
+        rate = self.coordinator.config.scrub_bytes_per_s
+        while True:
+            await asyncio.sleep(interval_s)
+            if not self.coordinator.scrub_pending() or self.maintenance_pool.full():
+                continue
+            try:
+                await self._maintenance(self.coordinator.scrub, self.clock(), max(1, int(rate * interval_s)))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the next round goes on; an unchecked shard stays unverified
+                log.exception("checkpoint scrub round failed")
 
     async def run_leases(self) -> None:
         """Renew this node's lease every third of `node_lease_s` (checkpoint/node_leases.py), forever; a

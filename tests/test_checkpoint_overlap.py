@@ -211,7 +211,13 @@ def late_copies(monkeypatch: pytest.MonkeyPatch) -> Copies:
     made = Copies()
 
     def fake_copy(self: Snapshotter, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor,
-                  block: str = "copy", late: list[bool] | None = None) -> tuple[list[Any], dict]:
+                  block: str = "copy", late: list[bool] | None = None, cut: Any = None) -> tuple[list[Any], dict]:
+        src: dict[Any, Any] = {}
+        if cut is not None:   # source checksums: taken from the tensors now, before the update can run
+            views = snapshot_mod._piece_views(tensors, cut)
+            per = torch.empty(len(views), 2, dtype=torch.int64)
+            snapshot_mod.fingerprint_tensors_async(views, per_tensor_out=per)
+            src[("pieces", torch.device("cpu"))] = (list(range(len(cut))), per)
         deferred = [i for i in range(len(tensors)) if late is not None and late[i]]
         for i, t in enumerate(tensors):
             if i not in deferred and t.numel():
@@ -227,7 +233,7 @@ def late_copies(monkeypatch: pytest.MonkeyPatch) -> Copies:
         else:
             ev.run()
             ev.waited.set()
-        return [ev], {}
+        return [ev], src
 
     def fake_wait(dev: torch.device, ev: LateCopy) -> None:
         made_log.append(("wait", id(ev)))
@@ -259,8 +265,9 @@ class Net(nn.Module):
         return self.bn(self.fc(x))
 
 
+@pytest.mark.parametrize("checksums", ["host", "source"])
 def test_the_update_waits_for_the_copy_and_only_the_update(redis_server, tmp_path: Path,
-                                                           late_copies: Copies) -> None:
+                                                           late_copies: Copies, checksums: str) -> None:
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("order")
     torch.manual_seed(0)
     model = Net()
@@ -268,7 +275,8 @@ def test_the_update_waits_for_the_copy_and_only_the_update(redis_server, tmp_pat
     guard = StepGuard.attach(opt)
     gate = Trace(model.fc.weight)
     guard.add(gate)
-    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096), guard=guard)  # auto
+    client = CheckpointClient(co, job, 0, 1, config=SnapshotConfig(chunk_bytes=4096, checksums=checksums),
+                              guard=guard)  # block auto
     _train_step(model, opt, 0)
     for step in (1, 2, 3):
         expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
@@ -283,6 +291,7 @@ def test_the_update_waits_for_the_copy_and_only_the_update(redis_server, tmp_pat
         assert ev.done and late_copies.log[-1] == ("wait", id(ev))
         assert gate.log[-1] == ("gate", step + 1)
         assert h.result(scaled(30)).state == "COMMITTED"
+        co.scrub(0.0, 1 << 30)                              # source checksums: the host bytes match them
         assert_same(_restore(co, job, step), expected)      # pre-step weights, moments and running stats
     assert len(late_copies.log) == 3                        # one wait per save
     client.close()

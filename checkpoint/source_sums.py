@@ -1,0 +1,78 @@
+"""A shard's chunk checksums and tensor fingerprints from fingerprints taken at the source: torch-free.
+
+The shard blob lays the tensors out at ALIGN-aligned offsets (checkpoint.snapshot.layout) with zero bytes
+between them, and is cut into chunks of `chunk_bytes`. Cut every tensor's bytes at the chunk boundaries
+into *pieces*: each piece is a byte range of one tensor inside one chunk. The GPU fingerprints every piece
+(read as a 1-D uint8 tensor) from the source tensors, on the side stream, with the copy (one fused kernel
+launch over all pieces, at HBM speed); the host then gets, for each piece, its word sums exactly back from
+its fingerprint (`fingerprint_host.sums_from_tensor_words`: the mixing is a bijection) and adds them up:
+
+    a chunk's sums  = sum over its pieces of  shift(piece sums, piece start in the chunk / 4)
+    a tensor's sums = sum over its pieces of  shift(piece sums, piece start in the tensor / 4)
+
+(the zero bytes between tensors add nothing), then mixes them with the chunk's uint8 header (an
+FP_ALGORITHM chunk checksum) and the tensor's dtype/shape header (the tensor fingerprint). These are the
+very integers numpy computes from the host bytes: exact, not a second opinion. The host does a few integer
+operations per piece; it never reads the shard's bytes to commit it.
+
+Needs `chunk_bytes % 4 == 0` (so piece starts are whole words in both the chunk and the tensor) and the
+gaps between tensors zero in the staging buffer (checkpoint.snapshot zeroes them when a layout is new).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from checkpoint.chunks import FP_ALGORITHM, Chunk, chunk_ranges, fp_hex
+from checkpoint.errors import InvalidInputError
+from checksums.fingerprint_host import MASK64, shift_sums, sums_from_tensor_words, tensor_words_from_sums
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    tensor: int        # index of the tensor in the shard
+    start: int         # byte offset in the tensor (a multiple of 4)
+    length: int        # bytes (> 0)
+    chunk: int         # index of the chunk
+    chunk_start: int   # byte offset in the chunk (a multiple of 4)
+
+
+def pieces(offsets: Sequence[int], sizes: Sequence[int], chunk_bytes: int) -> list[Piece]:
+    """Cut each tensor (byte `offsets[i]` in the blob, `sizes[i]` bytes) at the chunk boundaries."""
+    if chunk_bytes <= 0 or chunk_bytes % 4:
+        raise InvalidInputError(f"source checksums need chunk_bytes a positive multiple of 4, got {chunk_bytes}")
+    out = []
+    for i, (off, n) in enumerate(zip(offsets, sizes)):
+        if off % 4:
+            raise InvalidInputError(f"tensor {i} starts at byte {off}, not a multiple of 4")
+        pos = off
+        while pos < off + n:
+            c = pos // chunk_bytes
+            end = min(off + n, (c + 1) * chunk_bytes)
+            out.append(Piece(i, pos - off, end - pos, c, pos - c * chunk_bytes))
+            pos = end
+    return out
+
+
+def combine(cut: Sequence[Piece], piece_words: Sequence[Sequence[int]], total: int, chunk_bytes: int,
+            tensors: Sequence[tuple[str, Sequence[int]]]) -> tuple[list[Chunk], list[tuple[int, int]]]:
+    """(the blob's FP_ALGORITHM chunks, each tensor's fingerprint) from the pieces' fingerprint words
+    (`piece_words[k]` = (f0, f1) of piece k as a 1-D uint8 tensor; signed or unsigned ints). `tensors[i]` =
+    (dtype name, shape) of tensor i."""
+    if len(piece_words) != len(cut):
+        raise InvalidInputError(f"{len(piece_words)} piece fingerprints for {len(cut)} pieces")
+    ranges = chunk_ranges(total, chunk_bytes)
+    c_sums = [[0, 0] for _ in ranges]
+    t_sums = [[0, 0] for _ in tensors]
+    for p, words in zip(cut, piece_words):
+        s0, s1 = sums_from_tensor_words(int(words[0]) & MASK64, int(words[1]) & MASK64, "uint8", (p.length,))
+        a0, a1 = shift_sums(s0, s1, p.chunk_start // 4)
+        c_sums[p.chunk][0] += a0
+        c_sums[p.chunk][1] += a1
+        b0, b1 = shift_sums(s0, s1, p.start // 4)
+        t_sums[p.tensor][0] += b0
+        t_sums[p.tensor][1] += b1
+    chunks = [Chunk(off, n, fp_hex(tensor_words_from_sums(s0, s1, "uint8", (n,))), FP_ALGORITHM)
+              for (off, n), (s0, s1) in zip(ranges, c_sums)]
+    fps = [tensor_words_from_sums(s0, s1, dt, shape) for (dt, shape), (s0, s1) in zip(tensors, t_sums)]
+    return chunks, fps

@@ -1,0 +1,256 @@
+"""Issue 21, commit at the copy's pace, on CPU: a shard's chunk checksums and tensor fingerprints computed at
+the source (`SnapshotConfig(checksums="source")`: per-piece fingerprints combined on the host, checkpoint.
+source_sums) are exactly the integers the host computes from the saved bytes; COMMITTED needs no host hash;
+the agent's scrub checks the bytes in node memory at a bounded rate and VERIFIED waits for it; a bad byte
+found by the scrub keeps the checkpoint from VERIFIED and is journaled; an agent restart queues the unchecked
+shards again. On CPU the source fingerprint is torch's (the GPU's kernel gives the same integers:
+test_fingerprint*.py)."""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from checkpoint.chunks import ALGORITHM, FP_ALGORITHM, Chunk, checksum, verify
+from checkpoint.client import CheckpointClient
+from checkpoint.coordinator import SCRUB_FIELD
+from checkpoint.errors import InvalidInputError
+from checkpoint.manifest import ShardManifest
+from checkpoint.snapshot import SnapshotConfig, Snapshotter
+from checkpoint.source_sums import combine, pieces
+from checksums.fingerprint_host import (MASK64, fingerprint_bytes, fmix64, fmix64_inverse, shift_sums,
+                                        sums_from_tensor_words, word_sums_numpy)
+from ckpt_support import assert_same, flip_bit, job_id, node, state_dict
+from deadlines import scaled
+
+
+def test_fmix64_inverts_and_sums_come_back_from_a_fingerprint() -> None:
+    for _ in range(200):
+        x = int.from_bytes(os.urandom(8), "little")
+        assert fmix64_inverse(fmix64(x)) == x
+    buf = os.urandom(1001)
+    s0, s1 = word_sums_numpy(buf)
+    assert sums_from_tensor_words(*fingerprint_bytes(buf, "uint8", (1001,)), "uint8", (1001,)) == \
+        (s0 & MASK64, s1 & MASK64)
+    a, b = word_sums_numpy(buf[:400]), shift_sums(*word_sums_numpy(buf[400:]), 100)
+    assert ((a[0] + b[0]) & MASK64, (a[1] + b[1]) & MASK64) == (s0 & MASK64, s1 & MASK64)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4, 64, 256, 4096])
+def test_pieces_combine_into_the_host_checksums_and_fingerprints(chunk_bytes: int) -> None:
+    rng = np.random.default_rng(chunk_bytes)
+    sizes = [1000, 6, 0, 4096, 13, 777, 2, 300]
+    offsets, pos = [], 0
+    for n in sizes:
+        pos = (pos + 63) // 64 * 64
+        offsets.append(pos)
+        pos += n
+    blob = bytearray(pos)
+    data = []
+    for off, n in zip(offsets, sizes):
+        d = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        blob[off:off + n] = d
+        data.append(d)
+    cut = pieces(offsets, sizes, chunk_bytes)
+    words = [fingerprint_bytes(data[p.tensor][p.start:p.start + p.length], "uint8", (p.length,)) for p in cut]
+    chunks, fps = combine(cut, words, len(blob), chunk_bytes, [("uint8", (n,)) for n in sizes])
+    view = memoryview(blob)
+    assert [(c.offset, c.length) for c in chunks] == [(o, min(chunk_bytes, len(blob) - o))
+                                                       for o in range(0, len(blob), chunk_bytes)]
+    for c in chunks:
+        assert c.algorithm == FP_ALGORITHM and verify(view[c.offset:c.offset + c.length], c)
+        assert c.checksum == checksum(view[c.offset:c.offset + c.length], FP_ALGORITHM)
+    assert fps == [fingerprint_bytes(d, "uint8", (n,)) for d, n in zip(data, sizes)]
+    with pytest.raises(InvalidInputError, match="multiple of 4"):
+        pieces(offsets, sizes, 6)
+
+
+def test_a_chunk_checksum_catches_a_flipped_bit_with_either_algorithm() -> None:
+    buf = bytearray(os.urandom(4096))
+    for algo in (ALGORITHM, FP_ALGORITHM):
+        c = Chunk(0, len(buf), checksum(buf, algo), algo)
+        assert verify(buf, c)
+        buf[1234] ^= 0x10
+        assert not verify(buf, c)
+        buf[1234] ^= 0x10
+
+
+def _unscrubbed(co: Any, job: str, step: int) -> dict[str, str]:
+    h = co.redis.hgetall(co._meta(job, step))
+    return {k.decode(): v.decode() for k, v in h.items() if k.decode().startswith(SCRUB_FIELD)}
+
+
+def test_source_checksums_commit_without_host_hashing_and_verified_waits_for_the_scrub(
+        redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id("src")
+    cfg = SnapshotConfig(chunk_bytes=1024, checksums="source", fingerprint_threads=1)
+    snap = Snapshotter(co, job, 0, 1, cfg)
+    sds = {}
+    for step in (1, 2, 3):   # step 1 stages privately (a streamed write), the others in slots
+        sds[step] = state_dict(0, step, size=3000)
+        res = snap.save(step, sds[step]).result(scaled(30))
+        assert res.state == "COMMITTED", res.error
+        assert res.fingerprint_s == 0.0                  # no host fingerprint of the bytes
+        m = ShardManifest.from_json(co.redis.hget(co._keys(job, step)[1], "0"))
+        assert m.algorithm == FP_ALGORITHM and len(m.chunks) > 3
+        blob = (tmp_path / "n0" / m.blob).read_bytes()
+        for c in m.chunks:                               # the source's integers are the saved bytes' integers
+            assert c.checksum == checksum(blob[c.offset:c.offset + c.length], FP_ALGORITHM)
+        for e in m.tensors:
+            assert e.fingerprint == fingerprint_bytes(blob[e.offset:e.offset + e.nbytes], e.dtype, e.shape)
+        assert _unscrubbed(co, job, step) == {"scrub:0": "pending"}
+    co.on_job_event(job, 3, "checks_clean", 1.0)
+    assert {i.state for i in co.list(job)} == {"COMMITTED"}   # clean, but the host bytes are not checked yet
+    assert co.scrub_pending() == 3
+    n = co.scrub(2.0, 1024)                              # bounded: one chunk's worth
+    assert 0 < n <= 1024 and co.scrub_pending() == 3
+    while co.scrub_pending():
+        co.scrub(2.0, 1 << 20)
+    assert {i.step: i.state for i in co.list(job)} == {1: "VERIFIED", 2: "VERIFIED", 3: "VERIFIED"}
+    assert _unscrubbed(co, job, 3) == {"scrub:0": "ok"}
+    client = CheckpointClient(co, job, 0, 1)
+    for step in (1, 3):
+        assert_same(client.restore(step), sds[step])
+    snap.close()
+
+
+def test_the_scrub_finds_a_bad_byte_in_node_memory(redis_server, tmp_path: Path) -> None:
+    events: list[Any] = []
+    co = node(redis_server.port, tmp_path, "n0", publish=lambda *a, **k: events.append((a, k)), keep_committed=4)
+    job = job_id("scrubbad")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source", staging="private"))
+    assert snap.save(1, state_dict(0, 1, size=3000)).result(scaled(30)).state == "COMMITTED"
+    m = ShardManifest.from_json(co.redis.hget(co._keys(job, 1)[1], "0"))
+    flip_bit(tmp_path / "n0" / m.blob, m.chunks[2].offset + 5)
+    co.on_job_event(job, 1, "checks_clean", 1.0)
+    while co.scrub_pending():
+        co.scrub(2.0, 1 << 20)
+    assert co.info(job, 1).state == "COMMITTED"          # never VERIFIED
+    assert _unscrubbed(co, job, 1)["scrub:0"].startswith("bad: chunk at 2048")
+    assert co.stats["scrub_failures"] == 1
+    assert any("checkpoint.copy_corrupt" in repr(e) for e in events), events
+    with pytest.raises(Exception, match="checksum|fingerprint|corrupt|chunk"):
+        CheckpointClient(co, job, 0, 1).restore(1)      # the restore verifies the chunks it reads
+    snap.close()
+
+
+def test_a_restarted_agent_queues_the_unchecked_shards_again(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id("requeue")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source"))
+    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"
+    snap.close()
+    again = node(redis_server.port, tmp_path, "n0", keep_committed=4)   # the agent restarted: nothing queued
+    assert again.scrub_pending() == 0
+    again.maintain(3.0)
+    assert again.scrub_pending() == 1
+    again.on_job_event(job, 1, "checks_clean", 4.0)
+    again.scrub(5.0, 1 << 30)
+    assert again.info(job, 1).state == "VERIFIED"
+
+
+def test_host_checksums_stay_the_cpu_default_and_source_is_checked(redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("auto")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024))
+    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"
+    m = ShardManifest.from_json(co.redis.hget(co._keys(job, 1)[1], "0"))
+    assert m.algorithm == ALGORITHM and not _unscrubbed(co, job, 1)   # checked on commit, as before
+    snap.close()
+    with pytest.raises(InvalidInputError, match="checksums"):
+        SnapshotConfig(checksums="gpu")
+    with pytest.raises(InvalidInputError, match="multiple of 4"):
+        SnapshotConfig(checksums="source", chunk_bytes=1022)
+
+
+def test_a_reused_buffer_has_the_gaps_of_a_new_layout_zeroed(redis_server, tmp_path: Path) -> None:
+    """Same total size, another layout: the old layout's bytes in the new gaps would break the source
+    checksums (which count the gaps as zero) unless the buffer's gaps are zeroed."""
+    import torch
+
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id("gaps")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=64, checksums="source", staging="private"))
+    one = {"a": torch.full((100,), -1.0), "b": torch.ones(3, dtype=torch.uint8)}      # 400 @0, 3 @448
+    two = {"x": torch.ones(3, dtype=torch.uint8), "y": torch.full((387,), 7, dtype=torch.uint8)}  # 3 @0, 387 @64
+    for step, sd in ((1, one), (2, two)):
+        assert snap.save(step, sd).result(scaled(30)).state == "COMMITTED"
+    co.on_job_event(job, 2, "checks_clean", 1.0)
+    while co.scrub_pending():
+        co.scrub(2.0, 1 << 20)
+    assert co.info(job, 2).state == "VERIFIED" and co.stats["scrub_failures"] == 0
+    assert_same(CheckpointClient(co, job, 0, 1).restore(2), two)
+    snap.close()
+
+
+@pytest.mark.parametrize("checksums", ["host", "source"])
+def test_a_save_with_no_host_buffer_ready_stages_on_the_device_and_returns(
+        redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checksums: str) -> None:
+    """Item 2 (first save blocks no longer than a steady one): with no host buffer ready the copy goes to a
+    zeroed device buffer and save() returns; the background makes the host buffer and copies there. On CPU
+    the "device" buffer is a host tensor (forced here); the real one is a GPU buffer (bench part c)."""
+    import torch
+
+    import checkpoint.snapshot as snapshot_mod
+
+    made: list[int] = []
+
+    def fake_stage(self: Snapshotter, tensors: list, total: int, block: str) -> Any:
+        assert block != "copy"
+        made.append(total)
+        return torch.zeros(total, dtype=torch.uint8)
+
+    real_ensure = snapshot_mod._Arena.ensure
+    inline: list[int] = []
+
+    def watch_ensure(self: Any, nbytes: int) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            inline.append(nbytes)
+        return real_ensure(self, nbytes)
+
+    monkeypatch.setattr(Snapshotter, "_device_stage", fake_stage)
+    monkeypatch.setattr(snapshot_mod._Arena, "ensure", watch_ensure)
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id("stage")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums=checksums, block="enqueue"))
+    sd = state_dict(0, 1, size=3000)
+    res = snap.save(1, sd).result(scaled(30))
+    assert res.state == "COMMITTED" and res.device_staged and made and not inline, (res, inline)
+    sd2 = state_dict(0, 2, size=3000)
+    res2 = snap.save(2, sd2).result(scaled(30))       # a slot made ahead by then: no device staging
+    assert res2.state == "COMMITTED" and not res2.device_staged and res2.staging == "slot"
+    co.on_job_event(job, 2, "checks_clean", 1.0)
+    while co.scrub_pending():
+        co.scrub(2.0, 1 << 20)
+    assert {i.step: i.state for i in co.list(job)} == {1: "VERIFIED", 2: "VERIFIED"}
+    client = CheckpointClient(co, job, 0, 1)
+    assert_same(client.restore(1), sd)
+    assert_same(client.restore(2), sd2)
+    snap.close()
+
+
+def test_device_staging_is_for_one_gpu_and_a_save_that_does_not_promise_the_host_copy(
+        redis_server, tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("nostage")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024))
+    tensors = [t for t in state_dict(0, 1)["model"].values()]
+    assert snap._device_stage(tensors, 4096, "update") is None      # CPU tensors: nothing to stage on
+    assert snap._device_stage(tensors, 4096, "copy") is None
+    snap.close()
+
+
+def test_retention_keeps_the_checkpoint_the_scrub_is_reading(redis_server, tmp_path: Path) -> None:
+    """Every step: newer checkpoints commit while the scrub reads one; retention must not evict that one
+    (else under every-step saves nothing would ever be VERIFIED). The newest queued is scrubbed next."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=1), job_id("hold")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source", max_slots=4))
+    assert snap.save(1, state_dict(0, 1, size=3000)).result(scaled(30)).state == "COMMITTED"
+    assert co.scrub(1.0, 1024) > 0                        # reading step 1 now
+    for step in (2, 3, 4):
+        assert snap.save(step, state_dict(0, step, size=3000)).result(scaled(30)).state == "COMMITTED"
+    assert [i.step for i in co.list(job) if i.state == "COMMITTED"] == [1, 4]   # 2, 3 evicted; 1 held
+    co.on_job_event(job, 4, "checks_clean", 2.0)
+    co.scrub(3.0, 1 << 20)                                # finishes 1, then the newest (4); 2, 3 are gone
+    assert _unscrubbed(co, job, 1) == {"scrub:0": "ok"} and co.info(job, 4).state == "VERIFIED"
+    assert co.scrub_pending() == 0
+    snap.close()
