@@ -68,7 +68,7 @@ want storm && step storm 300 python3 bench/bench_storm.py --seconds 30 --json "$
 want ckpt && step ckpt-bench 150 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
 # issue 21: the copy overlapped with the next forward/backward (a-d at 2 GiB), then part d at 12 GiB
 want ckptoverlap && step ckpt-overlap-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
-  tests/test_checkpoint_overlap.py tests/test_step_guard.py
+  tests/test_checkpoint_overlap.py tests/test_step_guard.py tests/test_checkpoint_source_sums.py
 want ckptoverlap && step ckpt-overlap 400 python3 bench/ckpt_overlap.py
 want ckptoverlap12 && step ckpt-overlap-12g 500 python3 bench/ckpt_overlap.py --parts d --gib 12 --repeat 1
 # issue 21 item 6: peer transport streams and cap against a plain TLS/TCP stream (CPU-only; the 16-core host)

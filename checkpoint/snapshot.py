@@ -585,8 +585,16 @@ class Snapshotter:
                 src_fps.update({i: per[j] for j, i in enumerate(idx)})
             for i in idx:
                 t = tensors[i]
-                if t.numel():
+                if not t.numel():
+                    continue
+                if arena.device.type == "cuda":   # a GPU staging buffer: a pinned upload never syncs the host
+                    _dst(arena, offsets[i], t).copy_(t.to("cpu").pin_memory(), non_blocking=True)
+                else:
                     _dst(arena, offsets[i], t).copy_(t.to("cpu"))
+            if arena.device.type == "cuda" and idx:   # the uploads ran on the current stream: wait for them too
+                up = torch.cuda.Event()
+                up.record(torch.cuda.current_stream(arena.device))
+                events.append(up)
         return events, src_fps
 
     def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],

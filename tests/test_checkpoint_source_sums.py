@@ -254,3 +254,49 @@ def test_retention_keeps_the_checkpoint_the_scrub_is_reading(redis_server, tmp_p
     assert _unscrubbed(co, job, 1) == {"scrub:0": "ok"} and co.info(job, 4).state == "VERIFIED"
     assert co.scrub_pending() == 0
     snap.close()
+
+
+@pytest.mark.gpu
+def test_cuda_source_checksums_and_first_save_on_the_device(redis_server, tmp_path: Path) -> None:
+    """On a GPU: the first save stages on the device (no host buffer yet), the pieces' fingerprints come from
+    the kernel at the source, CPU tensors of the state (AdamW's step counts, plain values) ride along; the
+    scrub finds the host bytes equal to them; every restore is bit-identical to the weights at the save."""
+    import torch
+    from torch import nn
+
+    from checksums.step_guard import StepGuard
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("cudasrc")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.LayerNorm(2048)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)             # step counts: CPU tensors
+    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt),
+                              config=SnapshotConfig(chunk_bytes=1 << 20))
+    x = torch.randn(64, 2048, device="cuda")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    for step in range(1, 4):
+        sd = {"model": model.state_dict(), "optim": opt.state_dict(), "loader": {"pos": step}}
+        expected = {"model": {k: v.detach().cpu().clone() for k, v in sd["model"].items()},
+                    "loader": {"pos": step}}
+        h = client.save(step, sd)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        res = h.result(scaled(120))
+        assert res.state == "COMMITTED", res.error
+        assert res.device_staged == (step == 1) and res.fingerprint_s == 0.0
+        m = ShardManifest.from_json(co.redis.hget(co._keys(job, step)[1], "0"))
+        assert m.algorithm == FP_ALGORITHM
+        got = CheckpointClient(co, job, 0, 1).restore(step)
+        assert_same(got["model"], expected["model"])
+        assert got["loader"] == expected["loader"]
+    co.on_job_event(job, 3, "checks_clean", 1.0)
+    while co.scrub_pending():
+        co.scrub(2.0, 1 << 30)
+    assert co.stats["scrub_failures"] == 0
+    assert {i.step: i.state for i in co.list(job)} == {1: "VERIFIED", 2: "VERIFIED", 3: "VERIFIED"}
+    client.close()
