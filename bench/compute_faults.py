@@ -175,8 +175,10 @@ class MatmulFault(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # (no grad-mode test: sdcguard's checked linear runs its matmul inside an autograd.Function's forward)
         if (self.inside and self.active["on"] and self.case is not None and self.case.where == "mm"
+                and isinstance(out, torch.Tensor) and out.dtype != torch.float64
                 and getattr(func, "_schema", None) is not None
                 and func._schema.name in self.OPS):
+            self.inside = False       # the layer's own matmul only, not the checksum matmuls a check runs after it
             corrupt(out, self.case)
         return out
 
@@ -206,7 +208,10 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     active = {"on": False}
 
     def mm_hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> None:
-        if active["on"] and case is not None and case.where == "mm" and torch.is_grad_enabled() and not sdcguard:
+        # (float64: the CPU witness of two-rank replays, checksums.replay.Replayer.witness: the CPU is not the
+        # faulty GPU)
+        if (active["on"] and case is not None and case.where == "mm" and torch.is_grad_enabled() and not sdcguard
+                and out.dtype != torch.float64):
             corrupt(out, case)
 
     def grad_inject(idx: int, buf: torch.Tensor) -> None:

@@ -23,10 +23,11 @@ Two uses, both collectives (every rank calls, in the same order):
   on both ranks, and `classify_pair_replays` (pure) decides. A transient fault does not repeat: the GPUs'
   replays of a batch agree with each other but not with its original, whose rank is named. A persistent
   fault repeats on its GPU: each GPU reproduces its own originals and the two disagree on both batches;
-  fingerprints alone are symmetric then, so the third witness is each rank's own history (the jump of its
-  bucket statistics from its last clean step, in units of the clean step-to-step spread,
-  `SpreadTracker.jumps`): the rank that jumped `PAIR_WITNESS` times more than the other is named, else
-  both are (UNRESOLVED), never one wrong rank.
+  fingerprints alone are symmetric then, so a third witness decides: each rank's own history (the jump of
+  its bucket statistics from its last clean step, in units of the clean step-to-step spread,
+  `SpreadTracker.jumps`): the rank that jumped `PAIR_WITNESS` times more than the other is named; else the
+  host CPU (`Replayer.witness`: rank 0's batch recomputed in float64 on the CPU, projected on the line from
+  GPU 0's gradient to GPU 1's); else both are named (UNRESOLVED), never one wrong rank.
 - `audit`: every `every` steps one rank's batch is replayed by its neighbour; a mismatch becomes a
   `classify` of that rank (with 3+ ranks a third result decides; with 2, `classify_pair`).
 
@@ -108,13 +109,16 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
 
 
 PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
+WITNESS_NEAR = 0.25     # the CPU witness names a GPU when its projection is this close to that GPU's result
+WITNESS_REUSE = 100     # symmetric suspicions after a CPU witness that name its GPU without asking the CPU again
 
 
 def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor, jumps: tuple[float, float] = (0.0, 0.0),
-                          *, exact: bool = True, rtol: float = 1e-3) -> Classification:
+                          *, exact: bool = True, rtol: float = 1e-3, witness: float | None = None) -> Classification:
     """Two ranks: decide from both originals [2 (batch), B, 4] and every replay [2 (GPU), 2 (batch), B, 4]
     (`replays[g, j]`: GPU g's replay of rank j's batch), with `jumps[r]`, rank r's own-history jump (the
-    tie-break of a persistent fault). Pure; see the module docstring."""
+    tie-break of a persistent fault), and `witness`, the CPU witness's projection (`Replayer.witness`: near 0
+    when GPU 0 computed right, near 1 when GPU 1 did). Pure; see the module docstring."""
     def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
         return _equal(a, b, exact, rtol)
 
@@ -133,6 +137,12 @@ def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor, jumps:
                                   f"each GPU repeats its own result and they disagree on both batches; rank {hi}'s "
                                   f"statistics jumped {jumps[hi]:.1f} clean spreads from its own history, rank "
                                   f"{lo}'s {jumps[lo]:.1f}")
+        if witness is not None and (witness < WITNESS_NEAR or witness > 1 - WITNESS_NEAR):
+            bad = 1 if witness < WITNESS_NEAR else 0
+            return Classification(Cause.PERSISTENT, (bad,), True,
+                                  f"each GPU repeats its own result and they disagree on both batches; the CPU's "
+                                  f"float64 gradient sits at t={witness:.3f} between GPU 0's (0) and GPU 1's (1): "
+                                  f"rank {bad}'s GPU computes wrong")
         return Classification(Cause.UNRESOLVED, (0, 1), True,
                               "each GPU repeats its own result and they disagree on both batches; no third "
                               f"witness tells which (history jumps {jumps[0]:.1f} and {jumps[1]:.1f})")
@@ -176,6 +186,8 @@ class Replayer:
         self._step_open = False
         self.exact = True
         self.replays = 0
+        self.cpu_witness = True       # two ranks: a symmetric persistent fault asks the CPU (Replayer.witness)
+        self._witnessed: tuple[int, int] | None = None     # (the rank it named, reuses left)
 
     def retain(self, batch: Any) -> None:
         """Keep this micro-batch and the RNG state before its forward; call before each forward. Every
@@ -193,30 +205,71 @@ class Replayer:
     def replay(self, retained: Retained) -> torch.Tensor:
         """Summary rows [buckets, 4] of the gradient of `retained`'s micro-batches on this rank (each with
         its RNG state), accumulated in the order autograd accumulates `.grad`."""
+        assert self.summaries is not None, "a gradient replay needs the bucket summaries"
+        grads = self._grads(retained, self.module, self.summaries.params)
+        self.replays += 1
+        return self.summaries.bucket_grads(grads)
+
+    def _grads(self, retained: Retained, module: nn.Module, params: list[torch.Tensor],
+               cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         if not retained.micro:
             raise RuntimeError("no batch retained: call retain(batch) before each step's forward")
-        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
         grads: list[torch.Tensor | None] | None = None
         with torch.random.fork_rng(devices=devices):
             for batch, cpu_rng, dev_rng in retained.micro:
                 if cpu_rng is not None:
                     torch.set_rng_state(cpu_rng)
-                if dev_rng is not None:
+                if dev_rng is not None and cast is None:
                     torch.cuda.set_rng_state(dev_rng, self.device)
+                if cast is not None:
+                    batch = _map_tensors(batch, cast)
                 with torch.enable_grad():
-                    loss = self.loss_fn(self.module, batch)
-                    assert self.summaries is not None, "a gradient replay needs the bucket summaries"
-                    got = torch.autograd.grad(loss, self.summaries.params, allow_unused=True)
+                    loss = self.loss_fn(module, batch)
+                    got = torch.autograd.grad(loss, params, allow_unused=True)
                 grads = list(got) if grads is None else [
                     g if a is None else (a if g is None else a + g) for a, g in zip(grads, got)]
         assert grads is not None
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+        return grads
+
+    def witness(self, retained: Retained) -> float:
+        """Two ranks, a persistent fault, each GPU self-consistent: the host CPU is the third witness. Both
+        ranks replay `retained` (rank 0's batch); D = GPU 1's gradient - GPU 0's; rank 0 recomputes the
+        gradient on the CPU in float64 (a copy of the module) and projects: t = <ref - g0, D> / <D, D>, 0
+        when GPU 0 computed it right, 1 when GPU 1 did; rounding moves t off those. A collective, run only on
+        such a suspicion (two full gradients travel once)."""
+        assert self.summaries is not None
+        params = self.summaries.params
+
+        def flat(gs: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
+                              for g, p in zip(gs, like)])
+
+        mine = flat(self._grads(retained, self.module, params), params).to(torch.float32)
         self.replays += 1
-        assert self.summaries is not None, "a gradient replay needs the bucket summaries"
-        return self.summaries.bucket_grads(grads)
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine, group=self.group)
+        out: list[Any] = [None]
+        if dist.get_rank(self.group) == 0:
+            import copy
+            ref_mod = copy.deepcopy(self.module).to(device="cpu", dtype=torch.float64)
+            ref_params = [p for p in ref_mod.parameters() if p.requires_grad]
+
+            def cast(t: torch.Tensor) -> torch.Tensor:
+                t = t.detach().cpu()
+                return t.to(torch.float64) if t.is_floating_point() else t
+            ref = flat(self._grads(retained, ref_mod, ref_params, cast), ref_params)
+            g0, g1 = both[0].cpu().double(), both[1].cpu().double()
+            d = g1 - g0
+            dd = float(d.dot(d))
+            out = [float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")]
+        dist.broadcast_object_list(out, src=0, group=self.group,
+                                   device=self.device if self.device.type == "cuda" else None)
+        return float(out[0])
 
     def replay_loss(self, retained: Retained) -> float:
         """The loss of `retained`'s micro-batches (summed) recomputed on this rank with their RNG states,
@@ -268,8 +321,22 @@ class Replayer:
         """Two ranks: both replay both batches (of this step, or `mine`: an earlier step's); originals
         [2, B, 4] are both ranks' rows; `jumps` the own-history tie-break (a collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
-        rows = torch.stack([self.replay(self.fetch(j, mine)) for j in (0, 1)])
-        return classify_pair_replays(originals, self.gather(rows), jumps, exact=self.exact)
+        batches = [self.fetch(j, mine) for j in (0, 1)]
+        rows = self.gather(torch.stack([self.replay(b) for b in batches]))
+        c = classify_pair_replays(originals, rows, jumps, exact=self.exact)
+        if c.cause is Cause.UNRESOLVED and c.faulty == (0, 1) and self.cpu_witness and \
+                c.detail.startswith("each GPU repeats"):       # symmetric: ask the host CPU (same on every rank)
+            if self._witnessed is not None and self._witnessed[1] > 0:
+                # a persistent fault the CPU named recently: not again every step (a CPU float64 replay of a
+                # large model takes long); the same GPU, for the next WITNESS_REUSE symmetric suspicions
+                bad, left = self._witnessed
+                self._witnessed = (bad, left - 1)
+                return Classification(Cause.PERSISTENT, (bad,), True, f"each GPU repeats its own result and they "
+                                      f"disagree on both batches; the CPU witness named rank {bad} earlier")
+            c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=self.witness(batches[0]))
+            if c.cause is Cause.PERSISTENT:
+                self._witnessed = (c.faulty[0], WITNESS_REUSE)
+        return c
 
     def audit(self, audited: int, original: torch.Tensor, originals: torch.Tensor | None = None,
               jumps: tuple[float, float] = (0.0, 0.0)) -> Classification | None:

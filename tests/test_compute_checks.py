@@ -185,6 +185,13 @@ def test_classify_pair_names_a_persistent_fault_by_its_history_or_both():
     assert (c.cause, c.faulty, c.drop) == (Cause.UNRESOLVED, (0, 1), True)
     c = classify_pair_replays(originals, replays, (0.0, math.inf))        # a non-finite rank is its own witness
     assert c.faulty == (1,)
+    # no history jump: the CPU witness's projection (0: GPU 0 computed right, 1: GPU 1 did) names the GPU
+    c = classify_pair_replays(originals, replays, (2.0, 2.5), witness=0.02)
+    assert (c.cause, c.faulty) == (Cause.PERSISTENT, (1,))
+    c = classify_pair_replays(originals, replays, (2.0, 2.5), witness=0.97)
+    assert (c.cause, c.faulty) == (Cause.PERSISTENT, (0,))
+    c = classify_pair_replays(originals, replays, (2.0, 2.5), witness=0.5)
+    assert (c.cause, c.faulty) == (Cause.UNRESOLVED, (0, 1))
 
 
 def test_jumps_measure_each_rank_against_its_own_clean_history():
@@ -229,6 +236,17 @@ def test_two_ranks_name_the_right_gpu_for_transient_and_persistent_faults():
         assert hit and hit["named"] == [1] and hit["dropped"] and hit["step"] == 50, f"{name}: {hit}"
     assert results["mm one elem =1e4"]["caught"]["compute"]["cause"] == "transient"
     assert results["mm one elem =1e4 persistent"]["caught"]["compute"]["cause"] == "persistent"
+
+
+def test_two_ranks_name_a_small_persistent_fault_through_the_cpu_witness():
+    """A persistent x1.01 on one matmul element, only an audit sees it: no history jump; each GPU repeats its
+    own result. The CPU's float64 replay of rank 0's batch sits by the right GPU's gradient: the faulty one is
+    named, whichever rank it is (the harness's faults skip float64: the CPU is not the faulty GPU)."""
+    for faulty in (1, 0):
+        results = compute_faults.main(["--world", "2", "--fault-step", "50", "--audit-every", "5",
+                                       "--fault-rank", str(faulty), "--cases", "mm one elem x1.01 persistent"])
+        hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+        assert hit and hit["named"] == [faulty] and hit["cause"] == "persistent" and hit["dropped"], hit
 
 
 FSDP = ["mm one elem =1e4", "grad elem =100", "grad elem NaN"]
