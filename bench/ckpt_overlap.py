@@ -297,53 +297,68 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         sync(device)
         t_fb = (time.perf_counter() - t0) / 3
         opt.zero_grad(set_to_none=True)
-        node = Node(nbytes, "b")
-        try:
-            cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads)
-            client = node.client(opt, cfg_every, f"b{batch}")
-            handles: list[Any] = []
+        for mode in args.checksums:
+            rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb)
+    return rows
 
-            def step_every() -> None:
-                step_off()
-                h = client.save(client.guard.step, state())
-                if h is not None:
-                    handles.append(h)
 
-            client.prepare(state()).result(600)
-            for _ in range(args.warmup):
-                step_off()
-                step_every()
-            client.wait(600)
-            handles.clear()
-            skipped0 = dict(client.stats.skipped_by)
-            times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
-            client.wait(600)
-            results = [h.result(600) for h in handles]
-            committed = sum(1 for r in results if r.state in ("COMMITTED", "VERIFIED"))
-            attempts = args.block * args.rounds
-            skipped = {k: v - skipped0.get(k, 0) for k, v in client.stats.skipped_by.items()
-                       if v - skipped0.get(k, 0)}
-            off = statistics.median(times["off"])
-            every = statistics.median(times["every"])
-            over = (every - off) / off
-            fits = "fits" if t_copy < t_fb else "does NOT fit"
-            rows += [
-                (f"[b={batch}] step, no checkpoint", off, f"fwd+bwd {t_fb * 1e3:.1f} ms; state "
-                 f"{nbytes / 1e9:.2f} GB"),
-                (f"[b={batch}] step, checkpoint every step", every,
-                 f"{100 * over:+.2f}% of the step (target < 1%)"),
-                (f"[b={batch}] pinned copy of the state", t_copy,
-                 f"{t_copy / t_fb:.2f}x fwd+bwd: the copy {fits} in a step"),
-                (f"[b={batch}] saves attempted / made / COMMITTED", float(attempts),
-                 f"{len(results)} made, {committed} committed ({100 * committed / attempts:.0f}% of steps); "
-                 f"skipped {skipped}"),
-                (f"[b={batch}] save call -> COMMITTED (median)",
-                 statistics.median(r.commit_s for r in results) if results else float("nan"),
-                 "the background's pace: one commit per this much"),
-            ]
-            client.close()
-        finally:
-            node.close()
+def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.optim.Optimizer,
+                 state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
+                 t_copy: float, t_fb: float) -> list[Row]:
+    """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
+    on the host to commit) or "host" (the rank hashes the landed bytes: the old path)."""
+    rows: list[Row] = []
+    tag = f"b={batch}, {mode}"
+    node = Node(nbytes, "b")
+    try:
+        cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode)
+        client = node.client(opt, cfg_every, f"b{batch}{mode[0]}")
+        handles: list[Any] = []
+
+        def step_every() -> None:
+            step_off()
+            h = client.save(client.guard.step, state())
+            if h is not None:
+                handles.append(h)
+
+        client.prepare(state()).result(600)
+        for _ in range(args.warmup):
+            step_off()
+            step_every()
+        client.wait(600)
+        handles.clear()
+        skipped0 = dict(client.stats.skipped_by)
+        times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
+        client.wait(600)
+        results = [h.result(600) for h in handles]
+        committed = sum(1 for r in results if r.state in ("COMMITTED", "VERIFIED"))
+        attempts = args.block * args.rounds
+        skipped = {k: v - skipped0.get(k, 0) for k, v in client.stats.skipped_by.items()
+                   if v - skipped0.get(k, 0)}
+        off = statistics.median(times["off"])
+        every = statistics.median(times["every"])
+        over = (every - off) / off
+        fits = "fits" if t_copy < t_fb else "does NOT fit"
+        rows += [
+            (f"[{tag}] step, no checkpoint", off, f"fwd+bwd {t_fb * 1e3:.1f} ms; state "
+             f"{nbytes / 1e9:.2f} GB"),
+            (f"[{tag}] step, checkpoint every step", every,
+             f"{100 * over:+.2f}% of the step (target < 1%)"),
+            (f"[{tag}] pinned copy of the state", t_copy,
+             f"{t_copy / t_fb:.2f}x fwd+bwd: the copy {fits} in a step"),
+            (f"[{tag}] saves attempted / made / COMMITTED", float(attempts),
+             f"{len(results)} made, {committed} committed ({100 * committed / attempts:.0f}% of steps); "
+             f"skipped {skipped}"),
+            (f"[{tag}] save call -> COMMITTED (median)",
+             statistics.median(r.commit_s for r in results) if results else float("nan"),
+             "the background's pace: one commit per this much"),
+            (f"[{tag}] background: checksums + host fingerprints (median)",
+             statistics.median(r.checksum_s + r.fingerprint_s for r in results) if results else float("nan"),
+             "host time spent hashing per save" if mode == "host" else "host time combining the GPU's words"),
+        ]
+        client.close()
+    finally:
+        node.close()
     return rows
 
 
@@ -552,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--checksums", default="source,host",
+                    help="part b: SnapshotConfig.checksums modes, side by side (source: fingerprints at the source; "
+                         "host: hashed on the host, the old path)")
     ap.add_argument("--fp-threads", type=int, default=max(4, min(12, (os.cpu_count() or 4) - 4)),
                     help="host fingerprint threads of the background (the commit's pace)")
     ap.add_argument("--disk-dir", default=None, help="where torch.save / DCP write (default: a temp dir)")
@@ -559,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU test); no timing claims")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.checksums = [m for m in str(args.checksums).split(",") if m]
     if args.smoke:
         for k, v in dataclasses.asdict(Smoke()).items():
             setattr(args, k, list(v) if isinstance(v, tuple) else v)

@@ -33,6 +33,14 @@ must equal the GPU fingerprint -> `sink.commit_shard(manifest)` -> create the ne
 (`SlotRing.ensure_spare`), so no save blocks on creating one. Each host byte is checksummed once and
 fingerprinted once. `prepare(state_dict)` makes the first save's buffer ahead, in the background, too.
 
+Checksums at the source (`SnapshotConfig.checksums`, "source" by default for CUDA state): step 3
+fingerprints the tensors' pieces (cut at chunk boundaries, checkpoint.source_sums) with one fused launch
+before the copies, and the background builds the chunk checksums (algorithm sdcw-fp1) and the tensor
+fingerprints from the pieces' words: the host reads no byte of the shard to commit it; the agent's scrub
+checks the host bytes later and VERIFIED waits for it (docs/checkpoints.md). A save that finds no host
+buffer ready (the first) copies into a GPU buffer and returns; the background makes the host buffer and
+copies it there (`device_staging`).
+
 A save requested while the previous one is still in the background waits for it (`policy="wait"`) or is
 skipped (`policy="skip"`); every skip is counted by reason (`Snapshotter.stats`, and the next commit tells
 the agent how many saves were skipped before it); a staging buffer is never overwritten under a running
@@ -573,11 +581,13 @@ class Snapshotter:
                 elif fps is not None:
                     src_fps.update({i: fps[j] for j, i in enumerate(idx)})
                 continue
-            if cut is not None and mine:   # the CPU's source fingerprint: torch on the source tensors
+            if cut is not None and mine and arena.device.type == "cuda":   # torch on the source tensors
                 views = _piece_views(tensors, [cut[k] for k in mine])
                 per = torch.empty(len(views), 2, dtype=torch.int64)
                 fingerprint_tensors_async(views, per_tensor_out=per)
                 src_fps[("pieces", dev)] = (mine, per)
+            elif cut is not None and mine:   # CPU -> host memory: the copy below is a synchronous memcpy, so
+                src_fps[("host pieces", dev)] = mine   # the background fingerprints its pieces (numpy, no GIL)
             check = cut is None and bool(self.config.check_source_fingerprint)
             if check and idx:
                 per = torch.empty(len(idx), 2, dtype=torch.int64)
@@ -723,7 +733,8 @@ class Snapshotter:
             if not self._slots_off:
                 self._location = begin.location
             if cut is not None:
-                manifest = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut, res)
+                manifest = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut, res,
+                                                 arena)
                 report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
                 commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size,
                                                 manifest.to_json(), report=report)
@@ -798,14 +809,24 @@ class Snapshotter:
 
     def _source_manifest(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
                          total: int, blob_key: str, src_fps: dict[Any, Any], cut: list[Piece],
-                         res: SaveResult) -> ShardManifest:
-        """The manifest from the pieces' source fingerprints (checkpoint.source_sums): no host byte read."""
+                         res: SaveResult, arena: torch.Tensor) -> ShardManifest:
+        """The manifest from the pieces' source fingerprints (checkpoint.source_sums): no host byte read,
+        but for CPU tensors, whose pieces are fingerprinted here from the host copy (numpy, threads)."""
         t0 = time.perf_counter()
         words: list[Any] = [None] * len(cut)
-        for key, (idx, per) in src_fps.items():
+        view = memoryview(arena.numpy()).cast("B")
+        for key, val in src_fps.items():
             if isinstance(key, tuple) and key[0] == "pieces":
+                idx, per = val
                 for j, row in zip(idx, per.tolist()):
                     words[j] = row
+            elif isinstance(key, tuple) and key[0] == "host pieces":
+                def piece_words(j: int) -> tuple[int, int]:
+                    p = cut[j]
+                    at = entries[p.tensor][3] + p.start
+                    return fingerprint_bytes(view[at:at + p.length], "uint8", (p.length,))
+                for j, w in zip(val, self._fp_pool.map(piece_words, val)):
+                    words[j] = w
         if any(w is None for w in words):
             raise CorruptCheckpointError(f"step {step} rank {self.rank}: a piece has no source fingerprint")
         chunks, fps = combine(cut, words, total, self.config.chunk_bytes,

@@ -300,3 +300,24 @@ def test_cuda_source_checksums_and_first_save_on_the_device(redis_server, tmp_pa
     assert co.stats["scrub_failures"] == 0
     assert {i.step: i.state for i in co.list(job)} == {1: "VERIFIED", 2: "VERIFIED", 3: "VERIFIED"}
     client.close()
+
+
+def test_the_torch_piece_fingerprints_equal_the_host_ones() -> None:
+    """The GPU's torch-ops path (no Triton, or its JIT still compiling), run here on CPU tensors: the pieces'
+    words equal numpy's over the same bytes."""
+    import torch
+
+    from checkpoint.snapshot import _piece_views
+    from checksums.fingerprint import prepare_fingerprint_torch
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(1000, generator=g), torch.randn(33, generator=g).to(torch.bfloat16),
+               torch.randint(0, 9, (7, 3), generator=g)]
+    offsets = [0, 4032, 4160]
+    cut = pieces(offsets, [t.numel() * t.element_size() for t in tensors], 256)
+    run = prepare_fingerprint_torch(_piece_views(tensors, cut))
+    for t in tensors:
+        t.add_(1)                                     # read when run, not when prepared
+    got = [tuple(int(v) & MASK64 for v in row) for row in run().tolist()]
+    want = [fingerprint_bytes(_piece_views(tensors, [p])[0].numpy().tobytes(), "uint8", (p.length,)) for p in cut]
+    assert got == want
