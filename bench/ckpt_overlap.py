@@ -354,7 +354,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              "the background's pace: one commit per this much"),
             (f"[{tag}] background: checksums + host fingerprints (median)",
              statistics.median(r.checksum_s + r.fingerprint_s for r in results) if results else float("nan"),
-             "host time spent hashing per save" if mode == "host" else "host time combining the GPU's words"),
+             "host time spent hashing per save" if mode == "host" else
+             "host time combining the GPU's words" if device.type == "cuda" else
+             "host: numpy over the pieces (CPU state: one pass, in the background)"),
         ]
         client.close()
     finally:
