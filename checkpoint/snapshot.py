@@ -285,6 +285,7 @@ class Snapshotter:
         self._cuts: tuple[Any, list[Piece]] | None = None   # source checksums: the pieces of the last layout
         self._fp_plans: dict[torch.device, tuple[Any, Any]] = {}   # device -> (layout key, fingerprint plan)
         self._zeroed: dict[int, Any] = {}       # staging buffer address -> the layout whose gaps it has zero
+        self._staged_sizes: set[int] = set()    # state sizes a save staged on the GPU for (once each)
 
     def _block(self) -> str:
         block = self.config.block
@@ -771,12 +772,12 @@ class Snapshotter:
 
     def _device_stage(self, tensors: list[torch.Tensor], total: int, block: str) -> torch.Tensor | None:
         """A zeroed GPU buffer of `total` bytes for a save that finds no host buffer ready (the first one,
-        or after the state changed size), when the state is on one GPU with room to spare and the save does
+        or the first after the state changed size: once per size, never in steady state), when the state is on one GPU with room to spare and the save does
         not promise a finished host copy (`block` is not "copy"). The copy into it runs at device memory
         speed; the background makes the pinned host buffer and copies there (`_unstage`). Costs `total`
         bytes of GPU memory until then. None: stage on the host as before."""
-        if not self.config.device_staging or block == "copy" or total == 0:
-            return None
+        if not self.config.device_staging or block == "copy" or total == 0 or total in self._staged_sizes:
+            return None   # once per state size: later saves find a buffer made ahead (or skip / wait)
         devs = {t.device for t in tensors if t.device.type == "cuda"}
         if len(devs) != 1:
             return None
@@ -790,6 +791,7 @@ class Snapshotter:
             log.info("no room to stage a %d-byte checkpoint on %s (%d bytes free): staging on the host, "
                      "blocking while its buffer is made", total, dev, free)
             return None
+        self._staged_sizes.add(total)
         return torch.zeros(total, dtype=torch.uint8, device=dev)
 
     def _unstage(self, staged: torch.Tensor, total: int, offsets: tuple[int, ...]) -> torch.Tensor:

@@ -321,3 +321,4 @@ def test_the_torch_piece_fingerprints_equal_the_host_ones() -> None:
     got = [tuple(int(v) & MASK64 for v in row) for row in run().tolist()]
     want = [fingerprint_bytes(_piece_views(tensors, [p])[0].numpy().tobytes(), "uint8", (p.length,)) for p in cut]
     assert got == want
+
