@@ -322,3 +322,35 @@ def test_the_torch_piece_fingerprints_equal_the_host_ones() -> None:
     want = [fingerprint_bytes(_piece_views(tensors, [p])[0].numpy().tobytes(), "uint8", (p.length,)) for p in cut]
     assert got == want
 
+
+
+def test_the_real_agent_scrubs_and_then_verifies(short_tmp: Path) -> None:
+    """Through the agent process: shards saved with source checksums commit, the agent's scrub loop checks
+    their bytes in node memory, and the agreed vote then makes the checkpoint VERIFIED."""
+    import uuid
+
+    import grpc
+
+    from agent_harness import AgentProcess
+    from ckpt_support import wait_for
+    from proto.sdcwatch.v1 import agent_pb2 as apb
+    from proto.sdcwatch.v1 import agent_pb2_grpc as apb_grpc
+
+    state = short_tmp / f"ckpt-{uuid.uuid4().hex[:8]}"
+    job = job_id("agentscrub")
+    with AgentProcess(state) as agent:
+        ranks = [CheckpointClient.connect(job, r, 2, target=agent.target, deadline_s=10,
+                                          config=SnapshotConfig(chunk_bytes=4096, checksums="source"))
+                 for r in (0, 1)]
+        try:
+            res = [c.save(1, state_dict(0, 1)).result(scaled(30)) for c in ranks]   # replicas: same bytes
+            assert all(r.error == "" for r in res) and res[1].state == "COMMITTED", res
+            vote = apb.ReplicaVote(checked=True, agreed=True, replicas=2, step=1, method="majority")
+            with grpc.insecure_channel(agent.target) as ch:
+                apb_grpc.AgentStub(ch).ReportStep(
+                    apb.ReportStepRequest(job_id=job, rank=0, world_size=2, step=2, vote=vote), timeout=10)
+            wait_for(lambda: [i.state for i in ranks[0].list()] == ["VERIFIED"])
+            assert_same(ranks[1].restore("latest_verified"), state_dict(0, 1))
+        finally:
+            for c in ranks:
+                c.close()
