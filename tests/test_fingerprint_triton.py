@@ -42,6 +42,14 @@ def _cases():
         "multi_tile_items": [big, big[4:], rnd(64 * 4 * 7 + 12), torch.randn(300, 7)],
         "non_contiguous": [torch.randn(20, 30).T, torch.randn(9, 9)[::2, 1:]],
     }
+    # a checkpoint shard's pieces (checkpoint.source_sums): uint8 views of tensors cut at chunk boundaries
+    # (1000 bytes: a multiple of 4, not of 16, so pieces start misaligned for the 128-bit loads)
+    from checkpoint.snapshot import _piece_views
+    from checkpoint.source_sums import pieces
+
+    shard = [torch.randn(3001, generator=gen), rnd(77), torch.randn(50, generator=gen).to(torch.bfloat16)]
+    cut = pieces([0, 12032, 12160], [t.numel() * t.element_size() for t in shard], 1000)
+    cases["shard_pieces"] = _piece_views(shard, cut)
     return cases
 
 
@@ -104,7 +112,7 @@ def report() -> dict:
 
 
 @pytest.mark.parametrize("case", ["every_dtype", "odd_sizes_and_empty", "misaligned_views", "multi_tile_items",
-                                  "non_contiguous"])
+                                  "non_contiguous", "shard_pieces"])
 @pytest.mark.parametrize("block", [64, 256])
 def test_interpreted_kernel_matches_numpy(report: dict, case: str, block: int) -> None:
     r = report[f"{case}/{block}"]
