@@ -51,6 +51,12 @@ class ListenerBeat(Protocol):
 class NvmlProbeConfig:
     rules: RuleConfig = dataclasses.field(default_factory=RuleConfig)
     xid_wait_ms: int = 500
+    # Under a flood (a read that found at least `xid_flood_events` queued), the listener pauses this long
+    # before it reads again, so the driver's queue gathers a batch: a storm of 40,000 XIDs a second costs at
+    # most 1000/xid_flood_pause_ms reads a second, not one read per event. Counts stay exact while the
+    # driver's event queue holds what arrives in one pause.
+    xid_flood_events: int = 64
+    xid_flood_pause_ms: int = 20
     read_nvlink: bool = True
     skip_fields: tuple[str, ...] = DEFAULT_SKIP  # names, globs or NVML call names (`names_matching`)
     rotate_per_poll: int = 1   # rotated units read per poll (see `poll_class`); more = fresher, costlier
@@ -63,6 +69,9 @@ class NvmlProbeConfig:
             raise ValueError(f"NvmlProbeConfig.sweep_s must be > 0, got {self.sweep_s}")
         if not 1 <= self.xid_wait_ms <= 60_000:
             raise ValueError(f"NvmlProbeConfig.xid_wait_ms must be in [1, 60000], got {self.xid_wait_ms}")
+        if not 0 <= self.xid_flood_pause_ms <= 1000 or self.xid_flood_events < 1:
+            raise ValueError("NvmlProbeConfig: xid_flood_pause_ms must be in [0, 1000] and xid_flood_events >= 1, "
+                             f"got {self.xid_flood_pause_ms}, {self.xid_flood_events}")
 
 
 # What a poll reads (costs measured by bench/nvml_fields.py on H200s, driver 580.159.04; docs/BENCHMARKS.md):
@@ -459,6 +468,8 @@ class NvmlProbe:
                         on_event(batch[0])
                 except Exception:  # noqa: BLE001 - one bad handler must not kill the listener
                     log.exception("NVML event handler failed for %s", batch[0])
+                if sum(ev.count for ev in batch) >= self.config.xid_flood_events:   # a flood: let it gather
+                    stop.wait(self.config.xid_flood_pause_ms / 1000.0)
         finally:
             try:
                 self.backend.xid_close()
