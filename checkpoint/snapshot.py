@@ -161,7 +161,8 @@ class SnapshotConfig:
         if self.checksums not in ("auto", "source", "host"):
             raise InvalidInputError(f"checksums must be 'auto', 'source' or 'host', got {self.checksums!r}")
         if self.checksums == "source" and self.chunk_bytes % 4:
-            raise InvalidInputError(f"checksums='source' needs chunk_bytes a multiple of 4, got {self.chunk_bytes}")
+            raise InvalidInputError(f"checksums='source' needs chunk_bytes a multiple of 4, "
+                                    f"got {self.chunk_bytes}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
 
@@ -182,8 +183,8 @@ class SaveResult:
     skipped_before: int = 0     # saves skipped (by policy) since the previous save handed to the background
     spare_s: float = 0.0        # background time creating the next staging slot ahead (after the commit)
     error: str = ""
-    device_staged: bool = False  # copied to a GPU buffer first (no host buffer was ready): save() did not wait
-                                 # for a host buffer to be made
+    device_staged: bool = False  # copied to a GPU buffer first (no host buffer was ready): save() did not
+                                 # wait for a host buffer to be made
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -322,7 +323,7 @@ class Snapshotter:
             offsets, total = layout(tensors)
             # skip_until_ready never blocks on making a buffer: with none ready it skips and makes one ahead
             slot = self._acquire_slot(total, create=not ahead)
-            staged = None   # no host buffer ready: stage on the GPU, the host buffer is made in the background
+            staged = None   # no host buffer ready: stage on the GPU, the host buffer made in the background
             if slot is None and not self._arena.ready(total):
                 staged = self._device_stage(tensors, total, block)
                 if staged is None and ahead:
@@ -354,7 +355,8 @@ class Snapshotter:
             self._saves += 1
             self._last_events = events
             fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
-                                    blocking, time.perf_counter(), slot, stall, skipped, cut, staged)
+                                    blocking, time.perf_counter(), slot, stall, skipped, cut,
+                                    [staged] if staged is not None else None)
             self._last = SaveHandle(step, fut)
             return self._last
 
@@ -372,7 +374,8 @@ class Snapshotter:
             self._cuts = (key, pieces(offsets, sizes, self.config.chunk_bytes))
         return self._cuts[1]
 
-    def _zero_gaps(self, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int], total: int) -> None:
+    def _zero_gaps(self, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int],
+                   total: int) -> None:
         """Zero the bytes between tensors in the staging buffer (the source checksums count them as zero),
         once per buffer and layout: a reused slot may hold another layout's bytes there."""
         key = (tuple(offsets), total)
@@ -588,7 +591,7 @@ class Snapshotter:
                 fingerprint_tensors_async(views, per_tensor_out=per)
                 src_fps[("pieces", dev)] = (mine, per)
             elif cut is not None and mine:   # CPU -> host memory: the copy below is a synchronous memcpy, so
-                src_fps[("host pieces", dev)] = mine   # the background fingerprints its pieces (numpy, no GIL)
+                src_fps[("host pieces", dev)] = mine   # the background fingerprints them (numpy, no GIL)
             check = cut is None and bool(self.config.check_source_fingerprint)
             if check and idx:
                 per = torch.empty(len(idx), 2, dtype=torch.int64)
@@ -602,7 +605,7 @@ class Snapshotter:
                     _dst(arena, offsets[i], t).copy_(t.to("cpu").pin_memory(), non_blocking=True)
                 else:
                     _dst(arena, offsets[i], t).copy_(t.to("cpu"))
-            if arena.device.type == "cuda" and idx:   # the uploads ran on the current stream: wait for them too
+            if arena.device.type == "cuda" and idx:   # the uploads ran on the current stream: wait for them
                 up = torch.cuda.Event()
                 up.record(torch.cuda.current_stream(arena.device))
                 events.append(up)
@@ -696,15 +699,15 @@ class Snapshotter:
                     total: int, arena: torch.Tensor, events: list[Any], src_fps: dict[int, torch.Tensor],
                     blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
                     skipped: int = 0, cut: list[Piece] | None = None,
-                    staged: torch.Tensor | None = None) -> SaveResult:
+                    staged_box: list[torch.Tensor] | None = None) -> SaveResult:
         res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall)
         try:
             for ev in events:
                 ev.synchronize()
-            if staged is not None:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
+            if staged_box:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
                 res.device_staged = True
-                arena = self._unstage(staged, total, tuple(e[3] for e in entries))
-                staged = None        # the GPU memory goes back now
+                arena = self._unstage(staged_box.pop(), total, tuple(e[3] for e in entries))
+                # the box held the only reference past save(): the GPU memory goes back now
             begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
             if begin.state not in ("PENDING",):
                 res.state = begin.state
@@ -734,8 +737,8 @@ class Snapshotter:
             if not self._slots_off:
                 self._location = begin.location
             if cut is not None:
-                manifest = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut, res,
-                                                 arena)
+                manifest = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut,
+                                                 res, arena)
                 report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
                 commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size,
                                                 manifest.to_json(), report=report)
@@ -772,10 +775,11 @@ class Snapshotter:
 
     def _device_stage(self, tensors: list[torch.Tensor], total: int, block: str) -> torch.Tensor | None:
         """A zeroed GPU buffer of `total` bytes for a save that finds no host buffer ready (the first one,
-        or the first after the state changed size: once per size, never in steady state), when the state is on one GPU with room to spare and the save does
-        not promise a finished host copy (`block` is not "copy"). The copy into it runs at device memory
-        speed; the background makes the pinned host buffer and copies there (`_unstage`). Costs `total`
-        bytes of GPU memory until then. None: stage on the host as before."""
+        or the first after the state changed size: once per size, never in steady state), when the state
+        is on one GPU with room to spare and the save does not promise a finished host copy (`block` is
+        not "copy"). The copy into it runs at device memory speed; the background makes the pinned host
+        buffer and copies there (`_unstage`). Costs `total` bytes of GPU memory until then (given back to
+        torch's caching allocator). None: stage on the host as before."""
         if not self.config.device_staging or block == "copy" or total == 0 or total in self._staged_sizes:
             return None   # once per state size: later saves find a buffer made ahead (or skip / wait)
         devs = {t.device for t in tensors if t.device.type == "cuda"}
@@ -809,8 +813,8 @@ class Snapshotter:
         self._zeroed[host.data_ptr()] = (offsets, total)   # the gaps came over as zeros
         return host
 
-    def _source_manifest(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
-                         total: int, blob_key: str, src_fps: dict[Any, Any], cut: list[Piece],
+    def _source_manifest(self, step: int, tree: Any,
+                         entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]], total: int, blob_key: str, src_fps: dict[Any, Any], cut: list[Piece],
                          res: SaveResult, arena: torch.Tensor) -> ShardManifest:
         """The manifest from the pieces' source fingerprints (checkpoint.source_sums): no host byte read,
         but for CPU tensors, whose pieces are fingerprinted here from the host copy (numpy, threads)."""
