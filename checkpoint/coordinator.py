@@ -665,7 +665,10 @@ class Coordinator:
         meta = self._meta(job_id, step)
         if _s(self.redis.hget(meta, "state") or "") not in policy.RESTORABLE_STATES:
             return   # evicted or aborted meanwhile: nothing to record
-        self.redis.hset(meta, SCRUB_FIELD + str(rank), verdict)
+        fields = {SCRUB_FIELD + str(rank): verdict}
+        if verdict != SCRUB_OK:   # what `sdcwatch ckpt show` prints for it
+            fields["reason"] = f"never VERIFIED: rank {rank}'s bytes in node memory: {verdict}"
+        self.redis.hset(meta, mapping=fields)
         self.evaluate(job_id, now, "host bytes checked")
 
     def _requeue_scrubs(self, job_id: str, steps: Sequence[int]) -> None:

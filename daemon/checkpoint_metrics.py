@@ -42,6 +42,10 @@ _COUNTERS = {
     "restore_fallbacks": ("sdcwatch_checkpoint_restore_fallbacks_total",
                           "Chunks a restore read from another copy than the first"),
     "slots_swept": ("sdcwatch_checkpoint_slots_swept_total", "Staging slots of dead ranks removed"),
+    "scrubbed_bytes": ("sdcwatch_checkpoint_scrubbed_bytes_total",
+                       "Bytes of shards checksummed at the source that the scrub checked in node memory"),
+    "scrub_failures": ("sdcwatch_checkpoint_scrub_failures_total",
+                       "Shards whose bytes in node memory differ from their source checksums (never VERIFIED)"),
 }
 
 # observation name -> (metric name, help)

@@ -132,6 +132,7 @@ def test_the_scrub_finds_a_bad_byte_in_node_memory(redis_server, tmp_path: Path)
     assert co.info(job, 1).state == "COMMITTED"          # never VERIFIED
     assert _unscrubbed(co, job, 1)["scrub:0"].startswith("bad: chunk at 2048")
     assert co.stats["scrub_failures"] == 1
+    assert co.info(job, 1).reason.startswith("never VERIFIED: rank 0's bytes in node memory: bad: chunk at 2048")
     assert any("checkpoint.copy_corrupt" in repr(e) for e in events), events
     with pytest.raises(Exception, match="checksum|fingerprint|corrupt|chunk"):
         CheckpointClient(co, job, 0, 1).restore(1)      # the restore verifies the chunks it reads
