@@ -953,8 +953,11 @@ def _warm_triton(dev: torch.device, done: threading.Event) -> None:
         with torch.cuda.device(dev):
             stream = torch.cuda.Stream(device=dev)
             with torch.cuda.stream(stream):
-                t = torch.zeros(64, dtype=torch.uint8, device=dev)
-                prepare_fingerprint([t[:64], t[:5]]).run_async()
+                t = torch.zeros(256, dtype=torch.uint8, device=dev)
+                # 1, 2 and 16 tensors: Triton specializes an int argument (the finaliser's count) equal to 1
+                # or divisible by 16, so each kind is compiled here, not in a save
+                for m in (1, 2, 16):
+                    prepare_fingerprint([t[: 4 * k + 5] for k in range(m)]).run_async()
             stream.synchronize()
         done.set()
     except Exception as e:  # noqa: BLE001 - saves go on with torch ops
