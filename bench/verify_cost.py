@@ -146,7 +146,7 @@ def _save_cost(state: dict[str, Any], replicas: int, saves: int, device: torch.d
     proc, sock = start_redis(work, "coord")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows: dict[str, list[float]] = {k: [] for k in ("block_real", "block_stub", "commit_real", "commit_stub",
-                                                     "verified", "compare_live")}
+                                                     "verified", "compare_live", "scrub_rate")}
     try:
         co = Coordinator(redis.Redis(unix_socket_path=sock), ShmStore(shm_root), node="bench",
                          location=str(shm_root),
@@ -170,6 +170,13 @@ def _save_cost(state: dict[str, Any], replicas: int, saves: int, device: torch.d
             rows[f"block_{mode}"].append(min(r.blocking_s for r in results))
             rows[f"commit_{mode}"].append(results[-1].commit_s)   # the last replica's commit compares
             if mode == "real":
+                # shards checksummed at the source (CUDA): the agent's scrub checks their host bytes first
+                # (VERIFIED waits for it); its rate, from the bytes of every pending shard
+                t0, n = time.perf_counter(), 0
+                while co.scrub_pending():
+                    n += co.scrub(time.time(), 1 << 40)
+                if n:
+                    rows["scrub_rate"].append(-n / (time.perf_counter() - t0))   # min() of these: the best
                 t0 = time.perf_counter()
                 co.on_job_event(f"verify-{mode}", step, "vote_agreed", time.time())
                 rows["verified"].append(time.perf_counter() - t0)
@@ -188,6 +195,8 @@ def _save_cost(state: dict[str, Any], replicas: int, saves: int, device: torch.d
         shutil.rmtree(shm_root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     out: dict[str, Any] = {k: min(v) for k, v in rows.items() if v}
+    if "scrub_rate" in out:
+        out["scrub_rate"] = -out["scrub_rate"]
     out["replicas"] = replicas
     out["save_bytes"] = sum(t.numel() * t.element_size() for t in _tensors(state))
     return out
@@ -312,6 +321,10 @@ def print_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         print(f"{'save() return -> committed (last replica)':<62} {save['commit_real'] * 1e3:9.2f} ms   "
               f"(stubbed {save['commit_stub'] * 1e3:.2f} ms: the check runs here, after save() returned)")
         print(f"{'agent: vote event -> VERIFIED (evaluate)':<62} {save['verified'] * 1e3:9.2f} ms")
+        if "scrub_rate" in save:
+            print(f"{'agent: scrub of the host bytes (source checksums), one thread':<62} "
+                  f"{save['scrub_rate'] / 1e9:9.2f} GB/s   (VERIFIED waits for it; the agent runs it at "
+                  "[checkpoints] scrub_bytes_per_s)")
         print(f"{'agent: compare saved bytes, live manifests':<62} {save['compare_live'] * 1e3:9.2f} ms   "
               f"({save['compare_live'] / blk:.3f}x save blocking, "
               f"{save['compare_live'] / (blk + save['commit_real']):.3f}x save call -> committed)")

@@ -17,7 +17,7 @@ class CoordinatorConfig:
     memory_cap_bytes: int = setting(0, "bytes of checkpoints kept in memory per job; older ones evicted first (0: no cap)")
     verify_on_commit: bool = setting(True, "re-read every chunk's checksum when a shard commits (shards checksummed "
                                      "on the host; those checksummed at the source are checked by the scrub)")
-    scrub_bytes_per_s: float = setting(2e9, "rate at which the agent checks the bytes of shards checksummed at the "
+    scrub_bytes_per_s: float = setting(1e9, "rate at which the agent checks the bytes of shards checksummed at the "
                                        "source (on the GPU) against their checksums, after COMMITTED; VERIFIED "
                                        "waits for it (0: never checked, never VERIFIED)")
     pending_timeout_s: float = setting(600.0, "a save not committed by every rank after this long is aborted")
