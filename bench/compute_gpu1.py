@@ -1,4 +1,4 @@
-"""The compute checks on ONE GPU (issue 19): the smallest fault the pre-reduction statistics catch on its step,
+"""Compute checks on ONE GPU (issue 19): the smallest fault the pre-reduction statistics catch on its step,
 a named subset of at most 12 fault cases, and sdcguard's ABFT check on the same faults.
 
 One GPU has no second rank, so the cross-rank comparison runs over K virtual ranks in one process: each step
@@ -20,6 +20,7 @@ without them, interleaved, is `bench.compute_faults --world 1 --overhead` (DDP o
     PYTHONPATH=$PWD python -m bench.compute_gpu1 --device cuda --model gpt2 --sdcguard 20     # one H200
     PYTHONPATH=$PWD python -m bench.compute_gpu1 --model tiny-gpt --clean 100                 # CPU smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ from torch import nn
 from bench import compute_faults as cf
 from checksums.grad_checks import SpreadTracker, bucket_summary, stats_of
 
-SUBSET = [            # at most 12 named cases (one device session): name, where, how, value
+SUBSET = [  # at most 12 named cases (one device session): name, where, how, value
     ("mm one elem =1e4", "mm", "set", 1e4),
     ("mm one elem =10", "mm", "set", 10.0),
     ("mm one elem exp-flip", "mm", "expflip", 0.0),
@@ -50,7 +51,7 @@ SUBSET = [            # at most 12 named cases (one device session): name, where
     ("grad elem NaN", "grad", "set", float("nan")),
     ("mm one elem ulp", "mm", "ulp", 0.0),
 ]
-SWEEPS = {            # fault kind -> sizes tried, smallest first
+SWEEPS = {  # fault kind -> sizes tried, smallest first
     "mm one elem = v": ("mm", "set", [0.5, 1, 2, 5, 10, 20, 50, 100, 300, 1e3, 1e4]),
     "mm one elem x f": ("mm", "scale", [1.01, 1.1, 2, 5, 10, 100, 1e3, 1e4]),
     "mm channel x f": ("mm", "channel", [1.01, 1.1, 1.5, 2, 4, 10, 100]),
@@ -84,8 +85,9 @@ class Virtual:
         self.k = args.ranks
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.layout = buckets_of(self.params, args.bucket_mb << 20)
-        self.opt = torch.optim.Adam(self.params, lr=1e-4 if args.model == "gpt2" else 1e-3,
-                                    fused=device.type == "cuda")
+        self.opt = torch.optim.Adam(
+            self.params, lr=1e-4 if args.model == "gpt2" else 1e-3, fused=device.type == "cuda"
+        )
         self.tracker = SpreadTracker(margin=args.margin, warmup=args.warmup)
         self.case: tuple[str, str, float] | None = None
         self.faulty = False
@@ -95,7 +97,7 @@ class Virtual:
         if args.sdcguard:
             self.active = {"on": False}
             self.mode = cf.MatmulFault(self.target, None, self.active)
-            self.guard = cf._sdcguard(1, self.model)     # protect(): checked whenever asked (the fault's step)
+            self.guard = cf._sdcguard(1, self.model)  # protect(): checked whenever asked (the fault's step)
 
     def _hook(self, mod: nn.Module, inp: Any, out: torch.Tensor) -> None:
         if self.faulty and self.case is not None and self.case[0] == "mm" and self.mode is None:
@@ -134,6 +136,7 @@ class Virtual:
         def run() -> list[torch.Tensor]:
             loss = cf.loss_fn(self.model, batch)
             return list(torch.autograd.grad(loss, self.params))
+
         if self.mode is None:
             return run()
         with self.mode:
@@ -152,16 +155,22 @@ class Virtual:
         self.tracker.__dict__.update(tracker)
 
 
-def caught_on_its_step(v: Virtual, kept: Any, step: int, case: tuple[str, str, float], *,
-                       check: bool = False) -> dict[str, Any]:
+def caught_on_its_step(
+    v: Virtual, kept: Any, step: int, case: tuple[str, str, float], *, check: bool = False
+) -> dict[str, Any]:
     v.restore(kept)
     v.case = case
     out = v.step(step, fault_rank=1, check_rank=1 if check else -1)
     v.case = None
     verdict = out["verdict"]
     named = list(verdict.suspects)
-    return {"caught": bool(named), "named": named, "right": named == [1],
-            "score": verdict.scores[1] if len(verdict.scores) > 1 else 0.0, "sdcguard": out["sdcguard_alerts"] > 0}
+    return {
+        "caught": bool(named),
+        "named": named,
+        "right": named == [1],
+        "score": verdict.scores[1] if len(verdict.scores) > 1 else 0.0,
+        "sdcguard": out["sdcguard_alerts"] > 0,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -172,11 +181,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--margin", type=float, default=3.0)
     p.add_argument("--bucket-mb", type=int, default=25)
-    p.add_argument("--clean", type=int, default=0, help="clean steps after warm-up: suspicions (none expected)")
+    p.add_argument(
+        "--clean", type=int, default=0, help="clean steps after warm-up: suspicions (none expected)"
+    )
     p.add_argument("--cases", default="all", help="all (the 12-case subset) | none | comma-separated names")
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--sdcguard", type=int, default=0, metavar="EVERY",
-                   help="also run sdcguard's ABFT check on the fault's step (it checks 1 step in EVERY)")
+    p.add_argument(
+        "--sdcguard",
+        type=int,
+        default=0,
+        metavar="EVERY",
+        help="also run sdcguard's ABFT check on the fault's step (it checks 1 step in EVERY)",
+    )
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -192,22 +208,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-                               "model": args.model, "ranks": args.ranks, "buckets": len(v.layout),
-                               "step_s": warm_s / max(1, args.warmup)}
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "model": args.model,
+        "ranks": args.ranks,
+        "buckets": len(v.layout),
+        "step_s": warm_s / max(1, args.warmup),
+    }
     suspicions = 0
     t0 = time.perf_counter()
     for step in range(args.warmup + 1, args.warmup + 1 + args.clean):
         suspicions += bool(v.step(step)["verdict"].suspects)
-    results["clean"] = {"steps": args.clean, "suspicions": suspicions, "max_score": v.tracker.max_score_clean,
-                        "s": time.perf_counter() - t0}
+    results["clean"] = {
+        "steps": args.clean,
+        "suspicions": suspicions,
+        "max_score": v.tracker.max_score_clean,
+        "s": time.perf_counter() - t0,
+    }
     sp = v.tracker.spread
     results["spread"] = sp.tolist() if sp is not None else []
     kept = v.keep()
     at = step + 1
     names = {"all": [c[0] for c in SUBSET], "none": []}.get(args.cases, args.cases.split(","))
-    results["cases"] = {name: caught_on_its_step(v, kept, at, (w, h, x), check=bool(args.sdcguard))
-                        for name, w, h, x in SUBSET if name in names}
+    results["cases"] = {
+        name: caught_on_its_step(v, kept, at, (w, h, x), check=bool(args.sdcguard))
+        for name, w, h, x in SUBSET
+        if name in names
+    }
     if not args.no_sweep:
         sweep: dict[str, Any] = {}
         for kind, (w, h, sizes) in SWEEPS.items():
@@ -226,28 +253,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any], args: argparse.Namespace) -> str:
-    lines = [f"{r['model']} on {r['device']}, {r['ranks']} virtual ranks, {r['buckets']} buckets, "
-             f"{r['step_s'] * 1e3:.0f} ms per step of all ranks; margin {args.margin}"]
+    lines = [
+        (
+            f"{r['model']} on {r['device']}, {r['ranks']} virtual ranks, {r['buckets']} buckets, "
+            f"{r['step_s'] * 1e3:.0f} ms per step of all ranks; margin {args.margin}"
+        )
+    ]
     c = r["clean"]
-    lines.append(f"clean: {c['steps']} steps after warm-up, {c['suspicions']} suspicions, largest clean score "
-                 f"{c['max_score']:.2f} of margin {args.margin}")
+    lines.append(
+        f"clean: {c['steps']} steps after warm-up, {c['suspicions']} suspicions, largest clean score "
+        f"{c['max_score']:.2f} of margin {args.margin}"
+    )
     sp = torch.tensor(r["spread"], dtype=torch.float64)
     if sp.numel():
         for k, stat in enumerate(("norm", "maxabs")):
             col = sp[:, k]
-            lines.append(f"clean cross-rank spread of {stat:6}: median x{math.exp(col.median()):.3f}, largest "
-                         f"x{math.exp(col.max()):.3f}; caught beyond x{math.exp(col.median() * args.margin):.2f} "
-                         "(median bucket)")
+            lines.append(
+                f"clean cross-rank spread of {stat:6}: median x{math.exp(col.median()):.3f}, largest "
+                f"x{math.exp(col.max()):.3f}; caught beyond x{math.exp(col.median() * args.margin):.2f} "
+                "(median bucket)"
+            )
     if r["cases"]:
         sg = f" {'sdcguard (if checked)':22}" if args.sdcguard else ""
-        lines.append(f"{'fault on virtual rank 1':30} {'caught on its step':19} {'rank named':11} {'score':>8}{sg}")
+        lines.append(
+            f"{'fault on virtual rank 1':30} {'caught on its step':19} {'rank named':11} {'score':>8}{sg}"
+        )
         for name, x in r["cases"].items():
-            lines.append(f"{name:30} {'yes' if x['caught'] else 'no':19} "
-                         f"{('yes ' if x['right'] else 'NO ') + str(x['named']) if x['caught'] else '-':11} "
-                         f"{x['score']:8.2f}" + (f" {'yes' if x['sdcguard'] else 'no':22}" if args.sdcguard else ""))
+            lines.append(
+                f"{name:30} {'yes' if x['caught'] else 'no':19} "
+                f"{('yes ' if x['right'] else 'NO ') + str(x['named']) if x['caught'] else '-':11} "
+                f"{x['score']:8.2f}" + (f" {'yes' if x['sdcguard'] else 'no':22}" if args.sdcguard else "")
+            )
         if args.sdcguard:
-            lines.append(f"sdcguard checks 1 step in {args.sdcguard}: a transient fault is caught with probability "
-                         f"1/{args.sdcguard}, a persistent one within {args.sdcguard} steps; ours on every step")
+            lines.append(
+                f"sdcguard checks 1 step in {args.sdcguard}: a transient fault is caught with probability "
+                f"1/{args.sdcguard}, a persistent one within {args.sdcguard} steps; ours on every step"
+            )
     for kind, s in r.get("sweep", {}).items():
         tried = ", ".join(f"{x:g}:{'Y' if ok else 'n'}({sc:.1f})" for x, ok, sc in s["tried"])
         lines.append(f"smallest {kind:18} caught on its step: {s['smallest']}   [{tried}]")

@@ -47,8 +47,14 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
-from checksums.grad_checks import (FsdpGradSummaries, GradSummaries, SpreadTracker, StatsVerdict, deviations,
-                                   stats_of)
+from checksums.grad_checks import (
+    FsdpGradSummaries,
+    GradSummaries,
+    SpreadTracker,
+    StatsVerdict,
+    deviations,
+    stats_of,
+)
 from checksums.replay import Cause, Classification, LossFn, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
@@ -93,7 +99,8 @@ class ComputeChecks:
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
             if audit_every:
                 logger.warning("sdcwatch: FSDP2 steps are not replayed yet: replay audits are off; the "
-                               "pre-reduce-scatter statistics name an outlier rank (3+ ranks) and drop its step")
+                               "pre-reduce-scatter statistics name an outlier rank (3+ ranks) and drop "
+                               "its step")
             audit_every = 0
         else:
             self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket)
@@ -165,8 +172,9 @@ class ComputeChecks:
             return []
         if self.fsdp:
             named = verdict.suspects if self.world > 2 or verdict.nonfinite else (0, 1)
-            c = Classification(Cause.UNRESOLVED, tuple(named), True, "FSDP2: no replay; the pre-reduce-scatter "
-                               f"statistics name rank(s) {list(named)}")
+            c = Classification(Cause.UNRESOLVED, tuple(named), True,
+                               "FSDP2: no replay; the pre-reduce-scatter statistics name rank(s) "
+                               f"{list(named)}")
             return [("nonfinite" if verdict.nonfinite else "stats", named[0], c)]
         if self.world == 2:
             c = self.replayer.classify_pair(rows, retained, (jumps[0], jumps[1]))

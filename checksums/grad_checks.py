@@ -172,7 +172,8 @@ class FsdpGradSummaries:
         from torch.distributed.fsdp import FSDPModule
         mods = [m for m in root.modules() if isinstance(m, FSDPModule)]
         if not mods:
-            raise TypeError(f"FsdpGradSummaries needs a model sharded with fully_shard, got {type(root).__name__}")
+            raise TypeError("FsdpGradSummaries needs a model sharded with fully_shard, got "
+                            f"{type(root).__name__}")
         self._group = group
         self.params: list[torch.Tensor] = [p for p in root.parameters() if p.requires_grad]
         self._rows: dict[int, torch.Tensor] = {}
@@ -217,10 +218,11 @@ def _summarising_reduce_scatter() -> type:
             super().__init__()
             self._owner, self._idx = owner, idx
 
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+        def __call__(self, output_tensor, input_tensor, group, op,  # type: ignore[no-untyped-def]
+                     async_op=False):
             self._owner._summarise(self._idx, input_tensor)
-            return super().__call__(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
-                                    async_op=async_op)
+            return super().__call__(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
+                                    op=op, async_op=async_op)
 
     return SummarisingReduceScatter
 

@@ -110,11 +110,12 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
 
 PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
 WITNESS_NEAR = 0.25     # the CPU witness names a GPU when its projection is this close to that GPU's result
-WITNESS_REUSE = 100     # symmetric suspicions after a CPU witness that name its GPU without asking the CPU again
+WITNESS_REUSE = 100     # symmetric suspicions after a CPU witness naming its GPU without asking the CPU
 
 
-def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor, jumps: tuple[float, float] = (0.0, 0.0),
-                          *, exact: bool = True, rtol: float = 1e-3, witness: float | None = None) -> Classification:
+def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
+                          jumps: tuple[float, float] = (0.0, 0.0), *, exact: bool = True, rtol: float = 1e-3,
+                          witness: float | None = None) -> Classification:
     """Two ranks: decide from both originals [2 (batch), B, 4] and every replay [2 (GPU), 2 (batch), B, 4]
     (`replays[g, j]`: GPU g's replay of rank j's batch), with `jumps[r]`, rank r's own-history jump (the
     tie-break of a persistent fault), and `witness`, the CPU witness's projection (`Replayer.witness`: near 0
@@ -129,19 +130,22 @@ def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor, jumps:
         if not bad:
             return Classification(Cause.DATA, (), False, "both ranks' gradients reproduce on both GPUs")
         return Classification(Cause.TRANSIENT, bad, True,
-                              f"rank {list(bad)}'s original gradient does not repeat; both GPUs' replays agree")
+                              f"rank {list(bad)}'s original gradient does not repeat; both GPUs' replays "
+                              "agree")
     if not any(cross) and all(own):
         hi, lo = (0, 1) if jumps[0] >= jumps[1] else (1, 0)
         if jumps[hi] > PAIR_WITNESS * max(jumps[lo], 1e-12) and jumps[hi] > 1.0:
             return Classification(Cause.PERSISTENT, (hi,), True,
-                                  f"each GPU repeats its own result and they disagree on both batches; rank {hi}'s "
-                                  f"statistics jumped {jumps[hi]:.1f} clean spreads from its own history, rank "
+                                  "each GPU repeats its own result and they disagree on both batches; rank "
+                                  f"{hi}'s statistics jumped {jumps[hi]:.1f} clean spreads from its own "
+                                  "history, rank "
                                   f"{lo}'s {jumps[lo]:.1f}")
         if witness is not None and (witness < WITNESS_NEAR or witness > 1 - WITNESS_NEAR):
             bad = 1 if witness < WITNESS_NEAR else 0
             return Classification(Cause.PERSISTENT, (bad,), True,
-                                  f"each GPU repeats its own result and they disagree on both batches; the CPU's "
-                                  f"float64 gradient sits at t={witness:.3f} between GPU 0's (0) and GPU 1's (1): "
+                                  "each GPU repeats its own result and they disagree on both batches; the "
+                                  f"CPU's float64 gradient sits at t={witness:.3f} between GPU 0's (0) and "
+                                  "GPU 1's (1): "
                                   f"rank {bad}'s GPU computes wrong")
         return Classification(Cause.UNRESOLVED, (0, 1), True,
                               "each GPU repeats its own result and they disagree on both batches; no third "
@@ -155,7 +159,8 @@ def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor, jumps:
 class Retained:
     """One step's micro-batches, each with the RNG state before its forward: (batch, cpu_rng, dev_rng)."""
 
-    micro: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(default_factory=list)
+    micro: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(
+        default_factory=list)
 
     @property
     def batch(self) -> Any:
@@ -186,7 +191,7 @@ class Replayer:
         self._step_open = False
         self.exact = True
         self.replays = 0
-        self.cpu_witness = True       # two ranks: a symmetric persistent fault asks the CPU (Replayer.witness)
+        self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
         self._witnessed: tuple[int, int] | None = None     # (the rank it named, reuses left)
 
     def retain(self, batch: Any) -> None:
@@ -325,15 +330,17 @@ class Replayer:
         rows = self.gather(torch.stack([self.replay(b) for b in batches]))
         c = classify_pair_replays(originals, rows, jumps, exact=self.exact)
         if c.cause is Cause.UNRESOLVED and c.faulty == (0, 1) and self.cpu_witness and \
-                c.detail.startswith("each GPU repeats"):       # symmetric: ask the host CPU (same on every rank)
+                c.detail.startswith("each GPU repeats"):       # symmetric: ask the host CPU (every rank)
             if self._witnessed is not None and self._witnessed[1] > 0:
                 # a persistent fault the CPU named recently: not again every step (a CPU float64 replay of a
                 # large model takes long); the same GPU, for the next WITNESS_REUSE symmetric suspicions
                 bad, left = self._witnessed
                 self._witnessed = (bad, left - 1)
-                return Classification(Cause.PERSISTENT, (bad,), True, f"each GPU repeats its own result and they "
-                                      f"disagree on both batches; the CPU witness named rank {bad} earlier")
-            c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=self.witness(batches[0]))
+                return Classification(Cause.PERSISTENT, (bad,), True,
+                                      "each GPU repeats its own result and they disagree on both batches; "
+                                      f"the CPU witness named rank {bad} earlier")
+            t = self.witness(batches[0])
+            c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=t)
             if c.cause is Cause.PERSISTENT:
                 self._witnessed = (c.faulty[0], WITNESS_REUSE)
         return c
@@ -354,8 +361,8 @@ class Replayer:
             c = self.classify_pair(originals, jumps=jumps)
             if c.cause is Cause.DATA:
                 return Classification(Cause.TRANSIENT, (auditor,), False,
-                                      f"auditor rank {auditor}'s replay of rank {audited}'s batch differed once; "
-                                      "every replay after it agrees with the originals")
+                                      f"auditor rank {auditor}'s replay of rank {audited}'s batch differed "
+                                      "once; every replay after it agrees with the originals")
             return c
         got = self.gather(self.replay(retained))                     # every rank replays it now
         c = classify_replays(audited, original, got, exact=self.exact)

@@ -1,4 +1,4 @@
-"""The in-rank loss gate (opt-in, issue 19): a critical loss event vetoes the next update, decided in the rank.
+"""The in-rank loss gate (opt-in, issue 19): a critical loss event vetoes the next update, in the rank.
 
 The agent runs the loss detector (probes.loss_detector) on the reported losses and answers a critical event
 with a rollback, a round trip and several steps later. This stage runs the same pure detector in the rank,
@@ -7,7 +7,7 @@ optimizer applies it:
 
     gate = LossGate.attach(optimizer, module=model, loss_fn=loss_fn)   # or checks=ComputeChecks(...)
     for batch in loader:
-        gate.retain(batch)                   # not needed with checks=: the compute gate's retain() serves both
+        gate.retain(batch)                   # not with checks=: the compute gate's retain() serves both
         loss = loss_fn(ddp_model, batch)
         loss.backward()
         gate.observe(loss)                   # a non-blocking copy of the loss; read at the next step
@@ -37,6 +37,7 @@ Findings are `ComputeFinding`s with detector "loss" (carried to the agent on the
 Lives in probes/ because the detector does (the rank library, checksums/, sits below probes/ in the
 layers); it imports torch, so the agent never imports it (pyproject's import-linter contracts).
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,10 +63,12 @@ from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
 logger = logging.getLogger(__name__)
 
 
-def classify_loss_replays(suspect: int, original: float, baseline: float,
-                          replays: Sequence[float]) -> Classification:
+def classify_loss_replays(
+    suspect: int, original: float, baseline: float, replays: Sequence[float]
+) -> Classification:
     """Decide a flagged loss from its original value, the flagged rank's detector baseline and every rank's
     replay of its batch (see the module docstring). Pure."""
+
     def reproduces(x: float) -> bool:
         if not math.isfinite(original):
             return not math.isfinite(x)
@@ -80,22 +83,40 @@ def classify_loss_replays(suspect: int, original: float, baseline: float,
     got = ", ".join(f"{x:.4g}" for x in replays)
     if all(rep):
         finite = math.isfinite(original)
-        return Classification(Cause.DATA, (), not finite, f"rank {suspect}'s loss {original:.4g} reproduces on "
-                              f"every rank ({got}; baseline {baseline:.4g})"
-                              + ("" if finite else "; a non-finite update is never applied"))
+        return Classification(
+            Cause.DATA,
+            (),
+            not finite,
+            f"rank {suspect}'s loss {original:.4g} reproduces on "
+            f"every rank ({got}; baseline {baseline:.4g})"
+            + ("" if finite else "; a non-finite update is never applied"),
+        )
     if not any(rep):
-        return Classification(Cause.TRANSIENT, (suspect,), True, f"rank {suspect}'s loss {original:.4g} does not "
-                              f"repeat ({got}; baseline {baseline:.4g})")
+        return Classification(
+            Cause.TRANSIENT,
+            (suspect,),
+            True,
+            f"rank {suspect}'s loss {original:.4g} does not repeat ({got}; baseline {baseline:.4g})",
+        )
     yes = [r for r in range(world) if rep[r]]
     no = [r for r in range(world) if not rep[r]]
-    if len(yes) * 2 > world:                      # a majority reproduces it: the dissenters recompute wrong
-        return Classification(Cause.PERSISTENT, tuple(no), True,
-                               f"ranks {no} recompute rank {suspect}'s batch to another loss ({got})")
-    if rep[suspect] and len(yes) == 1:            # it repeats only on its own GPU; the rest and the baseline agree
-        return Classification(Cause.PERSISTENT, (suspect,), True,
-                              f"rank {suspect}'s loss {original:.4g} repeats only on its GPU ({got}; "
-                              f"baseline {baseline:.4g})")
-    return Classification(Cause.UNRESOLVED, tuple(yes), True, f"replays of rank {suspect}'s batch split ({got})")
+    if len(yes) * 2 > world:  # a majority reproduces it: the dissenters recompute wrong
+        return Classification(
+            Cause.PERSISTENT,
+            tuple(no),
+            True,
+            f"ranks {no} recompute rank {suspect}'s batch to another loss ({got})",
+        )
+    if rep[suspect] and len(yes) == 1:  # it repeats only on its own GPU; the rest and the baseline agree
+        return Classification(
+            Cause.PERSISTENT,
+            (suspect,),
+            True,
+            f"rank {suspect}'s loss {original:.4g} repeats only on its GPU ({got}; baseline {baseline:.4g})",
+        )
+    return Classification(
+        Cause.UNRESOLVED, tuple(yes), True, f"replays of rank {suspect}'s batch split ({got})"
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -115,7 +136,7 @@ class _Obs:
 @dataclasses.dataclass(frozen=True, slots=True)
 class LossGateStatus:
     steps: int
-    flagged: int            # steps on which some rank's detector raised a gating event
+    flagged: int  # steps on which some rank's detector raised a gating event
     dropped: int
     replays: int
 
@@ -126,11 +147,22 @@ class LossGate:
     name = "loss"
     phase = Phase.GATE
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, module: nn.Module | None = None,
-                 loss_fn: LossFn | None = None, checks: Any = None, config: LossDetectorConfig | None = None,
-                 gate_on: Callable[[LossEvent], bool] | None = None, group: Any = None, mask: str = "auto",
-                 monitor: Any = None, gpu_uuid: str = "", host: str | None = None,
-                 max_findings: int = 1000) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        module: nn.Module | None = None,
+        loss_fn: LossFn | None = None,
+        checks: Any = None,
+        config: LossDetectorConfig | None = None,
+        gate_on: Callable[[LossEvent], bool] | None = None,
+        group: Any = None,
+        mask: str = "auto",
+        monitor: Any = None,
+        gpu_uuid: str = "",
+        host: str | None = None,
+        max_findings: int = 1000,
+    ) -> None:
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.world > 1 else 0
@@ -143,23 +175,26 @@ class LossGate:
                 raise ValueError("LossGate needs module= and loss_fn= (the replayable step), or checks=")
             params = list(module.parameters())
             device = params[0].device if params else torch.device("cpu")
-            self.replayer = Replayer(getattr(module, "module", module), None, loss_fn, device=device, group=group)
+            self.replayer = Replayer(
+                getattr(module, "module", module), None, loss_fn, device=device, group=group
+            )
         self.device = self.replayer.device
         self.detector = LossDetector(config)
         self.gate_on = gate_on if gate_on is not None else (lambda e: e.critical)
         self.mask = choose_mask(mask, optimizer, self.device)
         self._optimizer_ref = weakref.ref(optimizer)
         pin = self.device.type == "cuda"
-        self._bufs = [torch.zeros(1, dtype=torch.float32, pin_memory=pin) for _ in range(3)]   # step % 3
-        self._observed: _Obs | None = None               # this step's loss, until the gate files it
-        self._obs: collections.deque[_Obs] = collections.deque(maxlen=2)    # the last steps' losses
+        self._bufs = [torch.zeros(1, dtype=torch.float32, pin_memory=pin) for _ in range(3)]  # step % 3
+        self._observed: _Obs | None = None  # this step's loss, until the gate files it
+        self._obs: collections.deque[_Obs] = collections.deque(maxlen=2)  # the last steps' losses
         self._handled: collections.deque[int] = collections.deque(maxlen=4)  # steps gated on their own loss
         self._flags = torch.zeros((max(self.world, 1), 2), dtype=torch.float32, pin_memory=pin)
-        self._pending: tuple[Any, Any, dict[int, _Obs]] | None = None      # device path: judged a step later
+        self._pending: tuple[Any, Any, dict[int, _Obs]] | None = None  # device path: judged a step later
         if self.world > 1:
             where: list[Any] = [None] * self.world
-            dist.all_gather_object(where, (host if host is not None else socket.gethostname(), gpu_uuid),
-                                   group=group)
+            dist.all_gather_object(
+                where, (host if host is not None else socket.gethostname(), gpu_uuid), group=group
+            )
             self.where = [tuple(w) for w in where]
         else:
             self.where = [(host if host is not None else socket.gethostname(), gpu_uuid)]
@@ -216,7 +251,7 @@ class LossGate:
         obs = self._observed
         if obs is not None:
             if obs.step != ctx.step:
-                obs = None                                # observed for another step: ignore it
+                obs = None  # observed for another step: ignore it
             else:
                 obs.retained = self.replayer.retained
         try:
@@ -247,7 +282,7 @@ class LossGate:
     def _judge(self, prev: _Obs) -> bool:
         """The previous step's loss (landed a step ago) through this rank's detector: whether it gates."""
         if prev.event is not None:
-            prev.event.synchronize()                  # recorded a step ago: already complete
+            prev.event.synchronize()  # recorded a step ago: already complete
         prev.baseline = self._baseline()
         events = self.detector.update(prev.step, float(prev.buf[0]), None, time.time())
         self.events.extend(events)
@@ -288,7 +323,7 @@ class LossGate:
         if self.world > 1:
             dist.all_reduce(t, group=self.group)
         assert self._device_mask is not None
-        self._device_mask.add(ctx, (t.sum() > 0).float())     # combined with the other gates' and GradScaler's
+        self._device_mask.add(ctx, (t.sum() > 0).float())  # combined with the other gates' and GradScaler's
         back = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
         back.copy_(t, non_blocking=True)
         done = None
@@ -326,11 +361,12 @@ class LossGate:
             obs.event.synchronize()
         mine = (float(obs.buf[0]), obs.baseline if obs.baseline is not None else self._baseline())
         outcomes = []
-        for r in flagged[:2]:                         # bounded: at most two flagged ranks, one replay each
+        for r in flagged[:2]:  # bounded: at most two flagged ranks, one replay each
             if self.world > 1:
                 box: list[Any] = [mine]
-                dist.broadcast_object_list(box, src=r, group=self.group,
-                                           device=self.device if self.device.type == "cuda" else None)
+                dist.broadcast_object_list(
+                    box, src=r, group=self.group, device=self.device if self.device.type == "cuda" else None
+                )
                 orig_r, base_r = box[0]
                 value = self.replayer.replay_loss(self.replayer.fetch(r, obs.retained))
                 got: list[Any] = [None] * self.world
@@ -346,14 +382,27 @@ class LossGate:
         for r, c in outcomes:
             self._record(obs.step, r, c, drop)
         if drop and not masked:
-            return Veto(self.name, "; ".join(f"loss of rank {r} at step {obs.step}: {c.cause.value} ({c.detail})"
-                                              for r, c in outcomes))
+            return Veto(
+                self.name,
+                "; ".join(
+                    f"loss of rank {r} at step {obs.step}: {c.cause.value} ({c.detail})" for r, c in outcomes
+                ),
+            )
         return None
 
     def _record(self, step: int, suspect: int, c: Classification, drop: bool) -> None:
         where = tuple((r, *self.where[r]) for r in c.faulty if r < len(self.where))
-        finding = ComputeFinding(step=step, detector="loss", suspect=suspect, cause=c.cause.value, faulty=c.faulty,
-                                 dropped=drop, detail=c.detail, where=where, since_step=step)
+        finding = ComputeFinding(
+            step=step,
+            detector="loss",
+            suspect=suspect,
+            cause=c.cause.value,
+            faulty=c.faulty,
+            dropped=drop,
+            detail=c.detail,
+            where=where,
+            since_step=step,
+        )
         self.findings.append(finding)
         checks = self._checks() if self._checks is not None else None
         if checks is not None:
@@ -361,8 +410,14 @@ class LossGate:
         else:
             self._unreported.append(finding)
         if self.rank == 0 or self.rank in c.faulty:
-            logger.warning("sdcwatch: loss gate at step %d: rank %d -> %s, faulty %s, next update %s", step,
-                           suspect, c.cause.value, list(where), "dropped" if drop else "applied")
+            logger.warning(
+                "sdcwatch: loss gate at step %d: rank %d -> %s, faulty %s, next update %s",
+                step,
+                suspect,
+                c.cause.value,
+                list(where),
+                "dropped" if drop else "applied",
+            )
 
     def take_findings(self) -> tuple[ComputeFinding, ...]:
         out = tuple(self._unreported)
@@ -370,8 +425,12 @@ class LossGate:
         return out
 
     def status(self) -> LossGateStatus:
-        return LossGateStatus(steps=self._steps, flagged=self._flagged, dropped=self._dropped,
-                              replays=self.replayer.replays - self._replays0)
+        return LossGateStatus(
+            steps=self._steps,
+            flagged=self._flagged,
+            dropped=self._dropped,
+            replays=self.replayer.replays - self._replays0,
+        )
 
     def close(self) -> None:
         self.guard.remove(self.name)

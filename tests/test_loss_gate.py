@@ -1,7 +1,8 @@
-"""The in-rank loss gate (issue 19, opt-in): the pure loss detector in the rank, a GATE stage of the step guard.
+"""The in-rank loss gate (issue 19, opt-in): the pure loss detector in the rank, a GATE stage of the guard.
 A non-finite loss masks its own step's update; a critical (or chosen) loss event seen a step later masks the
 next update; the flagged step is replayed forward-only and classified; bounded, never loops. One process on
 CPU, and two gloo ranks under DDP that agree on the veto."""
+
 from __future__ import annotations
 
 import json
@@ -59,17 +60,19 @@ def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = Fal
         if on["v"]:
             with torch.no_grad():
                 out.view(-1)[3] = fault["value"]
+
     layer.register_forward_hook(hook)
     gate = LossGate.attach(opt, module=net, loss_fn=_loss, gate_on=gate_on, mask=mask)
     for step in range(1, steps + 1):
         b = _batch(rank, step)
         gate.retain(b)
-        on["v"] = rank == fault.get("rank", 0) and (step == fault["step"] or (
-            fault.get("persistent") and step >= fault["step"]))
+        on["v"] = rank == fault.get("rank", 0) and (
+            step == fault["step"] or (fault.get("persistent") and step >= fault["step"])
+        )
         loss = _loss(net, b)
         loss.backward()
         if not fault.get("persistent"):
-            on["v"] = False                 # a transient fault: the replay in the gate computes right
+            on["v"] = False  # a transient fault: the replay in the gate computes right
         gate.observe(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -78,11 +81,18 @@ def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = Fal
 
 def test_a_non_finite_loss_masks_its_own_step_and_a_transient_one_is_named():
     model, gate = _train(40, {"step": 25, "value": math.inf})
-    assert all(torch.isfinite(p).all() for p in model.parameters()), "the non-finite update reached the weights"
+    assert all(torch.isfinite(p).all() for p in model.parameters()), (
+        "the non-finite update reached the weights"
+    )
     skipped = [(s.step, s.stage) for s in gate.guard.skipped]
     assert skipped == [(25, "loss")], skipped
     f = list(gate.findings)
-    assert len(f) == 1 and (f[0].step, f[0].detector, f[0].cause, f[0].faulty) == (25, "loss", "transient", (0,))
+    assert len(f) == 1 and (f[0].step, f[0].detector, f[0].cause, f[0].faulty) == (
+        25,
+        "loss",
+        "transient",
+        (0,),
+    )
     st = gate.status()
     assert st.flagged == 1 and st.dropped == 1 and st.replays == 1
 
@@ -102,14 +112,14 @@ def test_a_persistent_non_finite_loss_is_dropped_every_step_and_never_loops():
     model, gate = _train(30, {"step": 20, "value": math.nan, "persistent": True})
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert [s.step for s in gate.guard.skipped] == list(range(20, 31))
-    assert gate.status().replays == 11            # one replay per flagged step, never retried
+    assert gate.status().replays == 11  # one replay per flagged step, never retried
     assert {f.cause for f in gate.findings} == {"data"} and all(f.dropped for f in gate.findings)
 
 
 def test_a_loss_spike_seen_a_step_later_masks_the_next_update_and_is_classified():
     """The detector reads step N's loss at step N+1's gate (no sync in the step): the spike vetoes update
     N+1; the replay of step N's batch on the current weights is near the baseline: transient."""
-    model, gate = _train(60, {"step": 50, "value": 300.0}, gate_on=lambda e: e.kind in ("spike", "nonfinite"))
+    _, gate = _train(60, {"step": 50, "value": 300.0}, gate_on=lambda e: e.kind in ("spike", "nonfinite"))
     assert any(e.kind == "spike" and e.step == 50 for e in gate.events)
     assert [s.step for s in gate.guard.skipped] == [51]
     f = list(gate.findings)
@@ -135,8 +145,9 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 
 def test_two_gloo_ranks_agree_on_the_veto_and_name_the_rank(tmp_path):
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
     got = [json.loads((tmp_path / f"{r}.txt").read_text()) for r in range(2)]
     for finite, skipped, found, _ in got:
         assert finite and skipped == [20], got
