@@ -51,12 +51,15 @@ class ListenerBeat(Protocol):
 class NvmlProbeConfig:
     rules: RuleConfig = dataclasses.field(default_factory=RuleConfig)
     xid_wait_ms: int = 500
-    # Under a flood (a read that found at least `xid_flood_events` queued), the listener pauses this long
-    # before it reads again, so the driver's queue gathers a batch: a storm of 40,000 XIDs a second costs at
-    # most 1000/xid_flood_pause_ms reads a second, not one read per event. Counts stay exact while the
+    # Under a flood (a read that found at least `xid_flood_events` queued), the listener pauses before it
+    # reads again, so the driver's queue gathers a batch: xid_flood_pause_ms after the first such read,
+    # doubling while the flood lasts up to xid_flood_pause_max_ms, back to none when a read finds a few.
+    # Each batch costs the agent about half a millisecond (evidence, metrics, journal); a storm of 40,000
+    # XIDs a second then costs 10 batches a second, not one per event. Counts stay exact while the
     # driver's event queue holds what arrives in one pause.
     xid_flood_events: int = 64
     xid_flood_pause_ms: int = 20
+    xid_flood_pause_max_ms: int = 100
     read_nvlink: bool = True
     skip_fields: tuple[str, ...] = DEFAULT_SKIP  # names, globs or NVML call names (`names_matching`)
     rotate_per_poll: int = 1   # rotated units read per poll (see `poll_class`); more = fresher, costlier
@@ -69,9 +72,10 @@ class NvmlProbeConfig:
             raise ValueError(f"NvmlProbeConfig.sweep_s must be > 0, got {self.sweep_s}")
         if not 1 <= self.xid_wait_ms <= 60_000:
             raise ValueError(f"NvmlProbeConfig.xid_wait_ms must be in [1, 60000], got {self.xid_wait_ms}")
-        if not 0 <= self.xid_flood_pause_ms <= 1000 or self.xid_flood_events < 1:
-            raise ValueError("NvmlProbeConfig: xid_flood_pause_ms must be in [0, 1000] and xid_flood_events >= 1, "
-                             f"got {self.xid_flood_pause_ms}, {self.xid_flood_events}")
+        if not 0 <= self.xid_flood_pause_ms <= self.xid_flood_pause_max_ms <= 1000 or self.xid_flood_events < 1:
+            raise ValueError("NvmlProbeConfig: need 0 <= xid_flood_pause_ms <= xid_flood_pause_max_ms <= 1000 and "
+                             f"xid_flood_events >= 1, got {self.xid_flood_pause_ms}, {self.xid_flood_pause_max_ms}, "
+                             f"{self.xid_flood_events}")
 
 
 # What a poll reads (costs measured by bench/nvml_fields.py on H200s, driver 580.159.04; docs/BENCHMARKS.md):
@@ -443,6 +447,7 @@ class NvmlProbe:
             on_open(registered)
         try:
             waiting = beat.waiting if beat is not None else contextlib.nullcontext
+            pause_ms = 0     # the flood pause now (0: no flood)
             while not stop.is_set():
                 if beat is not None:
                     beat.beat()
@@ -469,7 +474,11 @@ class NvmlProbe:
                 except Exception:  # noqa: BLE001 - one bad handler must not kill the listener
                     log.exception("NVML event handler failed for %s", batch[0])
                 if sum(ev.count for ev in batch) >= self.config.xid_flood_events:   # a flood: let it gather
-                    stop.wait(self.config.xid_flood_pause_ms / 1000.0)
+                    pause_ms = min(2 * pause_ms, self.config.xid_flood_pause_max_ms) if pause_ms \
+                        else self.config.xid_flood_pause_ms
+                    stop.wait(pause_ms / 1000.0)
+                else:
+                    pause_ms = 0
         finally:
             try:
                 self.backend.xid_close()

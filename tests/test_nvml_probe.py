@@ -544,3 +544,55 @@ def test_every_nvml_event_kind_and_not_supported_recorded() -> None:
     assert events["poison_fatal"].severity is Severity.CRITICAL and events["recovery_action"].details["data"] == 1
     registered = h.backend.xid_open()
     assert "sbe_storm" in registered[0] and "sbe_storm" not in registered[1] and "xid" in registered[1]
+
+
+class _FloodBackend:
+    """Every wait finds an XID and every drain 500 more: a flood that never pauses."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def xid_open(self) -> dict[int, list[str]]:
+        return {0: ["xid"]}
+
+    def xid_wait(self, timeout_ms: int):
+        from probes.nvml_types import RawXid
+        self.waits += 1
+        return RawXid("GPU-0", 13)
+
+    def xid_drain(self, max_events: int):
+        from probes.nvml_types import RawXid
+        return [RawXid("GPU-0", 13, count=500)]
+
+    def xid_close(self) -> None:
+        pass
+
+    def device_count(self) -> int:
+        return 1
+
+    def identity(self, index: int):
+        raise NotImplementedError
+
+    def read_fields(self, index: int, names):
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_flood_is_read_in_paced_batches_and_every_xid_counted() -> None:
+    """Under a flood the listener pauses between reads (20 ms, doubling to 100 ms): a fast host read a few
+    XIDs per wait and spent 31% of a core on the H200; every XID still arrives in the counts."""
+    backend = _FloodBackend()
+    probe = NvmlProbe(backend, NvmlProbeConfig())   # type: ignore[arg-type]
+    got: list[int] = []
+    stop = threading.Event()
+    t = threading.Thread(target=probe.run_xid_listener, args=(lambda ev: None, stop),
+                         kwargs={"on_batch": lambda batch: got.append(sum(ev.count for ev in batch))})
+    t.start()
+    stop.wait(1.0)
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+    assert 2 <= backend.waits <= 20, f"{backend.waits} reads in 1 s of flood"
+    assert got == [501] * len(got) and len(got) == backend.waits
