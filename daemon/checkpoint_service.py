@@ -37,7 +37,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -60,7 +59,7 @@ from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, R
 from sdcwatch.event_kinds import Publish
 from checkpoint.shm_store import ShmStore, default_shm_root, secure_memory_dir
 from daemon.background import Background, cancel_tasks
-from daemon.pools import WorkPool
+from daemon.pools import WorkPool, run_in_thread
 from daemon.checkpoint_metrics import CheckpointMetrics
 from daemon.peer_store_service import PeerStoreService
 from daemon import peer_store_service
@@ -630,32 +629,6 @@ def _status_for(e: Exception, fn: Any) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"coordination Redis unavailable: {e}"
     log.error("checkpoint RPC %s failed", getattr(fn, "__name__", fn), exc_info=e)
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-
-
-def run_in_thread(loop: asyncio.AbstractEventLoop, name: str, fn: Callable[..., Any],
-                  *args: Any) -> "asyncio.Future[Any]":
-    """`fn(*args)` on a daemon thread of its own; a future of the loop settles with its result. Unlike
-    `asyncio.to_thread`, the loop's end never waits for it (a drain to a slow tier outliving a stop)."""
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    def work() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, error = None, e
-        with contextlib.suppress(RuntimeError):   # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=work, name=f"sdcw-{name}", daemon=True).start()
-    return fut
 
 
 def register(server: grpc.aio.Server, service: CheckpointService) -> None:

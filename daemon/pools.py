@@ -20,6 +20,7 @@ SERVING again once calls finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import queue
 import threading
@@ -92,7 +93,7 @@ class WorkPool:
                     self.done += 1
                     self._progress_at = self.clock()
             try:
-                loop.call_soon_threadsafe(_settle, fut, result, error)
+                loop.call_soon_threadsafe(settle_future, fut, result, error)
             except RuntimeError:   # the loop is closed: nobody waits any more
                 pass
 
@@ -118,10 +119,29 @@ class WorkPool:
             self._queue.put(None)
 
 
-def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+def settle_future(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Settle a loop's future from a worker's outcome (call on the loop); a cancelled future is left alone."""
     if fut.done():
         return
     if error is not None:
         fut.set_exception(error)
     else:
         fut.set_result(result)
+
+
+def run_in_thread(loop: asyncio.AbstractEventLoop, name: str, fn: Callable[..., Any],
+                  *args: Any) -> "asyncio.Future[Any]":
+    """`fn(*args)` on a daemon thread of its own; a future of the loop settles with its result. Unlike
+    `asyncio.to_thread`, the loop's end never waits for it (a drain to a slow tier outliving a stop)."""
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):   # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle_future, fut, result, error)
+
+    threading.Thread(target=work, name=f"sdcw-{name}", daemon=True).start()
+    return fut

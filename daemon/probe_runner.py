@@ -20,6 +20,7 @@ import time
 import traceback
 from typing import Any, Awaitable, Callable
 
+from daemon.pools import settle_future
 from daemon.watchdog import LoopBeat
 from sdcwatch import event_kinds as ek
 from sdcwatch.errors import SdcwatchError
@@ -49,7 +50,7 @@ class Worker:
             except BaseException as exc:  # delivered to the awaiting coroutine
                 result, err = None, exc
             if not loop.is_closed():
-                loop.call_soon_threadsafe(_settle, fut, result, err)
+                loop.call_soon_threadsafe(settle_future, fut, result, err)
 
     def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -61,13 +62,6 @@ class Worker:
         self._q.put(None)
 
 
-def _settle(fut: asyncio.Future[Any], result: Any, err: BaseException | None) -> None:
-    if fut.cancelled():
-        return
-    if err is not None:
-        fut.set_exception(err)
-    else:
-        fut.set_result(result)
 
 
 @dataclasses.dataclass(slots=True)
