@@ -248,7 +248,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             ranks.append(subprocess.Popen([sys.executable, "-m", "demo.worker", str(spec_path)], cwd=ROOT,
                                           env=parent_env(env), stdout=open(out / f"rank{r}.log", "wb"),
                                           stderr=subprocess.STDOUT))
-        codes = display.follow_training(out / "rank0.jsonl", ranks, deadline=started + args.timeout)
+        codes = display.follow_training(out / "rank0.jsonl", ranks, deadline=started + args.timeout,
+                                        stopped=stop_requested)
         time.sleep(1.0)  # let the last reports and events arrive
         follower.stop()
         status = _status(sock)
@@ -270,15 +271,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_STOPPED: list[int] = []   # the exit code of a stop signal received (the training loop checks it too)
+
+
 def stop_on_signals() -> None:
-    """SIGTERM and SIGHUP end the demo as ^C does, through its `finally` (ranks killed, the agent stopped in
+    """SIGINT (^C), SIGTERM and SIGHUP end the demo through its `finally` (ranks killed, the agent stopped in
     order), with exit code 128 + the signal; a SIGKILL cannot be caught, and then the children's
-    parent-death signal stops them."""
+    parent-death signal stops them. The signal is also recorded and the training loop polls for it: an
+    exception raised by a handler while the main thread runs a finalizer (`__del__`) is swallowed by
+    Python, and the demo then trained on to the end and exited 0 after a ^C (seen under load)."""
     def handler(signum: int, _frame: Any) -> None:
+        _STOPPED.append(128 + signum)
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+
+
+def stop_requested() -> int | None:
+    """The exit code of a stop signal received so far, or None."""
+    return _STOPPED[0] if _STOPPED else None
 
 
 def _status(sock: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sdcwatch.extras import available
 
@@ -64,7 +64,10 @@ class Display:
         self.console.print(f"{self._stamp()} [{style}]{sev:8} {kind:22}[/] {ev.get('message', '')}",
                            markup=True, soft_wrap=True)
 
-    def follow_training(self, rank0_log: Path, procs: list[subprocess.Popen[bytes]], deadline: float) -> list[int | None]:
+    def follow_training(self, rank0_log: Path, procs: list[subprocess.Popen[bytes]], deadline: float,
+                        stopped: Callable[[], int | None] = lambda: None) -> list[int | None]:
+        """Show rank 0's progress until every rank exits or `deadline`; `stopped()` returning an exit code (a
+        stop signal) ends the demo with it."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         logs = {i: (rank0_log.parent / f"rank{i}.jsonl", 0) for i in range(len(procs))}
@@ -90,6 +93,9 @@ class Display:
                                       f"batches, in {rec['seconds']:.2f}s")
                         elif rec.get("event") == "rollback_impossible" and r == 0:
                             self.info(f"[red]no VERIFIED checkpoint to roll back to at step {rec['at_step']}[/]")
+                code = stopped()
+                if code is not None:
+                    raise SystemExit(code)
                 codes = [p.poll() for p in procs]
                 if all(c is not None for c in codes) or time.time() > deadline:
                     break
