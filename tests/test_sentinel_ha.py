@@ -152,7 +152,10 @@ def test_commit_killed_before_replication_is_durable_or_never_reported(
             r = a.commit_shard(JOB, 7, 0, 2, manifest)
             break
         except StoreUnavailableError as e:
-            assert "failed over during this write" in str(e) or "failing over" in str(e), e
+            # the era changed under it, or the new primary's replica has not caught up yet (a loaded
+            # machine: WAIT timed out): neither write counts, both are retried
+            assert any(why in str(e) for why in ("failed over during this write", "failing over",
+                                                 "replicas within")), e
             assert time.monotonic() < deadline, f"no commit within 30 s of the failover: {e}"
             time.sleep(0.05)
     assert r.state == "COMMITTED" and r.committed_now and log.announced == {7: 1}
