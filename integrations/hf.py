@@ -32,7 +32,7 @@ require("transformers")
 from transformers import TrainerCallback  # noqa: E402
 
 from checksums.reporter import Directive  # noqa: E402
-from integrations.session import LossTap, TrainingSession, torch_optimizer  # noqa: E402
+from integrations.session import SessionOptions, LossTap, TrainingSession, torch_optimizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,8 @@ class SdcwatchCallback(TrainerCallback):
 
     def __init__(self, job_id: str, *, save_every: int = 50, checkpoints: bool = True, recovery: bool = True,
                  monitor_kwargs: Mapping[str, Any] | None = None, agent_target: str | None = None) -> None:
-        self.job_id = job_id
-        self.save_every = save_every
-        self.checkpoints = checkpoints
-        self.recovery = recovery
-        self.monitor_kwargs = dict(monitor_kwargs or {})
-        self.agent_target = agent_target
+        self.options = SessionOptions(job_id, save_every=save_every, checkpoints=checkpoints, recovery=recovery,
+                                      monitor_kwargs=dict(monitor_kwargs or {}), agent_target=agent_target)
         self.session: TrainingSession | None = None
         self._tap: LossTap | None = None
         self._model: Any = None
@@ -80,11 +76,9 @@ class SdcwatchCallback(TrainerCallback):
         self._model = model
         self._optimizer = torch_optimizer(optimizer)
         self._scheduler = lr_scheduler
-        self.session = TrainingSession(
-            model, self._optimizer, job_id=self.job_id, state_fn=self._state, load_fn=self._load,
-            save_every=self.save_every, checkpoints=self.checkpoints, recovery=self.recovery,
-            start_step=int(state.global_step), batches_per_step=int(args.gradient_accumulation_steps),
-            monitor_kwargs=self.monitor_kwargs, agent_target=self.agent_target)
+        self.session = self.options.start(
+            model, self._optimizer, state_fn=self._state, load_fn=self._load,
+            start_step=int(state.global_step), batches_per_step=int(args.gradient_accumulation_steps))
         self._tap = LossTap(model)
 
     def on_step_end(self, args: Any, state: Any, control: Any, lr_scheduler: Any = None,

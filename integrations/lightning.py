@@ -35,7 +35,7 @@ require("lightning")
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from checksums.reporter import Directive  # noqa: E402
-from integrations.session import TrainingSession, output_loss, torch_optimizer  # noqa: E402
+from integrations.session import SessionOptions, TrainingSession, output_loss, torch_optimizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,8 @@ class SdcwatchCallback(Callback):
 
     def __init__(self, job_id: str, *, save_every: int = 50, checkpoints: bool = True, recovery: bool = True,
                  monitor_kwargs: Mapping[str, Any] | None = None, agent_target: str | None = None) -> None:
-        self.job_id = job_id
-        self.save_every = save_every
-        self.checkpoints = checkpoints
-        self.recovery = recovery
-        self.monitor_kwargs = dict(monitor_kwargs or {})
-        self.agent_target = agent_target
+        self.options = SessionOptions(job_id, save_every=save_every, checkpoints=checkpoints, recovery=recovery,
+                                      monitor_kwargs=dict(monitor_kwargs or {}), agent_target=agent_target)
         self.session: TrainingSession | None = None
         self._trainer: Any = None
         self._module: Any = None
@@ -90,11 +86,9 @@ class SdcwatchCallback(Callback):
                              f"{len(trainer.optimizers)}; attach a Monitor per optimizer instead")
         self._trainer, self._module = trainer, pl_module
         self._optimizer = torch_optimizer(trainer.optimizers[0])
-        self.session = TrainingSession(
-            pl_module, self._optimizer, job_id=self.job_id, state_fn=self._state, load_fn=self._load,
-            save_every=self.save_every, checkpoints=self.checkpoints, recovery=self.recovery,
-            start_step=int(trainer.global_step), batches_per_step=int(trainer.accumulate_grad_batches),
-            monitor_kwargs=self.monitor_kwargs, agent_target=self.agent_target)
+        self.session = self.options.start(
+            pl_module, self._optimizer, state_fn=self._state, load_fn=self._load,
+            start_step=int(trainer.global_step), batches_per_step=int(trainer.accumulate_grad_batches))
         self._attempts = self.session.guard.attempts
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,

@@ -22,6 +22,8 @@ Training-side module: torch only; never imports the agent.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 from typing import Any, Callable, Mapping
@@ -58,6 +60,27 @@ class SkipBatches:
         self.remaining -= 1
         self.vetoed += 1
         return Veto(self.name, f"skipping the batches of a rollback directive ({self.remaining} more steps)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionOptions:
+    """What a framework callback takes from its user and hands to every `TrainingSession` it starts
+    (the HF and Lightning callbacks share it). job_id: the agent's job; save_every: steps between
+    checkpoints (0: none); checkpoints=False: no checkpoint client; recovery: ReplicaRecovery on the step
+    guard; monitor_kwargs: for `Monitor.attach`; agent_target: the agent's gRPC target for checkpoints."""
+
+    job_id: str
+    save_every: int = 50
+    checkpoints: bool = True
+    recovery: bool = True
+    monitor_kwargs: Mapping[str, Any] | None = None
+    agent_target: str | None = None
+
+    def start(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> "TrainingSession":
+        """A session with these options; `kwargs`: the framework's own (state_fn, load_fn, start_step, ...)."""
+        return TrainingSession(model, optimizer, job_id=self.job_id, save_every=self.save_every,
+                               checkpoints=self.checkpoints, recovery=self.recovery,
+                               monitor_kwargs=self.monitor_kwargs, agent_target=self.agent_target, **kwargs)
 
 
 class TrainingSession:
