@@ -65,6 +65,8 @@ want lossclean && step loss-clean 300 python3 -m bench.loss_clean_run --device c
 want canarysm && step canary-sm 180 python3 bench/bench_canary_sm.py --fault-sm 17 --json "$OUT/canary_sm.json"
 # the agent under the storm scenario: CPU, RSS, health-check latency (fake NVML in the agent: see the script)
 want storm && step storm 300 python3 bench/bench_storm.py --seconds 30 --json "$OUT/storm.json"
+# the same at a kubelet's 1 check/s (target: under 2% of a core in every scenario)
+want storm1 && step storm-1hz 200 python3 bench/bench_storm.py --seconds 20 --check-hz 1 --json "$OUT/storm1.json"
 want ckpt && step ckpt-bench 150 python3 bench/bench_checkpoint.py --mib 2048 --tier-mib 512
 # issue 21: the copy overlapped with the next forward/backward (a-d at 2 GiB), then part d at 12 GiB
 want ckptoverlap && step ckpt-overlap-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
