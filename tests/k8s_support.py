@@ -1,23 +1,110 @@
 """A recording stand-in for the Kubernetes API server (not a test module): the three node calls the agent
 makes, answered the way the API server does, every request recorded with its arrival time. A real API
 server cannot run here; the agent's side is its real client (`lightkube`, the `sdcwatch[k8s]` extra),
-unchanged.
+unchanged. The server speaks in the official `kubernetes` Python client's models (the `test` extra):
+
+- what it answers (the node, a Status on errors) is built from `kubernetes.client` models (V1Node,
+  V1NodeCondition, V1Taint, V1Status, ...) and serialised by `ApiClient.sanitize_for_serialization`;
+- every body the agent sends is checked against those models before it is applied (`checked`): the
+  models' own schema, strictly (pydantic, `extra="forbid"`, strict types: an unknown field, a number where
+  a string belongs, a date-time that is not RFC 3339, a missing required field such as a condition's
+  `status` or a taint's `effect` are refused with 400 and listed in `invalid`), then deserialised by the
+  client's deserializer (`ApiClient.deserialize`, which alone would drop unknown fields silently);
+- the node after every patch is validated as a V1Node again, so a patch cannot leave it malformed.
 
   GET   /api/v1/nodes/<name>          the node (404 for another name)
-  PATCH /api/v1/nodes/<name>/status   strategic merge patch: conditions merge by `type`
-  PATCH /api/v1/nodes/<name>          merge patch of spec.taints; a metadata.resourceVersion that is not the
-                                      node's current one answers 409 Conflict, as the API server does
+  PATCH /api/v1/nodes/<name>/status   strategic merge patch (application/strategic-merge-patch+json):
+                                      conditions merge by `type` (their patchMergeKey), other lists are
+                                      replaced; only `status` changes, as the status subresource does
+  PATCH /api/v1/nodes/<name>          merge patch (application/merge-patch+json, RFC 7386: lists replaced,
+                                      null deletes); `status` does not change through it
+Either patch carrying a metadata.resourceVersion that is not the node's current one answers 409 Conflict,
+as the API server does; every applied patch moves resourceVersion on. Another content type answers 415.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from kubernetes import client as k8s
+
+_API = k8s.ApiClient()
+STRATEGIC = "application/strategic-merge-patch+json"
+MERGE = "application/merge-patch+json"
+# strategic merge: the lists that merge by a key (the rest are replaced), from core/v1's patchMergeKey tags
+_MERGE_KEYS = {("status", "conditions"): "type", ("status", "addresses"): "type"}
+
+
+class ModelError(ValueError):
+    """A body the official client's models refuse."""
+
+
+def checked(data: Any, model: str) -> Any:
+    """`data` (parsed JSON) as the `kubernetes.client` model named `model` (e.g. "V1Node"), or ModelError:
+    validated strictly by the model's schema, then deserialised by the client's deserializer."""
+    text = json.dumps(data)
+    try:
+        getattr(k8s, model).model_validate_json(text, strict=True)
+    except Exception as e:  # pydantic.ValidationError: unknown or mistyped field, a required one missing
+        raise ModelError(f"not a {model}: {e}") from e
+    return _API.deserialize(text, model, "application/json")
+
+
+def wire(obj: Any) -> Any:
+    """A model as the client serialises it (JSON-ready: camelCase names, RFC 3339 date-times)."""
+    return _API.sanitize_for_serialization(obj)
+
+
+def _status(code: int, reason: str, message: str) -> Any:
+    return wire(
+        k8s.V1Status(
+            api_version="v1", kind="Status", status="Failure", reason=reason, message=message, code=code
+        )
+    )
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
+    """Kubernetes' strategic merge patch for the fields the node's status uses: maps merge, null deletes,
+    lists with a patchMergeKey merge by it (an entry's fields merge), other lists are replaced."""
+    if isinstance(patch, list) and path in _MERGE_KEYS:
+        key = _MERGE_KEYS[path]
+        out = [dict(x) for x in (target or [])]
+        for entry in patch:
+            old = next((x for x in out if x.get(key) == entry.get(key)), None)
+            if old is None:
+                out.append(copy.deepcopy(entry))
+            else:
+                old.update(strategic_merge_patch(old, entry, path + ("[]",)))
+        return out
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = strategic_merge_patch(out.get(k), v, path + (k,))
+    return out
 
 
 @dataclasses.dataclass
@@ -25,39 +112,41 @@ class Request:
     method: str
     path: str
     content_type: str
-    body: Any
+    body: Any  # the JSON as sent
     at: float  # time.monotonic() when it arrived
     authorization: str = ""
+    model: Any = None  # the body as a kubernetes.client.V1Node (PATCH bodies that passed `checked`)
 
 
 TOKEN = "sdcwatch-test-serviceaccount-token"
+_T0 = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)
 
 
 class FakeApiServer:
     def __init__(self, node_name: str, taints: list[dict[str, Any]] | None = None) -> None:
-        self.node: dict[str, Any] = {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": node_name,
-                "resourceVersion": "1",
-                "labels": {"kubernetes.io/hostname": node_name},
-            },
-            "spec": {"taints": list(taints or [])},
-            "status": {
-                "conditions": [
-                    {
-                        "type": "Ready",
-                        "status": "True",
-                        "reason": "KubeletReady",
-                        "message": "kubelet is posting ready status",
-                        "lastHeartbeatTime": "2026-12-01T00:00:00Z",
-                        "lastTransitionTime": "2026-12-01T00:00:00Z",
-                    }
+        node = k8s.V1Node(
+            api_version="v1",
+            kind="Node",
+            metadata=k8s.V1ObjectMeta(
+                name=node_name, resource_version="1", labels={"kubernetes.io/hostname": node_name}
+            ),
+            spec=k8s.V1NodeSpec(taints=[checked(t, "V1Taint") for t in taints or []]),
+            status=k8s.V1NodeStatus(
+                conditions=[
+                    k8s.V1NodeCondition(
+                        type="Ready",
+                        status="True",
+                        reason="KubeletReady",
+                        message="kubelet is posting ready status",
+                        last_heartbeat_time=_T0,
+                        last_transition_time=_T0,
+                    )
                 ]
-            },
-        }
+            ),
+        )
+        self.node: Any = node  # a kubernetes.client.V1Node; answered as wire(self.node)
         self.requests: list[Request] = []
+        self.invalid: list[str] = []  # requests refused because the client's models refuse their body
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.conflict_next = 0  # answer this many taint patches with 409 (a concurrent writer)
@@ -76,21 +165,23 @@ class FakeApiServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                server._record("GET", self.path, "", None, self.headers.get("Authorization", ""))
-                code, obj = server._get(self.path)
-                self._send(code, obj)
+                server._record(Request("GET", self.path, "", None, time.monotonic(), self._auth()))
+                self._send(*server._get(self.path))
 
             def do_PATCH(self) -> None:
                 n = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(n) or b"null")
                 ctype = self.headers.get("Content-Type", "")
-                server._record("PATCH", self.path, ctype, body, self.headers.get("Authorization", ""))
-                code, obj = server._patch(self.path, ctype, body)
-                self._send(code, obj)
+                req = Request("PATCH", self.path, ctype, body, time.monotonic(), self._auth())
+                server._record(req)
+                self._send(*server._patch(req))
+
+            def _auth(self) -> str:
+                return self.headers.get("Authorization", "")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     def start(self) -> FakeApiServer:
         self.thread.start()
@@ -112,77 +203,63 @@ class FakeApiServer:
         return client(config, timeout_s, trust_env=False)
 
     # ---- state ---------------------------------------------------------------------------------------
-    def _record(self, method: str, path: str, ctype: str, body: Any, auth: str) -> None:
+    def _record(self, req: Request) -> None:
         with self.lock:
-            self.requests.append(Request(method, path, ctype, body, time.monotonic(), auth))
+            self.requests.append(req)
 
     def _name_ok(self, path: str, suffix: str = "") -> bool:
-        return path.split("?")[0] == f"/api/v1/nodes/{self.node['metadata']['name']}{suffix}"
-
-    def _not_found(self, path: str) -> tuple[int, Any]:
-        return 404, {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "status": "Failure",
-            "reason": "NotFound",
-            "message": f"{path} not found",
-            "code": 404,
-        }
+        return path.split("?")[0] == f"/api/v1/nodes/{self.node.metadata.name}{suffix}"
 
     def _get(self, path: str) -> tuple[int, Any]:
         if not self._name_ok(path):
-            return self._not_found(path)
+            return 404, _status(404, "NotFound", f"{path} not found")
         with self.lock:
-            return 200, copy.deepcopy(self.node)
+            return 200, wire(self.node)
 
-    def _bump(self) -> None:
-        md = self.node["metadata"]
-        md["resourceVersion"] = str(int(md["resourceVersion"]) + 1)
-        self.changed.notify_all()
-
-    def _patch(self, path: str, ctype: str, body: Any) -> tuple[int, Any]:
+    def _patch(self, req: Request) -> tuple[int, Any]:
+        status = self._name_ok(req.path, "/status")
+        if not status and not self._name_ok(req.path):
+            return 404, _status(404, "NotFound", f"{req.path} not found")
+        want = STRATEGIC if status else MERGE
+        if req.content_type != want:
+            return 415, _status(415, "UnsupportedMediaType", f"{req.path}: {req.content_type}, not {want}")
+        try:
+            req.model = checked(req.body, "V1Node")
+        except ModelError as e:
+            with self.lock:
+                self.invalid.append(f"{req.method} {req.path}: {e}")
+            return 400, _status(400, "BadRequest", str(e))
         with self.lock:
-            if self._name_ok(path, "/status"):
-                if ctype != "application/strategic-merge-patch+json":
-                    return 415, {"kind": "Status", "code": 415, "message": f"unexpected {ctype}"}
-                conds = self.node["status"]["conditions"]
-                for c in body["status"]["conditions"]:
-                    old = next((x for x in conds if x["type"] == c["type"]), None)
-                    if old is None:
-                        conds.append(dict(c))
-                    else:
-                        old.update(c)
-                self._bump()
-                return 200, copy.deepcopy(self.node)
-            if self._name_ok(path):
-                if ctype != "application/merge-patch+json":
-                    return 415, {"kind": "Status", "code": 415, "message": f"unexpected {ctype}"}
-                rv = body.get("metadata", {}).get("resourceVersion")
-                if self.conflict_next or (rv is not None and rv != self.node["metadata"]["resourceVersion"]):
-                    self.conflict_next = max(0, self.conflict_next - 1)
-                    return 409, {
-                        "kind": "Status",
-                        "apiVersion": "v1",
-                        "status": "Failure",
-                        "reason": "Conflict",
-                        "message": "the object has been modified",
-                        "code": 409,
-                    }
-                self.node["spec"]["taints"] = body["spec"]["taints"]
-                self._bump()
-                return 200, copy.deepcopy(self.node)
-        return self._not_found(path)
+            current = wire(self.node)
+            rv = (req.body.get("metadata") or {}).get("resourceVersion")
+            stale = rv is not None and rv != self.node.metadata.resource_version
+            if stale or (not status and self.conflict_next):
+                self.conflict_next = max(0, self.conflict_next - (not status))
+                return 409, _status(409, "Conflict", "the object has been modified")
+            if status:  # the status subresource: only status moves
+                after = dict(current, status=strategic_merge_patch(current, req.body)["status"])
+            else:  # the node: status does not move through it
+                after = dict(merge_patch(current, req.body), status=current["status"])
+            version = str(int(current["metadata"]["resourceVersion"]) + 1)
+            after["metadata"] = dict(after["metadata"], resourceVersion=version)
+            try:
+                self.node = checked(after, "V1Node")
+            except ModelError as e:  # the patch applied cleanly but left a malformed node
+                self.invalid.append(f"{req.method} {req.path}: the node after it: {e}")
+                return 422, _status(422, "Invalid", str(e))
+            self.changed.notify_all()
+            return 200, wire(self.node)
 
-    # ---- what tests read -----------------------------------------------------------------------------
-    def condition(self, type_: str) -> dict[str, Any] | None:
+    # ---- what tests read (the official client's models) ----------------------------------------------
+    def condition(self, type_: str) -> Any:
+        """The node's V1NodeCondition of `type_`, or None."""
         with self.lock:
-            return copy.deepcopy(
-                next((c for c in self.node["status"]["conditions"] if c["type"] == type_), None)
-            )
+            return next((c for c in self.node.status.conditions or [] if c.type == type_), None)
 
-    def taints(self) -> list[dict[str, Any]]:
+    def taints(self) -> list[Any]:
+        """The node's taints (V1Taint)."""
         with self.lock:
-            return copy.deepcopy(self.node["spec"]["taints"])
+            return list(self.node.spec.taints or [])
 
     def patches(self) -> list[Request]:
         with self.lock:
