@@ -11,7 +11,8 @@ gradient, per DDP bucket, before the reduction, and the ranks compare the summar
 
 A bucket's summary (`bucket_summary`) is four int64 words computed on the gradient's device with no host
 synchronisation: the L2 norm and the max-abs (float64 bit patterns) and the exact fingerprint of the
-bucket's gradients (checksums.fingerprint: two words; the Triton kernel on CUDA, torch ops elsewhere).
+bucket's gradients (checksums.fingerprint: two words). On CUDA with Triton one fused kernel reads the
+bucket once for all four (checksums.grad_summary_triton); elsewhere torch ops, with the same words.
 The norm and max-abs find outliers; the fingerprint lets a replay (checksums.replay) compare a recomputed
 gradient bit for bit.
 
@@ -28,6 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,19 +49,105 @@ _TINY = 1e-30          # log of a zero statistic: far from any live gradient, fi
 def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:
     """int64 [4] on the gradients' device: norm and max-abs (float64 bit patterns), fingerprint (2 words).
 
-    No host synchronisation. Non-finite values make the norm non-finite, so they travel in the same row.
-    `plan`: a prepared fingerprint plan of exactly these tensors (CUDA: checksums.fingerprint's
-    `prepare_fingerprint`), so the hot path does no planning.
+    No host synchronisation. Non-finite values make the norm non-finite, so they travel in the same row
+    (both statistics NaN). On CUDA with Triton, a one-tensor list (a bucket's flat buffer) of fp32, bf16 or
+    fp16, contiguous and 16-byte aligned, goes through the fused kernel (checksums.grad_summary_triton: one
+    read of the buffer, two launches); anything else through torch ops (`bucket_summary_torch`). The two
+    agree: the fingerprint exactly, the statistics to float rounding.
+    `plan`: from `summary_plan` on the same kind of list (held per bucket by the hooks), so the hot path
+    does no planning; without one, a cached plan is used.
     """
-    device = grads[0].device
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    if plan is not None and getattr(plan, "summarises", False):
+        if len(grads) == 1 and plan.matches(grads[0]):
+            return plan.run_async(grads[0])
+        plan = None
+    elif plan is None and len(grads) == 1 and fusable(grads[0]):
+        return _cached_summary_plan(grads[0]).run_async(grads[0])
+    return bucket_summary_torch(grads, plan)
+
+
+def bucket_summary_torch(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:
+    """`bucket_summary` in torch ops (several passes over the memory); `plan`: a fingerprint plan of
+    exactly these tensors (checksums.fingerprint's `prepare_fingerprint`) or None."""
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=_norm_dtype(g)).float() for g in grads])
     amax = torch.stack([g.detach().abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
                         for g in grads])
     stats = torch.stack([torch.linalg.vector_norm(norms), amax.amax()]).double()
     # a NaN in a gradient makes its norm NaN but amax may skip it on some backends: carry it in both
     stats = stats + (norms.sum() * 0).double()
+    device = grads[0].device
     fp = plan.run_async() if plan is not None else fingerprint_tensors_async(list(grads))
     return torch.cat([stats.view(torch.int64), fp.to(device)])
+
+
+def _norm_dtype(g: torch.Tensor) -> torch.dtype:
+    return torch.float64 if g.dtype == torch.float64 else torch.float32   # (fp32 from fp64 would narrow)
+
+
+# the fused kernel on CUDA with Triton; SDCWATCH_GS_FUSED=0 keeps the torch path (benchmarks compare them)
+_FUSED = os.environ.get("SDCWATCH_GS_FUSED", "1") != "0"
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_cache_lock = threading.Lock()
+_summary_plans: OrderedDict[tuple, Any] = OrderedDict()
+_SUMMARY_PLAN_CACHE = 16
+
+
+def fusable(t: torch.Tensor) -> bool:
+    """Whether `bucket_summary([t])` runs the fused kernel: CUDA, Triton, fp32/bf16/fp16, contiguous,
+    16-byte aligned (a plain tensor, not a DTensor)."""
+    return (_FUSED and t.device.type == "cuda" and t.dtype in _FUSED_DTYPES and t.is_contiguous()
+            and t.data_ptr() % 16 == 0 and (type(t) is torch.Tensor or type(t) is nn.Parameter)
+            and triton_available())
+
+
+def summary_plan(grads: Sequence[torch.Tensor]) -> Any:
+    """A plan for `bucket_summary` of lists like this one: the fused kernel's (its tables depend on the
+    buffer's size and dtype only, so a bucket that moves keeps it), else a fingerprint plan of exactly
+    these tensors (CUDA with Triton), else None (torch ops)."""
+    if not grads or grads[0].device.type != "cuda" or not triton_available():
+        return None
+    if len(grads) == 1 and fusable(grads[0]):
+        from checksums.grad_summary_triton import GradSummaryPlan  # triton is optional: loaded on first use
+        return GradSummaryPlan(grads[0].detach())
+    return prepare_fingerprint(list(grads))
+
+
+def _plan_key(grads: Sequence[torch.Tensor]) -> tuple:
+    """What `summary_plan`'s plan depends on."""
+    g = grads[0]
+    if len(grads) == 1 and fusable(g):
+        return ("fused", g.device, g.dtype, tuple(g.shape))
+    return ("fingerprint", g.data_ptr(), len(grads), grads[-1].data_ptr())
+
+
+def _cached_summary_plan(t: torch.Tensor) -> Any:
+    """A fused plan shared by calls without one, per size, dtype, device and stream (runs of one plan
+    must be stream-ordered)."""
+    key = (t.device, t.dtype, tuple(t.shape), torch.cuda.current_stream(t.device).cuda_stream)
+    with _cache_lock:
+        plan = _summary_plans.get(key)
+        if plan is not None:
+            _summary_plans.move_to_end(key)
+            return plan
+    plan = summary_plan([t])
+    with _cache_lock:
+        _summary_plans[key] = plan
+        while len(_summary_plans) > _SUMMARY_PLAN_CACHE:
+            _summary_plans.popitem(last=False)
+    return plan
+
+
+def _held_plan(plans: dict[int, tuple[tuple, Any]], idx: int, grads: Sequence[torch.Tensor]) -> Any:
+    """The plan of bucket `idx`, kept while it fits the bucket's buffer (so no bucket count thrashes a
+    shared cache); None off CUDA/Triton (torch ops)."""
+    if not grads or grads[0].device.type != "cuda" or not triton_available():
+        return None
+    key = _plan_key(grads)
+    held = plans.get(idx)
+    if held is None or held[0] != key:
+        held = (key, summary_plan(grads))
+        plans[idx] = held
+    return held[1]
 
 
 def stats_of(rows: torch.Tensor) -> torch.Tensor:
@@ -87,7 +177,7 @@ class GradSummaries:
         self.params: list[torch.Tensor] = [p for p in ddp.module.parameters() if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._rows: dict[int, torch.Tensor] = {}
-        self._plans: dict[int, tuple[tuple[int, int, int], Any]] = {}
+        self._plans: dict[int, tuple[tuple, Any]] = {}
         self.layout: dict[int, tuple[int, ...]] = {}
         self.hook_calls = 0
         self._inject = inject           # fault injection (bench/): called with the bucket's flat buffer
@@ -104,6 +194,7 @@ class GradSummaries:
         idx = bucket.index()
         # the bucket's flat buffer (its gradients are views into it, in order): three kernels and one
         # fingerprint a bucket, not two kernels a parameter (+34% of a GPT-2-small step on the H200)
+        # (one fused read of it on CUDA with Triton: checksums.grad_summary_triton)
         flat = [bucket.buffer()]
         self._rows[idx] = bucket_summary(flat, self._plan(idx, flat))
         layout = self.layout.get(idx)
@@ -113,17 +204,9 @@ class GradSummaries:
         return allreduce_hook(self._group, bucket)
 
     def _plan(self, idx: int, grads: Sequence[torch.Tensor]) -> Any:
-        """CUDA with Triton: one fingerprint plan per bucket, kept while the bucket's views stay where they
-        are (DDP rebuilds its buckets once, after the first step), so no bucket count thrashes the shared
-        plan cache. Elsewhere None (torch ops)."""
-        if not grads or grads[0].device.type != "cuda" or not triton_available():
-            return None
-        key = (grads[0].data_ptr(), len(grads), grads[-1].data_ptr())
-        held = self._plans.get(idx)
-        if held is None or held[0] != key:
-            held = (key, prepare_fingerprint(list(grads)))
-            self._plans[idx] = held
-        return held[1]
+        """CUDA with Triton: the bucket's own plan (`summary_plan`), kept while it fits the buffer
+        (DDP rebuilds its buckets once, after the first step). Elsewhere None (torch ops)."""
+        return _held_plan(self._plans, idx, grads)
 
     def rows(self) -> torch.Tensor:
         """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index."""
@@ -181,6 +264,7 @@ class FsdpGradSummaries:
         self.params: list[torch.Tensor] = [p for p in root.parameters() if p.requires_grad]
         self._rows: dict[int, torch.Tensor] = {}
         self._streams: set[Any] = set()
+        self._plans: dict[int, tuple[tuple, Any]] = {}
         self.layout: dict[int, tuple[int, ...]] = {}
         self.hook_calls = 0
         self._inject = inject
@@ -195,7 +279,7 @@ class FsdpGradSummaries:
     def _summarise(self, idx: int, flat: torch.Tensor) -> None:
         if self._inject is not None:
             self._inject(idx, flat)
-        self._rows[idx] = bucket_summary([flat])
+        self._rows[idx] = bucket_summary([flat], _held_plan(self._plans, idx, [flat]))
         if flat.device.type == "cuda":
             self._streams.add(torch.cuda.current_stream(flat.device))
         self.hook_calls += 1

@@ -1,0 +1,263 @@
+"""The fused gradient-bucket summary (Triton): norm, max-abs and exact fingerprint in one read of the bucket.
+
+`checksums.grad_checks.bucket_summary` describes the row: int64 [4] = the L2 norm and the max-abs as float64
+bit patterns, then the two list words of the fingerprint (checksums.fingerprint) of the one-tensor list
+[flat]. The torch path makes about five passes over the bucket (norm, abs copy, amax, fingerprint) and a
+dozen launches; this kernel reads each 32-bit word once and computes everything from it, in two launches:
+
+* ``gs_partials_kernel``, one program per work item (a run of tiles of ``BLOCK`` words, cut as
+  checksums.fingerprint_triton cuts them): 128-bit loads of the words, per lane ``acc0 += w`` and
+  ``acct += w * tile`` (the fingerprint's S0/S1 parts), and the words decoded to fp32 (fp32: a bitcast;
+  bf16: each half shifted into the high bits of an fp32; fp16: a conversion) for a per-lane sum of squares
+  and max of |x|. The last item also takes the tail (the bytes past the last whole 16-byte vector): bytes
+  for the fingerprint, elements for the statistics. Each item writes its four partials to its own slot
+  (no atomics).
+* ``gs_finalize_kernel``, one program: sums the partials in a fixed order (so the row is the same bit for
+  bit on every run), applies the fingerprint spec's mixing (steps 5 and 6, a list of one tensor), takes
+  the square root in float64 and writes the row. A non-finite sum of squares (a NaN or an Inf anywhere,
+  or an fp32 overflow) makes both statistics NaN, as the torch path does.
+
+The plan depends only on the buffer's size, dtype and device, not on its address: the buffer is reached by
+a byte offset from a plan-owned 16-byte-aligned anchor (as in fingerprint_triton), passed per run, so a
+bucket that moves (DDP's rebuild, FSDP's fresh reduce-scatter input) reuses its plan. Everything the
+kernels touch is allocated when the plan is built; a run does no host synchronisation. Runs of one plan
+must be stream-ordered (they share the partials buffer).
+
+Eligible buffers: contiguous fp32, bf16 or fp16 starting 16-byte aligned (`supports`); the caller
+falls back to the torch path otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from checksums.fingerprint_host import (
+    canonical_dtype_name,
+    count_words,
+    header_words,
+    position_words,
+    to_signed64,
+)
+from checksums.fingerprint_triton import MAX_TILES_PER_ITEM, _byte_sums, _fmix64, _sm_count
+
+DEFAULT_BLOCK = int(os.environ.get("SDCWATCH_GS_BLOCK", "1024"))
+DEFAULT_WARPS = int(os.environ.get("SDCWATCH_GS_WARPS", "4"))
+DEFAULT_ITEMS_PER_SM = int(os.environ.get("SDCWATCH_GS_ITEMS_PER_SM", "8"))
+FINAL_TB = 1024
+ROW_WORDS = 4
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_NAN_BITS = 0x7FF8000000000000
+
+
+@triton.jit
+def _stats_of_words(w, DT: tl.constexpr):
+    """Per lane (sum of squares, max |x|) in fp32 of the elements packed in 32-bit words `w`."""
+    wu = w.to(tl.uint32, bitcast=True)
+    if DT == 0:
+        x = wu.to(tl.float32, bitcast=True)
+        sq = x * x
+        mx = tl.abs(x)
+    else:
+        if DT == 1:
+            lo = (wu << 16).to(tl.float32, bitcast=True)
+            hi = ((wu >> 16) << 16).to(tl.float32, bitcast=True)
+        else:
+            lo = (wu & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (wu >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        sq = lo * lo + hi * hi
+        mx = tl.maximum(tl.abs(lo), tl.abs(hi))
+    return sq, mx
+
+
+@triton.jit
+def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fpart, spart,
+                       BLOCK: tl.constexpr, TAIL: tl.constexpr, DT: tl.constexpr, ES: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    off = off.to(tl.int64)
+    nbytes = nbytes.to(tl.int64)
+    nvec4 = nvec4.to(tl.int64)
+    rec = items + pid * 4
+    tile0 = tl.load(rec + 0)
+    nfull = tl.load(rec + 1)
+    has_partial = tl.load(rec + 2)
+    tail = tl.load(rec + 3)
+    lanes = tl.arange(0, BLOCK)
+    wbase = base_i32 + (off >> 4) * 4  # 16-byte aligned: lets Triton emit 128-bit loads
+    acc0 = tl.zeros([BLOCK], dtype=tl.uint64)
+    acct = tl.zeros([BLOCK], dtype=tl.uint64)
+    sq = tl.zeros([BLOCK], dtype=tl.float32)
+    mx = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(nfull):
+        t = tile0 + k
+        w = tl.load(wbase + t * BLOCK + lanes)
+        a, b = _stats_of_words(w, DT)
+        sq += a
+        mx = tl.maximum(mx, b)
+        w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
+        acc0 += w
+        acct += w * t.to(tl.uint32).to(tl.uint64)
+    if has_partial != 0:
+        t = tile0 + nfull
+        idx = t * BLOCK + lanes
+        w = tl.load(wbase + idx, mask=idx < nvec4 * 4, other=0)
+        a, b = _stats_of_words(w, DT)
+        sq += a
+        mx = tl.maximum(mx, b)
+        w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
+        acc0 += w
+        acct += w * t.to(tl.uint32).to(tl.uint64)
+    s0 = tl.sum(acc0, axis=0)
+    s1 = tl.sum(acct, axis=0) * BLOCK + tl.sum(acc0 * lanes.to(tl.uint64), axis=0)
+    ssq = tl.sum(sq, axis=0)
+    smx = tl.max(mx, axis=0)
+    if tail != 0:
+        a0, a1 = _byte_sums(base_u8 + off, nvec4 * 16, nbytes, 1, TAIL)
+        s0 += a0
+        s1 += a1
+        tl_lanes = tl.arange(0, TAIL)
+        first = (off + nvec4 * 16) // ES                 # exact: off and 16 are multiples of ES
+        n_el = (nbytes - nvec4 * 16) // ES
+        x = tl.load(base_el + first + tl_lanes, mask=tl_lanes < n_el, other=0).to(tl.float32)
+        ssq += tl.sum(x * x, axis=0)
+        smx = tl.maximum(smx, tl.max(tl.abs(x), axis=0))
+    tl.store(fpart + pid * 2, s0.to(tl.int64, bitcast=True))
+    tl.store(fpart + pid * 2 + 1, s1.to(tl.int64, bitcast=True))
+    tl.store(spart + pid * 2, ssq)
+    tl.store(spart + pid * 2 + 1, smx)
+
+
+@triton.jit
+def gs_finalize_kernel(fpart, spart, n_items, hdr, out, TB: tl.constexpr):
+    a0 = tl.zeros([TB], dtype=tl.uint64)
+    a1 = tl.zeros([TB], dtype=tl.uint64)
+    sq = tl.zeros([TB], dtype=tl.float64)
+    mx = tl.zeros([TB], dtype=tl.float32)
+    for start in range(0, n_items, TB):              # a fixed order: the row is deterministic
+        k = start + tl.arange(0, TB).to(tl.int64)
+        m = k < n_items
+        a0 += tl.load(fpart + k * 2, mask=m, other=0).to(tl.uint64, bitcast=True)
+        a1 += tl.load(fpart + k * 2 + 1, mask=m, other=0).to(tl.uint64, bitcast=True)
+        sq += tl.load(spart + k * 2, mask=m, other=0.0).to(tl.float64)
+        mx = tl.maximum(mx, tl.load(spart + k * 2 + 1, mask=m, other=0.0))
+    s0 = tl.sum(a0, axis=0)
+    s1 = tl.sum(a1, axis=0)
+    h0 = tl.load(hdr + 0).to(tl.uint64, bitcast=True)
+    h1 = tl.load(hdr + 1).to(tl.uint64, bitcast=True)
+    p0 = tl.load(hdr + 2).to(tl.uint64, bitcast=True)
+    p1 = tl.load(hdr + 3).to(tl.uint64, bitcast=True)
+    n0 = tl.load(hdr + 4).to(tl.uint64, bitcast=True)
+    n1 = tl.load(hdr + 5).to(tl.uint64, bitcast=True)
+    f0 = _fmix64(s0 ^ h0)                            # the tensor's words (spec step 5)
+    f1 = _fmix64((s1 ^ h1) + f0)
+    l0 = _fmix64(f0 ^ p0)                            # the list of one tensor (spec step 6)
+    l1 = _fmix64(f1 ^ p1)
+    big0 = _fmix64(l0 ^ n0)
+    big1 = _fmix64((l1 ^ n1) + big0)
+    total = tl.sum(sq, axis=0)
+    tbits = total.to(tl.int64, bitcast=True)
+    nonfinite = ((tbits >> 52) & 0x7FF) == 0x7FF     # NaN or Inf anywhere (or an fp32 overflow)
+    norm_bits = tl.sqrt(total).to(tl.int64, bitcast=True)
+    amax_bits = tl.max(mx, axis=0).to(tl.float64).to(tl.int64, bitcast=True)
+    nan_bits = tbits | 0x7FF8000000000000             # a NaN whatever total is when it is non-finite
+    tl.store(out + 0, tl.where(nonfinite, nan_bits, norm_bits))
+    tl.store(out + 1, tl.where(nonfinite, nan_bits, amax_bits))
+    tl.store(out + 2, big0.to(tl.int64, bitcast=True))
+    tl.store(out + 3, big1.to(tl.int64, bitcast=True))
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether the fused kernel takes this buffer: a plain contiguous fp32/bf16/fp16 tensor, 16-byte
+    aligned."""
+    return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.dtype in _DTYPES \
+        and t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+class GradSummaryPlan:
+    """The tables and buffers of the fused summary for buffers of one size, dtype and shape on one device.
+
+    ``run_async(t)`` launches the two kernels on ``t`` (any eligible tensor that `matches`) and returns the
+    int64 [4] row on the device. No host synchronisation; ``out`` (int64 [4]) receives the row if given.
+    """
+
+    summarises = True   # checksums.grad_checks.bucket_summary: a fused plan, not a fingerprint plan
+
+    def __init__(self, like: torch.Tensor, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS,
+                 items_per_sm: int = DEFAULT_ITEMS_PER_SM) -> None:
+        if block < 64 or block & (block - 1):
+            raise ValueError(f"block must be a power of two >= 64, got {block}")
+        if not supports(like):
+            raise ValueError("the fused summary takes contiguous 16-byte-aligned fp32/bf16/fp16 tensors, "
+                             f"got {like.dtype} contiguous={like.is_contiguous()} at {like.data_ptr():#x}")
+        self.block, self.num_warps = block, num_warps
+        self.device, self.dtype, self.shape = like.device, like.dtype, tuple(like.shape)
+        self.numel = like.numel()
+        self.nbytes = self.numel * like.element_size()
+        self._dt, self._es = _DTYPES[like.dtype], like.element_size()
+        self.anchor = torch.zeros(64, dtype=torch.uint8, device=self.device)
+        if self.anchor.data_ptr() % 16:
+            raise ValueError(f"internal: anchor buffer at {self.anchor.data_ptr():#x} is not 16-byte aligned")
+        self._base_i32 = self.anchor.view(torch.int32)
+        self._base_el = self.anchor.view(like.dtype)
+        self.nvec4 = self.nbytes // 16
+        items = self._items(_sm_count(self.device), items_per_sm)
+        self.n_items = len(items)
+        h0, h1 = header_words(canonical_dtype_name(like.dtype), self.shape)
+        p0, p1 = position_words(0)
+        n0, n1 = count_words(1)
+        self.hdr = torch.tensor([to_signed64(v) for v in (h0, h1, p0, p1, n0, n1)] + [0, 0],
+                                dtype=torch.int64).to(self.device)
+        self.items = torch.tensor(items or [[0] * 4], dtype=torch.int64).to(self.device)
+        self.fpart = torch.zeros(max(self.n_items, 1), 2, dtype=torch.int64, device=self.device)
+        self.spart = torch.zeros(max(self.n_items, 1), 2, dtype=torch.float32, device=self.device)
+
+    def _items(self, sms: int, items_per_sm: int) -> list[list[int]]:
+        """Work items [tile0, full tiles, has a partial tile, takes the tail], as fingerprint_triton cuts."""
+        if self.nbytes == 0:
+            return []
+        block = self.block
+        nwords = self.nvec4 * 4
+        ntiles = -(-nwords // block)
+        if ntiles >= 1 << 32:
+            raise ValueError(f"buffer too large ({self.nbytes} bytes) for the kernel")
+        chunk = max(1, min(MAX_TILES_PER_ITEM, ntiles // (sms * items_per_sm)))
+        tail = 1 if self.nbytes % 16 else 0
+        items = []
+        for t0 in range(0, max(ntiles, 1), chunk):
+            n_here = min(chunk, ntiles - t0)
+            last_partial = (t0 + n_here == ntiles) and (nwords % block != 0)
+            nfull = max(n_here - (1 if last_partial else 0), 0)
+            items.append([t0, nfull, int(last_partial), tail if t0 + chunk >= ntiles else 0])
+        return items
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return t.device == self.device and t.dtype == self.dtype and tuple(t.shape) == self.shape \
+            and supports(t)
+
+    def run_async(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.matches(t):
+            raise ValueError(f"plan for {self.dtype} {self.shape} on {self.device} given {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device} (or not contiguous and 16-byte aligned)")
+        if out is None:
+            out = torch.empty(ROW_WORDS, dtype=torch.int64, device=self.device)
+        off = t.data_ptr() - self.anchor.data_ptr()
+        with _on_device(self.device):
+            if self.n_items:
+                gs_partials_kernel[(self.n_items,)](
+                    self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
+                    self.fpart, self.spart, BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es,
+                    num_warps=self.num_warps)
+            gs_finalize_kernel[(1,)](self.fpart, self.spart, self.n_items, self.hdr, out, TB=FINAL_TB,
+                                     num_warps=4)
+        return out
+
+
+def _on_device(device: torch.device):  # type: ignore[no-untyped-def]
+    """Triton launches on the current device: make it the buffer's (a no-op when it already is)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -1,0 +1,235 @@
+"""The fused gradient-bucket summary kernel (checksums/grad_summary_triton.py) under TRITON_INTERPRET=1 on CPU
+tensors, against the fingerprint spec (numpy, checksums.fingerprint_host) and the torch path
+(checksums.grad_checks.bucket_summary_torch).
+
+The interpreter must be chosen before triton is first imported, so the kernel runs in a child process
+(this file, run as a script); the tests check what it reports. Small tensors: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from deadlines import scaled
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# element counts: empty, under one 16-byte vector, exact vectors, tails of every length, several tiles
+SIZES = (0, 1, 3, 7, 8, 9, 15, 64, 65, 257, 1000, 1029, 4099)
+
+
+def _aligned(n: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """A 16-byte-aligned tensor of n random values (a slice of a larger buffer, like a DDP bucket)."""
+    x = (torch.randn(n + 64, generator=gen) * scale).to(dtype)
+    es = x.element_size()
+    skip = (-x.data_ptr() % 16) // es
+    return x[skip: skip + n]
+
+
+def _child() -> None:
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    from checksums.fingerprint import fingerprint_bytes, fingerprint_list_from_parts, to_signed64
+    from checksums.grad_checks import bucket_summary, bucket_summary_torch, stats_of
+
+    allowed: list[tuple[int, int]] = []
+    stray: list[int] = []
+    original_load = interp.InterpreterBuilder.create_masked_load
+
+    def checked_load(self, ptrs, mask, *rest, **kwargs):  # every read inside the buffer or the plan's tables
+        addrs = np.ravel(ptrs.data if mask is None else ptrs.data[mask.data]).astype(np.uint64)
+        inside = np.zeros(addrs.shape, dtype=bool)
+        for lo, hi in allowed:
+            inside |= (addrs >= np.uint64(lo)) & (addrs < np.uint64(hi))
+        stray.extend(addrs[~inside].tolist())
+        return original_load(self, ptrs, mask, *rest, **kwargs)
+
+    interp.InterpreterBuilder.create_masked_load = checked_load
+    from checksums.grad_summary_triton import GradSummaryPlan
+
+    def span(x: torch.Tensor) -> tuple[int, int]:
+        return x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+
+    def spec_words(x: torch.Tensor) -> list[int]:
+        raw = x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[x.dtype]
+        words = fingerprint_list_from_parts([fingerprint_bytes(raw, name, tuple(x.shape))])
+        return [to_signed64(v) for v in words]
+
+    def run(plan: GradSummaryPlan, x: torch.Tensor) -> list[int]:
+        allowed[:] = [span(x), span(plan.items), span(plan.hdr), span(plan.fpart), span(plan.spart)]
+        return plan.run_async(x).tolist()
+
+    def ref_stats(x: torch.Tensor) -> list[float]:
+        d = x.double()
+        return [float(d.norm()), float(d.abs().max()) if d.numel() else 0.0]
+
+    gen = torch.Generator().manual_seed(19)
+    report: dict = {"cases": {}}
+    for dname, dt in DTYPES.items():
+        for n in SIZES:
+            for block, ips in ((64, 1), (1024, 8)):
+                x = _aligned(n, dt, gen)
+                plan = GradSummaryPlan(x, block=block, items_per_sm=ips)
+                stray.clear()
+                row = run(plan, x)
+                again = run(plan, x)
+                torch_row = bucket_summary_torch([x]).tolist()
+                via = bucket_summary([x], plan).tolist()       # the dispatch takes the fused plan
+                report["cases"][f"{dname}/{n}/{block}"] = {
+                    "items": plan.n_items, "row": row, "again": again, "via": via, "torch_row": torch_row,
+                    "spec": spec_words(x), "ref": ref_stats(x), "stray": len(stray),
+                    "stats": stats_of(torch.tensor(row)).tolist(),
+                    "torch_stats": stats_of(torch.tensor(torch_row)).tolist(),
+                }
+    # non-finite values: in the body (a whole tile) and in the tail, each kind, each dtype
+    nonfinite = {}
+    for dname, dt in DTYPES.items():
+        for where in ("body", "tail"):
+            for bad in (math.nan, math.inf, -math.inf):
+                x = _aligned(1029, dt, gen)
+                x[5 if where == "body" else 1028] = bad
+                plan = GradSummaryPlan(x, block=64, items_per_sm=1)
+                stray.clear()
+                row = run(plan, x)
+                nonfinite[f"{dname}/{where}/{bad}"] = {
+                    "stats": stats_of(torch.tensor(row)).tolist(),
+                    "torch_stats": stats_of(bucket_summary_torch([x])).tolist(),
+                    "fp_equal": row[2:] == spec_words(x), "stray": len(stray)}
+    # fp32 overflow of a square: the torch path's norm is non-finite, so is the fused one
+    x = _aligned(100, torch.float32, gen)
+    x[7] = 1e30
+    stray.clear()
+    row = run(GradSummaryPlan(x, block=64), x)
+    nonfinite["fp32/overflow"] = {"stats": stats_of(torch.tensor(row)).tolist(),
+                                  "torch_stats": stats_of(bucket_summary_torch([x])).tolist(),
+                                  "fp_equal": row[2:] == spec_words(x), "stray": len(stray)}
+    report["nonfinite"] = nonfinite
+    # one plan, another buffer of the same size (a bucket that moved): the plan holds no address
+    a, b = _aligned(1000, torch.bfloat16, gen), _aligned(1000, torch.bfloat16, gen)
+    plan = GradSummaryPlan(a, block=64, items_per_sm=1)
+    stray.clear()
+    report["moved"] = {"b_row_fp": run(plan, b)[2:], "b_spec": spec_words(b), "stray": len(stray)}
+    # fallbacks: a misaligned view, a dtype the kernel does not take
+    big = _aligned(1001, torch.float32, gen)
+    mis = big[1:]
+    plan = GradSummaryPlan(big[:1000], block=64)
+    fallback = {"misaligned_matches": plan.matches(mis),
+                "misaligned_row": bucket_summary([mis], plan).tolist(),
+                "misaligned_torch": bucket_summary_torch([mis]).tolist()}
+    d64 = torch.randn(48, dtype=torch.float64, generator=gen)
+    try:
+        GradSummaryPlan(d64)
+        fallback["fp64_refused"] = False
+    except ValueError:
+        fallback["fp64_refused"] = True
+    fallback["fp64_row"] = bucket_summary([d64]).tolist()
+    fallback["fp64_torch"] = bucket_summary_torch([d64]).tolist()
+    report["fallback"] = fallback
+    print("REPORT " + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("triton is not installed (scripts/setup.sh --test installs it)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__], check=False, cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return a == b or abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fingerprint_words_equal_the_spec(report: dict, dtype: str) -> None:
+    for key, r in report["cases"].items():
+        if key.startswith(dtype + "/"):
+            assert r["row"][2:] == r["spec"], key
+            assert r["torch_row"][2:] == r["spec"], key       # the torch path: the same words
+            assert r["stray"] == 0, key                        # no read outside the buffer and the tables
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_norm_and_maxabs_match_torch_within_rounding(report: dict, dtype: str) -> None:
+    for key, r in report["cases"].items():
+        if key.startswith(dtype + "/"):
+            (norm, amax), (tnorm, tamax), (rnorm, ramax) = r["stats"], r["torch_stats"], r["ref"]
+            assert amax == ramax == tamax, key                 # max-abs is exact (every dtype fits fp32)
+            assert _close(norm, rnorm, 1e-5), (key, norm, rnorm)   # fp32 squares, fp64 sum
+            assert _close(norm, tnorm, 1e-5), (key, norm, tnorm)
+
+
+def test_tails_and_multi_item_plans_are_covered(report: dict) -> None:
+    keys = report["cases"]
+    assert keys["bf16/4099/64"]["items"] > 1 and keys["fp32/1029/64"]["items"] > 1
+    assert keys["bf16/7/64"]["items"] == 1 and keys["bf16/0/64"]["items"] == 0
+    assert keys["bf16/0/64"]["stats"] == [0.0, 0.0]
+    # the last element, in the tail, counts: the max-abs and norm include it (a tail-only buffer)
+    r = keys["fp16/7/1024"]
+    assert r["stats"][1] == r["ref"][1] and _close(r["stats"][0], r["ref"][0], 1e-5)
+
+
+def test_rows_are_deterministic_and_the_dispatch_uses_the_plan(report: dict) -> None:
+    for key, r in report["cases"].items():
+        assert r["again"] == r["row"], key
+        assert r["via"] == r["row"], key
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_nan_and_inf_make_the_statistics_nan(report: dict, dtype: str) -> None:
+    cases = {k: v for k, v in report["nonfinite"].items() if k.startswith(dtype + "/")}
+    assert len(cases) >= 6
+    for key, r in cases.items():
+        assert all(math.isnan(v) for v in r["stats"]), (key, r)
+        assert all(math.isnan(v) for v in r["torch_stats"]), (key, r)   # the paths agree
+        assert r["fp_equal"] and r["stray"] == 0, key
+
+
+def test_an_fp32_square_overflow_is_non_finite_on_both_paths(report: dict) -> None:
+    r = report["nonfinite"]["fp32/overflow"]
+    assert all(math.isnan(v) for v in r["stats"]) and all(math.isnan(v) for v in r["torch_stats"])
+    assert r["fp_equal"] and r["stray"] == 0
+
+
+def test_a_plan_serves_a_moved_buffer(report: dict) -> None:
+    r = report["moved"]
+    assert r["b_row_fp"] == r["b_spec"] and r["stray"] == 0
+
+
+def test_fallbacks_take_the_torch_path(report: dict) -> None:
+    f = report["fallback"]
+    assert f["misaligned_matches"] is False
+    assert f["misaligned_row"] == f["misaligned_torch"]
+    assert f["fp64_refused"] is True
+    assert f["fp64_row"] == f["fp64_torch"]
+
+
+def test_bucket_summary_on_cpu_keeps_the_torch_path() -> None:
+    from checksums.grad_checks import bucket_summary, bucket_summary_torch, fusable, summary_plan
+
+    x = torch.randn(1000).to(torch.bfloat16)
+    assert not fusable(x) and summary_plan([x]) is None
+    assert torch.equal(bucket_summary([x]), bucket_summary_torch([x]))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    _child()
