@@ -28,6 +28,7 @@ Training-side module: never imports the agent (`daemon`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -41,6 +42,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from checksums.fingerprint import fingerprint_tensors_async, prepare_fingerprint, triton_available
+
+logger = logging.getLogger(__name__)
 
 ROW_WORDS = 4          # norm bits, max-abs bits, fingerprint word 0, fingerprint word 1
 _TINY = 1e-30          # log of a zero statistic: far from any live gradient, finite
@@ -58,12 +61,25 @@ def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Ten
     does no planning; without one, a cached plan is used.
     """
     if plan is not None and getattr(plan, "summarises", False):
-        if len(grads) == 1 and plan.matches(grads[0]):
-            return plan.run_async(grads[0])
+        if len(grads) == 1 and plan.matches(grads[0]) and _FUSED:
+            return _run_fused(plan, grads[0])
         plan = None
     elif plan is None and len(grads) == 1 and fusable(grads[0]):
-        return _cached_summary_plan(grads[0]).run_async(grads[0])
+        return _run_fused(None, grads[0])
     return bucket_summary_torch(grads, plan)
+
+
+def _run_fused(plan: Any, t: torch.Tensor) -> torch.Tensor:
+    """The fused kernel; if it cannot be built or launched here (a Triton or driver that will not compile
+    it), say so once and keep the torch path for the rest of the process: the checks must not stop."""
+    global _FUSED
+    try:
+        return (plan if plan is not None else _cached_summary_plan(t)).run_async(t)
+    except Exception as exc:  # noqa: BLE001 (any compile or launch error: fall back, never break training)
+        _FUSED = False
+        logger.warning("sdcwatch: the fused gradient summary failed (%s: %s); using torch ops",
+                       type(exc).__name__, str(exc)[:300])
+        return bucket_summary_torch([t])
 
 
 def bucket_summary_torch(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:

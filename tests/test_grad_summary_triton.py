@@ -230,6 +230,29 @@ def test_bucket_summary_on_cpu_keeps_the_torch_path() -> None:
     assert torch.equal(bucket_summary([x]), bucket_summary_torch([x]))
 
 
+def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> None:
+    import checksums.grad_checks as gc
+
+    class Broken:
+        summarises = True
+        calls = 0
+
+        def matches(self, t: torch.Tensor) -> bool:
+            return True
+
+        def run_async(self, t: torch.Tensor) -> torch.Tensor:
+            Broken.calls += 1
+            raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(gc, "_FUSED", True)
+    x = torch.randn(100)
+    with caplog.at_level("WARNING", logger="checksums.grad_checks"):
+        assert torch.equal(gc.bucket_summary([x], Broken()), gc.bucket_summary_torch([x]))
+        assert torch.equal(gc.bucket_summary([x], Broken()), gc.bucket_summary_torch([x]))
+    assert Broken.calls == 1 and gc._FUSED is False
+    assert "fused gradient summary failed" in caplog.text
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     _child()
