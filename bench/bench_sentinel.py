@@ -1,6 +1,6 @@
 """Commits through Redis Sentinel failovers: time-to-resume over repeated primary kills.
 
-    PYTHONPATH=$PWD python bench/bench_sentinel.py [--cycles 20] [--agents 3]
+    PYTHONPATH=$PWD python bench/bench_sentinel.py [--cycles 20] [--agents 3] [--down-after-ms 1500]
 
 Starts 3 redis-server (primary + 2 replicas) and 3 redis-sentinel (tests/sentinel_support.py, the settings
 docs/sentinel.md recommends), runs `--agents` agents (one rank each, a real Coordinator over a
@@ -45,11 +45,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--agents", type=int, default=3)
+    ap.add_argument(
+        "--down-after-ms",
+        type=int,
+        default=DOWN_AFTER_MS,
+        help=f"the Sentinels' down-after-milliseconds (default {DOWN_AFTER_MS}, docs/sentinel.md)",
+    )
     ap.add_argument("--workdir", help="keep the servers' logs here (default: a temp dir, removed)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="sdcw-bench-ha-") as d:
         root = Path(args.workdir or d)
-        cluster = SentinelCluster(root / "redis").start()
+        cluster = SentinelCluster(root / "redis", down_after_ms=args.down_after_ms).start()
         log, stop, world = SaveLog(), threading.Event(), args.agents
         try:
             agents = [agent(cluster.url, root, f"node{r}", log) for r in range(world)]
@@ -64,7 +70,7 @@ def main() -> int:
             for t in threads:
                 t.start()
             resume = []
-            print(f"down-after-milliseconds {DOWN_AFTER_MS}; {world} agents; {args.cycles} kill cycles")
+            print(f"down-after-milliseconds {args.down_after_ms}; {world} agents; {args.cycles} kill cycles")
             for cycle in range(args.cycles):
                 n = len(log.reported)
                 wait_for(lambda: len(log.reported) >= n + 3 * world, 120, "saves before the kill")

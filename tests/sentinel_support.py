@@ -32,7 +32,7 @@ from sdcwatch.event_kinds import EventKind
 
 SERVICE = "sdcw"
 # The settings docs/sentinel.md recommends (and why); the tests and the bench use exactly these.
-DOWN_AFTER_MS = 1000
+DOWN_AFTER_MS = 1500
 FAILOVER_TIMEOUT_MS = 5000
 
 
@@ -74,10 +74,19 @@ def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every: flo
 
 
 class SentinelCluster:
-    """Start with `start()`, stop with `stop()`. `min_replicas`: the servers' min-replicas-to-write."""
+    """Start with `start()`, stop with `stop()`. `min_replicas`: the servers' min-replicas-to-write;
+    `down_after_ms`: the Sentinels' down-after-milliseconds."""
 
-    def __init__(self, workdir: Path, *, min_replicas: int = 1, min_replicas_max_lag: int = 5) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        min_replicas: int = 1,
+        min_replicas_max_lag: int = 5,
+        down_after_ms: int = DOWN_AFTER_MS,
+    ) -> None:
         self.workdir = workdir
+        self.down_after_ms = down_after_ms
         self.min_replicas = min_replicas
         self.max_lag = min_replicas_max_lag
         self.ports: list[int] = []
@@ -140,7 +149,7 @@ class SentinelCluster:
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\ndir {d}\nlogfile {d / 'sentinel.log'}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
-            f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+            f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
             f"sentinel parallel-syncs {SERVICE} 2\n"
         )
