@@ -5,7 +5,9 @@
 # [canary] enabled = false (SDCWATCH_CANARY_ENABLED=false), and canaries run from the preflight image
 # (deploy/docker/preflight.Dockerfile: a Kubernetes Job, an initContainer or the Slurm prolog). A node that
 # wants the agent's own idle-GPU canaries runs the agent from the preflight image instead.
-# Checked in the suite: hadolint, every RUN step's shell (tests/test_images.py); its size: bench/image_size.py
+# Checked in the suite: hadolint, every RUN step's shell (tests/test_images.py), every RUN step run as far as it
+# can without an image (tests/test_image_run_steps.py); built for real without a Docker engine by
+# scripts/build_agent_image_buildah.sh (Debian's buildah, minutes); its size: bench/image_size.py
 # (docs/BENCHMARKS.md, "Agent image size"). Size: the packages are installed in the build stage without
 # bytecode, their tests/ and the debug info of their extension modules (uvloop, awscrt ship it), and copied
 # over in one layer; the final stage then writes bytecode for what the agent imports at start only.
