@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
+from checksums.grad_checks import set_fused, summary_paths
 from checksums.monitor import Monitor
 from checksums.reporter import ReporterStats, StepReport
 
@@ -353,7 +354,9 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     median block is kept too."""
     fused = mask == "device" or device.type == "cuda"
     arms: list[tuple[str, Any, Any, Any, Any]] = []
-    names = ["base", "checks", "checks+audits"] + (["sdcguard"] if sdcguard else [])
+    # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
+    names = (["base", "checks"] + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
+             + (["sdcguard"] if sdcguard else []))
     for name in names:
         model = make_model(0)[0].to(device)
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -365,9 +368,11 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
         guard = _sdcguard(sdcguard, model) if name == "sdcguard" else None
         arms.append((name, ddp, opt, checks, guard))
     times: dict[str, list[float]] = {name: [] for name in names}
+    paths: dict[str, dict[str, int]] = {}
     step = 0
     while step < steps:
         for name, ddp, opt, checks, guard in arms:
+            set_fused(name != "checks-torch")
             dist.barrier()
             t0 = time.perf_counter()
             for k in range(block):
@@ -384,14 +389,18 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[name].append((time.perf_counter() - t0) / block)
+            if checks is not None:
+                paths[name] = summary_paths(checks.summaries)
         step += block
+    set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     mean = {name: sum(t) / len(t) for name, t in times.items()}
     out: dict[str, Any] = {"arms": {name: {"step_s": mean[name], "median_s": med[name],
                                            "overhead": mean[name] / mean["base"] - 1.0,
                                            "blocks": times[name]} for name in names},
                            "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
-                           "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"]}
+                           "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
+                           "summary_paths": paths}
     # the previous keys (one gated arm: checks with audits)
     out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
                overhead=mean["checks+audits"] / mean["base"] - 1.0)
@@ -486,9 +495,12 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         base = o["arms"]["base"]["step_s"]
         for name, a in o["arms"].items():
             what = {"base": "base (no checks)", "checks": "pre-reduction checks every step",
+                    "checks-torch": "the same checks in torch ops (pre-fused)",
                     "checks+audits": f"checks + audits every {o['audit_every']}",
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
             lines.append(f"  {what:42} {a['step_s'] * 1e3:9.3f} {a['step_s'] / base:7.4f} {a['overhead'] * 100:+8.2f}%")
+        for name, counts in o.get("summary_paths", {}).items():
+            lines.append(f"  bucket summaries of arm {name}: " + ", ".join(f"{n} {p}" for p, n in counts.items()))
     return "\n".join(lines)
 
 

@@ -89,6 +89,14 @@ want verify && step agreed-directive 120 torchrun --standalone --nproc-per-node 
 want compute && step compute-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 400 --block 20 --sdcguard 20
 want compute && step compute-gpu1 480 python3 -m bench.compute_gpu1 --device cuda --model gpt2 --clean 200 --sdcguard 20
+# issue 19: the fused gradient-bucket summary (one read of each bucket) compiled for the GPU against the torch
+# path; its time against the torch path and a plain read (1-500 MB, bf16/fp32); the compute checks' overhead
+# on GPT-2 small with the fused path ("checks") and the torch path ("checks-torch") side by side
+want gradsum && step gradsum-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_grad_summary_gpu.py
+want gradsum && step gradsum-bench 300 python3 -m bench.bench_grad_summary --device cuda --json "$OUT/grad_summary.json"
+want gradsum && step gradsum-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
 # GPT-2 small from a config (offline); needs the wheels of bench/framework_wheels.sh in .whl/
 want frameworks && step frameworks 580 python3 -m bench.bench_frameworks --device cuda

@@ -61,7 +61,7 @@ def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Ten
     does no planning; without one, a cached plan is used.
     """
     if plan is not None and getattr(plan, "summarises", False):
-        if len(grads) == 1 and plan.matches(grads[0]) and _FUSED:
+        if len(grads) == 1 and plan.matches(grads[0]) and _FUSED and not _BROKEN:
             return _run_fused(plan, grads[0])
         plan = None
     elif plan is None and len(grads) == 1 and fusable(grads[0]):
@@ -72,11 +72,11 @@ def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Ten
 def _run_fused(plan: Any, t: torch.Tensor) -> torch.Tensor:
     """The fused kernel; if it cannot be built or launched here (a Triton or driver that will not compile
     it), say so once and keep the torch path for the rest of the process: the checks must not stop."""
-    global _FUSED
+    global _BROKEN
     try:
         return (plan if plan is not None else _cached_summary_plan(t)).run_async(t)
     except Exception as exc:  # noqa: BLE001 (any compile or launch error: fall back, never break training)
-        _FUSED = False
+        _BROKEN = True
         logger.warning("sdcwatch: the fused gradient summary failed (%s: %s); using torch ops",
                        type(exc).__name__, str(exc)[:300])
         return bucket_summary_torch([t])
@@ -102,17 +102,40 @@ def _norm_dtype(g: torch.Tensor) -> torch.dtype:
 
 # the fused kernel on CUDA with Triton; SDCWATCH_GS_FUSED=0 keeps the torch path (benchmarks compare them)
 _FUSED = os.environ.get("SDCWATCH_GS_FUSED", "1") != "0"
+_BROKEN = False        # the fused kernel failed to build or launch in this process: torch ops from then on
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED_DEVICES = ("cuda",)   # tests add "cpu" in a process that runs Triton interpreted (TRITON_INTERPRET=1)
 _cache_lock = threading.Lock()
 _summary_plans: OrderedDict[tuple, Any] = OrderedDict()
 _SUMMARY_PLAN_CACHE = 16
 
 
+def set_fused(on: bool) -> None:
+    """Use the fused kernel where it applies (the default) or torch ops everywhere (benchmarks compare the
+    two in one process; SDCWATCH_GS_FUSED=0 sets the default off)."""
+    global _FUSED
+    _FUSED = bool(on)
+
+
+def summary_paths(summaries: Any) -> dict[str, int]:
+    """How a GradSummaries/FsdpGradSummaries summarised its buckets last: buckets per path ("fused":
+    the Triton kernel, "torch+fingerprint": torch ops with the Triton fingerprint, "torch": torch ops)."""
+    out: dict[str, int] = {}
+    for idx in sorted(set(summaries._plans) | set(summaries.layout) | set(summaries._rows)):
+        held = summaries._plans.get(idx)
+        plan = held[1] if held is not None else None
+        path = ("torch" if plan is None or _BROKEN else
+                "fused" if getattr(plan, "summarises", False) and _FUSED else "torch+fingerprint")
+        out[path] = out.get(path, 0) + 1
+    return out
+
+
 def fusable(t: torch.Tensor) -> bool:
     """Whether `bucket_summary([t])` runs the fused kernel: CUDA, Triton, fp32/bf16/fp16, contiguous,
     16-byte aligned (a plain tensor, not a DTensor)."""
-    return (_FUSED and t.device.type == "cuda" and t.dtype in _FUSED_DTYPES and t.is_contiguous()
-            and t.data_ptr() % 16 == 0 and (type(t) is torch.Tensor or type(t) is nn.Parameter)
+    return (_FUSED and not _BROKEN and t.device.type in _FUSED_DEVICES and t.dtype in _FUSED_DTYPES
+            and t.is_contiguous() and t.data_ptr() % 16 == 0
+            and (type(t) is torch.Tensor or type(t) is nn.Parameter)
             and triton_available())
 
 
@@ -120,11 +143,11 @@ def summary_plan(grads: Sequence[torch.Tensor]) -> Any:
     """A plan for `bucket_summary` of lists like this one: the fused kernel's (its tables depend on the
     buffer's size and dtype only, so a bucket that moves keeps it), else a fingerprint plan of exactly
     these tensors (CUDA with Triton), else None (torch ops)."""
-    if not grads or grads[0].device.type != "cuda" or not triton_available():
-        return None
     if len(grads) == 1 and fusable(grads[0]):
         from checksums.grad_summary_triton import GradSummaryPlan  # triton is optional: loaded on first use
         return GradSummaryPlan(grads[0].detach())
+    if not grads or grads[0].device.type != "cuda" or not triton_available():
+        return None
     return prepare_fingerprint(list(grads))
 
 
@@ -139,7 +162,8 @@ def _plan_key(grads: Sequence[torch.Tensor]) -> tuple:
 def _cached_summary_plan(t: torch.Tensor) -> Any:
     """A fused plan shared by calls without one, per size, dtype, device and stream (runs of one plan
     must be stream-ordered)."""
-    key = (t.device, t.dtype, tuple(t.shape), torch.cuda.current_stream(t.device).cuda_stream)
+    stream = torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else 0
+    key = (t.device, t.dtype, tuple(t.shape), stream)
     with _cache_lock:
         plan = _summary_plans.get(key)
         if plan is not None:
@@ -156,7 +180,8 @@ def _cached_summary_plan(t: torch.Tensor) -> Any:
 def _held_plan(plans: dict[int, tuple[tuple, Any]], idx: int, grads: Sequence[torch.Tensor]) -> Any:
     """The plan of bucket `idx`, kept while it fits the bucket's buffer (so no bucket count thrashes a
     shared cache); None off CUDA/Triton (torch ops)."""
-    if not grads or grads[0].device.type != "cuda" or not triton_available():
+    if not grads or not (grads[0].device.type == "cuda" and triton_available()
+                         or len(grads) == 1 and fusable(grads[0])):
         return None
     key = _plan_key(grads)
     held = plans.get(idx)
@@ -206,16 +231,16 @@ class GradSummaries:
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
         if self._inject is not None:
             self._inject(bucket.index(), bucket.buffer())
-        grads = bucket.gradients()
         idx = bucket.index()
         # the bucket's flat buffer (its gradients are views into it, in order): three kernels and one
         # fingerprint a bucket, not two kernels a parameter (+34% of a GPT-2-small step on the H200)
         # (one fused read of it on CUDA with Triton: checksums.grad_summary_triton)
         flat = [bucket.buffer()]
         self._rows[idx] = bucket_summary(flat, self._plan(idx, flat))
-        layout = self.layout.get(idx)
-        if layout is None or len(layout) != len(grads):
-            self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
+        # taken every step (a few microseconds): DDP's rebuild after the first step may keep a bucket's
+        # parameter count and reorder them (the order gradients became ready), and a stale layout would make
+        # every replay's fingerprint differ
+        self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
         self.hook_calls += 1
         return allreduce_hook(self._group, bucket)
 

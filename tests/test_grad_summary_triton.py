@@ -139,7 +139,48 @@ def _child() -> None:
     fallback["fp64_row"] = bucket_summary([d64]).tolist()
     fallback["fp64_torch"] = bucket_summary_torch([d64]).tolist()
     report["fallback"] = fallback
+    report["ddp"] = _ddp_hook_case()
     print("REPORT " + json.dumps(report))
+
+
+def _ddp_hook_case() -> dict:
+    """GradSummaries' DDP hook on gloo CPU (world 1) with the fused path admitted on the CPU (the kernel
+    interpreted): each step's rows against the torch path's rows of the same gradients."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import checksums.grad_checks as gc
+
+    gc._FUSED_DEVICES = ("cuda", "cpu")
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="h19fused-ddp-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 7)).to(dt)
+                ddp = DDP(model, bucket_cap_mb=0.002)
+                summaries = gc.GradSummaries(ddp)
+                steps = []
+                for step in range(3):
+                    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(step)).to(dt)
+                    ddp(x).float().square().mean().backward()
+                    rows = summaries.rows()
+                    gc.set_fused(False)
+                    ref = summaries.bucket_grads([p.grad for p in summaries.params])
+                    gc.set_fused(True)
+                    steps.append({"fp_equal": torch.equal(rows[:, 2:], ref[:, 2:]),
+                                  "stats": gc.stats_of(rows).tolist(), "ref": gc.stats_of(ref).tolist()})
+                    summaries.clear()
+                    model.zero_grad(set_to_none=False)
+                out[name] = {"steps": steps, "paths": gc.summary_paths(summaries),
+                             "buckets": len(summaries.layout)}
+        finally:
+            dist.destroy_process_group()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +271,16 @@ def test_bucket_summary_on_cpu_keeps_the_torch_path() -> None:
     assert torch.equal(bucket_summary([x]), bucket_summary_torch([x]))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_ddp_hook_takes_the_fused_path_and_agrees_with_torch(report: dict, dtype: str) -> None:
+    r = report["ddp"][dtype]
+    assert r["buckets"] >= 1 and r["paths"] == {"fused": r["buckets"]}, r
+    for s in r["steps"]:
+        assert s["fp_equal"]
+        for (n, a), (rn, ra) in zip(s["stats"], s["ref"]):
+            assert a == ra and _close(n, rn, 1e-5), s
+
+
 def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> None:
     import checksums.grad_checks as gc
 
@@ -245,11 +296,12 @@ def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -
             raise RuntimeError("no compiler for this GPU")
 
     monkeypatch.setattr(gc, "_FUSED", True)
+    monkeypatch.setattr(gc, "_BROKEN", False)
     x = torch.randn(100)
     with caplog.at_level("WARNING", logger="checksums.grad_checks"):
         assert torch.equal(gc.bucket_summary([x], Broken()), gc.bucket_summary_torch([x]))
         assert torch.equal(gc.bucket_summary([x], Broken()), gc.bucket_summary_torch([x]))
-    assert Broken.calls == 1 and gc._FUSED is False
+    assert Broken.calls == 1 and gc._BROKEN is True
     assert "fused gradient summary failed" in caplog.text
 
 

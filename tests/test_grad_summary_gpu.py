@@ -1,0 +1,58 @@
+"""On a CUDA GPU: the fused gradient-bucket summary (checksums/grad_summary_triton.py) compiled for the device
+gives the torch path's row (fingerprint exactly, statistics to float rounding), repeats bit for bit, carries
+NaN/Inf, and is what bucket_summary and the DDP hook run. (bench/gpu_run.sh ONLY=gradsum runs it.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from checksums.fingerprint import triton_available
+from checksums.grad_checks import bucket_summary, bucket_summary_torch, fusable, stats_of, summary_plan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not triton_available(), reason="needs triton"),
+]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SIZES = [1, 7, 9, 1000, 4099, (25 << 20) // 4 + 3, (100 << 20) // 2 + 1]
+
+
+def _check(x: torch.Tensor) -> None:
+    plan = summary_plan([x])
+    assert getattr(plan, "summarises", False) and fusable(x)
+    row, again = plan.run_async(x), plan.run_async(x)
+    ref = bucket_summary_torch([x])
+    assert torch.equal(row, again)                       # deterministic: a fixed reduction order
+    assert torch.equal(row[2:], ref[2:])                 # the fingerprint words, exactly
+    (n, a), (rn, ra) = stats_of(row.cpu()).tolist(), stats_of(ref.cpu()).tolist()
+    assert a == ra and abs(n - rn) <= 1e-5 * max(n, rn), (n, rn, a, ra)
+    assert torch.equal(bucket_summary([x]), row)         # the dispatch (a cached plan) runs the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_fused_row_matches_torch(dtype: torch.dtype, n: int) -> None:
+    x = (torch.randn(n + 16, device="cuda") * 1e-2).to(dtype)[:n]
+    _check(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("where", [0, -1])
+def test_non_finite_values_make_both_statistics_nan(dtype: torch.dtype, bad: float, where: int) -> None:
+    x = torch.randn(10_003, device="cuda").to(dtype)
+    x[where] = bad
+    row = bucket_summary([x])
+    assert all(math.isnan(v) for v in stats_of(row.cpu()).tolist())
+    assert torch.equal(row[2:], bucket_summary_torch([x])[2:])
+
+
+def test_a_misaligned_buffer_falls_back() -> None:
+    x = torch.randn(1001, device="cuda")[1:]
+    assert not fusable(x)
+    assert torch.equal(bucket_summary([x]), bucket_summary_torch([x]))
