@@ -89,6 +89,9 @@ want verify && step agreed-directive 120 torchrun --standalone --nproc-per-node 
 want compute && step compute-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 400 --block 20 --sdcguard 20
 want compute && step compute-gpu1 480 python3 -m bench.compute_gpu1 --device cuda --model gpt2 --clean 200 --sdcguard 20
+# the same table in about 90 s (--quick: warm-up 12, clean 40, every other sweep size; seconds per phase printed)
+want computequick && step compute-gpu1-quick 150 python3 -m bench.compute_gpu1 --device cuda --model gpt2 --quick \
+  --sdcguard 20
 # issue 19: the fused gradient-bucket summary (one read of each bucket) compiled for the GPU against the torch
 # path; its time against the torch path and a plain read (1-500 MB, bf16/fp32); the compute checks' overhead
 # on GPT-2 small with the fused path ("checks") and the torch path ("checks-torch") side by side

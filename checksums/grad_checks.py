@@ -107,7 +107,7 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_DEVICES = ("cuda",)   # tests add "cpu" in a process that runs Triton interpreted (TRITON_INTERPRET=1)
 _cache_lock = threading.Lock()
 _summary_plans: OrderedDict[tuple, Any] = OrderedDict()
-_SUMMARY_PLAN_CACHE = 16
+_SUMMARY_PLAN_CACHE = 64   # > the buckets of a model (each size its own plan): no LRU thrash
 
 
 def set_fused(on: bool) -> None:
