@@ -298,20 +298,24 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         t_fb = (time.perf_counter() - t0) / 3
         opt.zero_grad(set_to_none=True)
         for mode in args.checksums:
-            rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb)
+            for inflight in args.inflight:
+                rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
+                                     inflight)
     return rows
 
 
 def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.optim.Optimizer,
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
-                 t_copy: float, t_fb: float) -> list[Row]:
+                 t_copy: float, t_fb: float, inflight: int = 4) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
-    on the host to commit) or "host" (the rank hashes the landed bytes: the old path)."""
+    on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
+    `max_inflight` (1: one save in the background at a time, the path before pipelining)."""
     rows: list[Row] = []
-    tag = f"b={batch}, {mode}"
+    tag = f"b={batch}, {mode}, {inflight} in flight"
     node = Node(nbytes, "b")
     try:
-        cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode)
+        cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode,
+                                              max_inflight=inflight)
         client = node.client(opt, cfg_every, f"b{batch}{mode[0]}")
         handles: list[Any] = []
 
@@ -333,6 +337,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         results = [h.result(600) for h in handles]
         committed = sum(1 for r in results if r.state in ("COMMITTED", "VERIFIED"))
         attempts = args.block * args.rounds
+        host_work = [r.host_s for r in results]
+        host_cpu = [r.cpu_s for r in results]
         skipped = {k: v - skipped0.get(k, 0) for k, v in client.stats.skipped_by.items()
                    if v - skipped0.get(k, 0)}
         off = statistics.median(times["off"])
@@ -346,9 +352,14 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              f"{100 * over:+.2f}% of the step (target < 1%)"),
             (f"[{tag}] pinned copy of the state", t_copy,
              f"{t_copy / t_fb:.2f}x fwd+bwd: the copy {fits} in a step"),
-            (f"[{tag}] saves attempted / made / COMMITTED", float(attempts),
-             f"{len(results)} made, {committed} committed ({100 * committed / attempts:.0f}% of steps); "
-             f"skipped {skipped}"),
+            (f"[{tag}] steps whose checkpoint reached COMMITTED", committed / attempts,
+             f"fraction of {attempts} steps (target 1.0); {len(results)} saves made, {committed} committed; "
+             f"skipped {skipped}; at most {client.stats.most_in_flight} in flight, ring "
+             f"{client.stats.ring_size} slots"),
+            (f"[{tag}] background host work per save (median)",
+             statistics.median(host_work) if host_work else float("nan"),
+             f"{statistics.median(host_work) / off:.2f}x the step (the background keeps up when < 1); "
+             f"its thread's CPU {1e3 * statistics.median(host_cpu):.1f} ms" if host_work else ""),
             (f"[{tag}] save call -> COMMITTED (median)",
              statistics.median(r.commit_s for r in results) if results else float("nan"),
              "the background's pace: one commit per this much"),
@@ -576,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checksums", default="source,host",
                     help="part b: SnapshotConfig.checksums modes, side by side (source: fingerprints at the source; "
                          "host: hashed on the host, the old path)")
+    ap.add_argument("--inflight", default="4,1",
+                    help="part b: SnapshotConfig.max_inflight values, side by side (1: one save in the "
+                         "background at a time, the path before pipelining)")
     ap.add_argument("--fp-threads", type=int, default=max(4, min(12, (os.cpu_count() or 4) - 4)),
                     help="host fingerprint threads of the background (the commit's pace)")
     ap.add_argument("--disk-dir", default=None, help="where torch.save / DCP write (default: a temp dir)")
@@ -584,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.checksums = [m for m in str(args.checksums).split(",") if m]
+    args.inflight = [int(n) for n in str(args.inflight).split(",") if n]
     if args.smoke:
         for k, v in dataclasses.asdict(Smoke()).items():
             setattr(args, k, list(v) if isinstance(v, tuple) else v)

@@ -187,13 +187,13 @@ class SlotRing:
             self.created_inline += 1
         return s
 
-    def ensure_spare(self, nbytes: int) -> bool:
-        """Create one slot of `nbytes` ahead when none is free and the ring has room (off the training
-        thread: this is the fallocate + populate + cudaHostRegister a save would otherwise block on).
-        True when a slot was created."""
+    def ensure_spare(self, nbytes: int, want: int = 1) -> bool:
+        """Create one slot of `nbytes` ahead when fewer than `want` are free and the ring has room (off the
+        training thread: this is the fallocate + populate + cudaHostRegister a save would otherwise block
+        on). True when a slot was created."""
         with self._lock:
             self._drop_other_sizes(nbytes)
-            if any(s.nbytes == nbytes and s.free() for s in self.slots):
+            if sum(1 for s in self.slots if s.nbytes == nbytes and s.free()) >= want:
                 return False
             if len(self.slots) + self._creating >= self.max_slots:
                 return False

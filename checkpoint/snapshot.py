@@ -96,6 +96,7 @@ log = logging.getLogger(__name__)
 
 ALIGN = 64
 DEVICE_STAGING_SHARE = 0.8   # a GPU staging buffer may take at most this share of the GPU's free memory
+SPARE_SLOTS = 2              # pipelined saves: free slots the slot thread keeps ready ahead
 
 
 class ShardSink(Protocol):
@@ -127,6 +128,11 @@ class SnapshotConfig:
     device_staging: bool = True     # a save that finds no host buffer ready (the first) copies to a GPU
                                     # buffer and returns; the background makes the host buffer and copies
                                     # on (costs the state's size in GPU memory, for that save only)
+    max_inflight: int = 1           # saves in the background at once, each in its own staging slot (one
+                                    # worker commits them in step order): a save is skipped (or waits)
+                                    # only when this many are still copying/committing or no slot is free;
+                                    # every_step() sets 4 (pipelined: every step commits when the
+                                    # background's work per save fits in a step)
     checksums: str = "auto"         # "source": chunk checksums and tensor fingerprints computed from the
                                     # source tensors with the copy (the GPU kernel; torch on CPU): the
                                     # host hashes nothing to commit, the agent's scrub checks the bytes;
@@ -141,6 +147,7 @@ class SnapshotConfig:
         kw.setdefault("block", "update")
         kw.setdefault("max_slots", "auto")
         kw.setdefault("skip_until_ready", True)
+        kw.setdefault("max_inflight", 4)
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -163,6 +170,8 @@ class SnapshotConfig:
         if self.checksums == "source" and self.chunk_bytes % 4:
             raise InvalidInputError(f"checksums='source' needs chunk_bytes a multiple of 4, "
                                     f"got {self.chunk_bytes}")
+        if isinstance(self.max_inflight, bool) or not isinstance(self.max_inflight, int) or self.max_inflight < 1:
+            raise InvalidInputError(f"max_inflight must be an int >= 1, got {self.max_inflight!r}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
 
@@ -183,6 +192,9 @@ class SaveResult:
     skipped_before: int = 0     # saves skipped (by policy) since the previous save handed to the background
     spare_s: float = 0.0        # background time creating the next staging slot ahead (after the commit)
     error: str = ""
+    host_s: float = 0.0         # background wall time of this save after its copy landed (begin, publish,
+                                # checksums, commit): the pace limit of every-step saves, GIL waits included
+    cpu_s: float = 0.0          # of which the background thread's CPU time (its own work, no GIL waits)
     device_staged: bool = False  # copied to a GPU buffer first (no host buffer was ready): save() did not
                                  # wait for a host buffer to be made
 
@@ -201,6 +213,8 @@ class SaveStats:
     ring_size: int              # the ring's limit (max_slots, or what "auto" chose)
     slots_ahead: int            # slots created in the background, before a save needed them
     slots_inline: int           # slots created inside a save (the blocking kind; 0 in steady state)
+    in_flight: int = 0          # saves in the background now (copying, hashed or committed)
+    most_in_flight: int = 0     # the most at once so far (SnapshotConfig.max_inflight bounds it)
 
 
 class SaveHandle:
@@ -266,6 +280,14 @@ class Snapshotter:
         self._fp_pool = concurrent.futures.ThreadPoolExecutor(self.config.fingerprint_threads,
                                                               thread_name_prefix="sdcw-ckpt-fp")
         self._last: SaveHandle | None = None
+        self._pending: list[SaveHandle] = []    # saves handed to the background, not known done (oldest first)
+        self._most_in_flight = 0
+        self._arena_user: concurrent.futures.Future[SaveResult] | None = None   # the save reading the arena
+        # pipelined (max_inflight > 1): slots are made ahead by a thread of their own, so a slot being made
+        # (fallocate + populate + cudaHostRegister: ~0.5 s a GB) never holds up the commits queued behind it
+        self._spare_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-slots")
+                            if self.config.max_inflight > 1 else None)
+        self._spare_fut: concurrent.futures.Future[float] | None = None
         self._lock = threading.Lock()
         self._side: dict[torch.device, Any] = {}
         self._ring: SlotRing | None = None
@@ -307,8 +329,10 @@ class Snapshotter:
         skip = self.config.policy == "skip"
         ahead = self.config.skip_until_ready
         with self._lock:
-            busy = [f for f in (self._last.future if self._last is not None else None, self._prep)
-                    if f is not None and not f.done()]
+            pending = self._pending = [h for h in self._pending if not h.done()]
+            busy = [h.future for h in pending[:max(0, len(pending) - self.config.max_inflight + 1)]]
+            busy += [f for f in (self._prep, self._arena_user) if f is not None and not f.done()
+                     and (f is self._prep or self._ring is None)]   # the arena matters until slots work
             if busy:
                 if skip:   # before walking the state: skipped saves (most, every step) stay cheap
                     self._skip(step, self._busy_reason())
@@ -323,6 +347,17 @@ class Snapshotter:
             offsets, total = layout(tensors)
             # skip_until_ready never blocks on making a buffer: with none ready it skips and makes one ahead
             slot = self._acquire_slot(total, create=not ahead)
+            if slot is None and self._spare_pool is not None and self._ring is not None:
+                # pipelined and slots work here: every slot is in flight or holds a stored checkpoint, or
+                # the next is still being made; never fall back to the one private buffer meanwhile
+                self._want_spares(total)
+                if skip:
+                    self._skip(step, "slots" if self._ring_full(total) else "preparing")
+                    return None
+                concurrent.futures.wait([h.future for h in pending])   # policy wait: the ring drains
+                slot = self._acquire_slot(total, create=True)
+            elif slot is not None and self._spare_pool is not None:
+                self._want_spares(total)   # top the ring up while this one is in flight
             staged = None   # no host buffer ready: stage on the GPU, the host buffer made in the background
             if slot is None and not self._arena.ready(total):
                 staged = self._device_stage(tensors, total, block)
@@ -358,6 +393,10 @@ class Snapshotter:
                                     blocking, time.perf_counter(), slot, stall, skipped, cut,
                                     [staged] if staged is not None else None)
             self._last = SaveHandle(step, fut)
+            if slot is None:   # the private arena (or, staged on the GPU, the arena it is copied into next)
+                self._arena_user = fut
+            self._pending.append(self._last)
+            self._most_in_flight = max(self._most_in_flight, len(self._pending))
             return self._last
 
     def _source_mode(self, tensors: list[torch.Tensor]) -> bool:
@@ -410,7 +449,8 @@ class Snapshotter:
         return SaveStats(self._saves, self._committed, self._failed, sum(self._skips.values()),
                          dict(self._skips), len(ring) if ring is not None else 0, self._ring_limit,
                          ring.created_ahead if ring is not None else 0,
-                         ring.created_inline if ring is not None else 0)
+                         ring.created_inline if ring is not None else 0,
+                         sum(1 for h in list(self._pending) if not h.done()), self._most_in_flight)
 
     def _skip(self, step: int, reason: str) -> None:
         self._skipped += 1
@@ -467,6 +507,8 @@ class Snapshotter:
     def close(self) -> None:
         self.order_before_update()   # whatever the caller does to the weights next comes after the copies
         self._pool.shutdown(wait=True)
+        if self._spare_pool is not None:
+            self._spare_pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
         with self._ring_lock:
             if self._ring is not None:
@@ -704,6 +746,7 @@ class Snapshotter:
         try:
             for ev in events:
                 ev.synchronize()
+            res.host_s, res.cpu_s = -time.perf_counter(), -time.thread_time()   # the work from here on
             if staged_box:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
                 res.device_staged = True
                 arena = self._unstage(staged_box.pop(), total, tuple(e[3] for e in entries))
@@ -714,6 +757,7 @@ class Snapshotter:
                 res.error = f"step {step} is already {begin.state}; shard not written again"
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)
+                res.host_s = res.cpu_s = 0.0
                 return res
             view = memoryview(arena.numpy()).cast("B")[:total]
             store = self._store_for(begin.location)
@@ -845,6 +889,9 @@ class Snapshotter:
                              algorithm=FP_ALGORITHM, replica_set=self.replica_set)
 
     def _finish(self, res: SaveResult, slot: Slot | None, skipped: int, total: int) -> SaveResult:
+        if res.host_s < 0:
+            res.host_s += time.perf_counter()
+            res.cpu_s += time.thread_time()
         if slot is not None and self._ring is not None:
             self._ring.release(slot)
         if res.error:
@@ -852,11 +899,45 @@ class Snapshotter:
         elif res.state in ("COMMITTED", "VERIFIED"):
             self._committed += 1
         res.skipped_before = skipped
+        if self._spare_pool is not None:   # pipelined: the slot thread makes them; the next commit goes on
+            self._want_spares(total)
+            return res
         try:
             res.spare_s = self._make_spare(total)   # the next save's slot, made now, off the training thread
         except Exception as e:  # noqa: BLE001
             log.warning("creating a staging slot ahead failed: %s", e)
         return res
+
+    def _want_spares(self, total: int) -> None:
+        """Pipelined: have the slot thread top the ring up to SPARE_SLOTS free slots (unless it is at it)."""
+        pool = self._spare_pool
+        if pool is None:
+            return
+        fut = self._spare_fut
+        if fut is not None and not fut.done():
+            return
+        try:
+            self._spare_fut = pool.submit(self._make_spares, total)
+        except RuntimeError:   # closed
+            pass
+
+    def _make_spares(self, total: int) -> float:
+        """Slot thread: create slots until SPARE_SLOTS are free or the ring is at its limit; seconds taken."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                ring = self._ring_for(total)
+                if ring is None or not ring.ensure_spare(total, want=SPARE_SLOTS):
+                    break
+        except OSError as e:
+            log.warning("cannot create a staging slot of %d bytes in %s ahead (%s)", total, self._location, e)
+        except Exception as e:  # noqa: BLE001 - saves go on (skipped, counted) without a spare
+            log.warning("creating staging slots ahead failed: %s", e)
+        return time.perf_counter() - t0
+
+    def _ring_full(self, total: int) -> bool:
+        ring = self._ring
+        return ring is not None and len(ring) >= ring.max_slots and not ring.free_slots(total)
 
     def _publish_slot(self, store: BlobStore, begin: Any, slot: Slot) -> bool:
         """Publish the slot as the shard's blob by a hard link; False when that cannot be done here (the
@@ -894,6 +975,7 @@ class CheckpointCopies:
 
 
 _SKIP_WHY = {"copying": "the previous save's copy is still in flight",
+             "slots": "every staging slot is in flight or holds a stored checkpoint (the ring is full)",
              "writing": "the previous save is still being hashed and committed",
              "preparing": "its staging buffer is still being made, in the background"}
 

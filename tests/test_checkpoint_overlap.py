@@ -163,6 +163,70 @@ def test_a_save_while_the_previous_is_still_writing_is_skipped_and_counted(redis
     snap.close()
 
 
+def _slots_ready(snap: Snapshotter, want: int) -> None:
+    from deadlines import wait_until
+
+    wait_until(lambda: snap._ring is not None and snap._ring.free_slots(snap._ring.slots[0].nbytes) >= want
+               if snap._ring is not None and snap._ring.slots else False, 30, "spare slots made ahead")
+
+
+def test_pipelined_saves_are_in_flight_together_and_all_commit_in_order(redis_server, tmp_path: Path) -> None:
+    """max_inflight (every_step: 4): a save is not skipped because earlier ones are still committing; each
+    has its own slot, the one worker commits them in step order, and each restores bit for bit."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("pipe")
+    sink = GatedSink(co)
+    sink.gate.set()
+    snap = Snapshotter(sink, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", max_inflight=3,
+                                                       skip_until_ready=True))
+    assert snap.save(1, state_dict(0, 1)) is None and snap.stats.skipped_by == {"preparing": 1}
+    snap._prep.result(scaled(30))
+    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"   # learns the agent's dir
+    _slots_ready(snap, 2)
+    sink.gate.clear()   # the background is held in Begin: saves pile up in flight
+    handles = [snap.save(step, state_dict(0, step)) for step in (2, 3)]
+    _slots_ready(snap, 1)   # the slot thread tops the ring up while those two wait in the background
+    handles.append(snap.save(4, state_dict(0, 4)))
+    assert all(h is not None for h in handles), snap.stats.skipped_by
+    assert snap.stats.in_flight == 3
+    assert snap.save(5, state_dict(0, 5)) is None                    # max_inflight reached: skipped, counted
+    assert snap.stats.skipped_by == {"preparing": 1, "writing": 1}
+    sink.gate.set()
+    res = [h.result(scaled(30)) for h in handles]
+    assert [r.state for r in res] == ["COMMITTED"] * 3 and [r.staging for r in res] == ["slot"] * 3
+    assert res[0].skipped_before == 0 and snap.stats.most_in_flight == 3
+    for step in (2, 3, 4):
+        assert_same(_restore(co, job, step), state_dict(0, step))
+    st = snap.stats
+    assert (st.saves, st.committed, st.slots_inline) == (4, 4, 0)
+    snap.close()
+
+
+def test_pipelined_saves_skip_when_every_slot_is_taken_never_the_private_buffer(redis_server,
+                                                                               tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("pipefull")
+    sink = GatedSink(co)
+    sink.gate.set()
+    snap = Snapshotter(sink, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", max_inflight=4,
+                                                       max_slots=2))
+    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"
+    _slots_ready(snap, 2)
+    sink.gate.clear()
+    h2, h3 = snap.save(2, state_dict(0, 2)), snap.save(3, state_dict(0, 3))
+    assert h2 is not None and h3 is not None
+    assert snap.save(4, state_dict(0, 4)) is None and snap.stats.skipped_by == {"slots": 1}
+    sink.gate.set()
+    assert [h.result(scaled(30)).staging for h in (h2, h3)] == ["slot", "slot"]
+    assert_same(_restore(co, job, 3), state_dict(0, 3))
+    snap.close()
+
+
+def test_max_inflight_must_be_a_positive_int() -> None:
+    assert SnapshotConfig.every_step().max_inflight == 4 and SnapshotConfig().max_inflight == 1
+    for bad in (0, "4", True):
+        with pytest.raises(InvalidInputError, match="max_inflight"):
+            SnapshotConfig(max_inflight=bad)
+
+
 # ---- the COPIES stage orders the update after the copy (forced device path) ---------------------------
 
 
