@@ -399,7 +399,7 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 t0 = time.perf_counter()
                 client.prepare(sd).result(600)
                 t_prep = time.perf_counter() - t0
-            blk, staged = [], []
+            blk, staged, sums = [], [], []
             for _ in range(2 + args.repeat):
                 sync(device)
                 t0 = time.perf_counter()
@@ -410,13 +410,14 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 res = h.result(600)
                 assert res.error == "", res.error
                 staged.append(res.device_staged)
+                sums.append(res.checksums)
             steady = min(blk[2:])
             tag = "with prepare()" if prepared else "no prepare()"
             rows += [
                 (f"first save blocking, {tag}", blk[0], f"{blk[0] / steady:.2f}x steady" +
                  (f"; prepare took {t_prep:.2f} s in the background" if prepared else "") +
-                 ("; staged on the GPU" if staged[0] else "")),
-                (f"second save blocking, {tag}", blk[1], f"{blk[1] / steady:.2f}x steady"),
+                 ("; staged on the GPU" if staged[0] else "") + f"; checksums {sums[0]} (target <= 1.0x)"),
+                (f"second save blocking, {tag}", blk[1], f"{blk[1] / steady:.2f}x steady; checksums {sums[1]}"),
                 (f"steady save blocking, {tag}", steady,
                  f"slots made ahead {client.stats.slots_ahead}, inline {client.stats.slots_inline}"),
             ]

@@ -64,6 +64,7 @@ class CheckpointClient:
         self.guard = guard
         if guard is not None:
             guard.add(self.snapshotter.copy_fence(guard.optimizer))
+            self.snapshotter.warm_up(guard.optimizer)   # the fingerprint kernel compiles meanwhile
 
     @classmethod
     def connect(cls, job_id: str, rank: int, world_size: int, target: str | None = None,

@@ -14,7 +14,7 @@ from checkpoint.blobstore import BlobStore
 from checkpoint.errors import CorruptCheckpointError, NotInMemoryError
 from checkpoint.manifest import ShardManifest
 from checkpoint.records import RestorePlan
-from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
+from checkpoint.shard_reader import RestoreReport, copies_for, read_checked, read_verified
 from checkpoint.state_tree import DTYPES, unflatten
 from checksums.fingerprint import MASK64, fingerprint_tensors_async
 
@@ -27,9 +27,10 @@ def restore_shard(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore
     pin = device.type == "cuda"
     buf = torch.empty(manifest.nbytes, dtype=torch.uint8, pin_memory=pin)
     view = memoryview(buf.numpy()).cast("B")
-    read_verified(manifest, copies, view, report)
-    if device.type == "cpu":
-        verify_fingerprints(manifest, view)
+    if device.type == "cpu":   # chunks and fingerprints from one pass over the bytes ("source" checksums)
+        read_checked(manifest, copies, view, report)
+    else:
+        read_verified(manifest, copies, view, report)
     host = [buf[e.offset:e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.shape) for e in manifest.tensors]
     if device.type == "cpu":
         tensors = host

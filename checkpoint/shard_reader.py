@@ -17,11 +17,11 @@ import threading
 from typing import Callable, Sequence
 
 from checkpoint.blobstore import BlobStore
-from checkpoint.chunks import Chunk, chunks_covering, verify
+from checkpoint.chunks import FP_ALGORITHM, Chunk, chunks_covering, fp_hex, verify
 from checkpoint.errors import CorruptCheckpointError, NotInMemoryError
 from checkpoint.manifest import ShardManifest
 from checkpoint.records import ShardPlan
-from checksums.fingerprint_host import fingerprint_bytes
+from checksums.fingerprint_host import MASK64, fingerprint_bytes, tensor_words_from_sums, word_sums_numpy
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,118 @@ class RestoreReport:
         return max(self.sources, key=self.sources.__getitem__) if self.sources else ""
 
 
+def read_checked(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore]], out: memoryview,
+                 report: RestoreReport | None = None,
+                 on_chunk: Callable[[int], None] | None = None) -> RestoreReport:
+    """`read_verified` and then every tensor fingerprint checked (`verify_fingerprints`), reading each byte
+    once when the chunk checksums are FP_ALGORITHM ("source" checksums): the fingerprint sums are linear, so
+    the chunk check sums each chunk in segments cut at the tensors' (word-rounded) ends and the tensor
+    fingerprints are added up from the same segments' sums. xxh3 chunks: hashed, then fingerprinted."""
+    segs = _segments(manifest) if manifest.algorithm == FP_ALGORITHM else None
+    if segs is None:
+        report = read_verified(manifest, copies, out, report, on_chunk)
+        verify_fingerprints(manifest, out)
+        return report
+    sums: dict[int, list[tuple[int, int, int]]] = {}
+    report = read_verified(manifest, copies, out, report, on_chunk, _SegmentCheck(segs, sums))
+    t0 = [0] * len(manifest.tensors)
+    t1 = [0] * len(manifest.tensors)
+    for parts in sums.values():
+        for i, s0, s1 in parts:
+            t0[i] += s0
+            t1[i] += s1
+    view = memoryview(out).cast("B")
+    for i, e in enumerate(manifest.tensors):
+        end = e.offset + e.nbytes
+        pad = view[end:min(-(-end // 4) * 4, manifest.nbytes)]
+        if any(pad):   # bytes after the tensor in its last word are not zero: its own sums, apart
+            fp = fingerprint_bytes(view[e.offset:end], e.dtype, e.shape)
+        else:
+            fp = tensor_words_from_sums(t0[i] & MASK64, t1[i] & MASK64, e.dtype, e.shape)
+        if fp != e.fingerprint:
+            raise CorruptCheckpointError(
+                f"job {manifest.job_id} step {manifest.step} rank {manifest.rank}: tensor {e.path} has fingerprint "
+                f"{fp}, manifest says {e.fingerprint} (chunks verified: the bytes were wrong when saved)")
+    return report
+
+
+# a chunk's segments: (start, end) byte offsets in the blob, the tensor index (-1: between tensors) and the
+# segment's word offset in that tensor
+Segment = tuple[int, int, int, int]
+
+
+def _segments(manifest: ShardManifest) -> list[list[Segment]] | None:
+    """Per chunk, its bytes cut into word-aligned segments at the tensors' starts and word-rounded ends; None
+    when the layout does not allow it (a chunk or tensor not starting on a word, tensors out of order or
+    overlapping): then the bytes are summed twice, as before."""
+    tensors = sorted(((e.offset, e.offset + e.nbytes, i) for i, e in enumerate(manifest.tensors) if e.nbytes),
+                     key=lambda x: x[0])
+    bounds = []
+    prev = 0
+    for start, end, i in tensors:
+        if start % 4 or start < prev:
+            return None
+        prev = -(-end // 4) * 4
+        bounds.append((start, min(prev, manifest.nbytes), i))
+    out: list[list[Segment]] = []
+    k = 0
+    for c in manifest.chunks:
+        if c.offset % 4:
+            return None
+        lo, hi = c.offset, c.offset + c.length
+        segs: list[Segment] = []
+        pos = lo
+        while k < len(bounds) and bounds[k][1] <= lo:
+            k += 1
+        j = k
+        while j < len(bounds) and bounds[j][0] < hi:
+            start, end, i = bounds[j]
+            a, b = max(start, lo), min(end, hi)
+            if a > pos:
+                segs.append((pos, a, -1, 0))
+            segs.append((a, b, i, (a - start) // 4))
+            pos = b
+            if end > hi:
+                break
+            j += 1
+        if pos < hi:
+            segs.append((pos, hi, -1, 0))
+        out.append(segs)
+    return out
+
+
+class _SegmentCheck:
+    """An FP_ALGORITHM chunk check that keeps the tensors' shifted sums of the chunk it accepted."""
+
+    def __init__(self, segs: list[list[Segment]], sums: dict[int, list[tuple[int, int, int]]]) -> None:
+        self.segs, self.sums = segs, sums
+
+    def __call__(self, k: int, buf: memoryview, chunk: Chunk) -> bool:
+        if len(buf) != chunk.length:
+            return False
+        c0 = c1 = 0
+        parts = []
+        for a, b, i, word in self.segs[k]:
+            s0, s1 = word_sums_numpy(buf[a - chunk.offset:b - chunk.offset])
+            c0 += s0
+            c1 += s1 + ((a - chunk.offset) >> 2) * s0
+            if i >= 0:
+                parts.append((i, s0, s1 + word * s0))
+        if fp_hex(tensor_words_from_sums(c0 & MASK64, c1 & MASK64, "uint8", (chunk.length,))) != chunk.checksum:
+            return False
+        self.sums[k] = parts   # the copy that passed: its sums are the tensors' (a later pass replaces them)
+        return True
+
+
 def read_verified(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore]], out: memoryview,
                   report: RestoreReport | None = None,
-                  on_chunk: Callable[[int], None] | None = None) -> RestoreReport:
+                  on_chunk: Callable[[int], None] | None = None,
+                  check: Callable[[int, memoryview, Chunk], bool] | None = None) -> RestoreReport:
     """Fill `out` (manifest.nbytes) with the shard's bytes, each chunk checksum-verified, falling back
     across `copies` ([(name, store)]) chunk by chunk. Chunks are read and verified on `_io_pool`'s threads
     (reads and xxh3 release the GIL): a restore runs at the node's memory bandwidth, not one core's.
-    `on_chunk(nbytes)` is called (from those threads) after each chunk is verified (a progress bar)."""
+    `on_chunk(nbytes)` is called (from those threads) after each chunk is verified (a progress bar).
+    `check(chunk index, bytes, chunk)`: the chunk check instead of `chunks.verify` (read_checked's)."""
     report = report if report is not None else RestoreReport()
     view = memoryview(out).cast("B")
     if len(view) < manifest.nbytes:
@@ -55,13 +160,13 @@ def read_verified(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore
                                "shard is reachable from this node")
     lock = threading.Lock()
 
-    def one(c: Chunk) -> None:
+    def one(k: int, c: Chunk) -> None:
         dst = view[c.offset:c.offset + c.length]
         tried = []
         for i, (name, store) in enumerate(copies):
             try:
                 n = store.readinto(manifest.blob, c.offset, dst)
-                ok = verify(dst[:n], c)
+                ok = verify(dst[:n], c) if check is None else check(k, dst[:n], c)
                 why = "" if ok else ("short read" if n != c.length else "checksum mismatch")
             except KeyError:
                 ok, why = False, "missing"
@@ -87,10 +192,10 @@ def read_verified(manifest: ShardManifest, copies: Sequence[tuple[str, BlobStore
             f"{'; '.join(tried)}")
 
     if len(manifest.chunks) <= 1:
-        for c in manifest.chunks:
-            one(c)
+        for k, c in enumerate(manifest.chunks):
+            one(k, c)
         return report
-    futures = [_io_pool.submit(one, c) for c in manifest.chunks]
+    futures = [_io_pool.submit(one, k, c) for k, c in enumerate(manifest.chunks)]
     concurrent.futures.wait(futures)
     for f in futures:  # the first bad chunk in byte order names the tensors
         f.result()

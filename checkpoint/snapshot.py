@@ -195,6 +195,7 @@ class SaveResult:
     host_s: float = 0.0         # background wall time of this save after its copy landed (begin, publish,
                                 # checksums, commit): the pace limit of every-step saves, GIL waits included
     cpu_s: float = 0.0          # of which the background thread's CPU time (its own work, no GIL waits)
+    checksums: str = ""         # "source" (at the source, with the copy) or "host" (from the landed bytes)
     device_staged: bool = False  # copied to a GPU buffer first (no host buffer was ready): save() did not
                                  # wait for a host buffer to be made
 
@@ -309,6 +310,9 @@ class Snapshotter:
         self._fp_plans: dict[torch.device, tuple[Any, Any]] = {}   # device -> (layout key, fingerprint plan)
         self._zeroed: dict[int, Any] = {}       # staging buffer address -> the layout whose gaps it has zero
         self._staged_sizes: set[int] = set()    # state sizes a save staged on the GPU for (once each)
+        self._plan_lock = threading.Lock()
+        self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
+        self._plan_fut: concurrent.futures.Future[None] | None = None
 
     def _block(self) -> str:
         block = self.config.block
@@ -371,11 +375,19 @@ class Snapshotter:
                 arena = slot.tensor if slot is not None else self._arena.ensure(total)
             late = self._changed_by_update(tensors) if block == "update" else None
             cut = self._source_cut(tensors, offsets) if self._source_mode(tensors) else None
+            transfer_check = True
+            if cut is not None and not self._plans_ready(tensors, cut):
+                # the fingerprint plan of this layout (tables built and uploaded: milliseconds of host work,
+                # and the kernel's compile before the first) is made in the background, never here: this
+                # save is checksummed on the host from the landed bytes instead (the "host" path, without
+                # the transfer check, which would need the same plan)
+                self._plan_ahead(tensors, cut)
+                cut, transfer_check = None, False
             if cut is not None and staged is None:   # a staging buffer on the GPU is made of zeros
                 self._zero_gaps(arena, tensors, offsets, total)
             try:
                 with torch.no_grad():
-                    events, src_fps = self._copy(tensors, offsets, arena, block, late, cut)
+                    events, src_fps = self._copy(tensors, offsets, arena, block, late, cut, transfer_check)
             except BaseException:
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)
@@ -437,11 +449,27 @@ class Snapshotter:
         the first save copies into. A save meanwhile waits for it (`policy="wait"`) or is skipped. Nothing
         is copied."""
         _, named = flatten(state_dict)
-        _, total = layout([t for _, t in named])
+        tensors = [t for _, t in named]
+        offsets, total = layout(tensors)
         with self._lock:
             if self._prep is None or self._prep.done():
-                self._prep = self._pool.submit(self._prepare_buffers, total)
+                self._prep = self._pool.submit(self._prepare_all, tensors, offsets, total)
             return self._prep
+
+    def _prepare_all(self, tensors: list[torch.Tensor], offsets: list[int], total: int) -> None:
+        """Background (`prepare`): everything the first save of this layout would make: the staging buffer,
+        the optimizer's storages, the source-checksum pieces, the side streams and the fingerprint plans
+        (after the kernel's compile). The first save then costs what a steady one does."""
+        self._prepare_buffers(total)
+        try:
+            if self._fence is not None:
+                self._changed_by_update(tensors)
+            for dev in {t.device for t in tensors if t.device.type == "cuda"}:
+                self._side_stream(dev)
+            if self._source_mode(tensors):
+                self._build_plans(tensors, self._source_cut(tensors, offsets))
+        except Exception as e:  # noqa: BLE001 - the first save makes what is missing (or checksums on the host)
+            log.warning("preparing checkpoint plans failed: %s", e)
 
     @property
     def stats(self) -> SaveStats:
@@ -478,6 +506,20 @@ class Snapshotter:
             self._fence.optimizer = optimizer
         return self._fence
 
+    def warm_up(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Start, in the background, what the first save on the optimizer's GPUs would wait for: the
+        fingerprint kernel's compile (a thread of its own) and the side streams. Cheap; the client calls it
+        when bound to a step guard. `prepare(state_dict)` builds the rest (buffers, plans) once the state
+        has its shapes."""
+        if optimizer is None or self.config.checksums == "host":
+            return
+        devs = {p.device for g in optimizer.param_groups for p in g["params"]
+                if isinstance(p, torch.Tensor) and p.device.type == "cuda"}
+        for dev in devs:
+            self._side_stream(dev)
+            if triton_available():
+                _triton_ready(dev)
+
     def order_before_update(self) -> None:
         """Make each device's current stream wait for the copies still in flight (block="update"): on the
         device, the host never waits. Nothing to do on CPU or in the other modes (save ordered them)."""
@@ -507,6 +549,8 @@ class Snapshotter:
     def close(self) -> None:
         self.order_before_update()   # whatever the caller does to the weights next comes after the copies
         self._pool.shutdown(wait=True)
+        if self._plan_pool is not None:
+            self._plan_pool.shutdown(wait=True)
         if self._spare_pool is not None:
             self._spare_pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
@@ -601,7 +645,7 @@ class Snapshotter:
 
     # ---- the copy -----------------------------------------------------------------------------------
     def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor, block: str = "copy",
-              late: list[bool] | None = None, cut: list[Piece] | None = None
+              late: list[bool] | None = None, cut: list[Piece] | None = None, transfer_check: bool = True
               ) -> tuple[list[Any], dict[Any, torch.Tensor]]:
         """Enqueue every copy; return CUDA events to wait on and the source fingerprints: host-mode
         {tensor index: host fingerprint words}, or with `cut` (source checksums) {("pieces", device):
@@ -620,7 +664,8 @@ class Snapshotter:
             if dev.type == "cuda":
                 ev, fps = self._copy_cuda(dev, [tensors[i] for i in idx], [offsets[i] for i in idx], arena,
                                           block, None if late is None else [late[i] for i in idx],
-                                          None if cut is None else (tensors, [cut[k] for k in mine]))
+                                          None if cut is None else (tensors, [cut[k] for k in mine]),
+                                          transfer_check)
                 events.append(ev)
                 if cut is not None:
                     src_fps[("pieces", dev)] = (mine, fps)
@@ -634,7 +679,7 @@ class Snapshotter:
                 src_fps[("pieces", dev)] = (mine, per)
             elif cut is not None and mine:   # CPU -> host memory: the copy below is a synchronous memcpy, so
                 src_fps[("host pieces", dev)] = mine   # the background fingerprints them (numpy, no GIL)
-            check = cut is None and bool(self.config.check_source_fingerprint)
+            check = cut is None and transfer_check and bool(self.config.check_source_fingerprint)
             if check and idx:
                 per = torch.empty(len(idx), 2, dtype=torch.int64)
                 fingerprint_tensors_async([tensors[i] for i in idx], per_tensor_out=per)
@@ -655,18 +700,16 @@ class Snapshotter:
 
     def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],
                    arena: torch.Tensor, block: str, late: list[bool] | None,
-                   source: tuple[list[torch.Tensor], list[Piece]] | None = None
+                   source: tuple[list[torch.Tensor], list[Piece]] | None = None, transfer_check: bool = True
                    ) -> tuple[Any, torch.Tensor | None]:
-        side = self._side.get(dev)
-        if side is None:
-            side = self._side[dev] = torch.cuda.Stream(device=dev)
+        side = self._side_stream(dev)
         cur = torch.cuda.current_stream(dev)
         run_pieces = None
         if source is not None and source[1]:
             with torch.cuda.stream(side):   # a new plan's tables go up before the side stream waits for work
                 run_pieces = self._piece_fingerprinter(dev, *source)
         side.wait_stream(cur)
-        check = source is None and self.config.check_source_fingerprint is not False
+        check = source is None and transfer_check and self.config.check_source_fingerprint is not False
         fps_host = None
         with torch.cuda.stream(side):
             if run_pieces is not None:   # the pieces' fingerprints, before any copy reads on
@@ -709,8 +752,7 @@ class Snapshotter:
         this device's tensors and returns int64 [len(cut), 2] on the device. The fused Triton plan is kept
         while the layout (the tensors' addresses, dtypes, shapes and the pieces) stays; without Triton (or
         for a non-contiguous tensor, fingerprinted from a contiguous copy), torch ops."""
-        key = (tuple((tensors[p.tensor].data_ptr(), p.start, p.length) for p in cut),
-               tuple((tensors[p.tensor].dtype, tuple(tensors[p.tensor].shape)) for p in cut))
+        key = self._plan_key(tensors, cut)
         held = self._fp_plans.get(dev)
         if held is None or held[0] != key:
             held = None
@@ -736,13 +778,72 @@ class Snapshotter:
             return per
         return run_copied
 
+    def _plan_key(self, tensors: list[torch.Tensor], cut: list[Piece]) -> tuple[Any, Any]:
+        return (tuple((tensors[p.tensor].data_ptr(), p.start, p.length) for p in cut),
+                tuple((tensors[p.tensor].dtype, tuple(tensors[p.tensor].shape)) for p in cut))
+
+    def _dev_pieces(self, tensors: list[torch.Tensor], cut: list[Piece]) -> dict[torch.device, list[Piece]]:
+        out: dict[torch.device, list[Piece]] = {}
+        for p in cut:
+            dev = tensors[p.tensor].device
+            if dev.type == "cuda":
+                out.setdefault(dev, []).append(p)
+        return out
+
+    def _plans_ready(self, tensors: list[torch.Tensor], cut: list[Piece]) -> bool:
+        """Is every CUDA device's fused fingerprint plan for this layout built (or will the torch ops be used
+        anyway: no Triton, or a non-contiguous tensor)? A save never builds one (`_plan_ahead` does)."""
+        if not triton_available():
+            return True
+        for dev, mine in self._dev_pieces(tensors, cut).items():
+            if not all(tensors[p.tensor].is_contiguous() for p in mine):
+                continue
+            held = self._fp_plans.get(dev)
+            if held is None or held[0] != self._plan_key(tensors, mine):
+                return False
+        return True
+
+    def _plan_ahead(self, tensors: list[torch.Tensor], cut: list[Piece]) -> None:
+        """Build this layout's fingerprint plans on the plan thread (once at a time; a later save that finds
+        them ready uses them)."""
+        with self._plan_lock:
+            if self._plan_fut is not None and not self._plan_fut.done():
+                return
+            if self._plan_pool is None:
+                self._plan_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-plan")
+            self._plan_fut = self._plan_pool.submit(self._build_plans, list(tensors), list(cut))
+
+    def _build_plans(self, tensors: list[torch.Tensor], cut: list[Piece], timeout: float = 600.0) -> None:
+        """Plan thread (or prepare()): wait for the fingerprint kernel's compile, then build and upload each
+        CUDA device's plan for this layout on its side stream (what the first save would otherwise do)."""
+        try:
+            for dev, mine in self._dev_pieces(tensors, cut).items():
+                if not triton_available():
+                    return
+                _triton_ready(dev)
+                if not _warm[dev].wait(timeout):
+                    log.warning("the fingerprint kernel did not compile on %s in %.0f s", dev, timeout)
+                    return
+                side = self._side_stream(dev)
+                with torch.cuda.device(dev), torch.cuda.stream(side):
+                    self._piece_fingerprinter(dev, tensors, mine)
+        except Exception as e:  # noqa: BLE001 - saves go on with host checksums until a plan is there
+            log.warning("building the checkpoint fingerprint plan failed: %s", e)
+
+    def _side_stream(self, dev: torch.device) -> Any:
+        side = self._side.get(dev)
+        if side is None:
+            side = self._side[dev] = torch.cuda.Stream(device=dev)
+        return side
+
     # ---- the background -----------------------------------------------------------------------------
     def _background(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
                     total: int, arena: torch.Tensor, events: list[Any], src_fps: dict[int, torch.Tensor],
                     blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
                     skipped: int = 0, cut: list[Piece] | None = None,
                     staged_box: list[torch.Tensor] | None = None) -> SaveResult:
-        res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall)
+        res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall,
+                         checksums="host" if cut is None else "source")
         try:
             for ev in events:
                 ev.synchronize()

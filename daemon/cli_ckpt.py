@@ -39,7 +39,7 @@ import grpc
 from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.errors import CheckpointError
 from checkpoint.locations import dir_store_for
-from checkpoint.shard_reader import RestoreReport, copies_for, read_verified, verify_fingerprints
+from checkpoint.shard_reader import RestoreReport, copies_for, read_checked
 from daemon import cli_json
 from daemon.cli_common import (EXIT_OK, EXIT_USAGE, NO_AGENT_HINT, Parser, add_connection_flags, ago, connect,
                                fail, progress_bar, progress_meter, rpc_error, spinner, table)
@@ -354,9 +354,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
             for shard in plan.shards:
                 report = RestoreReport()
                 buf = bytearray(shard.manifest.nbytes)
-                read_verified(shard.manifest, copies_for(shard, dir_store_for), memoryview(buf), report,
-                              on_chunk=advance)
-                verify_fingerprints(shard.manifest, memoryview(buf))
+                read_checked(shard.manifest, copies_for(shard, dir_store_for), memoryview(buf), report,
+                             on_chunk=advance)
                 (out / f"rank-{shard.rank:05d}.bin").write_bytes(buf)
                 (out / f"rank-{shard.rank:05d}.json").write_text(shard.manifest.to_json())
                 print(f"rank {shard.rank}: {human_bytes(shard.manifest.nbytes)} from {report.source or '-'}"

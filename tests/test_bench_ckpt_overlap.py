@@ -14,6 +14,7 @@ def test_the_overlap_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> No
                   "d. ours vs DCP async_save"):
         assert title in out, out
     assert "3/3 identical" in out, out
-    assert "added step time per save" in out and "saves attempted / made / COMMITTED" in out
+    assert "added step time per save" in out and "steps whose checkpoint reached COMMITTED" in out
+    assert "4 in flight" in out and "1 in flight" in out and "background host work per save" in out
     assert "first save blocking, with prepare()" in out and "torch.save to local disk" in out
     assert "FAILED" not in out, out

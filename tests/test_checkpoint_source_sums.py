@@ -22,6 +22,7 @@ from checkpoint.errors import InvalidInputError
 from checkpoint.manifest import ShardManifest
 from checkpoint.snapshot import SnapshotConfig, Snapshotter
 from checkpoint.source_sums import combine, pieces
+from checksums.fingerprint import triton_available
 from checksums.fingerprint_host import (MASK64, fingerprint_bytes, fmix64, fmix64_inverse, shift_sums,
                                         sums_from_tensor_words, word_sums_numpy)
 from ckpt_support import assert_same, flip_bit, job_id, node, state_dict
@@ -289,9 +290,13 @@ def test_cuda_source_checksums_and_first_save_on_the_device(redis_server, tmp_pa
         opt.zero_grad()
         res = h.result(scaled(120))
         assert res.state == "COMMITTED", res.error
-        assert res.device_staged == (step == 1) and res.fingerprint_s == 0.0
         m = ShardManifest.from_json(co.redis.hget(co._keys(job, step)[1], "0"))
-        assert m.algorithm == FP_ALGORITHM
+        assert res.device_staged == (step == 1)
+        if step == 1 and triton_available():   # the layout's plan is built ahead, never in the first save:
+            assert m.algorithm == ALGORITHM     # that one is checksummed on the host from the landed bytes
+            client.snapshotter._plan_fut.result(scaled(120))
+        else:
+            assert m.algorithm == FP_ALGORITHM and res.fingerprint_s == 0.0
         got = CheckpointClient(co, job, 0, 1).restore(step)
         assert_same(got["model"], expected["model"])
         assert got["loader"] == expected["loader"]
@@ -355,3 +360,135 @@ def test_the_real_agent_scrubs_and_then_verifies(short_tmp: Path) -> None:
         finally:
             for c in ranks:
                 c.close()
+
+
+# ---- restore: a source-checksummed shard's bytes are summed once ---------------------------------------
+
+
+def _fp1_blob(sizes: list[int], chunk_bytes: int, seed: int = 0) -> tuple[bytearray, ShardManifest]:
+    from checkpoint.manifest import TensorEntry
+
+    rng = np.random.default_rng(seed)
+    offsets, pos = [], 0
+    for n in sizes:
+        pos = (pos + 63) // 64 * 64
+        offsets.append(pos)
+        pos += n
+    blob = bytearray(pos)
+    for off, n in zip(offsets, sizes):
+        blob[off:off + n] = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+    view = memoryview(blob)
+    cut = pieces(offsets, sizes, chunk_bytes)
+    words = [fingerprint_bytes(view[offsets[p.tensor] + p.start:offsets[p.tensor] + p.start + p.length],
+                               "uint8", (p.length,)) for p in cut]
+    chunks, fps = combine(cut, words, len(blob), chunk_bytes, [("uint8", (n,)) for n in sizes])
+    tensors = tuple(TensorEntry(f"t{i}", "uint8", (n,), off, n, fp)
+                    for i, (off, n, fp) in enumerate(zip(offsets, sizes, fps)))
+    tree = {f"t{i}": {"__sdcw_tensor__": i} for i in range(len(sizes))}
+    m = ShardManifest("j", 1, 0, 1, "j/1/rank-00000.bin", len(blob), chunk_bytes, tuple(chunks), tensors, tree,
+                      1.0, algorithm=FP_ALGORITHM)
+    return blob, m
+
+
+class _Mem:
+    def __init__(self, blob: bytes | bytearray) -> None:
+        self.blob = bytes(blob)
+
+    def readinto(self, key: str, offset: int, out: memoryview) -> int:
+        n = min(len(out), len(self.blob) - offset)
+        out[:n] = self.blob[offset:offset + n]
+        return n
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 256, 4096])
+def test_restore_sums_a_source_checksummed_shard_once(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
+    import checkpoint.shard_reader as sr
+
+    blob, m = _fp1_blob([1000, 6, 0, 4096, 13, 777, 2, 300, 4], chunk_bytes)
+    summed = []
+    real = sr.word_sums_numpy
+    monkeypatch.setattr(sr, "word_sums_numpy", lambda b: summed.append(memoryview(b).nbytes) or real(b))
+    monkeypatch.setattr(sr, "fingerprint_bytes", lambda *a: pytest.fail("a tensor was fingerprinted again"))
+    out = bytearray(m.nbytes)
+    sr.read_checked(m, [("mem", _Mem(blob))], memoryview(out))
+    assert out == blob and sum(summed) == len(blob)    # every byte summed once, chunks and tensors both
+    # a flipped bit in a tensor: its chunk fails on the only copy
+    bad = bytearray(blob)
+    bad[m.tensors[3].offset + 100] ^= 1
+    with pytest.raises(sr.CorruptCheckpointError, match="t3"):
+        sr.read_checked(m, [("bad", _Mem(bad))], memoryview(bytearray(m.nbytes)))
+    # ... and another copy has it: the fallback copy's sums are the tensors'
+    rep = sr.read_checked(m, [("bad", _Mem(bad)), ("good", _Mem(blob))], memoryview(out))
+    assert rep.fallbacks == 1 and out == blob
+
+
+def test_restore_once_still_catches_a_wrong_fingerprint_and_a_nonzero_pad() -> None:
+    import dataclasses
+
+    import checkpoint.shard_reader as sr
+
+    blob, m = _fp1_blob([13, 6, 300], 64)
+    wrong = dataclasses.replace(m, tensors=(m.tensors[0], dataclasses.replace(m.tensors[1], fingerprint=(1, 2)),
+                                            *m.tensors[2:]))
+    with pytest.raises(sr.CorruptCheckpointError, match="t1 has fingerprint"):
+        sr.read_checked(wrong, [("mem", _Mem(blob))], memoryview(bytearray(m.nbytes)))
+    # a byte after a tensor in its last word (in the gap) that is not zero: the chunk checksum says so
+    # (the gaps were zero when saved), and with a checksum made over such bytes the tensor is summed apart
+    padded = bytearray(blob)
+    padded[m.tensors[0].offset + 13] = 7
+    chunks = tuple(Chunk(c.offset, c.length, checksum(memoryview(padded)[c.offset:c.offset + c.length],
+                                                      FP_ALGORITHM), FP_ALGORITHM) for c in m.chunks)
+    m2 = dataclasses.replace(m, chunks=chunks)
+    out = bytearray(m.nbytes)
+    sr.read_checked(m2, [("mem", _Mem(padded))], memoryview(out))
+    assert out == padded
+
+
+def test_cpu_restore_of_a_source_checksummed_checkpoint_reads_once(redis_server, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import checkpoint.shard_reader as sr
+
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("once")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source", fingerprint_threads=1))
+    sd = state_dict(0, 1, size=3000)
+    assert snap.save(1, sd).result(scaled(30)).state == "COMMITTED"
+    summed = []
+    real = sr.word_sums_numpy
+    monkeypatch.setattr(sr, "word_sums_numpy", lambda b: summed.append(memoryview(b).nbytes) or real(b))
+    monkeypatch.setattr(sr, "fingerprint_bytes", lambda *a: pytest.fail("a tensor was fingerprinted again"))
+    assert_same(CheckpointClient(co, job, 0, 1).restore(1), sd)
+    m = ShardManifest.from_json(co.redis.hget(co._keys(job, 1)[1], "0"))
+    assert sum(summed) == m.nbytes
+    snap.close()
+
+
+def test_a_save_never_builds_a_fingerprint_plan_it_checksums_on_the_host_meanwhile(
+        redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first save of a layout whose fused plan is not built (the GPU case, forced here) does not build it:
+    the plan thread does, and that save is checksummed on the host (xxh3, from the landed bytes); once the
+    plan is there saves are checksummed at the source again. prepare() builds it ahead."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("plan")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source", fingerprint_threads=1))
+    built: list[int] = []
+    ready = threading.Event()
+    monkeypatch.setattr(snap, "_plans_ready", lambda tensors, cut: ready.is_set())
+    monkeypatch.setattr(snap, "_build_plans", lambda tensors, cut: (built.append(len(cut)), ready.set()))
+    sds = {s: state_dict(0, s, size=3000) for s in (1, 2)}
+    res = snap.save(1, sds[1]).result(scaled(30))
+    assert res.state == "COMMITTED" and built and snap._plan_fut is not None
+    m = ShardManifest.from_json(co.redis.hget(co._keys(job, 1)[1], "0"))
+    assert m.algorithm == ALGORITHM
+    snap._plan_fut.result(scaled(30))
+    assert snap.save(2, sds[2]).result(scaled(30)).state == "COMMITTED"
+    assert ShardManifest.from_json(co.redis.hget(co._keys(job, 2)[1], "0")).algorithm == FP_ALGORITHM
+    client = CheckpointClient(co, job, 0, 1)
+    for step in (1, 2):
+        assert_same(client.restore(step), sds[step])
+    # prepare() builds the plans (and the rest) in the background, before any save
+    snap2 = Snapshotter(co, job_id("plan2"), 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source"))
+    calls: list[int] = []
+    monkeypatch.setattr(snap2, "_build_plans", lambda tensors, cut: calls.append(len(cut)))
+    snap2.prepare(sds[1]).result(scaled(30))
+    assert calls and snap2._cuts is not None
+    snap.close()
+    snap2.close()
