@@ -330,6 +330,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             step_off()
             step_every()
         client.wait(600)
+        spares = client.snapshotter._spare_fut   # pipelined: the ring's spare slots made before measuring
+        if spares is not None:
+            spares.result(600)
         handles.clear()
         skipped0 = dict(client.stats.skipped_by)
         times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)

@@ -21,7 +21,7 @@ Lifecycle of one checkpoint (job J, step k, world size W):
 
 Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redis Cluster):
   sdcw:ckpt:jobs                   SET of job ids
-  sdcw:ckpt:{J}:idx                ZSET step -> step, every live or tombstoned record
+  sdcw:ckpt:{J}:idx                ZSET step -> step, every live record (a record leaves it when tombstoned)
   sdcw:ckpt:{J}:s:<k>              HASH state, world_size, begun_at, committed_at, verified_at, reason, bytes,
                                    bytes_check (agreed | mismatch | unreplicated | imported), vouched_by
   sdcw:ckpt:{J}:s:<k>:shards       HASH rank -> shard manifest JSON
@@ -132,6 +132,9 @@ return {1}
 """
 
 
+PARSED_KEPT = 64   # parsed manifests the coordinator remembers (by their JSON text), per coordinator
+
+
 def blob_key(job_id: str, step: int, rank: int) -> str:
     return f"{job_id}/{step:012d}/rank-{rank:05d}.bin"
 
@@ -182,6 +185,10 @@ class Coordinator:
         self._scrub_at: tuple[tuple[str, int, int], ShardManifest, int] | None = None
         self._scrub_buf = bytearray()
         self._scrub_lock = threading.Lock()   # commits (the RPC pool) queue, the scrub (maintenance) takes
+        # manifests parsed on commit, by their exact JSON: the VERIFIED evaluation right after (the replica
+        # comparison) reads the same text back from Redis and need not parse and validate it again
+        self._parsed: collections.OrderedDict[str, ShardManifest] = collections.OrderedDict()
+        self._parsed_lock = threading.Lock()
 
     # ---- keys ---------------------------------------------------------------------------------------
     def _jk(self, job: str, suffix: str) -> str:
@@ -215,7 +222,7 @@ class Coordinator:
         validate_step(step)
         validate_rank(rank, world_size)
         now = time.time() if now is None else now
-        m = ShardManifest.from_json(manifest_json)
+        m = self._manifest(manifest_json)
         if (m.job_id, m.step, m.rank, m.world_size) != (job_id, step, rank, world_size):
             raise InvalidInputError(
                 f"manifest is for job {m.job_id} step {m.step} rank {m.rank}/{m.world_size}, request says "
@@ -266,6 +273,22 @@ class Coordinator:
             self.maintain_job(job_id, now)
         return CommitResult(state if not committed_now else self.info(job_id, step).state,
                             bool(committed_now), int(n))
+
+    def _manifest(self, text: str) -> ShardManifest:
+        """`ShardManifest.from_json(text)` (validated), remembered for the last PARSED_KEPT texts: a commit's
+        manifest is read back by the evaluation that follows it (parsing 600 tensors' JSON is milliseconds
+        of the agent's commit path, per save)."""
+        with self._parsed_lock:
+            m = self._parsed.get(text)
+            if m is not None:
+                self._parsed.move_to_end(text)
+                return m
+        m = ShardManifest.from_json(text)
+        with self._parsed_lock:
+            self._parsed[text] = m
+            while len(self._parsed) > PARSED_KEPT:
+                self._parsed.popitem(last=False)
+        return m
 
     def _first_announcement(self, job_id: str, step: int) -> bool:
         """True once per (job, step) on this coordinator: a rank retrying a commit whose reply was lost is
@@ -356,13 +379,19 @@ class Coordinator:
     def list(self, job_id: str) -> list[CheckpointInfo]:
         validate_job_id(job_id)
         out = []
+        gone = []
         for step in self._steps(job_id):
             try:
                 info = self.info(job_id, step)
-            except UnknownCheckpointError:
+            except UnknownCheckpointError:   # expired: indexed before tombstones left the index
+                gone.append(step)
                 continue
             if info.state in policy.LIVE_STATES:
                 out.append(info)
+            else:                            # a tombstone indexed by an older agent
+                gone.append(step)
+        if gone:
+            self.redis.zrem(self._jk(job_id, "idx"), *gone)
         return out
 
     def latest(self, job_id: str) -> CheckpointInfo | None:
@@ -377,7 +406,8 @@ class Coordinator:
         """The checkpoint `target` (a step, "latest" or "latest_verified") names, restorable, or a clear error."""
         validate_job_id(job_id)
         infos = self.list(job_id)
-        if not infos and not self.redis.exists(self._jk(job_id, "idx")):
+        if (not infos and not self.redis.exists(self._jk(job_id, "idx"))
+                and not self.redis.sismember(self._p + "jobs", job_id)):
             raise NotInMemoryError(
                 f"job {job_id}: not in memory: no checkpoint record (the coordination Redis has no record of this job; "
                 "it may have restarted empty). Restore from a durable tier instead.")
@@ -698,7 +728,7 @@ class Coordinator:
         meta, shards, _ = self._keys(job_id, step)
         raw = self.redis.hgetall(shards)
         try:
-            check = replica_bytes.compare(ShardManifest.from_json(_s(t)) for t in raw.values())
+            check = replica_bytes.compare(self._manifest(_s(t)) for t in raw.values())
         except InvalidInputError as e:   # validated on commit: only a damaged record gets here
             log.error("job %s step %d: shard manifests unreadable: %s", job_id, step, e)
             return replica_bytes.MISMATCH
@@ -827,6 +857,10 @@ class Coordinator:
         pipe.hset(meta, mapping={"state": state, "reason": reason, "dropped_at": repr(now)})
         pipe.delete(shards, copies)
         pipe.expire(meta, self.config.tombstone_ttl_s)
+        # out of the job's index: the tombstone (its own key, for tombstone_ttl_s) is what late ranks and other
+        # nodes read; listing the live records must not walk every step evicted in the last hour (saving every
+        # step, that is thousands of round trips per commit)
+        pipe.zrem(self._jk(job_id, "idx"), step)
         pipe.execute()
         self._delete_step_blobs(job_id, step)
         kind = ek.CHECKPOINT_ABORTED if state == policy.ABORTED else ek.CHECKPOINT_EVICTED

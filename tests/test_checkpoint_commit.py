@@ -303,3 +303,26 @@ def test_the_votes_hash_is_bounded_and_an_old_verified_checkpoint_keeps_its_vote
     assert "HGETALL" not in calls, "the votes hash is never read whole"
     assert co.redis.hget(votes_key, "5") is not None, "a live record's vote is kept"
     assert [i.state for i in co.list(job)] == ["VERIFIED"], "pruning never revokes a verified checkpoint"
+
+
+def test_tombstones_leave_the_index_so_a_commit_never_walks_every_evicted_step(redis_server, tmp_path: Path) -> None:
+    """Saving every step evicts a record per commit; their tombstones (kept tombstone_ttl_s for late ranks)
+    must not make listing, and so every commit, walk every step evicted in the last hour."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("tomb")
+    for step in range(1, 13):
+        assert save_all(co, job, step, world=1)[0].state == "COMMITTED"
+    idx = co._jk(job, "idx")
+    assert sorted(int(x) for x in co.redis.zrange(idx, 0, -1)) == [11, 12]
+    assert co.info(job, 3).state == "EVICTED"            # the tombstone itself is still there
+    late = save_all(co, job, 3, world=1)[0]             # ... and a late rank re-saving it starts it anew
+    assert late.state in ("COMMITTED", "VERIFIED", "EVICTED")
+    assert [i.step for i in co.list(job) if i.state in ("COMMITTED", "VERIFIED")][-2:] == [11, 12]
+    # index entries of a tombstone or an expired record (indexed by an older agent) are pruned when listed
+    co.redis.zadd(idx, {"5": 5, "7777": 7777})
+    co.list(job)
+    assert co.redis.zscore(idx, "5") is None and co.redis.zscore(idx, "7777") is None
+    # every record gone: still a known job, not "Redis restarted empty"
+    for i in co.list(job):
+        co._drop(job, i.step, "EVICTED", "test", time.time())
+    with pytest.raises(UnknownCheckpointError):
+        co.resolve(job, "latest")

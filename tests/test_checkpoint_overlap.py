@@ -275,7 +275,8 @@ def late_copies(monkeypatch: pytest.MonkeyPatch) -> Copies:
     made = Copies()
 
     def fake_copy(self: Snapshotter, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor,
-                  block: str = "copy", late: list[bool] | None = None, cut: Any = None) -> tuple[list[Any], dict]:
+                  block: str = "copy", late: list[bool] | None = None, cut: Any = None,
+                  transfer_check: bool = True) -> tuple[list[Any], dict]:
         src: dict[Any, Any] = {}
         if cut is not None:   # source checksums: taken from the tensors now, before the update can run
             views = snapshot_mod._piece_views(tensors, cut)
