@@ -319,9 +319,13 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         client = node.client(opt, cfg_every, f"b{batch}{mode[0]}")
         handles: list[Any] = []
 
+        calls: list[float] = []
+
         def step_every() -> None:
             step_off()
+            t0 = time.perf_counter()
             h = client.save(client.guard.step, state())
+            calls.append(time.perf_counter() - t0)
             if h is not None:
                 handles.append(h)
 
@@ -334,6 +338,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         if spares is not None:
             spares.result(600)
         handles.clear()
+        calls.clear()
         skipped0 = dict(client.stats.skipped_by)
         times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
         client.wait(600)
@@ -353,6 +358,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              f"{nbytes / 1e9:.2f} GB"),
             (f"[{tag}] step, checkpoint every step", every,
              f"{100 * over:+.2f}% of the step (target < 1%)"),
+            (f"[{tag}] state() + save() call, host (median)", statistics.median(calls) if calls else float("nan"),
+             f"{100 * statistics.median(calls) / off:.2f}% of the step (the training thread's share)"
+             if calls else ""),
             (f"[{tag}] pinned copy of the state", t_copy,
              f"{t_copy / t_fb:.2f}x fwd+bwd: the copy {fits} in a step"),
             (f"[{tag}] steps whose checkpoint reached COMMITTED", committed / attempts,

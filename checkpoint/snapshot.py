@@ -311,6 +311,7 @@ class Snapshotter:
         self._zeroed: dict[int, Any] = {}       # staging buffer address -> the layout whose gaps it has zero
         self._staged_sizes: set[int] = set()    # state sizes a save staged on the GPU for (once each)
         self._plan_lock = threading.Lock()
+        self._save_keys: dict[torch.device, Any] = {}   # this save's plan keys (computed once per save)
         self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
         self._plan_fut: concurrent.futures.Future[None] | None = None
 
@@ -376,6 +377,7 @@ class Snapshotter:
             late = self._changed_by_update(tensors) if block == "update" else None
             cut = self._source_cut(tensors, offsets) if self._source_mode(tensors) else None
             transfer_check = True
+            self._save_keys = {}
             if cut is not None and not self._plans_ready(tensors, cut):
                 # the fingerprint plan of this layout (tables built and uploaded: milliseconds of host work,
                 # and the kernel's compile before the first) is made in the background, never here: this
@@ -707,7 +709,7 @@ class Snapshotter:
         run_pieces = None
         if source is not None and source[1]:
             with torch.cuda.stream(side):   # a new plan's tables go up before the side stream waits for work
-                run_pieces = self._piece_fingerprinter(dev, *source)
+                run_pieces = self._piece_fingerprinter(dev, *source, key=self._save_keys.get(dev))
         side.wait_stream(cur)
         check = source is None and transfer_check and self.config.check_source_fingerprint is not False
         fps_host = None
@@ -746,13 +748,13 @@ class Snapshotter:
             self._inflight.append((dev, ev))  # the optimizer's: the update waits (CheckpointCopies)
         return ev, fps_host
 
-    def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece]
-                             ) -> Callable[[], torch.Tensor]:
+    def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece],
+                             key: Any = None) -> Callable[[], torch.Tensor]:
         """A call that launches (on the current stream: the side stream) the fingerprint of every piece of
         this device's tensors and returns int64 [len(cut), 2] on the device. The fused Triton plan is kept
         while the layout (the tensors' addresses, dtypes, shapes and the pieces) stays; without Triton (or
         for a non-contiguous tensor, fingerprinted from a contiguous copy), torch ops."""
-        key = self._plan_key(tensors, cut)
+        key = self._plan_key(tensors, cut) if key is None else key
         held = self._fp_plans.get(dev)
         if held is None or held[0] != key:
             held = None
@@ -798,8 +800,9 @@ class Snapshotter:
         for dev, mine in self._dev_pieces(tensors, cut).items():
             if not all(tensors[p.tensor].is_contiguous() for p in mine):
                 continue
+            key = self._save_keys[dev] = self._plan_key(tensors, mine)   # this save's copy reuses it
             held = self._fp_plans.get(dev)
-            if held is None or held[0] != self._plan_key(tensors, mine):
+            if held is None or held[0] != key:
                 return False
         return True
 
