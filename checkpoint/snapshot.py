@@ -445,24 +445,39 @@ class Snapshotter:
             self._zeroed.pop(next(iter(self._zeroed)))
 
     def prepare(self, state_dict: Mapping[str, Any]) -> "concurrent.futures.Future[None]":
-        """Make the staging buffer for saves of `state_dict`'s size ahead, in the background (call it once
+        """Make, in the background, everything the first save of `state_dict`'s layout would (call it once
         the state has its final shapes, e.g. after the first optimizer step created the optimizer's state):
-        a staging slot when the agent's dir is known (from an earlier save), else the private pinned buffer
-        the first save copies into. A save meanwhile waits for it (`policy="wait"`) or is skipped. Nothing
-        is copied."""
+        the staging buffer (a slot when the agent's dir is known from an earlier save, else the private
+        pinned buffer the first save copies into), the optimizer's storages, the source-checksum pieces,
+        the side streams and, on the plan thread, the fingerprint plans (after the kernel's compile). A save
+        meanwhile waits for the buffer only (`policy="wait"`) or is skipped; a plan not ready yet never
+        blocks one (that save checksums on the host). The future is done when all of it is. Nothing is
+        copied."""
         _, named = flatten(state_dict)
         tensors = [t for _, t in named]
         offsets, total = layout(tensors)
         with self._lock:
             if self._prep is None or self._prep.done():
-                self._prep = self._pool.submit(self._prepare_all, tensors, offsets, total)
-            return self._prep
+                self._prep = self._pool.submit(self._prepare_buffers, total)
+            prep = self._prep
+        with self._plan_lock:
+            if self._plan_pool is None:
+                self._plan_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-plan")
+            plans = self._plan_fut = self._plan_pool.submit(self._prepare_plans, tensors, offsets)
+        both: concurrent.futures.Future[None] = concurrent.futures.Future()
 
-    def _prepare_all(self, tensors: list[torch.Tensor], offsets: list[int], total: int) -> None:
-        """Background (`prepare`): everything the first save of this layout would make: the staging buffer,
-        the optimizer's storages, the source-checksum pieces, the side streams and the fingerprint plans
-        (after the kernel's compile). The first save then costs what a steady one does."""
-        self._prepare_buffers(total)
+        def one_done(_: Any) -> None:
+            if prep.done() and plans.done() and not both.done():
+                try:
+                    both.set_result(None)
+                except concurrent.futures.InvalidStateError:   # the other callback got there first
+                    pass
+        prep.add_done_callback(one_done)
+        plans.add_done_callback(one_done)
+        return both
+
+    def _prepare_plans(self, tensors: list[torch.Tensor], offsets: list[int]) -> None:
+        """Plan thread (`prepare`): the optimizer's storages, the pieces, the side streams and the plans."""
         try:
             if self._fence is not None:
                 self._changed_by_update(tensors)
