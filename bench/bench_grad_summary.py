@@ -4,6 +4,8 @@ path and against a plain read of the same bytes, measured side by side in one ru
 For each bucket size and dtype (DDP's flat bucket buffer: one contiguous tensor), columns:
 
 * ``fused``: `checksums.grad_summary_triton.GradSummaryPlan.run_async` (one read of the buffer, 2 launches);
+* ``fused1``: the same, one launch (the last work item reduces the partials: ``one_launch=True``; its rows
+  are checked equal to the two-launch rows over 100 back-to-back runs);
 * ``torch``: `checksums.grad_checks.bucket_summary_torch` with a prepared fingerprint plan, as the DDP hook
   ran it before (vector_norm, abs + amax, stack/cat, the Triton fingerprint: about five passes);
 * ``read``: ``buf.sum(dtype=torch.float32)``, one plain read of the bytes (the floor for any summary);
@@ -95,7 +97,11 @@ def host_us(fn: Callable[[int], object], device: torch.device, n: int = 200) -> 
     return dt / n * 1e6
 
 
-def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
+SWEEP = [(1024, 4, 4), (1024, 4, 16), (1024, 4, 32), (2048, 8, 8), (2048, 8, 16), (512, 4, 16), (4096, 8, 4)]
+
+
+def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+             sweep: bool = False) -> dict:
     es = torch.empty(0, dtype=dtype).element_size()
     numel = max(1, int(mb * 1e6) // es) + 3          # an odd tail, like a real bucket's end
     nbytes = numel * es
@@ -113,9 +119,16 @@ def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Gen
     res["norm_rel"] = abs(fs[0] - ts[0]) / max(ts[0], 1e-300)
     res["amax_equal"] = fs[1] == ts[1]
     res["repeat_equal"] = torch.equal(plan.run_async(bufs[0]).cpu(), fused_row.cpu())
+    plan1 = GradSummaryPlan(bufs[0], one_launch=True)
+    reps = 100 if device.type == "cuda" else 2
+    rows1 = torch.stack([plan1.run_async(bufs[0]) for _ in range(reps)])
+    res["one_launch_equal"] = torch.equal(rows1.cpu(), fused_row.cpu().expand(reps, -1))
 
     def fused(i: int) -> object:
         return plan.run_async(bufs[i % nbuf])
+
+    def fused1(i: int) -> object:
+        return plan1.run_async(bufs[i % nbuf])
 
     def torch_path(i: int) -> object:
         return bucket_summary_torch([bufs[i % nbuf]], fplans[i % nbuf])
@@ -126,11 +139,35 @@ def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Gen
     def copy(i: int) -> object:
         return dst.copy_(bufs[i % nbuf])
 
-    for name, fn in (("fused", fused), ("torch", torch_path), ("read", read), ("copy", copy)):
+    for name, fn in (("fused", fused), ("fused1", fused1), ("torch", torch_path), ("read", read),
+                     ("copy", copy)):
         res[name + "_s"] = timed(fn, device)
+    if sweep:
+        res["sweep"] = []
+        for block, warps, per_sm in SWEEP:
+            for one in (False, True):
+                p_ = GradSummaryPlan(bufs[0], block=block, num_warps=warps, items_per_sm=per_sm,
+                                     one_launch=one)
+                # another cut into items sums the squares in another order: the fingerprint and max-abs
+                # are equal, the norm within rounding
+                row_ = p_.run_async(bufs[0]).cpu()
+                n_, n0 = stats_of(row_)[0].item(), stats_of(fused_row.cpu())[0].item()
+                same = torch.equal(row_[1:], fused_row.cpu()[1:]) and abs(n_ - n0) <= 1e-5 * abs(n0)
+                t = timed(lambda i, p_=p_: p_.run_async(bufs[i % nbuf]), device)
+                res["sweep"].append({"block": block, "warps": warps, "items_per_sm": per_sm,
+                                     "one_launch": one, "items": p_.n_items, "s": t, "same_row": same})
+                print(f"  sweep {res['dtype']} {res['mb']:.1f} MB BLOCK={block} warps={warps} "
+                      f"items/SM={per_sm} one_launch={int(one)} ({p_.n_items} items): {t * 1e6:8.1f} us "
+                      f"{res['mb'] * 1e6 / t / 1e12:6.3f} TB/s same_row={same}", flush=True)
     res["fused_host_us"] = host_us(fused, device)
     res["torch_host_us"] = host_us(torch_path, device)
     return res
+
+
+def _ok(r: dict) -> bool:
+    """The fused row agrees with the torch path's, repeats exactly, and the one-launch form gives it too."""
+    return (r["fp_equal"] and r["amax_equal"] and r["repeat_equal"] and r["one_launch_equal"]
+            and r["norm_rel"] < 1e-4)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -139,6 +176,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--sizes", default="", help="bucket sizes in MB, comma-separated (default: cuda "
                    "1,25,100,500; cpu 0.001,0.01,0.05)")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32, fp16")
+    p.add_argument("--sweep", action="store_true", help="also time other BLOCK x num_warps x items/SM x "
+                   "one-launch choices (SDCWATCH_GS_BLOCK, _WARPS, _ITEMS_PER_SM, _ONE_LAUNCH set the "
+                   "defaults)")
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -156,14 +196,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"bench_grad_summary: {where}; torch {torch.__version__} triton {triton.__version__} "
           f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC", flush=True)
     gen = torch.Generator(device=device).manual_seed(19)
-    results = [run_case(mb, dt, device, gen) for dt in dtypes for mb in sizes]
-    print(f"{'dtype':9} {'MB':>8} {'items':>6} {'fused us':>9} {'torch us':>9} {'read us':>9} {'copy us':>9} "
+    results = [run_case(mb, dt, device, gen, args.sweep) for dt in dtypes for mb in sizes]
+    print(f"{'dtype':9} {'MB':>8} {'items':>6} {'fused us':>9} {'fused1 us':>9} {'torch us':>9} "
+          f"{'read us':>9} {'copy us':>9} "
           f"{'fused TB/s':>10} {'fused/read':>10} {'torch/fused':>11} {'host us f/t':>12}  check")
     for r in results:
         tbs = r["mb"] * 1e6 / r["fused_s"] / 1e12
-        ok = r["fp_equal"] and r["amax_equal"] and r["repeat_equal"] and r["norm_rel"] < 1e-4
-        us = {k: r[k + "_s"] * 1e6 for k in ("fused", "torch", "read", "copy")}
-        print(f"{r['dtype']:9} {r['mb']:8.3f} {r['items']:6d} {us['fused']:9.1f} {us['torch']:9.1f} "
+        ok = _ok(r)
+        us = {k: r[k + "_s"] * 1e6 for k in ("fused", "fused1", "torch", "read", "copy")}
+        print(f"{r['dtype']:9} {r['mb']:8.3f} {r['items']:6d} {us['fused']:9.1f} {us['fused1']:9.1f} "
+              f"{us['torch']:9.1f} "
               f"{us['read']:9.1f} {us['copy']:9.1f} {tbs:10.3f} {r['fused_s'] / r['read_s']:10.3f} "
               f"{r['torch_s'] / r['fused_s']:11.2f} {r['fused_host_us']:5.1f}/{r['torch_host_us']:<6.1f}  "
               f"{'ok' if ok else 'MISMATCH'} (norm rel {r['norm_rel']:.1e})")
@@ -182,8 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    bad = [r for r in results if not (r["fp_equal"] and r["amax_equal"] and r["repeat_equal"]
-                                      and r["norm_rel"] < 1e-4)]
+    bad = [r for r in results if not _ok(r)]
     if bad:
         raise SystemExit(f"{len(bad)} case(s) where the fused row disagrees with the torch path")
     return results

@@ -12,7 +12,8 @@ dozen launches; this kernel reads each 32-bit word once and computes everything 
   and max of |x|. The last item also takes the tail (the bytes past the last whole 16-byte vector): bytes
   for the fingerprint, elements for the statistics. Each item writes its four partials to its own slot
   (no atomics).
-* ``gs_finalize_kernel``, one program: sums the partials in a fixed order (so the row is the same bit for
+* ``gs_finalize_kernel``, one program (or, with ``one_launch``, the last work item to finish, found by an
+  acq_rel counter): sums the partials in a fixed order (so the row is the same bit for
   bit on every run), applies the fingerprint spec's mixing (steps 5 and 6, a list of one tensor), takes
   the square root in float64 and writes the row. A non-finite sum of squares (a NaN or an Inf anywhere,
   or an fp32 overflow) makes both statistics NaN, as the torch path does.
@@ -48,6 +49,9 @@ from checksums.fingerprint_triton import MAX_TILES_PER_ITEM, _byte_sums, _fmix64
 DEFAULT_BLOCK = int(os.environ.get("SDCWATCH_GS_BLOCK", "1024"))
 DEFAULT_WARPS = int(os.environ.get("SDCWATCH_GS_WARPS", "4"))
 DEFAULT_ITEMS_PER_SM = int(os.environ.get("SDCWATCH_GS_ITEMS_PER_SM", "8"))
+# one launch a bucket: the last item to finish reduces the partials (an acq_rel counter) instead of a second,
+# one-program kernel; off until measured on the GPU (bench/bench_grad_summary.py times and checks both)
+DEFAULT_ONE_LAUNCH = os.environ.get("SDCWATCH_GS_ONE_LAUNCH", "0") == "1"
 FINAL_TB = 1024
 ROW_WORDS = 4
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -76,7 +80,9 @@ def _stats_of_words(w, DT: tl.constexpr):
 
 @triton.jit
 def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fpart, spart,
-                       BLOCK: tl.constexpr, TAIL: tl.constexpr, DT: tl.constexpr, ES: tl.constexpr):
+                       counter, n_items, hdr, out,
+                       BLOCK: tl.constexpr, TAIL: tl.constexpr, DT: tl.constexpr, ES: tl.constexpr,
+                       ONE_LAUNCH: tl.constexpr, TB: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     off = off.to(tl.int64)
     nbytes = nbytes.to(tl.int64)
@@ -129,10 +135,22 @@ def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fp
     tl.store(fpart + pid * 2 + 1, s1.to(tl.int64, bitcast=True))
     tl.store(spart + pid * 2, ssq)
     tl.store(spart + pid * 2 + 1, smx)
+    if ONE_LAUNCH:
+        # the last item to finish writes the row: its acquire sees every item's partials (each released
+        # them with its increment); it re-arms the counter for the next run (stream-ordered)
+        done = tl.atomic_add(counter, 1, sem="acq_rel")
+        if done == n_items - 1:
+            _final_row(fpart, spart, n_items, hdr, out, TB)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
 def gs_finalize_kernel(fpart, spart, n_items, hdr, out, TB: tl.constexpr):
+    _final_row(fpart, spart, n_items, hdr, out, TB)
+
+
+@triton.jit
+def _final_row(fpart, spart, n_items, hdr, out, TB: tl.constexpr):
     a0 = tl.zeros([TB], dtype=tl.uint64)
     a1 = tl.zeros([TB], dtype=tl.uint64)
     sq = tl.zeros([TB], dtype=tl.float64)
@@ -140,10 +158,12 @@ def gs_finalize_kernel(fpart, spart, n_items, hdr, out, TB: tl.constexpr):
     for start in range(0, n_items, TB):              # a fixed order: the row is deterministic
         k = start + tl.arange(0, TB).to(tl.int64)
         m = k < n_items
-        a0 += tl.load(fpart + k * 2, mask=m, other=0).to(tl.uint64, bitcast=True)
-        a1 += tl.load(fpart + k * 2 + 1, mask=m, other=0).to(tl.uint64, bitcast=True)
-        sq += tl.load(spart + k * 2, mask=m, other=0.0).to(tl.float64)
-        mx = tl.maximum(mx, tl.load(spart + k * 2 + 1, mask=m, other=0.0))
+        # .cg: from L2, never a stale L1 line of an earlier run (the one-launch form reads other programs'
+        # partials)
+        a0 += tl.load(fpart + k * 2, mask=m, other=0, cache_modifier=".cg").to(tl.uint64, bitcast=True)
+        a1 += tl.load(fpart + k * 2 + 1, mask=m, other=0, cache_modifier=".cg").to(tl.uint64, bitcast=True)
+        sq += tl.load(spart + k * 2, mask=m, other=0.0, cache_modifier=".cg").to(tl.float64)
+        mx = tl.maximum(mx, tl.load(spart + k * 2 + 1, mask=m, other=0.0, cache_modifier=".cg"))
     s0 = tl.sum(a0, axis=0)
     s1 = tl.sum(a1, axis=0)
     h0 = tl.load(hdr + 0).to(tl.uint64, bitcast=True)
@@ -187,13 +207,13 @@ class GradSummaryPlan:
     summarises = True   # checksums.grad_checks.bucket_summary: a fused plan, not a fingerprint plan
 
     def __init__(self, like: torch.Tensor, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS,
-                 items_per_sm: int = DEFAULT_ITEMS_PER_SM) -> None:
+                 items_per_sm: int = DEFAULT_ITEMS_PER_SM, one_launch: bool = DEFAULT_ONE_LAUNCH) -> None:
         if block < 64 or block & (block - 1):
             raise ValueError(f"block must be a power of two >= 64, got {block}")
         if not supports(like):
             raise ValueError("the fused summary takes contiguous 16-byte-aligned fp32/bf16/fp16 tensors, "
                              f"got {like.dtype} contiguous={like.is_contiguous()} at {like.data_ptr():#x}")
-        self.block, self.num_warps = block, num_warps
+        self.block, self.num_warps, self.one_launch = block, num_warps, one_launch
         self.device, self.dtype, self.shape = like.device, like.dtype, tuple(like.shape)
         self.numel = like.numel()
         self.nbytes = self.numel * like.element_size()
@@ -214,6 +234,7 @@ class GradSummaryPlan:
         self.items = torch.tensor(items or [[0] * 4], dtype=torch.int64).to(self.device)
         self.fpart = torch.zeros(max(self.n_items, 1), 2, dtype=torch.int64, device=self.device)
         self.spart = torch.zeros(max(self.n_items, 1), 2, dtype=torch.float32, device=self.device)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)   # the one-launch form's
 
     def _items(self, sms: int, items_per_sm: int) -> list[list[int]]:
         """Work items [tile0, full tiles, has a partial tile, takes the tail], as fingerprint_triton cuts."""
@@ -246,13 +267,16 @@ class GradSummaryPlan:
             out = torch.empty(ROW_WORDS, dtype=torch.int64, device=self.device)
         off = t.data_ptr() - self.anchor.data_ptr()
         with _on_device(self.device):
+            one = self.one_launch and self.n_items > 0
             if self.n_items:
                 gs_partials_kernel[(self.n_items,)](
                     self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
-                    self.fpart, self.spart, BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es,
+                    self.fpart, self.spart, self.counter, self.n_items, self.hdr, out,
+                    BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es, ONE_LAUNCH=one, TB=FINAL_TB,
                     num_warps=self.num_warps)
-            gs_finalize_kernel[(1,)](self.fpart, self.spart, self.n_items, self.hdr, out, TB=FINAL_TB,
-                                     num_warps=4)
+            if not one:
+                gs_finalize_kernel[(1,)](self.fpart, self.spart, self.n_items, self.hdr, out, TB=FINAL_TB,
+                                         num_warps=4)
         return out
 
 

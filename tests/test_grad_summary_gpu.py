@@ -41,6 +41,19 @@ def test_fused_row_matches_torch(dtype: torch.dtype, n: int) -> None:
     _check(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [4099, (25 << 20) // 4 + 3])
+def test_the_one_launch_form_matches_and_repeats(dtype: torch.dtype, n: int) -> None:
+    from checksums.grad_summary_triton import GradSummaryPlan
+
+    x = (torch.randn(n, device="cuda") * 1e-2).to(dtype)
+    two = GradSummaryPlan(x, one_launch=False).run_async(x)
+    one = GradSummaryPlan(x, one_launch=True)
+    rows = torch.stack([one.run_async(x) for _ in range(200)])   # back to back: the counter re-arms each run
+    assert torch.equal(rows, two.expand_as(rows)), (rows != two).any(dim=1).sum()
+    assert int(one.counter) == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("where", [0, -1])

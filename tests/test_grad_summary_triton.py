@@ -70,7 +70,8 @@ def _child() -> None:
         return [to_signed64(v) for v in words]
 
     def run(plan: GradSummaryPlan, x: torch.Tensor) -> list[int]:
-        allowed[:] = [span(x), span(plan.items), span(plan.hdr), span(plan.fpart), span(plan.spart)]
+        allowed[:] = [span(x), span(plan.items), span(plan.hdr), span(plan.fpart), span(plan.spart),
+                      span(plan.counter)]
         return plan.run_async(x).tolist()
 
     def ref_stats(x: torch.Tensor) -> list[float]:
@@ -89,8 +90,11 @@ def _child() -> None:
                 again = run(plan, x)
                 torch_row = bucket_summary_torch([x]).tolist()
                 via = bucket_summary([x], plan).tolist()       # the dispatch takes the fused plan
+                one = GradSummaryPlan(x, block=block, items_per_sm=ips, one_launch=True)
+                one_rows = [run(one, x) for _ in range(2)]      # the counter re-arms
                 report["cases"][f"{dname}/{n}/{block}"] = {
                     "items": plan.n_items, "row": row, "again": again, "via": via, "torch_row": torch_row,
+                    "one_launch": one_rows, "counter": int(one.counter),
                     "spec": spec_words(x), "ref": ref_stats(x), "stray": len(stray),
                     "stats": stats_of(torch.tensor(row)).tolist(),
                     "torch_stats": stats_of(torch.tensor(torch_row)).tolist(),
@@ -232,6 +236,12 @@ def test_rows_are_deterministic_and_the_dispatch_uses_the_plan(report: dict) -> 
     for key, r in report["cases"].items():
         assert r["again"] == r["row"], key
         assert r["via"] == r["row"], key
+
+
+def test_the_one_launch_form_gives_the_same_row(report: dict) -> None:
+    for key, r in report["cases"].items():
+        assert r["one_launch"] == [r["row"], r["row"]], key
+        assert r["counter"] == 0, key                          # re-armed for the next run
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
