@@ -291,6 +291,37 @@ def test_the_ddp_hook_takes_the_fused_path_and_agrees_with_torch(report: dict, d
             assert a == ra and _close(n, rn, 1e-5), s
 
 
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_the_kernels_compile_for_the_h200(one_launch: bool) -> None:
+    """No GPU here, but Triton compiles for one (sm_90, the H200) down to a cubin with its bundled ptxas: the
+    kernels lower for every dtype (fp64 sqrt, fp16 bitcasts, the counter's atomics) and the word loads are
+    128-bit."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("run without TRITON_INTERPRET=1: this test compiles for the GPU")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from checksums.grad_summary_triton import FINAL_TB, gs_finalize_kernel, gs_partials_kernel
+
+    target = GPUTarget("cuda", 90, 32)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}     # the anchor views and the offset
+    for dt, el, es in ((0, "*fp32", 4), (1, "*bf16", 2), (2, "*fp16", 2)):
+        sig = {"base_u8": "*u8", "base_i32": "*i32", "base_el": el, "off": "i64", "nbytes": "i64",
+               "nvec4": "i64", "items": "*i64", "fpart": "*i64", "spart": "*fp32", "counter": "*i32",
+               "n_items": "i32", "hdr": "*i64", "out": "*i64", "BLOCK": "constexpr", "TAIL": "constexpr",
+               "DT": "constexpr", "ES": "constexpr", "ONE_LAUNCH": "constexpr", "TB": "constexpr"}
+        consts = {"BLOCK": 1024, "TAIL": 16, "DT": dt, "ES": es, "ONE_LAUNCH": one_launch, "TB": FINAL_TB}
+        src = ASTSource(gs_partials_kernel, sig, constexprs=consts, attrs=aligned)
+        k = triton.compile(src, target=target, options={"num_warps": 4})
+        assert "ld.global.v4" in k.asm["ptx"] and k.asm["cubin"], (dt, one_launch)
+    sig = {"fpart": "*i64", "spart": "*fp32", "n_items": "i32", "hdr": "*i64", "out": "*i64",
+           "TB": "constexpr"}
+    k = triton.compile(ASTSource(gs_finalize_kernel, sig, constexprs={"TB": FINAL_TB}), target=target,
+                       options={"num_warps": 4})
+    assert "sqrt.rn.f64" in k.asm["ptx"] and k.asm["cubin"]
+
+
 def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> None:
     import checksums.grad_checks as gc
 
