@@ -97,7 +97,8 @@ def host_us(fn: Callable[[int], object], device: torch.device, n: int = 200) -> 
     return dt / n * 1e6
 
 
-SWEEP = [(1024, 4, 4), (1024, 4, 16), (1024, 4, 32), (2048, 8, 8), (2048, 8, 16), (512, 4, 16), (4096, 8, 4)]
+SWEEP = [(1024, 4, 5), (1024, 4, 8), (1024, 4, 10), (1024, 4, 32), (2048, 8, 8), (2048, 8, 16), (512, 4, 16),
+         (4096, 8, 4)]
 
 
 def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator,

@@ -48,11 +48,12 @@ from checksums.fingerprint_triton import MAX_TILES_PER_ITEM, _byte_sums, _fmix64
 
 DEFAULT_BLOCK = int(os.environ.get("SDCWATCH_GS_BLOCK", "1024"))
 DEFAULT_WARPS = int(os.environ.get("SDCWATCH_GS_WARPS", "4"))
-DEFAULT_ITEMS_PER_SM = int(os.environ.get("SDCWATCH_GS_ITEMS_PER_SM", "8"))
+DEFAULT_ITEMS_PER_SM = int(os.environ.get("SDCWATCH_GS_ITEMS_PER_SM", "16"))
 # one launch a bucket: the last item to finish reduces the partials (an acq_rel counter) instead of a second,
 # one-program kernel; off until measured on the GPU (bench/bench_grad_summary.py times and checks both)
 DEFAULT_ONE_LAUNCH = os.environ.get("SDCWATCH_GS_ONE_LAUNCH", "0") == "1"
-FINAL_TB = 1024
+FINAL_TB, FINAL_WARPS = 4096, 8      # the finaliser: 132 SMs x 16 items in one pass of its loop
+ONE_LAUNCH_TB = 1024                 # the one-launch form's tail (inside the partials kernel: its registers)
 ROW_WORDS = 4
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NAN_BITS = 0x7FF8000000000000
@@ -272,11 +273,11 @@ class GradSummaryPlan:
                 gs_partials_kernel[(self.n_items,)](
                     self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
                     self.fpart, self.spart, self.counter, self.n_items, self.hdr, out,
-                    BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es, ONE_LAUNCH=one, TB=FINAL_TB,
+                    BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es, ONE_LAUNCH=one, TB=ONE_LAUNCH_TB,
                     num_warps=self.num_warps)
             if not one:
                 gs_finalize_kernel[(1,)](self.fpart, self.spart, self.n_items, self.hdr, out, TB=FINAL_TB,
-                                         num_warps=4)
+                                         num_warps=FINAL_WARPS)
         return out
 
 

@@ -302,7 +302,13 @@ def test_the_kernels_compile_for_the_h200(one_launch: bool) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from checksums.grad_summary_triton import FINAL_TB, gs_finalize_kernel, gs_partials_kernel
+    from checksums.grad_summary_triton import (
+        FINAL_TB,
+        FINAL_WARPS,
+        ONE_LAUNCH_TB,
+        gs_finalize_kernel,
+        gs_partials_kernel,
+    )
 
     target = GPUTarget("cuda", 90, 32)
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}     # the anchor views and the offset
@@ -311,14 +317,15 @@ def test_the_kernels_compile_for_the_h200(one_launch: bool) -> None:
                "nvec4": "i64", "items": "*i64", "fpart": "*i64", "spart": "*fp32", "counter": "*i32",
                "n_items": "i32", "hdr": "*i64", "out": "*i64", "BLOCK": "constexpr", "TAIL": "constexpr",
                "DT": "constexpr", "ES": "constexpr", "ONE_LAUNCH": "constexpr", "TB": "constexpr"}
-        consts = {"BLOCK": 1024, "TAIL": 16, "DT": dt, "ES": es, "ONE_LAUNCH": one_launch, "TB": FINAL_TB}
+        consts = {"BLOCK": 1024, "TAIL": 16, "DT": dt, "ES": es, "ONE_LAUNCH": one_launch,
+                  "TB": ONE_LAUNCH_TB}
         src = ASTSource(gs_partials_kernel, sig, constexprs=consts, attrs=aligned)
         k = triton.compile(src, target=target, options={"num_warps": 4})
         assert "ld.global.v4" in k.asm["ptx"] and k.asm["cubin"], (dt, one_launch)
     sig = {"fpart": "*i64", "spart": "*fp32", "n_items": "i32", "hdr": "*i64", "out": "*i64",
            "TB": "constexpr"}
     k = triton.compile(ASTSource(gs_finalize_kernel, sig, constexprs={"TB": FINAL_TB}), target=target,
-                       options={"num_warps": 4})
+                       options={"num_warps": FINAL_WARPS})
     assert "sqrt.rn.f64" in k.asm["ptx"] and k.asm["cubin"]
 
 
