@@ -26,7 +26,9 @@ change the optimizer's tensors in place outside `optimizer.step()` between a sav
 (`CheckpointClient.restore` and `close` order themselves after the copies; anything else should call
 `Snapshotter.order_before_update()` first).
 
-Background (one worker thread, so saves never overlap): wait for the copy's events -> `sink.begin` ->
+Background (one worker thread: saves are committed one after another, in step order; with
+`max_inflight` > 1 several wait in its queue, each in its own staging slot, and slots are made ahead by a
+thread of their own): wait for the copy's events -> `sink.begin` ->
 publish the shard as the blob `<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for
 a private buffer, a streamed file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which
 must equal the GPU fingerprint -> `sink.commit_shard(manifest)` -> create the next staging slot ahead
@@ -312,6 +314,7 @@ class Snapshotter:
         self._staged_sizes: set[int] = set()    # state sizes a save staged on the GPU for (once each)
         self._plan_lock = threading.Lock()
         self._save_keys: dict[torch.device, Any] = {}   # this save's plan keys (computed once per save)
+        self._dst_cache: dict[Any, Any] = {}   # "layout" -> key; slot address -> its destination views
         self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
         self._plan_fut: concurrent.futures.Future[None] | None = None
 
@@ -571,6 +574,7 @@ class Snapshotter:
         if self._spare_pool is not None:
             self._spare_pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
+        self._dst_cache = {}   # views of the slots: their mappings go with the ring
         with self._ring_lock:
             if self._ring is not None:
                 self._ring.close()
@@ -584,6 +588,7 @@ class Snapshotter:
             if self._slots_off:
                 return None
             if self._reset_ring and self._ring is not None:
+                self._dst_cache = {}
                 self._ring.close()
                 self._ring = None
             self._reset_ring = False
@@ -744,13 +749,15 @@ class Snapshotter:
             order = sorted(range(len(tensors)), key=lambda j: bool(late[j])) if late is not None else None
             early = sum(1 for x in late if not x) if late is not None else 0
             ev_early = None
-            for k, j in enumerate(order if order is not None else range(len(tensors))):
-                if k == early and 0 < early < len(tensors):
-                    ev_early = torch.cuda.Event()
-                    ev_early.record(side)
-                t = tensors[j]
-                if t.numel():
-                    _dst(arena, offsets[j], t).copy_(t, non_blocking=True)
+            dsts = self._dsts(dev, arena, tensors, offsets)
+            seq = list(order if order is not None else range(len(tensors)))
+            if 0 < early < len(tensors):
+                copy_all(dsts, tensors, seq[:early])
+                ev_early = torch.cuda.Event()
+                ev_early.record(side)
+                copy_all(dsts, tensors, seq[early:])
+            else:
+                copy_all(dsts, tensors, seq)
             ev = torch.cuda.Event()
             ev.record(side)
         for t in tensors:
@@ -762,6 +769,28 @@ class Snapshotter:
                 cur.wait_event(ev_early)      # tensors the optimizer does not change: ordered now
             self._inflight.append((dev, ev))  # the optimizer's: the update waits (CheckpointCopies)
         return ev, fps_host
+
+    def _dsts(self, dev: torch.device, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]
+              ) -> list[torch.Tensor | None]:
+        """Each tensor's destination view in the staging buffer (None for an empty tensor), kept per buffer
+        and layout: a slot is reused every few saves, and three view ops per tensor per save are a real
+        share of the save's host time for a few hundred tensors."""
+        ring, ptr = self._ring, arena.data_ptr()
+        if ring is None or not any(sl.tensor.data_ptr() == ptr and sl.nbytes == arena.numel()
+                                   for sl in list(ring.slots)):
+            # only a slot of the ring: a cached view would keep a GPU staging buffer or a replaced private
+            # buffer alive
+            return [_dst(arena, off, t) if t.numel() else None for t, off in zip(tensors, offsets)]
+        key = (dev, tuple(offsets), tuple((t.dtype, t.shape) for t in tensors))
+        if self._dst_cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
+            self._dst_cache = {"layout": key}
+        got = self._dst_cache.get(ptr)
+        if got is None:
+            got = self._dst_cache[ptr] = [_dst(arena, off, t) if t.numel() else None
+                                          for t, off in zip(tensors, offsets)]
+            while len(self._dst_cache) > ring.max_slots + 1:   # "layout" + one entry per slot
+                self._dst_cache.pop(next(k for k in self._dst_cache if k != "layout"))
+        return got
 
     def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece],
                              key: Any = None) -> Callable[[], torch.Tensor]:
@@ -1177,6 +1206,25 @@ def _piece_views(tensors: list[torch.Tensor], cut: list[Piece]) -> list[torch.Te
             b = flat[p.tensor] = t.detach().contiguous().reshape(-1).view(torch.uint8)
         out.append(b[p.start:p.start + p.length])
     return out
+
+
+def copy_all(dsts: list[torch.Tensor | None], srcs: list[torch.Tensor], idx: list[int]) -> None:
+    """`dsts[j].copy_(srcs[j], non_blocking=True)` for j in `idx` (skipping empty ones), enqueued by one
+    `torch._foreach_copy_` call (one dispatch instead of one per tensor); per tensor if that is refused."""
+    pairs = [(dsts[j], srcs[j]) for j in idx if dsts[j] is not None]
+    if not pairs:
+        return
+    d = [p[0] for p in pairs]
+    s = [p[1] for p in pairs]
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        try:
+            foreach(d, s, non_blocking=True)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as e:   # copies are idempotent: redo them one by one
+            log.debug("torch._foreach_copy_ refused the checkpoint copies (%s): copying one by one", e)
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
 
 
 def _dst(arena: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:

@@ -466,3 +466,28 @@ def test_cuda_forward_buffers_are_ordered_at_once_weights_only_before_the_update
         assert_same(_restore(co, job, step), expected)
     assert client.stats.slots_inline == 0
     client.close()
+
+
+def test_destination_views_are_kept_per_slot_and_layout_only(redis_server, tmp_path: Path) -> None:
+    from checkpoint.snapshot import copy_all
+
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("dsts")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, max_inflight=2))
+    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"   # the ring exists now
+    tensors = [t for _, t in flatten(state_dict(0, 2))[1]]
+    offsets, total = layout(tensors)
+    slot = snap._ring.acquire(total)
+    dev = torch.device("cpu")
+    views = snap._dsts(dev, slot.tensor, tensors, offsets)
+    assert snap._dsts(dev, slot.tensor, tensors, offsets) is views          # kept for the slot
+    copy_all(views, tensors, list(range(len(tensors))))
+    for t, off in zip(tensors, offsets):
+        assert torch.equal(snapshot_mod._dst(slot.tensor, off, t), t)
+    private = torch.zeros(total, dtype=torch.uint8)
+    assert snap._dsts(dev, private, tensors, offsets) is not snap._dsts(dev, private, tensors, offsets)
+    other = tensors[:-1]
+    snap._dsts(dev, slot.tensor, other, layout(other)[0])                    # a new layout drops the old views
+    assert views not in snap._dst_cache.values()
+    snap._ring.release(slot)
+    snap.close()
+    assert snap._dst_cache == {}
