@@ -473,10 +473,12 @@ def test_destination_views_are_kept_per_slot_and_layout_only(redis_server, tmp_p
 
     co, job = node(redis_server.port, tmp_path, "n0"), job_id("dsts")
     snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, max_inflight=2))
-    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"   # the ring exists now
+    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"   # learns the agent's dir
     tensors = [t for _, t in flatten(state_dict(0, 2))[1]]
     offsets, total = layout(tensors)
-    slot = snap._ring.acquire(total)
+    ring = snap._ring_for(total)
+    assert ring is not None
+    slot = ring.acquire(total)
     dev = torch.device("cpu")
     views = snap._dsts(dev, slot.tensor, tensors, offsets)
     assert snap._dsts(dev, slot.tensor, tensors, offsets) is views          # kept for the slot
@@ -488,6 +490,6 @@ def test_destination_views_are_kept_per_slot_and_layout_only(redis_server, tmp_p
     other = tensors[:-1]
     snap._dsts(dev, slot.tensor, other, layout(other)[0])                    # a new layout drops the old views
     assert views not in snap._dst_cache.values()
-    snap._ring.release(slot)
+    ring.release(slot)
     snap.close()
     assert snap._dst_cache == {}
