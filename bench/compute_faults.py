@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -511,7 +512,13 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+
+
+def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_ranks) -> dict[str, Any]:
+    """`start(fn, args, nprocs)` runs the ranks (`fn(rank, *args)`, joined, a rank's exception raised): fresh
+    interpreters by default; the suite passes tests/rank_spawn.py's, forked with torch imported already."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -553,8 +560,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if int(os.environ["RANK"]) != 0:
                 return {}
         else:
-            mp.start_processes(worker, args=(args.world, os.path.join(tmp, "init"), args, out),
-                               nprocs=args.world, join=True, start_method="spawn")
+            start(worker, (args.world, os.path.join(tmp, "init"), args, out), args.world)
         with open(out) as f:
             results = json.load(f)
     print(table(results, args.fault_step, args.fault_rank))

@@ -6,11 +6,17 @@ import math
 
 import pytest
 import torch
+from rank_spawn import spawn
 
 from bench import compute_faults
 from checksums.compute_gate import _choose_mask
 from checksums.grad_checks import SpreadTracker, bucket_summary, stats_of
 from checksums.replay import Cause, audit_every, classify_pair_replays, classify_replays
+
+
+def _faults(argv: list[str]) -> dict:
+    """bench.compute_faults with its ranks forked from the suite's forkserver (torch imported already)."""
+    return compute_faults.main(argv, start=spawn)
 
 
 def _stats(norms: list[float], amax: list[float] | None = None, buckets: int = 2) -> torch.Tensor:
@@ -113,7 +119,7 @@ CATCH = ["mm one elem =1e4", "grad elem =100", "grad elem NaN", "mm one elem x1.
 def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
     """The suite form of the harness: each fault on rank 1 is caught, rank 1 named, its update dropped; the
     transient one-ulp fault falls on a step that audits rank 1 (50: audits every 5 take ranks in turn), so the audit catches it."""
-    results = compute_faults.main(["--world", "3", "--fault-step", "50", "--cases", ",".join(CATCH),
+    results = _faults(["--world", "3", "--fault-step", "50", "--cases", ",".join(CATCH),
                                    "--clean", "600", "--audit-every", "5"])
     for name in CATCH:
         caught = results[name]["caught"]
@@ -138,7 +144,7 @@ def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
 def test_device_mask_skips_the_update_through_found_inf_and_judges_a_step_later():
     """The CUDA design run on CPU: fused Adam's found_inf masks the suspect step with no host veto (weights,
     moments and step count unchanged); the rows are judged and the masked step replayed at the next step."""
-    results = compute_faults.main(["--world", "3", "--fault-step", "47", "--mask", "device",
+    results = _faults(["--world", "3", "--fault-step", "47", "--mask", "device",
                                    "--cases", "mm one elem =1e4,grad elem NaN"])
     for name in ("mm one elem =1e4", "grad elem NaN"):
         r = results[name]
@@ -211,7 +217,7 @@ def test_gradient_accumulation_checks_the_accumulated_gradient_and_replays_every
     micro-batch 1 of rank 1 is caught on its step and classified transient (the replay of all three
     micro-batches reproduces the others' and not the original); a persistent one by the audit; the
     clean run (exact replays of accumulated gradients) has no suspicion."""
-    results = compute_faults.main(["--world", "3", "--accum", "3", "--fault-micro", "1", "--fault-step", "50",
+    results = _faults(["--world", "3", "--accum", "3", "--fault-micro", "1", "--fault-step", "50",
                                    "--audit-every", "5", "--cases", ",".join(ACCUM), "--clean", "200"])
     for name in ACCUM:
         hit = results[name]["caught"].get("compute")
@@ -229,7 +235,7 @@ def test_two_ranks_name_the_right_gpu_for_transient_and_persistent_faults():
     """Two ranks have no median and no majority: both batches are replayed on both ranks. The transient
     fault does not repeat (rank 1 named, transient); the persistent one repeats on its GPU and rank 1's
     statistics jumped from its own history (rank 1 named, persistent); never rank 0."""
-    results = compute_faults.main(["--world", "2", "--fault-step", "50", "--audit-every", "0",
+    results = _faults(["--world", "2", "--fault-step", "50", "--audit-every", "0",
                                    "--cases", ",".join(PAIR), "--accum", "2"])
     for name in PAIR:
         hit = results[name]["caught"].get("compute")
@@ -243,7 +249,7 @@ def test_two_ranks_name_a_small_persistent_fault_through_the_cpu_witness():
     own result. The CPU's float64 replay of rank 0's batch sits by the right GPU's gradient: the faulty one is
     named, whichever rank it is (the harness's faults skip float64: the CPU is not the faulty GPU)."""
     for faulty in (1, 0):
-        results = compute_faults.main(["--world", "2", "--fault-step", "50", "--audit-every", "5",
+        results = _faults(["--world", "2", "--fault-step", "50", "--audit-every", "5",
                                        "--fault-rank", str(faulty), "--cases", "mm one elem x1.01 persistent"])
         hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
         assert hit and hit["named"] == [faulty] and hit["cause"] == "persistent" and hit["dropped"], hit
@@ -257,7 +263,7 @@ def test_fsdp2_pre_reduce_scatter_checks_name_the_rank_and_drop():
     its reduce-scatter (a custom reduce-scatter: the stats, then the default one); the same comparison names
     rank 1 on the fault's step and the step is dropped on every rank; 150 clean steps, no suspicion. FSDP2
     steps are not replayed (audits off): the cause stays unresolved."""
-    results = compute_faults.main(["--world", "3", "--fsdp", "--fault-step", "40", "--cases", ",".join(FSDP),
+    results = _faults(["--world", "3", "--fsdp", "--fault-step", "40", "--cases", ",".join(FSDP),
                                    "--clean", "150", "--accum", "2"])
     for name in FSDP:
         hit = results[name]["caught"].get("compute")
@@ -270,7 +276,7 @@ def test_sdcguard_side_by_side_on_the_same_faults():
     """--sdcguard 1: sdcguard's ABFT check (its default dispatch mode, bf16 autocast on CPU) and the compute
     gate on the same injected faults in the same run: a matmul element set to 1e4 inside the matmul is caught
     by both on its step on rank 1; a gradient fault after the matmul is ours only (no matmul is wrong)."""
-    results = compute_faults.main(["--world", "3", "--fault-step", "30", "--sdcguard", "1", "--audit-every", "0",
+    results = _faults(["--world", "3", "--fault-step", "30", "--sdcguard", "1", "--audit-every", "0",
                                    "--cases", "mm one elem =1e4,grad elem =100"])
     mm = results["mm one elem =1e4"]["caught"]
     assert mm["compute"]["named"] == [1] and mm["compute"]["step"] == 30, mm
@@ -290,6 +296,6 @@ def test_one_gpu_bench_runs_on_cpu():
     for name in ("mm one elem =1e4", "grad elem NaN"):
         assert r["cases"][name]["right"], r["cases"][name]
     assert r["sweep"]["mm one elem = v"]["smallest"] is not None
-    o = compute_faults.main(["--world", "1", "--cases", "none", "--overhead", "8", "--block", "4",
+    o = _faults(["--world", "1", "--cases", "none", "--overhead", "8", "--block", "4",
                              "--overhead-audit-every", "5"])["overhead"]
     assert set(o["arms"]) == {"base", "checks", "checks+audits"} and o["blocks"] == 2
