@@ -461,7 +461,7 @@ class Snapshotter:
         offsets, total = layout(tensors)
         with self._lock:
             if self._prep is None or self._prep.done():
-                self._prep = self._pool.submit(self._prepare_buffers, total)
+                self._prep = self._pool.submit(self._prepare_buffers, total, offsets)
             prep = self._prep
         with self._plan_lock:
             if self._plan_pool is None:
@@ -636,7 +636,9 @@ class Snapshotter:
                             "(raise SnapshotConfig.max_slots above the agent's keep_committed + 2)",
                             ring.max_slots)
             return None
-        self._arena.release()  # slots work here: the private buffer is no longer needed
+        if self._arena.buf.numel():
+            self._dst_cache.pop(self._arena.buf.data_ptr(), None)   # its views would keep it alive
+            self._arena.release()  # slots work here: the private buffer is no longer needed
         return slot
 
     def _make_spare(self, total: int) -> float:
@@ -653,7 +655,7 @@ class Snapshotter:
             return 0.0
         return time.perf_counter() - t0 if made else 0.0
 
-    def _prepare_buffers(self, total: int) -> None:
+    def _prepare_buffers(self, total: int, offsets: list[int] | None = None) -> None:
         """Background (`prepare`, or a skipped save that found no buffer): a free slot of `total` bytes if
         slots work here, else the private pinned arena."""
         try:
@@ -661,7 +663,10 @@ class Snapshotter:
             ring = self._ring
             if ring is not None and ring.free_slots(total):
                 return
-            self._arena.ensure(total)
+            fresh = not self._arena.ready(total)
+            buf = self._arena.ensure(total)
+            if fresh and offsets is not None:   # made of zeros: its gaps need no zeroing in the first save
+                self._zeroed[buf.data_ptr()] = (tuple(offsets), total)
         except Exception as e:  # noqa: BLE001 - the save that needs it makes it or reports why
             log.warning("preparing a %d-byte checkpoint buffer failed: %s", total, e)
 
@@ -776,10 +781,11 @@ class Snapshotter:
         and layout: a slot is reused every few saves, and three view ops per tensor per save are a real
         share of the save's host time for a few hundred tensors."""
         ring, ptr = self._ring, arena.data_ptr()
-        if ring is None or not any(sl.tensor.data_ptr() == ptr and sl.nbytes == arena.numel()
-                                   for sl in list(ring.slots)):
-            # only a slot of the ring: a cached view would keep a GPU staging buffer or a replaced private
-            # buffer alive
+        mine = arena.device.type == "cpu" and (
+            (ptr == self._arena.buf.data_ptr() and arena.numel() == self._arena.buf.numel())
+            or (ring is not None and any(sl.tensor.data_ptr() == ptr and sl.nbytes == arena.numel()
+                                         for sl in list(ring.slots))))
+        if not mine:   # only a slot or the private buffer: a cached view would keep a GPU staging buffer alive
             return [_dst(arena, off, t) if t.numel() else None for t, off in zip(tensors, offsets)]
         key = (dev, tuple(offsets), tuple((t.dtype, t.shape) for t in tensors))
         if self._dst_cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
@@ -788,7 +794,7 @@ class Snapshotter:
         if got is None:
             got = self._dst_cache[ptr] = [_dst(arena, off, t) if t.numel() else None
                                           for t, off in zip(tensors, offsets)]
-            while len(self._dst_cache) > ring.max_slots + 1:   # "layout" + one entry per slot
+            while len(self._dst_cache) > (ring.max_slots if ring is not None else 0) + 2:   # + arena, layout
                 self._dst_cache.pop(next(k for k in self._dst_cache if k != "layout"))
         return got
 

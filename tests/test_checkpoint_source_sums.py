@@ -492,3 +492,22 @@ def test_a_save_never_builds_a_fingerprint_plan_it_checksums_on_the_host_meanwhi
     assert calls and snap2._cuts is not None
     snap.close()
     snap2.close()
+
+
+def test_prepare_makes_the_first_save_cost_a_steady_one(redis_server, tmp_path: Path) -> None:
+    """prepare() leaves nothing for the first save to make: the buffer (its gaps known zero), the pieces and
+    the destination views are reused as a steady save reuses them; the save is bit-identical."""
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("prep1")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source", fingerprint_threads=1))
+    sd = state_dict(0, 1, size=3000)
+    snap.prepare(sd).result(scaled(30))
+    buf = snap._arena.buf
+    assert buf.numel() and buf.data_ptr() in snap._zeroed and snap._cuts is not None
+    zeroed = []
+    real = snap._zero_gaps
+    snap._zero_gaps = lambda *a: (zeroed.append(1), real(*a))   # type: ignore[method-assign]
+    res = snap.save(1, sd).result(scaled(30))
+    assert res.state == "COMMITTED" and res.staging == "private" and res.checksums == "source"
+    assert snap._arena.buf is buf or snap._arena.buf.numel() == 0
+    assert_same(CheckpointClient(co, job, 0, 1).restore(1), sd)
+    snap.close()
