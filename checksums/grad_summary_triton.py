@@ -79,7 +79,9 @@ def _stats_of_words(w, DT: tl.constexpr):
     return sq, mx
 
 
-@triton.jit
+# Scalars that may be 1 are not specialised: Triton turns an int argument equal to 1 into a constant, which
+# has no `.to` (the H200 compile of a 7-element fp32 bucket, nvec4 == 1, failed so)
+@triton.jit(do_not_specialize=["off", "nbytes", "nvec4", "n_items"])
 def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fpart, spart,
                        counter, n_items, hdr, out,
                        BLOCK: tl.constexpr, TAIL: tl.constexpr, DT: tl.constexpr, ES: tl.constexpr,
@@ -145,7 +147,7 @@ def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fp
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])
 def gs_finalize_kernel(fpart, spart, n_items, hdr, out, TB: tl.constexpr):
     _final_row(fpart, spart, n_items, hdr, out, TB)
 

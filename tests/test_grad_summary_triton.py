@@ -329,6 +329,16 @@ def test_the_kernels_compile_for_the_h200(one_launch: bool) -> None:
     assert "sqrt.rn.f64" in k.asm["ptx"] and k.asm["cubin"]
 
 
+def test_scalars_that_may_be_one_are_not_specialised() -> None:
+    """Triton turns an int argument equal to 1 into a constant (no `.to`): on the H200 a 7-element fp32
+    bucket (nvec4 == 1) failed to compile. The interpreter does not specialise, so this is checked here."""
+    from checksums.grad_summary_triton import gs_finalize_kernel, gs_partials_kernel
+
+    assert {p.name for p in gs_partials_kernel.params if p.do_not_specialize} >= {"off", "nbytes", "nvec4",
+                                                                                "n_items"}
+    assert {p.name for p in gs_finalize_kernel.params if p.do_not_specialize} >= {"n_items"}
+
+
 def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> None:
     import checksums.grad_checks as gc
 
