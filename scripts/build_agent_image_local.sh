@@ -24,7 +24,9 @@ command -v dockerd > /dev/null && command -v debootstrap > /dev/null \
 dockerd --iptables=false --ip6tables=false --bridge=none --storage-driver=vfs --data-root="$WORK/root" \
   --exec-root="$WORK/exec" --pidfile="$WORK/dockerd.pid" -H "$DOCKER_HOST" > "$WORK/dockerd.log" 2>&1 &
 DOCKERD=$!
-trap 'kill "$DOCKERD" 2> /dev/null || true; wait "$DOCKERD" 2> /dev/null || true' EXIT
+# dockerd leaves its default network namespace mounted under its exec root: unmounted, so WORK can be removed
+trap 'kill "$DOCKERD" 2> /dev/null || true; wait "$DOCKERD" 2> /dev/null || true
+  umount "$WORK/exec/netns/default" 2> /dev/null || true' EXIT
 for _ in $(seq 60); do docker version > /dev/null 2>&1 && break; sleep 1; done
 docker version > /dev/null
 
