@@ -187,16 +187,16 @@ class SlotRing:
             self.created_inline += 1
         return s
 
-    def ensure_spare(self, nbytes: int, want: int = 1) -> bool:
+    def ensure_spare(self, nbytes: int, want: int = 1) -> Slot | None:
         """Create one slot of `nbytes` ahead when fewer than `want` are free and the ring has room (off the
         training thread: this is the fallocate + populate + cudaHostRegister a save would otherwise block
-        on). True when a slot was created."""
+        on). The slot created (its bytes are all zero), or None."""
         with self._lock:
             self._drop_other_sizes(nbytes)
             if sum(1 for s in self.slots if s.nbytes == nbytes and s.free()) >= want:
-                return False
+                return None
             if len(self.slots) + self._creating >= self.max_slots:
-                return False
+                return None
             self._creating += 1
         try:
             s = self._create(nbytes)
@@ -206,7 +206,7 @@ class SlotRing:
         with self._lock:
             self.slots.append(s)
             self.created_ahead += 1
-        return True
+        return s
 
     def free_slots(self, nbytes: int) -> int:
         with self._lock:

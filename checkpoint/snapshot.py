@@ -60,6 +60,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -315,6 +316,8 @@ class Snapshotter:
         self._plan_lock = threading.Lock()
         self._save_keys: dict[torch.device, Any] = {}   # this save's plan keys (computed once per save)
         self._dst_cache: dict[Any, Any] = {}   # "layout" -> key; slot address -> its destination views
+        self._cache_lock = threading.Lock()    # _dst_cache and _zeroed: the slot thread fills them ahead
+        self._zero_hint: tuple[tuple[int, ...], int] | None = None   # the last source-checksummed layout
         self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
         self._plan_fut: concurrent.futures.Future[None] | None = None
 
@@ -436,16 +439,22 @@ class Snapshotter:
         once per buffer and layout: a reused slot may hold another layout's bytes there."""
         key = (tuple(offsets), total)
         ptr = arena.data_ptr()
-        if self._zeroed.get(ptr) == key:
-            return
+        with self._cache_lock:
+            self._zero_hint = key   # slots made ahead from now on are marked zero for this layout
+            if self._zeroed.get(ptr) == key:
+                return
         end = 0
         for t, off in zip(tensors, offsets):
             if off > end:
                 arena[end:off].zero_()
             end = off + t.numel() * t.element_size()
-        self._zeroed[ptr] = key
-        while len(self._zeroed) > 64:
-            self._zeroed.pop(next(iter(self._zeroed)))
+        self._mark_zeroed(ptr, key)
+
+    def _mark_zeroed(self, ptr: int, key: Any) -> None:
+        with self._cache_lock:
+            self._zeroed[ptr] = key
+            while len(self._zeroed) > 64:
+                self._zeroed.pop(next(iter(self._zeroed)))
 
     def prepare(self, state_dict: Mapping[str, Any]) -> "concurrent.futures.Future[None]":
         """Make, in the background, everything the first save of `state_dict`'s layout would (call it once
@@ -653,7 +662,9 @@ class Snapshotter:
         except OSError as e:
             log.warning("cannot create a staging slot of %d bytes in %s ahead (%s)", total, self._location, e)
             return 0.0
-        return time.perf_counter() - t0 if made else 0.0
+        if made is not None:
+            self._ready_fresh(made)
+        return time.perf_counter() - t0 if made is not None else 0.0
 
     def _prepare_buffers(self, total: int, offsets: list[int] | None = None) -> None:
         """Background (`prepare`, or a skipped save that found no buffer): a free slot of `total` bytes if
@@ -666,7 +677,7 @@ class Snapshotter:
             fresh = not self._arena.ready(total)
             buf = self._arena.ensure(total)
             if fresh and offsets is not None:   # made of zeros: its gaps need no zeroing in the first save
-                self._zeroed[buf.data_ptr()] = (tuple(offsets), total)
+                self._mark_zeroed(buf.data_ptr(), (tuple(offsets), total))
         except Exception as e:  # noqa: BLE001 - the save that needs it makes it or reports why
             log.warning("preparing a %d-byte checkpoint buffer failed: %s", total, e)
 
@@ -788,14 +799,17 @@ class Snapshotter:
         if not mine:   # only a slot or the private buffer: a cached view would keep a GPU staging buffer alive
             return [_dst(arena, off, t) if t.numel() else None for t, off in zip(tensors, offsets)]
         key = (dev, tuple(offsets), tuple((t.dtype, t.shape) for t in tensors))
-        if self._dst_cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
-            self._dst_cache = {"layout": key}
-        got = self._dst_cache.get(ptr)
+        with self._cache_lock:
+            if self._dst_cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
+                self._dst_cache = {"layout": key}
+            got = self._dst_cache.get(ptr)
         if got is None:
-            got = self._dst_cache[ptr] = [_dst(arena, off, t) if t.numel() else None
-                                          for t, off in zip(tensors, offsets)]
-            while len(self._dst_cache) > (ring.max_slots if ring is not None else 0) + 2:   # + arena, layout
-                self._dst_cache.pop(next(k for k in self._dst_cache if k != "layout"))
+            got = [_dst(arena, off, t) if t.numel() else None for t, off in zip(tensors, offsets)]
+            with self._cache_lock:
+                if self._dst_cache.get("layout") == key:
+                    self._dst_cache[ptr] = got
+                    while len(self._dst_cache) > (ring.max_slots if ring is not None else 0) + 2:   # + arena
+                        self._dst_cache.pop(next(k for k in self._dst_cache if k != "layout"))
         return got
 
     def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece],
@@ -1008,7 +1022,7 @@ class Snapshotter:
             ev.synchronize()
         else:
             host[:total].copy_(staged)
-        self._zeroed[host.data_ptr()] = (offsets, total)   # the gaps came over as zeros
+        self._mark_zeroed(host.data_ptr(), (offsets, total))   # the gaps came over as zeros
         return host
 
     def _source_manifest(self, step: int, tree: Any,
@@ -1081,13 +1095,40 @@ class Snapshotter:
         try:
             while True:
                 ring = self._ring_for(total)
-                if ring is None or not ring.ensure_spare(total, want=SPARE_SLOTS):
+                made = ring.ensure_spare(total, want=SPARE_SLOTS) if ring is not None else None
+                if made is None:
                     break
+                self._ready_fresh(made)
         except OSError as e:
             log.warning("cannot create a staging slot of %d bytes in %s ahead (%s)", total, self._location, e)
         except Exception as e:  # noqa: BLE001 - saves go on (skipped, counted) without a spare
             log.warning("creating staging slots ahead failed: %s", e)
         return time.perf_counter() - t0
+
+    def _ready_fresh(self, slot: Slot) -> None:
+        """Off the training thread, for a slot just made (all zero bytes): mark its gaps zero for the last
+        layout and make its destination views, so its first save costs a steady one."""
+        try:
+            with self._cache_lock:
+                hint = self._zero_hint
+                if hint is not None and hint[1] == slot.nbytes:
+                    self._zeroed[slot.tensor.data_ptr()] = hint
+                key = self._dst_cache.get("layout")
+            if key is None:
+                return
+            _, offs, metas = key
+            arena = slot.tensor
+            views = []
+            for off, (dt, shape) in zip(offs, metas):
+                n = math.prod(shape) * dt.itemsize
+                if off + n > arena.numel():
+                    return   # another layout: its first save makes its views
+                views.append(arena[off:off + n].view(dt).view(shape) if n else None)
+            with self._cache_lock:
+                if self._dst_cache.get("layout") == key:
+                    self._dst_cache[arena.data_ptr()] = views
+        except Exception as e:  # noqa: BLE001 - an optimisation: the save makes what is missing
+            log.debug("preparing a fresh slot's views failed: %s", e)
 
     def _ring_full(self, total: int) -> bool:
         ring = self._ring

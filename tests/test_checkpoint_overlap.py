@@ -493,3 +493,30 @@ def test_destination_views_are_kept_per_slot_and_layout_only(redis_server, tmp_p
     ring.release(slot)
     snap.close()
     assert snap._dst_cache == {}
+
+
+def test_a_slot_made_ahead_gets_its_views_and_zero_gaps_before_its_first_save(redis_server,
+                                                                              tmp_path: Path) -> None:
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("fresh")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, max_slots=8))
+    assert snap.save(1, state_dict(0, 1)).result(scaled(30)).state == "COMMITTED"
+    tensors = [t for _, t in flatten(state_dict(0, 2))[1]]
+    offsets, total = layout(tensors)
+    ring = snap._ring_for(total)
+    used = ring.acquire(total)
+    dev = torch.device("cpu")
+    snap._dsts(dev, used.tensor, tensors, offsets)         # the layout is known now
+    snap._zero_gaps(used.tensor, tensors, offsets, total)
+    fresh = ring.ensure_spare(total, want=8)
+    assert fresh is not None
+    snap._ready_fresh(fresh)
+    ptr = fresh.tensor.data_ptr()
+    assert snap._zeroed[ptr] == (tuple(offsets), total)    # a new slot file is all zero bytes
+    views = snap._dst_cache[ptr]
+    assert snap._dsts(dev, fresh.tensor, tensors, offsets) is views
+    for v, t, off in zip(views, tensors, offsets):
+        want = snapshot_mod._dst(fresh.tensor, off, t) if t.numel() else None
+        assert (v is None and want is None) or (v.data_ptr() == want.data_ptr() and v.dtype == want.dtype
+                                                and v.shape == want.shape)
+    ring.release(used)
+    snap.close()
