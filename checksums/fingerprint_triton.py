@@ -54,6 +54,12 @@ def _fmix64(z):
     return z ^ (z >> 31)
 
 @triton.jit
+def _fold_words(w, t, acc0, acct):
+    """Per lane: ``acc0 += w``, ``acct += w * t`` for one tile ``t`` of 32-bit words ``w`` (the spec's sums)."""
+    w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return acc0 + w, acct + w * t.to(tl.uint32).to(tl.uint64)
+
+@triton.jit
 def _byte_sums(bbase, start, nbytes, niter, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     a0 = tl.zeros([BLOCK], dtype=tl.uint64)
@@ -89,16 +95,12 @@ def fp_partials_kernel(base_u8, base_i32, items, acc, BLOCK: tl.constexpr, TAIL:
         for k in range(0, nfull):
             t = tile0 + k
             w = tl.load(wbase + t * BLOCK + lanes)
-            w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
-            acc0 += w
-            acct += w * t.to(tl.uint32).to(tl.uint64)
+            acc0, acct = _fold_words(w, t, acc0, acct)
         if has_partial != 0:
             t = tile0 + nfull
             idx = t * BLOCK + lanes
             w = tl.load(wbase + idx, mask=idx < nvec4 * 4, other=0)
-            w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
-            acc0 += w
-            acct += w * t.to(tl.uint32).to(tl.uint64)
+            acc0, acct = _fold_words(w, t, acc0, acct)
         s0 = tl.sum(acc0, axis=0)
         s1 = tl.sum(acct, axis=0) * BLOCK + tl.sum(acc0 * lanes.to(tl.uint64), axis=0)
     else:

@@ -44,7 +44,7 @@ from checksums.fingerprint_host import (
     position_words,
     to_signed64,
 )
-from checksums.fingerprint_triton import MAX_TILES_PER_ITEM, _byte_sums, _fmix64, _sm_count
+from checksums.fingerprint_triton import MAX_TILES_PER_ITEM, _byte_sums, _fmix64, _fold_words, _sm_count
 
 DEFAULT_BLOCK = int(os.environ.get("SDCWATCH_GS_BLOCK", "1024"))
 DEFAULT_WARPS = int(os.environ.get("SDCWATCH_GS_WARPS", "4"))
@@ -79,6 +79,14 @@ def _stats_of_words(w, DT: tl.constexpr):
     return sq, mx
 
 
+@triton.jit
+def _fold_tile(w, t, acc0, acct, sq, mx, DT: tl.constexpr):
+    """One tile of words into the fingerprint's per-lane sums and the stats' (sum of squares, max |x|)."""
+    a, b = _stats_of_words(w, DT)
+    acc0, acct = _fold_words(w, t, acc0, acct)
+    return acc0, acct, sq + a, tl.maximum(mx, b)
+
+
 # Scalars that may be 1 are not specialised: Triton turns an int argument equal to 1 into a constant, which
 # has no `.to` (the H200 compile of a 7-element fp32 bucket, nvec4 == 1, failed so)
 @triton.jit(do_not_specialize=["off", "nbytes", "nvec4", "n_items"])
@@ -104,22 +112,12 @@ def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fp
     for k in range(nfull):
         t = tile0 + k
         w = tl.load(wbase + t * BLOCK + lanes)
-        a, b = _stats_of_words(w, DT)
-        sq += a
-        mx = tl.maximum(mx, b)
-        w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
-        acc0 += w
-        acct += w * t.to(tl.uint32).to(tl.uint64)
+        acc0, acct, sq, mx = _fold_tile(w, t, acc0, acct, sq, mx, DT)
     if has_partial != 0:
         t = tile0 + nfull
         idx = t * BLOCK + lanes
         w = tl.load(wbase + idx, mask=idx < nvec4 * 4, other=0)
-        a, b = _stats_of_words(w, DT)
-        sq += a
-        mx = tl.maximum(mx, b)
-        w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
-        acc0 += w
-        acct += w * t.to(tl.uint32).to(tl.uint64)
+        acc0, acct, sq, mx = _fold_tile(w, t, acc0, acct, sq, mx, DT)
     s0 = tl.sum(acc0, axis=0)
     s1 = tl.sum(acct, axis=0) * BLOCK + tl.sum(acc0 * lanes.to(tl.uint64), axis=0)
     ssq = tl.sum(sq, axis=0)

@@ -71,30 +71,23 @@ def _status(code: int, reason: str, message: str) -> Any:
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
+    """RFC 7386 JSON merge patch: maps merge, null deletes, lists are replaced."""
+    return strategic_merge_patch(target, patch, merge_keys={})
 
 
-def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
+def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = (),
+                          merge_keys: dict[tuple[str, ...], str] = _MERGE_KEYS) -> Any:
     """Kubernetes' strategic merge patch for the fields the node's status uses: maps merge, null deletes,
     lists with a patchMergeKey merge by it (an entry's fields merge), other lists are replaced."""
-    if isinstance(patch, list) and path in _MERGE_KEYS:
-        key = _MERGE_KEYS[path]
+    if isinstance(patch, list) and path in merge_keys:
+        key = merge_keys[path]
         out = [dict(x) for x in (target or [])]
         for entry in patch:
             old = next((x for x in out if x.get(key) == entry.get(key)), None)
             if old is None:
                 out.append(copy.deepcopy(entry))
             else:
-                old.update(strategic_merge_patch(old, entry, path + ("[]",)))
+                old.update(strategic_merge_patch(old, entry, path + ("[]",), merge_keys))
         return out
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
@@ -103,7 +96,7 @@ def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -
         if v is None:
             out.pop(k, None)
         else:
-            out[k] = strategic_merge_patch(out.get(k), v, path + (k,))
+            out[k] = strategic_merge_patch(out.get(k), v, path + (k,), merge_keys)
     return out
 
 
