@@ -20,6 +20,10 @@ blobs of N/--streams MiB put together, as the agent replicates them), the parall
 and a put capped at half the link (`max_bytes_per_s`). Target: the parallel rows >= 80% of the plain TLS
 stream.
 
+The streams table also gives CPU seconds per GB of this process (all its threads, getrusage) and of the peer
+process (/proc/PID/stat) for each row: on a loaded host wall-clock rates are noise, CPU per GB is not, and
+it says which side a transfer is bound on (`--streams-only`: that table alone).
+
     python bench/bench_peer_transport.py --streams 4 --netns            # peer in its own network namespace,
     python bench/bench_peer_transport.py --streams 4 --netns --rate-gbit 10   # veth pair (root), tc cap
 
@@ -33,6 +37,7 @@ import concurrent.futures
 import datetime
 import ipaddress
 import os
+import resource
 import shutil
 import socket
 import ssl
@@ -177,12 +182,32 @@ def serve(root: str, sock: str, cert: str, key: str, host: str = "127.0.0.1") ->
     asyncio.run(main())
 
 
-def timed(fn, repeat: int) -> float:
+PEER_PID = 0     # the peer process, for its CPU time (/proc/PID/stat)
+CPU: dict[str, tuple[float, float]] = {}   # row name -> (this process's, the peer's CPU seconds per run)
+
+
+def cpu_s() -> tuple[float, float]:
+    """(CPU seconds of this process, all threads; of the peer process): wall-clock rates on a loaded host are
+    noise, CPU seconds per GB are not."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    peer = 0.0
+    if PEER_PID:
+        with open(f"/proc/{PEER_PID}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        peer = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return r.ru_utime + r.ru_stime, peer
+
+
+def timed(fn, repeat: int, name: str = "") -> float:
     times = []
+    c0 = cpu_s()
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+    c1 = cpu_s()
+    if name:
+        CPU[name] = ((c1[0] - c0[0]) / repeat, (c1[1] - c0[1]) / repeat)
     return statistics.median(times)
 
 
@@ -191,6 +216,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--streams", type=int, default=4, help="parallel streams (connections), streams rows")
+    ap.add_argument("--streams-only", action="store_true", help="only the streams table (no local/unix rows)")
     ap.add_argument("--netns", action="store_true", help="the peer in its own network namespace, over veth")
     ap.add_argument("--rate-gbit", type=float, default=0.0, help="--netns: tc rate of the veth (0: none)")
     ap.add_argument("--serve", nargs=5, metavar=("ROOT", "SOCK", "CERT", "KEY", "HOST"),
@@ -213,6 +239,8 @@ def main() -> None:
     proc = subprocess.Popen((ns.prefix() if ns is not None else []) + [
         sys.executable, __file__, "--serve", str(work / "peer"), str(sock), str(cert), str(key), host],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    global PEER_PID
+    PEER_PID = proc.pid
     try:
         port, sink_port, tcp_port = (int(x) for x in proc.stdout.readline().split())
         data = memoryview(bytearray(os.urandom(MiB)) * args.mib)
@@ -236,7 +264,7 @@ def main() -> None:
         base_put = timed(put_local, args.repeat)
         local.put(key_, data)
         base_get = timed(get_local, args.repeat)
-        for name, store in stores.items():
+        for name, store in (stores.items() if not args.streams_only else ()):
             def put() -> None:
                 store.put(key_, data)
                 store.delete(key_)
@@ -254,18 +282,21 @@ def main() -> None:
             rows.append((f"get  {name}", t_get, base_get))
             store.close()
         streams = stream_rows(url, creds, host, sink_port, str(cert), data, args.streams, args.repeat)
-        streams.insert(1, ("plain TCP stream (no TLS): the link without encryption",
-                           timed(lambda: tls_send(host, tcp_port, str(cert), data, tls=False), args.repeat)))
+        tcp_name = "plain TCP stream (no TLS): the link without encryption"
+        streams.insert(1, (tcp_name, timed(lambda: tls_send(host, tcp_port, str(cert), data, tls=False),
+                                           args.repeat, tcp_name)))
         gb = nbytes / 1e9
         print(f"\nStreams and cap ({args.mib} MiB, median of {args.repeat}; {host}"
               + (", own network namespace over veth"
                  + (f", tc {args.rate_gbit:g} Gbit/s" if args.rate_gbit else "")
                  if ns is not None else ", loopback") + f"; {os.cpu_count()} cores)")
         link = streams[0][1]
-        print(f"| {'transfer':<58} | {'GB/s':>6} | {'x TLS stream':>12} |")
-        print(f"|{'-' * 60}|{'-' * 7}:|{'-' * 13}:|")
+        print(f"| {'transfer':<58} | {'GB/s':>6} | {'x TLS stream':>12} | {'CPU s/GB here':>13} "
+              f"| {'CPU s/GB peer':>13} |")
+        print(f"|{'-' * 60}|{'-' * 7}:|{'-' * 13}:|{'-' * 14}:|{'-' * 14}:|")
         for name, t in streams:
-            print(f"| {name:<58} | {gb / t:>6.2f} | {link / t:>12.2f} |")
+            here, there = (f"{c / gb:.2f}" for c in CPU[name]) if name in CPU else ("", "")
+            print(f"| {name:<58} | {gb / t:>6.2f} | {link / t:>12.2f} | {here:>13} | {there:>13} |")
         print()
         print(f"{args.mib} MiB, median of {args.repeat}; baseline: the same bytes to/from a local directory "
               f"({work})")
@@ -293,31 +324,34 @@ def stream_rows(url: str, creds, host: str, sink_port: int, cafile: str, data: m
     nbytes = len(data)
     rows = []
     tls_send(host, sink_port, cafile, data[:4 * MiB])
-    t_link = timed(lambda: tls_send(host, sink_port, cafile, data), repeat)
-    rows.append(("plain TLS stream (python ssl), the reference", t_link))
+    name = "plain TLS stream (python ssl), the reference"
+    t_link = timed(lambda: tls_send(host, sink_port, cafile, data), repeat, name)
+    rows.append((name, t_link))
     one = GrpcBlobStore(url, credentials=creds, streams=1)
     many = GrpcBlobStore(url, credentials=creds, streams=streams)
     key = "bench/000000000001/rank-00000.bin"
     part = -(-nbytes // streams)
     keys = [f"bench/000000000002/rank-{i:05d}.bin" for i in range(streams)]
     pool = concurrent.futures.ThreadPoolExecutor(streams)
+    def row(name: str, fn) -> None:
+        rows.append((name, timed(fn, repeat, name)))
+
     try:
         for s in (one, many):
             s.put(key, data[:4 * MiB])
-        rows.append(("ours: put, 1 stream, one blob", timed(lambda: one.put(key, data), repeat)))
+        row("ours: put, 1 stream, one blob", lambda: one.put(key, data))
 
         def put_shards() -> None:
             list(pool.map(lambda i: many.put(keys[i], data[i * part:(i + 1) * part]), range(len(keys))))
-        rows.append((f"ours: put, {streams} shards over {streams} streams", timed(put_shards, repeat)))
+        row(f"ours: put, {streams} shards over {streams} streams", put_shards)
 
         def put_shards_one_conn() -> None:
             list(pool.map(lambda i: one.put(keys[i], data[i * part:(i + 1) * part]), range(len(keys))))
-        rows.append((f"ours: put, {streams} shards over 1 connection", timed(put_shards_one_conn, repeat)))
+        row(f"ours: put, {streams} shards over 1 connection", put_shards_one_conn)
         one.put(key, data)
         buf = memoryview(bytearray(nbytes))
-        rows.append(("ours: get, 1 stream", timed(lambda: one.readinto(key, 0, buf), repeat)))
-        rows.append((f"ours: get, {streams} ranged streams",
-                     timed(lambda: many.readinto(key, 0, buf), repeat)))
+        row("ours: get, 1 stream", lambda: one.readinto(key, 0, buf))
+        row(f"ours: get, {streams} ranged streams", lambda: many.readinto(key, 0, buf))
         assert bytes(buf[-MiB:]) == bytes(data[-MiB:])
         ranges = [(o, min(16 * MiB, nbytes - o)) for o in range(0, nbytes, 16 * MiB)]
         rows.append(("ours: replica = put + checksums on the peer (ChecksumBlob)",

@@ -45,6 +45,7 @@ import grpc
 from checkpoint.blobstore import Data, as_buffers
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_key, validate_prefix
+from checkpoint.rawbytes import copy_into
 from proto.sdcwatch.v1 import peer_pb2 as pb
 from sdcwatch.channels import agent_channel
 from sdcwatch.errors import SdcwatchError
@@ -235,21 +236,35 @@ def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_chunk(offset: int, data: bytes | memoryview, blob_bytes: int = 0) -> bytes:
-    """A serialized `BlobChunk`; `data` is copied once, into the message."""
+def chunk_frame(offset: int, n: int, blob_bytes: int = 0) -> tuple[bytes, bytes]:
+    """The wire bytes before and after `n` data bytes of a serialized `BlobChunk`, so a sender can read the
+    data straight into the message between them (daemon/peer_store_service.py)."""
     head = (b"\x08" + _varint(offset)) if offset else b""
     tail = (b"\x18" + _varint(blob_bytes)) if blob_bytes else b""
+    return (head + b"\x12" + _varint(n) if n else head), tail
+
+
+def encode_chunk(offset: int, data: bytes | memoryview, blob_bytes: int = 0) -> bytes:
+    """A serialized `BlobChunk`; `data` is copied once, into the message."""
+    head, tail = chunk_frame(offset, len(data), blob_bytes)
     if not len(data):
         return head + tail
-    return b"".join((head, b"\x12", _varint(len(data)), data, tail))
+    return b"".join((head, data, tail))
 
 
 def _fields(raw: bytes, what: str) -> tuple[dict[int, int], dict[int, memoryview]]:
     """Parse proto3 wire bytes: (varint fields, length-delimited fields as views into `raw`); the last
     occurrence of a field wins, as in protobuf. ValueError for malformed input."""
+    ints, spans = _spans(raw, what)
+    buf = memoryview(raw)
+    return ints, {f: buf[a:b] for f, (a, b) in spans.items()}
+
+
+def _spans(raw: bytes, what: str) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
+    """`_fields` with the length-delimited fields as (start, end) indices into `raw`."""
     buf = memoryview(raw)
     ints: dict[int, int] = {}
-    blobs: dict[int, memoryview] = {}
+    blobs: dict[int, tuple[int, int]] = {}
     i = 0
     try:
         while i < len(buf):
@@ -261,7 +276,7 @@ def _fields(raw: bytes, what: str) -> tuple[dict[int, int], dict[int, memoryview
                 n, i = _read_varint(buf, i)
                 if i + n > len(buf):
                     raise IndexError
-                blobs[field] = buf[i:i + n]
+                blobs[field] = (i, i + n)
                 i += n
             elif wire in (1, 5):
                 i += 8 if wire == 1 else 4
@@ -281,6 +296,17 @@ def decode_chunk(raw: bytes) -> tuple[int, memoryview, int]:
     except ValueError as e:
         raise PeerStoreError(f"{e} (from the peer)") from None
     return ints.get(1, 0), blobs.get(2, memoryview(b"")), ints.get(3, 0)
+
+
+def decode_chunk_span(raw: bytes) -> tuple[int, int, int]:
+    """A serialized `BlobChunk` -> (offset, where its data starts in `raw`, its length): the reader copies
+    the data from `raw` into place itself (`rawbytes.copy_into`)."""
+    try:
+        ints, spans = _spans(raw, "BlobChunk")
+    except ValueError as e:
+        raise PeerStoreError(f"{e} (from the peer)") from None
+    a, b = spans.get(2, (0, 0))
+    return ints.get(1, 0), a, b - a
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -412,12 +438,15 @@ class GrpcBlobStore:
         return self._readinto_one(key, offset, view, self._get)
 
     def _readinto_one(self, key: str, offset: int, view: memoryview, get: Any) -> int:
+        """Each message's bytes copied once, from the message into `view`, the GIL released (the streams of
+        a parallel read copy at the same time)."""
         n = 0
-        for off, data in self._chunks(key, offset, len(view), get):
-            if off != offset + n or n + len(data) > len(view):
+        for raw in self._raw_chunks(key, offset, len(view), get):
+            off, start, size = decode_chunk_span(raw)
+            if off != offset + n or n + size > len(view):
                 raise PeerStoreError(f"{self.location}: GetBlob {key!r} sent bytes out of order")
-            view[n:n + len(data)] = data
-            n += len(data)
+            copy_into(view[n:n + size], raw, start)
+            n += size
         return n
 
     def _readinto_parallel(self, key: str, offset: int, view: memoryview) -> int:
@@ -446,6 +475,12 @@ class GrpcBlobStore:
 
     def _chunks(self, key: str, offset: int, length: int | None,
                 get: Any = None) -> Iterator[tuple[int, memoryview]]:
+        for raw in self._raw_chunks(key, offset, length, get):
+            off, data, _size = decode_chunk(raw)
+            yield off, data
+
+    def _raw_chunks(self, key: str, offset: int, length: int | None, get: Any = None) -> Iterator[bytes]:
+        """The GetBlob response messages as received, paced by the cap."""
         validate_key(key)
         if offset < 0 or (length is not None and length < 0):
             raise ValueError(f"bad range offset={offset} length={length} for {key!r}")
@@ -455,10 +490,9 @@ class GrpcBlobStore:
         limit = self.limit
         try:
             for raw in get(req, timeout=self.stream_timeout_s, metadata=self._metadata):
-                off, data, _size = decode_chunk(raw)
                 if limit is not None:
-                    limit.take(len(data))
-                yield off, data
+                    limit.take(len(raw))
+                yield raw
         except grpc.RpcError as e:
             raise self._error(e, key) from None
 

@@ -37,7 +37,8 @@ import grpc
 from checkpoint.blobstore import BlobStore, check_range
 from checkpoint.chunks import checksum
 from checkpoint.errors import InvalidInputError
-from checkpoint.grpc_store import CHUNK_BYTES, PutMessage, decode_put, encode_chunk
+from checkpoint import rawbytes
+from checkpoint.grpc_store import CHUNK_BYTES, PutMessage, chunk_frame, decode_put, encode_chunk
 from checkpoint.names import validate_key, validate_prefix
 from daemon.pools import WorkPool
 from sdcwatch.safe_fs import PlantedLinkError
@@ -198,10 +199,7 @@ class PeerStoreService:
             self.stats["peer_gets"] += 1
 
             def read(at: int) -> bytes:   # the next message, built in a thread while this one is sent
-                data = os.pread(fd, min(chunk, end - at), at) if at < end else b""
-                if at < end and not data:
-                    raise EOFError(f"blob {key!r} shrank while being read")
-                return encode_chunk(at, data, size if at == off else 0)
+                return read_chunk(fd, at, min(chunk, end - at), size if at == off else 0, key)
 
             nxt = asyncio.ensure_future(self.pool.run(read, off))
             while nxt is not None:
@@ -330,6 +328,29 @@ class PeerStoreService:
             return grpc.StatusCode.FAILED_PRECONDITION, f"this node's memory tier is gone: {e}"
         log.warning("peer store I/O on %r failed: %s", key, e)
         return grpc.StatusCode.INTERNAL, f"I/O error on {key!r}: {e}"
+
+
+def read_chunk(fd: int, at: int, n: int, blob_bytes: int, key: str) -> bytes:
+    """A serialized `BlobChunk` of the `n` bytes of `fd` at `at`, read (`preadv`) straight into the message:
+    the bytes are copied once, from the file into the message. EOFError when the file is shorter."""
+    if not n or not rawbytes.available():
+        data = os.pread(fd, n, at) if n else b""
+        if len(data) < n:
+            raise EOFError(f"blob {key!r} shrank while being read")
+        return encode_chunk(at, data, blob_bytes)
+    head, tail = chunk_frame(at, n, blob_bytes)
+    h = len(head)
+    msg, view = rawbytes.fresh_bytes(h + n + len(tail))
+    view[:h] = head
+    got = 0
+    while got < n:
+        r = os.preadv(fd, [view[h + got:h + n]], at + got)
+        if r <= 0:
+            raise EOFError(f"blob {key!r} shrank while being read")
+        got += r
+    view[h + n:] = tail
+    view.release()
+    return msg
 
 
 async def _next(requests: AsyncIterator[Any]) -> Any:
