@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = "/sdcwatch.v1.PeerStore/"
 CHUNK_BYTES = 2 << 20            # bytes per message (the agent accepts 4 MiB messages by default)
+READ_CHUNK_BYTES = 3 << 20       # GetBlob message size asked for (the server's largest: fewer, cheaper messages)
 PARALLEL_MIN_BYTES = 16 << 20    # a readinto at least this large is split over the store's streams
 MAX_MESSAGE_BYTES = 64 << 20     # this side's gRPC message limits (responses are chunked by the server)
 SCHEMES = ("grpcs", "grpc", "unix")
@@ -336,7 +337,7 @@ class GrpcBlobStore:
 
     def __init__(self, location: str, *, credentials: PeerCredentials | None = None,
                  chunk_bytes: int = CHUNK_BYTES, timeout_s: float = 30.0, stream_timeout_s: float = 600.0,
-                 streams: int = 1, max_bytes_per_s: float = 0.0) -> None:
+                 streams: int = 1, max_bytes_per_s: float = 0.0, read_chunk_bytes: int = 0) -> None:
         PeerTransport(streams, max_bytes_per_s)   # validates
         self.location = location
         self.streams = streams
@@ -344,6 +345,9 @@ class GrpcBlobStore:
         self.scheme, self.target = parse_location(location)
         creds = credentials if credentials is not None else PeerCredentials()
         self.chunk_bytes = chunk_bytes
+        # reads ask for the server's largest messages unless a chunk size was chosen (tests: many messages)
+        self.read_chunk_bytes = read_chunk_bytes or (
+            READ_CHUNK_BYTES if chunk_bytes == CHUNK_BYTES else chunk_bytes)
         self.timeout_s = timeout_s
         self.stream_timeout_s = stream_timeout_s
         self._metadata: tuple[tuple[str, str], ...] = ()
@@ -457,7 +461,7 @@ class GrpcBlobStore:
         if want < PARALLEL_MIN_BYTES:
             return self._readinto_one(key, offset, view, self._get)
         part = -(-want // self.streams)
-        part = -(-part // self.chunk_bytes) * self.chunk_bytes   # whole messages per range
+        part = -(-part // self.read_chunk_bytes) * self.read_chunk_bytes   # whole messages per range
         ranges = [(a, min(part, want - a)) for a in range(0, want, part)]
         with self._parts_lock:
             if self._parts is None:
@@ -485,7 +489,7 @@ class GrpcBlobStore:
         if offset < 0 or (length is not None and length < 0):
             raise ValueError(f"bad range offset={offset} length={length} for {key!r}")
         req = self._pb.GetBlobRequest(key=key, offset=offset, length=length or 0, to_end=length is None,
-                                      chunk_bytes=self.chunk_bytes)
+                                      chunk_bytes=self.read_chunk_bytes)
         get = get if get is not None else self._lane()[2]
         limit = self.limit
         try:

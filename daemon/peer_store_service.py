@@ -195,11 +195,11 @@ class PeerStoreService:
                 off, n = check_range(request.offset, None if request.to_end else request.length, size, key)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
-            end = off + n
+            start, end = off, off + n
             self.stats["peer_gets"] += 1
 
             def read(at: int) -> bytes:   # the next message, built in a thread while this one is sent
-                return read_chunk(fd, at, min(chunk, end - at), size if at == off else 0, key)
+                return read_chunk(fd, at, min(chunk, end - at), size if at == start else 0, key)
 
             nxt = asyncio.ensure_future(self.pool.run(read, off))
             while nxt is not None:
