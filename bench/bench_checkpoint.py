@@ -166,6 +166,8 @@ def make_state(nbytes: int, device: torch.device) -> dict:
     while left > 0:
         dt = torch.bfloat16 if i % 2 == 0 else torch.float32
         n = min(per, left) // torch.empty((), dtype=dt).element_size()
+        if n == 0:   # fewer bytes left than one element (a size that is not a multiple of 4)
+            break
         sd["model"][f"p{i}"] = torch.randn(n, generator=g).to(dt).to(device)
         left -= n * torch.empty((), dtype=dt).element_size()
         i += 1
