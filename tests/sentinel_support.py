@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import redis
+from deadlines import scaled
 
 from checkpoint.chunks import checksum_chunks
 from checkpoint.commit_fence import CommitFence
@@ -59,8 +60,21 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+# How many times a server or Sentinel is started on another free port when the one picked was taken before it
+# could bind (another test's server, or any process's outgoing connection: its source port is from the same
+# ephemeral range, and a connected socket holds the port against a listener even with SO_REUSEADDR).
+PORT_TRIES = 5
+
+
+class ExitedError(RuntimeError):
+    """A redis-server or redis-sentinel we started exited before serving (its log's tail says why)."""
+
+
 def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every: float = 0.02) -> object:
-    deadline = time.monotonic() + timeout_s
+    """pred()'s first truthy value (a RedisError counts as not yet); TimeoutError after `timeout_s` (enough on
+    an idle machine) times the suite's slowdown (tests/deadlines.py)."""
+    limit = scaled(timeout_s)
+    deadline = time.monotonic() + limit
     while True:
         try:
             v = pred()
@@ -69,8 +83,15 @@ def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every: flo
         except redis.RedisError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise TimeoutError(f"timed out after {limit:.0f} s ({timeout_s:.0f} s scaled) waiting for {what}")
         time.sleep(every)
+
+
+def _log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 class SentinelCluster:
@@ -96,6 +117,35 @@ class SentinelCluster:
     @property
     def url(self) -> str:
         return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + f"/{SERVICE}"
+
+    def _serving(self, port: int, proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
+        """Until `proc` serves on `port` (INFO names its pid: ours, not another process's); ExitedError at
+        once if it exits (the port was taken, most likely)."""
+        c = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=2, decode_responses=True)
+
+        def ours() -> bool:
+            if proc.poll() is not None:
+                raise ExitedError(f"{what} on {port} exited with {proc.returncode}: {_log_tail(log)}")
+            return c.info("server")["process_id"] == proc.pid
+
+        try:
+            wait_for(ours, 20, f"our {what} on {port}")
+        finally:
+            c.close()
+
+    def _on_a_free_port(self, start: Callable[[int], None], first: int | None = None) -> int:
+        """start(port) on `first` (or a free port), then on fresh free ports while the port was taken under
+        it; the port it serves on."""
+        exited: list[str] = []
+        for i in range(PORT_TRIES):
+            port = first if first is not None and i == 0 else _free_ports(1)[0]
+            try:
+                start(port)
+                return port
+            except ExitedError as e:
+                self.procs.pop(port, None)
+                exited.append(str(e))
+        raise ExitedError(f"no port in {PORT_TRIES} tries: " + "; ".join(exited))
 
     def _server(self, port: int, replica_of: int | None) -> None:
         d = self.workdir / f"redis-{port}"
@@ -133,14 +183,7 @@ class SentinelCluster:
             stderr=subprocess.DEVNULL,
             preexec_fn=die_with_parent(os.getpid()),
         )
-        c = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
-        # ours, not another process that took the port (other tests pick free ports at the same time)
-        wait_for(
-            lambda: proc.poll() is None and c.info("server")["process_id"] == proc.pid,
-            20,
-            f"our redis-server on {port}",
-        )
-        c.close()
+        self._serving(port, proc, d / "redis.log", "redis-server")
 
     def _sentinel(self, port: int, primary: int) -> None:
         d = self.workdir / f"sentinel-{port}"
@@ -153,24 +196,22 @@ class SentinelCluster:
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
             f"sentinel parallel-syncs {SERVICE} 2\n"
         )
-        self.procs[port] = subprocess.Popen(
+        proc = self.procs[port] = subprocess.Popen(
             [redis_binary("redis-sentinel"), str(conf)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=die_with_parent(os.getpid()),
         )
+        self._serving(port, proc, d / "sentinel.log", "redis-sentinel")
 
     def start(self) -> "SentinelCluster":
-        ports = _free_ports(6)
-        self.ports, self.sentinel_ports = ports[:3], ports[3:]
-        primary = self.ports[0]
-        self._server(primary, None)
-        for p in self.ports[1:]:
-            self._server(p, primary)
+        # each port is picked just before its process starts (not all up front: the replicas' connections to
+        # the primary, and every other process's, take source ports from the same range meanwhile)
+        primary = self._on_a_free_port(lambda p: self._server(p, None))
+        self.ports = [primary] + [self._on_a_free_port(lambda p: self._server(p, primary)) for _ in range(2)]
         pc = redis.Redis(port=primary, decode_responses=True)
         wait_for(lambda: pc.info("replication").get("connected_slaves") == 2, 30, "two replicas")
-        for p in self.sentinel_ports:
-            self._sentinel(p, primary)
+        self.sentinel_ports = [self._on_a_free_port(lambda p: self._sentinel(p, primary)) for _ in range(3)]
         for p in self.sentinel_ports:
             s = redis.Redis(port=p, decode_responses=True, socket_connect_timeout=0.2)
             wait_for(
@@ -220,14 +261,8 @@ class SentinelCluster:
         port."""
         primary = self.primary_port()
         del self.procs[port]
-        try:
-            self._server(port, primary)
-            return port
-        except TimeoutError:
-            self.procs.pop(port, None)
-        new = _free_ports(1)[0]
+        new = self._on_a_free_port(lambda p: self._server(p, primary), first=port)
         self.ports[self.ports.index(port)] = new
-        self._server(new, primary)
         return new
 
     def wait_healthy(self, timeout_s: float = 60) -> None:
