@@ -22,7 +22,9 @@ stream.
 
 The streams table also gives CPU seconds per GB of this process (all its threads, getrusage) and of the peer
 process (/proc/PID/stat) for each row: on a loaded host wall-clock rates are noise, CPU per GB is not, and
-it says which side a transfer is bound on (`--streams-only`: that table alone).
+it says which side a transfer is bound on; "cores" is CPU seconds per wall second (near 1.0: one thread,
+a GIL or an event loop, is the limit). `--streams-only`: that table alone. The restore-shaped row reads the
+blob as a restore does (checkpoint/shard_reader.py): 16 MiB chunks from a pool of threads, each verified.
 
     python bench/bench_peer_transport.py --streams 4 --netns            # peer in its own network namespace,
     python bench/bench_peer_transport.py --streams 4 --netns --rate-gbit 10   # veth pair (root), tc cap
@@ -292,11 +294,14 @@ def main() -> None:
                  if ns is not None else ", loopback") + f"; {os.cpu_count()} cores)")
         link = streams[0][1]
         print(f"| {'transfer':<58} | {'GB/s':>6} | {'x TLS stream':>12} | {'CPU s/GB here':>13} "
-              f"| {'CPU s/GB peer':>13} |")
-        print(f"|{'-' * 60}|{'-' * 7}:|{'-' * 13}:|{'-' * 14}:|{'-' * 14}:|")
+              f"| {'CPU s/GB peer':>13} | {'cores here':>10} | {'cores peer':>10} |")
+        print(f"|{'-' * 60}|{'-' * 7}:|{'-' * 13}:|{'-' * 14}:|{'-' * 14}:|{'-' * 11}:|{'-' * 11}:|")
         for name, t in streams:
-            here, there = (f"{c / gb:.2f}" for c in CPU[name]) if name in CPU else ("", "")
-            print(f"| {name:<58} | {gb / t:>6.2f} | {link / t:>12.2f} | {here:>13} | {there:>13} |")
+            cpu = CPU.get(name)
+            here, there = (f"{c / gb:.2f}" for c in cpu) if cpu else ("", "")
+            ch, cp = (f"{c / t:.2f}" for c in cpu) if cpu else ("", "")
+            print(f"| {name:<58} | {gb / t:>6.2f} | {link / t:>12.2f} | {here:>13} | {there:>13} | {ch:>10} "
+                  f"| {cp:>10} |")
         print()
         print(f"{args.mib} MiB, median of {args.repeat}; baseline: the same bytes to/from a local directory "
               f"({work})")
@@ -319,6 +324,7 @@ def stream_rows(url: str, creds, host: str, sink_port: int, cafile: str, data: m
     """(name, median seconds for all of `data`) for: the plain TLS stream (first: the reference), our put
     on 1 stream, the same bytes as `streams` shards put together over `streams` connections, the parallel
     ranged read, and a put capped at half the plain stream's rate."""
+    from checkpoint.chunks import checksum
     from checkpoint.grpc_store import GrpcBlobStore
 
     nbytes = len(data)
@@ -352,6 +358,20 @@ def stream_rows(url: str, creds, host: str, sink_port: int, cafile: str, data: m
         buf = memoryview(bytearray(nbytes))
         row("ours: get, 1 stream", lambda: one.readinto(key, 0, buf))
         row(f"ours: get, {streams} ranged streams", lambda: many.readinto(key, 0, buf))
+        assert bytes(buf[-MiB:]) == bytes(data[-MiB:])
+        chunks = [(o, min(16 * MiB, nbytes - o)) for o in range(0, nbytes, 16 * MiB)]
+        io = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
+
+        def restore_shaped() -> None:   # as checkpoint/shard_reader.read_verified: chunks on a pool, verified
+            def one(c: tuple[int, int]) -> None:
+                o, n = c
+                assert many.readinto(key, o, buf[o:o + n]) == n
+                checksum(buf[o:o + n])
+            list(io.map(one, chunks))
+        try:
+            row(f"ours: get, restore-shaped: 16 MiB chunks, {io._max_workers} threads, xxh3", restore_shaped)
+        finally:
+            io.shutdown()
         assert bytes(buf[-MiB:]) == bytes(data[-MiB:])
         ranges = [(o, min(16 * MiB, nbytes - o)) for o in range(0, nbytes, 16 * MiB)]
         rows.append(("ours: replica = put + checksums on the peer (ChecksumBlob)",

@@ -24,8 +24,9 @@ Streams and a cap (issue 21 item 6; `[peers] streams`, `max_mb_per_s`; `set_tran
 `streams` connections to its peer (separate TCP/TLS connections, so encryption and framing run on as many
 cores); puts take the connections in turn (the agent replicates the shards of a step concurrently, one
 stream each), and a large `readinto` (restore, the replicator's read-back) is split into `streams` ranged
-GetBlob calls run in parallel. `max_bytes_per_s` caps the bytes per second to and from that peer, all
-streams together (a token bucket paced per message: `RateLimit`), so replication leaves the link to the
+GetBlob calls run in parallel, unless other reads run at the same time (a restore reads its chunks from a
+thread pool): then each read takes one stream, in turn. `max_bytes_per_s` caps the bytes per second to and
+from that peer, all streams together (a token bucket paced per message: `RateLimit`), so replication leaves the link to the
 training job's own traffic.
 """
 from __future__ import annotations
@@ -378,6 +379,7 @@ class GrpcBlobStore:
         self._turn = itertools.count()
         self._parts: concurrent.futures.ThreadPoolExecutor | None = None
         self._parts_lock = threading.Lock()
+        self._reading = 0   # readinto calls running now
         self._channel, self._put, self._get = self._lanes[0]
         self._pb = pb
         self._stat = self._channel.unary_unary(SERVICE + "StatBlob", request_serializer=pb.StatBlobRequest.
@@ -436,10 +438,20 @@ class GrpcBlobStore:
         return bytes(out)
 
     def readinto(self, key: str, offset: int, buf: memoryview) -> int:
+        """A large read alone on the store is split over the streams; reads that run together (a restore's
+        chunks, read by a thread pool) already fill them: each takes one stream, in turn, unsplit (no size
+        lookup, no extra calls per chunk)."""
         view = memoryview(buf).cast("B")
-        if self.streams > 1 and len(view) >= PARALLEL_MIN_BYTES:
-            return self._readinto_parallel(key, offset, view)
-        return self._readinto_one(key, offset, view, self._get)
+        with self._parts_lock:
+            self._reading += 1
+            alone = self._reading == 1
+        try:
+            if self.streams > 1 and len(view) >= PARALLEL_MIN_BYTES and alone:
+                return self._readinto_parallel(key, offset, view)
+            return self._readinto_one(key, offset, view, self._lane()[2])
+        finally:
+            with self._parts_lock:
+                self._reading -= 1
 
     def _readinto_one(self, key: str, offset: int, view: memoryview, get: Any) -> int:
         """Each message's bytes copied once, from the message into `view`, the GIL released (the streams of

@@ -1,6 +1,6 @@
 """Issue 21 item 6, the peer read path: the server reads each GetBlob chunk straight into the message
 (`read_chunk`), the client copies each message's bytes once into place (`decode_chunk_span`, `copy_into`);
-both stay byte-for-byte the protobuf `BlobChunk` wire format."""
+both stay byte-for-byte the protobuf `BlobChunk` wire format. Reads that run together take a stream each."""
 from __future__ import annotations
 
 import os
@@ -8,11 +8,16 @@ import threading
 from pathlib import Path
 
 import pytest
+import test_peer_network
+from test_peer_network import PeerServer, _creds
 
+import checkpoint.grpc_store as gs
 from checkpoint import rawbytes
-from checkpoint.grpc_store import PeerStoreError, decode_chunk, decode_chunk_span, encode_chunk
+from checkpoint.grpc_store import GrpcBlobStore, PeerStoreError, decode_chunk, decode_chunk_span, encode_chunk
 from daemon.peer_store_service import read_chunk
 from proto.sdcwatch.v1 import peer_pb2 as pb
+
+tls, peer = test_peer_network.tls, test_peer_network.peer    # the peer-transport fixtures, shared
 
 
 def test_fresh_bytes_are_filled_in_place_and_copy_into_copies_a_span() -> None:
@@ -74,3 +79,35 @@ def test_read_chunk_of_a_shrunken_file_and_a_malformed_chunk(tmp_path: Path) -> 
         decode_chunk_span(good[:-1])                                  # truncated
     with pytest.raises(PeerStoreError):
         decode_chunk_span(b"\x0f")                                    # wire type 7
+
+
+def test_reads_that_run_together_take_one_stream_each(peer: PeerServer, tls: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large read alone is split over the streams; while another read runs (a restore's chunk pool), a read
+    takes the next stream whole: no size lookup, no split."""
+    monkeypatch.setattr(gs, "PARALLEL_MIN_BYTES", 1 << 20)
+    store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10, streams=3)
+    calls: list[tuple[int, int, int]] = []
+    one = store._readinto_one
+
+    def counted(key: str, offset: int, view: memoryview, get: object) -> int:
+        calls.append((offset, len(view), id(get)))
+        return one(key, offset, view, get)
+
+    monkeypatch.setattr(store, "_readinto_one", counted)
+    try:
+        key, data = "j/000000000003/rank-00000.bin", os.urandom(3 << 20)
+        store.put(key, data)
+        buf = bytearray(len(data))
+        assert store.readinto(key, 0, memoryview(buf)) == len(data) and buf == data
+        assert len(calls) == 3                                   # alone: three ranges
+        calls.clear()
+        store._reading = 1                                       # another read is running
+        for _ in range(3):
+            buf = bytearray(len(data))
+            assert store.readinto(key, 0, memoryview(buf)) == len(data) and buf == data
+        assert [(o, n) for o, n, _ in calls] == [(0, len(data))] * 3
+        assert len({g for _, _, g in calls}) == 3                # the streams in turn
+        assert store._reading == 1
+    finally:
+        store.close()
