@@ -38,11 +38,12 @@ def available() -> bool:
 
 
 def copy_into(dst: memoryview, src: bytes, start: int) -> None:
-    """dst[:] = src[start:start + len(dst)], the GIL released during the copy (for a large dst)."""
+    """dst[:] = src[start:start + len(dst)], the GIL released during the copy (for a large dst and `src` an
+    exact `bytes`, whose storage is at a known place; anything else is a plain copy)."""
     n = len(dst)
     if start < 0 or start + n > len(src):
         raise ValueError(f"copy_into: {n} bytes at {start} exceed the source's {len(src)}")
-    if not _CPYTHON or n < (64 << 10) or dst.readonly:
+    if not _CPYTHON or type(src) is not bytes or n < (64 << 10) or dst.readonly:
         dst[:] = memoryview(src)[start:start + n]
         return
     target = (ctypes.c_char * n).from_buffer(dst)

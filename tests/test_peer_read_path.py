@@ -29,6 +29,9 @@ def test_fresh_bytes_are_filled_in_place_and_copy_into_copies_a_span() -> None:
     dst = bytearray(200_000)
     rawbytes.copy_into(memoryview(dst), src, 50_000)            # large: the GIL-free path
     assert dst == src[50_000:250_000]
+    other = bytearray(200_000)
+    rawbytes.copy_into(memoryview(other), bytearray(src), 1)   # not exact bytes: a plain copy
+    assert other == src[1:200_001]
     small = bytearray(10)
     rawbytes.copy_into(memoryview(small), src, 7)
     assert small == src[7:17]
