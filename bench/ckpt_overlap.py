@@ -340,8 +340,10 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         handles.clear()
         calls.clear()
         skipped0 = dict(client.stats.skipped_by)
+        made0 = client.stats.slots_ahead + client.stats.slots_inline
         times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
         client.wait(600)
+        made = client.stats.slots_ahead + client.stats.slots_inline - made0   # steady state: 0
         results = [h.result(600) for h in handles]
         committed = sum(1 for r in results if r.state in ("COMMITTED", "VERIFIED"))
         attempts = args.block * args.rounds
@@ -366,7 +368,10 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             (f"[{tag}] steps whose checkpoint reached COMMITTED", committed / attempts,
              f"fraction of {attempts} steps (target 1.0); {len(results)} saves made, {committed} committed; "
              f"skipped {skipped}; at most {client.stats.most_in_flight} in flight, ring "
-             f"{client.stats.ring_size} slots"),
+             f"{client.stats.ring_size} slots, {made} made while timed (steady state: 0)"),
+            (f"[{tag}] staging slots made while timed", float(made),
+             f"count, not seconds (steady state: 0; each is a pinned slot of {nbytes / 1e9:.2f} GB made "
+             f"during training); ring {client.stats.slots} slots of {client.stats.ring_size}"),
             (f"[{tag}] background host work per save (median)",
              statistics.median(host_work) if host_work else float("nan"),
              f"{statistics.median(host_work) / off:.2f}x the step (the background keeps up when < 1); "

@@ -27,8 +27,8 @@ change the optimizer's tensors in place outside `optimizer.step()` between a sav
 `Snapshotter.order_before_update()` first).
 
 Background (one worker thread: saves are committed one after another, in step order; with
-`max_inflight` > 1 several wait in its queue, each in its own staging slot, and slots are made ahead by a
-thread of their own): wait for the copy's events -> `sink.begin` ->
+`max_inflight` > 1 several wait in its queue, each in its own staging slot, and the whole ring is made
+up front by a thread of their own, then only reused: no slot is made in steady state): wait for the copy's events -> `sink.begin` ->
 publish the shard as the blob `<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for
 a private buffer, a streamed file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which
 must equal the GPU fingerprint -> `sink.commit_shard(manifest)` -> create the next staging slot ahead
@@ -99,7 +99,8 @@ log = logging.getLogger(__name__)
 
 ALIGN = 64
 DEVICE_STAGING_SHARE = 0.8   # a GPU staging buffer may take at most this share of the GPU's free memory
-SPARE_SLOTS = 2              # pipelined saves: free slots the slot thread keeps ready ahead
+HELD_SLOTS = 5               # pipelined, max_slots="auto": slots the agent may hold as stored checkpoints
+                             # (keep_committed 2 + the newest VERIFIED + the rollback span's 2)
 
 
 class ShardSink(Protocol):
@@ -134,8 +135,9 @@ class SnapshotConfig:
     max_inflight: int = 1           # saves in the background at once, each in its own staging slot (one
                                     # worker commits them in step order): a save is skipped (or waits)
                                     # only when this many are still copying/committing or no slot is free;
-                                    # every_step() sets 4 (pipelined: every step commits when the
-                                    # background's work per save fits in a step)
+                                    # opt-in (every_step(max_inflight=4)): every step can commit when
+                                    # the background's work per save fits in a step; its ring is made
+                                    # up front (max_slots="auto": pipelined_ring) and then only reused
     checksums: str = "auto"         # "source": chunk checksums and tensor fingerprints computed from the
                                     # source tensors with the copy (the GPU kernel; torch on CPU): the
                                     # host hashes nothing to commit, the agent's scrub checks the bytes;
@@ -150,7 +152,7 @@ class SnapshotConfig:
         kw.setdefault("block", "update")
         kw.setdefault("max_slots", "auto")
         kw.setdefault("skip_until_ready", True)
-        kw.setdefault("max_inflight", 4)
+        kw.setdefault("max_inflight", 1)   # pipelined (4) is opt-in: see docs/BENCHMARKS.md, issue 21
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -252,6 +254,12 @@ class _Arena:
 
     def release(self) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
+
+
+def pipelined_ring(max_inflight: int) -> int:
+    """Slots a pipelined ring (`max_slots="auto"`) holds: the saves in flight, the checkpoints the agent
+    may hold (`HELD_SLOTS`) and one free for the next save. Made up front, then reused."""
+    return max_inflight + HELD_SLOTS + 1
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -615,6 +623,8 @@ class Snapshotter:
                     avail, free, local = memory_budget(self._location)
                     limit = ring_size(total, mem_available=avail, dir_free=free, local_ranks=local,
                                       fraction=self.config.ring_fraction)
+                    if self._spare_pool is not None:   # pipelined: the ring is made up front, so only
+                        limit = min(limit, pipelined_ring(self.config.max_inflight))   # what it needs
                     log.info("checkpoint ring for %s rank %d: %d slots of %d bytes (%.0f%% of "
                              "min(MemAvailable %d, memory dir free %d) over %d local ranks)", self.job_id,
                              self.rank, limit, total, 100 * self.config.ring_fraction, avail, free, local)
@@ -670,7 +680,10 @@ class Snapshotter:
         """Background (`prepare`, or a skipped save that found no buffer): a free slot of `total` bytes if
         slots work here, else the private pinned arena."""
         try:
-            self._make_spare(total)
+            if self._spare_pool is not None:
+                self._make_spares(total)   # pipelined: the whole ring, up front
+            else:
+                self._make_spare(total)
             ring = self._ring
             if ring is not None and ring.free_slots(total):
                 return
@@ -1077,9 +1090,13 @@ class Snapshotter:
         return res
 
     def _want_spares(self, total: int) -> None:
-        """Pipelined: have the slot thread top the ring up to SPARE_SLOTS free slots (unless it is at it)."""
+        """Pipelined: have the slot thread fill the ring to its limit (unless it is at it). Once the ring is
+        full (after warm-up) this is one length check: no slot is made in steady state, so no pinned
+        allocation or cudaHostRegister runs beside training (they stall its CUDA calls and the GIL); a save
+        that finds no free slot then is skipped ("slots") until the agent frees one."""
         pool = self._spare_pool
-        if pool is None:
+        ring = self._ring
+        if pool is None or (ring is not None and not self._reset_ring and len(ring) >= ring.max_slots):
             return
         fut = self._spare_fut
         if fut is not None and not fut.done():
@@ -1090,12 +1107,13 @@ class Snapshotter:
             pass
 
     def _make_spares(self, total: int) -> float:
-        """Slot thread: create slots until SPARE_SLOTS are free or the ring is at its limit; seconds taken."""
+        """Slot thread (or prepare()): create slots until the ring is at its limit, all in one go (warm-up:
+        the first saves after the agent's dir is known); seconds taken."""
         t0 = time.perf_counter()
         try:
             while True:
                 ring = self._ring_for(total)
-                made = ring.ensure_spare(total, want=SPARE_SLOTS) if ring is not None else None
+                made = ring.ensure_spare(total, want=ring.max_slots) if ring is not None else None
                 if made is None:
                     break
                 self._ready_fresh(made)

@@ -171,7 +171,7 @@ def _slots_ready(snap: Snapshotter, want: int) -> None:
 
 
 def test_pipelined_saves_are_in_flight_together_and_all_commit_in_order(redis_server, tmp_path: Path) -> None:
-    """max_inflight (every_step: 4): a save is not skipped because earlier ones are still committing; each
+    """max_inflight (opt-in, e.g. every_step(max_inflight=4)): a save is not skipped because earlier ones are still committing; each
     has its own slot, the one worker commits them in step order, and each restores bit for bit."""
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("pipe")
     sink = GatedSink(co)
@@ -220,8 +220,39 @@ def test_pipelined_saves_skip_when_every_slot_is_taken_never_the_private_buffer(
     snap.close()
 
 
+def test_pipelined_ring_is_made_up_front_and_no_slot_is_made_in_steady_state(redis_server,
+                                                                             tmp_path: Path) -> None:
+    """Pipelined with max_slots="auto": the slot thread fills the ring (sized for max_inflight, not the
+    memory rule's 16) once the agent's dir is known; after that saves only reuse slots: none is made (a
+    pinned slot made during training stalled the H200's steps) and the slot thread gets no more work."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("pipering")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", max_inflight=3,
+                                                     max_slots="auto", skip_until_ready=True))
+    # steps 10-30: the state's plain values (the step) keep their size, so the layout stays the same
+    assert snap.save(10, state_dict(0, 10)) is None   # no buffer yet: skipped, made in the background
+    snap._prep.result(scaled(30))
+    assert snap.save(10, state_dict(0, 10)).result(scaled(30)).state == "COMMITTED"   # learns the agent's dir
+    fill = snap._spare_fut
+    assert fill is not None
+    fill.result(scaled(60))
+    ring = snap._ring
+    assert ring is not None and snapshot_mod.pipelined_ring(3) == 3 + snapshot_mod.HELD_SLOTS + 1
+    assert len(ring) == ring.max_slots == snap.stats.ring_size <= snapshot_mod.pipelined_ring(3)
+    made = snap.stats.slots_ahead + snap.stats.slots_inline
+    for step in range(11, 31):
+        h = snap.save(step, state_dict(0, step))
+        assert h is not None, (step, snap.stats.skipped_by)
+        assert h.result(scaled(30)).staging == "slot"
+    assert snap.stats.slots_ahead + snap.stats.slots_inline == made and snap.stats.slots_inline == 0
+    assert snap._spare_fut is fill   # steady state: not even a no-op task for the slot thread
+    assert_same(_restore(co, job, 30), state_dict(0, 30))
+    snap.close()
+
+
 def test_max_inflight_must_be_a_positive_int() -> None:
-    assert SnapshotConfig.every_step().max_inflight == 4 and SnapshotConfig().max_inflight == 1
+    # every_step() keeps one save in flight: pipelining is opt-in (every_step(max_inflight=4)); issue 21
+    assert SnapshotConfig.every_step().max_inflight == 1 and SnapshotConfig().max_inflight == 1
+    assert SnapshotConfig.every_step(max_inflight=4).max_inflight == 4
     for bad in (0, "4", True):
         with pytest.raises(InvalidInputError, match="max_inflight"):
             SnapshotConfig(max_inflight=bad)
