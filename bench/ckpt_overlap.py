@@ -320,6 +320,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         handles: list[Any] = []
 
         calls: list[float] = []
+        saved_calls: list[float] = []   # the calls that copied (not skipped): like for like across settings
 
         def step_every() -> None:
             step_off()
@@ -327,6 +328,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             h = client.save(client.guard.step, state())
             calls.append(time.perf_counter() - t0)
             if h is not None:
+                saved_calls.append(calls[-1])
                 handles.append(h)
 
         client.prepare(state()).result(600)
@@ -339,6 +341,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             spares.result(600)
         handles.clear()
         calls.clear()
+        saved_calls.clear()
         skipped0 = dict(client.stats.skipped_by)
         made0 = client.stats.slots_ahead + client.stats.slots_inline
         times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
@@ -363,6 +366,11 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             (f"[{tag}] state() + save() call, host (median)", statistics.median(calls) if calls else float("nan"),
              f"{100 * statistics.median(calls) / off:.2f}% of the step (the training thread's share)"
              if calls else ""),
+            (f"[{tag}] state() + save() call that saved (median)",
+             statistics.median(saved_calls) if saved_calls else float("nan"),
+             f"{100 * statistics.median(saved_calls) / off:.2f}% of the step; {len(saved_calls)} of "
+             f"{len(calls)} calls saved (a skipped call returns before walking the state)"
+             if saved_calls else ""),
             (f"[{tag}] pinned copy of the state", t_copy,
              f"{t_copy / t_fb:.2f}x fwd+bwd: the copy {fits} in a step"),
             (f"[{tag}] steps whose checkpoint reached COMMITTED", committed / attempts,
