@@ -28,7 +28,8 @@ change the optimizer's tensors in place outside `optimizer.step()` between a sav
 
 Background (one worker thread: saves are committed one after another, in step order; with
 `max_inflight` > 1 several wait in its queue, each in its own staging slot, and the whole ring is made
-up front by a thread of their own, then only reused: no slot is made in steady state): wait for the copy's events -> `sink.begin` ->
+up front by a thread of their own, then only reused: no slot is made in steady state):
+wait for the copy's events -> `sink.begin` ->
 publish the shard as the blob `<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for
 a private buffer, a streamed file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which
 must equal the GPU fingerprint -> `sink.commit_shard(manifest)` -> create the next staging slot ahead

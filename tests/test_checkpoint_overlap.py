@@ -171,8 +171,8 @@ def _slots_ready(snap: Snapshotter, want: int) -> None:
 
 
 def test_pipelined_saves_are_in_flight_together_and_all_commit_in_order(redis_server, tmp_path: Path) -> None:
-    """max_inflight (opt-in, e.g. every_step(max_inflight=4)): a save is not skipped because earlier ones are still committing; each
-    has its own slot, the one worker commits them in step order, and each restores bit for bit."""
+    """max_inflight (opt-in: every_step(max_inflight=4)): a save is not skipped because earlier ones are still
+    committing; each has its own slot, the one worker commits them in step order, and each restores bit for bit."""
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("pipe")
     sink = GatedSink(co)
     sink.gate.set()
