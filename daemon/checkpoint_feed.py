@@ -13,6 +13,11 @@ Overload never loses a bad event silently. An event that finds the queue full is
   a bad event for the coordinator: VERIFIED is withheld from that step on (a step of None, "now", counts as
   step 0: the whole job) until the job rolls back or is cleared. It is queued after everything queued
   before the overflow and before anything after, so the order the coordinator sees is kept.
+
+`mark()` and `handed(mark)`: a reader of what the coordinator decided (the rollback planner reads the VERIFIED
+checkpoints) first waits until every event queued before it asked has been handed over: a loaded agent's feed
+runs seconds behind the ranks, and a plan made before the votes that verify the checkpoint before an anomaly
+(or the bad events that block one) were taken would find no target, or a wrong one.
 """
 from __future__ import annotations
 
@@ -44,6 +49,9 @@ class CheckpointFeed:
         self.publish = publish
         self._queue: asyncio.Queue[tuple[str, int | None, str, float, str]] = asyncio.Queue(maxsize=maxsize)
         self._lost: dict[str, int] = {}   # job -> the lowest step of a bad/clear event the full queue refused
+        self._queued = 0                   # events queued so far (lost markers included)
+        self._handed = 0                   # events handed to the sink so far (failed ones included)
+        self._progress = asyncio.Event()   # set (and replaced) after each event handed over
 
     def start(self, background: Background) -> None:
         background.start(self._feed(), name="checkpoint-job-events")
@@ -56,8 +64,18 @@ class CheckpointFeed:
             if self._lost.get(job_id) is not None:
                 raise asyncio.QueueFull   # behind this job's own lost events: keep the order
             self._queue.put_nowait((job_id, step, kind, now, reason))
+            self._queued += 1
         except asyncio.QueueFull:
             self._overflow(job_id, step, kind)
+
+    def mark(self) -> int:
+        """The events queued so far: `handed(mark)` returns once each of them has been handed to the sink."""
+        return self._queued
+
+    async def handed(self, mark: int) -> None:
+        """Until the first `mark` events queued have been handed to the sink (needs the feed started)."""
+        while self._handed < mark:
+            await self._progress.wait()
 
     def _overflow(self, job_id: str, step: int | None, kind: str) -> None:
         self.dropped.labels("checkpoint-job-events").inc()
@@ -82,6 +100,7 @@ class CheckpointFeed:
                                         "job events lost under overload"))
             except asyncio.QueueFull:
                 return
+            self._queued += 1
             del self._lost[job_id]
 
     async def _feed(self) -> None:
@@ -91,5 +110,8 @@ class CheckpointFeed:
                 await self.sink.job_event(job_id, step, kind, now, reason)
             except Exception as exc:  # one failure never stops the feed
                 log.error("checkpoint job event %s for %s failed: %s", kind, job_id, exc)
+            self._handed += 1
+            self._progress.set()
+            self._progress = asyncio.Event()
             if self._lost:
                 self._queue_lost(time.time())

@@ -146,11 +146,27 @@ class JobTracker:
             del self.jobs[j]
         return gone
 
-    def set_directive(self, job_id: str, directive: pb.Directive, anomaly_start: int, now: float) -> None:
-        """A planned rollback (daemon/rollback.py): each rank gets `directive` with its next report."""
+    def restores(self, job_id: str) -> int:
+        """The restores the job has announced so far (`set_directive`'s `restores_at`)."""
         job = self.jobs.get(job_id)
-        if job is not None:   # forgotten meanwhile: nobody left to tell
-            job.directive = PendingDirective(directive, now, anomaly_start)
+        return 0 if job is None else job.restores
+
+    def set_directive(self, job_id: str, directive: pb.Directive, anomaly_start: int, now: float,
+                      restores_at: int | None = None) -> bool:
+        """A planned rollback (daemon/rollback.py): each rank gets `directive` with its next report. Planned
+        for an anomaly seen when the job had announced `restores_at` restores: if the job has since gone back
+        to before the anomaly (and not before the target), the plan is stale and dropped, as a pending one is
+        (`_restored`): the anomaly is in the history the job left (a plan made late, e.g. for the loss after
+        a bad range the job was already rolled back over). Returns whether it was set."""
+        job = self.jobs.get(job_id)
+        if job is None:   # forgotten meanwhile: nobody left to tell
+            return False
+        if restores_at is not None and job.restores > restores_at:
+            since = list(job.restores_seen)[-(job.restores - restores_at):]
+            if any(directive.target_step <= r < anomaly_start for r in since):
+                return False
+        job.directive = PendingDirective(directive, now, anomaly_start)
+        return True
 
     def mismatch_open(self, job_id: str, first_step: int) -> bool:
         """Is the replica-mismatch incident that began at `first_step` still open (the job has not gone back

@@ -9,13 +9,17 @@ ignores a directive older than its own recovery.
 
 The job tracker asks for a plan (`ReportOutcome.rollbacks`, daemon/jobs.py); planning reads the job's
 checkpoints (Redis, off the event loop), so it runs as a background task; the directive goes back to the
-tracker (`JobTracker.set_directive`), which hands it to each rank once, in its next ReportStep reply.
+tracker (`JobTracker.set_directive`), which hands it to each rank once, in its next ReportStep reply. It
+plans once the checkpoint coordinator has taken every event reported before the anomaly (`ready`: the
+checkpoint feed's `handed`), so the VERIFIED steps it reads are those of the job as of the anomaly (a loaded
+agent's feed runs seconds behind: the votes that verify the checkpoint before it, or the bad events that
+block one, would otherwise be missed).
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
+from typing import Awaitable, Protocol
 
 from daemon.background import Background
 from daemon.events import Publisher
@@ -45,11 +49,24 @@ class RollbackPlanner:
         self.publisher = publisher
         self.background = background
 
-    def request(self, job: str, ev: LossEvent | MismatchIncident, event_seq: int) -> None:
-        """Plan a rollback for the anomaly journaled as `event_seq` (in the background)."""
-        self.background.start(self.plan(job, ev, event_seq), name=f"rollback-plan-{job}")
+    def request(self, job: str, ev: LossEvent | MismatchIncident, event_seq: int,
+                ready: Awaitable[None] | None = None) -> None:
+        """Plan a rollback for the anomaly journaled as `event_seq` (in the background), once `ready` (the
+        checkpoint coordinator has taken the job's events up to the anomaly) is done."""
+        self.background.start(self.plan(job, ev, event_seq, ready, self.jobs.restores(job)),
+                              name=f"rollback-plan-{job}")
 
-    async def plan(self, job: str, ev: LossEvent | MismatchIncident, seq: int) -> None:
+    async def plan(self, job: str, ev: LossEvent | MismatchIncident, seq: int,
+                   ready: Awaitable[None] | None = None, restores_at: int | None = None) -> None:
+        if ready is not None:
+            try:
+                await asyncio.wait_for(ready, self.timeout_s)
+            except asyncio.TimeoutError:
+                self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
+                                       f"the checkpoint coordinator did not take the events before the anomaly "
+                                       f"in {self.timeout_s:.0f}s: no rollback planned",
+                                       {"job_id": job, "anomaly_start": _start(ev), "verified": []})
+                return
         try:
             verified = await asyncio.wait_for(self.pool.run(self.checkpoints.verified_steps, job), self.timeout_s)
         except asyncio.TimeoutError:
@@ -59,7 +76,7 @@ class RollbackPlanner:
                                    {"job_id": job, "anomaly_start": _start(ev), "verified": []})
             return
         if isinstance(ev, MismatchIncident):
-            self._plan_mismatch(job, ev, seq, verified)
+            self._plan_mismatch(job, ev, seq, verified, restores_at)
             return
         decision = self.policy.decide(ev, verified)
         if decision is None:
@@ -70,14 +87,16 @@ class RollbackPlanner:
         skip = max(0, decision.skip_to_step - (decision.target_step + 1))
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
                                  skip_batches=skip, reason=decision.reason, event_seq=seq)
-        self.jobs.set_directive(job, directive, ev.start_step, time.time())
+        if not self.jobs.set_directive(job, directive, ev.start_step, time.time(), restores_at):
+            return   # the job went back before the anomaly while this was planned: nothing to do
         self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}",
                                f"rollback directive: restore step {decision.target_step}, skip {skip} "
                                f"batches ({decision.reason})",
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
                                 "cause_seq": seq})
 
-    def _plan_mismatch(self, job: str, inc: MismatchIncident, seq: int, verified: list[int]) -> None:
+    def _plan_mismatch(self, job: str, inc: MismatchIncident, seq: int, verified: list[int],
+                       restores_at: int | None = None) -> None:
         if not self.jobs.mismatch_open(job, inc.first_step):
             return   # the ranks already went back before it (their own rollback or repair): nothing to do
         older = [s for s in verified if s < inc.first_step]
@@ -92,7 +111,8 @@ class RollbackPlanner:
                   f"back to verified step {target} and replay the batches since")
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=target, skip_batches=0,
                                  reason=reason, event_seq=seq)
-        self.jobs.set_directive(job, directive, inc.first_step, time.time())
+        if not self.jobs.set_directive(job, directive, inc.first_step, time.time(), restores_at):
+            return
         self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step "
                                f"{target}, skip 0 batches ({reason})",
                                {"job_id": job, "target_step": target, "skip_batches": 0, "cause_seq": seq})

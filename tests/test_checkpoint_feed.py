@@ -57,3 +57,39 @@ def test_a_full_queue_withholds_verified_and_says_so() -> None:
 def test_events_lost_blocks_verified_from_its_step() -> None:
     assert policy.EVENTS_LOST in policy.BAD_KINDS
     assert policy.verified_steps([1, 4], {1: "agreed", 4: "agreed"}, 4, [3]) == {1}
+
+
+def test_handed_waits_for_the_events_queued_before_the_mark() -> None:
+    """Issue 26: the rollback planner read the VERIFIED checkpoints while a loaded agent's feed still held the
+    votes that verify the one before the anomaly (job.rollback_impossible). It now waits on `handed(mark)`."""
+    async def scenario() -> list[tuple[str, int | None, str]]:
+        gate = asyncio.Event()
+
+        class Slow(Sink):
+            async def job_event(self, job_id: str, step: int | None, kind: str, now: float,
+                                reason: str = "") -> None:
+                await gate.wait()
+                await super().job_event(job_id, step, kind, now, reason)
+
+        sink = Slow()
+        feed = CheckpointFeed(sink, dropped=Counter("dropped", "d", ["sink"], registry=CollectorRegistry()))
+        background = Background()
+        feed.start(background)
+        feed.put("j", 50, "vote_agreed")
+        feed.put("j", 100, "vote_agreed")
+        mark = feed.mark()
+        feed.put("j", 150, "vote_agreed")   # after the mark: not waited for
+        waiter = asyncio.ensure_future(feed.handed(mark))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not waiter.done() and sink.got == []
+        seen_at_wake: list[list] = []
+        waiter.add_done_callback(lambda _: seen_at_wake.append(list(sink.got)))
+        gate.set()
+        await asyncio.wait_for(waiter, 5)
+        await feed.handed(0)                 # nothing to wait for
+        await background.cancel()
+        return seen_at_wake[0]
+
+    got = asyncio.run(scenario())
+    assert got[:2] == [("j", 50, "vote_agreed"), ("j", 100, "vote_agreed")]

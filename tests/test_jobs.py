@@ -363,3 +363,26 @@ def test_a_new_mismatch_after_a_restore_is_a_new_incident_with_its_own_event_and
     summaries = folder.flush()
     folded = [o for o in summaries if o.kind == ek.REPLICA_MISMATCH]
     assert sorted(o.details["repeats"] for o in folded) == [2, 5], "the repeats after each first, per incident"
+
+
+def test_a_plan_for_an_anomaly_the_job_has_rolled_back_over_is_dropped() -> None:
+    """Issue 26: on a loaded agent a second loss anomaly (the recovery after a bad range, from step 225) was
+    planned after the ranks had already restored step 100 for the first: its directive (restore 100 again,
+    skip 184 good batches) is stale. One planned before the restore is kept (and dropped by the restore)."""
+    tracker = JobTracker(rollback=RollbackPolicy())
+    for step in (1, 2, 250):
+        tracker.report(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=step), float(step))
+    directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=100, skip_batches=184)
+    at = tracker.restores("j")
+    tracker.report(pb.ReportStepRequest(job_id="j", rank=0, world_size=1, step=101), 300.0)   # restored 100
+    assert tracker.restores("j") == at + 1
+    assert not tracker.set_directive("j", directive, 225, 301.0, restores_at=at)
+    assert tracker.jobs["j"].directive is None
+    # a new anomaly after the restore (seen with the restore counted), or one before the target: kept
+    assert tracker.set_directive("j", directive, 225, 302.0, restores_at=tracker.restores("j"))
+    tracker.jobs["j"].directive = None
+    assert tracker.set_directive("j", pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=50), 225, 303.0,
+                                 restores_at=at) is False   # 50 <= 100 < 225: the job went back before it too
+    older = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=120)
+    assert tracker.set_directive("j", older, 225, 304.0, restores_at=at), "the job went back to before the target"
+    assert tracker.set_directive("k", older, 225, 305.0) is False, "an unknown job: nobody to tell"

@@ -5,14 +5,20 @@ differ); the vote gates the updates; the agent's rollback directive takes both r
 back to a VERIFIED checkpoint before the flip; the replicas are bit-identical at the end and later checkpoints
 are VERIFIED. And with a corrupted range of batches: the loss detector's directive takes both ranks back once,
 to a checkpoint before the range, and the batches are skipped. Only `device="cuda"` becomes "cpu" (no GPU
-here)."""
+here).
+
+The bad-data run's loader goes on past its STEPS batches with clean ones, as a user's long run would, while
+the ranks agree that the rollback has not happened yet (up to a scaled deadline): on a loaded machine the
+agent's directive can come after the 200th step (the loss detector sees the range 32 steps in, and the plan
+waits for the checkpoint coordinator to take the votes before it)."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,8 +26,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from agent_harness import ROOT, AgentProcess, cli
+from deadlines import scaled
 
 STEPS, FLIP = 200, 100
+# The bad-data run keeps every checkpoint in memory (not the newest 2): here they are a second apart, and on a
+# loaded machine the votes that verify the one before the range reach the coordinator seconds later, after two
+# more were saved (a real run saves minutes apart).
+KEEP = ("--checkpoints-keep-committed", "100")
 BAD = (130, 170)   # the corrupted batches (loader positions) of the bad-data run
 
 
@@ -32,7 +43,36 @@ def readme_loop() -> str:
     return m.group(1).replace('device="cuda"', 'device="cpu"')
 
 
-def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario: str = "flip") -> None:
+class LongerLoader:
+    """`batches`, then `more()` ones while the ranks still want them, for at most `extend_s` seconds: until
+    `done()` (the rollback happened) and `after` batches more (the skip, then steps on the restored weights:
+    a late second directive would show). The ranks decide together (a MIN all-reduce on their own group at
+    each extra batch: the README loop asks for batches at the same iterations on every rank)."""
+
+    def __init__(self, batches: list[Any], more: Callable[[], Any], done: Callable[[], bool], extend_s: float,
+                 after: int = 100) -> None:
+        self.batches, self.more, self.done, self.extend_s, self.after = batches, more, done, extend_s, after
+        self.group = dist.new_group(backend="gloo")
+        self.extra = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.batches
+        deadline = time.monotonic() + self.extend_s
+        done_at = None
+        while True:
+            if done_at is None and self.done():
+                done_at = self.extra
+            want = (done_at is None or self.extra - done_at < self.after) and time.monotonic() < deadline
+            go = torch.tensor([int(want)])
+            dist.all_reduce(go, op=dist.ReduceOp.MIN, group=self.group)
+            if not go.item():
+                return
+            self.extra += 1
+            yield self.more()
+
+
+def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario: str = "flip",
+            extend_s: float = 0.0) -> None:
     os.environ["SDCWATCH_SOCKET"] = socket
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -48,6 +88,12 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
         loader = [(x, x @ w_true) for x in xs]
         if scenario == "bad_data":                             # a corrupted range of batches: wild targets
             loader = [(x, y * 1000.0 if BAD[0] <= i < BAD[1] else y) for i, (x, y) in enumerate(loader)]
+
+            def clean() -> Any:
+                x = torch.randn(16, 8, generator=gen)
+                return x, x @ w_true
+
+            loader = LongerLoader(loader, clean, lambda: bool(out["restores"]), extend_s)
         g: dict[str, Any] = {"ddp_model": ddp_model, "model": model, "optimizer": optimizer, "rank": rank,
                              "world_size": 2, "loader": loader}
         flipped = []
@@ -85,6 +131,7 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
         dist.all_gather(other, mine)
         out["identical"] = bool(torch.equal(other[0].view(torch.int32), other[1].view(torch.int32)))
         out["final_step"] = g["monitor"].step_count
+        out["extra_batches"] = getattr(loader, "extra", 0)
         g["monitor"].close()
         g["ckpt"].close()
     finally:
@@ -126,10 +173,10 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
 def test_the_readme_loop_rolls_back_before_a_corrupted_data_range(short_tmp: Path, tmp_path: Path) -> None:
     code = readme_loop()
     agent = AgentProcess(short_tmp / "state", "--rollback-skip-batches", "60",
-                         "--rollback-skip-before-steps", "0").start()
+                         "--rollback-skip-before-steps", "0", *KEEP).start()
     try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "bad_data"),
-                 nprocs=2, join=True)
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "bad_data",
+                                scaled(60)), nprocs=2, join=True)
         journal = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
     finally:
         agent.stop()
