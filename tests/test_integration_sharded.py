@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
-
 from conftest import free_port
 from framework_support import flip_bit
+from rank_spawn import spawn
+from torch import nn
 
 FLIP, STEPS = 3, 6
 
@@ -93,7 +92,7 @@ def _sharded_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 def test_hsdp_replica_groups_vote_and_plain_fsdp_says_no_vote(tmp_path: Path) -> None:
-    mp.spawn(_sharded_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    spawn(_sharded_worker, (4, free_port(), str(tmp_path)), 4)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["hsdp_group"] for r in res] == ["ranks:0,2", "ranks:1,3", "ranks:0,2", "ranks:1,3"], res
     for rank, r in enumerate(res):
@@ -159,7 +158,7 @@ def _compiled_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 def test_a_compiled_model_is_fingerprinted_hooked_and_voted(tmp_path: Path) -> None:
-    mp.spawn(_compiled_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_compiled_worker, (2, free_port(), str(tmp_path)), 2)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert r["same_as_eager"], "a compiled module's parameters are the eager module's"

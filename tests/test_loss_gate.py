@@ -11,7 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_spawn import spawn
 from torch import nn
 
 from checksums.replay import Cause
@@ -145,9 +145,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 
 def test_two_gloo_ranks_agree_on_the_veto_and_name_the_rank(tmp_path):
-    mp.start_processes(
-        _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
-    )
+    spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
     got = [json.loads((tmp_path / f"{r}.txt").read_text()) for r in range(2)]
     for finite, skipped, found, _ in got:
         assert finite and skipped == [20], got
