@@ -37,7 +37,7 @@ def health(ch: grpc.Channel, service: str = AGENT) -> int:
 
 
 def wait_for(pred, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if pred():
             return
@@ -164,8 +164,15 @@ def test_client_deadlines_are_counted_as_deadline_exceeded(short_tmp):
             with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
                 return resp.read().decode()
 
-        wait_for(lambda: 'sdcwatch_rpc_requests_total{code="DEADLINE_EXCEEDED",method="List"} 3.0' in counted()
-                 or 'sdcwatch_rpc_requests_total{method="List",code="DEADLINE_EXCEEDED"} 3.0' in counted())
+        def list_counts() -> list[str]:
+            return [line for line in counted().splitlines() if line.startswith("sdcwatch_rpc_requests_total{")
+                    and 'method="List"' in line]
+
+        try:   # the server counts a call when its handler is cancelled: soon after the client gave up
+            wait_until(lambda: any('code="DEADLINE_EXCEEDED"' in line and line.endswith(" 3.0")
+                                   for line in list_counts()), 30, "3 List calls counted DEADLINE_EXCEEDED")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {list_counts()}") from None
         assert 'method="List"' in counted() and not re.search(r'List.*UNKNOWN|UNKNOWN.*List', counted())
     finally:
         for pid in redis_pids:
@@ -257,3 +264,26 @@ def test_hung_maintenance_rounds_hold_two_threads_not_the_default_executor(tmp_p
             release.set()   # before asyncio.run waits for its default executor's threads
 
     asyncio.run(main())
+
+
+class _Ctx:
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+
+def test_a_cancel_at_the_deadline_is_the_deadline() -> None:
+    """Issue 26: under load the client's cancel (its deadline passed) reached the server 1.9 ms before the
+    server's own deadline, and was counted CANCELLED. A cancel within the slack of the deadline is the
+    deadline's; one well before it, or of a call without a deadline, is a cancel."""
+    from daemon.interceptors import _ended_by_client
+
+    assert _ended_by_client(_Ctx(0.0), 0.5) == "DEADLINE_EXCEEDED"
+    assert _ended_by_client(_Ctx(0.0019), 0.498) == "DEADLINE_EXCEEDED"
+    assert _ended_by_client(_Ctx(0.04), None) == "DEADLINE_EXCEEDED"       # a stream: the floor
+    assert _ended_by_client(_Ctx(0.3), 0.2) == "CANCELLED"
+    assert _ended_by_client(_Ctx(5.0), 55.0) == "CANCELLED"
+    assert _ended_by_client(_Ctx(1.5), 58.5) == "CANCELLED"                # the slack is capped at 1 s
+    assert _ended_by_client(_Ctx(None), 3.0) == "CANCELLED"
