@@ -99,7 +99,8 @@ def check_recovered(res: list[dict[str, Any]], lines: list[str], states: dict[in
              and int(re.search(r"step (\d+) is VERIFIED", line).group(1)) >= flip]
     assert not early, f"a checkpoint holding the flip was VERIFIED: {early}"
     assert any("job.rollback_directive" in line and "replica mismatch from step" in line for line in lines)
-    assert sum("critical replica.mismatch" in line for line in lines) == 1, "one incident, one event"
+    mismatches = [line for line in lines if "critical replica.mismatch" in line]
+    assert len(mismatches) == 1, ("one incident, one event", mismatches)
     assert res[0]["final_step"] == steps, "the steps the rollback took back were redone, to max_steps"
     assert newest_verified(lines[rolled:]), [line for line in lines[rolled:] if "checkpoint." in line]
 
