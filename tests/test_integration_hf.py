@@ -15,8 +15,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, replicas_identical,
-    settled_journal, spawn, torchrun_env,
+    check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events, replicas_identical,
+    settled_journal, spawn, torchrun_env, wait_verified,
 )
 
 JOB = "hf-gpt2"
@@ -63,6 +63,7 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
             def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 if flip and rank == 1 and not self.done and sdc.session.guard.step == FLIP:
                     self.done = True
+                    wait_verified(JOB)
                     flip_bit(model.transformer.h[0].mlp.c_fc.weight)
 
         args = TrainingArguments(
@@ -92,12 +93,13 @@ def test_hf_trainer_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -> Non
     try:
         res = spawn(_worker, 2, str(agent.socket), tmp_path, True)
         lines = settled_journal(agent, since="job.rollback ")
+        mismatches = mismatch_events(agent)
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
     for r in res:   # the vote's veto and the skipped update are the rank's local events
         r["monitor_events"] = []
-    check_recovered(res, lines, states, FLIP, STEPS)
+    check_recovered(res, lines, states, FLIP, STEPS, mismatches)
 
 
 def test_hf_trainer_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, replicas_identical,
+    check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events, replicas_identical,
     settled_journal, spawn, torchrun_env,
 )
 from test_integration_hf import Tokens, tiny_gpt2
@@ -79,10 +79,11 @@ def test_lightning_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -> None
     try:
         res = spawn(_worker, 2, str(agent.socket), tmp_path, True)
         lines = settled_journal(agent, since="job.rollback ")
+        mismatches = mismatch_events(agent)
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
-    check_recovered(res, lines, states, FLIP, STEPS)
+    check_recovered(res, lines, states, FLIP, STEPS, mismatches)
 
 
 def test_lightning_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_recovered, checkpoint_states, flip_bit, settled_journal, spawn, torchrun_env,
+    check_recovered, checkpoint_states, flip_bit, mismatch_events, settled_journal, spawn, torchrun_env,
 )
 
 JOB = "titan-tiny"
@@ -106,10 +106,11 @@ def test_torchtitan_checkpointer_recovers_from_a_flip(short_tmp: Path, tmp_path:
     try:
         res = spawn(_worker, 2, str(agent.socket), tmp_path)
         lines = settled_journal(agent, since="job.rollback ")
+        mismatches = mismatch_events(agent)
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
-    check_recovered(res, lines, states, FLIP, STEPS)
+    check_recovered(res, lines, states, FLIP, STEPS, mismatches)
     assert res[0]["resaves_skipped"] == res[1]["resaves_skipped"], "a re-save is skipped on every rank alike"
 
 
