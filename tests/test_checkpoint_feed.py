@@ -93,3 +93,53 @@ def test_handed_waits_for_the_events_queued_before_the_mark() -> None:
 
     got = asyncio.run(scenario())
     assert got[:2] == [("j", 50, "vote_agreed"), ("j", 100, "vote_agreed")]
+
+
+def test_pending_through_is_the_newest_clean_step_still_queued_per_job() -> None:
+    """Issue 26: retention evicted step 50 (keep-committed 2) while its vote still waited in a loaded agent's
+    feed. `pending_through(job)` says which COMMITTED steps have their verification on its way; it forgets a
+    job once its events are all handed over (one entry per job with queued events)."""
+    async def scenario() -> list[tuple[int | None, int | None]]:
+        gate = asyncio.Event()
+
+        class Slow(Sink):
+            async def job_event(self, job_id: str, step: int | None, kind: str, now: float,
+                                reason: str = "") -> None:
+                await gate.wait()
+                await super().job_event(job_id, step, kind, now, reason)
+
+        sink = Slow()
+        feed = CheckpointFeed(sink, dropped=Counter("dropped", "d", ["sink"], registry=CollectorRegistry()))
+        seen = [(feed.pending_through("j"), feed.pending_through("k"))]
+        feed.put("j", 50, "vote_agreed")
+        feed.put("j", 100, "vote_mismatch")   # bad: not a verification
+        feed.put("k", 7, "nan")
+        seen.append((feed.pending_through("j"), feed.pending_through("k")))
+        feed.put("j", 60, "checks_clean")
+        seen.append((feed.pending_through("j"), feed.pending_through("k")))
+        background = Background()
+        feed.start(background)
+        mark = feed.mark()
+        gate.set()
+        await asyncio.wait_for(feed.handed(mark), 5)
+        seen.append((feed.pending_through("j"), feed.pending_through("k")))
+        assert feed._inflight == {}, "nothing kept per job once its events are handed over"
+        await background.cancel()
+        return seen
+
+    assert asyncio.run(scenario()) == [(None, None), (50, None), (60, None), (None, None)]
+
+
+def test_retention_keeps_the_committed_steps_whose_vote_is_pending() -> None:
+    """Issue 26: a COMMITTED checkpoint whose verification is still queued is kept beyond keep_committed (the
+    oldest PENDING_KEPT of them), so a rollback target cannot vanish before its vote is counted; the memory
+    cap still bounds the bytes kept."""
+    recs = [policy.Record(s, policy.VERIFIED if s == 0 else policy.COMMITTED, 10) for s in range(0, 300, 10)]
+    assert policy.plan_retention(recs, 2, None) == list(range(10, 280, 10))
+    assert policy.plan_retention(recs, 2, None, pending=[50, 60, 280]) == [
+        s for s in range(10, 280, 10) if s not in (50, 60)]
+    many = list(range(10, 300, 10))
+    kept = set(range(0, 300, 10)) - set(policy.plan_retention(recs, 2, None, pending=many))
+    assert kept == {0, 280, 290} | set(many[:policy.PENDING_KEPT]), "bounded: the oldest PENDING_KEPT"
+    capped = policy.plan_retention(recs, 2, 30, pending=[50, 60])   # 3 checkpoints' bytes: the pending go
+    assert capped == list(range(10, 280, 10))

@@ -386,3 +386,65 @@ def test_a_plan_for_an_anomaly_the_job_has_rolled_back_over_is_dropped() -> None
     older = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=120)
     assert tracker.set_directive("j", older, 225, 304.0, restores_at=at), "the job went back to before the target"
     assert tracker.set_directive("k", older, 225, 305.0) is False, "an unknown job: nobody to tell"
+
+
+def test_a_mismatch_plan_waits_for_the_feed_to_hand_over_the_votes_before_it(tmp_path: Path) -> None:
+    """Issue 26: under load the agent's checkpoint feed runs seconds behind the ranks; a replica-mismatch plan
+    made at once read the VERIFIED steps while the vote verifying step 50 was still queued, and said
+    job.rollback_impossible. It now waits on the feed's `handed(mark)` like a loss plan (the agent passes it
+    for every rollback request)."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from daemon.checkpoint_feed import CheckpointFeed
+
+    async def run() -> list[tuple[str, dict]]:
+        journal = Journal(tmp_path / "journal").open()
+        bus = EventBus(journal, host="n0")
+        bus.bind_loop(asyncio.get_running_loop())
+        background = Background()
+        gate = asyncio.Event()
+
+        class Coordinator:   # VERIFIED: the steps of the agreed votes handed over so far
+            def __init__(self) -> None:
+                self.steps: list[int] = []
+
+            async def job_event(self, job_id: str, step: int | None, kind: str, now: float,
+                                reason: str = "") -> None:
+                await gate.wait()
+                if kind == "vote_agreed" and step is not None and step % 50 == 0:
+                    self.steps.append(step)
+
+            def verified_steps(self, job_id: str) -> list[int]:
+                return list(self.steps)
+
+        co = Coordinator()
+        feed = CheckpointFeed(co, dropped=Counter("dropped", "d", ["sink"], registry=CollectorRegistry()))
+        feed.start(background)
+        tracker = JobTracker(rollback=RollbackPolicy())
+        planner = RollbackPlanner(RollbackPolicy(), checkpoints=co, jobs=tracker, publisher=bus,
+                                  background=background)
+        for step in range(45, 105):
+            for rank in (0, 1):
+                out = tracker.report(_vote(step, rank, agreed=step < 100), float(step))
+                published = [bus.publish_finding(f) for f in (out.findings if out else [])]
+                for s, kind, reason in (out.job_events if out else []):
+                    feed.put("m", s, kind, reason)
+                mark = feed.mark()
+                for index, ev in (out.rollbacks if out else []):
+                    event = published[index]
+                    planner.request("m", ev, event.seq if event else 0, feed.handed(mark))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert co.steps == [] and len(background) > 1, "the plan waits while the votes are queued"
+        gate.set()
+        while len(background) > 1:   # the feed's own task stays
+            await asyncio.sleep(0.01)
+        await background.cancel()
+        journal.close()
+        return [(e.kind, dict(e.details)) for e in bus.recent(0) or []]
+
+    events = asyncio.run(run())
+    kinds = [k for k, _ in events]
+    assert "job.rollback_impossible" not in kinds, events
+    directives = [d for k, d in events if k == "job.rollback_directive"]
+    assert len(directives) == 1 and directives[0]["target_step"] == 50
