@@ -59,25 +59,20 @@ def test_events_lost_blocks_verified_from_its_step() -> None:
     assert policy.verified_steps([1, 4], {1: "agreed", 4: "agreed"}, 4, [3]) == {1}
 
 
-def _gated_feed() -> tuple[asyncio.Event, Sink, CheckpointFeed]:
-    """A feed whose sink takes each event only once `gate` is set (a loaded agent's lagging coordinator)."""
-    gate = asyncio.Event()
-
-    class Slow(Sink):
-        async def job_event(self, job_id: str, step: int | None, kind: str, now: float,
-                            reason: str = "") -> None:
-            await gate.wait()
-            await super().job_event(job_id, step, kind, now, reason)
-
-    sink = Slow()
-    return gate, sink, CheckpointFeed(sink, dropped=Counter("dropped", "d", ["sink"], registry=CollectorRegistry()))
-
-
 def test_handed_waits_for_the_events_queued_before_the_mark() -> None:
     """Issue 26: the rollback planner read the VERIFIED checkpoints while a loaded agent's feed still held the
     votes that verify the one before the anomaly (job.rollback_impossible). It now waits on `handed(mark)`."""
     async def scenario() -> list[tuple[str, int | None, str]]:
-        gate, sink, feed = _gated_feed()
+        gate = asyncio.Event()
+
+        class Slow(Sink):
+            async def job_event(self, job_id: str, step: int | None, kind: str, now: float,
+                                reason: str = "") -> None:
+                await gate.wait()
+                await super().job_event(job_id, step, kind, now, reason)
+
+        sink = Slow()
+        feed = CheckpointFeed(sink, dropped=Counter("dropped", "d", ["sink"], registry=CollectorRegistry()))
         background = Background()
         feed.start(background)
         feed.put("j", 50, "vote_agreed")
@@ -105,7 +100,16 @@ def test_pending_through_is_the_newest_clean_step_still_queued_per_job() -> None
     feed. `pending_through(job)` says which COMMITTED steps have their verification on its way; it forgets a
     job once its events are all handed over (one entry per job with queued events)."""
     async def scenario() -> list[tuple[int | None, int | None]]:
-        gate, _sink, feed = _gated_feed()
+        gate = asyncio.Event()
+
+        class Slow(Sink):
+            async def job_event(self, job_id: str, step: int | None, kind: str, now: float,
+                                reason: str = "") -> None:
+                await gate.wait()
+                await super().job_event(job_id, step, kind, now, reason)
+
+        sink = Slow()
+        feed = CheckpointFeed(sink, dropped=Counter("dropped", "d", ["sink"], registry=CollectorRegistry()))
         seen = [(feed.pending_through("j"), feed.pending_through("k"))]
         feed.put("j", 50, "vote_agreed")
         feed.put("j", 100, "vote_mismatch")   # bad: not a verification
