@@ -155,8 +155,7 @@ def _settled_states(agent: AgentProcess, job: str, restored: int) -> dict[int, s
         return bool(after) and all(last[s] == "VERIFIED" for s in after if s < max(last))
 
     try:
-        wait_until(settled, 30, f"the checkpoints of {job} after the restore of {restored} VERIFIED",
-                   interval=0.2)
+        wait_until(settled, 30, f"the checkpoints of {job} after the restore of {restored} VERIFIED", interval=0.2)
     except AssertionError:
         pass   # the caller's assertion says what is wrong, with the listing
     finally:
@@ -185,7 +184,7 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
         mismatches = mismatch_events(agent)
     finally:
         agent.stop()
-    said = [line for line in journal if "rollback" in line or "replica.mismatch" in line]
+    said = [line for line in journal if "rollback" in line or "replica.mismatch" in line or "withheld" in line]
     for r in res:
         assert r["restores"] and all(t < FLIP for t in r["restores"]), (r, said)
         assert r["identical"], "the replicas are bit-identical at the end"
