@@ -540,11 +540,9 @@ class Coordinator:
             if self.redis.zcard(bad) > MAX_BAD:
                 self.redis.zremrangebyrank(bad, MAX_BAD, -1)   # keep the lowest steps
         elif kind == "rollback":
-            # the records after the target saved before the job went back (`now`: when the agent saw it); one
-            # begun since is the redone history (a loaded agent hands this event over seconds late, issue 26)
-            for i in self.list(job_id):
-                if i.step > step and i.begun_at <= now:
-                    self._drop(job_id, i.step, policy.EVICTED, f"rolled back to step {step}", now)
+            for s in self._steps(job_id):
+                if s > step:
+                    self._drop(job_id, s, policy.EVICTED, f"rolled back to step {step}", now)
             self.redis.zremrangebyscore(bad, f"({step}", "+inf")
             checked = self.redis.get(self._jk(job_id, "checked"))
             if checked is not None and int(_s(checked)) > step:   # the steps after the target are gone

@@ -157,20 +157,6 @@ def test_retention_keeps_a_checkpoint_whose_vote_the_agent_still_holds(redis_ser
     assert 2 not in dict(got) and got[-3:] == [(3, "VERIFIED"), (4, "COMMITTED"), (5, "COMMITTED")], got
 
 
-def test_a_late_rollback_event_keeps_the_checkpoints_saved_after_the_restore(redis_server, tmp_path: Path) -> None:
-    """Issue 26: a loaded agent's feed handed the job's restore of step 1 to the coordinator seconds late, after
-    the ranks had saved the redone step 3 again: the rollback evicted it. Only records begun before the
-    agent saw the restore (the event's time) are the history the job left."""
-    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("late")
-    for step in (1, 2, 3, 4):
-        save_all(co, job, step)
-    seen = time.time()
-    time.sleep(0.01)
-    save_all(co, job, 5)   # redone history, begun after the agent saw the restore
-    co.on_job_event(job, 1, "rollback", seen)
-    assert [i.step for i in co.list(job)] == [1, 5]
-
-
 def test_flipped_bit_uses_peer_copy_and_both_bad_is_a_clear_error(redis_server, tmp_path: Path) -> None:
     a, b = node(redis_server.port, tmp_path, "a"), node(redis_server.port, tmp_path, "b")
     job = job_id()
