@@ -69,8 +69,6 @@ from sdcwatch.event_kinds import EventKind, Publish
 log = logging.getLogger(__name__)
 
 RetentionHold = Callable[[str], set[int]]   # job id -> steps to keep a little longer
-# job id -> the highest step of a clean event (agreed vote) the agent has queued and not yet fed in, or None
-VerificationPending = Callable[[str], "int | None"]
 
 _BEGIN = """
 local st = redis.call('HGET', KEYS[1], 'state')
@@ -179,9 +177,6 @@ class Coordinator:
                                       "saves_skipped": 0, "scrubbed_bytes": 0, "scrub_failures": 0,
                                       "restores": 0, "restores_failed": 0, "restore_fallbacks": 0}
         self.restore_sources: collections.Counter[str] = collections.Counter()   # tier -> restores served
-        # the agent's checkpoint feed (daemon/checkpoint_feed.py `pending_through`): retention keeps the
-        # COMMITTED checkpoints whose vote is still queued there (policy.plan_retention's `pending`)
-        self.verification_pending: VerificationPending | None = None
         # (name, seconds) samples for histograms, drained by daemon.checkpoint_metrics; bounded.
         self.observations: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
         # The scrub (`scrub`): shards committed here with source checksums, whose bytes in this node's memory
@@ -790,27 +785,12 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - a hint only
                 log.exception("retention hold failed")
         for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes or None,
-                                           self.config.rollback_span_steps, set(held) | scrubbing,
-                                           self._verification_pending(job_id, records)):
+                                           self.config.rollback_span_steps, set(held) | scrubbing):
             self._drop(job_id, step, policy.EVICTED, "retention", now)
             self.stats["evictions"] += 1
             dropped.append(step)
         self._sweep_blobs(job_id, local, now)
         return sorted(dropped)
-
-    def _verification_pending(self, job_id: str, records: list[policy.Record]) -> list[int]:
-        """COMMITTED steps above the job's checked-through step whose vote the agent still holds queued."""
-        through = None
-        if self.verification_pending is not None:
-            try:
-                through = self.verification_pending(job_id)
-            except Exception:  # noqa: BLE001 - a hint only
-                log.exception("verification pending failed")
-        if through is None:
-            return []
-        checked = self.redis.get(self._jk(job_id, "checked"))
-        low = -1 if checked is None else int(_s(checked))
-        return [r.step for r in records if r.state == policy.COMMITTED and low < r.step <= through]
 
     def reconcile_local(self, now: float) -> dict[str, list[int]]:
         """After an agent (or its Redis) restarted: every live record's copy on this node must still be in the

@@ -58,12 +58,8 @@ def verified_steps(committed: Iterable[int], bytes_verdicts: Mapping[int, str], 
             and (first_bad is None or k < first_bad)}
 
 
-PENDING_KEPT = 8   # at most this many kept beyond the others while their verification is on its way
-
-
 def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_bytes: int | None,
-                   rollback_span_steps: int = 0, hold: Iterable[int] = (),
-                   pending: Iterable[int] = ()) -> list[int]:
+                   rollback_span_steps: int = 0, hold: Iterable[int] = ()) -> list[int]:
     """Steps to evict, oldest first.
 
     Keep the newest `keep_committed` restorable checkpoints, the newest VERIFIED one, and (with
@@ -74,9 +70,6 @@ def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_by
     unverified kept checkpoint; never the newest VERIFIED (the only verified copy kept). PENDING saves
     are left to `stale_pending` (they are still being written). `hold` steps (not yet copied to a durable
     tier) are kept too, but only softly: the memory cap evicts them like any unverified checkpoint.
-    `pending` steps (COMMITTED, their replica vote still queued on the agent: daemon/checkpoint_feed.py) are
-    kept, the oldest `PENDING_KEPT` of them, so a rollback target is not evicted before its vote is counted
-    (issue 26: a loaded agent's feed runs seconds behind); the memory cap evicts them like any unverified one.
     """
     if keep_committed < 1:
         raise ValueError(f"keep_committed must be >= 1, got {keep_committed}")
@@ -98,7 +91,6 @@ def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_by
         if inside:
             keep.add(inside[0])
     keep |= set(hold) & {r.step for r in restorable}
-    keep |= set(sorted(set(pending) & {r.step for r in restorable if r.state == COMMITTED})[:PENDING_KEPT])
     evict = [r.step for r in restorable if r.step not in keep]
     if memory_cap_bytes is not None:
         pending_bytes = sum(r.nbytes for r in records if r.state == PENDING)

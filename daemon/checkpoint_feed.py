@@ -18,12 +18,6 @@ Overload never loses a bad event silently. An event that finds the queue full is
 checkpoints) first waits until every event queued before it asked has been handed over: a loaded agent's feed
 runs seconds behind the ranks, and a plan made before the votes that verify the checkpoint before an anomaly
 (or the bad events that block one) were taken would find no target, or a wrong one.
-
-`pending_through(job)`: the highest step of a clean event (an agreed vote, clean checks) of the job queued
-and not yet handed over, or None: a COMMITTED checkpoint at or below it has its verification still on its way,
-and retention keeps it (`checkpoint.policy.plan_retention`'s `pending`, at most `PENDING_KEPT` of them, the
-memory cap still applies) so a rollback target does not vanish before its vote is counted. One entry per job
-with events in the queue (bounded by the queue).
 """
 from __future__ import annotations
 
@@ -58,8 +52,6 @@ class CheckpointFeed:
         self._queued = 0                   # events queued so far (lost markers included)
         self._handed = 0                   # events handed to the sink so far (failed ones included)
         self._progress = asyncio.Event()   # set (and replaced) after each event handed over
-        # job -> [its events in the queue, the highest step of a clean one among them]; gone at 0 events
-        self._inflight: dict[str, list[int]] = {}
 
     def start(self, background: Background) -> None:
         background.start(self._feed(), name="checkpoint-job-events")
@@ -73,21 +65,8 @@ class CheckpointFeed:
                 raise asyncio.QueueFull   # behind this job's own lost events: keep the order
             self._queue.put_nowait((job_id, step, kind, now, reason))
             self._queued += 1
-            self._count(job_id, step if kind in policy.CLEAN_KINDS else None)
         except asyncio.QueueFull:
             self._overflow(job_id, step, kind)
-
-    def _count(self, job_id: str, clean_step: int | None) -> None:
-        entry = self._inflight.setdefault(job_id, [0, -1])
-        entry[0] += 1
-        if clean_step is not None:
-            entry[1] = max(entry[1], clean_step)
-
-    def pending_through(self, job_id: str) -> int | None:
-        """The highest step of the job's clean events queued, not yet handed over (None: none). Safe to call
-        from another thread (one dict read)."""
-        entry = self._inflight.get(job_id)
-        return None if entry is None or entry[1] < 0 else entry[1]
 
     def mark(self) -> int:
         """The events queued so far: `handed(mark)` returns once each of them has been handed to the sink."""
@@ -122,7 +101,6 @@ class CheckpointFeed:
             except asyncio.QueueFull:
                 return
             self._queued += 1
-            self._count(job_id, None)
             del self._lost[job_id]
 
     async def _feed(self) -> None:
@@ -133,11 +111,6 @@ class CheckpointFeed:
             except Exception as exc:  # one failure never stops the feed
                 log.error("checkpoint job event %s for %s failed: %s", kind, job_id, exc)
             self._handed += 1
-            entry = self._inflight.get(job_id)
-            if entry is not None:
-                entry[0] -= 1
-                if entry[0] <= 0:
-                    del self._inflight[job_id]
             self._progress.set()
             self._progress = asyncio.Event()
             if self._lost:

@@ -67,8 +67,6 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
         metrics=CheckpointMetrics(metrics.registry), workers=config.agent.service_workers,
         wedged_after_s=config.agent.pool_wedged_s)
     feed = CheckpointFeed(checkpoints, dropped=metrics.events_dropped, publish=bus.publish)
-    # retention keeps a checkpoint whose vote is still queued in the feed (issue 26)
-    checkpoints.coordinator.verification_pending = feed.pending_through
 
     rollback_pool = WorkPool("rollback-planning", workers=2, wedged_after_s=config.agent.pool_wedged_s)
     gpu_metrics = GpuMetrics(metrics.registry, hostname=host) if config.nvml.enabled else None

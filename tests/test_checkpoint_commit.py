@@ -137,26 +137,6 @@ def test_retention_keeps_newest_k_and_verified(redis_server, tmp_path: Path) -> 
     assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED")]
 
 
-def test_retention_keeps_a_checkpoint_whose_vote_the_agent_still_holds(redis_server, tmp_path: Path) -> None:
-    """Issue 26: on a loaded agent the votes run seconds behind the saves, and retention (newest 2) evicted the
-    checkpoint before a replica mismatch while its vote was still queued: the rollback found nothing. The
-    agent's feed says how far its queued votes reach (`verification_pending`); those COMMITTED steps stay."""
-    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("pend")
-    queued: dict[str, int | None] = {job: 3}
-    co.verification_pending = queued.get
-    save_all(co, job, 1)
-    co.on_job_event(job, 1, "vote_agreed", time.time())
-    for step in (2, 3, 4, 5):
-        save_all(co, job, step)
-    assert [(i.step, i.state) for i in co.list(job)] == [
-        (1, "VERIFIED"), (2, "COMMITTED"), (3, "COMMITTED"), (4, "COMMITTED"), (5, "COMMITTED")]
-    co.on_job_event(job, 3, "vote_agreed", time.time())   # the feed hands the vote over
-    queued[job] = None
-    co.maintain_job(job, time.time())
-    got = [(i.step, i.state) for i in co.list(job)]   # (1 is kept by the rollback span)
-    assert 2 not in dict(got) and got[-3:] == [(3, "VERIFIED"), (4, "COMMITTED"), (5, "COMMITTED")], got
-
-
 def test_flipped_bit_uses_peer_copy_and_both_bad_is_a_clear_error(redis_server, tmp_path: Path) -> None:
     a, b = node(redis_server.port, tmp_path, "a"), node(redis_server.port, tmp_path, "b")
     job = job_id()
