@@ -62,27 +62,22 @@ class RollbackPlanner:
             try:
                 await asyncio.wait_for(ready, self.timeout_s)
             except asyncio.TimeoutError:
-                self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
-                                       f"the checkpoint coordinator did not take the events before the anomaly "
-                                       f"in {self.timeout_s:.0f}s: no rollback planned",
-                                       {"job_id": job, "anomaly_start": _start(ev), "verified": []})
+                self._impossible(job, _start(ev), f"the checkpoint coordinator did not take the events before "
+                                 f"the anomaly in {self.timeout_s:.0f}s: no rollback planned")
                 return
         try:
             verified = await asyncio.wait_for(self.pool.run(self.checkpoints.verified_steps, job), self.timeout_s)
         except asyncio.TimeoutError:
-            self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
-                                   f"the checkpoint index did not answer in {self.timeout_s:.0f}s "
-                                   f"({self.pool.describe()}): no rollback planned",
-                                   {"job_id": job, "anomaly_start": _start(ev), "verified": []})
+            self._impossible(job, _start(ev), f"the checkpoint index did not answer in {self.timeout_s:.0f}s "
+                             f"({self.pool.describe()}): no rollback planned")
             return
         if isinstance(ev, MismatchIncident):
             self._plan_mismatch(job, ev, seq, verified, restores_at)
             return
         decision = self.policy.decide(ev, verified)
         if decision is None:
-            self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
-                                   f"no VERIFIED checkpoint older than step {ev.start_step} to roll back to",
-                                   {"job_id": job, "anomaly_start": ev.start_step, "verified": verified[-8:]})
+            self._impossible(job, ev.start_step,
+                             f"no VERIFIED checkpoint older than step {ev.start_step} to roll back to", verified)
             return
         skip = max(0, decision.skip_to_step - (decision.target_step + 1))
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
@@ -95,16 +90,19 @@ class RollbackPlanner:
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
                                 "cause_seq": seq})
 
+    def _impossible(self, job: str, anomaly_start: int, why: str, verified: list[int] | None = None) -> None:
+        """No rollback planned: a `job.rollback_impossible` event saying why (with the newest VERIFIED steps)."""
+        self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}", why,
+                               {"job_id": job, "anomaly_start": anomaly_start, "verified": (verified or [])[-8:]})
+
     def _plan_mismatch(self, job: str, inc: MismatchIncident, seq: int, verified: list[int],
                        restores_at: int | None = None) -> None:
         if not self.jobs.mismatch_open(job, inc.first_step):
             return   # the ranks already went back before it (their own rollback or repair): nothing to do
         older = [s for s in verified if s < inc.first_step]
         if not older:
-            self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}",
-                                   f"replicas disagree from step {inc.first_step} and no VERIFIED checkpoint is "
-                                   "older to roll back to",
-                                   {"job_id": job, "anomaly_start": inc.first_step, "verified": verified[-8:]})
+            self._impossible(job, inc.first_step, f"replicas disagree from step {inc.first_step} and no VERIFIED "
+                             "checkpoint is older to roll back to", verified)
             return
         target = max(older)
         reason = (f"replica mismatch from step {inc.first_step} ({inc.method}, {inc.replicas} replicas): roll "
