@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import test_peer_network
 from test_peer_network import PeerServer, _creds
+from test_peer_streams import counted_reads
 
 import checkpoint.grpc_store as gs
 from checkpoint import rawbytes
@@ -90,14 +91,7 @@ def test_reads_that_run_together_take_one_stream_each(peer: PeerServer, tls: dic
     takes the next stream whole: no size lookup, no split."""
     monkeypatch.setattr(gs, "PARALLEL_MIN_BYTES", 1 << 20)
     store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10, streams=3)
-    calls: list[tuple[int, int, int]] = []
-    one = store._readinto_one
-
-    def counted(key: str, offset: int, view: memoryview, get: object) -> int:
-        calls.append((offset, len(view), id(get)))
-        return one(key, offset, view, get)
-
-    monkeypatch.setattr(store, "_readinto_one", counted)
+    calls = counted_reads(store, monkeypatch)
     try:
         key, data = "j/000000000003/rank-00000.bin", os.urandom(3 << 20)
         store.put(key, data)

@@ -43,10 +43,8 @@ def test_rate_limit_books_each_message_against_the_rate() -> None:
         PeerTransport(streams=0)
 
 
-def test_streams_split_a_large_read_and_carry_puts_in_turn(peer: PeerServer, tls: dict[str, Path],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gs, "PARALLEL_MIN_BYTES", 1 * MiB)
-    store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10, streams=3)
+def counted_reads(store: GrpcBlobStore, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """Each one-stream read of `store` from now on, as (offset, length, id of the stream's call)."""
     calls: list[tuple[int, int, int]] = []
     one = store._readinto_one
 
@@ -55,6 +53,14 @@ def test_streams_split_a_large_read_and_carry_puts_in_turn(peer: PeerServer, tls
         return one(key, offset, view, get)
 
     monkeypatch.setattr(store, "_readinto_one", counted)
+    return calls
+
+
+def test_streams_split_a_large_read_and_carry_puts_in_turn(peer: PeerServer, tls: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gs, "PARALLEL_MIN_BYTES", 1 * MiB)
+    store = GrpcBlobStore(peer.tls_url, credentials=_creds(tls), chunk_bytes=64 << 10, streams=3)
+    calls = counted_reads(store, monkeypatch)
     try:
         blobs = {f"j/000000000001/rank-{r:05d}.bin": os.urandom(MiB + 4097 * r) for r in range(6)}
         with concurrent.futures.ThreadPoolExecutor(6) as pool:   # the shards of a step, replicated together
