@@ -53,21 +53,15 @@ def _cases():
     return cases
 
 
-def _child() -> None:
-    from checksums.fingerprint import (
-        canonical_dtype_name,
-        fingerprint_bytes,
-        fingerprint_list_from_parts,
-    )
-
+def guard_interpreted_loads(allowed: list[tuple[int, int]], stray: list[int]) -> None:
+    """Under TRITON_INTERPRET=1: every masked load of a kernel is checked against the address ranges in
+    `allowed` (filled by the caller as it goes); addresses outside all of them are appended to `stray`."""
     import numpy as np
     import triton.runtime.interpreter as interp
 
-    allowed: list[tuple[int, int]] = []
-    stray: list[int] = []
     original_load = interp.InterpreterBuilder.create_masked_load
 
-    def checked_load(self, ptrs, mask, *rest, **kwargs):  # every read inside a tensor
+    def checked_load(self, ptrs, mask, *rest, **kwargs):  # every read inside an allowed range
         addrs = np.ravel(ptrs.data if mask is None else ptrs.data[mask.data]).astype(np.uint64)
         inside = np.zeros(addrs.shape, dtype=bool)
         for lo, hi in allowed:
@@ -76,6 +70,19 @@ def _child() -> None:
         return original_load(self, ptrs, mask, *rest, **kwargs)
 
     interp.InterpreterBuilder.create_masked_load = checked_load
+
+
+def _child() -> None:
+    from checksums.fingerprint import (
+        canonical_dtype_name,
+        fingerprint_bytes,
+        fingerprint_list_from_parts,
+    )
+
+
+    allowed: list[tuple[int, int]] = []
+    stray: list[int] = []
+    guard_interpreted_loads(allowed, stray)
     from checksums.fingerprint_triton import TritonFingerprintPlan
 
     report = {}

@@ -39,25 +39,14 @@ def _aligned(n: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.
 
 
 def _child() -> None:
-    import numpy as np
-    import triton.runtime.interpreter as interp
 
     from checksums.fingerprint import fingerprint_bytes, fingerprint_list_from_parts, to_signed64
     from checksums.grad_checks import bucket_summary, bucket_summary_torch, stats_of
 
     allowed: list[tuple[int, int]] = []
     stray: list[int] = []
-    original_load = interp.InterpreterBuilder.create_masked_load
-
-    def checked_load(self, ptrs, mask, *rest, **kwargs):  # every read inside the buffer or the plan's tables
-        addrs = np.ravel(ptrs.data if mask is None else ptrs.data[mask.data]).astype(np.uint64)
-        inside = np.zeros(addrs.shape, dtype=bool)
-        for lo, hi in allowed:
-            inside |= (addrs >= np.uint64(lo)) & (addrs < np.uint64(hi))
-        stray.extend(addrs[~inside].tolist())
-        return original_load(self, ptrs, mask, *rest, **kwargs)
-
-    interp.InterpreterBuilder.create_masked_load = checked_load
+    from test_fingerprint_triton import guard_interpreted_loads
+    guard_interpreted_loads(allowed, stray)   # every read inside the buffer or the plan's tables
     from checksums.grad_summary_triton import GradSummaryPlan
 
     def span(x: torch.Tensor) -> tuple[int, int]:
