@@ -41,15 +41,21 @@ def test_fmix64_inverts_and_sums_come_back_from_a_fingerprint() -> None:
     assert ((a[0] + b[0]) & MASK64, (a[1] + b[1]) & MASK64) == (s0 & MASK64, s1 & MASK64)
 
 
-@pytest.mark.parametrize("chunk_bytes", [4, 64, 256, 4096])
-def test_pieces_combine_into_the_host_checksums_and_fingerprints(chunk_bytes: int) -> None:
-    rng = np.random.default_rng(chunk_bytes)
-    sizes = [1000, 6, 0, 4096, 13, 777, 2, 300]
+def _aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Tensors of these byte sizes laid out at 64-byte-aligned offsets: (offsets, total bytes)."""
     offsets, pos = [], 0
     for n in sizes:
         pos = (pos + 63) // 64 * 64
         offsets.append(pos)
         pos += n
+    return offsets, pos
+
+
+@pytest.mark.parametrize("chunk_bytes", [4, 64, 256, 4096])
+def test_pieces_combine_into_the_host_checksums_and_fingerprints(chunk_bytes: int) -> None:
+    rng = np.random.default_rng(chunk_bytes)
+    sizes = [1000, 6, 0, 4096, 13, 777, 2, 300]
+    offsets, pos = _aligned_offsets(sizes)
     blob = bytearray(pos)
     data = []
     for off, n in zip(offsets, sizes):
@@ -369,11 +375,7 @@ def _fp1_blob(sizes: list[int], chunk_bytes: int, seed: int = 0) -> tuple[bytear
     from checkpoint.manifest import TensorEntry
 
     rng = np.random.default_rng(seed)
-    offsets, pos = [], 0
-    for n in sizes:
-        pos = (pos + 63) // 64 * 64
-        offsets.append(pos)
-        pos += n
+    offsets, pos = _aligned_offsets(sizes)
     blob = bytearray(pos)
     for off, n in zip(offsets, sizes):
         blob[off:off + n] = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
