@@ -34,6 +34,8 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback);
                                    bounded to the MAX_BAD lowest steps (VERIFIED needs only the lowest)
   sdcw:ckpt:{J}:epoch              the highest writer epoch seen for the job (checkpoint/commit_fence.py)
+  sdcw:ckpt:{J}:restored           HASH step -> when a rank of the job last reported restoring it (ReportRestore);
+                                   the newest MAX_RESTORES_KEPT steps
   sdcw:ckpt:nodes                  HASH node -> its agent's lease (checkpoint/node_leases.py): restore plans leave
                                    out the copies of nodes whose agents are gone
 
@@ -140,6 +142,7 @@ def blob_key(job_id: str, step: int, rank: int) -> str:
 
 
 MAX_VOTES = 512        # vote fields kept per job (plus those of live records)
+MAX_RESTORES_KEPT = 64  # restore times kept per job (`restored`)
 VOTE_PRUNE_SLACK = 64  # pruned when this many more have piled up: one HKEYS per 64 votes, not per vote
 SCRUB_FIELD = "scrub:"      # record field scrub:<rank>: pending | ok | bad: <why> (source-checksummed shards)
 SCRUB_PENDING = "pending"
@@ -322,6 +325,8 @@ class Coordinator:
         validate_job_id(r.job_id)
         validate_step(r.step)
         self.stats["restores"] += 1
+        if r.ok:
+            self._left_history(r.job_id, r.step, time.time())
         self.stats["restore_fallbacks"] += max(0, int(r.fallbacks))
         self.stats["checksum_failures"] += max(0, int(r.checksum_failures))
         if r.seconds > 0:
@@ -344,6 +349,24 @@ class Coordinator:
                       f"{r.fallbacks} read from another copy", {"step": r.step, "rank": r.rank,
                                                                 "checksum_failures": r.checksum_failures,
                                                                 "fallbacks": r.fallbacks})
+
+    def _left_history(self, job_id: str, step: int, now: float) -> None:
+        """A rank restored `step` (it said so before training on): the job's records after `step` begun until
+        now hold the history it left, and go at once, so a redone save of the same step begins afresh instead of
+        finding the old one. The time is kept: the `rollback` job event that the agent derives from the ranks'
+        step reports arrives later, through the checkpoint feed, and by then the job may have saved again."""
+        restored = self._jk(job_id, "restored")
+        self.redis.hset(restored, str(step), repr(now))
+        if self.redis.hlen(restored) > MAX_RESTORES_KEPT:
+            fields = sorted(self.redis.hgetall(restored).items(), key=lambda kv: float(_s(kv[1])))
+            self.redis.hdel(restored, *(k for k, _ in fields[:-MAX_RESTORES_KEPT]))
+        self._drop_after(job_id, step, now, now)
+
+    def _drop_after(self, job_id: str, step: int, before: float, now: float) -> None:
+        """Drop the job's records after `step` begun before `before` (the history a restore of `step` left)."""
+        for info in self.list(job_id):
+            if info.step > step and info.begun_at < before:
+                self._drop(job_id, info.step, policy.EVICTED, f"rolled back to step {step}", now)
 
     # ---- queries ------------------------------------------------------------------------------------
     def knows_job(self, job_id: str) -> bool:
@@ -507,8 +530,10 @@ class Coordinator:
     def on_job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
         """Feed a replica vote or an SDC/NaN/fatal-hardware event (kinds in `policy.EVENT_KINDS`).
 
-        `step` None means "now": the newest step begun for the job. "rollback" (the job restored `step`):
-        records after `step` are dropped with their bad events and votes. "clear": an operator accepts
+        `step` None means "now": the newest step begun for the job. "rollback" (the job restored `step`; `now`
+        is when the agent saw it): the records after `step` begun before the restore (the time a rank reported
+        it, `_left_history`, else `now`) are dropped, with the bad events and votes after `step`; a record
+        begun since is the job's new history (saved again after the restore) and stays. "clear": an operator accepts
         the bad events at or before `step`. "repaired": the replicas agree again at `step` R without a restore
         (checksums.replica_recovery repaired the odd replica in place): the records saved from the first
         mismatching step M of the vote mismatches before R up to R - 1 hold weights from diverged replicas
@@ -534,10 +559,11 @@ class Coordinator:
             self.redis.zadd(bad, {f"{kind}:{step}:{now}": step})
             if self.redis.zcard(bad) > MAX_BAD:
                 self.redis.zremrangebyrank(bad, MAX_BAD, -1)   # keep the lowest steps
-        elif kind == "rollback":
-            for s in self._steps(job_id):
-                if s > step:
-                    self._drop(job_id, s, policy.EVICTED, f"rolled back to step {step}", now)
+        elif kind == "rollback":   # the ranks' report of the restore came first (if it came): its time, once
+            restored = self._jk(job_id, "restored")
+            at = self.redis.hget(restored, str(step))
+            self.redis.hdel(restored, str(step))
+            self._drop_after(job_id, step, now if at is None else min(now, float(_s(at))), now)
             self.redis.zremrangebyscore(bad, f"({step}", "+inf")
             checked = self.redis.get(self._jk(job_id, "checked"))
             if checked is not None and int(_s(checked)) > step:   # the steps after the target are gone

@@ -55,7 +55,7 @@ from daemon.gpus import GpuRegistry
 from daemon.health import NodeHealth
 from daemon.watchdog import Watchdog
 from daemon.interceptors import AgentInterceptor, MeteredServer
-from daemon.jobs import JobTracker, MismatchIncident, ReportOutcome
+from daemon.jobs import JobTracker, ReportOutcome
 from daemon.journal import Journal, JournalOpenError
 from daemon.metrics import AgentMetrics, start_http
 from daemon.nvml_wiring import GpuProbes
@@ -394,15 +394,14 @@ class Agent:
         events = [self.bus.publish_finding(finding) for finding in out.findings]
         for step, kind, reason in out.job_events:
             self.checkpoint_feed.put(job, step, kind, reason)
-        # a loss anomaly is planned once the coordinator has taken every event so far (this report's too): the
-        # VERIFIED steps the plan reads are the job's as of the anomaly, however far behind the feed runs (the
-        # votes that verify the checkpoint before it). A replica mismatch is planned at once: the weights are
-        # wrong, and its target is older than the incident's first step whatever the feed still holds.
+        # a rollback (loss anomaly or replica mismatch alike) is planned once the coordinator has taken every
+        # event so far (this report's too): the VERIFIED steps the plan reads are the job's as of the anomaly,
+        # however far behind the feed runs (the votes that verify the checkpoint before it; the vote gate holds
+        # the updates of a mismatching job meanwhile)
         mark = self.checkpoint_feed.mark()
         for index, ev in out.rollbacks:
             event = events[index]   # None: folded into a repeat count, the directive then names seq 0
-            ready = None if isinstance(ev, MismatchIncident) else self.checkpoint_feed.handed(mark)
-            self.rollbacks.request(job, ev, event.seq if event is not None else 0, ready)
+            self.rollbacks.request(job, ev, event.seq if event is not None else 0, self.checkpoint_feed.handed(mark))
         for uuid, host, ev in out.evidence:
             self._attach_job_evidence(uuid, host, ev, now)
 

@@ -16,6 +16,7 @@ from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckp
                                NotInMemoryError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.peers import Peer, Replicator, placement
+from checkpoint.records import RestoreReportMsg
 from checkpoint.restore import restore_from_plan
 from checkpoint.shard_reader import RestoreReport
 from checkpoint.snapshot import Snapshotter, SnapshotConfig
@@ -122,6 +123,41 @@ def test_vote_mismatch_and_late_events(redis_server, tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="unknown job event"):
         co.on_job_event(job, 2, "bogus", now)
 
+
+
+def _restored(co: Coordinator, job: str, step: int, rank: int) -> None:
+    co.report_restore(RestoreReportMsg(job, step, rank, 0.1, 100, 1, 0, 0, True, "", "memory@n0"))
+
+
+def test_a_restore_cuts_the_history_at_once_and_the_late_rollback_event_keeps_what_was_saved_since(
+        redis_server, tmp_path: Path) -> None:
+    """Issue 18: the ranks restore step 1 (and say so, ReportRestore, before training on); the records after it
+    go at once, so the redone saves of steps 2 and 3 begin afresh (not "already COMMITTED" by the history they
+    left). The `rollback` event that the agent derives from the step reports reaches the coordinator later,
+    through its feed, after the redone saves: it must not drop them (they verify), only what was left."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=10), job_id()
+    for step in (1, 2, 3):
+        save_all(co, job, step)
+    co.on_job_event(job, 1, "vote_agreed", time.time())
+    co.on_job_event(job, 2, "vote_mismatch", time.time())
+    _restored(co, job, 1, 0)
+    _restored(co, job, 1, 1)
+    assert [i.step for i in co.list(job)] == [1], "the history after the restored step is gone at once"
+    assert [r.state for r in save_all(co, job, 2)] == ["PENDING", "COMMITTED"], "redone: begun afresh"
+    assert [r.state for r in save_all(co, job, 3)] == ["PENDING", "COMMITTED"]
+    co.on_job_event(job, 1, "rollback", time.time())           # late, from the feed
+    assert [i.step for i in co.list(job)] == [1, 2, 3], "the redone saves stay"
+    co.on_job_event(job, 2, "vote_agreed", time.time())
+    assert co.latest_verified(job).step == 2, "the old mismatch was forgotten; the redone step verifies"
+    # without a ReportRestore (an older client, or the report failed): the event's own time is the cut, and the
+    # restore time used before is not used again
+    save_all(co, job, 4)
+    time.sleep(0.01)
+    co.on_job_event(job, 2, "rollback", time.time())
+    assert [i.step for i in co.list(job)] == [1, 2]
+    save_all(co, job, 3)   # a second, later restore of step 1 that no rank reported: all after it go
+    co.on_job_event(job, 1, "rollback", time.time())
+    assert [i.step for i in co.list(job)] == [1]
 
 def test_retention_keeps_newest_k_and_verified(redis_server, tmp_path: Path) -> None:
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id()

@@ -7,10 +7,10 @@ are VERIFIED. And with a corrupted range of batches: the loss detector's directi
 to a checkpoint before the range, and the batches are skipped. Only `device="cuda"` becomes "cpu" (no GPU
 here).
 
-The bad-data run's loader goes on past its STEPS batches with clean ones, as a user's long run would, while
-the ranks agree that the rollback has not happened yet (up to a scaled deadline): on a loaded machine the
-agent's directive can come after the 200th step (the loss detector sees the range 32 steps in, and the plan
-waits for the checkpoint coordinator to take the votes before it)."""
+Both runs' loaders go on past their STEPS batches with clean ones, as a user's long run would, while the
+ranks agree that the rollback has not happened yet (up to a scaled deadline): on a loaded machine the agent's
+directive can come after the 200th step (the loss detector sees the range 32 steps in; either plan waits for
+the checkpoint coordinator to take the votes before it, and a loaded agent's feed runs seconds behind)."""
 from __future__ import annotations
 
 import json
@@ -89,11 +89,11 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
         if scenario == "bad_data":                             # a corrupted range of batches: wild targets
             loader = [(x, y * 1000.0 if BAD[0] <= i < BAD[1] else y) for i, (x, y) in enumerate(loader)]
 
-            def clean() -> Any:
-                x = torch.randn(16, 8, generator=gen)
-                return x, x @ w_true
+        def clean() -> Any:
+            x = torch.randn(16, 8, generator=gen)
+            return x, x @ w_true
 
-            loader = LongerLoader(loader, clean, lambda: bool(out["restores"]), extend_s)
+        loader = LongerLoader(loader, clean, lambda: bool(out["restores"]), extend_s)
         g: dict[str, Any] = {"ddp_model": ddp_model, "model": model, "optimizer": optimizer, "rank": rank,
                              "world_size": 2, "loader": loader}
         flipped = []
@@ -143,8 +143,8 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
     code = readme_loop()
     agent = AgentProcess(short_tmp / "state").start()
     try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code), nprocs=2,
-                 join=True)
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "flip",
+                                scaled(60)), nprocs=2, join=True)
         from checkpoint.agent_link import GrpcAgentLink
         link = GrpcAgentLink.connect(agent.target, 10)
         infos = link.list("llama-7b-run3")
