@@ -23,7 +23,9 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:jobs                   SET of job ids
   sdcw:ckpt:{J}:idx                ZSET step -> step, every live record (a record leaves it when tombstoned)
   sdcw:ckpt:{J}:s:<k>              HASH state, world_size, begun_at, committed_at, verified_at, reason, bytes,
-                                   bytes_check (agreed | mismatch | unreplicated | imported), vouched_by
+                                   bytes_check (agreed | mismatch | unreplicated | imported), vouched_by;
+                                   a tombstone adds dropped_at and dropped_from (COMMITTED or VERIFIED: the
+                                   state it had, which the tier copies keep)
   sdcw:ckpt:{J}:s:<k>:shards       HASH rank -> shard manifest JSON
   sdcw:ckpt:{J}:s:<k>:copies       HASH "<rank>@<node>" -> location (memory tier directory on that node)
   sdcw:ckpt:{J}:votes              HASH step -> vote_agreed | vote_mismatch; bounded: past MAX_VOTES + slack
@@ -36,6 +38,9 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:{J}:epoch              the highest writer epoch seen for the job (checkpoint/commit_fence.py)
   sdcw:ckpt:{J}:restored           HASH step -> when a rank of the job last reported restoring it (ReportRestore);
                                    the newest MAX_RESTORES_KEPT steps
+  sdcw:ckpt:{J}:cuts               HASH step -> time: the job went back to step at that time, so every copy of a
+                                   later step made before it (on any tier, any node) is history it left
+                                   (`cuts`; the drainers delete those tier copies); the newest MAX_RESTORES_KEPT
   sdcw:ckpt:nodes                  HASH node -> its agent's lease (checkpoint/node_leases.py): restore plans leave
                                    out the copies of nodes whose agents are gone
 
@@ -355,18 +360,28 @@ class Coordinator:
         now hold the history it left, and go at once, so a redone save of the same step begins afresh instead of
         finding the old one. The time is kept: the `rollback` job event that the agent derives from the ranks'
         step reports arrives later, through the checkpoint feed, and by then the job may have saved again."""
-        restored = self._jk(job_id, "restored")
-        self.redis.hset(restored, str(step), repr(now))
-        if self.redis.hlen(restored) > MAX_RESTORES_KEPT:
-            fields = sorted(self.redis.hgetall(restored).items(), key=lambda kv: float(_s(kv[1])))
-            self.redis.hdel(restored, *(k for k, _ in fields[:-MAX_RESTORES_KEPT]))
+        self._keep_time(self._jk(job_id, "restored"), step, now)
         self._drop_after(job_id, step, now, now)
 
+    def _keep_time(self, key: str, step: int, at: float) -> None:
+        """HSET step -> at (the later of the two, if one is there) in a hash kept to MAX_RESTORES_KEPT steps."""
+        old = self.redis.hget(key, str(step))
+        self.redis.hset(key, str(step), repr(at if old is None else max(at, float(_s(old)))))
+        if self.redis.hlen(key) > MAX_RESTORES_KEPT:
+            fields = sorted(self.redis.hgetall(key).items(), key=lambda kv: float(_s(kv[1])))
+            self.redis.hdel(key, *(k for k, _ in fields[:-MAX_RESTORES_KEPT]))
+
     def _drop_after(self, job_id: str, step: int, before: float, now: float) -> None:
-        """Drop the job's records after `step` begun before `before` (the history a restore of `step` left)."""
+        """Drop the job's records after `step` begun before `before` (the history a restore of `step` left), and
+        note the cut for the tiers (`cuts`: the drainers delete the tier copies it left)."""
         for info in self.list(job_id):
             if info.step > step and info.begun_at < before:
                 self._drop(job_id, info.step, policy.EVICTED, f"rolled back to step {step}", now)
+        self._keep_time(self._jk(job_id, "cuts"), step, before)
+
+    def cuts(self, job_id: str) -> dict[int, float]:
+        """Step -> time: the job went back to step then; a copy of a later step made before it is left history."""
+        return {int(_s(k)): float(_s(v)) for k, v in self.redis.hgetall(self._jk(job_id, "cuts")).items()}
 
     # ---- queries ------------------------------------------------------------------------------------
     def knows_job(self, job_id: str) -> bool:
@@ -397,7 +412,7 @@ class Coordinator:
         return CheckpointInfo(job_id, step, h.get("state", "?"), int(h.get("world_size", 0)), int(n),
                               int(h.get("bytes", 0)), float(h.get("begun_at", 0)), float(h.get("committed_at", 0)),
                               float(h.get("verified_at", 0)), h.get("reason", ""), tuple(cps),
-                              h.get("vouched_by", ""))
+                              h.get("vouched_by", ""), h.get("dropped_from", ""))
 
     def list(self, job_id: str) -> list[CheckpointInfo]:
         validate_job_id(job_id)
@@ -527,13 +542,14 @@ class Coordinator:
         self.redis.hset(copies, f"{rank}@{node}", location)
 
     # ---- verification -------------------------------------------------------------------------------
-    def on_job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
+    def on_job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> list[int]:
         """Feed a replica vote or an SDC/NaN/fatal-hardware event (kinds in `policy.EVENT_KINDS`).
 
         `step` None means "now": the newest step begun for the job. "rollback" (the job restored `step`; `now`
         is when the agent saw it): the records after `step` begun before the restore (the time a rank reported
         it, `_left_history`, else `now`) are dropped, with the bad events and votes after `step`; a record
-        begun since is the job's new history (saved again after the restore) and stays. "clear": an operator accepts
+        begun since is the job's new history (saved again after the restore) and stays. Returns the steps
+        whose record became VERIFIED or lost it (`evaluate`). "clear": an operator accepts
         the bad events at or before `step`. "repaired": the replicas agree again at `step` R without a restore
         (checksums.replica_recovery repaired the odd replica in place): the records saved from the first
         mismatching step M of the vote mismatches before R up to R - 1 hold weights from diverged replicas
@@ -545,7 +561,7 @@ class Coordinator:
         if step is None:
             steps = self._steps(job_id)
             if not steps:
-                return
+                return []
             step = steps[-1]
         validate_step(step)
         votes, bad = self._jk(job_id, "votes"), self._jk(job_id, "bad")
@@ -575,7 +591,7 @@ class Coordinator:
             self.redis.zremrangebyscore(bad, "-inf", step)
         elif kind == policy.REPAIRED:
             self._repaired(job_id, bad, step, now)
-        self.evaluate(job_id, now, reason or kind)
+        return self.evaluate(job_id, now, reason or kind)
 
     def _repaired(self, job_id: str, bad: str, step: int, now: float) -> None:
         """See `on_job_event` ("repaired")."""
@@ -604,11 +620,11 @@ class Coordinator:
         if old:
             self.redis.hdel(votes, *(str(s) for s in old))
 
-    def evaluate(self, job_id: str, now: float, reason: str = "") -> None:
+    def evaluate(self, job_id: str, now: float, reason: str = "") -> list[int]:
         """Apply `policy.verified_steps` to the records, publishing each VERIFIED / revoked change. Reads the
         records, the job's checked-through step and its lowest bad steps, never the whole votes hash. A
         committed record whose bytes were not compared yet (this agent just committed it, or the one that did
-        stopped first) is compared here."""
+        stopped first) is compared here. Returns the steps that became VERIFIED or lost it."""
         infos = [i for i in self.list(job_id) if i.state in policy.RESTORABLE_STATES]
         verdicts = {}
         for i in infos:
@@ -619,6 +635,7 @@ class Coordinator:
                 verdicts[i.step] = f"host bytes {unchecked}"
         checked = self.redis.get(self._jk(job_id, "checked"))
         bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
+        changed = []
         good = policy.verified_steps([i.step for i in infos], verdicts,
                                      None if checked is None else int(_s(checked)), bad_steps)
         for i in infos:
@@ -626,6 +643,7 @@ class Coordinator:
             if i.step in good and i.state == policy.COMMITTED:
                 if self._move(job_id, meta, policy.VERIFIED, "verified_at", repr(now), policy.COMMITTED):
                     self.stats["verified"] += 1
+                    changed.append(i.step)
                     vouched = _s(self.redis.hget(meta, "vouched_by") or "")
                     self.emit(ek.CHECKPOINT_VERIFIED, job_id, f"checkpoint step {i.step} is VERIFIED ({vouched})",
                               {"step": i.step, "vouched_by": vouched})
@@ -634,8 +652,10 @@ class Coordinator:
                 if self._move(job_id, meta, policy.COMMITTED, "reason", f"verification revoked: {why}",
                               policy.VERIFIED):
                     self.stats["revoked"] += 1
+                    changed.append(i.step)
                     self.emit(ek.CHECKPOINT_REVOKED, job_id,
                               f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
+        return changed
 
     # ---- the scrub: host bytes of source-checksummed shards -----------------------------------------------
     def _unscrubbed(self, job_id: str, step: int) -> str:
@@ -879,8 +899,10 @@ class Coordinator:
     def _drop(self, job_id: str, step: int, state: str, reason: str, now: float) -> None:
         """Tombstone the record (other nodes sweep their blobs on seeing it) and delete this node's blobs."""
         meta, shards, copies = self._keys(job_id, step)
+        was = _s(self.redis.hget(meta, "state") or "")
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(meta, mapping={"state": state, "reason": reason, "dropped_at": repr(now)})
+        pipe.hset(meta, mapping={"state": state, "reason": reason, "dropped_at": repr(now),
+                                 "dropped_from": was if was in policy.RESTORABLE_STATES else ""})
         pipe.delete(shards, copies)
         pipe.expire(meta, self.config.tombstone_ttl_s)
         # out of the job's index: the tombstone (its own key, for tombstone_ttl_s) is what late ranks and other

@@ -561,6 +561,7 @@ class Drainer:
         with rt.lock:
             tc = rt.catalog.setdefault((job, step), TierCheckpoint(job, step, world, {}))
             tc.parts[self.node] = tm
+        self._refresh_part(rt, job, step, tm)   # verified (or revoked) while the hop ran
         return total, time.perf_counter() - t0
 
     def _already_there(self, dest: BlobStore, m: ShardManifest) -> bool:
@@ -691,31 +692,18 @@ class Drainer:
         store, name = rt.tier.store, rt.tier.name
         deleted: list[tuple[str, int]] = []
         mine = {k: tc.parts[self.node] for k, tc in rt.catalog.items() if self.node in tc.parts}
-        for (job, step), part in mine.items():   # refresh VERIFIED / revoked, and its evidence, from Redis
-            try:
-                info = self.coordinator.info(job, step)
-            except UnknownCheckpointError:
-                continue
-            st, vouched = info.state, (info.vouched_by or part.vouched_by)[:MAX_VOUCHED]
-            if st in policy.RESTORABLE_STATES and (st, vouched) != (part.state, part.vouched_by):
-                new = part.with_state(st, vouched)
-                store.put(manifest_key(job, step, self.node), new.to_json().encode())
-                rt.catalog[(job, step)].parts[self.node] = mine[(job, step)] = new
+        for (job, step), part in list(mine.items()):   # refresh VERIFIED / revoked, and its evidence, from Redis
+            mine[(job, step)] = self._refresh_part(rt, job, step, part)
         busy = set(rt.inflight)
         for job in sorted({k[0] for k in mine}):
+            for step in self._left_behind(rt, job, self.coordinator.cuts(job)):
+                mine.pop((job, step), None)
+                deleted.append((job, step))
             held = [Held(s, m.state == policy.VERIFIED, m.created) for (j, s), m in mine.items() if j == job]
             protected = {s for (j, s) in busy if j == job}
             for step in plan_retention(rt.tier.rule, held, now, protected):
-                part = mine[(job, step)]
-                store.delete(manifest_key(job, step, self.node))   # uncommit first ...
-                for s in part.shards:                              # ... then the bytes
-                    store.delete(s.blob)
-                with rt.lock:
-                    tc = rt.catalog.get((job, step))
-                    if tc is not None:
-                        tc.parts.pop(self.node, None)
-                        if not tc.parts:
-                            del rt.catalog[(job, step)]
+                if not self._delete_part(rt, job, step, mine[(job, step)]):
+                    continue
                 rt.stats.retention_deletions += 1
                 deleted.append((job, step))
                 self._emit(ek.CHECKPOINT_TIER_DELETED, job, f"step {step} deleted from {name} by retention",
@@ -732,6 +720,85 @@ class Drainer:
         rt.orphan_seen = {k: t for k, t in rt.orphan_seen.items() if k in live}
         self._refresh_catalog(rt)
         return deleted
+
+    def _refresh_part(self, rt: _TierRuntime, job: str, step: int, part: TierManifest) -> TierManifest:
+        """This node's tier copy of (job, step) with the record's state and evidence (rewritten if they changed).
+        A record evicted from memory keeps, in its tombstone, the state it had (`dropped_from`)."""
+        try:
+            info = self.coordinator.info(job, step)
+        except UnknownCheckpointError:
+            return part
+        st = info.state if info.state in policy.RESTORABLE_STATES else info.dropped_from
+        vouched = (info.vouched_by or part.vouched_by)[:MAX_VOUCHED]
+        if st not in policy.RESTORABLE_STATES or (st, vouched) == (part.state, part.vouched_by):
+            return part
+        new = part.with_state(st, vouched)
+        with rt.lock:
+            tc = rt.catalog.get((job, step))
+            if tc is None or tc.parts.get(self.node) is not part:
+                return part   # deleted or rewritten meanwhile
+            rt.tier.store.put(manifest_key(job, step, self.node), new.to_json().encode())
+            tc.parts[self.node] = new
+        return new
+
+    def refresh_states(self, job: str, steps: list[int]) -> None:
+        """Blocking: the records of these steps became VERIFIED or lost it; their tier copies on this node say
+        so now (the checkpoint service calls this; maintenance would, a round later)."""
+        for rt in self.tiers:
+            for step in steps:
+                tc = rt.catalog.get((job, step))
+                part = tc.parts.get(self.node) if tc is not None else None
+                if part is not None:
+                    try:
+                        self._refresh_part(rt, job, step, part)
+                    except Exception as e:  # noqa: BLE001 - maintenance retries
+                        log.warning("tier %s: refreshing %s step %d failed: %s", rt.tier.name, job, step, e)
+
+    def _delete_part(self, rt: _TierRuntime, job: str, step: int, part: TierManifest) -> bool:
+        """Delete this node's copy of (job, step) from the tier: out of the catalog (False: another thread took
+        it first), then the manifest (uncommit), then the bytes."""
+        with rt.lock:
+            tc = rt.catalog.get((job, step))
+            if tc is None or tc.parts.get(self.node) is not part:
+                return False
+            tc.parts.pop(self.node, None)
+            if not tc.parts:
+                del rt.catalog[(job, step)]
+        rt.tier.store.delete(manifest_key(job, step, self.node))
+        for s in part.shards:
+            rt.tier.store.delete(s.blob)
+        return True
+
+    def _left_behind(self, rt: _TierRuntime, job: str, cuts: dict[int, float]) -> list[int]:
+        """Delete this node's tier copies of `job` that hold history the job left: a step after a step it went
+        back to, with bytes a rank made (its shards' `created`) before it went back (`Coordinator.cuts`). A copy
+        of the same step saved again after the restore is another record, with other bytes, and stays."""
+        if not cuts:
+            return []
+        out = []
+        for (j, step), tc in list(rt.catalog.items()):
+            part = tc.parts.get(self.node)
+            if j != job or part is None or not part.shards:
+                continue
+            made = min(sh.created for sh in part.shards)
+            cut = next((c for c, at in sorted(cuts.items()) if c < step and made < at), None)
+            if cut is None or not self._delete_part(rt, job, step, part):
+                continue
+            out.append(step)
+            self._emit(ek.CHECKPOINT_TIER_DELETED, job, f"step {step} deleted from {rt.tier.name}: history the "
+                       f"job left when it went back to step {cut}", {"step": step, "tier": rt.tier.name})
+        return out
+
+    def drop_left_history(self, job: str) -> None:
+        """Blocking: delete this node's tier copies that hold history `job` left (`Coordinator.cuts`), at once
+        after it went back (the checkpoint service calls this; every node's maintenance finds them too)."""
+        cuts = self.coordinator.cuts(job)
+        for rt in self.tiers:
+            try:
+                self._left_behind(rt, job, cuts)
+            except Exception as e:  # noqa: BLE001 - maintenance retries; one tier never stops the others
+                rt.stats.errors += 1
+                log.warning("tier %s: dropping the copies job %s left failed: %s", rt.tier.name, job, e)
 
     def _check_hung(self, now: float) -> None:
         mono = time.monotonic()

@@ -36,6 +36,7 @@ class CheckpointInfo:
     reason: str
     copies: tuple[Copy, ...]
     vouched_by: str = ""  # which fingerprints vouched for the bytes, or why none did (checkpoint.replica_bytes)
+    dropped_from: str = ""  # a tombstone (EVICTED): the state it had, COMMITTED or VERIFIED ("" unknown)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

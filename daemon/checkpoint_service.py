@@ -181,6 +181,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         if not await self._call(context, self._knows_job, job):   # never journal a job this node never saw
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of job {job} is known on this node")
         await self._call(context, self.coordinator.report_restore, msg)
+        if msg.ok:   # the tier copies it left go in the background: the rank's restore never waits on them
+            self._spawn(self._drop_left_history(job))
         return pb.ReportRestoreResponse()
 
     def _knows_job(self, job: str) -> bool:
@@ -430,7 +432,26 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
     async def job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
         """Feed a replica vote / SDC / NaN / fatal-hardware / rollback event (see module docstring)."""
-        await self.pool.run(self.coordinator.on_job_event, job_id, step, kind, now, reason)
+        changed = await self.pool.run(self.coordinator.on_job_event, job_id, step, kind, now, reason)
+        if kind == "rollback":
+            await self._drop_left_history(job_id)
+        if changed:   # the tier copies say VERIFIED (or no longer) now, not a maintenance round later
+            self._spawn(self._refresh_tiers(job_id, changed))
+
+    async def _refresh_tiers(self, job_id: str, steps: list[int]) -> None:
+        if self.drainer is not None:
+            try:
+                await self._maintenance(self.drainer.refresh_states, job_id, steps)
+            except Exception as e:  # noqa: BLE001 - the drainer's maintenance refreshes them again
+                log.warning("refreshing the tier copies of job %s failed: %s", job_id, e)
+
+    async def _drop_left_history(self, job_id: str) -> None:
+        """The job went back: this node's tier copies of the history it left go now (not at the next round)."""
+        if self.drainer is not None:
+            try:
+                await self._maintenance(self.drainer.drop_left_history, job_id)
+            except Exception as e:  # noqa: BLE001 - the drainer's maintenance finds them again
+                log.warning("dropping the tier copies job %s left failed: %s", job_id, e)
 
     def pools(self) -> tuple[WorkPool, ...]:
         """Every pool of this service's blocking work."""

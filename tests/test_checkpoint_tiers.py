@@ -479,3 +479,58 @@ def test_drain_without_a_durable_tier_is_refused(redis_server, tmp_path: Path) -
 
     with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: no durable checkpoint tier is configured"):
         asyncio.run(drain())
+
+
+def test_a_rollback_drops_the_tier_copies_of_the_history_it_left(redis_server, tmp_path: Path) -> None:
+    """Issue 18: steps 2 and 3 were drained to NVMe, then the job went back to step 1. Those copies hold the
+    history it left (in the README loop, a step whose replicas differed): they go at once (the service, on the
+    ranks' ReportRestore or the rollback event) and at the next maintenance on any node, and the redone step 2,
+    a new record with new bytes, is drained to NVMe and kept (before: the old copy stood in for it, listed)."""
+    ev = Events()
+    co, job = node(redis_server.port, tmp_path, "n0", publish=ev, keep_committed=10), job_id()
+    dr = Drainer(co, [dir_tier("nvme", tmp_path / "nvme", TierRule("nvme", keep_newest=10))])
+    dr.start()
+    for step in (1, 2, 3):
+        save(co, job, step, verified=step == 1)
+        dr.drain_now()
+    nvme = dr.tiers[0]
+    assert sorted(s for (_, s) in nvme.catalog) == [1, 2, 3]
+    time.sleep(0.01)
+    co.on_job_event(job, 1, "rollback", time.time())      # what the service's job_event does, then:
+    dr.drop_left_history(job)
+    assert sorted(s for (_, s) in nvme.catalog) == [1]
+    assert not DirStore(tmp_path / "nvme").list(f"{job}/000000000002/")
+    assert sum("history the job left" in e[1] for e in ev) == 2
+    save(co, job, 2)                                         # redone after the restore: new bytes
+    dr.drain_now()
+    dr.maintain()
+    dr.drop_left_history(job)
+    assert sorted(s for (_, s) in nvme.catalog) == [1, 2], "the redone step is drained and stays"
+    # a node that never saw the event (no call to drop_left_history) finds the cut at its maintenance
+    save(co, job, 4)
+    dr.drain_now()
+    assert sorted(s for (_, s) in nvme.catalog) == [1, 2, 4]
+    time.sleep(0.01)
+    co.on_job_event(job, 2, "rollback", time.time())
+    dr.maintain()
+    assert sorted(s for (_, s) in nvme.catalog) == [1, 2]
+
+
+def test_a_copy_drained_before_its_vote_learns_verified_after_memory_evicted_the_record(redis_server,
+                                                                                       tmp_path: Path) -> None:
+    """The drain wrote the NVMe copy while the record was COMMITTED; the vote verified it, and memory retention
+    evicted the record before the drainer's next round: the tombstone keeps the state it had (dropped_from), so
+    the copy still becomes VERIFIED (before: it stayed COMMITTED for good, listed so)."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=1, rollback_span_steps=0), job_id()
+    dr = Drainer(co, [dir_tier("nvme", tmp_path / "nvme", TierRule("nvme", keep_newest=10))])
+    dr.start()
+    save(co, job, 1)
+    dr.drain_now()
+    assert dr.tiers[0].catalog[(job, 1)].parts["n0"].state == "COMMITTED"
+    co.on_job_event(job, 1, "vote_agreed", time.time())
+    save(co, job, 2, verified=True)
+    co.maintain_job(job, time.time())
+    assert [i.step for i in co.list(job)] == [2], "memory evicted step 1"
+    assert co.info(job, 1).dropped_from == "VERIFIED"
+    dr.maintain()
+    assert dr.tiers[0].catalog[(job, 1)].parts["n0"].state == "VERIFIED"

@@ -167,7 +167,8 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
     states = {i.step: i.state for i in infos}
     assert states, "checkpoints listed"
     after = [s for s, st in states.items() if s > res[0]["restores"][-1]]
-    assert after and all(states[s] == "VERIFIED" for s in after if s < max(states)), states
+    assert after and all(states[s] == "VERIFIED" for s in after if s < max(states)), (
+        states, [line for line in journal if "checkpoint" in line or "rollback" in line])
 
 
 def test_the_readme_loop_rolls_back_before_a_corrupted_data_range(short_tmp: Path, tmp_path: Path) -> None:
