@@ -86,7 +86,7 @@ class GrpcAgentLink:
         self._rpc(self.stub.ReportRestore, self.pb.ReportRestoreRequest(
             job_id=r.job_id, step=r.step, rank=r.rank, seconds=r.seconds, bytes=r.nbytes, chunks=r.chunks,
             fallbacks=r.fallbacks, checksum_failures=r.checksum_failures, ok=r.ok, error=r.error[:2000],
-            source=r.source[:200], reader=r.reader))
+            source=r.source[:200]))
 
     def list(self, job_id: str = "") -> list[CheckpointInfo]:
         """Checkpoints of `job_id`, or of every job the agent knows when it is empty."""

@@ -92,10 +92,7 @@ class CheckpointClient:
         return self.snapshotter.stats
 
     def restore(self, target: int | str = LATEST_VERIFIED, device: Any = "cpu",
-                report: RestoreReport | None = None, resume: bool = True) -> dict[str, Any]:
-        """The checkpoint's state dict (every chunk and tensor verified). `resume` (a training rank going on from
-        it): the agent drops the job's checkpoints after it that were begun before now, the history the job
-        leaves. `resume=False` for a reader (evaluation, inspection beside a running job): nothing is dropped."""
+                report: RestoreReport | None = None) -> dict[str, Any]:
         self.snapshotter.order_before_update()   # loading the result into the model comes after any copy
         plan = self.link.restore_plan(self.job_id, target, self.rank)
         report = report if report is not None else RestoreReport()
@@ -112,7 +109,7 @@ class CheckpointClient:
             self._report_restore(RestoreReportMsg(
                 self.job_id, plan.checkpoint.step, self.rank, time.perf_counter() - t0,
                 sum(s.manifest.nbytes for s in plan.shards if s.rank == self.rank), report.chunks,
-                report.fallbacks, len(report.failures), ok, error, report.source, not resume))
+                report.fallbacks, len(report.failures), ok, error, report.source))
 
     def _report_restore(self, msg: RestoreReportMsg) -> None:
         send = getattr(self.link, "report_restore", None)

@@ -330,7 +330,7 @@ class Coordinator:
         validate_job_id(r.job_id)
         validate_step(r.step)
         self.stats["restores"] += 1
-        if r.ok and not r.reader:
+        if r.ok:
             self._left_history(r.job_id, r.step, time.time())
         self.stats["restore_fallbacks"] += max(0, int(r.fallbacks))
         self.stats["checksum_failures"] += max(0, int(r.checksum_failures))

@@ -65,7 +65,6 @@ class RestoreReportMsg:
     ok: bool
     error: str = ""
     source: str = ""     # the copy that served most bytes, "<tier>@<node>" (e.g. "nvme@node-a")
-    reader: bool = False  # a reader's restore (evaluation): the job does not go on from it, its history stays
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -177,11 +177,11 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
                                 f"step and rank must be >= 0, got step {request.step} rank {request.rank}")
         msg = RestoreReportMsg(job, request.step, request.rank, max(0.0, request.seconds), request.bytes,
                                request.chunks, request.fallbacks, request.checksum_failures, request.ok,
-                               request.error[:2000], request.source[:200], request.reader)
+                               request.error[:2000], request.source[:200])
         if not await self._call(context, self._knows_job, job):   # never journal a job this node never saw
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of job {job} is known on this node")
         await self._call(context, self.coordinator.report_restore, msg)
-        if msg.ok and not msg.reader:   # the tier copies it left go in the background: the restore never waits
+        if msg.ok:   # the tier copies it left go in the background: the rank's restore never waits on them
             self._spawn(self._drop_left_history(job))
         return pb.ReportRestoreResponse()
 

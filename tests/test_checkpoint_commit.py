@@ -140,8 +140,6 @@ def test_a_restore_cuts_the_history_at_once_and_the_late_rollback_event_keeps_wh
         save_all(co, job, step)
     co.on_job_event(job, 1, "vote_agreed", time.time())
     co.on_job_event(job, 2, "vote_mismatch", time.time())
-    co.report_restore(RestoreReportMsg(job, 1, 0, 0.1, 100, 1, 0, 0, True, "", "memory@n0", reader=True))
-    assert [i.step for i in co.list(job)] == [1, 2, 3], "a reader's restore (evaluation) leaves the history"
     _restored(co, job, 1, 0)
     _restored(co, job, 1, 1)
     assert [i.step for i in co.list(job)] == [1], "the history after the restored step is gone at once"

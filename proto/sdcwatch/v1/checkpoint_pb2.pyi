@@ -188,7 +188,7 @@ class RestorePlanResponse(_message.Message):
     def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardPlan, _Mapping]]] = ...) -> None: ...
 
 class ReportRestoreRequest(_message.Message):
-    __slots__ = ("job_id", "step", "rank", "seconds", "bytes", "chunks", "fallbacks", "checksum_failures", "ok", "error", "source", "reader")
+    __slots__ = ("job_id", "step", "rank", "seconds", "bytes", "chunks", "fallbacks", "checksum_failures", "ok", "error", "source")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -200,7 +200,6 @@ class ReportRestoreRequest(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
-    READER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     rank: int
@@ -212,8 +211,7 @@ class ReportRestoreRequest(_message.Message):
     ok: bool
     error: str
     source: str
-    reader: bool
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., fallbacks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., source: _Optional[str] = ..., reader: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., fallbacks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ReportRestoreResponse(_message.Message):
     __slots__ = ()
