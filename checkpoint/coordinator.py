@@ -36,11 +36,9 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:{J}:bad                ZSET "<kind>:<step>:<time>" -> step (bad events since the last rollback);
                                    bounded to the MAX_BAD lowest steps (VERIFIED needs only the lowest)
   sdcw:ckpt:{J}:epoch              the highest writer epoch seen for the job (checkpoint/commit_fence.py)
-  sdcw:ckpt:{J}:restored           HASH step -> when a rank of the job last reported restoring it (ReportRestore);
-                                   the newest MAX_RESTORES_KEPT steps
   sdcw:ckpt:{J}:cuts               HASH step -> time: the job went back to step at that time, so every copy of a
                                    later step made before it (on any tier, any node) is history it left
-                                   (`cuts`; the drainers delete those tier copies); the newest MAX_RESTORES_KEPT
+                                   (`cuts`; the drainers delete those tier copies); the newest MAX_CUTS_KEPT
   sdcw:ckpt:nodes                  HASH node -> its agent's lease (checkpoint/node_leases.py): restore plans leave
                                    out the copies of nodes whose agents are gone
 
@@ -83,7 +81,11 @@ if st and st ~= 'ABORTED' and st ~= 'EVICTED' then
   if tonumber(redis.call('HGET', KEYS[1], 'world_size')) ~= tonumber(ARGV[2]) then
     return {'ERR_WORLD', redis.call('HGET', KEYS[1], 'world_size')}
   end
-  return {st, ''}
+  if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 0 then
+    return {st, ''}
+  end
+  -- this rank's shard is already in the record: a new save of the step (the job went back and saved it
+  -- again) supersedes the record of the history it left
 end
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[1], 'state', 'PENDING', 'step', ARGV[1], 'world_size', ARGV[2], 'begun_at', ARGV[3],
@@ -147,7 +149,7 @@ def blob_key(job_id: str, step: int, rank: int) -> str:
 
 
 MAX_VOTES = 512        # vote fields kept per job (plus those of live records)
-MAX_RESTORES_KEPT = 64  # restore times kept per job (`restored`)
+MAX_CUTS_KEPT = 64     # cuts kept per job (`cuts`)
 VOTE_PRUNE_SLACK = 64  # pruned when this many more have piled up: one HKEYS per 64 votes, not per vote
 SCRUB_FIELD = "scrub:"      # record field scrub:<rank>: pending | ok | bad: <why> (source-checksummed shards)
 SCRUB_PENDING = "pending"
@@ -217,7 +219,7 @@ class Coordinator:
         now = time.time() if now is None else now
         meta, shards, copies = self._keys(job_id, step)
         state, extra = self.fence.run(self.redis, self._begin, [meta, self._jk(job_id, "idx"), shards, copies],
-                                      [step, world_size, repr(now)], self._jk(job_id, "epoch"))[:2]
+                                      [step, world_size, repr(now), rank], self._jk(job_id, "epoch"))[:2]
         state = _s(state)
         if state == "ERR_WORLD":
             raise CommitError(f"job {job_id} step {step} was begun with world size {_s(extra)}, not {world_size}")
@@ -330,8 +332,6 @@ class Coordinator:
         validate_job_id(r.job_id)
         validate_step(r.step)
         self.stats["restores"] += 1
-        if r.ok:
-            self._left_history(r.job_id, r.step, time.time())
         self.stats["restore_fallbacks"] += max(0, int(r.fallbacks))
         self.stats["checksum_failures"] += max(0, int(r.checksum_failures))
         if r.seconds > 0:
@@ -355,21 +355,13 @@ class Coordinator:
                                                                 "checksum_failures": r.checksum_failures,
                                                                 "fallbacks": r.fallbacks})
 
-    def _left_history(self, job_id: str, step: int, now: float) -> None:
-        """A rank restored `step` (it said so before training on): the job's records after `step` begun until
-        now hold the history it left, and go at once, so a redone save of the same step begins afresh instead of
-        finding the old one. The time is kept: the `rollback` job event that the agent derives from the ranks'
-        step reports arrives later, through the checkpoint feed, and by then the job may have saved again."""
-        self._keep_time(self._jk(job_id, "restored"), step, now)
-        self._drop_after(job_id, step, now, now)
-
     def _keep_time(self, key: str, step: int, at: float) -> None:
-        """HSET step -> at (the later of the two, if one is there) in a hash kept to MAX_RESTORES_KEPT steps."""
+        """HSET step -> at (the later of the two, if one is there) in a hash kept to MAX_CUTS_KEPT steps."""
         old = self.redis.hget(key, str(step))
         self.redis.hset(key, str(step), repr(at if old is None else max(at, float(_s(old)))))
-        if self.redis.hlen(key) > MAX_RESTORES_KEPT:
+        if self.redis.hlen(key) > MAX_CUTS_KEPT:
             fields = sorted(self.redis.hgetall(key).items(), key=lambda kv: float(_s(kv[1])))
-            self.redis.hdel(key, *(k for k, _ in fields[:-MAX_RESTORES_KEPT]))
+            self.redis.hdel(key, *(k for k, _ in fields[:-MAX_CUTS_KEPT]))
 
     def _drop_after(self, job_id: str, step: int, before: float, now: float) -> None:
         """Drop the job's records after `step` begun before `before` (the history a restore of `step` left), and
@@ -546,9 +538,10 @@ class Coordinator:
         """Feed a replica vote or an SDC/NaN/fatal-hardware event (kinds in `policy.EVENT_KINDS`).
 
         `step` None means "now": the newest step begun for the job. "rollback" (the job restored `step`; `now`
-        is when the agent saw it): the records after `step` begun before the restore (the time a rank reported
-        it, `_left_history`, else `now`) are dropped, with the bad events and votes after `step`; a record
-        begun since is the job's new history (saved again after the restore) and stays. Returns the steps
+        is when the agent saw it, in a rank's step report): the records after `step` begun before `now` are
+        dropped, with the bad events and votes after `step`; a record begun since is the job's new history
+        (saved again after the restore: this event comes through the agent's feed, seconds late when it is
+        loaded) and stays. Returns the steps
         whose record became VERIFIED or lost it (`evaluate`). "clear": an operator accepts
         the bad events at or before `step`. "repaired": the replicas agree again at `step` R without a restore
         (checksums.replica_recovery repaired the odd replica in place): the records saved from the first
@@ -575,11 +568,8 @@ class Coordinator:
             self.redis.zadd(bad, {f"{kind}:{step}:{now}": step})
             if self.redis.zcard(bad) > MAX_BAD:
                 self.redis.zremrangebyrank(bad, MAX_BAD, -1)   # keep the lowest steps
-        elif kind == "rollback":   # the ranks' report of the restore came first (if it came): its time, once
-            restored = self._jk(job_id, "restored")
-            at = self.redis.hget(restored, str(step))
-            self.redis.hdel(restored, str(step))
-            self._drop_after(job_id, step, now if at is None else min(now, float(_s(at))), now)
+        elif kind == "rollback":
+            self._drop_after(job_id, step, now, now)
             self.redis.zremrangebyscore(bad, f"({step}", "+inf")
             checked = self.redis.get(self._jk(job_id, "checked"))
             if checked is not None and int(_s(checked)) > step:   # the steps after the target are gone

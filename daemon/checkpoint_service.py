@@ -181,8 +181,6 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         if not await self._call(context, self._knows_job, job):   # never journal a job this node never saw
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of job {job} is known on this node")
         await self._call(context, self.coordinator.report_restore, msg)
-        if msg.ok:   # the tier copies it left go in the background: the rank's restore never waits on them
-            self._spawn(self._drop_left_history(job))
         return pb.ReportRestoreResponse()
 
     def _knows_job(self, job: str) -> bool:

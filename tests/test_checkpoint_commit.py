@@ -16,7 +16,6 @@ from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckp
                                NotInMemoryError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.peers import Peer, Replicator, placement
-from checkpoint.records import RestoreReportMsg
 from checkpoint.restore import restore_from_plan
 from checkpoint.shard_reader import RestoreReport
 from checkpoint.snapshot import Snapshotter, SnapshotConfig
@@ -125,38 +124,34 @@ def test_vote_mismatch_and_late_events(redis_server, tmp_path: Path) -> None:
 
 
 
-def _restored(co: Coordinator, job: str, step: int, rank: int) -> None:
-    co.report_restore(RestoreReportMsg(job, step, rank, 0.1, 100, 1, 0, 0, True, "", "memory@n0"))
 
-
-def test_a_restore_cuts_the_history_at_once_and_the_late_rollback_event_keeps_what_was_saved_since(
+def test_a_redone_save_supersedes_the_left_history_and_the_late_rollback_event_keeps_it(
         redis_server, tmp_path: Path) -> None:
-    """Issue 18: the ranks restore step 1 (and say so, ReportRestore, before training on); the records after it
-    go at once, so the redone saves of steps 2 and 3 begin afresh (not "already COMMITTED" by the history they
-    left). The `rollback` event that the agent derives from the step reports reaches the coordinator later,
-    through its feed, after the redone saves: it must not drop them (they verify), only what was left."""
+    """Issue 18: the ranks went back to step 1 and saved steps 2 and 3 again before the agent's `rollback`
+    event (derived from their step reports, through its feed: seconds late on a loaded agent) reached the
+    coordinator. A rank's begin finding its own shard in the record is a new save of the step: it supersedes the
+    record of the history the job left (before: "already COMMITTED", the old bytes kept). The late event drops
+    only records begun before the agent saw the restore: the redone ones stay and verify. A rank restoring to
+    read (a test, an evaluation) changes nothing."""
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=10), job_id()
     for step in (1, 2, 3):
         save_all(co, job, step)
     co.on_job_event(job, 1, "vote_agreed", time.time())
     co.on_job_event(job, 2, "vote_mismatch", time.time())
-    _restored(co, job, 1, 0)
-    _restored(co, job, 1, 1)
-    assert [i.step for i in co.list(job)] == [1], "the history after the restored step is gone at once"
-    assert [r.state for r in save_all(co, job, 2)] == ["PENDING", "COMMITTED"], "redone: begun afresh"
+    restore(co, job, 1, 0)
+    assert [i.step for i in co.list(job)] == [1, 2, 3], "a restore alone (a reader) leaves the history"
+    seen = time.time()                                      # the agent sees the ranks went back
+    time.sleep(0.01)
+    assert [r.state for r in save_all(co, job, 2)] == ["PENDING", "COMMITTED"], "redone: a fresh record"
     assert [r.state for r in save_all(co, job, 3)] == ["PENDING", "COMMITTED"]
-    co.on_job_event(job, 1, "rollback", time.time())           # late, from the feed
+    assert [r.state for r in save_all(co, job, 3, ranks=[1])] == ["PENDING"], "a rank saving again starts afresh"
+    co.on_job_event(job, 1, "rollback", seen)              # late, from the feed
     assert [i.step for i in co.list(job)] == [1, 2, 3], "the redone saves stay"
     co.on_job_event(job, 2, "vote_agreed", time.time())
     assert co.latest_verified(job).step == 2, "the old mismatch was forgotten; the redone step verifies"
-    # without a ReportRestore (an older client, or the report failed): the event's own time is the cut, and the
-    # restore time used before is not used again
-    save_all(co, job, 4)
+    assert set(co.cuts(job)) == {1}
     time.sleep(0.01)
-    co.on_job_event(job, 2, "rollback", time.time())
-    assert [i.step for i in co.list(job)] == [1, 2]
-    save_all(co, job, 3)   # a second, later restore of step 1 that no rank reported: all after it go
-    co.on_job_event(job, 1, "rollback", time.time())
+    co.on_job_event(job, 1, "rollback", time.time())       # a later restore of step 1: all after it go
     assert [i.step for i in co.list(job)] == [1]
 
 def test_retention_keeps_newest_k_and_verified(redis_server, tmp_path: Path) -> None:
