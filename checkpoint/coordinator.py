@@ -81,11 +81,7 @@ if st and st ~= 'ABORTED' and st ~= 'EVICTED' then
   if tonumber(redis.call('HGET', KEYS[1], 'world_size')) ~= tonumber(ARGV[2]) then
     return {'ERR_WORLD', redis.call('HGET', KEYS[1], 'world_size')}
   end
-  if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 0 then
-    return {st, ''}
-  end
-  -- this rank's shard is already in the record: a new save of the step (the job went back and saved it
-  -- again) supersedes the record of the history it left
+  return {st, ''}
 end
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[1], 'state', 'PENDING', 'step', ARGV[1], 'world_size', ARGV[2], 'begun_at', ARGV[3],
@@ -219,7 +215,7 @@ class Coordinator:
         now = time.time() if now is None else now
         meta, shards, copies = self._keys(job_id, step)
         state, extra = self.fence.run(self.redis, self._begin, [meta, self._jk(job_id, "idx"), shards, copies],
-                                      [step, world_size, repr(now), rank], self._jk(job_id, "epoch"))[:2]
+                                      [step, world_size, repr(now)], self._jk(job_id, "epoch"))[:2]
         state = _s(state)
         if state == "ERR_WORLD":
             raise CommitError(f"job {job_id} step {step} was begun with world size {_s(extra)}, not {world_size}")
@@ -363,9 +359,14 @@ class Coordinator:
             fields = sorted(self.redis.hgetall(key).items(), key=lambda kv: float(_s(kv[1])))
             self.redis.hdel(key, *(k for k, _ in fields[:-MAX_CUTS_KEPT]))
 
-    def _drop_after(self, job_id: str, step: int, before: float, now: float) -> None:
-        """Drop the job's records after `step` begun before `before` (the history a restore of `step` left), and
-        note the cut for the tiers (`cuts`: the drainers delete the tier copies it left)."""
+    def cut_history(self, job_id: str, step: int, before: float, now: float) -> None:
+        """The job went back to `step` (the agent saw it at `before`, in a rank's step report): drop its records
+        after `step` begun before then (the history it left), and note the cut for the tiers (`cuts`: the
+        drainers delete the tier copies it left). The agent calls this at once, so a redone save of a step
+        begins afresh instead of finding the left record; the `rollback` job event does it again, later, with
+        the votes and bad events (through the feed, which keeps their order)."""
+        validate_job_id(job_id)
+        validate_step(step)
         for info in self.list(job_id):
             if info.step > step and info.begun_at < before:
                 self._drop(job_id, info.step, policy.EVICTED, f"rolled back to step {step}", now)
@@ -569,7 +570,7 @@ class Coordinator:
             if self.redis.zcard(bad) > MAX_BAD:
                 self.redis.zremrangebyrank(bad, MAX_BAD, -1)   # keep the lowest steps
         elif kind == "rollback":
-            self._drop_after(job_id, step, now, now)
+            self.cut_history(job_id, step, now, now)
             self.redis.zremrangebyscore(bad, f"({step}", "+inf")
             checked = self.redis.get(self._jk(job_id, "checked"))
             if checked is not None and int(_s(checked)) > step:   # the steps after the target are gone

@@ -394,6 +394,8 @@ class Agent:
         events = [self.bus.publish_finding(finding) for finding in out.findings]
         for step, kind, reason in out.job_events:
             self.checkpoint_feed.put(job, step, kind, reason)
+            if kind == "rollback" and step is not None:   # the records it left go now, not behind the feed
+                self.checkpoints.cut_history(job, step, time.time())
         # a rollback (loss anomaly or replica mismatch alike) is planned once the coordinator has taken every
         # event so far (this report's too): the VERIFIED steps the plan reads are the job's as of the anomaly,
         # however far behind the feed runs (the votes that verify the checkpoint before it; the vote gate holds

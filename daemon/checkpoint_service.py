@@ -436,6 +436,20 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         if changed:   # the tier copies say VERIFIED (or no longer) now, not a maintenance round later
             self._spawn(self._refresh_tiers(job_id, changed))
 
+    def cut_history(self, job_id: str, step: int, now: float) -> None:
+        """The job went back to `step` (seen at `now` in a rank's step report): its records after `step` begun
+        before then, and their tier copies, go now, in the background (`Coordinator.cut_history`), not when the
+        `rollback` event gets through the feed: the ranks may save the same steps again before that."""
+        self._spawn(self._cut_history(job_id, step, now))
+
+    async def _cut_history(self, job_id: str, step: int, now: float) -> None:
+        try:
+            await self.pool.run(self.coordinator.cut_history, job_id, step, now, now)
+        except Exception as e:  # noqa: BLE001 - the rollback event cuts it again
+            log.warning("cutting the history of job %s at step %d failed: %s", job_id, step, e)
+            return
+        await self._drop_left_history(job_id)
+
     async def _refresh_tiers(self, job_id: str, steps: list[int]) -> None:
         if self.drainer is not None:
             try:
