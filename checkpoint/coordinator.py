@@ -359,7 +359,7 @@ class Coordinator:
             fields = sorted(self.redis.hgetall(key).items(), key=lambda kv: float(_s(kv[1])))
             self.redis.hdel(key, *(k for k, _ in fields[:-MAX_CUTS_KEPT]))
 
-    def cut_history(self, job_id: str, step: int, before: float, now: float) -> None:
+    def cut_history(self, job_id: str, step: int, before: float) -> None:
         """The job went back to `step` (the agent saw it at `before`, in a rank's step report): drop its records
         after `step` begun before then (the history it left), and note the cut for the tiers (`cuts`: the
         drainers delete the tier copies it left). The agent calls this at once, so a redone save of a step
@@ -369,7 +369,7 @@ class Coordinator:
         validate_step(step)
         for info in self.list(job_id):
             if info.step > step and info.begun_at < before:
-                self._drop(job_id, info.step, policy.EVICTED, f"rolled back to step {step}", now)
+                self._drop(job_id, info.step, policy.EVICTED, f"rolled back to step {step}", before)
         self._keep_time(self._jk(job_id, "cuts"), step, before)
 
     def cuts(self, job_id: str) -> dict[int, float]:
@@ -542,12 +542,13 @@ class Coordinator:
         is when the agent saw it, in a rank's step report): the records after `step` begun before `now` are
         dropped, with the bad events and votes after `step`; a record begun since is the job's new history
         (saved again after the restore: this event comes through the agent's feed, seconds late when it is
-        loaded) and stays. Returns the steps
-        whose record became VERIFIED or lost it (`evaluate`). "clear": an operator accepts
+        loaded) and stays. "clear": an operator accepts
         the bad events at or before `step`. "repaired": the replicas agree again at `step` R without a restore
         (checksums.replica_recovery repaired the odd replica in place): the records saved from the first
         mismatching step M of the vote mismatches before R up to R - 1 hold weights from diverged replicas
         and are dropped, and those vote mismatches no longer block the checkpoints from R on.
+
+        Returns the steps whose record became VERIFIED or lost it (`evaluate`).
         """
         validate_job_id(job_id)
         if kind not in policy.EVENT_KINDS:
@@ -570,7 +571,7 @@ class Coordinator:
             if self.redis.zcard(bad) > MAX_BAD:
                 self.redis.zremrangebyrank(bad, MAX_BAD, -1)   # keep the lowest steps
         elif kind == "rollback":
-            self.cut_history(job_id, step, now, now)
+            self.cut_history(job_id, step, now)
             self.redis.zremrangebyscore(bad, f"({step}", "+inf")
             checked = self.redis.get(self._jk(job_id, "checked"))
             if checked is not None and int(_s(checked)) > step:   # the steps after the target are gone

@@ -775,13 +775,13 @@ class Drainer:
         of the same step saved again after the restore is another record, with other bytes, and stays."""
         if not cuts:
             return []
-        out = []
+        out, ordered = [], sorted(cuts.items())
         for (j, step), tc in list(rt.catalog.items()):
             part = tc.parts.get(self.node)
             if j != job or part is None or not part.shards:
                 continue
             made = min(sh.created for sh in part.shards)
-            cut = next((c for c, at in sorted(cuts.items()) if c < step and made < at), None)
+            cut = next((c for c, at in ordered if c < step and made < at), None)
             if cut is None or not self._delete_part(rt, job, step, part):
                 continue
             out.append(step)

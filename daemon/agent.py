@@ -395,7 +395,7 @@ class Agent:
         for step, kind, reason in out.job_events:
             self.checkpoint_feed.put(job, step, kind, reason)
             if kind == "rollback" and step is not None:   # the records it left go now, not behind the feed
-                self.checkpoints.cut_history(job, step, time.time())
+                self.checkpoints.cut_history(job, step, now)
         # a rollback (loss anomaly or replica mismatch alike) is planned once the coordinator has taken every
         # event so far (this report's too): the VERIFIED steps the plan reads are the job's as of the anomaly,
         # however far behind the feed runs (the votes that verify the checkpoint before it; the vote gate holds

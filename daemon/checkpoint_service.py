@@ -431,8 +431,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     async def job_event(self, job_id: str, step: int | None, kind: str, now: float, reason: str = "") -> None:
         """Feed a replica vote / SDC / NaN / fatal-hardware / rollback event (see module docstring)."""
         changed = await self.pool.run(self.coordinator.on_job_event, job_id, step, kind, now, reason)
-        if kind == "rollback":
-            await self._drop_left_history(job_id)
+        if kind == "rollback":   # in the background: the feed never waits on the tiers
+            self._spawn(self._drop_left_history(job_id))
         if changed:   # the tier copies say VERIFIED (or no longer) now, not a maintenance round later
             self._spawn(self._refresh_tiers(job_id, changed))
 
@@ -444,7 +444,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
 
     async def _cut_history(self, job_id: str, step: int, now: float) -> None:
         try:
-            await self.pool.run(self.coordinator.cut_history, job_id, step, now, now)
+            await self.pool.run(self.coordinator.cut_history, job_id, step, now)
         except Exception as e:  # noqa: BLE001 - the rollback event cuts it again
             log.warning("cutting the history of job %s at step %d failed: %s", job_id, step, e)
             return

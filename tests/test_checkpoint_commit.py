@@ -141,7 +141,7 @@ def test_a_cut_lets_the_redone_saves_begin_afresh_and_the_late_rollback_event_ke
     restore(co, job, 1, 0)
     assert [i.step for i in co.list(job)] == [1, 2, 3], "a restore alone (a reader) leaves the history"
     seen = time.time()                                      # the agent sees the ranks went back
-    co.cut_history(job, 1, seen, seen)
+    co.cut_history(job, 1, seen)
     assert [i.step for i in co.list(job)] == [1]
     time.sleep(0.01)
     assert [r.state for r in save_all(co, job, 2)] == ["PENDING", "COMMITTED"], "redone: a fresh record"
