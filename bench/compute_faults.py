@@ -36,6 +36,7 @@ from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
 from checksums.grad_checks import set_fused, summary_paths
 from checksums.monitor import Monitor
+from checksums.replica_recovery import ReplicaRecovery
 from checksums.reporter import ReporterStats, StepReport
 
 
@@ -345,7 +346,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
-             mask: str, sdcguard: int = 0) -> dict[str, Any]:
+             mask: str, sdcguard: int = 0, together: bool = False) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -354,27 +355,32 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     blocks (an audit every 334 steps lands in one block in several: a median would leave it out); the
     median block is kept too."""
     fused = mask == "device" or device.type == "cuda"
-    arms: list[tuple[str, Any, Any, Any, Any]] = []
+    arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
     names = (["base", "checks"] + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
-             + (["sdcguard"] if sdcguard else []))
+             + (["all"] if together else []) + (["sdcguard"] if sdcguard else []))
     for name in names:
         model = make_model(0)[0].to(device)
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=fused)
-        checks = None
-        if name.startswith("checks"):
+        checks = monitor = None
+        if name == "all":
+            monitor = Monitor.attach(ddp, opt, job_id=f"overhead-all-{rank}", reporter=False, canary=True,
+                                     gpu_uuid=f"GPU-fake-{rank}")
+            ReplicaRecovery.attach(monitor)
+        if name.startswith("checks") or name == "all":
             checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, mask=mask, gpu_uuid=f"GPU-fake-{rank}",
-                                          audit_every=audit_every if name == "checks+audits" else 0)
+                                          monitor=monitor,
+                                          audit_every=audit_every if name in ("checks+audits", "all") else 0)
         guard = _sdcguard(sdcguard, model) if name == "sdcguard" else None
-        arms.append((name, ddp, opt, checks, guard))
+        arms.append((name, ddp, opt, checks, guard, monitor))
     times: dict[str, list[float]] = {name: [] for name in names}
     paths: dict[str, dict[str, int]] = {}
     # one untimed round of blocks first: kernel compilation (Triton, cuBLAS/cuDNN plans, sdcguard's set-up)
     # lands in each arm's first block, and in a mean over 10 blocks a 1.6 s compile is +8 ms a step
     step = -block
     while step < steps:
-        for name, ddp, opt, checks, guard in arms:
+        for name, ddp, opt, checks, guard, monitor in arms:
             set_fused(name != "checks-torch")
             dist.barrier()
             t0 = time.perf_counter()
@@ -387,8 +393,11 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                     with guard.on_step(s + 1):
                         loss_fn(ddp, batch).backward()
                 else:
-                    loss_fn(ddp, batch).backward()
+                    loss = loss_fn(ddp, batch)
+                    loss.backward()
                 opt.step()
+                if monitor is not None:
+                    monitor.step(loss)
                 opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -443,7 +452,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     if args.overhead:
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
                                        audit_every=args.overhead_audit_every, mask=args.mask,
-                                       sdcguard=args.sdcguard)
+                                       sdcguard=args.sdcguard, together=args.together)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -504,6 +513,7 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
             what = {"base": "base (no checks)", "checks": "pre-reduction checks every step",
                     "checks-torch": "the same checks in torch ops (pre-fused)",
                     "checks+audits": f"checks + audits every {o['audit_every']}",
+                    "all": f"all: vote+gate, canary, checks, audits/{o['audit_every']}",
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
             lines.append(f"  {what:42} {a['step_s'] * 1e3:9.3f} {a['step_s'] / base:7.4f} {a['overhead'] * 100:+8.2f}%"
                          f" {(a['median_s'] / base_med - 1) * 100:+8.2f}%")
@@ -547,6 +557,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_rank
     p.add_argument("--sdcguard-mode", choices=["protect", "dispatch"], default="protect",
                    help="protect: SDCGuard(every).protect(model), its training mode (every nn.Linear); "
                    "dispatch: its default mode (every matmul, slower)")
+    p.add_argument("--together", action="store_true", help="also an --overhead arm \"all\": the Monitor's "
+                   "vote with ReplicaRecovery's gate, the in-job canary, the checks and the audits at once")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
     p.add_argument("--model", choices=["mlp", "tiny-gpt", "gpt2"], default="mlp",
                    help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); gpt2: GPT-2 small, bf16 autocast "

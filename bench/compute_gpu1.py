@@ -235,8 +235,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     suspicions = 0
     t0 = time.perf_counter()
-    for step in range(args.warmup + 1, args.warmup + 1 + args.clean):
+    for k, step in enumerate(range(args.warmup + 1, args.warmup + 1 + args.clean), 1):
         suspicions += bool(v.step(step)["verdict"].suspects)
+        if k % 250 == 0:     # progress, so a run cut short by its time limit still says how far it got
+            print(f"clean: {k} steps, {suspicions} suspicions, largest clean score "
+                  f"{v.tracker.max_score_clean:.3f}, {time.perf_counter() - t0:.1f} s", flush=True)
     results["clean"] = {
         "steps": args.clean,
         "suspicions": suspicions,

@@ -104,6 +104,13 @@ want gradsum && step gradsum-tests 240 python3 -m pytest -p no:cacheprovider -q 
 want gradsum && step gradsum-bench 300 python3 -m bench.bench_grad_summary --device cuda --json "$OUT/grad_summary.json"
 want gradsum && step gradsum-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20
+# issue 19, everything together on one GPU: the "all" arm (Monitor fingerprint + vote gate, in-job canary,
+# checks, audits every 334) beside base/checks/audits/sdcguard, interleaved; then 2,000 clean steps on 3
+# virtual ranks (no false suspicion expected)
+want computeall && step compute-all 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20 --together
+want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
+  --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
 # GPT-2 small from a config (offline); needs the wheels of bench/framework_wheels.sh in .whl/
 want frameworks && step frameworks 580 python3 -m bench.bench_frameworks --device cuda
