@@ -37,6 +37,7 @@ import inspect
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,9 +63,11 @@ Row = tuple[str, float, str]
 
 # ------------------------------------------------------------------------------------------- harness
 class Node:
-    """A Redis + Coordinator + memory dir for the run (the agent, in process)."""
+    """A Redis + Coordinator + memory dir for the run: the agent in a process of its own, as in production
+    (`agent="process"`: bench/ckpt_agent_proc.py, the ranks talk gRPC to it), or in this process
+    (`agent="inproc"`: its commit work runs under the training process's GIL)."""
 
-    def __init__(self, need_bytes: int, tag: str) -> None:
+    def __init__(self, need_bytes: int, tag: str, agent: str = "process") -> None:
         self.work = Path(tempfile.mkdtemp(prefix=f"sdcw-ovl-{tag}-"))
         shm = Path("/dev/shm")
         root = None
@@ -82,13 +85,34 @@ class Node:
                               location=str(self.mem),
                               config=CoordinatorConfig(keep_committed=2, rollback_span_steps=0))
         self.jobs = 0
+        self.agent: subprocess.Popen | None = None
+        self.target = ""
+        if agent == "process":
+            sock_path = self.work / "agent.sock"
+            self.agent = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve().parent / "ckpt_agent_proc.py"), "--redis-socket",
+                 sock, "--memory", str(self.mem), "--socket", str(sock_path)],
+                stdout=subprocess.PIPE, text=True)
+            assert self.agent.stdout is not None
+            line = self.agent.stdout.readline()   # "ready" once serving; "" if it died (its stderr says why)
+            if line.strip() != "ready":
+                self.close()
+                raise SystemExit(f"the bench's agent process did not start (said {line!r})")
+            self.target = f"unix:{sock_path}"
 
     def client(self, optimizer: torch.optim.Optimizer, config: SnapshotConfig, tag: str) -> CheckpointClient:
         self.jobs += 1
-        return CheckpointClient(self.co, f"ovl-{tag}-{self.jobs}-{os.getpid()}", 0, 1, config=config,
-                                guard=StepGuard.attach(optimizer))
+        job = f"ovl-{tag}-{self.jobs}-{os.getpid()}"
+        if self.target:
+            return CheckpointClient.connect(job, 0, 1, target=self.target, deadline_s=60, config=config,
+                                            guard=StepGuard.attach(optimizer))
+        return CheckpointClient(self.co, job, 0, 1, config=config, guard=StepGuard.attach(optimizer))
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.terminate()
+            self.agent.wait()
+            self.agent = None
         self.proc.terminate()
         self.proc.wait()
         shutil.rmtree(self.mem, ignore_errors=True)
@@ -166,7 +190,7 @@ def part_a(args: argparse.Namespace, device: torch.device) -> list[Row]:
     t_copy = pinned_copy_time(params, device)
     busy_ms = args.busy_ms if args.busy_ms > 0 else max(1.0, 2e3 * t_copy)
     busy = busy_fn(device, busy_ms)
-    node = Node(nbytes, "a")
+    node = Node(nbytes, "a", args.agent)
     rows: list[Row] = []
     try:
         client = node.client(opt, SnapshotConfig(policy="skip", fingerprint_threads=args.fp_threads), "a")
@@ -312,7 +336,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
     `max_inflight` (1: one save in the background at a time, the path before pipelining)."""
     rows: list[Row] = []
     tag = f"b={batch}, {mode}, {inflight} in flight"
-    node = Node(nbytes, "b")
+    node = Node(nbytes, "b", args.agent)
     try:
         cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode,
                                               max_inflight=inflight)
@@ -322,13 +346,18 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         calls: list[float] = []
         saved_calls: list[float] = []   # the calls that copied (not skipped): like for like across settings
 
+        state_calls: list[float] = []
+
         def step_every() -> None:
             step_off()
             t0 = time.perf_counter()
-            h = client.save(client.guard.step, state())
+            sd = state()
+            t1 = time.perf_counter()
+            h = client.save(client.guard.step, sd)
             calls.append(time.perf_counter() - t0)
             if h is not None:
                 saved_calls.append(calls[-1])
+                state_calls.append(t1 - t0)
                 handles.append(h)
 
         client.prepare(state()).result(600)
@@ -342,6 +371,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         handles.clear()
         calls.clear()
         saved_calls.clear()
+        state_calls.clear()
         skipped0 = dict(client.stats.skipped_by)
         made0 = client.stats.slots_ahead + client.stats.slots_inline
         times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
@@ -393,9 +423,41 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              "host time combining the GPU's words" if device.type == "cuda" else
              "host: numpy over the pieces (CPU state: one pass, in the background)"),
         ]
+        if args.profile:
+            rows += profile_rows(tag, results, state_calls, off)
         client.close()
     finally:
         node.close()
+    return rows
+
+
+def profile_rows(tag: str, results: list[Any], state_calls: list[float], step: float) -> list[Row]:
+    """`--profile`: the median host seconds of each phase of a save (SaveResult.phases), the training
+    thread's (t.*: inside save(), after `state()`) and the background's (b.*: wall, and its thread's CPU;
+    wall - CPU is waiting: for the copy, an RPC, the GIL)."""
+    rows: list[Row] = [(f"[{tag}] profile: state() (model + optimizer state_dict)",
+                        statistics.median(state_calls) if state_calls else float("nan"),
+                        "training thread, per saving call")]
+    keys: list[str] = []
+    for r in results:
+        keys += [k for k in r.phases if k not in keys]
+    for k in keys:
+        if k.endswith(".cpu"):
+            continue
+        vals = [r.phases.get(k, 0.0) for r in results]
+        cpu = [r.phases.get(k + ".cpu", 0.0) for r in results]
+        v = statistics.median(vals)
+        note = f"{100 * v / step:.2f}% of a step"
+        if k.startswith("b."):
+            note += f"; its CPU {1e3 * statistics.median(cpu):.2f} ms"
+        rows.append((f"[{tag}] profile: {'training' if k.startswith('t.') else 'background'} {k[2:]}", v,
+                     note))
+    t_sum = [sum(v for k, v in r.phases.items() if k.startswith("t.")) for r in results]
+    b_cpu = [sum(v for k, v in r.phases.items() if k.startswith("b.") and k.endswith(".cpu")) for r in results]
+    if results:
+        rows += [(f"[{tag}] profile: training thread in save(), sum", statistics.median(t_sum), ""),
+                 (f"[{tag}] profile: background CPU per save, sum", statistics.median(b_cpu),
+                  "GIL-held Python (and C) beside the training thread")]
     return rows
 
 
@@ -414,7 +476,7 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
     sd["model"] = {f"p{i}": p for i, p in enumerate(params)}
     opt = torch.optim.SGD(params, lr=0.0)
     rows: list[Row] = []
-    node = Node(nbytes, "c")
+    node = Node(nbytes, "c", args.agent)
     try:
         for prepared in (False, True):
             client = node.client(opt, SnapshotConfig(), f"c{int(prepared)}")
@@ -462,7 +524,7 @@ def part_d(args: argparse.Namespace, device: torch.device) -> list[Row]:
     tag = f"{args.gib:g} GiB"
     t_copy = pinned_copy_time(params, device)
     rows: list[Row] = [(f"[{tag}] pinned copy (baseline)", t_copy, f"{nbytes / t_copy / 1e9:.1f} GB/s")]
-    node = Node(nbytes, "d")
+    node = Node(nbytes, "d", args.agent)
     disk = Path(tempfile.mkdtemp(prefix="sdcw-ovl-disk-", dir=args.disk_dir))
     try:
         # two slots: saves 2 and 3 land in slots, save 1 in the prepared private buffer (disk/shm stays bounded)
@@ -619,6 +681,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="host fingerprint threads of the background (the commit's pace)")
     ap.add_argument("--disk-dir", default=None, help="where torch.save / DCP write (default: a temp dir)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--agent", choices=("process", "inproc"), default="process",
+                    help="the agent in a process of its own (as in production) or in this one (its commit "
+                         "work then runs under the training process's GIL: the runs before issue 21's profile)")
+    ap.add_argument("--profile", action="store_true",
+                    help="part b: host time per phase of a save, training thread and background")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU test); no timing claims")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",")]

@@ -204,6 +204,9 @@ class SaveResult:
     checksums: str = ""         # "source" (at the source, with the copy) or "host" (from the landed bytes)
     device_staged: bool = False  # copied to a GPU buffer first (no host buffer was ready): save() did not
                                  # wait for a host buffer to be made
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)   # host seconds per phase (profiling):
+                                 # "t.<phase>" the training thread's save() call, "b.<phase>" the background's
+                                 # wall time and "b.<phase>.cpu" its thread's CPU time (the rest: GIL waits)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -271,6 +274,29 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
         offsets.append(pos)
         pos += t.numel() * t.element_size()
     return offsets, pos
+
+
+class _Phases:
+    """Host time per phase of a save (`SaveResult.phases`): a few clock reads per save, always on. `cpu`:
+    also the thread's CPU time per phase (the background: wall minus CPU is time waiting, e.g. for the GIL)."""
+
+    __slots__ = ("c", "cpu", "out", "prefix", "t")
+
+    def __init__(self, prefix: str, cpu: bool = False, out: dict[str, float] | None = None) -> None:
+        self.out: dict[str, float] = {} if out is None else out
+        self.prefix, self.cpu = prefix, cpu
+        self.t = time.perf_counter()
+        self.c = time.thread_time() if cpu else 0.0
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        key = self.prefix + name
+        self.out[key] = self.out.get(key, 0.0) + now - self.t
+        self.t = now
+        if self.cpu:
+            c = time.thread_time()
+            self.out[key + ".cpu"] = self.out.get(key + ".cpu", 0.0) + c - self.c
+            self.c = c
 
 
 class Snapshotter:
@@ -346,6 +372,7 @@ class Snapshotter:
                                     "optimizer.step(): bind a step guard so the update waits for it "
                                     "(CheckpointClient(..., guard=monitor.guard)), or use block='enqueue'")
         t0 = time.perf_counter()
+        ph = _Phases("t.")
         skip = self.config.policy == "skip"
         ahead = self.config.skip_until_ready
         with self._lock:
@@ -362,9 +389,12 @@ class Snapshotter:
                 stall = time.perf_counter() - t_wait
             else:
                 stall = 0.0
+            ph.mark("pending")
             tree, named = flatten(state_dict)
             tensors = [t for _, t in named]
+            ph.mark("flatten")
             offsets, total = layout(tensors)
+            ph.mark("layout")
             # skip_until_ready never blocks on making a buffer: with none ready it skips and makes one ahead
             slot = self._acquire_slot(total, create=not ahead)
             if slot is None and self._spare_pool is not None and self._ring is not None:
@@ -389,7 +419,9 @@ class Snapshotter:
                 arena = staged
             else:
                 arena = slot.tensor if slot is not None else self._arena.ensure(total)
+            ph.mark("buffer")
             late = self._changed_by_update(tensors) if block == "update" else None
+            ph.mark("late")
             cut = self._source_cut(tensors, offsets) if self._source_mode(tensors) else None
             transfer_check = True
             self._save_keys = {}
@@ -400,8 +432,10 @@ class Snapshotter:
                 # the transfer check, which would need the same plan)
                 self._plan_ahead(tensors, cut)
                 cut, transfer_check = None, False
+            ph.mark("plan")
             if cut is not None and staged is None:   # a staging buffer on the GPU is made of zeros
                 self._zero_gaps(arena, tensors, offsets, total)
+            ph.mark("zero")
             try:
                 with torch.no_grad():
                     events, src_fps = self._copy(tensors, offsets, arena, block, late, cut, transfer_check)
@@ -409,18 +443,21 @@ class Snapshotter:
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)
                 raise
+            ph.mark("copy")
             if block == "copy":
                 for ev in events:
                     ev.synchronize()
-            blocking = time.perf_counter() - t0
+            ph.mark("copy_wait")
             entries = [(path, t.dtype, tuple(t.shape), off, t.numel() * t.element_size())
                        for (path, t), off in zip(named, offsets)]
             skipped, self._skipped = self._skipped, 0
             self._saves += 1
             self._last_events = events
+            ph.mark("entries")
+            blocking = time.perf_counter() - t0
             fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
                                     blocking, time.perf_counter(), slot, stall, skipped, cut,
-                                    [staged] if staged is not None else None)
+                                    [staged] if staged is not None else None, ph.out)
             self._last = SaveHandle(step, fut)
             if slot is None:   # the private arena (or, staged on the GPU, the arena it is copied into next)
                 self._arena_user = fut
@@ -922,18 +959,24 @@ class Snapshotter:
                     total: int, arena: torch.Tensor, events: list[Any], src_fps: dict[int, torch.Tensor],
                     blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
                     skipped: int = 0, cut: list[Piece] | None = None,
-                    staged_box: list[torch.Tensor] | None = None) -> SaveResult:
+                    staged_box: list[torch.Tensor] | None = None,
+                    phases: dict[str, float] | None = None) -> SaveResult:
         res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall,
-                         checksums="host" if cut is None else "source")
+                         checksums="host" if cut is None else "source", phases=phases or {})
+        ph = _Phases("b.", cpu=True, out=res.phases)
+        ph.t -= time.perf_counter() - returned   # queued behind earlier saves: counted as the wait
         try:
             for ev in events:
                 ev.synchronize()
+            ph.mark("wait_copy")
             res.host_s, res.cpu_s = -time.perf_counter(), -time.thread_time()   # the work from here on
             if staged_box:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
                 res.device_staged = True
                 arena = self._unstage(staged_box.pop(), total, tuple(e[3] for e in entries))
                 # the box held the only reference past save(): the GPU memory goes back now
+            ph.mark("unstage")
             begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
+            ph.mark("begin")
             if begin.state not in ("PENDING",):
                 res.state = begin.state
                 res.error = f"step {step} is already {begin.state}; shard not written again"
@@ -962,19 +1005,27 @@ class Snapshotter:
                 res.checksum_s = res.safe_s - (t0 - returned)  # checksums interleaved with the write
             if not self._slots_off:
                 self._location = begin.location
+            ph.mark("publish")
             if cut is not None:
                 manifest = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut,
                                                  res, arena)
+                ph.mark("sums")
+                text = manifest.to_json()
+                ph.mark("json")
                 report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
                 commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size,
-                                                manifest.to_json(), report=report)
+                                                text, report=report)
+                ph.mark("commit")
                 res.commit_s = time.perf_counter() - returned
                 res.state, res.committed_now = commit.state, commit.committed_now
-                return self._finish(res, slot, skipped, total)
+                out = self._finish(res, slot, skipped, total)
+                ph.mark("finish")
+                return out
             t0 = time.perf_counter()
             fps = list(self._fp_pool.map(lambda e: fingerprint_bytes(view[e[3]:e[3] + e[4]], dtype_name(e[1]), e[2]),
                                          entries))
             res.fingerprint_s = time.perf_counter() - t0
+            ph.mark("sums")
             tensors = []
             for i, (path, dt, shape, off, n) in enumerate(entries):
                 fp = fps[i]
@@ -989,9 +1040,12 @@ class Snapshotter:
             manifest = ShardManifest(self.job_id, step, self.rank, self.world_size, begin.blob_key, total,
                                      self.config.chunk_bytes, tuple(chunks), tuple(tensors), tree, time.time(),
                                      replica_set=self.replica_set)
+            text = manifest.to_json()
+            ph.mark("json")
             report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
-            commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size, manifest.to_json(),
+            commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size, text,
                                             report=report)
+            ph.mark("commit")
             res.commit_s = time.perf_counter() - returned
             res.state, res.committed_now = commit.state, commit.committed_now
         except Exception as e:  # noqa: BLE001 - a failed save must never reach the training loop
