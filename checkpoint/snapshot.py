@@ -67,12 +67,12 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
+import numpy as np
 import torch
 
 from checkpoint.blobstore import BlobStore
 from checkpoint.chunks import (
     DEFAULT_CHUNK_BYTES,
-    FP_ALGORITHM,
     Chunk,
     checksum_chunks,
     iter_checksummed,
@@ -84,7 +84,7 @@ from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.records import SaveReport
 from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
-from checkpoint.source_sums import Piece, combine, pieces
+from checkpoint.source_sums import CombinePlan, ManifestTemplate, Piece, pieces
 from checkpoint.state_tree import dtype_name, flatten
 from checksums.fingerprint import (
     MASK64,
@@ -355,6 +355,7 @@ class Snapshotter:
         self._zero_hint: tuple[tuple[int, ...], int] | None = None   # the last source-checksummed layout
         self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
         self._plan_fut: concurrent.futures.Future[None] | None = None
+        self._combine: tuple[Any, ...] | None = None   # background: (cut, total, entries, tree, plan, template)
 
     def _block(self) -> str:
         block = self.config.block
@@ -514,9 +515,13 @@ class Snapshotter:
         _, named = flatten(state_dict)
         tensors = [t for _, t in named]
         offsets, total = layout(tensors)
+        devs = {t.device for t in tensors}
+        # the destination views of the buffer the first save copies into, made with it (a few hundred view
+        # ops: milliseconds the first save would otherwise spend on the training thread, issue 21)
+        metas = (devs.pop(), [(t.dtype, t.shape) for t in tensors]) if len(devs) == 1 else None
         with self._lock:
             if self._prep is None or self._prep.done():
-                self._prep = self._pool.submit(self._prepare_buffers, total, offsets)
+                self._prep = self._pool.submit(self._prepare_buffers, total, offsets, metas)
             prep = self._prep
         with self._plan_lock:
             if self._plan_pool is None:
@@ -714,7 +719,7 @@ class Snapshotter:
             self._ready_fresh(made)
         return time.perf_counter() - t0 if made is not None else 0.0
 
-    def _prepare_buffers(self, total: int, offsets: list[int] | None = None) -> None:
+    def _prepare_buffers(self, total: int, offsets: list[int] | None = None, metas: Any = None) -> None:
         """Background (`prepare`, or a skipped save that found no buffer): a free slot of `total` bytes if
         slots work here, else the private pinned arena."""
         try:
@@ -729,6 +734,8 @@ class Snapshotter:
             buf = self._arena.ensure(total)
             if fresh and offsets is not None:   # made of zeros: its gaps need no zeroing in the first save
                 self._mark_zeroed(buf.data_ptr(), (tuple(offsets), total))
+            if metas is not None and offsets is not None:
+                self._ready_views(buf, metas[0], offsets, metas[1])
         except Exception as e:  # noqa: BLE001 - the save that needs it makes it or reports why
             log.warning("preparing a %d-byte checkpoint buffer failed: %s", total, e)
 
@@ -1007,11 +1014,9 @@ class Snapshotter:
                 self._location = begin.location
             ph.mark("publish")
             if cut is not None:
-                manifest = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut,
-                                                 res, arena)
-                ph.mark("sums")
-                text = manifest.to_json()
-                ph.mark("json")
+                text = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut,
+                                             res, arena)
+                ph.mark("sums_json")
                 report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
                 commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size,
                                                 text, report=report)
@@ -1094,35 +1099,59 @@ class Snapshotter:
         return host
 
     def _source_manifest(self, step: int, tree: Any,
-                         entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]], total: int, blob_key: str, src_fps: dict[Any, Any], cut: list[Piece],
-                         res: SaveResult, arena: torch.Tensor) -> ShardManifest:
-        """The manifest from the pieces' source fingerprints (checkpoint.source_sums): no host byte read,
-        but for CPU tensors, whose pieces are fingerprinted here from the host copy (numpy, threads)."""
+                         entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]], total: int,
+                         blob_key: str, src_fps: dict[Any, Any], cut: list[Piece], res: SaveResult,
+                         arena: torch.Tensor) -> str:
+        """The manifest's JSON from the pieces' source fingerprints (checkpoint.source_sums): no host byte
+        read, but for CPU tensors, whose pieces are fingerprinted here from the host copy (numpy, threads).
+        Vectorised (issue 21): the pieces' words go into one array, `CombinePlan` turns them into the chunk
+        checksums and tensor fingerprints with a few numpy operations, and `ManifestTemplate` writes the JSON
+        around them; both are made once per layout."""
         t0 = time.perf_counter()
-        words: list[Any] = [None] * len(cut)
-        view = memoryview(arena.numpy()).cast("B")
+        words = np.zeros((len(cut), 2), dtype=np.int64)
+        filled = np.zeros(len(cut), dtype=bool)
+        view = None
         for key, val in src_fps.items():
             if isinstance(key, tuple) and key[0] == "pieces":
                 idx, per = val
-                for j, row in zip(idx, per.tolist()):
-                    words[j] = row
+                if len(idx):
+                    at = np.asarray(idx, dtype=np.intp)
+                    words[at] = per.numpy().reshape(len(idx), 2)
+                    filled[at] = True
             elif isinstance(key, tuple) and key[0] == "host pieces":
-                def piece_words(j: int) -> tuple[int, int]:
+                if view is None:
+                    view = memoryview(arena.numpy()).cast("B")
+
+                def piece_words(j: int, host: memoryview = view) -> tuple[int, int]:
                     p = cut[j]
                     at = entries[p.tensor][3] + p.start
-                    return fingerprint_bytes(view[at:at + p.length], "uint8", (p.length,))
-                for j, w in zip(val, self._fp_pool.map(piece_words, val)):
-                    words[j] = w
-        if any(w is None for w in words):
+                    return fingerprint_bytes(host[at:at + p.length], "uint8", (p.length,))
+                got = list(self._fp_pool.map(piece_words, val))
+                if got:
+                    at = np.asarray(val, dtype=np.intp)
+                    words[at] = np.array(got, dtype=np.uint64).view(np.int64).reshape(len(got), 2)
+                    filled[at] = True
+        if not filled.all():
             raise CorruptCheckpointError(f"step {step} rank {self.rank}: a piece has no source fingerprint")
-        chunks, fps = combine(cut, words, total, self.config.chunk_bytes,
-                              [(dtype_name(dt), shape) for _, dt, shape, _, _ in entries])
-        tensors = [TensorEntry(path, dtype_name(dt), shape, off, n, fp)
-                   for (path, dt, shape, off, n), fp in zip(entries, fps)]
+        plan, template = self._combine_plan(tree, entries, total, cut)
+        chunk_words, tensor_words = plan.run(words)
         res.checksum_s = time.perf_counter() - t0
-        return ShardManifest(self.job_id, step, self.rank, self.world_size, blob_key, total,
-                             self.config.chunk_bytes, tuple(chunks), tuple(tensors), tree, time.time(),
-                             algorithm=FP_ALGORITHM, replica_set=self.replica_set)
+        return template.render(step, blob_key, chunk_words, tensor_words, time.time())
+
+    def _combine_plan(self, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
+                      total: int, cut: list[Piece]) -> tuple[CombinePlan, ManifestTemplate]:
+        """This layout's CombinePlan and ManifestTemplate, kept while the layout (the pieces, the entries,
+        the tree) stays: a comparison per save, the plan's arrays and JSON fragments once per layout."""
+        held = self._combine
+        if (held is not None and held[0] is cut and held[1] == total and held[2] == entries
+                and held[3] == tree):
+            return held[4], held[5]
+        named = [(path, dtype_name(dt), shape, off, n) for path, dt, shape, off, n in entries]
+        plan = CombinePlan(cut, total, self.config.chunk_bytes, [(dt, shape) for _, dt, shape, _, _ in named])
+        template = ManifestTemplate(self.job_id, self.rank, self.world_size, total, self.config.chunk_bytes,
+                                    plan.ranges, named, tree, self.replica_set)
+        self._combine = (cut, total, entries, tree, plan, template)
+        return plan, template
 
     def _finish(self, res: SaveResult, slot: Slot | None, skipped: int, total: int) -> SaveResult:
         if res.host_s < 0:
@@ -1202,6 +1231,20 @@ class Snapshotter:
                     self._dst_cache[arena.data_ptr()] = views
         except Exception as e:  # noqa: BLE001 - an optimisation: the save makes what is missing
             log.debug("preparing a fresh slot's views failed: %s", e)
+
+    def _ready_views(self, arena: torch.Tensor, dev: torch.device, offsets: list[int],
+                     metas: list[tuple[torch.dtype, Any]]) -> None:
+        """Off the training thread (prepare): the destination views of `arena` for this layout, as `_dsts`
+        keeps them, so the first save into it makes none."""
+        key = (dev, tuple(offsets), tuple((dt, tuple(shape)) for dt, shape in metas))
+        views = []
+        for off, (dt, shape) in zip(offsets, metas):
+            n = math.prod(shape) * dt.itemsize
+            views.append(arena[off:off + n].view(dt).view(shape) if n else None)
+        with self._cache_lock:
+            if self._dst_cache.get("layout") != key:
+                self._dst_cache = {"layout": key}
+            self._dst_cache[arena.data_ptr()] = views
 
     def _ring_full(self, total: int) -> bool:
         ring = self._ring

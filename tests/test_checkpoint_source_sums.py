@@ -19,9 +19,9 @@ from checkpoint.chunks import ALGORITHM, FP_ALGORITHM, Chunk, checksum, verify
 from checkpoint.client import CheckpointClient
 from checkpoint.coordinator import SCRUB_FIELD
 from checkpoint.errors import InvalidInputError
-from checkpoint.manifest import ShardManifest
+from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.snapshot import SnapshotConfig, Snapshotter
-from checkpoint.source_sums import combine, pieces
+from checkpoint.source_sums import CombinePlan, ManifestTemplate, combine, pieces
 from checksums.fingerprint import triton_available
 from checksums.fingerprint_host import (MASK64, fingerprint_bytes, fmix64, fmix64_inverse, shift_sums,
                                         sums_from_tensor_words, word_sums_numpy)
@@ -74,6 +74,40 @@ def test_pieces_combine_into_the_host_checksums_and_fingerprints(chunk_bytes: in
     assert fps == [fingerprint_bytes(d, "uint8", (n,)) for d, n in zip(data, sizes)]
     with pytest.raises(InvalidInputError, match="multiple of 4"):
         pieces(offsets, sizes, 6)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4, 256, 4096])
+def test_the_vectorised_plan_and_template_give_combine_and_to_json_exactly(chunk_bytes: int) -> None:
+    """Issue 21: CombinePlan (numpy over whole arrays) gives the integers `combine` gives, and
+    ManifestTemplate the very text ShardManifest.to_json writes (what the agent parses and compares)."""
+    rng = np.random.default_rng(chunk_bytes + 1)
+    specs = [("float32", (10, 25)), ("bfloat16", (7,)), ("uint8", (0,)), ("int64", ()), ("float32", (333,)),
+             ("uint8", (13,))]
+    item = {"float32": 4, "bfloat16": 2, "uint8": 1, "int64": 8}
+    sizes = [item[dt] * int(np.prod(shape)) for dt, shape in specs]
+    offsets, total = _aligned_offsets(sizes)
+    data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    cut = pieces(offsets, sizes, chunk_bytes)
+    words = [fingerprint_bytes(data[p.tensor][p.start:p.start + p.length], "uint8", (p.length,)) for p in cut]
+    chunks, fps = combine(cut, words, total, chunk_bytes, specs)
+    plan = CombinePlan(cut, total, chunk_bytes, specs)
+    signed = np.array([[w - (1 << 64) if w >> 63 else w for w in pair] for pair in words],
+                      dtype=np.int64).reshape(-1, 2)   # as the GPU hands them over: int64 bit patterns
+    cw, tw = plan.run(signed)
+    assert [c.checksum for c in chunks] == [f"{a:016x}{b:016x}" for a, b in cw.tolist()]
+    assert fps == [tuple(x) for x in tw.tolist()]
+    entries = [(f"model/t\u00e9{i}", dt, shape, off, n) for i, ((dt, shape), off, n)
+               in enumerate(zip(specs, offsets, sizes))]
+    tree = {"model": {f"t{i}": {"__sdcw_tensor__": i} for i in range(len(specs))}, "x": [1.5, None]}
+    m = ShardManifest("job-x", 12, 1, 2, "job-x/12/rank-1.bin", total, chunk_bytes, tuple(chunks),
+                      tuple(TensorEntry(*e, fp) for e, fp in zip(entries, fps)), tree, 1234.5678,
+                      algorithm=FP_ALGORITHM, replica_set="set-a")
+    text = ManifestTemplate("job-x", 1, 2, total, chunk_bytes, plan.ranges, entries, tree, "set-a").render(
+        12, "job-x/12/rank-1.bin", cw, tw, 1234.5678)
+    assert text == m.to_json()
+    assert ShardManifest.from_json(text) == m
+    with pytest.raises(InvalidInputError):
+        plan.run(signed[1:])
 
 
 def test_a_chunk_checksum_catches_a_flipped_bit_with_either_algorithm() -> None:
