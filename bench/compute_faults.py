@@ -16,13 +16,16 @@ and the measured clean cross-rank spread.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -346,7 +349,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
-             mask: str, sdcguard: int = 0, together: bool = False) -> dict[str, Any]:
+             mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -376,36 +379,57 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
         arms.append((name, ddp, opt, checks, guard, monitor))
     times: dict[str, list[float]] = {name: [] for name in names}
     paths: dict[str, dict[str, int]] = {}
+
+    def run_block(arm: tuple[Any, ...], steps_: range) -> None:
+        name, ddp, opt, checks, guard, monitor = arm
+        for s in steps_:
+            batch = batch_for(rank, s, device)
+            if checks is not None:
+                checks.retain(batch)
+            if guard is not None:
+                with guard.on_step(s + 1):
+                    loss_fn(ddp, batch).backward()
+            else:
+                loss = loss_fn(ddp, batch)
+                loss.backward()
+            opt.step()
+            if monitor is not None:
+                monitor.step(loss)
+            opt.zero_grad(set_to_none=True)
+
     # one untimed round of blocks first: kernel compilation (Triton, cuBLAS/cuDNN plans, sdcguard's set-up)
     # lands in each arm's first block, and in a mean over 10 blocks a 1.6 s compile is +8 ms a step
     step = -block
     while step < steps:
-        for name, ddp, opt, checks, guard, monitor in arms:
+        for arm in arms:
+            name = arm[0]
             set_fused(name != "checks-torch")
             dist.barrier()
             t0 = time.perf_counter()
-            for k in range(block):
-                s = step + k if step >= 0 else steps + k      # warm-up: batches after the timed ones
-                batch = batch_for(rank, s, device)
-                if checks is not None:
-                    checks.retain(batch)
-                if guard is not None:
-                    with guard.on_step(s + 1):
-                        loss_fn(ddp, batch).backward()
-                else:
-                    loss = loss_fn(ddp, batch)
-                    loss.backward()
-                opt.step()
-                if monitor is not None:
-                    monitor.step(loss)
-                opt.zero_grad(set_to_none=True)
+            # warm-up: batches after the timed ones
+            run_block(arm, range(step, step + block) if step >= 0 else range(steps, steps + block))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if step >= 0:
                 times[name].append((time.perf_counter() - t0) / block)
-            if checks is not None:
-                paths[name] = summary_paths(checks.summaries)
+            if arm[3] is not None:
+                paths[name] = summary_paths(arm[3].summaries)
         step += block
+    host: dict[str, Any] = {}
+    if profile:   # where each arm's host time goes (cProfile of one more block; the GPU runs ahead)
+        for arm in arms:
+            set_fused(arm[0] != "checks-torch")
+            prof = cProfile.Profile()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            prof.enable()
+            run_block(arm, range(steps + block, steps + 2 * block))
+            prof.disable()
+            st = pstats.Stats(prof)
+            rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:profile]   # by own (tottime) time
+            host[arm[0]] = {"host_s_per_step": st.total_tt / block,
+                            "top": [(f"{Path(f).name}:{ln}:{fn}", tt / block, ct / block, nc // block)
+                                    for (f, ln, fn), (cc, nc, tt, ct, _) in rows]}
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     mean = {name: sum(t) / len(t) for name, t in times.items()}
@@ -414,7 +438,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                                            "blocks": times[name]} for name in names},
                            "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
                            "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
-                           "summary_paths": paths}
+                           "summary_paths": paths, "host": host}
     # the previous keys (one gated arm: checks with audits)
     out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
                overhead=mean["checks+audits"] / mean["base"] - 1.0)
@@ -452,7 +476,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     if args.overhead:
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
                                        audit_every=args.overhead_audit_every, mask=args.mask,
-                                       sdcguard=args.sdcguard, together=args.together)
+                                       sdcguard=args.sdcguard, together=args.together,
+                                       profile=args.profile)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -517,6 +542,11 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
             lines.append(f"  {what:42} {a['step_s'] * 1e3:9.3f} {a['step_s'] / base:7.4f} {a['overhead'] * 100:+8.2f}%"
                          f" {(a['median_s'] / base_med - 1) * 100:+8.2f}%")
+        for name, h in o.get("host", {}).items():
+            lines.append(f"  host time of arm {name}: {h['host_s_per_step'] * 1e3:.3f} ms/step; largest own times "
+                         "(ms/step own, cumulative, calls/step):")
+            for fn, tt, ct, nc in h["top"]:
+                lines.append(f"    {fn[:70]:70} {tt * 1e3:7.3f} {ct * 1e3:7.3f} {nc:5d}")
         for name, counts in o.get("summary_paths", {}).items():
             lines.append(f"  bucket summaries of arm {name}: " + ", ".join(f"{n} {p}" for p, n in counts.items()))
     return "\n".join(lines)
@@ -557,6 +587,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_rank
     p.add_argument("--sdcguard-mode", choices=["protect", "dispatch"], default="protect",
                    help="protect: SDCGuard(every).protect(model), its training mode (every nn.Linear); "
                    "dispatch: its default mode (every matmul, slower)")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="after --overhead, profile one more "
+                   "block of each arm (cProfile: host time per step and its N largest functions)")
     p.add_argument("--together", action="store_true", help="also an --overhead arm \"all\": the Monitor's "
                    "vote with ReplicaRecovery's gate, the in-job canary, the checks and the audits at once")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
