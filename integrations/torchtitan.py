@@ -23,6 +23,11 @@ calls `save(step)` after every optimizer step. `SdcwatchCheckpointer` is torchti
   steps) is not saved again, on every rank alike (`resaves_skipped`); stop ends the loop (`training.steps`
   set to the current step).
 
+With `sdcwatch_resume=True`, `load()` at the start (when torchtitan's own folder holds no checkpoint) loads
+the full train state from the agent's newest VERIFIED checkpoint of the job (or of `load_step`).
+Tested with torchtitan's own `Trainer` in tests/test_torchtitan_trainer.py; naming it in a torchtitan
+config-registry function: docs/frameworks.md.
+
 The loss is not reported (torchtitan computes it inside `train_step`; no hook hands it out), so the agent's
 loss detector does not run for these jobs; the replica vote, fingerprints and checks do.
 """
@@ -74,6 +79,10 @@ class SdcwatchCheckpointer(CheckpointManager):
         agent_target: str | None = None
         """The agent's gRPC target (default: found as the CLI finds it)."""
 
+        sdcwatch_resume: bool = False
+        """At `load()`, when torchtitan's own folder has no checkpoint: resume from the newest VERIFIED
+        checkpoint the agent holds for `job_id` (or the agent's checkpoint of `load_step`, when set)."""
+
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[Any], optimizers: Any,
                  lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any, base_folder: str = "") -> None:
         if not config.job_id:
@@ -110,6 +119,8 @@ class SdcwatchCheckpointer(CheckpointManager):
 
     def load(self, step: int = -1) -> bool:
         loaded = super().load(step)
+        if not loaded and self.sdc_config.sdcwatch_resume:
+            loaded = self._resume_from_agent(step)
         if self.train_state is not None:      # a resumed run: the weights are at the trainer's step
             self.guard.renumber(int(self.train_state.step))
         return loaded
@@ -133,6 +144,31 @@ class SdcwatchCheckpointer(CheckpointManager):
             if self.link is not None:
                 self.link.close()
         super().close()
+
+    def _resume_from_agent(self, step: int) -> bool:
+        """Load the full train state of the agent's checkpoint `step` (-1: its newest VERIFIED one) through
+        DCP. The ranks agree on the step (the smallest any rank sees VERIFIED: each rank may ask the agent
+        at a slightly different moment), so all load the same one."""
+        if self.link is None:
+            raise ValueError("SdcwatchCheckpointer: sdcwatch_resume needs sdcwatch_interval > 0 "
+                             "(the agent link)")
+        if step < 0:
+            newest = self.link.latest_verified(self.sdc_config.job_id)
+            step = newest.step if newest is not None else -1
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                flag = torch.tensor([step], dtype=torch.int64, device=self.monitor.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                step = int(flag.item())
+        if step < 0:
+            logger.info("sdcwatch: the agent holds no VERIFIED checkpoint of %s; starting afresh",
+                        self.sdc_config.job_id)
+            return False
+        dcp.load(self.sdc_states, storage_reader=SdcwStorageReader(self.link, self.sdc_config.job_id),
+                 checkpoint_id=step)
+        self._saved_max = step
+        logger.info("sdcwatch: resumed %s from the agent's checkpoint of step %d",
+                    self.sdc_config.job_id, step)
+        return True
 
     def _held_already(self, step: int) -> bool:
         """Whether a re-save of `step` after a rollback is skipped, on every rank alike: the agent still holds

@@ -4,8 +4,9 @@ extends) and driven the way torchtitan's `Trainer.train` drives it (step += 1, t
 lr_schedulers.step, checkpointer.save(step)), on 2 gloo ranks with HSDP (`fully_shard` on a (2, 1) mesh:
 DTensor parameters, the replicas on the "replicate" dim) and the real agent.
 
-torchtitan's `Trainer` itself is not started: it needs a tokenizer and a data set on disk (hf_assets_path,
-datasets) and its model registry; the manager sees exactly the objects the trainer hands it.
+torchtitan's `Trainer` itself is started in tests/test_torchtitan_trainer.py (a tokenizer and a data set
+made on disk, a tiny llama3 flavour); here the manager sees the objects the trainer hands it, on a hand-made
+model.
 
 One bit flipped in rank 1's shard after step FLIP: the vote catches it, the agent's rollback directive
 loads the full train state (model, optimizers, schedulers, the trainer's step) through DCP from a VERIFIED
