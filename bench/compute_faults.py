@@ -399,9 +399,10 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
 
     # one untimed round of blocks first: kernel compilation (Triton, cuBLAS/cuDNN plans, sdcguard's set-up)
     # lands in each arm's first block, and in a mean over 10 blocks a 1.6 s compile is +8 ms a step
-    step = -block
+    step, rnd = -block, 0
     while step < steps:
-        for arm in arms:
+        # the arms' order turns each round, so no arm always runs right after the same other arm
+        for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
             name = arm[0]
             set_fused(name != "checks-torch")
             dist.barrier()
@@ -415,6 +416,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             if arm[3] is not None:
                 paths[name] = summary_paths(arm[3].summaries)
         step += block
+        rnd += 1
     host: dict[str, Any] = {}
     if profile:   # where each arm's host time goes (cProfile of one more block; the GPU runs ahead)
         for arm in arms:
@@ -438,7 +440,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                                            "blocks": times[name]} for name in names},
                            "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
                            "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
-                           "summary_paths": paths, "host": host}
+                           "summary_paths": paths, "host": host,
+                           "status": {a[0]: dataclasses.asdict(a[3].status()) for a in arms if a[3] is not None}}
     # the previous keys (one gated arm: checks with audits)
     out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
                overhead=mean["checks+audits"] / mean["base"] - 1.0)
@@ -542,6 +545,11 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
             lines.append(f"  {what:42} {a['step_s'] * 1e3:9.3f} {a['step_s'] / base:7.4f} {a['overhead'] * 100:+8.2f}%"
                          f" {(a['median_s'] / base_med - 1) * 100:+8.2f}%")
+        for name, st in o.get("status", {}).items():
+            lines.append(f"  checks of arm {name}: steps {st['steps']}, suspicions {st['suspicions']}, replays "
+                         f"{st['replays']}, audits {st['audits']}, dropped {st['dropped']}, exact {st['exact']}")
+        for name, a in o["arms"].items():
+            lines.append(f"  blocks of arm {name} (ms/step): " + " ".join(f"{b * 1e3:.1f}" for b in a["blocks"]))
         for name, h in o.get("host", {}).items():
             lines.append(f"  host time of arm {name}: {h['host_s_per_step'] * 1e3:.3f} ms/step; largest own times "
                          "(ms/step own, cumulative, calls/step):")
