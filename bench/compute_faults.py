@@ -349,7 +349,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
-             mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0) -> dict[str, Any]:
+             mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
+             gpu_profile: int = 0) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -381,7 +382,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     paths: dict[str, dict[str, int]] = {}
 
     def run_block(arm: tuple[Any, ...], steps_: range) -> None:
-        name, ddp, opt, checks, guard, monitor = arm
+        _, ddp, opt, checks, guard, monitor = arm
         for s in steps_:
             batch = batch_for(rank, s, device)
             if checks is not None:
@@ -432,6 +433,22 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             host[arm[0]] = {"host_s_per_step": st.total_tt / block,
                             "top": [(f"{Path(f).name}:{ln}:{fn}", tt / block, ct / block, nc // block)
                                     for (f, ln, fn), (cc, nc, tt, ct, _) in rows]}
+    if gpu_profile and device.type == "cuda":   # which device kernels each arm adds (torch.profiler, CUDA)
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
+        for arm in arms:
+            set_fused(arm[0] != "checks-torch")
+            torch.cuda.synchronize(device)
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                run_block(arm, range(steps + block, steps + 2 * block))
+                torch.cuda.synchronize(device)
+            evs = [e for e in prof.key_averages() if e.device_time_total > 0]
+            total = sum(e.self_device_time_total for e in evs)
+            evs.sort(key=lambda e: -e.self_device_time_total)
+            host.setdefault(arm[0], {"host_s_per_step": float("nan"), "top": []})
+            host[arm[0]]["device_s_per_step"] = total / 1e6 / block
+            host[arm[0]]["kernels"] = [(e.key[:90], e.self_device_time_total / 1e3 / block, e.count // block)
+                                       for e in evs[:gpu_profile]]
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     mean = {name: sum(t) / len(t) for name, t in times.items()}
@@ -480,7 +497,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
                                        audit_every=args.overhead_audit_every, mask=args.mask,
                                        sdcguard=args.sdcguard, together=args.together,
-                                       profile=args.profile)
+                                       profile=args.profile, gpu_profile=args.gpu_profile)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -555,6 +572,11 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                          "(ms/step own, cumulative, calls/step):")
             for fn, tt, ct, nc in h["top"]:
                 lines.append(f"    {fn[:70]:70} {tt * 1e3:7.3f} {ct * 1e3:7.3f} {nc:5d}")
+            if "kernels" in h:
+                lines.append(f"  device time of arm {name}: {h['device_s_per_step'] * 1e3:.3f} ms/step; largest kernels "
+                             "(ms/step, launches/step):")
+                for k, ms, n in h["kernels"]:
+                    lines.append(f"    {k[:90]:90} {ms:7.3f} {n:5d}")
         for name, counts in o.get("summary_paths", {}).items():
             lines.append(f"  bucket summaries of arm {name}: " + ", ".join(f"{n} {p}" for p, n in counts.items()))
     return "\n".join(lines)
@@ -597,6 +619,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_rank
                    "dispatch: its default mode (every matmul, slower)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="after --overhead, profile one more "
                    "block of each arm (cProfile: host time per step and its N largest functions)")
+    p.add_argument("--gpu-profile", type=int, default=0, metavar="N", help="after --overhead, trace one more "
+                   "block of each arm on the GPU (torch.profiler): device time per step and its N largest kernels")
     p.add_argument("--together", action="store_true", help="also an --overhead arm \"all\": the Monitor's "
                    "vote with ReplicaRecovery's gate, the in-job canary, the checks and the audits at once")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
