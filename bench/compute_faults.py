@@ -381,10 +381,15 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     times: dict[str, list[float]] = {name: [] for name in names}
     paths: dict[str, dict[str, int]] = {}
 
+    # every batch made on the device before timing, as a loader with pinned memory and non-blocking copies
+    # delivers them: a pageable copy per step waits for the stream, so the GPU idled ~20 ms a step while the
+    # host launched the next one and every arm's host work was timed as if it were device work
+    batches = [batch_for(rank, s, device) for s in range(steps + 2 * block)]
+
     def run_block(arm: tuple[Any, ...], steps_: range) -> None:
         _, ddp, opt, checks, guard, monitor = arm
         for s in steps_:
-            batch = batch_for(rank, s, device)
+            batch = batches[s]
             if checks is not None:
                 checks.retain(batch)
             if guard is not None:

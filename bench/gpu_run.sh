@@ -108,7 +108,7 @@ want gradsum && step gradsum-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 py
 # checks, audits every 334) beside base/checks/audits/sdcguard, interleaved; then 2,000 clean steps on 3
 # virtual ranks (no false suspicion expected)
 want computeall && step compute-all 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20 --together
+  --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20 --together --gpu-profile 8
 # the same, short, with each arm's host time per step and its largest functions (cProfile)
 want computeprof && step compute-prof 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 40 --block 20 --together --gpu-profile 14
