@@ -29,7 +29,7 @@ change the optimizer's tensors in place outside `optimizer.step()` between a sav
 Background (one worker thread: saves are committed one after another, in step order; with
 `max_inflight` > 1 several wait in its queue, each in its own staging slot, and the whole ring is made
 up front by a thread of their own, then only reused: no slot is made in steady state):
-wait for the copy's events -> `sink.begin` ->
+`sink.begin` (its round trip overlaps the copy) -> wait for the copy's events (the GIL released) ->
 publish the shard as the blob `<job>/<step>/rank-<r>.bin`: a hard link of the slot (no bytes move) or, for
 a private buffer, a streamed file write -> xxh3-128 of each chunk -> fingerprint of the host bytes, which
 must equal the GPU fingerprint -> `sink.commit_shard(manifest)` -> create the next staging slot ahead
@@ -39,10 +39,11 @@ fingerprinted once. `prepare(state_dict)` makes the first save's buffer ahead, i
 Checksums at the source (`SnapshotConfig.checksums`, "source" by default for CUDA state): step 3
 fingerprints the tensors' pieces (cut at chunk boundaries, checkpoint.source_sums) with one fused launch
 before the copies, and the background builds the chunk checksums (algorithm sdcw-fp1) and the tensor
-fingerprints from the pieces' words: the host reads no byte of the shard to commit it; the agent's scrub
-checks the host bytes later and VERIFIED waits for it (docs/checkpoints.md). A save that finds no host
-buffer ready (the first) copies into a GPU buffer and returns; the background makes the host buffer and
-copies it there (`device_staging`).
+fingerprints from the pieces' words (numpy on whole arrays, the manifest's JSON from a template made once
+per layout: about a millisecond of Python per save, issue 21): the host reads no byte of the shard to
+commit it; the agent's scrub checks the host bytes later and VERIFIED waits for it (docs/checkpoints.md).
+A save that finds no host buffer ready (the first) copies into a GPU buffer and returns; the background
+makes the host buffer and copies it there (`device_staging`).
 
 A save requested while the previous one is still in the background waits for it (`policy="wait"`) or is
 skipped (`policy="skip"`); every skip is counted by reason (`Snapshotter.stats`, and the next commit tells
@@ -62,6 +63,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -276,6 +278,52 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, pos
 
 
+_PTR = torch.Tensor.data_ptr
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_DEVICE = operator.attrgetter("device")
+_NBYTES = operator.attrgetter("nbytes")
+_PATH = operator.itemgetter(0)
+
+
+def _signature(named: list[tuple[str, torch.Tensor]], tensors: list[torch.Tensor],
+               values: list[int] | None = None) -> tuple[Any, ...]:
+    """What a save's plan depends on, per tensor: address, dtype, shape, device, contiguity, path. A few
+    C-level `map`s (tens of microseconds for 600 tensors), compared with the last plan's. `values`: the
+    indices of the plain values' byte tensors (flatten makes them anew at every save, on the host): their
+    address is left out (no plan reads it; their size is in the shape)."""
+    ptrs = list(map(_PTR, tensors))
+    for i in values or ():
+        ptrs[i] = 0
+    return (tuple(ptrs), tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors)),
+            tuple(map(_DEVICE, tensors)), tuple(map(_CONTIGUOUS, tensors)), tuple(map(_PATH, named)))
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _SavePlan:
+    """What a save derives from its state's layout, made by the first save of the layout and kept while it
+    stays (issue 21: no Python per tensor on the training thread in steady state, but the signature): the
+    offsets, the manifest entries, the source-checksum pieces, the grouping by device, the optimizer's
+    tensors, the copy order and the keys of the caches below it."""
+
+    sig: tuple[Any, ...]
+    offsets: list[int]
+    total: int
+    entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]
+    by_dev: dict[torch.device, list[int]]
+    source: bool
+    cut: list[Piece] | None = None
+    by_dev_pieces: dict[torch.device, list[int]] = dataclasses.field(default_factory=dict)
+    zero_key: tuple[tuple[int, ...], int] | None = None
+    late_key: Any = None                      # the optimizer's key `late` was computed for
+    late: list[bool] | None = None
+    fp_keys: dict[torch.device, Any] = dataclasses.field(default_factory=dict)   # fingerprint plan keys
+    dev_pieces: dict[torch.device, list[Piece]] | None = None
+    orders: dict[Any, tuple[list[int], int]] = dataclasses.field(default_factory=dict)  # copy order, early
+    dst_keys: dict[torch.device, Any] = dataclasses.field(default_factory=dict)
+
+
 class _Phases:
     """Host time per phase of a save (`SaveResult.phases`): a few clock reads per save, always on. `cpu`:
     also the thread's CPU time per phase (the background: wall minus CPU is time waiting, e.g. for the GIL)."""
@@ -356,6 +404,7 @@ class Snapshotter:
         self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
         self._plan_fut: concurrent.futures.Future[None] | None = None
         self._combine: tuple[Any, ...] | None = None   # background: (cut, total, entries, tree, plan, template)
+        self._plan: _SavePlan | None = None    # the last layout's save plan (the training thread's)
 
     def _block(self) -> str:
         block = self.config.block
@@ -391,10 +440,13 @@ class Snapshotter:
             else:
                 stall = 0.0
             ph.mark("pending")
-            tree, named = flatten(state_dict)
+            values: list[int] = []
+            tree, named = flatten(state_dict, values)
             tensors = [t for _, t in named]
             ph.mark("flatten")
-            offsets, total = layout(tensors)
+            sig = _signature(named, tensors, values)
+            plan = self._plan if self._plan is not None and self._plan.sig == sig else None
+            offsets, total = (plan.offsets, plan.total) if plan is not None else layout(tensors)
             ph.mark("layout")
             # skip_until_ready never blocks on making a buffer: with none ready it skips and makes one ahead
             slot = self._acquire_slot(total, create=not ahead)
@@ -411,22 +463,24 @@ class Snapshotter:
                 self._want_spares(total)   # top the ring up while this one is in flight
             staged = None   # no host buffer ready: stage on the GPU, the host buffer made in the background
             if slot is None and not self._arena.ready(total):
-                staged = self._device_stage(tensors, total, block)
-                if staged is None and ahead:
-                    self._skip(step, "preparing")
-                    self._prep = self._pool.submit(self._prepare_buffers, total)
+                if ahead:   # skip_until_ready (every_step): skipped and counted; the buffers, views and
+                    self._skip(step, "preparing")   # plans made in the background (issue 21: this call
+                    self._prepare(named, offsets, total, values)   # costs what a steady one costs)
                     return None
+                staged = self._device_stage(tensors, total, block)
             if staged is not None:
                 arena = staged
             else:
                 arena = slot.tensor if slot is not None else self._arena.ensure(total)
+            if plan is None:
+                plan = self._save_plan(named, tensors, sig)
             ph.mark("buffer")
-            late = self._changed_by_update(tensors) if block == "update" else None
+            late = self._plan_late(plan, tensors) if block == "update" else None
             ph.mark("late")
-            cut = self._source_cut(tensors, offsets) if self._source_mode(tensors) else None
+            cut = plan.cut
             transfer_check = True
             self._save_keys = {}
-            if cut is not None and not self._plans_ready(tensors, cut):
+            if cut is not None and not self._plans_ready(tensors, cut, plan):
                 # the fingerprint plan of this layout (tables built and uploaded: milliseconds of host work,
                 # and the kernel's compile before the first) is made in the background, never here: this
                 # save is checksummed on the host from the landed bytes instead (the "host" path, without
@@ -435,11 +489,12 @@ class Snapshotter:
                 cut, transfer_check = None, False
             ph.mark("plan")
             if cut is not None and staged is None:   # a staging buffer on the GPU is made of zeros
-                self._zero_gaps(arena, tensors, offsets, total)
+                self._zero_gaps(arena, tensors, offsets, total, plan.zero_key)
             ph.mark("zero")
             try:
                 with torch.no_grad():
-                    events, src_fps = self._copy(tensors, offsets, arena, block, late, cut, transfer_check)
+                    events, src_fps = self._copy(tensors, offsets, arena, block, late, cut, transfer_check,
+                                                 plan)
             except BaseException:
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)
@@ -449,8 +504,7 @@ class Snapshotter:
                 for ev in events:
                     ev.synchronize()
             ph.mark("copy_wait")
-            entries = [(path, t.dtype, tuple(t.shape), off, t.numel() * t.element_size())
-                       for (path, t), off in zip(named, offsets)]
+            entries = plan.entries
             skipped, self._skipped = self._skipped, 0
             self._saves += 1
             self._last_events = events
@@ -472,6 +526,39 @@ class Snapshotter:
             return self.config.chunk_bytes % 4 == 0 and any(t.device.type == "cuda" for t in tensors)
         return mode == "source"
 
+    def _save_plan(self, named: list[tuple[str, torch.Tensor]], tensors: list[torch.Tensor],
+                   sig: tuple[Any, ...] | None = None) -> _SavePlan:
+        """The plan of this state's layout: the last one when the signature is the same, else a new one
+        (the training thread's first save of a layout, or the plan thread's prepare)."""
+        sig = _signature(named, tensors) if sig is None else sig
+        held = self._plan
+        if held is not None and held.sig == sig:
+            return held
+        offsets, total = layout(tensors)
+        entries = [(path, t.dtype, tuple(t.shape), off, t.numel() * t.element_size())
+                   for (path, t), off in zip(named, offsets)]
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dev.setdefault(t.device, []).append(i)
+        plan = _SavePlan(sig, offsets, total, entries, by_dev, self._source_mode(tensors),
+                         zero_key=(tuple(offsets), total))
+        if plan.source:
+            plan.cut = self._source_cut(tensors, offsets)
+            for k, p in enumerate(plan.cut):
+                plan.by_dev_pieces.setdefault(tensors[p.tensor].device, []).append(k)
+        self._plan = plan
+        return plan
+
+    def _plan_late(self, plan: _SavePlan, tensors: list[torch.Tensor]) -> list[bool]:
+        """`_changed_by_update` for the plan's layout, kept with it while the optimizer's layout stays."""
+        opt = self._fence.optimizer if self._fence is not None else None
+        key = None if opt is None else (id(opt), len(opt.state), sum(len(g["params"]) for g in opt.param_groups))
+        if plan.late is None or plan.late_key != key:
+            plan.late = self._changed_by_update(tensors)
+            plan.late_key = key
+            plan.orders = {}
+        return plan.late
+
     def _source_cut(self, tensors: list[torch.Tensor], offsets: list[int]) -> list[Piece]:
         """The pieces of this layout (checkpoint.source_sums), cached while the layout stays."""
         sizes = [t.numel() * t.element_size() for t in tensors]
@@ -481,10 +568,10 @@ class Snapshotter:
         return self._cuts[1]
 
     def _zero_gaps(self, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int],
-                   total: int) -> None:
+                   total: int, key: tuple[tuple[int, ...], int] | None = None) -> None:
         """Zero the bytes between tensors in the staging buffer (the source checksums count them as zero),
         once per buffer and layout: a reused slot may hold another layout's bytes there."""
-        key = (tuple(offsets), total)
+        key = (tuple(offsets), total) if key is None else key
         ptr = arena.data_ptr()
         with self._cache_lock:
             self._zero_hint = key   # slots made ahead from now on are marked zero for this layout
@@ -512,21 +599,30 @@ class Snapshotter:
         meanwhile waits for the buffer only (`policy="wait"`) or is skipped; a plan not ready yet never
         blocks one (that save checksums on the host). The future is done when all of it is. Nothing is
         copied."""
-        _, named = flatten(state_dict)
+        values: list[int] = []
+        _, named = flatten(state_dict, values)
+        with self._lock:
+            return self._prepare(named, values=values)
+
+    def _prepare(self, named: list[tuple[str, torch.Tensor]], offsets: list[int] | None = None,
+                 total: int = 0, values: list[int] | None = None) -> "concurrent.futures.Future[None]":
+        """`prepare` from the flattened state, `self._lock` held (prepare(), or a save that found nothing
+        ready and is skipped): the buffers on the background thread, the save plan (issue 21: the first
+        save after it computes no offsets, entries or pieces) and the fingerprint plans on the plan thread."""
         tensors = [t for _, t in named]
-        offsets, total = layout(tensors)
+        if offsets is None:
+            offsets, total = layout(tensors)
         devs = {t.device for t in tensors}
         # the destination views of the buffer the first save copies into, made with it (a few hundred view
         # ops: milliseconds the first save would otherwise spend on the training thread, issue 21)
         metas = (devs.pop(), [(t.dtype, t.shape) for t in tensors]) if len(devs) == 1 else None
-        with self._lock:
-            if self._prep is None or self._prep.done():
-                self._prep = self._pool.submit(self._prepare_buffers, total, offsets, metas)
-            prep = self._prep
+        if self._prep is None or self._prep.done():
+            self._prep = self._pool.submit(self._prepare_buffers, total, offsets, metas)
+        prep = self._prep
         with self._plan_lock:
             if self._plan_pool is None:
                 self._plan_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-plan")
-            plans = self._plan_fut = self._plan_pool.submit(self._prepare_plans, tensors, offsets)
+            plans = self._plan_fut = self._plan_pool.submit(self._prepare_plans, tensors, offsets, named, values)
         both: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def one_done(_: Any) -> None:
@@ -539,11 +635,19 @@ class Snapshotter:
         plans.add_done_callback(one_done)
         return both
 
-    def _prepare_plans(self, tensors: list[torch.Tensor], offsets: list[int]) -> None:
-        """Plan thread (`prepare`): the optimizer's storages, the pieces, the side streams and the plans."""
+    def _prepare_plans(self, tensors: list[torch.Tensor], offsets: list[int],
+                       named: list[tuple[str, torch.Tensor]] | None = None, values: list[int] | None = None
+                       ) -> None:
+        """Plan thread (`prepare`): the save plan, the optimizer's storages, the pieces, the side streams and
+        the fingerprint plans."""
         try:
+            plan = (self._save_plan(named, tensors, _signature(named, tensors, values)) if named is not None
+                    else None)
             if self._fence is not None:
-                self._changed_by_update(tensors)
+                if plan is not None:
+                    self._plan_late(plan, tensors)
+                else:
+                    self._changed_by_update(tensors)
             for dev in {t.device for t in tensors if t.device.type == "cuda"}:
                 self._side_stream(dev)
             if self._source_mode(tensors):
@@ -741,27 +845,37 @@ class Snapshotter:
 
     # ---- the copy -----------------------------------------------------------------------------------
     def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor, block: str = "copy",
-              late: list[bool] | None = None, cut: list[Piece] | None = None, transfer_check: bool = True
-              ) -> tuple[list[Any], dict[Any, torch.Tensor]]:
+              late: list[bool] | None = None, cut: list[Piece] | None = None, transfer_check: bool = True,
+              plan: _SavePlan | None = None) -> tuple[list[Any], dict[Any, torch.Tensor]]:
         """Enqueue every copy; return CUDA events to wait on and the source fingerprints: host-mode
         {tensor index: host fingerprint words}, or with `cut` (source checksums) {("pieces", device):
         (piece indices, host words [n, 2])}. `late[i]`: tensor i changes only in the optimizer step
-        (block="update": only the update waits)."""
-        by_dev: dict[torch.device, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_dev.setdefault(t.device, []).append(i)
-        by_dev_pieces: dict[torch.device, list[int]] = {}
-        for k, p in enumerate(cut or ()):
-            by_dev_pieces.setdefault(tensors[p.tensor].device, []).append(k)
+        (block="update": only the update waits). `plan`: the save plan of this layout (its groupings)."""
+        if plan is not None:
+            by_dev = plan.by_dev
+        else:
+            by_dev = {}
+            for i, t in enumerate(tensors):
+                by_dev.setdefault(t.device, []).append(i)
+        if plan is not None and cut is not None and cut is plan.cut:
+            by_dev_pieces = plan.by_dev_pieces
+        else:
+            by_dev_pieces = {}
+            for k, p in enumerate(cut or ()):
+                by_dev_pieces.setdefault(tensors[p.tensor].device, []).append(k)
+        one = len(by_dev) == 1   # one device (the usual): every list as it is, no per-tensor subsetting
         events: list[Any] = []
         src_fps: dict[Any, Any] = {}
         for dev, idx in by_dev.items():
             mine = by_dev_pieces.get(dev, [])
             if dev.type == "cuda":
-                ev, fps = self._copy_cuda(dev, [tensors[i] for i in idx], [offsets[i] for i in idx], arena,
-                                          block, None if late is None else [late[i] for i in idx],
-                                          None if cut is None else (tensors, [cut[k] for k in mine]),
-                                          transfer_check)
+                order_key = (dev, plan.late_key) if plan is not None and late is plan.late else None
+                ev, fps = self._copy_cuda(dev, tensors if one else [tensors[i] for i in idx],
+                                          offsets if one else [offsets[i] for i in idx], arena,
+                                          block, None if late is None else late if one else [late[i] for i in idx],
+                                          None if cut is None else
+                                          (tensors, cut if one else [cut[k] for k in mine]),
+                                          transfer_check, plan, order_key)
                 events.append(ev)
                 if cut is not None:
                     src_fps[("pieces", dev)] = (mine, fps)
@@ -796,8 +910,8 @@ class Snapshotter:
 
     def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],
                    arena: torch.Tensor, block: str, late: list[bool] | None,
-                   source: tuple[list[torch.Tensor], list[Piece]] | None = None, transfer_check: bool = True
-                   ) -> tuple[Any, torch.Tensor | None]:
+                   source: tuple[list[torch.Tensor], list[Piece]] | None = None, transfer_check: bool = True,
+                   plan: _SavePlan | None = None, order_key: Any = None) -> tuple[Any, torch.Tensor | None]:
         side = self._side_stream(dev)
         cur = torch.cuda.current_stream(dev)
         run_pieces = None
@@ -820,11 +934,18 @@ class Snapshotter:
                 fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
                 fps_host.copy_(per, non_blocking=True)
             # first what anything but the optimizer may change (ordered at once below), then the rest
-            order = sorted(range(len(tensors)), key=lambda j: bool(late[j])) if late is not None else None
-            early = sum(1 for x in late if not x) if late is not None else 0
+            got = plan.orders.get(order_key) if plan is not None and order_key is not None else None
+            if got is None:
+                order = (sorted(range(len(tensors)), key=lambda j: bool(late[j])) if late is not None
+                         else None)
+                early = sum(1 for x in late if not x) if late is not None else 0
+                seq = list(order if order is not None else range(len(tensors)))
+                if plan is not None and order_key is not None:
+                    plan.orders[order_key] = (seq, early)
+            else:
+                seq, early = got
             ev_early = None
-            dsts = self._dsts(dev, arena, tensors, offsets)
-            seq = list(order if order is not None else range(len(tensors)))
+            dsts = self._dsts(dev, arena, tensors, offsets, plan)
             if 0 < early < len(tensors):
                 copy_all(dsts, tensors, seq[:early])
                 ev_early = torch.cuda.Event()
@@ -844,8 +965,8 @@ class Snapshotter:
             self._inflight.append((dev, ev))  # the optimizer's: the update waits (CheckpointCopies)
         return ev, fps_host
 
-    def _dsts(self, dev: torch.device, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]
-              ) -> list[torch.Tensor | None]:
+    def _dsts(self, dev: torch.device, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int],
+              plan: _SavePlan | None = None) -> list[torch.Tensor | None]:
         """Each tensor's destination view in the staging buffer (None for an empty tensor), kept per buffer
         and layout: a slot is reused every few saves, and three view ops per tensor per save are a real
         share of the save's host time for a few hundred tensors."""
@@ -856,7 +977,11 @@ class Snapshotter:
                                          for sl in list(ring.slots))))
         if not mine:   # only a slot or the private buffer: a cached view would keep a GPU staging buffer alive
             return [_dst(arena, off, t) if t.numel() else None for t, off in zip(tensors, offsets)]
-        key = (dev, tuple(offsets), tuple((t.dtype, t.shape) for t in tensors))
+        key = plan.dst_keys.get(dev) if plan is not None and offsets is plan.offsets else None
+        if key is None:
+            key = (dev, tuple(offsets), tuple((t.dtype, tuple(t.shape)) for t in tensors))
+            if plan is not None and offsets is plan.offsets:
+                plan.dst_keys[dev] = key
         with self._cache_lock:
             if self._dst_cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
                 self._dst_cache = {"layout": key}
@@ -914,15 +1039,30 @@ class Snapshotter:
                 out.setdefault(dev, []).append(p)
         return out
 
-    def _plans_ready(self, tensors: list[torch.Tensor], cut: list[Piece]) -> bool:
+    def _plans_ready(self, tensors: list[torch.Tensor], cut: list[Piece], plan: _SavePlan | None = None
+                     ) -> bool:
         """Is every CUDA device's fused fingerprint plan for this layout built (or will the torch ops be used
-        anyway: no Triton, or a non-contiguous tensor)? A save never builds one (`_plan_ahead` does)."""
+        anyway: no Triton, or a non-contiguous tensor)? A save never builds one (`_plan_ahead` does).
+        `plan`: the save plan whose pieces `cut` are; its per-device pieces and plan keys are kept in it."""
         if not triton_available():
             return True
-        for dev, mine in self._dev_pieces(tensors, cut).items():
-            if not all(tensors[p.tensor].is_contiguous() for p in mine):
+        mine_plan = plan is not None and plan.cut is cut
+        if mine_plan and plan is not None:
+            if plan.dev_pieces is None:
+                plan.dev_pieces = self._dev_pieces(tensors, cut)
+            dev_pieces = plan.dev_pieces
+        else:
+            dev_pieces = self._dev_pieces(tensors, cut)
+        for dev, mine in dev_pieces.items():
+            key = plan.fp_keys.get(dev) if mine_plan and plan is not None else None
+            if key is None:   # False: a non-contiguous tensor, fingerprinted with torch ops (no plan)
+                key = (self._plan_key(tensors, mine) if all(tensors[p.tensor].is_contiguous() for p in mine)
+                       else False)
+                if mine_plan and plan is not None:
+                    plan.fp_keys[dev] = key
+            if key is False:
                 continue
-            key = self._save_keys[dev] = self._plan_key(tensors, mine)   # this save's copy reuses it
+            self._save_keys[dev] = key   # this save's copy reuses it
             held = self._fp_plans.get(dev)
             if held is None or held[0] != key:
                 return False
@@ -973,17 +1113,19 @@ class Snapshotter:
         ph = _Phases("b.", cpu=True, out=res.phases)
         ph.t -= time.perf_counter() - returned   # queued behind earlier saves: counted as the wait
         try:
-            for ev in events:
-                ev.synchronize()
-            ph.mark("wait_copy")
+            try:   # begun while the copy runs: its round trip overlaps the copy (issue 21)
+                begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
+                ph.mark("begin")
+            finally:   # whatever happens next (the slot released, reused), the copy has landed first
+                for ev in events:
+                    ev.synchronize()   # the GIL released while it waits
+                ph.mark("wait_copy")
             res.host_s, res.cpu_s = -time.perf_counter(), -time.thread_time()   # the work from here on
             if staged_box:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
                 res.device_staged = True
                 arena = self._unstage(staged_box.pop(), total, tuple(e[3] for e in entries))
                 # the box held the only reference past save(): the GPU memory goes back now
             ph.mark("unstage")
-            begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
-            ph.mark("begin")
             if begin.state not in ("PENDING",):
                 res.state = begin.state
                 res.error = f"step {step} is already {begin.state}; shard not written again"

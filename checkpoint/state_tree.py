@@ -37,11 +37,13 @@ def value_tensor(payload: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
-def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+def flatten(state_dict: Mapping[str, Any], values: list[int] | None = None
+            ) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """Split `state_dict` into (JSON tree with tensor and value references, [(path, tensor)]) or raise
     InvalidInputError naming the path of the first unsupported object. Each bytes / BytesIO value, and each
     maximal part without tensors or bytes (a plain value, a dict or list of them), becomes one uint8 tensor
-    of its encoded bytes (checkpoint.plain_values), at its path."""
+    of its encoded bytes (checkpoint.plain_values), at its path. `values`: if given, the indices of those
+    value tensors (made here, new at every call) are appended to it."""
     if not isinstance(state_dict, Mapping):
         raise InvalidInputError(f"state dict must be a mapping, got {type(state_dict).__name__}")
     tensors: list[tuple[str, torch.Tensor]] = []
@@ -49,6 +51,8 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
 
     def value(obj: Any, path: str) -> dict[str, Any]:
         kind, payload = encode_item(obj, path)
+        if values is not None:
+            values.append(len(tensors))
         tensors.append((path, value_tensor(payload)))
         return {VALUE_MARK: {TENSOR_MARK: len(tensors) - 1}, KIND_KEY: kind}
 
@@ -58,29 +62,41 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[Any, list[tuple[str, torch.T
     def children(items: Any, path: str, index: bool) -> list[tuple[Any, Any]] | None:
         """[(key, subtree)] with the tensor-free children stored as values, or None if none holds a tensor."""
         walked = []
-        for k, v in items:   # scalars (most of a param group) are plain without a call
-            walked.append((k, _PLAIN if type(v) in _SCALARS else walk(v, child(path, k, index)), v))
-        if all(w is _PLAIN for _, w, _ in walked):
+        plain = True
+        for k, v in items:   # scalars (most of a param group) are plain without a call; tensors (most of a
+            tv = type(v)     # state dict) go straight to `tensor` (issue 21: the save's walk, per step)
+            if tv in _SCALARS:
+                walked.append((k, _PLAIN, v))
+                continue
+            w = (tensor(v, f"{path}[{k}]" if index else f"{path}/{k}") if tv in _TENSORS
+                 else walk(v, child(path, k, index)))
+            plain = plain and w is _PLAIN
+            walked.append((k, w, v))
+        if plain:
             return None
         return [(k, value(v, child(path, k, index)) if w is _PLAIN else w) for k, w, v in walked]
+
+    def tensor(obj: torch.Tensor, path: str) -> dict[str, int]:
+        if obj.layout != torch.strided or obj.is_quantized:
+            raise InvalidInputError(f"{path}: only dense strided tensors are supported, got {obj.layout}")
+        dtype_name(obj.dtype)
+        i = seen.get(id(obj))
+        if i is not None:  # the same tensor object twice (tied weights): stored once
+            return {TENSOR_MARK: i}
+        seen[id(obj)] = len(tensors)
+        # The object itself, not a detached alias: caches keyed on it (the GPU fingerprint plan) then live
+        # as long as the user's tensor, not one save; callers copy under torch.no_grad().
+        tensors.append((path, obj))
+        return {TENSOR_MARK: len(tensors) - 1}
 
     def walk(obj: Any, path: str) -> Any:
         """The subtree for `obj`, or _PLAIN when it holds no tensor (its parent stores it whole)."""
         if isinstance(obj, torch.Tensor):
-            if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            if type(obj) not in _TENSORS:
                 raise InvalidInputError(
                     f"{path}: tensor subclass {type(obj).__name__} is not supported here "
                     "(use checkpoint.dcp with torch.distributed.checkpoint for DTensor / sharded tensors)")
-            if obj.layout != torch.strided or obj.is_quantized:
-                raise InvalidInputError(f"{path}: only dense strided tensors are supported, got {obj.layout}")
-            dtype_name(obj.dtype)
-            if id(obj) in seen:  # the same tensor object twice (tied weights): stored once
-                return {TENSOR_MARK: seen[id(obj)]}
-            seen[id(obj)] = len(tensors)
-            # The object itself, not a detached alias: caches keyed on it (the GPU fingerprint plan) then live
-            # as long as the user's tensor, not one save; callers copy under torch.no_grad().
-            tensors.append((path, obj))
-            return {TENSOR_MARK: len(tensors) - 1}
+            return tensor(obj, path)
         if is_bytes_like(obj):   # bytes / BytesIO: stored raw at their own path (never base64 inside JSON)
             return value(obj, path)
         if isinstance(obj, (dict, abc.Mapping)):
@@ -116,6 +132,7 @@ class _Plain:
 
 
 _SCALARS = frozenset((type(None), bool, int, float, str))
+_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 
 _PLAIN = _Plain()
 

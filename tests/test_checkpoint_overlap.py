@@ -307,7 +307,7 @@ def late_copies(monkeypatch: pytest.MonkeyPatch) -> Copies:
 
     def fake_copy(self: Snapshotter, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor,
                   block: str = "copy", late: list[bool] | None = None, cut: Any = None,
-                  transfer_check: bool = True) -> tuple[list[Any], dict]:
+                  transfer_check: bool = True, plan: Any = None) -> tuple[list[Any], dict]:
         src: dict[Any, Any] = {}
         if cut is not None:   # source checksums: taken from the tensors now, before the update can run
             views = snapshot_mod._piece_views(tensors, cut)
@@ -551,3 +551,40 @@ def test_a_slot_made_ahead_gets_its_views_and_zero_gaps_before_its_first_save(re
                                                 and v.shape == want.shape)
     ring.release(used)
     snap.close()
+
+
+def test_a_save_reuses_its_layouts_plan_and_a_new_layout_gets_a_new_one(redis_server, tmp_path: Path) -> None:
+    """Issue 21: a save computes the offsets, manifest entries, pieces and copy order once per layout (a plan
+    kept while the tensors' addresses, dtypes, shapes and paths stay the same); an every-step first save that
+    finds nothing ready is skipped and counted and the plan thread makes that plan, which the next save
+    uses; the saved bytes stay exactly the state's."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id("plan")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, checksums="source", policy="skip",
+                                                     skip_until_ready=True, fingerprint_threads=1))
+    w, h = torch.randn(3000), torch.randn(500).to(torch.bfloat16)
+
+    def sd(weight: torch.Tensor) -> dict[str, Any]:
+        return {"model": {"w": weight, "h": h}, "pos": 7}
+
+    assert snap.save(1, sd(w)) is None and snap.stats.skipped_by == {"preparing": 1}
+    snap._prep.result(scaled(30))
+    snap._plan_fut.result(scaled(30))
+    made = snap._plan
+    assert made is not None and made.cut is not None and made.total >= 3000 * 4 + 500 * 2
+    client = CheckpointClient(co, job, 0, 1)
+    for step in (2, 3):
+        w.add_(1.0)
+        want = {"model": {"w": w.clone(), "h": h.clone()}, "pos": 7}
+        res = snap.save(step, sd(w)).result(scaled(30))
+        assert res.state == "COMMITTED" and res.checksums == "source", res.error
+        assert snap._plan is made            # the plan thread's plan, reused
+        assert_same(client.restore(step), want)
+    # the same bytes in another shape: a new plan (the manifest says the new shape)
+    w2 = w.reshape(1000, 3)
+    res = snap.save(4, sd(w2)).result(scaled(30))
+    assert res.state == "COMMITTED" and snap._plan is not made and snap._plan.entries[0][2] == (1000, 3)
+    assert_same(client.restore(4), {"model": {"w": w2.clone(), "h": h.clone()}, "pos": 7})
+    while co.scrub_pending():   # the shared Redis holds no unchecked shard after this test (a restarted
+        co.scrub(2.0, 1 << 20)  # agent's queue in test_checkpoint_source_sums counts them)
+    snap.close()
+    client.close()

@@ -507,7 +507,7 @@ def test_a_save_never_builds_a_fingerprint_plan_it_checksums_on_the_host_meanwhi
     snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source", fingerprint_threads=1))
     built: list[int] = []
     ready = threading.Event()
-    monkeypatch.setattr(snap, "_plans_ready", lambda tensors, cut: ready.is_set())
+    monkeypatch.setattr(snap, "_plans_ready", lambda tensors, cut, plan=None: ready.is_set())
     monkeypatch.setattr(snap, "_build_plans", lambda tensors, cut: (built.append(len(cut)), ready.set()))
     sds = {s: state_dict(0, s, size=3000) for s in (1, 2)}
     res = snap.save(1, sds[1]).result(scaled(30))
