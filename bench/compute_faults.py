@@ -350,7 +350,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
-             gpu_profile: int = 0) -> dict[str, Any]:
+             gpu_profile: int = 0, sync_debug: bool = False) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -438,6 +438,32 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             host[arm[0]] = {"host_s_per_step": st.total_tt / block,
                             "top": [(f"{Path(f).name}:{ln}:{fn}", tt / block, ct / block, nc // block)
                                     for (f, ln, fn), (cc, nc, tt, ct, _) in rows]}
+    if sync_debug and device.type == "cuda":   # what makes the host wait for the GPU inside a step
+        import traceback
+        import warnings
+        seen: dict[str, int] = {}
+
+        def note(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                 line: Any = None) -> None:
+            where = "".join(traceback.format_stack(limit=12)[:-2])
+            key = f"{message}\n{where}"
+            seen[key] = seen.get(key, 0) + 1
+        for arm in arms:
+            if arm[0] not in ("base", "checks", "all"):
+                continue
+            seen.clear()
+            old = warnings.showwarning
+            warnings.showwarning = note
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run_block(arm, range(steps + block, steps + 2 * block))
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                    warnings.showwarning = old
+            host.setdefault(arm[0], {"host_s_per_step": float("nan"), "top": []})
+            host[arm[0]]["syncs"] = [(n / block, k) for k, n in sorted(seen.items(), key=lambda kv: -kv[1])]
     if gpu_profile and device.type == "cuda":   # which device kernels each arm adds (torch.profiler, CUDA)
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as tprofile
@@ -502,7 +528,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
                                        audit_every=args.overhead_audit_every, mask=args.mask,
                                        sdcguard=args.sdcguard, together=args.together,
-                                       profile=args.profile, gpu_profile=args.gpu_profile)
+                                       profile=args.profile, gpu_profile=args.gpu_profile,
+                                       sync_debug=args.sync_debug)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -577,6 +604,8 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                          "(ms/step own, cumulative, calls/step):")
             for fn, tt, ct, nc in h["top"]:
                 lines.append(f"    {fn[:70]:70} {tt * 1e3:7.3f} {ct * 1e3:7.3f} {nc:5d}")
+            for n, k in h.get("syncs", []):
+                lines.append(f"  a synchronisation in arm {name}, {n:.2f} a step:\n" + k)
             if "kernels" in h:
                 lines.append(f"  device time of arm {name}: {h['device_s_per_step'] * 1e3:.3f} ms/step; largest kernels "
                              "(ms/step, launches/step):")
@@ -624,6 +653,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_rank
                    "dispatch: its default mode (every matmul, slower)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="after --overhead, profile one more "
                    "block of each arm (cProfile: host time per step and its N largest functions)")
+    p.add_argument("--sync-debug", action="store_true", help="after --overhead, run one more block of the "
+                   "base, checks and all arms in CUDA's sync debug mode and print where the host waited")
     p.add_argument("--gpu-profile", type=int, default=0, metavar="N", help="after --overhead, trace one more "
                    "block of each arm on the GPU (torch.profiler): device time per step and its N largest kernels")
     p.add_argument("--together", action="store_true", help="also an --overhead arm \"all\": the Monitor's "

@@ -112,6 +112,9 @@ want computeall && step compute-all 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pyth
 # the same, short, with each arm's host time per step and its largest functions (cProfile)
 want computeprof && step compute-prof 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 40 --block 20 --together --gpu-profile 14
+# where the host waits for the GPU inside a step (CUDA sync debug mode), base / checks / all
+want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --overhead 20 --block 10 --together --sync-debug
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
