@@ -90,6 +90,8 @@ def flip_bit(t: torch.Tensor, index: int, which: str) -> None:
 def corrupt(t: torch.Tensor, case: Case) -> None:
     """Apply `case` to tensor t in place (activations [..., features] seen as 2-D, or a flat tensor)."""
     with torch.no_grad():
+        if hasattr(t, "to_local"):          # FSDP2: a DTensor's shard (a weight or Adam's state): this rank's
+            t = t.to_local()
         flat = t.view(-1)
         t2 = t.view(-1, t.shape[-1]) if t.dim() >= 2 else t.view(1, -1)
         if case.how == "set":
@@ -635,7 +637,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_rank
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation: all but the last under ddp.no_sync())")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: the checks run "
-                   "before each reduce-scatter; no replays (audits off), no replica vote")
+                   "before each reduce-scatter; replays and audits are collective (every rank replays at "
+                   "once, an audit checks every rank); no replica vote")
     p.add_argument("--fault-micro", type=int, default=0, help="the micro-batch a transient matmul fault hits")
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
+from checksums.fsdp_replay import FsdpReplayer
 from checksums.grad_checks import (
     FsdpGradSummaries,
     GradSummaries,
@@ -95,19 +96,15 @@ class ComputeChecks:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.fsdp = _is_fsdp(ddp)
-        if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; no replays (not built)
+        if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; collective replays
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
-            if audit_every:
-                logger.warning("sdcwatch: FSDP2 steps are not replayed yet: replay audits are off; the "
-                               "pre-reduce-scatter statistics name an outlier rank (3+ ranks) and drop "
-                               "its step")
-            audit_every = 0
         else:
             self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket)
         device = self.summaries.params[0].device if self.summaries.params else torch.device("cpu")
         self.device = device
-        self.replayer = Replayer(getattr(ddp, "module", ddp), None if self.fsdp else self.summaries, loss_fn,
-                                 device=device, group=group)
+        self.replayer: Replayer = (
+            FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group) if self.fsdp else
+            Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group))
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)
         self.audit_every = audit_every
         where = [None] * self.world
@@ -147,7 +144,7 @@ class ComputeChecks:
 
     def run(self, ctx: StepContext) -> Veto | None:
         self._steps += 1
-        if not self._determinism_checked and not self.fsdp:
+        if not self._determinism_checked:
             self._determinism_checked = True
             if not self.replayer.check_determinism():
                 logger.warning("sdcwatch: replays of one batch differ bit for bit on this model; compute "
@@ -170,12 +167,6 @@ class ComputeChecks:
         ranks at once (two ranks: `classify_pair`)."""
         if not verdict.suspects:
             return []
-        if self.fsdp:
-            named = verdict.suspects if self.world > 2 or verdict.nonfinite else (0, 1)
-            c = Classification(Cause.UNRESOLVED, tuple(named), True,
-                               "FSDP2: no replay; the pre-reduce-scatter statistics name rank(s) "
-                               f"{list(named)}")
-            return [("nonfinite" if verdict.nonfinite else "stats", named[0], c)]
         if self.world == 2:
             c = self.replayer.classify_pair(rows, retained, (jumps[0], jumps[1]))
             detector = "nonfinite" if verdict.nonfinite else "stats"
@@ -192,7 +183,14 @@ class ComputeChecks:
         verdict = self.tracker.judge(stats)
         self.last_verdict = verdict
         outcomes = self._classify(verdict, rows, jumps)
-        if not outcomes and audit_due:
+        if not outcomes and audit_due and self.fsdp:      # FSDP2: every rank audited at once, collectively
+            self._audits += 1
+            assert isinstance(self.replayer, FsdpReplayer)
+            got_all = self.replayer.audit_all(rows, (jumps[0], jumps[-1]))
+            outcomes.extend(("audit", audited, c) for audited, c in got_all)
+            if not got_all:
+                self._last_audit.update((r, ctx.step) for r in range(self.world))
+        elif not outcomes and audit_due:
             audited = (ctx.step // self.audit_every) % self.world
             self._audits += 1
             got = self.replayer.audit(audited, rows[audited], rows if self.world == 2 else None,
@@ -294,8 +292,6 @@ class ComputeChecks:
     def mode(self) -> str:
         """How replays compare, for the agent's GetStatus: "exact" (bit-exact fingerprints), "bounded: ..."
         (the determinism check found replays differ: norms within a rounding bound), "" before the check."""
-        if self.fsdp:
-            return "stats only: FSDP2 steps are not replayed"
         if not self._determinism_checked:
             return ""
         if self.replayer.exact:

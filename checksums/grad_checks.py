@@ -27,13 +27,14 @@ Training-side module: never imports the agent (`daemon`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -292,7 +293,12 @@ class FsdpGradSummaries:
     reduce-scatter. On CUDA the summary runs on FSDP's reduce-scatter stream; `gather` makes the current
     stream wait for it. Under `set_requires_gradient_sync(False)` accumulation FSDP reduces once, on the
     last micro-batch, with the accumulated gradient: the rows cover it. The rows, `gather` and the
-    comparison are GradSummaries'; replays of FSDP2 steps are not built (ComputeChecks says so).
+    comparison are GradSummaries'.
+
+    Replays (checksums.fsdp_replay): inside `capturing()` the reduce-scatter summarises its input into the
+    capture (not the step's rows) and does not reduce: the output is zeroed and nothing travels, so a
+    replay's gradient never reaches the reduce-scatter's output (its sharded `.grad` the replayer discards).
+    Every rank replays at once (the forward's all-gathers pair up), so every rank skips alike.
     """
 
     def __init__(self, root: nn.Module, *, group: Any = None, inject: Any = None) -> None:
@@ -309,6 +315,7 @@ class FsdpGradSummaries:
         self.layout: dict[int, tuple[int, ...]] = {}
         self.hook_calls = 0
         self._inject = inject
+        self._capture: dict[int, torch.Tensor] | None = None
         comm_cls = _summarising_reduce_scatter()
         n = 0
         for m in mods:
@@ -317,17 +324,45 @@ class FsdpGradSummaries:
             m.set_custom_reduce_scatter(comm_cls(self, n))  # type: ignore[operator]
             n += 1
 
-    def _summarise(self, idx: int, flat: torch.Tensor) -> None:
-        if self._inject is not None:
+    def _summarise(self, idx: int, flat: torch.Tensor) -> bool:
+        """Summarise one group's reduce-scatter input; True when it is a replay's (captured: not reduced).
+        A replay is not injected (the harness's gradient faults hit the step's own buffer, as DDP's)."""
+        capture = self._capture
+        if capture is None and self._inject is not None:
             self._inject(idx, flat)
-        self._rows[idx] = bucket_summary([flat], _held_plan(self._plans, idx, [flat]))
+        row = bucket_summary([flat], _held_plan(self._plans, idx, [flat]))
         if flat.device.type == "cuda":
             self._streams.add(torch.cuda.current_stream(flat.device))
+        if capture is not None:
+            capture[idx] = row
+            return True
+        self._rows[idx] = row
         self.hook_calls += 1
+        return False
 
-    def rows(self) -> torch.Tensor:
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[dict[int, torch.Tensor]]:
+        """While open, each reduce-scatter summarises its input into the yielded dict (group -> row) and
+        skips the collective (a collective replay: every rank opens it around the same backward)."""
+        saved, self._capture = self._capture, {}
+        try:
+            yield self._capture
+        finally:
+            self._capture = saved
+
+    def rows_of(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        """A capture's rows int64 [groups, 4] (device), ordered like `rows()`."""
+        self._wait_streams()
+        if not captured or len(captured) != max(captured) + 1:
+            raise RuntimeError(f"a replay reduced groups {sorted(captured)}: not every FSDP group")
+        return torch.stack([captured[i] for i in range(len(captured))])
+
+    def _wait_streams(self) -> None:
         for stream in self._streams:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+    def rows(self) -> torch.Tensor:
+        self._wait_streams()
         return GradSummaries.rows(self)  # type: ignore[arg-type]
 
     def clear(self) -> None:
@@ -348,7 +383,9 @@ def _summarising_reduce_scatter() -> type:
 
         def __call__(self, output_tensor, input_tensor, group, op,  # type: ignore[no-untyped-def]
                      async_op=False):
-            self._owner._summarise(self._idx, input_tensor)
+            if self._owner._summarise(self._idx, input_tensor):     # a replay: summarised, not reduced
+                output_tensor.zero_()
+                return None
             return super().__call__(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
                                     op=op, async_op=async_op)
 

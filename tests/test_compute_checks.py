@@ -261,15 +261,55 @@ FSDP = ["mm one elem =1e4", "grad elem =100", "grad elem NaN"]
 def test_fsdp2_pre_reduce_scatter_checks_name_the_rank_and_drop():
     """FSDP2 (fully_shard) on 3 gloo ranks: each FSDP group's local unsharded gradient is summarised before
     its reduce-scatter (a custom reduce-scatter: the stats, then the default one); the same comparison names
-    rank 1 on the fault's step and the step is dropped on every rank; 150 clean steps, no suspicion. FSDP2
-    steps are not replayed (audits off): the cause stays unresolved."""
+    rank 1 on the fault's step and the step is dropped on every rank; the collective replay of the suspect's
+    batch classifies it (transient: rank 1's replay agrees with the others). Audits off here: the
+    statistics alone."""
     results = _faults(["--world", "3", "--fsdp", "--fault-step", "40", "--cases", ",".join(FSDP),
-                                   "--clean", "150", "--accum", "2"])
+                       "--accum", "2", "--audit-every", "0"])
     for name in FSDP:
         hit = results[name]["caught"].get("compute")
         assert hit and hit["named"] == [1] and hit["dropped"] and hit["step"] == 40, f"{name}: {hit}"
+        assert hit["cause"] == "transient", f"{name}: {hit}"
+
+
+FSDP_AUDIT = ["mm one elem x1.01 persistent", "mm channel x2 persistent", "mm one elem =10"]
+
+
+def test_fsdp2_audits_name_a_small_persistent_fault_and_a_transient_on_an_audited_step():
+    """FSDP2 on 3 gloo ranks, audits every 5: on an audit step every rank replays its neighbour's batch at
+    once (a collective replay: the replay's gradient is summarised in the custom reduce-scatter and never
+    reduced). A persistent x1.01 on one matmul element of rank 1 from step 42 (below the statistics'
+    margin) is caught by the next audit (45), rank 1 named, persistent, its update dropped; a transient
+    fault on an audited step (45) likewise, transient; 300 clean steps with accumulation: no suspicion,
+    exact replays, every audit passing."""
+    results = _faults(["--world", "3", "--fsdp", "--fault-step", "42", "--audit-every", "5",
+                       "--cases", ",".join(FSDP_AUDIT[:2]), "--clean", "300", "--accum", "2"])
+    for name in FSDP_AUDIT[:2]:
+        hit = results[name]["caught"].get("compute")
+        assert hit and hit["detector"] == "audit" and hit["step"] == 45, f"{name}: {hit}"
+        assert hit["named"] == [1] and hit["cause"] == "persistent" and hit["dropped"], f"{name}: {hit}"
     st = results["clean"]["status"]
-    assert st["suspicions"] == 0 and st["audits"] == 0 and st["steps"] == 150, st
+    assert st["suspicions"] == 0 and st["dropped"] == 0 and st["exact"] and st["audits"] == 60, st
+    assert st["steps"] == 300, st
+    transient = _faults(["--world", "3", "--fsdp", "--fault-step", "45", "--audit-every", "5",
+                         "--cases", FSDP_AUDIT[2]])[FSDP_AUDIT[2]]["caught"].get("compute")
+    assert transient and transient["detector"] == "audit" and transient["step"] == 45, transient
+    assert transient["named"] == [1] and transient["cause"] == "transient" and transient["dropped"], transient
+
+
+def test_fsdp2_two_ranks_pair_replays_name_the_gpu():
+    """FSDP2 on 2 gloo ranks: no majority; an audit's mismatch replays both batches on both ranks (two
+    collective rounds). A transient fault on an audited step does not repeat (rank 1 named, transient); a
+    large persistent one repeats on its GPU and rank 1's statistics jumped (rank 1, persistent); 100
+    clean steps: no suspicion."""
+    results = _faults(["--world", "2", "--fsdp", "--fault-step", "45", "--audit-every", "5",
+                       "--cases", "mm one elem =10,mm one elem =1e4 persistent", "--clean", "100"])
+    for name, cause in (("mm one elem =10", "transient"), ("mm one elem =1e4 persistent", "persistent")):
+        hit = results[name]["caught"].get("compute")
+        assert hit and hit["step"] == 45 and hit["named"] == [1] and hit["dropped"], f"{name}: {hit}"
+        assert hit["cause"] == cause, f"{name}: {hit}"
+    st = results["clean"]["status"]
+    assert st["suspicions"] == 0 and st["exact"] and st["audits"] == 20, st
 
 
 def test_sdcguard_side_by_side_on_the_same_faults():

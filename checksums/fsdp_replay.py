@@ -1,0 +1,146 @@
+"""Replays under FSDP2 (`fully_shard`): collective replays, every rank at once.
+
+A DDP replay runs on one rank alone (the bare module holds every weight). Under FSDP2 a forward needs every
+rank's all-gather, so a replay is a collective step: all ranks replay together, each rank the micro-batches
+it is given (the same batch on every rank for `classify`, a neighbour's for an audit), with the same
+unsharded weights (the step's own, gathered again) and each micro-batch's retained RNG state, through the
+FSDP module itself (its hooks, its gradient accumulation: `set_requires_gradient_sync(False)` on all but
+the last micro-batch, as the loop did). The gradient is read where the step's own was summarised: the
+custom reduce-scatter of checksums.grad_checks.FsdpGradSummaries, which under `capturing()` summarises its
+input (the rank's local unsharded gradient of the group, laid out and pre-divided as for the collective)
+and does not reduce. The replay's sharded `.grad` (a zeroed output) is discarded: every sharded parameter's
+`.grad` is set aside before the replay and put back after it (FSDP accumulates into an existing `.grad` in
+place: it never sees ours), and so are its post-accumulate-grad hooks (an optimizer in backward must not
+step on a replay) and the module's buffers.
+
+`replay` is the one collective the base Replayer's `classify`, `classify_pair` and `check_determinism`
+call on every rank in the same order, so they work unchanged: every rank replays the same batch. `audit`
+is FSDP's own: one round in which rank r replays rank (r + 1) % W's batch, so every rank is audited at once
+(for the cost DDP pays to audit one), then the base classification of each mismatch (at most two).
+
+HSDP (a 2-D mesh): the reduce-scatter of the shard group is the one summarised; a replay skips it, and
+FSDP's all-reduce across replicas then runs on the zeroed output (every rank replays, so it pairs up).
+
+The two-rank CPU witness (`Replayer.witness`) needs the bare module on one rank; under FSDP2 a symmetric
+persistent fault (each GPU repeats its own result) is named by the ranks' own-history jumps, else both
+ranks are named `unresolved` (never one wrong rank).
+
+Training-side module: never imports the agent (`daemon`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checksums.grad_checks import FsdpGradSummaries
+from checksums.replay import (
+    Cause,
+    Classification,
+    LossFn,
+    Replayer,
+    Retained,
+    _equal,
+    _map_tensors,
+    classify_replays,
+)
+
+MAX_CLASSIFIED = 2      # mismatches of one audit classified (each a collective replay): bounded
+
+
+class FsdpReplayer(Replayer):
+    """Collective replays of an FSDP2 model (see the module docstring)."""
+
+    def __init__(self, root: nn.Module, summaries: FsdpGradSummaries, loss_fn: LossFn, *,
+                 device: torch.device, group: Any = None) -> None:
+        super().__init__(root, None, loss_fn, device=device, group=group)
+        self.fsdp = summaries
+        self.cpu_witness = False          # the bare module is not on any one rank
+
+    def replay(self, retained: Retained) -> torch.Tensor:
+        """Summary rows [groups, 4] of `retained`'s gradient recomputed on this rank; a collective: every
+        rank calls at once (each with the micro-batches it replays). Leaves `.grad`, the post-accumulate
+        hooks and the buffers as they were."""
+        if not retained.micro:
+            raise RuntimeError("no batch retained: call retain(batch) before each step's forward")
+        module = self.module
+        params = list(module.parameters())
+        held = [(p, p.grad, getattr(p, "_post_accumulate_grad_hooks", None)) for p in params]
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        last = len(retained.micro) - 1
+        try:
+            for p, _, hooks in held:
+                p.grad = None
+                if hooks:
+                    p._post_accumulate_grad_hooks = None  # type: ignore[attr-defined]
+            with self.fsdp.capturing() as captured, torch.random.fork_rng(devices=devices):
+                for k, (batch, cpu_rng, dev_rng) in enumerate(retained.micro):
+                    if cpu_rng is not None:
+                        torch.set_rng_state(cpu_rng)
+                    if dev_rng is not None:
+                        torch.cuda.set_rng_state(dev_rng, self.device)
+                    module.set_requires_gradient_sync(k == last)  # type: ignore[operator]
+                    with torch.enable_grad():
+                        self.loss_fn(module, batch).backward()
+            rows = self.fsdp.rows_of(captured)
+        finally:
+            module.set_requires_gradient_sync(True)  # type: ignore[operator]
+            for p, grad, hooks in held:
+                p.grad = grad
+                if hooks:
+                    p._post_accumulate_grad_hooks = hooks  # type: ignore[attr-defined]
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+        self.replays += 1
+        return rows
+
+    def fetch_all(self, mine: Retained | None = None) -> list[Retained]:
+        """Every rank's retained micro-batches (`mine`, default this step's) on every rank (a collective)."""
+        mine = mine if mine is not None else self.retained
+        payload = [(_map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
+                   for b, c, d in mine.micro]
+        got: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(got, payload, group=self.group)
+        return [Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in micro])
+                for micro in got]
+
+    def audit_all(self, originals: torch.Tensor,
+                  jumps: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, Classification]]:
+        """Every rank at once: rank r replays rank (r + 1) % W's batch of this step; `originals` [W, G, 4]
+        are every rank's rows. [] when every replay matches its original; else (audited rank,
+        classification) per mismatch classified (two ranks: the pair replays; 3+: `classify`, at most
+        MAX_CLASSIFIED, a mismatch an earlier classification explains skipped). A mismatch whose replays
+        all agree with the original was the auditor's replay, once: `transient` on the auditor, applied."""
+        world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        batches = self.fetch_all()
+        got = self.gather(self.replay(batches[(rank + 1) % world]))    # got[r]: r's replay of r + 1's batch
+        mismatched = [j for j in range(world) if not _equal(originals[j], got[(j - 1) % world], self.exact, 1e-3)]
+        if not mismatched:
+            return []
+        if world == 2:
+            c = self.classify_pair(originals, jumps=jumps)
+            if c.cause is Cause.DATA:
+                auditors = tuple(sorted((j - 1) % world for j in mismatched))
+                c = Classification(Cause.TRANSIENT, auditors, False,
+                                   f"auditor rank(s) {list(auditors)}'s replay differed once; every replay "
+                                   "after it agrees with the originals")
+            return [(mismatched[0], c)]
+        out: list[tuple[int, Classification]] = []
+        named: set[int] = set()
+        for j in mismatched:
+            if len(out) == MAX_CLASSIFIED or j in named or (j - 1) % world in named:
+                continue                  # explained already (a faulty auditor makes its neighbour differ)
+            c = classify_replays(j, originals[j], self.gather(self.replay(batches[j])), exact=self.exact)
+            if c.cause is Cause.DATA:     # every replay agrees with the original: the auditor's was odd, once
+                auditor = (j - 1) % world
+                c = Classification(Cause.TRANSIENT, (auditor,), False,
+                                   f"auditor rank {auditor}'s replay of rank {j}'s batch differed once; every "
+                                   "replay after it agrees with the original")
+            named.update(c.faulty)
+            out.append((j, c))
+        return out
