@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import hashlib
 import json
 import os
 import pstats
@@ -341,13 +342,27 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         dist.broadcast_object_list(box, src=fault_rank)
         effective = box[0]
     st = checks.status()
+    weights = _weights_digest(model, world)
     if monitor is not None:
         monitor.close()
     checks.close()
     reported = [(f.step, f.detector, f.cause, [list(w) for w in f.where]) for f in sink.compute]
     return {"caught": caught, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
             "reported": reported, "fault_step_unchanged": unchanged, "effective": effective,
-            "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else []}
+            "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else [],
+            "weights": weights}
+
+
+def _weights_digest(model: nn.Module, world: int) -> list[str]:
+    """Every rank's sha256 of its weights (its shards under FSDP2) after the run: runs that must apply the
+    same updates (with and without audits) compare them (a collective)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+        h.update(local.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, h.hexdigest())
+    return out
 
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,

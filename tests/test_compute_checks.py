@@ -297,6 +297,19 @@ def test_fsdp2_audits_name_a_small_persistent_fault_and_a_transient_on_an_audite
     assert transient["named"] == [1] and transient["cause"] == "transient" and transient["dropped"], transient
 
 
+def test_fsdp2_audits_leave_the_training_bit_for_bit_alone():
+    """A replay's gradient never reaches the reduce-scatter output, `.grad` or the optimizer: 30 clean steps
+    with an audit every 2nd step (each a collective replay with two micro-batches) end with every rank's
+    shards bit-identical to the same run without audits."""
+    def weights(audit_every: int) -> list[str]:
+        r = _faults(["--world", "3", "--fsdp", "--cases", "none", "--clean", "30", "--accum", "2",
+                     "--audit-every", str(audit_every)])["clean"]
+        assert r["status"]["suspicions"] == 0, r["status"]
+        assert r["status"]["audits"] == (15 if audit_every else 0), r["status"]
+        return r["weights"]
+    assert weights(2) == weights(0)
+
+
 def test_fsdp2_two_ranks_pair_replays_name_the_gpu():
     """FSDP2 on 2 gloo ranks: no majority; an audit's mismatch replays both batches on both ranks (two
     collective rounds). A transient fault on an audited step does not repeat (rank 1 named, transient); a
