@@ -244,7 +244,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
     checks = ComputeChecks.attach(ddp, opt, loss_fn=step_loss, audit_every=audit_every, warmup=warmup,
                                   margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor, mask=mask,
-                                  inject_bucket=grad_inject if rank == fault_rank else None)
+                                  inject_bucket=grad_inject if rank == fault_rank else None,
+                                  # FSDP2 with 2 ranks: the CPU witness needs the bare model (a factory)
+                                  witness_model=(lambda: make_model(0)[0]) if fsdp else None)
     caught: dict[str, dict[str, Any]] = {}
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
     guard = _sdcguard(sdcguard, model) if sdcguard else None

@@ -89,7 +89,7 @@ class ComputeChecks:
                  margin: float = 3.0, warmup: int = 20, audit_every: int = DEFAULT_AUDIT_EVERY,
                  group: Any = None, host: str | None = None, gpu_uuid: str = "",
                  mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
-                 max_findings: int = 1000) -> None:
+                 max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
         self.group = group
@@ -103,7 +103,8 @@ class ComputeChecks:
         device = self.summaries.params[0].device if self.summaries.params else torch.device("cpu")
         self.device = device
         self.replayer: Replayer = (
-            FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group) if self.fsdp else
+            FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group,
+                         witness_model=witness_model) if self.fsdp else
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group))
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)
         self.audit_every = audit_every
@@ -183,10 +184,15 @@ class ComputeChecks:
         verdict = self.tracker.judge(stats)
         self.last_verdict = verdict
         outcomes = self._classify(verdict, rows, jumps)
+        # an audit runs only on a step the statistics passed: no rank's history jump is evidence then (a
+        # persistent fault below the margin was learnt as clean since it began), so the two-rank tie-break
+        # gets none and a symmetric mismatch goes to the CPU witness (a 1.5-spread jump of the clean rank
+        # named it on FSDP2 with the fault on rank 0)
+        no_jumps = (0.0, 0.0)
         if not outcomes and audit_due and self.fsdp:      # FSDP2: every rank audited at once, collectively
             self._audits += 1
             assert isinstance(self.replayer, FsdpReplayer)
-            got_all = self.replayer.audit_all(rows, (jumps[0], jumps[-1]))
+            got_all = self.replayer.audit_all(rows, no_jumps)
             outcomes.extend(("audit", audited, c) for audited, c in got_all)
             if not got_all:
                 self._last_audit.update((r, ctx.step) for r in range(self.world))
@@ -194,7 +200,7 @@ class ComputeChecks:
             audited = (ctx.step // self.audit_every) % self.world
             self._audits += 1
             got = self.replayer.audit(audited, rows[audited], rows if self.world == 2 else None,
-                                      (jumps[0], jumps[-1]))
+                                      no_jumps)
             if got is not None:
                 outcomes.append(("audit", audited, got))
             else:

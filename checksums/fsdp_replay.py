@@ -21,14 +21,17 @@ is FSDP's own: one round in which rank r replays rank (r + 1) % W's batch, so ev
 HSDP (a 2-D mesh): the reduce-scatter of the shard group is the one summarised; a replay skips it, and
 FSDP's all-reduce across replicas then runs on the zeroed output (every rank replays, so it pairs up).
 
-The two-rank CPU witness (`Replayer.witness`) needs the bare module on one rank; under FSDP2 a symmetric
-persistent fault (each GPU repeats its own result) is named by the ranks' own-history jumps, else both
-ranks are named `unresolved` (never one wrong rank).
+Two ranks, a symmetric persistent fault (each GPU repeats its own result): the ranks' own-history jumps
+name the GPU, else the CPU witness (`witness`) when the user passes `witness_model`, a factory of the bare
+(unsharded) model: rank 0 loads the gathered full parameters into it and recomputes the gradient in
+float64; without one both ranks are named `unresolved` (never one wrong rank).
 
 Training-side module: never imports the agent (`daemon`).
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +50,8 @@ from checksums.replay import (
     classify_replays,
 )
 
+logger = logging.getLogger(__name__)
+
 MAX_CLASSIFIED = 2      # mismatches of one audit classified (each a collective replay): bounded
 
 
@@ -54,15 +59,17 @@ class FsdpReplayer(Replayer):
     """Collective replays of an FSDP2 model (see the module docstring)."""
 
     def __init__(self, root: nn.Module, summaries: FsdpGradSummaries, loss_fn: LossFn, *,
-                 device: torch.device, group: Any = None) -> None:
+                 device: torch.device, group: Any = None,
+                 witness_model: Callable[[], nn.Module] | None = None) -> None:
         super().__init__(root, None, loss_fn, device=device, group=group)
         self.fsdp = summaries
-        self.cpu_witness = False          # the bare module is not on any one rank
+        self.witness_model = witness_model
+        self.cpu_witness = witness_model is not None    # the bare module is on no rank: a copy is built
 
-    def replay(self, retained: Retained) -> torch.Tensor:
+    def replay(self, retained: Retained, flats: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Summary rows [groups, 4] of `retained`'s gradient recomputed on this rank; a collective: every
         rank calls at once (each with the micro-batches it replays). Leaves `.grad`, the post-accumulate
-        hooks and the buffers as they were."""
+        hooks and the buffers as they were. `flats`: also each group's whole reduce-scatter input."""
         if not retained.micro:
             raise RuntimeError("no batch retained: call retain(batch) before each step's forward")
         module = self.module
@@ -76,7 +83,7 @@ class FsdpReplayer(Replayer):
                 p.grad = None
                 if hooks:
                     p._post_accumulate_grad_hooks = None  # type: ignore[attr-defined]
-            with self.fsdp.capturing() as captured, torch.random.fork_rng(devices=devices):
+            with self.fsdp.capturing(flats) as captured, torch.random.fork_rng(devices=devices):
                 for k, (batch, cpu_rng, dev_rng) in enumerate(retained.micro):
                     if cpu_rng is not None:
                         torch.set_rng_state(cpu_rng)
@@ -97,6 +104,76 @@ class FsdpReplayer(Replayer):
                     b.copy_(saved)
         self.replays += 1
         return rows
+
+    def witness(self, retained: Retained) -> float:
+        """Two ranks, a persistent fault, each GPU self-consistent: the host CPU is the third witness, as
+        `Replayer.witness` (t = <ref - g0, g1 - g0> / |g1 - g0|^2; 0: GPU 0 computed right, 1: GPU 1 did),
+        with `witness_model` (a factory of the bare, unsharded model) for the float64 CPU copy. Both ranks
+        replay `retained` keeping each group's whole reduce-scatter input (g0, g1; all-gathered once); the
+        full parameters are gathered (`full_tensor`, every rank) and loaded into the copy on rank 0, whose
+        float64 gradient is laid out as FSDP lays out a reduce-scatter input (`torch._chunk_cat` of each
+        group's gradients, dim 0, W chunks). NaN (no witness) without a factory or when FSDP pre-divides
+        the input (an fp16 reduce dtype): a collective, every rank calls."""
+        flats: dict[int, torch.Tensor] = {}
+        self.replay(retained, flats)
+        params = dict(self.module.named_parameters())
+        full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                for name, p in params.items()}                      # a collective (all-gather), every rank
+        if self.witness_model is None or any(f.dtype == torch.float16 for f in flats.values()):
+            return float("nan")
+        mine = torch.cat([flats[i].reshape(-1) for i in range(len(flats))]).to(torch.float64)
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine, group=self.group)
+        out: list[Any] = [None]
+        if dist.get_rank(self.group) == 0:
+            try:
+                out = [self._project(retained, full, both[0].cpu(), both[1].cpu())]
+            except Exception as exc:  # noqa: BLE001 (a user's factory that does not fit: no witness, say so)
+                logger.warning("sdcwatch: the FSDP2 CPU witness failed (%s: %s); no witness",
+                               type(exc).__name__, str(exc)[:300])
+                out = [float("nan")]
+        dist.broadcast_object_list(out, src=0, group=self.group,
+                                   device=self.device if self.device.type == "cuda" else None)
+        return float(out[0])
+
+    def _project(self, retained: Retained, full: dict[str, torch.Tensor], g0: torch.Tensor,
+                 g1: torch.Tensor) -> float:
+        assert self.witness_model is not None
+        with torch.random.fork_rng(devices=[]):            # a factory that seeds leaves the step's RNG alone
+            ref_mod = self.witness_model()
+        state = dict(full)
+        state.update({name: b.detach().cpu() for name, b in self.module.named_buffers()})
+        ref_mod.load_state_dict({k: state[k] for k in ref_mod.state_dict() if k in state})
+        ref_mod = ref_mod.to(device="cpu", dtype=torch.float64)
+        names = [n for n, p in ref_mod.named_parameters() if p.requires_grad]
+        ref_params = dict(ref_mod.named_parameters())
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu()
+            return t.to(torch.float64) if t.is_floating_point() else t
+        grads = dict(zip(names, self._grads(retained, ref_mod, [ref_params[n] for n in names], cast)))
+        owner = {id(m): name for name, m in self.module.named_modules()}
+        world = dist.get_world_size(self.group)
+        parts = []
+        for fsdp_params in self.fsdp.groups:
+            gs = []
+            for fp in fsdp_params:
+                info = fp._module_info
+                prefix = owner[id(info.module)]
+                name = f"{prefix}.{info.param_name}" if prefix else info.param_name
+                g = grads.get(name)
+                g = torch.zeros(fp._orig_size, dtype=torch.float64) if g is None else g
+                dim = fp.fsdp_placement.dim
+                if dim != 0:                      # FSDP's own copy-in does this for Shard(dim > 0)
+                    g = torch.cat(torch.chunk(g, world, dim=dim), dim=0)
+                gs.append(g.contiguous())
+            parts.append(torch._chunk_cat(gs, 0, world).reshape(-1))
+        ref = torch.cat(parts)
+        if ref.numel() != g0.numel():
+            return float("nan")
+        d = g1 - g0
+        dd = float(d.dot(d))
+        return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
 
     def fetch_all(self, mine: Retained | None = None) -> list[Retained]:
         """Every rank's retained micro-batches (`mine`, default this step's) on every rank (a collective)."""

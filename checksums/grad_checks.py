@@ -316,13 +316,17 @@ class FsdpGradSummaries:
         self.hook_calls = 0
         self._inject = inject
         self._capture: dict[int, torch.Tensor] | None = None
+        self._keep_flat: dict[int, torch.Tensor] | None = None   # a witness replay's whole inputs (2 ranks)
         comm_cls = _summarising_reduce_scatter()
-        n = 0
+        # the FSDP modules with a parameter group (a root that wraps unsharded children owns their
+        # parameters, though it has none of its own), in the order of their rows
+        self.groups: list[list[Any]] = []
         for m in mods:
-            if not any(True for _ in m.parameters(recurse=False)):      # no parameter group of its own
+            fsdp_params = fsdp_group_params(m)
+            if not fsdp_params:
                 continue
-            m.set_custom_reduce_scatter(comm_cls(self, n))  # type: ignore[operator]
-            n += 1
+            m.set_custom_reduce_scatter(comm_cls(self, len(self.groups)))  # type: ignore[operator]
+            self.groups.append(fsdp_params)
 
     def _summarise(self, idx: int, flat: torch.Tensor) -> bool:
         """Summarise one group's reduce-scatter input; True when it is a replay's (captured: not reduced).
@@ -335,20 +339,24 @@ class FsdpGradSummaries:
             self._streams.add(torch.cuda.current_stream(flat.device))
         if capture is not None:
             capture[idx] = row
+            if self._keep_flat is not None:
+                self._keep_flat[idx] = flat.detach().clone()
             return True
         self._rows[idx] = row
         self.hook_calls += 1
         return False
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[dict[int, torch.Tensor]]:
+    def capturing(self, flats: dict[int, torch.Tensor] | None = None) -> Iterator[dict[int, torch.Tensor]]:
         """While open, each reduce-scatter summarises its input into the yielded dict (group -> row) and
-        skips the collective (a collective replay: every rank opens it around the same backward)."""
+        skips the collective (a collective replay: every rank opens it around the same backward); with
+        `flats`, a copy of each group's whole input goes there too (the two-rank witness)."""
         saved, self._capture = self._capture, {}
+        saved_flat, self._keep_flat = self._keep_flat, flats
         try:
             yield self._capture
         finally:
-            self._capture = saved
+            self._capture, self._keep_flat = saved, saved_flat
 
     def rows_of(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         """A capture's rows int64 [groups, 4] (device), ordered like `rows()`."""
@@ -370,6 +378,17 @@ class FsdpGradSummaries:
 
     def gather(self) -> torch.Tensor:
         return GradSummaries.gather(self)  # type: ignore[arg-type]
+
+
+def fsdp_group_params(module: nn.Module) -> list[Any]:
+    """The FSDPParams of an FSDP module's parameter group(s) (FSDP2 internals: not public API), [] when
+    it has none."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [one] if one is not None else []
+    return [fp for g in groups for fp in g.fsdp_params]
 
 
 def _summarising_reduce_scatter() -> type:

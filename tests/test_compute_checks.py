@@ -313,16 +313,23 @@ def test_fsdp2_audits_leave_the_training_bit_for_bit_alone():
 def test_fsdp2_two_ranks_pair_replays_name_the_gpu():
     """FSDP2 on 2 gloo ranks: no majority; an audit's mismatch replays both batches on both ranks (two
     collective rounds). A transient fault on an audited step does not repeat (rank 1 named, transient); a
-    large persistent one repeats on its GPU and rank 1's statistics jumped (rank 1, persistent); 100
-    clean steps: no suspicion."""
-    results = _faults(["--world", "2", "--fsdp", "--fault-step", "45", "--audit-every", "5",
-                       "--cases", "mm one elem =10,mm one elem =1e4 persistent", "--clean", "100"])
-    for name, cause in (("mm one elem =10", "transient"), ("mm one elem =1e4 persistent", "persistent")):
+    large persistent one repeats on its GPU and rank 1's statistics jumped (rank 1, persistent); a small
+    persistent one (x1.01 on one element) leaves no jump: the CPU witness (the harness passes
+    `witness_model`, a factory of the bare model; rank 0 loads the gathered full weights into it and
+    recomputes rank 0's batch in float64) names the faulty rank, whichever it is; 100 clean steps: no
+    suspicion."""
+    results = _faults(["--world", "2", "--fsdp", "--fault-step", "45", "--audit-every", "5", "--clean", "100",
+                       "--cases", "mm one elem =10,mm one elem =1e4 persistent,mm one elem x1.01 persistent"])
+    for name, cause in (("mm one elem =10", "transient"), ("mm one elem =1e4 persistent", "persistent"),
+                        ("mm one elem x1.01 persistent", "persistent")):
         hit = results[name]["caught"].get("compute")
         assert hit and hit["step"] == 45 and hit["named"] == [1] and hit["dropped"], f"{name}: {hit}"
         assert hit["cause"] == cause, f"{name}: {hit}"
     st = results["clean"]["status"]
     assert st["suspicions"] == 0 and st["exact"] and st["audits"] == 20, st
+    hit = _faults(["--world", "2", "--fsdp", "--fault-step", "42", "--audit-every", "5", "--fault-rank", "0",
+                   "--cases", "mm one elem x1.01 persistent"])["mm one elem x1.01 persistent"]["caught"]["compute"]
+    assert hit["step"] == 45 and hit["named"] == [0] and hit["cause"] == "persistent" and hit["dropped"], hit
 
 
 def test_sdcguard_side_by_side_on_the_same_faults():
