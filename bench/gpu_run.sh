@@ -75,7 +75,8 @@ want ckptoverlap && step ckpt-overlap 550 python3 bench/ckpt_overlap.py --checks
 # issue 21 pace: every step pipelined (4 in flight) against one save at a time; first save vs steady
 want ckptpipe && step ckpt-pipe-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
-want ckptpipe && step ckpt-pipe 500 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 4,1
+want ckptpipe && step ckpt-pipe 560 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 4,2,1 \
+  --profile
 want ckptoverlap12 && step ckpt-overlap-12g 500 python3 bench/ckpt_overlap.py --parts d --gib 12 --repeat 1
 # issue 21 item 6: peer transport streams and cap against a plain TLS/TCP stream (CPU-only; the 16-core host)
 want peerstreams && step peer-streams 200 python3 bench/bench_peer_transport.py --mib 1024 --streams 4
