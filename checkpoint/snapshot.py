@@ -321,7 +321,29 @@ class _SavePlan:
     fp_keys: dict[torch.device, Any] = dataclasses.field(default_factory=dict)   # fingerprint plan keys
     dev_pieces: dict[torch.device, list[Piece]] | None = None
     orders: dict[Any, tuple[list[int], int]] = dataclasses.field(default_factory=dict)  # copy order, early
-    dst_keys: dict[torch.device, Any] = dataclasses.field(default_factory=dict)
+    dst_keys: dict[torch.device, Any] = dataclasses.field(default_factory=dict)   # dev -> (offsets, key)
+    subs: dict[Any, Any] = dataclasses.field(default_factory=dict)   # a device's share of a mixed state
+
+
+def _dev_subsets(plan: _SavePlan | None, dev: torch.device, idx: list[int], mine: list[int],
+                 tensors: list[torch.Tensor], offsets: list[int], late: list[bool] | None,
+                 cut: list[Piece] | None) -> tuple[list[torch.Tensor], list[int], list[bool] | None,
+                                                   list[Piece] | None]:
+    """One device's tensors, offsets, late flags and pieces of a state on several devices (a GPU state with
+    its plain values on the host): the lists kept in the plan, the tensors picked by one C-level getter."""
+    pick = [tensors[idx[0]]] if len(idx) == 1 else None
+    if plan is None or offsets is not plan.offsets or (late is not None and late is not plan.late) or (
+            cut is not None and cut is not plan.cut):
+        return (pick or [tensors[i] for i in idx], [offsets[i] for i in idx],
+                None if late is None else [late[i] for i in idx], None if cut is None else [cut[k] for k in mine])
+    key = (dev, late is not None and plan.late_key, cut is not None)
+    held = plan.subs.get(key)
+    if held is None:
+        held = plan.subs[key] = (operator.itemgetter(*idx) if len(idx) > 1 else None, [offsets[i] for i in idx],
+                                 None if late is None else [late[i] for i in idx],
+                                 None if cut is None else [cut[k] for k in mine])
+    getter, sub_off, sub_late, sub_cut = held
+    return pick or list(getter(tensors)), sub_off, sub_late, sub_cut
 
 
 class _Phases:
@@ -405,6 +427,7 @@ class Snapshotter:
         self._plan_fut: concurrent.futures.Future[None] | None = None
         self._combine: tuple[Any, ...] | None = None   # background: (cut, total, entries, tree, plan, template)
         self._plan: _SavePlan | None = None    # the last layout's save plan (the training thread's)
+        self._same_dirs: tuple[str, str] | None = None   # (agent dir, ring root) found to be the same dir
 
     def _block(self) -> str:
         block = self.config.block
@@ -870,11 +893,13 @@ class Snapshotter:
             mine = by_dev_pieces.get(dev, [])
             if dev.type == "cuda":
                 order_key = (dev, plan.late_key) if plan is not None and late is plan.late else None
-                ev, fps = self._copy_cuda(dev, tensors if one else [tensors[i] for i in idx],
-                                          offsets if one else [offsets[i] for i in idx], arena,
-                                          block, None if late is None else late if one else [late[i] for i in idx],
-                                          None if cut is None else
-                                          (tensors, cut if one else [cut[k] for k in mine]),
+                if one:
+                    sub_t, sub_off, sub_late, sub_cut = tensors, offsets, late, cut
+                else:
+                    sub_t, sub_off, sub_late, sub_cut = _dev_subsets(plan, dev, idx, mine, tensors, offsets,
+                                                                     late, cut)
+                ev, fps = self._copy_cuda(dev, sub_t, sub_off, arena, block, sub_late,
+                                          None if cut is None else (tensors, sub_cut or []),
                                           transfer_check, plan, order_key)
                 events.append(ev)
                 if cut is not None:
@@ -977,11 +1002,13 @@ class Snapshotter:
                                          for sl in list(ring.slots))))
         if not mine:   # only a slot or the private buffer: a cached view would keep a GPU staging buffer alive
             return [_dst(arena, off, t) if t.numel() else None for t, off in zip(tensors, offsets)]
-        key = plan.dst_keys.get(dev) if plan is not None and offsets is plan.offsets else None
-        if key is None:
+        held = plan.dst_keys.get(dev) if plan is not None else None
+        if held is not None and held[0] is offsets:   # the plan's offsets (or its per-device subset)
+            key = held[1]
+        else:
             key = (dev, tuple(offsets), tuple((t.dtype, tuple(t.shape)) for t in tensors))
-            if plan is not None and offsets is plan.offsets:
-                plan.dst_keys[dev] = key
+            if plan is not None:
+                plan.dst_keys[dev] = (offsets, key)
         with self._cache_lock:
             if self._dst_cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
                 self._dst_cache = {"layout": key}
@@ -1388,6 +1415,16 @@ class Snapshotter:
                 self._dst_cache = {"layout": key}
             self._dst_cache[arena.data_ptr()] = views
 
+    def _same_dir(self, location: str, root: str) -> bool:
+        """Is the agent's dir the ring's? Resolved once per pair (two realpath calls per save were system
+        calls and GIL round trips beside training, issue 21); a moved or wiped dir shows when the link fails."""
+        if self._same_dirs == (location, root):
+            return True
+        same = os.path.realpath(location) == os.path.realpath(root)
+        if same:
+            self._same_dirs = (location, root)
+        return same
+
     def _ring_full(self, total: int) -> bool:
         ring = self._ring
         return ring is not None and len(ring) >= ring.max_slots and not ring.free_slots(total)
@@ -1397,7 +1434,7 @@ class Snapshotter:
         agent's dir moved or was wiped, or the store is not a directory): the caller copies instead."""
         link_in = getattr(store, "link_in", None)
         ring = self._ring
-        if link_in is None or ring is None or os.path.realpath(begin.location) != os.path.realpath(ring.root):
+        if link_in is None or ring is None or not self._same_dir(begin.location, ring.root):
             self._reset_ring = True
             return False
         try:

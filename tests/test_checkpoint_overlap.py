@@ -588,3 +588,28 @@ def test_a_save_reuses_its_layouts_plan_and_a_new_layout_gets_a_new_one(redis_se
         co.scrub(2.0, 1 << 20)  # agent's queue in test_checkpoint_source_sums counts them)
     snap.close()
     client.close()
+
+
+def test_a_devices_share_of_a_mixed_state_is_kept_in_the_plan() -> None:
+    """Issue 21: a GPU state with plain values on the host is copied per device; each device's offsets, late
+    flags and pieces are cut out once per plan (the same lists at every save), its tensors picked by one
+    getter, and they are exactly the per-index subsets."""
+    tensors = [torch.zeros(n) for n in (5, 1, 7, 3)]
+    offsets, total = layout(tensors)
+    cut = snapshot_mod.pieces(offsets, [t.nbytes for t in tensors], 16)
+    plan = snapshot_mod._SavePlan((), offsets, total, [], {}, True, cut=cut)
+    plan.late, plan.late_key = [True, False, True, False], ("opt",)
+    dev = torch.device("cpu")
+    for idx in ([0, 2], [3]):
+        mine = [k for k, p in enumerate(cut) if p.tensor in idx]
+        got = snapshot_mod._dev_subsets(plan, dev, idx, mine, tensors, offsets, plan.late, cut)
+        want = ([tensors[i] for i in idx], [offsets[i] for i in idx], [plan.late[i] for i in idx],
+                [cut[k] for k in mine])
+        assert all(a is b for a, b in zip(got[0], want[0])) and list(got[1:]) == list(want[1:])
+        again = snapshot_mod._dev_subsets(plan, dev, idx, mine, list(tensors), offsets, plan.late, cut)
+        assert again[1] is got[1] and again[2] is got[2] and again[3] is got[3]   # kept
+        plan.subs.clear()
+    # lists that are not the plan's: cut out afresh, nothing kept
+    other = list(offsets)
+    got = snapshot_mod._dev_subsets(plan, dev, [1], [], tensors, other, None, None)
+    assert got == ([tensors[1]], [offsets[1]], None, None) and not plan.subs
