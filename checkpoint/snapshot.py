@@ -535,7 +535,7 @@ class Snapshotter:
             blocking = time.perf_counter() - t0
             fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
                                     blocking, time.perf_counter(), slot, stall, skipped, cut,
-                                    [staged] if staged is not None else None, ph.out)
+                                    [staged] if staged is not None else None, ph.out, [tensors])
             self._last = SaveHandle(step, fut)
             if slot is None:   # the private arena (or, staged on the GPU, the arena it is copied into next)
                 self._arena_user = fut
@@ -980,8 +980,9 @@ class Snapshotter:
                 copy_all(dsts, tensors, seq)
             ev = torch.cuda.Event()
             ev.record(side)
-        for t in tensors:
-            t.record_stream(side)
+        # no record_stream per tensor (hundreds of allocator calls per save, issue 21): the save's background
+        # holds a reference to every source tensor until it has seen the copy's event complete, so none is
+        # freed (and its memory reused on any stream) while the side stream still reads it
         if block == "enqueue" or (block == "update" and late is not None and early == len(tensors)):
             cur.wait_event(ev)
         elif block == "update":
@@ -1134,7 +1135,7 @@ class Snapshotter:
                     blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
                     skipped: int = 0, cut: list[Piece] | None = None,
                     staged_box: list[torch.Tensor] | None = None,
-                    phases: dict[str, float] | None = None) -> SaveResult:
+                    phases: dict[str, float] | None = None, sources: list[Any] | None = None) -> SaveResult:
         res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall,
                          checksums="host" if cut is None else "source", phases=phases or {})
         ph = _Phases("b.", cpu=True, out=res.phases)
@@ -1146,6 +1147,8 @@ class Snapshotter:
             finally:   # whatever happens next (the slot released, reused), the copy has landed first
                 for ev in events:
                     ev.synchronize()   # the GIL released while it waits
+                if sources:   # the copy read them: their memory may be freed and reused from now on
+                    sources.clear()
                 ph.mark("wait_copy")
             res.host_s, res.cpu_s = -time.perf_counter(), -time.thread_time()   # the work from here on
             if staged_box:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
