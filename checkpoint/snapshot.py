@@ -87,7 +87,7 @@ from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.records import SaveReport
 from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
 from checkpoint.source_sums import CombinePlan, ManifestTemplate, Piece, pieces
-from checkpoint.state_tree import dtype_name, flatten
+from checkpoint.state_tree import Flattener, dtype_name, flatten
 from checksums.fingerprint import (
     MASK64,
     fingerprint_bytes,
@@ -427,6 +427,7 @@ class Snapshotter:
         self._plan_fut: concurrent.futures.Future[None] | None = None
         self._combine: tuple[Any, ...] | None = None   # background: (cut, total, entries, tree, plan, template)
         self._plan: _SavePlan | None = None    # the last layout's save plan (the training thread's)
+        self._flatten = Flattener()             # save()'s walk of the state (under self._lock)
         self._same_dirs: tuple[str, str] | None = None   # (agent dir, ring root) found to be the same dir
 
     def _block(self) -> str:
@@ -464,7 +465,7 @@ class Snapshotter:
                 stall = 0.0
             ph.mark("pending")
             values: list[int] = []
-            tree, named = flatten(state_dict, values)
+            tree, named = self._flatten(state_dict, values)   # the last structure replayed (state_tree)
             tensors = [t for _, t in named]
             ph.mark("flatten")
             sig = _signature(named, tensors, values)

@@ -10,6 +10,7 @@ for bytes and BytesIO);
 """
 from __future__ import annotations
 
+import operator
 from collections import abc
 from typing import Any, Mapping
 
@@ -17,7 +18,7 @@ import torch
 
 from checkpoint.errors import InvalidInputError
 from checkpoint.manifest import DTYPE_SIZES, ITEMS_MARK, KIND_KEY, TENSOR_MARK, TUPLE_MARK, VALUE_MARK
-from checkpoint.plain_values import decode_item, encode_item, is_bytes_like
+from checkpoint.plain_values import BYTES_MARK, BYTESIO_MARK, decode_item, encode_item, is_bytes_like
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
@@ -159,3 +160,151 @@ def unflatten(tree: Any, tensors: list[torch.Tensor], host: list[torch.Tensor] |
         return tree
 
     return walk(tree)
+
+
+_LAYOUT = operator.attrgetter("layout")
+_QUANTIZED = operator.attrgetter("is_quantized")
+_DTYPE = operator.attrgetter("dtype")
+
+
+class Flattener:
+    """`flatten`, with the last state's structure kept (issue 21: a save walks the state at every step).
+
+    The structure of the last call is kept as a skeleton of the tree; the next call checks the new state
+    against it and takes its tensors with C-level operations per dict of tensors (its keys, its values'
+    types, layouts and dtypes, all at once), re-encoding only the plain values. Anything different (a key,
+    a type, a plain value's kind, a tensor seen twice, something unsupported) falls back to `flatten`, which
+    says what is wrong and makes the next skeleton. Same result as `flatten`: the tree object itself is
+    reused while the structure stays (callers only read it). Not thread-safe: one per saving thread."""
+
+    def __init__(self) -> None:
+        self._skel: Any = None
+        self._tree: Any = None
+        self.fast = 0    # calls served from the skeleton (for tests and benches)
+
+    def __call__(self, state_dict: Mapping[str, Any], values: list[int] | None = None
+                 ) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+        if self._skel is not None and isinstance(state_dict, Mapping):
+            named: list[tuple[str, torch.Tensor]] = []
+            vals: list[int] = []
+            try:
+                ok = _replay(self._skel, state_dict, named, vals) and _tensors_ok(named, vals)
+            except InvalidInputError:   # flatten below says it with the path
+                ok = False
+            if ok:
+                if values is not None:
+                    values.extend(vals)
+                self.fast += 1
+                return self._tree, named
+        vals = []
+        tree, named = flatten(state_dict, vals)
+        if values is not None:
+            values.extend(vals)
+        self._tree = tree
+        self._skel = _skeleton(tree, named)
+        return tree, named
+
+
+def _skeleton(tree: Any, named: list[tuple[str, torch.Tensor]]) -> Any:
+    """The skeleton of a flattened state (None when there is none worth keeping: a tensor-free state, or a
+    tensor referenced twice). Nodes: ("T", path), ("V", path, kind), ("TD", keys, paths) a dict of tensors
+    only, ("D", keys, children, int keys allowed), ("L", is tuple, children)."""
+    refs: set[int] = set()
+
+    def node(t: Any) -> Any:
+        if isinstance(t, dict):
+            if set(t) == {TENSOR_MARK}:
+                i = t[TENSOR_MARK]
+                if i in refs:
+                    raise _NoSkeleton
+                refs.add(i)
+                return ("T", named[i][0])
+            if set(t) == {VALUE_MARK, KIND_KEY}:
+                i = t[VALUE_MARK][TENSOR_MARK]
+                refs.add(i)
+                return ("V", named[i][0], t[KIND_KEY])
+            if set(t) == {TUPLE_MARK}:
+                return ("L", True, [node(v) for v in t[TUPLE_MARK]])
+            if set(t) == {ITEMS_MARK}:
+                keys = tuple(k for k, _ in t[ITEMS_MARK])
+                return ("D", keys, [node(v) for _, v in t[ITEMS_MARK]], True)
+            kids = [node(v) for v in t.values()]
+            if kids and all(k[0] == "T" for k in kids):
+                return ("TD", tuple(t), tuple(k[1] for k in kids))
+            return ("D", tuple(t), kids, False)
+        if isinstance(t, list):
+            return ("L", False, [node(v) for v in t])
+        raise _NoSkeleton
+
+    if isinstance(tree, dict) and set(tree) == {VALUE_MARK, KIND_KEY}:
+        return None   # the whole state is one value
+    try:
+        return node(tree)
+    except _NoSkeleton:
+        return None
+
+
+class _NoSkeleton(Exception):
+    pass
+
+
+_KEY_TYPES = frozenset((int, str))
+_BYTES_IN_JSON = f'"{BYTES_MARK}"'.encode()
+_BYTESIO_IN_JSON = f'"{BYTESIO_MARK}"'.encode()
+
+
+def _replay(skel: Any, obj: Any, named: list[tuple[str, torch.Tensor]], vals: list[int]) -> bool:
+    """Take `obj`'s tensors (and its plain values' bytes) as `skel` says; False at the first difference."""
+    kind = skel[0]
+    if kind == "TD":
+        if not isinstance(obj, Mapping) or is_bytes_like(obj) or tuple(obj) != skel[1]:
+            return False
+        got = list(obj.values())
+        if not set(map(type, got)) <= _TENSORS:
+            return False
+        named.extend(zip(skel[2], got))
+        return True
+    if kind == "T":
+        if type(obj) not in _TENSORS:
+            return False
+        named.append((skel[1], obj))
+        return True
+    if kind == "V":
+        if type(obj) in _TENSORS:
+            return False
+        k, payload = encode_item(obj, skel[1])
+        if k != skel[2] or (k == "json" and (_BYTES_IN_JSON in payload or _BYTESIO_IN_JSON in payload)):
+            return False   # bytes inside a plain part: flatten stores them raw, at their own path
+        vals.append(len(named))
+        named.append((skel[1], value_tensor(payload)))
+        return True
+    if kind == "D":
+        if not isinstance(obj, Mapping) or is_bytes_like(obj) or tuple(obj) != skel[1]:
+            return False
+        if skel[3] and not set(map(type, obj)) <= _KEY_TYPES:   # bool keys equal 0 / 1: refused by flatten
+            return False
+        return _replay_kids(skel[2], list(obj.values()), named, vals)
+    # "L"
+    if not isinstance(obj, (tuple, list)) or isinstance(obj, tuple) != skel[1] or len(obj) != len(skel[2]):
+        return False
+    return _replay_kids(skel[2], obj, named, vals)
+
+
+def _replay_kids(kids: list[Any], objs: Any, named: list[tuple[str, torch.Tensor]], vals: list[int]) -> bool:
+    """A container's children in flatten's order: the tensors, bytes and what holds them first, in order,
+    then its plain (JSON) values, in order."""
+    if not all(_replay(s, v, named, vals) for s, v in zip(kids, objs) if not _deferred(s)):
+        return False
+    return all(_replay(s, v, named, vals) for s, v in zip(kids, objs) if _deferred(s))
+
+
+def _deferred(skel: Any) -> bool:
+    return skel[0] == "V" and skel[2] == "json"
+
+
+def _tensors_ok(named: list[tuple[str, torch.Tensor]], vals: list[int]) -> bool:
+    """flatten's checks over the tensors, all at once: dense strided, not quantized, a supported dtype, each
+    object once (a tensor now referenced twice goes through flatten, which stores it once)."""
+    ts = [t for _, t in named]
+    return (set(map(_LAYOUT, ts)) <= {torch.strided} and not any(map(_QUANTIZED, ts))
+            and set(map(_DTYPE, ts)) <= DTYPE_NAMES.keys() and len(set(map(id, ts))) == len(ts))

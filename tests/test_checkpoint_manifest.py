@@ -1,6 +1,7 @@
 """Chunks, manifests and the pure policies (verification, retention, stale saves)."""
 from __future__ import annotations
 
+import io
 import json
 import random
 
@@ -11,7 +12,7 @@ from checkpoint import policy, replica_bytes
 from checkpoint.chunks import Chunk, checksum, checksum_chunks, chunk_ranges, chunks_covering, verify
 from checkpoint.errors import InvalidInputError
 from checkpoint.manifest import ShardManifest, TensorEntry
-from checkpoint.state_tree import flatten, unflatten
+from checkpoint.state_tree import Flattener, flatten, unflatten
 
 
 def test_chunk_ranges_tile_the_blob() -> None:
@@ -72,6 +73,60 @@ def test_flatten_unflatten_round_trip_keeps_structure_and_ties() -> None:
 def test_flatten_rejects_unsupported_objects_with_the_path(bad: dict, where: str) -> None:
     with pytest.raises(InvalidInputError, match=where):
         flatten(bad)
+
+
+def _same_flat(got: tuple, want: tuple) -> None:
+    """Two flatten results are the same: the tree, the paths, each tensor (the object itself, or for a
+    plain value its bytes)."""
+    assert got[0] == want[0]
+    assert [p for p, _ in got[1]] == [p for p, _ in want[1]]
+    for (_, a), (_, b) in zip(got[1], want[1]):
+        assert a is b or (a.dtype == b.dtype == torch.uint8 and torch.equal(a, b))
+
+
+def _opt_like(w: torch.Tensor, lr: float) -> dict:
+    m = {"model": {"w": w, "b": torch.zeros(3)},
+         "optim": {"state": {0: {"step": torch.tensor(1.0), "m": torch.zeros(3, 4)}, 1: {"m": torch.ones(3)}},
+                   "param_groups": [{"lr": lr, "params": [0, 1]}]},
+         "blob": b"abc", "rng": (3, [1, 2]), "mixed": [torch.ones(2), {"k": 1}]}
+    return m
+
+
+def test_the_flattener_replays_the_last_structure_and_falls_back_on_any_change() -> None:
+    """Issue 21: `Flattener` (a save's walk at every step) gives exactly what `flatten` gives: from the kept
+    skeleton while the structure stays (the plain values re-encoded each time), through `flatten` at any
+    change, and with flatten's errors for anything unsupported."""
+    fl = Flattener()
+    w = torch.randn(3, 4)
+    states = [_opt_like(w, 0.1), _opt_like(w, 0.2), _opt_like(torch.randn(3, 4), 0.3)]
+    changed = [
+        {**_opt_like(w, 0.1), "extra": 1},                               # a new key
+        {**_opt_like(w, 0.1), "blob": io.BytesIO(b"abc")},               # a value's kind
+        {**_opt_like(w, 0.1), "rng": (3, [1, b"x"])},                    # bytes inside a plain part
+        {**_opt_like(w, 0.1), "rng": (3, [1, torch.zeros(1)])},          # a tensor inside a plain part
+        {**_opt_like(w, 0.1), "model": {"w": w, "b": w}},                # a tensor twice (tied)
+        {**_opt_like(w, 0.1), "model": {"w": w, "b": torch.zeros(3, dtype=torch.float16)}},
+        {**_opt_like(w, 0.1), "rng": [3, [1, 2]]},                       # a tuple now a list
+    ]
+    fast = 0
+    for sd in states + changed + states:
+        values: list[int] = []
+        got = fl(sd, values)
+        want_values: list[int] = []
+        want = flatten(sd, want_values)
+        _same_flat(got, want)
+        assert values == want_values
+        assert unflatten(got[0], [t for _, t in got[1]])["rng"] == sd["rng"]
+        fast = fl.fast
+    assert fast >= 4   # the repeated structures came from the skeleton
+    for bad in ({**_opt_like(w, 0.1), "model": {"w": w, "b": {1, 2}}},
+                {**_opt_like(w, 0.1), "optim": {"state": {True: {"m": w}}, "param_groups": []}}):
+        fl(_opt_like(w, 0.1))
+        with pytest.raises(InvalidInputError):
+            fl(bad)
+    fl(_opt_like(w, 0.1))
+    with pytest.raises(InvalidInputError, match="only dense strided"):
+        fl({**_opt_like(w, 0.1), "model": {"w": w, "b": torch.zeros(3).to_sparse()}})
 
 
 def _manifest(**over: object) -> ShardManifest:
