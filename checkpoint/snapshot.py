@@ -102,6 +102,8 @@ log = logging.getLogger(__name__)
 
 ALIGN = 64
 DEVICE_STAGING_SHARE = 0.8   # a GPU staging buffer may take at most this share of the GPU's free memory
+HOST_PIECES_INLINE = 1 << 20   # host pieces (CPU tensors of the state) under this many bytes in all are
+                               # fingerprinted on the background thread itself, not through its pool
 HELD_SLOTS = 5               # pipelined, max_slots="auto": slots the agent may hold as stored checkpoints
                              # (keep_committed 2 + the newest VERIFIED + the rollback span's 2)
 
@@ -1032,7 +1034,7 @@ class Snapshotter:
         for a non-contiguous tensor, fingerprinted from a contiguous copy), torch ops."""
         key = self._plan_key(tensors, cut) if key is None else key
         held = self._fp_plans.get(dev)
-        if held is None or held[0] != key:
+        if held is None or (held[0] is not key and held[0] != key):
             held = None
             if (triton_available() and _triton_ready(dev)
                     and all(tensors[p.tensor].is_contiguous() for p in cut)):
@@ -1093,8 +1095,12 @@ class Snapshotter:
                 continue
             self._save_keys[dev] = key   # this save's copy reuses it
             held = self._fp_plans.get(dev)
-            if held is None or held[0] != key:
+            if held is None:
                 return False
+            if held[0] is not key:   # built on the plan thread from a key of its own: compared once, then
+                if held[0] != key:   # the save plan's key object stands for it (an identity check per save)
+                    return False
+                self._fp_plans[dev] = (key, held[1])
         return True
 
     def _plan_ahead(self, tensors: list[torch.Tensor], cut: list[Piece]) -> None:
@@ -1299,7 +1305,9 @@ class Snapshotter:
                     p = cut[j]
                     at = entries[p.tensor][3] + p.start
                     return fingerprint_bytes(host[at:at + p.length], "uint8", (p.length,))
-                got = list(self._fp_pool.map(piece_words, val))
+                small = sum(cut[j].length for j in val) < HOST_PIECES_INLINE
+                # a GPU state's few host tensors (its plain values, step counts): here, not through the pool
+                got = [piece_words(j) for j in val] if small else list(self._fp_pool.map(piece_words, val))
                 if got:
                     at = np.asarray(val, dtype=np.intp)
                     words[at] = np.array(got, dtype=np.uint64).view(np.int64).reshape(len(got), 2)
