@@ -13,8 +13,8 @@ import grpc
 from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
                                NotInMemoryError, UnknownCheckpointError)
 from checkpoint.manifest import ShardManifest
-from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy, RestorePlan,
-                                RestoreReportMsg, SaveReport, ShardPlan)
+from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
+                                Restored, RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from proto.sdcwatch.v1 import checkpoint_pb2 as pb
 from proto.sdcwatch.v1 import checkpoint_pb2_grpc as pb_grpc
 from sdcwatch.channels import agent_channel
@@ -67,9 +67,13 @@ class GrpcAgentLink:
                 raise CorruptCheckpointError(details) from None
             raise CommitError(f"{code.name}: {details}") from None
 
-    def begin(self, job_id: str, step: int, rank: int, world_size: int) -> BeginResult:
-        r = self._rpc(self.stub.Begin, self.pb.BeginRequest(job_id=job_id, step=step, rank=rank,
-                                                             world_size=world_size))
+    def begin(self, job_id: str, step: int, rank: int, world_size: int, *,
+              restored: Restored | None = None) -> BeginResult:
+        """`restored`: the rank's last restore into its training state (the agent cuts the history there)."""
+        req = self.pb.BeginRequest(job_id=job_id, step=step, rank=rank, world_size=world_size)
+        if restored is not None:
+            req.restored_step, req.restored_at = restored.step, restored.at
+        r = self._rpc(self.stub.Begin, req)
         return BeginResult(_state(r.state), r.node, r.location, r.blob_key)
 
     def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str, *,

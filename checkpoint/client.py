@@ -3,6 +3,7 @@
     client = CheckpointClient.connect(job_id, rank, world_size)          # agent socket from sdcwatch.paths
     client.save(step, state_dict)            # returns after the pinned copy; the rest is in the background
     sd = client.restore("latest_verified", device="cuda")   # or "latest", or a step number
+    client.restore(5, resume=False)          # a look only (e.g. a check): its saves do not cut the history
     client.list()
 
 Every RPC carries a deadline. If the agent is down, `save` logs and drops the checkpoint (training goes
@@ -49,6 +50,8 @@ from checksums.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
 
+SETTLE_S = 60.0   # a resuming restore waits at most this long for the saves in flight to finish
+
 
 class CheckpointClient:
     def __init__(self, link: Any, job_id: str, rank: int, world_size: int, *,
@@ -92,8 +95,17 @@ class CheckpointClient:
         return self.snapshotter.stats
 
     def restore(self, target: int | str = LATEST_VERIFIED, device: Any = "cpu",
-                report: RestoreReport | None = None) -> dict[str, Any]:
+                report: RestoreReport | None = None, *, resume: bool = True) -> dict[str, Any]:
+        """The rank's shard of checkpoint `target`, verified. `resume` (default): the rank goes on training from
+        it, so the saves it makes from now on carry the restore in their begin and the agent cuts the history
+        the job left there (docs/checkpoints.md, "Going back cuts the history"); the saves still in flight are
+        let finish first (their records are history the restore leaves). `resume=False`: a look only (a check
+        of a checkpoint inside a training process), which cuts nothing. A process that never saves (a reader)
+        never cuts either way."""
         self.snapshotter.order_before_update()   # loading the result into the model comes after any copy
+        if resume and not self.snapshotter.settle(SETTLE_S):
+            log.warning("restore: a save is still in flight after %.0f s; it may outlive the restore", SETTLE_S)
+        started = time.time()
         plan = self.link.restore_plan(self.job_id, target, self.rank)
         report = report if report is not None else RestoreReport()
         t0 = time.perf_counter()
@@ -101,6 +113,8 @@ class CheckpointClient:
         try:
             out = restore_from_plan(plan, self.rank, self.store_for, device, report)
             ok = True
+            if resume:
+                self.snapshotter.note_restore(plan.checkpoint.step, started)
             return out
         except Exception as e:
             error = f"{type(e).__name__}: {e}"

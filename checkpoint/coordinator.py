@@ -3,7 +3,8 @@
 Lifecycle of one checkpoint (job J, step k, world size W):
 
 1. `begin(J, k, rank, W)`        each rank; the first creates the PENDING record. Returns where to write
-                                 (this node's memory tier directory and the shard's blob key).
+                                 (this node's memory tier directory and the shard's blob key). A begin that
+                                 carries the rank's restore (`restored`) first cuts the history there, once.
 2. the rank writes its shard blob into that tier (data first) ...
 3. `commit_shard(J, k, rank, W, manifest_json)`   checks the blob (size, and every chunk checksum when
                                  `verify_on_commit`), then ONE Lua script records the shard and, when all
@@ -39,6 +40,8 @@ Redis keys (all of one job share the hash tag `{J}`, so the scripts work on Redi
   sdcw:ckpt:{J}:cuts               HASH step -> time: the job went back to step at that time, so every copy of a
                                    later step made before it (on any tier, any node) is history it left
                                    (`cuts`; the drainers delete those tier copies); the newest MAX_CUTS_KEPT
+  sdcw:ckpt:{J}:restores           HASH step -> time: the newest restore of step a rank's begin carried
+                                   (`cut_at_restore`: that restore's cut is made); the newest MAX_CUTS_KEPT
   sdcw:ckpt:nodes                  HASH node -> its agent's lease (checkpoint/node_leases.py): restore plans leave
                                    out the copies of nodes whose agents are gone
 
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -67,7 +71,7 @@ from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.node_leases import Lease, dead_nodes, live_copies
 from checkpoint.tier_policy import TIER_ORDER
 from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
-                                RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
+                                Restored, RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from sdcwatch import event_kinds as ek
 from sdcwatch.event_kinds import EventKind, Publish
 
@@ -208,11 +212,16 @@ class Coordinator:
         return [meta, meta + ":shards", meta + ":copies"]
 
     # ---- rank-facing --------------------------------------------------------------------------------
-    def begin(self, job_id: str, step: int, rank: int, world_size: int, now: float | None = None) -> BeginResult:
+    def begin(self, job_id: str, step: int, rank: int, world_size: int, now: float | None = None, *,
+              restored: Restored | None = None) -> BeginResult:
+        """`restored`: the rank's last restore into its training state (None: none since it started): the
+        history is cut there first, if that restore's cut was not made yet (`cut_at_restore`), so a save right
+        after a resume, before any step report showed the job went back, begins afresh."""
         validate_job_id(job_id)
         validate_step(step)
         validate_rank(rank, world_size)
         now = time.time() if now is None else now
+        cut = self.cut_at_restore(job_id, restored, now) if restored is not None else False
         meta, shards, copies = self._keys(job_id, step)
         state, extra = self.fence.run(self.redis, self._begin, [meta, self._jk(job_id, "idx"), shards, copies],
                                       [step, world_size, repr(now)], self._jk(job_id, "epoch"))[:2]
@@ -220,7 +229,7 @@ class Coordinator:
         if state == "ERR_WORLD":
             raise CommitError(f"job {job_id} step {step} was begun with world size {_s(extra)}, not {world_size}")
         self.redis.sadd(self._p + "jobs", job_id)
-        return BeginResult(state, self.node, self.location, blob_key(job_id, step, rank))
+        return BeginResult(state, self.node, self.location, blob_key(job_id, step, rank), cut)
 
     def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str,
                      now: float | None = None, report: SaveReport | None = None) -> CommitResult:
@@ -364,9 +373,41 @@ class Coordinator:
         after `step` begun before then (the history it left), and note the cut for the tiers (`cuts`: the
         drainers delete the tier copies it left). The agent calls this at once, so a redone save of a step
         begins afresh instead of finding the left record; the `rollback` job event does it again, later, with
-        the votes and bad events (through the feed, which keeps their order)."""
+        the votes and bad events (through the feed, which keeps their order).
+
+        A restore of `step` a rank's begin already told (`cut_at_restore`) is when the job went back, exactly:
+        the cut is made at that time when it is earlier than `before`. The ranks may have saved again between
+        their restore and the step report that shows it (a resume that saves before it reports), and those
+        saves are the job's new history, not the history it left."""
         validate_job_id(job_id)
         validate_step(step)
+        known = self.redis.hget(self._jk(job_id, "restores"), str(step))
+        if known is not None:
+            before = min(before, float(_s(known)))
+        self._cut(job_id, step, before)
+
+    def cut_at_restore(self, job_id: str, restored: Restored, now: float) -> bool:
+        """A rank's begin says it restored `restored.step` at `restored.at` (its last restore into training
+        state): cut the history there (`cut_history`'s drop, at the restore's time: the saves begun since are
+        the job's new history) unless that restore's cut was made already (`restores`: the newest restore of
+        the step cut so far; a retried begin, or another rank of the same restore, cuts nothing new). Returns
+        whether it cut. A restore time after `now` is taken as `now`. A reader never begins a save, so its
+        restores never cut."""
+        validate_job_id(job_id)
+        validate_step(restored.step)
+        at = float(restored.at)
+        if not math.isfinite(at) or at <= 0:
+            raise InvalidInputError(f"restored_at must be a time (seconds since the epoch), got {restored.at}")
+        at = min(at, now)
+        key = self._jk(job_id, "restores")
+        known = self.redis.hget(key, str(restored.step))
+        if known is not None and float(_s(known)) >= at:
+            return False
+        self._cut(job_id, restored.step, at)
+        self._keep_time(key, restored.step, at)   # after the cut: a cut that failed half way is made again
+        return True
+
+    def _cut(self, job_id: str, step: int, before: float) -> None:
         for info in self.list(job_id):
             if info.step > step and info.begun_at < before:
                 self._drop(job_id, info.step, policy.EVICTED, f"rolled back to step {step}", before)

@@ -68,11 +68,20 @@ class RestoreReportMsg:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Restored:
+    """A rank's last restore into its training state: the step it restored and when the restore began (seconds
+    since the epoch, the node's clock). Its saves' begins carry it; the agent cuts the job's history there."""
+    step: int
+    at: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class BeginResult:
     state: str           # PENDING (write your shard), or COMMITTED/VERIFIED (already done: skip)
     node: str
     location: str        # directory of this node's memory tier
     blob_key: str
+    cut: bool = False    # this begin cut the job's history at the rank's restore (the agent's side only)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

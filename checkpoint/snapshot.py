@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import math
 import operator
@@ -84,7 +85,7 @@ from checkpoint.errors import CorruptCheckpointError, InvalidInputError
 from checkpoint.locations import dir_store_for
 from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.names import validate_job_id, validate_rank, validate_step
-from checkpoint.records import SaveReport
+from checkpoint.records import Restored, SaveReport
 from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
 from checkpoint.source_sums import CombinePlan, ManifestTemplate, Piece, pieces
 from checkpoint.state_tree import Flattener, dtype_name, flatten
@@ -112,6 +113,7 @@ class ShardSink(Protocol):
     """Who is told about a shard: the agent over gRPC (`checkpoint.client`) or a `Coordinator` directly."""
 
     def begin(self, job_id: str, step: int, rank: int, world_size: int) -> Any: ...
+    # a sink whose begin also takes `restored=` (checkpoint.records.Restored) hears the rank's last restore
 
     def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str, *,
                      report: SaveReport | None = None) -> Any: ...
@@ -229,6 +231,16 @@ class SaveStats:
     slots_inline: int           # slots created inside a save (the blocking kind; 0 in steady state)
     in_flight: int = 0          # saves in the background now (copying, hashed or committed)
     most_in_flight: int = 0     # the most at once so far (SnapshotConfig.max_inflight bounds it)
+
+
+def _takes_restored(sink: Any) -> bool:
+    """Whether `sink.begin` takes `restored=` (a sink written before it existed does not: its begins go
+    without it, as before)."""
+    try:
+        params = inspect.signature(sink.begin).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(p.name == "restored" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class SaveHandle:
@@ -403,6 +415,10 @@ class Snapshotter:
         self._side: dict[torch.device, Any] = {}
         self._ring: SlotRing | None = None
         self._location: str | None = None      # the agent's memory dir, learned from the first begin
+        # the rank's last restore into its training state (`note_restore`): each save's begin carries it, so
+        # the agent cuts the history the job left there before the first save after it (docs/checkpoints.md)
+        self.restored: Restored | None = None
+        self._sink_takes_restored = _takes_restored(sink)
         self._reset_ring = False                # the agent's dir moved or vanished: rebuild the slots
         self._slots_off = self.config.staging != "slots"
         self._warned_full = False
@@ -538,7 +554,8 @@ class Snapshotter:
             blocking = time.perf_counter() - t0
             fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
                                     blocking, time.perf_counter(), slot, stall, skipped, cut,
-                                    [staged] if staged is not None else None, ph.out, [tensors])
+                                    [staged] if staged is not None else None, ph.out, [tensors],
+                                    self.restored)
             self._last = SaveHandle(step, fut)
             if slot is None:   # the private arena (or, staged on the GPU, the arena it is copied into next)
                 self._arena_user = fut
@@ -755,6 +772,22 @@ class Snapshotter:
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         last = self._last
         return None if last is None else last.result(timeout)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait (up to `timeout` seconds in all) until every save handed to the background has finished
+        (its begin and commit told the agent); False if one is still going."""
+        with self._lock:
+            pending = [h.future for h in self._pending if not h.done()]
+        if not pending:
+            return True
+        _, not_done = concurrent.futures.wait(pending, timeout)
+        return not not_done
+
+    def note_restore(self, step: int, at: float) -> None:
+        """The rank restored `step` into its training state; the restore began at `at` (time.time()). The
+        saves snapshotted from now on carry it in their begin (`ShardSink`)."""
+        validate_step(step)
+        self.restored = Restored(step, at)
 
     def close(self) -> None:
         self.order_before_update()   # whatever the caller does to the weights next comes after the copies
@@ -1142,14 +1175,18 @@ class Snapshotter:
                     blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
                     skipped: int = 0, cut: list[Piece] | None = None,
                     staged_box: list[torch.Tensor] | None = None,
-                    phases: dict[str, float] | None = None, sources: list[Any] | None = None) -> SaveResult:
+                    phases: dict[str, float] | None = None, sources: list[Any] | None = None,
+                    restored: Restored | None = None) -> SaveResult:
         res = SaveResult(step, "FAILED", nbytes=total, blocking_s=blocking, stall_s=stall,
                          checksums="host" if cut is None else "source", phases=phases or {})
         ph = _Phases("b.", cpu=True, out=res.phases)
         ph.t -= time.perf_counter() - returned   # queued behind earlier saves: counted as the wait
         try:
             try:   # begun while the copy runs: its round trip overlaps the copy (issue 21)
-                begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
+                if restored is not None and self._sink_takes_restored:   # the restore known at the copy
+                    begin = self.sink.begin(self.job_id, step, self.rank, self.world_size, restored=restored)
+                else:
+                    begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
                 ph.mark("begin")
             finally:   # whatever happens next (the slot released, reused), the copy has landed first
                 for ev in events:

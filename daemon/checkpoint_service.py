@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -54,8 +55,8 @@ from checkpoint.locations import dir_store_for
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
 from checkpoint.redis_connect import RedisOptions, connect, epoch_source, era_source
-from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, RestorePlan, RestoreReportMsg, SaveReport,
-                                ShardPlan)
+from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, Restored, RestorePlan,
+                                RestoreReportMsg, SaveReport, ShardPlan)
 from sdcwatch.event_kinds import Publish
 from checkpoint.shm_store import ShmStore, default_shm_root, secure_memory_dir
 from daemon.background import Background, cancel_tasks
@@ -126,9 +127,23 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     # ---- RPCs ---------------------------------------------------------------------------------------
     async def Begin(self, request: pb.BeginRequest, context: grpc.aio.ServicerContext) -> pb.BeginResponse:
         job, step, rank, world = await self._shard_args(request, context)
-        r = await self._call(context, self.coordinator.begin, job, step, rank, world, self.clock())
+        restored = None
+        if request.restored_at != 0 or request.restored_step != 0:   # 0, 0: no restore, or an older client
+            at = request.restored_at
+            if request.restored_step < 0 or not math.isfinite(at) or at <= 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "restored_step must be >= 0 and restored_at a time (seconds since the "
+                                    f"epoch), got restored_step {request.restored_step} restored_at {at}")
+            restored = Restored(request.restored_step, at)
+        r = await self._call(context, self._begin, job, step, rank, world, self.clock(), restored)
+        if r.cut:   # the rank's restore cut the history: its tier copies go now, in the background
+            self._spawn(self._drop_left_history(job))
         return pb.BeginResponse(state=STATE_TO_PB.get(r.state, 0), node=r.node, location=r.location,
                                 blob_key=r.blob_key)
+
+    def _begin(self, job: str, step: int, rank: int, world: int, now: float,
+               restored: Restored | None) -> Any:
+        return self.coordinator.begin(job, step, rank, world, now, restored=restored)
 
     async def CommitShard(self, request: pb.CommitShardRequest,
                           context: grpc.aio.ServicerContext) -> pb.CommitShardResponse:

@@ -16,6 +16,7 @@ from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckp
                                NotInMemoryError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.peers import Peer, Replicator, placement
+from checkpoint.records import Restored
 from checkpoint.restore import restore_from_plan
 from checkpoint.shard_reader import RestoreReport
 from checkpoint.snapshot import Snapshotter, SnapshotConfig
@@ -154,6 +155,136 @@ def test_a_cut_lets_the_redone_saves_begin_afresh_and_the_late_rollback_event_ke
     time.sleep(0.01)
     co.on_job_event(job, 1, "rollback", time.time())       # a later restore of step 1: all after it go
     assert [i.step for i in co.list(job)] == [1]
+
+def _trainers(link_for, job: str, world: int = 2) -> list[CheckpointClient]:
+    return [CheckpointClient(link_for(r), job, r, world, config=SnapshotConfig(chunk_bytes=4096))
+            for r in range(world)]
+
+
+def _save(clients: list[CheckpointClient], step: int, content: int | None = None) -> list:
+    """Each rank saves `step` (its bytes: state_dict(rank, content or step)); their results, in rank order."""
+    return [c.save(step, state_dict(c.rank, step if content is None else content)).result(30) for c in clients]
+
+
+def test_a_resume_that_saves_before_it_reports_a_step_cuts_the_history_at_its_restore(
+        redis_server, tmp_path: Path) -> None:
+    """Issue 18 follow-up: a job restores step 1 and saves step 2 before any step report showed the agent it went
+    back. The begin of that save carries the rank's restore, and the agent cuts the history there first: the
+    save lands afresh (before: "already COMMITTED", the left history's bytes kept and the save lost). The ranks
+    restore at different moments; the step report's cut and the feed's late `rollback` event that follow keep
+    the redone save (the restore the begins told is when the job went back); it verifies on the replicas'
+    vote. A retried begin (its reply lost), another agent (a restart) and a look (`resume=False`) or a reader
+    cut nothing; a later restore of the same step cuts again; a client without the field behaves as before."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=10), job_id()
+    old = _trainers(lambda r: co, job)
+    for step in (1, 2, 3):
+        assert [r.state for r in _save(old, step, 100 + step)] == ["PENDING", "COMMITTED"]
+    co.on_job_event(job, 1, "vote_agreed", time.time())
+    co.on_job_event(job, 2, "vote_mismatch", time.time())
+    assert_same(old[0].restore(1, resume=False), state_dict(0, 101))   # a look inside the running job
+    assert _save(old, 4, 104)[1].state == "COMMITTED"
+    for c in old:
+        c.close()
+    reader = CheckpointClient(co, job, 0, 2)   # an evaluation beside the job: restores, never saves
+    assert_same(reader.restore(1), state_dict(0, 101))
+    reader.close()
+    assert [i.step for i in co.list(job)] == [1, 2, 3, 4], "a look and a reader's restore cut nothing"
+
+    new = _trainers(lambda r: co, job)       # the job resumes from step 1: the ranks restore one after the other
+    for c in new:
+        assert_same(c.restore(1), state_dict(c.rank, 101))
+        time.sleep(0.01)
+    res = _save(new, 2)                       # before any step report
+    assert [(r.state, r.error) for r in res] == [("PENDING", ""), ("COMMITTED", "")], res
+    assert res[1].committed_now
+    assert [i.step for i in co.list(job)] == [1, 2]
+    assert set(co.cuts(job)) == {1}
+    restored_at = new[1].snapshotter.restored.at
+    # the step report that shows the job went back, and the feed's rollback event, come after the save
+    co.cut_history(job, 1, time.time())
+    co.on_job_event(job, 1, "rollback", time.time())
+    assert [i.step for i in co.list(job)] == [1, 2], "the redone save stays"
+    assert co.cuts(job)[1] == restored_at, "the tiers keep the copies made after the restore"
+    co.on_job_event(job, 2, "vote_agreed", time.time())
+    assert co.latest_verified(job).step == 2
+    for c in new:
+        assert_same(c.restore(2, resume=False), state_dict(c.rank, 2))
+    # a begin retried after its reply was lost (a failover), on this agent or on a restarted one: nothing goes
+    assert _save(new, 3)[1].state == "COMMITTED"
+    again = node(redis_server.port, tmp_path, "n0", keep_committed=10)
+    for co_ in (co, again):
+        b = co_.begin(job, 3, 0, 2, restored=new[0].snapshotter.restored)
+        assert (b.state, b.cut) == ("COMMITTED", False)
+    assert [(i.step, i.shards) for i in co.list(job)] == [(1, 2), (2, 2), (3, 2)]
+    # a restore time in the future is taken as now; a bad one is refused
+    with pytest.raises(InvalidInputError, match="restored_at"):
+        co.begin(job, 5, 0, 2, restored=Restored(1, float("nan")))
+    # a later restore of the same step cuts again
+    for c in new:
+        c.restore(1)
+    assert [r.state for r in _save(new, 2, 202)] == ["PENDING", "COMMITTED"]
+    assert [i.step for i in co.list(job)] == [1, 2]
+    assert_same(new[0].restore(2, resume=False), state_dict(0, 202))
+    for c in new:
+        c.close()
+
+    class OlderLink:   # a sink without `restored` (a client from before): its begins go as before
+        def begin(self, job_id: str, step: int, rank: int, world_size: int):
+            return co.begin(job_id, step, rank, world_size)
+
+        def commit_shard(self, *a, **kw):
+            return co.commit_shard(*a, **kw)
+
+        def restore_plan(self, *a):
+            return co.restore_plan(*a)
+
+    older = _trainers(lambda r: OlderLink(), job)
+    older[0].restore(1)
+    assert older[0].save(2, state_dict(0, 302)).result(30).state == "COMMITTED", "no cut: already COMMITTED"
+    assert [i.step for i in co.list(job)] == [1, 2]
+    for c in older:
+        c.close()
+
+
+def test_a_resume_over_grpc_cuts_at_its_restore_and_an_older_client_does_not(
+        redis_server, tmp_path: Path, short_tmp: Path) -> None:
+    """The same through the agent's gRPC service: the Begin request carries restored_step/restored_at; the
+    agent's step-report cut and the rollback event afterwards keep the redone save; bad fields are
+    INVALID_ARGUMENT; a Begin without them (an older client) cuts nothing."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=10), job_id()
+    server = AgentServer(CheckpointService(co), short_tmp / "a.sock").start()
+    links: list[GrpcAgentLink] = []
+
+    def link(_rank: int) -> GrpcAgentLink:
+        links.append(GrpcAgentLink.connect(server.target, 10))
+        return links[-1]
+
+    try:
+        old = _trainers(link, job)
+        for step in (1, 2, 3):
+            _save(old, step, 100 + step)
+        server.call(server.service.job_event(job, 1, "vote_agreed", time.time()))
+        bare = links[0].begin(job, 2, 0, 2)            # an older client: no restore fields
+        assert (bare.state, [i.step for i in co.list(job)]) == ("COMMITTED", [1, 2, 3])
+        new = _trainers(link, job)
+        for c in new:
+            assert_same(c.restore("latest_verified"), state_dict(c.rank, 101))
+        res = _save(new, 2)
+        assert [r.state for r in res] == ["PENDING", "COMMITTED"] and res[1].committed_now, res
+        server.call(server.service._cut_history(job, 1, time.time()))   # the step report's cut
+        server.call(server.service.job_event(job, 1, "rollback", time.time()))
+        server.call(server.service.job_event(job, 2, "vote_agreed", time.time()))
+        assert new[0].latest_verified().step == 2
+        assert [i.step for i in co.list(job)] == [1, 2]
+        assert_same(new[1].restore(2, resume=False), state_dict(1, 2))
+        for bad in (Restored(1, float("inf")), Restored(-1, time.time()), Restored(1, -5.0)):
+            with pytest.raises(InvalidInputError, match="restored"):
+                links[0].begin(job, 4, 0, 2, restored=bad)
+        for c in old + new:
+            c.close()
+    finally:
+        server.stop()
+
 
 def test_retention_keeps_newest_k_and_verified(redis_server, tmp_path: Path) -> None:
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id()

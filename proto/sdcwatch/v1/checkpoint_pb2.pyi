@@ -74,16 +74,20 @@ class CheckpointInfo(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[CheckpointState, str]] = ..., world_size: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., begun_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., verified_at: _Optional[float] = ..., reason: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[ShardCopy, _Mapping]]] = ..., tiers: _Optional[_Iterable[str]] = ..., vouched_by: _Optional[str] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("job_id", "step", "rank", "world_size")
+    __slots__ = ("job_id", "step", "rank", "world_size", "restored_step", "restored_at")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_AT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     rank: int
     world_size: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    restored_step: int
+    restored_at: float
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., restored_step: _Optional[int] = ..., restored_at: _Optional[float] = ...) -> None: ...
 
 class BeginResponse(_message.Message):
     __slots__ = ("state", "node", "location", "blob_key")
