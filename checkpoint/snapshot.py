@@ -536,7 +536,7 @@ class Snapshotter:
             try:
                 with torch.no_grad():
                     events, src_fps = self._copy(tensors, offsets, arena, block, late, cut, transfer_check,
-                                                 plan)
+                                                 plan, ph)
             except BaseException:
                 if slot is not None and self._ring is not None:
                     self._ring.release(slot)
@@ -561,6 +561,7 @@ class Snapshotter:
                 self._arena_user = fut
             self._pending.append(self._last)
             self._most_in_flight = max(self._most_in_flight, len(self._pending))
+            ph.mark("submit")
             return self._last
 
     def _source_mode(self, tensors: list[torch.Tensor]) -> bool:
@@ -905,7 +906,8 @@ class Snapshotter:
     # ---- the copy -----------------------------------------------------------------------------------
     def _copy(self, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor, block: str = "copy",
               late: list[bool] | None = None, cut: list[Piece] | None = None, transfer_check: bool = True,
-              plan: _SavePlan | None = None) -> tuple[list[Any], dict[Any, torch.Tensor]]:
+              plan: _SavePlan | None = None, ph: _Phases | None = None
+              ) -> tuple[list[Any], dict[Any, torch.Tensor]]:
         """Enqueue every copy; return CUDA events to wait on and the source fingerprints: host-mode
         {tensor index: host fingerprint words}, or with `cut` (source checksums) {("pieces", device):
         (piece indices, host words [n, 2])}. `late[i]`: tensor i changes only in the optimizer step
@@ -934,9 +936,11 @@ class Snapshotter:
                 else:
                     sub_t, sub_off, sub_late, sub_cut = _dev_subsets(plan, dev, idx, mine, tensors, offsets,
                                                                      late, cut)
+                if ph is not None:
+                    ph.mark("copy.group")
                 ev, fps = self._copy_cuda(dev, sub_t, sub_off, arena, block, sub_late,
                                           None if cut is None else (tensors, sub_cut or []),
-                                          transfer_check, plan, order_key)
+                                          transfer_check, plan, order_key, ph)
                 events.append(ev)
                 if cut is not None:
                     src_fps[("pieces", dev)] = (mine, fps)
@@ -972,7 +976,9 @@ class Snapshotter:
     def _copy_cuda(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int],
                    arena: torch.Tensor, block: str, late: list[bool] | None,
                    source: tuple[list[torch.Tensor], list[Piece]] | None = None, transfer_check: bool = True,
-                   plan: _SavePlan | None = None, order_key: Any = None) -> tuple[Any, torch.Tensor | None]:
+                   plan: _SavePlan | None = None, order_key: Any = None, ph: _Phases | None = None
+                   ) -> tuple[Any, torch.Tensor | None]:
+        mark = ph.mark if ph is not None else (lambda name: None)
         side = self._side_stream(dev)
         cur = torch.cuda.current_stream(dev)
         run_pieces = None
@@ -994,6 +1000,7 @@ class Snapshotter:
                 fingerprint_tensors_async(tensors, per_tensor_out=per)
                 fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
                 fps_host.copy_(per, non_blocking=True)
+            mark("copy.fingerprint")
             # first what anything but the optimizer may change (ordered at once below), then the rest
             got = plan.orders.get(order_key) if plan is not None and order_key is not None else None
             if got is None:
@@ -1007,6 +1014,7 @@ class Snapshotter:
                 seq, early = got
             ev_early = None
             dsts = self._dsts(dev, arena, tensors, offsets, plan)
+            mark("copy.views")
             if 0 < early < len(tensors):
                 copy_all(dsts, tensors, seq[:early])
                 ev_early = torch.cuda.Event()
@@ -1016,6 +1024,7 @@ class Snapshotter:
                 copy_all(dsts, tensors, seq)
             ev = torch.cuda.Event()
             ev.record(side)
+            mark("copy.enqueue")
         # no record_stream per tensor (hundreds of allocator calls per save, issue 21): the save's background
         # holds a reference to every source tensor until it has seen the copy's event complete, so none is
         # freed (and its memory reused on any stream) while the side stream still reads it

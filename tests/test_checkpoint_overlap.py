@@ -307,7 +307,7 @@ def late_copies(monkeypatch: pytest.MonkeyPatch) -> Copies:
 
     def fake_copy(self: Snapshotter, tensors: list[torch.Tensor], offsets: list[int], arena: torch.Tensor,
                   block: str = "copy", late: list[bool] | None = None, cut: Any = None,
-                  transfer_check: bool = True, plan: Any = None) -> tuple[list[Any], dict]:
+                  transfer_check: bool = True, plan: Any = None, ph: Any = None) -> tuple[list[Any], dict]:
         src: dict[Any, Any] = {}
         if cut is not None:   # source checksums: taken from the tensors now, before the update can run
             views = snapshot_mod._piece_views(tensors, cut)
