@@ -439,6 +439,8 @@ class Snapshotter:
         self._plan_lock = threading.Lock()
         self._save_keys: dict[torch.device, Any] = {}   # this save's plan keys (computed once per save)
         self._dst_cache: dict[Any, Any] = {}   # "layout" -> key; slot address -> its destination views
+        self._host_dst_cache: dict[Any, Any] = {}   # the same for the state's host tensors (a GPU state's
+                                                    # plain values and step counts; a CPU state's all)
         self._cache_lock = threading.Lock()    # _dst_cache and _zeroed: the slot thread fills them ahead
         self._zero_hint: tuple[tuple[int, ...], int] | None = None   # the last source-checksummed layout
         self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
@@ -799,6 +801,7 @@ class Snapshotter:
             self._spare_pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
         self._dst_cache = {}   # views of the slots: their mappings go with the ring
+        self._host_dst_cache = {}
         with self._ring_lock:
             if self._ring is not None:
                 self._ring.close()
@@ -813,6 +816,7 @@ class Snapshotter:
                 return None
             if self._reset_ring and self._ring is not None:
                 self._dst_cache = {}
+                self._host_dst_cache = {}
                 self._ring.close()
                 self._ring = None
             self._reset_ring = False
@@ -864,6 +868,7 @@ class Snapshotter:
             return None
         if self._arena.buf.numel():
             self._dst_cache.pop(self._arena.buf.data_ptr(), None)   # its views would keep it alive
+            self._host_dst_cache.pop(self._arena.buf.data_ptr(), None)
             self._arena.release()  # slots work here: the private buffer is no longer needed
         return slot
 
@@ -959,6 +964,15 @@ class Snapshotter:
                 per = torch.empty(len(idx), 2, dtype=torch.int64)
                 fingerprint_tensors_async([tensors[i] for i in idx], per_tensor_out=per)
                 src_fps.update({i: per[j] for j, i in enumerate(idx)})
+            if dev.type == "cpu" and arena.device.type == "cpu" and idx:
+                # host tensors into host memory (a CPU state; a GPU state's plain values and step counts):
+                # the plan's per-device lists, the views kept per buffer, one foreach copy (issue 21)
+                sub_t, sub_off = ((tensors, offsets) if one else
+                                  _dev_subsets(plan, dev, idx, [], tensors, offsets, None, None)[:2])
+                copy_all(self._dsts(dev, arena, sub_t, sub_off, plan, host=True), sub_t, range(len(sub_t)))
+                if ph is not None:
+                    ph.mark("copy.host")
+                continue
             for i in idx:
                 t = tensors[i]
                 if not t.numel():
@@ -1037,10 +1051,12 @@ class Snapshotter:
         return ev, fps_host
 
     def _dsts(self, dev: torch.device, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int],
-              plan: _SavePlan | None = None) -> list[torch.Tensor | None]:
+              plan: _SavePlan | None = None, host: bool = False) -> list[torch.Tensor | None]:
         """Each tensor's destination view in the staging buffer (None for an empty tensor), kept per buffer
         and layout: a slot is reused every few saves, and three view ops per tensor per save are a real
-        share of the save's host time for a few hundred tensors."""
+        share of the save's host time for a few hundred tensors. `host`: the views of a state's host tensors
+        (kept apart: a GPU state's host group is another layout of the same buffers)."""
+        attr = "_host_dst_cache" if host else "_dst_cache"
         ring, ptr = self._ring, arena.data_ptr()
         mine = arena.device.type == "cpu" and (
             (ptr == self._arena.buf.data_ptr() and arena.numel() == self._arena.buf.numel())
@@ -1056,16 +1072,19 @@ class Snapshotter:
             if plan is not None:
                 plan.dst_keys[dev] = (offsets, key)
         with self._cache_lock:
-            if self._dst_cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
-                self._dst_cache = {"layout": key}
-            got = self._dst_cache.get(ptr)
+            cache = getattr(self, attr)
+            if cache.get("layout") != key:   # a new layout: the old views go (and their slots' pages)
+                cache = {"layout": key}
+                setattr(self, attr, cache)
+            got = cache.get(ptr)
         if got is None:
             got = [_dst(arena, off, t) if t.numel() else None for t, off in zip(tensors, offsets)]
             with self._cache_lock:
-                if self._dst_cache.get("layout") == key:
-                    self._dst_cache[ptr] = got
-                    while len(self._dst_cache) > (ring.max_slots if ring is not None else 0) + 2:   # + arena
-                        self._dst_cache.pop(next(k for k in self._dst_cache if k != "layout"))
+                cache = getattr(self, attr)
+                if cache.get("layout") == key:
+                    cache[ptr] = got
+                    while len(cache) > (ring.max_slots if ring is not None else 0) + 2:   # + arena
+                        cache.pop(next(k for k in cache if k != "layout"))
         return got
 
     def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece],
@@ -1442,20 +1461,24 @@ class Snapshotter:
                 hint = self._zero_hint
                 if hint is not None and hint[1] == slot.nbytes:
                     self._zeroed[slot.tensor.data_ptr()] = hint
-                key = self._dst_cache.get("layout")
-            if key is None:
-                return
-            _, offs, metas = key
-            arena = slot.tensor
-            views = []
-            for off, (dt, shape) in zip(offs, metas):
-                n = math.prod(shape) * dt.itemsize
-                if off + n > arena.numel():
-                    return   # another layout: its first save makes its views
-                views.append(arena[off:off + n].view(dt).view(shape) if n else None)
-            with self._cache_lock:
-                if self._dst_cache.get("layout") == key:
-                    self._dst_cache[arena.data_ptr()] = views
+            for attr in ("_dst_cache", "_host_dst_cache"):
+                with self._cache_lock:
+                    key = getattr(self, attr).get("layout")
+                if key is None:
+                    continue
+                _, offs, metas = key
+                arena = slot.tensor
+                views = []
+                for off, (dt, shape) in zip(offs, metas):
+                    n = math.prod(shape) * dt.itemsize
+                    if off + n > arena.numel():
+                        break   # another layout: its first save makes its views
+                    views.append(arena[off:off + n].view(dt).view(shape) if n else None)
+                else:
+                    with self._cache_lock:
+                        cache = getattr(self, attr)
+                        if cache.get("layout") == key:
+                            cache[arena.data_ptr()] = views
         except Exception as e:  # noqa: BLE001 - an optimisation: the save makes what is missing
             log.debug("preparing a fresh slot's views failed: %s", e)
 
@@ -1468,10 +1491,13 @@ class Snapshotter:
         for off, (dt, shape) in zip(offsets, metas):
             n = math.prod(shape) * dt.itemsize
             views.append(arena[off:off + n].view(dt).view(shape) if n else None)
+        attr = "_host_dst_cache" if dev.type == "cpu" else "_dst_cache"   # as `_dsts` keeps them
         with self._cache_lock:
-            if self._dst_cache.get("layout") != key:
-                self._dst_cache = {"layout": key}
-            self._dst_cache[arena.data_ptr()] = views
+            cache = getattr(self, attr)
+            if cache.get("layout") != key:
+                cache = {"layout": key}
+                setattr(self, attr, cache)
+            cache[arena.data_ptr()] = views
 
     def _same_dir(self, location: str, root: str) -> bool:
         """Is the agent's dir the ring's? Resolved once per pair (two realpath calls per save were system
