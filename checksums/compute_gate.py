@@ -29,6 +29,10 @@ synchronisation per audit. Cost of the device path per step: the bucket summarie
 fingerprint kernel per bucket), one all-gather of 32 bytes per bucket per rank, and a handful of tiny
 kernels (median, log, compare) for the flag.
 
+FSDP2 (`fully_shard`): the rows come from a custom reduce-scatter (checksums.grad_checks.FsdpGradSummaries)
+and replays are collective (checksums.fsdp_replay: every rank replays at once; an audit step audits every
+rank); `witness_model=` (a factory of the bare model) gives two ranks their CPU witness.
+
 Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and the evidence; with
 `monitor=` the Monitor's next step report carries them to the agent (ReportStepRequest.compute). Training-side module: never imports the agent (`daemon`).
 """
