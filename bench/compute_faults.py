@@ -285,12 +285,15 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 step_loss(ddp, batch).backward()
         if case is None or not case.persistent:
             active["on"] = False
-        if on and step == fault_step and case is not None and case.where in ("mm", "grad") and not fsdp:
+        if (step == fault_step and case is not None and case.where in ("mm", "grad")
+                and (on or fsdp and 0 <= fault_rank < world)):
             # did the fault change any bit of the gradient this rank hands to the all-reduce? (a one-ulp flip
-            # of an activation often rounds away): the original rows against a clean recompute
+            # of an activation often rounds away): the original rows against a clean recompute (FSDP2: a
+            # collective replay, every rank its own batch)
             held, active["on"] = active["on"], False
-            effective = not torch.equal(checks.summaries.rows()[:, 2:].cpu(),
-                                        checks.replayer.replay(checks.replayer.retained)[:, 2:].cpu())
+            same = torch.equal(checks.summaries.rows()[:, 2:].cpu(),
+                               checks.replayer.replay(checks.replayer.retained)[:, 2:].cpu())
+            effective = not same if on else effective
             checks.replayer.replays -= 1
             active["on"] = held
         before = [p.detach().clone() for p in model.parameters()] if step == fault_step and not fsdp else None
