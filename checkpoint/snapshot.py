@@ -518,6 +518,7 @@ class Snapshotter:
                 arena = slot.tensor if slot is not None else self._arena.ensure(total)
             if plan is None:
                 plan = self._save_plan(named, tensors, sig)
+                offsets = plan.offsets   # the same numbers; the plan's list keys its caches
             ph.mark("buffer")
             late = self._plan_late(plan, tensors) if block == "update" else None
             ph.mark("late")
