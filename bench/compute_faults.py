@@ -130,7 +130,8 @@ class _Sink:
         return ReporterStats()
 
 
-MODEL: dict[str, Any] = {"name": "mlp", "bf16": False}   # set by --model (and --sdcguard: bf16) per worker
+MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0}   # set by --model (--sdcguard: bf16,
+# --hsdp: replicas) per worker
 
 
 def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
@@ -230,11 +231,16 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     target.register_forward_hook(mm_hook)
     if fsdp:                # FSDP2: each Linear (or GPT block) its own group, then the root; no replica vote
         from torch.distributed.fsdp import fully_shard
+        shard: dict[str, Any] = {}
+        if MODEL["hsdp"]:   # HSDP: a (replicate, shard) mesh; the reduce-scatter within a shard group
+            from torch.distributed.device_mesh import init_device_mesh
+            shard["mesh"] = init_device_mesh(device.type, (MODEL["hsdp"], world // MODEL["hsdp"]),
+                                             mesh_dim_names=("replicate", "shard"))
         for sub in model.modules():
             if sub is not model and (isinstance(sub, nn.Linear) and MODEL["name"] == "mlp"
                                      or type(sub).__name__ == "Block"):
-                fully_shard(sub)
-        ddp = fully_shard(model)
+                fully_shard(sub, **shard)
+        ddp = fully_shard(model, **shard)
     else:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=not fsdp and (mask == "device" or device.type == "cuda"))
@@ -532,6 +538,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     MODEL["name"] = args.model
     MODEL["bf16"] = bool(args.sdcguard)
+    MODEL["hsdp"] = args.hsdp
     SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
     names = {"all": [c.name for c in CASES], "h200": H200, "none": []}.get(args.cases, args.cases.split(","))
@@ -659,6 +666,9 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_rank
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: the checks run "
                    "before each reduce-scatter; replays and audits are collective (every rank replays at "
                    "once, an audit checks every rank); no replica vote")
+    p.add_argument("--hsdp", type=int, default=0, metavar="REPLICAS", help="with --fsdp: HSDP on a "
+                   "(REPLICAS, world / REPLICAS) mesh (the checks summarise each shard group's reduce-scatter; "
+                   "every rank replays at once, so FSDP's all-reduce across replicas pairs up)")
     p.add_argument("--fault-micro", type=int, default=0, help="the micro-batch a transient matmul fault hits")
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",
@@ -688,6 +698,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_rank
                    "on CUDA (the matmul faults hit block 0's MLP fc output)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):
+        p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         if "RANK" in os.environ:        # torchrun

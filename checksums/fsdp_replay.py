@@ -19,7 +19,8 @@ is FSDP's own: one round in which rank r replays rank (r + 1) % W's batch, so ev
 (for the cost DDP pays to audit one), then the base classification of each mismatch (at most two).
 
 HSDP (a 2-D mesh): the reduce-scatter of the shard group is the one summarised; a replay skips it, and
-FSDP's all-reduce across replicas then runs on the zeroed output (every rank replays, so it pairs up).
+FSDP's all-reduce across replicas then runs on the zeroed output (every rank replays, so it pairs up;
+tests/test_compute_checks.py's HSDP test on 4 gloo ranks).
 
 Two ranks, a symmetric persistent fault (each GPU repeats its own result): the ranks' own-history jumps
 name the GPU, else the CPU witness (`witness`) when the user passes `witness_model`, a factory of the bare

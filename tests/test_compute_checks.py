@@ -310,6 +310,24 @@ def test_fsdp2_audits_leave_the_training_bit_for_bit_alone():
     assert weights(2) == weights(0)
 
 
+def test_hsdp_audits_name_the_rank_and_leave_the_training_alone():
+    """HSDP (FSDP2 on a (2 replicas, 2 shards) mesh, 4 gloo ranks): the rows are each shard group's
+    reduce-scatter inputs; on an audit step every rank replays its neighbour's batch at once (FSDP's
+    all-reduce across replicas runs on the zeroed output, paired on every rank). A persistent x1.01 on rank
+    1 from step 22 is named by the audit at 25; 20 clean steps with an audit every 2nd leave every shard
+    bit-identical to the run without audits."""
+    hsdp = ["--world", "4", "--fsdp", "--hsdp", "2"]
+    hit = _faults(hsdp + ["--fault-step", "22", "--audit-every", "5", "--cases", "mm one elem x1.01 persistent"]
+                  )["mm one elem x1.01 persistent"]["caught"]["compute"]
+    assert hit["step"] == 25 and hit["named"] == [1] and hit["cause"] == "persistent" and hit["dropped"], hit
+
+    def clean(audit_every: int) -> list[str]:
+        r = _faults(hsdp + ["--cases", "none", "--clean", "20", "--audit-every", str(audit_every)])["clean"]
+        assert r["status"]["suspicions"] == 0, r["status"]
+        return r["weights"]
+    assert clean(2) == clean(0)
+
+
 def test_fsdp2_two_ranks_pair_replays_name_the_gpu():
     """FSDP2 on 2 gloo ranks: no majority; an audit's mismatch replays both batches on both ranks (two
     collective rounds). A transient fault on an audited step does not repeat (rank 1 named, transient); a
