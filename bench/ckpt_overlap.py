@@ -3,9 +3,17 @@
     python bench/ckpt_overlap.py                               # CUDA, parts a b c d, 2 GiB state
     python bench/ckpt_overlap.py --parts d --gib 12            # part d on a 12 GiB state
     python bench/ckpt_overlap.py --device cpu --smoke          # tiny sizes, for the test suite (no claims)
+    python bench/ckpt_overlap.py --parts bc --checksums source --inflight 4,2,1 --profile   # issue 21 pace
 
-Our save is `CheckpointClient(config=SnapshotConfig(...), guard=StepGuard.attach(optimizer))` with an
-in-process Coordinator (a Redis of its own) as the agent: `save` enqueues the device-to-host copies on a
+`--profile` (part b) prints the host time of each phase of a save, medians over the timed saves
+(`SaveResult.phases`): the training thread's (state(), flatten, layout/signature, buffer, fingerprint launch,
+views, the copies' enqueue, submit) and the background's, wall and its thread's CPU (wall - CPU: waiting for
+the copy, an RPC or the GIL). The agent runs in a process of its own (`--agent process`, as in production:
+bench/ckpt_agent_proc.py); `--agent inproc` puts it in this process, as the runs before issue 21's profile
+did (its commit work then runs under the training process's GIL).
+
+Our save is `CheckpointClient(config=SnapshotConfig(...), guard=StepGuard.attach(optimizer))` with a
+Coordinator (a Redis of its own) as the agent, in a process of its own by default: `save` enqueues the device-to-host copies on a
 side stream into a staging slot and returns; the guard's COPIES stage makes the next `optimizer.step()`
 wait for them on the device; hashing and commit run in the background.
 

@@ -175,8 +175,8 @@ class ManifestTemplate:
         tw = tensor_words.tolist()
         chunks = ",".join([f'{h}{a:016x}{b:016x}"]' for h, (a, b) in zip(self.chunk_heads, cw)])
         tensors = ",".join([f"{h}{a},{b}]}}" for h, (a, b) in zip(self.tensor_heads, tw)])
-        return "".join((self.head, json.dumps(step), self.mid, json.dumps(blob), self.after_blob, chunks, "],"
-                        '"tensors":[', tensors, self.tail, json.dumps(created), self.end))
+        return "".join((self.head, json.dumps(step), self.mid, json.dumps(blob), self.after_blob, chunks,
+                        '],"tensors":[', tensors, self.tail, json.dumps(created), self.end))
 
 
 def combine(cut: Sequence[Piece], piece_words: Sequence[Sequence[int]], total: int, chunk_bytes: int,
