@@ -1390,8 +1390,9 @@ class Snapshotter:
         """This layout's CombinePlan and ManifestTemplate, kept while the layout (the pieces, the entries,
         the tree) stays: a comparison per save, the plan's arrays and JSON fragments once per layout."""
         held = self._combine
-        if (held is not None and held[0] is cut and held[1] == total and held[2] == entries
-                and held[3] == tree):
+        if (held is not None and held[0] is cut and held[1] == total
+                and (held[2] is entries or held[2] == entries)   # the save plan's list, the Flattener's tree:
+                and (held[3] is tree or held[3] == tree)):       # the same objects while the layout stays
             return held[4], held[5]
         named = [(path, dtype_name(dt), shape, off, n) for path, dt, shape, off, n in entries]
         plan = CombinePlan(cut, total, self.config.chunk_bytes, [(dt, shape) for _, dt, shape, _, _ in named])
