@@ -77,6 +77,11 @@ want ckptpipe && step ckpt-pipe-tests 150 python3 -m pytest -p no:cacheprovider 
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
 want ckptpipe && step ckpt-pipe 560 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 4,2,1 \
   --profile
+# the same, short (one device call's budget): batch 16 and 32, 2 and 1 in flight, 3 rounds
+want ckptpipe2 && step ckpt-pipe-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
+want ckptpipe2 && step ckpt-pipe2 300 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2,1 \
+  --batches 16,32 --rounds 3 --profile
 want ckptoverlap12 && step ckpt-overlap-12g 500 python3 bench/ckpt_overlap.py --parts d --gib 12 --repeat 1
 # issue 21 item 6: peer transport streams and cap against a plain TLS/TCP stream (CPU-only; the 16-core host)
 want peerstreams && step peer-streams 200 python3 bench/bench_peer_transport.py --mib 1024 --streams 4
