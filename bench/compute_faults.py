@@ -210,6 +210,24 @@ def _sdcguard(every: int, model: nn.Module | None = None) -> Any:
 SDCGUARD = {"mode": "protect"}       # set by --sdcguard-mode in each worker
 
 
+def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_kwargs: Any) -> nn.Module:
+    """DDP, or FSDP2 (each Linear of the MLP or each GPT block its own group, then the root; no replica
+    vote), on a (replicate, shard) mesh with --hsdp."""
+    if not fsdp:
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+    from torch.distributed.fsdp import fully_shard
+    shard: dict[str, Any] = {}
+    if MODEL["hsdp"]:   # HSDP: a (replicate, shard) mesh; the reduce-scatter within a shard group
+        from torch.distributed.device_mesh import init_device_mesh
+        shard["mesh"] = init_device_mesh(device.type, (MODEL["hsdp"], world // MODEL["hsdp"]),
+                                         mesh_dim_names=("replicate", "shard"))
+    for sub in model.modules():
+        if sub is not model and (isinstance(sub, nn.Linear) and MODEL["name"] == "mlp"
+                                 or type(sub).__name__ == "Block"):
+            fully_shard(sub, **shard)
+    return fully_shard(model, **shard)
+
+
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
              accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0) -> dict[str, Any]:
@@ -229,20 +247,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             corrupt(buf, case)
 
     target.register_forward_hook(mm_hook)
-    if fsdp:                # FSDP2: each Linear (or GPT block) its own group, then the root; no replica vote
-        from torch.distributed.fsdp import fully_shard
-        shard: dict[str, Any] = {}
-        if MODEL["hsdp"]:   # HSDP: a (replicate, shard) mesh; the reduce-scatter within a shard group
-            from torch.distributed.device_mesh import init_device_mesh
-            shard["mesh"] = init_device_mesh(device.type, (MODEL["hsdp"], world // MODEL["hsdp"]),
-                                             mesh_dim_names=("replicate", "shard"))
-        for sub in model.modules():
-            if sub is not model and (isinstance(sub, nn.Linear) and MODEL["name"] == "mlp"
-                                     or type(sub).__name__ == "Block"):
-                fully_shard(sub, **shard)
-        ddp = fully_shard(model, **shard)
-    else:
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.01)
+    ddp = _wrap(model, device, world, fsdp, bucket_cap_mb=0.01)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=not fsdp and (mask == "device" or device.type == "cuda"))
     sink = _Sink()
     monitor = (None if fsdp else
@@ -378,7 +383,7 @@ def _weights_digest(model: nn.Module, world: int) -> list[str]:
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
-             gpu_profile: int = 0, sync_debug: bool = False) -> dict[str, Any]:
+             gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -386,14 +391,15 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     over the whole block with one synchronisation at its end. Each arm's step time is its mean over all its
     blocks (an audit every 334 steps lands in one block in several: a median would leave it out); the
     median block is kept too."""
-    fused = mask == "device" or device.type == "cuda"
+    fused = (mask == "device" or device.type == "cuda") and not fsdp   # FSDP2: the host veto (as run_case)
     arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
     names = (["base", "checks"] + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
-             + (["all"] if together else []) + (["sdcguard"] if sdcguard else []))
+             + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else []))
+    world = dist.get_world_size()
     for name in names:
         model = make_model(0)[0].to(device)
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = _wrap(model, device, world, fsdp)     # FSDP2 (--fsdp): audits are collective replays
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=fused)
         checks = monitor = None
         if name == "all":
@@ -558,7 +564,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                        audit_every=args.overhead_audit_every, mask=args.mask,
                                        sdcguard=args.sdcguard, together=args.together,
                                        profile=args.profile, gpu_profile=args.gpu_profile,
-                                       sync_debug=args.sync_debug)
+                                       sync_debug=args.sync_debug, fsdp=args.fsdp)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -126,6 +126,13 @@ want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --devi
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
 # GPT-2 small from a config (offline); needs the wheels of bench/framework_wheels.sh in .whl/
 want frameworks && step frameworks 580 python3 -m bench.bench_frameworks --device cuda
+# issue 19, FSDP2 on 2 GPUs (NCCL): collective replays and audits (every rank audited per audit step), faults
+# on rank 1 from step 42 (audits every 5; the x1.01 persistent one needs the CPU witness: a float64 GPT-2 on
+# the host, slow), 300 clean steps, and the audits' overhead at the default cadence (334) in interleaved blocks
+want computefsdp && [ "$NGPU" -ge 2 ] && step compute-fsdp 600 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
+  --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --fsdp --model gpt2 --audit-every 5 \
+  --fault-step 42 --cases "mm one elem =1e4,mm one elem x1.01 persistent,mm channel x2 persistent,grad elem NaN" \
+  --clean 300 --overhead 400 --block 20 --overhead-audit-every 334
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent's RSS after one canary round, and whether it maps libtorch (it must not: issue 17)

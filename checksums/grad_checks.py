@@ -122,7 +122,8 @@ def summary_paths(summaries: Any) -> dict[str, int]:
     """How a GradSummaries/FsdpGradSummaries summarised its buckets last: buckets per path ("fused":
     the Triton kernel, "torch+fingerprint": torch ops with the Triton fingerprint, "torch": torch ops)."""
     out: dict[str, int] = {}
-    for idx in sorted(set(summaries._plans) | set(summaries.layout) | set(summaries._rows)):
+    groups = set(range(len(getattr(summaries, "groups", ()))))          # FSDP2: one row per group
+    for idx in sorted(set(summaries._plans) | set(summaries.layout) | set(summaries._rows) | groups):
         held = summaries._plans.get(idx)
         plan = held[1] if held is not None else None
         path = ("torch" if plan is None or _BROKEN else

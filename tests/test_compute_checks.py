@@ -377,3 +377,14 @@ def test_one_gpu_bench_runs_on_cpu():
     o = _faults(["--world", "1", "--cases", "none", "--overhead", "8", "--block", "4",
                              "--overhead-audit-every", "5"])["overhead"]
     assert set(o["arms"]) == {"base", "checks", "checks+audits"} and o["blocks"] == 2
+
+
+def test_fsdp2_overhead_arms_run_on_cpu():
+    """The FSDP2 overhead arms (bench/gpu_run.sh's compute-fsdp step on the GPU pair) run on 2 gloo ranks:
+    base, checks, checks with collective audits; every audit passes (the numbers are the GPU run's)."""
+    o = _faults(["--world", "2", "--fsdp", "--cases", "none", "--overhead", "8", "--block", "4",
+                 "--overhead-audit-every", "2"])["overhead"]
+    assert set(o["arms"]) == {"base", "checks", "checks+audits"} and o["blocks"] == 2, o
+    assert o["summary_paths"]["checks"] == {"torch": 3}, o["summary_paths"]       # one row per FSDP group
+    st = o["status"]["checks+audits"]
+    assert st["audits"] >= 6 and st["suspicions"] == 0 and st["exact"], st
