@@ -18,10 +18,9 @@ calls `save(step)` after every optimizer step. `SdcwatchCheckpointer` is torchti
   schedulers' plain values without pickle);
 - the agreed directive: a rollback loads the VERIFIED step's full train state through DCP (the trainer's
   `step` comes back with it, so the loop redoes the steps), renumbers the step guard and skips the
-  directive's batches (their updates vetoed); a redone step the agent still holds from before the rollback
-  (it drops the later steps once the ranks' reports show the job went back, which can trail the redone
-  steps) is not saved again, on every rank alike (`resaves_skipped`); stop ends the loop (`training.steps`
-  set to the current step).
+  directive's batches (their updates vetoed); the redone steps are saved again (the agent drops the steps
+  after the target at once when a rank's step report shows the job went back: `Coordinator.cut_history`);
+  stop ends the loop (`training.steps` set to the current step).
 
 With `sdcwatch_resume=True`, `load()` at the start (when torchtitan's own folder holds no checkpoint) loads
 the full train state from the agent's newest VERIFIED checkpoint of the job (or of `load_step`).
@@ -50,7 +49,6 @@ from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
 from checkpoint.agent_link import GrpcAgentLink  # noqa: E402
 from checkpoint.dcp import SdcwStorageReader, SdcwStorageWriter  # noqa: E402
-from checkpoint.policy import ABORTED, EVICTED, PENDING  # noqa: E402
 from checksums.monitor import Monitor  # noqa: E402
 from checksums.replica_recovery import ReplicaRecovery  # noqa: E402
 from checksums.reporter import Directive  # noqa: E402
@@ -110,9 +108,6 @@ class SdcwatchCheckpointer(CheckpointManager):
         self.link = GrpcAgentLink.connect(config.agent_target, 10.0) if config.sdcwatch_interval else None
         self.writer = SdcwStorageWriter(self.link, config.job_id) if self.link is not None else None
         self.rollbacks: list[Directive] = []
-        self._redo_until = -1     # after a rollback: the newest step saved before it (the redo window's end)
-        self._saved_max = -1
-        self.resaves_skipped: list[int] = []
         self._sdc_closed = False
 
     # ---- torchtitan's manager interface (the public methods: they run when enable=False too) ---------
@@ -128,9 +123,8 @@ class SdcwatchCheckpointer(CheckpointManager):
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         self.monitor.step(step=curr_step)
         every = self.sdc_config.sdcwatch_interval
-        if self.writer is not None and every and curr_step % every == 0 and not self._held_already(curr_step):
+        if self.writer is not None and every and curr_step % every == 0:
             dcp.save(self.sdc_states, storage_writer=self.writer, checkpoint_id=curr_step)
-            self._saved_max = max(self._saved_max, curr_step)
         saved = super().save(curr_step, last_step)
         directive = self.monitor.agreed_directive()
         if directive is not None:
@@ -165,35 +159,9 @@ class SdcwatchCheckpointer(CheckpointManager):
             return False
         dcp.load(self.sdc_states, storage_reader=SdcwStorageReader(self.link, self.sdc_config.job_id),
                  checkpoint_id=step)
-        self._saved_max = step
         logger.info("sdcwatch: resumed %s from the agent's checkpoint of step %d",
                     self.sdc_config.job_id, step)
         return True
-
-    def _held_already(self, step: int) -> bool:
-        """Whether a re-save of `step` after a rollback is skipped, on every rank alike: the agent still holds
-        the step from before the rollback (COMMITTED/VERIFIED: it drops the steps after the target once the
-        ranks' reports show the job went back, which on a loaded machine can trail the redone steps), so a
-        Begin would refuse the shard. Only steps in the redo window ask the agent; the ranks agree by an
-        all-reduce (any rank that sees the step held makes all skip it), so no rank writes a shard alone."""
-        if step > self._redo_until or self.link is None:
-            return False
-        try:
-            held = any(i.step == step and i.state not in (PENDING, ABORTED, EVICTED)
-                       for i in self.link.list(self.sdc_config.job_id))
-        except Exception as err:  # noqa: BLE001 - the agent unreachable: the save itself reports that
-            logger.warning("sdcwatch: could not list the job's checkpoints before re-saving step %d: %s",
-                           step, err)
-            held = False
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([1 if held else 0], dtype=torch.int32, device=self.monitor.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            held = bool(flag.item())
-        if held:
-            self.resaves_skipped.append(step)
-            logger.info("sdcwatch: step %d is still held by the agent from before the rollback; "
-                        "not saved again", step)
-        return held
 
     # ---- directives ----------------------------------------------------------------------------------
 
@@ -208,7 +176,6 @@ class SdcwatchCheckpointer(CheckpointManager):
                 self.train_state.step = directive.target_step
             self.guard.renumber(directive.target_step)
             self._skip(directive.skip_batches)
-            self._redo_until = max(self._redo_until, self._saved_max)
             self.rollbacks.append(directive)
             logger.warning("sdcwatch: rolled back to step %d (%s)", directive.target_step, directive.reason)
         elif directive.kind == Directive.KIND_SKIP_BATCHES:

@@ -1,13 +1,17 @@
-"""Issue 25: what torchtitan's own `Trainer` needs on disk and on a CPU, made by the test (no downloads).
+"""Issue 25: what torchtitan's own `Trainer` needs on disk and on a CPU, made by the test and the bench
+(tests/test_torchtitan_trainer.py, bench/torchtitan_trainer.py; no downloads).
 
 - `make_assets(dir)`: a byte-level BPE tokenizer (`tokenizers`, trained here on the text below) saved as
   `tokenizer.json` + `tokenizer_config.json` (bos/eos) in `dir/tokenizer` (torchtitan's `hf_assets_path`),
   and a tiny text data set `dir/data/train.jsonl` ({"text": ...} lines) that torchtitan's `c4_test` loader
   (`load_dataset(path, split="train")`) reads as a local path (`dataloader.dataset_path`).
 - `sdcwatch_tiny()`: a torchtitan config-registry function, named as a user names theirs
-  (`--module titan_tiny --config sdcwatch_tiny`): a tiny llama3 flavour (2 layers, dim 64), HSDP on 2 ranks
-  (`data_parallel_replicate_degree=2`), and `checkpoint=SdcwatchCheckpointer.Config(...)`. The paths, the
-  job and the step counts come from the environment (TITAN_TINY_*), as a launcher's CLI overrides would.
+  (`--module bench.titan_tiny --config sdcwatch_tiny`): a tiny llama3 flavour (2 layers, dim 64; or
+  torchtitan's `debugmodel` with TITAN_TINY_FLAVOR=debugmodel), HSDP over the world's ranks as replicas
+  (`data_parallel_replicate_degree=WORLD_SIZE`), and `checkpoint=SdcwatchCheckpointer.Config(...)`
+  (torchtitan's own `CheckpointManager.Config()` with TITAN_TINY_SDCWATCH=0: the bench's baseline). The
+  paths, the job and the step counts come from the environment (TITAN_TINY_*); TITAN_TINY_DEVICE=cuda keeps
+  FlexAttention.
 - `run_on_cpu()`: the CPU shim, and `torch_compat()`: one torch 2.13.0 gap; see their docstrings.
 """
 from __future__ import annotations
@@ -123,7 +127,7 @@ def tiny_llama3(cpu: bool = True) -> Any:
         layers=llama3._build_llama3_layers(
             fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads,
             hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=64),
-            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=4 * SEQ_LEN, theta=500000, scaling="llama"),
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=8192, theta=500000, scaling="llama"),
             attn_backend="flex"))
     if cpu:
         for layer in model.layers:
@@ -136,28 +140,44 @@ def sdcwatch_tiny() -> Any:
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import CommConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.config import CommConfig, DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.trainer import Trainer
 
     from integrations.torchtitan import SdcwatchCheckpointer
 
     env = os.environ
+    cpu = env.get("TITAN_TINY_DEVICE", "cpu") == "cpu"
+    if env.get("TITAN_TINY_FLAVOR", "tiny") == "debugmodel":
+        from torchtitan.models.llama3 import model_registry
+        model_spec = model_registry("debugmodel")
+        vocab = model_spec.model.vocab_size
+    else:
+        model_spec, vocab = tiny_llama3(cpu), VOCAB
+    if env.get("TITAN_TINY_SDCWATCH", "1") == "1":
+        checkpoint: Any = SdcwatchCheckpointer.Config(job_id=env["TITAN_TINY_JOB"],
+                                                      sdcwatch_interval=int(env["TITAN_TINY_SAVE_EVERY"]),
+                                                      sdcwatch_resume=env.get("TITAN_TINY_RESUME") == "1")
+    else:
+        checkpoint = CheckpointManager.Config()
     return Trainer.Config(
-        model_spec=tiny_llama3(),
+        model_spec=model_spec,
         hf_assets_path=env["TITAN_TINY_TOKENIZER"],
         dump_folder=env["TITAN_TINY_DUMP"],
-        loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),
+        loss=CrossEntropyLoss.Config(global_vocab_size=vocab),
         optimizer=default_adamw(lr=3e-3),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
-        training=TrainingConfig(local_batch_size=2, seq_len=SEQ_LEN, steps=int(env["TITAN_TINY_STEPS"]),
+        training=TrainingConfig(local_batch_size=int(env.get("TITAN_TINY_BATCH", "2")),
+                                seq_len=int(env.get("TITAN_TINY_SEQ", str(SEQ_LEN))),
+                                steps=int(env["TITAN_TINY_STEPS"]),
                                 mixed_precision_param="float32", disable_cuda_graphs=True),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=env["TITAN_TINY_DATA"]),
         metrics=MetricsProcessor.Config(log_freq=1),
-        parallelism=ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=1,
+        parallelism=ParallelismConfig(data_parallel_replicate_degree=int(env.get("WORLD_SIZE", "1")),
+                                      data_parallel_shard_degree=1,
                                       spmd_backend="partial_dtensor"),
         comm=CommConfig(train_timeout_seconds=600),
-        checkpoint=SdcwatchCheckpointer.Config(job_id=env["TITAN_TINY_JOB"],
-                                               sdcwatch_interval=int(env["TITAN_TINY_SAVE_EVERY"]),
-                                               sdcwatch_resume=env.get("TITAN_TINY_RESUME") == "1"),
+        checkpoint=checkpoint,
+        debug=DebugConfig(deterministic=env.get("TITAN_TINY_DETERMINISTIC") == "1"),
     )
