@@ -4,6 +4,8 @@
     python bench/ckpt_overlap.py --parts d --gib 12            # part d on a 12 GiB state
     python bench/ckpt_overlap.py --device cpu --smoke          # tiny sizes, for the test suite (no claims)
     python bench/ckpt_overlap.py --parts bc --checksums source --inflight 4,2,1 --profile   # issue 21 pace
+    python bench/ckpt_overlap.py --parts b --checksums source --inflight 2 --gather 256,0 --profile
+                                          # gathered copies (256 MiB bounce) against one copy per tensor
 
 `--profile` (part b) prints the host time of each phase of a save, medians over the timed saves
 (`SaveResult.phases`): the training thread's (state(), flatten, layout/signature, buffer, fingerprint launch,
@@ -331,23 +333,26 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         opt.zero_grad(set_to_none=True)
         for mode in args.checksums:
             for inflight in args.inflight:
-                rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                                     inflight)
+                for gather in args.gather:
+                    rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
+                                         inflight, gather)
     return rows
 
 
 def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.optim.Optimizer,
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
-                 t_copy: float, t_fb: float, inflight: int = 4) -> list[Row]:
+                 t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
     on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
-    `max_inflight` (1: one save in the background at a time, the path before pipelining)."""
+    `max_inflight` (1: one save in the background at a time, the path before pipelining), and one
+    `gather_bytes` (MiB; 0: one device-to-host copy per tensor)."""
     rows: list[Row] = []
-    tag = f"b={batch}, {mode}, {inflight} in flight"
+    tag = f"b={batch}, {mode}, {inflight} in flight, " + (f"gather {gather_mib} MiB" if gather_mib else
+                                                          "per-tensor copies")
     node = Node(nbytes, "b", args.agent)
     try:
         cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode,
-                                              max_inflight=inflight)
+                                              max_inflight=inflight, gather_bytes=gather_mib * MiB)
         client = node.client(opt, cfg_every, f"b{batch}{mode[0]}")
         handles: list[Any] = []
 
@@ -431,12 +436,28 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              "host time combining the GPU's words" if device.type == "cuda" else
              "host: numpy over the pieces (CPU state: one pass, in the background)"),
         ]
+        rows.append(copy_ops_row(tag, client, state()))
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
         client.close()
     finally:
         node.close()
     return rows
+
+
+def copy_ops_row(tag: str, client: CheckpointClient, sd: dict) -> Row:
+    """How many copy operations a save enqueues on the device: the gathered plan's (checkpoint.gather:
+    chunks, large tensors copied straight, per-tensor fallbacks) or one per tensor."""
+    plan = client.snapshotter._plan
+    gathers = list(plan.gathers.values()) if plan is not None else []
+    if gathers:
+        st = gathers[-1].stats
+        return (f"[{tag}] copy operations per save", float(gathers[-1].n_ops),
+                f"count: {st.chunks} gathered chunks ({st.gathered_bytes / 1e9:.2f} GB, bounce "
+                f"{gathers[-1].bounce_bytes / MiB:.0f} MiB), {st.direct} large tensors straight, "
+                f"{st.tensors} per tensor")
+    n = sum(1 for t in _tensors(sd) if t.device.type == "cuda" and t.numel())
+    return (f"[{tag}] copy operations per save", float(n), "count: one per device tensor")
 
 
 def profile_rows(tag: str, results: list[Any], state_calls: list[float], step: float) -> list[Row]:
@@ -729,6 +750,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", default="4,1",
                     help="part b: SnapshotConfig.max_inflight values, side by side (1: one save in the "
                          "background at a time, the path before pipelining)")
+    ap.add_argument("--gather", default="256",
+                    help="part b: SnapshotConfig.gather_bytes in MiB, side by side (0: one device-to-host copy "
+                         "per tensor; e.g. 256,0 compares gathered and per-tensor copies)")
     ap.add_argument("--fp-threads", type=int, default=max(4, min(12, (os.cpu_count() or 4) - 4)),
                     help="host fingerprint threads of the background (the commit's pace)")
     ap.add_argument("--disk-dir", default=None, help="where torch.save / DCP write (default: a temp dir)")
@@ -743,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.checksums = [m for m in str(args.checksums).split(",") if m]
     args.inflight = [int(n) for n in str(args.inflight).split(",") if n]
+    args.gather = [int(n) for n in str(args.gather).split(",") if n]
     if args.smoke:
         for k, v in dataclasses.asdict(Smoke()).items():
             setattr(args, k, list(v) if isinstance(v, tuple) else v)

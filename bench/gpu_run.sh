@@ -82,6 +82,11 @@ want ckptpipe2 && step ckpt-pipe-tests 120 python3 -m pytest -p no:cacheprovider
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
 want ckptpipe2 && step ckpt-pipe2 300 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2,1 \
   --batches 16,32 --rounds 3 --profile
+# issue 21: gathered copies (a 256 MiB bounce buffer, tens of copies per save) against one copy per tensor
+want ckptgather && step ckpt-gather-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
+want ckptgather && step ckpt-gather 250 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
+  --batches 16,32 --rounds 3 --profile --gather 256,0
 want ckptoverlap12 && step ckpt-overlap-12g 500 python3 bench/ckpt_overlap.py --parts d --gib 12 --repeat 1
 # issue 21 item 6: peer transport streams and cap against a plain TLS/TCP stream (CPU-only; the 16-core host)
 want peerstreams && step peer-streams 200 python3 bench/bench_peer_transport.py --mib 1024 --streams 4

@@ -82,6 +82,7 @@ from checkpoint.chunks import (
     iter_chunks,
 )
 from checkpoint.errors import CorruptCheckpointError, InvalidInputError
+from checkpoint.gather import GatherPlan
 from checkpoint.locations import dir_store_for
 from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.names import validate_job_id, validate_rank, validate_step
@@ -150,6 +151,10 @@ class SnapshotConfig:
                                     # host hashes nothing to commit, the agent's scrub checks the bytes;
                                     # "host": hashed on the host from the landed bytes (xxh3-128 + numpy);
                                     # "auto": "source" when the state has a CUDA tensor, else "host"
+    gather_bytes: int = 256 << 20   # CUDA into host memory: the tensors' bytes are gathered on the device
+                                    # into a bounce buffer of up to this many bytes (made once, kept) and
+                                    # copied to the host a chunk at a time (checkpoint.gather): tens of
+                                    # copies per save instead of one per tensor; 0: one copy per tensor
 
     @classmethod
     def every_step(cls, **kw: Any) -> "SnapshotConfig":
@@ -184,6 +189,10 @@ class SnapshotConfig:
                                     f"got {self.chunk_bytes}")
         if isinstance(self.max_inflight, bool) or not isinstance(self.max_inflight, int) or self.max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be an int >= 1, got {self.max_inflight!r}")
+        gb = self.gather_bytes
+        if isinstance(gb, bool) or not isinstance(gb, int) or gb < 0:
+            raise InvalidInputError(f"gather_bytes must be an int >= 0 (0: one copy per tensor), "
+                                    f"got {self.gather_bytes!r}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
 
@@ -337,6 +346,7 @@ class _SavePlan:
     orders: dict[Any, tuple[list[int], int]] = dataclasses.field(default_factory=dict)  # copy order, early
     dst_keys: dict[torch.device, Any] = dataclasses.field(default_factory=dict)   # dev -> (offsets, key)
     subs: dict[Any, Any] = dataclasses.field(default_factory=dict)   # a device's share of a mixed state
+    gathers: dict[Any, GatherPlan] = dataclasses.field(default_factory=dict)   # gathered copies (CUDA)
 
 
 def _dev_subsets(plan: _SavePlan | None, dev: torch.device, idx: list[int], mine: list[int],
@@ -449,6 +459,8 @@ class Snapshotter:
         self._plan: _SavePlan | None = None    # the last layout's save plan (the training thread's)
         self._flatten = Flattener()             # save()'s walk of the state (under self._lock)
         self._same_dirs: tuple[str, str] | None = None   # (agent dir, ring root) found to be the same dir
+        self._bounce: dict[torch.device, torch.Tensor] = {}   # gathered copies: each device's bounce buffer
+        self._gap_zeros: dict[torch.device, torch.Tensor] = {}   # and its ALIGN zero bytes (the gaps)
 
     def _block(self) -> str:
         block = self.config.block
@@ -604,6 +616,7 @@ class Snapshotter:
             plan.late = self._changed_by_update(tensors)
             plan.late_key = key
             plan.orders = {}
+            plan.gathers = {}
         return plan.late
 
     def _source_cut(self, tensors: list[torch.Tensor], offsets: list[int]) -> list[Piece]:
@@ -970,7 +983,13 @@ class Snapshotter:
                 # the plan's per-device lists, the views kept per buffer, one foreach copy (issue 21)
                 sub_t, sub_off = ((tensors, offsets) if one else
                                   _dev_subsets(plan, dev, idx, [], tensors, offsets, None, None)[:2])
-                copy_all(self._dsts(dev, arena, sub_t, sub_off, plan, host=True), sub_t, range(len(sub_t)))
+                if _GATHER_ON_HOST and self.config.gather_bytes:   # tests: the CUDA path's gather on CPU
+                    # made per save: the plain values' byte tensors are new at every save (no plan keeps them)
+                    gp = self._gather_plan(dev, sub_t, sub_off, list(range(len(sub_t))), 0, None, None)
+                    gp.run(1, arena, self._bounce_for(dev, gp.bounce_bytes), sub_t, non_blocking=False)
+                else:
+                    copy_all(self._dsts(dev, arena, sub_t, sub_off, plan, host=True), sub_t,
+                             range(len(sub_t)))
                 if ph is not None:
                     ph.mark("copy.host")
                 continue
@@ -1028,15 +1047,26 @@ class Snapshotter:
             else:
                 seq, early = got
             ev_early = None
-            dsts = self._dsts(dev, arena, tensors, offsets, plan)
-            mark("copy.views")
-            if 0 < early < len(tensors):
-                copy_all(dsts, tensors, seq[:early])
-                ev_early = torch.cuda.Event(blocking=True)
-                ev_early.record(side)
-                copy_all(dsts, tensors, seq[early:])
+            if self.config.gather_bytes and arena.device.type == "cpu":
+                # gathered (checkpoint.gather): tens of copies, the early group's chunks first, then the event
+                gp = self._gather_plan(dev, tensors, offsets, seq, early, plan, order_key)
+                bounce = self._bounce_for(dev, gp.bounce_bytes)
+                mark("copy.views")
+                gp.run(0, arena, bounce, tensors)
+                if 0 < early < len(tensors):
+                    ev_early = torch.cuda.Event(blocking=True)
+                    ev_early.record(side)
+                gp.run(1, arena, bounce, tensors)
             else:
-                copy_all(dsts, tensors, seq)
+                dsts = self._dsts(dev, arena, tensors, offsets, plan)
+                mark("copy.views")
+                if 0 < early < len(tensors):
+                    copy_all(dsts, tensors, seq[:early])
+                    ev_early = torch.cuda.Event(blocking=True)
+                    ev_early.record(side)
+                    copy_all(dsts, tensors, seq[early:])
+                else:
+                    copy_all(dsts, tensors, seq)
             # blocking: the background's synchronize() sleeps in the driver instead of spinning a core for the
             # whole copy (H200: 48-88 ms of CPU per save with a default event, issue 21)
             ev = torch.cuda.Event(blocking=True)
@@ -1052,6 +1082,33 @@ class Snapshotter:
                 cur.wait_event(ev_early)      # tensors the optimizer does not change: ordered now
             self._inflight.append((dev, ev))  # the optimizer's: the update waits (CheckpointCopies)
         return ev, fps_host
+
+    def _gather_plan(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int], seq: list[int],
+                     early: int, plan: _SavePlan | None, order_key: Any) -> GatherPlan:
+        """The gathered copies of this device's tensors (the first `early` of `seq` in a group of their own,
+        copied first), kept in the save plan while its layout and copy order stay (issue 21: the chunk plan is
+        made once per layout; a save loops over its tens of operations). Made on the current stream (the
+        side stream: the gaps' zero bytes are allocated there)."""
+        key = (order_key, self.config.gather_bytes)
+        held = plan.gathers.get(key) if plan is not None and order_key is not None else None
+        if held is None:
+            zeros = self._gap_zeros.get(dev)
+            if zeros is None:
+                zeros = self._gap_zeros[dev] = torch.zeros(ALIGN, dtype=torch.uint8, device=dev)
+            held = GatherPlan(tensors, offsets, [seq[:early], seq[early:]], self.config.gather_bytes, zeros)
+            if plan is not None and order_key is not None:
+                plan.gathers[key] = held
+        return held
+
+    def _bounce_for(self, dev: torch.device, need: int) -> torch.Tensor | None:
+        """The device's bounce buffer of at least `need` bytes, made once (on the current stream: the side
+        stream, the only one that uses it, so the allocator reuses its memory in stream order if it grows)."""
+        if not need:
+            return None
+        held = self._bounce.get(dev)
+        if held is None or held.numel() < need:
+            held = self._bounce[dev] = torch.empty(need, dtype=torch.uint8, device=dev)
+        return held
 
     def _dsts(self, dev: torch.device, arena: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int],
               plan: _SavePlan | None = None, host: bool = False) -> list[torch.Tensor | None]:
@@ -1591,6 +1648,8 @@ def _stream_wait(dev: torch.device, ev: Any) -> None:
     """The device's current stream waits for `ev` (on the device; the host goes on)."""
     torch.cuda.current_stream(dev).wait_event(ev)
 
+
+_GATHER_ON_HOST = False   # tests: a CPU state's copies into host memory take the gathered path (as on CUDA)
 
 _warm_lock = threading.Lock()
 _warm: dict[torch.device, threading.Event] = {}
