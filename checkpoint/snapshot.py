@@ -8,7 +8,9 @@
      or no free slot, or the agent's dir is not visible here, or the first save, which learns where the
      agent's dir is from its Begin) one private pinned arena reused across saves;
   3. on CUDA: on a side stream that waits for the current stream, fingerprints the GPU tensors
-     (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into the buffer;
+     (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into the buffer
+     (gathered, `SnapshotConfig.gather_bytes`: packed on the device into a bounce buffer and copied a chunk
+     at a time, tens of copies instead of one per tensor: checkpoint.gather);
   4. returns when the copy is complete (`block="copy"`) or as soon as it is enqueued (`block="enqueue"`:
      the current stream then waits for the copy on the GPU, so later in-place updates cannot race it; the
      host never blocks), or as soon as it is enqueued with only the next optimizer step made to wait for
