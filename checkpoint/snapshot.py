@@ -351,6 +351,20 @@ class _SavePlan:
     gathers: dict[Any, GatherPlan] = dataclasses.field(default_factory=dict)   # gathered copies (CUDA)
 
 
+def _copy_order(plan: _SavePlan | None, order_key: Any, late: list[bool] | None, n: int
+                ) -> tuple[list[int], int]:
+    """The copy order of a device's `n` tensors and how many come first (those only the optimizer does not
+    change: `late[j]` False; all `n` in one group without `late`), kept in the plan under `order_key`."""
+    got = plan.orders.get(order_key) if plan is not None and order_key is not None else None
+    if got is None:
+        order = sorted(range(n), key=lambda j: bool(late[j])) if late is not None else None
+        early = sum(1 for x in late if not x) if late is not None else 0
+        got = (list(order if order is not None else range(n)), early)
+        if plan is not None and order_key is not None:
+            plan.orders[order_key] = got
+    return got
+
+
 def _dev_subsets(plan: _SavePlan | None, dev: torch.device, idx: list[int], mine: list[int],
                  tensors: list[torch.Tensor], offsets: list[int], late: list[bool] | None,
                  cut: list[Piece] | None) -> tuple[list[torch.Tensor], list[int], list[bool] | None,
@@ -712,10 +726,35 @@ class Snapshotter:
                     self._changed_by_update(tensors)
             for dev in {t.device for t in tensors if t.device.type == "cuda"}:
                 self._side_stream(dev)
+            if plan is not None and self.config.gather_bytes:
+                try:
+                    self._prepare_gathers(plan, tensors)
+                except Exception as e:  # noqa: BLE001 - the first save makes them
+                    log.warning("preparing the gathered copies failed: %s", e)
             if self._source_mode(tensors):
                 self._build_plans(tensors, self._source_cut(tensors, offsets))
         except Exception as e:  # noqa: BLE001 - the first save makes what is missing (or checksums on the host)
             log.warning("preparing checkpoint plans failed: %s", e)
+
+    def _prepare_gathers(self, plan: _SavePlan, tensors: list[torch.Tensor]) -> None:
+        """Plan thread: each CUDA device's gathered-copy plan and bounce buffer, as the first save into host
+        memory would make them (`_copy_cuda`), so that save makes none on the training thread."""
+        late = plan.late if self._block() == "update" else None
+        for dev, idx in plan.by_dev.items():
+            if dev.type != "cuda":
+                continue
+            if len(plan.by_dev) == 1:
+                sub_t, sub_off, sub_late = tensors, plan.offsets, late
+            else:
+                sub_t, sub_off, sub_late, _ = _dev_subsets(plan, dev, idx, [], tensors, plan.offsets, late,
+                                                           None)
+            # the keys the save uses (its `late` is the plan's; without one, one group)
+            order_key = (dev, plan.late_key) if sub_late is not None else None
+            seq, early = _copy_order(plan, order_key, sub_late, len(sub_t))
+            with torch.cuda.device(dev), torch.cuda.stream(self._side_stream(dev)):
+                gp = self._gather_plan(dev, sub_t, sub_off, seq, early, plan,
+                                       order_key if order_key is not None else (dev, None))
+                self._bounce_for(dev, gp.bounce_bytes)
 
     @property
     def stats(self) -> SaveStats:
@@ -816,6 +855,9 @@ class Snapshotter:
         if self._spare_pool is not None:
             self._spare_pool.shutdown(wait=True)
         self._fp_pool.shutdown(wait=True)
+        self._bounce, self._gap_zeros = {}, {}   # the copies that used them are done (the background waited)
+        if self._plan is not None:
+            self._plan.gathers = {}   # their views of the state's tensors
         self._dst_cache = {}   # views of the slots: their mappings go with the ring
         self._host_dst_cache = {}
         with self._ring_lock:
@@ -1038,20 +1080,13 @@ class Snapshotter:
                 fps_host.copy_(per, non_blocking=True)
             mark("copy.fingerprint")
             # first what anything but the optimizer may change (ordered at once below), then the rest
-            got = plan.orders.get(order_key) if plan is not None and order_key is not None else None
-            if got is None:
-                order = (sorted(range(len(tensors)), key=lambda j: bool(late[j])) if late is not None
-                         else None)
-                early = sum(1 for x in late if not x) if late is not None else 0
-                seq = list(order if order is not None else range(len(tensors)))
-                if plan is not None and order_key is not None:
-                    plan.orders[order_key] = (seq, early)
-            else:
-                seq, early = got
+            seq, early = _copy_order(plan, order_key, late, len(tensors))
             ev_early = None
             if self.config.gather_bytes and arena.device.type == "cpu":
                 # gathered (checkpoint.gather): tens of copies, the early group's chunks first, then the event
-                gp = self._gather_plan(dev, tensors, offsets, seq, early, plan, order_key)
+                # kept under the copy order's key; without `late`, one group: (dev, None)
+                gkey = order_key if order_key is not None or late is not None else (dev, None)
+                gp = self._gather_plan(dev, tensors, offsets, seq, early, plan, gkey)
                 bounce = self._bounce_for(dev, gp.bounce_bytes)
                 mark("copy.views")
                 gp.run(0, arena, bounce, tensors)

@@ -622,9 +622,10 @@ def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redi
     """Gathered copies (checkpoint.gather: a 1 MiB bounce buffer, so the 4 MiB weight is split across chunks)
     against per-tensor copies (gather_bytes=0): fp32 weights, AdamW's moments and its step counts on the
     device (fused), BatchNorm's int64 counter, bf16, bool, int64, 64 small odd-sized tensors and a
-    non-contiguous tensor (per-tensor fallback); the tensors outside the optimizer change in place right after save returns, the optimizer's
-    in the update: every restore is bit-identical to the state at the save, and the scrub finds the host
-    bytes equal to the source checksums."""
+    non-contiguous tensor (per-tensor fallback); the tensors outside the optimizer change in place right
+    after save returns, the optimizer's in the update: every restore is bit-identical to the state at the
+    save, and the scrub finds the host bytes equal to the source checksums. The gathered plan and the
+    bounce are made ahead by prepare() (the plan thread) and the saves use them."""
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id(f"cudagather{gather}")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.BatchNorm1d(1024)).cuda()
@@ -646,8 +647,13 @@ def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redi
             return sd.detach().cpu().clone()
         return {k: on_host(v) for k, v in sd.items()} if isinstance(sd, dict) else sd
 
+    state = lambda: {"model": model.state_dict(), "optim": {"state": opt.state_dict()["state"]},  # noqa: E731
+                     "extra": extra}
+    client.prepare(state()).result(scaled(120))
+    ahead = list(client.snapshotter._plan.gathers.values())   # made on the plan thread, with the bounce
+    assert bool(ahead) == bool(gather) and bool(client.snapshotter._bounce) == bool(gather)
     for step in range(1, 5):
-        sd = {"model": model.state_dict(), "optim": {"state": opt.state_dict()["state"]}, "extra": extra}
+        sd = state()
         expected = on_host(sd)
         h = client.save(step, sd)
         extra["count"].add_(1)                  # in place, right away: ordered after its copy (ev_early)
@@ -665,7 +671,7 @@ def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redi
         gp = plans[-1]
         n_tensors = sum(1 for _ in flatten(sd)[1])
         assert gp.stats.tensors == 1 and gp.stats.chunks >= 4 and gp.n_ops < n_tensors // 2, gp.stats
-        assert gp.bounce_bytes <= gather
+        assert gp.bounce_bytes <= gather and gp is ahead[-1]   # the saves used the plan made ahead
     else:
         assert not plans
     co.on_job_event(job, 4, "checks_clean", 1.0)
