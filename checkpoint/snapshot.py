@@ -477,6 +477,7 @@ class Snapshotter:
         self._same_dirs: tuple[str, str] | None = None   # (agent dir, ring root) found to be the same dir
         self._bounce: dict[torch.device, torch.Tensor] = {}   # gathered copies: each device's bounce buffer
         self._gap_zeros: dict[torch.device, torch.Tensor] = {}   # and its ALIGN zero bytes (the gaps)
+        self._gather_off: set[torch.device] = set()   # devices whose bounce did not fit: per-tensor copies
 
     def _block(self) -> str:
         block = self.config.block
@@ -741,7 +742,7 @@ class Snapshotter:
         memory would make them (`_copy_cuda`), so that save makes none on the training thread."""
         late = plan.late if self._block() == "update" else None
         for dev, idx in plan.by_dev.items():
-            if dev.type != "cuda":
+            if dev.type != "cuda" or dev in self._gather_off:
                 continue
             if len(plan.by_dev) == 1:
                 sub_t, sub_off, sub_late = tensors, plan.offsets, late
@@ -752,9 +753,12 @@ class Snapshotter:
             order_key = (dev, plan.late_key) if sub_late is not None else None
             seq, early = _copy_order(plan, order_key, sub_late, len(sub_t))
             with torch.cuda.device(dev), torch.cuda.stream(self._side_stream(dev)):
-                gp = self._gather_plan(dev, sub_t, sub_off, seq, early, plan,
-                                       order_key if order_key is not None else (dev, None))
-                self._bounce_for(dev, gp.bounce_bytes)
+                try:
+                    gp = self._gather_plan(dev, sub_t, sub_off, seq, early, plan,
+                                           order_key if order_key is not None else (dev, None))
+                    self._bounce_for(dev, gp.bounce_bytes)
+                except torch.cuda.OutOfMemoryError as e:
+                    self._no_gather(dev, e)
 
     @property
     def stats(self) -> SaveStats:
@@ -1027,10 +1031,18 @@ class Snapshotter:
                 # the plan's per-device lists, the views kept per buffer, one foreach copy (issue 21)
                 sub_t, sub_off = ((tensors, offsets) if one else
                                   _dev_subsets(plan, dev, idx, [], tensors, offsets, None, None)[:2])
-                if _GATHER_ON_HOST and self.config.gather_bytes:   # tests: the CUDA path's gather on CPU
-                    # made per save: the plain values' byte tensors are new at every save (no plan keeps them)
+                gp = None
+                if _GATHER_ON_HOST and self.config.gather_bytes and dev not in self._gather_off:
+                    # tests: the CUDA path's gather on CPU; made per save: the plain values' byte tensors are
+                    # new at every save (no plan keeps them)
                     gp = self._gather_plan(dev, sub_t, sub_off, list(range(len(sub_t))), 0, None, None)
-                    gp.run(1, arena, self._bounce_for(dev, gp.bounce_bytes), sub_t, non_blocking=False)
+                    try:
+                        bounce = self._bounce_for(dev, gp.bounce_bytes)
+                    except torch.cuda.OutOfMemoryError as e:
+                        self._no_gather(dev, e)
+                        gp = None
+                if gp is not None:
+                    gp.run(1, arena, bounce, sub_t, non_blocking=False)
                 else:
                     copy_all(self._dsts(dev, arena, sub_t, sub_off, plan, host=True), sub_t,
                              range(len(sub_t)))
@@ -1082,12 +1094,18 @@ class Snapshotter:
             # first what anything but the optimizer may change (ordered at once below), then the rest
             seq, early = _copy_order(plan, order_key, late, len(tensors))
             ev_early = None
-            if self.config.gather_bytes and arena.device.type == "cpu":
+            gp = bounce = None
+            if self.config.gather_bytes and arena.device.type == "cpu" and dev not in self._gather_off:
                 # gathered (checkpoint.gather): tens of copies, the early group's chunks first, then the event
                 # kept under the copy order's key; without `late`, one group: (dev, None)
                 gkey = order_key if order_key is not None or late is not None else (dev, None)
-                gp = self._gather_plan(dev, tensors, offsets, seq, early, plan, gkey)
-                bounce = self._bounce_for(dev, gp.bounce_bytes)
+                try:
+                    gp = self._gather_plan(dev, tensors, offsets, seq, early, plan, gkey)
+                    bounce = self._bounce_for(dev, gp.bounce_bytes)
+                except torch.cuda.OutOfMemoryError as e:   # nothing enqueued yet: copy per tensor instead
+                    self._no_gather(dev, e)
+                    gp = None
+            if gp is not None:
                 mark("copy.views")
                 gp.run(0, arena, bounce, tensors)
                 if 0 < early < len(tensors):
@@ -1136,6 +1154,14 @@ class Snapshotter:
             if plan is not None and order_key is not None:
                 plan.gathers[key] = held
         return held
+
+    def _no_gather(self, dev: torch.device, e: BaseException) -> None:
+        """The bounce buffer does not fit in the device's memory: this device's saves copy per tensor."""
+        self._gather_off.add(dev)
+        self._bounce.pop(dev, None)
+        log.warning("no GPU memory for the checkpoint's %d-byte bounce buffer on %s (%s): copying one "
+                    "tensor at a time (SnapshotConfig.gather_bytes lower or 0 avoids this)",
+                    self.config.gather_bytes, dev, e)
 
     def _bounce_for(self, dev: torch.device, need: int) -> torch.Tensor | None:
         """The device's bounce buffer of at least `need` bytes, made once (on the current stream: the side

@@ -173,3 +173,20 @@ def test_a_flipped_bit_in_a_gathered_shard_fails_the_scrub_and_the_restore(redis
     with pytest.raises(Exception, match="checksum|fingerprint|corrupt|chunk"):
         CheckpointClient(co, job, 0, 1).restore(1)
     snap.close()
+
+
+def test_no_memory_for_the_bounce_falls_back_to_per_tensor_copies(redis_server, tmp_path: Path,
+                                                                  gathered: list[GatherPlan],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(self: Snapshotter, dev: torch.device, need: int) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+    monkeypatch.setattr(Snapshotter, "_bounce_for", no_memory)
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id("gatheroom")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=1024, checksums="source", gather_bytes=1000))
+    states = {step: _state(step) for step in (1, 2)}
+    for step, sd in states.items():
+        assert snap.save(step, sd).result(scaled(30)).state == "COMMITTED"
+    assert snap._gather_off == {torch.device("cpu")} and len(gathered) == 1   # tried once, then per tensor
+    for step, sd in states.items():
+        assert_same(CheckpointClient(co, job, 0, 1).restore(step), sd)
+    snap.close()
