@@ -85,6 +85,8 @@ want ckptpipe2 && step ckpt-pipe2 300 python3 bench/ckpt_overlap.py --parts bc -
 # issue 21: gathered copies (a 256 MiB bounce buffer, tens of copies per save) against one copy per tensor
 want ckptgather && step ckpt-gather-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
+want ckptgather && step ckpt-gather-cpu-tests 100 python3 -m pytest -p no:cacheprovider -q -o addopts="" \
+  tests/test_checkpoint_gather.py
 want ckptgather && step ckpt-gather 250 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
   --batches 16,32 --rounds 3 --profile --gather 256,0
 want ckptoverlap12 && step ckpt-overlap-12g 500 python3 bench/ckpt_overlap.py --parts d --gib 12 --repeat 1
