@@ -750,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", default="4,1",
                     help="part b: SnapshotConfig.max_inflight values, side by side (1: one save in the "
                          "background at a time, the path before pipelining)")
-    ap.add_argument("--gather", default="256",
+    ap.add_argument("--gather", default="0",
                     help="part b: SnapshotConfig.gather_bytes in MiB, side by side (0: one device-to-host copy "
                          "per tensor; e.g. 256,0 compares gathered and per-tensor copies)")
     ap.add_argument("--fp-threads", type=int, default=max(4, min(12, (os.cpu_count() or 4) - 4)),

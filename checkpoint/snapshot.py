@@ -153,10 +153,11 @@ class SnapshotConfig:
                                     # host hashes nothing to commit, the agent's scrub checks the bytes;
                                     # "host": hashed on the host from the landed bytes (xxh3-128 + numpy);
                                     # "auto": "source" when the state has a CUDA tensor, else "host"
-    gather_bytes: int = 256 << 20   # CUDA into host memory: the tensors' bytes are gathered on the device
+    gather_bytes: int = 0           # CUDA into host memory: the tensors' bytes are gathered on the device
                                     # into a bounce buffer of up to this many bytes (made once, kept) and
                                     # copied to the host a chunk at a time (checkpoint.gather): tens of
-                                    # copies per save instead of one per tensor; 0: one copy per tensor
+                                    # copies per save instead of one per tensor; 0 (the default until its
+                                    # H200 run): one copy per tensor; opt-in e.g. 256 << 20
 
     @classmethod
     def every_step(cls, **kw: Any) -> "SnapshotConfig":

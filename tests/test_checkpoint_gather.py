@@ -104,7 +104,7 @@ def test_byte_views_only_for_plain_contiguous_tensors() -> None:
 
 
 def test_gather_bytes_is_validated() -> None:
-    assert SnapshotConfig().gather_bytes == 256 << 20 and SnapshotConfig(gather_bytes=0).gather_bytes == 0
+    assert SnapshotConfig().gather_bytes == 0 and SnapshotConfig(gather_bytes=256 << 20).gather_bytes == 256 << 20
     for bad in (-1, True, 1.5, "256"):
         with pytest.raises(InvalidInputError, match="gather_bytes"):
             SnapshotConfig(gather_bytes=bad)
