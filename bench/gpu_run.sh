@@ -133,6 +133,10 @@ want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --devi
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
 # GPT-2 small from a config (offline); needs the wheels of bench/framework_wheels.sh in .whl/
 want frameworks && step frameworks 580 python3 -m bench.bench_frameworks --device cuda
+# torchtitan's own Trainer with SdcwatchCheckpointer (issue 25): overhead against torchtitan's own checkpointer
+# off, resume from the agent bit for bit, a flip on 2 GPUs rolled back; needs torchtitan's wheels
+# (bench/framework_wheels.sh)
+want titan && step titan 580 python3 -m bench.torchtitan_trainer --device cuda --rounds 2
 # issue 19, FSDP2 on 2 GPUs (NCCL): collective replays and audits (every rank audited per audit step), faults
 # on rank 1 from step 42 (audits every 5; the x1.01 persistent one needs the CPU witness: a float64 GPT-2 on
 # the host, slow), 300 clean steps, and the audits' overhead at the default cadence (334) in interleaved blocks
