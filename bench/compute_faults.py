@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
-from checksums.grad_checks import set_fused, summary_paths
+from checksums.grad_checks import GradSummaries, set_fused, summary_paths
 from checksums.monitor import Monitor
 from checksums.replica_recovery import ReplicaRecovery
 from checksums.reporter import ReporterStats, StepReport
@@ -392,6 +393,23 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     blocks (an audit every 334 steps lands in one block in several: a median would leave it out); the
     median block is kept too."""
     fused = (mask == "device" or device.type == "cuda") and not fsdp   # FSDP2: the host veto (as run_case)
+    # with --profile: cProfile sees the training thread only, and DDP's comm hook runs on autograd's device
+    # thread, so the hook, the gate, retain() and Monitor.step are timed by wrappers too (host seconds per
+    # step on any thread); wrapped before the arms are made, as DDP keeps the hook it was given at attach
+    spent: dict[str, float] = {}
+    if profile:
+        def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(fn)   # DDP reads the hook's signature (state, bucket)
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+            return wrapper
+        for cls, attr in [(GradSummaries, "_hook"), (ComputeChecks, "run"), (ComputeChecks, "retain"),
+                          (Monitor, "step")]:
+            setattr(cls, attr, timed(f"{cls.__name__}.{attr}", cls.__dict__[attr]))
     arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
     names = (["base", "checks"] + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
@@ -464,12 +482,14 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             prof = cProfile.Profile()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            spent.clear()
             prof.enable()
             run_block(arm, range(steps + block, steps + 2 * block))
             prof.disable()
             st = pstats.Stats(prof)
             rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:profile]   # by own (tottime) time
-            host[arm[0]] = {"host_s_per_step": st.total_tt / block,
+            host[arm[0]] = {"wrapped": {k: v / block for k, v in spent.items()},
+                            "host_s_per_step": st.total_tt / block,
                             "top": [(f"{Path(f).name}:{ln}:{fn}", tt / block, ct / block, nc // block)
                                     for (f, ln, fn), (cc, nc, tt, ct, _) in rows]}
     if sync_debug and device.type == "cuda":   # what makes the host wait for the GPU inside a step
@@ -637,6 +657,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         for name, h in o.get("host", {}).items():
             lines.append(f"  host time of arm {name}: {h['host_s_per_step'] * 1e3:.3f} ms/step; largest own times "
                          "(ms/step own, cumulative, calls/step):")
+            if h.get("wrapped"):
+                lines.append("    host ms/step in (any thread): " + ", ".join(
+                    f"{k} {v * 1e3:.3f}" for k, v in sorted(h["wrapped"].items())))
             for fn, tt, ct, nc in h["top"]:
                 lines.append(f"    {fn[:70]:70} {tt * 1e3:7.3f} {ct * 1e3:7.3f} {nc:5d}")
             for n, k in h.get("syncs", []):
