@@ -129,6 +129,9 @@ class ComputeChecks:
         self._optimizer_ref = weakref.ref(optimizer)
         self._pending: tuple[int, torch.Tensor, Any, bool, Retained] | None = None
         self._spread_dev: torch.Tensor | None = None
+        self._host_bufs: list[torch.Tensor | None] = [None, None]   # the device path's rows on the host
+        self._host_done: list[Any] = [None, None]
+        self._host_i = 0
         self._spread_version = -1
         self.guard = StepGuard.attach(optimizer)
         self.guard.add(self)
@@ -243,13 +246,23 @@ class ComputeChecks:
         flag = device_flag(stats_of(rows), spread if armed else None, self.tracker.margin)
         assert self._device_mask is not None
         self._device_mask.add(ctx, flag)                  # combined with GradScaler's found_inf, if any
-        host = torch.empty(rows.shape, dtype=rows.dtype, device="cpu",
-                           pin_memory=rows.device.type == "cuda")
+        host, done = self._host_slot(rows)
         host.copy_(rows, non_blocking=True)
-        done = torch.cuda.Event() if rows.device.type == "cuda" else None
         if done is not None:
             done.record()
         self._pending = (ctx.step, host, done, armed, self.replayer.retained)
+
+    def _host_slot(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The pinned host rows (and their event) this step's copy lands in: two made once and used in turn
+        (the previous step's are read by `_settle_previous` before this step's copy is enqueued, and nothing
+        keeps a view of them), so no step allocates host memory (a pinned allocation a step before)."""
+        i = self._host_i = self._host_i ^ 1
+        buf = self._host_bufs[i]
+        if buf is None or buf.shape != rows.shape or buf.dtype != rows.dtype:
+            cuda = rows.device.type == "cuda"
+            buf = self._host_bufs[i] = torch.empty(rows.shape, dtype=rows.dtype, device="cpu", pin_memory=cuda)
+            self._host_done[i] = torch.cuda.Event(blocking=True) if cuda else None
+        return buf, self._host_done[i]
 
     def _spread_on(self, device: torch.device) -> torch.Tensor | None:
         spread = self.tracker.spread

@@ -388,3 +388,32 @@ def test_fsdp2_overhead_arms_run_on_cpu():
     assert o["summary_paths"]["checks"] == {"torch": 3}, o["summary_paths"]       # one row per FSDP group
     st = o["status"]["checks+audits"]
     assert st["audits"] >= 6 and st["suspicions"] == 0 and st["exact"], st
+
+
+def _device_path_host_rows(rank: int, init: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=1)
+    compute_faults.MODEL["name"] = "mlp"
+    ddp = DDP(compute_faults.make_model(0)[0])
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=True)
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="device", audit_every=0)
+    seen = []
+    for s in range(12):
+        b = compute_faults.batch_for(0, s, torch.device("cpu"))
+        checks.retain(b)
+        compute_faults.loss_fn(ddp, b).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        seen.append(checks._pending[1])
+    # two host buffers made once and used in turn: no step allocates the rows' host memory
+    assert len({id(t) for t in seen}) == 2, [id(t) for t in seen]
+    assert all(seen[k] is seen[k + 2] for k in range(10))
+    assert checks.status().steps == 12 and checks.status().suspicions == 0
+    dist.destroy_process_group()
+
+
+def test_device_path_reuses_two_host_buffers_for_the_rows(tmp_path) -> None:
+    spawn(_device_path_host_rows, (str(tmp_path / "init"),), nprocs=1)
