@@ -134,3 +134,56 @@ def test_save_vote_verify_restore_and_ls_through_the_real_agent(short_tmp: Path)
         assert cli("ckpt", "ls", "--socket", sock).returncode == 2  # agent gone: cannot reach
     finally:
         shutil.rmtree(memory.parent, ignore_errors=True)
+
+
+def test_a_resume_that_saves_before_it_reports_lands_and_verifies_through_the_real_agent(short_tmp: Path) -> None:
+    """Issue 18 follow-up, through the agent process: the job saved steps 1-3 and reported step 4; a resume
+    restores step 1 and saves step 2 before it reports any step. The save's Begin carries the restore, so the
+    agent cuts the history first and the save lands (before: "already COMMITTED", lost). The step report that
+    then shows the job went back (the agent's cut at once, and the `rollback` event through its feed) keeps
+    it, and the replicas' vote verifies it: the restored bytes are the redone save's."""
+    state = short_tmp / f"ckpt-{uuid.uuid4().hex[:8]}"
+    memory = default_shm_root(state)
+    job = job_id("resume")
+    clients: list[CheckpointClient] = []
+
+    def ranks() -> list[CheckpointClient]:
+        clients.extend(CheckpointClient.connect(job, r, 2, target=agent.target, deadline_s=10,
+                                                config=SnapshotConfig(chunk_bytes=4096)) for r in (0, 1))
+        return clients[-2:]
+
+    def report(stub, step: int, vote_step: int | None = None) -> None:
+        req = (_vote(job, vote_step, agreed=True) if vote_step is not None
+               else apb.ReportStepRequest(job_id=job, rank=0, world_size=2, step=step))
+        assert req.step == step
+        stub.ReportStep(req, timeout=10)
+
+    try:
+        with AgentProcess(state, "--checkpoints-keep-committed", "10") as agent, \
+                grpc.insecure_channel(agent.target) as ch:
+            stub = apb_grpc.AgentStub(ch)
+            old = ranks()
+            for step in (1, 2, 3):
+                res = [c.save(step, state_dict(c.rank, 100 + step)).result(30) for c in old]
+                assert res[1].state == "COMMITTED", res
+            report(stub, 2, vote_step=1)
+            report(stub, 4)
+            _wait_for(lambda: {i.step: i.state for i in old[0].list()} == {1: "VERIFIED", 2: "COMMITTED",
+                                                                          3: "COMMITTED"})
+            new = ranks()                     # the job resumes from step 1 and saves step 2 at once
+            for c in new:
+                assert_same(c.restore("latest_verified"), state_dict(c.rank, 101))
+            res = [c.save(2, state_dict(c.rank, 2)).result(30) for c in new]
+            assert [(r.state, r.error) for r in res] == [("PENDING", ""), ("COMMITTED", "")], res
+            assert {i.step for i in new[0].list()} == {1, 2}
+            report(stub, 2)                   # the agent sees the job went back (restored step 1)
+            report(stub, 3, vote_step=2)      # the replicas agree at step 2
+            _wait_for(lambda: {i.step: i.state for i in new[0].list()} == {1: "VERIFIED", 2: "VERIFIED"})
+            for c in new:
+                assert_same(c.restore(2, resume=False), state_dict(c.rank, 2))
+            journal = cli("events", "--socket", str(agent.socket)).stdout
+            assert "restored step 1" in journal, journal[-2000:]
+    finally:
+        for c in clients:
+            c.close()
+        shutil.rmtree(memory.parent, ignore_errors=True)
