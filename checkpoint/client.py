@@ -101,7 +101,8 @@ class CheckpointClient:
         the job left there (docs/checkpoints.md, "Going back cuts the history"); the saves still in flight are
         let finish first (their records are history the restore leaves). `resume=False`: a look only (a check
         of a checkpoint inside a training process), which cuts nothing. A process that never saves (a reader)
-        never cuts either way."""
+        never cuts either way. With `guard=`, a resuming restore is noted on the guard
+        (`StepGuard.note_restore`): the replica votes and checks taken before it gate no later update."""
         self.snapshotter.order_before_update()   # loading the result into the model comes after any copy
         if resume and not self.snapshotter.settle(SETTLE_S):
             log.warning("restore: a save is still in flight after %.0f s; it may outlive the restore", SETTLE_S)
@@ -115,6 +116,8 @@ class CheckpointClient:
             ok = True
             if resume:
                 self.snapshotter.note_restore(plan.checkpoint.step, started)
+                if self.guard is not None:    # votes and checks taken before it gate no later update
+                    self.guard.note_restore(plan.checkpoint.step)
             return out
         except Exception as e:
             error = f"{type(e).__name__}: {e}"

@@ -24,7 +24,8 @@ mechanism of checksums/device_mask.py, which the replica vote's gate uses too): 
 synchronisation in the step. The rows travel to pinned host memory without waiting; the next step reads
 them (`_settle_previous`), learns the spread, and replays and classifies a masked step from its retained
 batch (its weights are unchanged, the masked update changed nothing). A masked step classified DATA there
-is lost rather than applied late. Audit steps (every `audit_every`) take the host path: one
+is lost rather than applied late. A step settled after a restore (`StepGuard.restores` moved: a rollback
+loaded other weights) is not replayed: its verdict gates nothing after the restore. Audit steps (every `audit_every`) take the host path: one
 synchronisation per audit. Cost of the device path per step: the bucket summaries (a norm, a max-abs and the
 fingerprint kernel per bucket), one all-gather of 32 bytes per bucket per rank, and a handful of tiny
 kernels (median, log, compare) for the flag.
@@ -127,7 +128,8 @@ class ComputeChecks:
         self._determinism_checked = False
         self.mask = _choose_mask(mask, optimizer, device)
         self._optimizer_ref = weakref.ref(optimizer)
-        self._pending: tuple[int, torch.Tensor, Any, bool, Retained] | None = None
+        # the device path's last step, judged at the next: (step, rows, event, armed, retained, restore epoch)
+        self._pending: tuple[int, torch.Tensor, Any, bool, Retained, int] | None = None
         self._spread_dev: torch.Tensor | None = None
         self._host_bufs: list[torch.Tensor | None] = [None, None]   # the device path's rows on the host
         self._host_done: list[Any] = [None, None]
@@ -250,7 +252,7 @@ class ComputeChecks:
         host.copy_(rows, non_blocking=True)
         if done is not None:
             done.record()
-        self._pending = (ctx.step, host, done, armed, self.replayer.retained)
+        self._pending = (ctx.step, host, done, armed, self.replayer.retained, self.guard.restores)
 
     def _host_slot(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The pinned host rows (and their event) this step's copy lands in: two made once and used in turn
@@ -281,7 +283,7 @@ class ComputeChecks:
         ones it saw: the masked update changed nothing). A step classified DATA here is lost, not applied."""
         if self._pending is None:
             return
-        step, host, done, armed, retained = self._pending
+        step, host, done, armed, retained, epoch = self._pending
         self._pending = None
         if done is not None:
             done.synchronize()                            # recorded a step ago: already complete
@@ -290,6 +292,10 @@ class ComputeChecks:
         verdict = self.tracker.judge(stats)
         self.last_verdict = verdict
         if not armed and not verdict.nonfinite:
+            return
+        if epoch != self.guard.restores:   # restored since: a replay now would run on other weights
+            logger.info("sdcwatch: compute check of step %d not replayed: the weights were restored since",
+                        step)
             return
         outcomes = self._classify(verdict, host, jumps, retained)
         self._conclude(step, stats, verdict, outcomes, masked=bool(outcomes))

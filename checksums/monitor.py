@@ -42,7 +42,7 @@ import logging
 import math
 import socket
 import time
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,12 +86,24 @@ class MonitorEvent:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepVote:
-    """The replica vote about `step` (read one step later on CUDA)."""
+    """The replica vote about `step` (read one step later on CUDA). `epoch`: the step guard's restore epoch
+    when the vote was launched (`StepGuard.restores`): a vote of an older epoch is about weights a restore
+    left, and gates no update after it."""
 
     step: int
     result: VoteResult
     replica_group: str
     ranks: tuple[int, ...]
+    epoch: int = 0
+
+
+class LatestVote(NamedTuple):
+    """The newest fingerprint check with a vote (`Monitor.latest_vote_words`)."""
+
+    step: int
+    call: int                # the step() call that launched it
+    words: torch.Tensor      # the gathered fingerprints, [replicas, V] int64 on the Monitor's buffer device
+    epoch: int               # the step guard's restore epoch at its launch (StepVote.epoch)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,6 +137,7 @@ class _Slot:
     directive_row: tuple[int, ...] | None = None  # the world MAX, once read (None: not launched this step)
     busy: bool = False
     call: int = 0                   # the step() call that launched it (1 for the first)
+    epoch: int = 0                  # the guard's restore epoch at the launch (StepVote.epoch)
     device_work: bool = False       # the host must wait for `done` before reading
     step: int = 0
     checked: bool = False
@@ -570,6 +583,7 @@ class Monitor:
         slot = self._take_slot()
         slot.step = self._step
         slot.call = self._calls
+        slot.epoch = self.guard.restores if self.guard is not None else 0
         slot.checked = self._step % self.every == 0
         slot.wall_time = time.time()
         slot.step_s = t0 - self._last_step_end
@@ -784,7 +798,7 @@ class Monitor:
             mine = list(rows[self._group_rank])
             frozen_changed = self._check_frozen(slot.step, mine)
             if self._group is not None:
-                step_vote = self._take_vote(slot.step, rows, slot.call)
+                step_vote = self._take_vote(slot.step, rows, slot.call, slot.epoch)
         self._report(slot, loss, grad_norm, loss_scale, mine, step_vote, frozen_changed)
 
     def _check_finite(self, step: int, loss: float | None, grad_norm: float | None) -> None:
@@ -816,10 +830,11 @@ class Monitor:
                     {"names": names, "rank": self.rank, "host": self.host, "gpu_uuid": self.gpu_uuid})
         return names
 
-    def _take_vote(self, step: int, rows: list[tuple[int, ...]], call: int = 0) -> StepVote:
+    def _take_vote(self, step: int, rows: list[tuple[int, ...]], call: int = 0, epoch: int = 0) -> StepVote:
         result = vote({r: rows[i] for i, r in enumerate(self._group_ranks)}, self._where)
         self._votes += 1
-        sv = StepVote(step=step, result=result, replica_group=self.replica_group_name, ranks=self._group_ranks)
+        sv = StepVote(step=step, result=result, replica_group=self.replica_group_name,
+                      ranks=self._group_ranks, epoch=epoch)
         self._last_vote = sv
         self._recent_votes.append((call, sv))
         if not result.agreed:
@@ -984,18 +999,20 @@ class Monitor:
         """The newest votes read on the host (up to 16), oldest first, each with the call that launched it."""
         return list(self._recent_votes)
 
-    def latest_vote_words(self) -> tuple[int, int, torch.Tensor] | None:
-        """(step, call, words) of the newest fingerprint check with a vote, read or not: `words` is its
-        gathered fingerprints, [replicas, V] int64 on the Monitor's buffer device. On CUDA the current stream
-        is made to wait for that gather (a device-side wait: no host synchronisation), so device work queued
-        after this call may read `words` until the slot is reused (`vote_lag` calls later). None before the
-        first check, without a vote, or once the slot holds a newer step."""
+    def latest_vote_words(self) -> LatestVote | None:
+        """(step, call, words, epoch) of the newest fingerprint check with a vote, read or not: `words` is its
+        gathered fingerprints, [replicas, V] int64 on the Monitor's buffer device; `epoch` the guard's restore
+        epoch at its launch (a vote of an older epoch is about weights a restore left). On CUDA the current
+        stream is made to wait for that gather (a device-side wait: no host synchronisation), so device work
+        queued after this call may read `words` until the slot is reused (`vote_lag` calls later). None before
+        the first check, without a vote, or once the slot holds a newer step."""
         slot = self._latest_checked
         if slot is None or slot.call != self._latest_checked_call or not slot.checked:
             return None
         if slot.device_work and slot.done is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.done)
-        return slot.step, slot.call, slot.gathered.view(len(self._group_ranks), self._v)
+        words = slot.gathered.view(len(self._group_ranks), self._v)
+        return LatestVote(slot.step, slot.call, words, slot.epoch)
 
     @property
     def stats(self) -> MonitorStats:

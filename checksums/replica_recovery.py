@@ -23,13 +23,16 @@ Two stages on the optimizer's `StepGuard` (checksums/step_guard.py), apart from 
     step.skipped events say which updates were lost) and hands the first one to the REPAIR stage. On CUDA
     with 3+ replicas a mismatch at step M is therefore repaired at the update of step M + 5, and the updates
     of steps M + 1 .. M + 5 are masked: the result is bit-identical to a clean run that skipped those
-    batches. After a repair or a restore (the guard's step going back) the votes launched before it are
-    about weights that no longer exist: the flag clears, and the next check decides again.
+    batches. After a repair or a restore (`StepGuard.restores`: the guard renumbered to a lower step, or
+    `note_restore`, which `CheckpointClient.restore` calls) the votes launched before it are about weights
+    that no longer exist: the flag clears, a gathered vote of an older restore epoch is never compared, and
+    the next check decides again.
   * on the host ("host"; CPU/gloo, or an optimizer that is not fused): reads the votes of the steps taken
     so far (`monitor.flush()`: on CPU they are already read, so it costs nothing; on CUDA it waits for the
     previous step's gather: one host wait per step, and the host never runs more than a step ahead). A
     vote that disagreed, and that this stage has not acted on, vetoes this update (a `Veto`, its number
-    kept); the REPAIR stage acts in the same step.
+    kept); the REPAIR stage acts in the same step. A vote launched before a restore (an older
+    `StepVote.epoch` than the guard's `restores`) vetoes nothing after it: the first redone update applies.
 
 - `replica.repair` (Phase.REPAIR): for a disagreeing vote with a strict majority (3+ replicas), every
   parameter and optimizer-state tensor is broadcast from the lowest-ranked majority replica over the replica
@@ -39,7 +42,8 @@ Two stages on the optimizer's `StepGuard` (checksums/step_guard.py), apart from 
   bit-identical to a clean run that skipped them. With two replicas (no majority), or when the comparison
   after the copy fails, nothing is repaired: the gate keeps vetoing (masking) updates while the replicas
   differ, and the agent's rollback directive (the newest VERIFIED checkpoint older than the mismatch)
-  brings every replica back; after the restore, call `monitor.guard.renumber(target)`.
+  brings every replica back; after the restore, call `monitor.guard.renumber(target)` (a restore through a
+  `CheckpointClient` bound to the guard notes it itself; a lower step is one too).
 
 Training-side module: torch and torch.distributed only; never imports the agent.
 """
@@ -100,8 +104,8 @@ class ReplicaRecovery:
         self._flag_call = 0               # the call of the vote the flag was computed from
         self._mask_from: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)  # (step, its vote)
         self._settled_call = 0            # votes launched up to this call were looked at on the host
-        self._fresh_from = 0              # votes launched before this call: weights since repaired/restored
-        self._last_ctx_step = -1
+        self._fresh_from = 0              # votes launched before this call: weights since repaired
+        self._restores = self.guard.restores   # the restore epoch the device flag was computed in
         self._device_mask: DeviceMask | None = None
         self.gate = _Gate(self)
         self.repair = _Repair(self)
@@ -129,6 +133,8 @@ class ReplicaRecovery:
         vote = self.monitor.last_vote
         if vote is None or vote is self._acted or vote.result.agreed:
             return None
+        if vote.epoch != self.guard.restores:   # taken before a restore: about weights the job left
+            return None
         self._acted = vote
         self._pending = vote
         self.vetoed += 1
@@ -140,13 +146,13 @@ class ReplicaRecovery:
         replica has read by now (`settle_lag` calls old). No host synchronisation, no veto."""
         mon = self.monitor
         calls = mon.step_calls
-        if ctx.step <= self._last_ctx_step:   # renumbered back: a restore; older votes are about old weights
-            self._fresh_from, self._flag = calls + 1, None
-        self._last_ctx_step = ctx.step
+        restores = self.guard.restores
+        if restores != self._restores:        # a restore since the last gate: the flag is about old weights
+            self._restores, self._flag = restores, None
         latest = mon.latest_vote_words()
         if latest is not None:
-            step, call, words = latest
-            if call < self._fresh_from or step >= ctx.step:
+            step, call, words, epoch = latest
+            if epoch != restores or call < self._fresh_from or step >= ctx.step:
                 self._flag = None                 # about weights since restored or repaired: no verdict
             elif call != self._flag_call:
                 flag = device_disagree(words)
@@ -178,7 +184,7 @@ class ReplicaRecovery:
                 if by == call:
                     self.guard.masked(step, self.gate.name, why)
                     self.vetoed += 1
-            if call >= self._fresh_from and self._pending is None:
+            if call >= self._fresh_from and vote.epoch == self.guard.restores and self._pending is None:
                 self._pending = vote              # the REPAIR stage, this step
         self._settled_call = through
 

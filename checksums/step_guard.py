@@ -27,6 +27,13 @@ the call when it finds inf/NaN gradients) is counted with `guard.skip(reason)`; 
 its `step()` finds no optimizer step since the previous one, so both keep counting the loop's iterations.
 The Monitor and the checkpoint client read this one counter.
 
+Restores: a checkpoint loaded into the weights starts a new restore epoch (`guard.restores`, counted; the
+step it went back to is `guard.restored_step`). `renumber` to a lower step is one (a rollback names the step
+it went back to), and `note_restore(step)` says so explicitly (`CheckpointClient.restore` does, for a
+restore the rank resumes from, even to the step it is at). A verdict about the weights before the restore
+(a replica vote, a compute check still in flight) is about a history the job left: stages compare the epoch
+it was taken in with `guard.restores` and let it gate no update after the restore.
+
 How a veto skips the update: the pre-hook hides this step's gradients from the optimizer (`p.grad = None`
 for its parameters: every torch optimizer leaves a parameter without a gradient untouched, moments and step
 counts included) and the post-hook puts them back, so a check may still recompute or inspect them. With
@@ -162,6 +169,8 @@ class StepGuard:
         self._skipped_total = 0
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []   # (param, grad) of a vetoed step
         self._staged = False          # this step's stages before the update have run
+        self._restores = 0            # restore epochs (note_restore, renumber to a lower step)
+        self._restored_step: int | None = None
         self._ctx = StepContext(optimizer)
         # The replicas of what this guard updates: ranks naming the same set hold bit-identical weights after
         # every update ("" when none: one rank, plain FSDP, or the vote is off). The Monitor sets it from its
@@ -249,9 +258,30 @@ class StepGuard:
         self._record_skip(SkippedStep(step, stage, reason), log=True)
 
     def renumber(self, step: int) -> None:
-        """The weights are at `step` now (after a restore, or when the loop numbers its own steps)."""
+        """The weights are at `step` now (after a restore, or when the loop numbers its own steps). A lower
+        step than the guard's is a restore (`note_restore`): verdicts taken before it gate no later update."""
         _check_step(step)
+        if step < self._step:
+            self.note_restore(step)
         self._step = step
+
+    def note_restore(self, step: int) -> None:
+        """The weights were (or are being) loaded from the checkpoint of `step`: a new restore epoch. Does not
+        renumber (call `renumber(step)` once the state is loaded, as after any restore)."""
+        _check_step(step)
+        self._restores += 1
+        self._restored_step = step
+
+    @property
+    def restores(self) -> int:
+        """Restore epochs so far (0: none since attach). A verdict taken in an older epoch is about weights
+        the job left (see the module docstring)."""
+        return self._restores
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step of the newest restore noted, or None."""
+        return self._restored_step
 
     @property
     def skipped_count(self) -> int:

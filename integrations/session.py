@@ -163,6 +163,7 @@ class TrainingSession:
         self.ckpt.wait(600)                  # saves still in flight land before the restore reads the agent
         state = self.ckpt.restore(directive.target_step, device=self.monitor.device)
         self.load_fn(state)
+        self.guard.note_restore(directive.target_step)   # the votes before it veto no redone update
         self.guard.renumber(directive.target_step)
         self._last_saved = directive.target_step
         self._skip(directive.skip_batches)

@@ -174,6 +174,7 @@ class SdcwatchCheckpointer(CheckpointManager):
                      checkpoint_id=directive.target_step)
             if self.train_state is not None:
                 self.train_state.step = directive.target_step
+            self.guard.note_restore(directive.target_step)   # the votes before it veto no redone update
             self.guard.renumber(directive.target_step)
             self._skip(directive.skip_batches)
             self.rollbacks.append(directive)
