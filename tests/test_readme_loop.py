@@ -117,6 +117,7 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
 
         def recording_restore(target: Any, **kw: Any) -> Any:
             out["restores"].append(target)
+            g["skips_at_restore"] = g["monitor"].guard.skipped_count
             return real_restore(target, **kw)
 
         code_main, _, _ = code.partition("batches = iter(loader)")
@@ -131,6 +132,8 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
         dist.all_gather(other, mine)
         out["identical"] = bool(torch.equal(other[0].view(torch.int32), other[1].view(torch.int32)))
         out["final_step"] = g["monitor"].step_count
+        if "skips_at_restore" in g:      # updates skipped after the last restore (a stale vote's veto would show)
+            out["skips_after_restore"] = g["monitor"].guard.skipped_count - g["skips_at_restore"]
         out["extra_batches"] = getattr(loader, "extra", 0)
         g["monitor"].close()
         g["ckpt"].close()
@@ -156,6 +159,7 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
     for r in res:
         assert r["restores"] and all(t < FLIP for t in r["restores"]), r
         assert r["identical"], "the replicas are bit-identical at the end"
+        assert r["skips_after_restore"] == 0, "a vote taken before the restore vetoed no redone update"
     assert res[0]["restores"] == res[1]["restores"], "both ranks restored the same step, together"
     assert res[0]["final_step"] == res[1]["final_step"]
     rolled = next(i for i, line in enumerate(journal) if "job.rollback " in line)

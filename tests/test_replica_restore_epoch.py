@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rank_spawn
 import torch
 import torch.distributed as dist
-import rank_spawn
-from torch import nn
-
 from support import RecordingReporter
+from torch import nn
 
 STEPS, FLIP, LAG = 14, 5, 4
 
@@ -139,9 +138,10 @@ def test_a_restore_to_the_same_step_drops_the_vote_taken_before_it(tmp_path: Pat
 
 
 def test_a_resuming_restore_through_the_client_is_noted_on_its_guard(redis_server, tmp_path: Path) -> None:
+    from ckpt_support import job_id, node
+
     from checkpoint.client import CheckpointClient
     from checksums.step_guard import StepGuard
-    from ckpt_support import job_id, node
 
     co, job = node(redis_server.port, tmp_path, "n0"), job_id("epoch")
     p = nn.Parameter(torch.ones(4))

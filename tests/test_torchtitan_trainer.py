@@ -73,6 +73,13 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, env: dic
 
             for opt in trainer.optimizers.optimizers:
                 opt.register_step_post_hook(fault)
+        act = ckpt._act
+
+        def acting(directive: Any) -> None:              # the skipped-step count when the rollback is done
+            act(directive)
+            out["skips_at_rollback"] = ckpt.guard.skipped_count
+
+        ckpt._act = acting
         try:
             trainer.train()
             out["rollbacks"] = [d.target_step for d in ckpt.rollbacks]
@@ -80,6 +87,9 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, env: dic
             out["framework_step"] = trainer.step
             out["ntokens_seen"] = trainer.ntokens_seen
             out["monitor_events"] = [e.kind for e in ckpt.monitor.events if e.kind != "directive"]
+            out["skipped_steps"] = [s.step for s in ckpt.guard.skipped]
+            if "skips_at_rollback" in out:
+                out["skips_after_rollback"] = ckpt.guard.skipped_count - out["skips_at_rollback"]
             out["identical"] = replicas_identical(params)
             weights = b"".join(p.detach().numpy().tobytes() for p in params)
             out["weights_sha"] = hashlib.sha256(weights).hexdigest()
@@ -131,6 +141,9 @@ def test_torchtitan_trainer_rolls_back_a_flip(short_tmp: Path, tmp_path: Path) -
     finally:
         agent.stop()
     check_recovered(res, lines, states, FLIP, STEPS_F, mismatches)
+    for r in res:     # the vote of the left history (before the restore) vetoes no redone update
+        assert r["skips_after_rollback"] == 0, r["skipped_steps"]
+        assert all(s > FLIP for s in r["skipped_steps"]), r["skipped_steps"]
     went_back = next(i for i, line in enumerate(lines) if "job.rollback " in line)
     assert any(f"checkpoint step {HELD} committed" in line for line in lines[:went_back]), lines[:went_back]
     assert any(f"checkpoint step {HELD} is VERIFIED" in line for line in lines[went_back:]), (
