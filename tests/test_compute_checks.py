@@ -164,6 +164,37 @@ def test_device_mask_needs_a_fused_optimizer():
         _choose_mask("sometimes", fused, torch.device("cpu"))
 
 
+def test_device_path_replays_no_step_pending_from_before_a_restore():
+    """Issue 18 follow-up: the device path judges a masked step at the next step, replaying its retained batch
+    on the weights it saw. After a restore (the guard's restore epoch moved) those weights are gone: that step
+    is not replayed or classified (its verdict gates nothing after the restore)."""
+    from checksums.compute_gate import ComputeChecks
+    from checksums.step_guard import StepGuard
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    guard = StepGuard.attach(opt)
+    guard.renumber(4)                        # the loop's own numbers: not a restore (a higher step)
+    replayed: list[int] = []
+    gate = object.__new__(ComputeChecks)     # the settle path alone: no ranks, no model
+    gate.guard, gate.tracker, gate.last_verdict = guard, SpreadTracker(margin=3.0, warmup=0), None
+    gate._classify = lambda *a: replayed.append(1) or []
+
+    def pend() -> None:
+        gate._pending = (3, _rows(10, world=2), None, True, None, guard.restores)
+
+    pend()
+    gate._settle_previous()
+    assert replayed == [1] and guard.restores == 0, "same epoch: the masked step is replayed and classified"
+    pend()
+    guard.renumber(1)                        # a rollback: the weights the pending step saw are gone
+    gate._settle_previous()
+    assert replayed == [1] and gate._pending is None, "restored since: not replayed"
+    pend()
+    guard.note_restore(1)                    # a restore to the step the guard is at
+    gate._settle_previous()
+    assert replayed == [1]
+
+
 def test_classify_pair_names_a_transient_by_its_non_repeating_original():
     ok, bad = _rows(10, world=1)[0], _rows(99, world=1)[0]
     other = _rows(20, world=1)[0]
