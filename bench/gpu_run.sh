@@ -98,6 +98,9 @@ want peerstreams && step peer-streams-netns 200 python3 bench/bench_peer_transpo
 want verify && step verify-cost-1gpu 300 python3 -m bench.verify_cost --device cuda --world 1
 want verify && step verify-cost-gloo 300 python3 -m bench.verify_cost --device cuda --world 2 --backend gloo
 want verify && [ "$NGPU" -ge 2 ] && step verify-cost-nccl 300 python3 -m bench.verify_cost --device cuda --world 2
+# a vote launched before a rollback (still in flight in the ring) masks no redone update (NCCL, 2 GPUs)
+want verify && [ "$NGPU" -ge 2 ] && step restore-epoch-nccl 200 python3 -m pytest -p no:cacheprovider -q -m gpu \
+  -o addopts="" tests/test_replica_restore_epoch.py
 want verify && step agreed-directive 120 torchrun --standalone --nproc-per-node 2 bench/agreed_directive.py \
   --device cuda $([ "$NGPU" -ge 2 ] || echo --backend gloo)
 # issue 19 on one GPU: the compute checks' overhead (DDP world 1 on NCCL: real comm hooks; arms base, checks,
