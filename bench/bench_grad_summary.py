@@ -3,13 +3,17 @@ path and against a plain read of the same bytes, measured side by side in one ru
 
 For each bucket size and dtype (DDP's flat bucket buffer: one contiguous tensor), columns:
 
-* ``fused``: `checksums.grad_summary_triton.GradSummaryPlan.run_async` (one read of the buffer, 2 launches);
-* ``fused1``: the same, one launch (the last work item reduces the partials: ``one_launch=True``; its rows
+* ``fused``: `checksums.grad_summary_triton.GradSummaryPlan.run_async` with ``one_launch=False`` (one read
+  of the buffer, 2 launches);
+* ``fused1``: the same, one launch (the default: the last work item reduces the partials; its rows
   are checked equal to the two-launch rows over 100 back-to-back runs);
 * ``torch``: `checksums.grad_checks.bucket_summary_torch` with a prepared fingerprint plan, as the DDP hook
   ran it before (vector_norm, abs + amax, stack/cat, the Triton fingerprint: about five passes);
 * ``read``: ``buf.sum(dtype=torch.float32)``, one plain read of the bytes (the floor for any summary);
-* ``copy``: ``dst.copy_(buf)`` (reads and writes the bytes: twice the traffic of a read).
+* ``copy``: ``dst.copy_(buf)`` (reads and writes the bytes: twice the traffic of a read);
+* ``scaled``: the one-launch summary that also scales the buffer by 1/world in place (GradSummaries at world
+  size > 1: DDP's pre-reduction scaling in the same pass); ``+mul_``: the summary, then ``buf.mul_`` (a
+  second pass, what the hook did before).
 
 Times are medians over batches of back-to-back calls between CUDA events, after warm-up; each call takes the
 next of several buffers of the size (together more than twice the 60 MB L2 of an H200), so the bytes come
@@ -109,7 +113,7 @@ def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Gen
     nbuf = max(1, math.ceil(2.2 * L2_BYTES / nbytes)) if device.type == "cuda" else 1
     bufs = [(torch.randn(numel, generator=gen, device=device) * 1e-3).to(dtype) for _ in range(nbuf)]
     dst = torch.empty_like(bufs[0])
-    plan = GradSummaryPlan(bufs[0])
+    plan = GradSummaryPlan(bufs[0], one_launch=False)
     fplans = [prepare_fingerprint([b]) for b in bufs] if device.type == "cuda" else [None] * nbuf
     res: dict = {"dtype": str(dtype).replace("torch.", ""), "mb": nbytes / 1e6, "buffers": nbuf,
                  "items": plan.n_items}
@@ -140,8 +144,19 @@ def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Gen
     def copy(i: int) -> object:
         return dst.copy_(bufs[i % nbuf])
 
+    # DDP at world size > 1 scales each bucket by 1/world before the sum: in the summary's own pass
+    # (`scaled`: one launch, the buffer read once and written once) against the summary then torch's mul_
+    # (`then_mul`: what a separate scaling pass costs). Both change the buffers: timed last
+    def scaled(i: int) -> object:
+        return plan1.launch(bufs[i % nbuf], scale=0.5)
+
+    def then_mul(i: int) -> object:
+        row = plan1.run_async(bufs[i % nbuf])
+        bufs[i % nbuf].mul_(0.5)
+        return row
+
     for name, fn in (("fused", fused), ("fused1", fused1), ("torch", torch_path), ("read", read),
-                     ("copy", copy)):
+                     ("copy", copy), ("scaled", scaled), ("then_mul", then_mul)):
         res[name + "_s"] = timed(fn, device)
     if sweep:
         res["sweep"] = []
@@ -161,6 +176,7 @@ def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Gen
                       f"items/SM={per_sm} one_launch={int(one)} ({p_.n_items} items): {t * 1e6:8.1f} us "
                       f"{res['mb'] * 1e6 / t / 1e12:6.3f} TB/s same_row={same}", flush=True)
     res["fused_host_us"] = host_us(fused, device)
+    res["fused1_host_us"] = host_us(fused1, device)
     res["torch_host_us"] = host_us(torch_path, device)
     return res
 
@@ -200,15 +216,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = [run_case(mb, dt, device, gen, args.sweep) for dt in dtypes for mb in sizes]
     print(f"{'dtype':9} {'MB':>8} {'items':>6} {'fused us':>9} {'fused1 us':>9} {'torch us':>9} "
           f"{'read us':>9} {'copy us':>9} "
-          f"{'fused TB/s':>10} {'fused/read':>10} {'torch/fused':>11} {'host us f/t':>12}  check")
+          f"{'scaled us':>9} {'+mul_ us':>9} "
+          f"{'fused TB/s':>10} {'fused/read':>10} {'torch/fused':>11} {'host us f/f1/t':>16}  check")
     for r in results:
         tbs = r["mb"] * 1e6 / r["fused_s"] / 1e12
         ok = _ok(r)
-        us = {k: r[k + "_s"] * 1e6 for k in ("fused", "fused1", "torch", "read", "copy")}
+        us = {k: r[k + "_s"] * 1e6 for k in ("fused", "fused1", "torch", "read", "copy", "scaled", "then_mul")}
         print(f"{r['dtype']:9} {r['mb']:8.3f} {r['items']:6d} {us['fused']:9.1f} {us['fused1']:9.1f} "
               f"{us['torch']:9.1f} "
-              f"{us['read']:9.1f} {us['copy']:9.1f} {tbs:10.3f} {r['fused_s'] / r['read_s']:10.3f} "
-              f"{r['torch_s'] / r['fused_s']:11.2f} {r['fused_host_us']:5.1f}/{r['torch_host_us']:<6.1f}  "
+              f"{us['read']:9.1f} {us['copy']:9.1f} {us['scaled']:9.1f} {us['then_mul']:9.1f} "
+              f"{tbs:10.3f} {r['fused_s'] / r['read_s']:10.3f} "
+              f"{r['torch_s'] / r['fused_s']:11.2f} "
+              f"{r['fused_host_us']:5.1f}/{r['fused1_host_us']:.1f}/{r['torch_host_us']:<6.1f}  "
               f"{'ok' if ok else 'MISMATCH'} (norm rel {r['norm_rel']:.1e})")
     # GPT-2 small under DDP: ~25 MB buckets; project the per-byte cost of the 25 MB case (or the nearest)
     kinds = dict.fromkeys(x["dtype"] for x in results) if cuda else {}

@@ -37,10 +37,10 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from checksums.fingerprint import fingerprint_tensors_async, prepare_fingerprint, triton_available
 
@@ -50,37 +50,51 @@ ROW_WORDS = 4          # norm bits, max-abs bits, fingerprint word 0, fingerprin
 _TINY = 1e-30          # log of a zero statistic: far from any live gradient, finite
 
 
-def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:
+def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None, scale: float = 1.0) -> torch.Tensor:
     """int64 [4] on the gradients' device: norm and max-abs (float64 bit patterns), fingerprint (2 words).
 
     No host synchronisation. Non-finite values make the norm non-finite, so they travel in the same row
     (both statistics NaN). On CUDA with Triton, a one-tensor list (a bucket's flat buffer) of fp32, bf16 or
     fp16, contiguous and 16-byte aligned, goes through the fused kernel (checksums.grad_summary_triton: one
-    read of the buffer, two launches); anything else through torch ops (`bucket_summary_torch`). The two
+    read of the buffer, one launch); anything else through torch ops (`bucket_summary_torch`). The two
     agree: the fingerprint exactly, the statistics to float rounding.
     `plan`: from `summary_plan` on the same kind of list (held per bucket by the hooks), so the hot path
     does no planning; without one, a cached plan is used.
+    `scale` != 1 (a one-tensor list): after the row is taken, the buffer is multiplied by `scale` in place,
+    as `mul_` does (DDP's pre-reduction 1/world); the fused kernel does it in the same pass.
     """
+    if scale != 1.0 and len(grads) != 1:
+        raise ValueError(f"scale applies to a one-tensor list (a bucket's buffer), got {len(grads)} tensors")
     if plan is not None and getattr(plan, "summarises", False):
-        if len(grads) == 1 and plan.matches(grads[0]) and _FUSED and not _BROKEN:
-            return _run_fused(plan, grads[0])
+        if len(grads) == 1 and _FUSED and not _BROKEN and plan.matches(grads[0]):
+            return _run_fused(plan, grads[0], checked=True, scale=scale)
         plan = None
     elif plan is None and len(grads) == 1 and fusable(grads[0]):
-        return _run_fused(None, grads[0])
-    return bucket_summary_torch(grads, plan)
+        return _run_fused(None, grads[0], scale=scale)
+    return _torch_scaled(grads, plan, scale)
 
 
-def _run_fused(plan: Any, t: torch.Tensor) -> torch.Tensor:
-    """The fused kernel; if it cannot be built or launched here (a Triton or driver that will not compile
-    it), say so once and keep the torch path for the rest of the process: the checks must not stop."""
+def _torch_scaled(grads: Sequence[torch.Tensor], plan: Any, scale: float) -> torch.Tensor:
+    row = bucket_summary_torch(grads, plan)
+    if scale != 1.0:
+        grads[0].mul_(scale)
+    return row
+
+
+def _run_fused(plan: Any, t: torch.Tensor, checked: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """The fused kernel (`checked`: the caller saw `plan.matches(t)`); if it cannot be built or launched here
+    (a Triton or driver that will not compile it), say so once and keep the torch path for the rest of the
+    process: the checks must not stop."""
     global _BROKEN
     try:
-        return (plan if plan is not None else _cached_summary_plan(t)).run_async(t)
+        if checked:
+            return plan.launch(t, scale=scale)
+        return (plan if plan is not None else _cached_summary_plan(t)).run_async(t, scale=scale)
     except Exception as exc:  # noqa: BLE001 (any compile or launch error: fall back, never break training)
         _BROKEN = True
         logger.warning("sdcwatch: the fused gradient summary failed (%s: %s); using torch ops",
                        type(exc).__name__, str(exc)[:300])
-        return bucket_summary_torch([t])
+        return _torch_scaled([t], None, scale)
 
 
 def bucket_summary_torch(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:
@@ -203,6 +217,52 @@ def fingerprints_of(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., 2:4]
 
 
+_LAYOUT_CALLS = 3    # hook calls per bucket that take its layout (DDP rebuilds its buckets once, after step 1)
+
+
+def _reduced(fut: Any) -> torch.Tensor:
+    return fut.value()[0]
+
+
+class BucketAllreduce:
+    """What DDP does with a bucket when no hook is registered, bit for bit: scale by 1 / the group's size
+    (DDP multiplies by the reciprocal as it copies each gradient in; torch's `allreduce_hook` divides
+    instead, which differs in the last bit), all-reduce (sum), hand DDP a future of the bucket. So the
+    checks leave the training's numbers as they were without them (tests/test_compute_checks.py). With less
+    host work than `allreduce_hook`: the process group is called directly (`dist.all_reduce`'s Python
+    wrapper cost 84 us a bucket against 27 us on the 2-core VM, docs/BENCHMARKS.md); GradSummaries has the
+    summary kernel scale the bucket in its one pass (`bucket_summary(scale=)`), so no second pass over the
+    gradient; at world size 1 nothing is scaled (x * 1 == x).
+    `group`: DDP's own process group (None: the default group)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self._group = group
+        self._pg: Any = None
+        self._scale = 1.0
+        self._opts = dist.AllreduceOptions()
+        self._opts.reduceOp = dist.ReduceOp.SUM
+
+    def _resolve(self) -> Any:      # on first use: the default group may be made after the model
+        self._pg = self._group if self._group is not None else dist.group.WORLD
+        size = self._pg.size()
+        self._scale = 1.0 / size if size > 1 else 1.0
+        return self._pg
+
+    @property
+    def scale(self) -> float:
+        """What each bucket is multiplied by before the sum: 1 / the group's size (1.0 for one rank)."""
+        if self._pg is None:
+            self._resolve()
+        return self._scale
+
+    def __call__(self, buf: torch.Tensor, scaled: bool = False) -> Any:
+        """All-reduce `buf` (`scaled`: the caller already multiplied it by `scale`)."""
+        pg = self._pg if self._pg is not None else self._resolve()
+        if not scaled and self._scale != 1.0:
+            buf.mul_(self._scale)
+        return pg.allreduce([buf], self._opts).get_future().then(_reduced)
+
+
 class GradSummaries:
     """The DDP communication hook that summarises each bucket's local gradient, then all-reduces it.
 
@@ -222,8 +282,10 @@ class GradSummaries:
         self._rows: dict[int, torch.Tensor] = {}
         self._plans: dict[int, tuple[tuple, Any]] = {}
         self.layout: dict[int, tuple[int, ...]] = {}
+        self._seen: dict[int, tuple[int, int, bool, int]] = {}   # bucket -> (address, numel, fused, calls)
         self.hook_calls = 0
         self._inject = inject           # fault injection (bench/): called with the bucket's flat buffer
+        self._reduce = BucketAllreduce(getattr(ddp, "process_group", None))
         ddp.register_comm_hook(None, self._hook)
 
     @classmethod
@@ -231,20 +293,33 @@ class GradSummaries:
         return cls(ddp, **kwargs)
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
-        if self._inject is not None:
-            self._inject(bucket.index(), bucket.buffer())
+        buf = bucket.buffer()
         idx = bucket.index()
-        # the bucket's flat buffer (its gradients are views into it, in order): three kernels and one
-        # fingerprint a bucket, not two kernels a parameter (+34% of a GPT-2-small step on the H200)
-        # (one fused read of it on CUDA with Triton: checksums.grad_summary_triton)
-        flat = [bucket.buffer()]
-        self._rows[idx] = bucket_summary(flat, self._plan(idx, flat))
-        # taken every step (a few microseconds): DDP's rebuild after the first step may keep a bucket's
-        # parameter count and reorder them (the order gradients became ready), and a stale layout would make
-        # every replay's fingerprint differ
-        self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
+        if self._inject is not None:
+            self._inject(idx, buf)
+        # the bucket's flat buffer (its gradients are views into it, in order): one fused read of it on
+        # CUDA with Triton (checksums.grad_summary_triton), torch ops elsewhere; not two kernels a parameter
+        # (+34% of a GPT-2-small step on the H200)
+        # the same buffer as the bucket's last call (its address, size, and the path in force): its plan
+        # holds without re-checking it (`_plan` checks a few properties and builds a key: microseconds a
+        # bucket, on the host, in the step)
+        key = (buf.data_ptr(), buf.numel(), _FUSED and not _BROKEN)
+        seen = self._seen.get(idx)
+        same = seen is not None and seen[:3] == key
+        held = self._plans.get(idx) if same else None
+        scale = self._reduce.scale
+        self._rows[idx] = bucket_summary([buf], held[1] if held is not None else self._plan(idx, [buf]),
+                                         scale=scale)         # leaves the buffer scaled for the sum
+        # the layout, taken while DDP may still rebuild: its rebuild after the first step may keep a
+        # bucket's parameter count and reorder them (the order gradients became ready), and a stale layout
+        # would make every replay's fingerprint differ. DDP rebuilds once; a bucket whose buffer moved or
+        # resized is taken again. Afterwards the hook skips it (bucket.parameters() builds a list a call)
+        calls = seen[3] + 1 if same else 1
+        if calls <= _LAYOUT_CALLS or idx not in self.layout:
+            self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
+        self._seen[idx] = (*key, calls)
         self.hook_calls += 1
-        return allreduce_hook(self._group, bucket)
+        return self._reduce(buf, scaled=True)
 
     def _plan(self, idx: int, grads: Sequence[torch.Tensor]) -> Any:
         """CUDA with Triton: the bucket's own plan (`summary_plan`), kept while it fits the buffer
@@ -418,15 +493,10 @@ def _summarising_reduce_scatter() -> type:
 def deviations(stats: torch.Tensor) -> torch.Tensor:
     """|log(x_r) - median_r log(x)| per rank, bucket and statistic: float64 [world, buckets, 2].
 
-    Non-finite values are counted as zero here (their rank is named by `nonfinite_ranks`)."""
+    Non-finite values are counted as zero here (their rank is named by `SpreadTracker.judge`)."""
     x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
     med = x.median(dim=0).values
     return (x - med).abs()
-
-
-def nonfinite_ranks(stats: torch.Tensor) -> list[int]:
-    bad = ~torch.isfinite(stats).reshape(stats.shape[0], -1).all(dim=1)
-    return [int(r) for r in torch.nonzero(bad).reshape(-1).tolist()]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -458,6 +528,11 @@ class SpreadTracker:
     `floor` (log(1.05) by default); a step is clean when no rank exceeded `margin` spreads, or when a replay
     cleared it (`learn`). The first `warmup` steps only learn (non-finite values still count). Pure: the
     caller passes the gathered statistics; nothing here reads a clock or a GPU.
+
+    It runs on the host every step (the device path judges the previous step's rows), on arrays of world x
+    buckets x 2: in numpy, as one call each, not torch ops on tiny CPU tensors (about 10x fewer host
+    microseconds a step, bench/judge_host.py). The rule is `deviations`' (torch's lower median), so the
+    host verdict and the device's `device_flag` agree.
     """
 
     def __init__(self, *, margin: float = 3.0, warmup: int = 20, floor: float = math.log(1.05)) -> None:
@@ -466,74 +541,105 @@ class SpreadTracker:
         self.margin = margin
         self.warmup = warmup
         self.floor = floor
-        self.spread: torch.Tensor | None = None
+        self._spread: np.ndarray | None = None
         self.learned = 0
         self.max_score_clean = 0.0        # the largest score of a step judged clean after warm-up
         # each rank's own history (the two-rank tie-break, `jumps`): log statistics of the last clean step,
         # and the clean step-to-step spread per bucket and statistic
-        self._last: torch.Tensor | None = None
-        self._tspread: torch.Tensor | None = None
+        self._last: np.ndarray | None = None
+        self._tspread: np.ndarray | None = None
+
+    @property
+    def spread(self) -> torch.Tensor | None:
+        """float64 [buckets, 2] (a view of the tracker's array; replaced, never changed in place)."""
+        return None if self._spread is None else torch.from_numpy(self._spread)
 
     def judge(self, stats: torch.Tensor) -> StatsVerdict:
         """The verdict on one step's gathered statistics float64 [world, buckets, 2] (host or device)."""
-        stats = stats.detach().double().cpu()
-        world, nb = stats.shape[0], stats.shape[1]
-        nonfinite = tuple(nonfinite_ranks(stats))
-        dev = deviations(stats)
-        if self.spread is None or self.spread.shape[0] != nb:     # DDP rebuilt its buckets: learn anew
-            self.spread = torch.full((nb, 2), self.floor, dtype=torch.float64)
+        x = _host_array(stats)
+        world, nb = x.shape[0], x.shape[1]
+        nonfinite = _nonfinite_ranks_np(x)
+        dev = _deviations_np(x)
+        if self._spread is None or self._spread.shape[0] != nb:   # DDP rebuilt its buckets: learn anew
+            self._spread = np.full((nb, 2), self.floor, dtype=np.float64)
             self.learned = 0
         if self.learned < self.warmup or world < 2:
             if not nonfinite:
-                self._learn(dev, nonfinite, stats)
+                self._learn(dev, nonfinite, x)
             return StatsVerdict(scores=(0.0,) * world, outliers=(), nonfinite=nonfinite, warming=True)
-        ratio = dev / self.spread
-        scores = ratio.reshape(world, -1).amax(dim=1)
-        over = [r for r in range(world) if r not in nonfinite and float(scores[r]) > self.margin]
+        ratio = dev / self._spread
+        scores = ratio.reshape(world, -1).max(axis=1).tolist()
+        over = [r for r in range(world) if r not in nonfinite and scores[r] > self.margin]
         if world == 2 and over:
             over = [0, 1]                   # two ranks: the median is their midpoint, both are suspects
         bucket, stat = -1, ""
         if over:
-            worst = max(over, key=lambda r: float(scores[r]))
+            worst = max(over, key=lambda r: scores[r])
             flat = int(ratio[worst].reshape(-1).argmax())
             bucket, stat = flat // 2, STAT_NAMES[flat % 2]
         elif not nonfinite:
-            self.max_score_clean = max(self.max_score_clean, float(scores.max()))
-            self._learn(dev, nonfinite, stats)
-        return StatsVerdict(scores=tuple(float(s) for s in scores), outliers=tuple(over), nonfinite=nonfinite,
+            self.max_score_clean = max(self.max_score_clean, max(scores))
+            self._learn(dev, nonfinite, x)
+        return StatsVerdict(scores=tuple(scores), outliers=tuple(over), nonfinite=nonfinite,
                             bucket=bucket, stat=stat)
 
     def learn(self, stats: torch.Tensor) -> None:
         """A step a replay cleared (its values were the data's): widen the spread to include it."""
-        stats = stats.detach().double().cpu()
-        if self.spread is not None and self.spread.shape[0] == stats.shape[1]:
-            self._learn(deviations(stats), nonfinite_ranks(stats), stats)
+        x = _host_array(stats)
+        if self._spread is not None and self._spread.shape[0] == x.shape[1]:
+            self._learn(_deviations_np(x), _nonfinite_ranks_np(x), x)
 
     def jumps(self, stats: torch.Tensor) -> tuple[float, ...]:
         """Each rank's largest move from its own last clean step (log units over the clean step-to-step
         spread, floored like the spread); inf for a rank with a non-finite statistic, 0 with no history.
         Two ranks have no median: this is the third witness (checksums.replay.classify_pair_replays)."""
-        stats = stats.detach().double().cpu()
-        world = stats.shape[0]
+        x = _host_array(stats)
+        world = x.shape[0]
         out = [0.0] * world
-        if self._last is not None and self._last.shape == stats.shape and self._tspread is not None:
-            x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
-            ratio = (x - self._last).abs() / self._tspread
-            out = [float(ratio[r].max()) for r in range(world)]
-        for r in nonfinite_ranks(stats):
+        if self._last is not None and self._last.shape == x.shape and self._tspread is not None:
+            ratio = np.abs(_log_np(x) - self._last) / self._tspread
+            out = ratio.reshape(world, -1).max(axis=1).tolist()
+        for r in _nonfinite_ranks_np(x):
             out[r] = math.inf
         return tuple(out)
 
-    def _learn(self, dev: torch.Tensor, nonfinite: Sequence[int], stats: torch.Tensor | None = None) -> None:
-        assert self.spread is not None
+    def _learn(self, dev: np.ndarray, nonfinite: Sequence[int], x: np.ndarray | None = None) -> None:
+        assert self._spread is not None
         keep = [r for r in range(dev.shape[0]) if r not in nonfinite]
         if keep:
-            self.spread = torch.maximum(self.spread, dev[keep].amax(dim=0))
+            self._spread = np.maximum(self._spread, dev[keep].max(axis=0))
             self.learned += 1
-        if stats is not None and not nonfinite:
-            x = stats.clamp_min(_TINY).log()
-            if self._last is not None and self._last.shape == x.shape:
-                step = (x - self._last).abs().amax(dim=0)
-                base = self._tspread if self._tspread is not None else torch.full_like(step, self.floor)
-                self._tspread = torch.maximum(base, step)
-            self._last = x
+        if x is not None and not nonfinite:
+            lx = np.log(np.maximum(x, _TINY))
+            if self._last is not None and self._last.shape == lx.shape:
+                step = np.abs(lx - self._last).max(axis=0)
+                base = self._tspread if self._tspread is not None else np.full_like(step, self.floor)
+                self._tspread = np.maximum(base, step)
+            else:       # the first step, or other buckets (DDP rebuilt them) or ranks: a history anew
+                self._tspread = None
+            self._last = lx
+
+
+def _host_array(stats: torch.Tensor) -> np.ndarray:
+    """float64 numpy [world, buckets, 2] of gathered statistics on any device (a copy: never a view the
+    caller's next step could overwrite)."""
+    return np.array(stats.detach().to(device="cpu", dtype=torch.float64).numpy(), dtype=np.float64)
+
+
+def _log_np(x: np.ndarray) -> np.ndarray:
+    """`deviations`' log: non-finite values counted as zero, zeros as _TINY."""
+    return np.log(np.maximum(np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), _TINY))
+
+
+def _deviations_np(x: np.ndarray) -> np.ndarray:
+    """`deviations` in numpy: the same rule, torch's lower median (the middle value for an odd count, the
+    lower of the two middle ones for an even count)."""
+    lx = _log_np(x)
+    k = (lx.shape[0] - 1) // 2
+    med = np.partition(lx, k, axis=0)[k]
+    return np.abs(lx - med)
+
+
+def _nonfinite_ranks_np(x: np.ndarray) -> tuple[int, ...]:
+    bad = ~np.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
+    return tuple(int(r) for r in np.flatnonzero(bad))

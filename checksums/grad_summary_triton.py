@@ -3,7 +3,8 @@
 `checksums.grad_checks.bucket_summary` describes the row: int64 [4] = the L2 norm and the max-abs as float64
 bit patterns, then the two list words of the fingerprint (checksums.fingerprint) of the one-tensor list
 [flat]. The torch path makes about five passes over the bucket (norm, abs copy, amax, fingerprint) and a
-dozen launches; this kernel reads each 32-bit word once and computes everything from it, in two launches:
+dozen launches; this kernel reads each 32-bit word once and computes everything from it, in one launch (the
+last work item to finish reduces the partials) or, with ``one_launch=False``, two:
 
 * ``gs_partials_kernel``, one program per work item (a run of tiles of ``BLOCK`` words, cut as
   checksums.fingerprint_triton cuts them): 128-bit loads of the words, per lane ``acc0 += w`` and
@@ -50,8 +51,11 @@ DEFAULT_BLOCK = int(os.environ.get("SDCWATCH_GS_BLOCK", "1024"))
 DEFAULT_WARPS = int(os.environ.get("SDCWATCH_GS_WARPS", "4"))
 DEFAULT_ITEMS_PER_SM = int(os.environ.get("SDCWATCH_GS_ITEMS_PER_SM", "16"))
 # one launch a bucket: the last item to finish reduces the partials (an acq_rel counter) instead of a second,
-# one-program kernel; off until measured on the GPU (bench/bench_grad_summary.py times and checks both)
-DEFAULT_ONE_LAUNCH = os.environ.get("SDCWATCH_GS_ONE_LAUNCH", "0") == "1"
+# one-program kernel. Measured on the H200 (docs/BENCHMARKS.md, sixth session): a 25 MB bucket 27.7 / 26.4 us
+# a call (bf16 / fp32) against 37.0 / 37.2 us with two launches, the same rows (tests/test_grad_summary_gpu.py);
+# the call is host-bound at that size, and the checks' cost on a host-bound step is their host time.
+# SDCWATCH_GS_ONE_LAUNCH=0 keeps two launches (bench/bench_grad_summary.py times and checks both)
+DEFAULT_ONE_LAUNCH = os.environ.get("SDCWATCH_GS_ONE_LAUNCH", "1") != "0"
 FINAL_TB, FINAL_WARPS = 4096, 8      # the finaliser: 132 SMs x 16 items in one pass of its loop
 ONE_LAUNCH_TB = 1024                 # the one-launch form's tail (inside the partials kernel: its registers)
 ROW_WORDS = 4
@@ -80,6 +84,48 @@ def _stats_of_words(w, DT: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(y):
+    """fp32 -> bf16 bits (in a uint32), rounded to nearest even as torch rounds (c10's
+    round_to_nearest_even; NaN -> 0x7FC0), in integer ops: the same on the GPU and the interpreter (whose
+    float cast to bf16 truncates)."""
+    u = y.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(y != y, 0x7FC0, r)
+
+
+@triton.jit
+def _scaled_words(w, scale, DT: tl.constexpr):
+    """The 32-bit words `w` with each element multiplied by `scale` in fp32 and rounded to nearest-even
+    into its own dtype (what torch's `mul_` by a Python float does: fp32 math for fp32, bf16 and fp16)."""
+    wu = w.to(tl.uint32, bitcast=True)
+    if DT == 0:
+        y = (wu.to(tl.float32, bitcast=True) * scale).to(tl.uint32, bitcast=True)
+    else:
+        if DT == 1:
+            lo_b = _bf16_bits((wu << 16).to(tl.float32, bitcast=True) * scale)
+            hi_b = _bf16_bits(((wu >> 16) << 16).to(tl.float32, bitcast=True) * scale)
+        else:
+            lo = (wu & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+            hi = (wu >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+            lo_b = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            hi_b = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        y = (hi_b << 16) | lo_b
+    return y.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _scaled_elements(x, scale, DT: tl.constexpr):
+    """fp32 values `x` (elements of the buffer) times `scale`, in the buffer's dtype, rounded as above."""
+    y = x * scale
+    if DT == 0:
+        return y
+    elif DT == 1:
+        return _bf16_bits(y).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return y.to(tl.float16)
+
+
+@triton.jit
 def _fold_tile(w, t, acc0, acct, sq, mx, DT: tl.constexpr):
     """One tile of words into the fingerprint's per-lane sums and the stats' (sum of squares, max |x|)."""
     a, b = _stats_of_words(w, DT)
@@ -89,11 +135,11 @@ def _fold_tile(w, t, acc0, acct, sq, mx, DT: tl.constexpr):
 
 # Scalars that may be 1 are not specialised: Triton turns an int argument equal to 1 into a constant, which
 # has no `.to` (the H200 compile of a 7-element fp32 bucket, nvec4 == 1, failed so)
-@triton.jit(do_not_specialize=["off", "nbytes", "nvec4", "n_items"])
+@triton.jit(do_not_specialize=["off", "nbytes", "nvec4", "n_items", "scale"])
 def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fpart, spart,
-                       counter, n_items, hdr, out,
+                       counter, n_items, hdr, out, scale,
                        BLOCK: tl.constexpr, TAIL: tl.constexpr, DT: tl.constexpr, ES: tl.constexpr,
-                       ONE_LAUNCH: tl.constexpr, TB: tl.constexpr):
+                       ONE_LAUNCH: tl.constexpr, TB: tl.constexpr, SCALE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     off = off.to(tl.int64)
     nbytes = nbytes.to(tl.int64)
@@ -113,11 +159,15 @@ def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fp
         t = tile0 + k
         w = tl.load(wbase + t * BLOCK + lanes)
         acc0, acct, sq, mx = _fold_tile(w, t, acc0, acct, sq, mx, DT)
+        if SCALE:       # the summary is of the words as read; the buffer gets them scaled
+            tl.store(wbase + t * BLOCK + lanes, _scaled_words(w, scale, DT))
     if has_partial != 0:
         t = tile0 + nfull
         idx = t * BLOCK + lanes
         w = tl.load(wbase + idx, mask=idx < nvec4 * 4, other=0)
         acc0, acct, sq, mx = _fold_tile(w, t, acc0, acct, sq, mx, DT)
+        if SCALE:
+            tl.store(wbase + idx, _scaled_words(w, scale, DT), mask=idx < nvec4 * 4)
     s0 = tl.sum(acc0, axis=0)
     s1 = tl.sum(acct, axis=0) * BLOCK + tl.sum(acc0 * lanes.to(tl.uint64), axis=0)
     ssq = tl.sum(sq, axis=0)
@@ -132,6 +182,8 @@ def gs_partials_kernel(base_u8, base_i32, base_el, off, nbytes, nvec4, items, fp
         x = tl.load(base_el + first + tl_lanes, mask=tl_lanes < n_el, other=0).to(tl.float32)
         ssq += tl.sum(x * x, axis=0)
         smx = tl.maximum(smx, tl.max(tl.abs(x), axis=0))
+        if SCALE:       # after _byte_sums read these bytes (same program, program order)
+            tl.store(base_el + first + tl_lanes, _scaled_elements(x, scale, DT), mask=tl_lanes < n_el)
     tl.store(fpart + pid * 2, s0.to(tl.int64, bitcast=True))
     tl.store(fpart + pid * 2 + 1, s1.to(tl.int64, bitcast=True))
     tl.store(spart + pid * 2, ssq)
@@ -201,7 +253,7 @@ def supports(t: torch.Tensor) -> bool:
 class GradSummaryPlan:
     """The tables and buffers of the fused summary for buffers of one size, dtype and shape on one device.
 
-    ``run_async(t)`` launches the two kernels on ``t`` (any eligible tensor that `matches`) and returns the
+    ``run_async(t)`` launches the kernels (one, or two with ``one_launch=False``) on ``t`` (any eligible tensor that `matches`) and returns the
     int64 [4] row on the device. No host synchronisation; ``out`` (int64 [4]) receives the row if given.
     """
 
@@ -222,6 +274,7 @@ class GradSummaryPlan:
         self.anchor = torch.zeros(64, dtype=torch.uint8, device=self.device)
         if self.anchor.data_ptr() % 16:
             raise ValueError(f"internal: anchor buffer at {self.anchor.data_ptr():#x} is not 16-byte aligned")
+        self._anchor_ptr = self.anchor.data_ptr()
         self._base_i32 = self.anchor.view(torch.int32)
         self._base_el = self.anchor.view(like.dtype)
         self.nvec4 = self.nbytes // 16
@@ -260,21 +313,29 @@ class GradSummaryPlan:
         return t.device == self.device and t.dtype == self.dtype and tuple(t.shape) == self.shape \
             and supports(t)
 
-    def run_async(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run_async(self, t: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
         if not self.matches(t):
             raise ValueError(f"plan for {self.dtype} {self.shape} on {self.device} given {t.dtype} "
                              f"{tuple(t.shape)} on {t.device} (or not contiguous and 16-byte aligned)")
+        return self.launch(t, out, scale)
+
+    def launch(self, t: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        """`run_async` for a tensor the caller has checked with `matches` (the hooks' hot path).
+
+        `scale` != 1: the same pass also multiplies `t` in place by `scale` (fp32 math, rounded to nearest
+        even into t's dtype: torch's `t.mul_(scale)`, bit for bit), after reading it for the row: the
+        pre-reduction scaling DDP does, without a second pass over the bucket."""
         if out is None:
             out = torch.empty(ROW_WORDS, dtype=torch.int64, device=self.device)
-        off = t.data_ptr() - self.anchor.data_ptr()
+        off = t.data_ptr() - self._anchor_ptr
         with _on_device(self.device):
             one = self.one_launch and self.n_items > 0
             if self.n_items:
                 gs_partials_kernel[(self.n_items,)](
                     self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
-                    self.fpart, self.spart, self.counter, self.n_items, self.hdr, out,
+                    self.fpart, self.spart, self.counter, self.n_items, self.hdr, out, float(scale),
                     BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es, ONE_LAUNCH=one, TB=ONE_LAUNCH_TB,
-                    num_warps=self.num_warps)
+                    SCALE=scale != 1.0, num_warps=self.num_warps)
             if not one:
                 gs_finalize_kernel[(1,)](self.fpart, self.spart, self.n_items, self.hdr, out, TB=FINAL_TB,
                                          num_warps=FINAL_WARPS)

@@ -448,3 +448,56 @@ def _device_path_host_rows(rank: int, init: str) -> None:
 
 def test_device_path_reuses_two_host_buffers_for_the_rows(tmp_path) -> None:
     spawn(_device_path_host_rows, (str(tmp_path / "init"),), nprocs=1)
+
+
+def _hook_trains_like_plain_ddp(rank: int, world: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.grad_checks import GradSummaries
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 40), nn.GELU(), nn.Linear(40, 3))
+    models, opts, hooks = [], [], []
+    for with_hook in (False, True):
+        m = nn.Sequential(*[type(l)(*(() if isinstance(l, nn.GELU) else (l.in_features, l.out_features)))
+                            for l in base])
+        m.load_state_dict(base.state_dict())
+        ddp = DDP(m, bucket_cap_mb=0.002)            # several buckets (DDP rebuilds them after step 1)
+        hooks.append(GradSummaries.attach(ddp) if with_hook else None)
+        models.append(ddp)
+        opts.append(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9))
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(6):
+        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 3, generator=g)
+        for ddp, opt in zip(models, opts):
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        hooks[1].clear()
+    same = all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    # the layout the hook keeps names every parameter once, in DDP's rebuilt bucket order
+    layout = sorted(i for b in sorted(hooks[1].layout) for i in hooks[1].layout[b])
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"same": same, "buckets": len(hooks[1].layout), "calls": hooks[1].hook_calls,
+                   "layout_ok": layout == list(range(len(hooks[1].params)))}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_hook_reduces_bit_for_bit_as_plain_ddp(tmp_path, world: int) -> None:
+    """GradSummaries' reduction (the process group called directly, nothing scaled at world size 1) trains
+    bit for bit as DDP without a hook, on every rank, over several buckets and DDP's rebuild (torch's own
+    allreduce_hook does not: it divides where DDP multiplies by the reciprocal)."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_hook_trains_like_plain_ddp, (world, str(tmp_path / "init"), out), nprocs=world)
+    for r in range(world):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        assert res["same"], f"rank {r}: the weights differ from plain DDP's"
+        # DDP's first step has one bucket, then it rebuilds them by bucket_cap_mb
+        assert res["buckets"] >= 2 and res["calls"] == 1 + 5 * res["buckets"] and res["layout_ok"], res

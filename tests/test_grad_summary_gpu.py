@@ -55,6 +55,29 @@ def test_the_one_launch_form_matches_and_repeats(dtype: torch.dtype, n: int) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [7, 9, 4099, (25 << 20) // 4 + 3])
+@pytest.mark.parametrize("scale", [1 / 2, 1 / 3, 1 / 7])
+def test_the_in_place_scaling_is_torchs_mul_bit_for_bit(dtype: torch.dtype, n: int, scale: float) -> None:
+    """GradSummaries at world size > 1: the summary pass also scales the bucket by 1/world; the buffer must
+    be what DDP's own `mul` leaves, bit for bit (subnormals kept), and the row the unscaled buffer's."""
+    from checksums.grad_summary_triton import GradSummaryPlan
+
+    x = (torch.randn(n + 16, device="cuda") * 1e-2).to(dtype)[:n]
+    if dtype == torch.float32 and n > 9:
+        x[3], x[4] = 1e-39, -3e-42
+    want = x.clone().mul_(scale)
+    plan = GradSummaryPlan(x)
+    row = plan.run_async(x.clone())
+    y = x.clone()
+    got = plan.launch(y, scale=scale)
+    assert torch.equal(got, row)
+    diff = (y.view(torch.uint8) != want.view(torch.uint8)).sum().item()
+    assert diff == 0, f"{diff} bytes differ from torch's mul_"
+    z = x.clone()
+    assert torch.equal(bucket_summary([z], scale=scale), row) and torch.equal(z, want)   # the dispatch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("where", [0, -1])
 def test_non_finite_values_make_both_statistics_nan(dtype: torch.dtype, bad: float, where: int) -> None:

@@ -73,7 +73,7 @@ def _child() -> None:
         for n in SIZES:
             for block, ips in ((64, 1), (1024, 8)):
                 x = _aligned(n, dt, gen)
-                plan = GradSummaryPlan(x, block=block, items_per_sm=ips)
+                plan = GradSummaryPlan(x, block=block, items_per_sm=ips, one_launch=False)
                 stray.clear()
                 row = run(plan, x)
                 again = run(plan, x)
@@ -116,6 +116,29 @@ def _child() -> None:
     plan = GradSummaryPlan(a, block=64, items_per_sm=1)
     stray.clear()
     report["moved"] = {"b_row_fp": run(plan, b)[2:], "b_spec": spec_words(b), "stray": len(stray)}
+    # the in-place scaling (DDP's 1/world before the all-reduce): the buffer becomes torch's x.mul_(scale)
+    # bit for bit, the row stays the unscaled buffer's; sizes with tails, subnormals, ties, each dtype
+    scaled = {}
+    for dname, dt in DTYPES.items():
+        for n in (7, 9, 65, 1029):
+            for scale in (1 / 3, 0.125, 1 / 7):
+                x = _aligned(n, dt, gen)
+                if dt == torch.float32 and n > 9:
+                    x[3], x[4] = 1e-39, -3e-42                  # subnormals stay (no flush to zero)
+                if n > 9:
+                    x[6] = 0.0
+                y = x.clone()
+                plan = GradSummaryPlan(x, block=64, items_per_sm=1)
+                want_row = run(plan, x)
+                stray.clear()
+                allowed[:] = [span(y), span(plan.items), span(plan.hdr), span(plan.fpart), span(plan.spart),
+                              span(plan.counter)]
+                got_row = plan.launch(y, scale=scale).tolist()
+                ref = x.clone().mul_(scale)
+                scaled[f"{dname}/{n}/{scale:.4f}"] = {
+                    "equal": torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), "row": got_row == want_row,
+                    "x_kept": torch.equal(x, y) is False or scale == 1.0, "stray": len(stray)}
+    report["scaled"] = scaled
     # fallbacks: a misaligned view, a dtype the kernel does not take
     big = _aligned(1001, torch.float32, gen)
     mis = big[1:]
@@ -227,6 +250,14 @@ def test_rows_are_deterministic_and_the_dispatch_uses_the_plan(report: dict) -> 
         assert r["via"] == r["row"], key
 
 
+def test_the_in_place_scaling_is_torchs_mul_bit_for_bit(report: dict) -> None:
+    """The fused pass that also scales the bucket (GradSummaries at world size > 1) leaves exactly what
+    `mul_` would, and summarises the values as they were."""
+    assert len(report["scaled"]) == 36
+    for key, r in report["scaled"].items():
+        assert r["equal"] and r["row"] and r["x_kept"] and r["stray"] == 0, (key, r)
+
+
 def test_the_one_launch_form_gives_the_same_row(report: dict) -> None:
     for key, r in report["cases"].items():
         assert r["one_launch"] == [r["row"], r["row"]], key
@@ -280,11 +311,12 @@ def test_the_ddp_hook_takes_the_fused_path_and_agrees_with_torch(report: dict, d
             assert a == ra and _close(n, rn, 1e-5), s
 
 
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_the_kernels_compile_for_the_h200(one_launch: bool) -> None:
+@pytest.mark.parametrize("one_launch,scale", [(False, False), (True, False), (True, True)])
+def test_the_kernels_compile_for_the_h200(one_launch: bool, scale: bool) -> None:
     """No GPU here, but Triton compiles for one (sm_90, the H200) down to a cubin with its bundled ptxas: the
     kernels lower for every dtype (fp64 sqrt, fp16 bitcasts, the counter's atomics) and the word loads are
-    128-bit."""
+    128-bit; with the in-place scaling, so are the stores, the fp32 multiply keeps subnormals (no .ftz, as
+    torch's mul_) and fp16 rounds to nearest even."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.fail("run without TRITON_INTERPRET=1: this test compiles for the GPU")
     import triton
@@ -304,13 +336,22 @@ def test_the_kernels_compile_for_the_h200(one_launch: bool) -> None:
     for dt, el, es in ((0, "*fp32", 4), (1, "*bf16", 2), (2, "*fp16", 2)):
         sig = {"base_u8": "*u8", "base_i32": "*i32", "base_el": el, "off": "i64", "nbytes": "i64",
                "nvec4": "i64", "items": "*i64", "fpart": "*i64", "spart": "*fp32", "counter": "*i32",
-               "n_items": "i32", "hdr": "*i64", "out": "*i64", "BLOCK": "constexpr", "TAIL": "constexpr",
-               "DT": "constexpr", "ES": "constexpr", "ONE_LAUNCH": "constexpr", "TB": "constexpr"}
+               "n_items": "i32", "hdr": "*i64", "out": "*i64", "scale": "fp32", "BLOCK": "constexpr",
+               "TAIL": "constexpr", "DT": "constexpr", "ES": "constexpr", "ONE_LAUNCH": "constexpr",
+               "TB": "constexpr", "SCALE": "constexpr"}
         consts = {"BLOCK": 1024, "TAIL": 16, "DT": dt, "ES": es, "ONE_LAUNCH": one_launch,
-                  "TB": ONE_LAUNCH_TB}
+                  "TB": ONE_LAUNCH_TB, "SCALE": scale}
         src = ASTSource(gs_partials_kernel, sig, constexprs=consts, attrs=aligned)
         k = triton.compile(src, target=target, options={"num_warps": 4})
-        assert "ld.global.v4" in k.asm["ptx"] and k.asm["cubin"], (dt, one_launch)
+        ptx = k.asm["ptx"]
+        assert "ld.global.v4" in ptx and k.asm["cubin"], (dt, one_launch)
+        if scale:
+            assert "st.global.v4" in ptx, dt
+            assert "mul.ftz" not in ptx and ".ftz.f32" not in ptx, dt
+            if dt == 2:                     # (bf16 rounds in integer ops, as c10 does)
+                assert "cvt.rn.f16.f32" in ptx, dt
+        else:
+            assert "st.global.v4" not in ptx, dt
     sig = {"fpart": "*i64", "spart": "*fp32", "n_items": "i32", "hdr": "*i64", "out": "*i64",
            "TB": "constexpr"}
     k = triton.compile(ASTSource(gs_finalize_kernel, sig, constexprs={"TB": FINAL_TB}), target=target,
@@ -338,9 +379,11 @@ def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -
         def matches(self, t: torch.Tensor) -> bool:
             return True
 
-        def run_async(self, t: torch.Tensor) -> torch.Tensor:
+        def launch(self, t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # the checked path
             Broken.calls += 1
             raise RuntimeError("no compiler for this GPU")
+
+        run_async = launch
 
     monkeypatch.setattr(gc, "_FUSED", True)
     monkeypatch.setattr(gc, "_BROKEN", False)
