@@ -33,8 +33,9 @@ from torch import nn
 from checksums.monitor import Monitor
 from checksums.reporter import Directive, ReporterStats, StepReport
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object",
-                "barrier", "reduce_scatter_tensor")
+_COLLECTIVES = tuple(n for n in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                                  "broadcast", "all_gather_object", "barrier", "reduce_scatter_tensor")
+                     if hasattr(dist, n))       # all_gather_single: torch >= 2.13
 
 
 class DirectiveAt:

@@ -266,6 +266,7 @@ def part_vote(ctx: Ctx) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ part 2: its cost
 def part_cost(ctx: Ctx) -> dict[str, Any]:
     from bench.tiny_gpt import GPTConfig, TinyGPT
+    from checksums.collectives import all_gather_single
     from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async
     from checksums.monitor import Monitor
 
@@ -323,7 +324,7 @@ def part_cost(ctx: Ctx) -> dict[str, Any]:
 
     words = torch.zeros(NUM_WORDS, dtype=torch.int64, device=ctx.device)
     gathered = torch.zeros(NUM_WORDS * ctx.world, dtype=torch.int64, device=ctx.device)
-    gather_s = timed(lambda: dist.all_gather_into_tensor(gathered, words), 200 if ctx.cuda else 30)
+    gather_s = timed(lambda: all_gather_single(gathered, words), 200 if ctx.cuda else 30)
     fp_out = torch.zeros(NUM_WORDS, dtype=torch.int64, device=ctx.device)
     fp_s = timed(lambda: fingerprint_tensors_async(params, out=fp_out), 20)
     off, mon = statistics.median(per["off"]), statistics.median(per["monitor"])

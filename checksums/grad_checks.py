@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checksums.collectives import all_gather_single
 from checksums.fingerprint import fingerprint_tensors_async, prepare_fingerprint, triton_available
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ def fingerprints_of(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., 2:4]
 
 
-_LAYOUT_CALLS = 3    # hook calls per bucket that take its layout (DDP rebuilds its buckets once, after step 1)
+_LAYOUT_CALLS = 3    # hook calls a bucket that take its layout (DDP rebuilds its buckets once, after step 1)
 
 
 def _reduced(fut: Any) -> torch.Tensor:
@@ -342,9 +343,9 @@ class GradSummaries:
         """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call)."""
         mine = self.rows()
         world = dist.get_world_size(self._group)
-        out = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(out, mine, group=self._group)
-        return torch.stack(out)
+        out = mine.new_empty((world * mine.shape[0], *mine.shape[1:]))   # the concatenated form (gloo's)
+        all_gather_single(out, mine, group=self._group)    # one call and no stack, whatever the world
+        return out.view(world, *mine.shape)
 
     def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""

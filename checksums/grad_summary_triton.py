@@ -52,7 +52,8 @@ DEFAULT_WARPS = int(os.environ.get("SDCWATCH_GS_WARPS", "4"))
 DEFAULT_ITEMS_PER_SM = int(os.environ.get("SDCWATCH_GS_ITEMS_PER_SM", "16"))
 # one launch a bucket: the last item to finish reduces the partials (an acq_rel counter) instead of a second,
 # one-program kernel. Measured on the H200 (docs/BENCHMARKS.md, sixth session): a 25 MB bucket 27.7 / 26.4 us
-# a call (bf16 / fp32) against 37.0 / 37.2 us with two launches, the same rows (tests/test_grad_summary_gpu.py);
+# a call (bf16 / fp32) against 37.0 / 37.2 us with two launches, the same rows
+# (tests/test_grad_summary_gpu.py);
 # the call is host-bound at that size, and the checks' cost on a host-bound step is their host time.
 # SDCWATCH_GS_ONE_LAUNCH=0 keeps two launches (bench/bench_grad_summary.py times and checks both)
 DEFAULT_ONE_LAUNCH = os.environ.get("SDCWATCH_GS_ONE_LAUNCH", "1") != "0"
@@ -253,7 +254,8 @@ def supports(t: torch.Tensor) -> bool:
 class GradSummaryPlan:
     """The tables and buffers of the fused summary for buffers of one size, dtype and shape on one device.
 
-    ``run_async(t)`` launches the kernels (one, or two with ``one_launch=False``) on ``t`` (any eligible tensor that `matches`) and returns the
+    ``run_async(t)`` launches the kernels (one, or two with ``one_launch=False``) on ``t`` (any eligible
+    tensor that `matches`) and returns the
     int64 [4] row on the device. No host synchronisation; ``out`` (int64 [4]) receives the row if given.
     """
 

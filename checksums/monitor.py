@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.canary_injob import InJobCanary
+from checksums.collectives import all_gather_single
 from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
 from checksums.replica_vote import VoteResult, vote
 from checksums.reporter import (
@@ -670,10 +671,10 @@ class Monitor:
         if self._group is None:
             slot.gathered.copy_(slot.local)          # async: on the stream; CPU: a plain copy
         elif self._async:
-            slot.work = dist.all_gather_into_tensor(slot.gathered, slot.local, group=self._group,
+            slot.work = all_gather_single(slot.gathered, slot.local, group=self._group,
                                                     async_op=True)
         else:                                        # gloo: synchronous, on host tensors
-            dist.all_gather_into_tensor(slot.gathered, slot.local.cpu(), group=self._group)
+            all_gather_single(slot.gathered, slot.local.cpu(), group=self._group)
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         assert self._optimizer is not None

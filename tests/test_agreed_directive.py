@@ -77,8 +77,9 @@ class DirectiveAt(RecordingReporter):
                           event_seq=seq)]
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object",
-                "barrier", "reduce_scatter_tensor")
+_COLLECTIVES = tuple(n for n in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                                  "broadcast", "all_gather_object", "barrier", "reduce_scatter_tensor")
+                     if hasattr(dist, n))       # all_gather_single: torch >= 2.13
 
 
 def _count_collectives(counter: list[int]) -> None:
