@@ -879,7 +879,9 @@ class Monitor:
                 vote=None if step_vote is None else step_vote.result, canary=canary,
                 compute=self._compute_findings() if self._compute_findings is not None else (),
                 compute_checks=self._compute_mode() if self._compute_mode is not None else "",
-                vote_unavailable=self.vote_unavailable))
+                vote_unavailable=self.vote_unavailable,
+                stage_errors=self.guard.stats.errors if self.guard is not None else 0,
+                stage_error=self.guard.last_error if self.guard is not None else ""))
             if not self._agent_down_said:
                 stats = self._reporter.stats()
                 if stats.agent_down:

@@ -48,6 +48,7 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 _OUTAGE_WARN_INTERVAL_S = 300.0
 _CANARY_WHY_CHARS = 1000
 _COMPUTE_MODE_CHARS = 120
+_STAGE_ERROR_CHARS = 200    # the agent's limit on ReportStepRequest.stage_error (daemon/validation.py)
 _MAX_COMPUTE = 16          # compute findings per report (each step has at most three)
 _STOP = object()
 
@@ -118,6 +119,8 @@ class StepReport:
     compute: tuple[ComputeFinding, ...] = ()
     compute_checks: str = ""    # the compute gate's replay mode: "exact", "bounded: why", "" (no gate)
     vote_unavailable: str = ""  # why no replica vote is possible (plain FSDP), or ""
+    stage_errors: int = 0       # step-guard stage calls that raised on this rank so far (checks that did not run)
+    stage_error: str = ""       # the newest of them, "STAGE at step N: Type: message", or ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,7 +174,8 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
         fingerprint=report.fingerprint, replica_group=report.replica_group, host=report.host,
         gpu_uuid=report.gpu_uuid, time=report.time, frozen_changed=report.frozen_changed,
         checks_run=report.checks_run, compute_checks=report.compute_checks[:_COMPUTE_MODE_CHARS],
-        vote_unavailable=report.vote_unavailable[:_COMPUTE_MODE_CHARS])
+        vote_unavailable=report.vote_unavailable[:_COMPUTE_MODE_CHARS], stage_errors=report.stage_errors,
+        stage_error=report.stage_error[:_STAGE_ERROR_CHARS])
     if report.loss is not None:
         req.loss = report.loss
     if report.grad_norm is not None:

@@ -117,7 +117,8 @@ class Stage(Protocol):
     """One piece of work around the update. `name` is unique within a guard; `phase` is its slot in
     `Phase` (any but UPDATE). `run` is called once per step; a stage before UPDATE may return a `Veto` to
     skip this step's update; what a stage after UPDATE returns is ignored. A stage that raises is logged
-    (once per stage) and counted in `GuardStats.errors`; the step goes on: the guard must not be the
+    (once per stage) and counted in `GuardStats.errors` (the newest in `last_error`; the Monitor's step
+    reports carry both to the agent: `rank.stage_failed`); the step goes on: the guard must not be the
     failure. Stages must not synchronise with the GPU on the usual path."""
 
     @property
@@ -161,6 +162,7 @@ class StepGuard:
         self._attempts = 0            # steps counted (applied, vetoed or skipped); only ever grows
         self._applied = 0
         self._errors = 0
+        self._last_error = ""
         self._stages: dict[str, Stage] = {}
         self._before: tuple[Stage, ...] = ()
         self._after: tuple[Stage, ...] = ()
@@ -298,6 +300,11 @@ class StepGuard:
         return GuardStats(step=self._step, applied=self._applied, skipped=self._skipped_total,
                           errors=self._errors)
 
+    @property
+    def last_error(self) -> str:
+        """The newest stage failure, "STAGE at step N: Type: message" (200 characters at most), or ""."""
+        return self._last_error
+
     def close(self) -> None:
         """Remove the hooks; the optimizer steps unguarded afterwards. Idempotent."""
         for handle in self._handles:
@@ -373,8 +380,9 @@ class StepGuard:
     def _run(self, stage: Stage, ctx: StepContext) -> Veto | None:
         try:
             return stage.run(ctx)
-        except Exception:  # a stage must never break training; said once per stage, then counted
-            self._errors += 1
+        except Exception as exc:  # a stage must never break training; said once per stage, then counted,
+            self._errors += 1     # and the Monitor's step reports carry the count and the newest error
+            self._last_error = f"{stage.name} at step {ctx.step}: {type(exc).__name__}: {exc}"[:200]
             if stage.name not in self._failed_said:
                 self._failed_said.add(stage.name)
                 logger.exception("sdcwatch: step guard stage %r failed at step %d (said once per stage)",

@@ -92,6 +92,7 @@ class JobState:
     clean_sent: int = -1
     compute_checks: str = ""                                          # the ranks' replay mode, as reported
     vote_unavailable: str = ""                                        # why the ranks cannot vote, as reported
+    stage_errors: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its stage failures so far
     compute_seen: collections.deque[tuple[int, int, str, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))  # (restores, step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
@@ -174,6 +175,19 @@ class JobTracker:
         job = self.jobs.get(job_id)
         return job is not None and job.mismatch_from == first_step
 
+    def _stage_failures(self, job: JobState, rank: int, total: int) -> int:
+        """How many step-guard stage failures this report adds for `rank` (its running count went up, or a
+        restarted process counts afresh); remembered per rank, for at most MAX_RANKS_TRACKED ranks."""
+        if not total:
+            return 0
+        before = job.stage_errors.get(rank)
+        if before is None and len(job.stage_errors) >= self.MAX_RANKS_TRACKED:
+            return 0
+        job.stage_errors[rank] = total
+        if before is None or total < before:
+            return total
+        return total - before
+
     def report(self, req: pb.ReportStepRequest, now: float) -> ReportOutcome | None:
         """Account one accepted report. Returns None when it needs nothing more than that (nearly every
         report); the rules, and the outcome they fill, run only for a report that carries their signal.
@@ -205,6 +219,7 @@ class JobTracker:
         if req.compute_checks:
             job.compute_checks = req.compute_checks   # the same on every rank (the check is collective)
         no_vote = req.vote_unavailable and not job.vote_unavailable   # said once per job
+        stage_new = self._stage_failures(job, rank, req.stage_errors)
         dropped = req.dropped_reports
         loss, grad_norm = req.loss, req.grad_norm
         finite = isfinite(loss) and isfinite(grad_norm)   # unset reads 0.0: finite
@@ -228,9 +243,17 @@ class JobTracker:
         unvoted_check = bool(req.fingerprint) and not has("vote") and not req.replica_group
         if not (new or dropped or late or not finite or has("canary") or has("vote") or req.frozen_changed
                 or req.compute or went_back_from is not None or loss_events or job.directive is not None
-                or unvoted_check or no_vote):
+                or unvoted_check or no_vote or stage_new):
             return None
         out = ReportOutcome()
+        if stage_new:
+            out.findings.append(Finding(
+                ek.RANK_STAGE_FAILED, Severity.WARNING, f"job/{job_id}/rank/{rank}",
+                f"job {job_id} rank {rank}: a check around the optimizer step raised ({stage_new} more, "
+                f"{req.stage_errors} so far); the steps it failed on went unchecked by it: "
+                f"{req.stage_error or '(no message)'}",
+                {"job_id": job_id, "rank": rank, "step": step, "errors": req.stage_errors, "new": stage_new,
+                 "error": req.stage_error}))
         if no_vote:
             job.vote_unavailable = req.vote_unavailable
             out.findings.append(Finding(ek.JOB_VOTE_UNAVAILABLE, Severity.WARNING, f"job/{job_id}",

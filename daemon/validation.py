@@ -102,7 +102,7 @@ def _plain_and_valid(req: pb.ReportStepRequest) -> bool:
             and len(req.fingerprint) <= MAX_FINGERPRINT_WORDS
             and not req.labels and not req.frozen_changed and not req.HasField("canary")
             and not req.HasField("vote") and not req.compute and len(req.compute_checks) <= 120
-            and len(req.vote_unavailable) <= 120
+            and len(req.vote_unavailable) <= 120 and not req.stage_error
             and req.ByteSize() <= MAX_REPORT_BYTES)
 
 
@@ -187,6 +187,7 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
 COMPUTE_DETECTORS = ("stats", "nonfinite", "audit", "loss")
 COMPUTE_CAUSES = ("transient", "persistent", "data", "unresolved")
 MAX_COMPUTE_FINDINGS = 16
+MAX_STAGE_ERROR = 200      # ReportStepRequest.stage_error (checksums/reporter.py cuts to it)
 
 
 def _check_compute(req: pb.ReportStepRequest) -> str | None:
@@ -194,6 +195,8 @@ def _check_compute(req: pb.ReportStepRequest) -> str | None:
         return f"compute_checks is {len(req.compute_checks)} characters; the limit is 120"
     if len(req.vote_unavailable) > 120:
         return f"vote_unavailable is {len(req.vote_unavailable)} characters; the limit is 120"
+    if len(req.stage_error) > MAX_STAGE_ERROR:
+        return f"stage_error is {len(req.stage_error)} characters; the limit is {MAX_STAGE_ERROR}"
     if len(req.compute) > MAX_COMPUTE_FINDINGS:
         return f"{len(req.compute)} compute findings; the limit is {MAX_COMPUTE_FINDINGS}"
     for f in req.compute:

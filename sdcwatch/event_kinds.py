@@ -228,6 +228,10 @@ JOB_ROLLBACK_IMPOSSIBLE = _kind("job.rollback_impossible", CRITICAL, JOB, "a rol
 JOB_VOTE_UNAVAILABLE = _kind("job.vote_unavailable", WARNING, JOB, "a job's ranks cannot vote: their shards have "
                              "no replica (plain FSDP); silent corruption of the weights is not caught by a vote "
                              "(checks still run; use HSDP for a vote); once per job")
+RANK_STAGE_FAILED = _kind("rank.stage_failed", WARNING, RANK, "a check around a rank's optimizer step (a step-guard "
+                          "stage: the compute gate, the replica gate, ...) raised: the steps it failed on went "
+                          "unchecked by it; training went on (the stage, its error, how many failures so far); "
+                          "repeats fold", fold_s=600.0)
 REPLICA_MISMATCH = _kind("replica.mismatch", CRITICAL, JOB, "data-parallel replicas held different weights after "
                          "a step (suspect ranks, hosts, GPUs); repeats fold per incident (a new one after a restore is "
                          "its own event)", alerts=("SDCWatchReplicaMismatch",), fold_s=60.0, fold_by=("incident",))
