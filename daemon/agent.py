@@ -468,7 +468,8 @@ class Agent:
             resp.jobs.add(job_id=job.job_id, ranks=sorted(job.ranks)[:1024], last_step=job.last_step,
                           last_report=job.last_report, steps_seen=job.steps_seen,
                           dropped_reports=min(job.dropped_reports, _U64), state=int(job.state), reason=job.reason,
-                          compute_checks=job.compute_checks, vote_unavailable=job.vote_unavailable)
+                          compute_checks=job.compute_checks, vote_unavailable=job.vote_unavailable,
+                          stage_errors=min(sum(job.stage_errors.values()), _U64))
         return resp
 
 

@@ -185,6 +185,7 @@ class _JobStats(Collector):
                                      labels=["job_id"])
         no_vote = GaugeMetricFamily("sdcwatch_job_replica_vote_unavailable", "1 when the job's ranks cannot vote "
                                     "across replicas (plain FSDP: no replica of a shard)", labels=["job_id"])
+        stage = CounterMetricFamily("sdcwatch_job_stage_errors", _STAGE_HELP, labels=["job_id"])
         for job in list(self.tracker.jobs.values()):
             steps.add_metric([job.job_id], job.steps_seen)
             if job.last_step >= 0:
@@ -192,10 +193,12 @@ class _JobStats(Collector):
             if job.checks_run:
                 checks.add_metric([job.job_id], sum(list(job.checks_run.values())))
             no_vote.add_metric([job.job_id], 1.0 if job.vote_unavailable else 0.0)
+            stage.add_metric([job.job_id], sum(list(job.stage_errors.values())))
         yield steps
         yield last
         yield checks
         yield no_vote
+        yield stage
 
     def describe(self) -> Iterator[Any]:
         yield CounterMetricFamily("sdcwatch_job_steps", "ReportStep calls accepted", labels=["job_id"])
@@ -204,6 +207,11 @@ class _JobStats(Collector):
                                   labels=["job_id"])
         yield GaugeMetricFamily("sdcwatch_job_replica_vote_unavailable", "1 when the job's ranks cannot vote "
                                 "across replicas (plain FSDP: no replica of a shard)", labels=["job_id"])
+        yield CounterMetricFamily("sdcwatch_job_stage_errors", _STAGE_HELP, labels=["job_id"])
+
+
+_STAGE_HELP = ("Checks around the job's optimizer steps that raised (step-guard stage failures, the sum of "
+               "each rank's running count; see the rank.stage_failed event)")
 
 
 def start_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Any]:

@@ -1,11 +1,14 @@
 """A check around the optimizer step that raises is loud, not silent: the step guard keeps training going
 (a stage must never break it), counts the failure and keeps the newest error; the Monitor's step reports
 carry both; the agent journals one WARNING `rank.stage_failed` naming the rank, the stage and the error,
-folding repeats, and refuses an over-long error with INVALID_ARGUMENT.
+folding repeats, counts them (`sdcwatch_job_stage_errors_total`, GetStatus' JobStatus.stage_errors), and
+refuses an over-long error with INVALID_ARGUMENT.
 
 Found when a draft of the compute gate's one-call gather raised on every step under gloo: training went on,
 every step went unchecked, and nothing outside the rank's log said so."""
 from __future__ import annotations
+
+import urllib.request
 
 import grpc
 import pytest
@@ -77,6 +80,10 @@ def test_the_agent_journals_one_warning_per_rank_and_refuses_an_overlong_error(a
             _report(stub, 7, 5, "x" * 201)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "stage_error is 201 characters; the limit is 200" in (err.value.details() or "")
+        status = stub.GetStatus(pb.GetStatusRequest(), timeout=5)
+    assert {j.job_id: j.stage_errors for j in status.jobs}["gate-job"] == 4
+    text = urllib.request.urlopen(f"http://{agent.runtime_info()['metrics']}/metrics", timeout=5).read().decode()
+    assert 'sdcwatch_job_stage_errors_total{job_id="gate-job"} 4.0' in text
     lines = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
     said = [line for line in lines if "rank.stage_failed" in line]
     assert len(said) == 1, said

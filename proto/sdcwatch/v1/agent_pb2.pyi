@@ -108,7 +108,7 @@ class ProbeStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ProbeState, str]] = ..., last_run: _Optional[float] = ..., last_duration_s: _Optional[float] = ..., last_error: _Optional[str] = ..., runs: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "ranks", "last_step", "last_report", "steps_seen", "dropped_reports", "state", "reason", "compute_checks", "vote_unavailable")
+    __slots__ = ("job_id", "ranks", "last_step", "last_report", "steps_seen", "dropped_reports", "state", "reason", "compute_checks", "vote_unavailable", "stage_errors")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class JobStatus(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_CHECKS_FIELD_NUMBER: _ClassVar[int]
     VOTE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     last_step: int
@@ -129,7 +130,8 @@ class JobStatus(_message.Message):
     reason: str
     compute_checks: str
     vote_unavailable: str
-    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., last_step: _Optional[int] = ..., last_report: _Optional[float] = ..., steps_seen: _Optional[int] = ..., dropped_reports: _Optional[int] = ..., state: _Optional[_Union[State, str]] = ..., reason: _Optional[str] = ..., compute_checks: _Optional[str] = ..., vote_unavailable: _Optional[str] = ...) -> None: ...
+    stage_errors: int
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., last_step: _Optional[int] = ..., last_report: _Optional[float] = ..., steps_seen: _Optional[int] = ..., dropped_reports: _Optional[int] = ..., state: _Optional[_Union[State, str]] = ..., reason: _Optional[str] = ..., compute_checks: _Optional[str] = ..., vote_unavailable: _Optional[str] = ..., stage_errors: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
