@@ -34,6 +34,10 @@ FSDP2 (`fully_shard`): the rows come from a custom reduce-scatter (checksums.gra
 and replays are collective (checksums.fsdp_replay: every rank replays at once; an audit step audits every
 rank); `witness_model=` (a factory of the bare model) gives two ranks their CPU witness.
 
+DDP takes one communication hook, and the checks are one: a job that reduces through its own
+(`bf16_compress_hook`, PowerSGD, ...) passes it as `comm_hook=` (and `comm_state=`) instead of registering
+it; each bucket is summarised, then handed to it (checksums.grad_checks.GradSummaries).
+
 Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and the evidence; with
 `monitor=` the Monitor's next step report carries them to the agent (ReportStepRequest.compute). Training-side module: never imports the agent (`daemon`).
 """
@@ -94,17 +98,22 @@ class ComputeChecks:
                  margin: float = 3.0, warmup: int = 20, audit_every: int = DEFAULT_AUDIT_EVERY,
                  group: Any = None, host: str | None = None, gpu_uuid: str = "",
                  mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
-                 max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None) -> None:
+                 max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None,
+                 comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.fsdp = _is_fsdp(ddp)
+        if comm_hook is not None and self.fsdp:
+            raise ValueError("comm_hook= is DDP's (a communication hook per bucket); FSDP2 reduces through its "
+                             "reduce-scatter")
         if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; collective replays
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
         else:
-            self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket)
+            self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket, comm_hook=comm_hook,
+                                           comm_state=comm_state)
         device = self.summaries.params[0].device if self.summaries.params else torch.device("cpu")
         self.device = device
         self.replayer: Replayer = (

@@ -34,7 +34,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -272,11 +272,28 @@ class GradSummaries:
     a replay summarises a recomputed gradient bucket by bucket with the same layout, so the fingerprints
     compare exactly. DDP rebuilds its buckets after the first step; the layout follows. One micro-batch
     per optimizer step: under `no_sync()` accumulation the hook sees the sum of the micro-batches.
+
+    DDP takes one comm hook. A job that reduces through its own (`bf16_compress_hook`, PowerSGD, ...) passes
+    it here instead of registering it: `comm_hook=` (and its `comm_state=`) then reduces each bucket after
+    the summary, which is of the local gradient as the backward left it. A DDP model that already has a
+    hook is refused with a message saying so.
     """
 
-    def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None) -> None:
+    def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None,
+                 comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None) -> None:
         if not hasattr(ddp, "register_comm_hook"):
             raise TypeError(f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}")
+        registered = getattr(ddp, "_comm_hooks", None)
+        if registered:
+            name = getattr(registered[0][0], "__qualname__", repr(registered[0][0]))
+            raise ValueError(f"this DDP model already has a communication hook ({name}), and DDP takes one: "
+                             "pass it as comm_hook= (and comm_state=) to ComputeChecks.attach (or "
+                             "GradSummaries) instead of registering it; the checks summarise each bucket, "
+                             "then call it")
+        if comm_hook is not None and not callable(comm_hook):
+            raise TypeError(f"comm_hook must be a DDP communication hook (state, bucket) -> Future, got "
+                            f"{type(comm_hook).__name__}")
+        self._comm_hook, self._comm_state = comm_hook, comm_state
         self._group = group
         self.params: list[torch.Tensor] = [p for p in ddp.module.parameters() if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -308,7 +325,8 @@ class GradSummaries:
         seen = self._seen.get(idx)
         same = seen is not None and seen[:3] == key
         held = self._plans.get(idx) if same else None
-        scale = self._reduce.scale
+        # the default reduction's 1/world scaling in the summary's pass; a job's own hook does its own
+        scale = self._reduce.scale if self._comm_hook is None else 1.0
         self._rows[idx] = bucket_summary([buf], held[1] if held is not None else self._plan(idx, [buf]),
                                          scale=scale)         # leaves the buffer scaled for the sum
         # the layout, taken while DDP may still rebuild: its rebuild after the first step may keep a
@@ -320,6 +338,8 @@ class GradSummaries:
             self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
         self._seen[idx] = (*key, calls)
         self.hook_calls += 1
+        if self._comm_hook is not None:
+            return self._comm_hook(self._comm_state, bucket)
         return self._reduce(buf, scaled=True)
 
     def _plan(self, idx: int, grads: Sequence[torch.Tensor]) -> Any:

@@ -501,3 +501,66 @@ def test_the_hook_reduces_bit_for_bit_as_plain_ddp(tmp_path, world: int) -> None
         assert res["same"], f"rank {r}: the weights differ from plain DDP's"
         # DDP's first step has one bucket, then it rebuilds them by bucket_cap_mb
         assert res["buckets"] >= 2 and res["calls"] == 1 + 5 * res["buckets"] and res["layout_ok"], res
+
+
+def _own_comm_hook(rank: int, world: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    res: dict = {}
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 2)), bucket_cap_mb=0.0005)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    # a DDP model that already has a hook: refused, saying what to do
+    taken, opt = make()
+    taken.register_comm_hook(None, fp16_compress_hook)
+    try:
+        ComputeChecks.attach(taken, opt, loss_fn=lambda m, b: m(b[0]).pow(2).mean())
+        res["refused"] = ""
+    except ValueError as e:
+        res["refused"] = str(e)
+    # the job's own hook passed as comm_hook=: the same training as that hook registered alone
+    plain, plain_opt = make()
+    plain.register_comm_hook(None, fp16_compress_hook)
+    checked, checked_opt = make()
+    checks = ComputeChecks.attach(checked, checked_opt, loss_fn=lambda m, b: m(b[0]).pow(2).mean(),
+                                  comm_hook=fp16_compress_hook, audit_every=0, warmup=2)
+    g = torch.Generator().manual_seed(7 + rank)
+    for _ in range(5):
+        batch = (torch.randn(6, 12, generator=g),)
+        for ddp, o, ch in ((plain, plain_opt, None), (checked, checked_opt, checks)):
+            if ch is not None:
+                ch.retain(batch)
+            ddp(batch[0]).pow(2).mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    res["same"] = all(torch.equal(a, b) for a, b in zip(plain.parameters(), checked.parameters()))
+    res["steps"] = checks.status().steps
+    res["hook_calls"] = checks.summaries.hook_calls
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_a_jobs_own_comm_hook_goes_through_the_checks(tmp_path) -> None:
+    """DDP takes one comm hook: a job's own (fp16 compression here) passed as comm_hook= reduces each bucket
+    after the summary, and trains bit for bit as that hook registered alone; a model that already has a hook
+    is refused with a message that says what to do (torch's own error says only 'called once')."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_own_comm_hook, (2, str(tmp_path / "init"), out), nprocs=2)
+    for r in range(2):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        assert "already has a communication hook (fp16_compress_hook)" in res["refused"], res
+        assert "comm_hook=" in res["refused"]
+        assert res["same"] and res["steps"] == 5 and res["hook_calls"] >= 5, res
