@@ -144,6 +144,9 @@ class ComputeChecks:
         self._host_done: list[Any] = [None, None]
         self._host_i = 0
         self._spread_version = -1
+        self._spread_pinned: list[torch.Tensor | None] = [None, None]   # the spread's way to the device
+        self._spread_done: list[Any] = [None, None]
+        self._spread_i = 0
         self.guard = StepGuard.attach(optimizer)
         self.guard.add(self)
         # checksums/device_mask.py: found_inf set here, put back AFTER the update (only the device path masks)
@@ -276,14 +279,35 @@ class ComputeChecks:
         return buf, self._host_done[i]
 
     def _spread_on(self, device: torch.device) -> torch.Tensor | None:
+        """The learned spread on the device, copied there only when its values changed (`spread_version`:
+        every few steps while it is learnt, rarely after). The copy goes through one of two pinned buffers
+        used in turn, each reused once its previous copy is done (`query`, never a wait): a non-blocking copy
+        from pageable memory may synchronise with the stream (CUDA's rules), and it ran every clean step
+        before. A change found while both buffers are busy is copied at a later step."""
         spread = self.tracker.spread
         if spread is None:
             return None
+        version = self.tracker.spread_version
         if self._spread_dev is None or self._spread_dev.shape != spread.shape:
-            self._spread_dev = spread.to(device)
-        elif self._spread_version != self.tracker.learned:
-            self._spread_dev.copy_(spread, non_blocking=True)
-        self._spread_version = self.tracker.learned
+            self._spread_dev = spread.to(device)          # on arming and after a bucket rebuild only
+            self._spread_version = version
+        elif self._spread_version != version:
+            if device.type != "cuda":
+                self._spread_dev.copy_(spread)
+                self._spread_version = version
+            else:
+                i = self._spread_i ^ 1
+                buf, done = self._spread_pinned[i], self._spread_done[i]
+                if buf is None or buf.shape != spread.shape:
+                    buf = self._spread_pinned[i] = torch.empty(spread.shape, dtype=spread.dtype, pin_memory=True)
+                    done = self._spread_done[i] = torch.cuda.Event()
+                elif not done.query():
+                    return self._spread_dev                 # its last copy is still queued: next step
+                buf.copy_(spread)
+                self._spread_dev.copy_(buf, non_blocking=True)
+                done.record()
+                self._spread_i = i
+                self._spread_version = version
         return self._spread_dev
 
     def _settle_previous(self) -> None:

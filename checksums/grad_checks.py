@@ -563,6 +563,7 @@ class SpreadTracker:
         self.warmup = warmup
         self.floor = floor
         self._spread: np.ndarray | None = None
+        self.spread_version = 0           # moves only when the spread's values change (the device copy's cue)
         self.learned = 0
         self.max_score_clean = 0.0        # the largest score of a step judged clean after warm-up
         # each rank's own history (the two-rank tie-break, `jumps`): log statistics of the last clean step,
@@ -583,6 +584,7 @@ class SpreadTracker:
         dev = _deviations_np(x)
         if self._spread is None or self._spread.shape[0] != nb:   # DDP rebuilt its buckets: learn anew
             self._spread = np.full((nb, 2), self.floor, dtype=np.float64)
+            self.spread_version += 1
             self.learned = 0
         if self.learned < self.warmup or world < 2:
             if not nonfinite:
@@ -628,7 +630,10 @@ class SpreadTracker:
         assert self._spread is not None
         keep = [r for r in range(dev.shape[0]) if r not in nonfinite]
         if keep:
-            self._spread = np.maximum(self._spread, dev[keep].max(axis=0))
+            wider = np.maximum(self._spread, dev[keep].max(axis=0))
+            if not np.array_equal(wider, self._spread):      # after warm-up, rarely
+                self._spread = wider
+                self.spread_version += 1
             self.learned += 1
         if x is not None and not nonfinite:
             lx = np.log(np.maximum(x, _TINY))

@@ -63,6 +63,22 @@ def test_buckets_rebuilt_restart_learning():
     assert t.judge(_stats([1.0, 50.0, 1.0], buckets=3)).warming
 
 
+def test_the_spread_version_moves_only_when_the_spread_changes():
+    """The device path copies the spread to the GPU when `spread_version` moves: on a value change, not on
+    every clean step (`learned` counts those)."""
+    t = SpreadTracker(warmup=3)
+    same = _stats([1.0, 1.1, 0.95])
+    t.judge(same)
+    v = t.spread_version
+    for _ in range(10):
+        t.judge(same)
+    assert t.spread_version == v and t.learned == 11
+    t.judge(_stats([1.0, 1.2, 0.95]))          # within the margin, wider than seen: learnt, a new version
+    assert t.spread_version == v + 1
+    t.judge(_stats([1.0, 1.0, 1.0], buckets=3))  # the buckets were rebuilt: learning anew
+    assert t.spread_version == v + 2 and t.learned == 1
+
+
 def test_margin_must_exceed_one():
     with pytest.raises(ValueError, match="margin"):
         SpreadTracker(margin=1.0)
