@@ -127,7 +127,9 @@ want computeall && step compute-all 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pyth
   --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20 --together --gpu-profile 8
 # the same, short, with each arm's host time per step and its largest functions (cProfile)
 want computeprof && step compute-prof 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --world 1 --model gpt2 --cases none --overhead 40 --block 20 --together --gpu-profile 14
+  --device cuda --world 1 --model gpt2 --cases none --overhead 40 --block 20 --together --profile 14
+# the hook's reduction and the judge on this host's CPU, against their baselines (no GPU)
+want computeprof && step gate-host 90 python3 -m bench.gate_host
 # where the host waits for the GPU inside a step (CUDA sync debug mode), base / checks / all
 want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 20 --block 10 --together --sync-debug
