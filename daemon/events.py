@@ -1,7 +1,9 @@
 """The agent's event bus: journal first, then memory ring, watchers, Redis stream and metrics.
 
 `publish(kind, subject, message, details)` takes a member of the catalogue (sdcwatch/event_kinds.py) and
-refuses anything else; it runs on the event loop thread (use `publish_threadsafe()` from other threads).
+refuses anything else; called from another thread while the loop runs (the checkpoint service's pools and
+the drainer hand it `publish`), it has the loop publish the event, so events reach the ring and the
+watchers in seq order and the loop's structures are touched by the loop alone.
 Repeats are folded here, by the kind's `fold_s` (daemon/event_fold.py): `tick()` publishes the counts of
 closed windows, `flush_folds()` the rest at shutdown. An event is written to the journal before anyone
 sees it. `watch(since_seq)` yields every event with a larger seq, from memory when it is still there and
@@ -24,6 +26,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
@@ -129,6 +132,7 @@ class EventBus:
         self.on_journal_lost = on_journal_lost  # metrics hook: events not journaled (their number)
         self._ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._direct = threading.RLock()   # publishing outside a running loop (start-up, shutdown): one at a time
         self._wake: asyncio.Future[None] | None = None   # resolved to wake every waiting watcher at once
         self._wake_due = False
         self._waiting = 0
@@ -169,7 +173,29 @@ class EventBus:
         sev = kind.severity if severity is None else Severity(severity)
         kind.check(sev, subject)
         occ = Occurrence(kind, sev, subject, message, dict(details or {}))
-        if not kind.fold_s:
+        loop = self._loop
+        if loop is not None and loop.is_running() and not self._on_loop(loop):
+            # another thread (the checkpoint service's pools, the drainer): the loop publishes it, in order.
+            # Published here, two threads' events could reach the ring out of seq order (a watcher then
+            # reported the earlier one as lost: `events.skipped`), and the loop's own structures are not
+            # thread-safe. Such a caller gets None (the event is published a moment later).
+            try:
+                loop.call_soon_threadsafe(self._publish_occ, occ)
+                return None
+            except RuntimeError:    # the loop closed meanwhile: publish here
+                pass
+        with self._direct:
+            return self._publish_occ(occ)
+
+    @staticmethod
+    def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+        try:
+            return asyncio.get_running_loop() is loop
+        except RuntimeError:
+            return False
+
+    def _publish_occ(self, occ: Occurrence) -> Event | None:
+        if not occ.kind.fold_s:
             return self._append(occ)
         out = self.folder.offer(occ, self.clock())
         events = [self._append(o) for o in out]   # a closed window's count first, then this one (if not folded)
