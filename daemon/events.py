@@ -1,7 +1,7 @@
 """The agent's event bus: journal first, then memory ring, watchers, Redis stream and metrics.
 
 `publish(kind, subject, message, details)` takes a member of the catalogue (sdcwatch/event_kinds.py) and
-refuses anything else; called from another thread while the loop runs (the checkpoint service's pools and
+refuses anything else (in the caller's thread); called from another thread while the loop runs (the checkpoint service's pools and
 the drainer hand it `publish`), it has the loop publish the event, so events reach the ring and the
 watchers in seq order and the loop's structures are touched by the loop alone.
 Repeats are folded here, by the kind's `fold_s` (daemon/event_fold.py): `tick()` publishes the counts of
@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -207,12 +206,9 @@ class EventBus:
 
     def publish_threadsafe(self, kind: EventKind, subject: str, message: str,
                            details: Mapping[str, Any] | None = None, *, severity: Severity | None = None) -> None:
-        if not is_member(kind):  # refuse in the caller's thread, where the bug is
-            raise UnknownEventKind(f"publish_threadsafe({kind!r}): not a member of the event catalogue")
-        if self._loop is None or self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(functools.partial(self.publish, kind, subject, message, details,
-                                                          severity=severity))
+        """`publish`, which hands an event from another thread to the running loop itself (kept for callers
+        that say so)."""
+        self.publish(kind, subject, message, details, severity=severity)
 
     def tick(self) -> list[Event]:
         """Publish the repeat counts of the fold windows that have closed (call it every second or so)."""
