@@ -4,7 +4,10 @@ one factor, so a busy CI machine or laptop passes the same suite, only slower. N
     SDCWATCH_TEST_SLOWDOWN=3 pytest ...      # every wait 3x as long (default: from the load average)
 
 The default factor is 1 on an idle machine and grows with the 1-minute load average per core (2 busy loops
-beside the suite on 2 cores: about 2), capped at 4; the variable overrides it. Waits poll a condition and
+beside the suite on 2 cores: about 2), capped at 4; the variable overrides it. The suite runs in parallel
+(pytest-xdist, a worker per core): the other workers count as load from the start (the load average lags
+the session's first minute), and `scaled` reads the load average again on each call, so a wait that starts
+once the machine has grown busier gets the longer deadline. Waits poll a condition and
 return as soon as it holds: a longer deadline costs nothing when things are fast.
 """
 from __future__ import annotations
@@ -16,29 +19,43 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
-def _factor() -> float:
+def _given() -> float | None:
     given = os.environ.get("SDCWATCH_TEST_SLOWDOWN", "")
-    if given:
-        try:
-            value = float(given)
-        except ValueError:
-            raise ValueError(f"SDCWATCH_TEST_SLOWDOWN must be a number (a factor like 2), got {given!r}") from None
-        if not value > 0:
-            raise ValueError(f"SDCWATCH_TEST_SLOWDOWN must be > 0, got {given!r}")
-        return value
+    if not given:
+        return None
     try:
-        per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+        value = float(given)
+    except ValueError:
+        raise ValueError(f"SDCWATCH_TEST_SLOWDOWN must be a number (a factor like 2), got {given!r}") from None
+    if not value > 0:
+        raise ValueError(f"SDCWATCH_TEST_SLOWDOWN must be > 0, got {given!r}")
+    return value
+
+
+def _from_load() -> float:
+    cores = os.cpu_count() or 1
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)   # set by pytest-xdist in its workers
+    try:
+        per_core = os.getloadavg()[0] / cores
     except OSError:
         return 2.0
-    return min(4.0, max(1.0, 1.0 + per_core))
+    return min(4.0, max(1.0, 1.0 + per_core, 1.0 + (workers - 1) / cores))
+
+
+def _factor() -> float:
+    given = _given()
+    return given if given is not None else _from_load()
 
 
 SLOWDOWN = _factor()
 
 
 def scaled(seconds: float) -> float:
-    """`seconds` (enough on an idle machine) times the suite's slowdown factor."""
-    return seconds * SLOWDOWN
+    """`seconds` (enough on an idle machine) times the suite's slowdown factor, or the factor the load average
+    says now where that is higher."""
+    if _given() is not None:
+        return seconds * SLOWDOWN
+    return seconds * max(SLOWDOWN, _from_load())
 
 
 def wait_until(pred: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05) -> T:

@@ -9,10 +9,12 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 
-def _factor(value: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "SDCWATCH_TEST_SLOWDOWN"}
+def _factor(value: str | None, workers: int | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SDCWATCH_TEST_SLOWDOWN", "PYTEST_XDIST_WORKER_COUNT")}
     if value is not None:
         env["SDCWATCH_TEST_SLOWDOWN"] = value
+    if workers is not None:
+        env["PYTEST_XDIST_WORKER_COUNT"] = str(workers)
     return subprocess.run([sys.executable, "-c", "import deadlines; print(deadlines.SLOWDOWN, deadlines.scaled(10))"],
                           cwd=TESTS, env=env | {"PYTHONPATH": str(TESTS)}, capture_output=True, text=True,
                           timeout=60)
@@ -23,6 +25,15 @@ def test_the_variable_sets_the_factor_and_scales_every_deadline() -> None:
     got = _factor(None)
     slowdown = float(got.stdout.split()[0])
     assert 1.0 <= slowdown <= 4.0, got   # from the load average: never below idle, capped
+
+
+def test_parallel_workers_count_as_load_from_the_start() -> None:
+    """Under pytest-xdist every worker shares the cores: W workers on C cores wait at least 1 + (W - 1) / C as
+    long, before the load average has caught up; the variable still wins."""
+    cores = os.cpu_count() or 1
+    got = _factor(None, workers=2 * cores + 1)
+    assert float(got.stdout.split()[0]) >= 3.0, got
+    assert _factor("1.5", workers=2 * cores + 1).stdout.split() == ["1.5", "15.0"]
 
 
 def test_a_bad_factor_is_refused_with_its_name() -> None:
