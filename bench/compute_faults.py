@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
 from checksums.grad_checks import GradSummaries, set_fused, summary_paths
@@ -674,13 +674,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     return "\n".join(lines)
 
 
-def _spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
-
-
-def main(argv: list[str] | None = None, start: Callable[..., None] = _spawn_ranks) -> dict[str, Any]:
-    """`start(fn, args, nprocs)` runs the ranks (`fn(rank, *args)`, joined, a rank's exception raised): fresh
-    interpreters by default; the suite passes tests/rank_spawn.py's, forked with torch imported already."""
+def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks) -> dict[str, Any]:
+    """`start(fn, args, nprocs)` runs the ranks (`fn(rank, *args)`, joined, a rank's exception raised):
+    bench.rank_start's by default; the suite passes tests/rank_spawn.py's, forked with torch imported already."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

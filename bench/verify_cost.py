@@ -30,11 +30,12 @@ import json
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from bench.rank_start import start_ranks
 
 
 def _model(name: str, device: torch.device) -> tuple[torch.nn.Module, Any]:
@@ -263,7 +264,8 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks) -> int:
+    """`start(fn, args, nprocs)` runs the ranks: bench.rank_start's by default; the suite passes its own."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--world", type=int, default=2, help="ranks (rank r on cuda:r mod the GPUs visible)")
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                     "two ranks on one GPU): use --backend gloo to put them on one")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "store"), tmp), nprocs=args.world, join=True)
+        start(_worker, (args, os.path.join(tmp, "store"), tmp), args.world)
         rows = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.world)]
     print_rows(args, rows)
     return 0

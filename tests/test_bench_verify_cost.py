@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from bench import verify_cost
+from rank_spawn import spawn
 
 
 def test_verify_cost_prints_every_row_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert verify_cost.main(["--device", "cpu", "--world", "2", "--model", "tiny", "--steps", "3", "--warmup", "1",
-                             "--reps", "1", "--saves", "1"]) == 0
+                             "--reps", "1", "--saves", "1"], start=spawn) == 0
     out = capsys.readouterr().out
     for row in ("training step, Monitor", "host gate", "device gate (found_inf mask, no host wait)",
                 "save(): blocking, with the agent byte check", "byte check stubbed out",
