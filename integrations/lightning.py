@@ -19,6 +19,14 @@ directives through the trainer's own state:
 - skip batches: the same skip without a restore;
 - stop: `trainer.should_stop = True`.
 
+Compute checks (`compute=True`, or a dict of `ComputeChecks.attach` options such as `audit_every`, `margin`,
+`mask`, `comm_hook`): a fault in one rank's forward or backward, which the all-reduce would average into every
+replica, is caught before the optimizer applies it (docs/compute-checks.md). Strategy "ddp" (the DDP
+wrapper's buckets are summarised in its communication hook; a `DDPStrategy(ddp_comm_hook=...)` is refused:
+give the hook as `compute={"comm_hook": ...}` instead). Each batch is retained at `on_train_batch_start` (after it was moved to the device) with
+its index; a replay runs the module's `training_step(batch, batch_idx)` (what Lightning's DDP forward runs),
+under the precision plugin's autocast as the step did, with `self.log` silenced (a replay must not log twice).
+
 Automatic optimization with one optimizer; with manual optimization, call the session yourself
 (`callback.session.step(loss)` after your `opt.step()`).
 """
@@ -34,8 +42,11 @@ from sdcwatch.extras import require
 require("lightning")
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+from checksums.compute_gate import ComputeChecks  # noqa: E402
 from checksums.reporter import Directive  # noqa: E402
-from integrations.session import SessionOptions, TrainingSession, output_loss, torch_optimizer  # noqa: E402
+from integrations.session import (  # noqa: E402
+    SessionOptions, TrainingSession, compute_options, output_loss, silenced, torch_optimizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +67,13 @@ class SdcwatchCallback(Callback):
     """See the module docstring; the options are those of `integrations.hf.SdcwatchCallback`."""
 
     def __init__(self, job_id: str, *, save_every: int = 50, checkpoints: bool = True, recovery: bool = True,
-                 monitor_kwargs: Mapping[str, Any] | None = None, agent_target: str | None = None) -> None:
+                 monitor_kwargs: Mapping[str, Any] | None = None, agent_target: str | None = None,
+                 compute: bool | Mapping[str, Any] = False) -> None:
         self.options = SessionOptions(job_id, save_every=save_every, checkpoints=checkpoints, recovery=recovery,
                                       monitor_kwargs=dict(monitor_kwargs or {}), agent_target=agent_target)
+        self.compute = compute_options(compute)
         self.session: TrainingSession | None = None
+        self.checks: ComputeChecks | None = None
         self._trainer: Any = None
         self._module: Any = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -90,6 +104,34 @@ class SdcwatchCallback(Callback):
             pl_module, self._optimizer, state_fn=self._state, load_fn=self._load,
             start_step=int(trainer.global_step), batches_per_step=int(trainer.accumulate_grad_batches))
         self._attempts = self.session.guard.attempts
+        if self.compute is not None:
+            self.checks = self._attach_checks(trainer, pl_module)
+
+    def _attach_checks(self, trainer: Any, pl_module: Any) -> ComputeChecks:
+        assert self.session is not None and self._optimizer is not None
+        ddp = trainer.strategy.model
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError(f"sdcwatch's compute checks need strategy='ddp' (a DistributedDataParallel model), "
+                             f"got {type(trainer.strategy).__name__} with a {type(ddp).__name__} model")
+        precision = trainer.strategy.precision_plugin
+
+        def replay_loss(module: Any, item: Any) -> torch.Tensor:
+            """The step's loss again, on the module DDP wraps (the LightningModule: Lightning's DDP forward is
+            its training_step, redirected)."""
+            batch, batch_idx = item
+            with precision.train_step_context(), silenced(module, "log", "log_dict"):
+                out = module.training_step(batch, batch_idx)
+            loss = output_loss(out, detach=False)
+            if loss is None:
+                raise ValueError("sdcwatch: training_step returned no loss for a compute replay")
+            return loss
+
+        return ComputeChecks.attach(ddp, self._optimizer, loss_fn=replay_loss, monitor=self.session.monitor,
+                                    **self.compute)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.checks is not None:
+            self.checks.retain((batch, batch_idx))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -110,5 +152,8 @@ class SdcwatchCallback(Callback):
         self.close()
 
     def close(self) -> None:
+        if self.checks is not None:      # kept: its status() and findings stay readable after training
+            self.checks.close()
         if self.session is not None:
             self.session.close()
+

@@ -22,11 +22,11 @@ Training-side module: torch only; never imports the agent.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import logging
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -210,8 +210,9 @@ def _is_plain(optimizer: Any) -> bool:
     return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")
 
 
-def output_loss(output: Any) -> torch.Tensor | None:
-    """The loss of a model output (a ModelOutput, a dict with "loss", or a 0-dim tensor), or None."""
+def output_loss(output: Any, detach: bool = True) -> torch.Tensor | None:
+    """The loss of a model output (a ModelOutput, a dict with "loss", or a 0-dim tensor), or None; detached
+    unless `detach=False` (a replay differentiates it)."""
     loss = None
     if isinstance(output, Mapping):
         loss = output.get("loss")
@@ -222,7 +223,38 @@ def output_loss(output: Any) -> torch.Tensor | None:
     elif isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
         loss = output[0]
     if torch.is_tensor(loss) and loss.numel() == 1:
-        return loss.detach()
+        return loss.detach() if detach else loss
+    return None
+
+
+def compute_options(compute: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """A callback's `compute=` option: None (no compute checks), or the keyword arguments for
+    `ComputeChecks.attach` (True: its defaults). Refuses what the callback sets itself."""
+    if compute is False or compute is None:
+        return None
+    if compute is True:
+        return {}
+    if not isinstance(compute, Mapping):
+        raise TypeError(f"compute= is True, False or a dict of ComputeChecks options, got {type(compute).__name__}")
+    taken = sorted({"loss_fn", "monitor"} & set(compute))
+    if taken:
+        raise ValueError(f"compute= cannot set {', '.join(taken)}: the callback supplies them")
+    return dict(compute)
+
+
+@contextlib.contextmanager
+def silenced(obj: Any, *methods: str) -> Iterator[None]:
+    """`obj`'s `methods` do nothing inside the block (a replay of a step must not log its metrics again)."""
+    for name in methods:
+        setattr(obj, name, _nothing)
+    try:
+        yield
+    finally:
+        for name in methods:
+            obj.__dict__.pop(name, None)
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 

@@ -3,9 +3,15 @@ started like torchrun) training a tiny GPT-2 built from a config (no download), 
 
 With one bit flipped in rank 1's weights after update FLIP: the vote catches it, the agent's rollback
 directive takes both ranks (the module, optimizer, scheduler and trainer.global_step) back to a VERIFIED
-checkpoint before the flip, and the replicas end bit-identical. A clean run: no rollback, no event."""
+checkpoint before the flip, and the replicas end bit-identical. A clean run: no rollback, no event, with the
+compute checks on (`compute=True`) as well. With the compute checks on and one element of rank 1's gradient
+set to 100 in its backward for one step (the replica vote cannot see it: the all-reduce averages it into both
+replicas; a forward fault's effect is often squashed by the LayerNorm after it in so small a model): that
+step's update is dropped on both ranks, rank 1 named as transient by the pair replays, the agent's journal
+holds a compute.fault naming rank 1, and the run goes on with the replicas bit-identical."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -21,9 +27,11 @@ from test_integration_hf import Tokens, tiny_gpt2
 
 JOB = "lightning-gpt2"
 STEPS, FLIP, SAVE_EVERY = 60, 30, 10
+FAULT = 40          # the optimizer step whose forward is faulty on rank 1 (after the checks' 20 warm-up steps)
 
 
-def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool) -> None:
+def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool, compute: bool = False,
+            fault: bool = False) -> None:
     torchrun_env(rank, world, port, socket)
     import lightning as L
 
@@ -45,7 +53,20 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
                 return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
         module = Module()
-        sdc = SdcwatchCallback(job_id=JOB, save_every=SAVE_EVERY)
+        sdc = SdcwatchCallback(job_id=JOB, save_every=SAVE_EVERY, compute=compute)
+        faulted: list[int] = []
+
+        def one_bad_element(grad: torch.Tensor) -> torch.Tensor | None:
+            # the backward of step FAULT on rank 1, once (a replay of that step computes it right): one
+            # element of a weight's gradient before DDP reduces it
+            if fault and rank == 1 and not faulted and sdc.session.guard.step == FAULT - 1:
+                faulted.append(sdc.session.guard.step + 1)
+                grad = grad.clone()
+                grad.view(-1)[7] = 100.0
+                return grad
+            return None
+
+        module.gpt.transformer.h[0].mlp.c_fc.weight.register_hook(one_bad_element)
 
         class Flip(L.Callback):
             done = False
@@ -67,6 +88,11 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
         out["framework_step"] = trainer.global_step
         out["monitor_events"] = [e.kind for e in sess.monitor.events if e.kind not in ("directive",)]
         out["identical"] = replicas_identical(list(module.parameters()))
+        out["skipped"] = sess.guard.skipped_count
+        if sdc.checks is not None:
+            out["compute"] = dataclasses.asdict(sdc.checks.status())
+            out["findings"] = [dataclasses.asdict(f) for f in sdc.checks.findings]
+        out["faulted"] = faulted
     finally:
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
         import torch.distributed as dist
@@ -89,9 +115,32 @@ def test_lightning_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -> None
 def test_lightning_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> None:
     agent = AgentProcess(short_tmp / "state").start()
     try:
-        res = spawn(_worker, 2, str(agent.socket), tmp_path, False)
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True)
         lines = settled_journal(agent)
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
     check_clean(res, lines, states, STEPS)
+    for r in res:                       # the compute checks ran on every step and suspected none
+        c = r["compute"]
+        assert c["steps"] == STEPS and c["suspicions"] == 0 and c["dropped"] == 0 and r["skipped"] == 0, c
+
+
+def test_lightning_compute_checks_drop_a_faulty_forward_and_name_the_rank(short_tmp: Path,
+                                                                         tmp_path: Path) -> None:
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, True)
+        lines = settled_journal(agent)
+    finally:
+        agent.stop()
+    assert res[1]["faulted"] == [FAULT], res[1]
+    for r in res:
+        hit = [f for f in r["findings"] if f["dropped"]]
+        assert len(hit) == 1, json.dumps(r)
+        assert hit[0]["faulty"] == [1] and hit[0]["cause"] == "transient", hit[0]
+        assert abs(hit[0]["step"] - FAULT) <= 1, hit[0]
+        assert r["skipped"] == 1 and r["compute"]["dropped"] == 1, r
+        assert r["identical"] and not r["rollbacks"] and r["final_step"] == STEPS, r
+    faults = [line for line in lines if "compute.fault" in line]
+    assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
