@@ -144,3 +144,37 @@ def test_lightning_compute_checks_drop_a_faulty_forward_and_name_the_rank(short_
         assert r["identical"] and not r["rollbacks"] and r["final_step"] == STEPS, r
     faults = [line for line in lines if "compute.fault" in line]
     assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
+
+
+def test_compute_checks_refuse_a_strategy_without_ddp_and_bad_options(tmp_path: Path) -> None:
+    """One process (Lightning's single-device strategy: no DDP model): compute=True is refused at the start
+    of training with a message naming the strategy; compute= values that are not options are refused at
+    construction."""
+    import lightning as L
+    import pytest
+
+    from integrations.lightning import SdcwatchCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    sdc = SdcwatchCallback(job_id="one", checkpoints=False, monitor_kwargs={"reporter": False}, compute=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[sdc], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="strategy='ddp'.*SingleDeviceStrategy"):
+        trainer.fit(Module(), loader)
+    sdc.close()
+    with pytest.raises(TypeError, match="compute="):
+        SdcwatchCallback(job_id="one", compute="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss_fn"):
+        SdcwatchCallback(job_id="one", compute={"loss_fn": len})
