@@ -1,0 +1,98 @@
+"""docs/compute-checks.md's loop, extracted from the doc and run as written: 3 gloo ranks under DDP, a small
+classifier, the real agent on a temp socket. One element of rank 1's gradient is set to 100 in its backward
+at step FAULT (before DDP reduces it; the replica vote cannot see that: the all-reduce averages it into every
+replica). The loop as written catches it on its step: the update is dropped on every rank, rank 1 is named
+(transient: its replay computes the clean gradient), the agent's journal holds a critical compute.fault
+naming rank 1, and the replicas stay bit-identical. The clean steps raise no suspicion."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agent_harness import ROOT, AgentProcess, cli
+from deadlines import wait_until
+from rank_spawn import spawn
+
+WORLD, STEPS, FAULT = 3, 60, 40
+
+
+def doc_loop() -> str:
+    text = (ROOT / "docs" / "compute-checks.md").read_text()
+    m = re.search(r"```python\n(.*?)```", text, re.S)
+    assert m, "docs/compute-checks.md has no python block"
+    return m.group(1)
+
+
+def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
+    os.environ["SDCWATCH_SOCKET"] = socket
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    out: dict[str, Any] = {}
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+        ddp_model = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        loader = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+                  for _ in range(STEPS)]
+        g: dict[str, Any] = {"ddp_model": ddp_model, "optimizer": optimizer, "loader": loader}
+        fired: list[int] = []
+
+        def one_bad_element(grad: torch.Tensor) -> torch.Tensor | None:
+            if rank == 1 and not fired and g["monitor"].guard.step == FAULT - 1:
+                fired.append(FAULT)
+                grad = grad.clone()
+                grad.view(-1)[3] = 100.0
+                return grad
+            return None
+
+        model[2].weight.register_hook(one_bad_element)
+        exec(code, g)
+        g["monitor"].flush()
+        checks = g["checks"]
+        out["status"] = dataclasses.asdict(checks.status())
+        out["findings"] = [dataclasses.asdict(f) for f in checks.findings]
+        out["skipped"] = g["monitor"].guard.skipped_count
+        out["fired"] = fired
+        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        every = [torch.empty_like(mine) for _ in range(WORLD)]
+        dist.all_gather(every, mine)
+        out["identical"] = all(torch.equal(e.view(torch.int32), every[0].view(torch.int32)) for e in every)
+        g["monitor"].close()
+        checks.close()
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def test_the_doc_loop_drops_a_faulty_gradient_and_names_the_rank(short_tmp: Path, tmp_path: Path) -> None:
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        spawn(_worker, (str(tmp_path / "store"), str(tmp_path), str(agent.socket), doc_loop()), WORLD)
+
+        def journal() -> list[str]:
+            lines = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
+            return [line for line in lines if "compute.fault" in line]
+
+        faults = wait_until(journal, 30, "a compute.fault in the agent's journal")
+    finally:
+        agent.stop()
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert res[1]["fired"] == [FAULT], res[1]
+    for r in res:
+        dropped = [f for f in r["findings"] if f["dropped"]]
+        assert len(dropped) == 1, r
+        assert dropped[0]["faulty"] == [1] and dropped[0]["cause"] == "transient", dropped[0]
+        assert dropped[0]["step"] == FAULT, dropped[0]
+        assert r["skipped"] == 1 and r["identical"], r
+        assert r["status"]["steps"] == STEPS and r["status"]["suspicions"] == 1, r["status"]
+    assert all("critical" in line and "rank 1" in line for line in faults), faults
