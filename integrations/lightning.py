@@ -25,7 +25,9 @@ replica, is caught before the optimizer applies it (docs/compute-checks.md). Str
 wrapper's buckets are summarised in its communication hook; a `DDPStrategy(ddp_comm_hook=...)` is refused:
 give the hook as `compute={"comm_hook": ...}` instead). Each batch is retained at `on_train_batch_start` (after it was moved to the device) with
 its index; a replay runs the module's `training_step(batch, batch_idx)` (what Lightning's DDP forward runs),
-under the precision plugin's autocast as the step did, with `self.log` silenced (a replay must not log twice).
+under the precision plugin's autocast as the step did, divided by `accumulate_grad_batches` as Lightning's
+closure divides it, with `self.log` silenced (a replay must not log twice). Precision "16-mixed" (a gradient
+scaler, whose scale moves between a step and its replay) is refused; "32-true" and "bf16-mixed" work.
 
 Automatic optimization with one optimizer; with manual optimization, call the session yourself
 (`callback.session.step(loss)` after your `opt.step()`).
@@ -113,7 +115,14 @@ class SdcwatchCallback(Callback):
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise ValueError(f"sdcwatch's compute checks need strategy='ddp' (a DistributedDataParallel model), "
                              f"got {type(trainer.strategy).__name__} with a {type(ddp).__name__} model")
+        if not pl_module.automatic_optimization:
+            raise ValueError("sdcwatch's compute checks need automatic optimization (a replay runs training_step, "
+                             "which under manual optimization steps the optimizer itself)")
         precision = trainer.strategy.precision_plugin
+        if getattr(precision, "scaler", None) is not None:
+            raise ValueError("sdcwatch's compute checks do not support a gradient scaler (precision='16-mixed'): "
+                             "its scale changes between a step and its replay; use '32-true' or 'bf16-mixed'")
+        normalize = int(trainer.accumulate_grad_batches)
 
         def replay_loss(module: Any, item: Any) -> torch.Tensor:
             """The step's loss again, on the module DDP wraps (the LightningModule: Lightning's DDP forward is
@@ -124,7 +133,7 @@ class SdcwatchCallback(Callback):
             loss = output_loss(out, detach=False)
             if loss is None:
                 raise ValueError("sdcwatch: training_step returned no loss for a compute replay")
-            return loss
+            return loss / normalize            # what Lightning back-propagates (its closure divides, always)
 
         return ComputeChecks.attach(ddp, self._optimizer, loss_fn=replay_loss, monitor=self.session.monitor,
                                     **self.compute)

@@ -30,8 +30,8 @@ STEPS, FLIP, SAVE_EVERY = 60, 30, 10
 FAULT = 40          # the optimizer step whose forward is faulty on rank 1 (after the checks' 20 warm-up steps)
 
 
-def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool, compute: bool = False,
-            fault: bool = False) -> None:
+def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool, compute: Any = False,
+            fault: bool = False, accumulate: int = 1, precision: str = "32-true") -> None:
     torchrun_env(rank, world, port, socket)
     import lightning as L
 
@@ -78,6 +78,7 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
 
         loader = torch.utils.data.DataLoader(Tokens(8 * STEPS), batch_size=4, shuffle=False)
         trainer = L.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy="ddp", max_steps=STEPS,
+                            accumulate_grad_batches=accumulate, precision=precision,
                             callbacks=[Flip(), sdc], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
                             default_root_dir=str(Path(outdir, f"out{rank}")))
@@ -144,6 +145,24 @@ def test_lightning_compute_checks_drop_a_faulty_forward_and_name_the_rank(short_
         assert r["identical"] and not r["rollbacks"] and r["final_step"] == STEPS, r
     faults = [line for line in lines if "compute.fault" in line]
     assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
+
+
+def test_lightning_compute_audits_agree_under_accumulation_and_bf16(short_tmp: Path, tmp_path: Path) -> None:
+    """Replays must reproduce the step's gradient bit for bit: with an audit every 5 steps (each replays a
+    neighbour's micro-batches and its own, and compares exact fingerprints), gradient accumulation over 2
+    batches (Lightning divides the loss by 2 before its backward) and bf16-mixed autocast, a clean run raises
+    no suspicion."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, {"audit_every": 5}, False, 2, "bf16-mixed")
+        lines = settled_journal(agent)
+        states = checkpoint_states(agent, JOB)
+    finally:
+        agent.stop()
+    check_clean(res, lines, states, STEPS)
+    for r in res:
+        c = r["compute"]
+        assert c["exact"] and c["audits"] >= STEPS // 5 - 1 and c["suspicions"] == 0 and not r["findings"], r
 
 
 def test_compute_checks_refuse_a_strategy_without_ddp_and_bad_options(tmp_path: Path) -> None:
