@@ -23,11 +23,13 @@ Compute checks (`compute=True`, or a dict of `ComputeChecks.attach` options such
 `mask`, `comm_hook`): a fault in one rank's forward or backward, which the all-reduce would average into every
 replica, is caught before the optimizer applies it (docs/compute-checks.md). Strategy "ddp" (the DDP
 wrapper's buckets are summarised in its communication hook; a `DDPStrategy(ddp_comm_hook=...)` is refused:
-give the hook as `compute={"comm_hook": ...}` instead). Each batch is retained at `on_train_batch_start` (after it was moved to the device) with
-its index; a replay runs the module's `training_step(batch, batch_idx)` (what Lightning's DDP forward runs),
-under the precision plugin's autocast as the step did, divided by `accumulate_grad_batches` as Lightning's
-closure divides it, with `self.log` silenced (a replay must not log twice). Precision "16-mixed" (a gradient
-scaler, whose scale moves between a step and its replay) is refused; "32-true" and "bf16-mixed" work.
+give the hook as `compute={"comm_hook": ...}` instead), automatic optimization. Each batch is retained at
+`on_train_batch_start` (after it was moved to the device) with its index; a replay runs the module's
+`training_step(batch, batch_idx)` (what Lightning's DDP forward runs), under the precision plugin's autocast
+as the step did, divided by `accumulate_grad_batches` as Lightning's closure divides it, with `self.log`
+silenced (a replay must not log twice). Precision "16-mixed" (a gradient scaler, whose scale moves between a
+step and its replay) is refused; "32-true" and "bf16-mixed" work. What cannot be checked is refused at
+`on_train_start`, before anything is attached.
 
 Automatic optimization with one optimizer; with manual optimization, call the session yourself
 (`callback.session.step(loss)` after your `opt.step()`).
@@ -102,26 +104,22 @@ class SdcwatchCallback(Callback):
                              f"{len(trainer.optimizers)}; attach a Monitor per optimizer instead")
         self._trainer, self._module = trainer, pl_module
         self._optimizer = torch_optimizer(trainer.optimizers[0])
+        if self.compute is not None:
+            _refuse_unchecked(trainer, pl_module)
         self.session = self.options.start(
             pl_module, self._optimizer, state_fn=self._state, load_fn=self._load,
             start_step=int(trainer.global_step), batches_per_step=int(trainer.accumulate_grad_batches))
         self._attempts = self.session.guard.attempts
         if self.compute is not None:
-            self.checks = self._attach_checks(trainer, pl_module)
+            try:
+                self.checks = self._attach_checks(trainer, pl_module)
+            except BaseException:
+                self.session.close()
+                raise
 
     def _attach_checks(self, trainer: Any, pl_module: Any) -> ComputeChecks:
-        assert self.session is not None and self._optimizer is not None
-        ddp = trainer.strategy.model
-        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError(f"sdcwatch's compute checks need strategy='ddp' (a DistributedDataParallel model), "
-                             f"got {type(trainer.strategy).__name__} with a {type(ddp).__name__} model")
-        if not pl_module.automatic_optimization:
-            raise ValueError("sdcwatch's compute checks need automatic optimization (a replay runs training_step, "
-                             "which under manual optimization steps the optimizer itself)")
+        assert self.session is not None and self._optimizer is not None and self.compute is not None
         precision = trainer.strategy.precision_plugin
-        if getattr(precision, "scaler", None) is not None:
-            raise ValueError("sdcwatch's compute checks do not support a gradient scaler (precision='16-mixed'): "
-                             "its scale changes between a step and its replay; use '32-true' or 'bf16-mixed'")
         normalize = int(trainer.accumulate_grad_batches)
 
         def replay_loss(module: Any, item: Any) -> torch.Tensor:
@@ -135,8 +133,8 @@ class SdcwatchCallback(Callback):
                 raise ValueError("sdcwatch: training_step returned no loss for a compute replay")
             return loss / normalize            # what Lightning back-propagates (its closure divides, always)
 
-        return ComputeChecks.attach(ddp, self._optimizer, loss_fn=replay_loss, monitor=self.session.monitor,
-                                    **self.compute)
+        return ComputeChecks.attach(trainer.strategy.model, self._optimizer, loss_fn=replay_loss,
+                                    monitor=self.session.monitor, **self.compute)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.checks is not None:
@@ -166,3 +164,16 @@ class SdcwatchCallback(Callback):
         if self.session is not None:
             self.session.close()
 
+
+def _refuse_unchecked(trainer: Any, pl_module: Any) -> None:
+    """ValueError for a training the compute checks cannot follow (the module docstring says why)."""
+    ddp = trainer.strategy.model
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(f"sdcwatch's compute checks need strategy='ddp' (a DistributedDataParallel model), "
+                         f"got {type(trainer.strategy).__name__} with a {type(ddp).__name__} model")
+    if not pl_module.automatic_optimization:
+        raise ValueError("sdcwatch's compute checks need automatic optimization (a replay runs training_step, "
+                         "which under manual optimization steps the optimizer itself)")
+    if getattr(trainer.strategy.precision_plugin, "scaler", None) is not None:
+        raise ValueError("sdcwatch's compute checks do not support a gradient scaler (precision='16-mixed'): "
+                         "its scale changes between a step and its replay; use '32-true' or 'bf16-mixed'")
