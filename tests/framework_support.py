@@ -146,8 +146,6 @@ def check_clean(res: list[dict[str, Any]], lines: list[str], states: dict[int, s
 
 
 def replicas_identical(params: list[torch.Tensor]) -> bool:
-    import torch.distributed as dist
-    mine = torch.cat([p.detach().reshape(-1).float() for p in params])
-    other = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(other, mine)
-    return all(torch.equal(o.view(torch.int32), other[0].view(torch.int32)) for o in other)
+    """Every rank's parameters bit-identical (through the store: bench/rank_start.py says why)."""
+    from bench.rank_start import same_on_every_rank
+    return same_on_every_rank(params)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_recovered, checkpoint_states, flip_bit, mismatch_events, settled_journal, spawn, torchrun_env,
+    check_recovered, checkpoint_states, flip_bit, mismatch_events, replicas_identical, settled_journal, spawn,
+    torchrun_env,
 )
 
 JOB = "titan-tiny"
@@ -91,10 +92,7 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str) -> None:
         out["rollbacks"] = [d.target_step for d in ckpt.rollbacks]
         out["final_step"] = ckpt.monitor.step_count
         out["framework_step"] = trainer.step
-        mine = torch.cat([p._local_tensor.detach().reshape(-1) for p in model.parameters()])
-        other = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(other, mine)
-        out["identical"] = all(torch.equal(o.view(torch.int32), other[0].view(torch.int32)) for o in other)
+        out["identical"] = replicas_identical([p._local_tensor for p in model.parameters()])
         ckpt.close()
     finally:
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from agent_harness import ROOT, AgentProcess, cli
+from framework_support import replicas_identical
 from deadlines import scaled
 
 STEPS, FLIP = 200, 100
@@ -127,10 +128,7 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
         exec("batches = iter(loader)" + code.partition("batches = iter(loader)")[2], g)   # the loop
         g["ckpt"].wait(60)
         g["monitor"].flush()
-        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        other = [torch.empty_like(mine) for _ in range(2)]
-        dist.all_gather(other, mine)
-        out["identical"] = bool(torch.equal(other[0].view(torch.int32), other[1].view(torch.int32)))
+        out["identical"] = replicas_identical(list(model.parameters()))
         out["final_step"] = g["monitor"].step_count
         if "skips_at_restore" in g:      # updates skipped after the last restore (a stale vote's veto would show)
             out["skips_after_restore"] = g["monitor"].guard.skipped_count - g["skips_at_restore"]
