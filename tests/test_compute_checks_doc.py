@@ -19,6 +19,7 @@ from torch import nn
 
 from agent_harness import ROOT, AgentProcess, cli
 from deadlines import wait_until
+from framework_support import replicas_identical
 from rank_spawn import spawn
 
 WORLD, STEPS, FAULT = 3, 60, 40
@@ -63,10 +64,7 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
         out["findings"] = [dataclasses.asdict(f) for f in checks.findings]
         out["skipped"] = g["monitor"].guard.skipped_count
         out["fired"] = fired
-        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        every = [torch.empty_like(mine) for _ in range(WORLD)]
-        dist.all_gather(every, mine)
-        out["identical"] = all(torch.equal(e.view(torch.int32), every[0].view(torch.int32)) for e in every)
+        out["identical"] = replicas_identical(list(model.parameters()))
         g["monitor"].close()
         checks.close()
     finally:
