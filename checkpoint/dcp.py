@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import time
 from torch.futures import Future
 from typing import Any, Callable
 
@@ -201,8 +202,8 @@ class _DeferredCommitLink:
         self.link = link
         self.held: tuple[Any, ...] | None = None
 
-    def begin(self, *a: Any) -> Any:
-        return self.link.begin(*a)
+    def begin(self, *a: Any, **kw: Any) -> Any:
+        return self.link.begin(*a, **kw)     # restored= (the rank's last restore) goes through
 
     def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str,
                      **kw: Any) -> Any:
@@ -230,6 +231,17 @@ class SdcwStorageWriter(StorageWriter):
         self._deferred = _DeferredCommitLink(link)
         self._snap: Snapshotter | None = None
         self._snap_key: tuple[int, int, bool] | None = None
+        self._restored: tuple[int, float] | None = None
+
+    def note_restore(self, step: int, at: float | None = None) -> None:
+        """This rank loaded checkpoint `step` into its training state (a rollback, a resume), the load begun at
+        `at` (time.time(); default now). Every save after it tells the agent in its begin, and the agent cuts
+        the job's history there first: the redone steps are saved again, never refused as "already
+        COMMITTED" because the agent had not yet heard of the rollback (`Coordinator.cut_at_restore`)."""
+        validate_step(step)
+        self._restored = (step, time.time() if at is None else float(at))
+        if self._snap is not None:
+            self._snap.note_restore(*self._restored)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is None:
@@ -257,6 +269,8 @@ class SdcwStorageWriter(StorageWriter):
             sink = self._deferred if self.is_coordinator else self.link
             self._snap = Snapshotter(sink, self.job_id, rank, world, self.config, self.store_for)
             self._snap_key = key
+            if self._restored is not None:
+                self._snap.note_restore(*self._restored)
         return self._snap
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

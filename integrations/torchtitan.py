@@ -18,8 +18,9 @@ calls `save(step)` after every optimizer step. `SdcwatchCheckpointer` is torchti
   schedulers' plain values without pickle);
 - the agreed directive: a rollback loads the VERIFIED step's full train state through DCP (the trainer's
   `step` comes back with it, so the loop redoes the steps), renumbers the step guard and skips the
-  directive's batches (their updates vetoed); the redone steps are saved again (the agent drops the steps
-  after the target at once when a rank's step report shows the job went back: `Coordinator.cut_history`);
+  directive's batches (their updates vetoed); the redone steps are saved again (the writer's next begin
+  carries the restore, `SdcwStorageWriter.note_restore`, and the agent cuts the steps after the target
+  first; a rank's step report showing the job went back cuts them too: `Coordinator.cut_history`);
   stop ends the loop (`training.steps` set to the current step).
 
 With `sdcwatch_resume=True`, `load()` at the start (when torchtitan's own folder holds no checkpoint) loads
@@ -35,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -157,8 +159,11 @@ class SdcwatchCheckpointer(CheckpointManager):
             logger.info("sdcwatch: the agent holds no VERIFIED checkpoint of %s; starting afresh",
                         self.sdc_config.job_id)
             return False
+        started = time.time()
         dcp.load(self.sdc_states, storage_reader=SdcwStorageReader(self.link, self.sdc_config.job_id),
                  checkpoint_id=step)
+        if self.writer is not None:
+            self.writer.note_restore(step, started)
         logger.info("sdcwatch: resumed %s from the agent's checkpoint of step %d",
                     self.sdc_config.job_id, step)
         return True
@@ -170,8 +175,11 @@ class SdcwatchCheckpointer(CheckpointManager):
             if self.link is None:
                 logger.error("sdcwatch: rollback directive but sdcwatch_interval=0 (no checkpoints): ignored")
                 return
+            started = time.time()
             dcp.load(self.sdc_states, storage_reader=SdcwStorageReader(self.link, self.sdc_config.job_id),
                      checkpoint_id=directive.target_step)
+            if self.writer is not None:   # the redone steps' saves tell the agent (it cuts the history there)
+                self.writer.note_restore(directive.target_step, started)
             if self.train_state is not None:
                 self.train_state.step = directive.target_step
             self.guard.note_restore(directive.target_step)   # the votes before it veto no redone update

@@ -51,6 +51,31 @@ def test_dcp_plain_values_round_trip_and_bad_ids(redis_server, tmp_path: Path) -
     writer.close()
 
 
+def test_dcp_resave_after_a_restore_is_taken_once_the_writer_is_told(redis_server, tmp_path: Path) -> None:
+    """A rollback from step 20 to 10 redoes the steps and saves 20 again. Unless the agent knows of the restore
+    it refuses the second 20 ("already COMMITTED": it holds the first, which may hold the fault); the rank's
+    step reports tell it too, but asynchronously, and on a loaded machine the save came first (torchtitan's
+    flip test, 2 suites beside 2 busy loops: the DCP save raised and the run died). With
+    `writer.note_restore(10)` the save's begin carries the restore, the agent cuts the history after 10 first,
+    and the new 20 is stored (its bytes, not the old ones)."""
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("dcpr")
+    writer = SdcwStorageWriter(co, job)
+    for step in (10, 20):
+        dcp.save(_model_state(step), storage_writer=writer, checkpoint_id=step)
+    with pytest.raises(BaseException) as refused:   # DCP's CheckpointException (a BaseException)
+        dcp.save(_model_state(21), storage_writer=writer, checkpoint_id=20)
+    assert "already COMMITTED" in str(getattr(refused.value, "failures", refused.value)), refused.value
+    with pytest.raises(InvalidInputError, match="step"):
+        writer.note_restore(-1)
+    writer.note_restore(10)
+    dcp.save(_model_state(21), storage_writer=writer, checkpoint_id=20)
+    assert [i.step for i in co.list(job)] == [10, 20]
+    dst = {k: torch.zeros_like(v) for k, v in _model_state().items()}
+    dcp.load(dst, storage_reader=SdcwStorageReader(co, job), checkpoint_id=20)
+    assert_same(dst, _model_state(21))
+    writer.close()
+
+
 WORLD = 2
 
 
