@@ -353,6 +353,12 @@ class SdcwStorageReader(StorageReader):
         self.plan: RestorePlan | None = None
         self.storage_data: dict[MetadataIndex, tuple[int, int]] = {}
 
+    @property
+    def loaded_step(self) -> int | None:
+        """The step the last `dcp.load` through this reader read ("latest_verified" resolved), else None: what
+        a writer's `note_restore` takes after a rollback or a resume."""
+        return self.plan.checkpoint.step if self.plan is not None else None
+
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id in (LATEST, LATEST_VERIFIED):
             self.target = checkpoint_id

@@ -67,7 +67,10 @@ def test_dcp_resave_after_a_restore_is_taken_once_the_writer_is_told(redis_serve
     assert "already COMMITTED" in str(getattr(refused.value, "failures", refused.value)), refused.value
     with pytest.raises(InvalidInputError, match="step"):
         writer.note_restore(-1)
-    writer.note_restore(10)
+    reader = SdcwStorageReader(co, job)
+    assert reader.loaded_step is None
+    dcp.load({k: torch.zeros_like(v) for k, v in _model_state().items()}, storage_reader=reader, checkpoint_id=10)
+    writer.note_restore(reader.loaded_step)
     dcp.save(_model_state(21), storage_writer=writer, checkpoint_id=20)
     assert [i.step for i in co.list(job)] == [10, 20]
     dst = {k: torch.zeros_like(v) for k, v in _model_state().items()}
