@@ -1,9 +1,9 @@
 """The agent's event bus: journal first, then memory ring, watchers, Redis stream and metrics.
 
 `publish(kind, subject, message, details)` takes a member of the catalogue (sdcwatch/event_kinds.py) and
-refuses anything else (in the caller's thread); called from another thread while the loop runs (the checkpoint service's pools and
-the drainer hand it `publish`), it has the loop publish the event, so events reach the ring and the
-watchers in seq order and the loop's structures are touched by the loop alone.
+refuses anything else (in the caller's thread); called from another thread while the loop runs (the
+checkpoint service's pools and the drainer hand it `publish`), it has the loop publish the event, so events
+reach the ring and the watchers in seq order and the loop's structures are touched by the loop alone.
 Repeats are folded here, by the kind's `fold_s` (daemon/event_fold.py): `tick()` publishes the counts of
 closed windows, `flush_folds()` the rest at shutdown. An event is written to the journal before anyone
 sees it. `watch(since_seq)` yields every event with a larger seq, from memory when it is still there and
@@ -203,12 +203,6 @@ class EventBus:
     def publish_finding(self, finding: Finding) -> Event | None:
         return self.publish(finding.kind, finding.subject, finding.message, finding.details,
                             severity=finding.severity)
-
-    def publish_threadsafe(self, kind: EventKind, subject: str, message: str,
-                           details: Mapping[str, Any] | None = None, *, severity: Severity | None = None) -> None:
-        """`publish`, which hands an event from another thread to the running loop itself (kept for callers
-        that say so)."""
-        self.publish(kind, subject, message, details, severity=severity)
 
     def tick(self) -> list[Event]:
         """Publish the repeat counts of the fold windows that have closed (call it every second or so)."""

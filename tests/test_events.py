@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -128,8 +129,8 @@ def test_the_bus_refuses_anything_but_a_member(bus: EventBus) -> None:
     look_alike = EventKind("replica.mismatch", Severity.CRITICAL, (SubjectKind.JOB,), "a copy")
     with pytest.raises(UnknownEventKind):
         bus.publish(look_alike, "job/j1", "m")
-    with pytest.raises(UnknownEventKind):
-        bus.publish_threadsafe("agent.ready", "node", "m")   # type: ignore[arg-type]
+    with ThreadPoolExecutor(1) as pool, pytest.raises(UnknownEventKind):   # refused in the caller's thread
+        pool.submit(bus.publish, "agent.ready", "node", "m").result()   # type: ignore[arg-type]
     with pytest.raises(ValueError, match="severity INFO not allowed"):
         bus.publish(ek.REPLICA_MISMATCH, "job/j1", "m", severity=Severity.INFO)
     with pytest.raises(ValueError, match="not a node subject"):
@@ -168,12 +169,12 @@ def test_pending_counts_are_flushed_at_shutdown(bus: EventBus) -> None:
     assert e.details[REPEATS] == 1 and bus.flush_folds() == []
 
 
-def test_publish_threadsafe_runs_on_the_loop(tmp_path: Path) -> None:
+def test_publish_from_another_thread_runs_on_the_loop(tmp_path: Path) -> None:
     async def scenario() -> None:
         journal = Journal(tmp_path / "j").open()
         b = EventBus(journal)
         b.bind_loop(asyncio.get_running_loop())
-        await asyncio.to_thread(b.publish_threadsafe, ek.PROBE_HUNG, "probe/nvml", "hung", {"probe": "nvml"})
+        await asyncio.to_thread(b.publish, ek.PROBE_HUNG, "probe/nvml", "hung", {"probe": "nvml"})
         deadline = asyncio.get_running_loop().time() + scaled(10)
         while b.last_seq < 1 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
