@@ -159,14 +159,20 @@ class SdcwatchCheckpointer(CheckpointManager):
             logger.info("sdcwatch: the agent holds no VERIFIED checkpoint of %s; starting afresh",
                         self.sdc_config.job_id)
             return False
+        self._load_from_agent(step)
+        logger.info("sdcwatch: resumed %s from the agent's checkpoint of step %d",
+                    self.sdc_config.job_id, step)
+        return True
+
+    def _load_from_agent(self, step: int) -> None:
+        """The full train state of the agent's checkpoint `step`, through DCP; the writer is told, so the
+        saves after it (the redone steps) have the agent cut the job's history there first."""
+        assert self.link is not None
         started = time.time()
         dcp.load(self.sdc_states, storage_reader=SdcwStorageReader(self.link, self.sdc_config.job_id),
                  checkpoint_id=step)
         if self.writer is not None:
             self.writer.note_restore(step, started)
-        logger.info("sdcwatch: resumed %s from the agent's checkpoint of step %d",
-                    self.sdc_config.job_id, step)
-        return True
 
     # ---- directives ----------------------------------------------------------------------------------
 
@@ -175,11 +181,7 @@ class SdcwatchCheckpointer(CheckpointManager):
             if self.link is None:
                 logger.error("sdcwatch: rollback directive but sdcwatch_interval=0 (no checkpoints): ignored")
                 return
-            started = time.time()
-            dcp.load(self.sdc_states, storage_reader=SdcwStorageReader(self.link, self.sdc_config.job_id),
-                     checkpoint_id=directive.target_step)
-            if self.writer is not None:   # the redone steps' saves tell the agent (it cuts the history there)
-                self.writer.note_restore(directive.target_step, started)
+            self._load_from_agent(directive.target_step)
             if self.train_state is not None:
                 self.train_state.step = directive.target_step
             self.guard.note_restore(directive.target_step)   # the votes before it veto no redone update

@@ -42,20 +42,14 @@ def _from_load() -> float:
     return min(4.0, max(1.0, 1.0 + per_core, 1.0 + (workers - 1) / cores))
 
 
-def _factor() -> float:
-    given = _given()
-    return given if given is not None else _from_load()
-
-
-SLOWDOWN = _factor()
+_GIVEN = _given()
+SLOWDOWN = _GIVEN if _GIVEN is not None else _from_load()
 
 
 def scaled(seconds: float) -> float:
     """`seconds` (enough on an idle machine) times the suite's slowdown factor, or the factor the load average
-    says now where that is higher."""
-    if _given() is not None:
-        return seconds * SLOWDOWN
-    return seconds * max(SLOWDOWN, _from_load())
+    says now where that is higher (unless SDCWATCH_TEST_SLOWDOWN set it)."""
+    return seconds * (SLOWDOWN if _GIVEN is not None else max(SLOWDOWN, _from_load()))
 
 
 def wait_until(pred: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05) -> T:

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from agent_harness import AgentProcess
@@ -170,7 +171,6 @@ def test_compute_checks_refuse_a_strategy_without_ddp_and_bad_options(tmp_path: 
     of training with a message naming the strategy; compute= values that are not options are refused at
     construction."""
     import lightning as L
-    import pytest
 
     from integrations.lightning import SdcwatchCallback
 
