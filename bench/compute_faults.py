@@ -16,6 +16,7 @@ and the measured clean cross-rank spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import functools
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -384,14 +386,17 @@ def _weights_digest(model: nn.Module, world: int) -> list[str]:
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
-             gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False) -> dict[str, Any]:
+             gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False,
+             accum: int = 1) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
     `sdcguard` "sdcguard" (its ABFT checks every `sdcguard`-th step, no gate). Each block's time is measured
     over the whole block with one synchronisation at its end. Each arm's step time is its mean over all its
     blocks (an audit every 334 steps lands in one block in several: a median would leave it out); the
-    median block is kept too."""
+    median block is kept too, and the median over rounds of each round's ratio to the base block of the
+    same round (`paired`: drift between rounds cancels). `accum`: micro-batches per optimizer step (all but
+    the last under `no_sync()`, as jobs that accumulate run): the checks run once a step."""
     fused = (mask == "device" or device.type == "cuda") and not fsdp   # FSDP2: the host veto (as run_case)
     # with --profile: cProfile sees the training thread only, and DDP's comm hook runs on autograd's device
     # thread, so the hook, the gate, retain() and Monitor.step are timed by wrappers too (host seconds per
@@ -436,20 +441,27 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     # every batch made on the device before timing, as a loader with pinned memory and non-blocking copies
     # delivers them: a pageable copy per step waits for the stream, so the GPU idled ~20 ms a step while the
     # host launched the next one and every arm's host work was timed as if it were device work
-    batches = [batch_for(rank, s, device) for s in range(steps + 2 * block)]
+    batches = [batch_for(rank, s, device, micro) for s in range(steps + 2 * block) for micro in range(accum)]
+    step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
 
     def run_block(arm: tuple[Any, ...], steps_: range) -> None:
         _, ddp, opt, checks, guard, monitor = arm
         for s in steps_:
-            batch = batches[s]
-            if checks is not None:
-                checks.retain(batch)
-            if guard is not None:
-                with guard.on_step(s + 1):
-                    loss_fn(ddp, batch).backward()
-            else:
-                loss = loss_fn(ddp, batch)
-                loss.backward()
+            for micro in range(accum):
+                batch = batches[s * accum + micro]
+                if checks is not None:
+                    checks.retain(batch)
+                sync = micro == accum - 1
+                if fsdp:
+                    ddp.set_requires_gradient_sync(sync)
+                with contextlib.nullcontext() if sync or fsdp else ddp.no_sync():
+                    if guard is not None:
+                        with guard.on_step(s + 1):
+                            loss = step_loss(ddp, batch)
+                            loss.backward()
+                    else:
+                        loss = step_loss(ddp, batch)
+                        loss.backward()
             opt.step()
             if monitor is not None:
                 monitor.step(loss)
@@ -534,13 +546,30 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             host[arm[0]]["device_s_per_step"] = total / 1e6 / block
             host[arm[0]]["kernels"] = [(e.key[:90], e.self_device_time_total / 1e3 / block, e.count // block)
                                        for e in evs[:gpu_profile]]
+            host[arm[0]]["all_kernels"] = {e.key[:90]: (e.self_device_time_total / 1e3 / block, e.count / block)
+                                           for e in evs}
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     mean = {name: sum(t) / len(t) for name, t in times.items()}
+    # block k of every arm ran in round k (the order turned within the round): pair each with base's
+    paired = {name: statistics.median(a / b for a, b in zip(t, times["base"])) - 1.0 for name, t in times.items()}
+    if gpu_profile and "base" in host and "all_kernels" in host["base"]:   # what each arm adds on the device
+        base_k = host["base"]["all_kernels"]
+        for name in names:
+            mine = host.get(name, {}).get("all_kernels")
+            if name == "base" or mine is None:
+                continue
+            keys = set(mine) | set(base_k)
+            diff = [(k, mine.get(k, (0.0, 0))[0] - base_k.get(k, (0.0, 0))[0],
+                     mine.get(k, (0.0, 0))[1] - base_k.get(k, (0.0, 0))[1]) for k in keys]
+            diff.sort(key=lambda d: -abs(d[1]))
+            host[name]["kernel_diff"] = [d for d in diff[:12] if abs(d[1]) >= 0.002 or d[2]]
     out: dict[str, Any] = {"arms": {name: {"step_s": mean[name], "median_s": med[name],
+                                           "paired": paired[name],
                                            "overhead": mean[name] / mean["base"] - 1.0,
                                            "blocks": times[name]} for name in names},
                            "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
+                           "accum": accum,
                            "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
                            "summary_paths": paths, "host": host,
                            "status": {a[0]: dataclasses.asdict(a[3].status()) for a in arms if a[3] is not None}}
@@ -584,7 +613,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                        audit_every=args.overhead_audit_every, mask=args.mask,
                                        sdcguard=args.sdcguard, together=args.together,
                                        profile=args.profile, gpu_profile=args.gpu_profile,
-                                       sync_debug=args.sync_debug, fsdp=args.fsdp)
+                                       sync_debug=args.sync_debug, fsdp=args.fsdp, accum=args.accum)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -637,8 +666,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     if "overhead" in results:
         o = results["overhead"]
         lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm after one untimed "
-                     "round (mean over blocks; median block beside it):")
-        lines.append(f"  {'arm':42} {'ms/step':>9} {'ratio':>7} {'overhead':>9} {'median':>9}")
+                     f"round, {o.get('accum', 1)} micro-batch(es) a step (mean over blocks; median block; median "
+                     "of each round's ratio to its base block):")
+        lines.append(f"  {'arm':42} {'ms/step':>9} {'ratio':>7} {'overhead':>9} {'median':>9} {'paired':>9}")
         base = o["arms"]["base"]["step_s"]
         base_med = o["arms"]["base"]["median_s"]
         for name, a in o["arms"].items():
@@ -648,7 +678,7 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                     "all": f"all: vote+gate, canary, checks, audits/{o['audit_every']}",
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
             lines.append(f"  {what:42} {a['step_s'] * 1e3:9.3f} {a['step_s'] / base:7.4f} {a['overhead'] * 100:+8.2f}%"
-                         f" {(a['median_s'] / base_med - 1) * 100:+8.2f}%")
+                         f" {(a['median_s'] / base_med - 1) * 100:+8.2f}% {a.get('paired', float('nan')) * 100:+8.2f}%")
         for name, st in o.get("status", {}).items():
             lines.append(f"  checks of arm {name}: steps {st['steps']}, suspicions {st['suspicions']}, replays "
                          f"{st['replays']}, audits {st['audits']}, dropped {st['dropped']}, exact {st['exact']}")
@@ -669,6 +699,10 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                              "(ms/step, launches/step):")
                 for k, ms, n in h["kernels"]:
                     lines.append(f"    {k[:90]:90} {ms:7.3f} {n:5d}")
+            if h.get("kernel_diff"):
+                lines.append(f"  device time arm {name} adds over base (ms/step, launches/step):")
+                for k, ms, n in h["kernel_diff"]:
+                    lines.append(f"    {k[:90]:90} {ms:+7.3f} {n:+6.1f}")
         for name, counts in o.get("summary_paths", {}).items():
             lines.append(f"  bucket summaries of arm {name}: " + ", ".join(f"{n} {p}" for p, n in counts.items()))
     return "\n".join(lines)

@@ -28,7 +28,8 @@ is lost rather than applied late. A step settled after a restore (`StepGuard.res
 loaded other weights) is not replayed: its verdict gates nothing after the restore. Audit steps (every `audit_every`) take the host path: one
 synchronisation per audit. Cost of the device path per step: the bucket summaries (a norm, a max-abs and the
 fingerprint kernel per bucket), one all-gather of 32 bytes per bucket per rank, and a handful of tiny
-kernels (median, log, compare) for the flag.
+kernels (median, log, compare) for the flag, replayed as one CUDA graph once the spread is learnt
+(checksums.device_verdict).
 
 FSDP2 (`fully_shard`): the rows come from a custom reduce-scatter (checksums.grad_checks.FsdpGradSummaries)
 and replays are collective (checksums.fsdp_replay: every rank replays at once; an audit step audits every
@@ -56,13 +57,13 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
+from checksums.device_verdict import DeviceVerdict, device_flag
 from checksums.fsdp_replay import FsdpReplayer
 from checksums.grad_checks import (
     FsdpGradSummaries,
     GradSummaries,
     SpreadTracker,
     StatsVerdict,
-    deviations,
     stats_of,
 )
 from checksums.replay import Cause, Classification, LossFn, Replayer, Retained
@@ -140,6 +141,7 @@ class ComputeChecks:
         # the device path's last step, judged at the next: (step, rows, event, armed, retained, restore epoch)
         self._pending: tuple[int, torch.Tensor, Any, bool, Retained, int] | None = None
         self._spread_dev: torch.Tensor | None = None
+        self._verdict = DeviceVerdict(margin)             # the device path's rule: one graph replay a step
         self._host_bufs: list[torch.Tensor | None] = [None, None]   # the device path's rows on the host
         self._host_done: list[Any] = [None, None]
         self._host_i = 0
@@ -253,11 +255,12 @@ class ComputeChecks:
         """Gather and compare on the device; a 0-d flag masks the update through the optimizer's own
         `found_inf` (a fused optimizer skips params, moments and step count on the device). The rows go to
         pinned host memory without waiting; `_settle_previous` reads them at the next step."""
-        rows = self.summaries.gather()
+        inp = self._verdict.input(self.world * self.summaries.bucket_count(), self.device)
+        rows = self.summaries.gather(out=inp)
         self.summaries.clear()
         spread = self._spread_on(rows.device)
         armed = spread is not None and self.tracker.learned >= self.tracker.warmup
-        flag = device_flag(stats_of(rows), spread if armed else None, self.tracker.margin)
+        flag = self._verdict.flag(rows, spread if armed else None)
         assert self._device_mask is not None
         self._device_mask.add(ctx, flag)                  # combined with GradScaler's found_inf, if any
         host, done = self._host_slot(rows)
@@ -378,15 +381,6 @@ class ComputeChecks:
         self.guard.remove(self.name)
 
 
-def device_flag(stats: torch.Tensor, spread: torch.Tensor | None, margin: float) -> torch.Tensor:
-    """0-d float32 on the stats' device: 1.0 when a rank has a non-finite statistic or (with `spread`) is
-    more than `margin` spreads from the median; the same rule as `SpreadTracker.judge`, no host sync."""
-    bad = ~torch.isfinite(stats).all()
-    if spread is not None:
-        bad = bad | ((deviations(stats) / spread) > margin).any()
-    return bad.float()
-
-
 def _is_fsdp(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -398,4 +392,4 @@ def _is_fsdp(model: nn.Module) -> bool:
 _choose_mask = choose_mask   # the name this module had for it
 
 
-__all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus"]
+__all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus", "device_flag"]

@@ -51,7 +51,8 @@ ROW_WORDS = 4          # norm bits, max-abs bits, fingerprint word 0, fingerprin
 _TINY = 1e-30          # log of a zero statistic: far from any live gradient, finite
 
 
-def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None, scale: float = 1.0) -> torch.Tensor:
+def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None, scale: float = 1.0,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [4] on the gradients' device: norm and max-abs (float64 bit patterns), fingerprint (2 words).
 
     No host synchronisation. Non-finite values make the norm non-finite, so they travel in the same row
@@ -63,39 +64,42 @@ def bucket_summary(grads: Sequence[torch.Tensor], plan: Any = None, scale: float
     does no planning; without one, a cached plan is used.
     `scale` != 1 (a one-tensor list): after the row is taken, the buffer is multiplied by `scale` in place,
     as `mul_` does (DDP's pre-reduction 1/world); the fused kernel does it in the same pass.
+    `out` (int64 [4] on the device): the row is written there (and returned), not in a new tensor.
     """
     if scale != 1.0 and len(grads) != 1:
         raise ValueError(f"scale applies to a one-tensor list (a bucket's buffer), got {len(grads)} tensors")
     if plan is not None and getattr(plan, "summarises", False):
         if len(grads) == 1 and _FUSED and not _BROKEN and plan.matches(grads[0]):
-            return _run_fused(plan, grads[0], checked=True, scale=scale)
+            return _run_fused(plan, grads[0], checked=True, scale=scale, out=out)
         plan = None
     elif plan is None and len(grads) == 1 and fusable(grads[0]):
-        return _run_fused(None, grads[0], scale=scale)
-    return _torch_scaled(grads, plan, scale)
+        return _run_fused(None, grads[0], scale=scale, out=out)
+    return _torch_scaled(grads, plan, scale, out)
 
 
-def _torch_scaled(grads: Sequence[torch.Tensor], plan: Any, scale: float) -> torch.Tensor:
+def _torch_scaled(grads: Sequence[torch.Tensor], plan: Any, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     row = bucket_summary_torch(grads, plan)
     if scale != 1.0:
         grads[0].mul_(scale)
-    return row
+    return row if out is None else out.copy_(row)
 
 
-def _run_fused(plan: Any, t: torch.Tensor, checked: bool = False, scale: float = 1.0) -> torch.Tensor:
+def _run_fused(plan: Any, t: torch.Tensor, checked: bool = False, scale: float = 1.0,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel (`checked`: the caller saw `plan.matches(t)`); if it cannot be built or launched here
     (a Triton or driver that will not compile it), say so once and keep the torch path for the rest of the
     process: the checks must not stop."""
     global _BROKEN
     try:
         if checked:
-            return plan.launch(t, scale=scale)
-        return (plan if plan is not None else _cached_summary_plan(t)).run_async(t, scale=scale)
+            return plan.launch(t, out, scale=scale)
+        return (plan if plan is not None else _cached_summary_plan(t)).run_async(t, out, scale=scale)
     except Exception as exc:  # noqa: BLE001 (any compile or launch error: fall back, never break training)
         _BROKEN = True
         logger.warning("sdcwatch: the fused gradient summary failed (%s: %s); using torch ops",
                        type(exc).__name__, str(exc)[:300])
-        return _torch_scaled([t], None, scale)
+        return _torch_scaled([t], None, scale, out)
 
 
 def bucket_summary_torch(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:
@@ -298,6 +302,11 @@ class GradSummaries:
         self.params: list[torch.Tensor] = [p for p in ddp.module.parameters() if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._rows: dict[int, torch.Tensor] = {}
+        # the rows are written into one buffer (a view a bucket, made once): `rows()` is a slice of it, not
+        # a stack of a new tensor a bucket (two host allocations and launches a step fewer); the next
+        # step's hooks overwrite it in stream order after this step's gather read it
+        self._buf: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
         self._plans: dict[int, tuple[tuple, Any]] = {}
         self.layout: dict[int, tuple[int, ...]] = {}
         self._seen: dict[int, tuple[int, int, bool, int]] = {}   # bucket -> (address, numel, fused, calls)
@@ -328,7 +337,8 @@ class GradSummaries:
         # the default reduction's 1/world scaling in the summary's pass; a job's own hook does its own
         scale = self._reduce.scale if self._comm_hook is None else 1.0
         self._rows[idx] = bucket_summary([buf], held[1] if held is not None else self._plan(idx, [buf]),
-                                         scale=scale)         # leaves the buffer scaled for the sum
+                                         scale=scale, out=self._row_slot(idx, buf.device))
+        # (the summary leaves the buffer scaled for the sum)
         # the layout, taken while DDP may still rebuild: its rebuild after the first step may keep a
         # bucket's parameter count and reorder them (the order gradients became ready), and a stale layout
         # would make every replay's fingerprint differ. DDP rebuilds once; a bucket whose buffer moved or
@@ -347,23 +357,53 @@ class GradSummaries:
         (DDP rebuilds its buckets once, after the first step). Elsewhere None (torch ops)."""
         return _held_plan(self._plans, idx, grads)
 
+    def _row_slot(self, idx: int, device: torch.device) -> torch.Tensor:
+        """Bucket `idx`'s row in the row buffer (grown, with the rows already written this step, when a
+        bucket index is new: the first steps only)."""
+        views = self._views
+        if idx < len(views) and views[idx].device == device:
+            return views[idx]
+        old = self._buf
+        cap = max(16, 2 * (idx + 1))
+        self._buf = torch.zeros(cap, ROW_WORDS, dtype=torch.int64, device=device)
+        if old is not None and old.device == device:
+            self._buf[:old.shape[0]].copy_(old)
+        self._views = list(self._buf.unbind(0))
+        for i in self._rows:
+            if i < cap:
+                self._rows[i] = self._views[i]
+        return self._views[idx]
+
+    def bucket_count(self) -> int:
+        """The buckets reduced since the last `clear` (every index below it must have been)."""
+        return max(self._rows) + 1 if self._rows else 0
+
     def rows(self) -> torch.Tensor:
-        """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index."""
+        """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index. A
+        view of the row buffer that the next backward overwrites: use it (gather, copy) in this step."""
+        n = self._check_rows()
+        if self._buf is not None and n <= self._buf.shape[0]:
+            return self._buf[:n]
+        return torch.stack([self._rows[i] for i in range(n)])
+
+    def _check_rows(self) -> int:
         if not self._rows:
             raise RuntimeError("no gradient bucket was reduced since the last step (no backward?)")
         n = max(self._rows) + 1
         if len(self._rows) != n:
             raise RuntimeError(f"buckets {sorted(set(range(n)) - set(self._rows))} were not reduced")
-        return torch.stack([self._rows[i] for i in range(n)])
+        return n
 
     def clear(self) -> None:
         self._rows.clear()
 
-    def gather(self) -> torch.Tensor:
-        """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call)."""
+    def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call).
+        `out`: int64 [world * buckets, 4] on that device to gather into (the compute gate's static input)."""
         mine = self.rows()
         world = dist.get_world_size(self._group)
-        out = mine.new_empty((world * mine.shape[0], *mine.shape[1:]))   # the concatenated form (gloo's)
+        if out is None:
+            out = mine.new_empty((world * mine.shape[0], *mine.shape[1:]))   # the concatenated form (gloo's)
         all_gather_single(out, mine, group=self._group)    # one call and no stack, whatever the world
         return out.view(world, *mine.shape)
 
@@ -468,13 +508,17 @@ class FsdpGradSummaries:
 
     def rows(self) -> torch.Tensor:
         self._wait_streams()
-        return GradSummaries.rows(self)  # type: ignore[arg-type]
+        n = GradSummaries._check_rows(self)  # type: ignore[arg-type]
+        return torch.stack([self._rows[i] for i in range(n)])
+
+    def bucket_count(self) -> int:
+        return GradSummaries.bucket_count(self)  # type: ignore[arg-type]
 
     def clear(self) -> None:
         self._rows.clear()
 
-    def gather(self) -> torch.Tensor:
-        return GradSummaries.gather(self)  # type: ignore[arg-type]
+    def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        return GradSummaries.gather(self, out)  # type: ignore[arg-type]
 
 
 def fsdp_group_params(module: nn.Module) -> list[Any]:

@@ -291,6 +291,7 @@ class GradSummaryPlan:
         self.fpart = torch.zeros(max(self.n_items, 1), 2, dtype=torch.int64, device=self.device)
         self.spart = torch.zeros(max(self.n_items, 1), 2, dtype=torch.float32, device=self.device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)   # the one-launch form's
+        self._direct: dict[tuple[bool, bool, bool], _DirectLaunch] = {}
 
     def _items(self, sms: int, items_per_sm: int) -> list[list[int]]:
         """Work items [tile0, full tiles, has a partial tile, takes the tail], as fingerprint_triton cuts."""
@@ -326,22 +327,77 @@ class GradSummaryPlan:
 
         `scale` != 1: the same pass also multiplies `t` in place by `scale` (fp32 math, rounded to nearest
         even into t's dtype: torch's `t.mul_(scale)`, bit for bit), after reading it for the row: the
-        pre-reduction scaling DDP does, without a second pass over the bucket."""
+        pre-reduction scaling DDP does, without a second pass over the bucket.
+
+        The first launch of each variant goes through Triton's JIT entry (it compiles and caches); later
+        ones call the compiled kernel directly (`_DirectLaunch`): the JIT entry binds the arguments and
+        builds a specialisation key on every call, ~60-90 us of host time a bucket on the H200's host, in
+        the step of a host-bound job."""
         if out is None:
             out = torch.empty(ROW_WORDS, dtype=torch.int64, device=self.device)
         off = t.data_ptr() - self._anchor_ptr
+        scaled = scale != 1.0
         with _on_device(self.device):
             one = self.one_launch and self.n_items > 0
             if self.n_items:
-                gs_partials_kernel[(self.n_items,)](
-                    self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
-                    self.fpart, self.spart, self.counter, self.n_items, self.hdr, out, float(scale),
-                    BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es, ONE_LAUNCH=one, TB=ONE_LAUNCH_TB,
-                    SCALE=scale != 1.0, num_warps=self.num_warps)
+                args = (self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
+                        self.fpart, self.spart, self.counter, self.n_items, self.hdr, out, float(scale))
+                # what Triton specialises among the arguments that change between calls: `off`'s integer
+                # type (i32 or i64, by its value) and `out`'s 16-byte alignment
+                key = (scaled, -_I32 <= off < _I32, out.data_ptr() % 16 == 0)
+                direct = self._direct.get(key)
+                if direct is None or not direct(args, (self.block, 16, self._dt, self._es, one, ONE_LAUNCH_TB,
+                                                       scaled)):
+                    compiled = gs_partials_kernel[(self.n_items,)](
+                        *args, BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es, ONE_LAUNCH=one,
+                        TB=ONE_LAUNCH_TB, SCALE=scaled, num_warps=self.num_warps)
+                    if direct is None:
+                        self._direct[key] = _DirectLaunch.of(compiled, (self.n_items, 1, 1))
             if not one:
                 gs_finalize_kernel[(1,)](self.fpart, self.spart, self.n_items, self.hdr, out, TB=FINAL_TB,
                                          num_warps=FINAL_WARPS)
         return out
+
+
+_I32 = 1 << 31
+# SDCWATCH_GS_DIRECT=0: every launch through Triton's JIT entry (bench/bench_grad_summary.py compares)
+DIRECT_LAUNCH = os.environ.get("SDCWATCH_GS_DIRECT", "1") != "0"
+
+
+class _DirectLaunch:
+    """A compiled Triton kernel launched without the JIT entry: `CompiledKernel[grid](*args, stream=)`
+    (the compiled kernel's own launcher, public in Triton 3.x), the arguments in the kernel's signature
+    order (constexprs included: the launcher skips them). Calls return False (and the caller launches
+    through the JIT entry) when direct launches are off, unavailable (the interpreter returns no compiled
+    kernel), or failed once (then never again in this plan)."""
+
+    __slots__ = ("_run", "ok")
+
+    def __init__(self, run: object) -> None:
+        self._run = run
+        self.ok = run is not None
+
+    @classmethod
+    def of(cls, compiled: object, grid: tuple[int, int, int]) -> "_DirectLaunch":
+        if not DIRECT_LAUNCH or compiled is None:
+            return cls(None)
+        if hasattr(compiled, "result"):          # an asynchronous compile's future
+            compiled = compiled.result()
+        try:
+            run = compiled[grid]                # type: ignore[index]
+        except Exception:  # noqa: BLE001 (a Triton without this launcher: the JIT entry every time)
+            run = None
+        return cls(run)
+
+    def __call__(self, args: tuple, constexprs: tuple) -> bool:
+        if not self.ok:
+            return False
+        try:
+            self._run(*args, *constexprs)       # type: ignore[misc]
+        except Exception:  # noqa: BLE001 (an argument the launcher refuses: nothing was launched)
+            self.ok = False
+            return False
+        return True
 
 
 def _on_device(device: torch.device):  # type: ignore[no-untyped-def]

@@ -92,3 +92,40 @@ def test_a_misaligned_buffer_falls_back() -> None:
     x = torch.randn(1001, device="cuda")[1:]
     assert not fusable(x)
     assert torch.equal(bucket_summary([x]), bucket_summary_torch([x]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_direct_launches_give_the_jit_entrys_rows_and_buffers(monkeypatch, dtype: torch.dtype,
+                                                              scale: float) -> None:
+    """After its first launch a plan calls the compiled kernel directly (no JIT entry): the rows and the
+    scaled buffers are bit for bit those of launches through the JIT entry (SDCWATCH_GS_DIRECT=0), for
+    buffers at other addresses, including one in another allocation (its offset from the plan's anchor
+    can need 64 bits)."""
+    import checksums.grad_summary_triton as gst
+
+    n = (3 << 20) + 5
+    big = (torch.randn(4 * n + 64, device="cuda") * 1e-2).to(dtype)
+    other = (torch.randn(n + 8, device="cuda") * 1e-2).to(dtype)
+    bufs = [big[k * (n + 8): k * (n + 8) + n] for k in range(3)] + [other[:n]]
+    assert all(b.data_ptr() % 16 == 0 for b in bufs)
+
+    def run_all(direct: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
+        monkeypatch.setattr(gst, "DIRECT_LAUNCH", direct)
+        plan = gst.GradSummaryPlan(bufs[0])
+        xs = [b.clone() for b in bufs]
+        out = torch.zeros(len(xs) * 2, 4, dtype=torch.int64, device="cuda")
+        rows = []
+        for k in range(2):                                    # twice: the second round all direct
+            for i, x in enumerate(xs):
+                rows.append(plan.launch(x, out[k * len(xs) + i] if k else None, scale=1.0 if k else scale))
+        return rows, xs, plan
+
+    d_rows, d_bufs, d_plan = run_all(True)
+    j_rows, j_bufs, j_plan = run_all(False)
+    assert all(torch.equal(a, b) for a, b in zip(d_rows, j_rows))
+    assert all(torch.equal(a, b) for a, b in zip(d_bufs, j_bufs))        # scaled alike, bit for bit
+    assert any(d.ok for d in d_plan._direct.values())                    # the direct path ran
+    assert not any(d.ok for d in j_plan._direct.values())
+    ref = bucket_summary_torch([bufs[1]])
+    assert torch.equal(d_rows[1][2:], ref[2:])                           # and it is the right row

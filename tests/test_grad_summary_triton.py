@@ -379,7 +379,8 @@ def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -
         def matches(self, t: torch.Tensor) -> bool:
             return True
 
-        def launch(self, t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # the checked path
+        def launch(self, t: torch.Tensor, out: torch.Tensor | None = None,
+                   scale: float = 1.0) -> torch.Tensor:  # the checked path (GradSummaryPlan's signature)
             Broken.calls += 1
             raise RuntimeError("no compiler for this GPU")
 

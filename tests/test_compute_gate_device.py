@@ -1,0 +1,146 @@
+"""The compute gate's device path (checksums/compute_gate.py with checksums/device_verdict.py): the verdict
+replayed from a CUDA graph equals the eager rule on every input, and a training run with the graph masks
+and trains bit for bit as one with the eager ops. On the CPU the same run checks the path without graphs
+(the suite); on a GPU (bench/gpu_run.sh: `pytest -m gpu`) with them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rank_spawn import spawn
+
+CUDA = torch.cuda.is_available()
+
+
+def _rows_of(stats: torch.Tensor) -> torch.Tensor:
+    """int64 rows [world * buckets, 4] whose first two words are `stats` [world, buckets, 2] (float64)."""
+    w, b, _ = stats.shape
+    rows = torch.zeros(w * b, 4, dtype=torch.int64, device=stats.device)
+    rows[:, :2] = stats.reshape(-1, 2).contiguous().view(torch.int64)
+    return rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_graph_verdict_is_the_eager_rule_on_every_input() -> None:
+    from checksums.device_verdict import DeviceVerdict, device_flag
+    from checksums.grad_checks import stats_of
+
+    world, buckets, margin = 5, 7, 3.0
+    v = DeviceVerdict(margin, graphs=True)
+    inp = v.input(world * buckets, torch.device("cuda"))
+    spread = torch.full((buckets, 2), math.log(1.05), dtype=torch.float64, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for k in range(40):
+        stats = torch.exp(torch.randn(world, buckets, 2, generator=g, dtype=torch.float64) * 0.01)
+        if k % 4 == 1:
+            stats[k % world, k % buckets, k % 2] *= 1.5          # an outlier far beyond the spread
+        if k % 4 == 2:
+            stats[k % world, 0, 0] = float("nan") if k % 8 == 2 else float("inf")
+        if k % 5 == 3:
+            stats[k % world, k % buckets, 0] *= 1.0 + 2.5 * math.log(1.05)   # near the margin
+        cases.append(stats)
+    flags = []
+    for k, stats in enumerate(cases):
+        if k == 20:
+            spread.mul_(20.0)                 # the gate updates the spread in place: the graph reads it
+        inp.copy_(_rows_of(stats.cuda()))
+        rows = inp.view(world, buckets, 4)
+        got = v.flag(rows, spread)
+        want = device_flag(stats_of(rows), spread, margin)
+        flags.append((float(got), float(want)))
+    assert v.captures == 1                    # one capture, replayed 39 times
+    assert all(a == b for a, b in flags), flags
+    assert {a for a, _ in flags} == {0.0, 1.0}
+    # a new input buffer (DDP rebuilt its buckets) captures again
+    inp2 = v.input(world * (buckets + 1), torch.device("cuda"))
+    spread2 = torch.full((buckets + 1, 2), 0.1, dtype=torch.float64, device="cuda")
+    inp2.zero_()
+    inp2[:, 0] = torch.tensor(1.0, dtype=torch.float64).view(torch.int64)
+    assert float(v.flag(inp2.view(world, buckets + 1, 4), spread2)) == 0.0 and v.captures == 2
+
+
+def _train(rank: int, init: str, device_name: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+
+    device = torch.device(device_name)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=1)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    poison = {"step": -1}
+
+    def inject(idx: int, buf: torch.Tensor) -> None:
+        if poison["step"] == arm_step["now"] and idx == 0:
+            buf.view(-1)[3] = float("nan")
+
+    arm_step = {"now": 0}
+    runs = []
+    for graphs in (True, False):
+        m = nn.Sequential(*[type(layer)(*(() if isinstance(layer, nn.GELU) else
+                                          (layer.in_features, layer.out_features))) for layer in base])
+        m.load_state_dict(base.state_dict())
+        m.to(device)
+        ddp = DDP(m, bucket_cap_mb=0.01)                     # several buckets
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, fused=True)
+        checks = ComputeChecks.attach(
+            ddp, opt, mask="device", audit_every=0, warmup=3,
+            loss_fn=lambda mod, b: nn.functional.mse_loss(mod(b[0]), b[1]), inject_bucket=inject)
+        checks._verdict.graphs = graphs
+        runs.append((ddp, opt, checks))
+    poison["step"] = 9
+    masked_ok, same_every_step = True, True
+    g = torch.Generator().manual_seed(7)
+    for s in range(1, 15):
+        arm_step["now"] = s
+        x, y = torch.randn(16, 32, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
+        for ddp, opt, checks in runs:
+            before = [p.detach().clone() for p in ddp.parameters()]
+            checks.retain((x, y))
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if s == poison["step"]:          # the NaN step's update was masked on the device
+                masked_ok &= all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
+        same_every_step &= all(torch.equal(a, b) for a, b in zip(runs[0][0].parameters(),
+                                                                  runs[1][0].parameters()))
+    with open(out, "w") as f:
+        json.dump({"masked": masked_ok, "same": same_every_step,
+                   "captures": [c._verdict.captures for _, _, c in runs],
+                   "suspicions": [c.status().suspicions for _, _, c in runs],
+                   "dropped": [c.status().dropped for _, _, c in runs],
+                   "finite": all(bool(torch.isfinite(p).all()) for d, _, _ in runs for p in d.parameters())}, f)
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, device: str) -> dict:
+    import json
+    out = tmp_path / "out.json"
+    spawn(_train, (str(tmp_path / "init"), device, str(out)), nprocs=1)
+    return json.loads(out.read_text())
+
+
+def test_the_device_path_masks_a_nan_step_and_trains_on_cpu(tmp_path) -> None:
+    got = _run(tmp_path, "cpu")
+    assert got["masked"] and got["same"] and got["finite"], got
+    assert got["captures"] == [0, 0]             # no graphs off CUDA
+    assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_graph_path_masks_and_trains_bit_for_bit_as_the_eager_one(tmp_path) -> None:
+    got = _run(tmp_path, "cuda")
+    assert got["masked"] and got["same"] and got["finite"], got
+    assert got["captures"] == [1, 0], got        # captured once when the spread was armed; eager beside it
+    assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
