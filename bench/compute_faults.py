@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
-from checksums.grad_checks import GradSummaries, set_fused, summary_paths
+from checksums.grad_checks import BucketAllreduce, GradSummaries, set_fused, summary_paths
 from checksums.monitor import Monitor
 from checksums.replica_recovery import ReplicaRecovery
 from checksums.reporter import ReporterStats, StepReport
@@ -387,7 +387,7 @@ def _weights_digest(model: nn.Module, world: int) -> list[str]:
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
              gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False,
-             accum: int = 1) -> dict[str, Any]:
+             accum: int = 1, hook_arm: bool = False) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -417,7 +417,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             setattr(cls, attr, timed(f"{cls.__name__}.{attr}", cls.__dict__[attr]))
     arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
-    names = (["base", "checks"] + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
+    names = (["base"] + (["hook"] if hook_arm else []) + ["checks"] + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
              + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else []))
     world = dist.get_world_size()
     for name in names:
@@ -433,6 +433,9 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, mask=mask, gpu_uuid=f"GPU-fake-{rank}",
                                           monitor=monitor,
                                           audit_every=audit_every if name in ("checks+audits", "all") else 0)
+        if name == "hook":      # DDP through a Python comm hook that only reduces (BucketAllreduce): the
+            reduce = BucketAllreduce(getattr(ddp, "process_group", None))   # floor of a per-bucket hook
+            ddp.register_comm_hook(None, lambda state, bucket: reduce(bucket.buffer()))
         guard = _sdcguard(sdcguard, model) if name == "sdcguard" else None
         arms.append((name, ddp, opt, checks, guard, monitor))
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -613,7 +616,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                        audit_every=args.overhead_audit_every, mask=args.mask,
                                        sdcguard=args.sdcguard, together=args.together,
                                        profile=args.profile, gpu_profile=args.gpu_profile,
-                                       sync_debug=args.sync_debug, fsdp=args.fsdp, accum=args.accum)
+                                       sync_debug=args.sync_debug, fsdp=args.fsdp, accum=args.accum,
+                                       hook_arm=args.hook_arm)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -673,6 +677,7 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         base_med = o["arms"]["base"]["median_s"]
         for name, a in o["arms"].items():
             what = {"base": "base (no checks)", "checks": "pre-reduction checks every step",
+                    "hook": "a Python comm hook that only reduces",
                     "checks-torch": "the same checks in torch ops (pre-fused)",
                     "checks+audits": f"checks + audits every {o['audit_every']}",
                     "all": f"all: vote+gate, canary, checks, audits/{o['audit_every']}",
@@ -720,6 +725,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     p.add_argument("--audit-every", type=int, default=5)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--margin", type=float, default=3.0)
+    p.add_argument("--hook-arm", action="store_true", help="with --overhead: an arm \"hook\" (DDP through a "
+                   "Python comm hook that only all-reduces: what any per-bucket hook costs)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation: all but the last under ddp.no_sync())")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: the checks run "

@@ -105,9 +105,10 @@ def test_direct_launches_give_the_jit_entrys_rows_and_buffers(monkeypatch, dtype
     import checksums.grad_summary_triton as gst
 
     n = (3 << 20) + 5
-    big = (torch.randn(4 * n + 64, device="cuda") * 1e-2).to(dtype)
+    big = (torch.randn(4 * n + 128, device="cuda") * 1e-2).to(dtype)
     other = (torch.randn(n + 8, device="cuda") * 1e-2).to(dtype)
-    bufs = [big[k * (n + 8): k * (n + 8) + n] for k in range(3)] + [other[:n]]
+    stride = n + 11 + (-(n + 11)) % 16                   # 16 elements: every slice starts 16-byte aligned
+    bufs = [big[k * stride: k * stride + n] for k in range(3)] + [other[:n]]
     assert all(b.data_ptr() % 16 == 0 for b in bufs)
 
     def run_all(direct: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
