@@ -124,7 +124,14 @@ want gradsum && step gradsum-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 py
 # checks, audits every 334) beside base/checks/audits/sdcguard, interleaved; then 2,000 clean steps on 3
 # virtual ranks (no false suspicion expected)
 want computeall && step compute-all 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20 --together --gpu-profile 8
+  --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 10 --sdcguard 20 --together --hook-arm \
+  --gpu-profile 8
+# the same with 4 micro-batches a step (32k tokens; all but the last under no_sync()): the checks run once a step
+want computeaccum && step compute-accum 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --overhead 80 --block 10 --together --hook-arm --accum 4
+# the device path's tests: direct launches, the graph verdict (also under deterministic algorithms)
+want computeall && step compute-gate-tests 90 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_compute_gate_device.py
 # the same, short, with each arm's host time per step and its largest functions (cProfile)
 want computeprof && step compute-prof 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 40 --block 20 --together --profile 14

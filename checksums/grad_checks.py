@@ -558,9 +558,12 @@ def _summarising_reduce_scatter() -> type:
 def deviations(stats: torch.Tensor) -> torch.Tensor:
     """|log(x_r) - median_r log(x)| per rank, bucket and statistic: float64 [world, buckets, 2].
 
-    Non-finite values are counted as zero here (their rank is named by `SpreadTracker.judge`)."""
+    Non-finite values are counted as zero here (their rank is named by `SpreadTracker.judge`). The median is
+    torch.median's (the lower of the two middle values for an even count), taken from a sort: `median(dim=)`
+    on CUDA has no deterministic implementation, so under `torch.use_deterministic_algorithms(True)` (jobs
+    that want reproducible runs, and exact replays of cuDNN attention) it raises; a sort does not."""
     x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
-    med = x.median(dim=0).values
+    med = x.sort(dim=0, stable=True).values[(x.shape[0] - 1) // 2]
     return (x - med).abs()
 
 

@@ -144,3 +144,45 @@ def test_the_graph_path_masks_and_trains_bit_for_bit_as_the_eager_one(tmp_path) 
     assert got["masked"] and got["same"] and got["finite"], got
     assert got["captures"] == [1, 0], got        # captured once when the spread was armed; eager beside it
     assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8])
+def test_deviations_take_torchs_lower_median(world: int) -> None:
+    """The device rule's median (from a sort: deterministic) is torch.median's, for odd and even counts,
+    with ties, zeros and non-finite values."""
+    from checksums.grad_checks import _TINY, deviations
+
+    g = torch.Generator().manual_seed(world)
+    for k in range(20):
+        stats = torch.exp(torch.randn(world, 5, 2, generator=g, dtype=torch.float64))
+        if k % 3 == 0:
+            stats[0] = stats[-1]                                        # ties
+        if k % 4 == 1:
+            stats[k % world, k % 5, 0] = [0.0, float("nan"), float("inf")][k % 3]
+        x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
+        want = (x - x.median(dim=0).values).abs()
+        assert torch.equal(deviations(stats), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_device_rule_runs_under_deterministic_algorithms() -> None:
+    """A job with torch.use_deterministic_algorithms(True) (no warn_only) gets a verdict, not an error
+    (median(dim=) on CUDA raises there), eager and from the graph."""
+    from checksums.device_verdict import DeviceVerdict, device_flag
+    from checksums.grad_checks import stats_of
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        v = DeviceVerdict(3.0, graphs=True)
+        inp = v.input(3 * 4, torch.device("cuda"))
+        stats = torch.exp(torch.randn(3, 4, 2, dtype=torch.float64) * 0.01)
+        stats[1, 2, 0] *= 2.0
+        inp.copy_(_rows_of(stats.cuda()))
+        spread = torch.full((4, 2), 0.05, dtype=torch.float64, device="cuda")
+        rows = inp.view(3, 4, 4)
+        assert float(device_flag(stats_of(rows), spread, 3.0)) == 1.0
+        assert float(v.flag(rows, spread)) == 1.0 and v.captures == 1
+    finally:
+        torch.use_deterministic_algorithms(was)
