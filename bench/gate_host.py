@@ -8,7 +8,7 @@ host microsecond the checks add lands in the step. Two parts are measured here, 
   in interleaved blocks: DDP's built-in reduction (no hook: the floor), torch's ``allreduce_hook`` (what
   GradSummaries called before), and ``BucketAllreduce`` (what it calls now). The printed cost is the extra
   host time per bucket over the built-in, and the ratio of ours to allreduce_hook's.
-* ``judge``: ``SpreadTracker.jumps`` + ``judge`` on one step's gathered statistics (world x buckets x 2),
+* ``judge``: ``SpreadTracker.assess`` (the jumps, then the verdict) on one step's gathered statistics (world x buckets x 2),
   against the same rule in torch ops on CPU tensors (``deviations`` plus the non-finite test and the
   maxima: the form the tracker had before).
 
@@ -87,16 +87,14 @@ def _judge(world: int, buckets: int, steps: int) -> dict[str, float]:
     tracker = SpreadTracker(warmup=5)
     spread = torch.full((buckets, 2), math.log(1.05), dtype=torch.float64)
     for x in xs[:20]:
-        tracker.jumps(x)
-        tracker.judge(x)
+        tracker.assess(x)
         torch_rule(x, spread)
         torch_rule(x, spread)
     out: dict[str, list[float]] = {"numpy": [], "torch": []}
     for _ in range(5):
         t = time.perf_counter()
         for x in xs:
-            tracker.jumps(x)
-            tracker.judge(x)
+            tracker.assess(x)                  # the gate's every step: the jumps, then the verdict
         out["numpy"].append((time.perf_counter() - t) / len(xs))
         t = time.perf_counter()
         for x in xs:                   # jumps and judge each evaluated the rule once: twice here

@@ -203,8 +203,7 @@ class ComputeChecks:
     def _judge_now(self, ctx: StepContext, rows: torch.Tensor, audit_due: bool) -> Veto | None:
         """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps)."""
         stats = stats_of(rows)
-        jumps = self.tracker.jumps(stats)                # before judge() learns this step
-        verdict = self.tracker.judge(stats)
+        jumps, verdict = self.tracker.assess(stats)      # the jumps before the verdict learns this step
         self.last_verdict = verdict
         outcomes = self._classify(verdict, rows, jumps)
         # an audit runs only on a step the statistics passed: no rank's history jump is evidence then (a
@@ -324,8 +323,7 @@ class ComputeChecks:
         if done is not None:
             done.synchronize()                            # recorded a step ago: already complete
         stats = stats_of(host)
-        jumps = self.tracker.jumps(stats)
-        verdict = self.tracker.judge(stats)
+        jumps, verdict = self.tracker.assess(stats)
         self.last_verdict = verdict
         if not armed and not verdict.nonfinite:
             return

@@ -623,19 +623,29 @@ class SpreadTracker:
         """float64 [buckets, 2] (a view of the tracker's array; replaced, never changed in place)."""
         return None if self._spread is None else torch.from_numpy(self._spread)
 
+    def assess(self, stats: torch.Tensor) -> tuple[tuple[float, ...], StatsVerdict]:
+        """`jumps(stats)` (before this step is learnt), then `judge(stats)`, from one host copy of the
+        statistics and one log of them: what the gate runs every step."""
+        x = _host_array(stats)
+        lx = _log_np(x)
+        nonfinite = _nonfinite_ranks_np(x)
+        return self._jumps(x, lx, nonfinite), self._judge(x, lx, nonfinite)
+
     def judge(self, stats: torch.Tensor) -> StatsVerdict:
         """The verdict on one step's gathered statistics float64 [world, buckets, 2] (host or device)."""
         x = _host_array(stats)
+        return self._judge(x, _log_np(x), _nonfinite_ranks_np(x))
+
+    def _judge(self, x: np.ndarray, lx: np.ndarray, nonfinite: tuple[int, ...]) -> StatsVerdict:
         world, nb = x.shape[0], x.shape[1]
-        nonfinite = _nonfinite_ranks_np(x)
-        dev = _deviations_np(x)
+        dev = _deviations_of_log(lx)
         if self._spread is None or self._spread.shape[0] != nb:   # DDP rebuilt its buckets: learn anew
             self._spread = np.full((nb, 2), self.floor, dtype=np.float64)
             self.spread_version += 1
             self.learned = 0
         if self.learned < self.warmup or world < 2:
             if not nonfinite:
-                self._learn(dev, nonfinite, x)
+                self._learn(dev, nonfinite, lx)
             return StatsVerdict(scores=(0.0,) * world, outliers=(), nonfinite=nonfinite, warming=True)
         ratio = dev / self._spread
         scores = ratio.reshape(world, -1).max(axis=1).tolist()
@@ -649,7 +659,7 @@ class SpreadTracker:
             bucket, stat = flat // 2, STAT_NAMES[flat % 2]
         elif not nonfinite:
             self.max_score_clean = max(self.max_score_clean, max(scores))
-            self._learn(dev, nonfinite, x)
+            self._learn(dev, nonfinite, lx)
         return StatsVerdict(scores=tuple(scores), outliers=tuple(over), nonfinite=nonfinite,
                             bucket=bucket, stat=stat)
 
@@ -657,23 +667,29 @@ class SpreadTracker:
         """A step a replay cleared (its values were the data's): widen the spread to include it."""
         x = _host_array(stats)
         if self._spread is not None and self._spread.shape[0] == x.shape[1]:
-            self._learn(_deviations_np(x), _nonfinite_ranks_np(x), x)
+            lx = _log_np(x)
+            self._learn(_deviations_of_log(lx), _nonfinite_ranks_np(x), lx)
 
     def jumps(self, stats: torch.Tensor) -> tuple[float, ...]:
         """Each rank's largest move from its own last clean step (log units over the clean step-to-step
         spread, floored like the spread); inf for a rank with a non-finite statistic, 0 with no history.
         Two ranks have no median: this is the third witness (checksums.replay.classify_pair_replays)."""
         x = _host_array(stats)
+        return self._jumps(x, _log_np(x), _nonfinite_ranks_np(x))
+
+    def _jumps(self, x: np.ndarray, lx: np.ndarray, nonfinite: tuple[int, ...]) -> tuple[float, ...]:
         world = x.shape[0]
         out = [0.0] * world
         if self._last is not None and self._last.shape == x.shape and self._tspread is not None:
-            ratio = np.abs(_log_np(x) - self._last) / self._tspread
+            ratio = np.abs(lx - self._last) / self._tspread
             out = ratio.reshape(world, -1).max(axis=1).tolist()
-        for r in _nonfinite_ranks_np(x):
+        for r in nonfinite:
             out[r] = math.inf
         return tuple(out)
 
-    def _learn(self, dev: np.ndarray, nonfinite: Sequence[int], x: np.ndarray | None = None) -> None:
+    def _learn(self, dev: np.ndarray, nonfinite: Sequence[int], lx: np.ndarray | None = None) -> None:
+        """`lx`: the step's `_log_np` (its history's log statistics; a step with a non-finite value is
+        never learnt into the history)."""
         assert self._spread is not None
         keep = [r for r in range(dev.shape[0]) if r not in nonfinite]
         if keep:
@@ -682,8 +698,7 @@ class SpreadTracker:
                 self._spread = wider
                 self.spread_version += 1
             self.learned += 1
-        if x is not None and not nonfinite:
-            lx = np.log(np.maximum(x, _TINY))
+        if lx is not None and not nonfinite:
             if self._last is not None and self._last.shape == lx.shape:
                 step = np.abs(lx - self._last).max(axis=0)
                 base = self._tspread if self._tspread is not None else np.full_like(step, self.floor)
@@ -700,14 +715,14 @@ def _host_array(stats: torch.Tensor) -> np.ndarray:
 
 
 def _log_np(x: np.ndarray) -> np.ndarray:
-    """`deviations`' log: non-finite values counted as zero, zeros as _TINY."""
-    return np.log(np.maximum(np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), _TINY))
+    """`deviations`' log: non-finite values counted as zero, zeros as _TINY (np.where, not np.nan_to_num:
+    the same values at a fraction of its host time, in the gate's every step)."""
+    return np.log(np.maximum(np.where(np.isfinite(x), x, 0.0), _TINY))
 
 
-def _deviations_np(x: np.ndarray) -> np.ndarray:
-    """`deviations` in numpy: the same rule, torch's lower median (the middle value for an odd count, the
-    lower of the two middle ones for an even count)."""
-    lx = _log_np(x)
+def _deviations_of_log(lx: np.ndarray) -> np.ndarray:
+    """`deviations` in numpy from `_log_np`'s logs: the same rule, torch's lower median (the middle value for
+    an odd count, the lower of the two middle ones for an even count)."""
     k = (lx.shape[0] - 1) // 2
     med = np.partition(lx, k, axis=0)[k]
     return np.abs(lx - med)

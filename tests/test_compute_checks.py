@@ -580,3 +580,23 @@ def test_a_jobs_own_comm_hook_goes_through_the_checks(tmp_path) -> None:
         assert "already has a communication hook (fp16_compress_hook)" in res["refused"], res
         assert "comm_hook=" in res["refused"]
         assert res["same"] and res["steps"] == 5 and res["hook_calls"] >= 5, res
+
+
+def test_assess_is_jumps_then_judge() -> None:
+    """The gate's one call a step (one host copy, one log) gives what jumps() then judge() give, over
+    warm-up, clean steps, outliers, non-finite values, zeros and a bucket rebuild."""
+    import numpy as np
+    rng = np.random.default_rng(5)
+    a, b = SpreadTracker(warmup=5), SpreadTracker(warmup=5)
+    for k in range(400):
+        buckets = 3 if k < 200 else 4
+        x = np.exp(rng.normal(0, 0.02, size=(4, buckets, 2)))
+        if k % 7 == 3:
+            x[k % 4, k % buckets, k % 2] *= 3.0
+        if k % 11 == 5:
+            x[k % 4, 0, 0] = [math.nan, math.inf, -math.inf, 0.0][k % 4]
+        stats = torch.from_numpy(x)
+        want = (a.jumps(stats), a.judge(stats))
+        got = b.assess(stats)
+        assert got == want, (k, got, want)
+    assert a.spread_version == b.spread_version and torch.equal(a.spread, b.spread)
