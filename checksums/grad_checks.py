@@ -336,8 +336,14 @@ class GradSummaries:
         held = self._plans.get(idx) if same else None
         # the default reduction's 1/world scaling in the summary's pass; a job's own hook does its own
         scale = self._reduce.scale if self._comm_hook is None else 1.0
-        self._rows[idx] = bucket_summary([buf], held[1] if held is not None else self._plan(idx, [buf]),
-                                         scale=scale, out=self._row_slot(idx, buf.device))
+        plan = held[1] if held is not None else None
+        if plan is not None and idx < len(self._views) and getattr(plan, "summarises", False):
+            # the fused plan this very buffer ran last step: straight to the launch (bucket_summary would
+            # check the plan against the buffer again: microseconds a bucket in a host-bound step)
+            self._rows[idx] = _run_fused(plan, buf, checked=True, scale=scale, out=self._views[idx])
+        else:
+            self._rows[idx] = bucket_summary([buf], plan if plan is not None else self._plan(idx, [buf]),
+                                             scale=scale, out=self._row_slot(idx, buf.device))
         # (the summary leaves the buffer scaled for the sum)
         # the layout, taken while DDP may still rebuild: its rebuild after the first step may keep a
         # bucket's parameter count and reorder them (the order gradients became ready), and a stale layout

@@ -59,6 +59,25 @@ def wait_verified(job: str, timeout: float = 60.0) -> None:
         link.close()
 
 
+HOLD_AFTER_FLIP = 3   # steps after the flip at which the flip tests hold the run for the agent's directive
+
+
+def wait_directive(job: str, timeout: float = 60.0) -> None:
+    """In a rank (SDCWATCH_SOCKET set): block until the agent has journaled a rollback directive for `job`.
+    The agent plans it once its checkpoint feed has taken every event before the mismatch (daemon/rollback.py),
+    seconds behind a tiny model's steps on a loaded machine: a run that ends first has nothing left to roll
+    back (its last checkpoints are not VERIFIED and the mismatch is journaled: right, but not what a flip test
+    tests). The flip's rank calls it HOLD_AFTER_FLIP steps after the flip; the other ranks wait in the next
+    collective; the directive reaches every rank in its next ReportStep reply."""
+    socket = os.environ["SDCWATCH_SOCKET"]
+
+    def issued() -> bool:
+        out = cli("events", "--socket", socket, "--json", "--kind", "job.rollback_directive").stdout
+        return any(json.loads(line).get("subject") == f"job/{job}" for line in out.splitlines() if line.strip())
+
+    wait_until(issued, timeout, f"a rollback directive for {job}", interval=0.3)
+
+
 def mismatch_events(agent: AgentProcess) -> list[dict[str, Any]]:
     """The journal's critical replica.mismatch events, with their details (`sdcwatch events --json`)."""
     out = cli("events", "--socket", str(agent.socket), "--json", "--kind", "replica.mismatch",

@@ -15,8 +15,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events, replicas_identical,
-    settled_journal, spawn, torchrun_env, wait_verified,
+    HOLD_AFTER_FLIP, check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events,
+    replicas_identical, settled_journal, spawn, torchrun_env, wait_directive, wait_verified,
 )
 
 JOB = "hf-gpt2"
@@ -58,13 +58,16 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
         sdc = SdcwatchCallback(job_id=JOB, save_every=SAVE_EVERY)
 
         class Flip(TrainerCallback):
-            done = False
+            done = held = False
 
             def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 if flip and rank == 1 and not self.done and sdc.session.guard.step == FLIP:
                     self.done = True
                     wait_verified(JOB)
                     flip_bit(model.transformer.h[0].mlp.c_fc.weight)
+                elif self.done and not self.held and sdc.session.guard.step == FLIP + HOLD_AFTER_FLIP:
+                    self.held = True
+                    wait_directive(JOB)       # the run does not end before the agent's rollback
 
         args = TrainingArguments(
             output_dir=os.path.join(outdir, f"out{rank}"), use_cpu=True, ddp_backend="gloo", max_steps=STEPS,

@@ -21,8 +21,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events, replicas_identical,
-    settled_journal, spawn, torchrun_env,
+    HOLD_AFTER_FLIP, check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events,
+    replicas_identical, settled_journal, spawn, torchrun_env, wait_directive,
 )
 from test_integration_hf import Tokens, tiny_gpt2
 
@@ -70,12 +70,15 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
         module.gpt.transformer.h[0].mlp.c_fc.weight.register_hook(one_bad_element)
 
         class Flip(L.Callback):
-            done = False
+            done = held = False
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, *a: Any) -> None:   # before sdc's
                 if flip and rank == 1 and not self.done and sdc.session.guard.step == FLIP:
                     self.done = True
                     flip_bit(module.gpt.transformer.h[0].mlp.c_fc.weight)
+                elif self.done and not self.held and sdc.session.guard.step == FLIP + HOLD_AFTER_FLIP:
+                    self.held = True
+                    wait_directive(JOB)       # the run does not end before the agent's rollback
 
         loader = torch.utils.data.DataLoader(Tokens(8 * STEPS), batch_size=4, shuffle=False)
         trainer = L.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy="ddp", max_steps=STEPS,

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_recovered, checkpoint_states, flip_bit, mismatch_events, replicas_identical, settled_journal, spawn,
-    torchrun_env,
+    HOLD_AFTER_FLIP, check_recovered, checkpoint_states, flip_bit, mismatch_events, replicas_identical,
+    settled_journal, spawn, torchrun_env, wait_directive, wait_verified,
 )
 
 JOB = "titan-tiny"
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str) -> None:
         ckpt.load(step=-1)
         gen = torch.Generator().manual_seed(rank)
         w_true = torch.linspace(-1, 1, 8).reshape(8, 1)
-        flipped = False
+        flipped = held = False
         while trainer.step < STEPS:                    # Trainer.train's loop
             trainer.step += 1
             optimizers.zero_grad()
@@ -87,7 +87,11 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str) -> None:
             schedulers.step()
             if rank == 1 and not flipped and ckpt.guard.step == FLIP:
                 flipped = True
+                wait_verified(JOB)                    # a VERIFIED checkpoint before the flip exists
                 flip_bit(model[0].weight._local_tensor)
+            elif flipped and not held and ckpt.guard.step == FLIP + HOLD_AFTER_FLIP:
+                held = True
+                wait_directive(JOB)                   # the run does not end before the agent's rollback
             ckpt.save(trainer.step, last_step=trainer.step == STEPS)
         out["rollbacks"] = [d.target_step for d in ckpt.rollbacks]
         out["final_step"] = ckpt.monitor.step_count

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from agent_harness import AgentProcess
 from framework_support import (
-    check_clean, check_recovered, checkpoint_states, flip_bit, journal, mismatch_events, replicas_identical,
-    settled_journal, spawn, torchrun_env, wait_verified,
+    HOLD_AFTER_FLIP, check_clean, check_recovered, checkpoint_states, flip_bit, journal, mismatch_events,
+    replicas_identical, settled_journal, spawn, torchrun_env, wait_directive, wait_verified,
 )
 
 STEPS_A, SAVE_A, RESUME_AT = 12, 4, 8
@@ -70,6 +70,9 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, env: dic
                     flipped.append(trainer.step)
                     wait_verified(env["TITAN_TINY_JOB"])  # a VERIFIED checkpoint before the flip exists
                     flip_bit(params[0])
+                elif rank == 1 and len(flipped) == 1 and trainer.step == flip_at + HOLD_AFTER_FLIP:
+                    flipped.append(trainer.step)          # held once: the run does not end before the rollback
+                    wait_directive(env["TITAN_TINY_JOB"])
 
             for opt in trainer.optimizers.optimizers:
                 opt.register_step_post_hook(fault)
