@@ -169,8 +169,27 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
     states = {i.step: i.state for i in infos}
     assert states, "checkpoints listed"
     after = [s for s, st in states.items() if s > res[0]["restores"][-1]]
-    assert after and all(states[s] == "VERIFIED" for s in after if s < max(states)), (
-        states, [line for line in journal if "checkpoint" in line or "rollback" in line])
+    since = journal[rolled:]
+    # every checkpoint redone after the restore is VERIFIED (the newest may still be compared), except one
+    # that retention evicted from memory before the agent's background comparison reached it (a loaded
+    # machine; its copy on a tier lists as COMMITTED: never VERIFIED without the comparison, which is right);
+    # none of them holds replicas that differ
+    unvouched = [s for s in after if s < max(states) and states[s] != "VERIFIED"
+                 and not _evicted_before_verified(since, s)]
+    assert after and not unvouched, (unvouched, states,
+                                      [line for line in journal if "checkpoint" in line or "rollback" in line])
+    assert not [line for line in since if "checkpoint.replicas_differ" in line
+                and int(re.search(r"step (\d+):", line).group(1)) in after], "a redone checkpoint's replicas differ"
+
+
+def _evicted_before_verified(lines: list[str], step: int) -> bool:
+    """Whether the journal `lines` say checkpoint `step` was evicted by retention before it was VERIFIED."""
+    for line in lines:
+        if "checkpoint.verified" in line and f"checkpoint step {step} is VERIFIED" in line:
+            return False
+        if "checkpoint.evicted" in line and f"checkpoint step {step} evicted" in line:
+            return True
+    return False
 
 
 def test_the_readme_loop_rolls_back_before_a_corrupted_data_range(short_tmp: Path, tmp_path: Path) -> None:
