@@ -417,7 +417,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             setattr(cls, attr, timed(f"{cls.__name__}.{attr}", cls.__dict__[attr]))
     arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
-    names = (["base"] + (["hook"] if hook_arm else []) + ["checks"] + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
+    names = (["base"] + (["hook"] if hook_arm else []) + ["checks"]
+             + (["checks-torch"] if device.type == "cuda" else []) + ["checks+audits"]
              + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else []))
     world = dist.get_world_size()
     for name in names:
@@ -457,14 +458,10 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                 sync = micro == accum - 1
                 if fsdp:
                     ddp.set_requires_gradient_sync(sync)
-                with contextlib.nullcontext() if sync or fsdp else ddp.no_sync():
-                    if guard is not None:
-                        with guard.on_step(s + 1):
-                            loss = step_loss(ddp, batch)
-                            loss.backward()
-                    else:
-                        loss = step_loss(ddp, batch)
-                        loss.backward()
+                with (contextlib.nullcontext() if sync or fsdp else ddp.no_sync(),
+                      guard.on_step(s + 1) if guard is not None else contextlib.nullcontext()):
+                    loss = step_loss(ddp, batch)
+                    loss.backward()
             opt.step()
             if monitor is not None:
                 monitor.step(loss)

@@ -16,7 +16,7 @@ apply. A step is replayed at most once per suspect and never retried: the gate n
 How the update is masked (`mask=`). "host" (gloo/CPU; the default without a fused optimizer): the gather
 is synchronous and the verdict is on the host before `optimizer.step()`; a suspect step's update is vetoed
 through the step guard (`Veto`), its number kept. "device" (the default on CUDA with a fused optimizer,
-e.g. `torch.optim.Adam(fused=True)`): the gather and the comparison (`device_flag`, the same rule as the
+e.g. `torch.optim.Adam(fused=True)`): the gather and the comparison (checksums.device_verdict's `device_flag`, the same rule as the
 host's) are device ops, and the verdict is a 0-d float flag set as `optimizer.found_inf`, which a fused
 optimizer honours on the device exactly as it does GradScaler's (parameters, moments and step count left
 unchanged; combined with the scaler's flag when there is one; the AFTER stage takes it back: the shared
@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
-from checksums.device_verdict import DeviceVerdict, device_flag
+from checksums.device_verdict import DeviceVerdict
 from checksums.fsdp_replay import FsdpReplayer
 from checksums.grad_checks import (
     FsdpGradSummaries,
@@ -390,4 +390,4 @@ def _is_fsdp(model: nn.Module) -> bool:
 _choose_mask = choose_mask   # the name this module had for it
 
 
-__all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus", "device_flag"]
+__all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus"]

@@ -388,9 +388,8 @@ class GradSummaries:
         """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index. A
         view of the row buffer that the next backward overwrites: use it (gather, copy) in this step."""
         n = self._check_rows()
-        if self._buf is not None and n <= self._buf.shape[0]:
-            return self._buf[:n]
-        return torch.stack([self._rows[i] for i in range(n)])
+        assert self._buf is not None      # every hook call wrote its row there (`_row_slot`)
+        return self._buf[:n]
 
     def _check_rows(self) -> int:
         if not self._rows:

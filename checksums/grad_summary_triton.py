@@ -292,6 +292,11 @@ class GradSummaryPlan:
         self.spart = torch.zeros(max(self.n_items, 1), 2, dtype=torch.float32, device=self.device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)   # the one-launch form's
         self._direct: dict[tuple[bool, bool, bool], _DirectLaunch] = {}
+        # the partials kernel's constexprs in its signature's order (BLOCK, TAIL, DT, ES, ONE_LAUNCH, TB, SCALE),
+        # unscaled and scaled: the direct launch passes them positionally, made once here, not a call
+        self._one = self.one_launch and self.n_items > 0
+        self._constexprs = {s: (self.block, 16, self._dt, self._es, self._one, ONE_LAUNCH_TB, s)
+                            for s in (False, True)}
 
     def _items(self, sms: int, items_per_sm: int) -> list[list[int]]:
         """Work items [tile0, full tiles, has a partial tile, takes the tail], as fingerprint_triton cuts."""
@@ -338,7 +343,7 @@ class GradSummaryPlan:
         off = t.data_ptr() - self._anchor_ptr
         scaled = scale != 1.0
         with _on_device(self.device):
-            one = self.one_launch and self.n_items > 0
+            one = self._one
             if self.n_items:
                 args = (self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
                         self.fpart, self.spart, self.counter, self.n_items, self.hdr, out, float(scale))
@@ -346,8 +351,7 @@ class GradSummaryPlan:
                 # type (i32 or i64, by its value) and `out`'s 16-byte alignment
                 key = (scaled, -_I32 <= off < _I32, out.data_ptr() % 16 == 0)
                 direct = self._direct.get(key)
-                if direct is None or not direct(args, (self.block, 16, self._dt, self._es, one, ONE_LAUNCH_TB,
-                                                       scaled)):
+                if direct is None or not direct(args, self._constexprs[scaled]):
                     compiled = gs_partials_kernel[(self.n_items,)](
                         *args, BLOCK=self.block, TAIL=16, DT=self._dt, ES=self._es, ONE_LAUNCH=one,
                         TB=ONE_LAUNCH_TB, SCALE=scaled, num_warps=self.num_warps)
