@@ -6,6 +6,8 @@
     python bench/ckpt_overlap.py --parts bc --checksums source --inflight 4,2,1 --profile   # issue 21 pace
     python bench/ckpt_overlap.py --parts b --checksums source --inflight 2 --gather 256,0 --profile
                                           # gathered copies (256 MiB bounce) against one copy per tensor
+    python bench/ckpt_overlap.py --parts bc --checksums source --inflight 2,1 --copy-thread 1,0 --profile
+                                          # the copy thread against save() enqueueing the copies
 
 `--profile` (part b) prints the host time of each phase of a save, medians over the timed saves
 (`SaveResult.phases`): the training thread's (state(), flatten, layout/signature, buffer, fingerprint launch,
@@ -334,25 +336,30 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         for mode in args.checksums:
             for inflight in args.inflight:
                 for gather in args.gather:
-                    rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                                         inflight, gather)
+                    for copy_thread in args.copy_thread:
+                        rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy,
+                                             t_fb, inflight, gather, bool(copy_thread))
     return rows
 
 
 def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.optim.Optimizer,
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
-                 t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256) -> list[Row]:
+                 t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256,
+                 copy_thread: bool = True) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
     on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
     `max_inflight` (1: one save in the background at a time, the path before pipelining), and one
-    `gather_bytes` (MiB; 0: one device-to-host copy per tensor)."""
+    `gather_bytes` (MiB; 0: one device-to-host copy per tensor), and `copy_thread` (the copies the update
+    waits for enqueued by the snapshotter's copy thread, or by save() on the training thread)."""
     rows: list[Row] = []
     tag = f"b={batch}, {mode}, {inflight} in flight, " + (f"gather {gather_mib} MiB" if gather_mib else
                                                           "per-tensor copies")
+    tag += ", copy thread" if copy_thread else ", enqueued by save()"
     node = Node(nbytes, "b", args.agent)
     try:
         cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode,
-                                              max_inflight=inflight, gather_bytes=gather_mib * MiB)
+                                              max_inflight=inflight, gather_bytes=gather_mib * MiB,
+                                              copy_thread=copy_thread)
         client = node.client(opt, cfg_every, f"b{batch}{mode[0]}")
         handles: list[Any] = []
 
@@ -514,7 +521,7 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 t0 = time.perf_counter()
                 client.prepare(sd).result(600)
                 t_prep = time.perf_counter() - t0
-            blk, staged, sums = [], [], []
+            blk, staged, sums, phases = [], [], [], []
             for _ in range(2 + args.repeat):
                 sync(device)
                 t0 = time.perf_counter()
@@ -526,13 +533,16 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 assert res.error == "", res.error
                 staged.append(res.device_staged)
                 sums.append(res.checksums)
-            steady = min(blk[2:])
+                phases.append({k: v for k, v in res.phases.items() if k.startswith("t.")})
+            steady = statistics.median(blk[2:])
             tag = "with prepare()" if prepared else "no prepare()"
             rows += [
-                (f"first save blocking, {tag}", blk[0], f"{blk[0] / steady:.2f}x steady" +
+                (f"first save blocking, {tag}", blk[0], f"{blk[0] / steady:.2f}x steady (median), "
+                 f"{blk[0] / min(blk[2:]):.2f}x the fastest; where it differs: {_phase_diff(phases)}" +
                  (f"; prepare took {t_prep:.2f} s in the background" if prepared else "") +
                  ("; staged on the GPU" if staged[0] else "") + f"; checksums {sums[0]} (target <= 1.0x)"),
-                (f"second save blocking, {tag}", blk[1], f"{blk[1] / steady:.2f}x steady; checksums {sums[1]}"),
+                (f"second save blocking, {tag}", blk[1], f"{blk[1] / steady:.2f}x steady; checksums {sums[1]}; "
+                 f"where it differs: {_phase_diff(phases, 1)}"),
                 (f"steady save blocking, {tag}", steady,
                  f"slots made ahead {client.stats.slots_ahead}, inline {client.stats.slots_inline}"),
             ]
@@ -541,6 +551,15 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
     finally:
         node.close()
     return rows
+
+
+def _phase_diff(phases: list[dict[str, float]], which: int = 0, top: int = 3) -> str:
+    """The training thread's phases (`SaveResult.phases`, "t.*") where save `which` took longest over the
+    steady saves' median (saves 2 on), in ms: what a first save still does that a steady one does not."""
+    steady = phases[2:]
+    diff = {k: v - statistics.median(p.get(k, 0.0) for p in steady) for k, v in phases[which].items()}
+    worst = sorted(diff.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{k[2:]} +{v * 1e3:.2f} ms" for k, v in worst if v > 0) or "nowhere"
 
 
 def _part_c_every_step(args: argparse.Namespace, node: Node, opt: torch.optim.Optimizer, sd: dict,
@@ -573,13 +592,14 @@ def _part_c_every_step(args: argparse.Namespace, node: Node, opt: torch.optim.Op
             blk.append(took)
             res = h.result(600)
             assert res.error == "", res.error
-        steady = min(blk[2:])
+        steady = statistics.median(blk[2:])   # a typical steady save (the fastest is printed too)
         return [
             ("first call blocking, every_step(), no prepare()", first,
              f"{first / steady:.2f}x steady; " + ("skipped (counted 'preparing'), made ready in the background"
                                                   if skipped else "saved")),
             ("first save made, every_step(), no prepare()", blk[0],
-             f"{blk[0] / steady:.2f}x steady (target <= 1.0x); skipped before it {client.stats.skipped_by}"),
+             f"{blk[0] / steady:.2f}x steady (median), {blk[0] / min(blk[2:]):.2f}x the fastest (target <= 1.0x); "
+             f"skipped before it {client.stats.skipped_by}"),
             ("steady save blocking, every_step()", steady, ""),
         ]
     finally:
@@ -750,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", default="4,1",
                     help="part b: SnapshotConfig.max_inflight values, side by side (1: one save in the "
                          "background at a time, the path before pipelining)")
+    ap.add_argument("--copy-thread", default="1",
+                    help="part b: SnapshotConfig.copy_thread values, side by side (1: the update's copies "
+                         "enqueued by the copy thread; 0: by save() on the training thread; e.g. 1,0)")
     ap.add_argument("--gather", default="0",
                     help="part b: SnapshotConfig.gather_bytes in MiB, side by side (0: one device-to-host copy "
                          "per tensor; e.g. 256,0 compares gathered and per-tensor copies)")
@@ -768,6 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     args.checksums = [m for m in str(args.checksums).split(",") if m]
     args.inflight = [int(n) for n in str(args.inflight).split(",") if n]
     args.gather = [int(n) for n in str(args.gather).split(",") if n]
+    args.copy_thread = [int(n) for n in str(args.copy_thread).split(",") if n]
     if args.smoke:
         for k, v in dataclasses.asdict(Smoke()).items():
             setattr(args, k, list(v) if isinstance(v, tuple) else v)

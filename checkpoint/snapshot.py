@@ -158,6 +158,11 @@ class SnapshotConfig:
                                     # copied to the host a chunk at a time (checkpoint.gather): tens of
                                     # copies per save instead of one per tensor; 0 (the default until its
                                     # H200 run): one copy per tensor; opt-in e.g. 256 << 20
+    copy_thread: bool = True        # block="update" on CUDA: the copies the update waits for are enqueued
+                                    # by a thread of the snapshotter's, not by save() on the training
+                                    # thread (a save's few hundred copies queue behind the previous
+                                    # save's in the driver: 12-16 ms of blocked enqueue a save on the
+                                    # H200 with 2 in flight, issue 21); save() only orders them
 
     @classmethod
     def every_step(cls, **kw: Any) -> "SnapshotConfig":
@@ -456,6 +461,8 @@ class Snapshotter:
         self._ring_lock = threading.Lock()      # the ring is made/reset from both threads
         self._ring_limit = 0                    # what max_slots resolved to (auto: from memory)
         self._inflight: list[tuple[torch.device, Any]] = []  # block="update": copies the update must wait for
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None   # copy_thread: enqueues them
+        self._copy_jobs: list[concurrent.futures.Future[None]] = []   # the last one handed to it
         self._fence: CheckpointCopies | None = None
         self._opt_key: tuple[int, int, int] | None = None    # the optimizer's storages, cached per layout
         self._opt_storages: frozenset[int] = frozenset()
@@ -567,6 +574,8 @@ class Snapshotter:
                 self._zero_gaps(arena, tensors, offsets, total, plan.zero_key)
             ph.mark("zero")
             try:
+                if self._copy_jobs:   # the copy thread's last enqueue came first on the side stream (normally
+                    concurrent.futures.wait(self._copy_jobs)   # long done: an optimizer step waited for it)
                 with torch.no_grad():
                     events, src_fps = self._copy(tensors, offsets, arena, block, late, cut, transfer_check,
                                                  plan, ph)
@@ -854,6 +863,8 @@ class Snapshotter:
 
     def close(self) -> None:
         self.order_before_update()   # whatever the caller does to the weights next comes after the copies
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         if self._plan_pool is not None:
             self._plan_pool.shutdown(wait=True)
@@ -932,7 +943,13 @@ class Snapshotter:
         if self._arena.buf.numel():
             self._dst_cache.pop(self._arena.buf.data_ptr(), None)   # its views would keep it alive
             self._host_dst_cache.pop(self._arena.buf.data_ptr(), None)
+            old = self._arena.buf
             self._arena.release()  # slots work here: the private buffer is no longer needed
+            try:   # freed by the background (unmapping a state-sized buffer takes milliseconds)
+                self._pool.submit(_drop, [old])
+            except RuntimeError:   # closed
+                pass
+            del old
         return slot
 
     def _make_spare(self, total: int) -> float:
@@ -1080,18 +1097,6 @@ class Snapshotter:
         check = source is None and transfer_check and self.config.check_source_fingerprint is not False
         fps_host = None
         with torch.cuda.stream(side):
-            if run_pieces is not None:   # the pieces' fingerprints, before any copy reads on
-                per = run_pieces()
-                fps_host = torch.empty(per.shape, dtype=torch.int64, pin_memory=True)
-                fps_host.copy_(per, non_blocking=True)
-            elif source is not None:
-                fps_host = torch.empty(0, 2, dtype=torch.int64)
-            if check:
-                per = torch.empty(len(tensors), 2, dtype=torch.int64, device=dev)
-                fingerprint_tensors_async(tensors, per_tensor_out=per)
-                fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
-                fps_host.copy_(per, non_blocking=True)
-            mark("copy.fingerprint")
             # first what anything but the optimizer may change (ordered at once below), then the rest
             seq, early = _copy_order(plan, order_key, late, len(tensors))
             ev_early = None
@@ -1106,6 +1111,22 @@ class Snapshotter:
                 except torch.cuda.OutOfMemoryError as e:   # nothing enqueued yet: copy per tensor instead
                     self._no_gather(dev, e)
                     gp = None
+            # the copies only the update waits for go to the copy thread (block="update"): their enqueue can
+            # block in the driver behind the previous save's queued copies; with no early group the pieces'
+            # fingerprints go with them (nothing changes a late tensor before the update's wait)
+            defer = (gp is None and block == "update" and late is not None and early < len(tensors)
+                     and self.config.copy_thread)
+            fp_later = defer and early == 0
+            if run_pieces is not None:
+                fps_host = torch.empty(len(source[1]), 2, dtype=torch.int64, pin_memory=True)  # type: ignore[index]
+            elif source is not None:
+                fps_host = torch.empty(0, 2, dtype=torch.int64)
+            if check:
+                fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
+            if not fp_later:   # the pieces' fingerprints, before any copy reads on
+                _enqueue_fingerprints(dev, run_pieces, tensors if check else None, fps_host)
+            mark("copy.fingerprint")
+            ev = torch.cuda.Event(blocking=True)
             if gp is not None:
                 mark("copy.views")
                 gp.run(0, arena, bounce, tensors)
@@ -1120,13 +1141,21 @@ class Snapshotter:
                     copy_all(dsts, tensors, seq[:early])
                     ev_early = torch.cuda.Event(blocking=True)
                     ev_early.record(side)
-                    copy_all(dsts, tensors, seq[early:])
+                    rest = seq[early:]
                 else:
-                    copy_all(dsts, tensors, seq)
+                    rest = seq
+                if defer:
+                    job = self._copy_job(dev, side, dsts, tensors, rest, ev,
+                                         (run_pieces, tensors if check else None, fps_host) if fp_later else None)
+                    self._copy_jobs.append(job)
+                    del self._copy_jobs[:-1]
+                    ev = _QueuedCopy(dev, side, ev, job)
+                else:
+                    copy_all(dsts, tensors, rest)
             # blocking: the background's synchronize() sleeps in the driver instead of spinning a core for the
             # whole copy (H200: 48-88 ms of CPU per save with a default event, issue 21)
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(side)
+            if not defer:
+                ev.record(side)
             mark("copy.enqueue")
         # no record_stream per tensor (hundreds of allocator calls per save, issue 21): the save's background
         # holds a reference to every source tensor until it has seen the copy's event complete, so none is
@@ -1138,6 +1167,22 @@ class Snapshotter:
                 cur.wait_event(ev_early)      # tensors the optimizer does not change: ordered now
             self._inflight.append((dev, ev))  # the optimizer's: the update waits (CheckpointCopies)
         return ev, fps_host
+
+    def _copy_job(self, dev: torch.device, side: Any, dsts: list[torch.Tensor | None], tensors: list[torch.Tensor],
+                  idx: list[int], ev: Any, fingerprints: tuple[Any, Any, Any] | None
+                  ) -> "concurrent.futures.Future[None]":
+        """Hand the copies `idx` (and, when given, the pieces' fingerprints before them) to the copy thread,
+        which enqueues them on the side stream and records `ev` after them."""
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-copy")
+
+        def enqueue() -> None:
+            with torch.no_grad(), torch.cuda.device(dev), torch.cuda.stream(side):
+                if fingerprints is not None:
+                    _enqueue_fingerprints(dev, *fingerprints)
+                copy_all(dsts, tensors, idx)
+                ev.record(side)
+        return self._copier.submit(enqueue)
 
     def _gather_plan(self, dev: torch.device, tensors: list[torch.Tensor], offsets: list[int], seq: list[int],
                      early: int, plan: _SavePlan | None, order_key: Any) -> GatherPlan:
@@ -1311,7 +1356,13 @@ class Snapshotter:
                     return
                 side = self._side_stream(dev)
                 with torch.cuda.device(dev), torch.cuda.stream(side):
-                    self._piece_fingerprinter(dev, tensors, mine)
+                    run = self._piece_fingerprinter(dev, tensors, mine)
+                    # one run now (its result unused): the first save then finds the device buffer in the
+                    # side stream's pool, the pinned one in the host cache and the launch path warm
+                    host = torch.empty(len(mine), 2, dtype=torch.int64, pin_memory=True)
+                    host.copy_(run(), non_blocking=True)
+                side.synchronize()
+                del host
         except Exception as e:  # noqa: BLE001 - saves go on with host checksums until a plan is there
             log.warning("building the checkpoint fingerprint plan failed: %s", e)
 
@@ -1341,11 +1392,17 @@ class Snapshotter:
                     begin = self.sink.begin(self.job_id, step, self.rank, self.world_size)
                 ph.mark("begin")
             finally:   # whatever happens next (the slot released, reused), the copy has landed first
+                failed: BaseException | None = None
                 for ev in events:
-                    ev.synchronize()   # the GIL released while it waits
+                    try:
+                        ev.synchronize()   # the GIL released while it waits
+                    except Exception as e:  # noqa: BLE001 - every device's copies are waited for first
+                        failed = failed or e
                 if sources:   # the copy read them: their memory may be freed and reused from now on
                     sources.clear()
                 ph.mark("wait_copy")
+                if failed is not None:
+                    raise failed
             res.host_s, res.cpu_s = -time.perf_counter(), -time.thread_time()   # the work from here on
             if staged_box:   # the copy went to a GPU buffer: now the host buffer, and the copy to it
                 res.device_staged = True
@@ -1703,14 +1760,68 @@ def _storage(t: torch.Tensor) -> int | None:
     return ptr or None
 
 
+def _drop(box: list[Any]) -> None:
+    box.clear()
+
+
 def _event_done(ev: Any) -> bool:
     """Has a copy's event completed? Non-blocking (a query)."""
     return bool(ev.query())
 
 
 def _stream_wait(dev: torch.device, ev: Any) -> None:
-    """The device's current stream waits for `ev` (on the device; the host goes on)."""
+    """The device's current stream waits for `ev` (on the device; the host goes on; for copies the copy
+    thread enqueues, the host first waits for their enqueue, normally long done)."""
+    if isinstance(ev, _QueuedCopy):
+        ev = ev.enqueued()
     torch.cuda.current_stream(dev).wait_event(ev)
+
+
+class _QueuedCopy:
+    """The event of copies handed to the copy thread (`SnapshotConfig.copy_thread`): recorded by that thread
+    once it has enqueued them. Waits and queries see the enqueue first, then the event."""
+
+    __slots__ = ("dev", "side", "event", "job")
+
+    def __init__(self, dev: torch.device, side: Any, event: Any, job: "concurrent.futures.Future[None]") -> None:
+        self.dev, self.side, self.event, self.job = dev, side, event, job
+
+    def enqueued(self) -> Any:
+        """The event to order on: the copy thread's, or when its enqueue failed an event after whatever
+        it did enqueue on the side stream (that save fails; the update still comes after its copies)."""
+        try:
+            self.job.result()
+            return self.event
+        except Exception as e:  # noqa: BLE001 - the save reports it; the update must not hang or race
+            log.warning("enqueueing a checkpoint's copies failed: %s", e)
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+            return ev
+
+    def synchronize(self) -> None:
+        try:
+            self.job.result()
+        except Exception:   # the save fails with the enqueue's error, once what it enqueued has run
+            self.side.synchronize()
+            raise
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        if not self.job.done():
+            return False
+        return self.job.exception() is not None or bool(self.event.query())
+
+
+def _enqueue_fingerprints(dev: torch.device, run_pieces: Callable[[], torch.Tensor] | None,
+                          check: list[torch.Tensor] | None, fps_host: torch.Tensor | None) -> None:
+    """On the current stream (the side stream), before the copies read on: the pieces' fingerprints
+    (`run_pieces`, source checksums) or each tensor's (`check`: the transfer check), into `fps_host`."""
+    if run_pieces is not None and fps_host is not None:
+        fps_host.copy_(run_pieces(), non_blocking=True)
+    elif check is not None and fps_host is not None:
+        per = torch.empty(len(check), 2, dtype=torch.int64, device=dev)
+        fingerprint_tensors_async(check, per_tensor_out=per)
+        fps_host.copy_(per, non_blocking=True)
 
 
 _GATHER_ON_HOST = False   # tests: a CPU state's copies into host memory take the gathered path (as on CUDA)

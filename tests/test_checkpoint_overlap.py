@@ -680,3 +680,87 @@ def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redi
     assert co.stats["scrub_failures"] == 0 and co.info(job, 4).state == "VERIFIED"
     assert client.stats.slots_inline == 0
     client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy_thread", [True, False])
+@pytest.mark.parametrize("with_buffers", [True, False])
+def test_cuda_copies_enqueued_by_the_copy_thread_restore_bit_identical(redis_server, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      copy_thread: bool,
+                                                                      with_buffers: bool) -> None:
+    """`SnapshotConfig.copy_thread`: the copies only the update waits for are enqueued by the copy thread
+    (with no early group, the pieces' fingerprints too), two saves in flight, the next forward and update
+    right after each save: every restore is bit-identical to the state at its save and the scrub finds the
+    bytes equal to the source checksums. Then an enqueue that fails on the copy thread fails that save with
+    its error, the update does not hang, and the next save commits."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id(f"cudacopyq{int(copy_thread)}")
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(1024, 1024), nn.Linear(1024, 512)]
+    if with_buffers:
+        layers.append(nn.BatchNorm1d(512))   # its running stats: the early group, copied by save()
+    model = nn.Sequential(*layers).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt),
+                              config=SnapshotConfig.every_step(max_inflight=2, copy_thread=copy_thread,
+                                                               checksums="source", chunk_bytes=1 << 20,
+                                                               policy="wait"))
+    x = torch.randn(256, 1024, device="cuda")
+
+    def train() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train()
+    state = lambda: {"model": model.state_dict(), "optim": {"state": opt.state_dict()["state"]}}  # noqa: E731
+    client.prepare(state()).result(scaled(120))
+    threads: list[str] = []
+    real_copy_all = snapshot_mod.copy_all
+
+    def spy(dsts: Any, srcs: Any, idx: Any) -> None:
+        threads.append(threading.current_thread().name)
+        real_copy_all(dsts, srcs, idx)
+    monkeypatch.setattr(snapshot_mod, "copy_all", spy)
+    handles, expected = [], []
+    for step in range(1, 7):
+        sd = state()
+        expected.append(_clone_to_host(sd))
+        handles.append((step, client.save(step, sd)))
+        train()                      # the forward at once; the update waits for the copies
+    for (step, h), want in zip(handles, expected):
+        assert h is not None
+        res = h.result(scaled(60))
+        assert res.state == "COMMITTED", res.error
+        assert_same(_restore(co, job, step), want)
+    on_copier = [t for t in threads if t.startswith("sdcw-ckpt-copy")]
+    assert bool(on_copier) == copy_thread, threads
+    co.on_job_event(job, 6, "checks_clean", 1.0)
+    while co.scrub_pending():
+        co.scrub(2.0, 1 << 30)
+    assert co.stats["scrub_failures"] == 0 and co.info(job, 6).state == "VERIFIED"
+
+    if copy_thread:   # a failing enqueue on the copy thread: that save fails, nothing hangs, the next commits
+        def broken(dsts: Any, srcs: Any, idx: Any) -> None:
+            if threading.current_thread().name.startswith("sdcw-ckpt-copy"):
+                raise RuntimeError("injected enqueue failure")
+            real_copy_all(dsts, srcs, idx)
+        monkeypatch.setattr(snapshot_mod, "copy_all", broken)
+        h = client.save(7, state())
+        train()
+        assert h is not None
+        res = h.result(scaled(60))
+        assert res.state != "COMMITTED" and "injected enqueue failure" in res.error
+        monkeypatch.setattr(snapshot_mod, "copy_all", real_copy_all)
+        want = _clone_to_host(state())
+        h = client.save(8, state())
+        train()
+        assert h is not None and h.result(scaled(60)).state == "COMMITTED"
+        assert_same(_restore(co, job, 8), want)
+    client.close()
+
+
+def _clone_to_host(sd: Any) -> Any:
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().cpu().clone()
+    return {k: _clone_to_host(v) for k, v in sd.items()} if isinstance(sd, dict) else sd
