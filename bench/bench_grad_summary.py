@@ -24,6 +24,12 @@ GPT-2-small step (124.4M parameters, DDP's 25 MB buckets) against the issue's ta
     python -m bench.bench_grad_summary --device cuda                 # 1, 25, 100, 500 MB; bf16 and fp32
     python -m bench.bench_grad_summary --device cpu                  # tiny sizes, the kernel interpreted
     python -m bench.bench_grad_summary --device cuda --sizes 25 --dtypes bf16 --json out.json
+    python -m bench.bench_grad_summary --device cuda --sweep --json sweep.json   # the fastest launch config
+
+``--sweep`` runs bench/grad_summary_sweep.py instead (its docstring says what it times): every BLOCK x
+num_warps x items/SM x one-launch choice on 25 and 40 MB buckets, then the GPT-2 step's 13 buckets for the
+default and the best three, then the SDCWATCH_GS_* settings that select the fastest; within
+``--sweep-budget`` seconds (default 100; about 20 s more for the start and the GPT-2 step).
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (set here before triton loads): the numbers only show
 that everything runs; the ratios mean nothing there.
@@ -101,12 +107,7 @@ def host_us(fn: Callable[[int], object], device: torch.device, n: int = 200) -> 
     return dt / n * 1e6
 
 
-SWEEP = [(1024, 4, 5), (1024, 4, 8), (1024, 4, 10), (1024, 4, 32), (2048, 8, 8), (2048, 8, 16), (512, 4, 16),
-         (4096, 8, 4)]
-
-
-def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-             sweep: bool = False) -> dict:
+def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
     es = torch.empty(0, dtype=dtype).element_size()
     numel = max(1, int(mb * 1e6) // es) + 3          # an odd tail, like a real bucket's end
     nbytes = numel * es
@@ -158,23 +159,6 @@ def run_case(mb: float, dtype: torch.dtype, device: torch.device, gen: torch.Gen
     for name, fn in (("fused", fused), ("fused1", fused1), ("torch", torch_path), ("read", read),
                      ("copy", copy), ("scaled", scaled), ("then_mul", then_mul)):
         res[name + "_s"] = timed(fn, device)
-    if sweep:
-        res["sweep"] = []
-        for block, warps, per_sm in SWEEP:
-            for one in (False, True):
-                p_ = GradSummaryPlan(bufs[0], block=block, num_warps=warps, items_per_sm=per_sm,
-                                     one_launch=one)
-                # another cut into items sums the squares in another order: the fingerprint and max-abs
-                # are equal, the norm within rounding
-                row_ = p_.run_async(bufs[0]).cpu()
-                n_, n0 = stats_of(row_)[0].item(), stats_of(fused_row.cpu())[0].item()
-                same = torch.equal(row_[1:], fused_row.cpu()[1:]) and abs(n_ - n0) <= 1e-5 * abs(n0)
-                t = timed(lambda i, p_=p_: p_.run_async(bufs[i % nbuf]), device)
-                res["sweep"].append({"block": block, "warps": warps, "items_per_sm": per_sm,
-                                     "one_launch": one, "items": p_.n_items, "s": t, "same_row": same})
-                print(f"  sweep {res['dtype']} {res['mb']:.1f} MB BLOCK={block} warps={warps} "
-                      f"items/SM={per_sm} one_launch={int(one)} ({p_.n_items} items): {t * 1e6:8.1f} us "
-                      f"{res['mb'] * 1e6 / t / 1e12:6.3f} TB/s same_row={same}", flush=True)
     res["fused_host_us"] = host_us(fused, device)
     res["fused1_host_us"] = host_us(fused1, device)
     res["torch_host_us"] = host_us(torch_path, device)
@@ -187,23 +171,23 @@ def _ok(r: dict) -> bool:
             and r["norm_rel"] < 1e-4)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[dict] | dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--sizes", default="", help="bucket sizes in MB, comma-separated (default: cuda "
                    "1,25,100,500; cpu 0.001,0.01,0.05)")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32, fp16")
-    p.add_argument("--sweep", action="store_true", help="also time other BLOCK x num_warps x items/SM x "
-                   "one-launch choices (SDCWATCH_GS_BLOCK, _WARPS, _ITEMS_PER_SM, _ONE_LAUNCH set the "
-                   "defaults)")
+    p.add_argument("--sweep", action="store_true", help="instead: find the fastest BLOCK x num_warps x "
+                   "items/SM x one-launch choice (bench/grad_summary_sweep.py; SDCWATCH_GS_BLOCK, _WARPS, "
+                   "_ITEMS_PER_SM, _ONE_LAUNCH set the defaults); --sizes default 25,40 there")
+    p.add_argument("--sweep-budget", type=float, default=100.0, metavar="SECONDS",
+                   help="--sweep: skip (and count) the combinations left after this long (default 100)")
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the interpreted kernel)")
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sizes = [float(s) for s in (args.sizes or ("1,25,100,500" if device.type == "cuda"
-                                               else "0.001,0.01,0.05")).split(",")]
     dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
     import triton
 
@@ -212,8 +196,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
              else "CPU, TRITON_INTERPRET=1 (timings meaningless)")
     print(f"bench_grad_summary: {where}; torch {torch.__version__} triton {triton.__version__} "
           f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC", flush=True)
+    if args.sweep:
+        from bench.grad_summary_sweep import run_sweep   # it imports this module's constants
+
+        return run_sweep(device, dtypes, [float(s) for s in args.sizes.split(",")] if args.sizes else None,
+                         args.sweep_budget, args.json)
+    sizes = [float(s) for s in (args.sizes or ("1,25,100,500" if device.type == "cuda"
+                                               else "0.001,0.01,0.05")).split(",")]
     gen = torch.Generator(device=device).manual_seed(19)
-    results = [run_case(mb, dt, device, gen, args.sweep) for dt in dtypes for mb in sizes]
+    results = [run_case(mb, dt, device, gen) for dt in dtypes for mb in sizes]
     print(f"{'dtype':9} {'MB':>8} {'items':>6} {'fused us':>9} {'fused1 us':>9} {'torch us':>9} "
           f"{'read us':>9} {'copy us':>9} "
           f"{'scaled us':>9} {'+mul_ us':>9} "

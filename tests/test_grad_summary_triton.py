@@ -396,6 +396,82 @@ def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -
     assert "fused gradient summary failed" in caplog.text
 
 
+def _sweep(tmp_path: Path, *args: str) -> tuple[str, dict]:
+    """`python -m bench.bench_grad_summary --device cpu --sweep ARGS` (the interpreter: its module sets
+    TRITON_INTERPRET from its argv): stdout and the JSON it wrote."""
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_grad_summary", "--device", "cpu", "--sweep",
+                           "--json", str(out), *args], check=False, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                          timeout=scaled(240))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_the_launch_config_sweep_runs_on_cpu(tmp_path: Path) -> None:
+    """bench_grad_summary --sweep end to end, interpreted (the H200 runs it to set the plan's defaults): every
+    grid combination measured with the default's row, the GPT-2 step over DDP's 13 buckets for the default
+    and the best three, and the table with the settings that select the fastest printed last."""
+    stdout, res = _sweep(tmp_path)
+    assert res["skipped"] == 0 and res["combinations"] == len(res["grid"]) == 2 * 4, res["grid"]
+    assert [r["status"] for r in res["grid"] + res["scaled"]] == ["ok"] * (8 + len(res["scaled"]))
+    for dtype in ("fp32", "bf16"):
+        rows = [r["row"] for r in res["grid"] + res["scaled"] if r["dtype"] == dtype]
+        assert len(rows) >= 5 and all(r[1:] == rows[0][1:] for r in rows), rows   # fingerprint, max-abs
+        assert all(r["s"] > 0 for r in res["grid"] if r["dtype"] == dtype)
+    step = res["gpt2_step"]
+    assert len(step["bucket_numels"]) == 13 and len(step["configs"]) == 4
+    assert all(r["status"] == "ok" and r["s"] > 0 and r["scaled_s"] > 0 for r in step["configs"]), step
+    tail = stdout.splitlines()[-20:]
+    assert any(x.startswith("best per case") for x in tail) and any(x.startswith("fp32 0.02 MB") for x in tail)
+    assert "8 grid combinations" in stdout and "0 MISMATCH" in stdout, stdout[-3000:]
+    assert tail[-1].startswith("set: SDCWATCH_GS_BLOCK=") and "SDCWATCH_GS_WARPS=4" in tail[-1], tail
+
+
+def test_the_sweep_stops_at_its_budget(tmp_path: Path) -> None:
+    stdout, res = _sweep(tmp_path, "--sweep-budget", "0", "--dtypes", "fp32")
+    # the default measured (the reference); the grid's 4 and the scaled default skipped and counted
+    assert res["grid"] == [] and res["skipped"] == 5 and res["cases"][0]["default_s"], res
+    assert [r["status"] for r in res["gpt2_step"]["configs"]] == ["ok"]
+    assert "5 skipped past the 0 s budget" in stdout
+    assert stdout.splitlines()[-1] == "set: nothing measured in every case (see the lines above)"
+
+
+def test_the_sweeps_gpt2_step_is_ddps_cut() -> None:
+    """The sweep's GPT-2 buckets: the project's GPT-2 small in gradient-ready order cut as torch's DDP cuts it
+    (1 MiB, then 25 MiB): 13 buckets, the 154 MB tied embedding in the last."""
+    import torch.distributed as dist
+
+    from bench.bench_grad_summary import GPT2_PARAMS
+    from bench.grad_summary_sweep import ddp_bucket_numels, gpt2_bucket_numels
+    from bench.tiny_gpt import GPTConfig, TinyGPT
+
+    numels = gpt2_bucket_numels()
+    assert len(numels) == 13 and sum(numels) == GPT2_PARAMS and numels[-1] > 50257 * 768, numels
+    assert ddp_bucket_numels([3, 300_000, 5, 7], 4, (1 << 20, 2 << 20)) == [300_003, 12]
+    with torch.device("meta"):
+        params = [p for p in TinyGPT(GPTConfig()).parameters() if p.requires_grad][::-1]
+    if not dist.is_available():
+        pytest.skip("torch without torch.distributed: its bucket assignment cannot be compared")
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, [1 << 20, 25 << 20], [False] * len(params))
+    assert numels == [sum(params[i].numel() for i in b) for b in buckets]
+
+
+def test_the_sweep_reports_a_row_that_differs() -> None:
+    from bench.grad_summary_sweep import row_difference
+
+    def row(norm: float, amax: float, f0: int, f1: int) -> torch.Tensor:
+        return torch.cat([torch.tensor([norm, amax], dtype=torch.float64).view(torch.int64),
+                          torch.tensor([f0, f1], dtype=torch.int64)])
+
+    ref = row(3.0, 0.5, -7, 11)
+    assert row_difference(row(3.0 * (1 + 1e-7), 0.5, -7, 11), ref) == ""    # another order of the squares
+    assert "fingerprint words" in row_difference(row(3.0, 0.5, -7, 12), ref)
+    assert "max-abs" in row_difference(row(3.0, 0.5000001, -7, 11), ref)
+    assert "norm" in row_difference(row(3.001, 0.5, -7, 11), ref)
+    assert "norm" in row_difference(row(float("nan"), 0.5, -7, 11), ref)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     _child()
