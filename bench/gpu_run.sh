@@ -122,6 +122,9 @@ want computequick && step compute-gpu1-quick 150 python3 -m bench.compute_gpu1 -
 # on GPT-2 small with the fused path ("checks") and the torch path ("checks-torch") side by side
 want gradsum && step gradsum-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_grad_summary_gpu.py
+# issue 19: the summary kernel's launch configuration swept (device time, rows checked against the default's)
+want gssweep && step gs-sweep 200 python3 -m bench.bench_grad_summary --device cuda --sweep --sweep-budget 120 \
+  --json "$OUT/gs_sweep.json"
 want gradsum && step gradsum-bench 300 python3 -m bench.bench_grad_summary --device cuda --json "$OUT/grad_summary.json"
 want gradsum && step gradsum-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 200 --block 20 --sdcguard 20
