@@ -123,7 +123,7 @@ want computequick && step compute-gpu1-quick 150 python3 -m bench.compute_gpu1 -
 want gradsum && step gradsum-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_grad_summary_gpu.py
 # issue 19: the summary kernel's launch configuration swept (device time, rows checked against the default's)
-want gssweep && step gs-sweep 200 python3 -m bench.bench_grad_summary --device cuda --sweep --sweep-budget 120 \
+want gssweep && step gs-sweep 150 python3 -m bench.bench_grad_summary --device cuda --sweep --sweep-budget 100 \
   --json "$OUT/gs_sweep.json"
 want gradsum && step gradsum-bench 300 python3 -m bench.bench_grad_summary --device cuda --json "$OUT/grad_summary.json"
 want gradsum && step gradsum-overhead 480 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
@@ -139,6 +139,8 @@ want computeaccum && step compute-accum 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 
   --device cuda --world 1 --model gpt2 --cases none --overhead 80 --block 10 --together --hook-arm --accum 4
 # the device path's tests: direct launches, the graph verdict (also under deterministic algorithms)
 want computeall && step compute-gate-tests 90 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_compute_gate_device.py
+want computegate && step compute-gate-tests 90 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_compute_gate_device.py
 # the same, short, with each arm's host time per step and its largest functions (cProfile)
 want computeprof && step compute-prof 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
