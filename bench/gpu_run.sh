@@ -83,9 +83,9 @@ want ckptpipe2 && step ckpt-pipe-tests 120 python3 -m pytest -p no:cacheprovider
 want ckptpipe2 && step ckpt-pipe2 300 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2,1 \
   --batches 16,32 --rounds 3 --profile
 # issue 21: the update's copies enqueued by the copy thread against by save(), 2 in flight; first save vs steady
-want ckptq && step ckpt-q-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+want ckptq && step ckpt-q-tests 100 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
-want ckptq && step ckpt-q 400 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2 \
+want ckptq && step ckpt-q 300 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2 \
   --copy-thread 1,0 --batches 16,32 --rounds 3 --profile
 # issue 21: gathered copies (a 256 MiB bounce buffer, tens of copies per save) against one copy per tensor
 want ckptgather && step ckpt-gather-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
