@@ -49,12 +49,34 @@ log = logging.getLogger(__name__)
 _counter = itertools.count()
 
 
+def _cudart_call(name: str, *args: int) -> int:
+    """`torch.cuda.cudart().<name>(*args)` on a thread of its own, its cudaError returned. A failing runtime
+    call also leaves its error as the calling thread's "last error", which the next kernel launch's check
+    there (torch's) raises as its own: a slot whose registration failed on the training thread made the
+    next forward fail with "CUDA error: invalid argument" (H200, 2026-12-02). The runtime keeps that error
+    per host thread, so on a thread that then ends it reaches no one."""
+    box: list[int | BaseException] = []
+
+    def call() -> None:
+        try:
+            box.append(int(getattr(torch.cuda.cudart(), name)(*args)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+    t = threading.Thread(target=call, name="sdcw-cudart", daemon=True)
+    t.start()
+    t.join()
+    got = box[0] if box else RuntimeError(f"{name} did not return")
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
 def register_host_memory(ptr: int, nbytes: int) -> bool:
     """`cudaHostRegister` (portable) the range; False (and a log line) when CUDA or the call fails."""
     if not torch.cuda.is_available() or nbytes == 0:
         return False
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1 = cudaHostRegisterPortable
+        err = _cudart_call("cudaHostRegister", ptr, nbytes, 1)  # 1 = cudaHostRegisterPortable
     except Exception as e:  # noqa: BLE001 - registration is an optimisation; unregistered memory still works
         log.warning("cudaHostRegister of %d bytes failed (%s): device copies into the slot run synchronously", nbytes, e)
         return False
@@ -67,7 +89,7 @@ def register_host_memory(ptr: int, nbytes: int) -> bool:
 
 def unregister_host_memory(ptr: int) -> None:
     try:
-        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        err = _cudart_call("cudaHostUnregister", ptr)
         if err != 0:
             log.warning("cudaHostUnregister returned cudaError %d", err)
     except Exception as e:  # noqa: BLE001

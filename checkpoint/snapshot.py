@@ -145,9 +145,9 @@ class SnapshotConfig:
     max_inflight: int = 1           # saves in the background at once, each in its own staging slot (one
                                     # worker commits them in step order): a save is skipped (or waits)
                                     # only when this many are still copying/committing or no slot is free;
-                                    # opt-in (every_step(max_inflight=4)): every step can commit when
-                                    # the background's work per save fits in a step; its ring is made
-                                    # up front (max_slots="auto": pipelined_ring) and then only reused
+                                    # every_step() sets 2: every step can commit when the background's
+                                    # work per save fits in a step; its ring is made up front
+                                    # (max_slots="auto": pipelined_ring) and then only reused
     checksums: str = "auto"         # "source": chunk checksums and tensor fingerprints computed from the
                                     # source tensors with the copy (the GPU kernel; torch on CPU): the
                                     # host hashes nothing to commit, the agent's scrub checks the bytes;
@@ -172,7 +172,10 @@ class SnapshotConfig:
         kw.setdefault("block", "update")
         kw.setdefault("max_slots", "auto")
         kw.setdefault("skip_until_ready", True)
-        kw.setdefault("max_inflight", 1)   # pipelined (4) is opt-in: see docs/BENCHMARKS.md, issue 21
+        # two in flight: the host runs a step ahead of the device, so with one a save finds the previous
+        # one's copy not yet seen done and is skipped (23-30% of steps COMMITTED on the H200); with two
+        # every step commits (docs/BENCHMARKS.md, issue 21)
+        kw.setdefault("max_inflight", 2)
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -699,10 +702,14 @@ class Snapshotter:
         tensors = [t for _, t in named]
         if offsets is None:
             offsets, total = layout(tensors)
-        devs = {t.device for t in tensors}
         # the destination views of the buffer the first save copies into, made with it (a few hundred view
-        # ops: milliseconds the first save would otherwise spend on the training thread, issue 21)
-        metas = (devs.pop(), [(t.dtype, t.shape) for t in tensors]) if len(devs) == 1 else None
+        # ops: milliseconds the first save would otherwise spend on the training thread, issue 21): per
+        # device, as `_dsts` keeps them (a GPU state's plain values and step counts are a host group)
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dev.setdefault(t.device, []).append(i)
+        metas = [(dev, [offsets[i] for i in idx], [(tensors[i].dtype, tensors[i].shape) for i in idx])
+                 for dev, idx in by_dev.items()]
         if self._prep is None or self._prep.done():
             self._prep = self._pool.submit(self._prepare_buffers, total, offsets, metas)
         prep = self._prep
@@ -968,7 +975,8 @@ class Snapshotter:
             self._ready_fresh(made)
         return time.perf_counter() - t0 if made is not None else 0.0
 
-    def _prepare_buffers(self, total: int, offsets: list[int] | None = None, metas: Any = None) -> None:
+    def _prepare_buffers(self, total: int, offsets: list[int] | None = None,
+                         metas: list[tuple[torch.device, list[int], list[Any]]] | None = None) -> None:
         """Background (`prepare`, or a skipped save that found no buffer): a free slot of `total` bytes if
         slots work here, else the private pinned arena."""
         try:
@@ -983,8 +991,8 @@ class Snapshotter:
             buf = self._arena.ensure(total)
             if fresh and offsets is not None:   # made of zeros: its gaps need no zeroing in the first save
                 self._mark_zeroed(buf.data_ptr(), (tuple(offsets), total))
-            if metas is not None and offsets is not None:
-                self._ready_views(buf, metas[0], offsets, metas[1])
+            for dev, offs, group in metas or ():
+                self._ready_views(buf, dev, offs, group)
         except Exception as e:  # noqa: BLE001 - the save that needs it makes it or reports why
             log.warning("preparing a %d-byte checkpoint buffer failed: %s", total, e)
 

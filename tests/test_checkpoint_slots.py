@@ -8,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from checkpoint.locations import dir_store_for
@@ -141,3 +142,39 @@ def test_parameters_that_require_grad_are_saved_as_themselves(redis_server, tmp_
     assert torch.equal(back["model"]["weight"], model.weight.detach())
     assert not back["model"]["weight"].requires_grad and back["step"] == 3
     snap.close()
+
+
+def test_cudart_calls_run_on_a_thread_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing cudaHostRegister leaves its error as its thread's "last error", which torch's next launch
+    check on that thread raises: the calls run on a short-lived thread, their result and errors handed back."""
+    import threading
+
+    import checkpoint.slots as slots_mod
+    seen: list[str] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+            seen.append(threading.current_thread().name)
+            return 1 if ptr == 1 else 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            raise RuntimeError("no CUDA here")
+    monkeypatch.setattr(slots_mod.torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(slots_mod.torch.cuda, "is_available", lambda: True)
+    assert slots_mod.register_host_memory(4096, 4096) is True
+    assert slots_mod.register_host_memory(1, 4096) is False      # cudaErrorInvalidValue: logged, not raised
+    assert seen == ["sdcw-cudart", "sdcw-cudart"] and threading.current_thread().name not in seen
+    with pytest.raises(RuntimeError, match="no CUDA here"):
+        slots_mod._cudart_call("cudaHostUnregister", 4096)
+    slots_mod.unregister_host_memory(4096)                       # logged, never raised
+
+
+@pytest.mark.gpu
+def test_a_failed_registration_does_not_fail_the_next_kernel_launch() -> None:
+    """cudaHostRegister of an invalid range fails (cudaErrorInvalidValue); the training thread's next kernel
+    launch must not report that error as its own (it did: "CUDA error: invalid argument" in a forward)."""
+    import checkpoint.slots as slots_mod
+    x = torch.ones(8, device="cuda")
+    assert slots_mod.register_host_memory(1, 4096) is False
+    y = x + 1          # torch checks cudaGetLastError after the launch
+    assert float(y.sum()) == 16.0
