@@ -87,6 +87,15 @@ want ckptq && step ckpt-q-tests 100 python3 -m pytest -p no:cacheprovider -q -m 
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
 want ckptq && step ckpt-q 300 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2 \
   --copy-thread 1,0 --batches 16,32 --rounds 3 --profile
+# ninth session's last call: the GPU tests it touched, every-step checkpoints (copy thread; 2 and 1 in flight),
+# first save vs steady, the compute checks' overhead and device time with the swept summary kernel
+want final9 && step final9-tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py \
+  tests/test_grad_summary_gpu.py tests/test_compute_gate_device.py
+want final9 && step final9-ckpt 220 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2,1 \
+  --batches 16,32 --rounds 3 --profile
+want final9 && step final9-compute 170 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --overhead 100 --block 10 --together --hook-arm --gpu-profile 8
 # issue 21: gathered copies (a 256 MiB bounce buffer, tens of copies per save) against one copy per tensor
 want ckptgather && step ckpt-gather-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
