@@ -586,12 +586,16 @@ def _part_c_every_step(args: argparse.Namespace, node: Node, opt: torch.optim.Op
             h = client.save(client.guard.step, sd)
             took = time.perf_counter() - t0
             opt.step()
-            if h is None:          # skipped (the slot ring still being made): counted, tried again
+            if h is None:          # skipped (the slot ring still being made): counted, tried again once made
                 client.wait(600)
+                if snap._spare_fut is not None:
+                    snap._spare_fut.result(600)
                 continue
             blk.append(took)
             res = h.result(600)
             assert res.error == "", res.error
+            if snap._spare_fut is not None:   # pipelined: the ring is made once the agent's dir is known (after
+                snap._spare_fut.result(600)   # the first save): the steady saves are timed without it going on
         steady = statistics.median(blk[2:])   # a typical steady save (the fastest is printed too)
         return [
             ("first call blocking, every_step(), no prepare()", first,

@@ -464,7 +464,8 @@ class Snapshotter:
         self._ring_lock = threading.Lock()      # the ring is made/reset from both threads
         self._ring_limit = 0                    # what max_slots resolved to (auto: from memory)
         self._inflight: list[tuple[torch.device, Any]] = []  # block="update": copies the update must wait for
-        self._copier: concurrent.futures.ThreadPoolExecutor | None = None   # copy_thread: enqueues them
+        # copy_thread: enqueues them (its thread starts on the first submit: prepare() starts it)
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-copy")
         self._copy_jobs: list[concurrent.futures.Future[None]] = []   # the last one handed to it
         self._fence: CheckpointCopies | None = None
         self._opt_key: tuple[int, int, int] | None = None    # the optimizer's storages, cached per layout
@@ -690,8 +691,8 @@ class Snapshotter:
         blocks one (that save checksums on the host). The future is done when all of it is. Nothing is
         copied."""
         values: list[int] = []
-        _, named = flatten(state_dict, values)
-        with self._lock:
+        with self._lock:   # the save's own walker: its skeleton of this state is made here, not in the save
+            _, named = self._flatten(state_dict, values)
             return self._prepare(named, values=values)
 
     def _prepare(self, named: list[tuple[str, torch.Tensor]], offsets: list[int] | None = None,
@@ -742,8 +743,11 @@ class Snapshotter:
                     self._plan_late(plan, tensors)
                 else:
                     self._changed_by_update(tensors)
-            for dev in {t.device for t in tensors if t.device.type == "cuda"}:
+            cuda = {t.device for t in tensors if t.device.type == "cuda"}
+            for dev in cuda:
                 self._side_stream(dev)
+            if cuda and self.config.copy_thread:
+                self._copier.submit(lambda: None)   # its thread started now, not by the first save
             if plan is not None and self.config.gather_bytes:
                 try:
                     self._prepare_gathers(plan, tensors)
@@ -751,6 +755,10 @@ class Snapshotter:
                     log.warning("preparing the gathered copies failed: %s", e)
             if self._source_mode(tensors):
                 self._build_plans(tensors, self._source_cut(tensors, offsets))
+                if plan is not None and plan.cut is not None:
+                    # the plan's keys made, and the plans just built keyed by them (a save then compares
+                    # by identity, not ~700 pieces' tuples)
+                    self._plans_ready(tensors, plan.cut, plan)
         except Exception as e:  # noqa: BLE001 - the first save makes what is missing (or checksums on the host)
             log.warning("preparing checkpoint plans failed: %s", e)
 
@@ -870,8 +878,7 @@ class Snapshotter:
 
     def close(self) -> None:
         self.order_before_update()   # whatever the caller does to the weights next comes after the copies
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         if self._plan_pool is not None:
             self._plan_pool.shutdown(wait=True)
@@ -1181,9 +1188,6 @@ class Snapshotter:
                   ) -> "concurrent.futures.Future[None]":
         """Hand the copies `idx` (and, when given, the pieces' fingerprints before them) to the copy thread,
         which enqueues them on the side stream and records `ev` after them."""
-        if self._copier is None:
-            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-copy")
-
         def enqueue() -> None:
             with torch.no_grad(), torch.cuda.device(dev), torch.cuda.stream(side):
                 if fingerprints is not None:
@@ -1315,20 +1319,11 @@ class Snapshotter:
         `plan`: the save plan whose pieces `cut` are; its per-device pieces and plan keys are kept in it."""
         if not triton_available():
             return True
-        mine_plan = plan is not None and plan.cut is cut
-        if mine_plan and plan is not None:
-            if plan.dev_pieces is None:
-                plan.dev_pieces = self._dev_pieces(tensors, cut)
-            dev_pieces = plan.dev_pieces
+        if plan is not None and plan.cut is cut:
+            keys = self._fp_keys(plan, tensors)
         else:
-            dev_pieces = self._dev_pieces(tensors, cut)
-        for dev, mine in dev_pieces.items():
-            key = plan.fp_keys.get(dev) if mine_plan and plan is not None else None
-            if key is None:   # False: a non-contiguous tensor, fingerprinted with torch ops (no plan)
-                key = (self._plan_key(tensors, mine) if all(tensors[p.tensor].is_contiguous() for p in mine)
-                       else False)
-                if mine_plan and plan is not None:
-                    plan.fp_keys[dev] = key
+            keys = {dev: self._fp_key(tensors, mine) for dev, mine in self._dev_pieces(tensors, cut).items()}
+        for dev, key in keys.items():
             if key is False:
                 continue
             self._save_keys[dev] = key   # this save's copy reuses it
@@ -1340,6 +1335,21 @@ class Snapshotter:
                     return False
                 self._fp_plans[dev] = (key, held[1])
         return True
+
+    def _fp_key(self, tensors: list[torch.Tensor], mine: list[Piece]) -> Any:
+        """A device's fingerprint plan key for its pieces `mine`; False when a tensor is not contiguous (torch
+        ops fingerprint it: no plan)."""
+        return self._plan_key(tensors, mine) if all(tensors[p.tensor].is_contiguous() for p in mine) else False
+
+    def _fp_keys(self, plan: _SavePlan, tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
+        """Each CUDA device's fingerprint plan key for the save plan's pieces, made once per plan (by
+        prepare()'s plan thread, or the first save) and kept in it."""
+        if plan.dev_pieces is None:
+            plan.dev_pieces = self._dev_pieces(tensors, plan.cut or [])
+        for dev, mine in plan.dev_pieces.items():
+            if dev not in plan.fp_keys:
+                plan.fp_keys[dev] = self._fp_key(tensors, mine)
+        return plan.fp_keys
 
     def _plan_ahead(self, tensors: list[torch.Tensor], cut: list[Piece]) -> None:
         """Build this layout's fingerprint plans on the plan thread (once at a time; a later save that finds
