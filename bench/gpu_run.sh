@@ -96,6 +96,10 @@ want final9 && step final9-ckpt 220 python3 bench/ckpt_overlap.py --parts bc --c
   --batches 16,32 --rounds 3 --profile
 want final9 && step final9-compute 170 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 100 --block 10 --together --hook-arm --gpu-profile 8
+# the first save against a steady one, after this session's prepare() changes (with the tests they touch)
+want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
+want ckptfirst && step ckptfirst 200 python3 bench/ckpt_overlap.py --parts c --repeat 6
 # issue 21: gathered copies (a 256 MiB bounce buffer, tens of copies per save) against one copy per tensor
 want ckptgather && step ckpt-gather-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
