@@ -466,7 +466,7 @@ class Snapshotter:
         self._inflight: list[tuple[torch.device, Any]] = []  # block="update": copies the update must wait for
         # copy_thread: enqueues them (its thread starts on the first submit: prepare() starts it)
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-copy")
-        self._copy_jobs: list[concurrent.futures.Future[None]] = []   # the last one handed to it
+        self._last_copy: concurrent.futures.Future[None] | None = None   # the last job handed to it
         self._fence: CheckpointCopies | None = None
         self._opt_key: tuple[int, int, int] | None = None    # the optimizer's storages, cached per layout
         self._opt_storages: frozenset[int] = frozenset()
@@ -475,7 +475,6 @@ class Snapshotter:
         self._zeroed: dict[int, Any] = {}       # staging buffer address -> the layout whose gaps it has zero
         self._staged_sizes: set[int] = set()    # state sizes a save staged on the GPU for (once each)
         self._plan_lock = threading.Lock()
-        self._save_keys: dict[torch.device, Any] = {}   # this save's plan keys (computed once per save)
         self._dst_cache: dict[Any, Any] = {}   # "layout" -> key; slot address -> its destination views
         self._host_dst_cache: dict[Any, Any] = {}   # the same for the state's host tensors (a GPU state's
                                                     # plain values and step counts; a CPU state's all)
@@ -565,7 +564,6 @@ class Snapshotter:
             ph.mark("late")
             cut = plan.cut
             transfer_check = True
-            self._save_keys = {}
             if cut is not None and not self._plans_ready(tensors, cut, plan):
                 # the fingerprint plan of this layout (tables built and uploaded: milliseconds of host work,
                 # and the kernel's compile before the first) is made in the background, never here: this
@@ -578,8 +576,8 @@ class Snapshotter:
                 self._zero_gaps(arena, tensors, offsets, total, plan.zero_key)
             ph.mark("zero")
             try:
-                if self._copy_jobs:   # the copy thread's last enqueue came first on the side stream (normally
-                    concurrent.futures.wait(self._copy_jobs)   # long done: an optimizer step waited for it)
+                if self._last_copy is not None:   # the copy thread's last enqueue comes first on the side
+                    concurrent.futures.wait([self._last_copy])   # stream (normally long done: a step waited)
                 with torch.no_grad():
                     events, src_fps = self._copy(tensors, offsets, arena, block, late, cut, transfer_check,
                                                  plan, ph)
@@ -1108,7 +1106,8 @@ class Snapshotter:
         run_pieces = None
         if source is not None and source[1]:
             with torch.cuda.stream(side):   # a new plan's tables go up before the side stream waits for work
-                run_pieces = self._piece_fingerprinter(dev, *source, key=self._save_keys.get(dev))
+                key = plan.fp_keys.get(dev) if plan is not None else None   # `_plans_ready` made them
+                run_pieces = self._piece_fingerprinter(dev, *source, key=key)
         side.wait_stream(cur)
         check = source is None and transfer_check and self.config.check_source_fingerprint is not False
         fps_host = None
@@ -1139,9 +1138,12 @@ class Snapshotter:
                 fps_host = torch.empty(0, 2, dtype=torch.int64)
             if check:
                 fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
+            fingerprints = (run_pieces, tensors if check else None, fps_host)
             if not fp_later:   # the pieces' fingerprints, before any copy reads on
-                _enqueue_fingerprints(dev, run_pieces, tensors if check else None, fps_host)
+                _enqueue_fingerprints(dev, *fingerprints)
             mark("copy.fingerprint")
+            # blocking: the background's synchronize() sleeps in the driver instead of spinning a core for the
+            # whole copy (H200: 48-88 ms of CPU per save with a default event, issue 21)
             ev = torch.cuda.Event(blocking=True)
             if gp is not None:
                 mark("copy.views")
@@ -1161,16 +1163,12 @@ class Snapshotter:
                 else:
                     rest = seq
                 if defer:
-                    job = self._copy_job(dev, side, dsts, tensors, rest, ev,
-                                         (run_pieces, tensors if check else None, fps_host) if fp_later else None)
-                    self._copy_jobs.append(job)
-                    del self._copy_jobs[:-1]
-                    ev = _QueuedCopy(dev, side, ev, job)
+                    job = self._copy_job(dev, side, dsts, tensors, rest, ev, fingerprints if fp_later else None)
+                    self._last_copy = job
+                    ev = _QueuedCopy(side, ev, job)
                 else:
                     copy_all(dsts, tensors, rest)
-            # blocking: the background's synchronize() sleeps in the driver instead of spinning a core for the
-            # whole copy (H200: 48-88 ms of CPU per save with a default event, issue 21)
-            if not defer:
+            if not defer:   # (the copy thread records it after its copies)
                 ev.record(side)
             mark("copy.enqueue")
         # no record_stream per tensor (hundreds of allocator calls per save, issue 21): the save's background
@@ -1327,7 +1325,6 @@ class Snapshotter:
         for dev, key in keys.items():
             if key is False:
                 continue
-            self._save_keys[dev] = key   # this save's copy reuses it
             held = self._fp_plans.get(dev)
             if held is None:
                 return False
@@ -1381,7 +1378,6 @@ class Snapshotter:
                     host = torch.empty(len(mine), 2, dtype=torch.int64, pin_memory=True)
                     host.copy_(run(), non_blocking=True)
                 side.synchronize()
-                del host
         except Exception as e:  # noqa: BLE001 - saves go on with host checksums until a plan is there
             log.warning("building the checkpoint fingerprint plan failed: %s", e)
 
@@ -1815,10 +1811,10 @@ class _QueuedCopy:
     """The event of copies handed to the copy thread (`SnapshotConfig.copy_thread`): recorded by that thread
     once it has enqueued them. Waits and queries see the enqueue first, then the event."""
 
-    __slots__ = ("dev", "side", "event", "job")
+    __slots__ = ("side", "event", "job")
 
-    def __init__(self, dev: torch.device, side: Any, event: Any, job: "concurrent.futures.Future[None]") -> None:
-        self.dev, self.side, self.event, self.job = dev, side, event, job
+    def __init__(self, side: Any, event: Any, job: "concurrent.futures.Future[None]") -> None:
+        self.side, self.event, self.job = side, event, job
 
     def enqueued(self) -> Any:
         """The event to order on: the copy thread's, or when its enqueue failed an event after whatever
