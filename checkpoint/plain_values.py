@@ -78,6 +78,9 @@ def _float_bits(x: float) -> str:
     return struct.pack(">d", x).hex()
 
 
+_EXACT_ATOMS = frozenset((int, str))   # these exact types (not bool, not a subclass) encode as themselves
+
+
 def _to_json(obj: Any, path: str) -> Any:
     if obj is None or isinstance(obj, bool):
         return obj
@@ -95,6 +98,8 @@ def _to_json(obj: Any, path: str) -> Any:
     if isinstance(obj, tuple):
         return {TUPLE_MARK: [_to_json(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
+        if set(map(type, obj)) <= _EXACT_ATOMS:   # a list of ints or strs (an optimizer group's params): as is
+            return list(obj)
         return [_to_json(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) for k in obj):

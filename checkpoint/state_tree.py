@@ -10,7 +10,9 @@ for bytes and BytesIO);
 """
 from __future__ import annotations
 
+import itertools
 import operator
+from collections import OrderedDict
 from collections import abc
 from typing import Any, Mapping
 
@@ -134,6 +136,7 @@ class _Plain:
 
 _SCALARS = frozenset((type(None), bool, int, float, str))
 _TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+_PLAIN_DICTS = frozenset((dict, OrderedDict))
 
 _PLAIN = _Plain()
 
@@ -163,7 +166,8 @@ def unflatten(tree: Any, tensors: list[torch.Tensor], host: list[torch.Tensor] |
 
 
 _LAYOUT = operator.attrgetter("layout")
-_QUANTIZED = operator.attrgetter("is_quantized")
+_SECOND = operator.itemgetter(1)
+_STRIDED = frozenset((torch.strided,))
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -224,17 +228,20 @@ def _skeleton(tree: Any, named: list[tuple[str, torch.Tensor]]) -> Any:
                 refs.add(i)
                 return ("V", named[i][0], t[KIND_KEY])
             if set(t) == {TUPLE_MARK}:
-                return ("L", True, [node(v) for v in t[TUPLE_MARK]])
+                return ("L", True, kids_of([node(v) for v in t[TUPLE_MARK]]))
             if set(t) == {ITEMS_MARK}:
                 keys = tuple(k for k, _ in t[ITEMS_MARK])
-                return ("D", keys, [node(v) for _, v in t[ITEMS_MARK]], True)
+                return _dict_node(keys, [node(v) for _, v in t[ITEMS_MARK]], True)
             kids = [node(v) for v in t.values()]
             if kids and all(k[0] == "T" for k in kids):
                 return ("TD", tuple(t), tuple(k[1] for k in kids))
-            return ("D", tuple(t), kids, False)
+            return _dict_node(tuple(t), kids, False)
         if isinstance(t, list):
-            return ("L", False, [node(v) for v in t])
+            return ("L", False, kids_of([node(v) for v in t]))
         raise _NoSkeleton
+
+    def kids_of(kids: list[Any]) -> Any:
+        return kids if any(map(_deferred, kids)) else tuple(kids)   # a tuple: no plain value deferred
 
     if isinstance(tree, dict) and set(tree) == {VALUE_MARK, KIND_KEY}:
         return None   # the whole state is one value
@@ -242,6 +249,15 @@ def _skeleton(tree: Any, named: list[tuple[str, torch.Tensor]]) -> Any:
         return node(tree)
     except _NoSkeleton:
         return None
+
+
+def _dict_node(keys: tuple[Any, ...], kids: list[Any], any_keys: bool) -> Any:
+    """A dict's skeleton node: ("DT", keys, inner keys, paths, any_keys, kids) when every value is a dict of
+    tensors with the same keys (an optimizer's per-parameter state: replayed with a few C-level operations
+    for all of them), else ("D", keys, kids, any_keys) (kids a tuple when none of them is deferred)."""
+    if len(kids) > 1 and all(k[0] == "TD" for k in kids) and len({k[1] for k in kids}) == 1:
+        return ("DT", keys, kids[0][1], tuple(p for k in kids for p in k[2]), any_keys, tuple(kids))
+    return ("D", keys, kids if any(map(_deferred, kids)) else tuple(kids), any_keys)
 
 
 class _NoSkeleton(Exception):
@@ -257,7 +273,7 @@ def _replay(skel: Any, obj: Any, named: list[tuple[str, torch.Tensor]], vals: li
     """Take `obj`'s tensors (and its plain values' bytes) as `skel` says; False at the first difference."""
     kind = skel[0]
     if kind == "TD":
-        if not isinstance(obj, Mapping) or is_bytes_like(obj) or tuple(obj) != skel[1]:
+        if not _is_dict(obj) or tuple(obj) != skel[1]:
             return False
         got = list(obj.values())
         if not set(map(type, got)) <= _TENSORS:
@@ -278,8 +294,21 @@ def _replay(skel: Any, obj: Any, named: list[tuple[str, torch.Tensor]], vals: li
         vals.append(len(named))
         named.append((skel[1], value_tensor(payload)))
         return True
+    if kind == "DT":
+        if not _is_dict(obj) or tuple(obj) != skel[1]:
+            return False
+        if skel[4] and not set(map(type, obj)) <= _KEY_TYPES:   # bool keys equal 0 / 1: refused by flatten
+            return False
+        inner = list(obj.values())
+        if set(map(type, inner)) <= _PLAIN_DICTS and all(map(skel[2].__eq__, map(tuple, inner))):
+            got = list(itertools.chain.from_iterable(map(dict.values, inner)))
+            if not set(map(type, got)) <= _TENSORS:
+                return False
+            named.extend(zip(skel[3], got))
+            return True
+        return _replay_kids(skel[5], inner, named, vals)   # other mappings: one by one
     if kind == "D":
-        if not isinstance(obj, Mapping) or is_bytes_like(obj) or tuple(obj) != skel[1]:
+        if not _is_dict(obj) or tuple(obj) != skel[1]:
             return False
         if skel[3] and not set(map(type, obj)) <= _KEY_TYPES:   # bool keys equal 0 / 1: refused by flatten
             return False
@@ -290,9 +319,16 @@ def _replay(skel: Any, obj: Any, named: list[tuple[str, torch.Tensor]], vals: li
     return _replay_kids(skel[2], obj, named, vals)
 
 
-def _replay_kids(kids: list[Any], objs: Any, named: list[tuple[str, torch.Tensor]], vals: list[int]) -> bool:
+def _is_dict(obj: Any) -> bool:
+    """A mapping flatten walks as a dict (a plain dict at once, without the ABC's check)."""
+    return type(obj) in _PLAIN_DICTS or (isinstance(obj, Mapping) and not is_bytes_like(obj))
+
+
+def _replay_kids(kids: Any, objs: Any, named: list[tuple[str, torch.Tensor]], vals: list[int]) -> bool:
     """A container's children in flatten's order: the tensors, bytes and what holds them first, in order,
-    then its plain (JSON) values, in order."""
+    then its plain (JSON) values, in order. `kids` a tuple: none is deferred (one pass)."""
+    if type(kids) is tuple:
+        return all(map(_replay, kids, objs, itertools.repeat(named), itertools.repeat(vals)))
     if not all(_replay(s, v, named, vals) for s, v in zip(kids, objs) if not _deferred(s)):
         return False
     return all(_replay(s, v, named, vals) for s, v in zip(kids, objs) if _deferred(s))
@@ -304,7 +340,8 @@ def _deferred(skel: Any) -> bool:
 
 def _tensors_ok(named: list[tuple[str, torch.Tensor]], vals: list[int]) -> bool:
     """flatten's checks over the tensors, all at once: dense strided, not quantized, a supported dtype, each
-    object once (a tensor now referenced twice goes through flatten, which stores it once)."""
-    ts = [t for _, t in named]
-    return (set(map(_LAYOUT, ts)) <= {torch.strided} and not any(map(_QUANTIZED, ts))
-            and set(map(_DTYPE, ts)) <= DTYPE_NAMES.keys() and len(set(map(id, ts))) == len(ts))
+    object once (a tensor now referenced twice goes through flatten, which stores it once). A quantized
+    tensor's dtype (qint8, ...) is not a supported one, so the dtype check refuses it too."""
+    ts = list(map(_SECOND, named))
+    return (set(map(_LAYOUT, ts)) <= _STRIDED and set(map(_DTYPE, ts)) <= DTYPE_NAMES.keys()
+            and len(set(map(id, ts))) == len(ts))

@@ -129,6 +129,67 @@ def test_the_flattener_replays_the_last_structure_and_falls_back_on_any_change()
         fl({**_opt_like(w, 0.1), "model": {"w": w, "b": torch.zeros(3).to_sparse()}})
 
 
+def _adam_like(n: int, lr: float = 0.1) -> dict:
+    ps = [torch.randn(2, 3) for _ in range(n)]
+    return {"model": {f"p{i}": p for i, p in enumerate(ps)},
+            "optim": {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.zeros_like(p),
+                                    "exp_avg_sq": torch.ones_like(p)} for i, p in enumerate(ps)},
+                      "param_groups": [{"lr": lr, "betas": (0.9, 0.99), "params": list(range(n))}]}}
+
+
+def test_the_flattener_takes_an_optimizers_per_parameter_state_at_once_and_equals_flatten() -> None:
+    """Issue 21: the optimizer's per-parameter state (a dict of dicts of tensors, all with the same keys) is
+    replayed for all parameters at once; every change to it (a parameter's state with another key, another
+    order, a value not a tensor, a mapping that is not a dict, a bool key) gives exactly what flatten gives,
+    or flatten's error."""
+    import types
+    fl = Flattener()
+    base = _adam_like(5)
+    variants = [_adam_like(5, 0.2), base]
+    extra = _adam_like(5)
+    extra["optim"]["state"][3]["max_exp_avg_sq"] = torch.zeros(2, 3)            # one more key in one
+    order = _adam_like(5)
+    s2 = order["optim"]["state"][2]
+    order["optim"]["state"][2] = {"exp_avg": s2["exp_avg"], "step": s2["step"], "exp_avg_sq": s2["exp_avg_sq"]}
+    plain = _adam_like(5)
+    plain["optim"]["state"][1]["step"] = 7                                       # a plain value, not a tensor
+    proxy = _adam_like(5)
+    proxy["optim"]["state"][4] = types.MappingProxyType(proxy["optim"]["state"][4])   # a read-only mapping
+    fewer = _adam_like(4)
+    for sd in [base, *variants, extra, base, order, base, plain, base, proxy, proxy, base, fewer, base]:
+        values: list[int] = []
+        got = fl(sd, values)
+        want_values: list[int] = []
+        want = flatten(sd, want_values)
+        _same_flat(got, want)
+        assert values == want_values
+    assert fl.fast >= 5
+    bad = _adam_like(5)
+    bad["optim"]["state"] = {True: bad["optim"]["state"][0], **{i: bad["optim"]["state"][i] for i in (2, 3, 4)}}
+    fl(base)
+    with pytest.raises(InvalidInputError, match="keys must be str or int"):
+        fl(bad)
+
+
+@pytest.mark.parametrize("value, want", [
+    ([0, 1, 2], "[0,1,2]"),
+    (["a", "b"], '["a","b"]'),
+    ([1, True, None], '[1,true,null]'),                       # bool stays a bool
+    ([1, 2.5, float("inf")], None),                           # a non-finite float: marked, not bare
+])
+def test_a_list_of_plain_atoms_encodes_as_before(value: list, want: str | None) -> None:
+    import enum
+
+    from checkpoint.plain_values import decode_json, encode_json
+    text = encode_json(value, "v").decode()
+    if want is not None:
+        assert text == want
+    assert decode_json(text.encode()) == value
+    class Small(enum.IntEnum):
+        A = 1
+    assert encode_json([Small.A, 2], "v") == b"[1,2]"            # an int subclass: as an int, as before
+
+
 def _manifest(**over: object) -> ShardManifest:
     tree = {"a": {"__sdcw_tensor__": 0}, "n": 1}   # plain values inline: the format before values were bytes
     base = dict(job_id="j", step=1, rank=0, world_size=2, blob="j/000000000001/rank-00000.bin", nbytes=16,
