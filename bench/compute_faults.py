@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import pstats
+import random
 import statistics
 import sys
 import tempfile
@@ -133,7 +134,7 @@ class _Sink:
         return ReporterStats()
 
 
-MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0}   # set by --model (--sdcguard: bf16,
+MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8}   # set by --model (--sdcguard: bf16,
 # --hsdp: replicas) per worker
 
 
@@ -151,7 +152,7 @@ def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
 def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000_003 * rank + step + 7919 * micro)
     if MODEL["name"] != "mlp":
-        seq, vocab, n = (1024, 50257, 8) if MODEL["name"] == "gpt2" else (32, 256, 8)
+        seq, vocab, n = (1024, 50257, MODEL["batch"]) if MODEL["name"] == "gpt2" else (32, 256, 8)
         idx = torch.randint(0, vocab, (n, seq + 1), generator=g)
         return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
     x = torch.randn(32, 16, generator=g)
@@ -553,6 +554,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     mean = {name: sum(t) / len(t) for name, t in times.items()}
     # block k of every arm ran in round k (the order turned within the round): pair each with base's
     paired = {name: statistics.median(a / b for a, b in zip(t, times["base"])) - 1.0 for name, t in times.items()}
+    paired_ci = {name: paired_interval([a / b for a, b in zip(t, times["base"])]) for name, t in times.items()}
     if gpu_profile and "base" in host and "all_kernels" in host["base"]:   # what each arm adds on the device
         base_k = host["base"]["all_kernels"]
         for name in names:
@@ -565,9 +567,10 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             diff.sort(key=lambda d: -abs(d[1]))
             host[name]["kernel_diff"] = [d for d in diff[:12] if abs(d[1]) >= 0.002 or d[2]]
     out: dict[str, Any] = {"arms": {name: {"step_s": mean[name], "median_s": med[name],
-                                           "paired": paired[name],
+                                           "paired": paired[name], "paired_ci": paired_ci[name],
                                            "overhead": mean[name] / mean["base"] - 1.0,
-                                           "blocks": times[name]} for name in names},
+                                           "blocks": times[name], "base_blocks": times["base"]}
+                                    for name in names},
                            "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
                            "accum": accum,
                            "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
@@ -577,6 +580,18 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
                overhead=mean["checks+audits"] / mean["base"] - 1.0)
     return out
+
+
+def paired_interval(ratios: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A 95% interval of an arm's overhead from its rounds' ratios to base (each round's block over the base
+    block of the same round): the 2.5th and 97.5th percentiles of the mean ratio over resamples of the
+    rounds (bootstrap, seeded), minus 1. How finely this run resolves the arm's overhead."""
+    if len(ratios) < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    n = len(ratios)
+    means = sorted(sum(rng.choices(ratios, k=n)) / n for _ in range(resamples))
+    return (means[int(0.025 * resamples)] - 1.0, means[int(0.975 * resamples) - 1] - 1.0)
 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
@@ -594,6 +609,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["name"] = args.model
     MODEL["bf16"] = bool(args.sdcguard)
     MODEL["hsdp"] = args.hsdp
+    MODEL["batch"] = args.batch
     SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
     names = {"all": [c.name for c in CASES], "h200": H200, "none": []}.get(args.cases, args.cases.split(","))
@@ -669,7 +685,8 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm after one untimed "
                      f"round, {o.get('accum', 1)} micro-batch(es) a step (mean over blocks; median block; median "
                      "of each round's ratio to its base block):")
-        lines.append(f"  {'arm':42} {'ms/step':>9} {'ratio':>7} {'overhead':>9} {'median':>9} {'paired':>9}")
+        lines.append(f"  {'arm':42} {'ms/step':>9} {'ratio':>7} {'overhead':>9} {'median':>9} {'paired':>9} "
+                     f"{'paired mean, 95% interval':>27} {'device busy':>11}")
         base = o["arms"]["base"]["step_s"]
         base_med = o["arms"]["base"]["median_s"]
         for name, a in o["arms"].items():
@@ -680,7 +697,8 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                     "all": f"all: vote+gate, canary, checks, audits/{o['audit_every']}",
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
             lines.append(f"  {what:42} {a['step_s'] * 1e3:9.3f} {a['step_s'] / base:7.4f} {a['overhead'] * 100:+8.2f}%"
-                         f" {(a['median_s'] / base_med - 1) * 100:+8.2f}% {a.get('paired', float('nan')) * 100:+8.2f}%")
+                         f" {(a['median_s'] / base_med - 1) * 100:+8.2f}% {a.get('paired', float('nan')) * 100:+8.2f}%"
+                         + _interval_cell(a, o.get("host", {}).get(name, {})))
         for name, st in o.get("status", {}).items():
             lines.append(f"  checks of arm {name}: steps {st['steps']}, suspicions {st['suspicions']}, replays "
                          f"{st['replays']}, audits {st['audits']}, dropped {st['dropped']}, exact {st['exact']}")
@@ -710,6 +728,17 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     return "\n".join(lines)
 
 
+def _interval_cell(arm: dict[str, Any], host: dict[str, Any]) -> str:
+    """The paired mean's 95% interval (bootstrap over rounds) and, with --gpu-profile, the share of the step
+    the device computes (near 100%: device-bound, the host's work hidden behind the device's)."""
+    lo, hi = arm.get("paired_ci", (float("nan"), float("nan")))
+    ratios = [a / b for a, b in zip(arm["blocks"], arm.get("base_blocks", arm["blocks"]))]
+    mean = sum(ratios) / len(ratios) - 1.0 if ratios else float("nan")
+    cell = f" {mean * 100:+8.2f}% [{lo * 100:+6.2f}%, {hi * 100:+6.2f}%]"
+    busy = host.get("device_s_per_step")
+    return cell + (f" {100 * busy / arm['median_s']:10.1f}%" if busy else "")
+
+
 def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks) -> dict[str, Any]:
     """`start(fn, args, nprocs)` runs the ranks (`fn(rank, *args)`, joined, a rank's exception raised):
     bench.rank_start's by default; the suite passes tests/rank_spawn.py's, forked with torch imported already."""
@@ -724,6 +753,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     p.add_argument("--margin", type=float, default=3.0)
     p.add_argument("--hook-arm", action="store_true", help="with --overhead: an arm \"hook\" (DDP through a "
                    "Python comm hook that only all-reduces: what any per-bucket hook costs)")
+    p.add_argument("--batch", type=int, default=8, help="--model gpt2: sequences of 1024 tokens a micro-batch "
+                   "(8: 8k tokens, a host-bound step on the H200's host; 32: a device-bound one)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation: all but the last under ddp.no_sync())")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: the checks run "

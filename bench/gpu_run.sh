@@ -96,6 +96,9 @@ want final9 && step final9-ckpt 220 python3 bench/ckpt_overlap.py --parts bc --c
   --batches 16,32 --rounds 3 --profile
 want final9 && step final9-compute 170 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 100 --block 10 --together --hook-arm --gpu-profile 8
+# issue 21 after the tenth session's walk changes: every step, 2 in flight, with the training thread's profile
+want ckpt10 && step ckpt10 200 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2 \
+  --batches 16,32 --rounds 3 --profile
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
@@ -163,6 +166,11 @@ want computeprof && step gate-host 90 python3 -m bench.gate_host
 # where the host waits for the GPU inside a step (CUDA sync debug mode), base / checks / all
 want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 20 --block 10 --together --sync-debug
+# issue 19: the checks' overhead on a device-bound step (32k tokens in one micro-batch), with each arm's 95%
+# interval and the device's busy share
+want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 150 --block 10 --together --hook-arm \
+  --gpu-profile 4
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
