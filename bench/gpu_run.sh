@@ -167,7 +167,9 @@ want computeprof && step gate-host 90 python3 -m bench.gate_host
 want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 20 --block 10 --together --sync-debug
 # issue 19: the checks' overhead on a device-bound step (32k tokens in one micro-batch), with each arm's 95%
-# interval and the device's busy share
+# interval and the device's busy share; the arm checks-side runs the summaries on the hooks' side stream
+want computebig && step gate-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_compute_gate_device.py
 want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 150 --block 10 --together --hook-arm \
   --gpu-profile 4

@@ -100,7 +100,8 @@ class ComputeChecks:
                  group: Any = None, host: str | None = None, gpu_uuid: str = "",
                  mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
                  max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None,
-                 comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None) -> None:
+                 comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
+                 side_stream: bool | None = None) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
         self.group = group
@@ -114,7 +115,7 @@ class ComputeChecks:
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
         else:
             self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket, comm_hook=comm_hook,
-                                           comm_state=comm_state)
+                                           comm_state=comm_state, side_stream=side_stream)
         device = self.summaries.params[0].device if self.summaries.params else torch.device("cpu")
         self.device = device
         self.replayer: Replayer = (

@@ -122,6 +122,9 @@ def _norm_dtype(g: torch.Tensor) -> torch.dtype:
 
 # the fused kernel on CUDA with Triton; SDCWATCH_GS_FUSED=0 keeps the torch path (benchmarks compare them)
 _FUSED = os.environ.get("SDCWATCH_GS_FUSED", "1") != "0"
+# SDCWATCH_GS_SIDE=1: GradSummaries' default for `side_stream` (the summary and the bucket's reduction on a
+# stream of their own, beside the backward; off by default: bench/compute_faults.py's "checks-side" arm)
+_SIDE_DEFAULT = os.environ.get("SDCWATCH_GS_SIDE", "0") == "1"
 _BROKEN = False        # the fused kernel failed to build or launch in this process: torch ops from then on
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_DEVICES = ("cuda",)   # tests add "cpu" in a process that runs Triton interpreted (TRITON_INTERPRET=1)
@@ -281,10 +284,16 @@ class GradSummaries:
     it here instead of registering it: `comm_hook=` (and its `comm_state=`) then reduces each bucket after
     the summary, which is of the local gradient as the backward left it. A DDP model that already has a
     hook is refused with a message saying so.
+
+    `side_stream` (CUDA; default SDCWATCH_GS_SIDE=1, else off): each bucket's summary and its reduction are
+    enqueued on a stream of the hooks' own that first waits for the backward's stream, so the summary's read
+    of the bucket runs beside the backward's remaining kernels instead of between them; `rows()` makes the
+    caller's stream wait for it. The rows and the reduced gradients are the same either way.
     """
 
     def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None,
-                 comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None) -> None:
+                 comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
+                 side_stream: bool | None = None) -> None:
         if not hasattr(ddp, "register_comm_hook"):
             raise TypeError(f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}")
         registered = getattr(ddp, "_comm_hooks", None)
@@ -313,6 +322,8 @@ class GradSummaries:
         self.hook_calls = 0
         self._inject = inject           # fault injection (bench/): called with the bucket's flat buffer
         self._reduce = BucketAllreduce(getattr(ddp, "process_group", None))
+        self._side_on = _SIDE_DEFAULT if side_stream is None else bool(side_stream)
+        self._sides: dict[int, Any] = {}      # device index -> the hooks' stream (side_stream)
         ddp.register_comm_hook(None, self._hook)
 
     @classmethod
@@ -320,6 +331,17 @@ class GradSummaries:
         return cls(ddp, **kwargs)
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
+        if self._side_on and bucket.buffer().is_cuda:
+            buf = bucket.buffer()
+            side = self._sides.get(buf.device.index)
+            if side is None:
+                side = self._sides[buf.device.index] = torch.cuda.Stream(buf.device)
+            side.wait_stream(torch.cuda.current_stream(buf.device))   # the bucket's gradients are ready there
+            with torch.cuda.stream(side):    # the collective waits for the side stream, not the backward's
+                return self._summarise_and_reduce(state, bucket)
+        return self._summarise_and_reduce(state, bucket)
+
+    def _summarise_and_reduce(self, state: Any, bucket: Any) -> Any:
         buf = bucket.buffer()
         idx = bucket.index()
         if self._inject is not None:
@@ -386,9 +408,14 @@ class GradSummaries:
 
     def rows(self) -> torch.Tensor:
         """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index. A
-        view of the row buffer that the next backward overwrites: use it (gather, copy) in this step."""
+        view of the row buffer that the next backward overwrites: use it (gather, copy) in this step. With
+        `side_stream`, the current stream is made to wait for the hooks' stream first."""
         n = self._check_rows()
         assert self._buf is not None      # every hook call wrote its row there (`_row_slot`)
+        if self._sides and self._buf.is_cuda:
+            side = self._sides.get(self._buf.device.index)
+            if side is not None:
+                torch.cuda.current_stream(self._buf.device).wait_stream(side)
         return self._buf[:n]
 
     def _check_rows(self) -> int:

@@ -64,7 +64,7 @@ def test_the_graph_verdict_is_the_eager_rule_on_every_input() -> None:
     assert float(v.flag(inp2.view(world, buckets + 1, 4), spread2)) == 0.0 and v.captures == 2
 
 
-def _train(rank: int, init: str, device_name: str, out: str) -> None:
+def _train(rank: int, init: str, device_name: str, out: str, variant: str = "graphs") -> None:
     import json
 
     import torch.distributed as dist
@@ -86,7 +86,9 @@ def _train(rank: int, init: str, device_name: str, out: str) -> None:
 
     arm_step = {"now": 0}
     runs = []
-    for graphs in (True, False):
+    # variant "graphs": the verdict through a CUDA graph, then eager; "side": the bucket summaries and
+    # reductions on the hooks' side stream, then on the backward's stream
+    for first in (True, False):
         m = nn.Sequential(*[type(layer)(*(() if isinstance(layer, nn.GELU) else
                                           (layer.in_features, layer.out_features))) for layer in base])
         m.load_state_dict(base.state_dict())
@@ -95,27 +97,33 @@ def _train(rank: int, init: str, device_name: str, out: str) -> None:
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, fused=True)
         checks = ComputeChecks.attach(
             ddp, opt, mask="device", audit_every=0, warmup=3,
-            loss_fn=lambda mod, b: nn.functional.mse_loss(mod(b[0]), b[1]), inject_bucket=inject)
-        checks._verdict.graphs = graphs
+            loss_fn=lambda mod, b: nn.functional.mse_loss(mod(b[0]), b[1]), inject_bucket=inject,
+            side_stream=first if variant == "side" else None)
+        if variant == "graphs":
+            checks._verdict.graphs = first
         runs.append((ddp, opt, checks))
     poison["step"] = 9
-    masked_ok, same_every_step = True, True
+    masked_ok, same_every_step, same_rows = True, True, True
     g = torch.Generator().manual_seed(7)
     for s in range(1, 15):
         arm_step["now"] = s
         x, y = torch.randn(16, 32, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
+        rows = []
         for ddp, opt, checks in runs:
             before = [p.detach().clone() for p in ddp.parameters()]
             checks.retain((x, y))
             nn.functional.mse_loss(ddp(x), y).backward()
+            rows.append(checks.summaries.rows().clone())    # (the gate clears them in the step)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if s == poison["step"]:          # the NaN step's update was masked on the device
                 masked_ok &= all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
         same_every_step &= all(torch.equal(a, b) for a, b in zip(runs[0][0].parameters(),
                                                                   runs[1][0].parameters()))
+        same_rows &= rows[0].shape == rows[1].shape and torch.equal(rows[0], rows[1])
     with open(out, "w") as f:
-        json.dump({"masked": masked_ok, "same": same_every_step,
+        json.dump({"masked": masked_ok, "same": same_every_step, "same_rows": same_rows,
+                   "sides": [len(c.summaries._sides) for _, _, c in runs],
                    "captures": [c._verdict.captures for _, _, c in runs],
                    "suspicions": [c.status().suspicions for _, _, c in runs],
                    "dropped": [c.status().dropped for _, _, c in runs],
@@ -123,10 +131,10 @@ def _train(rank: int, init: str, device_name: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _run(tmp_path, device: str) -> dict:
+def _run(tmp_path, device: str, variant: str = "graphs") -> dict:
     import json
     out = tmp_path / "out.json"
-    spawn(_train, (str(tmp_path / "init"), device, str(out)), nprocs=1)
+    spawn(_train, (str(tmp_path / "init"), device, str(out), variant), nprocs=1)
     return json.loads(out.read_text())
 
 
@@ -144,6 +152,23 @@ def test_the_graph_path_masks_and_trains_bit_for_bit_as_the_eager_one(tmp_path) 
     assert got["masked"] and got["same"] and got["finite"], got
     assert got["captures"] == [1, 0], got        # captured once when the spread was armed; eager beside it
     assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_summaries_on_a_side_stream_give_the_same_rows_mask_and_training(tmp_path) -> None:
+    """Issue 19: `side_stream=True` (the summary and the reduction beside the backward) gives the rows, the
+    masked NaN step and the weights of the summaries on the backward's own stream, bit for bit."""
+    got = _run(tmp_path, "cuda", "side")
+    assert got["sides"] == [1, 0], got
+    assert got["masked"] and got["same"] and got["same_rows"] and got["finite"], got
+    assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
+
+
+def test_the_side_stream_option_is_inert_without_cuda(tmp_path) -> None:
+    got = _run(tmp_path, "cpu", "side")
+    assert got["sides"] == [0, 0], got           # CPU buckets: no stream made
+    assert got["masked"] and got["same"] and got["same_rows"] and got["finite"], got
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8])
