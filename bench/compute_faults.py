@@ -419,7 +419,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
     names = (["base"] + (["hook"] if hook_arm else []) + ["checks"]
-             + (["checks-torch", "checks-side"] if device.type == "cuda" else []) + ["checks+audits"]
+             + (["checks-torch", "checks-inline"] if device.type == "cuda" else []) + ["checks+audits"]
              + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else []))
     world = dist.get_world_size()
     for name in names:
@@ -435,7 +435,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, mask=mask, gpu_uuid=f"GPU-fake-{rank}",
                                           monitor=monitor,
                                           audit_every=audit_every if name in ("checks+audits", "all") else 0,
-                                          side_stream=name == "checks-side")
+                                          side_stream=False if name == "checks-inline" else None)
         if name == "hook":      # DDP through a Python comm hook that only reduces (BucketAllreduce): the
             reduce = BucketAllreduce(getattr(ddp, "process_group", None))   # floor of a per-bucket hook
             ddp.register_comm_hook(None, lambda state, bucket: reduce(bucket.buffer()))
@@ -694,7 +694,7 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
             what = {"base": "base (no checks)", "checks": "pre-reduction checks every step",
                     "hook": "a Python comm hook that only reduces",
                     "checks-torch": "the same checks in torch ops (pre-fused)",
-                    "checks-side": "the same checks on a side stream",
+                    "checks-inline": "the same on the backward's stream",
                     "checks+audits": f"checks + audits every {o['audit_every']}",
                     "all": f"all: vote+gate, canary, checks, audits/{o['audit_every']}",
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]

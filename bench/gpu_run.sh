@@ -167,7 +167,7 @@ want computeprof && step gate-host 90 python3 -m bench.gate_host
 want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 20 --block 10 --together --sync-debug
 # issue 19: the checks' overhead on a device-bound step (32k tokens in one micro-batch), with each arm's 95%
-# interval and the device's busy share; the arm checks-side runs the summaries on the hooks' side stream
+# interval and the device's busy share; the arm checks-inline runs the summaries on the backward's stream (the default: the hooks' side stream)
 want computebig && step gate-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_compute_gate_device.py
 want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \

@@ -122,9 +122,10 @@ def _norm_dtype(g: torch.Tensor) -> torch.dtype:
 
 # the fused kernel on CUDA with Triton; SDCWATCH_GS_FUSED=0 keeps the torch path (benchmarks compare them)
 _FUSED = os.environ.get("SDCWATCH_GS_FUSED", "1") != "0"
-# SDCWATCH_GS_SIDE=1: GradSummaries' default for `side_stream` (the summary and the bucket's reduction on a
-# stream of their own, beside the backward; off by default: bench/compute_faults.py's "checks-side" arm)
-_SIDE_DEFAULT = os.environ.get("SDCWATCH_GS_SIDE", "0") == "1"
+# SDCWATCH_GS_SIDE=0: GradSummaries' default for `side_stream` off (the summary and the bucket's reduction
+# on the backward's own stream; bench/compute_faults.py's "checks-inline" arm). On by default: on the H200,
+# GPT-2 small at 32k tokens a step, the checks cost +0.30% inline and -0.13% [-0.24, -0.01] beside it
+_SIDE_DEFAULT = os.environ.get("SDCWATCH_GS_SIDE", "1") != "0"
 _BROKEN = False        # the fused kernel failed to build or launch in this process: torch ops from then on
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_DEVICES = ("cuda",)   # tests add "cpu" in a process that runs Triton interpreted (TRITON_INTERPRET=1)
@@ -285,10 +286,11 @@ class GradSummaries:
     the summary, which is of the local gradient as the backward left it. A DDP model that already has a
     hook is refused with a message saying so.
 
-    `side_stream` (CUDA; default SDCWATCH_GS_SIDE=1, else off): each bucket's summary and its reduction are
-    enqueued on a stream of the hooks' own that first waits for the backward's stream, so the summary's read
-    of the bucket runs beside the backward's remaining kernels instead of between them; `rows()` makes the
-    caller's stream wait for it. The rows and the reduced gradients are the same either way.
+    `side_stream` (CUDA; default on, SDCWATCH_GS_SIDE=0 sets it off): each bucket's summary and its
+    reduction are enqueued on a stream of the hooks' own that first waits for the backward's stream, so the
+    summary's read of the bucket runs beside the backward's remaining kernels instead of between them (on
+    the H200 the checks' +0.30% of a device-bound step became -0.13%, docs/BENCHMARKS.md); `rows()` makes
+    the caller's stream wait for it. The rows and the reduced gradients are the same either way.
     """
 
     def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None,
