@@ -173,6 +173,12 @@ want computebig && step gate-tests 150 python3 -m pytest -p no:cacheprovider -q 
 want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 150 --block 10 --together --hook-arm \
   --gpu-profile 4
+# issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
+# beside it, then 2,000 clean steps
+want computepair && [ "$NGPU" -ge 2 ] && step compute-pair 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
+  --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --model gpt2 --cases h200 --sdcguard 20
+want computepair && [ "$NGPU" -ge 2 ] && step compute-pair-clean 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
+  --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --model gpt2 --cases none --clean 2000
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
