@@ -84,6 +84,16 @@ def _same_flat(got: tuple, want: tuple) -> None:
         assert a is b or (a.dtype == b.dtype == torch.uint8 and torch.equal(a, b))
 
 
+def _flattens_as_flatten(fl: Flattener, sd: dict) -> tuple:
+    """`fl(sd)` gives what `flatten(sd)` gives: the tree, the tensors, the plain values' indices."""
+    values: list[int] = []
+    got = fl(sd, values)
+    want_values: list[int] = []
+    _same_flat(got, flatten(sd, want_values))
+    assert values == want_values
+    return got
+
+
 def _opt_like(w: torch.Tensor, lr: float) -> dict:
     m = {"model": {"w": w, "b": torch.zeros(3)},
          "optim": {"state": {0: {"step": torch.tensor(1.0), "m": torch.zeros(3, 4)}, 1: {"m": torch.ones(3)}},
@@ -110,12 +120,7 @@ def test_the_flattener_replays_the_last_structure_and_falls_back_on_any_change()
     ]
     fast = 0
     for sd in states + changed + states:
-        values: list[int] = []
-        got = fl(sd, values)
-        want_values: list[int] = []
-        want = flatten(sd, want_values)
-        _same_flat(got, want)
-        assert values == want_values
+        got = _flattens_as_flatten(fl, sd)
         assert unflatten(got[0], [t for _, t in got[1]])["rng"] == sd["rng"]
         fast = fl.fast
     assert fast >= 4   # the repeated structures came from the skeleton
@@ -157,12 +162,7 @@ def test_the_flattener_takes_an_optimizers_per_parameter_state_at_once_and_equal
     proxy["optim"]["state"][4] = types.MappingProxyType(proxy["optim"]["state"][4])   # a read-only mapping
     fewer = _adam_like(4)
     for sd in [base, *variants, extra, base, order, base, plain, base, proxy, proxy, base, fewer, base]:
-        values: list[int] = []
-        got = fl(sd, values)
-        want_values: list[int] = []
-        want = flatten(sd, want_values)
-        _same_flat(got, want)
-        assert values == want_values
+        _flattens_as_flatten(fl, sd)
     assert fl.fast >= 5
     bad = _adam_like(5)
     bad["optim"]["state"] = {True: bad["optim"]["state"][0], **{i: bad["optim"]["state"][i] for i in (2, 3, 4)}}
