@@ -446,6 +446,7 @@ class Snapshotter:
         self._spare_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt-slots")
                             if self.config.max_inflight > 1 else None)
         self._spare_fut: concurrent.futures.Future[float] | None = None
+        self._short = False   # the ring cannot hold the agent's checkpoints and a save (`_ring_short`)
         self._lock = threading.Lock()
         self._side: dict[torch.device, Any] = {}
         self._ring: SlotRing | None = None
@@ -536,13 +537,19 @@ class Snapshotter:
             slot = self._acquire_slot(total, create=not ahead)
             if slot is None and self._spare_pool is not None and self._ring is not None:
                 # pipelined and slots work here: every slot is in flight or holds a stored checkpoint, or
-                # the next is still being made; never fall back to the one private buffer meanwhile
+                # the next is still being made; never fall back to the one private buffer meanwhile, but
+                # when every slot holds a stored checkpoint and none is in flight: the agent frees a slot
+                # only when a newer checkpoint commits, so skipping (or waiting) would stop checkpoints for
+                # good (a ring cut by memory below the agent's retention); this save takes the private buffer
                 self._want_spares(total)
-                if skip:
+                if not pending and self._ring_full(total):
+                    self._ring_short(total)
+                elif skip:
                     self._skip(step, "slots" if self._ring_full(total) else "preparing")
                     return None
-                concurrent.futures.wait([h.future for h in pending])   # policy wait: the ring drains
-                slot = self._acquire_slot(total, create=True)
+                else:
+                    concurrent.futures.wait([h.future for h in pending])   # policy wait: the ring drains
+                    slot = self._acquire_slot(total, create=True)
             elif slot is not None and self._spare_pool is not None:
                 self._want_spares(total)   # top the ring up while this one is in flight
             staged = None   # no host buffer ready: stage on the GPU, the host buffer made in the background
@@ -953,7 +960,7 @@ class Snapshotter:
                             "(raise SnapshotConfig.max_slots above the agent's keep_committed + 2)",
                             ring.max_slots)
             return None
-        if self._arena.buf.numel():
+        if self._arena.buf.numel() and not self._short:   # (a short ring keeps it for the saves it cannot take)
             self._dst_cache.pop(self._arena.buf.data_ptr(), None)   # its views would keep it alive
             self._host_dst_cache.pop(self._arena.buf.data_ptr(), None)
             old = self._arena.buf
@@ -1705,6 +1712,21 @@ class Snapshotter:
         if same:
             self._same_dirs = (location, root)
         return same
+
+    def _ring_short(self, total: int) -> None:
+        """A pipelined save found every slot holding a stored checkpoint and none in flight: the ring is
+        smaller than the agent's retention plus a save (cut by memory, or `max_slots`). Said once; from now
+        on the private buffer is kept for such saves (not freed when a slot is taken again)."""
+        if not self._short:
+            self._short = True
+            ring = self._ring
+            log.warning("checkpoint ring for %s rank %d: all %d slots of %d bytes hold checkpoints the agent "
+                        "keeps and none is in flight, so the agent frees none until a newer checkpoint "
+                        "commits: such saves go through a private buffer (copied again into node memory). "
+                        "A ring of %d slots avoids it (SnapshotConfig.max_slots: max_inflight + the checkpoints "
+                        "the agent may keep + 1); with max_slots='auto' the ring was cut by memory", self.job_id,
+                        self.rank, ring.max_slots if ring is not None else 0, total,
+                        pipelined_ring(self.config.max_inflight))
 
     def _ring_full(self, total: int) -> bool:
         ring = self._ring

@@ -225,6 +225,38 @@ def test_pipelined_saves_skip_when_every_slot_is_taken_never_the_private_buffer(
     snap.close()
 
 
+def test_pipelined_saves_go_on_when_the_agent_holds_every_slot(redis_server, tmp_path: Path, caplog) -> None:
+    """Issue 21: a ring no larger than the agent's retention (cut by memory, or max_slots) has every slot
+    holding a stored checkpoint once the saves in flight commit, and the agent frees one only when a newer
+    checkpoint commits. Such a save goes through the private buffer instead of being skipped: checkpoints go
+    on every step (before: skipped "slots" for good, found on the 2-core VM with a 2 GiB state), said once."""
+    import logging
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("pipeshort")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", max_inflight=2,
+                                                     max_slots=2, skip_until_ready=True))
+    got: dict[int, str] = {}
+    with caplog.at_level(logging.WARNING, logger="checkpoint.snapshot"):
+        for step in range(10, 34):     # (two-digit steps: the state's plain values keep their size)
+            h = snap.save(step, state_dict(0, step))
+            if h is None:
+                if snap._prep is not None:
+                    snap._prep.result(scaled(30))
+                if snap._spare_fut is not None:
+                    snap._spare_fut.result(scaled(30))
+                continue
+            res = h.result(scaled(30))
+            assert res.state == "COMMITTED", res
+            got[step] = res.staging
+    skipped = snap.stats.skipped_by
+    seen = " ".join(f"{k}{v[0]}" for k, v in sorted(got.items()))    # e.g. "10p 12s 13s 15p ...": step, staging
+    assert "slots" not in skipped and skipped.get("preparing", 0) <= 3, (skipped, seen)   # buffers made once
+    assert len(got) >= 24 - 3 and max(got) == 33, got
+    assert set(got.values()) == {"slot", "private"}, got     # slots whenever the agent has freed one
+    assert sum("hold checkpoints the agent keeps" in r.getMessage() for r in caplog.records) == 1
+    assert_same(_restore(co, job, 33), state_dict(0, 33))
+    snap.close()
+
+
 def test_pipelined_ring_is_made_up_front_and_no_slot_is_made_in_steady_state(redis_server,
                                                                              tmp_path: Path) -> None:
     """Pipelined with max_slots="auto": the slot thread fills the ring (sized for max_inflight, not the
