@@ -48,6 +48,7 @@ import dataclasses
 import inspect
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -580,16 +581,22 @@ def _part_c_every_step(args: argparse.Namespace, node: Node, opt: torch.optim.Op
             if fut is not None:
                 fut.result(600)
         blk: list[float] = []
+        tries = 0
         while len(blk) < 2 + args.repeat:
+            tries += 1
+            if tries > 10 * (2 + args.repeat):   # never spin: a save skipped for good is a finding
+                raise RuntimeError(f"every_step(): {tries} calls made {len(blk)} saves; skipped "
+                                   f"{client.stats.skipped_by}")
             sync(device)
             t0 = time.perf_counter()
             h = client.save(client.guard.step, sd)
             took = time.perf_counter() - t0
             opt.step()
-            if h is None:          # skipped (the slot ring still being made): counted, tried again once made
+            if h is None:          # skipped (a buffer or the slot ring still being made): tried again once made
                 client.wait(600)
-                if snap._spare_fut is not None:
-                    snap._spare_fut.result(600)
+                for fut in (snap._prep, snap._spare_fut):
+                    if fut is not None:
+                        fut.result(600)
                 continue
             blk.append(took)
             res = h.result(600)
@@ -791,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="part b: host time per phase of a save, training thread and background")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU test); no timing claims")
     args = ap.parse_args(argv)
+    # a `timeout` (SIGTERM) unwinds like an exception, so each part's finally removes its agent and its memory
+    # dir in /dev/shm (a killed run left 17 GB there, and the next run's ring was cut by memory)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.checksums = [m for m in str(args.checksums).split(",") if m]
     args.inflight = [int(n) for n in str(args.inflight).split(",") if n]
