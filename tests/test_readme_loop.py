@@ -45,8 +45,8 @@ def readme_loop() -> str:
 
 
 class LongerLoader:
-    """`batches`, then `more()` ones while the ranks still want them, for at most `extend_s` seconds: until
-    `done()` (the rollback happened) and `after` batches more (the skip, then steps on the restored weights:
+    """`batches`, then `more()` ones while the ranks still want them: until `done()` (the rollback happened,
+    waited for at most `extend_s` seconds) and `after` batches more (the skip, then steps on the restored weights:
     a late second directive would show). The ranks decide together (a MIN all-reduce on their own group at
     each extra batch: the README loop asks for batches at the same iterations on every rank)."""
 
@@ -63,7 +63,11 @@ class LongerLoader:
         while True:
             if done_at is None and self.done():
                 done_at = self.extra
-            want = (done_at is None or self.extra - done_at < self.after) and time.monotonic() < deadline
+            # the deadline bounds the wait for the rollback only: once it happened, `after` batches follow
+            # whatever the time (a directive that came late on a loaded machine, near the deadline, left the
+            # restored run too few steps for a checkpoint after the restore: seen once in a loaded suite)
+            want = (self.extra - done_at < self.after if done_at is not None
+                    else time.monotonic() < deadline)
             go = torch.tensor([int(want)])
             dist.all_reduce(go, op=dist.ReduceOp.MIN, group=self.group)
             if not go.item():
