@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from daemon.alert_policy import AlertBook, Notification, Signal, SinkQueue, TokenBucket, backoff_delay
 from daemon.errors import ConfigError
+from daemon.background import cancel_tasks
 from daemon.pools import WorkPool
 from sdcwatch.errors import SdcwatchError
 from sdcwatch.settings import setting
@@ -336,10 +337,11 @@ class AlertDispatcher:
             return False
 
     async def stop(self, flush_timeout_s: float = 2.0) -> None:
-        """Cancel the tasks, then a bounded last flush (e.g. resolutions published while stopping)."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Cancel the tasks, then a bounded last flush (e.g. resolutions published while stopping). The
+        cancel is repeated until they end (`cancel_tasks`): Python 3.11's `asyncio.wait_for` returns the
+        inner result, and loses the cancel, when a delivery finishes as it is cancelled; the sender then
+        waited for its next wake-up for good and the stop hung (seen twice in loaded suite runs)."""
+        await cancel_tasks(self._tasks, max(5.0, flush_timeout_s))
         self._tasks.clear()
         if self.sinks:
             if not await self.flush(flush_timeout_s):

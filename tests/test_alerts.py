@@ -360,6 +360,35 @@ def test_webhook_retries_with_backoff_until_it_answers() -> None:
     assert hook.alerts()[0]["labels"] == {"alertname": "A", "x": "1"}
 
 
+def test_stop_ends_when_a_sender_loses_its_cancel() -> None:
+    """Python 3.11's `asyncio.wait_for` returns the delivery's result, and loses the cancel, when the POST
+    finishes just as the sender is cancelled; the sender then waited for its next wake-up for good and
+    `stop()` (the agent's too) hung (twice in loaded suite runs, in the test above). A sender that swallows
+    its first cancel, as that race does: `stop()` cancels it again and ends."""
+    reg = CollectorRegistry()
+    swallowed = []
+
+    async def scenario() -> None:
+        disp = AlertDispatcher(AlertsConfig(webhook_url=f"http://127.0.0.1:{free_port()}/hook"), node="n",
+                               registry=reg, tick_s=0.05)
+
+        async def loses_its_first_cancel(clock: Any, rand: Any) -> None:
+            idle = asyncio.Event()
+            try:
+                await idle.wait()
+            except asyncio.CancelledError:
+                swallowed.append(1)      # what the race does: carry on as if not cancelled
+            await idle.wait()
+
+        disp.sinks[0].run = loses_its_first_cancel   # type: ignore[method-assign]
+        await disp.start()
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(disp.stop(flush_timeout_s=0.1), scaled(20))
+
+    asyncio.run(scenario())
+    assert swallowed == [1]
+
+
 def test_refused_payload_is_dropped_not_retried() -> None:
     hook = Webhook(codes=[400])
     reg = CollectorRegistry()
