@@ -323,8 +323,11 @@ class AlertDispatcher:
         """Tick once and try to empty every sink's queue within `timeout_s` (no retries past it)."""
         self.tick()
 
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
         async def drain(sink: Sink) -> None:
-            while len(sink.queue):
+            while len(sink.queue) and loop.time() < deadline:   # (a cancel lost in a delivery ends it too)
                 try:
                     await sink.send_once(self.clock)
                 except DeliveryError:
@@ -332,9 +335,9 @@ class AlertDispatcher:
 
         try:
             await asyncio.wait_for(asyncio.gather(*(drain(s) for s in self.sinks)), timeout_s)
-            return True
         except asyncio.TimeoutError:
             return False
+        return not any(len(s.queue) for s in self.sinks)
 
     async def stop(self, flush_timeout_s: float = 2.0) -> None:
         """Cancel the tasks, then a bounded last flush (e.g. resolutions published while stopping). The
