@@ -543,7 +543,7 @@ class Snapshotter:
                 # good (a ring cut by memory below the agent's retention); this save takes the private buffer
                 self._want_spares(total)
                 if not pending and self._ring_full(total):
-                    self._ring_short(total)
+                    self._ring_short(self._ring, total)
                 elif skip:
                     self._skip(step, "slots" if self._ring_full(total) else "preparing")
                     return None
@@ -954,7 +954,8 @@ class Snapshotter:
                         total, self._location, e)
             return None
         if slot is None:
-            if len(ring) >= ring.max_slots and not self._warned_full:
+            # (pipelined, a full ring means saves skipped or, with none in flight, `_ring_short`: said there)
+            if len(ring) >= ring.max_slots and not self._warned_full and self._spare_pool is None:
                 self._warned_full = True
                 log.warning("all %d staging slots hold stored checkpoints: this save uses a private buffer "
                             "(raise SnapshotConfig.max_slots above the agent's keep_committed + 2)",
@@ -1713,19 +1714,18 @@ class Snapshotter:
             self._same_dirs = (location, root)
         return same
 
-    def _ring_short(self, total: int) -> None:
+    def _ring_short(self, ring: SlotRing, total: int) -> None:
         """A pipelined save found every slot holding a stored checkpoint and none in flight: the ring is
         smaller than the agent's retention plus a save (cut by memory, or `max_slots`). Said once; from now
         on the private buffer is kept for such saves (not freed when a slot is taken again)."""
         if not self._short:
             self._short = True
-            ring = self._ring
             log.warning("checkpoint ring for %s rank %d: all %d slots of %d bytes hold checkpoints the agent "
                         "keeps and none is in flight, so the agent frees none until a newer checkpoint "
                         "commits: such saves go through a private buffer (copied again into node memory). "
                         "A ring of %d slots avoids it (SnapshotConfig.max_slots: max_inflight + the checkpoints "
                         "the agent may keep + 1); with max_slots='auto' the ring was cut by memory", self.job_id,
-                        self.rank, ring.max_slots if ring is not None else 0, total,
+                        self.rank, ring.max_slots, total,
                         pipelined_ring(self.config.max_inflight))
 
     def _ring_full(self, total: int) -> bool:

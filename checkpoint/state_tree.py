@@ -228,7 +228,7 @@ def _skeleton(tree: Any, named: list[tuple[str, torch.Tensor]]) -> Any:
                 refs.add(i)
                 return ("V", named[i][0], t[KIND_KEY])
             if set(t) == {TUPLE_MARK}:
-                return ("L", True, kids_of([node(v) for v in t[TUPLE_MARK]]))
+                return ("L", True, _kid_nodes([node(v) for v in t[TUPLE_MARK]]))
             if set(t) == {ITEMS_MARK}:
                 keys = tuple(k for k, _ in t[ITEMS_MARK])
                 return _dict_node(keys, [node(v) for _, v in t[ITEMS_MARK]], True)
@@ -237,11 +237,8 @@ def _skeleton(tree: Any, named: list[tuple[str, torch.Tensor]]) -> Any:
                 return ("TD", tuple(t), tuple(k[1] for k in kids))
             return _dict_node(tuple(t), kids, False)
         if isinstance(t, list):
-            return ("L", False, kids_of([node(v) for v in t]))
+            return ("L", False, _kid_nodes([node(v) for v in t]))
         raise _NoSkeleton
-
-    def kids_of(kids: list[Any]) -> Any:
-        return kids if any(map(_deferred, kids)) else tuple(kids)   # a tuple: no plain value deferred
 
     if isinstance(tree, dict) and set(tree) == {VALUE_MARK, KIND_KEY}:
         return None   # the whole state is one value
@@ -257,7 +254,13 @@ def _dict_node(keys: tuple[Any, ...], kids: list[Any], any_keys: bool) -> Any:
     for all of them), else ("D", keys, kids, any_keys) (kids a tuple when none of them is deferred)."""
     if len(kids) > 1 and all(k[0] == "TD" for k in kids) and len({k[1] for k in kids}) == 1:
         return ("DT", keys, kids[0][1], tuple(p for k in kids for p in k[2]), any_keys, tuple(kids))
-    return ("D", keys, kids if any(map(_deferred, kids)) else tuple(kids), any_keys)
+    return ("D", keys, _kid_nodes(kids), any_keys)
+
+
+def _kid_nodes(kids: list[Any]) -> Any:
+    """A container's child nodes: a tuple when none of them is a deferred plain value (replayed in one pass,
+    `_replay_kids`), else the list."""
+    return kids if any(map(_deferred, kids)) else tuple(kids)
 
 
 class _NoSkeleton(Exception):

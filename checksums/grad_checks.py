@@ -333,18 +333,17 @@ class GradSummaries:
         return cls(ddp, **kwargs)
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
-        if self._side_on and bucket.buffer().is_cuda:
-            buf = bucket.buffer()
+        buf = bucket.buffer()
+        if self._side_on and buf.is_cuda:
             side = self._sides.get(buf.device.index)
             if side is None:
                 side = self._sides[buf.device.index] = torch.cuda.Stream(buf.device)
             side.wait_stream(torch.cuda.current_stream(buf.device))   # the bucket's gradients are ready there
             with torch.cuda.stream(side):    # the collective waits for the side stream, not the backward's
-                return self._summarise_and_reduce(state, bucket)
-        return self._summarise_and_reduce(state, bucket)
+                return self._summarise_and_reduce(state, bucket, buf)
+        return self._summarise_and_reduce(state, bucket, buf)
 
-    def _summarise_and_reduce(self, state: Any, bucket: Any) -> Any:
-        buf = bucket.buffer()
+    def _summarise_and_reduce(self, state: Any, bucket: Any, buf: torch.Tensor) -> Any:
         idx = bucket.index()
         if self._inject is not None:
             self._inject(idx, buf)

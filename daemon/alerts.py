@@ -31,8 +31,8 @@ from typing import Any, Callable, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from daemon.alert_policy import AlertBook, Notification, Signal, SinkQueue, TokenBucket, backoff_delay
-from daemon.errors import ConfigError
 from daemon.background import cancel_tasks
+from daemon.errors import ConfigError
 from daemon.pools import WorkPool
 from sdcwatch.errors import SdcwatchError
 from sdcwatch.settings import setting
