@@ -63,6 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_checkpoint import make_state, start_redis  # noqa: E402
+from bench.paired import paired_interval  # noqa: E402
 from checkpoint.client import CheckpointClient  # noqa: E402
 from checkpoint.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from checkpoint.shm_store import ShmStore  # noqa: E402
@@ -155,19 +156,34 @@ def pinned_copy_time(tensors: list[torch.Tensor], device: torch.device, repeat: 
     return min(times[1:])
 
 
-def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device
-               ) -> dict[str, list[float]]:
-    """Per mode, the per-step mean of each block (blocks timed between syncs; order rotated each round)."""
+def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device,
+               whole: dict[str, list[float]] | None = None, lead_in: bool = False) -> dict[str, list[float]]:
+    """Per mode, the per-step mean of each block (order rotated each round). A block ends when the
+    training's own stream has run its last step: a save's copy left running on the side stream after the
+    block's last step overlaps the next step in training, so it is not charged to the block. `lead_in`:
+    each block starts with one untimed step of its mode, timed from when the training's stream has run it,
+    so every timed step has the previous step's save in flight beside it, as in training (without it the
+    first timed step has none: the block undercounts a save's device cost by 1 / block). `whole`, when
+    given, gets each block's time to the end of every stream (the last save's copy included: an artifact
+    of stopping the training, about copy time / block per step)."""
     names = list(modes)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             sync(device)
+            if lead_in:
+                modes[name]()
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
             t0 = time.perf_counter()
             for _ in range(block):
                 modes[name]()
-            sync(device)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
             out[name].append((time.perf_counter() - t0) / block)
+            sync(device)
+            if whole is not None:
+                whole.setdefault(name, []).append((time.perf_counter() - t0) / block)
     return out
 
 
@@ -395,25 +411,39 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         state_calls.clear()
         skipped0 = dict(client.stats.skipped_by)
         made0 = client.stats.slots_ahead + client.stats.slots_inline
-        times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device)
+        whole: dict[str, list[float]] = {}
+        times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device, whole,
+                           lead_in=True)
         client.wait(600)
+        attempts = len(calls)             # every save() call of the timed blocks (their lead-in steps too)
+        timed = list(handles)
         made = client.stats.slots_ahead + client.stats.slots_inline - made0   # steady state: 0
-        results = [h.result(600) for h in handles]
-        committed = sum(1 for r in results if r.state in ("COMMITTED", "VERIFIED"))
-        attempts = args.block * args.rounds
-        host_work = [r.host_s for r in results]
-        host_cpu = [r.cpu_s for r in results]
         skipped = {k: v - skipped0.get(k, 0) for k, v in client.stats.skipped_by.items()
                    if v - skipped0.get(k, 0)}
+        host_rows = _host_bound_rows(tag, step_off, step_every, device, args.block) if args.diagnose else []
+        gpu_rows = _gpu_profile_rows(tag, step_off, step_every, device, args.block) if args.diagnose else []
+        client.wait(600)
+        results = [h.result(600) for h in timed]
+        committed = sum(1 for r in results if r.state in ("COMMITTED", "VERIFIED"))
+        host_work = [r.host_s for r in results]
+        host_cpu = [r.cpu_s for r in results]
         off = statistics.median(times["off"])
         every = statistics.median(times["every"])
         over = (every - off) / off
+        ratios = [e / o for e, o in zip(times["every"], times["off"])]   # block k of each mode: round k
+        lo, hi = paired_interval(ratios)
         fits = "fits" if t_copy < t_fb else "does NOT fit"
         rows += [
             (f"[{tag}] step, no checkpoint", off, f"fwd+bwd {t_fb * 1e3:.1f} ms; state "
              f"{nbytes / 1e9:.2f} GB"),
             (f"[{tag}] step, checkpoint every step", every,
-             f"{100 * over:+.2f}% of the step (target < 1%)"),
+             f"{100 * over:+.2f}% of the step (target < 1%); paired by round: median "
+             f"{100 * (statistics.median(ratios) - 1):+.2f}%, mean {100 * (statistics.fmean(ratios) - 1):+.2f}% "
+             f"[{100 * lo:+.2f}, {100 * hi:+.2f}] (95%, {len(ratios)} rounds)"),
+            (f"[{tag}] step, checkpoint every step, blocks to the end of every stream", statistics.median(
+                whole["every"]), f"{100 * (statistics.median(whole['every']) / statistics.median(whole['off']) - 1):+.2f}% "
+             f"of the step so measured: each block then also waits for its last save's copy (about "
+             f"{1e3 * t_copy / args.block:.1f} ms a step here), which in training overlaps the next step"),
             (f"[{tag}] state() + save() call, host (median)", statistics.median(calls) if calls else float("nan"),
              f"{100 * statistics.median(calls) / off:.2f}% of the step (the training thread's share)"
              if calls else ""),
@@ -447,6 +477,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         rows.append(copy_ops_row(tag, client, state()))
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
+        rows += host_rows + gpu_rows
         client.close()
     finally:
         node.close()
@@ -496,6 +527,105 @@ def profile_rows(tag: str, results: list[Any], state_calls: list[float], step: f
                  (f"[{tag}] profile: background CPU per save, sum", statistics.median(b_cpu),
                   "GIL-held Python (and C) beside the training thread")]
     return rows
+
+
+def _host_bound_rows(tag: str, step_off: Callable[[], None], step_every: Callable[[], None],
+                     device: torch.device, block: int) -> list[Row]:
+    """`--diagnose`: is the step host-bound? Each mode's host time to enqueue one step (timed from a synced
+    device, so the launch queue is empty and nothing waits on it) against the step's wall time. A step
+    whose host time is near its device time has no slack: any host work (the save's Python, the GIL held
+    by its background) then lands in the step."""
+    rows: list[Row] = []
+    for name, fn in (("off", step_off), ("every", step_every)):
+        enq, wall = [], []
+        for _ in range(block):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            sync(device)
+            enq.append(t1 - t0)
+            wall.append(time.perf_counter() - t0)
+        e, w = statistics.median(enq), statistics.median(wall)
+        rows.append((f"[{tag}] diagnose: host enqueue of a step, {name}", e,
+                     f"{100 * e / w:.0f}% of its synced step ({1e3 * w:.1f} ms): the host's share"))
+    return rows
+
+
+def _gpu_profile_rows(tag: str, step_off: Callable[[], None], step_every: Callable[[], None],
+                      device: torch.device, block: int, top: int = 6) -> list[Row]:
+    """`--diagnose` on CUDA: where a save's cost lands (torch.profiler over one block of each mode).
+    The device work it adds (kernels and copies that differ most), and the compute stream's idle time per
+    step, split by cause: "host" (the next kernel was launched after the stream ran dry: the host was
+    late) or "wait" (launched before: it waited on the device for something, an event, another stream)."""
+    if device.type != "cuda":
+        return []
+    import json as _json
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    per: dict[str, dict[str, tuple[float, float]]] = {}
+    idle: dict[str, tuple[float, float, list[tuple[str, float]]]] = {}
+    for name, fn in (("off", step_off), ("every", step_every)):
+        sync(device)
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(block):
+                fn()
+            sync(device)
+        per[name] = {e.key[:80]: (e.self_device_time_total / 1e3 / block, e.count / block)
+                     for e in prof.key_averages() if e.self_device_time_total > 0}
+        trace = Path(tempfile.mkstemp(suffix=".json")[1])
+        try:
+            prof.export_chrome_trace(str(trace))
+            idle[name] = _stream_gaps(_json.loads(trace.read_text()), block)
+        finally:
+            trace.unlink(missing_ok=True)
+    tot = {n: sum(v[0] for v in d.values()) for n, d in per.items()}
+    rows: list[Row] = [(f"[{tag}] diagnose: device time per step, {n}", tot[n] / 1e3, "all kernels and copies")
+                       for n in per]
+    keys = set(per["off"]) | set(per["every"])
+    diff = sorted(((k, per["every"].get(k, (0.0, 0.0))[0] - per["off"].get(k, (0.0, 0.0))[0],
+                    per["every"].get(k, (0.0, 0.0))[1] - per["off"].get(k, (0.0, 0.0))[1]) for k in keys),
+                  key=lambda d: -abs(d[1]))
+    rows += [(f"[{tag}] diagnose: every - off, {k}", ms / 1e3, f"{ms:+.3f} ms, {n:+.1f} calls a step")
+             for k, ms, n in diff[:top]]
+    for n, (host, wait, where) in idle.items():
+        rows.append((f"[{tag}] diagnose: compute stream idle per step, {n}", (host + wait) / 1e3,
+                     f"host-late {host:.3f} ms, waiting on the device {wait:.3f} ms; the largest before: " +
+                     ", ".join(f"{k[:50]} {v:.2f} ms" for k, v in where[:3])))
+    return rows
+
+
+def _stream_gaps(trace: dict, steps: int, least_us: float = 5.0) -> tuple[float, float, list[tuple[str, float]]]:
+    """The busiest stream's idle time per step in a chrome trace (ms): (host-late, waiting, where), where
+    a gap is host-late when the kernel after it was launched after the stream ran dry, and `where` lists
+    the kernels the most idle time came before (ms per step)."""
+    evs = trace.get("traceEvents", [])
+    launch = {e["args"].get("correlation"): e["ts"] for e in evs
+              if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "args" in e}
+    work = [e for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy: dict[Any, float] = {}
+    for e in work:
+        busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e.get("dur", 0.0)
+    if not busy:
+        return 0.0, 0.0, []
+    main = max(busy, key=busy.__getitem__)
+    ks = sorted((e for e in work if e["args"].get("stream") == main), key=lambda e: e["ts"])
+    host = wait = 0.0
+    where: dict[str, float] = {}
+    for a, b in zip(ks, ks[1:]):
+        gap = b["ts"] - (a["ts"] + a.get("dur", 0.0))
+        if gap < least_us:
+            continue
+        at = launch.get(b["args"].get("correlation"))
+        if at is not None and at > a["ts"] + a.get("dur", 0.0):
+            host += gap
+        else:
+            wait += gap
+        where[b["name"]] = where.get(b["name"], 0.0) + gap
+    top = sorted(where.items(), key=lambda kv: -kv[1])
+    return host / 1e3 / steps, wait / 1e3 / steps, [(k, v / 1e3 / steps) for k, v in top]
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -548,6 +678,8 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
                  f"slots made ahead {client.stats.slots_ahead}, inline {client.stats.slots_inline}"),
             ]
             client.close()
+        if args.fresh > 1:
+            rows += _part_c_fresh(args, node, opt, sd, device)
         rows += _part_c_every_step(args, node, opt, sd, device)
     finally:
         node.close()
@@ -561,6 +693,38 @@ def _phase_diff(phases: list[dict[str, float]], which: int = 0, top: int = 3) ->
     diff = {k: v - statistics.median(p.get(k, 0.0) for p in steady) for k, v in phases[which].items()}
     worst = sorted(diff.items(), key=lambda kv: -kv[1])[:top]
     return ", ".join(f"{k[2:]} +{v * 1e3:.2f} ms" for k, v in worst if v > 0) or "nowhere"
+
+
+def _part_c_fresh(args: argparse.Namespace, node: Node, opt: torch.optim.Optimizer, sd: dict,
+                  device: torch.device) -> list[Row]:
+    """`--fresh K`: K fresh clients with prepare(), each timing its first save and its steady saves: the
+    first save over the steady median, per client, then the median and range over the K (one client's
+    ratio moves by the run-to-run spread of a save of a millisecond or two)."""
+    ratios, firsts, steadies = [], [], []
+    for k in range(args.fresh):
+        client = node.client(opt, SnapshotConfig(), f"cf{k}")
+        try:
+            client.prepare(sd).result(600)
+            blk = []
+            for _ in range(2 + args.repeat):
+                sync(device)
+                t0 = time.perf_counter()
+                h = client.save(client.guard.step, sd)
+                blk.append(time.perf_counter() - t0)
+                opt.step()
+                assert h is not None
+                res = h.result(600)
+                assert res.error == "", res.error
+        finally:
+            client.close()
+        steady = statistics.median(blk[2:])
+        ratios.append(blk[0] / steady)
+        firsts.append(blk[0])
+        steadies.append(steady)
+    return [(f"first save over steady, with prepare(), {args.fresh} fresh clients (median)",
+             statistics.median(ratios), f"ratio, not seconds; range {min(ratios):.2f}-{max(ratios):.2f}; "
+             f"first {1e3 * statistics.median(firsts):.2f} ms, steady {1e3 * statistics.median(steadies):.2f} ms "
+             f"(medians; target <= 1.0x)")]
 
 
 def _part_c_every_step(args: argparse.Namespace, node: Node, opt: torch.optim.Optimizer, sd: dict,
@@ -775,6 +939,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--fresh", type=int, default=1,
+                    help="part c: this many fresh clients with prepare(), first save over steady for each")
     ap.add_argument("--checksums", default="source,host",
                     help="part b: SnapshotConfig.checksums modes, side by side (source: fingerprints at the source; "
                          "host: hashed on the host, the old path)")
@@ -794,6 +960,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent", choices=("process", "inproc"), default="process",
                     help="the agent in a process of its own (as in production) or in this one (its commit "
                          "work then runs under the training process's GIL: the runs before issue 21's profile)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="part b: the host's share of a step (enqueue time from a synced device) and, on CUDA, "
+                         "the device work a save adds (torch.profiler), after the timed blocks")
     ap.add_argument("--profile", action="store_true",
                     help="part b: host time per phase of a save, training thread and background")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU test); no timing claims")

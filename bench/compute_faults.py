@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import pstats
-import random
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.paired import paired_interval
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
@@ -581,18 +581,6 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
                overhead=mean["checks+audits"] / mean["base"] - 1.0)
     return out
-
-
-def paired_interval(ratios: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """A 95% interval of an arm's overhead from its rounds' ratios to base (each round's block over the base
-    block of the same round): the 2.5th and 97.5th percentiles of the mean ratio over resamples of the
-    rounds (bootstrap, seeded), minus 1. How finely this run resolves the arm's overhead."""
-    if len(ratios) < 2:
-        return (float("nan"), float("nan"))
-    rng = random.Random(seed)
-    n = len(ratios)
-    means = sorted(sum(rng.choices(ratios, k=n)) / n for _ in range(resamples))
-    return (means[int(0.025 * resamples)] - 1.0, means[int(0.975 * resamples) - 1] - 1.0)
 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:

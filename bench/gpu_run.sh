@@ -99,6 +99,22 @@ want final9 && step final9-compute 170 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pytho
 # issue 21 after the tenth session's walk changes: every step, 2 in flight, with the training thread's profile
 want ckpt10 && step ckpt10 200 python3 bench/ckpt_overlap.py --parts bc --checksums source --inflight 2 \
   --batches 16,32 --rounds 3 --profile
+# issue 21, where batch 16's every-step cost goes: the host's share of a step and the device work a save adds
+want ckptdiag && step ckptdiag 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
+  --batches 8,16,32 --rounds 6 --profile --diagnose
+# issue 21, eleventh session: blocks end on the training's stream (the last save's copy overlaps the next
+# step in training); batch 8 with 3 in flight; the first save over steady on 7 fresh clients
+want ckpt11 && step ckpt11b 260 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
+  --batches 8,16,32 --rounds 6 --profile
+want ckpt11 && step ckpt11b8 90 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 8 --rounds 6
+want ckpt11 && step ckpt11c 150 python3 bench/ckpt_overlap.py --parts c --fresh 7 --repeat 4
+# issue 21: each timed block led in by an untimed step (every timed step has a save in flight beside it);
+# the fingerprint kernel (source) against host hashing, and gathered copies
+want ckpt11x && step ckpt11x 300 python3 bench/ckpt_overlap.py --parts b --checksums source,host --inflight 2 \
+  --batches 16,32 --rounds 6 --profile
+want ckpt11x && step ckpt11g 120 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
+  --gather 256 --batches 16,32 --rounds 6
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
@@ -168,7 +184,7 @@ want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 py
   --device cuda --world 1 --model gpt2 --cases none --overhead 20 --block 10 --together --sync-debug
 # issue 19: the checks' overhead on a device-bound step (32k tokens in one micro-batch), with each arm's 95%
 # interval and the device's busy share; the arm checks-inline runs the summaries on the backward's stream (the default: the hooks' side stream)
-want computebig && step gate-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+(want computebig || want gatetests) && step gate-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_compute_gate_device.py
 want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 150 --block 10 --together --hook-arm \

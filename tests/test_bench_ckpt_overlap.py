@@ -20,3 +20,34 @@ def test_the_overlap_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> No
     assert "profile: training flatten" in out and "profile: background commit" in out   # --profile (issue 21)
     assert "first save made, every_step(), no prepare()" in out
     assert "FAILED" not in out, out
+
+
+def test_the_diagnosis_and_fresh_clients_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """--diagnose (the host's share of a step) and --fresh (first save over steady on several clients)."""
+    assert main(["--device", "cpu", "--smoke", "--parts", "bc", "--inflight", "2", "--checksums", "source",
+                 "--diagnose", "--fresh", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "diagnose: host enqueue of a step, off" in out and "diagnose: host enqueue of a step, every" in out
+    assert "first save over steady, with prepare(), 2 fresh clients (median)" in out
+    assert "blocks to the end of every stream" in out and "paired by round" in out
+
+
+def test_stream_gaps_split_host_late_from_device_waits() -> None:
+    """A gap is host-late when the kernel after it was launched after the stream ran dry, a device wait
+    when it was launched before; only the busiest stream counts."""
+    from bench.ckpt_overlap import _stream_gaps
+
+    def kernel(name: str, ts: float, dur: float, stream: int, corr: int) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, "correlation": corr}}
+
+    def launch(ts: float, corr: int) -> dict:
+        return {"ph": "X", "cat": "cuda_runtime", "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [launch(0, 1), kernel("a", 10, 100, 7, 1),
+                             launch(150, 2), kernel("b", 160, 100, 7, 2),      # launched late: 50 us host
+                             launch(20, 3), kernel("c", 400, 100, 7, 3),       # launched early: 140 us wait
+                             kernel("copy", 400, 10, 9, 4)]}
+    host, wait, where = _stream_gaps(trace, steps=2)
+    assert (host, wait) == (0.025, 0.07)            # ms per step
+    assert where == [("c", 0.07), ("b", 0.025)]
