@@ -115,6 +115,12 @@ want ckpt11x && step ckpt11x 300 python3 bench/ckpt_overlap.py --parts b --check
   --batches 16,32 --rounds 6 --profile
 want ckpt11x && step ckpt11g 120 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
   --gather 256 --batches 16,32 --rounds 6
+# issue 21, last of the eleventh session: the checkpoint GPU tests (the short ring's private-buffer path on
+# CUDA among them), then every step at batch 16 and 32 over 10 rounds
+want ckpt11f && step ckpt11f-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
+want ckpt11f && step ckpt11f 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
+  --batches 16,32 --rounds 10 --profile
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
@@ -189,6 +195,9 @@ want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 py
 want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 150 --block 10 --together --hook-arm \
   --gpu-profile 4
+# issue 19: a host-bound step (8k tokens): the side stream's host cost against the summaries inline
+want compute8 && step compute-8k 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 --hook-arm
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
 # beside it, then 2,000 clean steps
 want computepair && [ "$NGPU" -ge 2 ] && step compute-pair 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \

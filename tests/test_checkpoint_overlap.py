@@ -225,11 +225,15 @@ def test_pipelined_saves_skip_when_every_slot_is_taken_never_the_private_buffer(
     snap.close()
 
 
-def test_pipelined_saves_go_on_when_the_agent_holds_every_slot(redis_server, tmp_path: Path, caplog) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pipelined_saves_go_on_when_the_agent_holds_every_slot(redis_server, tmp_path: Path, caplog,
+                                                               device: str) -> None:
     """Issue 21: a ring no larger than the agent's retention (cut by memory, or max_slots) has every slot
     holding a stored checkpoint once the saves in flight commit, and the agent frees one only when a newer
     checkpoint commits. Such a save goes through the private buffer instead of being skipped: checkpoints go
-    on every step (before: skipped "slots" for good, found on the 2-core VM with a 2 GiB state), said once."""
+    on every step (before: skipped "slots" for good, found on the 2-core VM with a 2 GiB state), said once.
+    On CUDA (bench/gpu_run.sh) the same with the state on the GPU: device-to-host copies into slots and the
+    pinned private buffer, source fingerprints."""
     import logging
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id("pipeshort")
     snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096, policy="skip", max_inflight=2,
@@ -237,7 +241,7 @@ def test_pipelined_saves_go_on_when_the_agent_holds_every_slot(redis_server, tmp
     got: dict[int, str] = {}
     with caplog.at_level(logging.WARNING, logger="checkpoint.snapshot"):
         for step in range(10, 34):     # (two-digit steps: the state's plain values keep their size)
-            h = snap.save(step, state_dict(0, step))
+            h = snap.save(step, _on(state_dict(0, step), device))
             if h is None:
                 if snap._prep is not None:
                     snap._prep.result(scaled(30))
@@ -494,6 +498,15 @@ def _clone(x: Any) -> Any:
     if isinstance(x, list):
         return [_clone(v) for v in x]
     return x
+
+
+def _on(sd: Any, device: str) -> Any:
+    """`sd` with its tensors on `device` (plain values as they are)."""
+    if isinstance(sd, torch.Tensor):
+        return sd.to(device)
+    if isinstance(sd, dict):
+        return {k: _on(v, device) for k, v in sd.items()}
+    return sd
 
 
 def _restore(co: Any, job: str, step: int) -> Any:
