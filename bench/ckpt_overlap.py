@@ -411,11 +411,13 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         state_calls.clear()
         skipped0 = dict(client.stats.skipped_by)
         made0 = client.stats.slots_ahead + client.stats.slots_inline
+        waits0 = (client.stats.update_waits, client.stats.update_wait_s)
         whole: dict[str, list[float]] = {}
         times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device, whole,
                            lead_in=True)
         client.wait(600)
         attempts = len(calls)             # every save() call of the timed blocks (their lead-in steps too)
+        waits = (client.stats.update_waits - waits0[0], client.stats.update_wait_s - waits0[1])
         timed = list(handles)
         made = client.stats.slots_ahead + client.stats.slots_inline - made0   # steady state: 0
         skipped = {k: v - skipped0.get(k, 0) for k, v in client.stats.skipped_by.items()
@@ -474,6 +476,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              "host time combining the GPU's words" if device.type == "cuda" else
              "host: numpy over the pieces (CPU state: one pass, in the background)"),
         ]
+        rows.append((f"[{tag}] the update's host wait for the copy thread, per step", waits[1] / max(1, attempts),
+                     f"{waits[0]} of {attempts} optimizer steps waited on the host for a save's copies to be "
+                     f"enqueued ({1e3 * waits[1]:.1f} ms in all; the host's lead over the device shrinks by it)"))
         rows.append(copy_ops_row(tag, client, state()))
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)

@@ -121,6 +121,9 @@ want ckpt11f && step ckpt11f-tests 150 python3 -m pytest -p no:cacheprovider -q 
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
 want ckpt11f && step ckpt11f 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
   --batches 16,32 --rounds 10 --profile
+# issue 21: the update's host waits for the copy thread's enqueue, beside the compute stream's idle time
+want ckpt11w && step ckpt11w 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
+  --batches 16,32 --rounds 6 --diagnose
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py

@@ -251,6 +251,9 @@ class SaveStats:
     slots_inline: int           # slots created inside a save (the blocking kind; 0 in steady state)
     in_flight: int = 0          # saves in the background now (copying, hashed or committed)
     most_in_flight: int = 0     # the most at once so far (SnapshotConfig.max_inflight bounds it)
+    update_wait_s: float = 0.0  # seconds optimizer steps waited on the host for the copy thread to have
+                                # enqueued a save's copies (normally 0: long done when the update comes)
+    update_waits: int = 0       # how many of those waits found the enqueue not yet done
 
 
 def _takes_restored(sink: Any) -> bool:
@@ -440,6 +443,8 @@ class Snapshotter:
         self._last: SaveHandle | None = None
         self._pending: list[SaveHandle] = []    # saves handed to the background, not known done (oldest first)
         self._most_in_flight = 0
+        self._update_wait_s = 0.0   # the host's waits in order_before_update for the copy thread (stats)
+        self._update_waits = 0
         self._arena_user: concurrent.futures.Future[SaveResult] | None = None   # the save reading the arena
         # pipelined (max_inflight > 1): slots are made ahead by a thread of their own, so a slot being made
         # (fallocate + populate + cudaHostRegister: ~0.5 s a GB) never holds up the commits queued behind it
@@ -798,7 +803,8 @@ class Snapshotter:
                          dict(self._skips), len(ring) if ring is not None else 0, self._ring_limit,
                          ring.created_ahead if ring is not None else 0,
                          ring.created_inline if ring is not None else 0,
-                         sum(1 for h in list(self._pending) if not h.done()), self._most_in_flight)
+                         sum(1 for h in list(self._pending) if not h.done()), self._most_in_flight,
+                         self._update_wait_s, self._update_waits)
 
     def _skip(self, step: int, reason: str) -> None:
         self._skipped += 1
@@ -847,6 +853,11 @@ class Snapshotter:
             return
         inflight, self._inflight = self._inflight, []
         for dev, ev in inflight:
+            if isinstance(ev, _QueuedCopy) and not ev.job.done():   # the host waits: counted (stats)
+                t0 = time.perf_counter()
+                ev.job.exception()
+                self._update_wait_s += time.perf_counter() - t0
+                self._update_waits += 1
             _stream_wait(dev, ev)
 
     def _changed_by_update(self, tensors: list[torch.Tensor]) -> list[bool]:

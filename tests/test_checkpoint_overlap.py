@@ -814,3 +814,39 @@ def _clone_to_host(sd: Any) -> Any:
     if isinstance(sd, torch.Tensor):
         return sd.detach().cpu().clone()
     return {k: _clone_to_host(v) for k, v in sd.items()} if isinstance(sd, dict) else sd
+
+
+def test_the_updates_host_waits_for_the_copy_thread_are_counted(redis_server, tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """Issue 21: an optimizer step that finds the copy thread still enqueueing a save's copies waits for it
+    on the host; `stats.update_waits` / `update_wait_s` count it (the H200's every-step runs read them), and
+    the device wait is still ordered after it."""
+    import concurrent.futures
+
+    class Late(concurrent.futures.Future):
+        """Not done when first asked; done by the wait itself (the copy thread finishing its enqueue)."""
+
+        def done(self) -> bool:
+            return False
+
+        def exception(self, timeout=None):  # type: ignore[no-untyped-def]
+            if not super().done():
+                self.set_result(None)
+            return super().exception(timeout)
+
+    co, job = node(redis_server.port, tmp_path, "n0"), job_id("updwait")
+    snap = Snapshotter(co, job, 0, 1, SnapshotConfig(chunk_bytes=4096))
+    ordered: list[Any] = []
+    monkeypatch.setattr(snapshot_mod, "_stream_wait", lambda dev, ev: ordered.append(ev))
+    late = snapshot_mod._QueuedCopy(None, "event", Late())
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(None)
+    early = snapshot_mod._QueuedCopy(None, "event2", done)
+    snap._inflight = [(torch.device("cpu"), late), (torch.device("cpu"), early)]
+    snap.order_before_update()
+    st = snap.stats
+    assert st.update_waits == 1 and st.update_wait_s >= 0.0, st     # the late one only
+    assert ordered == [late, early] and snap._inflight == []
+    snap.order_before_update()                                       # nothing in flight: nothing counted
+    assert snap.stats.update_waits == 1
+    snap.close()
