@@ -384,14 +384,27 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         saved_calls: list[float] = []   # the calls that copied (not skipped): like for like across settings
 
         state_calls: list[float] = []
+        # CUDA: an event pair on the training's stream around state() + save() (made ahead: no allocation in
+        # the step). The device reaches the second right after the first when the host was ahead of it; the
+        # time between them is the device idle while the host ran state() + save()
+        marks = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range((args.block + 1) * args.rounds + 4 * args.block + args.warmup + 8)]
+                 if device.type == "cuda" else [])
+        marked: list[tuple[Any, Any]] = []
 
         def step_every() -> None:
             step_off()
+            pair = marks[len(marked)] if len(marked) < len(marks) else None
+            if pair is not None:
+                pair[0].record()
             t0 = time.perf_counter()
             sd = state()
             t1 = time.perf_counter()
             h = client.save(client.guard.step, sd)
             calls.append(time.perf_counter() - t0)
+            if pair is not None:
+                pair[1].record()
+                marked.append(pair)
             if h is not None:
                 saved_calls.append(calls[-1])
                 state_calls.append(t1 - t0)
@@ -407,6 +420,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             spares.result(600)
         handles.clear()
         calls.clear()
+        marks[:len(marked)] = []
+        marked.clear()
         saved_calls.clear()
         state_calls.clear()
         skipped0 = dict(client.stats.skipped_by)
@@ -417,6 +432,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                            lead_in=True)
         client.wait(600)
         attempts = len(calls)             # every save() call of the timed blocks (their lead-in steps too)
+        sync(device)
+        idle_at_save = [a.elapsed_time(b) / 1e3 for a, b in marked]
         waits = (client.stats.update_waits - waits0[0], client.stats.update_wait_s - waits0[1])
         timed = list(handles)
         made = client.stats.slots_ahead + client.stats.slots_inline - made0   # steady state: 0
@@ -476,6 +493,12 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              "host time combining the GPU's words" if device.type == "cuda" else
              "host: numpy over the pieces (CPU state: one pass, in the background)"),
         ]
+        if idle_at_save:
+            rows.append((f"[{tag}] device idle while the host ran state() + save(), per step",
+                         statistics.fmean(idle_at_save),
+                         f"mean (median {1e3 * statistics.median(idle_at_save):.3f} ms, largest "
+                         f"{1e3 * max(idle_at_save):.3f} ms, over {len(idle_at_save)} steps): "
+                         f"{100 * statistics.fmean(idle_at_save) / off:.2f}% of the step; ~0 when the host is ahead"))
         rows.append((f"[{tag}] the update's host wait for the copy thread, per step", waits[1] / max(1, attempts),
                      f"{waits[0]} of {attempts} optimizer steps waited on the host for a save's copies to be "
                      f"enqueued ({1e3 * waits[1]:.1f} ms in all; the host's lead over the device shrinks by it)"))
