@@ -354,8 +354,19 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
             for inflight in args.inflight:
                 for gather in args.gather:
                     for copy_thread in args.copy_thread:
-                        rows += _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy,
-                                             t_fb, inflight, gather, bool(copy_thread))
+                        for interval in args.switch_interval:
+                            old = sys.getswitchinterval()
+                            if interval > 0:   # the GIL's switch interval for this mode (both its arms)
+                                sys.setswitchinterval(interval)
+                            try:
+                                got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes,
+                                                   t_copy, t_fb, inflight, gather, bool(copy_thread))
+                            finally:
+                                sys.setswitchinterval(old)
+                            if interval > 0:
+                                got = [(n.replace("] ", f", GIL switch {1e3 * interval:g} ms] ", 1), v, note)
+                                       for n, v, note in got]
+                            rows += got
     return rows
 
 
@@ -967,6 +978,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--switch-interval", default="0",
+                    help="part b: the GIL's switch interval in seconds for each mode, a list (0: Python's "
+                         "default, 5 ms): does the background's Python, holding the GIL up to this long "
+                         "when the training thread wants it, land in the step?")
     ap.add_argument("--fresh", type=int, default=1,
                     help="part c: this many fresh clients with prepare(), first save over steady for each")
     ap.add_argument("--checksums", default="source,host",
@@ -1003,6 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
     args.inflight = [int(n) for n in str(args.inflight).split(",") if n]
     args.gather = [int(n) for n in str(args.gather).split(",") if n]
     args.copy_thread = [int(n) for n in str(args.copy_thread).split(",") if n]
+    args.switch_interval = [float(n) for n in str(args.switch_interval).split(",") if n]
     if args.smoke:
         for k, v in dataclasses.asdict(Smoke()).items():
             setattr(args, k, list(v) if isinstance(v, tuple) else v)

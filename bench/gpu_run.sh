@@ -124,6 +124,10 @@ want ckpt11f && step ckpt11f 240 python3 bench/ckpt_overlap.py --parts b --check
 # issue 21: the update's host waits for the copy thread's enqueue, beside the compute stream's idle time
 want ckpt11w && step ckpt11w 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
   --batches 16,32 --rounds 6 --diagnose
+# issue 21, next: is the every-step cost's bimodal run-to-run spread (batch 16 +0.5% or +2.1%) the host
+# (the device idle while state() + save() run, from an event pair) or the GIL (a 0.2 ms switch interval)?
+want ckpt12 && step ckpt12 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
+  --batches 16,32 --rounds 6 --switch-interval 0,0.0002
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py

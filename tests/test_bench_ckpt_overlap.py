@@ -25,11 +25,13 @@ def test_the_overlap_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> No
 def test_the_diagnosis_and_fresh_clients_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     """--diagnose (the host's share of a step) and --fresh (first save over steady on several clients)."""
     assert main(["--device", "cpu", "--smoke", "--parts", "bc", "--inflight", "2", "--checksums", "source",
-                 "--diagnose", "--fresh", "2"]) == 0
+                 "--diagnose", "--fresh", "2", "--switch-interval", "0,0.0005"]) == 0
     out = capsys.readouterr().out
     assert "diagnose: host enqueue of a step, off" in out and "diagnose: host enqueue of a step, every" in out
     assert "first save over steady, with prepare(), 2 fresh clients (median)" in out
     assert "blocks to the end of every stream" in out and "paired by round" in out
+    assert "copy thread, GIL switch 0.5 ms] step, checkpoint every step" in out    # --switch-interval
+    assert "the update's host wait for the copy thread, per step" in out
 
 
 def test_stream_gaps_split_host_late_from_device_waits() -> None:
