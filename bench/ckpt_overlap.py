@@ -29,9 +29,12 @@ Parts (every ratio is against a baseline measured in the same run, modes interle
      saves in the block; against the pinned copy of the same bytes (target <= 5%). Then a check: the saved
      bytes equal the weights before the next update (restored and compared, for 3 saves).
   b  Every step on GPT-2 small (bf16 autocast, fp32 parameters, fused AdamW: 1.5 GB of state) for each
-     --batches size: `off` against `every` (SnapshotConfig.every_step()), interleaved; the overhead per step
-     (target < 1%), the saves that reached COMMITTED and the skips by reason, and the copy time against
-     the step time ("fits": the copy is shorter than a step's forward+backward).
+     --batches size: `off` against `every` (SnapshotConfig.every_step()), interleaved while the training
+     runs on (no sync between blocks; each block timed on the device by events on the training's stream,
+     after 3 settling steps of its mode: `interleave_running`); the overhead per step (target < 1%), paired
+     by round with its 95% interval, the saves that reached COMMITTED and the skips by reason, the device's
+     idle while the host runs state() + save(), and the copy time against the step time ("fits": the copy
+     is shorter than a step's forward+backward).
   c  First save against steady saves: blocking time of save() for a fresh client without prepare(), with
      prepare() (the buffer made ahead, in the background), and the steady saves after.
   d  The same --gib bytes (half bf16, half fp32) saved by: ours (blocking, until the copy is done, until
@@ -156,34 +159,62 @@ def pinned_copy_time(tensors: list[torch.Tensor], device: torch.device, repeat: 
     return min(times[1:])
 
 
-def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device,
-               whole: dict[str, list[float]] | None = None, lead_in: bool = False) -> dict[str, list[float]]:
-    """Per mode, the per-step mean of each block (order rotated each round). A block ends when the
-    training's own stream has run its last step: a save's copy left running on the side stream after the
-    block's last step overlaps the next step in training, so it is not charged to the block. `lead_in`:
-    each block starts with one untimed step of its mode, timed from when the training's stream has run it,
-    so every timed step has the previous step's save in flight beside it, as in training (without it the
-    first timed step has none: the block undercounts a save's device cost by 1 / block). `whole`, when
-    given, gets each block's time to the end of every stream (the last save's copy included: an artifact
-    of stopping the training, about copy time / block per step)."""
+def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device
+               ) -> dict[str, list[float]]:
+    """Per mode, the per-step mean of each block (order rotated each round), each block from an idle
+    device until the training's own stream has run its last step: a save's copy left running on the side
+    stream after the block's last step overlaps the next step in training, so it is not charged to the
+    block."""
     names = list(modes)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             sync(device)
-            if lead_in:
-                modes[name]()
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
             t0 = time.perf_counter()
             for _ in range(block):
                 modes[name]()
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
             out[name].append((time.perf_counter() - t0) / block)
-            sync(device)
-            if whole is not None:
-                whole.setdefault(name, []).append((time.perf_counter() - t0) / block)
+    return out
+
+
+def interleave_running(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device,
+                       settle: int = 3) -> dict[str, list[float]]:
+    """`interleave` without stopping the training: no sync between blocks, the modes switch in place as
+    the loop runs on, and each block is timed on the device by an event pair on the training's stream (on
+    the CPU by the clock), after `settle` untimed steps of its mode (the switch: the previous mode's last
+    saves still copying and committing, the host's lead over the device rebuilt). Every timed step then
+    runs as in training: the host as far ahead as it gets, the previous step's save in flight beside it.
+    (A block timed from an idle device starts with the host's lead at zero, where every host cost of a
+    save shows, and a device-wide sync at its end waits for the last save's copy when it was enqueued in
+    time: both were in the H200 runs before this.)"""
+    names = list(modes)
+    cuda = device.type == "cuda"
+    pairs = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(rounds * len(names))] if cuda else [])
+    got: list[tuple[str, Any]] = []
+    sync(device)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(settle):
+                modes[name]()
+            if cuda:
+                a, b = pairs[len(got)]
+                a.record()
+            else:
+                t0 = time.perf_counter()
+            for _ in range(block):
+                modes[name]()
+            if cuda:
+                b.record()
+                got.append((name, (a, b)))
+            else:
+                got.append((name, time.perf_counter() - t0))
+    sync(device)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for name, x in got:
+        out[name].append((x[0].elapsed_time(x[1]) / 1e3 if cuda else x) / block)
     return out
 
 
@@ -399,7 +430,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         # the step). The device reaches the second right after the first when the host was ahead of it; the
         # time between them is the device idle while the host ran state() + save()
         marks = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range((args.block + 1) * args.rounds + 4 * args.block + args.warmup + 8)]
+                  for _ in range((args.block + 3) * args.rounds + 4 * args.block + args.warmup + 8)]
                  if device.type == "cuda" else [])
         marked: list[tuple[Any, Any]] = []
 
@@ -438,11 +469,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         skipped0 = dict(client.stats.skipped_by)
         made0 = client.stats.slots_ahead + client.stats.slots_inline
         waits0 = (client.stats.update_waits, client.stats.update_wait_s)
-        whole: dict[str, list[float]] = {}
-        times = interleave({"off": step_off, "every": step_every}, args.block, args.rounds, device, whole,
-                           lead_in=True)
+        times = interleave_running({"off": step_off, "every": step_every}, args.block, args.rounds, device)
         client.wait(600)
-        attempts = len(calls)             # every save() call of the timed blocks (their lead-in steps too)
+        attempts = len(calls)             # every save() call of the timed blocks (their settling steps too)
         sync(device)
         idle_at_save = [a.elapsed_time(b) / 1e3 for a, b in marked]
         waits = (client.stats.update_waits - waits0[0], client.stats.update_wait_s - waits0[1])
@@ -470,10 +499,6 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
              f"{100 * over:+.2f}% of the step (target < 1%); paired by round: median "
              f"{100 * (statistics.median(ratios) - 1):+.2f}%, mean {100 * (statistics.fmean(ratios) - 1):+.2f}% "
              f"[{100 * lo:+.2f}, {100 * hi:+.2f}] (95%, {len(ratios)} rounds)"),
-            (f"[{tag}] step, checkpoint every step, blocks to the end of every stream", statistics.median(
-                whole["every"]), f"{100 * (statistics.median(whole['every']) / statistics.median(whole['off']) - 1):+.2f}% "
-             f"of the step so measured: each block then also waits for its last save's copy (about "
-             f"{1e3 * t_copy / args.block:.1f} ms a step here), which in training overlaps the next step"),
             (f"[{tag}] state() + save() call, host (median)", statistics.median(calls) if calls else float("nan"),
              f"{100 * statistics.median(calls) / off:.2f}% of the step (the training thread's share)"
              if calls else ""),
