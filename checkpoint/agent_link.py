@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import grpc
 
-from checkpoint.errors import (AgentUnavailableError, CommitError, CorruptCheckpointError, InvalidInputError,
-                               NotInMemoryError, UnknownCheckpointError)
+from checkpoint.errors import (UNKNOWN_LAYOUT, AgentUnavailableError, CommitError, CorruptCheckpointError,
+                               InvalidInputError, NotInMemoryError, UnknownCheckpointError)
 from checkpoint.manifest import ShardManifest
 from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, CheckpointInfo, CommitResult, Copy,
                                 Restored, RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
@@ -22,6 +22,22 @@ from sdcwatch.channels import agent_channel
 
 def _state(v: int) -> str:
     return pb.CheckpointState.Name(v).removeprefix("CHECKPOINT_STATE_")
+
+
+def _checkpoint_error(e: grpc.RpcError) -> Exception:
+    """The checkpoint error a failed call raises (UNAVAILABLE / DEADLINE_EXCEEDED -> AgentUnavailableError)."""
+    code, details = e.code(), e.details()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return AgentUnavailableError(f"sdcwatch agent unavailable ({code.name}): {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidInputError(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        if "not in memory" in details or "no record" in details:
+            return NotInMemoryError(details)
+        return UnknownCheckpointError(details)
+    if code == grpc.StatusCode.DATA_LOSS:
+        return CorruptCheckpointError(details)
+    return CommitError(f"{code.name}: {details}")
 
 
 def _info(i: Any) -> CheckpointInfo:
@@ -40,6 +56,8 @@ class GrpcAgentLink:
         self.stub = pb_grpc.CheckpointsStub(channel)
         self.channel = channel
         self.deadline_s = deadline_s
+        self._layouts_sent: set[str] = set()   # the shard layouts this agent has been sent (commit_words)
+        self._words_ok = True                   # False: the agent predates layout_id (manifest JSON sent)
 
     @classmethod
     def connect(cls, target: str | None = None, deadline_s: float = 5.0, *, tls_ca: bytes | str | None = None,
@@ -54,18 +72,7 @@ class GrpcAgentLink:
         try:
             return method(request, timeout=self.deadline_s)
         except grpc.RpcError as e:
-            code, details = e.code(), e.details()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise AgentUnavailableError(f"sdcwatch agent unavailable ({code.name}): {details}") from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidInputError(details) from None
-            if code == grpc.StatusCode.NOT_FOUND:
-                if "not in memory" in details or "no record" in details:
-                    raise NotInMemoryError(details) from None
-                raise UnknownCheckpointError(details) from None
-            if code == grpc.StatusCode.DATA_LOSS:
-                raise CorruptCheckpointError(details) from None
-            raise CommitError(f"{code.name}: {details}") from None
+            raise _checkpoint_error(e) from None
 
     def begin(self, job_id: str, step: int, rank: int, world_size: int, *,
               restored: Restored | None = None) -> BeginResult:
@@ -85,6 +92,40 @@ class GrpcAgentLink:
             req.stall_seconds, req.skipped_saves, req.staging = report.stall_s, report.skipped_saves, report.staging
         r = self._rpc(self.stub.CommitShard, req)
         return CommitResult(_state(r.state), r.committed, r.shards)
+
+    def commit_words(self, job_id: str, step: int, rank: int, world_size: int, layout: Any, words: Any,
+                     created: float, *, blob: str, report: SaveReport | None = None) -> CommitResult:
+        """`commit_shard` of a source-checksummed shard as its layout (checkpoint.shard_layout.ShardLayout)
+        and its pieces' words: the agent renders the manifest. The layout's JSON goes with its first commit
+        to this agent, and again when the agent does not know it (restarted); an agent from before this
+        field gets the manifest rendered here, as before."""
+        if not self._words_ok:
+            return self.commit_shard(job_id, step, rank, world_size, layout.render(step, blob, words, created),
+                                     report=report)
+        req = self.pb.CommitShardRequest(job_id=job_id, step=step, rank=rank, world_size=world_size,
+                                         layout_id=layout.id, piece_words=layout.words_to_bytes(words),
+                                         created=created)
+        if report is not None:
+            req.blocking_seconds, req.safe_seconds = report.blocking_s, report.safe_s
+            req.stall_seconds, req.skipped_saves, req.staging = report.stall_s, report.skipped_saves, report.staging
+        for attempt in range(2):
+            if layout.id not in self._layouts_sent:
+                req.layout_json = layout.json
+            try:
+                r = self.stub.CommitShard(req, timeout=self.deadline_s)
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details() or ""
+                if code == grpc.StatusCode.FAILED_PRECONDITION and UNKNOWN_LAYOUT in details and attempt == 0:
+                    self._layouts_sent.discard(layout.id)   # the agent restarted: the layout once more
+                    continue
+                if code == grpc.StatusCode.INVALID_ARGUMENT and "manifest_json is empty" in details:
+                    self._words_ok = False                  # an agent from before layout_id
+                    return self.commit_words(job_id, step, rank, world_size, layout, words, created,
+                                             blob=blob, report=report)
+                raise _checkpoint_error(e) from None
+            self._layouts_sent.add(layout.id)
+            return CommitResult(_state(r.state), r.committed, r.shards)
+        raise CommitError(f"the agent does not keep shard layout {layout.id[:12]}")
 
     def report_restore(self, r: RestoreReportMsg) -> None:
         self._rpc(self.stub.ReportRestore, self.pb.ReportRestoreRequest(

@@ -58,7 +58,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from checkpoint import policy, replica_bytes
 from checkpoint.blobstore import BlobStore
@@ -74,6 +74,9 @@ from checkpoint.records import (LATEST, LATEST_VERIFIED, BeginResult, Checkpoint
                                 Restored, RestorePlan, RestoreReportMsg, SaveReport, ShardPlan)
 from sdcwatch import event_kinds as ek
 from sdcwatch.event_kinds import EventKind, Publish
+
+if TYPE_CHECKING:
+    from checkpoint.shard_layout import ShardLayout
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +291,21 @@ class Coordinator:
             self.maintain_job(job_id, now)
         return CommitResult(state if not committed_now else self.info(job_id, step).state,
                             bool(committed_now), int(n))
+
+    def commit_words(self, job_id: str, step: int, rank: int, world_size: int, layout: "ShardLayout",
+                     words: Any, created: float, now: float | None = None, *, blob: str | None = None,
+                     report: SaveReport | None = None) -> CommitResult:
+        """`commit_shard` of a source-checksummed shard given as its layout and its pieces' words
+        (checkpoint.shard_layout): the manifest rendered here, for this step's blob (`blob`, when given,
+        must be it), then committed as any is."""
+        validate_job_id(job_id)
+        validate_step(step)
+        validate_rank(rank, world_size)
+        if (layout.job_id, layout.rank, layout.world_size) != (job_id, rank, world_size):
+            raise InvalidInputError(f"layout is for job {layout.job_id} rank {layout.rank}/{layout.world_size}, "
+                                    f"request says job {job_id} rank {rank}/{world_size}")
+        text = layout.render(step, blob or blob_key(job_id, step, rank), words, created)
+        return self.commit_shard(job_id, step, rank, world_size, text, now, report)
 
     def _manifest(self, text: str) -> ShardManifest:
         """`ShardManifest.from_json(text)` (validated), remembered for the last PARSED_KEPT texts: a commit's

@@ -44,3 +44,8 @@ class StoreUnavailableError(CheckpointError):
     as done; the same call may succeed once the failover completes."""
 
     transient = True
+
+
+# What an agent's CommitShard answers (FAILED_PRECONDITION) for a layout_id it does not keep (restarted, or
+# never sent): the rank sends the layout's JSON again (checkpoint.shard_layout)
+UNKNOWN_LAYOUT = "unknown shard layout"

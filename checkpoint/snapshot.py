@@ -90,7 +90,8 @@ from checkpoint.manifest import ShardManifest, TensorEntry
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.records import Restored, SaveReport
 from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
-from checkpoint.source_sums import CombinePlan, ManifestTemplate, Piece, pieces
+from checkpoint.shard_layout import ShardLayout
+from checkpoint.source_sums import Piece, pieces
 from checkpoint.state_tree import Flattener, dtype_name, flatten
 from checksums.fingerprint import (
     MASK64,
@@ -460,6 +461,8 @@ class Snapshotter:
         # the agent cuts the history the job left there before the first save after it (docs/checkpoints.md)
         self.restored: Restored | None = None
         self._sink_takes_restored = _takes_restored(sink)
+        # a sink that renders the manifest itself from the pieces' words (the agent: checkpoint.shard_layout)
+        self._sink_takes_words = callable(getattr(sink, "commit_words", None))
         self._reset_ring = False                # the agent's dir moved or vanished: rebuild the slots
         self._slots_off = self.config.staging != "slots"
         self._warned_full = False
@@ -488,7 +491,7 @@ class Snapshotter:
         self._zero_hint: tuple[tuple[int, ...], int] | None = None   # the last source-checksummed layout
         self._plan_pool: concurrent.futures.ThreadPoolExecutor | None = None   # fingerprint plans, ahead
         self._plan_fut: concurrent.futures.Future[None] | None = None
-        self._combine: tuple[Any, ...] | None = None   # background: (cut, total, entries, tree, plan, template)
+        self._combine: tuple[Any, ...] | None = None   # background: (cut, total, entries, tree, ShardLayout)
         self._plan: _SavePlan | None = None    # the last layout's save plan (the training thread's)
         self._flatten = Flattener()             # save()'s walk of the state (under self._lock)
         self._same_dirs: tuple[str, str] | None = None   # (agent dir, ring root) found to be the same dir
@@ -1473,12 +1476,18 @@ class Snapshotter:
                 self._location = begin.location
             ph.mark("publish")
             if cut is not None:
-                text = self._source_manifest(step, tree, entries, total, begin.blob_key, src_fps, cut,
-                                             res, arena)
-                ph.mark("sums_json")
+                words = self._piece_words(step, entries, src_fps, cut, res, arena)
+                shard = self._shard_layout(tree, entries, total, cut)
                 report = SaveReport(blocking, res.safe_s, stall, skipped, res.staging)
-                commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size,
-                                                text, report=report)
+                if self._sink_takes_words:   # the agent renders the manifest from the words (shard_layout)
+                    ph.mark("sums")
+                    commit = self.sink.commit_words(self.job_id, step, self.rank, self.world_size, shard,
+                                                    words, time.time(), blob=begin.blob_key, report=report)
+                else:
+                    text = shard.render(step, begin.blob_key, words, time.time())
+                    ph.mark("sums_json")
+                    commit = self.sink.commit_shard(self.job_id, step, self.rank, self.world_size,
+                                                    text, report=report)
                 ph.mark("commit")
                 res.commit_s = time.perf_counter() - returned
                 res.state, res.committed_now = commit.state, commit.committed_now
@@ -1557,15 +1566,12 @@ class Snapshotter:
         self._mark_zeroed(host.data_ptr(), (offsets, total))   # the gaps came over as zeros
         return host
 
-    def _source_manifest(self, step: int, tree: Any,
-                         entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]], total: int,
-                         blob_key: str, src_fps: dict[Any, Any], cut: list[Piece], res: SaveResult,
-                         arena: torch.Tensor) -> str:
-        """The manifest's JSON from the pieces' source fingerprints (checkpoint.source_sums): no host byte
-        read, but for CPU tensors, whose pieces are fingerprinted here from the host copy (numpy, threads).
-        Vectorised (issue 21): the pieces' words go into one array, `CombinePlan` turns them into the chunk
-        checksums and tensor fingerprints with a few numpy operations, and `ManifestTemplate` writes the JSON
-        around them; both are made once per layout."""
+    def _piece_words(self, step: int, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
+                     src_fps: dict[Any, Any], cut: list[Piece], res: SaveResult,
+                     arena: torch.Tensor) -> np.ndarray:
+        """The pieces' fingerprint words [pieces, 2] int64 (checkpoint.source_sums), in one array: the GPU's,
+        and for CPU tensors' pieces the host's, fingerprinted here from the host copy (numpy, threads). No
+        host byte of a GPU tensor is read; the manifest follows from these (`ShardLayout.render`)."""
         t0 = time.perf_counter()
         words = np.zeros((len(cut), 2), dtype=np.int64)
         filled = np.zeros(len(cut), dtype=bool)
@@ -1594,26 +1600,24 @@ class Snapshotter:
                     filled[at] = True
         if not filled.all():
             raise CorruptCheckpointError(f"step {step} rank {self.rank}: a piece has no source fingerprint")
-        plan, template = self._combine_plan(tree, entries, total, cut)
-        chunk_words, tensor_words = plan.run(words)
         res.checksum_s = time.perf_counter() - t0
-        return template.render(step, blob_key, chunk_words, tensor_words, time.time())
+        return words
 
-    def _combine_plan(self, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
-                      total: int, cut: list[Piece]) -> tuple[CombinePlan, ManifestTemplate]:
-        """This layout's CombinePlan and ManifestTemplate, kept while the layout (the pieces, the entries,
-        the tree) stays: a comparison per save, the plan's arrays and JSON fragments once per layout."""
+    def _shard_layout(self, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
+                      total: int, cut: list[Piece]) -> ShardLayout:
+        """This layout's ShardLayout (its CombinePlan and ManifestTemplate), kept while the layout (the
+        pieces, the entries, the tree) stays: a comparison per save, the plan's arrays and JSON fragments
+        once per layout."""
         held = self._combine
         if (held is not None and held[0] is cut and held[1] == total
                 and (held[2] is entries or held[2] == entries)   # the save plan's list, the Flattener's tree:
                 and (held[3] is tree or held[3] == tree)):       # the same objects while the layout stays
-            return held[4], held[5]
+            return held[4]
         named = [(path, dtype_name(dt), shape, off, n) for path, dt, shape, off, n in entries]
-        plan = CombinePlan(cut, total, self.config.chunk_bytes, [(dt, shape) for _, dt, shape, _, _ in named])
-        template = ManifestTemplate(self.job_id, self.rank, self.world_size, total, self.config.chunk_bytes,
-                                    plan.ranges, named, tree, self.replica_set)
-        self._combine = (cut, total, entries, tree, plan, template)
-        return plan, template
+        shard = ShardLayout(self.job_id, self.rank, self.world_size, total, self.config.chunk_bytes, named, tree,
+                            self.replica_set, cut=cut)
+        self._combine = (cut, total, entries, tree, shard)
+        return shard
 
     def _finish(self, res: SaveResult, slot: Slot | None, skipped: int, total: int) -> SaveResult:
         if res.host_s < 0:

@@ -33,11 +33,14 @@ NOT_FOUND, commit conflicts -> FAILED_PRECONDITION, corrupt bytes -> DATA_LOSS, 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import hashlib
 import logging
 import math
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -46,11 +49,11 @@ import grpc
 import redis
 
 from checkpoint import policy
-from checkpoint.coordinator import Coordinator, CoordinatorConfig
+from checkpoint.coordinator import Coordinator, CoordinatorConfig, blob_key
 from checkpoint.drainer import Drainer
 from checkpoint.commit_fence import CommitFence
-from checkpoint.errors import (CommitError, CorruptCheckpointError, InvalidInputError, StoreUnavailableError,
-                               UnknownCheckpointError)
+from checkpoint.errors import (UNKNOWN_LAYOUT, CommitError, CorruptCheckpointError, InvalidInputError,
+                               StoreUnavailableError, UnknownCheckpointError)
 from checkpoint.locations import dir_store_for
 from checkpoint.names import validate_job_id, validate_rank, validate_step
 from checkpoint.peers import Replicator
@@ -58,6 +61,7 @@ from checkpoint.redis_connect import RedisOptions, connect, epoch_source, era_so
 from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, Restored, RestorePlan,
                                 RestoreReportMsg, SaveReport, ShardPlan)
 from sdcwatch.event_kinds import Publish
+from checkpoint.shard_layout import ShardLayout
 from checkpoint.shm_store import ShmStore, default_shm_root, secure_memory_dir
 from daemon.background import Background, cancel_tasks
 from daemon.pools import WorkPool, run_in_thread
@@ -77,6 +81,7 @@ STATE_TO_PB = {
     policy.EVICTED: pb.CHECKPOINT_STATE_EVICTED,
 }
 PB_TO_STATE = {v: k for k, v in STATE_TO_PB.items()}
+LAYOUTS_KEPT = 64   # shard layouts (checkpoint.shard_layout) the agent keeps: a node's ranks' current ones
 
 
 def copy_to_pb(c: Copy, node: str = "") -> pb.ShardCopy:
@@ -119,6 +124,9 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
         self.replication_pool = WorkPool("replication", workers=4, wedged_after_s=wedged)
         self.lease_pool = WorkPool("node-lease", workers=1, wedged_after_s=wedged)   # never behind maintenance
         self._background: set[asyncio.Task[Any]] = set()
+        # the shard layouts ranks sent (checkpoint.shard_layout), by (job, rank, layout id): the newest kept
+        self._layouts: collections.OrderedDict[tuple[str, int, str], ShardLayout] = collections.OrderedDict()
+        self._layouts_lock = threading.Lock()
         self._drain_lock = asyncio.Lock()
         self._summaries: list[agent_pb2.CheckpointSummary] = []
         self._summary_at = 0.0
@@ -148,17 +156,47 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     async def CommitShard(self, request: pb.CommitShardRequest,
                           context: grpc.aio.ServicerContext) -> pb.CommitShardResponse:
         job, step, rank, world = await self._shard_args(request, context)
-        if not request.manifest_json:
+        if request.layout_id:   # the layout and the pieces' words: the manifest rendered here (shard_layout)
+            text = await self._call(context, self._render_words, job, step, rank, world, request)
+        elif not request.manifest_json:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest_json is empty")
+        else:
+            text = request.manifest_json
         report = SaveReport(max(0.0, request.blocking_seconds), max(0.0, request.safe_seconds),
                             max(0.0, request.stall_seconds), request.skipped_saves, request.staging[:16])
         r = await self._call(context, self.coordinator.commit_shard, job, step, rank, world,
-                             request.manifest_json, self.clock(), report)
+                             text, self.clock(), report)
         if self.replicator is not None:
             self._spawn(self._replicate(job, step, rank))
         if r.committed_now and self.drainer is not None:
             self.drainer.kick()
         return pb.CommitShardResponse(state=STATE_TO_PB.get(r.state, 0), committed=r.committed_now, shards=r.shards)
+
+    def _render_words(self, job: str, step: int, rank: int, world: int, req: pb.CommitShardRequest) -> str:
+        """Pool thread: the manifest of a shard sent as its layout (by id, its JSON with the first commit)
+        and its pieces' words. CommitError (FAILED_PRECONDITION, saying UNKNOWN_LAYOUT) for a layout id this
+        agent does not keep; InvalidInputError for a layout or words that do not fit."""
+        key = (job, rank, req.layout_id)
+        with self._layouts_lock:
+            layout = self._layouts.get(key)
+            if layout is not None:
+                self._layouts.move_to_end(key)
+        if layout is None:
+            if not req.layout_json:
+                raise CommitError(f"{UNKNOWN_LAYOUT} {req.layout_id[:16]} for job {job} rank {rank} on this agent: "
+                                  "send layout_json with the commit")
+            if hashlib.sha256(req.layout_json.encode()).hexdigest() != req.layout_id:
+                raise InvalidInputError("layout_id is not the sha256 of layout_json")
+            layout = ShardLayout.from_json(req.layout_json)
+            if (layout.job_id, layout.rank, layout.world_size) != (job, rank, world):
+                raise InvalidInputError(f"layout is for job {layout.job_id} rank {layout.rank}/{layout.world_size}, "
+                                        f"request says job {job} rank {rank}/{world}")
+            with self._layouts_lock:
+                self._layouts[key] = layout
+                while len(self._layouts) > LAYOUTS_KEPT:
+                    self._layouts.popitem(last=False)
+        words = layout.words_from_bytes(req.piece_words)
+        return layout.render(step, blob_key(job, step, rank), words, req.created or self.clock())
 
     async def List(self, request: pb.ListCheckpointsRequest,
                    context: grpc.aio.ServicerContext) -> pb.ListCheckpointsResponse:

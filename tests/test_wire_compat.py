@@ -254,10 +254,13 @@ def test_new_monitor_and_reporter_on_the_previous_agent(previous_agent: Previous
     assert [bad for r in reqs for bad in unknown_enum_values(r)] == []
 
 
-def test_new_checkpoint_client_on_the_previous_agent(previous_agent: PreviousAgent) -> None:
+@pytest.mark.parametrize("checksums", ["auto", "source"])
+def test_new_checkpoint_client_on_the_previous_agent(previous_agent: PreviousAgent, checksums: str) -> None:
+    """`source`: the new client commits a shard as its layout and words (checkpoint.shard_layout); the
+    released agent refuses a commit without manifest_json, and the client sends the manifest from then on."""
     job = "wire-new-ckpt"
     client = CheckpointClient.connect(job, 0, 1, target=previous_agent.target, deadline_s=10,
-                                      config=SnapshotConfig(chunk_bytes=4096))
+                                      config=SnapshotConfig(chunk_bytes=4096, checksums=checksums))
     try:
         for step in (1, 2):
             saved = client.save(step, state_dict(0, step)).result(30)
@@ -271,6 +274,9 @@ def test_new_checkpoint_client_on_the_previous_agent(previous_agent: PreviousAge
     finally:
         client.close()
     commits = previous_agent.requests["CommitShard"]
+    if checksums == "source":   # the first try as words (a field the released wire lacks): refused, then JSON
+        assert not commits[0].manifest_json and len(commits) == 3
+        commits = commits[1:]
     assert [(c.job_id, c.step, c.rank, c.world_size) for c in commits] == [(job, 1, 0, 1), (job, 2, 0, 1)]
     assert all(json.loads(c.manifest_json) and c.staging for c in commits)
     restores = previous_agent.requests["ReportRestore"]

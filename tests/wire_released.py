@@ -335,6 +335,8 @@ class PreviousAgent:
                                        location=str(self.memory_dir), blob_key=key)
 
     def commit_shard(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if not request.manifest_json:   # as the released agent: a commit without its manifest is refused
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest_json is empty")
         key = (request.job_id, request.step)
         with self._lock:
             shards = self._manifests.setdefault(key, {})

@@ -102,7 +102,7 @@ class BeginResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[CheckpointState, str]] = ..., node: _Optional[str] = ..., location: _Optional[str] = ..., blob_key: _Optional[str] = ...) -> None: ...
 
 class CommitShardRequest(_message.Message):
-    __slots__ = ("job_id", "step", "rank", "world_size", "manifest_json", "blocking_seconds", "safe_seconds", "stall_seconds", "skipped_saves", "staging")
+    __slots__ = ("job_id", "step", "rank", "world_size", "manifest_json", "blocking_seconds", "safe_seconds", "stall_seconds", "skipped_saves", "staging", "layout_id", "layout_json", "piece_words", "created")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,10 @@ class CommitShardRequest(_message.Message):
     STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_SAVES_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    PIECE_WORDS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     rank: int
@@ -123,7 +127,11 @@ class CommitShardRequest(_message.Message):
     stall_seconds: float
     skipped_saves: int
     staging: str
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., manifest_json: _Optional[str] = ..., blocking_seconds: _Optional[float] = ..., safe_seconds: _Optional[float] = ..., stall_seconds: _Optional[float] = ..., skipped_saves: _Optional[int] = ..., staging: _Optional[str] = ...) -> None: ...
+    layout_id: str
+    layout_json: str
+    piece_words: bytes
+    created: float
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., manifest_json: _Optional[str] = ..., blocking_seconds: _Optional[float] = ..., safe_seconds: _Optional[float] = ..., stall_seconds: _Optional[float] = ..., skipped_saves: _Optional[int] = ..., staging: _Optional[str] = ..., layout_id: _Optional[str] = ..., layout_json: _Optional[str] = ..., piece_words: _Optional[bytes] = ..., created: _Optional[float] = ...) -> None: ...
 
 class CommitShardResponse(_message.Message):
     __slots__ = ("state", "committed", "shards")
