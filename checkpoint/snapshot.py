@@ -121,6 +121,8 @@ class ShardSink(Protocol):
 
     def commit_shard(self, job_id: str, step: int, rank: int, world_size: int, manifest_json: str, *,
                      report: SaveReport | None = None) -> Any: ...
+    # a sink with `commit_words(job_id, step, rank, world_size, layout, words, created, *, blob, report)`
+    # renders a source-checksummed shard's manifest itself (checkpoint.shard_layout): the agent does
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
