@@ -128,6 +128,8 @@ want ckpt11w && step ckpt11w 200 python3 bench/ckpt_overlap.py --parts b --check
 # (the device idle while state() + save() run, from an event pair) or the GIL (a 0.2 ms switch interval)?
 want ckpt12 && step ckpt12 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 2 \
   --batches 16,32 --rounds 6 --switch-interval 0,0.0002
+# the rank's CPU a commit on this host: the manifest rendered on the rank against the layout + words
+want ckpt12 && step commit-words 120 python3 bench/commit_words.py --commits 100
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
