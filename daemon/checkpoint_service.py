@@ -81,7 +81,10 @@ STATE_TO_PB = {
     policy.EVICTED: pb.CHECKPOINT_STATE_EVICTED,
 }
 PB_TO_STATE = {v: k for k, v in STATE_TO_PB.items()}
-LAYOUTS_KEPT = 64   # shard layouts (checkpoint.shard_layout) the agent keeps: a node's ranks' current ones
+# shard layouts (checkpoint.shard_layout) the agent keeps, the newest first: a node's ranks' current ones. Bounded
+# by count and by their tensors in all (about half a KB of plans and JSON fragments each); the newest is kept
+LAYOUTS_KEPT = 64
+LAYOUT_ENTRIES_KEPT = 1 << 19
 
 
 def copy_to_pb(c: Copy, node: str = "") -> pb.ShardCopy:
@@ -193,8 +196,10 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
                                         f"request says job {job} rank {rank}/{world}")
             with self._layouts_lock:
                 self._layouts[key] = layout
-                while len(self._layouts) > LAYOUTS_KEPT:
-                    self._layouts.popitem(last=False)
+                held = sum(len(v.entries) for v in self._layouts.values())
+                while len(self._layouts) > 1 and (len(self._layouts) > LAYOUTS_KEPT or held > LAYOUT_ENTRIES_KEPT):
+                    _, old = self._layouts.popitem(last=False)
+                    held -= len(old.entries)
         words = layout.words_from_bytes(req.piece_words)
         return layout.render(step, blob_key(job, step, rank), words, req.created or self.clock())
 

@@ -158,3 +158,27 @@ def test_the_agent_refuses_bad_words_and_unknown_layouts_with_a_status(short_tmp
                 link.close()
     finally:
         shutil.rmtree(default_shm_root(state).parent, ignore_errors=True)
+
+
+def test_the_agent_keeps_the_newest_layouts_within_its_bounds(redis_server, tmp_path: Path, monkeypatch) -> None:
+    """Layouts are kept by count and by their tensors in all, the oldest dropped first, the newest always
+    (a client cannot make the agent hold more than the bound, however large its layouts)."""
+    import daemon.checkpoint_service as svc
+    from ckpt_support import node
+
+    co = node(redis_server.port, tmp_path, "n0")
+    service = svc.CheckpointService(co)
+    per = len(_layout().entries)
+    monkeypatch.setattr(svc, "LAYOUT_ENTRIES_KEPT", 2 * per)     # room for two of these layouts
+    for rank in range(4):
+        layout = _layout("jobk", rank, 4)
+        req = pb.CommitShardRequest(layout_id=layout.id, layout_json=layout.json,
+                                    piece_words=ShardLayout.words_to_bytes(_words(layout)), created=1.0)
+        text = service._render_words("jobk", 3, rank, 4, req)
+        assert ShardManifest.from_json(text).rank == rank
+    assert [k[1] for k in service._layouts] == [2, 3]               # the newest two
+    monkeypatch.setattr(svc, "LAYOUT_ENTRIES_KEPT", 1)               # below one layout: the newest still kept
+    layout = _layout("jobk", 0, 4)
+    service._render_words("jobk", 3, 0, 4, pb.CommitShardRequest(
+        layout_id=layout.id, layout_json=layout.json, piece_words=ShardLayout.words_to_bytes(_words(layout))))
+    assert [k[1] for k in service._layouts] == [0]
