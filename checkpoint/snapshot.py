@@ -40,9 +40,10 @@ fingerprinted once. `prepare(state_dict)` makes the first save's buffer ahead, i
 
 Checksums at the source (`SnapshotConfig.checksums`, "source" by default for CUDA state): step 3
 fingerprints the tensors' pieces (cut at chunk boundaries, checkpoint.source_sums) with one fused launch
-before the copies, and the background builds the chunk checksums (algorithm sdcw-fp1) and the tensor
-fingerprints from the pieces' words (numpy on whole arrays, the manifest's JSON from a template made once
-per layout: about a millisecond of Python per save, issue 21): the host reads no byte of the shard to
+before the copies, and the background commits the pieces' words with the shard's layout
+(checkpoint.shard_layout: the layout sent once): the agent builds the chunk checksums (algorithm sdcw-fp1),
+the tensor fingerprints and the manifest from them (a sink without `commit_words` gets the manifest built
+here, numpy on whole arrays and a template made once per layout). The host reads no byte of the shard to
 commit it; the agent's scrub checks the host bytes later and VERIFIED waits for it (docs/checkpoints.md).
 A save that finds no host buffer ready (the first) copies into a GPU buffer and returns; the background
 makes the host buffer and copies it there (`device_staging`).
