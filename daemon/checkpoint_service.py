@@ -201,7 +201,8 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
                     _, old = self._layouts.popitem(last=False)
                     held -= len(old.entries)
         words = layout.words_from_bytes(req.piece_words)
-        return layout.render(step, blob_key(job, step, rank), words, req.created or self.clock())
+        created = req.created if math.isfinite(req.created) and req.created > 0 else self.clock()
+        return layout.render(step, blob_key(job, step, rank), words, created)
 
     async def List(self, request: pb.ListCheckpointsRequest,
                    context: grpc.aio.ServicerContext) -> pb.ListCheckpointsResponse:

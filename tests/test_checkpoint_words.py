@@ -182,3 +182,15 @@ def test_the_agent_keeps_the_newest_layouts_within_its_bounds(redis_server, tmp_
     service._render_words("jobk", 3, 0, 4, pb.CommitShardRequest(
         layout_id=layout.id, layout_json=layout.json, piece_words=ShardLayout.words_to_bytes(_words(layout))))
     assert [k[1] for k in service._layouts] == [0]
+
+
+def test_a_commits_time_that_is_no_time_becomes_the_agents(redis_server, tmp_path: Path) -> None:
+    import daemon.checkpoint_service as svc
+    from ckpt_support import node
+
+    service = svc.CheckpointService(node(redis_server.port, tmp_path, "n0"), clock=lambda: 1234.5)
+    layout = _layout("jobt", 0, 1)
+    for created in (math.nan, math.inf, -1.0, 0.0):
+        req = pb.CommitShardRequest(layout_id=layout.id, layout_json=layout.json, created=created,
+                                    piece_words=ShardLayout.words_to_bytes(_words(layout)))
+        assert ShardManifest.from_json(service._render_words("jobt", 1, 0, 1, req)).created == 1234.5
