@@ -40,6 +40,13 @@ def _checkpoint_error(e: grpc.RpcError) -> Exception:
     return CommitError(f"{code.name}: {details}")
 
 
+def _put_report(req: Any, report: SaveReport | None) -> None:
+    """A commit request's fields on how the save went (for metrics; all optional)."""
+    if report is not None:
+        req.blocking_seconds, req.safe_seconds = report.blocking_s, report.safe_s
+        req.stall_seconds, req.skipped_saves, req.staging = report.stall_s, report.skipped_saves, report.staging
+
+
 def _info(i: Any) -> CheckpointInfo:
     return CheckpointInfo(i.job_id, i.step, _state(i.state), i.world_size, i.shards, i.bytes, i.begun_at,
                           i.committed_at, i.verified_at, i.reason,
@@ -87,9 +94,7 @@ class GrpcAgentLink:
                      report: SaveReport | None = None) -> CommitResult:
         req = self.pb.CommitShardRequest(job_id=job_id, step=step, rank=rank, world_size=world_size,
                                          manifest_json=manifest_json)
-        if report is not None:
-            req.blocking_seconds, req.safe_seconds = report.blocking_s, report.safe_s
-            req.stall_seconds, req.skipped_saves, req.staging = report.stall_s, report.skipped_saves, report.staging
+        _put_report(req, report)
         r = self._rpc(self.stub.CommitShard, req)
         return CommitResult(_state(r.state), r.committed, r.shards)
 
@@ -105,9 +110,7 @@ class GrpcAgentLink:
         req = self.pb.CommitShardRequest(job_id=job_id, step=step, rank=rank, world_size=world_size,
                                          layout_id=layout.id, piece_words=layout.words_to_bytes(words),
                                          created=created)
-        if report is not None:
-            req.blocking_seconds, req.safe_seconds = report.blocking_s, report.safe_s
-            req.stall_seconds, req.skipped_saves, req.staging = report.stall_s, report.skipped_saves, report.staging
+        _put_report(req, report)
         for attempt in range(2):
             if layout.id not in self._layouts_sent:
                 req.layout_json = layout.json

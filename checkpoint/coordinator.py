@@ -301,9 +301,7 @@ class Coordinator:
         validate_job_id(job_id)
         validate_step(step)
         validate_rank(rank, world_size)
-        if (layout.job_id, layout.rank, layout.world_size) != (job_id, rank, world_size):
-            raise InvalidInputError(f"layout is for job {layout.job_id} rank {layout.rank}/{layout.world_size}, "
-                                    f"request says job {job_id} rank {rank}/{world_size}")
+        layout.check_for(job_id, rank, world_size)
         text = layout.render(step, blob or blob_key(job_id, step, rank), words, created)
         return self.commit_shard(job_id, step, rank, world_size, text, now, report)
 

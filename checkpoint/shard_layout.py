@@ -22,6 +22,7 @@ from checkpoint.errors import InvalidInputError
 from checkpoint.source_sums import CombinePlan, ManifestTemplate, Piece, pieces
 
 MAX_ENTRIES = 1 << 20     # tensors in one layout (a bound on what a client can make the agent build)
+MAX_PIECES = 1 << 22      # pieces, and chunks, in one layout (the plan's arrays and JSON fragments)
 WORD_BYTES = 16           # a piece's two fingerprint words, little-endian
 
 
@@ -56,6 +57,12 @@ class ShardLayout:
     @functools.cached_property
     def id(self) -> str:
         return hashlib.sha256(self.json.encode()).hexdigest()
+
+    def check_for(self, job_id: str, rank: int, world_size: int) -> None:
+        """InvalidInputError unless this layout is for that job, rank and world size."""
+        if (self.job_id, self.rank, self.world_size) != (job_id, rank, world_size):
+            raise InvalidInputError(f"layout is for job {self.job_id} rank {self.rank}/{self.world_size}, "
+                                    f"request says job {job_id} rank {rank}/{world_size}")
 
     def render(self, step: int, blob: str, words: np.ndarray, created: float) -> str:
         """The manifest JSON of one save: `words` [pieces, 2] (int64 or uint64) in this layout's piece order."""
@@ -98,8 +105,11 @@ class ShardLayout:
             raise InvalidInputError(f"layout chunk_bytes must be a positive multiple of 4, got {chunk}")
         if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
             raise InvalidInputError(f"layout entries must be a list of at most {MAX_ENTRIES}")
+        if -(-nbytes // chunk) > MAX_PIECES:
+            raise InvalidInputError(f"layout of {nbytes} bytes in chunks of {chunk} is over {MAX_PIECES} chunks")
         entries: list[tuple[str, str, tuple[int, ...], int, int]] = []
         end = 0
+        n_pieces = 0
         for i, e in enumerate(raw):
             ok = (isinstance(e, list) and len(e) == 5 and isinstance(e[0], str) and isinstance(e[1], str)
                   and isinstance(e[2], list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
@@ -112,6 +122,9 @@ class ShardLayout:
                 raise InvalidInputError(f"layout entry {i} ({path!r}): bytes [{off}, {off + n}) do not fit "
                                         f"the shard of {nbytes} bytes in order, 4-aligned")
             end = off + n
+            n_pieces += (off + n - 1) // chunk - off // chunk + 1 if n else 0
+            if n_pieces > MAX_PIECES:
+                raise InvalidInputError(f"layout cuts into more than {MAX_PIECES} pieces")
             entries.append((path, dt, tuple(shape), off, n))
         try:
             return cls(job, rank, world, nbytes, chunk, entries, tree, rs)

@@ -159,21 +159,22 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
     async def CommitShard(self, request: pb.CommitShardRequest,
                           context: grpc.aio.ServicerContext) -> pb.CommitShardResponse:
         job, step, rank, world = await self._shard_args(request, context)
-        if request.layout_id:   # the layout and the pieces' words: the manifest rendered here (shard_layout)
-            text = await self._call(context, self._render_words, job, step, rank, world, request)
-        elif not request.manifest_json:
+        if not request.layout_id and not request.manifest_json:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest_json is empty")
-        else:
-            text = request.manifest_json
         report = SaveReport(max(0.0, request.blocking_seconds), max(0.0, request.safe_seconds),
                             max(0.0, request.stall_seconds), request.skipped_saves, request.staging[:16])
-        r = await self._call(context, self.coordinator.commit_shard, job, step, rank, world,
-                             text, self.clock(), report)
+        r = await self._call(context, self._commit_shard, job, step, rank, world, request, report)
         if self.replicator is not None:
             self._spawn(self._replicate(job, step, rank))
         if r.committed_now and self.drainer is not None:
             self.drainer.kick()
         return pb.CommitShardResponse(state=STATE_TO_PB.get(r.state, 0), committed=r.committed_now, shards=r.shards)
+
+    def _commit_shard(self, job: str, step: int, rank: int, world: int, req: pb.CommitShardRequest,
+                      report: SaveReport) -> Any:
+        """Pool thread: the commit, its manifest sent as JSON or (a layout id) rendered here first."""
+        text = self._render_words(job, step, rank, world, req) if req.layout_id else req.manifest_json
+        return self.coordinator.commit_shard(job, step, rank, world, text, self.clock(), report)
 
     def _render_words(self, job: str, step: int, rank: int, world: int, req: pb.CommitShardRequest) -> str:
         """Pool thread: the manifest of a shard sent as its layout (by id, its JSON with the first commit)
@@ -191,9 +192,7 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             if hashlib.sha256(req.layout_json.encode()).hexdigest() != req.layout_id:
                 raise InvalidInputError("layout_id is not the sha256 of layout_json")
             layout = ShardLayout.from_json(req.layout_json)
-            if (layout.job_id, layout.rank, layout.world_size) != (job, rank, world):
-                raise InvalidInputError(f"layout is for job {layout.job_id} rank {layout.rank}/{layout.world_size}, "
-                                        f"request says job {job} rank {rank}/{world}")
+            layout.check_for(job, rank, world)
             with self._layouts_lock:
                 self._layouts[key] = layout
                 held = sum(len(v.entries) for v in self._layouts.values())

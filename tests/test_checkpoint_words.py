@@ -75,6 +75,7 @@ def test_the_agents_layout_renders_the_ranks_text() -> None:
     (lambda d: json.dumps({**d, "entries": [["a", "float32", [4], 0, 16], ["b", "float32", [4], 8, 16]]}),
      "do not fit"),                                                      # overlapping
     (lambda d: json.dumps({**d, "entries": [["a", "float32", [4], 0, 16000]]}), "do not fit"),  # past the end
+    (lambda d: json.dumps({**d, "nbytes": 1 << 40, "chunk_bytes": 4}), "chunks"),   # plans too big to build
 ])
 def test_a_malformed_layout_is_refused_with_a_reason(change, why) -> None:
     d = json.loads(_layout().json)
