@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import itertools
 import os
 import shutil
 import signal
@@ -179,8 +180,11 @@ def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, dev
     return out
 
 
+SETTLE = 3   # untimed steps of a mode before its block (interleave_running)
+
+
 def interleave_running(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device,
-                       settle: int = 3) -> dict[str, list[float]]:
+                       settle: int = SETTLE) -> dict[str, list[float]]:
     """`interleave` without stopping the training: no sync between blocks, the modes switch in place as
     the loop runs on, and each block is timed on the device by an event pair on the training's stream (on
     the CPU by the clock), after `settle` untimed steps of its mode (the switch: the previous mode's last
@@ -381,23 +385,19 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         sync(device)
         t_fb = (time.perf_counter() - t0) / 3
         opt.zero_grad(set_to_none=True)
-        for mode in args.checksums:
-            for inflight in args.inflight:
-                for gather in args.gather:
-                    for copy_thread in args.copy_thread:
-                        for interval in args.switch_interval:
-                            old = sys.getswitchinterval()
-                            if interval > 0:   # the GIL's switch interval for this mode (both its arms)
-                                sys.setswitchinterval(interval)
-                            try:
-                                got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes,
-                                                   t_copy, t_fb, inflight, gather, bool(copy_thread))
-                            finally:
-                                sys.setswitchinterval(old)
-                            if interval > 0:
-                                got = [(n.replace("] ", f", GIL switch {1e3 * interval:g} ms] ", 1), v, note)
-                                       for n, v, note in got]
-                            rows += got
+        for mode, inflight, gather, copy_thread, interval in itertools.product(
+                args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval):
+            old = sys.getswitchinterval()
+            if interval > 0:   # the GIL's switch interval for this mode (both its arms)
+                sys.setswitchinterval(interval)
+            try:
+                got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
+                                   inflight, gather, bool(copy_thread))
+            finally:
+                sys.setswitchinterval(old)
+            if interval > 0:
+                got = [(n.replace("] ", f", GIL switch {1e3 * interval:g} ms] ", 1), v, note) for n, v, note in got]
+            rows += got
     return rows
 
 
@@ -426,17 +426,15 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         saved_calls: list[float] = []   # the calls that copied (not skipped): like for like across settings
 
         state_calls: list[float] = []
-        # CUDA: an event pair on the training's stream around state() + save() (made ahead: no allocation in
-        # the step). The device reaches the second right after the first when the host was ahead of it; the
-        # time between them is the device idle while the host ran state() + save()
-        marks = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range((args.block + 3) * args.rounds + 4 * args.block + args.warmup + 8)]
-                 if device.type == "cuda" else [])
+        # CUDA, the timed blocks' steps: an event pair on the training's stream around state() + save() (made
+        # before the blocks: no allocation in the step). The device reaches the second right after the first
+        # when the host was ahead of it; the time between them is the device idle while the host ran them
+        marks: list[tuple[Any, Any]] = []
         marked: list[tuple[Any, Any]] = []
 
         def step_every() -> None:
             step_off()
-            pair = marks[len(marked)] if len(marked) < len(marks) else None
+            pair = marks.pop() if marks else None
             if pair is not None:
                 pair[0].record()
             t0 = time.perf_counter()
@@ -462,8 +460,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             spares.result(600)
         handles.clear()
         calls.clear()
-        marks[:len(marked)] = []
-        marked.clear()
+        if device.type == "cuda":
+            marks[:] = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range((args.block + SETTLE) * args.rounds)]
         saved_calls.clear()
         state_calls.clear()
         skipped0 = dict(client.stats.skipped_by)
@@ -474,6 +473,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         attempts = len(calls)             # every save() call of the timed blocks (their settling steps too)
         sync(device)
         idle_at_save = [a.elapsed_time(b) / 1e3 for a, b in marked]
+        marks.clear()                     # the diagnosis's steps after this are not timed so
         waits = (client.stats.update_waits - waits0[0], client.stats.update_wait_s - waits0[1])
         timed = list(handles)
         made = client.stats.slots_ahead + client.stats.slots_inline - made0   # steady state: 0
@@ -716,19 +716,10 @@ def part_c(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 t0 = time.perf_counter()
                 client.prepare(sd).result(600)
                 t_prep = time.perf_counter() - t0
-            blk, staged, sums, phases = [], [], [], []
-            for _ in range(2 + args.repeat):
-                sync(device)
-                t0 = time.perf_counter()
-                h = client.save(client.guard.step, sd)
-                blk.append(time.perf_counter() - t0)
-                opt.step()          # lr 0: orders after the copy, changes nothing
-                assert h is not None
-                res = h.result(600)
-                assert res.error == "", res.error
-                staged.append(res.device_staged)
-                sums.append(res.checksums)
-                phases.append({k: v for k, v in res.phases.items() if k.startswith("t.")})
+            blk, results = _timed_saves(client, opt, sd, device, 2 + args.repeat)
+            staged = [res.device_staged for res in results]
+            sums = [res.checksums for res in results]
+            phases = [{k: v for k, v in res.phases.items() if k.startswith("t.")} for res in results]
             steady = statistics.median(blk[2:])
             tag = "with prepare()" if prepared else "no prepare()"
             rows += [
@@ -759,6 +750,23 @@ def _phase_diff(phases: list[dict[str, float]], which: int = 0, top: int = 3) ->
     return ", ".join(f"{k[2:]} +{v * 1e3:.2f} ms" for k, v in worst if v > 0) or "nowhere"
 
 
+def _timed_saves(client: CheckpointClient, opt: torch.optim.Optimizer, sd: dict, device: torch.device,
+                 n: int) -> tuple[list[float], list[Any]]:
+    """`n` saves one at a time, each from an idle device: how long each blocked, and each one's result."""
+    blk, results = [], []
+    for _ in range(n):
+        sync(device)
+        t0 = time.perf_counter()
+        h = client.save(client.guard.step, sd)
+        blk.append(time.perf_counter() - t0)
+        opt.step()          # lr 0: orders after the copy, changes nothing
+        assert h is not None
+        res = h.result(600)
+        assert res.error == "", res.error
+        results.append(res)
+    return blk, results
+
+
 def _part_c_fresh(args: argparse.Namespace, node: Node, opt: torch.optim.Optimizer, sd: dict,
                   device: torch.device) -> list[Row]:
     """`--fresh K`: K fresh clients with prepare(), each timing its first save and its steady saves: the
@@ -769,16 +777,7 @@ def _part_c_fresh(args: argparse.Namespace, node: Node, opt: torch.optim.Optimiz
         client = node.client(opt, SnapshotConfig(), f"cf{k}")
         try:
             client.prepare(sd).result(600)
-            blk = []
-            for _ in range(2 + args.repeat):
-                sync(device)
-                t0 = time.perf_counter()
-                h = client.save(client.guard.step, sd)
-                blk.append(time.perf_counter() - t0)
-                opt.step()
-                assert h is not None
-                res = h.result(600)
-                assert res.error == "", res.error
+            blk, _ = _timed_saves(client, opt, sd, device, 2 + args.repeat)
         finally:
             client.close()
         steady = statistics.median(blk[2:])
