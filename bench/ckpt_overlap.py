@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import inspect
 import itertools
 import os
@@ -183,6 +184,38 @@ def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, dev
 SETTLE = 3   # untimed steps of a mode before its block (interleave_running)
 
 
+class GcPauses:
+    """The collector's pauses on this process while recording, per arm (`arm` is set by the caller before
+    each step): a full collection scans every tracked object, and a pause on the training thread is host
+    time the step's enqueue does not get back when the host has no lead."""
+
+    def __init__(self) -> None:
+        self.arm = ""
+        self.by_arm: dict[str, list[tuple[int, float]]] = {}
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.arm:
+            self.by_arm.setdefault(self.arm, []).append((info["generation"], time.perf_counter() - self._t0))
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def row(self, tag: str, arm: str, steps: int) -> Row:
+        got = self.by_arm.get(arm, [])
+        full = [d for g, d in got if g == 2]
+        total = sum(d for _, d in got)
+        return (f"[{tag}] GC pauses in the '{arm}' arm, per step", total / max(1, steps),
+                f"{len(got)} collections over {steps} steps ({len(full)} full, "
+                f"{1e3 * sum(full):.1f} ms; longest {1e3 * max((d for _, d in got), default=0):.1f} ms)")
+
+
 def interleave_running(modes: dict[str, Callable[[], Any]], block: int, rounds: int, device: torch.device,
                        settle: int = SETTLE) -> dict[str, list[float]]:
     """`interleave` without stopping the training: no sync between blocks, the modes switch in place as
@@ -220,6 +253,47 @@ def interleave_running(modes: dict[str, Callable[[], Any]], block: int, rounds: 
     for name, x in got:
         out[name].append((x[0].elapsed_time(x[1]) / 1e3 if cuda else x) / block)
     return out
+
+
+class StepPhases:
+    """The device time of a step's forward+backward and of its optimizer step (which, with a save in flight,
+    includes the update's wait for that save's copies on the device), per arm, from event triples recorded
+    on the training's stream (made before the timed blocks: no allocation in the step). `mark(k)`: 0 before
+    the forward, 1 before `optimizer.step()`, 2 after it."""
+
+    def __init__(self) -> None:
+        self.arm = ""
+        self._free: list[list[Any]] = []
+        self._cur: list[Any] | None = None
+        self.got: dict[str, list[list[Any]]] = {}
+
+    def start(self, n: int) -> None:
+        self._free = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
+        self.got = {}
+
+    def stop(self) -> None:
+        self._free, self._cur = [], None
+
+    def mark(self, k: int) -> None:
+        if k == 0:
+            self._cur = self._free.pop() if self._free and self.arm else None
+        if self._cur is not None:
+            self._cur[k].record()
+            if k == 2:
+                self.got.setdefault(self.arm, []).append(self._cur)
+                self._cur = None
+
+    def rows(self, tag: str) -> list[Row]:
+        out: list[Row] = []
+        for arm, triples in self.got.items():
+            fb = [a.elapsed_time(b) / 1e3 for a, b, _ in triples]
+            up = [b.elapsed_time(c) / 1e3 for _, b, c in triples]
+            out.append((f"[{tag}] device: forward+backward, '{arm}' arm (median)", statistics.median(fb),
+                        f"mean {1e3 * statistics.fmean(fb):.3f} ms over {len(fb)} steps"))
+            out.append((f"[{tag}] device: optimizer step, '{arm}' arm (median)", statistics.median(up),
+                        f"mean {1e3 * statistics.fmean(up):.3f} ms, largest {1e3 * max(up):.3f} ms (with a save: "
+                        "its wait for the copies of the tensors it changes)"))
+        return out
 
 
 # ------------------------------------------------------------------------------------------- part a
@@ -359,6 +433,7 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
            else torch.autocast("cpu", dtype=torch.bfloat16, enabled=False))
     gen = torch.Generator(device=device).manual_seed(1)
+    phases = StepPhases()
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
 
     for batch in args.batches:
@@ -370,8 +445,11 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
             loss.backward()
 
         def step_off() -> None:
+            phases.mark(0)
             fwd_bwd()
+            phases.mark(1)
             opt.step()
+            phases.mark(2)
             opt.zero_grad(set_to_none=True)
 
         step_off()   # the optimizer's state exists from here
@@ -385,13 +463,14 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         sync(device)
         t_fb = (time.perf_counter() - t0) / 3
         opt.zero_grad(set_to_none=True)
-        for mode, inflight, gather, copy_thread, interval in itertools.product(
-                args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval):
+        for mode, inflight, gather, copy_thread, interval, gc_mode in itertools.product(
+                args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc):
             # the GIL's switch interval through the snapshotter's own setting (SnapshotConfig.
             # gil_switch_interval, held while it lives: both arms of the mode run with it); 0: Python's
             got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                               inflight, gather, bool(copy_thread), interval or None)
+                               inflight, gather, bool(copy_thread), interval or None, gc_mode, phases)
             what = f"GIL switch {1e3 * interval:g} ms" if interval else "GIL switch Python's"
+            what += "" if gc_mode == "on" else f", gc {gc_mode}"
             got = [(n.replace("] ", f", {what}] ", 1), v, note) for n, v, note in got]
             rows += got
     return rows
@@ -400,12 +479,15 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
 def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.optim.Optimizer,
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
                  t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256,
-                 copy_thread: bool = True, switch_interval: float | None = None) -> list[Row]:
+                 copy_thread: bool = True, switch_interval: float | None = None, gc_mode: str = "on",
+                 phases: StepPhases | None = None) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
     on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
     `max_inflight` (1: one save in the background at a time, the path before pipelining), and one
     `gather_bytes` (MiB; 0: one device-to-host copy per tensor), and `copy_thread` (the copies the update
-    waits for enqueued by the snapshotter's copy thread, or by save() on the training thread)."""
+    waits for enqueued by the snapshotter's copy thread, or by save() on the training thread); `gc_mode`
+    "freeze": everything alive after the warm-up moved out of the collector's scans (gc.freeze(), as
+    training loops that manage the collector do), "on": as the process has it."""
     rows: list[Row] = []
     tag = f"b={batch}, {mode}, {inflight} in flight, " + (f"gather {gather_mib} MiB" if gather_mib else
                                                           "per-tensor copies")
@@ -465,7 +547,31 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         skipped0 = dict(client.stats.skipped_by)
         made0 = client.stats.slots_ahead + client.stats.slots_inline
         waits0 = (client.stats.update_waits, client.stats.update_wait_s)
-        times = interleave_running({"off": step_off, "every": step_every}, args.block, args.rounds, device)
+        if gc_mode == "freeze":
+            gc.collect()
+            gc.freeze()
+        pauses = GcPauses()
+
+        cuda_phases = phases if phases is not None and device.type == "cuda" else None
+        if cuda_phases is not None:
+            cuda_phases.start(2 * args.rounds * (args.block + SETTLE))
+
+        def arm(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                pauses.arm = name
+                if cuda_phases is not None:
+                    cuda_phases.arm = name
+                fn()
+            return run
+
+        with pauses:
+            times = interleave_running({"off": arm("off", step_off), "every": arm("every", step_every)},
+                                       args.block, args.rounds, device)
+        if cuda_phases is not None:
+            cuda_phases.stop()
+            cuda_phases.arm = ""
+        if gc_mode == "freeze":
+            gc.unfreeze()
         client.wait(600)
         attempts = len(calls)             # every save() call of the timed blocks (their settling steps too)
         sync(device)
@@ -495,7 +601,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             (f"[{tag}] step, checkpoint every step", every,
              f"{100 * over:+.2f}% of the step (target < 1%); paired by round: median "
              f"{100 * (statistics.median(ratios) - 1):+.2f}%, mean {100 * (statistics.fmean(ratios) - 1):+.2f}% "
-             f"[{100 * lo:+.2f}, {100 * hi:+.2f}] (95%, {len(ratios)} rounds)"),
+             f"[{100 * lo:+.2f}, {100 * hi:+.2f}] (95%, {len(ratios)} rounds: "
+             + " ".join(f"{100 * (x - 1):+.1f}" for x in ratios) + ")"),
             (f"[{tag}] state() + save() call, host (median)", statistics.median(calls) if calls else float("nan"),
              f"{100 * statistics.median(calls) / off:.2f}% of the step (the training thread's share)"
              if calls else ""),
@@ -535,6 +642,13 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         rows.append((f"[{tag}] the update's host wait for the copy thread, per step", waits[1] / max(1, attempts),
                      f"{waits[0]} of {attempts} optimizer steps waited on the host for a save's copies to be "
                      f"enqueued ({1e3 * waits[1]:.1f} ms in all; the host's lead over the device shrinks by it)"))
+        arm_steps = args.rounds * (args.block + SETTLE)
+        rows += [pauses.row(tag, "off", arm_steps), pauses.row(tag, "every", arm_steps)]
+        if cuda_phases is not None:
+            rows += cuda_phases.rows(tag)
+            sides = [f"{d}: id {st.stream_id}, handle {st.cuda_stream:#x}"
+                     for d, st in client.snapshotter._side.items()]
+            rows.append((f"[{tag}] the save's side stream", float(len(sides)), "; ".join(sides)))
         rows.append(copy_ops_row(tag, client, state()))
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
@@ -1003,6 +1117,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="part b: SnapshotConfig.gil_switch_interval in seconds for each mode, a list (0: "
                          "None, Python's 5 ms; every_step()'s is 0.0002): the background's Python holds "
                          "the GIL up to this long when the training thread wants it back")
+    ap.add_argument("--gc", default="on",
+                    help="part b: the collector in each mode, a list side by side (on: as the process has it; "
+                         "freeze: what lives after the warm-up moved out of its scans, gc.freeze())")
     ap.add_argument("--fresh", type=int, default=1,
                     help="part c: this many fresh clients with prepare(), first save over steady for each")
     ap.add_argument("--checksums", default="source,host",
@@ -1040,6 +1157,9 @@ def main(argv: list[str] | None = None) -> int:
     args.gather = [int(n) for n in str(args.gather).split(",") if n]
     args.copy_thread = [int(n) for n in str(args.copy_thread).split(",") if n]
     args.switch_interval = [float(n) for n in str(args.switch_interval).split(",") if n]
+    args.gc = [m for m in str(args.gc).split(",") if m]
+    if set(args.gc) - {"on", "freeze"}:
+        ap.error(f"--gc: 'on' or 'freeze', not {args.gc}")
     if args.smoke:
         for k, v in dataclasses.asdict(Smoke()).items():
             setattr(args, k, list(v) if isinstance(v, tuple) else v)

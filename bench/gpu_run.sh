@@ -136,6 +136,18 @@ want ckpt12 && step commit-words 120 python3 bench/commit_words.py --commits 100
 want ckpt13 && step ckpt13 420 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3,2 \
   --batches 16,32 --rounds 6 --switch-interval 0.0002,0
 want ckpt13 && step ckpt13a 150 python3 bench/ckpt_overlap.py --parts a
+# issue 21, thirteenth session: batch 16 read +0.8% or +2.3% by mode, whatever the switch interval (ckpt12,
+# ckpt13): the same setting five times (3 in flight, Python's interval), two of them with gc.freeze(), the
+# collector's pauses per arm and each round's ratio printed: a mode's place in the run, or the collector?
+want ckpt14 && step ckpt14 330 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 6 --switch-interval 0 --gc on,on,freeze,on,freeze
+# ckpt14: modes 1 and 3 read +2.2-2.3%, 2, 4 and 5 +0.8%, the collector ruled out: the same setting four times
+# with the device time of forward+backward and of the optimizer step (its wait for the copies) per arm and the
+# save's side stream printed, then again with 32 hardware queues (does the side stream share the training's?)
+want ckpt15 && step ckpt15 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 6 --switch-interval 0 --gc on,on,on,on
+want ckpt15 && CUDA_DEVICE_MAX_CONNECTIONS=32 step ckpt15c 240 python3 bench/ckpt_overlap.py --parts b \
+  --checksums source --inflight 3 --batches 16 --rounds 6 --switch-interval 0 --gc on,on,on,on
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
