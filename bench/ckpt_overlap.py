@@ -465,10 +465,14 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         opt.zero_grad(set_to_none=True)
         for mode, inflight, gather, copy_thread, interval, gc_mode in itertools.product(
                 args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc):
-            # the GIL's switch interval through the snapshotter's own setting (SnapshotConfig.
-            # gil_switch_interval, held while it lives: both arms of the mode run with it); 0: Python's
-            got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                               inflight, gather, bool(copy_thread), interval or None, gc_mode, phases)
+            old = sys.getswitchinterval()
+            if interval > 0:   # the GIL's switch interval for this mode (both its arms)
+                sys.setswitchinterval(interval)
+            try:
+                got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
+                                   inflight, gather, bool(copy_thread), gc_mode, phases)
+            finally:
+                sys.setswitchinterval(old)
             what = f"GIL switch {1e3 * interval:g} ms" if interval else "GIL switch Python's"
             what += "" if gc_mode == "on" else f", gc {gc_mode}"
             got = [(n.replace("] ", f", {what}] ", 1), v, note) for n, v, note in got]
@@ -479,8 +483,8 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
 def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.optim.Optimizer,
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
                  t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256,
-                 copy_thread: bool = True, switch_interval: float | None = None, gc_mode: str = "on",
-                 phases: StepPhases | None = None) -> list[Row]:
+                 copy_thread: bool = True, gc_mode: str = "on", phases: StepPhases | None = None
+                 ) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
     on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
     `max_inflight` (1: one save in the background at a time, the path before pipelining), and one
@@ -496,8 +500,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
     try:
         cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode,
                                               max_inflight=inflight, gather_bytes=gather_mib * MiB,
-                                              copy_thread=copy_thread,
-                                              gil_switch_interval=switch_interval)
+                                              copy_thread=copy_thread)
         client = node.client(opt, cfg_every, f"b{batch}{mode[0]}")
         handles: list[Any] = []
 
@@ -1113,10 +1116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--switch-interval", default="0.0002",
-                    help="part b: SnapshotConfig.gil_switch_interval in seconds for each mode, a list (0: "
-                         "None, Python's 5 ms; every_step()'s is 0.0002): the background's Python holds "
-                         "the GIL up to this long when the training thread wants it back")
+    ap.add_argument("--switch-interval", default="0",
+                    help="part b: the GIL's switch interval in seconds for each mode, a list (0: Python's "
+                         "default, 5 ms): does the background's Python, holding the GIL up to this long "
+                         "when the training thread wants it, land in the step?")
     ap.add_argument("--gc", default="on",
                     help="part b: the collector in each mode, a list side by side (on: as the process has it; "
                          "freeze: what lives after the warm-up moved out of its scans, gc.freeze())")

@@ -130,7 +130,7 @@ want ckpt12 && step ckpt12 300 python3 bench/ckpt_overlap.py --parts b --checksu
   --batches 16,32 --rounds 6 --switch-interval 0,0.0002
 # the rank's CPU a commit on this host: the manifest rendered on the rank against the layout + words
 want ckpt12 && step commit-words 120 python3 bench/commit_words.py --commits 100
-# issue 21, twelfth session: the GIL switch interval now the snapshotter's own setting (every_step(): 0.2 ms,
+# issue 21, twelfth session: the GIL switch interval (then the snapshotter's own setting, reverted: no effect),
 # 0 here = Python's 5 ms), and 3 in flight against 2 (save -> COMMITTED is the host's lead + copy + commit,
 # 1.6 steps at batch 16: 2 in flight skipped 2 of 78)
 want ckpt13 && step ckpt13 420 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3,2 \

@@ -94,7 +94,6 @@ from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
 from checkpoint.shard_layout import ShardLayout
 from checkpoint.source_sums import Piece, pieces
 from checkpoint.state_tree import Flattener, dtype_name, flatten
-from checkpoint.switch_interval import INTERVAL
 from checksums.fingerprint import (
     MASK64,
     fingerprint_bytes,
@@ -168,11 +167,6 @@ class SnapshotConfig:
                                     # thread (a save's few hundred copies queue behind the previous
                                     # save's in the driver: 12-16 ms of blocked enqueue a save on the
                                     # H200 with 2 in flight, issue 21); save() only orders them
-    gil_switch_interval: float | None = None   # seconds: the interpreter's thread switch interval while
-                                    # this snapshotter lives (checkpoint.switch_interval: the shortest
-                                    # request of the process's snapshotters; one the user set is kept);
-                                    # None: left alone. every_step() asks for 0.2 ms: the training thread
-                                    # waits less for the GIL the background threads hold (issue 21)
 
     @classmethod
     def every_step(cls, **kw: Any) -> "SnapshotConfig":
@@ -186,9 +180,6 @@ class SnapshotConfig:
         # one's copy not yet seen done and is skipped (23-30% of steps COMMITTED on the H200); with two
         # every step commits (docs/BENCHMARKS.md, issue 21)
         kw.setdefault("max_inflight", 2)
-        # the training thread, back from a torch call, waits for the GIL up to the switch interval while a
-        # checkpoint thread runs Python: 5 ms cost about 1 ms a step on the H200, 0.2 ms did not
-        kw.setdefault("gil_switch_interval", 2e-4)
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -219,10 +210,6 @@ class SnapshotConfig:
                                     f"got {self.gather_bytes!r}")
         if self.fingerprint_threads < 1:
             raise InvalidInputError(f"fingerprint_threads must be >= 1, got {self.fingerprint_threads}")
-        gi = self.gil_switch_interval
-        if gi is not None and (isinstance(gi, bool) or not isinstance(gi, (int, float))
-                               or not (0.0 < gi <= 1.0)):
-            raise InvalidInputError(f"gil_switch_interval must be None or seconds in (0, 1], got {gi!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -514,8 +501,6 @@ class Snapshotter:
         self._bounce: dict[torch.device, torch.Tensor] = {}   # gathered copies: each device's bounce buffer
         self._gap_zeros: dict[torch.device, torch.Tensor] = {}   # and its ALIGN zero bytes (the gaps)
         self._gather_off: set[torch.device] = set()   # devices whose bounce did not fit: per-tensor copies
-        gi = self.config.gil_switch_interval   # held until close() (checkpoint.switch_interval)
-        self._interval_token = INTERVAL.hold(gi) if gi is not None else None
 
     def _block(self) -> str:
         block = self.config.block
@@ -932,9 +917,6 @@ class Snapshotter:
             if self._ring is not None:
                 self._ring.close()
                 self._ring = None
-        if self._interval_token is not None:
-            INTERVAL.release(self._interval_token)
-            self._interval_token = None
 
     # ---- staging ------------------------------------------------------------------------------------
     def _ring_for(self, total: int) -> SlotRing | None:
