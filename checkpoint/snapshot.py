@@ -176,10 +176,10 @@ class SnapshotConfig:
         kw.setdefault("block", "update")
         kw.setdefault("max_slots", "auto")
         kw.setdefault("skip_until_ready", True)
-        # two in flight: the host runs a step ahead of the device, so with one a save finds the previous
-        # one's copy not yet seen done and is skipped (23-30% of steps COMMITTED on the H200); with two
-        # every step commits (docs/BENCHMARKS.md, issue 21)
-        kw.setdefault("max_inflight", 2)
+        # three in flight: a save reaches COMMITTED about 1.6 steps after its call (the host's lead of a
+        # step, the copy, the commit), so with one most saves are skipped (23-30% of steps COMMITTED on the
+        # H200), with two 1-3 of 78 still are at a 73 ms step, with three none (docs/BENCHMARKS.md, issue 21)
+        kw.setdefault("max_inflight", 3)
         return cls(**kw)
 
     def __post_init__(self) -> None:
