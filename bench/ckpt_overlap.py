@@ -463,18 +463,20 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         sync(device)
         t_fb = (time.perf_counter() - t0) / 3
         opt.zero_grad(set_to_none=True)
-        for mode, inflight, gather, copy_thread, interval, gc_mode in itertools.product(
-                args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc):
+        for mode, inflight, gather, copy_thread, interval, gc_mode, prio in itertools.product(
+                args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc,
+                args.side_priority):
             old = sys.getswitchinterval()
             if interval > 0:   # the GIL's switch interval for this mode (both its arms)
                 sys.setswitchinterval(interval)
             try:
                 got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                                   inflight, gather, bool(copy_thread), gc_mode, phases)
+                                   inflight, gather, bool(copy_thread), gc_mode, phases, prio)
             finally:
                 sys.setswitchinterval(old)
             what = f"GIL switch {1e3 * interval:g} ms" if interval else "GIL switch Python's"
             what += "" if gc_mode == "on" else f", gc {gc_mode}"
+            what += "" if prio is None else f", side stream priority {prio}"
             got = [(n.replace("] ", f", {what}] ", 1), v, note) for n, v, note in got]
             rows += got
     return rows
@@ -483,8 +485,8 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
 def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.optim.Optimizer,
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
                  t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256,
-                 copy_thread: bool = True, gc_mode: str = "on", phases: StepPhases | None = None
-                 ) -> list[Row]:
+                 copy_thread: bool = True, gc_mode: str = "on", phases: StepPhases | None = None,
+                 side_priority: int | None = None) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
     on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
     `max_inflight` (1: one save in the background at a time, the path before pipelining), and one
@@ -532,6 +534,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                 state_calls.append(t1 - t0)
                 handles.append(h)
 
+        if side_priority is not None and device.type == "cuda":   # the save's side stream, made here
+            dev = torch.device("cuda", torch.cuda.current_device())
+            client.snapshotter._side[dev] = torch.cuda.Stream(device=dev, priority=side_priority)
         client.prepare(state()).result(600)
         for _ in range(args.warmup):
             step_off()
@@ -1120,6 +1125,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="part b: the GIL's switch interval in seconds for each mode, a list (0: Python's "
                          "default, 5 ms): does the background's Python, holding the GIL up to this long "
                          "when the training thread wants it, land in the step?")
+    ap.add_argument("--side-priority", default="",
+                    help="part b (CUDA): the save's side stream made by the bench with this priority, a list side "
+                         "by side (e.g. 0,-1; -1 is the higher; empty: the snapshotter's own)")
     ap.add_argument("--gc", default="on",
                     help="part b: the collector in each mode, a list side by side (on: as the process has it; "
                          "freeze: what lives after the warm-up moved out of its scans, gc.freeze())")
@@ -1161,6 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
     args.copy_thread = [int(n) for n in str(args.copy_thread).split(",") if n]
     args.switch_interval = [float(n) for n in str(args.switch_interval).split(",") if n]
     args.gc = [m for m in str(args.gc).split(",") if m]
+    args.side_priority = [int(n) for n in str(args.side_priority).split(",") if n] or [None]
     if set(args.gc) - {"on", "freeze"}:
         ap.error(f"--gc: 'on' or 'freeze', not {args.gc}")
     if args.smoke:
