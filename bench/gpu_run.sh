@@ -149,8 +149,12 @@ want ckpt15 && step ckpt15 240 python3 bench/ckpt_overlap.py --parts b --checksu
   --batches 16 --rounds 6 --switch-interval 0 --gc on,on,on,on
 want ckpt15 && CUDA_DEVICE_MAX_CONNECTIONS=32 step ckpt15c 240 python3 bench/ckpt_overlap.py --parts b \
   --checksums source --inflight 3 --batches 16 --rounds 6 --switch-interval 0 --gc on,on,on,on
-want ckpt15 && step ckpt15p 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 6 --switch-interval 0 --side-priority -1,-1,-1,-1
+# ckpt15 (06:05): the same H L H L with 32 queues; in the high modes the forward+backward itself runs
+# 1.5 ms longer on the device (the update never waits); high = the side stream from the pool's slots 0 and
+# 3, low = 2, 4 (and 5 in ckpt14). ckpt16: the side stream made by the bench for each mode, the pool's
+# next slot each time (8 modes at the default priority, then 4 at the higher)
+want ckpt16 && step ckpt16 420 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 5 --switch-interval 0 --side-priority=0,0,0,0,0,0,0,0,-1,-1,-1,-1
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
