@@ -88,7 +88,8 @@ class Node:
 
     def __init__(self, need_bytes: int, tag: str, agent: str = "process") -> None:
         self.work = Path(tempfile.mkdtemp(prefix=f"sdcw-ovl-{tag}-"))
-        shm = Path("/dev/shm")
+        # the memory tier's filesystem (bench only): SDCW_BENCH_MEM_ROOT, e.g. a tmpfs mounted huge=always
+        shm = Path(os.environ.get("SDCW_BENCH_MEM_ROOT", "/dev/shm"))
         root = None
         if shm.is_dir():
             st = os.statvfs(shm)
@@ -182,6 +183,16 @@ def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, dev
 
 
 SETTLE = 3   # untimed steps of a mode before its block (interleave_running)
+
+
+def _meminfo_kb(key: str) -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return float("nan")
 
 
 class GcPauses:
@@ -538,6 +549,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             dev = torch.device("cuda", torch.cuda.current_device())
             client.snapshotter._side[dev] = torch.cuda.Stream(device=dev, priority=side_priority)
         client.prepare(state()).result(600)
+        huge_kb = _meminfo_kb("ShmemHugePages")
         for _ in range(args.warmup):
             step_off()
             step_every()
@@ -650,6 +662,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         rows.append((f"[{tag}] the update's host wait for the copy thread, per step", waits[1] / max(1, attempts),
                      f"{waits[0]} of {attempts} optimizer steps waited on the host for a save's copies to be "
                      f"enqueued ({1e3 * waits[1]:.1f} ms in all; the host's lead over the device shrinks by it)"))
+        rows.append((f"[{tag}] host: shmem in huge pages after prepare() (GB)", huge_kb / 1e6,
+                     f"/proc/meminfo ShmemHugePages; the memory dir {node.mem}"))
         arm_steps = args.rounds * (args.block + SETTLE)
         rows += [pauses.row(tag, "off", arm_steps), pauses.row(tag, "every", arm_steps)]
         if cuda_phases is not None:

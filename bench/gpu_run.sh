@@ -155,6 +155,15 @@ want ckpt15 && CUDA_DEVICE_MAX_CONNECTIONS=32 step ckpt15c 240 python3 bench/ckp
 # next slot each time (8 modes at the default priority, then 4 at the higher)
 want ckpt16 && step ckpt16 420 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 5 --switch-interval 0 --side-priority=0,0,0,0,0,0,0,0,-1,-1,-1,-1
+# ckpt16 (06:11): not the stream: by a mode's place in the run, H L H L L, again and again (ckpt14 too), at
+# either priority. What a mode makes anew is its ring of slot files (9 x 1.65 GB of tmpfs, registered):
+# ckpt17, the same five modes with the memory dir on a tmpfs mounted huge=always (2 MB pages)
+if want ckpt17; then
+  cat /sys/kernel/mm/transparent_hugepage/shmem_enabled /sys/kernel/mm/transparent_hugepage/enabled >> "$LOG" 2>&1
+  mkdir -p /mnt/sdcw-huge && mount -t tmpfs -o huge=always,size=60G tmpfs /mnt/sdcw-huge >> "$LOG" 2>&1 \
+    && SDCW_BENCH_MEM_ROOT=/mnt/sdcw-huge step ckpt17 300 python3 bench/ckpt_overlap.py --parts b \
+      --checksums source --inflight 3 --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on,on,on
+fi
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
