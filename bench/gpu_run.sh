@@ -164,6 +164,12 @@ if want ckpt17; then
     && SDCW_BENCH_MEM_ROOT=/mnt/sdcw-huge step ckpt17 300 python3 bench/ckpt_overlap.py --parts b \
       --checksums source --inflight 3 --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on,on,on
 fi
+# ckpt17 (06:20): the mount gave no huge pages (shmem THP "never" on this VM: ShmemHugePages 0), and the same
+# H L H L L. Next: ckpt18 profiles each of the five modes (--diagnose: torch.profiler over a block of each
+# arm): which kernel runs longer in the first and third (the fingerprint kernel beside the forward, the
+# compute kernels, the copies' engine)
+want ckpt18 && step ckpt18 420 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on,on,on --diagnose
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
