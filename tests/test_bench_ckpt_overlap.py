@@ -25,13 +25,25 @@ def test_the_overlap_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> No
 def test_the_diagnosis_and_fresh_clients_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     """--diagnose (the host's share of a step) and --fresh (first save over steady on several clients)."""
     assert main(["--device", "cpu", "--smoke", "--parts", "bc", "--inflight", "2", "--checksums", "source",
-                 "--diagnose", "--fresh", "2", "--switch-interval", "0,0.0005"]) == 0
+                 "--diagnose", "--fresh", "2", "--switch-interval", "0,0.0005", "--gc", "on,freeze"]) == 0
     out = capsys.readouterr().out
     assert "diagnose: host enqueue of a step, off" in out and "diagnose: host enqueue of a step, every" in out
     assert "first save over steady, with prepare(), 2 fresh clients (median)" in out
     assert "paired by round" in out
     assert "copy thread, GIL switch 0.5 ms] step, checkpoint every step" in out    # --switch-interval
     assert "the update's host wait for the copy thread, per step" in out
+    # --gc: the frozen mode's rows and each arm's collector pauses; the collector is on again after it
+    assert "GIL switch 0.5 ms, gc freeze] step, checkpoint every step" in out
+    assert "GC pauses in the 'every' arm, per step" in out and "GC pauses in the 'off' arm, per step" in out
+    assert "(95%, 2 rounds: " in out                  # each round's ratio
+    import gc
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_bad_gc_mode_is_refused_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--smoke", "--parts", "b", "--gc", "off"])
+    assert e.value.code == 2 and "--gc" in capsys.readouterr().err
 
 
 def test_stream_gaps_split_host_late_from_device_waits() -> None:
