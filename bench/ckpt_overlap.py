@@ -1176,14 +1176,15 @@ def main(argv: list[str] | None = None) -> int:
     # a `timeout` (SIGTERM) unwinds like an exception, so each part's finally removes its agent and its memory
     # dir in /dev/shm (a killed run left 17 GB there, and the next run's ring was cut by memory)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.batches = [int(b) for b in str(args.batches).split(",")]
-    args.checksums = [m for m in str(args.checksums).split(",") if m]
-    args.inflight = [int(n) for n in str(args.inflight).split(",") if n]
-    args.gather = [int(n) for n in str(args.gather).split(",") if n]
-    args.copy_thread = [int(n) for n in str(args.copy_thread).split(",") if n]
-    args.switch_interval = [float(n) for n in str(args.switch_interval).split(",") if n]
-    args.gc = [m for m in str(args.gc).split(",") if m]
-    args.side_priority = [int(n) for n in str(args.side_priority).split(",") if n] or [None]
+    # the side-by-side lists ("a,b,c"), each value converted
+    for name, conv in (("batches", int), ("checksums", str), ("inflight", int), ("gather", int),
+                       ("copy_thread", int), ("switch_interval", float), ("gc", str), ("side_priority", int)):
+        try:
+            setattr(args, name, [conv(v) for v in str(getattr(args, name)).split(",") if v])
+        except ValueError:
+            ap.error(f"--{name.replace('_', '-')}: a comma-separated list of {conv.__name__}, "
+                     f"got {getattr(args, name)!r}")
+    args.side_priority = args.side_priority or [None]
     if set(args.gc) - {"on", "freeze"}:
         ap.error(f"--gc: 'on' or 'freeze', not {args.gc}")
     if args.smoke:

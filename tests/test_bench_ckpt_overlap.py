@@ -40,10 +40,13 @@ def test_the_diagnosis_and_fresh_clients_run_on_cpu(capsys: pytest.CaptureFixtur
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
-def test_bad_gc_mode_is_refused_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_lists_are_refused_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--device", "cpu", "--smoke", "--parts", "b", "--gc", "off"])
     assert e.value.code == 2 and "--gc" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--smoke", "--parts", "b", "--inflight", "3,x"])
+    assert e.value.code == 2 and "--inflight" in capsys.readouterr().err
 
 
 def test_stream_gaps_split_host_late_from_device_waits() -> None:
