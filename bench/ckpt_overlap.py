@@ -474,6 +474,9 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         sync(device)
         t_fb = (time.perf_counter() - t0) / 3
         opt.zero_grad(set_to_none=True)
+        # --one-node: every mode of this batch on one agent and memory dir (each mode still its own client
+        # and slot ring); otherwise a node per mode
+        shared = Node(nbytes, "b", args.agent) if args.one_node else None
         for mode, inflight, gather, copy_thread, interval, gc_mode, prio in itertools.product(
                 args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc,
                 args.side_priority):
@@ -482,7 +485,11 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 sys.setswitchinterval(interval)
             try:
                 got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                                   inflight, gather, bool(copy_thread), gc_mode, phases, prio)
+                                   inflight, gather, bool(copy_thread), gc_mode, phases, prio, shared)
+            except BaseException:
+                if shared is not None:
+                    shared.close()
+                raise
             finally:
                 sys.setswitchinterval(old)
             what = f"GIL switch {1e3 * interval:g} ms" if interval else "GIL switch Python's"
@@ -490,6 +497,8 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
             what += "" if prio is None else f", side stream priority {prio}"
             got = [(n.replace("] ", f", {what}] ", 1), v, note) for n, v, note in got]
             rows += got
+        if shared is not None:
+            shared.close()
     return rows
 
 
@@ -497,7 +506,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
                  t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256,
                  copy_thread: bool = True, gc_mode: str = "on", phases: StepPhases | None = None,
-                 side_priority: int | None = None) -> list[Row]:
+                 side_priority: int | None = None, shared: Node | None = None) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
     on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
     `max_inflight` (1: one save in the background at a time, the path before pipelining), and one
@@ -509,7 +518,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
     tag = f"b={batch}, {mode}, {inflight} in flight, " + (f"gather {gather_mib} MiB" if gather_mib else
                                                           "per-tensor copies")
     tag += ", copy thread" if copy_thread else ", enqueued by save()"
-    node = Node(nbytes, "b", args.agent)
+    node = shared if shared is not None else Node(nbytes, "b", args.agent)
     try:
         cfg_every = SnapshotConfig.every_step(fingerprint_threads=args.fp_threads, checksums=mode,
                                               max_inflight=inflight, gather_bytes=gather_mib * MiB,
@@ -677,7 +686,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         rows += host_rows + gpu_rows
         client.close()
     finally:
-        node.close()
+        if shared is None:
+            node.close()
     return rows
 
 
@@ -1142,6 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-priority", default="",
                     help="part b (CUDA): the save's side stream made by the bench with this priority, a list side "
                          "by side (e.g. 0,-1; -1 is the higher; empty: the snapshotter's own)")
+    ap.add_argument("--one-node", action="store_true",
+                    help="part b: every mode of a batch on one agent and memory dir (default: a fresh one each)")
     ap.add_argument("--gc", default="on",
                     help="part b: the collector in each mode, a list side by side (on: as the process has it; "
                          "freeze: what lives after the warm-up moved out of its scans, gc.freeze())")

@@ -165,11 +165,15 @@ if want ckpt17; then
       --checksums source --inflight 3 --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on,on,on
 fi
 # ckpt17 (06:20): the mount gave no huge pages (shmem THP "never" on this VM: ShmemHugePages 0), and the same
-# H L H L L. Next: ckpt18 profiles each of the five modes (--diagnose: torch.profiler over a block of each
-# arm): which kernel runs longer in the first and third (the fingerprint kernel beside the forward, the
+# H L H L L. Next: ckpt18 profiles the first three modes (H L H; --diagnose: torch.profiler over a block of
+# each arm): which kernel runs longer in the first and third (the fingerprint kernel beside the forward, the
 # compute kernels, the copies' engine)
-want ckpt18 && step ckpt18 420 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on,on,on --diagnose
+want ckpt18 && step ckpt18 330 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on --diagnose
+# and the five modes on one agent and memory dir (each still its own client and slot ring): does the
+# pattern follow the node or the client?
+want ckpt18 && step ckpt18n 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on,on,on --one-node
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py

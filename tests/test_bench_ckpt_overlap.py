@@ -8,7 +8,8 @@ from bench.ckpt_overlap import main
 
 
 def test_the_overlap_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--device", "cpu", "--smoke", "--fp-threads", "2", "--profile"]) == 0
+    # --one-node: part b's two modes (4 and 1 in flight) on one agent and memory dir
+    assert main(["--device", "cpu", "--smoke", "--fp-threads", "2", "--profile", "--one-node"]) == 0
     out = capsys.readouterr().out
     for title in ("a. added step time per save", "b. checkpoint every step", "c. first save vs steady",
                   "d. ours vs DCP async_save"):
