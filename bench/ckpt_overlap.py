@@ -283,7 +283,7 @@ class StepPhases:
         self.got = {}
 
     def stop(self) -> None:
-        self._free, self._cur = [], None
+        self._free, self._cur, self.arm = [], None, ""
 
     def mark(self, k: int) -> None:
         if k == 0:
@@ -477,28 +477,25 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         # --one-node: every mode of this batch on one agent and memory dir (each mode still its own client
         # and slot ring); otherwise a node per mode
         shared = Node(nbytes, "b", args.agent) if args.one_node else None
-        for mode, inflight, gather, copy_thread, interval, gc_mode, prio in itertools.product(
-                args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc,
-                args.side_priority):
-            old = sys.getswitchinterval()
-            if interval > 0:   # the GIL's switch interval for this mode (both its arms)
-                sys.setswitchinterval(interval)
-            try:
-                got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                                   inflight, gather, bool(copy_thread), gc_mode, phases, prio, shared)
-            except BaseException:
-                if shared is not None:
-                    shared.close()
-                raise
-            finally:
-                sys.setswitchinterval(old)
-            what = f"GIL switch {1e3 * interval:g} ms" if interval else "GIL switch Python's"
-            what += "" if gc_mode == "on" else f", gc {gc_mode}"
-            what += "" if prio is None else f", side stream priority {prio}"
-            got = [(n.replace("] ", f", {what}] ", 1), v, note) for n, v, note in got]
-            rows += got
-        if shared is not None:
-            shared.close()
+        try:
+            for mode, inflight, gather, copy_thread, interval, gc_mode, prio in itertools.product(
+                    args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc,
+                    args.side_priority):
+                old = sys.getswitchinterval()
+                if interval > 0:   # the GIL's switch interval for this mode (both its arms)
+                    sys.setswitchinterval(interval)
+                try:
+                    got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
+                                       inflight, gather, bool(copy_thread), gc_mode, phases, prio, shared)
+                finally:
+                    sys.setswitchinterval(old)
+                what = f"GIL switch {1e3 * interval:g} ms" if interval else "GIL switch Python's"
+                what += "" if gc_mode == "on" else f", gc {gc_mode}"
+                what += "" if prio is None else f", side stream priority {prio}"
+                rows += [(n.replace("] ", f", {what}] ", 1), v, note) for n, v, note in got]
+        finally:
+            if shared is not None:
+                shared.close()
     return rows
 
 
@@ -598,7 +595,6 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                                        args.block, args.rounds, device)
         if cuda_phases is not None:
             cuda_phases.stop()
-            cuda_phases.arm = ""
         if gc_mode == "freeze":
             gc.unfreeze()
         client.wait(600)
@@ -1130,12 +1126,21 @@ class Smoke:
     repeat: int = 1
 
 
+def _csv(conv: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """An argparse type: a side-by-side list ("a,b,c"), each value converted (argparse names the flag and
+    exits 2 on a bad one)."""
+    def parse(text: str) -> list[Any]:
+        return [conv(v) for v in text.split(",") if v]
+    parse.__name__ = f"list of {conv.__name__}"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="abcd")
     ap.add_argument("--gib", type=float, default=2.0, help="state size for parts a, c, d")
     ap.add_argument("--busy-ms", type=float, default=0.0, help="part a's forward/backward (0: 2x the copy)")
-    ap.add_argument("--batches", default="8,16,32", help="part b: batch sizes (x --seq tokens)")
+    ap.add_argument("--batches", type=_csv(int), default="8,16,32", help="part b: batch sizes (x --seq tokens)")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
@@ -1145,30 +1150,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--switch-interval", default="0",
+    ap.add_argument("--switch-interval", type=_csv(float), default="0",
                     help="part b: the GIL's switch interval in seconds for each mode, a list (0: Python's "
                          "default, 5 ms): does the background's Python, holding the GIL up to this long "
                          "when the training thread wants it, land in the step?")
-    ap.add_argument("--side-priority", default="",
+    ap.add_argument("--side-priority", type=_csv(int), default="",
                     help="part b (CUDA): the save's side stream made by the bench with this priority, a list side "
                          "by side (e.g. 0,-1; -1 is the higher; empty: the snapshotter's own)")
     ap.add_argument("--one-node", action="store_true",
                     help="part b: every mode of a batch on one agent and memory dir (default: a fresh one each)")
-    ap.add_argument("--gc", default="on",
+    ap.add_argument("--gc", type=_csv(str), default="on",
                     help="part b: the collector in each mode, a list side by side (on: as the process has it; "
                          "freeze: what lives after the warm-up moved out of its scans, gc.freeze())")
     ap.add_argument("--fresh", type=int, default=1,
                     help="part c: this many fresh clients with prepare(), first save over steady for each")
-    ap.add_argument("--checksums", default="source,host",
+    ap.add_argument("--checksums", type=_csv(str), default="source,host",
                     help="part b: SnapshotConfig.checksums modes, side by side (source: fingerprints at the source; "
                          "host: hashed on the host, the old path)")
-    ap.add_argument("--inflight", default="4,1",
+    ap.add_argument("--inflight", type=_csv(int), default="4,1",
                     help="part b: SnapshotConfig.max_inflight values, side by side (1: one save in the "
                          "background at a time, the path before pipelining)")
-    ap.add_argument("--copy-thread", default="1",
+    ap.add_argument("--copy-thread", type=_csv(int), default="1",
                     help="part b: SnapshotConfig.copy_thread values, side by side (1: the update's copies "
                          "enqueued by the copy thread; 0: by save() on the training thread; e.g. 1,0)")
-    ap.add_argument("--gather", default="0",
+    ap.add_argument("--gather", type=_csv(int), default="0",
                     help="part b: SnapshotConfig.gather_bytes in MiB, side by side (0: one device-to-host copy "
                          "per tensor; e.g. 256,0 compares gathered and per-tensor copies)")
     ap.add_argument("--fp-threads", type=int, default=max(4, min(12, (os.cpu_count() or 4) - 4)),
@@ -1188,14 +1193,6 @@ def main(argv: list[str] | None = None) -> int:
     # a `timeout` (SIGTERM) unwinds like an exception, so each part's finally removes its agent and its memory
     # dir in /dev/shm (a killed run left 17 GB there, and the next run's ring was cut by memory)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # the side-by-side lists ("a,b,c"), each value converted
-    for name, conv in (("batches", int), ("checksums", str), ("inflight", int), ("gather", int),
-                       ("copy_thread", int), ("switch_interval", float), ("gc", str), ("side_priority", int)):
-        try:
-            setattr(args, name, [conv(v) for v in str(getattr(args, name)).split(",") if v])
-        except ValueError:
-            ap.error(f"--{name.replace('_', '-')}: a comma-separated list of {conv.__name__}, "
-                     f"got {getattr(args, name)!r}")
     args.side_priority = args.side_priority or [None]
     if set(args.gc) - {"on", "freeze"}:
         ap.error(f"--gc: 'on' or 'freeze', not {args.gc}")
