@@ -143,8 +143,7 @@ want ckpt14 && step ckpt14 330 python3 bench/ckpt_overlap.py --parts b --checksu
   --batches 16 --rounds 6 --switch-interval 0 --gc on,on,freeze,on,freeze
 # ckpt14: modes 1 and 3 read +2.2-2.3%, 2, 4 and 5 +0.8%, the collector ruled out: the same setting four times
 # with the device time of forward+backward and of the optimizer step (its wait for the copies) per arm and the
-# save's side stream printed, then again with 32 hardware queues (does the side stream share the training's?),
-# then with the side stream at the higher priority
+# save's side stream printed, then again with 32 hardware queues (does the side stream share the training's?)
 want ckpt15 && step ckpt15 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 6 --switch-interval 0 --gc on,on,on,on
 want ckpt15 && CUDA_DEVICE_MAX_CONNECTIONS=32 step ckpt15c 240 python3 bench/ckpt_overlap.py --parts b \
