@@ -473,7 +473,7 @@ class DirStore:
         try:
             if not self._recycle(pfd, name):
                 os.unlink(name, dir_fd=pfd)   # a planted link: the name goes, its target is never touched
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):   # a directory: the key only prefixes other keys
             return False
         finally:
             os.close(pfd)

@@ -92,6 +92,14 @@ def test_list_by_prefix_and_delete(store: BlobStore) -> None:
     assert store.list("a/1/") == ["a/1/y"]
 
 
+def test_deleting_a_key_that_only_prefixes_others_deletes_nothing(store: BlobStore) -> None:
+    # the file store keeps "a/1/y" under a directory "a/1": deleting the key "a/1" is a key not there (a
+    # fuzzed PeerStore.DeleteBlob of "a" got INTERNAL from unlinking that directory)
+    store.put("a/1/y", b"1")
+    assert store.delete("a/1") is False and store.delete("a") is False
+    assert store.get("a/1/y") == b"1" and store.list("a/") == ["a/1/y"]
+
+
 def test_missing_key_raises_keyerror(store: BlobStore) -> None:
     with pytest.raises(KeyError):
         store.get("no/such")
