@@ -556,6 +556,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             client.snapshotter._side[dev] = torch.cuda.Stream(device=dev, priority=side_priority)
         client.prepare(state()).result(600)
         huge_kb = _meminfo_kb("ShmemHugePages")
+        slot_uses = _count_slot_uses(client)
         for _ in range(args.warmup):
             step_off()
             step_every()
@@ -677,6 +678,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                      for d, st in client.snapshotter._side.items()]
             rows.append((f"[{tag}] the save's side stream", float(len(sides)), "; ".join(sides)))
         rows.append(copy_ops_row(tag, client, state()))
+        rows.append(_slot_row(tag, client, slot_uses))
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
         rows += host_rows + gpu_rows
@@ -685,6 +687,36 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         if shared is None:
             node.close()
     return rows
+
+
+def _count_slot_uses(client: CheckpointClient) -> dict[str, int]:
+    """Count the saves that staged in each slot (the snapshotter's `_acquire_slot` wrapped: a bench-only
+    probe), by slot file name."""
+    uses: dict[str, int] = {}
+    snap = client.snapshotter
+    acquire = snap._acquire_slot
+
+    def counted(total: int, create: bool = True) -> Any:
+        s = acquire(total, create=create)
+        if s is not None:
+            uses[s.path.name] = uses.get(s.path.name, 0) + 1
+        return s
+    snap._acquire_slot = counted  # type: ignore[method-assign]
+    return uses
+
+
+def _slot_row(tag: str, client: CheckpointClient, uses: dict[str, int]) -> Row:
+    """Which of the ring's slots the saves used, and each slot's physical layout (runs of contiguous
+    frames, root only): does a slow mode stage in other memory than a fast one?"""
+    from bench.pinned_placement import pagemap_stats
+
+    ring = client.snapshotter._ring
+    parts = []
+    for i, s in enumerate(ring.slots if ring is not None else []):
+        st = pagemap_stats(s.tensor.data_ptr(), s.nbytes) if s.nbytes else {}
+        lay = f"{st['runs']} runs {st['phys_lo_gib']:.1f}-{st['phys_hi_gib']:.1f} GiB" if st else "layout ?"
+        parts.append(f"#{i} {uses.get(s.path.name, 0)} saves, {lay}, va {s.tensor.data_ptr():#x}")
+    return (f"[{tag}] staging slots: uses and layout", float(len(parts)), "; ".join(parts))
 
 
 def copy_ops_row(tag: str, client: CheckpointClient, sd: dict) -> Row:

@@ -173,6 +173,13 @@ want ckpt18 && step ckpt18 330 python3 bench/ckpt_overlap.py --parts b --checksu
 # pattern follow the node or the client?
 want ckpt18 && step ckpt18n 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 4 --switch-interval 0 --gc on,on,on,on,on --one-node
+# issue 21: rings of staging slots made one after another in one process; per slot the copy alone, forward+
+# backward alone and beside the copy, and where its pages are (NUMA, physical runs, 2 MiB share); controls:
+# a driver-pinned buffer, anonymous memory with and without transparent huge pages
+want place && step place 300 python3 bench/pinned_placement.py --modes 6 --slots 9 --batch 16 --repeat 3
+# and five modes of part b with each slot's uses and physical layout (the slow places 1 and 3 against the rest)
+want place && step ckpt19 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on,on,on
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py

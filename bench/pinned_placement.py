@@ -1,0 +1,245 @@
+"""Issue 21: why one ring of staging slots slows the training beside its copies and another does not.
+
+`bench/ckpt_overlap.py` part b found every-step checkpoints at batch 16 two-valued by a mode's place in
+the process (+0.8% or +2.2%): in the slow modes the device-to-host copies of a save take ~10% longer and
+the forward+backward beside them ~1 ms longer. What a mode makes anew is its slot ring (tmpfs files,
+mapped, `cudaHostRegister`ed). This bench makes rings over and over in one process and, per slot, measures
+the copy alone, the training's forward+backward alone and with the copy beside it, and where the slot's
+pages are: NUMA node (`/proc/self/numa_maps`), physical contiguity (`/proc/self/pagemap`, root only): the
+share of 2 MiB chunks that are one physically contiguous, aligned run, and the number of runs. A
+driver-pinned buffer (`pin_memory`) made anew each mode is the control.
+
+    python bench/pinned_placement.py --modes 10 --slots 3 --batch 16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpoint.slots import SlotRing, register_host_memory, unregister_host_memory  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+HUGE = 2 << 20
+
+
+def pagemap_stats(addr: int, nbytes: int) -> dict[str, Any]:
+    """Physical layout of [addr, addr+nbytes): runs of contiguous frames, the share of 2 MiB-aligned
+    virtual chunks backed by one aligned contiguous 2 MiB run, lowest/highest physical GiB. Empty when
+    frame numbers are hidden (not root)."""
+    first, n = addr // PAGE, nbytes // PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            raw = f.read(n * 8)
+    except OSError:
+        return {}
+    import array
+    ents = array.array("Q")
+    ents.frombytes(raw)
+    pfns = [e & ((1 << 55) - 1) if e >> 63 else 0 for e in ents]
+    if not any(pfns):
+        return {}
+    runs = 1 + sum(1 for a, b in zip(pfns, pfns[1:]) if b != a + 1)
+    per = HUGE // PAGE
+    start = (-first) % per      # first 2 MiB-aligned virtual page
+    chunks = good = 0
+    for i in range(start, n - per + 1, per):
+        chunks += 1
+        p = pfns[i]
+        if p and p % per == 0 and pfns[i + per - 1] == p + per - 1 and all(
+                pfns[i + j] == p + j for j in range(0, per, 64)):
+            good += 1
+    nz = [p for p in pfns if p]
+    return {"runs": runs, "huge_share": good / max(1, chunks),
+            "phys_lo_gib": min(nz) * PAGE / 2**30, "phys_hi_gib": max(nz) * PAGE / 2**30}
+
+
+def numa_nodes(path: str) -> str:
+    """`N0=.. N1=..` page counts of the mapping of `path` in /proc/self/numa_maps ('' when not there)."""
+    try:
+        text = Path("/proc/self/numa_maps").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if path in line:
+            return " ".join(w for w in line.split() if re.fullmatch(r"N\d+=\d+", w))
+    return ""
+
+
+def host_facts() -> list[str]:
+    facts = []
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    facts.append(f"numa nodes: {len(nodes)} ({' '.join(nodes)})")
+    for k in ("enabled", "shmem_enabled"):
+        p = Path("/sys/kernel/mm/transparent_hugepage") / k
+        facts.append(f"thp {k}: {p.read_text().strip() if p.exists() else '?'}")
+    if torch.cuda.is_available():
+        for dev in Path("/sys/bus/pci/devices").glob("*"):
+            cls = (dev / "class").read_text().strip() if (dev / "class").exists() else ""
+            if cls.startswith("0x0302") or cls.startswith("0x0300"):
+                nn = (dev / "numa_node").read_text().strip() if (dev / "numa_node").exists() else "?"
+                facts.append(f"gpu {dev.name}: numa_node {nn}")
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.split(":")[0] in ("MemFree", "MemAvailable", "Shmem", "ShmemHugePages", "HugePages_Total"):
+            facts.append(line)
+    return facts
+
+
+def anon_buffer(nbytes: int, huge: bool) -> tuple[Any, torch.Tensor, bool]:
+    """Anonymous memory with transparent huge pages asked for (`huge`) or refused, populated and registered:
+    how much the page size alone changes the copy and the training beside it."""
+    import mmap
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    t.fill_(0)                                      # fault every page in
+    return mm, t, register_host_memory(t.data_ptr(), nbytes)
+
+
+def timed(fn: Callable[[], None], stream: torch.cuda.Stream) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    with torch.cuda.stream(stream):
+        fn()
+    b.record(stream)
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", type=int, default=10, help="rings made one after another (default 10)")
+    ap.add_argument("--slots", type=int, default=3, help="slots per ring (default 3)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=5, help="timings per slot and measure (median)")
+    ap.add_argument("--lead-ms", type=float, default=90.0,
+                    help="the sleep kernel ahead of each timed block, long enough for the host to enqueue it")
+    ap.add_argument("--root", default=os.environ.get("SDCW_BENCH_MEM_ROOT", "/dev/shm"),
+                    help="where the rings' memory dirs are made (a tmpfs; default /dev/shm)")
+    ap.add_argument("--anon", default="huge,small",
+                    help="anonymous buffers per mode as well: huge (MADV_HUGEPAGE), small (MADV_NOHUGEPAGE); '' none")
+    args = ap.parse_args(argv)
+    try:
+        args.anon = [{"huge": True, "small": False}[w] for w in args.anon.split(",") if w]
+    except KeyError as e:
+        ap.error(f"--anon: {e} is not huge or small")
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    from bench.tiny_gpt import GPTConfig, TinyGPT
+
+    dev = torch.device("cuda")
+    for f in host_facts():
+        print(f)
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=dev)
+
+    def fwd_bwd() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, x)
+        loss.backward()
+
+    fwd_bwd()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    srcs = [t for t in list(model.state_dict().values()) +
+            [v for s in opt.state.values() for v in s.values()] if t.is_cuda]
+    nbytes = sum(t.numel() * t.element_size() for t in srcs)
+    print(f"state: {len(srcs)} tensors, {nbytes / 1e9:.3f} GB; batch {args.batch}")
+    main_s, side = torch.cuda.current_stream(), torch.cuda.Stream()
+
+    def copy_into(buf: torch.Tensor) -> Callable[[], None]:
+        def go() -> None:
+            off = 0
+            for t in srcs:
+                n = t.numel() * t.element_size()
+                buf[off:off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+                off += n
+        return go
+
+    # Both arms start from a sleeping device: the host enqueues the copies and the whole forward+backward
+    # while a sleep kernel runs, so neither waits on the host's launches (593 copies take it ~5 ms).
+    t_sleep = timed(lambda: torch.cuda._sleep(10**8), main_s)
+    cycles = int(10**8 * args.lead_ms / t_sleep)
+
+    def ev() -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)
+
+    def measure(buf: torch.Tensor) -> tuple[float, float, float, float]:
+        """(copy alone, f+b alone, f+b beside the copy, the copy beside f+b), medians in ms."""
+        cp, fb, both, cp_both = [], [], [], []
+        for _ in range(args.repeat):
+            torch.cuda.synchronize()
+            cp.append(timed(copy_into(buf), side))
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            a, b = ev(), ev()
+            a.record(main_s)
+            fwd_bwd()
+            b.record(main_s)
+            torch.cuda.synchronize()
+            fb.append(a.elapsed_time(b))
+            torch.cuda._sleep(cycles)
+            a, b, c, d = ev(), ev(), ev(), ev()
+            a.record(main_s)
+            side.wait_event(a)
+            with torch.cuda.stream(side):
+                c.record(side)
+                copy_into(buf)()
+                d.record(side)
+            fwd_bwd()
+            b.record(main_s)
+            torch.cuda.synchronize()
+            both.append(a.elapsed_time(b))
+            cp_both.append(c.elapsed_time(d))
+        return statistics.median(cp), statistics.median(fb), statistics.median(both), statistics.median(cp_both)
+
+    print(f"{'mode':>4} {'buffer':<10} {'copy ms':>8} {'GB/s':>6} {'f+b ms':>7} {'f+b+copy':>9} {'slower':>7} "
+          f"{'cp beside':>9} {'runs':>7} {'2M share':>8} {'phys GiB':>13}  numa")
+    for mode in range(args.modes):
+        with tempfile.TemporaryDirectory(dir=args.root, prefix="sdcw-place-") as d:
+            ring = SlotRing(d, "place", 0, max_slots=args.slots)
+            t0 = time.perf_counter()
+            slots = [ring.acquire(nbytes) for _ in range(args.slots)]
+            made = time.perf_counter() - t0
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            bufs: list[tuple[str, torch.Tensor, str]] = [
+                (f"slot{i}{'' if s.registered else '!'}", s.tensor, str(s.path)) for i, s in enumerate(slots)]
+            bufs.append(("pinned", pinned, ""))
+            anon = [anon_buffer(nbytes, h) for h in args.anon]
+            bufs += [(f"anon-{'2M' if h else '4K'}{'' if r else '!'}", t, "")
+                     for h, (_, t, r) in zip(args.anon, anon)]
+            for name, buf, path in bufs:
+                cp, fb, both, cpb = measure(buf)
+                st = pagemap_stats(buf.data_ptr(), nbytes)
+                lay = (f"{st['runs']:>7} {st['huge_share']:>8.2f} {st['phys_lo_gib']:>6.1f}-{st['phys_hi_gib']:<6.1f}"
+                       if st else f"{'?':>7} {'?':>8} {'?':>13}")
+                print(f"{mode:>4} {name:<10} {cp:>8.2f} {nbytes / cp / 1e6:>6.1f} {fb:>7.2f} {both:>9.2f} "
+                      f"{both - fb:>+7.2f} {cpb:>9.2f} {lay}  {numa_nodes(path) if path else ''}", flush=True)
+            print(f"     (ring of {args.slots} made in {made:.1f} s)")
+            for s in slots:
+                ring.release(s)
+            for _, t, r in anon:
+                if r:
+                    unregister_host_memory(t.data_ptr())
+            del pinned, bufs, anon
+            ring.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
