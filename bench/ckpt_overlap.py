@@ -802,6 +802,7 @@ def _gpu_profile_rows(tag: str, step_off: Callable[[], None], step_every: Callab
 
     per: dict[str, dict[str, tuple[float, float]]] = {}
     idle: dict[str, tuple[float, float, list[tuple[str, float]]]] = {}
+    traces: dict[str, dict] = {}
     for name, fn in (("off", step_off), ("every", step_every)):
         sync(device)
         with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -813,7 +814,8 @@ def _gpu_profile_rows(tag: str, step_off: Callable[[], None], step_every: Callab
         trace = Path(tempfile.mkstemp(suffix=".json")[1])
         try:
             prof.export_chrome_trace(str(trace))
-            idle[name] = _stream_gaps(_json.loads(trace.read_text()), block)
+            traces[name] = _json.loads(trace.read_text())
+            idle[name] = _stream_gaps(traces[name], block)
         finally:
             trace.unlink(missing_ok=True)
     tot = {n: sum(v[0] for v in d.values()) for n, d in per.items()}
@@ -829,6 +831,75 @@ def _gpu_profile_rows(tag: str, step_off: Callable[[], None], step_every: Callab
         rows.append((f"[{tag}] diagnose: compute stream idle per step, {n}", (host + wait) / 1e3,
                      f"host-late {host:.3f} ms, waiting on the device {wait:.3f} ms; the largest before: " +
                      ", ".join(f"{k[:50]} {v:.2f} ms" for k, v in where[:3])))
+    if "off" in traces and "every" in traces:
+        rows += _slowdown_rows(tag, traces["off"], traces["every"], block)
+    return rows
+
+
+def _main_stream_work(trace: dict) -> tuple[list[dict], list[dict]]:
+    """(the busiest stream's kernels, everything on the other streams), each sorted by start."""
+    evs = trace.get("traceEvents", [])
+    work = [e for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy: dict[Any, float] = {}
+    for e in work:
+        busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e.get("dur", 0.0)
+    if not busy:
+        return [], []
+    main = max(busy, key=busy.__getitem__)
+    mine = sorted((e for e in work if e["args"].get("stream") == main), key=lambda e: e["ts"])
+    other = sorted((e for e in work if e["args"].get("stream") != main), key=lambda e: e["ts"])
+    return mine, other
+
+
+def _slowdown_rows(tag: str, off: dict, every: dict, steps: int, top: int = 6) -> list[Row]:
+    """`--diagnose`: where the training's own kernels run longer with saves. Each main-stream kernel of the
+    `every` arm against the mean of its name in `off`, split by what ran beside it on other streams: the
+    fingerprint kernel (any overlap), the copies only, nothing. Per step, ms: how much of the step's extra
+    device time each kind of overlap explains, and the kernel names that grew most."""
+    base_k, _ = _main_stream_work(off)
+    mine, other = _main_stream_work(every)
+    if not base_k or not mine:
+        return []
+    mean_off: dict[str, float] = {}
+    cnt: dict[str, int] = {}
+    for e in base_k:
+        mean_off[e["name"]] = mean_off.get(e["name"], 0.0) + e["dur"]
+        cnt[e["name"]] = cnt.get(e["name"], 0) + 1
+    mean_off = {k: v / cnt[k] for k, v in mean_off.items()}
+    fp = [(e["ts"], e["ts"] + e["dur"]) for e in other if "fp_" in e["name"]]
+    cp = [(e["ts"], e["ts"] + e["dur"]) for e in other if e.get("cat") == "gpu_memcpy"]
+
+    def overlaps(iv: list[tuple[float, float]], a: float, b: float) -> float:
+        # the share of [a, b) covered by the intervals (they do not overlap each other on one stream)
+        import bisect
+        i = max(0, bisect.bisect_left(iv, (a, a)) - 1)
+        got = 0.0
+        while i < len(iv) and iv[i][0] < b:
+            got += max(0.0, min(b, iv[i][1]) - max(a, iv[i][0]))
+            i += 1
+        return got / max(b - a, 1e-9)
+
+    cls = {"fingerprint": [0.0, 0.0, 0], "copies": [0.0, 0.0, 0], "nothing": [0.0, 0.0, 0]}
+    grew: dict[str, float] = {}
+    for e in mine:
+        base = mean_off.get(e["name"])
+        if base is None:
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        kind = ("fingerprint" if fp and overlaps(fp, a, b) > 0 else
+                "copies" if cp and overlaps(cp, a, b) > 0.5 else "nothing")
+        c = cls[kind]
+        c[0] += e["dur"] / 1e3
+        c[1] += (e["dur"] - base) / 1e3
+        c[2] += 1
+        grew[e["name"]] = grew.get(e["name"], 0.0) + (e["dur"] - base) / 1e3
+    rows: list[Row] = []
+    for kind, (t, extra, n) in cls.items():
+        rows.append((f"[{tag}] diagnose: training kernels beside {kind}, per step", extra / steps / 1e3,
+                     f"{extra / steps:+.3f} ms longer than in 'off' over {t / steps:.2f} ms of kernels "
+                     f"({n / steps:.0f} a step)"))
+    for k, ms in sorted(grew.items(), key=lambda kv: -kv[1])[:top]:
+        rows.append((f"[{tag}] diagnose: kernel grew, {k[:70]}", ms / steps / 1e3, f"{ms / steps:+.3f} ms a step"))
     return rows
 
 

@@ -180,6 +180,10 @@ want place && step place 300 python3 bench/pinned_placement.py --modes 6 --slots
 # and five modes of part b with each slot's uses and physical layout (the slow places 1 and 3 against the rest)
 want place && step ckpt19 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on,on,on
+# the slow places' extra device time split by what ran beside each training kernel (fingerprint kernel, copies,
+# nothing), and the kernels that grew most (--diagnose), modes H L H
+want ckpt20 && step ckpt20 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on --diagnose
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py

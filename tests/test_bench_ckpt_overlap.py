@@ -69,3 +69,21 @@ def test_stream_gaps_split_host_late_from_device_waits() -> None:
     host, wait, where = _stream_gaps(trace, steps=2)
     assert (host, wait) == (0.025, 0.07)            # ms per step
     assert where == [("c", 0.07), ("b", 0.025)]
+
+
+def test_slowdown_rows_split_by_what_ran_beside() -> None:
+    """--diagnose's kernel split: a training kernel overlapped by the fingerprint kernel, one by copies only and
+    one alone, each against its name's mean in the 'off' arm (synthetic chrome traces, 1 step)."""
+    from bench.ckpt_overlap import _slowdown_rows
+
+    def k(name: str, ts: float, dur: float, stream: int, cat: str = "kernel") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    off = {"traceEvents": [k("gemm", 0, 100, 7), k("norm", 100, 10, 7), k("attn", 110, 50, 7)]}
+    every = {"traceEvents": [k("gemm", 0, 130, 7), k("norm", 130, 10, 7), k("attn", 140, 60, 7),
+                             k("fp_partials_kernel", 10, 5, 9), k("Memcpy DtoH", 135, 80, 9, "gpu_memcpy")]}
+    rows = {name.split("] ", 1)[1]: v for name, v, _ in _slowdown_rows("t", off, every, 1)}
+    assert abs(rows["diagnose: training kernels beside fingerprint, per step"] - 30e-6) < 1e-12
+    assert abs(rows["diagnose: training kernels beside copies, per step"] - 10e-6) < 1e-12   # norm +0, attn +10
+    assert rows["diagnose: training kernels beside nothing, per step"] == 0.0
+    assert abs(rows["diagnose: kernel grew, gemm"] - 30e-6) < 1e-12
