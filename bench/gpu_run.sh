@@ -184,6 +184,9 @@ want place && step ckpt19 200 python3 bench/ckpt_overlap.py --parts b --checksum
 # nothing), and the kernels that grew most (--diagnose), modes H L H
 want ckpt20 && step ckpt20 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on --diagnose
+# the fingerprint kernel on a quarter of its grid (4 items an SM, default 32): does its share of the SMs decide?
+want ckpt20 && SDCWATCH_FP_ITEMS_PER_SM=4 step ckpt20fp 150 python3 bench/ckpt_overlap.py --parts b \
+  --checksums source --inflight 3 --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on,on,on
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
