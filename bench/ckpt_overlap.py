@@ -591,9 +591,11 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                 fn()
             return run
 
+        cpu0 = _host_cpu(node)
         with pauses:
             times = interleave_running({"off": arm("off", step_off), "every": arm("every", step_every)},
                                        args.block, args.rounds, device)
+        cpu1 = _host_cpu(node)
         if cuda_phases is not None:
             cuda_phases.stop()
         if gc_mode == "freeze":
@@ -672,6 +674,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                      f"/proc/meminfo ShmemHugePages; the memory dir {node.mem}"))
         arm_steps = args.rounds * (args.block + SETTLE)
         rows += [pauses.row(tag, "off", arm_steps), pauses.row(tag, "every", arm_steps)]
+        rows.append(_host_cpu_row(tag, cpu0, cpu1, 2 * arm_steps))
         if cuda_phases is not None:
             rows += cuda_phases.rows(tag)
             sides = [f"{d}: id {st.stream_id}, handle {st.cuda_stream:#x}"
@@ -687,6 +690,35 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         if shared is None:
             node.close()
     return rows
+
+
+def _proc_cpu_s(pid: int | str) -> float:
+    """User + system CPU seconds of a process (/proc/PID/stat), 0.0 when it is gone."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _host_cpu(node: Node) -> tuple[float, float, float, float, float]:
+    """(wall, this process's CPU s, the agent process's CPU s, the host's busy CPU s, its idle CPU s)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]                    # idle + iowait
+    tck = os.sysconf("SC_CLK_TCK")
+    return (time.perf_counter(), _proc_cpu_s("self"), _proc_cpu_s(node.agent.pid) if node.agent else 0.0,
+            (sum(fields[:8]) - idle) / tck, idle / tck)
+
+
+def _host_cpu_row(tag: str, a: tuple[float, ...], b: tuple[float, ...], steps: int) -> Row:
+    """The host's CPU over the timed blocks (both arms): this process, the agent process, the whole host
+    (cores busy on average): does a slow mode run beside more host work (memory traffic the copies' DMA
+    competes with)?"""
+    wall = b[0] - a[0]
+    return (f"[{tag}] host CPU over the timed blocks, per step", (b[1] - a[1]) / max(1, steps),
+            f"this process {1e3 * (b[1] - a[1]) / max(1, steps):.1f} ms a step, the agent "
+            f"{1e3 * (b[2] - a[2]) / max(1, steps):.1f} ms, the host {(b[3] - a[3]) / max(wall, 1e-9):.2f} "
+            f"cores busy of {((b[3] - a[3]) + (b[4] - a[4])) / max(wall, 1e-9):.1f}")
 
 
 def _count_slot_uses(client: CheckpointClient) -> dict[str, int]:
@@ -851,20 +883,26 @@ def _main_stream_work(trace: dict) -> tuple[list[dict], list[dict]]:
     return mine, other
 
 
+def _kernel_key(e: dict) -> tuple:
+    """A kernel's name with its launch shape (one name runs many shapes: a GEMM of each layer kind)."""
+    a = e.get("args", {})
+    return (e["name"], tuple(a.get("grid", ()) or ()), tuple(a.get("block", ()) or ()))
+
+
 def _slowdown_rows(tag: str, off: dict, every: dict, steps: int, top: int = 6) -> list[Row]:
     """`--diagnose`: where the training's own kernels run longer with saves. Each main-stream kernel of the
-    `every` arm against the mean of its name in `off`, split by what ran beside it on other streams: the
+    `every` arm against the mean of its name and launch shape in `off`, split by what ran beside it on other streams: the
     fingerprint kernel (any overlap), the copies only, nothing. Per step, ms: how much of the step's extra
     device time each kind of overlap explains, and the kernel names that grew most."""
     base_k, _ = _main_stream_work(off)
     mine, other = _main_stream_work(every)
     if not base_k or not mine:
         return []
-    mean_off: dict[str, float] = {}
-    cnt: dict[str, int] = {}
+    mean_off: dict[tuple, float] = {}
+    cnt: dict[tuple, int] = {}
     for e in base_k:
-        mean_off[e["name"]] = mean_off.get(e["name"], 0.0) + e["dur"]
-        cnt[e["name"]] = cnt.get(e["name"], 0) + 1
+        mean_off[_kernel_key(e)] = mean_off.get(_kernel_key(e), 0.0) + e["dur"]
+        cnt[_kernel_key(e)] = cnt.get(_kernel_key(e), 0) + 1
     mean_off = {k: v / cnt[k] for k, v in mean_off.items()}
     fp = [(e["ts"], e["ts"] + e["dur"]) for e in other if "fp_" in e["name"]]
     cp = [(e["ts"], e["ts"] + e["dur"]) for e in other if e.get("cat") == "gpu_memcpy"]
@@ -882,7 +920,7 @@ def _slowdown_rows(tag: str, off: dict, every: dict, steps: int, top: int = 6) -
     cls = {"fingerprint": [0.0, 0.0, 0], "copies": [0.0, 0.0, 0], "nothing": [0.0, 0.0, 0]}
     grew: dict[str, float] = {}
     for e in mine:
-        base = mean_off.get(e["name"])
+        base = mean_off.get(_kernel_key(e))
         if base is None:
             continue
         a, b = e["ts"], e["ts"] + e["dur"]

@@ -14,6 +14,7 @@ driver-pinned buffer (`pin_memory`) made anew each mode is the control.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -107,6 +108,37 @@ def anon_buffer(nbytes: int, huge: bool) -> tuple[Any, torch.Tensor, bool]:
     return mm, t, register_host_memory(t.data_ptr(), nbytes)
 
 
+class HostLoad:
+    """`threads` threads streaming host memory (numpy copies between two 256 MiB arrays, the GIL released)
+    while the block runs: does host memory traffic slow the copies' DMA and the training beside them?"""
+
+    def __init__(self, threads: int) -> None:
+        import threading
+
+        import numpy as np
+        self.n, self.bytes, self._stop = threads, 0, threading.Event()
+        self._arrs = [(np.ones(1 << 25), np.ones(1 << 25)) for _ in range(threads)]   # both faulted in
+        self._threads = [threading.Thread(target=self._run, args=(a, b), daemon=True) for a, b in self._arrs]
+
+    def _run(self, a: Any, b: Any) -> None:
+        import numpy as np
+        while not self._stop.is_set():
+            np.copyto(b, a)
+            self.bytes += 2 * a.nbytes
+
+    def __enter__(self) -> HostLoad:
+        self._t0 = time.perf_counter()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self.gbps = self.bytes / max(time.perf_counter() - self._t0, 1e-9) / 1e9
+
+
 def timed(fn: Callable[[], None], stream: torch.cuda.Stream) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record(stream)
@@ -125,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="timings per slot and measure (median)")
     ap.add_argument("--lead-ms", type=float, default=90.0,
                     help="the sleep kernel ahead of each timed block, long enough for the host to enqueue it")
+    ap.add_argument("--host-load", type=int, default=0,
+                    help="threads streaming host memory while each mode is measured (default 0: none)")
     ap.add_argument("--root", default=os.environ.get("SDCW_BENCH_MEM_ROOT", "/dev/shm"),
                     help="where the rings' memory dirs are made (a tmpfs; default /dev/shm)")
     ap.add_argument("--anon", default="huge,small",
@@ -223,13 +257,18 @@ def main(argv: list[str] | None = None) -> int:
             anon = [anon_buffer(nbytes, h) for h in args.anon]
             bufs += [(f"anon-{'2M' if h else '4K'}{'' if r else '!'}", t, "")
                      for h, (_, t, r) in zip(args.anon, anon)]
-            for name, buf, path in bufs:
-                cp, fb, both, cpb = measure(buf)
-                st = pagemap_stats(buf.data_ptr(), nbytes)
-                lay = (f"{st['runs']:>7} {st['huge_share']:>8.2f} {st['phys_lo_gib']:>6.1f}-{st['phys_hi_gib']:<6.1f}"
-                       if st else f"{'?':>7} {'?':>8} {'?':>13}")
-                print(f"{mode:>4} {name:<10} {cp:>8.2f} {nbytes / cp / 1e6:>6.1f} {fb:>7.2f} {both:>9.2f} "
-                      f"{both - fb:>+7.2f} {cpb:>9.2f} {lay}  {numa_nodes(path) if path else ''}", flush=True)
+            load = HostLoad(args.host_load) if args.host_load > 0 else None
+            with load if load is not None else contextlib.nullcontext():
+                for name, buf, path in bufs:
+                    cp, fb, both, cpb = measure(buf)
+                    st = pagemap_stats(buf.data_ptr(), nbytes)
+                    lay = (f"{st['runs']:>7} {st['huge_share']:>8.2f} "
+                           f"{st['phys_lo_gib']:>6.1f}-{st['phys_hi_gib']:<6.1f}" if st
+                           else f"{'?':>7} {'?':>8} {'?':>13}")
+                    print(f"{mode:>4} {name:<10} {cp:>8.2f} {nbytes / cp / 1e6:>6.1f} {fb:>7.2f} {both:>9.2f} "
+                          f"{both - fb:>+7.2f} {cpb:>9.2f} {lay}  {numa_nodes(path) if path else ''}", flush=True)
+            if load is not None:
+                print(f"     (host load: {args.host_load} threads streamed {load.gbps:.1f} GB/s meanwhile)")
             print(f"     (ring of {args.slots} made in {made:.1f} s)")
             for s in slots:
                 ring.release(s)

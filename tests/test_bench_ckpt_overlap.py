@@ -87,3 +87,18 @@ def test_slowdown_rows_split_by_what_ran_beside() -> None:
     assert abs(rows["diagnose: training kernels beside copies, per step"] - 10e-6) < 1e-12   # norm +0, attn +10
     assert rows["diagnose: training kernels beside nothing, per step"] == 0.0
     assert abs(rows["diagnose: kernel grew, gemm"] - 30e-6) < 1e-12
+
+
+def test_slowdown_rows_compare_each_launch_shape_with_its_own() -> None:
+    """One kernel name at two launch shapes (a GEMM of two layer kinds) is two baselines: unchanged kernels
+    show no growth, where a per-name mean would show +45 and -45 us."""
+    from bench.ckpt_overlap import _slowdown_rows
+
+    def k(ts: float, dur: float, grid: list[int]) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": "gemm", "ts": ts, "dur": dur,
+                "args": {"stream": 7, "grid": grid, "block": [128, 1, 1]}}
+
+    off = {"traceEvents": [k(0, 100, [8, 1, 1]), k(100, 10, [2, 1, 1])]}
+    every = {"traceEvents": [k(0, 100, [8, 1, 1]), k(100, 10, [2, 1, 1])]}
+    rows = {name.split("] ", 1)[1]: v for name, v, _ in _slowdown_rows("t", off, every, 1)}
+    assert rows["diagnose: training kernels beside nothing, per step"] == 0.0

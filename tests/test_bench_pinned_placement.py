@@ -35,3 +35,16 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--anon", "huge,tiny"])
     assert e.value.code == 2
     assert "--anon" in capsys.readouterr().err
+
+
+def test_host_load_streams_and_stops() -> None:
+    import threading
+    import time
+
+    from bench.pinned_placement import HostLoad
+
+    before = threading.active_count()
+    with HostLoad(2) as load:
+        time.sleep(0.3)
+    assert load.gbps > 0.0                      # bytes were streamed meanwhile
+    assert threading.active_count() == before   # and every thread it started has ended
