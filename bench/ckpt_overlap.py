@@ -267,10 +267,12 @@ def interleave_running(modes: dict[str, Callable[[], Any]], block: int, rounds: 
 
 
 class StepPhases:
-    """The device time of a step's forward+backward and of its optimizer step (which, with a save in flight,
-    includes the update's wait for that save's copies on the device), per arm, from event triples recorded
-    on the training's stream (made before the timed blocks: no allocation in the step). `mark(k)`: 0 before
-    the forward, 1 before `optimizer.step()`, 2 after it."""
+    """The device time of a step's forward, backward and optimizer step (which, with a save in flight,
+    includes the update's wait for that save's copies on the device), per arm, from event quadruples
+    recorded on the training's stream (made before the timed blocks: no allocation in the step). `mark(k)`:
+    0 before the forward, 1 before the backward, 2 before `optimizer.step()`, 3 after it."""
+
+    MARKS = 4
 
     def __init__(self) -> None:
         self.arm = ""
@@ -279,7 +281,7 @@ class StepPhases:
         self.got: dict[str, list[list[Any]]] = {}
 
     def start(self, n: int) -> None:
-        self._free = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
+        self._free = [[torch.cuda.Event(enable_timing=True) for _ in range(self.MARKS)] for _ in range(n)]
         self.got = {}
 
     def stop(self) -> None:
@@ -290,17 +292,21 @@ class StepPhases:
             self._cur = self._free.pop() if self._free and self.arm else None
         if self._cur is not None:
             self._cur[k].record()
-            if k == 2:
+            if k == self.MARKS - 1:
                 self.got.setdefault(self.arm, []).append(self._cur)
                 self._cur = None
 
     def rows(self, tag: str) -> list[Row]:
         out: list[Row] = []
-        for arm, triples in self.got.items():
-            fb = [a.elapsed_time(b) / 1e3 for a, b, _ in triples]
-            up = [b.elapsed_time(c) / 1e3 for _, b, c in triples]
+        for arm, marks in self.got.items():
+            fw = [m[0].elapsed_time(m[1]) / 1e3 for m in marks]
+            bw = [m[1].elapsed_time(m[2]) / 1e3 for m in marks]
+            fb = [m[0].elapsed_time(m[2]) / 1e3 for m in marks]
+            up = [m[2].elapsed_time(m[3]) / 1e3 for m in marks]
             out.append((f"[{tag}] device: forward+backward, '{arm}' arm (median)", statistics.median(fb),
-                        f"mean {1e3 * statistics.fmean(fb):.3f} ms over {len(fb)} steps"))
+                        f"mean {1e3 * statistics.fmean(fb):.3f} ms over {len(fb)} steps (forward "
+                        f"{1e3 * statistics.median(fw):.3f} ms, backward {1e3 * statistics.median(bw):.3f} ms: "
+                        "medians; the save's copies run beside the forward first)"))
             out.append((f"[{tag}] device: optimizer step, '{arm}' arm (median)", statistics.median(up),
                         f"mean {1e3 * statistics.fmean(up):.3f} ms, largest {1e3 * max(up):.3f} ms (with a save: "
                         "its wait for the copies of the tensors it changes)"))
@@ -450,17 +456,18 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
     for batch in args.batches:
         x = torch.randint(0, cfg.vocab, (batch, cfg.seq), device=device, generator=gen)
 
-        def fwd_bwd() -> None:
+        def fwd_bwd(mark: Callable[[int], None] = lambda k: None) -> None:
+            mark(0)
             with amp:
                 loss = model(x, x)
+            mark(1)
             loss.backward()
+            mark(2)
 
         def step_off() -> None:
-            phases.mark(0)
-            fwd_bwd()
-            phases.mark(1)
+            fwd_bwd(phases.mark)
             opt.step()
-            phases.mark(2)
+            phases.mark(3)
             opt.zero_grad(set_to_none=True)
 
         step_off()   # the optimizer's state exists from here

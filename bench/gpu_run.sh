@@ -190,7 +190,8 @@ want ckpt20 && SDCWATCH_FP_ITEMS_PER_SM=4 step ckpt20fp 150 python3 bench/ckpt_o
 # ckpt20 (09:24): the fingerprint kernel's grid is not it (4 items an SM: H L H L L again). Next, ckpt21: the
 # host's CPU per mode (this process, the agent, the whole host) beside the diagnosis's split, now against
 # each kernel's own launch shape; and placeload: the copies and the training beside them with host memory
-# streamed by 6 threads, against none (does host memory traffic slow the DMA and, through it, the kernels?)
+# streamed by 6 threads, against none (does host memory traffic slow the DMA and, through it, the kernels?).
+# Part b's device phases now split forward from backward (the copies run beside the forward first)
 want ckpt21 && step ckpt21 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on --diagnose
 want ckpt21 && step placeload0 100 python3 bench/pinned_placement.py --modes 2 --slots 3 --repeat 3 --anon ''

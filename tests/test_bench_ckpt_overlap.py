@@ -102,3 +102,23 @@ def test_slowdown_rows_compare_each_launch_shape_with_its_own() -> None:
     every = {"traceEvents": [k(0, 100, [8, 1, 1]), k(100, 10, [2, 1, 1])]}
     rows = {name.split("] ", 1)[1]: v for name, v, _ in _slowdown_rows("t", off, every, 1)}
     assert rows["diagnose: training kernels beside nothing, per step"] == 0.0
+
+
+def test_step_phases_split_forward_backward_and_update() -> None:
+    """The event quadruples' rows: forward+backward (with its forward and backward), the optimizer step."""
+    from bench.ckpt_overlap import StepPhases
+
+    class Ev:   # a recorded CUDA event's stand-in: elapsed_time in ms, as torch's
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+        def elapsed_time(self, later: "Ev") -> float:
+            return later.ms - self.ms
+
+    ph = StepPhases()
+    ph.got = {"every": [[Ev(0), Ev(10), Ev(30), Ev(31)], [Ev(100), Ev(112), Ev(134), Ev(135.5)]]}
+    rows = {name.split("] ", 1)[1]: (v, note) for name, v, note in ph.rows("t")}
+    v, note = rows["device: forward+backward, 'every' arm (median)"]
+    assert abs(v - 0.032) < 1e-12 and "forward 11.000 ms, backward 21.000 ms" in note
+    v, note = rows["device: optimizer step, 'every' arm (median)"]
+    assert abs(v - 0.00125) < 1e-12 and "largest 1.500 ms" in note
