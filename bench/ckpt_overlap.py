@@ -47,6 +47,7 @@ Prints tables last. The memory dir is /dev/shm when it has room (3x the state), 
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import gc
 import inspect
@@ -69,11 +70,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_checkpoint import make_state, start_redis  # noqa: E402
 from bench.paired import paired_interval  # noqa: E402
+from bench.pinned_placement import meminfo_kb, pagemap_stats  # noqa: E402
 from checkpoint.client import CheckpointClient  # noqa: E402
 from checkpoint.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from checkpoint.shm_store import ShmStore  # noqa: E402
 from checkpoint.snapshot import SnapshotConfig  # noqa: E402
 from checksums.step_guard import StepGuard  # noqa: E402
+from sdcwatch.extras import available, needs  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -183,16 +186,6 @@ def interleave(modes: dict[str, Callable[[], Any]], block: int, rounds: int, dev
 
 
 SETTLE = 3   # untimed steps of a mode before its block (interleave_running)
-
-
-def _meminfo_kb(key: str) -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return float("nan")
 
 
 class GcPauses:
@@ -562,7 +555,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             dev = torch.device("cuda", torch.cuda.current_device())
             client.snapshotter._side[dev] = torch.cuda.Stream(device=dev, priority=side_priority)
         client.prepare(state()).result(600)
-        huge_kb = _meminfo_kb("ShmemHugePages")
+        huge_kb = meminfo_kb("ShmemHugePages")
         slot_uses = _count_slot_uses(client)
         for _ in range(args.warmup):
             step_off()
@@ -699,22 +692,21 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
     return rows
 
 
-def _proc_cpu_s(pid: int | str) -> float:
-    """User + system CPU seconds of a process (/proc/PID/stat), 0.0 when it is gone."""
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _host_cpu(node: Node) -> tuple[float, float, float, float, float]:
     """(wall, this process's CPU s, the agent process's CPU s, the host's busy CPU s, its idle CPU s)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]                    # idle + iowait
-    tck = os.sysconf("SC_CLK_TCK")
-    return (time.perf_counter(), _proc_cpu_s("self"), _proc_cpu_s(node.agent.pid) if node.agent else 0.0,
-            (sum(fields[:8]) - idle) / tck, idle / tck)
+    import psutil  # the bench extra: main checks for it
+
+    def proc_s(pid: int | None) -> float:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            return 0.0
+        return t.user + t.system
+
+    host = psutil.cpu_times()
+    idle = host.idle + getattr(host, "iowait", 0.0)
+    return (time.perf_counter(), proc_s(None), proc_s(node.agent.pid) if node.agent else 0.0,
+            sum(host) - idle - getattr(host, "guest", 0.0) - getattr(host, "guest_nice", 0.0), idle)
 
 
 def _host_cpu_row(tag: str, a: tuple[float, ...], b: tuple[float, ...], steps: int) -> Row:
@@ -747,8 +739,6 @@ def _count_slot_uses(client: CheckpointClient) -> dict[str, int]:
 def _slot_row(tag: str, client: CheckpointClient, uses: dict[str, int]) -> Row:
     """Which of the ring's slots the saves used, and each slot's physical layout (runs of contiguous
     frames, root only): does a slow mode stage in other memory than a fast one?"""
-    from bench.pinned_placement import pagemap_stats
-
     ring = client.snapshotter._ring
     parts = []
     for i, s in enumerate(ring.slots if ring is not None else []):
@@ -898,25 +888,22 @@ def _kernel_key(e: dict) -> tuple:
 
 def _slowdown_rows(tag: str, off: dict, every: dict, steps: int, top: int = 6) -> list[Row]:
     """`--diagnose`: where the training's own kernels run longer with saves. Each main-stream kernel of the
-    `every` arm against the mean of its name and launch shape in `off`, split by what ran beside it on other streams: the
-    fingerprint kernel (any overlap), the copies only, nothing. Per step, ms: how much of the step's extra
-    device time each kind of overlap explains, and the kernel names that grew most."""
+    `every` arm against the mean of its name and launch shape in `off`, split by what ran beside it on other
+    streams: the fingerprint kernel (any overlap), the copies (over half of it), nothing. Per step, ms: how
+    much of the step's extra device time each kind of overlap explains, and the kernel names that grew most."""
     base_k, _ = _main_stream_work(off)
     mine, other = _main_stream_work(every)
     if not base_k or not mine:
         return []
-    mean_off: dict[tuple, float] = {}
-    cnt: dict[tuple, int] = {}
+    durs: dict[tuple, list[float]] = {}
     for e in base_k:
-        mean_off[_kernel_key(e)] = mean_off.get(_kernel_key(e), 0.0) + e["dur"]
-        cnt[_kernel_key(e)] = cnt.get(_kernel_key(e), 0) + 1
-    mean_off = {k: v / cnt[k] for k, v in mean_off.items()}
+        durs.setdefault(_kernel_key(e), []).append(e["dur"])
+    mean_off = {k: statistics.fmean(v) for k, v in durs.items()}
     fp = [(e["ts"], e["ts"] + e["dur"]) for e in other if "fp_" in e["name"]]
     cp = [(e["ts"], e["ts"] + e["dur"]) for e in other if e.get("cat") == "gpu_memcpy"]
 
     def overlaps(iv: list[tuple[float, float]], a: float, b: float) -> float:
         # the share of [a, b) covered by the intervals (they do not overlap each other on one stream)
-        import bisect
         i = max(0, bisect.bisect_left(iv, (a, a)) - 1)
         got = 0.0
         while i < len(iv) and iv[i][0] < b:
@@ -952,17 +939,11 @@ def _stream_gaps(trace: dict, steps: int, least_us: float = 5.0) -> tuple[float,
     """The busiest stream's idle time per step in a chrome trace (ms): (host-late, waiting, where), where
     a gap is host-late when the kernel after it was launched after the stream ran dry, and `where` lists
     the kernels the most idle time came before (ms per step)."""
-    evs = trace.get("traceEvents", [])
-    launch = {e["args"].get("correlation"): e["ts"] for e in evs
+    launch = {e["args"].get("correlation"): e["ts"] for e in trace.get("traceEvents", [])
               if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "args" in e}
-    work = [e for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    busy: dict[Any, float] = {}
-    for e in work:
-        busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e.get("dur", 0.0)
-    if not busy:
+    ks, _ = _main_stream_work(trace)
+    if not ks:
         return 0.0, 0.0, []
-    main = max(busy, key=busy.__getitem__)
-    ks = sorted((e for e in work if e["args"].get("stream") == main), key=lambda e: e["ts"])
     host = wait = 0.0
     where: dict[str, float] = {}
     for a, b in zip(ks, ks[1:]):
@@ -1338,6 +1319,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="part b: host time per phase of a save, training thread and background")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU test); no timing claims")
     args = ap.parse_args(argv)
+    if "b" in args.parts and not available("psutil"):   # part b's host CPU rows
+        ap.error(needs("psutil"))
     # a `timeout` (SIGTERM) unwinds like an exception, so each part's finally removes its agent and its memory
     # dir in /dev/shm (a killed run left 17 GB there, and the next run's ring was cut by memory)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -184,7 +184,7 @@ want place && step ckpt19 200 python3 bench/ckpt_overlap.py --parts b --checksum
 # nothing), and the kernels that grew most (--diagnose), modes H L H
 want ckpt20 && step ckpt20 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on --diagnose
-# the fingerprint kernel on a quarter of its grid (4 items an SM, default 32): does its share of the SMs decide?
+# the fingerprint kernel on an eighth of its CTAs (4 items an SM, default 32): does its share of the SMs decide?
 want ckpt20 && SDCWATCH_FP_ITEMS_PER_SM=4 step ckpt20fp 150 python3 bench/ckpt_overlap.py --parts b \
   --checksums source --inflight 3 --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on,on,on
 # ckpt20 (09:24): the fingerprint kernel's grid is not it (4 items an SM: H L H L L again). Next, ckpt21: the

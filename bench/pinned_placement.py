@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import mmap
 import os
 import re
 import statistics
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,28 +44,36 @@ def pagemap_stats(addr: int, nbytes: int) -> dict[str, Any]:
     try:
         with open("/proc/self/pagemap", "rb") as f:
             f.seek(first * 8)
-            raw = f.read(n * 8)
+            ents = np.frombuffer(f.read(n * 8), dtype=np.uint64)
     except OSError:
         return {}
-    import array
-    ents = array.array("Q")
-    ents.frombytes(raw)
-    pfns = [e & ((1 << 55) - 1) if e >> 63 else 0 for e in ents]
-    if not any(pfns):
+    present = (ents >> np.uint64(63)).astype(bool)
+    pfns = np.where(present, ents & np.uint64((1 << 55) - 1), np.uint64(0)).astype(np.int64)
+    if not pfns.any():
         return {}
-    runs = 1 + sum(1 for a, b in zip(pfns, pfns[1:]) if b != a + 1)
+    runs = 1 + int(np.count_nonzero(np.diff(pfns) != 1))
     per = HUGE // PAGE
     start = (-first) % per      # first 2 MiB-aligned virtual page
-    chunks = good = 0
-    for i in range(start, n - per + 1, per):
-        chunks += 1
-        p = pfns[i]
-        if p and p % per == 0 and pfns[i + per - 1] == p + per - 1 and all(
-                pfns[i + j] == p + j for j in range(0, per, 64)):
-            good += 1
-    nz = [p for p in pfns if p]
+    chunks = (n - start) // per
+    good = 0
+    if chunks > 0:
+        c = pfns[start:start + chunks * per].reshape(chunks, per)
+        good = int(np.count_nonzero((c[:, 0] > 0) & (c[:, 0] % per == 0)
+                                    & (c - c[:, :1] == np.arange(per)).all(axis=1)))
+    nz = pfns[pfns > 0]
     return {"runs": runs, "huge_share": good / max(1, chunks),
-            "phys_lo_gib": min(nz) * PAGE / 2**30, "phys_hi_gib": max(nz) * PAGE / 2**30}
+            "phys_lo_gib": int(nz.min()) * PAGE / 2**30, "phys_hi_gib": int(nz.max()) * PAGE / 2**30}
+
+
+def meminfo_kb(key: str) -> float:
+    """A /proc/meminfo figure in kB (NaN when it is not there)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return float("nan")
 
 
 def numa_nodes(path: str) -> str:
@@ -91,16 +101,14 @@ def host_facts() -> list[str]:
             if cls.startswith("0x0302") or cls.startswith("0x0300"):
                 nn = (dev / "numa_node").read_text().strip() if (dev / "numa_node").exists() else "?"
                 facts.append(f"gpu {dev.name}: numa_node {nn}")
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.split(":")[0] in ("MemFree", "MemAvailable", "Shmem", "ShmemHugePages", "HugePages_Total"):
-            facts.append(line)
+    facts += [f"{k}: {meminfo_kb(k):.0f} kB"
+              for k in ("MemFree", "MemAvailable", "Shmem", "ShmemHugePages", "HugePages_Total")]
     return facts
 
 
 def anon_buffer(nbytes: int, huge: bool) -> tuple[Any, torch.Tensor, bool]:
     """Anonymous memory with transparent huge pages asked for (`huge`) or refused, populated and registered:
     how much the page size alone changes the copy and the training beside it."""
-    import mmap
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
     t = torch.frombuffer(mm, dtype=torch.uint8)
@@ -115,16 +123,16 @@ class HostLoad:
     def __init__(self, threads: int) -> None:
         import threading
 
-        import numpy as np
-        self.n, self.bytes, self._stop = threads, 0, threading.Event()
-        self._arrs = [(np.ones(1 << 25), np.ones(1 << 25)) for _ in range(threads)]   # both faulted in
-        self._threads = [threading.Thread(target=self._run, args=(a, b), daemon=True) for a, b in self._arrs]
+        self._stop = threading.Event()
+        self._bytes = [0] * threads     # each thread's own count (no lost updates between threads)
+        self._arrs = [(np.ones(1 << 25), np.ones(1 << 25)) for _ in range(threads)]   # 256 MiB, faulted in
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
-    def _run(self, a: Any, b: Any) -> None:
-        import numpy as np
+    def _run(self, i: int) -> None:
+        a, b = self._arrs[i]
         while not self._stop.is_set():
             np.copyto(b, a)
-            self.bytes += 2 * a.nbytes
+            self._bytes[i] += 2 * a.nbytes
 
     def __enter__(self) -> HostLoad:
         self._t0 = time.perf_counter()
@@ -136,7 +144,7 @@ class HostLoad:
         self._stop.set()
         for t in self._threads:
             t.join()
-        self.gbps = self.bytes / max(time.perf_counter() - self._t0, 1e-9) / 1e9
+        self.gbps = sum(self._bytes) / max(time.perf_counter() - self._t0, 1e-9) / 1e9
 
 
 def timed(fn: Callable[[], None], stream: torch.cuda.Stream) -> float:

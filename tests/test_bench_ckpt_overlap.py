@@ -73,7 +73,8 @@ def test_stream_gaps_split_host_late_from_device_waits() -> None:
 
 def test_slowdown_rows_split_by_what_ran_beside() -> None:
     """--diagnose's kernel split: a training kernel overlapped by the fingerprint kernel, one by copies only and
-    one alone, each against its name's mean in the 'off' arm (synthetic chrome traces, 1 step)."""
+    one alone, each against the mean of its name and launch shape in the 'off' arm (synthetic chrome traces,
+    1 step)."""
     from bench.ckpt_overlap import _slowdown_rows
 
     def k(name: str, ts: float, dur: float, stream: int, cat: str = "kernel") -> dict:

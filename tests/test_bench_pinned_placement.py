@@ -22,6 +22,13 @@ def test_layout_of_a_tmpfs_mapping() -> None:
             assert 1 <= st["runs"] <= nbytes // mmap.PAGESIZE
             assert 0.0 <= st["huge_share"] <= 1.0
             assert st["phys_lo_gib"] <= st["phys_hi_gib"]
+            # a second mapping of the same file is the same frames: the same layout, read independently
+            mm2 = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            assert pagemap_stats(ctypes.addressof(ctypes.c_char.from_buffer(mm2)), nbytes) == st
+            # one page is one run and holds no 2 MiB chunk; its frame lies within the whole file's range
+            one = pagemap_stats(addr + mmap.PAGESIZE, mmap.PAGESIZE)
+            assert one["runs"] == 1 and one["huge_share"] == 0.0
+            assert st["phys_lo_gib"] <= one["phys_lo_gib"] == one["phys_hi_gib"] <= st["phys_hi_gib"]
         else:
             assert st == {}
         assert numa_nodes("/memfd:sdcw-place-test").startswith("N0=")
