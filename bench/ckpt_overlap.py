@@ -862,6 +862,8 @@ def _gpu_profile_rows(tag: str, step_off: Callable[[], None], step_every: Callab
                      ", ".join(f"{k[:50]} {v:.2f} ms" for k, v in where[:3])))
     if "off" in traces and "every" in traces:
         rows += _slowdown_rows(tag, traces["off"], traces["every"], block)
+        rows += _copy_rows(tag, traces["every"], block)
+        rows += _launch_rows(tag, traces["off"], traces["every"])
     return rows
 
 
@@ -933,6 +935,76 @@ def _slowdown_rows(tag: str, off: dict, every: dict, steps: int, top: int = 6) -
     for k, ms in sorted(grew.items(), key=lambda kv: -kv[1])[:top]:
         rows.append((f"[{tag}] diagnose: kernel grew, {k[:70]}", ms / steps / 1e3, f"{ms / steps:+.3f} ms a step"))
     return rows
+
+
+def _copy_rows(tag: str, trace: dict, steps: int, apart_us: float = 2000.0, small: int = 64 << 10,
+               large: int = 4 << 20) -> list[Row]:
+    """`--diagnose`: how a save's device-to-host copies run. The copies (off the busiest stream) grouped into
+    saves (a gap of `apart_us` or more starts a new one); per save (medians): the copies, their summed
+    copy-engine time, their span first start to last end, and the idle inside the span (copies trickled in
+    by the host, or waiting on the stream, show as idle); per copy: the median time of a small one
+    (< `small` bytes: its fixed cost) and the rate of a large one (>= `large` bytes)."""
+    _, other = _main_stream_work(trace)
+    cps = [e for e in other if e.get("cat") == "gpu_memcpy"]
+    if not cps:
+        return []
+    saves: list[list[dict]] = [[cps[0]]]
+    for a, b in zip(cps, cps[1:]):
+        if b["ts"] - (a["ts"] + a.get("dur", 0.0)) >= apart_us:
+            saves.append([])
+        saves[-1].append(b)
+    busy = [sum(e.get("dur", 0.0) for e in g) / 1e3 for g in saves]
+    span = [(max(e["ts"] + e.get("dur", 0.0) for e in g) - g[0]["ts"]) / 1e3 for g in saves]
+    count = [len(g) for g in saves]
+    size = lambda e: int(e.get("args", {}).get("bytes", 0) or 0)  # noqa: E731
+    small_us = [e.get("dur", 0.0) for e in cps if 0 < size(e) < small]
+    large_gbs = [size(e) / e["dur"] / 1e3 for e in cps if size(e) >= large and e.get("dur", 0.0) > 0]
+    med = statistics.median
+    return [
+        (f"[{tag}] diagnose: a save's copies, span first to last (median)", med(span) / 1e3,
+         f"{med(span):.2f} ms span, {med(busy):.2f} ms copying, idle inside {med(s - b for s, b in zip(span, busy)):.2f} "
+         f"ms; {med(count):.0f} copies a save, {len(saves)} saves in {steps} steps"),
+        (f"[{tag}] diagnose: one small copy (< {small >> 10} KiB), median", med(small_us) / 1e6 if small_us else float("nan"),
+         f"{med(small_us):.2f} us over {len(small_us)} copies" if small_us else "none"),
+        (f"[{tag}] diagnose: one large copy (>= {large >> 20} MiB), rate (median)",
+         med(large_gbs) if large_gbs else float("nan"),
+         f"{med(large_gbs):.1f} GB/s over {len(large_gbs)} copies" if large_gbs else "none"),
+    ]
+
+
+def _launch_rows(tag: str, off: dict, every: dict) -> list[Row]:
+    """`--diagnose`: the host's time in each launch call (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync,
+    ...) per thread kind: the training's threads against the save's (the thread that enqueued most memcpys
+    is the save's). Median and 90th percentile, `off` and `every`: launches held up behind another thread's
+    in the driver grow here."""
+    def calls(trace: dict) -> dict[tuple[str, str], list[float]]:
+        evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+               and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+        cp_by_tid: dict[Any, int] = {}
+        for e in evs:
+            if "Memcpy" in e.get("name", ""):
+                cp_by_tid[e.get("tid")] = cp_by_tid.get(e.get("tid"), 0) + 1
+        saver = max(cp_by_tid, key=cp_by_tid.__getitem__) if cp_by_tid else None
+        out: dict[tuple[str, str], list[float]] = {}
+        for e in evs:
+            who = "save" if saver is not None and e.get("tid") == saver else "training"
+            out.setdefault((who, e["name"]), []).append(e.get("dur", 0.0))
+        return out
+
+    def q(v: list[float], f: float) -> float:
+        v = sorted(v)
+        return v[min(len(v) - 1, int(f * len(v)))]
+
+    got = {"off": calls(off), "every": calls(every)}
+    rows: list[Row] = []
+    for key in sorted(set(got["off"]) | set(got["every"]), key=lambda k: -len(got["every"].get(k, []))):
+        a, b = got["off"].get(key, []), got["every"].get(key, [])
+        if len(b) < 20 and len(a) < 20:
+            continue
+        fmt = lambda v: f"median {q(v, 0.5):.1f} us, p90 {q(v, 0.9):.1f} us ({len(v)})" if v else "none"  # noqa: E731
+        rows.append((f"[{tag}] diagnose: host launch call, {key[0]} thread, {key[1]}",
+                     q(b, 0.5) / 1e6 if b else float("nan"), f"off {fmt(a)}; every {fmt(b)}"))
+    return rows[:8]
 
 
 def _stream_gaps(trace: dict, steps: int, least_us: float = 5.0) -> tuple[float, float, list[tuple[str, float]]]:

@@ -2,6 +2,8 @@
 every part prints its table, the saved bytes equal the weights before the next update. No timing claims."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from bench.ckpt_overlap import main
@@ -103,6 +105,50 @@ def test_slowdown_rows_compare_each_launch_shape_with_its_own() -> None:
     every = {"traceEvents": [k(0, 100, [8, 1, 1]), k(100, 10, [2, 1, 1])]}
     rows = {name.split("] ", 1)[1]: v for name, v, _ in _slowdown_rows("t", off, every, 1)}
     assert rows["diagnose: training kernels beside nothing, per step"] == 0.0
+
+
+def test_copy_rows_group_saves_and_read_the_idle_inside_them() -> None:
+    """--diagnose's copy rows: copies off the training's stream grouped into saves by a 2 ms gap; a save's
+    span, its copy-engine time and the idle inside; a small copy's time and a large copy's rate."""
+    from bench.ckpt_overlap import _copy_rows
+
+    def c(ts: float, dur: float, nbytes: int) -> dict:
+        return {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": ts, "dur": dur,
+                "args": {"stream": 9, "bytes": nbytes}}
+
+    main = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100000, "args": {"stream": 7}}]
+    # save 1: 3 copies with 10 us idle between the last two; save 2 (5 ms later): 30 us idle
+    evs = main + [c(0, 5, 1024), c(5, 1000, 8 << 20), c(1015, 5, 1024),
+                  c(6000, 7, 2048), c(6007, 2000, 8 << 20), c(8037, 5, 1024)]
+    rows = {name.split("] ", 1)[1]: (v, note) for name, v, note in _copy_rows("t", {"traceEvents": evs}, 2)}
+    span, note = rows["diagnose: a save's copies, span first to last (median)"]
+    assert abs(span - (1.02 + 2.042) / 2 / 1e3) < 1e-12
+    assert "2 saves in 2 steps" in note and "3 copies a save" in note
+    assert "idle inside 0.02 ms" in note   # the median of 0.010 and 0.030
+    small, _ = rows["diagnose: one small copy (< 64 KiB), median"]
+    assert small == 5e-6
+    rate, _ = rows["diagnose: one large copy (>= 4 MiB), rate (median)"]
+    assert abs(rate - statistics.median([(8 << 20) / 1000 / 1e3, (8 << 20) / 2000 / 1e3])) < 1e-9
+
+
+def test_launch_rows_tell_the_saves_thread_from_the_trainings() -> None:
+    """--diagnose's launch rows: the thread that enqueued most memcpys is the save's; each launch call's
+    host time, median and 90th percentile, per thread kind, in both arms."""
+    from bench.ckpt_overlap import _launch_rows
+
+    def call(name: str, tid: int, dur: float) -> dict:
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "tid": tid, "ts": 0, "dur": dur, "args": {}}
+
+    off = {"traceEvents": [call("cudaLaunchKernel", 1, 4.0) for _ in range(30)]}
+    every = {"traceEvents": [call("cudaLaunchKernel", 1, 4.0) for _ in range(20)] +
+             [call("cudaLaunchKernel", 1, 40.0) for _ in range(10)] +
+             [call("cudaMemcpyAsync", 2, 3.0) for _ in range(25)]}
+    rows = {name.split("] ", 1)[1]: (v, note) for name, v, note in _launch_rows("t", off, every)}
+    v, note = rows["diagnose: host launch call, training thread, cudaLaunchKernel"]
+    assert v == 4e-6
+    assert "off median 4.0 us, p90 4.0 us (30)" in note and "every median 4.0 us, p90 40.0 us (30)" in note
+    v, note = rows["diagnose: host launch call, save thread, cudaMemcpyAsync"]
+    assert v == 3e-6 and note.startswith("off none;")
 
 
 def test_step_phases_split_forward_backward_and_update() -> None:
