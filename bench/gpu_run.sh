@@ -201,6 +201,8 @@ want ckpt21 && step placeload6 100 python3 bench/pinned_placement.py --modes 2 -
 # copies enqueued by save() on the training thread, 2 and 4 with the copy thread; then ckpt21's diagnosis with
 # the copies' rows (a save's span against its copy-engine time, a small copy's fixed cost, a large one's rate)
 # and the host's launch calls per thread (a launch held in the driver behind the copy thread's grows there)
+want ckpt22 && step ckpt22-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
 want ckpt22 && step ckpt22-thread 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 3 --switch-interval 0 --copy-thread 0,1,0,1
 want ckpt22 && step ckpt22-diag 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \

@@ -303,6 +303,34 @@ class _Arena:
         self.buf = torch.empty(0, dtype=torch.uint8)
 
 
+class _WordBuffers:
+    """Pinned host buffers of fingerprint words ((n, 2) int64) a save's side stream copies into, reused:
+    a save takes one (`take`) and gives it back when its background is done with it (`give`), so a steady
+    save allocates no host memory (issue 21). A buffer given back is written again only by a later save's
+    copy on the same side stream, after the reads it was given back from. At most `keep` kept per size."""
+
+    def __init__(self, pin: bool, keep: int = 8) -> None:
+        self.pin, self.keep = pin, keep
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.made = 0   # buffers allocated (tests: steady saves make none)
+
+    def take(self, n: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(n)
+            if free:
+                return free.pop()
+            self.made += 1
+        return torch.empty(n, 2, dtype=torch.int64, pin_memory=self.pin)
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                free = self._free.setdefault(b.shape[0], [])
+                if len(free) < self.keep:
+                    free.append(b)
+
+
 def pipelined_ring(max_inflight: int) -> int:
     """Slots a pipelined ring (`max_slots="auto"`) holds: the saves in flight, the checkpoints the agent
     may hold (`HELD_SLOTS`) and one free for the next save. Made up front, then reused."""
@@ -439,6 +467,8 @@ class Snapshotter:
         if pin is None:
             pin = torch.cuda.is_available()
         self._arena = _Arena(bool(pin))
+        self._words = _WordBuffers(bool(pin))
+        self._taken: list[torch.Tensor] = []   # the word buffers this save took (save(), under self._lock)
         self._store_for = store_for
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcw-ckpt")
         self._prep: concurrent.futures.Future[None] | None = None   # prepare(): buffers made ahead
@@ -593,6 +623,7 @@ class Snapshotter:
             if cut is not None and staged is None:   # a staging buffer on the GPU is made of zeros
                 self._zero_gaps(arena, tensors, offsets, total, plan.zero_key)
             ph.mark("zero")
+            self._taken = []
             try:
                 if self._last_copy is not None:   # the copy thread's last enqueue comes first on the side
                     concurrent.futures.wait([self._last_copy])   # stream (normally long done: a step waited)
@@ -618,6 +649,9 @@ class Snapshotter:
                                     blocking, time.perf_counter(), slot, stall, skipped, cut,
                                     [staged] if staged is not None else None, ph.out, [tensors],
                                     self.restored)
+            if self._taken:   # the fingerprint words' buffers: reused once the background has read them
+                taken, self._taken = self._taken, []
+                fut.add_done_callback(lambda _f: self._words.give(taken))
             self._last = SaveHandle(step, fut)
             if slot is None:   # the private arena (or, staged on the GPU, the arena it is copied into next)
                 self._arena_user = fut
@@ -1158,11 +1192,13 @@ class Snapshotter:
                      and self.config.copy_thread)
             fp_later = defer and early == 0
             if run_pieces is not None:
-                fps_host = torch.empty(len(source[1]), 2, dtype=torch.int64, pin_memory=True)  # type: ignore[index]
+                fps_host = self._words.take(len(source[1]))  # type: ignore[index]
+                self._taken.append(fps_host)
             elif source is not None:
-                fps_host = torch.empty(0, 2, dtype=torch.int64)
+                fps_host = _NO_WORDS
             if check:
-                fps_host = torch.empty(len(tensors), 2, dtype=torch.int64, pin_memory=True)
+                fps_host = self._words.take(len(tensors))
+                self._taken.append(fps_host)
             fingerprints = (run_pieces, tensors if check else None, fps_host)
             if not fp_later:   # the pieces' fingerprints, before any copy reads on
                 _enqueue_fingerprints(dev, *fingerprints)
@@ -1399,10 +1435,11 @@ class Snapshotter:
                 with torch.cuda.device(dev), torch.cuda.stream(side):
                     run = self._piece_fingerprinter(dev, tensors, mine)
                     # one run now (its result unused): the first save then finds the device buffer in the
-                    # side stream's pool, the pinned one in the host cache and the launch path warm
-                    host = torch.empty(len(mine), 2, dtype=torch.int64, pin_memory=True)
+                    # side stream's pool, its pinned words buffer made and the launch path warm
+                    host = self._words.take(len(mine))
                     host.copy_(run(), non_blocking=True)
                 side.synchronize()
+                self._words.give([host])
         except Exception as e:  # noqa: BLE001 - saves go on with host checksums until a plan is there
             log.warning("building the checkpoint fingerprint plan failed: %s", e)
 
@@ -1895,6 +1932,8 @@ def _enqueue_fingerprints(dev: torch.device, run_pieces: Callable[[], torch.Tens
         fingerprint_tensors_async(check, per_tensor_out=per)
         fps_host.copy_(per, non_blocking=True)
 
+
+_NO_WORDS = torch.empty(0, 2, dtype=torch.int64)   # a device whose tensors have no pieces: no words
 
 _GATHER_ON_HOST = False   # tests: a CPU state's copies into host memory take the gathered path (as on CUDA)
 

@@ -348,6 +348,66 @@ def test_cuda_source_checksums_and_first_save_on_the_device(redis_server, tmp_pa
     client.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("checksums", ["source", "host"])
+def test_steady_saves_reuse_their_fingerprint_word_buffers(redis_server, tmp_path: Path, checksums: str) -> None:
+    """On a GPU, every step with 3 saves in flight: the pinned buffers the fingerprint words land in are made
+    in the first saves and then reused (no host allocation a steady save), and reuse never hands a save
+    another's words: every save commits (the transfer check or the scrub compares them with the landed
+    bytes) and restores bit-identical."""
+    import torch
+    from torch import nn
+
+    from checksums.step_guard import StepGuard
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id(f"words{checksums}")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt),
+                              config=SnapshotConfig.every_step(checksums=checksums, chunk_bytes=1 << 20,
+                                                               policy="wait", skip_until_ready=False))
+    x = torch.randn(64, 1024, device="cuda")
+    handles, expected, made = [], {}, None
+    for step in range(1, 17):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        expected[step] = {k: v.detach().cpu().clone() for k, v in sd["model"].items()}
+        handles.append(client.save(step, sd))
+        if step == 8:
+            client.wait(scaled(120))
+            made = client.snapshotter._words.made
+    results = [h.result(scaled(120)) for h in handles if h is not None]
+    assert len(results) == 16 and all(r.state == "COMMITTED" for r in results), [r.error for r in results]
+    assert made is not None and made > 0 and client.snapshotter._words.made == made
+    for step in (15, 16):
+        assert_same(CheckpointClient(co, job, 0, 1).restore(step)["model"], expected[step])
+    client.close()
+
+
+def test_word_buffers_are_reused_once_given_back_and_kept_bounded() -> None:
+    """`_WordBuffers`: a buffer taken is not handed out again until given back; given back, it is the next
+    one of its size; at most `keep` kept per size."""
+    from checkpoint.snapshot import _WordBuffers
+
+    w = _WordBuffers(pin=False, keep=2)
+    a, b = w.take(5), w.take(5)
+    assert a.shape == (5, 2) and a.data_ptr() != b.data_ptr() and w.made == 2
+    w.give([a])
+    assert w.take(5).data_ptr() == a.data_ptr() and w.made == 2
+    assert w.take(3).shape == (3, 2) and w.made == 3              # another size: its own buffer
+    w.give([a, b, w.take(5)])                                     # a third of size 5 is not kept
+    assert w.made == 4
+    got = {w.take(5).data_ptr(), w.take(5).data_ptr()}
+    assert got == {a.data_ptr(), b.data_ptr()} and w.made == 4
+    w.take(5)
+    assert w.made == 5
+
+
 def test_the_torch_piece_fingerprints_equal_the_host_ones() -> None:
     """The GPU's torch-ops path (no Triton, or its JIT still compiling), run here on CPU tensors: the pieces'
     words equal numpy's over the same bytes."""
