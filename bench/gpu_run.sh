@@ -207,6 +207,12 @@ want ckpt22 && step ckpt22-thread 200 python3 bench/ckpt_overlap.py --parts b --
   --batches 16 --rounds 3 --switch-interval 0 --copy-thread 0,1,0,1
 want ckpt22 && step ckpt22-diag 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on --diagnose
+# ckpt22 found the copy thread does not decide it (places 1 and 3 slow either way) and, in a slow mode, a
+# large copy at 49.7 GB/s against 54.7: does the stream decide? (torch's pool hands each mode new streams)
+want streams && step streams8 150 python3 bench/copy_streams.py --streams 40 --high 4 --repeat 3
+want streams && step streams32 150 env CUDA_DEVICE_MAX_CONNECTIONS=32 python3 bench/copy_streams.py --streams 36 \
+  --high 0 --repeat 3
+want streams && step place-smoke 100 python3 bench/pinned_placement.py --modes 1 --slots 1 --repeat 1 --anon ''
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py

@@ -157,6 +157,85 @@ def timed(fn: Callable[[], None], stream: torch.cuda.Stream) -> float:
     return a.elapsed_time(b)
 
 
+def gpt_training(batch: int, dev: torch.device) -> tuple[Callable[[], None], list[torch.Tensor], int]:
+    """GPT-2 small (bf16 autocast, fused AdamW) after one step: (its forward+backward, the state's device
+    tensors: weights and Adam's moments, their bytes)."""
+    from bench.tiny_gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, cfg.vocab, (batch, cfg.seq), device=dev)
+
+    def fwd_bwd() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, x)
+        loss.backward()
+
+    fwd_bwd()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    srcs = [t for t in list(model.state_dict().values()) +
+            [v for s in opt.state.values() for v in s.values()] if t.is_cuda]
+    nbytes = sum(t.numel() * t.element_size() for t in srcs)
+    print(f"state: {len(srcs)} tensors, {nbytes / 1e9:.3f} GB; batch {batch}")
+    return fwd_bwd, srcs, nbytes
+
+
+def copy_into(srcs: list[torch.Tensor], buf: torch.Tensor) -> Callable[[], None]:
+    """Enqueue (on the current stream) each source tensor's copy into `buf`, packed."""
+    def go() -> None:
+        off = 0
+        for t in srcs:
+            n = t.numel() * t.element_size()
+            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+            off += n
+    return go
+
+
+def sleep_cycles(lead_ms: float, stream: torch.cuda.Stream) -> int:
+    """Cycles of `torch.cuda._sleep` that keep the device busy `lead_ms`: long enough for the host to
+    enqueue a timed block behind it, so the block never waits on the host's launches."""
+    t_sleep = timed(lambda: torch.cuda._sleep(10**8), stream)
+    return int(10**8 * lead_ms / t_sleep)
+
+
+def copy_beside_training(copy: Callable[[], None], fwd_bwd: Callable[[], None], side: torch.cuda.Stream,
+                         main_s: torch.cuda.Stream, cycles: int, repeat: int) -> tuple[float, float, float, float]:
+    """(the copy alone, forward+backward alone, forward+backward with the copy beside it on `side`, the copy
+    beside forward+backward): medians in ms over `repeat`; both arms start from a sleeping device."""
+    def ev() -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)
+
+    cp, fb, both, cp_both = [], [], [], []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        cp.append(timed(copy, side))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        a, b = ev(), ev()
+        a.record(main_s)
+        fwd_bwd()
+        b.record(main_s)
+        torch.cuda.synchronize()
+        fb.append(a.elapsed_time(b))
+        torch.cuda._sleep(cycles)
+        a, b, c, d = ev(), ev(), ev(), ev()
+        a.record(main_s)
+        side.wait_event(a)
+        with torch.cuda.stream(side):
+            c.record(side)
+            copy()
+            d.record(side)
+        fwd_bwd()
+        b.record(main_s)
+        torch.cuda.synchronize()
+        both.append(a.elapsed_time(b))
+        cp_both.append(c.elapsed_time(d))
+    return statistics.median(cp), statistics.median(fb), statistics.median(both), statistics.median(cp_both)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", type=int, default=10, help="rings made one after another (default 10)")
@@ -179,76 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    from bench.tiny_gpt import GPTConfig, TinyGPT
-
     dev = torch.device("cuda")
     for f in host_facts():
         print(f)
-    torch.manual_seed(0)
-    cfg = GPTConfig()
-    model = TinyGPT(cfg).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=dev)
-
-    def fwd_bwd() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, x)
-        loss.backward()
-
-    fwd_bwd()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    srcs = [t for t in list(model.state_dict().values()) +
-            [v for s in opt.state.values() for v in s.values()] if t.is_cuda]
-    nbytes = sum(t.numel() * t.element_size() for t in srcs)
-    print(f"state: {len(srcs)} tensors, {nbytes / 1e9:.3f} GB; batch {args.batch}")
+    fwd_bwd, srcs, nbytes = gpt_training(args.batch, dev)
     main_s, side = torch.cuda.current_stream(), torch.cuda.Stream()
-
-    def copy_into(buf: torch.Tensor) -> Callable[[], None]:
-        def go() -> None:
-            off = 0
-            for t in srcs:
-                n = t.numel() * t.element_size()
-                buf[off:off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-                off += n
-        return go
-
-    # Both arms start from a sleeping device: the host enqueues the copies and the whole forward+backward
-    # while a sleep kernel runs, so neither waits on the host's launches (593 copies take it ~5 ms).
-    t_sleep = timed(lambda: torch.cuda._sleep(10**8), main_s)
-    cycles = int(10**8 * args.lead_ms / t_sleep)
-
-    def ev() -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)
+    cycles = sleep_cycles(args.lead_ms, main_s)
 
     def measure(buf: torch.Tensor) -> tuple[float, float, float, float]:
-        """(copy alone, f+b alone, f+b beside the copy, the copy beside f+b), medians in ms."""
-        cp, fb, both, cp_both = [], [], [], []
-        for _ in range(args.repeat):
-            torch.cuda.synchronize()
-            cp.append(timed(copy_into(buf), side))
-            torch.cuda.synchronize()
-            torch.cuda._sleep(cycles)
-            a, b = ev(), ev()
-            a.record(main_s)
-            fwd_bwd()
-            b.record(main_s)
-            torch.cuda.synchronize()
-            fb.append(a.elapsed_time(b))
-            torch.cuda._sleep(cycles)
-            a, b, c, d = ev(), ev(), ev(), ev()
-            a.record(main_s)
-            side.wait_event(a)
-            with torch.cuda.stream(side):
-                c.record(side)
-                copy_into(buf)()
-                d.record(side)
-            fwd_bwd()
-            b.record(main_s)
-            torch.cuda.synchronize()
-            both.append(a.elapsed_time(b))
-            cp_both.append(c.elapsed_time(d))
-        return statistics.median(cp), statistics.median(fb), statistics.median(both), statistics.median(cp_both)
+        return copy_beside_training(copy_into(srcs, buf), fwd_bwd, side, main_s, cycles, args.repeat)
 
     print(f"{'mode':>4} {'buffer':<10} {'copy ms':>8} {'GB/s':>6} {'f+b ms':>7} {'f+b+copy':>9} {'slower':>7} "
           f"{'cp beside':>9} {'runs':>7} {'2M share':>8} {'phys GiB':>13}  numa")

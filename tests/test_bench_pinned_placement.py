@@ -55,3 +55,17 @@ def test_host_load_streams_and_stops() -> None:
         time.sleep(0.3)
     assert load.gbps > 0.0                      # bytes were streamed meanwhile
     assert threading.active_count() == before   # and every thread it started has ended
+
+
+def test_copy_streams_refuses_bad_arguments_and_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/copy_streams.py: a bad count is exit 2 with a message; without CUDA it says so, exit 2."""
+    import torch
+
+    from bench.copy_streams import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--streams", "0"])
+    assert e.value.code == 2 and "--streams" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["--streams", "1"]) == 2
+        assert "needs CUDA" in capsys.readouterr().err
