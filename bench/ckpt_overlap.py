@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_checkpoint import make_state, start_redis  # noqa: E402
 from bench.paired import paired_interval  # noqa: E402
-from bench.pinned_placement import meminfo_kb, pagemap_stats  # noqa: E402
+from bench.pinned_placement import copy_into, meminfo_kb, pagemap_stats, timed  # noqa: E402
 from checkpoint.client import CheckpointClient  # noqa: E402
 from checkpoint.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from checkpoint.shm_store import ShmStore  # noqa: E402
@@ -682,6 +682,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             rows.append((f"[{tag}] the save's side stream", float(len(sides)), "; ".join(sides)))
         rows.append(copy_ops_row(tag, client, state()))
         rows.append(_slot_row(tag, client, slot_uses))
+        if device.type == "cuda":
+            rows.append(_slot_copy_row(tag, client, [t for t in _tensors(state()) if t.is_cuda]))
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
         rows += host_rows + gpu_rows
@@ -746,6 +748,24 @@ def _slot_row(tag: str, client: CheckpointClient, uses: dict[str, int]) -> Row:
         lay = f"{st['runs']} runs {st['phys_lo_gib']:.1f}-{st['phys_hi_gib']:.1f} GiB" if st else "layout ?"
         parts.append(f"#{i} {uses.get(s.path.name, 0)} saves, {lay}, va {s.tensor.data_ptr():#x}")
     return (f"[{tag}] staging slots: uses and layout", float(len(parts)), "; ".join(parts))
+
+
+def _slot_copy_row(tag: str, client: CheckpointClient, tensors: list[torch.Tensor], repeat: int = 3) -> Row:
+    """Each of the ring's free slots (not one holding a stored checkpoint) with the state's copies alone in
+    it (packed, on a stream of the bench's, the training stopped; median ms): is a slow mode's staging
+    memory slow by itself, or only in the save?"""
+    ring = client.snapshotter._ring
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    side = torch.cuda.Stream()
+    parts = []
+    for i, s in enumerate(ring.slots if ring is not None else []):
+        if s.nbytes < nbytes or not s.free():
+            parts.append(f"#{i} held")
+            continue
+        go = copy_into(tensors, s.tensor)
+        torch.cuda.synchronize()
+        parts.append(f"#{i} {statistics.median(timed(go, side) for _ in range(repeat)):.2f}")
+    return (f"[{tag}] staging slots: the copy alone in each (ms)", float(len(parts)), ", ".join(parts))
 
 
 def copy_ops_row(tag: str, client: CheckpointClient, sd: dict) -> Row:

@@ -213,6 +213,14 @@ want streams && step streams8 150 python3 bench/copy_streams.py --streams 40 --h
 want streams && step streams32 150 env CUDA_DEVICE_MAX_CONNECTIONS=32 python3 bench/copy_streams.py --streams 36 \
   --high 0 --repeat 3
 want streams && step place-smoke 100 python3 bench/pinned_placement.py --modes 1 --slots 1 --repeat 1 --anon ''
+# streams found every pool stream fast (copy beside forward+backward 31.3 ms, any stream, 8 or 32 queues):
+# the stream does not decide it either. ckpt23: after each mode, the copy alone into each of its ring's free
+# slots (a slow mode's staging memory slow by itself?), and ckpt21's host memory traffic beside the copies
+want ckpt23 && step ckpt23 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on,on
+want ckpt23 && step placeload0 100 python3 bench/pinned_placement.py --modes 2 --slots 3 --repeat 3 --anon ''
+want ckpt23 && step placeload6 100 python3 bench/pinned_placement.py --modes 2 --slots 3 --repeat 3 --anon '' \
+  --host-load 6
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
