@@ -478,20 +478,22 @@ def part_b(args: argparse.Namespace, device: torch.device) -> list[Row]:
         # and slot ring); otherwise a node per mode
         shared = Node(nbytes, "b", args.agent) if args.one_node else None
         try:
-            for mode, inflight, gather, copy_thread, interval, gc_mode, prio in itertools.product(
+            for mode, inflight, gather, copy_thread, interval, gc_mode, prio, index in itertools.product(
                     args.checksums, args.inflight, args.gather, args.copy_thread, args.switch_interval, args.gc,
-                    args.side_priority):
+                    args.side_priority, args.side_index):
                 old = sys.getswitchinterval()
                 if interval > 0:   # the GIL's switch interval for this mode (both its arms)
                     sys.setswitchinterval(interval)
                 try:
                     got = _part_b_mode(args, device, opt, state, step_off, batch, mode, nbytes, t_copy, t_fb,
-                                       inflight, gather, bool(copy_thread), gc_mode, phases, prio, shared)
+                                       inflight, gather, bool(copy_thread), gc_mode, phases, prio, shared,
+                                       index)
                 finally:
                     sys.setswitchinterval(old)
                 what = f"GIL switch {1e3 * interval:g} ms" if interval else "GIL switch Python's"
                 what += "" if gc_mode == "on" else f", gc {gc_mode}"
                 what += "" if prio is None else f", side stream priority {prio}"
+                what += "" if index is None else f", side stream pool index {index}"
                 rows += [(n.replace("] ", f", {what}] ", 1), v, note) for n, v, note in got]
         finally:
             if shared is not None:
@@ -503,7 +505,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                  state: Callable[[], dict], step_off: Callable[[], None], batch: int, mode: str, nbytes: int,
                  t_copy: float, t_fb: float, inflight: int = 4, gather_mib: int = 256,
                  copy_thread: bool = True, gc_mode: str = "on", phases: StepPhases | None = None,
-                 side_priority: int | None = None, shared: Node | None = None) -> list[Row]:
+                 side_priority: int | None = None, shared: Node | None = None,
+                 side_index: int | None = None) -> list[Row]:
     """Part b with one `SnapshotConfig.checksums` mode: "source" (fingerprints at the source, nothing hashed
     on the host to commit) or "host" (the rank hashes the landed bytes: the old path), and one
     `max_inflight` (1: one save in the background at a time, the path before pipelining), and one
@@ -551,9 +554,10 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                 state_calls.append(t1 - t0)
                 handles.append(h)
 
-        if side_priority is not None and device.type == "cuda":   # the save's side stream, made here
+        if (side_priority is not None or side_index is not None) and device.type == "cuda":
+            # the save's side stream, made here: with this priority, or torch's pool stream at this index
             dev = torch.device("cuda", torch.cuda.current_device())
-            client.snapshotter._side[dev] = torch.cuda.Stream(device=dev, priority=side_priority)
+            client.snapshotter._side[dev] = pool_stream(dev, side_priority or 0, side_index)
         client.prepare(state()).result(600)
         huge_kb = meminfo_kb("ShmemHugePages")
         slot_uses = _count_slot_uses(client)
@@ -722,6 +726,16 @@ def _host_cpu_row(tag: str, a: tuple[float, ...], b: tuple[float, ...], steps: i
             f"cores busy of {((b[3] - a[3]) + (b[4] - a[4])) / max(wall, 1e-9):.1f}")
 
 
+def pool_stream(dev: torch.device, priority: int = 0, index: int | None = None) -> torch.cuda.Stream:
+    """A stream from torch's pool (handed out round-robin, 32 a priority): the next one, or the first at pool
+    `index` (the bits above the stream id's low 5)."""
+    for _ in range(64):
+        st = torch.cuda.Stream(device=dev, priority=priority)
+        if index is None or st.stream_id >> 5 == index:
+            return st
+    raise RuntimeError(f"no pool stream at index {index} in 64 tries")
+
+
 def _count_slot_uses(client: CheckpointClient) -> dict[str, int]:
     """Count the saves that staged in each slot (the snapshotter's `_acquire_slot` wrapped: a bench-only
     probe), by slot file name."""
@@ -752,11 +766,11 @@ def _slot_row(tag: str, client: CheckpointClient, uses: dict[str, int]) -> Row:
 
 def _slot_copy_row(tag: str, client: CheckpointClient, tensors: list[torch.Tensor], repeat: int = 3) -> Row:
     """Each of the ring's free slots (not one holding a stored checkpoint) with the state's copies alone in
-    it (packed, on a stream of the bench's, the training stopped; median ms): is a slow mode's staging
+    it (packed, on the current stream, the training stopped; median ms): is a slow mode's staging
     memory slow by itself, or only in the save?"""
     ring = client.snapshotter._ring
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    side = torch.cuda.Stream()
+    side = torch.cuda.current_stream()   # (no new pool stream: the next mode's side stream stays where it was)
     parts = []
     for i, s in enumerate(ring.slots if ring is not None else []):
         if s.nbytes < nbytes or not s.free():
@@ -1378,6 +1392,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-priority", type=_csv(int), default="",
                     help="part b (CUDA): the save's side stream made by the bench with this priority, a list side "
                          "by side (e.g. 0,-1; -1 is the higher; empty: the snapshotter's own)")
+    ap.add_argument("--side-index", type=_csv(int), default="",
+                    help="part b (CUDA): the save's side stream the bench takes from torch's pool at this index "
+                         "(0-31), a list side by side (empty: the snapshotter's own)")
     ap.add_argument("--one-node", action="store_true",
                     help="part b: every mode of a batch on one agent and memory dir (default: a fresh one each)")
     ap.add_argument("--gc", type=_csv(str), default="on",
@@ -1417,6 +1434,9 @@ def main(argv: list[str] | None = None) -> int:
     # dir in /dev/shm (a killed run left 17 GB there, and the next run's ring was cut by memory)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.side_priority = args.side_priority or [None]
+    args.side_index = args.side_index or [None]
+    if any(i is not None and not 0 <= i < 32 for i in args.side_index):
+        ap.error("--side-index: pool indices are 0-31")
     if set(args.gc) - {"on", "freeze"}:
         ap.error(f"--gc: 'on' or 'freeze', not {args.gc}")
     if args.smoke:

@@ -221,6 +221,13 @@ want ckpt23 && step ckpt23 200 python3 bench/ckpt_overlap.py --parts b --checksu
 want ckpt23 && step placeload0 100 python3 bench/pinned_placement.py --modes 2 --slots 3 --repeat 3 --anon ''
 want ckpt23 && step placeload6 100 python3 bench/pinned_placement.py --modes 2 --slots 3 --repeat 3 --anon '' \
   --host-load 6
+# ckpt23: every slot fast alone (31.0 ms, slow modes too), host memory traffic slows the copies 5-8%; and all
+# four modes slow when one more pool stream was taken a mode (side streams at pool index 0, 3, 5, 7; before:
+# 0 H, 2 L, 3 H, 4 L). ckpt24: the side stream at a chosen pool index, two scrambled orders
+want ckpt24 && step ckpt24a 260 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --side-index 0,3,2,4,5,6,7,1
+want ckpt24 && step ckpt24b 260 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --side-index 5,0,7,3,1,2,6,4
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
