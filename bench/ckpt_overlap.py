@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -69,6 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_checkpoint import make_state, start_redis  # noqa: E402
+from bench.gpu_sampler import GpuSampler  # noqa: E402
 from bench.paired import paired_interval  # noqa: E402
 from bench.pinned_placement import copy_into, meminfo_kb, pagemap_stats, timed  # noqa: E402
 from checkpoint.client import CheckpointClient  # noqa: E402
@@ -587,16 +589,20 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         if cuda_phases is not None:
             cuda_phases.start(2 * args.rounds * (args.block + SETTLE))
 
+        sampler = GpuSampler(torch.cuda.current_device()) if device.type == "cuda" else None
+
         def arm(name: str, fn: Callable[[], None]) -> Callable[[], None]:
             def run() -> None:
                 pauses.arm = name
+                if sampler is not None:
+                    sampler.arm = name
                 if cuda_phases is not None:
                     cuda_phases.arm = name
                 fn()
             return run
 
         cpu0 = _host_cpu(node)
-        with pauses:
+        with pauses, sampler if sampler is not None else contextlib.nullcontext():
             times = interleave_running({"off": arm("off", step_off), "every": arm("every", step_every)},
                                        args.block, args.rounds, device)
         cpu1 = _host_cpu(node)
@@ -686,6 +692,13 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             rows.append((f"[{tag}] the save's side stream", float(len(sides)), "; ".join(sides)))
         rows.append(copy_ops_row(tag, client, state()))
         rows.append(_slot_row(tag, client, slot_uses))
+        if sampler is not None:
+            rows += sampler.rows(tag)
+            ms = torch.cuda.memory_stats()
+            rows.append((f"[{tag}] device memory: the caching allocator's segments", float(ms.get("segment.all.current", 0)),
+                         f"reserved {ms.get('reserved_bytes.all.current', 0) / 1e9:.2f} GB, allocated "
+                         f"{ms.get('allocated_bytes.all.current', 0) / 1e9:.2f} GB, large-pool segments "
+                         f"{ms.get('segment.large_pool.current', 0)}, retries {ms.get('num_alloc_retries', 0)}"))
         if device.type == "cuda":
             rows.append(_slot_copy_row(tag, client, [t for t in _tensors(state()) if t.is_cuda]))
         if args.profile:

@@ -228,6 +228,11 @@ want ckpt24 && step ckpt24a 260 python3 bench/ckpt_overlap.py --parts b --checks
   --batches 16 --rounds 2 --switch-interval 0 --side-index 0,3,2,4,5,6,7,1
 want ckpt24 && step ckpt24b 260 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --side-index 5,0,7,3,1,2,6,4
+# ckpt24: the pool index does not decide it: in two orders places 1 and 3 were slow (+2.1-2.3%), whatever
+# their index, places 2 and 4-8 fast (+0.6-1.0%). ckpt25: the GPU's clocks, PCIe link and traffic, power and
+# throttle reasons per arm (NVML), and the caching allocator's segments per mode
+want ckpt25 && step ckpt25 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py

@@ -169,3 +169,26 @@ def test_step_phases_split_forward_backward_and_update() -> None:
     assert abs(v - 0.032) < 1e-12 and "forward 11.000 ms, backward 21.000 ms" in note
     v, note = rows["device: optimizer step, 'every' arm (median)"]
     assert abs(v - 0.00125) < 1e-12 and "largest 1.500 ms" in note
+
+
+def test_gpu_sampler_rows_per_arm_and_without_nvml() -> None:
+    """bench/gpu_sampler.py: samples tagged by arm give one row per arm (medians, minima, the throttle reasons
+    seen); with NVML absent (no GPU here) the row says so instead of failing the bench."""
+    from bench.gpu_sampler import GpuSampler
+
+    gs = GpuSampler()
+    gs.samples = {"off": [(1980, 3201, 5, 16, 10, 20, 300, 40), (1980, 3201, 5, 16, 30, 20, 320, 41),
+                          (1755, 3201, 5, 16, 20, 20, 310, 42)],
+                  "every": [(1980, 3201, 5, 16, 24000, 50, 330, 43)]}
+    gs.reasons = {"off": 0x1, "every": 0x4}
+    rows = {name.split("] ", 1)[1]: (v, note) for name, v, note in gs.rows("t")}
+    v, note = rows["GPU clocks and PCIe (NVML), 'off' arm, SM MHz (median)"]
+    assert v == 1980 and "sm MHz 1980 (min 1755)" in note and "pcie tx MB/s 20 (min 10)" in note
+    assert "throttle reasons seen 0x1; 3 samples" in note
+    assert "throttle reasons seen 0x4; 1 samples" in rows["GPU clocks and PCIe (NVML), 'every' arm, SM MHz (median)"][1]
+    import torch
+
+    if not torch.cuda.is_available():
+        with GpuSampler() as bare:
+            pass
+        assert bare.error and "NVML" in bare.rows("t")[0][2]
