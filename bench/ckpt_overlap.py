@@ -72,7 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_checkpoint import make_state, start_redis  # noqa: E402
 from bench.gpu_sampler import GpuSampler  # noqa: E402
 from bench.paired import paired_interval  # noqa: E402
-from bench.pinned_placement import copy_into, meminfo_kb, pagemap_stats, timed  # noqa: E402
+from bench.pinned_placement import (copy_beside_training, copy_into, meminfo_kb, pagemap_stats,  # noqa: E402
+                                    sleep_cycles, timed)
 from checkpoint.client import CheckpointClient  # noqa: E402
 from checkpoint.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from checkpoint.shm_store import ShmStore  # noqa: E402
@@ -700,7 +701,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                          f"{ms.get('allocated_bytes.all.current', 0) / 1e9:.2f} GB, large-pool segments "
                          f"{ms.get('segment.large_pool.current', 0)}, retries {ms.get('num_alloc_retries', 0)}"))
         if device.type == "cuda":
-            rows.append(_slot_copy_row(tag, client, [t for t in _tensors(state()) if t.is_cuda]))
+            cuda_state = [t for t in _tensors(state()) if t.is_cuda]
+            rows.append(_slot_copy_row(tag, client, cuda_state))
+            rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses)
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
         rows += host_rows + gpu_rows
@@ -793,6 +796,36 @@ def _slot_copy_row(tag: str, client: CheckpointClient, tensors: list[torch.Tenso
         torch.cuda.synchronize()
         parts.append(f"#{i} {statistics.median(timed(go, side) for _ in range(repeat)):.2f}")
     return (f"[{tag}] staging slots: the copy alone in each (ms)", float(len(parts)), ", ".join(parts))
+
+
+def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor], train: Callable[[], None],
+                 uses: dict[str, int], repeat: int = 3) -> list[Row]:
+    """Outside the save path, after the mode's timed blocks: the state's copies on the save's side stream
+    beside a training step (both from a sleeping device), into one of the mode's used slots and into a
+    driver-pinned buffer, with the PCIe traffic NVML sees meanwhile. Does a slow mode's staging memory slow
+    the copies and the training beside them by itself, and does the GPU read host memory (PCIe rx) while
+    it does?"""
+    snap = client.snapshotter
+    ring = snap._ring
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    dev = tensors[0].device if tensors else torch.device("cuda")
+    side = snap._side.get(dev, torch.cuda.current_stream())
+    main_s = torch.cuda.current_stream()
+    free = [s for s in (ring.slots if ring is not None else []) if s.nbytes >= nbytes and s.free()]
+    free.sort(key=lambda s: -uses.get(s.path.name, 0))
+    bufs = [(f"slot {free[0].path.name} ({uses.get(free[0].path.name, 0)} saves)", free[0].tensor)] if free else []
+    bufs.append(("driver-pinned", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)))
+    cycles = sleep_cycles(90.0, main_s)
+    rows: list[Row] = []
+    with GpuSampler(dev.index or 0) as gs:
+        for name, buf in bufs:
+            gs.arm = name
+            cp, fb, both, cpb = copy_beside_training(copy_into(tensors, buf), train, side, main_s, cycles, repeat)
+            gs.arm = ""
+            rows.append((f"[{tag}] outside the save: the copy beside a step, {name}", cpb / 1e3,
+                         f"copy alone {cp:.2f} ms, beside a step {cpb:.2f} ms; the step alone {fb:.2f} ms, beside "
+                         f"the copy {both:.2f} ms ({both - fb:+.2f})"))
+    return rows + gs.rows(f"{tag}, outside the save")
 
 
 def copy_ops_row(tag: str, client: CheckpointClient, sd: dict) -> Row:

@@ -233,6 +233,13 @@ want ckpt24 && step ckpt24b 260 python3 bench/ckpt_overlap.py --parts b --checks
 # throttle reasons per arm (NVML), and the caching allocator's segments per mode
 want ckpt25 && step ckpt25 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on
+# ckpt25: clocks (1980/3201 MHz), PCIe gen 5 x16, power and throttle reasons alike in slow and fast modes, but
+# in the slow modes' 'every' arm the GPU received 3.6-3.7 GB/s over PCIe (fast: 35 MB/s): the GPU reads host
+# memory in a slow mode (page-table walks of the slots' mappings in host memory?). ckpt26: per mode, outside
+# the save path, the copies beside a step into one of the mode's slots and into a driver-pinned buffer, with
+# the PCIe traffic meanwhile: is it the ring's mapping (slot slow, rx high; pinned fast) or the save path?
+want ckpt26 && step ckpt26 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
