@@ -240,6 +240,16 @@ want ckpt25 && step ckpt25 200 python3 bench/ckpt_overlap.py --parts b --checksu
 # the PCIe traffic meanwhile: is it the ring's mapping (slot slow, rx high; pinned fast) or the save path?
 want ckpt26 && step ckpt26 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on
+# ckpt27: the memory dir on a tmpfs of its own mounted huge=always, checked to make huge pages (on this CPU VM,
+# kernel 6.18, huge=always makes them although shmem_enabled reads never; ckpt17's 0 was never checked): if a
+# slow mode's GPU reads host memory for the translations of 4 KiB pages, 2 MiB pages should make every mode fast
+want ckpt27 && step thp-mount 60 bash -c 'mkdir -p /mnt/sdcw-thp && mount -t tmpfs -o huge=always,size=48G none \
+  /mnt/sdcw-thp && python3 -c "
+import os, mmap
+fd = os.open(\"/mnt/sdcw-thp/probe\", os.O_CREAT | os.O_RDWR, 0o600); os.posix_fallocate(fd, 0, 1 << 30)
+print([l.strip() for l in open(\"/proc/meminfo\") if l.startswith(\"ShmemHugePages\")]); os.unlink(\"/mnt/sdcw-thp/probe\")"'
+want ckpt27 && step ckpt27 200 env SDCW_BENCH_MEM_ROOT=/mnt/sdcw-thp python3 bench/ckpt_overlap.py --parts b \
+  --checksums source --inflight 3 --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
