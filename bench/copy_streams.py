@@ -22,8 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pinned_placement import (copy_beside_training, copy_into, gpt_training, host_facts,  # noqa: E402
-                                    sleep_cycles, timed)
+from bench.pinned_placement import copy_beside_training, copy_into, timed, training_on_gpu  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,15 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.streams < 1 or args.high < 0 or args.repeat < 1 or args.large_mib < 1:
         ap.error("--streams, --repeat and --large-mib must be >= 1, --high >= 0")
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
+    tr = training_on_gpu(args.batch, args.lead_ms)
+    if tr is None:
         return 2
     dev = torch.device("cuda")
-    for f in host_facts():
-        print(f)
-    fwd_bwd, srcs, nbytes = gpt_training(args.batch, dev)
-    main_s = torch.cuda.current_stream()
-    cycles = sleep_cycles(args.lead_ms, main_s)
+    fwd_bwd, srcs, nbytes, main_s, cycles = tr.fwd_bwd, tr.srcs, tr.nbytes, tr.main_s, tr.cycles
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     big = torch.empty(args.large_mib << 20, dtype=torch.uint8, device=dev)
     big_host = torch.empty_like(big, device="cpu", pin_memory=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import mmap
 import os
 import re
@@ -236,6 +237,28 @@ def copy_beside_training(copy: Callable[[], None], fwd_bwd: Callable[[], None], 
     return statistics.median(cp), statistics.median(fb), statistics.median(both), statistics.median(cp_both)
 
 
+@dataclasses.dataclass
+class GpuTraining:
+    fwd_bwd: Callable[[], None]
+    srcs: list[torch.Tensor]
+    nbytes: int
+    main_s: torch.cuda.Stream
+    cycles: int   # of torch.cuda._sleep: the lead a timed block is enqueued behind
+
+
+def training_on_gpu(batch: int, lead_ms: float) -> GpuTraining | None:
+    """The benches' common start: the host's facts printed, GPT-2 small's training on the GPU after one
+    step, the sleep that leads each timed block; None (and a line on stderr) without CUDA."""
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return None
+    for f in host_facts():
+        print(f)
+    fwd_bwd, srcs, nbytes = gpt_training(batch, torch.device("cuda"))
+    main_s = torch.cuda.current_stream()
+    return GpuTraining(fwd_bwd, srcs, nbytes, main_s, sleep_cycles(lead_ms, main_s))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", type=int, default=10, help="rings made one after another (default 10)")
@@ -255,15 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         args.anon = [{"huge": True, "small": False}[w] for w in args.anon.split(",") if w]
     except KeyError as e:
         ap.error(f"--anon: {e} is not huge or small")
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
+    tr = training_on_gpu(args.batch, args.lead_ms)
+    if tr is None:
         return 2
-    dev = torch.device("cuda")
-    for f in host_facts():
-        print(f)
-    fwd_bwd, srcs, nbytes = gpt_training(args.batch, dev)
-    main_s, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    cycles = sleep_cycles(args.lead_ms, main_s)
+    fwd_bwd, srcs, nbytes, main_s, cycles = tr.fwd_bwd, tr.srcs, tr.nbytes, tr.main_s, tr.cycles
+    side = torch.cuda.Stream()
 
     def measure(buf: torch.Tensor) -> tuple[float, float, float, float]:
         return copy_beside_training(copy_into(srcs, buf), fwd_bwd, side, main_s, cycles, args.repeat)
