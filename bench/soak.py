@@ -78,6 +78,11 @@ class SoakResult:
     errors: int = 0
     skipped: int = 0
     error_codes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # accepted reports the agent's loss detector must have judged late (a step 2 newer had been accepted
+    # before the report was sent) and may have (a step 2 newer had been sent before its answer came): the
+    # job's straggler count lies between them, whatever the machine's load made the ranks' drift
+    straggled_min: int = 0
+    straggled_max: int = 0
 
 
 def _rss_mb(pid: int | None) -> float:
@@ -109,6 +114,9 @@ async def run_soak(target: str, *, job: str, ranks: int, hz: float, seconds: flo
         stop_at = t0 + seconds
         total_steps = int(seconds * hz)
 
+        newest = {"sent": -1, "done": -1}   # the newest step any rank sent / had accepted (the detector's
+                                            # staleness: a step is judged once one 2 newer arrives)
+
         async def rank_loop(rank: int) -> None:
             queued: collections.deque[int] = collections.deque()
             produced, carried, vote_pending = 0, 0, None
@@ -138,6 +146,8 @@ async def run_soak(target: str, *, job: str, ranks: int, hz: float, seconds: flo
                     req.vote.CopyFrom(pb.ReplicaVote(checked=True, agreed=True, replicas=ranks, step=vote_pending,
                                                      method="majority"))
                 windows[-1].offered += 1
+                surely_late = newest["done"] >= step + 2
+                newest["sent"] = max(newest["sent"], step)
                 try:
                     await stub.ReportStep(req, timeout=deadline_s)
                 except grpc.aio.AioRpcError as exc:
@@ -149,6 +159,9 @@ async def run_soak(target: str, *, job: str, ranks: int, hz: float, seconds: flo
                     carried += 1
                 else:
                     windows[-1].accepted += 1
+                    totals.straggled_min += surely_late
+                    totals.straggled_max += newest["sent"] >= step + 2
+                    newest["done"] = max(newest["done"], step)
                     carried = 0
                     if vote_pending is not None:
                         totals.votes_sent.add(vote_pending)

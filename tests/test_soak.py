@@ -37,12 +37,14 @@ def test_soak_every_report_accepted_then_overload_degrades_gracefully(short_tmp:
             assert (steady.late, steady.errors, steady.skipped) == (0, 0, 0), steady
             assert steady.accepted == steady.offered
             job = _job(stub, "steady")
-            # every report seen; none lost by a rank (the client drops none: errors 0). The job's
-            # dropped_reports also counts reports *late* for the loss detector (a step it had judged already;
-            # their votes still count): at load ~7 on 2 cores (two suites beside two busy loops) 33 of 12,800
-            # arrived so late, at idle none. A lost report would show in steps_seen.
+            # every report seen; none lost by a rank (the client drops none: errors 0). A lost report would
+            # show in steps_seen. The job's dropped_reports then counts only reports *late* for the loss
+            # detector (a step it had judged already, once a step 2 newer arrived; their votes still count):
+            # how many depends on how far the machine's load let the ranks drift apart (33 of 12,800 at load
+            # ~7 on 2 cores, 3,658 on a slower day), so the client bounds it from what it saw: at least the
+            # reports sent after a step 2 newer was accepted, at most those answered after one was sent
             assert job.steps_seen == steady.accepted, job
-            assert job.dropped_reports <= steady.accepted // 100, job
+            assert steady.straggled_min <= job.dropped_reports <= steady.straggled_max, (job, steady)
 
             # overload: 2,560 reports/s offered with the reporter's deadline
             before = stub.GetStatus(pb.GetStatusRequest(), timeout=30).last_event_seq
