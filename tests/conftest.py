@@ -138,19 +138,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"sdcwatch: deadlines x{d['slowdown']:.1f} (from {d['from']}; set SDCWATCH_TEST_SLOWDOWN to change)"
 
 
-# The suite runs a worker per core and hands out a file at a time (--dist loadfile) in collection order. The
-# longest files go first, so no worker is left running one at the end while the others idle (longest first);
-# the rest keep their order behind them. The longest files by `pytest --durations` on the 2-core CI VM.
-LONGEST_FIRST = ("test_compute_checks.py", "test_torchtitan_trainer.py", "test_grad_summary_triton.py",
-                 "test_demo.py", "test_integration_lightning.py", "test_fuzz_reflection.py", "test_integration_hf.py",
-                 "test_readme_loop.py", "test_agent_restart.py", "test_fingerprint_triton.py",
-                 "test_checkpoint_export.py", "test_soak.py", "test_core_install.py", "test_storm.py",
-                 "test_checkpoint_s3.py", "test_prometheus_rules.py", "test_alerts_e2e.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))   # stable: a file's tests stay in order
     try:
         base = float(config.getini("timeout") or 0)   # pytest-timeout's ini key (pyproject: 300)
     except (TypeError, ValueError):   # pytest-timeout not installed
