@@ -693,14 +693,13 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             rows.append((f"[{tag}] the save's side stream", float(len(sides)), "; ".join(sides)))
         rows.append(copy_ops_row(tag, client, state()))
         rows.append(_slot_row(tag, client, slot_uses))
-        if sampler is not None:
+        if sampler is not None:   # on CUDA
             rows += sampler.rows(tag)
             ms = torch.cuda.memory_stats()
             rows.append((f"[{tag}] device memory: the caching allocator's segments", float(ms.get("segment.all.current", 0)),
                          f"reserved {ms.get('reserved_bytes.all.current', 0) / 1e9:.2f} GB, allocated "
                          f"{ms.get('allocated_bytes.all.current', 0) / 1e9:.2f} GB, large-pool segments "
                          f"{ms.get('segment.large_pool.current', 0)}, retries {ms.get('num_alloc_retries', 0)}"))
-        if device.type == "cuda":
             cuda_state = [t for t in _tensors(state()) if t.is_cuda]
             rows.append(_slot_copy_row(tag, client, cuda_state))
             rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses)
@@ -786,7 +785,7 @@ def _slot_copy_row(tag: str, client: CheckpointClient, tensors: list[torch.Tenso
     memory slow by itself, or only in the save?"""
     ring = client.snapshotter._ring
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    side = torch.cuda.current_stream()   # (no new pool stream: the next mode's side stream stays where it was)
+    stream = torch.cuda.current_stream()   # (no new pool stream: the next mode's side stream stays where it was)
     parts = []
     for i, s in enumerate(ring.slots if ring is not None else []):
         if s.nbytes < nbytes or not s.free():
@@ -794,7 +793,7 @@ def _slot_copy_row(tag: str, client: CheckpointClient, tensors: list[torch.Tenso
             continue
         go = copy_into(tensors, s.tensor)
         torch.cuda.synchronize()
-        parts.append(f"#{i} {statistics.median(timed(go, side) for _ in range(repeat)):.2f}")
+        parts.append(f"#{i} {statistics.median(timed(go, stream) for _ in range(repeat)):.2f}")
     return (f"[{tag}] staging slots: the copy alone in each (ms)", float(len(parts)), ", ".join(parts))
 
 

@@ -55,7 +55,7 @@ class GpuSampler:
             float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
             float(nv.nvmlDeviceGetCurrPcieLinkGeneration(h)),
             float(nv.nvmlDeviceGetCurrPcieLinkWidth(h)),
-            nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) / 1e3,   # KB/s over 20 ms
+            nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) / 1e3,   # NVML: KB/s over 20 ms; here MB/s
             nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) / 1e3,
             nv.nvmlDeviceGetPowerUsage(h) / 1e3,
             float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
@@ -86,16 +86,3 @@ class GpuSampler:
                          ", ".join(f"{k} {m:g} (min {n:g})" for k, m, n in zip(FIELDS, med, lo)) +
                          f"; throttle reasons seen {self.reasons.get(arm, 0):#x}; {len(got)} samples"))
         return rows
-
-
-def sample_once(index: int = 0) -> dict[str, float]:
-    """One sample, for a check that NVML answers (tests on a GPU)."""
-    with GpuSampler(index) as gs:
-        if gs.error:
-            raise RuntimeError(gs.error)
-        vals, _ = gs._one()
-    return dict(zip(FIELDS, vals))
-
-
-if __name__ == "__main__":
-    print(sample_once())

@@ -22,6 +22,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -122,8 +123,6 @@ class HostLoad:
     while the block runs: does host memory traffic slow the copies' DMA and the training beside them?"""
 
     def __init__(self, threads: int) -> None:
-        import threading
-
         self._stop = threading.Event()
         self._bytes = [0] * threads     # each thread's own count (no lost updates between threads)
         self._arrs = [(np.ones(1 << 25), np.ones(1 << 25)) for _ in range(threads)]   # 256 MiB, faulted in

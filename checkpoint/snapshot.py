@@ -306,8 +306,10 @@ class _Arena:
 class _WordBuffers:
     """Pinned host buffers of fingerprint words ((n, 2) int64) a save's side stream copies into, reused:
     a save takes one (`take`) and gives it back when its background is done with it (`give`), so a steady
-    save allocates no host memory (issue 21). A buffer given back is written again only by a later save's
-    copy on the same side stream, after the reads it was given back from. At most `keep` kept per size."""
+    save allocates no host memory (issue 21). Given back only once nothing writes it any more: the save's
+    background finishes after waiting for every event of the save's copies (the words' copy comes before
+    them on the side stream), the plan thread after synchronising the side stream. At most `keep` kept per
+    size."""
 
     def __init__(self, pin: bool, keep: int = 8) -> None:
         self.pin, self.keep = pin, keep
