@@ -702,7 +702,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                          f"{ms.get('segment.large_pool.current', 0)}, retries {ms.get('num_alloc_retries', 0)}"))
             cuda_state = [t for t in _tensors(state()) if t.is_cuda]
             rows.append(_slot_copy_row(tag, client, cuda_state))
-            rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses)
+            rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses, every_slot=args.beside_every_slot)
+            if args.toggles:
+                rows += _toggle_rows(tag, client, step_off, step_every, device, args.block, args.rounds)
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
         rows += host_rows + gpu_rows
@@ -798,12 +800,12 @@ def _slot_copy_row(tag: str, client: CheckpointClient, tensors: list[torch.Tenso
 
 
 def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor], train: Callable[[], None],
-                 uses: dict[str, int], repeat: int = 3) -> list[Row]:
+                 uses: dict[str, int], repeat: int = 3, every_slot: bool = False) -> list[Row]:
     """Outside the save path, after the mode's timed blocks: the state's copies on the save's side stream
     beside a training step (both from a sleeping device), into one of the mode's used slots and into a
     driver-pinned buffer, with the PCIe traffic NVML sees meanwhile. Does a slow mode's staging memory slow
     the copies and the training beside them by itself, and does the GPU read host memory (PCIe rx) while
-    it does?"""
+    it does? `every_slot`: each free slot of the ring in turn (its own NVML arm), not only the most used."""
     snap = client.snapshotter
     ring = snap._ring
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -812,19 +814,69 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     main_s = torch.cuda.current_stream()
     free = [s for s in (ring.slots if ring is not None else []) if s.nbytes >= nbytes and s.free()]
     free.sort(key=lambda s: -uses.get(s.path.name, 0))
-    bufs = [(f"slot {free[0].path.name} ({uses.get(free[0].path.name, 0)} saves)", free[0].tensor)] if free else []
-    bufs.append(("driver-pinned", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)))
+    copies = [(f"slot {s.path.name} ({uses.get(s.path.name, 0)} saves)", copy_into(tensors, s.tensor))
+              for s in (free if every_slot else free[:1])]
+    if every_slot and len(free) > 1:   # as the saves do: the next slot at each copy
+        turn = itertools.cycle([copy_into(tensors, s.tensor) for s in free])
+        copies.append((f"the {len(free)} free slots in turn", lambda: next(turn)()))
+    copies.append(("driver-pinned", copy_into(tensors, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))))
     cycles = sleep_cycles(90.0, main_s)
     rows: list[Row] = []
     with GpuSampler(dev.index or 0) as gs:
-        for name, buf in bufs:
+        for name, copy in copies:
             gs.arm = name
-            cp, fb, both, cpb = copy_beside_training(copy_into(tensors, buf), train, side, main_s, cycles, repeat)
+            cp, fb, both, cpb = copy_beside_training(copy, train, side, main_s, cycles, repeat)
             gs.arm = ""
             rows.append((f"[{tag}] outside the save: the copy beside a step, {name}", cpb / 1e3,
                          f"copy alone {cp:.2f} ms, beside a step {cpb:.2f} ms; the step alone {fb:.2f} ms, beside "
                          f"the copy {both:.2f} ms ({both - fb:+.2f})"))
     return rows + gs.rows(f"{tag}, outside the save")
+
+
+def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
+                 device: torch.device, block: int, rounds: int) -> list[Row]:
+    """`--toggles` (CUDA), after the mode's timed blocks, in the same client (a slow mode stays slow with its
+    client): the save path with one part changed at a time, interleaved with no checkpoint, each arm with its
+    PCIe traffic. Which part of the save carries a slow mode's cost: the copy thread, the fingerprint kernels
+    (skipped: the saves keep stale words, timing only), three saves in flight?"""
+    import checkpoint.snapshot as snapmod
+
+    cfg = client.snapshotter.config
+    real_fp = snapmod._enqueue_fingerprints
+    base = (cfg.copy_thread, cfg.max_inflight)
+
+    def no_fp(*_: Any) -> None:
+        return None
+
+    gs = GpuSampler(device.index or 0)
+
+    def arm(name: str, copy_thread: bool = base[0], fp: bool = True, inflight: int = base[1]) -> Callable[[], None]:
+        def run() -> None:
+            gs.arm = name
+            cfg.copy_thread, cfg.max_inflight = copy_thread, inflight
+            snapmod._enqueue_fingerprints = real_fp if fp else no_fp
+            try:
+                step_every()
+            finally:
+                cfg.copy_thread, cfg.max_inflight = base
+                snapmod._enqueue_fingerprints = real_fp
+        return run
+
+    def off() -> None:
+        gs.arm = "off"
+        step_off()
+
+    arms = {"off": off, "every": arm("every"), "every, copies enqueued by save()": arm("no copy thread", copy_thread=False),
+            "every, no fingerprint kernels": arm("no fingerprints", fp=False),
+            "every, 1 in flight": arm("1 in flight", inflight=1)}
+    with gs:
+        times = interleave_running(arms, block, rounds, device)
+        client.wait(600)
+    base_t = statistics.median(times["off"])
+    rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),
+                        f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
+                        f"{1e3 * base_t:.2f} ms, {len(v)} blocks)") for name, v in times.items() if name != "off"]
+    return rows + gs.rows(f"{tag}, toggled")
 
 
 def copy_ops_row(tag: str, client: CheckpointClient, sd: dict) -> Row:
@@ -1440,6 +1492,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-index", type=_csv(int), default="",
                     help="part b (CUDA): the save's side stream the bench takes from torch's pool at this index "
                          "(0-31), a list side by side (empty: the snapshotter's own)")
+    ap.add_argument("--beside-every-slot", action="store_true",
+                    help="part b (CUDA): outside the save, the copy beside a step into every free slot of the ring "
+                         "(each with its PCIe traffic), not only the most used one")
+    ap.add_argument("--toggles", action="store_true",
+                    help="part b (CUDA): after each mode, in its client, the save with the copy thread off, with no "
+                         "fingerprint kernels, with 1 in flight, interleaved with no checkpoint (which part costs?)")
     ap.add_argument("--one-node", action="store_true",
                     help="part b: every mode of a batch on one agent and memory dir (default: a fresh one each)")
     ap.add_argument("--gc", type=_csv(str), default="on",

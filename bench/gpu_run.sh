@@ -250,6 +250,19 @@ fd = os.open(\"/mnt/sdcw-thp/probe\", os.O_CREAT | os.O_RDWR, 0o600); os.posix_f
 print([l.strip() for l in open(\"/proc/meminfo\") if l.startswith(\"ShmemHugePages\")]); os.unlink(\"/mnt/sdcw-thp/probe\")"'
 want ckpt27 && step ckpt27 200 env SDCW_BENCH_MEM_ROOT=/mnt/sdcw-thp python3 bench/ckpt_overlap.py --parts b \
   --checksums source --inflight 3 --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on
+# ckpt28 (ckpt26 said: outside the save path a copy into the most used slot beside a step is fast and the GPU
+# reads no host memory, in slow modes too): every free slot in turn, and the free slots in rotation as the saves
+# take them, each with its PCIe rx: is the host-memory read tied to some slots?
+want ckpt28 && step ckpt28 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on --beside-every-slot
+# ckpt29: the host-checksum path at places 1 (slow) and 2, source checksums at 3 (slow) and 4
+want ckpt29 && step ckpt29 200 python3 bench/ckpt_overlap.py --parts b --checksums host,source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on
+# ckpt30 (ckpt28: every slot, and the slots in turn, copy fast beside a step in slow modes too, the GPU reading
+# no host memory; ckpt18: H L H L L on one agent, so a slow mode goes with its client): after each mode, in its
+# client, the save with one part changed at a time (copy thread off, no fingerprint kernels, 1 in flight)
+want ckpt30 && step ckpt30 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
