@@ -848,13 +848,31 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     def no_fp(*_: Any) -> None:
         return None
 
+    zeros: dict[int, torch.Tensor] = {}
+
+    def words_only(dev: torch.device, run_pieces: Any, check: Any, fps_host: Any) -> None:
+        """No kernel: the host words filled from a device buffer, as the real path copies them."""
+        if fps_host is not None and fps_host.numel():
+            n = fps_host.shape[0]
+            if zeros.get(n) is None:
+                zeros[n] = torch.zeros(n, 2, dtype=torch.int64, device=dev)
+            fps_host.copy_(zeros[n], non_blocking=True)
+
+    def kernels_only(dev: torch.device, run_pieces: Any, check: Any, fps_host: Any) -> None:
+        """The kernels, their words left on the device."""
+        if run_pieces is not None:
+            run_pieces()
+        elif check is not None:
+            real_fp(dev, None, check, None)
+
     gs = GpuSampler(device.index or 0)
 
-    def arm(name: str, copy_thread: bool = base[0], fp: bool = True, inflight: int = base[1]) -> Callable[[], None]:
+    def arm(name: str, copy_thread: bool = base[0], fp: Callable[..., None] | None = None,
+            inflight: int = base[1]) -> Callable[[], None]:
         def run() -> None:
             gs.arm = name
             cfg.copy_thread, cfg.max_inflight = copy_thread, inflight
-            snapmod._enqueue_fingerprints = real_fp if fp else no_fp
+            snapmod._enqueue_fingerprints = fp or real_fp
             try:
                 step_every()
             finally:
@@ -866,8 +884,10 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         gs.arm = "off"
         step_off()
 
-    arms = {"off": off, "every": arm("every"), "every, copies enqueued by save()": arm("no copy thread", copy_thread=False),
-            "every, no fingerprint kernels": arm("no fingerprints", fp=False),
+    arms = {"off": off, "every": arm("every"),
+            "every, no fingerprint kernels nor words": arm("no fingerprints", fp=no_fp),
+            "every, fingerprint kernels, words not copied": arm("kernels only", fp=kernels_only),
+            "every, words copied, no kernels": arm("words only", fp=words_only),
             "every, 1 in flight": arm("1 in flight", inflight=1)}
     with gs:
         times = interleave_running(arms, block, rounds, device)
@@ -1496,8 +1516,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="part b (CUDA): outside the save, the copy beside a step into every free slot of the ring "
                          "(each with its PCIe traffic), not only the most used one")
     ap.add_argument("--toggles", action="store_true",
-                    help="part b (CUDA): after each mode, in its client, the save with the copy thread off, with no "
-                         "fingerprint kernels, with 1 in flight, interleaved with no checkpoint (which part costs?)")
+                    help="part b (CUDA): after each mode, in its client, the save with no fingerprint kernels nor "
+                         "words, kernels only, words only, 1 in flight, interleaved with no checkpoint (which part costs?)")
     ap.add_argument("--one-node", action="store_true",
                     help="part b: every mode of a batch on one agent and memory dir (default: a fresh one each)")
     ap.add_argument("--gc", type=_csv(str), default="on",
