@@ -840,6 +840,9 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     PCIe traffic. Which part of the save carries a slow mode's cost: the copy thread, the fingerprint kernels
     (skipped: the saves keep stale words, timing only), three saves in flight?"""
     import checkpoint.snapshot as snapmod
+    import checksums.fingerprint_triton as fpt
+
+    evict0 = fpt.EVICT_FIRST
 
     cfg = client.snapshotter.config
     real_fp = snapmod._enqueue_fingerprints
@@ -868,16 +871,18 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     gs = GpuSampler(device.index or 0)
 
     def arm(name: str, copy_thread: bool = base[0], fp: Callable[..., None] | None = None,
-            inflight: int = base[1]) -> Callable[[], None]:
+            inflight: int = base[1], evict: bool = False) -> Callable[[], None]:
         def run() -> None:
             gs.arm = name
             cfg.copy_thread, cfg.max_inflight = copy_thread, inflight
             snapmod._enqueue_fingerprints = fp or real_fp
+            fpt.EVICT_FIRST = evict
             try:
                 step_every()
             finally:
                 cfg.copy_thread, cfg.max_inflight = base
                 snapmod._enqueue_fingerprints = real_fp
+                fpt.EVICT_FIRST = evict0
         return run
 
     def off() -> None:
@@ -888,6 +893,7 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
             "every, no fingerprint kernels nor words": arm("no fingerprints", fp=no_fp),
             "every, fingerprint kernels, words not copied": arm("kernels only", fp=kernels_only),
             "every, words copied, no kernels": arm("words only", fp=words_only),
+            "every, fingerprint loads evict-first": arm("evict first", evict=True),
             "every, 1 in flight": arm("1 in flight", inflight=1)}
     with gs:
         times = interleave_running(arms, block, rounds, device)
