@@ -262,7 +262,7 @@ want ckpt29 && step ckpt29 200 python3 bench/ckpt_overlap.py --parts b --checksu
 # no host memory; ckpt18: H L H L L on one agent, so a slow mode goes with its client): after each mode, in its
 # client, the save with one part changed at a time (no fingerprint kernels nor words, kernels only, words only, 1 in flight)
 want ckpt30 && step fp-evict-tests 120 env SDCWATCH_FP_EVICT_FIRST=1 python3 -m pytest -p no:cacheprovider -q -m gpu \
-  -o addopts="" tests/test_fingerprint_triton.py tests/test_checkpoint_source_sums.py
+  -o addopts="" tests/test_fingerprint_gpu.py tests/test_checkpoint_source_sums.py
 want ckpt30 && step ckpt30 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
