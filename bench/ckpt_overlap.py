@@ -60,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -703,8 +704,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             cuda_state = [t for t in _tensors(state()) if t.is_cuda]
             rows.append(_slot_copy_row(tag, client, cuda_state))
             rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses, every_slot=args.beside_every_slot)
-            if args.toggles:
-                rows += _toggle_rows(tag, client, step_off, step_every, device, args.block, args.rounds)
+        if args.toggles:   # (on CPU: the arms' code paths, for a smoke run)
+            rows += _toggle_rows(tag, client, step_off, step_every, device, args.block, args.rounds, args.toggles)
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
         rows += host_rows + gpu_rows
@@ -833,12 +834,17 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     return rows + gs.rows(f"{tag}, outside the save")
 
 
+TOGGLE_ARMS = ("nofp", "kernels", "words", "evict", "after", "inflight1")
+
+
 def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
-                 device: torch.device, block: int, rounds: int) -> list[Row]:
+                 device: torch.device, block: int, rounds: int, which: list[str]) -> list[Row]:
     """`--toggles` (CUDA), after the mode's timed blocks, in the same client (a slow mode stays slow with its
     client): the save path with one part changed at a time, interleaved with no checkpoint, each arm with its
-    PCIe traffic. Which part of the save carries a slow mode's cost: the copy thread, the fingerprint kernels
-    (skipped: the saves keep stale words, timing only), three saves in flight?"""
+    PCIe traffic. Which part of the save carries a slow mode's cost: the fingerprint kernels, the copy of their
+    words to the host (either skipped: the saves keep stale words, timing only), the kernels' L2 hint, the
+    kernels' place (after the copies), three saves in flight? (ckpt30: the copy thread made no difference.)
+    `which`: the arms' keys (TOGGLE_ARMS), "every" always."""
     import checkpoint.snapshot as snapmod
     import checksums.fingerprint_triton as fpt
 
@@ -870,34 +876,56 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
 
     gs = GpuSampler(device.index or 0)
 
+    real_copy_all = snapmod.copy_all
+    stash: list[tuple[Any, ...]] = []
+
+    def fp_stashed(*a: Any) -> None:
+        stash.append(a)
+
+    def copy_then_fp(dsts: Any, srcs: Any, idx: Any) -> None:
+        """The copies, then, on the copy thread (the update's copies, the last of a save), the fingerprints
+        stashed for them: the same side stream, before the save's event."""
+        real_copy_all(dsts, srcs, idx)
+        if threading.current_thread().name.startswith("sdcw-ckpt-copy"):
+            while stash:
+                real_fp(*stash.pop(0))
+
     def arm(name: str, copy_thread: bool = base[0], fp: Callable[..., None] | None = None,
-            inflight: int = base[1], evict: bool = False) -> Callable[[], None]:
+            inflight: int = base[1], evict: bool = False, after: bool = False) -> Callable[[], None]:
         def run() -> None:
             gs.arm = name
             cfg.copy_thread, cfg.max_inflight = copy_thread, inflight
-            snapmod._enqueue_fingerprints = fp or real_fp
+            # set for this step and left set until the next step sets its own: a save's fingerprints may be
+            # enqueued by the copy thread after save() returns, which then sees this arm's (at a switch of arms,
+            # the settling steps take the mix)
+            snapmod._enqueue_fingerprints = fp_stashed if after else (fp or real_fp)
             fpt.EVICT_FIRST = evict
-            try:
-                step_every()
-            finally:
-                cfg.copy_thread, cfg.max_inflight = base
-                snapmod._enqueue_fingerprints = real_fp
-                fpt.EVICT_FIRST = evict0
+            step_every()
         return run
 
     def off() -> None:
         gs.arm = "off"
+        cfg.copy_thread, cfg.max_inflight = base
         step_off()
 
-    arms = {"off": off, "every": arm("every"),
-            "every, no fingerprint kernels nor words": arm("no fingerprints", fp=no_fp),
-            "every, fingerprint kernels, words not copied": arm("kernels only", fp=kernels_only),
-            "every, words copied, no kernels": arm("words only", fp=words_only),
-            "every, fingerprint loads evict-first": arm("evict first", evict=True),
-            "every, 1 in flight": arm("1 in flight", inflight=1)}
-    with gs:
-        times = interleave_running(arms, block, rounds, device)
-        client.wait(600)
+    every = {"nofp": ("every, no fingerprint kernels nor words", lambda: arm("no fingerprints", fp=no_fp)),
+             "kernels": ("every, fingerprint kernels, words not copied", lambda: arm("kernels only", fp=kernels_only)),
+             "words": ("every, words copied, no kernels", lambda: arm("words only", fp=words_only)),
+             "evict": ("every, fingerprint loads evict-first", lambda: arm("evict first", evict=True)),
+             "after": ("every, fingerprints after the copies", lambda: arm("fp after copies", after=True)),
+             "inflight1": ("every, 1 in flight", lambda: arm("1 in flight", inflight=1))}
+    arms = {"off": off, "every": arm("every")}
+    arms.update({every[k][0]: every[k][1]() for k in TOGGLE_ARMS if k in which})
+    snapmod.copy_all = copy_then_fp   # a pass-through while nothing is stashed
+    try:
+        with gs:
+            times = interleave_running(arms, block, rounds, device)
+            client.wait(600)
+    finally:
+        snapmod.copy_all = real_copy_all
+        snapmod._enqueue_fingerprints = real_fp
+        fpt.EVICT_FIRST = evict0
+        cfg.copy_thread, cfg.max_inflight = base
     base_t = statistics.median(times["off"])
     rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
@@ -1521,9 +1549,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beside-every-slot", action="store_true",
                     help="part b (CUDA): outside the save, the copy beside a step into every free slot of the ring "
                          "(each with its PCIe traffic), not only the most used one")
-    ap.add_argument("--toggles", action="store_true",
-                    help="part b (CUDA): after each mode, in its client, the save with no fingerprint kernels nor "
-                         "words, kernels only, words only, 1 in flight, interleaved with no checkpoint (which part costs?)")
+    ap.add_argument("--toggles", type=_csv(str), default="",
+                    help="part b (CUDA): after each mode, in its client, the save with one part changed, interleaved "
+                         "with no checkpoint (which part costs?): a list of " + ",".join(TOGGLE_ARMS) + " or all")
     ap.add_argument("--one-node", action="store_true",
                     help="part b: every mode of a batch on one agent and memory dir (default: a fresh one each)")
     ap.add_argument("--gc", type=_csv(str), default="on",
@@ -1568,6 +1596,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--side-index: pool indices are 0-31")
     if set(args.gc) - {"on", "freeze"}:
         ap.error(f"--gc: 'on' or 'freeze', not {args.gc}")
+    if set(args.parts) - set("abcd") or not args.parts:
+        ap.error(f"--parts: letters of abcd, not {args.parts!r}")
+    if args.toggles == ["all"]:
+        args.toggles = list(TOGGLE_ARMS)
+    if set(args.toggles) - set(TOGGLE_ARMS):
+        ap.error(f"--toggles: {sorted(set(args.toggles) - set(TOGGLE_ARMS))} not among {', '.join(TOGGLE_ARMS)} (or all)")
     if args.smoke:
         for k, v in dataclasses.asdict(Smoke()).items():
             setattr(args, k, list(v) if isinstance(v, tuple) else v)

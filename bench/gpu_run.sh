@@ -264,7 +264,10 @@ want ckpt29 && step ckpt29 200 python3 bench/ckpt_overlap.py --parts b --checksu
 want ckpt30 && step fp-evict-tests 120 env SDCWATCH_FP_EVICT_FIRST=1 python3 -m pytest -p no:cacheprovider -q -m gpu \
   -o addopts="" tests/test_fingerprint_gpu.py tests/test_checkpoint_source_sums.py
 want ckpt30 && step ckpt30 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles all
+# ckpt31: the fingerprint kernels after the copies (same stream, before the save's event) against before them
+want ckpt31 && step ckpt31 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on --toggles nofp,after
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
