@@ -706,6 +706,9 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses, every_slot=args.beside_every_slot)
         if args.toggles:   # (on CPU: the arms' code paths, for a smoke run)
             rows += _toggle_rows(tag, client, step_off, step_every, device, args.block, args.rounds, args.toggles)
+        if args.after_actions:
+            rows += _after_action_rows(tag, client, step_off, step_every, device, args.block, args.rounds,
+                                       args.after_actions)
         if args.profile:
             rows += profile_rows(tag, results, state_calls, off)
         rows += host_rows + gpu_rows
@@ -931,6 +934,66 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
                         f"{1e3 * base_t:.2f} ms, {len(v)} blocks)") for name, v in times.items() if name != "off"]
     return rows + gs.rows(f"{tag}, toggled")
+
+
+AFTER_ACTIONS = ("replan", "reregister", "borrow")
+_LAST_PLANS: dict[str, Any] = {}   # the previous mode's fingerprint plans (`borrow`)
+
+
+def _after_action_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None],
+                       step_every: Callable[[], None], device: torch.device, block: int, rounds: int,
+                       which: list[str]) -> list[Row]:
+    """`--after-actions` (CUDA), after the mode's timed blocks (and toggles), in the same client: one change
+    that stays, then checkpoint every step against none again, with the PCIe traffic. Where does a slow
+    client's state live (ckpt30-31: its fingerprint kernels make the GPU read host memory while the copies
+    run, and cost ~1.8% of the step; a fast client's do not)?
+    replan: a new fingerprint plan (its anchor, work items and accumulators made again);
+    reregister: every free slot unregistered and registered again (cudaHostRegister: new GPU mappings);
+    borrow: the previous mode's plan (same tensors, its buffers) in this client."""
+    from checkpoint.slots import register_host_memory, unregister_host_memory
+
+    snap = client.snapshotter
+    rows: list[Row] = []
+    prev, _LAST_PLANS["plans"] = _LAST_PLANS.get("plans"), dict(snap._fp_plans)   # this mode's own, for the next
+    for action in which:
+        note = ""
+        if action == "replan":
+            snap._fp_plans.clear()
+            note = "the plan made again at the next save"
+        elif action == "reregister":
+            ring = snap._ring
+            done = 0
+            for s in list(ring.slots if ring is not None else []):
+                if s.registered and s.free():
+                    unregister_host_memory(s.tensor.data_ptr())
+                    s.registered = register_host_memory(s.tensor.data_ptr(), s.nbytes)
+                    done += 1
+            note = f"{done} free slots registered again"
+        elif action == "borrow":
+            if not prev:
+                rows.append((f"[{tag}] after borrow: no previous mode's plan", float("nan"), ""))
+                continue
+            snap._fp_plans.clear()
+            snap._fp_plans.update(prev)
+            note = "the previous mode's plan"
+        gs = GpuSampler(device.index or 0)
+
+        def off() -> None:
+            gs.arm = "off"
+            step_off()
+
+        def every() -> None:
+            gs.arm = "every"
+            step_every()
+
+        with gs:
+            times = interleave_running({"off": off, "every": every}, block, rounds, device)
+            client.wait(600)
+        o, e = statistics.median(times["off"]), statistics.median(times["every"])
+        rows.append((f"[{tag}] after {action}: checkpoint every step", e,
+                     f"{100 * (e - o) / o:+.2f}% of the step (no checkpoint {1e3 * o:.2f} ms); {note}"))
+        rows += gs.rows(f"{tag}, after {action}")
+    return rows
 
 
 def copy_ops_row(tag: str, client: CheckpointClient, sd: dict) -> Row:
@@ -1552,6 +1615,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--toggles", type=_csv(str), default="",
                     help="part b (CUDA): after each mode, in its client, the save with one part changed, interleaved "
                          "with no checkpoint (which part costs?): a list of " + ",".join(TOGGLE_ARMS) + " or all")
+    ap.add_argument("--after-actions", type=_csv(str), default="",
+                    help="part b: after each mode, in its client, one lasting change then every step against none "
+                         "again, in this order: a list of " + ",".join(AFTER_ACTIONS))
     ap.add_argument("--one-node", action="store_true",
                     help="part b: every mode of a batch on one agent and memory dir (default: a fresh one each)")
     ap.add_argument("--gc", type=_csv(str), default="on",
@@ -1598,6 +1664,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--gc: 'on' or 'freeze', not {args.gc}")
     if set(args.parts) - set("abcd") or not args.parts:
         ap.error(f"--parts: letters of abcd, not {args.parts!r}")
+    if set(args.after_actions) - set(AFTER_ACTIONS):
+        ap.error(f"--after-actions: {sorted(set(args.after_actions) - set(AFTER_ACTIONS))} not among "
+                 f"{', '.join(AFTER_ACTIONS)}")
     if args.toggles == ["all"]:
         args.toggles = list(TOGGLE_ARMS)
     if set(args.toggles) - set(TOGGLE_ARMS):

@@ -268,6 +268,11 @@ want ckpt30 && step ckpt30 300 python3 bench/ckpt_overlap.py --parts b --checksu
 # ckpt31: the fingerprint kernels after the copies (same stream, before the save's event) against before them
 want ckpt31 && step ckpt31 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on --toggles nofp,after
+# ckpt32 (ckpt30-31: in a slow client its fingerprint kernels make the GPU read host memory while the copies run,
+# +1.8% of the step; placed after the copies, the same): where does the slow state live? Per mode, after its
+# timed blocks: the previous mode's plan borrowed, a new plan, the free slots registered again
+want ckpt32 && step ckpt32 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on --after-actions borrow,replan,reregister
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
