@@ -563,7 +563,6 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
             dev = torch.device("cuda", torch.cuda.current_device())
             client.snapshotter._side[dev] = pool_stream(dev, side_priority or 0, side_index)
         client.prepare(state()).result(600)
-        huge_kb = meminfo_kb("ShmemHugePages")
         slot_uses = _count_slot_uses(client)
         for _ in range(args.warmup):
             step_off()
@@ -572,6 +571,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         spares = client.snapshotter._spare_fut   # pipelined: the ring's spare slots made before measuring
         if spares is not None:
             spares.result(600)
+        huge_kb = meminfo_kb("ShmemHugePages")   # the ring made (the warm-up's saves and the spares)
         handles.clear()
         calls.clear()
         if device.type == "cuda":
@@ -682,7 +682,7 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
         rows.append((f"[{tag}] the update's host wait for the copy thread, per step", waits[1] / max(1, attempts),
                      f"{waits[0]} of {attempts} optimizer steps waited on the host for a save's copies to be "
                      f"enqueued ({1e3 * waits[1]:.1f} ms in all; the host's lead over the device shrinks by it)"))
-        rows.append((f"[{tag}] host: shmem in huge pages after prepare() (GB)", huge_kb / 1e6,
+        rows.append((f"[{tag}] host: shmem in huge pages with the ring made (GB)", huge_kb / 1e6,
                      f"/proc/meminfo ShmemHugePages; the memory dir {node.mem}"))
         arm_steps = args.rounds * (args.block + SETTLE)
         rows += [pauses.row(tag, "off", arm_steps), pauses.row(tag, "every", arm_steps)]
