@@ -703,7 +703,8 @@ def _part_b_mode(args: argparse.Namespace, device: torch.device, opt: torch.opti
                          f"{ms.get('segment.large_pool.current', 0)}, retries {ms.get('num_alloc_retries', 0)}"))
             cuda_state = [t for t in _tensors(state()) if t.is_cuda]
             rows.append(_slot_copy_row(tag, client, cuda_state))
-            rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses, every_slot=args.beside_every_slot)
+            rows += _beside_rows(tag, client, cuda_state, step_off, slot_uses, every_slot=args.beside_every_slot,
+                                 with_fp=args.beside_fp)
         if args.toggles:   # (on CPU: the arms' code paths, for a smoke run)
             rows += _toggle_rows(tag, client, step_off, step_every, device, args.block, args.rounds, args.toggles)
         if args.after_actions:
@@ -804,12 +805,15 @@ def _slot_copy_row(tag: str, client: CheckpointClient, tensors: list[torch.Tenso
 
 
 def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor], train: Callable[[], None],
-                 uses: dict[str, int], repeat: int = 3, every_slot: bool = False) -> list[Row]:
+                 uses: dict[str, int], repeat: int = 3, every_slot: bool = False, with_fp: bool = False
+                 ) -> list[Row]:
     """Outside the save path, after the mode's timed blocks: the state's copies on the save's side stream
     beside a training step (both from a sleeping device), into one of the mode's used slots and into a
     driver-pinned buffer, with the PCIe traffic NVML sees meanwhile. Does a slow mode's staging memory slow
     the copies and the training beside them by itself, and does the GPU read host memory (PCIe rx) while
-    it does? `every_slot`: each free slot of the ring in turn (its own NVML arm), not only the most used."""
+    it does? `every_slot`: each free slot of the ring in turn (its own NVML arm), not only the most used.
+    `with_fp`: each also with the client's fingerprint kernels launched before the copy, on the same stream,
+    as a save does (ckpt30: in a slow client those kernels bring the host-memory reads and the cost)."""
     snap = client.snapshotter
     ring = snap._ring
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -824,6 +828,16 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
         turn = itertools.cycle([copy_into(tensors, s.tensor) for s in free])
         copies.append((f"the {len(free)} free slots in turn", lambda: next(turn)()))
     copies.append(("driver-pinned", copy_into(tensors, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))))
+    held = snap._fp_plans.get(dev)
+    if with_fp and held is not None:
+        plan = held[1]
+
+        def fp_then(copy: Callable[[], None]) -> Callable[[], None]:
+            def go() -> None:
+                plan.run_async()
+                copy()
+            return go
+        copies += [(f"{name}, fingerprint kernels first", fp_then(copy)) for name, copy in list(copies)]
     cycles = sleep_cycles(90.0, main_s)
     rows: list[Row] = []
     with GpuSampler(dev.index or 0) as gs:
@@ -1612,6 +1626,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beside-every-slot", action="store_true",
                     help="part b (CUDA): outside the save, the copy beside a step into every free slot of the ring "
                          "(each with its PCIe traffic), not only the most used one")
+    ap.add_argument("--beside-fp", action="store_true",
+                    help="part b (CUDA): outside the save, each copy beside a step also with the client's fingerprint "
+                         "kernels launched first (slot against driver-pinned memory)")
     ap.add_argument("--toggles", type=_csv(str), default="",
                     help="part b (CUDA): after each mode, in its client, the save with one part changed, interleaved "
                          "with no checkpoint (which part costs?): a list of " + ",".join(TOGGLE_ARMS) + " or all")

@@ -273,6 +273,10 @@ want ckpt31 && step ckpt31 200 python3 bench/ckpt_overlap.py --parts b --checksu
 # timed blocks: the previous mode's plan borrowed, a new plan, the free slots registered again
 want ckpt32 && step ckpt32 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on --after-actions borrow,replan,reregister
+# ckpt33: outside the save, the copy beside a step into a slot and into driver-pinned memory, each also with the
+# client's fingerprint kernels first: do the kernels make a slot copy read host memory and not a driver-pinned one?
+want ckpt33 && step ckpt33 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --beside-fp
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
