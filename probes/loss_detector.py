@@ -500,14 +500,24 @@ class _SignalTracker:
             mid = a + b * u
             self.trend.add(u, min(max(x, mid - clip), mid + clip))
 
-    def restart(self) -> None:
-        """A restart from a checkpoint: forget open anomalies and the samples after the restart (the trend
-        line and the noise scale stay: they describe the steps being replayed)."""
+    def restart(self, step: int) -> None:
+        """A restart from a checkpoint, going on at `step`: forget open anomalies and every sample of the
+        steps being replaced (from `step` on). The trend is refitted on the samples before `step`: those
+        after it describe a history the restore undid, and may be what it undid. Weights frozen for a hundred
+        steps while a replica mismatch's rollback came (each update vetoed) left a flat trend there, and the
+        replayed steps' higher losses read as a sustained rise from the restored step: a second rollback
+        that skipped 199 good batches (tests/test_readme_loop.py on a loaded machine). With nothing before
+        `step` in the history the trend starts afresh (its warm-up judges nothing). The noise scale stays."""
         self.episode = None
         self.recent.clear()
         self.block.clear()
         self.div.armed = 0
-        self.history.clear()      # the trend stays: the steps replayed are ones it has seen
+        kept = [(st, x) for st, x in self.history if st < step]
+        if len(kept) < len(self.history) or (self.trend.pts and self.trend.pts[-1][0] >= _u(step)):
+            n = self.trend.pts.maxlen or len(kept)
+            self._refit([(_u(st), x) for st, x in kept[-n:]])
+        self.history.clear()
+        self.history.extend(kept)
 
     def _onset(self, ep: _Episode, until: int, s: float, now_step: int, rising: bool) -> int:
         """Where the excursion began: the last minimum of the cumulative residual above the frozen
@@ -809,8 +819,8 @@ class LossDetector:
             raise ValueError(f"step must be an int, got {step!r}")
         if self._last_step is not None and step < self._last_step:
             log.info("step went back from %d to %d: treated as a restart from a checkpoint", self._last_step, step)
-            self._loss.restart()
-            self._grad.restart()
+            self._loss.restart(step)
+            self._grad.restart(step)
             self._scale.restart()
             self._nonfinite_open = {"loss": False, "grad_norm": False}
         self._last_step = step

@@ -173,6 +173,29 @@ def test_restart_from_checkpoint_drops_the_open_anomaly() -> None:
     assert crit(events) == []
 
 
+def _power_law(steps: range, seed: int) -> np.ndarray:
+    """A small model's decay (a power of the step), 2% noise."""
+    rng = np.random.default_rng(seed)
+    return np.array([2.0 * (s + 10) ** -0.8 for s in steps]) * np.exp(rng.normal(0, 0.02, len(steps)))
+
+
+@pytest.mark.parametrize("frozen", [20, 80, 150])
+def test_a_replay_after_a_long_frozen_stretch_is_judged_against_the_steps_before_the_restore(frozen: int) -> None:
+    """A replica mismatch at step 100: every update vetoed (the weights frozen, the loss flat) until the
+    rollback to step 50 came, `frozen` steps later (a loaded agent). The replay's losses from step 51 are
+    those of a model 50 steps younger, above the flat stretch: judged against a trend that kept the frozen
+    stretch they read as a sustained rise from step 51 (a second rollback that skipped 199 good batches).
+    Judged against the steps before the restore, the replay is clean, and a real rise in it still pages."""
+    det = LossDetector()
+    feed(det, _power_law(range(0, 101), 1))
+    level = 2.0 * 110 ** -0.8
+    feed(det, level * np.exp(np.random.default_rng(2).normal(0, 0.02, frozen)), start=101)
+    replay = _power_law(range(51, 400), 3)
+    assert crit(feed(det, replay[:250], start=51)) == []
+    risen = feed(det, replay[250:] * 3.0, start=301)           # the data goes bad at step 301 of the replay
+    assert [(e.kind, e.start_step >= 290) for e in crit(risen)][:1] == [("sustained", True)], crit(risen)
+
+
 def test_per_rank_noise_does_not_page() -> None:
     # several ranks' micro-batch losses reported at the same step (heavy-tailed, 5% noise)
     rng = np.random.default_rng(5)
