@@ -351,14 +351,28 @@ class JobTracker:
         out.job_events.append((restored, "rollback", f"the job restored step {restored}"))
 
     def _loss_event(self, job: JobState, ev: LossEvent, out: ReportOutcome) -> None:
-        """A loss detector event: journaled; a critical one tells the checkpoints, may ask for a rollback."""
-        out.findings.append(loss_finding(job.job_id, ev))
+        """A loss detector event: journaled; a critical one tells the checkpoints, may ask for a rollback.
+        Not while the job's replica-mismatch incident that began at or before the anomaly is open: the
+        mismatch explains the loss (updates vetoed, or weights that differ), and its own rollback replays
+        the batches, where the detector judges them again. A loss rollback skips batches: planned here it
+        would skip good data for a hardware fault, or replace the mismatch's directive before the ranks took
+        it. (A loss anomaly that began well before the mismatch, by more than the detector's patience, is
+        the data's: planned as usual.)"""
+        finding = loss_finding(job.job_id, ev)
+        out.findings.append(finding)
         if ev.severity != Severity.CRITICAL:
             return
         out.job_events.append((ev.start_step, "nan" if ev.kind == "nonfinite" else "loss_anomaly",
                                f"{ev.signal} {ev.kind} from step {ev.start_step}"))
-        if self.rollback is not None and ev.kind in self.rollback.kinds:
-            out.rollbacks.append((len(out.findings) - 1, ev))
+        if self.rollback is None or ev.kind not in self.rollback.kinds:
+            return
+        if job.mismatch_from is not None and ev.start_step >= job.mismatch_from - self.loss_config.patience_steps:
+            out.findings[-1] = dataclasses.replace(
+                finding, message=f"{finding.message}; no loss rollback: the replica mismatch from step "
+                f"{job.mismatch_from} is open (its rollback replays these batches and judges them again)",
+                details={**finding.details, "rollback_deferred_to_mismatch_from": job.mismatch_from})
+            return
+        out.rollbacks.append((len(out.findings) - 1, ev))
 
     def _deliver(self, job: JobState, rank: int, now: float, out: ReportOutcome) -> None:
         pending = job.directive

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from daemon.background import Background
@@ -386,3 +387,46 @@ def test_a_plan_for_an_anomaly_the_job_has_rolled_back_over_is_dropped() -> None
     older = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=120)
     assert tracker.set_directive("j", older, 225, 304.0, restores_at=at), "the job went back to before the target"
     assert tracker.set_directive("k", older, 225, 305.0) is False, "an unknown job: nobody to tell"
+
+
+def _mismatch_then_plateau(loss_at: Callable[[int], float], mismatch_from: int, steps: int) -> tuple[list, list]:
+    """Two replicas voting every step, agreeing until `mismatch_from`, then differing on (every update
+    vetoed); each rank reports `loss_at(step)`. Returns (the loss findings, the rollback requests)."""
+    tracker = JobTracker(rollback=RollbackPolicy())
+    findings, rollbacks = [], []
+    for step in range(steps):
+        for rank in (0, 1):
+            req = _vote(step, rank, agreed=step < mismatch_from)
+            req.loss = loss_at(step + 1)
+            out = tracker.report(req, float(step))
+            if out is not None:
+                findings += [f for f in out.findings if f.kind.name.startswith("loss.")]
+                rollbacks += [ev for _, ev in out.rollbacks]
+    return findings, rollbacks
+
+
+def test_a_loss_plateau_under_an_open_replica_mismatch_plans_no_data_skipping_rollback() -> None:
+    """Replicas differ from step 100 and every update is vetoed until the mismatch's rollback comes (late,
+    on a loaded agent): the loss stops falling, which the detector calls a sustained rise. Its rollback would
+    skip 200 batches of good data for a hardware fault (and could replace the mismatch's own directive, which
+    replays them). One plan, the mismatch's; the loss event says why none for it."""
+    def loss_at(step: int) -> float:
+        return 2.0 * (min(step, 100) + 10) ** -0.8 * (1.0 + 0.01 * (step * 7 % 5))
+
+    findings, rollbacks = _mismatch_then_plateau(loss_at, 100, 260)
+    critical = [f for f in findings if f.severity.name == "CRITICAL"]
+    assert critical, "the plateau is a sustained loss anomaly (the test needs one)"
+    assert [type(ev).__name__ for ev in rollbacks] == ["MismatchIncident"], rollbacks
+    assert all(f.details.get("rollback_deferred_to_mismatch_from") == 100 for f in critical)
+    assert all("replica mismatch from step 100 is open" in f.message for f in critical)
+
+
+def test_a_loss_anomaly_well_before_the_mismatch_is_the_datas_and_plans_its_rollback() -> None:
+    """The loss went 10x from step 40 (bad data); replicas differ from step 150: the loss rollback (to
+    before step 40, skipping the batches) is still planned, besides the mismatch's."""
+    def loss_at(step: int) -> float:
+        return (10.0 if step >= 40 else 1.0) * (1.0 + 0.01 * (step * 7 % 5))
+
+    _, rollbacks = _mismatch_then_plateau(loss_at, 150, 200)
+    kinds = [type(ev).__name__ for ev in rollbacks]
+    assert "LossEvent" in kinds and "MismatchIncident" in kinds, kinds
