@@ -83,6 +83,8 @@ def _child() -> None:
     allowed: list[tuple[int, int]] = []
     stray: list[int] = []
     guard_interpreted_loads(allowed, stray)
+    from interpreter_support import patch_language_once_per_launch
+    patch_language_once_per_launch()   # the interpreter's set-up once a launch, not once a nested call
     from checksums.fingerprint_triton import TritonFingerprintPlan
 
     report = {}

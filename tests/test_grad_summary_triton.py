@@ -45,8 +45,10 @@ def _child() -> None:
 
     allowed: list[tuple[int, int]] = []
     stray: list[int] = []
+    from interpreter_support import patch_language_once_per_launch
     from test_fingerprint_triton import guard_interpreted_loads
     guard_interpreted_loads(allowed, stray)   # every read inside the buffer or the plan's tables
+    patch_language_once_per_launch()          # the interpreter's set-up once a launch, not once a nested call
     from checksums.grad_summary_triton import GradSummaryPlan
 
     def span(x: torch.Tensor) -> tuple[int, int]:
@@ -398,10 +400,12 @@ def test_a_fused_plan_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -
 
 def _sweep(tmp_path: Path, *args: str) -> tuple[str, dict]:
     """`python -m bench.bench_grad_summary --device cpu --sweep ARGS` (the interpreter: its module sets
-    TRITON_INTERPRET from its argv): stdout and the JSON it wrote."""
+    TRITON_INTERPRET from its argv), run as __main__ by tests/interpreter_support.py (the interpreter's
+    set-up once a launch): stdout and the JSON it wrote."""
     out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.bench_grad_summary", "--device", "cpu", "--sweep",
-                           "--json", str(out), *args], check=False, cwd=REPO,
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "interpreter_support.py"), "-m",
+                           "bench.bench_grad_summary", "--device", "cpu", "--sweep", "--json", str(out), *args],
+                          check=False, cwd=REPO,
                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
                           timeout=scaled(240))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
