@@ -10,7 +10,8 @@ from sdcwatch.settings import SettingError, setting
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CoordinatorConfig:
-    """Retention and verification of the in-memory checkpoints: the agent's `[checkpoints]` config section."""
+    """Retention and verification of the in-memory checkpoints, and where the memory tier lives: the agent's
+    `[checkpoints]` config section."""
 
     keep_committed: int = setting(2, "newest restorable checkpoints kept in memory per job (>= 1)")
     rollback_span_steps: int = setting(160, "also keep VERIFIED checkpoints reaching this many steps back (0: off)")
@@ -28,6 +29,10 @@ class CoordinatorConfig:
                                   "out (or whose agent said goodbye) is gone: its copies leave restore plans")
     max_world_size: int = setting(65536, "largest world_size a checkpoint may declare (Begin/CommitShard beyond it "
                                   "are refused; the work a request causes is bounded by what exists)")
+    memory_base: str = setting("", "the directory holding the node's agents' memory dirs (a tmpfs: a dedicated "
+                               "mount, with a size limit or huge pages); this agent's is <memory_base>/<state dir "
+                               "name>-<hash of its path>/memory (empty: /dev/shm/sdcwatch for root, "
+                               "/dev/shm/sdcwatch-<uid> otherwise)")
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SettingError:
@@ -48,5 +53,7 @@ class CoordinatorConfig:
             raise bad("pending_timeout_s", f"must be positive, got {self.pending_timeout_s}")
         if not 1 <= self.max_world_size <= 2**31 - 1:
             raise bad("max_world_size", f"must be in 1..2147483647, got {self.max_world_size}")
+        if self.memory_base and not self.memory_base.startswith("/"):
+            raise bad("memory_base", f"must be an absolute path, got {self.memory_base!r}")
         if not self.key_prefix:
             raise bad("key_prefix", "must not be empty (it keeps this agent's keys apart in a shared Redis)")

@@ -51,10 +51,13 @@ _counter = itertools.count()
 _MAX_WRITE = 1 << 30
 
 
-def default_shm_root(state_dir: str | os.PathLike[str]) -> Path:
-    """The node memory tier's directory: `<memory base>/<namespace>/memory` (sdcwatch.paths: /dev/shm/sdcwatch
-    for root, /dev/shm/sdcwatch-<uid> else; the namespace is derived from the full state dir path) when
-    /dev/shm exists, else `<state dir>/memory` (which is only memory if the state dir is on tmpfs)."""
+def default_shm_root(state_dir: str | os.PathLike[str], base: str | os.PathLike[str] | None = None) -> Path:
+    """The node memory tier's directory: `<memory base>/<namespace>/memory` (the namespace is derived from
+    the full state dir path). `base`: the configured memory base (`[checkpoints] memory_base`); without one,
+    sdcwatch.paths' (/dev/shm/sdcwatch for root, /dev/shm/sdcwatch-<uid> else) when /dev/shm exists, else
+    `<state dir>/memory` (which is only memory if the state dir is on tmpfs)."""
+    if base:
+        return Path(base) / memory_namespace(state_dir) / "memory"
     if SHM.is_dir() and os.access(SHM, os.W_OK):
         return memory_base() / memory_namespace(state_dir) / "memory"
     return Path(state_dir) / "memory"

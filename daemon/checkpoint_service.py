@@ -753,7 +753,8 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
     `secure_memory_dir` (never a link; `gid`: the group of ranks running as other users, -1 none).
     `redis_options`: timeouts, how long to ride out a failover, and how many replicas must acknowledge a
     begin/commit (checkpoint/commit_fence.py); a `redis+sentinel://` URL fences commits with Sentinel's epoch."""
-    root = secure_memory_dir(Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir), gid)
+    base = config.memory_base if config is not None else ""
+    root = secure_memory_dir(Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir, base), gid)
     store = ShmStore(root)
     opts = redis_options or RedisOptions(timeout_s=10.0)
     client = connect(redis_url, opts)

@@ -328,7 +328,7 @@ class Config:
     rollback: RollbackPolicy = setting(factory=RollbackPolicy,
                                        help="the rollback a critical loss event asks of the job")
     checkpoints: CoordinatorConfig = setting(factory=CoordinatorConfig,
-                                             help="in-memory checkpoints: retention and verification")
+                                             help="in-memory checkpoints: where, retention and verification")
     tiers: TiersConfig = setting(factory=TiersConfig, help="durable checkpoint tiers after memory")
     peers: PeersConfig = setting(factory=PeersConfig, help="checkpoint copies in other nodes' memory")
     alerts: AlertsConfig = setting(factory=AlertsConfig, help="alert pushes (Alertmanager, webhook)")

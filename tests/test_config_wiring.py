@@ -67,6 +67,34 @@ def test_checkpoints_section_sets_retention(short_tmp: Path) -> None:
         shutil.rmtree(memory.parent, ignore_errors=True)
 
 
+def test_checkpoints_memory_base_holds_the_memory_tier(short_tmp: Path) -> None:
+    """`--checkpoints-memory-base DIR` (a dedicated tmpfs, say): the agent's memory dir is
+    DIR/<namespace>/memory, a saved checkpoint's bytes land there and nothing under the default base; the
+    client stages and restores through it. A relative path is refused with exit 2 and a message."""
+    base = short_tmp / "mem-base"
+    agent = _agent(short_tmp, "--checkpoints-memory-base", str(base), "--no-tiers-enabled")
+    memory = default_shm_root(agent.state_dir, base)
+    job = job_id("membase")
+    try:
+        with agent:
+            client = CheckpointClient.connect(job, 0, 1, target=agent.target, deadline_s=10,
+                                              config=SnapshotConfig(chunk_bytes=4096))
+            try:
+                assert client.save(7, state_dict(0, 7)).result(WAIT_S).error == ""
+                restored = client.restore(7)
+                assert restored is not None
+            finally:
+                client.close()
+            held = [p for p in memory.rglob("*") if p.is_file() and p.stat().st_size]
+            assert held, f"the checkpoint's bytes are under {memory}"
+            assert not default_shm_root(agent.state_dir).exists(), "nothing under the default memory base"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    bad = cli("run", "--state-dir", str(short_tmp / "s-rel"), "--checkpoints-memory-base", "rel/mem")
+    assert bad.returncode == 2 and "memory_base" in bad.stderr and "absolute" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def _tier_files(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if p.is_file()] if d.exists() else []
 
