@@ -36,10 +36,7 @@ from typing import Any
 
 import grpc
 
-from checkpoint.agent_link import GrpcAgentLink
 from checkpoint.errors import CheckpointError
-from checkpoint.locations import dir_store_for
-from checkpoint.shard_reader import RestoreReport, copies_for, read_checked
 from daemon import cli_json
 from daemon.cli_common import (EXIT_OK, EXIT_USAGE, NO_AGENT_HINT, Parser, add_connection_flags, ago, connect,
                                fail, progress_bar, progress_meter, rpc_error, spinner, table)
@@ -335,6 +332,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     """Fetch verified shards to files with the rank-side read path (same plan, same fallback chunk by chunk,
     chunk checksums and tensor fingerprints verified on the host bytes: no torch needed)."""
+    # the read path (and numpy, for the fingerprints) loads here, not for every `sdcwatch` command: a CLI
+    # call that only asks the agent (status, events, ckpt ls) starts ~0.2 s sooner without it
+    from checkpoint.agent_link import GrpcAgentLink
+    from checkpoint.locations import dir_store_for
+    from checkpoint.shard_reader import RestoreReport, copies_for, read_checked
+
     target: int | str = args.target
     if args.target not in ("latest", "latest_verified"):
         try:
