@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.multiprocessing as mp
 
 from agent_harness import AgentProcess, cli
 from sdcwatch.event_kinds import REPEATS
 from conftest import free_port
 from deadlines import wait_until
+from rank_spawn import spawn as fork_spawn
 
 
 def torchrun_env(rank: int, world: int, port: int, socket: str) -> None:
@@ -35,9 +35,10 @@ def flip_bit(weight: torch.Tensor, index: int = 5, bit: int = 22) -> None:
 
 def spawn(worker: Callable[..., None], world: int, socket: str, outdir: Path,
           *args: Any) -> list[dict[str, Any]]:
-    """Run `worker(rank, world, port, socket, outdir, *args)` on `world` processes; their rank{r}.json."""
+    """Run `worker(rank, world, port, socket, outdir, *args)` on `world` processes; their rank{r}.json. The
+    ranks fork from the session's forkserver (tests/rank_spawn.py), which has torch imported already."""
     port = free_port()
-    mp.spawn(worker, args=(world, port, socket, str(outdir), *args), nprocs=world, join=True)
+    fork_spawn(worker, (world, port, socket, str(outdir), *args), nprocs=world)
     return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -6,9 +6,12 @@ of 117 s under load). Same contract as `mp.spawn(fn, args=args, nprocs=nprocs, j
 first sets what it preloads); a rank sees the environment the forkserver started with, so a test passes
 what its ranks need in `args` (or sets it inside the rank), never through os.environ.
 
-Ranks that talk to a real agent over gRPC (test_readme_loop, framework_support) still use `mp.spawn`: with
-the forkserver one loaded run of each left checkpoints COMMITTED that spawn's ranks get VERIFIED, not
-understood yet.
+The framework tests' ranks (tests/framework_support.py: Hugging Face, Lightning, torchtitan, against a real
+agent over gRPC) fork from it too (since 2026-12-03: each rank imported torch itself before, 3 of its 8-9 s
+of CPU for the imports; the flip and clean runs passed alike, and their checks wait for the agent's
+background verification, `settled_journal`). test_readme_loop's ranks still use `mp.spawn`: with the
+forkserver one loaded run (2026-12-01) left checkpoints COMMITTED that spawn's ranks got VERIFIED, not
+understood then.
 """
 from __future__ import annotations
 
