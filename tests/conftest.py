@@ -133,6 +133,21 @@ def fresh_redis(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto` (pyproject's addopts): a worker per core and one more (at most 4: --maxprocesses). Most of
+    the suite waits on the agents, servers, CLI calls and ranks it starts: with a worker per core the 2-core
+    CI VM was 55% busy over a 930 s run (/proc/stat), with three 92% busy over 651 s, all passed; with a busy
+    loop beside the suite (CPU-bound then) three took 972 s against two's 1,059 s. The deadlines count the
+    third worker as load (tests/deadlines.py). PYTEST_XDIST_AUTO_NUM_WORKERS still chooses (xdist's hook)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        cores = os.cpu_count() or 1
+    return cores + 1
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     d = describe()
     return f"sdcwatch: deadlines x{d['slowdown']:.1f} (from {d['from']}; set SDCWATCH_TEST_SLOWDOWN to change)"
