@@ -2,9 +2,11 @@
 a one-bit weight flip, and the checks on the agent's journal and checkpoints after a run."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,7 +15,7 @@ import torch
 from agent_harness import AgentProcess, cli
 from sdcwatch.event_kinds import REPEATS
 from conftest import free_port
-from deadlines import wait_until
+from deadlines import scaled, wait_until
 from rank_spawn import spawn as fork_spawn
 
 
@@ -165,7 +167,21 @@ def check_clean(res: list[dict[str, Any]], lines: list[str], states: dict[int, s
     assert newest_verified(lines), ([line for line in lines if "checkpoint." in line], states)
 
 
+_READS = itertools.count()
+
+
 def replicas_identical(params: list[torch.Tensor]) -> bool:
-    """Every rank's parameters bit-identical (through the store: bench/rank_start.py says why)."""
+    """Every rank's parameters bit-identical (through the store: bench/rank_start.py says why). The store lives
+    in rank 0: once every rank has read the others' digests it says so in the store, and rank 0 returns only
+    when all have (a forked rank leaves at once when its function returns, taking the store with it, and a
+    rank still reading then failed "Connection reset by peer" on a loaded machine)."""
+    import torch.distributed as dist
+
     from bench.rank_start import same_on_every_rank
-    return same_on_every_rank(params)
+    same = same_on_every_rank(params)
+    store = dist.distributed_c10d._get_default_store()
+    n, rank, world = next(_READS), dist.get_rank(), dist.get_world_size()
+    store.set(f"sdcwatch-read/{n}/{rank}", "1")
+    if rank == 0:
+        store.wait([f"sdcwatch-read/{n}/{r}" for r in range(world)], timedelta(seconds=scaled(120)))
+    return same
