@@ -48,8 +48,10 @@ def _core_venv(tmp: Path, env: dict[str, str]) -> Path:
     # no pip in the venv (ensurepip costs seconds of CPU): the suite's pip installs into it (--python)
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], env, tmp, 300)
     assert made.returncode == 0, made.stderr[-3000:]
+    # --no-compile: pip's byte-compiling of every installed module (the dependencies' too) is ~4 of the test's
+    # ~16 s; the agent and the commands below compile what they import, as any interpreter does
     installed = _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                      str(wheel)], env, tmp, 900)
+                      "--no-compile", str(wheel)], env, tmp, 900)
     assert installed.returncode == 0, installed.stderr[-3000:]
     return venv
 
