@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
-import shtab
 
 from daemon import cli_canary, cli_ckpt, cli_demo, cli_json, config
 from daemon.cli_common import (EXIT_OK, EXIT_UNHEALTHY, EXIT_UNKNOWN, EXIT_USAGE, Parser, add_connection_flags, ago,
@@ -119,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_completion(args: argparse.Namespace) -> int:
     """shtab writes a static script from this parser: every subcommand and flag, no Python run per TAB."""
+    import shtab   # here, not at the top: every other command (and the agent) starts without it
+
     print(shtab.complete(build_parser(), shell=args.shell))
     return EXIT_OK
 

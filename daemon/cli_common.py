@@ -18,8 +18,6 @@ import threading
 from typing import Callable, Iterator, NoReturn
 
 import grpc
-from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TimeElapsedColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
 
 from daemon.client import AgentClient
 from sdcwatch.channels import agent_channel, read_token
@@ -122,6 +120,8 @@ def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[Calla
     if not (enabled and sys.stdout.isatty()):
         yield lambda n: None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
     lock = threading.Lock()
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn()) as p:
@@ -141,6 +141,8 @@ def progress_meter(label: str, enabled: bool = True) -> Iterator[Callable[[int, 
     if not (enabled and sys.stdout.isatty()):
         yield lambda done, total, what: None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), transient=True) as p:
         task = p.add_task(label, total=None)
@@ -158,6 +160,8 @@ def spinner(label: str, enabled: bool = True) -> Iterator[None]:
     if not (enabled and sys.stdout.isatty()):
         yield
         return
+    from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
+
     with Progress(SpinnerColumn(), "[progress.description]{task.description}", TimeElapsedColumn(),
                   transient=True) as p:
         p.add_task(label, total=None)
