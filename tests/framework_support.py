@@ -48,6 +48,18 @@ def journal(agent: AgentProcess) -> list[str]:
     return cli("events", "--socket", str(agent.socket)).stdout.splitlines()
 
 
+def _events(target: str, kinds: tuple[str, ...] = ()) -> list[Any]:
+    """The agent's journal (kinds by prefix, as `sdcwatch events --kind`) over gRPC: what the polls below read.
+    A `sdcwatch events` process per poll cost ~0.3 s of CPU, taken from the agent whose work the poll waits
+    for on a loaded machine."""
+    import grpc
+
+    from proto.sdcwatch.v1 import agent_pb2 as pb
+    from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(target) as ch:
+        return list(pb_grpc.AgentStub(ch).WatchEvents(pb.WatchEventsRequest(kinds=list(kinds)), timeout=30))
+
+
 def wait_verified(job: str, timeout: float = 60.0) -> None:
     """In a rank (SDCWATCH_SOCKET set): block until the agent holds a VERIFIED checkpoint of `job`. On a
     loaded machine the agent's verification can trail a fast run by the whole run up to the flip; a flip
@@ -72,13 +84,12 @@ def wait_directive(job: str, timeout: float = 60.0) -> None:
     back (its last checkpoints are not VERIFIED and the mismatch is journaled: right, but not what a flip test
     tests). The flip's rank calls it HOLD_AFTER_FLIP steps after the flip; the other ranks wait in the next
     collective; the directive reaches every rank in its next ReportStep reply."""
-    socket = os.environ["SDCWATCH_SOCKET"]
+    target = f"unix:{os.environ['SDCWATCH_SOCKET']}"
 
     def issued() -> bool:
-        out = cli("events", "--socket", socket, "--json", "--kind", "job.rollback_directive").stdout
-        return any(json.loads(line).get("subject") == f"job/{job}" for line in out.splitlines() if line.strip())
+        return any(e.subject == f"job/{job}" for e in _events(target, ("job.rollback_directive",)))
 
-    wait_until(issued, timeout, f"a rollback directive for {job}", interval=0.3)
+    wait_until(issued, timeout, f"a rollback directive for {job}", interval=0.2)
 
 
 def mismatch_events(agent: AgentProcess) -> list[dict[str, Any]]:
@@ -114,19 +125,18 @@ def newest_verified(lines: list[str]) -> bool:
 def settled_journal(agent: AgentProcess, since: str | None = None) -> list[str]:
     """The journal once the newest committed checkpoint (among the lines from the first holding `since`,
     if given) is VERIFIED (the agent compares the replicas' bytes in the background: on a loaded machine
-    that can trail the run), or after the deadline."""
-    got: list[str] = []
-
+    that can trail the run), or after the deadline. Polled over gRPC; the lines returned are `sdcwatch
+    events`' once it holds."""
     def done() -> bool:
-        got[:] = journal(agent)
+        got = [f"{e.kind} {e.subject}: {e.message}" for e in _events(agent.target)]
         at = next((i for i, line in enumerate(got) if since in line), len(got)) if since else 0
         return newest_verified(got[at:])
 
     try:
-        wait_until(done, 20, "checkpoints VERIFIED", interval=0.5)
+        wait_until(done, 20, "checkpoints VERIFIED", interval=0.2)
     except AssertionError:
         pass
-    return got
+    return journal(agent)
 
 
 def check_recovered(res: list[dict[str, Any]], lines: list[str], states: dict[int, str],
