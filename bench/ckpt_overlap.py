@@ -851,7 +851,7 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     return rows + gs.rows(f"{tag}, outside the save")
 
 
-TOGGLE_ARMS = ("nofp", "kernels", "words", "evict", "after", "inflight1")
+TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1")
 
 
 def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
@@ -859,14 +859,11 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     """`--toggles` (CUDA), after the mode's timed blocks, in the same client (a slow mode stays slow with its
     client): the save path with one part changed at a time, interleaved with no checkpoint, each arm with its
     PCIe traffic. Which part of the save carries a slow mode's cost: the fingerprint kernels, the copy of their
-    words to the host (either skipped: the saves keep stale words, timing only), the kernels' L2 hint, the
-    kernels' place (after the copies), three saves in flight? (ckpt30: the copy thread made no difference.)
+    words to the host (either skipped: the saves keep stale words, timing only), the kernels' place (after the
+    copies), three saves in flight? (ckpt30: the copy thread and an L2 evict-first hint on the kernels' loads
+    made no difference; the hint was removed.)
     `which`: the arms' keys (TOGGLE_ARMS), "every" always."""
     import checkpoint.snapshot as snapmod
-    import checksums.fingerprint_triton as fpt
-
-    evict0 = fpt.EVICT_FIRST
-
     cfg = client.snapshotter.config
     real_fp = snapmod._enqueue_fingerprints
     base = (cfg.copy_thread, cfg.max_inflight)
@@ -907,16 +904,15 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
             while stash:
                 real_fp(*stash.pop(0))
 
-    def arm(name: str, copy_thread: bool = base[0], fp: Callable[..., None] | None = None,
-            inflight: int = base[1], evict: bool = False, after: bool = False) -> Callable[[], None]:
+    def arm(name: str, fp: Callable[..., None] | None = None, inflight: int = base[1],
+            after: bool = False) -> Callable[[], None]:
         def run() -> None:
             gs.arm = name
-            cfg.copy_thread, cfg.max_inflight = copy_thread, inflight
+            cfg.copy_thread, cfg.max_inflight = base[0], inflight
             # set for this step and left set until the next step sets its own: a save's fingerprints may be
             # enqueued by the copy thread after save() returns, which then sees this arm's (at a switch of arms,
             # the settling steps take the mix)
             snapmod._enqueue_fingerprints = fp_stashed if after else (fp or real_fp)
-            fpt.EVICT_FIRST = evict
             step_every()
         return run
 
@@ -928,7 +924,6 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     every = {"nofp": ("every, no fingerprint kernels nor words", lambda: arm("no fingerprints", fp=no_fp)),
              "kernels": ("every, fingerprint kernels, words not copied", lambda: arm("kernels only", fp=kernels_only)),
              "words": ("every, words copied, no kernels", lambda: arm("words only", fp=words_only)),
-             "evict": ("every, fingerprint loads evict-first", lambda: arm("evict first", evict=True)),
              "after": ("every, fingerprints after the copies", lambda: arm("fp after copies", after=True)),
              "inflight1": ("every, 1 in flight", lambda: arm("1 in flight", inflight=1))}
     arms = {"off": off, "every": arm("every")}
@@ -941,7 +936,6 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     finally:
         snapmod.copy_all = real_copy_all
         snapmod._enqueue_fingerprints = real_fp
-        fpt.EVICT_FIRST = evict0
         cfg.copy_thread, cfg.max_inflight = base
     base_t = statistics.median(times["off"])
     rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),

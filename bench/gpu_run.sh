@@ -261,8 +261,6 @@ want ckpt29 && step ckpt29 200 python3 bench/ckpt_overlap.py --parts b --checksu
 # ckpt30 (ckpt28: every slot, and the slots in turn, copy fast beside a step in slow modes too, the GPU reading
 # no host memory; ckpt18: H L H L L on one agent, so a slow mode goes with its client): after each mode, in its
 # client, the save with one part changed at a time (no fingerprint kernels nor words, kernels only, words only, 1 in flight)
-want ckpt30 && step fp-evict-tests 120 env SDCWATCH_FP_EVICT_FIRST=1 python3 -m pytest -p no:cacheprovider -q -m gpu \
-  -o addopts="" tests/test_fingerprint_gpu.py tests/test_checkpoint_source_sums.py
 want ckpt30 && step ckpt30 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles all
 # ckpt31: the fingerprint kernels after the copies (same stream, before the save's event) against before them

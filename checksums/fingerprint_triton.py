@@ -45,8 +45,6 @@ DEFAULT_WARPS = int(os.environ.get("SDCWATCH_FP_WARPS", "4"))
 MAX_TILES_PER_ITEM = 256
 DEFAULT_ITEMS_PER_SM = int(os.environ.get("SDCWATCH_FP_ITEMS_PER_SM", "32"))
 FINAL_TB = 128
-# the partials' full-tile loads with L2's evict-first hint (bench --toggles compares; issue 21)
-EVICT_FIRST = os.environ.get("SDCWATCH_FP_EVICT_FIRST", "0") == "1"
 
 
 @triton.jit
@@ -75,8 +73,7 @@ def _byte_sums(bbase, start, nbytes, niter, BLOCK: tl.constexpr):
     return tl.sum(a0, axis=0), tl.sum(a1, axis=0)
 
 @triton.jit
-def fp_partials_kernel(base_u8, base_i32, items, acc, BLOCK: tl.constexpr, TAIL: tl.constexpr,
-                       EVICT_FIRST: tl.constexpr = False):
+def fp_partials_kernel(base_u8, base_i32, items, acc, BLOCK: tl.constexpr, TAIL: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rec = items + pid * 9
     off = tl.load(rec + 0)
@@ -97,10 +94,7 @@ def fp_partials_kernel(base_u8, base_i32, items, acc, BLOCK: tl.constexpr, TAIL:
         acct = tl.zeros([BLOCK], dtype=tl.uint64)
         for k in range(0, nfull):
             t = tile0 + k
-            if EVICT_FIRST:   # a streaming read: leave L2 to the training's working set
-                w = tl.load(wbase + t * BLOCK + lanes, eviction_policy="evict_first")
-            else:
-                w = tl.load(wbase + t * BLOCK + lanes)
+            w = tl.load(wbase + t * BLOCK + lanes)
             acc0, acct = _fold_words(w, t, acc0, acct)
         if has_partial != 0:
             t = tile0 + nfull
@@ -263,8 +257,7 @@ class TritonFingerprintPlan:
                 dst.copy_(src)
             if self.n_items:
                 partials_kernel[(self.n_items,)](self.base_u8, self.base_i32, self.items, self.acc,
-                                                 BLOCK=self.block, TAIL=16, EVICT_FIRST=EVICT_FIRST,
-                                                 num_warps=self.num_warps)
+                                                 BLOCK=self.block, TAIL=16, num_warps=self.num_warps)
             finalize_kernel[(1,)](self.acc, self.table, self.n, per, out, TB=FINAL_TB, num_warps=4)
         return out
 

@@ -359,20 +359,21 @@ class JobTracker:
         it. (A loss anomaly that began well before the mismatch, by more than the detector's patience, is
         the data's: planned as usual.)"""
         finding = loss_finding(job.job_id, ev)
-        out.findings.append(finding)
-        if ev.severity != Severity.CRITICAL:
-            return
-        out.job_events.append((ev.start_step, "nan" if ev.kind == "nonfinite" else "loss_anomaly",
-                               f"{ev.signal} {ev.kind} from step {ev.start_step}"))
-        if self.rollback is None or ev.kind not in self.rollback.kinds:
-            return
-        if job.mismatch_from is not None and ev.start_step >= job.mismatch_from - self.loss_config.patience_steps:
-            out.findings[-1] = dataclasses.replace(
+        critical = ev.severity == Severity.CRITICAL
+        wants = critical and self.rollback is not None and ev.kind in self.rollback.kinds
+        deferred = wants and job.mismatch_from is not None and (
+            ev.start_step >= job.mismatch_from - self.loss_config.patience_steps)
+        if deferred:
+            finding = dataclasses.replace(
                 finding, message=f"{finding.message}; no loss rollback: the replica mismatch from step "
                 f"{job.mismatch_from} is open (its rollback replays these batches and judges them again)",
                 details={**finding.details, "rollback_deferred_to_mismatch_from": job.mismatch_from})
-            return
-        out.rollbacks.append((len(out.findings) - 1, ev))
+        out.findings.append(finding)
+        if critical:
+            out.job_events.append((ev.start_step, "nan" if ev.kind == "nonfinite" else "loss_anomaly",
+                                   f"{ev.signal} {ev.kind} from step {ev.start_step}"))
+        if wants and not deferred:
+            out.rollbacks.append((len(out.findings) - 1, ev))
 
     def _deliver(self, job: JobState, rank: int, now: float, out: ReportOutcome) -> None:
         pending = job.directive

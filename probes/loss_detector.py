@@ -513,7 +513,7 @@ class _SignalTracker:
         self.block.clear()
         self.div.armed = 0
         kept = [(st, x) for st, x in self.history if st < step]
-        if len(kept) < len(self.history) or (self.trend.pts and self.trend.pts[-1][0] >= _u(step)):
+        if len(kept) < len(self.history):    # the trend's samples are among the history's
             n = self.trend.pts.maxlen or len(kept)
             self._refit([(_u(st), x) for st, x in kept[-n:]])
         self.history.clear()
