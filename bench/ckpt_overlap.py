@@ -851,7 +851,7 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     return rows + gs.rows(f"{tag}, outside the save")
 
 
-TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1")
+TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "oncompute", "gentle")
 
 
 def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
@@ -861,12 +861,50 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     PCIe traffic. Which part of the save carries a slow mode's cost: the fingerprint kernels, the copy of their
     words to the host (either skipped: the saves keep stale words, timing only), the kernels' place (after the
     copies), three saves in flight? (ckpt30: the copy thread and an L2 evict-first hint on the kernels' loads
-    made no difference; the hint was removed.)
+    made no difference; the hint was removed.) Or their stream (ownstream: a stream of their own that waits
+    for the training's, the copies not ordered after them; oncompute: the training's stream), or their grid
+    (gentle: the same plan with 2 work items per SM instead of 32: a slower, lighter read of the sources)?
     `which`: the arms' keys (TOGGLE_ARMS), "every" always."""
     import checkpoint.snapshot as snapmod
-    cfg = client.snapshotter.config
+    snap = client.snapshotter
+    cfg = snap.config
     real_fp = snapmod._enqueue_fingerprints
     base = (cfg.copy_thread, cfg.max_inflight)
+    compute = torch.cuda.current_stream(device) if device.type == "cuda" else None   # the training's stream
+    own = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def on_own(dev: torch.device, *a: Any) -> None:
+        """The fingerprints on a stream of their own, after the training's work so far (the words land there,
+        unjoined: timing only)."""
+        if own is None:
+            return real_fp(dev, *a)
+        own.wait_stream(compute)
+        with torch.cuda.stream(own):
+            real_fp(dev, *a)
+
+    def on_compute(dev: torch.device, *a: Any) -> None:
+        if compute is None:
+            return real_fp(dev, *a)
+        with torch.cuda.stream(compute):
+            real_fp(dev, *a)
+
+    alts: dict[int, Any] = {}    # id(the client's plan) -> its gentle twin
+    origs: dict[int, Any] = {}   # id(a twin) -> the client's plan (kept alive: the ids stay unique)
+
+    def use_plan(gentle: bool) -> None:
+        """Swap the client's fingerprint plan for one over the same pieces with 2 work items per SM (made once),
+        or back (the held key kept: the save's key check passes either way)."""
+        for dev, (key, plan) in list(snap._fp_plans.items()):
+            if gentle and id(plan) not in origs and hasattr(plan, "items_per_sm"):
+                alt = alts.get(id(plan))
+                if alt is None:
+                    from checksums.fingerprint_triton import TritonFingerprintPlan
+                    alt = alts[id(plan)] = TritonFingerprintPlan(plan._tensors, block=plan.block,
+                                                                 num_warps=plan.num_warps, items_per_sm=2)
+                    origs[id(alt)] = plan
+                snap._fp_plans[dev] = (key, alt)
+            elif not gentle and id(plan) in origs:
+                snap._fp_plans[dev] = (key, origs[id(plan)])
 
     def no_fp(*_: Any) -> None:
         return None
@@ -905,10 +943,11 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
                 real_fp(*stash.pop(0))
 
     def arm(name: str, fp: Callable[..., None] | None = None, inflight: int = base[1],
-            after: bool = False) -> Callable[[], None]:
+            after: bool = False, gentle: bool = False) -> Callable[[], None]:
         def run() -> None:
             gs.arm = name
             cfg.copy_thread, cfg.max_inflight = base[0], inflight
+            use_plan(gentle)
             # set for this step and left set until the next step sets its own: a save's fingerprints may be
             # enqueued by the copy thread after save() returns, which then sees this arm's (at a switch of arms,
             # the settling steps take the mix)
@@ -919,13 +958,17 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     def off() -> None:
         gs.arm = "off"
         cfg.copy_thread, cfg.max_inflight = base
+        use_plan(False)
         step_off()
 
     every = {"nofp": ("every, no fingerprint kernels nor words", lambda: arm("no fingerprints", fp=no_fp)),
              "kernels": ("every, fingerprint kernels, words not copied", lambda: arm("kernels only", fp=kernels_only)),
              "words": ("every, words copied, no kernels", lambda: arm("words only", fp=words_only)),
              "after": ("every, fingerprints after the copies", lambda: arm("fp after copies", after=True)),
-             "inflight1": ("every, 1 in flight", lambda: arm("1 in flight", inflight=1))}
+             "inflight1": ("every, 1 in flight", lambda: arm("1 in flight", inflight=1)),
+             "ownstream": ("every, fingerprints on a stream of their own", lambda: arm("fp own stream", fp=on_own)),
+             "oncompute": ("every, fingerprints on the training's stream", lambda: arm("fp on compute", fp=on_compute)),
+             "gentle": ("every, fingerprint plan with 2 items per SM", lambda: arm("fp 2 items/SM", gentle=True))}
     arms = {"off": off, "every": arm("every")}
     arms.update({every[k][0]: every[k][1]() for k in TOGGLE_ARMS if k in which})
     snapmod.copy_all = copy_then_fp   # a pass-through while nothing is stashed
@@ -937,6 +980,7 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         snapmod.copy_all = real_copy_all
         snapmod._enqueue_fingerprints = real_fp
         cfg.copy_thread, cfg.max_inflight = base
+        use_plan(False)
     base_t = statistics.median(times["off"])
     rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "

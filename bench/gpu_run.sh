@@ -275,6 +275,11 @@ want ckpt32 && step ckpt32 300 python3 bench/ckpt_overlap.py --parts b --checksu
 # client's fingerprint kernels first: do the kernels make a slot copy read host memory and not a driver-pinned one?
 want ckpt33 && step ckpt33 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --beside-fp
+# ckpt34 (ckpt32-33: neither a new plan, another mode's plan, nor the free slots registered again moves a slow
+# client; outside the save the kernels before a copy cost alike in slow and fast clients): the fingerprints on a
+# stream of their own, on the training's stream, or with a lighter grid (2 work items per SM)
+want ckpt34 && step ckpt34 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp,ownstream,oncompute,gentle
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
