@@ -280,6 +280,12 @@ want ckpt33 && step ckpt33 240 python3 bench/ckpt_overlap.py --parts b --checksu
 # stream of their own, on the training's stream, or with a lighter grid (2 work items per SM)
 want ckpt34 && step ckpt34 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp,ownstream,oncompute,gentle
+# ckpt35: a product variant (the save's fingerprints on a stream of their own, the update and the background
+# waiting for their event) with the save path's GPU tests, four modes, and the floor arms; see docs/BENCHMARKS.md
+want ckpt35 && step ckpt35-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_step_guard.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
+want ckpt35 && step ckpt35 330 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on --toggles nofp,words,ownstream
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
