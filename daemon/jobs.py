@@ -33,6 +33,10 @@ DIRECTIVE_TTL_S = 600.0   # a rollback directive not handed to a rank within thi
 # Monitor's ring of 4 in-flight steps, checksums.monitor._CUDA_SLOTS, + 1), so votes up to step M + 4 may
 # still disagree. A vote after that disagreeing means the repair failed: the agent plans a rollback.
 MAJORITY_REPAIR_STEPS = 5
+# A mismatch incident whose plan found no rollback is planned again while its replicas still disagree: first
+# this long after, doubling up to the maximum (JobTracker.mismatch_unplanned)
+MISMATCH_REPLAN_S = 10.0
+MISMATCH_REPLAN_MAX_S = 300.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,6 +103,8 @@ class JobState:
     mismatch_from: int | None = None   # the first step of the open replica-mismatch incident
     incidents: int = 0                 # replica-mismatch incidents opened (the events fold per incident)
     mismatch_planned: bool = False     # its rollback plan was asked for
+    mismatch_plans: int = 0            # plans of this incident that found no rollback (`mismatch_unplanned`)
+    mismatch_retry_at: float = 0.0     # not planned again before this time
 
 
 @dataclasses.dataclass(slots=True)
@@ -168,6 +174,20 @@ class JobTracker:
                 return False
         job.directive = PendingDirective(directive, now, anomaly_start)
         return True
+
+    def mismatch_unplanned(self, job_id: str, first_step: int, now: float) -> float | None:
+        """The plan for the mismatch incident that began at `first_step` found no rollback (no VERIFIED
+        checkpoint before it yet, or the checkpoints did not answer in time): while the incident stays open
+        (the replicas still disagree), a later disagreeing vote asks again, after a delay that doubles from
+        MISMATCH_REPLAN_S up to MISMATCH_REPLAN_MAX_S. The job never waits on its vetoed updates for good
+        because one plan came too early on a loaded agent. Returns the delay (None: the incident is over)."""
+        job = self.jobs.get(job_id)
+        if job is None or job.mismatch_from != first_step:
+            return None
+        job.mismatch_plans += 1
+        delay = min(MISMATCH_REPLAN_MAX_S, MISMATCH_REPLAN_S * 2 ** (job.mismatch_plans - 1))
+        job.mismatch_planned, job.mismatch_retry_at = False, now + delay
+        return delay
 
     def mismatch_open(self, job_id: str, first_step: int) -> bool:
         """Is the replica-mismatch incident that began at `first_step` still open (the job has not gone back
@@ -339,7 +359,7 @@ class JobTracker:
             return
         job.restores_seen.append(restored)
         if job.mismatch_from is not None and restored < job.mismatch_from:
-            job.mismatch_from, job.mismatch_planned = None, False   # back before it: a later one is new
+            _close_mismatch(job)   # back before it: a later one is new
         pending = job.directive
         if pending is not None and pending.directive.target_step <= restored < pending.anomaly_start:
             # the job already went back to before that anomaly (e.g. for a replica mismatch)
@@ -420,8 +440,7 @@ class JobTracker:
                 # during it are dropped and its mismatches stop blocking VERIFIED from this step on
                 out.job_events.append((vote.step, "repaired", f"replicas agree again from step {vote.step} "
                                        f"(they differed from step {job.mismatch_from})"))
-                job.mismatch_from = None
-                job.mismatch_planned = False
+                _close_mismatch(job)
             return
         out.mismatch = (gen, vote.step) not in job.mismatch_steps
         suspects = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in vote.suspects]
@@ -433,12 +452,13 @@ class JobTracker:
         job.reason = f"replica mismatch at step {vote.step}"
         if job.mismatch_from is None:
             job.incidents += 1                 # a new incident: its own event (the bus folds per incident)
+            job.mismatch_plans, job.mismatch_retry_at = 0, 0.0
         if job.mismatch_from is None or vote.step < job.mismatch_from:
             job.mismatch_from, job.mismatch_planned = vote.step, False
         # one plan per incident: at once without a majority (two replicas); with a majority the ranks may
         # repair in place (checksums.replica_recovery): at the next update (host gate) or, with the device
         # gate, MAJORITY_REPAIR_STEPS later; so only if a vote still disagrees after that
-        plan = not job.mismatch_planned and (
+        plan = not job.mismatch_planned and now >= job.mismatch_retry_at and (
             vote.method != "majority" or vote.step > job.mismatch_from + MAJORITY_REPAIR_STEPS)
         names = ", ".join(f"rank {s['rank']} on {s['host'] or '?'} GPU {s['gpu_uuid'] or '?'}" for s in suspects)
         out.findings.append(Finding(
@@ -570,6 +590,12 @@ class JobTracker:
                 source="frozen_params", signal="changed", value=str(req.step), implies=State.SUSPECT,
                 reason=f"frozen parameters changed at step {req.step} of job {req.job_id} (rank {req.rank})",
                 time=now)))
+
+
+def _close_mismatch(job: JobState) -> None:
+    """The job's replica-mismatch incident is over (repaired in place, or the job went back before it)."""
+    job.mismatch_from, job.mismatch_planned = None, False
+    job.mismatch_plans, job.mismatch_retry_at = 0, 0.0
 
 
 def _era(job: JobState, rank: int) -> int:

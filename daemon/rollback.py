@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from daemon.background import Background
 from daemon.events import Publisher
@@ -39,7 +39,7 @@ class VerifiedSteps(Protocol):
 class RollbackPlanner:
     def __init__(self, policy: RollbackPolicy, *, checkpoints: VerifiedSteps, jobs: JobTracker,
                  publisher: Publisher, background: Background, pool: WorkPool | None = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
         self.policy = policy
         # the Redis reads of planning: their own pool, each bounded (never asyncio's shared default executor)
         self.pool = pool or WorkPool("rollback-planning", workers=2)
@@ -48,6 +48,7 @@ class RollbackPlanner:
         self.jobs = jobs
         self.publisher = publisher
         self.background = background
+        self.clock = clock   # the reports' clock (the tracker's `now`)
 
     def request(self, job: str, ev: LossEvent | MismatchIncident, event_seq: int,
                 ready: Awaitable[None] | None = None) -> None:
@@ -63,13 +64,13 @@ class RollbackPlanner:
                 await asyncio.wait_for(ready, self.timeout_s)
             except asyncio.TimeoutError:
                 self._impossible(job, _start(ev), f"the checkpoint coordinator did not take the events before "
-                                 f"the anomaly in {self.timeout_s:.0f}s: no rollback planned")
+                                 f"the anomaly in {self.timeout_s:.0f}s: no rollback planned", incident=ev)
                 return
         try:
             verified = await asyncio.wait_for(self.pool.run(self.checkpoints.verified_steps, job), self.timeout_s)
         except asyncio.TimeoutError:
             self._impossible(job, _start(ev), f"the checkpoint index did not answer in {self.timeout_s:.0f}s "
-                             f"({self.pool.describe()}): no rollback planned")
+                             f"({self.pool.describe()}): no rollback planned", incident=ev)
             return
         if isinstance(ev, MismatchIncident):
             self._plan_mismatch(job, ev, seq, verified, restores_at)
@@ -82,7 +83,7 @@ class RollbackPlanner:
         skip = max(0, decision.skip_to_step - (decision.target_step + 1))
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
                                  skip_batches=skip, reason=decision.reason, event_seq=seq)
-        if not self.jobs.set_directive(job, directive, ev.start_step, time.time(), restores_at):
+        if not self.jobs.set_directive(job, directive, ev.start_step, self.clock(), restores_at):
             return   # the job went back before the anomaly while this was planned: nothing to do
         self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}",
                                f"rollback directive: restore step {decision.target_step}, skip {skip} "
@@ -90,10 +91,18 @@ class RollbackPlanner:
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
                                 "cause_seq": seq})
 
-    def _impossible(self, job: str, anomaly_start: int, why: str, verified: list[int] | None = None) -> None:
-        """No rollback planned: a `job.rollback_impossible` event saying why (with the newest VERIFIED steps)."""
+    def _impossible(self, job: str, anomaly_start: int, why: str, verified: list[int] | None = None,
+                    incident: LossEvent | MismatchIncident | None = None) -> None:
+        """No rollback planned: a `job.rollback_impossible` event saying why (with the newest VERIFIED steps).
+        For a replica-mismatch `incident` the tracker plans again while its replicas still disagree (a
+        VERIFIED checkpoint may come, or the checkpoints answer, later): the event says when."""
+        retry = (self.jobs.mismatch_unplanned(job, incident.first_step, self.clock())
+                 if isinstance(incident, MismatchIncident) else None)
+        if retry is not None:
+            why += f"; planned again in {retry:.0f}s if the replicas still disagree"
         self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}", why,
-                               {"job_id": job, "anomaly_start": anomaly_start, "verified": (verified or [])[-8:]})
+                               {"job_id": job, "anomaly_start": anomaly_start, "verified": (verified or [])[-8:],
+                                "replan_in_s": retry if retry is not None else 0.0})
 
     def _plan_mismatch(self, job: str, inc: MismatchIncident, seq: int, verified: list[int],
                        restores_at: int | None = None) -> None:
@@ -102,14 +111,14 @@ class RollbackPlanner:
         older = [s for s in verified if s < inc.first_step]
         if not older:
             self._impossible(job, inc.first_step, f"replicas disagree from step {inc.first_step} and no VERIFIED "
-                             "checkpoint is older to roll back to", verified)
+                             "checkpoint is older to roll back to", verified, incident=inc)
             return
         target = max(older)
         reason = (f"replica mismatch from step {inc.first_step} ({inc.method}, {inc.replicas} replicas): roll "
                   f"back to verified step {target} and replay the batches since")
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=target, skip_batches=0,
                                  reason=reason, event_seq=seq)
-        if not self.jobs.set_directive(job, directive, inc.first_step, time.time(), restores_at):
+        if not self.jobs.set_directive(job, directive, inc.first_step, self.clock(), restores_at):
             return
         self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step "
                                f"{target}, skip 0 batches ({reason})",

@@ -223,8 +223,10 @@ JOB_FORGOTTEN = _kind("job.forgotten", INFO, JOB, "a job sent no report for jobs
 JOB_ROLLBACK = _kind("job.rollback", INFO, JOB, "a job's steps went back: it restored a checkpoint")
 JOB_ROLLBACK_DIRECTIVE = _kind("job.rollback_directive", WARNING, JOB, "the agent tells the job's ranks to restore "
                                "a VERIFIED checkpoint and skip batches")
-JOB_ROLLBACK_IMPOSSIBLE = _kind("job.rollback_impossible", CRITICAL, JOB, "a rollback was due but no VERIFIED "
-                                "checkpoint is older than the anomaly", alerts=("SDCWatchCriticalEvent",))
+JOB_ROLLBACK_IMPOSSIBLE = _kind("job.rollback_impossible", CRITICAL, JOB, "a rollback was due but none was "
+                                "planned: no VERIFIED checkpoint is older than the anomaly, or the checkpoints did "
+                                "not answer in time (a replica mismatch is planned again while its replicas "
+                                "disagree)", alerts=("SDCWatchCriticalEvent",))
 JOB_VOTE_UNAVAILABLE = _kind("job.vote_unavailable", WARNING, JOB, "a job's ranks cannot vote: their shards have "
                              "no replica (plain FSDP); silent corruption of the weights is not caught by a vote "
                              "(checks still run; use HSDP for a vote); once per job")

@@ -289,6 +289,61 @@ def test_a_replica_mismatch_incident_asks_for_one_rollback_to_before_its_first_s
     assert out is not None and len(out.rollbacks) == 1 and out.rollbacks[0][1].first_step == 140
 
 
+def test_a_mismatch_whose_plan_found_no_rollback_is_planned_again_while_the_replicas_disagree(tmp_path: Path) -> None:
+    """A plan that found no VERIFIED checkpoint before the mismatch (on a loaded agent the byte comparison
+    that verifies it can come later) or no answer in time was never made again: the job ran on with every
+    update vetoed and no directive (test_readme_loop, loaded). Now, while the replicas still disagree, a
+    later vote plans again after 10 s, then 20 s, ...; the event says when; closing the incident resets it."""
+    clock = [1000.0]
+
+    async def run() -> tuple[list, JobTracker, list[float]]:
+        journal = Journal(tmp_path / "journal").open()
+        bus = EventBus(journal, host="n0")
+        bus.bind_loop(asyncio.get_running_loop())
+        background = Background()
+        tracker = JobTracker(rollback=RollbackPolicy())
+        verified = Verified([])
+        planner = RollbackPlanner(RollbackPolicy(), checkpoints=verified, jobs=tracker, publisher=bus,
+                                  background=background, clock=lambda: clock[0])
+        asked: list[float] = []
+
+        async def votes(steps: range, at: float) -> None:
+            clock[0] = at
+            for step in steps:
+                for rank in (0, 1):
+                    out = tracker.report(_vote(step, rank, agreed=step < 100), at)
+                    published = [bus.publish_finding(f) for f in (out.findings if out else [])]
+                    for index, ev in (out.rollbacks if out else []):
+                        asked.append(at)
+                        planner.request("m", ev, published[index].seq if published[index] else 0)
+                while len(background):
+                    await asyncio.sleep(0.01)
+
+        await votes(range(95, 105), 1000.0)     # the plan at step 100: nothing VERIFIED before it
+        await votes(range(105, 110), 1009.0)    # within 10 s: not again
+        await votes(range(110, 112), 1011.0)    # planned again: still nothing
+        await votes(range(112, 114), 1030.0)    # within the next 20 s: not again
+        verified.steps = [50]                   # the comparison of step 50 is done
+        await votes(range(114, 116), 1032.0)    # planned again: the directive
+        await votes(range(116, 120), 2000.0)    # planned once, handed out: no more plans
+        await background.cancel()
+        journal.close()
+        return [(e.kind, dict(e.details), e.message) for e in bus.recent(0) or []], tracker, asked
+
+    events, tracker, asked = asyncio.run(run())
+    assert asked == [1000.0, 1011.0, 1032.0], asked
+    impossible = [(d, m) for k, d, m in events if k == "job.rollback_impossible"]
+    assert [d["replan_in_s"] for d, _ in impossible] == [10.0, 20.0], impossible
+    assert "planned again in 10s if the replicas still disagree" in impossible[0][1]
+    directives = [d for k, d, _ in events if k == "job.rollback_directive"]
+    assert len(directives) == 1 and directives[0]["target_step"] == 50 and directives[0]["skip_batches"] == 0
+    job = tracker.jobs["m"]
+    tracker.report(pb.ReportStepRequest(job_id="m", rank=0, world_size=2, step=51), 2001.0)   # restored
+    assert job.mismatch_from is None and job.mismatch_plans == 0 and job.mismatch_retry_at == 0.0
+    out = tracker.report(_vote(140, 0, agreed=False), 2002.0)
+    assert out is not None and len(out.rollbacks) == 1, "a new incident plans at once"
+
+
 def test_with_a_majority_the_ranks_get_one_update_to_repair_before_a_rollback_is_planned() -> None:
     def vote(tracker: JobTracker, step: int, agreed: bool) -> ReportOutcome | None:
         req = pb.ReportStepRequest(job_id="h", rank=0, world_size=3, step=step + 1, replica_group="world")
