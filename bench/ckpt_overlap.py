@@ -851,7 +851,7 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     return rows + gs.rows(f"{tag}, outside the save")
 
 
-TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "oncompute", "gentle")
+TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "oncompute", "gentle", "timed")
 
 
 def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
@@ -863,7 +863,9 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     copies), three saves in flight? (ckpt30: the copy thread and an L2 evict-first hint on the kernels' loads
     made no difference; the hint was removed.) Or their stream (ownstream: a stream of their own that waits
     for the training's, the copies not ordered after them; oncompute: the training's stream), or their grid
-    (gentle: the same plan with 2 work items per SM instead of 32: a slower, lighter read of the sources)?
+    (gentle: the same plan with 2 work items per SM instead of 32: a slower, lighter read of the sources)? How
+    long do the fingerprints take on the device in the save path (timed: the shipped path with CUDA events
+    around them, the median reported)?
     `which`: the arms' keys (TOGGLE_ARMS), "every" always."""
     import checkpoint.snapshot as snapmod
     snap = client.snapshotter
@@ -871,6 +873,7 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     real_fp = snapmod._enqueue_fingerprints
     base = (cfg.copy_thread, cfg.max_inflight)
     compute = torch.cuda.current_stream(device) if device.type == "cuda" else None   # the training's stream
+    spans: dict[str, list[tuple[Any, Any]]] = {}   # arm -> events around each save's fingerprints
     own = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     def on_own(dev: torch.device, *a: Any) -> None:
@@ -880,13 +883,27 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
             return real_fp(dev, *a)
         own.wait_stream(compute)
         with torch.cuda.stream(own):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
             real_fp(dev, *a)
+            e1.record()
+            spans.setdefault("fp own stream", []).append((e0, e1))
 
     def on_compute(dev: torch.device, *a: Any) -> None:
         if compute is None:
             return real_fp(dev, *a)
         with torch.cuda.stream(compute):
             real_fp(dev, *a)
+
+    def timed_fp(dev: torch.device, *a: Any) -> None:
+        """The shipped path, with events before and after the fingerprints on their stream."""
+        if device.type != "cuda":
+            return real_fp(dev, *a)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        real_fp(dev, *a)
+        e1.record()
+        spans.setdefault("fp timed", []).append((e0, e1))
 
     alts: dict[int, Any] = {}    # id(the client's plan) -> its gentle twin
     origs: dict[int, Any] = {}   # id(a twin) -> the client's plan (kept alive: the ids stay unique)
@@ -968,7 +985,8 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
              "inflight1": ("every, 1 in flight", lambda: arm("1 in flight", inflight=1)),
              "ownstream": ("every, fingerprints on a stream of their own", lambda: arm("fp own stream", fp=on_own)),
              "oncompute": ("every, fingerprints on the training's stream", lambda: arm("fp on compute", fp=on_compute)),
-             "gentle": ("every, fingerprint plan with 2 items per SM", lambda: arm("fp 2 items/SM", gentle=True))}
+             "gentle": ("every, fingerprint plan with 2 items per SM", lambda: arm("fp 2 items/SM", gentle=True)),
+             "timed": ("every, fingerprints timed", lambda: arm("fp timed", fp=timed_fp))}
     arms = {"off": off, "every": arm("every")}
     arms.update({every[k][0]: every[k][1]() for k in TOGGLE_ARMS if k in which})
     snapmod.copy_all = copy_then_fp   # a pass-through while nothing is stashed
@@ -982,9 +1000,18 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         cfg.copy_thread, cfg.max_inflight = base
         use_plan(False)
     base_t = statistics.median(times["off"])
+    notes: dict[str, str] = {}
+    if spans:
+        torch.cuda.synchronize(device)
+    for label, pairs in spans.items():
+        ms = sorted(a.elapsed_time(b) for a, b in pairs)
+        notes[label] = (f"; the fingerprints on the device: median {statistics.median(ms):.2f} ms, "
+                        f"max {ms[-1]:.2f} ms over {len(ms)} saves")
+    labels = {every[k][0]: lbl for k, lbl in (("timed", "fp timed"), ("ownstream", "fp own stream"))}
     rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
-                        f"{1e3 * base_t:.2f} ms, {len(v)} blocks)") for name, v in times.items() if name != "off"]
+                        f"{1e3 * base_t:.2f} ms, {len(v)} blocks)" + notes.get(labels.get(name, ""), ""))
+                       for name, v in times.items() if name != "off"]
     return rows + gs.rows(f"{tag}, toggled")
 
 

@@ -286,6 +286,10 @@ want ckpt35 && step ckpt35-tests 150 python3 -m pytest -p no:cacheprovider -q -m
   tests/test_checkpoint_overlap.py tests/test_step_guard.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
 want ckpt35 && step ckpt35 330 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on --toggles nofp,words,ownstream
+# ckpt36 (ckpt34-35: the kernels cost a slow client only where something waits for their completion): how long
+# do they take on the device in the save path, shipped and on a stream of their own, slow and fast clients?
+want ckpt36 && step ckpt36 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles timed,ownstream,nofp
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
