@@ -290,6 +290,11 @@ want ckpt35 && step ckpt35 330 python3 bench/ckpt_overlap.py --parts b --checksu
 # do they take on the device in the save path, shipped and on a stream of their own, slow and fast clients?
 want ckpt36 && step ckpt36 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles timed,ownstream,nofp
+# ckpt37: ckpt35 short (the save path's GPU tests, three modes, the floor arm)
+want ckpt37 && step ckpt37-tests 100 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
+want ckpt37 && step ckpt37 150 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
