@@ -851,7 +851,8 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     return rows + gs.rows(f"{tag}, outside the save")
 
 
-TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "oncompute", "gentle", "timed")
+TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "oncompute", "gentle", "timed",
+               "ownnext", "ownwaited")
 
 
 def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
@@ -865,7 +866,9 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     for the training's, the copies not ordered after them; oncompute: the training's stream), or their grid
     (gentle: the same plan with 2 work items per SM instead of 32: a slower, lighter read of the sources)? How
     long do the fingerprints take on the device in the save path (timed: the shipped path with CUDA events
-    around them, the median reported)?
+    around them, the median reported)? Is it the fingerprint stream's identity or a device wait for it (ownnext:
+    the pool stream after the side stream's, as a client's own stream made at its start would be; ownwaited:
+    the late-made stream with the next update waiting for the kernels on the device)?
     `which`: the arms' keys (TOGGLE_ARMS), "every" always."""
     import checkpoint.snapshot as snapmod
     snap = client.snapshotter
@@ -876,18 +879,32 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     spans: dict[str, list[tuple[Any, Any]]] = {}   # arm -> events around each save's fingerprints
     own = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
-    def on_own(dev: torch.device, *a: Any) -> None:
-        """The fingerprints on a stream of their own, after the training's work so far (the words land there,
-        unjoined: timing only)."""
-        if own is None:
-            return real_fp(dev, *a)
-        own.wait_stream(compute)
-        with torch.cuda.stream(own):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            real_fp(dev, *a)
-            e1.record()
-            spans.setdefault("fp own stream", []).append((e0, e1))
+    # ownnext: the pool stream after the side stream's (where a client's own fingerprint stream made at its
+    # start would be); own: one made now, late in the process (ckpt34-37: fast in every client, while the
+    # product variants' stream, made next to the side stream, stayed slow)
+    nxt = None
+    if device.type == "cuda":
+        side_index = snap._side_stream(device).stream_id >> 5
+        nxt = pool_stream(device, 0, (side_index + 1) % 32)
+
+    def fp_on(stream: Any, label: str, waited: bool = False) -> Callable[..., None]:
+        def run(dev: torch.device, *a: Any) -> None:
+            """The fingerprints on `stream`, after the training's work so far (the words land there, unjoined:
+            timing only); `waited`: the next update waits for them on the device, as for the copies."""
+            if stream is None:
+                return real_fp(dev, *a)
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                real_fp(dev, *a)
+                e1.record()
+                spans.setdefault(label, []).append((e0, e1))
+            if waited:
+                snap._inflight.append((dev, e1))
+        return run
+
+    on_own = fp_on(own, "fp own stream")
 
     def on_compute(dev: torch.device, *a: Any) -> None:
         if compute is None:
@@ -984,6 +1001,10 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
              "after": ("every, fingerprints after the copies", lambda: arm("fp after copies", after=True)),
              "inflight1": ("every, 1 in flight", lambda: arm("1 in flight", inflight=1)),
              "ownstream": ("every, fingerprints on a stream of their own", lambda: arm("fp own stream", fp=on_own)),
+             "ownnext": ("every, fingerprints on the pool stream after the side stream's",
+                         lambda: arm("fp next stream", fp=fp_on(nxt, "fp next stream"))),
+             "ownwaited": ("every, fingerprints on their own stream, the update waiting for them",
+                           lambda: arm("fp own waited", fp=fp_on(own, "fp own waited", waited=True))),
              "oncompute": ("every, fingerprints on the training's stream", lambda: arm("fp on compute", fp=on_compute)),
              "gentle": ("every, fingerprint plan with 2 items per SM", lambda: arm("fp 2 items/SM", gentle=True)),
              "timed": ("every, fingerprints timed", lambda: arm("fp timed", fp=timed_fp))}
@@ -1007,7 +1028,8 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         ms = sorted(a.elapsed_time(b) for a, b in pairs)
         notes[label] = (f"; the fingerprints on the device: median {statistics.median(ms):.2f} ms, "
                         f"max {ms[-1]:.2f} ms over {len(ms)} saves")
-    labels = {every[k][0]: lbl for k, lbl in (("timed", "fp timed"), ("ownstream", "fp own stream"))}
+    labels = {every[k][0]: lbl for k, lbl in (("timed", "fp timed"), ("ownstream", "fp own stream"),
+                                               ("ownnext", "fp next stream"), ("ownwaited", "fp own waited"))}
     rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
                         f"{1e3 * base_t:.2f} ms, {len(v)} blocks)" + notes.get(labels.get(name, ""), ""))

@@ -295,6 +295,10 @@ want ckpt37 && step ckpt37-tests 100 python3 -m pytest -p no:cacheprovider -q -m
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
 want ckpt37 && step ckpt37 150 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp
+# ckpt38 (ckpt34-37: the bench's late-made own stream is fast in every client; the product variants' stream, made
+# next to the side stream, with or without device waits, slow in slow clients): the stream's identity or a wait?
+want ckpt38 && step ckpt38 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles ownstream,ownnext,ownwaited,nofp
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
