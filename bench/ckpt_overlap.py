@@ -965,7 +965,10 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     real_copy_all = snapmod.copy_all
     stash: list[tuple[Any, ...]] = []
 
+    after_counts = [0, 0]   # stashed, run
+
     def fp_stashed(*a: Any) -> None:
+        after_counts[0] += 1
         stash.append(a)
 
     def copy_then_fp(dsts: Any, srcs: Any, idx: Any) -> None:
@@ -974,6 +977,7 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         real_copy_all(dsts, srcs, idx)
         if threading.current_thread().name.startswith("sdcw-ckpt-copy"):
             while stash:
+                after_counts[1] += 1
                 real_fp(*stash.pop(0))
 
     def arm(name: str, fp: Callable[..., None] | None = None, inflight: int = base[1],
@@ -1028,8 +1032,14 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         ms = sorted(a.elapsed_time(b) for a, b in pairs)
         notes[label] = (f"; the fingerprints on the device: median {statistics.median(ms):.2f} ms, "
                         f"max {ms[-1]:.2f} ms over {len(ms)} saves")
-    labels = {every[k][0]: lbl for k, lbl in (("timed", "fp timed"), ("ownstream", "fp own stream"),
-                                               ("ownnext", "fp next stream"), ("ownwaited", "fp own waited"))}
+    if after_counts[0]:   # the arm relies on the copy thread enqueueing the fingerprints (the snapshotter's fp_later)
+        stashed, ran = after_counts
+        notes["fp after copies"] = (f"; {ran} of {stashed} stashed fingerprints ran" +
+                                    ("" if stashed - ran <= cfg.max_inflight else
+                                     ": NOT A MEASUREMENT (the snapshotter no longer enqueues them on its copy thread)"))
+    labels = {every[k][0]: lbl for k, lbl in (("after", "fp after copies"), ("timed", "fp timed"),
+                                               ("ownstream", "fp own stream"), ("ownnext", "fp next stream"),
+                                               ("ownwaited", "fp own waited"))}
     rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
                         f"{1e3 * base_t:.2f} ms, {len(v)} blocks)" + notes.get(labels.get(name, ""), ""))
