@@ -188,14 +188,33 @@ def short_tmp() -> Iterator[Path]:
 
 
 def _remove_memory_dirs(tmp: Path) -> None:
-    """The node memory dirs of agents whose state dirs were under `tmp` (they outlive their agents)."""
+    """The node memory dirs of agents whose state dirs were under `tmp`, two levels down at most (they
+    outlive their agents by design; each is named after its state dir's path, so only this test's go)."""
     from checkpoint.shm_store import default_shm_root
     from sdcwatch.safe_fs import remove_tree
 
-    for state in [tmp, *(p for p in tmp.iterdir() if p.is_dir() and not p.is_symlink())]:
+    def dirs(d: Path) -> list[Path]:
+        try:
+            return [p for p in d.iterdir() if p.is_dir() and not p.is_symlink()]
+        except OSError:
+            return []
+
+    if not tmp.is_dir():
+        return
+    children = dirs(tmp)
+    for state in [tmp, *children, *(g for c in children for g in dirs(c))]:
         mem = default_shm_root(state)
         if mem.parent.is_dir():
             remove_tree(mem.parent)
+
+
+@pytest.fixture(autouse=True)
+def _memory_dirs_of_tmp_path(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The same for the test's `tmp_path` (set up first and torn down last: its agents are stopped by then)."""
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is not None:
+        _remove_memory_dirs(tmp)
 
 
 os.environ.setdefault("SDCWATCH_TEST", "1")
