@@ -98,6 +98,35 @@ class AgentProcess:
         self.stop()
 
 
+def remove_memory_dirs(tmp: Path) -> None:
+    """The node memory dirs of agents whose state dirs were under `tmp`, two levels down at most (they
+    outlive their agents by design; each is named after its state dir's path, so only these go)."""
+    from checkpoint.shm_store import default_shm_root
+    from sdcwatch.safe_fs import remove_tree
+
+    def dirs(d: Path) -> list[Path]:
+        try:
+            return [p for p in d.iterdir() if p.is_dir() and not p.is_symlink()]
+        except OSError:
+            return []
+
+    if not tmp.is_dir():
+        return
+    children = dirs(tmp)
+    for state in [tmp, *children, *(g for c in children for g in dirs(c))]:
+        mem = default_shm_root(state)
+        if mem.parent.is_dir():
+            remove_tree(mem.parent)
+
+
+def remove_test_dir(tmp: Path) -> None:
+    """A test's temp dir and the memory dirs of the agents whose state dirs were in it."""
+    import shutil
+
+    remove_memory_dirs(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`sdcwatch ARGS` in a subprocess; `timeout` is for an idle machine (scaled by the suite's slowdown)."""
     e = dict(os.environ)

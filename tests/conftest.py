@@ -183,29 +183,9 @@ def short_tmp() -> Iterator[Path]:
     try:
         yield Path(d)
     finally:
-        _remove_memory_dirs(Path(d))
-        shutil.rmtree(d, ignore_errors=True)
+        from agent_harness import remove_test_dir
 
-
-def _remove_memory_dirs(tmp: Path) -> None:
-    """The node memory dirs of agents whose state dirs were under `tmp`, two levels down at most (they
-    outlive their agents by design; each is named after its state dir's path, so only this test's go)."""
-    from checkpoint.shm_store import default_shm_root
-    from sdcwatch.safe_fs import remove_tree
-
-    def dirs(d: Path) -> list[Path]:
-        try:
-            return [p for p in d.iterdir() if p.is_dir() and not p.is_symlink()]
-        except OSError:
-            return []
-
-    if not tmp.is_dir():
-        return
-    children = dirs(tmp)
-    for state in [tmp, *children, *(g for c in children for g in dirs(c))]:
-        mem = default_shm_root(state)
-        if mem.parent.is_dir():
-            remove_tree(mem.parent)
+        remove_test_dir(Path(d))
 
 
 @pytest.fixture(autouse=True)
@@ -214,7 +194,9 @@ def _memory_dirs_of_tmp_path(request: pytest.FixtureRequest) -> Iterator[None]:
     tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
     yield
     if tmp is not None:
-        _remove_memory_dirs(tmp)
+        from agent_harness import remove_memory_dirs
+
+        remove_memory_dirs(tmp)
 
 
 os.environ.setdefault("SDCWATCH_TEST", "1")

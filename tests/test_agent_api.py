@@ -20,11 +20,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     """One agent for this module's tests (they only add events and jobs; none depends on a clean slate)."""
-    import shutil
     import tempfile
     from pathlib import Path
 
-    from agent_harness import AgentProcess
+    from agent_harness import AgentProcess, remove_test_dir
 
     d = Path(tempfile.mkdtemp(prefix="sdcw-", dir="/tmp"))
     proc = AgentProcess(d / "state").start()
@@ -32,7 +31,7 @@ def agent(tmp_path_factory):
         yield proc
     finally:
         proc.stop()
-        shutil.rmtree(d, ignore_errors=True)
+        remove_test_dir(d)
 
 
 def good_report(**kw):

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import grpc
 import pytest
 
-from agent_harness import AgentProcess
+from agent_harness import AgentProcess, remove_test_dir
 from alerting_support import HOLD, WINDOW, Alertmanager, Prometheus, alertmanager_binary, shorten_rules
 from deploy_support import RULES
 from proto.sdcwatch.v1 import agent_pb2 as pb
@@ -157,7 +157,7 @@ def loss_stack() -> Iterator[tuple[AgentProcess, Prometheus, Alertmanager]]:
             prom.stop()
         agent.stop()
         am.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_test_dir(workdir)
 
 
 def _report(stub: pb_grpc.AgentStub, job: str, step: int, loss: float, grad_norm: float,

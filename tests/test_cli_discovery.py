@@ -4,14 +4,13 @@ where they looked. A state dir the agent cannot create or write exits 2 with the
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from agent_harness import AgentProcess, cli
+from agent_harness import AgentProcess, cli, remove_test_dir
 from sdcwatch.paths import Located, default_state_dir, locate_socket
 
 CLEAN = {"SDCWATCH_SOCKET": "", "SDCWATCH_STATE_DIR": "", "SDCWATCH_AGENT_SOCKET": "",
@@ -45,7 +44,7 @@ def started() -> Iterator[AgentProcess]:
         yield agent
     finally:
         agent.stop()
-        shutil.rmtree(d, ignore_errors=True)
+        remove_test_dir(d)
 
 
 def test_status_finds_the_agent_started_with_a_state_dir(started: AgentProcess) -> None:

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent_harness import AgentProcess
+from agent_harness import AgentProcess, remove_test_dir
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 from proto.sdcwatch.v1 import checkpoint_pb2 as cpb
@@ -113,7 +113,6 @@ def _build(cls, desc: Descriptor, values: dict) -> object:
 def agent(tmp_path_factory):
     import tempfile
     from pathlib import Path
-    import shutil
 
     d = Path(tempfile.mkdtemp(prefix="sdcw-fz-", dir="/tmp"))
     proc = AgentProcess(d / "s", "--hostname", "fuzz-node").start()
@@ -121,7 +120,7 @@ def agent(tmp_path_factory):
         yield proc
     finally:
         proc.stop(timeout=30)
-        shutil.rmtree(d, ignore_errors=True)
+        remove_test_dir(d)
 
 
 def _methods(channel: grpc.Channel):

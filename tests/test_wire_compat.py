@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import tempfile
 import time
 import uuid
@@ -31,11 +30,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
-from agent_harness import AgentProcess, cli
+from agent_harness import AgentProcess, cli, remove_test_dir
 from checkpoint.client import CheckpointClient
 from checkpoint.grpc_store import GrpcBlobStore
 from checkpoint.locations import dir_store_for
-from checkpoint.shm_store import default_shm_root
 from checkpoint.snapshot import SnapshotConfig
 from checksums.monitor import Monitor
 from checksums.reporter import StepReporter
@@ -72,8 +70,7 @@ def new_agent() -> Iterator[AgentProcess]:
         yield agent.start()
     finally:
         agent.stop()
-        shutil.rmtree(default_shm_root(agent.state_dir), ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_test_dir(tmp)
 
 
 def _released_report(job: str, step: int, loss: float, vote_about: int | None = None) -> Any:
