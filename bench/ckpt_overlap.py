@@ -851,8 +851,7 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     return rows + gs.rows(f"{tag}, outside the save")
 
 
-TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "oncompute", "gentle", "timed",
-               "ownnext", "ownwaited")
+TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "timed", "ownnext", "ownwaited")
 
 
 def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
@@ -861,84 +860,52 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     client): the save path with one part changed at a time, interleaved with no checkpoint, each arm with its
     PCIe traffic. Which part of the save carries a slow mode's cost: the fingerprint kernels, the copy of their
     words to the host (either skipped: the saves keep stale words, timing only), the kernels' place (after the
-    copies), three saves in flight? (ckpt30: the copy thread and an L2 evict-first hint on the kernels' loads
-    made no difference; the hint was removed.) Or their stream (ownstream: a stream of their own that waits
-    for the training's, the copies not ordered after them; oncompute: the training's stream), or their grid
-    (gentle: the same plan with 2 work items per SM instead of 32: a slower, lighter read of the sources)? How
-    long do the fingerprints take on the device in the save path (timed: the shipped path with CUDA events
-    around them, the median reported)? Is it the fingerprint stream's identity or a device wait for it (ownnext:
-    the pool stream after the side stream's, as a client's own stream made at its start would be; ownwaited:
-    the late-made stream with the next update waiting for the kernels on the device)?
+    copies), three saves in flight? Their stream (ownstream: a stream of their own made now, late in the
+    process, that waits for the training's, the copies not ordered after them; ownnext: the pool stream after
+    the side stream's, as a client's own stream made at its start would be; ownwaited: the late-made stream,
+    the next update waiting for the kernels on the device)? How long do they take on the device (timed: the
+    shipped path; the stream arms are timed too: CUDA events around each save's fingerprints, the median
+    reported)? (Measured and removed: the copy thread and an L2 evict-first hint, ckpt30; the training's
+    stream and a lighter grid, ckpt34.)
     `which`: the arms' keys (TOGGLE_ARMS), "every" always."""
     import checkpoint.snapshot as snapmod
     snap = client.snapshotter
     cfg = snap.config
     real_fp = snapmod._enqueue_fingerprints
     base = (cfg.copy_thread, cfg.max_inflight)
-    compute = torch.cuda.current_stream(device) if device.type == "cuda" else None   # the training's stream
-    spans: dict[str, list[tuple[Any, Any]]] = {}   # arm -> events around each save's fingerprints
-    own = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    compute = torch.cuda.current_stream(device) if cuda else None   # the training's stream
+    spans: dict[str, list[tuple[Any, Any]]] = {}   # arm -> CUDA events around each save's fingerprints
+    gs = GpuSampler(device.index or 0)
 
-    # ownnext: the pool stream after the side stream's (where a client's own fingerprint stream made at its
-    # start would be); own: one made now, late in the process (ckpt34-37: fast in every client, while the
-    # product variants' stream, made next to the side stream, stayed slow)
-    nxt = None
-    if device.type == "cuda":
-        side_index = snap._side_stream(device).stream_id >> 5
-        nxt = pool_stream(device, 0, (side_index + 1) % 32)
-
-    def fp_on(stream: Any, label: str, waited: bool = False) -> Callable[..., None]:
-        def run(dev: torch.device, *a: Any) -> None:
-            """The fingerprints on `stream`, after the training's work so far (the words land there, unjoined:
-            timing only); `waited`: the next update waits for them on the device, as for the copies."""
-            if stream is None:
-                return real_fp(dev, *a)
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                real_fp(dev, *a)
-                e1.record()
-                spans.setdefault(label, []).append((e0, e1))
-            if waited:
-                snap._inflight.append((dev, e1))
-        return run
-
-    on_own = fp_on(own, "fp own stream")
-
-    def on_compute(dev: torch.device, *a: Any) -> None:
-        if compute is None:
-            return real_fp(dev, *a)
-        with torch.cuda.stream(compute):
+    def timed(dev: torch.device, *a: Any) -> Any:
+        """The real fingerprints on the current stream, between two events (kept under the arm's name)."""
+        if not cuda:
             real_fp(dev, *a)
-
-    def timed_fp(dev: torch.device, *a: Any) -> None:
-        """The shipped path, with events before and after the fingerprints on their stream."""
-        if device.type != "cuda":
-            return real_fp(dev, *a)
+            return None
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         real_fp(dev, *a)
         e1.record()
-        spans.setdefault("fp timed", []).append((e0, e1))
+        spans.setdefault(gs.arm, []).append((e0, e1))
+        return e1
 
-    alts: dict[int, Any] = {}    # id(the client's plan) -> its gentle twin
-    origs: dict[int, Any] = {}   # id(a twin) -> the client's plan (kept alive: the ids stay unique)
+    def fp_on(stream: Any, waited: bool = False) -> Callable[..., None]:
+        """The fingerprints on `stream`, after the training's work so far (the words land there, unjoined:
+        timing only); `waited`: the next update waits for them on the device, as for the copies."""
+        def run(dev: torch.device, *a: Any) -> None:
+            if stream is None:
+                real_fp(dev, *a)
+                return
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                done = timed(dev, *a)
+            if waited:
+                snap._inflight.append((dev, done))
+        return run
 
-    def use_plan(gentle: bool) -> None:
-        """Swap the client's fingerprint plan for one over the same pieces with 2 work items per SM (made once),
-        or back (the held key kept: the save's key check passes either way)."""
-        for dev, (key, plan) in list(snap._fp_plans.items()):
-            if gentle and id(plan) not in origs and hasattr(plan, "items_per_sm"):
-                alt = alts.get(id(plan))
-                if alt is None:
-                    from checksums.fingerprint_triton import TritonFingerprintPlan
-                    alt = alts[id(plan)] = TritonFingerprintPlan(plan._tensors, block=plan.block,
-                                                                 num_warps=plan.num_warps, items_per_sm=2)
-                    origs[id(alt)] = plan
-                snap._fp_plans[dev] = (key, alt)
-            elif not gentle and id(plan) in origs:
-                snap._fp_plans[dev] = (key, origs[id(plan)])
+    own = torch.cuda.Stream(device=device) if cuda else None
+    nxt = pool_stream(device, 0, ((snap._side_stream(device).stream_id >> 5) + 1) % 32) if cuda else None
 
     def no_fp(*_: Any) -> None:
         return None
@@ -960,11 +927,8 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         elif check is not None:
             real_fp(dev, None, check, None)
 
-    gs = GpuSampler(device.index or 0)
-
     real_copy_all = snapmod.copy_all
     stash: list[tuple[Any, ...]] = []
-
     after_counts = [0, 0]   # stashed, run
 
     def fp_stashed(*a: Any) -> None:
@@ -981,11 +945,10 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
                 real_fp(*stash.pop(0))
 
     def arm(name: str, fp: Callable[..., None] | None = None, inflight: int = base[1],
-            after: bool = False, gentle: bool = False) -> Callable[[], None]:
+            after: bool = False) -> Callable[[], None]:
         def run() -> None:
             gs.arm = name
             cfg.copy_thread, cfg.max_inflight = base[0], inflight
-            use_plan(gentle)
             # set for this step and left set until the next step sets its own: a save's fingerprints may be
             # enqueued by the copy thread after save() returns, which then sees this arm's (at a switch of arms,
             # the settling steps take the mix)
@@ -996,24 +959,24 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     def off() -> None:
         gs.arm = "off"
         cfg.copy_thread, cfg.max_inflight = base
-        use_plan(False)
         step_off()
 
-    every = {"nofp": ("every, no fingerprint kernels nor words", lambda: arm("no fingerprints", fp=no_fp)),
-             "kernels": ("every, fingerprint kernels, words not copied", lambda: arm("kernels only", fp=kernels_only)),
-             "words": ("every, words copied, no kernels", lambda: arm("words only", fp=words_only)),
-             "after": ("every, fingerprints after the copies", lambda: arm("fp after copies", after=True)),
-             "inflight1": ("every, 1 in flight", lambda: arm("1 in flight", inflight=1)),
-             "ownstream": ("every, fingerprints on a stream of their own", lambda: arm("fp own stream", fp=on_own)),
-             "ownnext": ("every, fingerprints on the pool stream after the side stream's",
-                         lambda: arm("fp next stream", fp=fp_on(nxt, "fp next stream"))),
-             "ownwaited": ("every, fingerprints on their own stream, the update waiting for them",
-                           lambda: arm("fp own waited", fp=fp_on(own, "fp own waited", waited=True))),
-             "oncompute": ("every, fingerprints on the training's stream", lambda: arm("fp on compute", fp=on_compute)),
-             "gentle": ("every, fingerprint plan with 2 items per SM", lambda: arm("fp 2 items/SM", gentle=True)),
-             "timed": ("every, fingerprints timed", lambda: arm("fp timed", fp=timed_fp))}
+    # key -> (the row's text, the arm's name: GPU sampler and spans, its arguments)
+    every: dict[str, tuple[str, str, dict[str, Any]]] = {
+        "nofp": ("every, no fingerprint kernels nor words", "no fingerprints", {"fp": no_fp}),
+        "kernels": ("every, fingerprint kernels, words not copied", "kernels only", {"fp": kernels_only}),
+        "words": ("every, words copied, no kernels", "words only", {"fp": words_only}),
+        "after": ("every, fingerprints after the copies", "fp after copies", {"after": True}),
+        "inflight1": ("every, 1 in flight", "1 in flight", {"inflight": 1}),
+        "ownstream": ("every, fingerprints on a stream of their own", "fp own stream", {"fp": fp_on(own)}),
+        "timed": ("every, fingerprints timed", "fp timed", {"fp": timed}),
+        "ownnext": ("every, fingerprints on the pool stream after the side stream's", "fp next stream",
+                    {"fp": fp_on(nxt)}),
+        "ownwaited": ("every, fingerprints on their own stream, the update waiting for them", "fp own waited",
+                      {"fp": fp_on(own, waited=True)})}
+    chosen = [every[k] for k in TOGGLE_ARMS if k in which]
     arms = {"off": off, "every": arm("every")}
-    arms.update({every[k][0]: every[k][1]() for k in TOGGLE_ARMS if k in which})
+    arms.update({text: arm(name, **kw) for text, name, kw in chosen})
     snapmod.copy_all = copy_then_fp   # a pass-through while nothing is stashed
     try:
         with gs:
@@ -1023,27 +986,22 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         snapmod.copy_all = real_copy_all
         snapmod._enqueue_fingerprints = real_fp
         cfg.copy_thread, cfg.max_inflight = base
-        use_plan(False)
     base_t = statistics.median(times["off"])
-    notes: dict[str, str] = {}
     if spans:
         torch.cuda.synchronize(device)
-    for label, pairs in spans.items():
-        ms = sorted(a.elapsed_time(b) for a, b in pairs)
-        notes[label] = (f"; the fingerprints on the device: median {statistics.median(ms):.2f} ms, "
-                        f"max {ms[-1]:.2f} ms over {len(ms)} saves")
+    notes = {name: f"; the fingerprints on the device: median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms "
+                   f"over {len(ms)} saves"
+             for name, ms in ((n, sorted(a.elapsed_time(b) for a, b in pairs)) for n, pairs in spans.items())}
     if after_counts[0]:   # the arm relies on the copy thread enqueueing the fingerprints (the snapshotter's fp_later)
         stashed, ran = after_counts
         notes["fp after copies"] = (f"; {ran} of {stashed} stashed fingerprints ran" +
                                     ("" if stashed - ran <= cfg.max_inflight else
                                      ": NOT A MEASUREMENT (the snapshotter no longer enqueues them on its copy thread)"))
-    labels = {every[k][0]: lbl for k, lbl in (("after", "fp after copies"), ("timed", "fp timed"),
-                                               ("ownstream", "fp own stream"), ("ownnext", "fp next stream"),
-                                               ("ownwaited", "fp own waited"))}
-    rows: list[Row] = [(f"[{tag}] toggled in this client: {name}", statistics.median(v),
+    name_of = {text: name for text, name, _ in chosen}
+    rows: list[Row] = [(f"[{tag}] toggled in this client: {text}", statistics.median(v),
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
-                        f"{1e3 * base_t:.2f} ms, {len(v)} blocks)" + notes.get(labels.get(name, ""), ""))
-                       for name, v in times.items() if name != "off"]
+                        f"{1e3 * base_t:.2f} ms, {len(v)} blocks)" + notes.get(name_of.get(text, text), ""))
+                       for text, v in times.items() if text != "off"]
     return rows + gs.rows(f"{tag}, toggled")
 
 

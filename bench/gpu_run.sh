@@ -277,9 +277,9 @@ want ckpt33 && step ckpt33 240 python3 bench/ckpt_overlap.py --parts b --checksu
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --beside-fp
 # ckpt34 (ckpt32-33: neither a new plan, another mode's plan, nor the free slots registered again moves a slow
 # client; outside the save the kernels before a copy cost alike in slow and fast clients): the fingerprints on a
-# stream of their own, on the training's stream, or with a lighter grid (2 work items per SM)
+# stream of their own (its arms on the training's stream and with a lighter grid were removed after measuring)
 want ckpt34 && step ckpt34 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp,ownstream,oncompute,gentle
+  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp,ownstream
 # ckpt35: a product variant (the save's fingerprints on a stream of their own, the update and the background
 # waiting for their event) with the save path's GPU tests, four modes, and the floor arms; see docs/BENCHMARKS.md
 want ckpt35 && step ckpt35-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \

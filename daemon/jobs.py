@@ -452,7 +452,6 @@ class JobTracker:
         job.reason = f"replica mismatch at step {vote.step}"
         if job.mismatch_from is None:
             job.incidents += 1                 # a new incident: its own event (the bus folds per incident)
-            job.mismatch_plans, job.mismatch_retry_at = 0, 0.0
         if job.mismatch_from is None or vote.step < job.mismatch_from:
             job.mismatch_from, job.mismatch_planned = vote.step, False
         # one plan per incident: at once without a majority (two replicas); with a majority the ranks may

@@ -63,22 +63,22 @@ class RollbackPlanner:
             try:
                 await asyncio.wait_for(ready, self.timeout_s)
             except asyncio.TimeoutError:
-                self._impossible(job, _start(ev), f"the checkpoint coordinator did not take the events before "
-                                 f"the anomaly in {self.timeout_s:.0f}s: no rollback planned", incident=ev)
+                self._impossible(job, ev, f"the checkpoint coordinator did not take the events before the "
+                                 f"anomaly in {self.timeout_s:.0f}s: no rollback planned")
                 return
         try:
             verified = await asyncio.wait_for(self.pool.run(self.checkpoints.verified_steps, job), self.timeout_s)
         except asyncio.TimeoutError:
-            self._impossible(job, _start(ev), f"the checkpoint index did not answer in {self.timeout_s:.0f}s "
-                             f"({self.pool.describe()}): no rollback planned", incident=ev)
+            self._impossible(job, ev, f"the checkpoint index did not answer in {self.timeout_s:.0f}s "
+                             f"({self.pool.describe()}): no rollback planned")
             return
         if isinstance(ev, MismatchIncident):
             self._plan_mismatch(job, ev, seq, verified, restores_at)
             return
         decision = self.policy.decide(ev, verified)
         if decision is None:
-            self._impossible(job, ev.start_step,
-                             f"no VERIFIED checkpoint older than step {ev.start_step} to roll back to", verified)
+            self._impossible(job, ev, f"no VERIFIED checkpoint older than step {ev.start_step} to roll back to",
+                             verified)
             return
         skip = max(0, decision.skip_to_step - (decision.target_step + 1))
         directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
@@ -91,17 +91,17 @@ class RollbackPlanner:
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
                                 "cause_seq": seq})
 
-    def _impossible(self, job: str, anomaly_start: int, why: str, verified: list[int] | None = None,
-                    incident: LossEvent | MismatchIncident | None = None) -> None:
-        """No rollback planned: a `job.rollback_impossible` event saying why (with the newest VERIFIED steps).
-        For a replica-mismatch `incident` the tracker plans again while its replicas still disagree (a
-        VERIFIED checkpoint may come, or the checkpoints answer, later): the event says when."""
-        retry = (self.jobs.mismatch_unplanned(job, incident.first_step, self.clock())
-                 if isinstance(incident, MismatchIncident) else None)
+    def _impossible(self, job: str, ev: LossEvent | MismatchIncident, why: str,
+                    verified: list[int] | None = None) -> None:
+        """No rollback planned for `ev`: a `job.rollback_impossible` event saying why (with the newest
+        VERIFIED steps). For a replica-mismatch incident the tracker plans again while its replicas still
+        disagree (a VERIFIED checkpoint may come, or the checkpoints answer, later): the event says when."""
+        retry = (self.jobs.mismatch_unplanned(job, ev.first_step, self.clock())
+                 if isinstance(ev, MismatchIncident) else None)
         if retry is not None:
             why += f"; planned again in {retry:.0f}s if the replicas still disagree"
         self.publisher.publish(ek.JOB_ROLLBACK_IMPOSSIBLE, f"job/{job}", why,
-                               {"job_id": job, "anomaly_start": anomaly_start, "verified": (verified or [])[-8:],
+                               {"job_id": job, "anomaly_start": _start(ev), "verified": (verified or [])[-8:],
                                 "replan_in_s": retry if retry is not None else 0.0})
 
     def _plan_mismatch(self, job: str, inc: MismatchIncident, seq: int, verified: list[int],
@@ -110,8 +110,8 @@ class RollbackPlanner:
             return   # the ranks already went back before it (their own rollback or repair): nothing to do
         older = [s for s in verified if s < inc.first_step]
         if not older:
-            self._impossible(job, inc.first_step, f"replicas disagree from step {inc.first_step} and no VERIFIED "
-                             "checkpoint is older to roll back to", verified, incident=inc)
+            self._impossible(job, inc, f"replicas disagree from step {inc.first_step} and no VERIFIED "
+                             "checkpoint is older to roll back to", verified)
             return
         target = max(older)
         reason = (f"replica mismatch from step {inc.first_step} ({inc.method}, {inc.replicas} replicas): roll "
