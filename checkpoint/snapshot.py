@@ -7,8 +7,9 @@
      node memory (the bytes survive this process as soon as it completes); otherwise (`staging="private"`,
      or no free slot, or the agent's dir is not visible here, or the first save, which learns where the
      agent's dir is from its Begin) one private pinned arena reused across saves;
-  3. on CUDA: on a side stream that waits for the current stream, fingerprints the GPU tensors
-     (`checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into the buffer
+  3. on CUDA: on a side stream that waits for the current stream, fingerprints the GPU tensors (on a
+     fingerprint stream the side stream then waits for: `_enqueue_fingerprints`;
+     `checksums.fingerprint.fingerprint_tensors_async`, no sync) and copies every tensor into the buffer
      (gathered, `SnapshotConfig.gather_bytes`: packed on the device into a bounce buffer and copied a chunk
      at a time, tens of copies instead of one per tensor: checkpoint.gather);
   4. returns when the copy is complete (`block="copy"`) or as soon as it is enqueued (`block="enqueue"`:
@@ -304,12 +305,12 @@ class _Arena:
 
 
 class _WordBuffers:
-    """Pinned host buffers of fingerprint words ((n, 2) int64) a save's side stream copies into, reused:
-    a save takes one (`take`) and gives it back when its background is done with it (`give`), so a steady
-    save allocates no host memory (issue 21). Given back only once nothing writes it any more: the save's
-    background finishes after waiting for every event of the save's copies (the words' copy comes before
-    them on the side stream), the plan thread after synchronising the side stream. At most `keep` kept per
-    size."""
+    """Pinned host buffers of fingerprint words ((n, 2) int64) a save's fingerprint stream copies into,
+    reused: a save takes one (`take`) and its background gives it back before it is done (`give`), so a
+    steady save allocates no host memory (issue 21). Given back only once nothing writes it any more: the
+    save's background finishes after waiting for every event of the save's copies (the side stream waits for
+    the words' copy before them), the plan thread after synchronising the side stream. At most `keep` kept
+    per size."""
 
     def __init__(self, pin: bool, keep: int = 8) -> None:
         self.pin, self.keep = pin, keep
@@ -490,6 +491,7 @@ class Snapshotter:
         self._short = False   # the ring cannot hold the agent's checkpoints and a save (`_ring_short`)
         self._lock = threading.Lock()
         self._side: dict[torch.device, Any] = {}
+        self._fp_streams: dict[torch.device, Any] = {}
         self._ring: SlotRing | None = None
         self._location: str | None = None      # the agent's memory dir, learned from the first begin
         # the rank's last restore into its training state (`note_restore`): each save's begin carries it, so
@@ -647,13 +649,11 @@ class Snapshotter:
             self._last_events = events
             ph.mark("entries")
             blocking = time.perf_counter() - t0
-            fut = self._pool.submit(self._background, step, tree, entries, total, arena, events, src_fps,
-                                    blocking, time.perf_counter(), slot, stall, skipped, cut,
+            taken, self._taken = self._taken, []
+            fut = self._pool.submit(self._background_giving, taken, step, tree, entries, total, arena, events,
+                                    src_fps, blocking, time.perf_counter(), slot, stall, skipped, cut,
                                     [staged] if staged is not None else None, ph.out, [tensors],
                                     self.restored)
-            if self._taken:   # the fingerprint words' buffers: reused once the background has read them
-                taken, self._taken = self._taken, []
-                fut.add_done_callback(lambda _f: self._words.give(taken))
             self._last = SaveHandle(step, fut)
             if slot is None:   # the private arena (or, staged on the GPU, the arena it is copied into next)
                 self._arena_user = fut
@@ -1151,7 +1151,7 @@ class Snapshotter:
                 else:
                     _dst(arena, offsets[i], t).copy_(t.to("cpu"))
             if arena.device.type == "cuda" and idx:   # the uploads ran on the current stream: wait for them
-                up = torch.cuda.Event(blocking=True)
+                up = _sync_event()
                 up.record(torch.cuda.current_stream(arena.device))
                 events.append(up)
         return events, src_fps
@@ -1201,18 +1201,16 @@ class Snapshotter:
             if check:
                 fps_host = self._words.take(len(tensors))
                 self._taken.append(fps_host)
-            fingerprints = (run_pieces, tensors if check else None, fps_host)
+            fingerprints = (run_pieces, tensors if check else None, fps_host, self._fp_stream(dev))
             if not fp_later:   # the pieces' fingerprints, before any copy reads on
                 _enqueue_fingerprints(dev, *fingerprints)
             mark("copy.fingerprint")
-            # blocking: the background's synchronize() sleeps in the driver instead of spinning a core for the
-            # whole copy (H200: 48-88 ms of CPU per save with a default event, issue 21)
-            ev = torch.cuda.Event(blocking=True)
+            ev = _sync_event()
             if gp is not None:
                 mark("copy.views")
                 gp.run(0, arena, bounce, tensors)
                 if 0 < early < len(tensors):
-                    ev_early = torch.cuda.Event(blocking=True)
+                    ev_early = _sync_event()
                     ev_early.record(side)
                 gp.run(1, arena, bounce, tensors)
             else:
@@ -1220,7 +1218,7 @@ class Snapshotter:
                 mark("copy.views")
                 if 0 < early < len(tensors):
                     copy_all(dsts, tensors, seq[:early])
-                    ev_early = torch.cuda.Event(blocking=True)
+                    ev_early = _sync_event()
                     ev_early.record(side)
                     rest = seq[early:]
                 else:
@@ -1332,8 +1330,8 @@ class Snapshotter:
 
     def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece],
                              key: Any = None) -> Callable[[], torch.Tensor]:
-        """A call that launches (on the current stream: the side stream) the fingerprint of every piece of
-        this device's tensors and returns int64 [len(cut), 2] on the device. The fused Triton plan is kept
+        """A call that launches (on the current stream: the fingerprint stream) the fingerprint of every
+        piece of this device's tensors and returns int64 [len(cut), 2] on the device. The fused Triton plan is kept
         while the layout (the tensors' addresses, dtypes, shapes and the pieces) stays; without Triton (or
         for a non-contiguous tensor, fingerprinted from a contiguous copy), torch ops."""
         key = self._plan_key(tensors, cut) if key is None else key
@@ -1436,14 +1434,22 @@ class Snapshotter:
                 side = self._side_stream(dev)
                 with torch.cuda.device(dev), torch.cuda.stream(side):
                     run = self._piece_fingerprinter(dev, tensors, mine)
-                    # one run now (its result unused): the first save then finds the device buffer in the
-                    # side stream's pool, its pinned words buffer made and the launch path warm
+                    # one run now (its result unused): the first save then finds its pinned words buffer
+                    # made and the launch path warm
                     host = self._words.take(len(mine))
                     host.copy_(run(), non_blocking=True)
                 side.synchronize()
                 self._words.give([host])
         except Exception as e:  # noqa: BLE001 - saves go on with host checksums until a plan is there
             log.warning("building the checkpoint fingerprint plan failed: %s", e)
+
+    def _fp_stream(self, dev: torch.device) -> Any:
+        """The stream a save's fingerprint kernels run on (`_enqueue_fingerprints`): one per device, made at
+        the first save that fingerprints on it."""
+        st = self._fp_streams.get(dev)
+        if st is None:
+            st = self._fp_streams[dev] = torch.cuda.Stream(device=dev)
+        return st
 
     def _side_stream(self, dev: torch.device) -> Any:
         side = self._side.get(dev)
@@ -1452,6 +1458,16 @@ class Snapshotter:
         return side
 
     # ---- the background -----------------------------------------------------------------------------
+    def _background_giving(self, taken: list[torch.Tensor], *args: Any) -> SaveResult:
+        """`_background`, then the fingerprint words' buffers this save took given back (`_WordBuffers`),
+        before its future is done: a later save that waited for this one finds them free (given back from a
+        done-callback instead, they raced that save and a steady save could make a buffer)."""
+        try:
+            return self._background(*args)
+        finally:
+            if taken:
+                self._words.give(taken)
+
     def _background(self, step: int, tree: Any, entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
                     total: int, arena: torch.Tensor, events: list[Any], src_fps: dict[int, torch.Tensor],
                     blocking: float, returned: float, slot: Slot | None = None, stall: float = 0.0,
@@ -1600,7 +1616,7 @@ class Snapshotter:
             side = self._side[staged.device]
             with torch.cuda.stream(side):
                 host[:total].copy_(staged, non_blocking=True)
-                ev = torch.cuda.Event(blocking=True)
+                ev = _sync_event()
                 ev.record(side)
             ev.synchronize()
         else:
@@ -1924,18 +1940,40 @@ class _QueuedCopy:
 
 
 def _enqueue_fingerprints(dev: torch.device, run_pieces: Callable[[], torch.Tensor] | None,
-                          check: list[torch.Tensor] | None, fps_host: torch.Tensor | None) -> None:
-    """On the current stream (the side stream), before the copies read on: the pieces' fingerprints
-    (`run_pieces`, source checksums) or each tensor's (`check`: the transfer check), into `fps_host`."""
-    if run_pieces is not None and fps_host is not None:
-        fps_host.copy_(run_pieces(), non_blocking=True)
-    elif check is not None and fps_host is not None:
-        per = torch.empty(len(check), 2, dtype=torch.int64, device=dev)
-        fingerprint_tensors_async(check, per_tensor_out=per)
-        fps_host.copy_(per, non_blocking=True)
+                          check: list[torch.Tensor] | None, fps_host: torch.Tensor | None, fst: Any) -> None:
+    """Called on the side stream, before the copies read on: the pieces' fingerprints (`run_pieces`, source
+    checksums) or each tensor's (`check`: the transfer check), into `fps_host`, on the fingerprint stream
+    `fst` after what the side stream has waited for (the training's work up to the save); the side stream
+    then waits on the device for a plain event after them, so the copies, their event (which the update and
+    the save's background wait for) and the words' reader come after them. Not the kernels on the side
+    stream itself: with the event the host synchronises on behind them there (or a blocking-sync event right
+    after them on their own stream), some clients paid +1.5 ms a step with 3 GB/s coming in over PCIe, where
+    this arrangement cost them what it costs the others (issue 21, H200 ckpt41-46)."""
+    if fps_host is None or (run_pieces is None and check is None):
+        return
+    side = torch.cuda.current_stream(dev)
+    fst.wait_stream(side)
+    with torch.cuda.stream(fst):
+        if run_pieces is not None:
+            fps_host.copy_(run_pieces(), non_blocking=True)
+        else:
+            per = torch.empty(len(check), 2, dtype=torch.int64, device=dev)   # type: ignore[arg-type]
+            fingerprint_tensors_async(check, per_tensor_out=per)   # type: ignore[arg-type]
+            fps_host.copy_(per, non_blocking=True)
+        done = torch.cuda.Event()   # only streams wait for it, never the host
+        done.record(fst)
+    side.wait_event(done)
 
 
 _NO_WORDS = torch.empty(0, 2, dtype=torch.int64)   # a device whose tensors have no pieces: no words
+
+
+def _sync_event() -> Any:
+    """A CUDA event of the save that the background (or a blocking save) waits for on the host:
+    blocking-sync, so that synchronize() sleeps in the driver instead of spinning a core for the whole copy
+    (H200: 48-88 ms of CPU per save with a default event, issue 21)."""
+    return torch.cuda.Event(blocking=True)
+
 
 _GATHER_ON_HOST = False   # tests: a CPU state's copies into host memory take the gathered path (as on CUDA)
 

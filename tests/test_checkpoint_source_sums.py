@@ -352,9 +352,10 @@ def test_cuda_source_checksums_and_first_save_on_the_device(redis_server, tmp_pa
 @pytest.mark.parametrize("checksums", ["source", "host"])
 def test_steady_saves_reuse_their_fingerprint_word_buffers(redis_server, tmp_path: Path, checksums: str) -> None:
     """On a GPU, every step with 3 saves in flight: the pinned buffers the fingerprint words land in are made
-    in the first saves and then reused (no host allocation a steady save), and reuse never hands a save
-    another's words: every save commits (the transfer check or the scrub compares them with the landed
-    bytes) and restores bit-identical."""
+    in the first saves and then reused (no host allocation a steady save: at most one buffer a save in flight
+    and one for the next, however the saves' timing falls), and reuse never hands a save another's words:
+    every save commits (the transfer check or the scrub compares them with the landed bytes) and restores
+    bit-identical."""
     import torch
     from torch import nn
 
@@ -370,21 +371,79 @@ def test_steady_saves_reuse_their_fingerprint_word_buffers(redis_server, tmp_pat
                               config=SnapshotConfig.every_step(checksums=checksums, chunk_bytes=1 << 20,
                                                                policy="wait", skip_until_ready=False))
     x = torch.randn(64, 1024, device="cuda")
-    handles, expected, made = [], {}, None
-    for step in range(1, 17):
+    handles, expected = [], {}
+    steps = 24
+    for step in range(1, steps + 1):
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         sd = {"model": model.state_dict(), "optim": opt.state_dict()}
         expected[step] = {k: v.detach().cpu().clone() for k, v in sd["model"].items()}
         handles.append(client.save(step, sd))
-        if step == 8:
-            client.wait(scaled(120))
-            made = client.snapshotter._words.made
     results = [h.result(scaled(120)) for h in handles if h is not None]
-    assert len(results) == 16 and all(r.state == "COMMITTED" for r in results), [r.error for r in results]
-    assert made is not None and made > 0 and client.snapshotter._words.made == made
-    for step in (15, 16):
+    assert len(results) == steps and all(r.state == "COMMITTED" for r in results), [r.error for r in results]
+    made = client.snapshotter._words.made
+    assert 0 < made <= client.snapshotter.config.max_inflight + 1, made   # one a save would make 24
+    for step in (steps - 1, steps):
+        assert_same(CheckpointClient(co, job, 0, 1).restore(step)["model"], expected[step])
+    client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checksums", ["source", "host"])
+def test_the_update_waits_for_the_save_fingerprints(redis_server, tmp_path: Path, checksums: str,
+                                                    monkeypatch) -> None:
+    """The save's fingerprint kernels read the state on the device after save() returns (issue 21): the next
+    update must wait for them there. Here they start only after a 100 ms device sleep while the update follows
+    save() at once: an update not ordered after them would change the tensors before they read them, and the
+    saves would not commit (the words would not match the copied bytes) or restore other bytes. The
+    fingerprints are in use in every timed save (source: the pieces' plan built first; host: the transfer
+    check)."""
+    import torch
+    from torch import nn
+
+    import checkpoint.snapshot as snapmod
+    from checksums.step_guard import StepGuard
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id(f"fpwait{checksums}")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt),
+                              config=SnapshotConfig.every_step(checksums=checksums, chunk_bytes=1 << 20,
+                                                               policy="wait", skip_until_ready=False))
+    x = torch.randn(64, 1024, device="cuda")
+
+    def train_step() -> dict[str, Any]:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    # warm: the buffers, and (source) the pieces' fingerprint plan, made before the timed saves
+    assert client.save(1, train_step()).result(scaled(120)).state == "COMMITTED"
+    if client.snapshotter._plan_fut is not None:
+        client.snapshotter._plan_fut.result(scaled(120))
+    real = snapmod._enqueue_fingerprints
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.1)   # ~100 ms (clock_rate: kHz)
+    with_words = []
+
+    def late(dev: Any, run_pieces: Any, check: Any, fps_host: Any, fst: Any) -> None:
+        with_words.append(fps_host is not None and (run_pieces is not None or check is not None))
+        torch.cuda._sleep(cycles)   # on the side stream: the fingerprint stream waits for it
+        real(dev, run_pieces, check, fps_host, fst)
+    monkeypatch.setattr(snapmod, "_enqueue_fingerprints", late)
+    handles, expected = [], {}
+    for step in range(2, 10):
+        sd = train_step()
+        expected[step] = {k: v.detach().cpu().clone() for k, v in sd["model"].items()}
+        handles.append(client.save(step, sd))
+    results = [h.result(scaled(120)) for h in handles if h is not None]
+    assert len(results) == 8 and all(r.state == "COMMITTED" for r in results), [r.error for r in results]
+    assert len(with_words) >= 8 and all(with_words), with_words   # the device fingerprints were checked
+    for step in (8, 9):
         assert_same(CheckpointClient(co, job, 0, 1).restore(step)["model"], expected[step])
     client.close()
 
