@@ -60,7 +60,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -851,30 +850,30 @@ def _beside_rows(tag: str, client: CheckpointClient, tensors: list[torch.Tensor]
     return rows + gs.rows(f"{tag}, outside the save")
 
 
-TOGGLE_ARMS = ("nofp", "kernels", "words", "after", "inflight1", "ownstream", "timed", "ownnext", "ownwaited")
+TOGGLE_ARMS = ("nofp", "inflight1", "timed", "onside", "fplate", "evdefault")
 
 
 def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None], step_every: Callable[[], None],
                  device: torch.device, block: int, rounds: int, which: list[str]) -> list[Row]:
     """`--toggles` (CUDA), after the mode's timed blocks, in the same client (a slow mode stays slow with its
     client): the save path with one part changed at a time, interleaved with no checkpoint, each arm with its
-    PCIe traffic. Which part of the save carries a slow mode's cost: the fingerprint kernels, the copy of their
-    words to the host (either skipped: the saves keep stale words, timing only), the kernels' place (after the
-    copies), three saves in flight? Their stream (ownstream: a stream of their own made now, late in the
-    process, that waits for the training's, the copies not ordered after them; ownnext: the pool stream after
-    the side stream's, as a client's own stream made at its start would be; ownwaited: the late-made stream,
-    the next update waiting for the kernels on the device)? How long do they take on the device (timed: the
-    shipped path; the stream arms are timed too: CUDA events around each save's fingerprints, the median
-    reported)? (Measured and removed: the copy thread and an L2 evict-first hint, ckpt30; the training's
-    stream and a lighter grid, ckpt34.)
+    PCIe traffic: no fingerprint kernels nor words (nofp), one save in flight (inflight1), the fingerprints
+    timed on the device (timed: CUDA events around each save's, the median reported), the fingerprints on the
+    side stream itself as before ckpt46 (onside), the fingerprint stream replaced by one made now (fplate),
+    the save's events without blocking sync (evdefault: the background then spins on them). (Measured and
+    removed: the copy thread and an L2 evict-first hint, ckpt30; the kernels alone, their words alone and the
+    kernels after the copies, ckpt30-33; the training's stream and a lighter grid, ckpt34; the bench's own
+    streams for the kernels, waited for or not, ckpt34-45, and a sweep of torch's pool streams, ckpt39-40,
+    until the product took the arrangement that was fast in every client, ckpt46.)
     `which`: the arms' keys (TOGGLE_ARMS), "every" always."""
     import checkpoint.snapshot as snapmod
     snap = client.snapshotter
     cfg = snap.config
     real_fp = snapmod._enqueue_fingerprints
+    real_event = snapmod._sync_event
+    real_fst = snap._fp_stream(device) if device.type == "cuda" else None
     base = (cfg.copy_thread, cfg.max_inflight)
     cuda = device.type == "cuda"
-    compute = torch.cuda.current_stream(device) if cuda else None   # the training's stream
     spans: dict[str, list[tuple[Any, Any]]] = {}   # arm -> CUDA events around each save's fingerprints
     gs = GpuSampler(device.index or 0)
 
@@ -890,101 +889,62 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
         spans.setdefault(gs.arm, []).append((e0, e1))
         return e1
 
-    def fp_on(stream: Any, waited: bool = False) -> Callable[..., None]:
-        """The fingerprints on `stream`, after the training's work so far (the words land there, unjoined:
-        timing only); `waited`: the next update waits for them on the device, as for the copies."""
-        def run(dev: torch.device, *a: Any) -> None:
-            if stream is None:
-                real_fp(dev, *a)
-                return
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                done = timed(dev, *a)
-            if waited:
-                snap._inflight.append((dev, done))
-        return run
-
     own = torch.cuda.Stream(device=device) if cuda else None
-    nxt = pool_stream(device, 0, ((snap._side_stream(device).stream_id >> 5) + 1) % 32) if cuda else None
 
     def no_fp(*_: Any) -> None:
         return None
 
-    zeros: dict[int, torch.Tensor] = {}
-
-    def words_only(dev: torch.device, run_pieces: Any, check: Any, fps_host: Any) -> None:
-        """No kernel: the host words filled from a device buffer, as the real path copies them."""
-        if fps_host is not None and fps_host.numel():
-            n = fps_host.shape[0]
-            if zeros.get(n) is None:
-                zeros[n] = torch.zeros(n, 2, dtype=torch.int64, device=dev)
-            fps_host.copy_(zeros[n], non_blocking=True)
-
-    def kernels_only(dev: torch.device, run_pieces: Any, check: Any, fps_host: Any) -> None:
-        """The kernels, their words left on the device."""
-        if run_pieces is not None:
-            run_pieces()
-        elif check is not None:
-            real_fp(dev, None, check, None)
-
-    real_copy_all = snapmod.copy_all
-    stash: list[tuple[Any, ...]] = []
-    after_counts = [0, 0]   # stashed, run
-
-    def fp_stashed(*a: Any) -> None:
-        after_counts[0] += 1
-        stash.append(a)
-
-    def copy_then_fp(dsts: Any, srcs: Any, idx: Any) -> None:
-        """The copies, then, on the copy thread (the update's copies, the last of a save), the fingerprints
-        stashed for them: the same side stream, before the save's event."""
-        real_copy_all(dsts, srcs, idx)
-        if threading.current_thread().name.startswith("sdcw-ckpt-copy"):
-            while stash:
-                after_counts[1] += 1
-                real_fp(*stash.pop(0))
+    def on_side(dev: torch.device, run_pieces: Any, check: Any, fps_host: Any, fst: Any) -> None:
+        """The arrangement before the fingerprint stream: the kernels on the side stream itself, ahead of the
+        copies whose event the background synchronises on."""
+        real_fp(dev, run_pieces, check, fps_host, torch.cuda.current_stream(dev))
 
     def arm(name: str, fp: Callable[..., None] | None = None, inflight: int = base[1],
-            after: bool = False) -> Callable[[], None]:
+            event: Callable[[], Any] | None = None, fst: Any = None) -> Callable[[], None]:
         def run() -> None:
             gs.arm = name
             cfg.copy_thread, cfg.max_inflight = base[0], inflight
+            snapmod._sync_event = event or real_event
+            if cuda:
+                snap._fp_streams[device] = fst or real_fst
             # set for this step and left set until the next step sets its own: a save's fingerprints may be
             # enqueued by the copy thread after save() returns, which then sees this arm's (at a switch of arms,
             # the settling steps take the mix)
-            snapmod._enqueue_fingerprints = fp_stashed if after else (fp or real_fp)
+            snapmod._enqueue_fingerprints = fp or real_fp
             step_every()
         return run
 
     def off() -> None:
         gs.arm = "off"
         cfg.copy_thread, cfg.max_inflight = base
+        snapmod._sync_event = real_event
+        if cuda:
+            snap._fp_streams[device] = real_fst
         step_off()
 
     # key -> (the row's text, the arm's name: GPU sampler and spans, its arguments)
     every: dict[str, tuple[str, str, dict[str, Any]]] = {
         "nofp": ("every, no fingerprint kernels nor words", "no fingerprints", {"fp": no_fp}),
-        "kernels": ("every, fingerprint kernels, words not copied", "kernels only", {"fp": kernels_only}),
-        "words": ("every, words copied, no kernels", "words only", {"fp": words_only}),
-        "after": ("every, fingerprints after the copies", "fp after copies", {"after": True}),
         "inflight1": ("every, 1 in flight", "1 in flight", {"inflight": 1}),
-        "ownstream": ("every, fingerprints on a stream of their own", "fp own stream", {"fp": fp_on(own)}),
         "timed": ("every, fingerprints timed", "fp timed", {"fp": timed}),
-        "ownnext": ("every, fingerprints on the pool stream after the side stream's", "fp next stream",
-                    {"fp": fp_on(nxt)}),
-        "ownwaited": ("every, fingerprints on their own stream, the update waiting for them", "fp own waited",
-                      {"fp": fp_on(own, waited=True)})}
+        "onside": ("every, the fingerprints on the side stream ahead of the copies (before ckpt46)",
+                   "fp on side", {"fp": on_side}),
+        "fplate": ("every, the fingerprint stream replaced by a stream made now", "fp late stream",
+                   {"fst": own}),
+        "evdefault": ("every, the save's events without blocking sync", "default events",
+                      {"event": lambda: torch.cuda.Event()})}
     chosen = [every[k] for k in TOGGLE_ARMS if k in which]
     arms = {"off": off, "every": arm("every")}
     arms.update({text: arm(name, **kw) for text, name, kw in chosen})
-    snapmod.copy_all = copy_then_fp   # a pass-through while nothing is stashed
     try:
         with gs:
             times = interleave_running(arms, block, rounds, device)
             client.wait(600)
     finally:
-        snapmod.copy_all = real_copy_all
         snapmod._enqueue_fingerprints = real_fp
+        snapmod._sync_event = real_event
+        if cuda:
+            snap._fp_streams[device] = real_fst
         cfg.copy_thread, cfg.max_inflight = base
     base_t = statistics.median(times["off"])
     if spans:
@@ -992,16 +952,15 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     notes = {name: f"; the fingerprints on the device: median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms "
                    f"over {len(ms)} saves"
              for name, ms in ((n, sorted(a.elapsed_time(b) for a, b in pairs)) for n, pairs in spans.items())}
-    if after_counts[0]:   # the arm relies on the copy thread enqueueing the fingerprints (the snapshotter's fp_later)
-        stashed, ran = after_counts
-        notes["fp after copies"] = (f"; {ran} of {stashed} stashed fingerprints ran" +
-                                    ("" if stashed - ran <= cfg.max_inflight else
-                                     ": NOT A MEASUREMENT (the snapshotter no longer enqueues them on its copy thread)"))
     name_of = {text: name for text, name, _ in chosen}
     rows: list[Row] = [(f"[{tag}] toggled in this client: {text}", statistics.median(v),
                         f"{100 * (statistics.median(v) - base_t) / base_t:+.2f}% of the step (no checkpoint "
                         f"{1e3 * base_t:.2f} ms, {len(v)} blocks)" + notes.get(name_of.get(text, text), ""))
                        for text, v in times.items() if text != "off"]
+    if cuda:
+        rows.append((f"[{tag}] toggle arms' streams", 0.0,
+                     f"side id {snap._side_stream(device).stream_id}, fingerprints id {real_fst.stream_id}, "
+                     f"made now id {own.stream_id}"))
     return rows + gs.rows(f"{tag}, toggled")
 
 

@@ -263,42 +263,43 @@ want ckpt29 && step ckpt29 200 python3 bench/ckpt_overlap.py --parts b --checksu
 # client, the save with one part changed at a time (no fingerprint kernels nor words, kernels only, words only, 1 in flight)
 want ckpt30 && step ckpt30 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles all
-# ckpt31: the fingerprint kernels after the copies (same stream, before the save's event) against before them
-want ckpt31 && step ckpt31 200 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on --toggles nofp,after
-# ckpt32 (ckpt30-31: in a slow client its fingerprint kernels make the GPU read host memory while the copies run,
-# +1.8% of the step; placed after the copies, the same): where does the slow state live? Per mode, after its
-# timed blocks: the previous mode's plan borrowed, a new plan, the free slots registered again
+# ckpt32 (ckpt30: in a slow client its fingerprint kernels make the GPU read host memory while the copies run,
+# +1.8% of the step): where does the slow state live? Per mode, after its timed blocks: the previous mode's plan
+# borrowed, a new plan, the free slots registered again
 want ckpt32 && step ckpt32 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on --after-actions borrow,replan,reregister
 # ckpt33: outside the save, the copy beside a step into a slot and into driver-pinned memory, each also with the
 # client's fingerprint kernels first: do the kernels make a slot copy read host memory and not a driver-pinned one?
 want ckpt33 && step ckpt33 240 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --beside-fp
-# ckpt34 (ckpt32-33: neither a new plan, another mode's plan, nor the free slots registered again moves a slow
-# client; outside the save the kernels before a copy cost alike in slow and fast clients): the fingerprints on a
-# stream of their own (its arms on the training's stream and with a lighter grid were removed after measuring)
-want ckpt34 && step ckpt34 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp,ownstream
-# ckpt35: a product variant (the save's fingerprints on a stream of their own, the update and the background
-# waiting for their event) with the save path's GPU tests, four modes, and the floor arms; see docs/BENCHMARKS.md
-want ckpt35 && step ckpt35-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
-  tests/test_checkpoint_overlap.py tests/test_step_guard.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
-want ckpt35 && step ckpt35 330 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on,on --toggles nofp,words,ownstream
-# ckpt36 (ckpt34-35: the kernels cost a slow client only where something waits for their completion): how long
-# do they take on the device in the save path, shipped and on a stream of their own, slow and fast clients?
-want ckpt36 && step ckpt36 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles timed,ownstream,nofp
-# ckpt37: ckpt35 short (the save path's GPU tests, three modes, the floor arm)
-want ckpt37 && step ckpt37-tests 100 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
-  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py
-want ckpt37 && step ckpt37 150 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles nofp
-# ckpt38 (ckpt34-37: the bench's late-made own stream is fast in every client; the product variants' stream, made
-# next to the side stream, with or without device waits, slow in slow clients): the stream's identity or a wait?
-want ckpt38 && step ckpt38 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
-  --batches 16 --rounds 2 --switch-interval 0 --gc on,on,on --toggles ownstream,ownnext,ownwaited,nofp
+# ckpt31 and ckpt34-45 (the kernels after the copies; on streams of the bench's own, waited for or not, timed or
+# not; a sweep of torch's pool streams; the product's on a stream of priority -1, then with a join stream) found
+# the arrangement that is fast in every client; their arms went with the question (docs/BENCHMARKS.md, the
+# seventeenth to nineteenth sessions). ckpt46: the product so (the kernels on a fingerprint stream, the side
+# stream waiting for a plain event after them); the save path's GPU tests; the test that the update waits for
+# the fingerprints, against a copy of the tree with the update's waits for the save cut out (it must fail there);
+# whether a stream waiting on the device polls host memory (wait_poll: it did not, ckpt41); then every step
+# against none in four clients, beside the arrangement before (onside) and another fingerprint stream (fplate)
+if want ckpt46; then
+  step ckpt-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+    tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
+  rm -rf /tmp/mut && mkdir /tmp/mut && tar --exclude=./.git --exclude=./.venv --exclude=./.whl -cf - . | tar -xf - -C /tmp/mut
+  python3 - >> "$LOG" 2>&1 <<'PY'
+p = "/tmp/mut/checkpoint/snapshot.py"
+s = open(p).read()
+for old, new in (("            cur.wait_event(ev)\n", "            pass\n"),
+                 ("self._inflight.append((dev, ev))  # the optimizer's", "pass  # the optimizer's")):
+    assert s.count(old) == 1, old
+    s = s.replace(old, new)
+open(p, "w").write(s)
+print("mutant: the update's waits for the save cut out")
+PY
+  step ckpt-mutant 150 bash -c 'cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut python3 -m pytest -p no:cacheprovider \
+    -q -m gpu -o addopts="" tests/test_checkpoint_source_sums.py -k update_waits_for_the_save_fingerprints; echo "mutant rc=$? (must be 1)"'
+  step wait-poll 60 python3 bench/wait_poll.py --ms 400 --repeat 3
+  step ckpt46 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+    --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on,on --toggles nofp,onside,fplate
+fi
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
