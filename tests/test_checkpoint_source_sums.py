@@ -348,6 +348,34 @@ def test_cuda_source_checksums_and_first_save_on_the_device(redis_server, tmp_pa
     client.close()
 
 
+def _every_step_on_gpu(redis_server: Any, tmp_path: Path, name: str, checksums: str) -> tuple[Any, ...]:
+    """A small model with AdamW on the GPU, its client bound to a step guard with every-step saves (3 in
+    flight, `policy="wait"`): (coordinator, job, client, train_step), train_step() -> the state after one
+    update. Skips without a GPU."""
+    import torch
+    from torch import nn
+
+    from checksums.step_guard import StepGuard
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id(name)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt),
+                              config=SnapshotConfig.every_step(checksums=checksums, chunk_bytes=1 << 20,
+                                                               policy="wait", skip_until_ready=False))
+    x = torch.randn(64, 1024, device="cuda")
+
+    def train_step() -> dict[str, Any]:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+    return co, job, client, train_step
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("checksums", ["source", "host"])
 def test_steady_saves_reuse_their_fingerprint_word_buffers(redis_server, tmp_path: Path, checksums: str) -> None:
@@ -356,28 +384,11 @@ def test_steady_saves_reuse_their_fingerprint_word_buffers(redis_server, tmp_pat
     and one for the next, however the saves' timing falls), and reuse never hands a save another's words:
     every save commits (the transfer check or the scrub compares them with the landed bytes) and restores
     bit-identical."""
-    import torch
-    from torch import nn
-
-    from checksums.step_guard import StepGuard
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id(f"words{checksums}")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt),
-                              config=SnapshotConfig.every_step(checksums=checksums, chunk_bytes=1 << 20,
-                                                               policy="wait", skip_until_ready=False))
-    x = torch.randn(64, 1024, device="cuda")
+    co, job, client, train_step = _every_step_on_gpu(redis_server, tmp_path, f"words{checksums}", checksums)
     handles, expected = [], {}
     steps = 24
     for step in range(1, steps + 1):
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        sd = train_step()
         expected[step] = {k: v.detach().cpu().clone() for k, v in sd["model"].items()}
         handles.append(client.save(step, sd))
     results = [h.result(scaled(120)) for h in handles if h is not None]
@@ -400,28 +411,10 @@ def test_the_update_waits_for_the_save_fingerprints(redis_server, tmp_path: Path
     fingerprints are in use in every timed save (source: the pieces' plan built first; host: the transfer
     check)."""
     import torch
-    from torch import nn
 
     import checkpoint.snapshot as snapmod
-    from checksums.step_guard import StepGuard
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=4), job_id(f"fpwait{checksums}")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    client = CheckpointClient(co, job, 0, 1, guard=StepGuard.attach(opt),
-                              config=SnapshotConfig.every_step(checksums=checksums, chunk_bytes=1 << 20,
-                                                               policy="wait", skip_until_ready=False))
-    x = torch.randn(64, 1024, device="cuda")
-
-    def train_step() -> dict[str, Any]:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        return {"model": model.state_dict(), "optim": opt.state_dict()}
-
+    co, job, client, train_step = _every_step_on_gpu(redis_server, tmp_path, f"fpwait{checksums}", checksums)
     # warm: the buffers, and (source) the pieces' fingerprint plan, made before the timed saves
     assert client.save(1, train_step()).result(scaled(120)).state == "COMMITTED"
     if client.snapshotter._plan_fut is not None:
