@@ -300,6 +300,10 @@ PY
   step ckpt46 300 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
     --batches 16 --rounds 3 --switch-interval 0 --gc on,on,on,on --toggles nofp,onside,fplate
 fi
+# ckpt47 (ckpt46: no slow client; one client's main rows +1.18% over two rounds, toggled +0.87%): the target's
+# run, every step against none at batches 16 and 32, three clients each, four rounds
+want ckpt47 && step ckpt47 480 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
+  --batches 16,32 --rounds 4 --switch-interval 0 --gc on,on,on
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
