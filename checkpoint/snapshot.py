@@ -799,6 +799,7 @@ class Snapshotter:
             cuda = {t.device for t in tensors if t.device.type == "cuda"}
             for dev in cuda:
                 self._side_stream(dev)
+                self._fp_stream(dev)
             if cuda and self.config.copy_thread:
                 self._copier.submit(lambda: None)   # its thread started now, not by the first save
             if plan is not None and self.config.gather_bytes:
@@ -885,6 +886,7 @@ class Snapshotter:
                 if isinstance(p, torch.Tensor) and p.device.type == "cuda"}
         for dev in devs:
             self._side_stream(dev)
+            self._fp_stream(dev)
             if triton_available():
                 _triton_ready(dev)
 
@@ -1444,8 +1446,8 @@ class Snapshotter:
             log.warning("building the checkpoint fingerprint plan failed: %s", e)
 
     def _fp_stream(self, dev: torch.device) -> Any:
-        """The stream a save's fingerprint kernels run on (`_enqueue_fingerprints`): one per device, made at
-        the first save that fingerprints on it."""
+        """The stream a save's fingerprint kernels run on (`_enqueue_fingerprints`): one per device, made
+        with the side stream ahead of the first save (`prepare`, a guard's binding) or by that save."""
         st = self._fp_streams.get(dev)
         if st is None:
             st = self._fp_streams[dev] = torch.cuda.Stream(device=dev)
