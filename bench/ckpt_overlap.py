@@ -871,9 +871,9 @@ def _toggle_rows(tag: str, client: CheckpointClient, step_off: Callable[[], None
     cfg = snap.config
     real_fp = snapmod._enqueue_fingerprints
     real_event = snapmod._sync_event
-    real_fst = snap._fp_stream(device) if device.type == "cuda" else None
     base = (cfg.copy_thread, cfg.max_inflight)
     cuda = device.type == "cuda"
+    real_fst = snap._fp_stream(device) if cuda else None
     spans: dict[str, list[tuple[Any, Any]]] = {}   # arm -> CUDA events around each save's fingerprints
     gs = GpuSampler(device.index or 0)
 

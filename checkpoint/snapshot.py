@@ -798,8 +798,7 @@ class Snapshotter:
             _warm_ops({t.dtype for t in tensors if t.device.type == "cpu"})
             cuda = {t.device for t in tensors if t.device.type == "cuda"}
             for dev in cuda:
-                self._side_stream(dev)
-                self._fp_stream(dev)
+                self._make_streams(dev)
             if cuda and self.config.copy_thread:
                 self._copier.submit(lambda: None)   # its thread started now, not by the first save
             if plan is not None and self.config.gather_bytes:
@@ -885,8 +884,7 @@ class Snapshotter:
         devs = {p.device for g in optimizer.param_groups for p in g["params"]
                 if isinstance(p, torch.Tensor) and p.device.type == "cuda"}
         for dev in devs:
-            self._side_stream(dev)
-            self._fp_stream(dev)
+            self._make_streams(dev)
             if triton_available():
                 _triton_ready(dev)
 
@@ -1333,9 +1331,9 @@ class Snapshotter:
     def _piece_fingerprinter(self, dev: torch.device, tensors: list[torch.Tensor], cut: list[Piece],
                              key: Any = None) -> Callable[[], torch.Tensor]:
         """A call that launches (on the current stream: the fingerprint stream) the fingerprint of every
-        piece of this device's tensors and returns int64 [len(cut), 2] on the device. The fused Triton plan is kept
-        while the layout (the tensors' addresses, dtypes, shapes and the pieces) stays; without Triton (or
-        for a non-contiguous tensor, fingerprinted from a contiguous copy), torch ops."""
+        piece of this device's tensors and returns int64 [len(cut), 2] on the device. The fused Triton plan
+        is kept while the layout (the tensors' addresses, dtypes, shapes and the pieces) stays; without
+        Triton (or for a non-contiguous tensor, fingerprinted from a contiguous copy), torch ops."""
         key = self._plan_key(tensors, cut) if key is None else key
         held = self._fp_plans.get(dev)
         if held is None or (held[0] is not key and held[0] != key):
@@ -1444,6 +1442,11 @@ class Snapshotter:
                 self._words.give([host])
         except Exception as e:  # noqa: BLE001 - saves go on with host checksums until a plan is there
             log.warning("building the checkpoint fingerprint plan failed: %s", e)
+
+    def _make_streams(self, dev: torch.device) -> None:
+        """The save's streams on `dev` (side and fingerprint), made ahead of the first save."""
+        self._side_stream(dev)
+        self._fp_stream(dev)
 
     def _fp_stream(self, dev: torch.device) -> Any:
         """The stream a save's fingerprint kernels run on (`_enqueue_fingerprints`): one per device, made
