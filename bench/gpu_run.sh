@@ -304,6 +304,9 @@ fi
 # run, every step against none at batches 16 and 32, three clients each, four rounds
 want ckpt47 && step ckpt47 480 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16,32 --rounds 4 --switch-interval 0 --gc on,on,on
+# the first save against a steady one in seven fresh clients with prepare() (one client's ratio moves with the
+# spread of a 1 ms save: ckptfirst's one client 1.50x, twentieth session), after the fingerprint stream made ahead
+want ckptfresh && step ckptfresh 200 python3 bench/ckpt_overlap.py --parts c --fresh 7 --repeat 4
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py
