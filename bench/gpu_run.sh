@@ -306,6 +306,28 @@ want ckpt47 && step ckpt47 480 python3 bench/ckpt_overlap.py --parts b --checksu
   --batches 16,32 --rounds 4 --switch-interval 0 --gc on,on,on
 # the first save against a steady one in seven fresh clients with prepare() (one client's ratio moves with the
 # spread of a 1 ms save: ckptfirst's one client 1.50x, twentieth session), after the fingerprint stream made ahead
+# the save path's GPU tests with the suite's tmp_path on tmpfs (tests/conftest.py: until the twentieth session it
+# was under /tmp, where no slot could be pinned, so those tests copied synchronously), then the mutant (the
+# update's waits for the save cut out): both parameters of the fingerprint-wait test must fail under it
+want ckpttests && step fs-types 10 bash -c 'uname -r; stat -f -c "%n %T" /tmp /dev/shm'
+want ckpttests && step ckpttests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
+  tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py \
+  tests/test_step_guard.py
+want ckpttests && rm -rf /tmp/mut && mkdir /tmp/mut && tar --exclude=./.git --exclude=./.venv --exclude=./.whl -cf - . \
+  | tar -xf - -C /tmp/mut
+want ckpttests && python3 - >> "$LOG" 2>&1 <<'PY'
+p = "/tmp/mut/checkpoint/snapshot.py"
+s = open(p).read()
+for old, new in (("            cur.wait_event(ev)\n", "            pass\n"),
+                 ("self._inflight.append((dev, ev))  # the optimizer's", "pass  # the optimizer's")):
+    assert s.count(old) == 1, old
+    s = s.replace(old, new)
+open(p, "w").write(s)
+print("mutant: the update's waits for the save cut out")
+PY
+want ckpttests && step ckpttests-mutant 200 bash -c 'cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut python3 -m pytest \
+  -p no:cacheprovider -q -m gpu -o addopts="" -rA tests/test_checkpoint_source_sums.py tests/test_checkpoint_overlap.py \
+  tests/test_step_guard.py; echo "mutant rc=$? (must be 1)"'
 want ckptfresh && step ckptfresh 200 python3 bench/ckpt_overlap.py --parts c --fresh 7 --repeat 4
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \

@@ -71,18 +71,49 @@ def _cudart_call(name: str, *args: int) -> int:
     return got
 
 
-def register_host_memory(ptr: int, nbytes: int) -> bool:
-    """`cudaHostRegister` (portable) the range; False (and a log line) when CUDA or the call fails."""
+def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> str:
+    """The type of the filesystem `path` is on ("tmpfs", "ext4", ...), from the longest mount point above its
+    real path in `/proc/self/mounts` (or `mounts`, that file's text); "" when unknown."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return ""
+    real = os.path.realpath(path)
+    best, kind = -1, ""
+    for line in mounts.splitlines():
+        f = line.split()
+        if len(f) < 3:
+            continue
+        mnt = f[1].replace("\\040", " ")
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) > best:
+            best, kind = len(mnt), f[2]
+    return kind
+
+
+def _why_not_pinned(where: Path | None) -> str:
+    kind = filesystem_type(where) if where is not None else ""
+    if kind and kind not in ("tmpfs", "hugetlbfs"):
+        return (f" ({where} is on {kind}: the kernel does not pin a disk filesystem's file pages for a device; "
+                "put the memory dir on tmpfs, e.g. under /dev/shm)")
+    return ""
+
+
+def register_host_memory(ptr: int, nbytes: int, where: Path | None = None) -> bool:
+    """`cudaHostRegister` (portable) the range; False (and a log line, naming `where`'s filesystem when that is
+    the likely cause) when CUDA or the call fails."""
     if not torch.cuda.is_available() or nbytes == 0:
         return False
     try:
         err = _cudart_call("cudaHostRegister", ptr, nbytes, 1)  # 1 = cudaHostRegisterPortable
     except Exception as e:  # noqa: BLE001 - registration is an optimisation; unregistered memory still works
-        log.warning("cudaHostRegister of %d bytes failed (%s): device copies into the slot run synchronously", nbytes, e)
+        log.warning("cudaHostRegister of %d bytes failed (%s)%s: device copies into the slot run synchronously",
+                    nbytes, e, _why_not_pinned(where))
         return False
     if err != 0:
-        log.warning("cudaHostRegister of %d bytes returned cudaError %d: device copies into the slot run "
-                    "synchronously", nbytes, err)
+        log.warning("cudaHostRegister of %d bytes returned cudaError %d%s: device copies into the slot run "
+                    "synchronously", nbytes, err, _why_not_pinned(where))
         return False
     return True
 
@@ -256,7 +287,7 @@ class SlotRing:
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 tensor = torch.frombuffer(mm, dtype=torch.uint8)
-                registered = self.register_cuda and register_host_memory(tensor.data_ptr(), nbytes)
+                registered = self.register_cuda and register_host_memory(tensor.data_ptr(), nbytes, self.dir)
             else:
                 mm, tensor, registered = None, torch.empty(0, dtype=torch.uint8), False
         except BaseException:

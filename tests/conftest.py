@@ -148,6 +148,34 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     return cores + 1
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """On a machine with an NVIDIA GPU, every test's `tmp_path` lives on tmpfs (/dev/shm), as a node's memory
+    dir does: the kernel refuses to pin the pages of a file on a disk filesystem for the device
+    (`cudaHostRegister` fails), so staging slots made under /tmp copy synchronously and the GPU tests of
+    the save's ordering would race nothing (H200, 2026-12-04: every slot of those tests was unregistered).
+    Not where `--basetemp` is given; without a GPU nothing changes."""
+    if config.option.basetemp or not os.path.exists("/dev/nvidiactl") or not _is_tmpfs("/dev/shm"):
+        return
+    config.option.basetemp = tempfile.mkdtemp(prefix="sdcw-pytest-", dir="/dev/shm")
+    config.stash[_SHM_BASETEMP] = config.option.basetemp
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    made = config.stash.get(_SHM_BASETEMP, None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+_SHM_BASETEMP = pytest.StashKey[str]()
+
+
+def _is_tmpfs(path: str) -> bool:
+    from checkpoint.slots import filesystem_type
+
+    return filesystem_type(path) == "tmpfs"
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     d = describe()
     return f"sdcwatch: deadlines x{d['slowdown']:.1f} (from {d['from']}; set SDCWATCH_TEST_SLOWDOWN to change)"

@@ -178,3 +178,40 @@ def test_a_failed_registration_does_not_fail_the_next_kernel_launch() -> None:
     assert slots_mod.register_host_memory(1, 4096) is False
     y = x + 1          # torch checks cudaGetLastError after the launch
     assert float(y.sum()) == 16.0
+
+
+def test_filesystem_type_is_the_longest_mount_above_the_real_path(tmp_path: Path) -> None:
+    """`filesystem_type`: the mount point that holds the path (the longest prefix by path component, not by
+    string), spaces as the kernel escapes them, a link followed to where it points."""
+    from checkpoint.slots import filesystem_type
+    mounts = ("/dev/vda1 / ext4 rw 0 0\n"
+              "tmpfs /dev/shm tmpfs rw,nosuid 0 0\n"
+              "shm /dev/shm2 tmpfs rw 0 0\n"
+              "/dev/vdb /data/my\\040disk xfs rw 0 0\n"
+              "broken\n")
+    assert filesystem_type("/dev/shm/sdcw/mem", mounts) == "tmpfs"
+    assert filesystem_type("/dev/shm", mounts) == "tmpfs"
+    assert filesystem_type("/dev/shmother/x", mounts) == "ext4"       # a string prefix is not a parent
+    assert filesystem_type("/data/my disk/mem", mounts) == "xfs"
+    assert filesystem_type("/var/tmp", mounts) == "ext4"
+    assert filesystem_type("/x", "") == ""
+    (tmp_path / "link").symlink_to("/dev/shm")
+    assert filesystem_type(tmp_path / "link", mounts) == "tmpfs"
+
+
+def test_a_failed_registration_names_a_disk_filesystem_as_the_cause(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A slot whose pages the device could not pin: the warning says when its dir is on a disk filesystem
+    (the kernel pins no such file pages for a device) and where to put the memory dir instead; on tmpfs it
+    adds nothing it does not know."""
+    import checkpoint.slots as slots_mod
+    monkeypatch.setattr(slots_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(slots_mod, "_cudart_call", lambda name, *a: 1)          # cudaErrorInvalidValue
+    kinds = {"/srv/mem": "ext4", "/dev/shm/mem": "tmpfs"}
+    monkeypatch.setattr(slots_mod, "filesystem_type", lambda p, mounts=None: kinds[str(p)])
+    with caplog.at_level("WARNING", logger="checkpoint.slots"):
+        assert slots_mod.register_host_memory(4096, 8192, Path("/srv/mem")) is False
+        assert slots_mod.register_host_memory(4096, 8192, Path("/dev/shm/mem")) is False
+    disk, shm = (r.getMessage() for r in caplog.records)
+    assert "cudaError 1" in disk and "/srv/mem is on ext4" in disk and "/dev/shm" in disk
+    assert "cudaError 1" in shm and " is on " not in shm
