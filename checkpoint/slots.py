@@ -36,7 +36,9 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -95,27 +97,51 @@ def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> 
 def _why_not_pinned(where: Path | None) -> str:
     kind = filesystem_type(where) if where is not None else ""
     if kind and kind not in ("tmpfs", "hugetlbfs"):
-        return (f" ({where} is on {kind}: the kernel does not pin a disk filesystem's file pages for a device; "
-                "put the memory dir on tmpfs, e.g. under /dev/shm)")
+        return (f" ({where} is on {kind}: the kernel does not pin a disk filesystem's file pages for a "
+                "device; put the memory dir on tmpfs, e.g. under /dev/shm)")
     return ""
 
 
 def register_host_memory(ptr: int, nbytes: int, where: Path | None = None) -> bool:
-    """`cudaHostRegister` (portable) the range; False (and a log line, naming `where`'s filesystem when that is
-    the likely cause) when CUDA or the call fails."""
+    """`cudaHostRegister` (portable) the range; False (and a log line, naming `where`'s filesystem when that
+    is the likely cause) when CUDA or the call fails."""
     if not torch.cuda.is_available() or nbytes == 0:
         return False
     try:
         err = _cudart_call("cudaHostRegister", ptr, nbytes, 1)  # 1 = cudaHostRegisterPortable
     except Exception as e:  # noqa: BLE001 - registration is an optimisation; unregistered memory still works
-        log.warning("cudaHostRegister of %d bytes failed (%s)%s: device copies into the slot run synchronously",
-                    nbytes, e, _why_not_pinned(where))
+        log.warning("cudaHostRegister of %d bytes failed (%s)%s: device copies into the slot run "
+                    "synchronously", nbytes, e, _why_not_pinned(where))
         return False
+    if err == _ALREADY_REGISTERED:
+        # the range was just mapped, so a registration that starts at it outlived an earlier mapping there
+        # (memory unmapped while registered: a slot of a client dropped without close() before its slots
+        # unpinned themselves, or anyone's): that one is stale; drop it and register ours
+        try:
+            if _cudart_call("cudaHostUnregister", ptr) == 0:
+                log.warning("cudaHostRegister: a stale registration at the new slot's address was dropped "
+                            "(memory unmapped while still registered with CUDA)")
+                err = _cudart_call("cudaHostRegister", ptr, nbytes, 1)
+        except Exception as e:  # noqa: BLE001 - as above: the slot works unpinned
+            log.warning("dropping a stale registration failed (%s)", e)
     if err != 0:
         log.warning("cudaHostRegister of %d bytes returned cudaError %d%s: device copies into the slot run "
                     "synchronously", nbytes, err, _why_not_pinned(where))
         return False
     return True
+
+
+_ALREADY_REGISTERED = 712   # cudaErrorHostMemoryAlreadyRegistered
+
+
+def _release_slot(registered_ptr: int | None, fd: int) -> None:
+    """A slot's end (`Slot.release`): its registration dropped, then its file closed."""
+    if registered_ptr is not None:
+        unregister_host_memory(registered_ptr)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def unregister_host_memory(ptr: int) -> None:
@@ -146,6 +172,11 @@ class Slot:
     tensor: torch.Tensor          # uint8 view of the whole mapping
     registered: bool
     busy: bool = False            # a save is using it (copy enqueued, not yet published or released)
+    # unregisters the mapping and closes the file once: at `_drop`, or when the slot is collected unclosed
+    # (a client dropped without close()) before its mapping goes: memory unmapped while registered leaves a
+    # registration that fails every later registration or pinned allocation at that address in the process,
+    # and the open file's lock keeps the agent from sweeping the slot
+    release: Any = dataclasses.field(default=None, repr=False)
 
     def links(self) -> int:
         return os.fstat(self.fd).st_nlink
@@ -295,12 +326,15 @@ class SlotRing:
             path.unlink(missing_ok=True)
             raise
         log.debug("staging slot %s: %d bytes, cuda-registered=%s", path, nbytes, registered)
-        return Slot(path, fd, nbytes, mm, tensor, registered)
+        slot = Slot(path, fd, nbytes, mm, tensor, registered)
+        slot.release = weakref.finalize(slot, _release_slot, tensor.data_ptr() if registered else None, fd)
+        slot.release.atexit = False   # at exit the process's registrations and files go with it
+        return slot
 
     def _drop(self, s: Slot) -> None:
         self.slots.remove(s)
-        if s.registered:
-            unregister_host_memory(s.tensor.data_ptr())
+        if s.release is not None:
+            s.release()   # unregisters and closes the file, once (the mapping stays valid)
         s.tensor = torch.empty(0, dtype=torch.uint8)
         if s.mm is not None:
             try:
@@ -312,7 +346,6 @@ class SlotRing:
             os.unlink(s.path)
         except FileNotFoundError:
             pass
-        os.close(s.fd)
 
     def close(self) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from checkpoint.shm_store import ShmStore, sweep_dead_slots
 from checkpoint.slots import SlotRing
 from checkpoint.snapshot import Snapshotter, SnapshotConfig
 from ckpt_support import assert_same, job_id, node, state_dict
+from deadlines import scaled
 
 
 def _save(snap: Snapshotter, step: int, rank: int = 0):
@@ -215,3 +216,142 @@ def test_a_failed_registration_names_a_disk_filesystem_as_the_cause(monkeypatch:
     disk, shm = (r.getMessage() for r in caplog.records)
     assert "cudaError 1" in disk and "/srv/mem is on ext4" in disk and "/dev/shm" in disk
     assert "cudaError 1" in shm and " is on " not in shm
+
+
+def test_a_stale_registration_at_a_new_slot_is_dropped_and_the_slot_pinned(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture
+                                                                          ) -> None:
+    """cudaErrorHostMemoryAlreadyRegistered for memory just mapped: the registration that starts there
+    outlived its own mapping (H200: every slot of a client made after one was dropped unclosed failed so, and copied
+    synchronously). It is dropped and the slot registered; any other failure is left as it is."""
+    import checkpoint.slots as slots_mod
+    monkeypatch.setattr(slots_mod.torch.cuda, "is_available", lambda: True)
+    calls: list[tuple[str, int]] = []
+    answers: dict[str, list[int]] = {}
+
+    def cudart(name: str, ptr: int, *a: int) -> int:
+        calls.append((name, ptr))
+        return answers[name].pop(0)
+    monkeypatch.setattr(slots_mod, "_cudart_call", cudart)
+    answers.update(cudaHostRegister=[712, 0], cudaHostUnregister=[0])
+    with caplog.at_level("WARNING", logger="checkpoint.slots"):
+        assert slots_mod.register_host_memory(8192, 4096) is True
+    assert calls == [("cudaHostRegister", 8192), ("cudaHostUnregister", 8192), ("cudaHostRegister", 8192)]
+    assert "stale registration" in caplog.text
+    calls.clear()
+    answers.update(cudaHostRegister=[712], cudaHostUnregister=[1])     # not a registration of ours to drop
+    assert slots_mod.register_host_memory(8192, 4096) is False
+    answers.update(cudaHostRegister=[1])                                 # another error: no retry
+    assert slots_mod.register_host_memory(8192, 4096) is False
+    assert calls == [("cudaHostRegister", 8192), ("cudaHostUnregister", 8192), ("cudaHostRegister", 8192)]
+
+
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_a_pinned_slot_is_unregistered_once_closed_or_collected_unclosed(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         how: str) -> None:
+    """Each registered slot's range is unregistered exactly once, before its mapping goes: when the ring is
+    closed, and when a ring nobody closed (a client dropped without close()) is collected; memory unmapped
+    while registered leaves a registration that fails every later one at that address."""
+    import gc
+
+    import checkpoint.slots as slots_mod
+    pinned: set[int] = set()
+    unpinned: list[int] = []
+    monkeypatch.setattr(slots_mod, "register_host_memory", lambda ptr, n, where=None: pinned.add(ptr) or True)
+    monkeypatch.setattr(slots_mod, "unregister_host_memory", lambda ptr: unpinned.append(ptr))
+    ring = SlotRing(tmp_path, "j", 0, max_slots=3, register_cuda=True)
+    for k in range(3):
+        assert ring.ensure_spare(1 << 16, want=k + 1)
+    assert len(pinned) == 3 and all(s.registered for s in ring.slots)
+    fds = [s.fd for s in ring.slots]
+    if how == "closed":
+        ring.close()
+    del ring
+    gc.collect()
+    assert sorted(unpinned) == sorted(pinned)          # each once, none twice
+    for fd in fds:                                     # the files closed: their locks free for the sweep
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_collected_ring_leaves_no_registration_and_a_stale_one_is_replaced(tmp_path: Path) -> None:
+    """On the device: a ring nobody closed, once collected, has unregistered its slots (unregistering their
+    addresses again finds nothing); and memory unmapped while registered (as a slot of a client dropped
+    before this change left it) does not keep the next slot at that address from being pinned."""
+    import gc
+    import mmap as mmap_mod
+
+    import checkpoint.slots as slots_mod
+    assert slots_mod.filesystem_type(tmp_path) == "tmpfs", "tests/conftest.py puts tmp_path on /dev/shm"
+    size = 3 << 20
+    ring = SlotRing(tmp_path, "j", 0, max_slots=2, register_cuda=True)
+    assert ring.ensure_spare(size) and ring.ensure_spare(size, want=2)
+    ptrs = [s.tensor.data_ptr() for s in ring.slots]
+    assert all(s.registered for s in ring.slots)
+    del ring
+    gc.collect()
+    not_registered = 713   # cudaErrorHostMemoryNotRegistered
+    assert [slots_mod._cudart_call("cudaHostUnregister", p) for p in ptrs] == [not_registered] * 2
+    # a stale registration: anonymous memory registered, then unmapped without unregistering
+    m = mmap_mod.mmap(-1, size)
+    stale = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+    assert slots_mod._cudart_call("cudaHostRegister", stale, size, 1) == 0
+    m.close()
+    again = SlotRing(tmp_path, "k", 0, max_slots=1, register_cuda=True)
+    s = again.ensure_spare(size)
+    assert s is not None and s.tensor.data_ptr() == stale, "the new slot did not land where the stale one is"
+    assert s.registered
+    x = torch.arange(size // 4, dtype=torch.int32, device="cuda")
+    s.tensor.view(torch.int32).copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(s.tensor.view(torch.int32), x.cpu())
+    again.close()
+    assert slots_mod._cudart_call("cudaHostUnregister", stale) == not_registered
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_on_a_gpu_the_next_client_pins_its_slots_after_one_closed_or_dropped(redis_server, tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture,
+                                                                             how: str) -> None:
+    """Two clients in one process, one after the other (a job that makes its client again, a test suite):
+    whether the first was closed or dropped unclosed, every slot of the second is pinned (H200, before:
+    after a client was dropped, the slots of every later client failed cudaHostRegister with 712 and
+    copied synchronously) and its saves commit."""
+    import gc
+
+    from torch import nn
+
+    from checkpoint.client import CheckpointClient
+    from checksums.step_guard import StepGuard
+    co = node(redis_server.port, tmp_path, "n0", keep_committed=4)
+
+    def run(name: str) -> CheckpointClient:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 512)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        client = CheckpointClient(co, job_id(name), 0, 1, guard=StepGuard.attach(opt),
+                                  config=SnapshotConfig.every_step(checksums="source", policy="wait",
+                                                                   skip_until_ready=False))
+        x = torch.randn(256, 1024, device="cuda")
+        handles = []
+        for step in range(1, 5):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            handles.append(client.save(step, {"model": model.state_dict(), "optim": opt.state_dict()}))
+        assert [h.result(scaled(60)).state for h in handles if h is not None] == ["COMMITTED"] * 4
+        ring = client.snapshotter._ring
+        assert ring is not None and ring.slots and all(s.registered for s in ring.slots)
+        return client
+
+    with caplog.at_level("WARNING", logger="checkpoint.slots"):
+        for round_ in range(3):
+            first = run(f"first{round_}")
+            if how == "closed":
+                first.close()
+            del first
+            gc.collect()
+    assert "cudaHostRegister" not in caplog.text, caplog.text
