@@ -63,6 +63,30 @@ def default_shm_root(state_dir: str | os.PathLike[str], base: str | os.PathLike[
     return Path(state_dir) / "memory"
 
 
+MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")   # a memory dir on anything else is a disk's
+
+
+def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> str:
+    """The type of the filesystem `path` is on ("tmpfs", "ext4", ...), from the longest mount point above its
+    real path in `/proc/self/mounts` (or `mounts`, that file's text); "" when unknown."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return ""
+    real = os.path.realpath(path)
+    best, kind = -1, ""
+    for line in mounts.splitlines():
+        f = line.split()
+        if len(f) < 3:
+            continue
+        mnt = f[1].replace("\\040", " ")
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) > best:
+            best, kind = len(mnt), f[2]
+    return kind
+
+
 def secure_memory_dir(root: str | os.PathLike[str], gid: int = -1) -> Path:
     """Create and check the memory dir `root` and its parent (sdcwatch.safe_fs.secure_dir: never a link,
     never another user's): the parent 0750 (0700 without a group), `root` and its `.slots` 2770 with group

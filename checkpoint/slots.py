@@ -44,7 +44,7 @@ import torch
 
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_job_id
-from checkpoint.shm_store import SLOTS_DIR
+from checkpoint.shm_store import MEMORY_FILESYSTEMS, SLOTS_DIR, filesystem_type
 
 log = logging.getLogger(__name__)
 
@@ -73,30 +73,9 @@ def _cudart_call(name: str, *args: int) -> int:
     return got
 
 
-def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> str:
-    """The type of the filesystem `path` is on ("tmpfs", "ext4", ...), from the longest mount point above its
-    real path in `/proc/self/mounts` (or `mounts`, that file's text); "" when unknown."""
-    if mounts is None:
-        try:
-            mounts = Path("/proc/self/mounts").read_text()
-        except OSError:
-            return ""
-    real = os.path.realpath(path)
-    best, kind = -1, ""
-    for line in mounts.splitlines():
-        f = line.split()
-        if len(f) < 3:
-            continue
-        mnt = f[1].replace("\\040", " ")
-        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) > best:
-            best, kind = len(mnt), f[2]
-    return kind
-
-
 def _why_not_pinned(where: Path | None) -> str:
     kind = filesystem_type(where) if where is not None else ""
-    if kind and kind not in ("tmpfs", "hugetlbfs"):
+    if kind and kind not in MEMORY_FILESYSTEMS:
         return (f" ({where} is on {kind}: the kernel does not pin a disk filesystem's file pages for a "
                 "device; put the memory dir on tmpfs, e.g. under /dev/shm)")
     return ""

@@ -171,7 +171,7 @@ _SHM_BASETEMP = pytest.StashKey[str]()
 
 
 def _is_tmpfs(path: str) -> bool:
-    from checkpoint.slots import filesystem_type
+    from checkpoint.shm_store import filesystem_type
 
     return filesystem_type(path) == "tmpfs"
 

@@ -83,6 +83,28 @@ def test_external_redis_keeps_the_bytes(redis_server, tmp_path: Path) -> None:
     assert (mem / "job" / "blob").read_bytes() == b"indexed"
 
 
+def test_a_memory_dir_on_a_disk_filesystem_is_named_at_start(redis_server, tmp_path: Path, monkeypatch,
+                                                              caplog) -> None:
+    """The agent says at start when its memory dir is not on tmpfs (a `memory_base` set to a disk, or /dev/shm
+    missing): the memory tier then writes to that disk and the GPU cannot pin the ranks' staging slots there.
+    Said once per start, naming the dir, its filesystem and the setting; nothing on tmpfs."""
+    import daemon.checkpoint_service as service_mod
+    kinds = {"disk": "xfs", "shm": "tmpfs"}
+    monkeypatch.setattr(service_mod, "filesystem_type", lambda p: kinds[Path(p).parent.name])
+    for where in ("disk", "shm"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="daemon.checkpoint_service"):
+            svc = build_checkpoint_service(redis_server.url, tmp_path / where / "state",
+                                           memory_dir=tmp_path / where / "memory")
+            asyncio.run(svc.close())
+        said = [r.getMessage() for r in caplog.records if "memory dir" in r.getMessage()]
+        if where == "disk":
+            assert len(said) == 1 and str(tmp_path / "disk" / "memory") in said[0], said
+            assert "on xfs, not tmpfs" in said[0] and "memory_base" in said[0]
+        else:
+            assert said == []
+
+
 def test_exposition_passes_promtool_in_every_state_without_created_series(redis_server, tmp_path: Path) -> None:
     """The agent's registry as it is exported: empty, with a GPU, an event, an alert and checkpoints
     (sdcwatch_checkpoints, not `_count`: promtool reserves that suffix), each checked by

@@ -184,7 +184,7 @@ def test_a_failed_registration_does_not_fail_the_next_kernel_launch() -> None:
 def test_filesystem_type_is_the_longest_mount_above_the_real_path(tmp_path: Path) -> None:
     """`filesystem_type`: the mount point that holds the path (the longest prefix by path component, not by
     string), spaces as the kernel escapes them, a link followed to where it points."""
-    from checkpoint.slots import filesystem_type
+    from checkpoint.shm_store import filesystem_type
     mounts = ("/dev/vda1 / ext4 rw 0 0\n"
               "tmpfs /dev/shm tmpfs rw,nosuid 0 0\n"
               "shm /dev/shm2 tmpfs rw 0 0\n"
