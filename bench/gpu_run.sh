@@ -352,6 +352,9 @@ want computequick && step compute-gpu1-quick 150 python3 -m bench.compute_gpu1 -
 # issue 19: the fused gradient-bucket summary (one read of each bucket) compiled for the GPU against the torch
 # path; its time against the torch path and a plain read (1-500 MB, bf16/fp32); the compute checks' overhead
 # on GPT-2 small with the fused path ("checks") and the torch path ("checks-torch") side by side
+# issue 19: the hooks' tests alone (the side stream's two events kept, not one made a bucket)
+want hooktests && step hook-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
+  tests/test_grad_summary_gpu.py tests/test_compute_gate_device.py
 want gradsum && step gradsum-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_grad_summary_gpu.py
 # issue 19: the summary kernel's launch configuration swept (device time, rows checked against the default's)

@@ -325,7 +325,11 @@ class GradSummaries:
         self._inject = inject           # fault injection (bench/): called with the bucket's flat buffer
         self._reduce = BucketAllreduce(getattr(ddp, "process_group", None))
         self._side_on = _SIDE_DEFAULT if side_stream is None else bool(side_stream)
-        self._sides: dict[int, Any] = {}      # device index -> the hooks' stream (side_stream)
+        # device index -> the hooks' stream (side_stream) and two events kept with it, recorded again each
+        # bucket / step (`wait_stream` makes an event a call: a host allocation a bucket in the step): one
+        # the side stream waits on for the backward's stream (the hooks of a device run on one autograd
+        # thread, one after another), one the caller's stream waits on for the side stream (`rows()`)
+        self._sides: dict[int, tuple[Any, Any, Any]] = {}
         ddp.register_comm_hook(None, self._hook)
 
     @classmethod
@@ -335,10 +339,13 @@ class GradSummaries:
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
         buf = bucket.buffer()
         if self._side_on and buf.is_cuda:
-            side = self._sides.get(buf.device.index)
-            if side is None:
-                side = self._sides[buf.device.index] = torch.cuda.Stream(buf.device)
-            side.wait_stream(torch.cuda.current_stream(buf.device))   # the bucket's gradients are ready there
+            got = self._sides.get(buf.device.index)
+            if got is None:
+                got = self._sides[buf.device.index] = (torch.cuda.Stream(buf.device), torch.cuda.Event(),
+                                                       torch.cuda.Event())
+            side, ready, _ = got
+            ready.record(torch.cuda.current_stream(buf.device))   # the bucket's gradients are ready there
+            side.wait_event(ready)
             with torch.cuda.stream(side):    # the collective waits for the side stream, not the backward's
                 return self._summarise_and_reduce(state, bucket, buf)
         return self._summarise_and_reduce(state, bucket, buf)
@@ -414,9 +421,11 @@ class GradSummaries:
         n = self._check_rows()
         assert self._buf is not None      # every hook call wrote its row there (`_row_slot`)
         if self._sides and self._buf.is_cuda:
-            side = self._sides.get(self._buf.device.index)
-            if side is not None:
-                torch.cuda.current_stream(self._buf.device).wait_stream(side)
+            got = self._sides.get(self._buf.device.index)
+            if got is not None:
+                side, _, done = got
+                done.record(side)
+                torch.cuda.current_stream(self._buf.device).wait_event(done)
         return self._buf[:n]
 
     def _check_rows(self) -> int:

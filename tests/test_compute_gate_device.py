@@ -6,6 +6,7 @@ and trains bit for bit as one with the eager ops. On the CPU the same run checks
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -104,16 +105,30 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
         runs.append((ddp, opt, checks))
     poison["step"] = 9
     masked_ok, same_every_step, same_rows = True, True, True
+    # CUDA events made in each run's backward and rows() once warm (torch's `wait_stream` makes one a call)
+    made = [0, 0]
+    counting = {"run": -1}
+    real_event = torch.cuda.Event
+
+    class CountedEvent(real_event):  # type: ignore[misc, valid-type]
+        def __new__(cls, *a: Any, **k: Any) -> Any:
+            if counting["run"] >= 0:
+                made[counting["run"]] += 1
+            return real_event.__new__(cls, *a, **k)
+    torch.cuda.Event = torch.cuda.streams.Event = CountedEvent   # (this spawned process only)
     g = torch.Generator().manual_seed(7)
     for s in range(1, 15):
         arm_step["now"] = s
         x, y = torch.randn(16, 32, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
         rows = []
-        for ddp, opt, checks in runs:
+        for k, (ddp, opt, checks) in enumerate(runs):
             before = [p.detach().clone() for p in ddp.parameters()]
             checks.retain((x, y))
+            counting["run"] = k if s > 3 else -1
             nn.functional.mse_loss(ddp(x), y).backward()
-            rows.append(checks.summaries.rows().clone())    # (the gate clears them in the step)
+            got_rows = checks.summaries.rows()
+            counting["run"] = -1
+            rows.append(got_rows.clone())    # (the gate clears them in the step)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if s == poison["step"]:          # the NaN step's update was masked on the device
@@ -123,7 +138,7 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
         same_rows &= rows[0].shape == rows[1].shape and torch.equal(rows[0], rows[1])
     with open(out, "w") as f:
         json.dump({"masked": masked_ok, "same": same_every_step, "same_rows": same_rows,
-                   "sides": [len(c.summaries._sides) for _, _, c in runs],
+                   "sides": [len(c.summaries._sides) for _, _, c in runs], "events_made": made,
                    "captures": [c._verdict.captures for _, _, c in runs],
                    "suspicions": [c.status().suspicions for _, _, c in runs],
                    "dropped": [c.status().dropped for _, _, c in runs],
@@ -161,6 +176,9 @@ def test_summaries_on_a_side_stream_give_the_same_rows_mask_and_training(tmp_pat
     masked NaN step and the weights of the summaries on the backward's own stream, bit for bit."""
     got = _run(tmp_path, "cuda", "side")
     assert got["sides"] == [1, 0], got
+    # no event made a bucket or a step by the side stream's waits once warm (its two are kept and recorded
+    # again): the side-stream run's backward and rows() make no more than those of the run without it
+    assert got["events_made"][0] <= got["events_made"][1], got
     assert got["masked"] and got["same"] and got["same_rows"] and got["finite"], got
     assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
 
