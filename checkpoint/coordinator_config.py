@@ -30,7 +30,9 @@ class CoordinatorConfig:
     max_world_size: int = setting(65536, "largest world_size a checkpoint may declare (Begin/CommitShard beyond it "
                                   "are refused; the work a request causes is bounded by what exists)")
     memory_base: str = setting("", "the directory holding the node's agents' memory dirs (a tmpfs: a dedicated "
-                               "mount, with a size limit or huge pages); this agent's is <memory_base>/<state dir "
+                               "mount, with a size limit or huge pages; on a disk the memory tier writes to it and "
+                               "the GPU cannot pin the ranks' staging slots there, and the agent says so at start); "
+                               "this agent's is <memory_base>/<state dir "
                                "name>-<hash of its path>/memory (empty: /dev/shm/sdcwatch for root, "
                                "/dev/shm/sdcwatch-<uid> otherwise)")
 
