@@ -49,6 +49,15 @@ def assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
+def assert_slots_pinned(client: Any) -> None:
+    """The client's saves copied into staging slots the device could pin, as in a node's memory dir on tmpfs:
+    a slot it could not pin is copied into synchronously, and a GPU test of the save's ordering would then race
+    nothing (the suite's tmp_path is on tmpfs on a GPU machine, tests/conftest.py)."""
+    ring = client.snapshotter._ring
+    assert ring is not None and ring.slots, "the saves used no staging slot"
+    assert all(s.registered for s in ring.slots), [(s.path, s.registered) for s in ring.slots]
+
+
 def node(redis_port: int, root: Path, name: str, publish: Callable[..., None] | None = None,
          **config: Any) -> Coordinator:
     store = DirStore(root / name)

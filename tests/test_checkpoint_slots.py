@@ -16,7 +16,7 @@ from checkpoint.restore import restore_from_plan
 from checkpoint.shm_store import ShmStore, sweep_dead_slots
 from checkpoint.slots import SlotRing
 from checkpoint.snapshot import Snapshotter, SnapshotConfig
-from ckpt_support import assert_same, job_id, node, state_dict
+from ckpt_support import assert_same, assert_slots_pinned, job_id, node, state_dict
 from deadlines import scaled
 
 
@@ -343,8 +343,7 @@ def test_on_a_gpu_the_next_client_pins_its_slots_after_one_closed_or_dropped(red
             opt.zero_grad()
             handles.append(client.save(step, {"model": model.state_dict(), "optim": opt.state_dict()}))
         assert [h.result(scaled(60)).state for h in handles if h is not None] == ["COMMITTED"] * 4
-        ring = client.snapshotter._ring
-        assert ring is not None and ring.slots and all(s.registered for s in ring.slots)
+        assert_slots_pinned(client)
         return client
 
     with caplog.at_level("WARNING", logger="checkpoint.slots"):

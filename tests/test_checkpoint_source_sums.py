@@ -25,7 +25,7 @@ from checkpoint.source_sums import CombinePlan, ManifestTemplate, combine, piece
 from checksums.fingerprint import triton_available
 from checksums.fingerprint_host import (MASK64, fingerprint_bytes, fmix64, fmix64_inverse, shift_sums,
                                         sums_from_tensor_words, word_sums_numpy)
-from ckpt_support import assert_same, flip_bit, job_id, node, state_dict
+from ckpt_support import assert_same, assert_slots_pinned, flip_bit, job_id, node, state_dict
 from deadlines import scaled
 
 
@@ -376,15 +376,6 @@ def _every_step_on_gpu(redis_server: Any, tmp_path: Path, name: str, checksums: 
     return co, job, client, train_step
 
 
-def _assert_slots_pinned(client: Any) -> None:
-    """The saves copied into staging slots the device could pin, as in a node's memory dir on tmpfs: a slot
-    it could not pin is copied into synchronously, and these tests would then race nothing (the suite's
-    tmp_path is on tmpfs on a GPU machine, tests/conftest.py)."""
-    ring = client.snapshotter._ring
-    assert ring is not None and ring.slots, "the saves used no staging slot"
-    assert all(s.registered for s in ring.slots), [(s.path, s.registered) for s in ring.slots]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("checksums", ["source", "host"])
 def test_steady_saves_reuse_their_fingerprint_word_buffers(redis_server, tmp_path: Path, checksums: str) -> None:
@@ -404,7 +395,7 @@ def test_steady_saves_reuse_their_fingerprint_word_buffers(redis_server, tmp_pat
     assert len(results) == steps and all(r.state == "COMMITTED" for r in results), [r.error for r in results]
     made = client.snapshotter._words.made
     assert 0 < made <= client.snapshotter.config.max_inflight + 1, made   # one a save would make 24
-    _assert_slots_pinned(client)
+    assert_slots_pinned(client)
     for step in (steps - 1, steps):
         assert_same(CheckpointClient(co, job, 0, 1).restore(step)["model"], expected[step])
     client.close()
@@ -446,7 +437,7 @@ def test_the_update_waits_for_the_save_fingerprints(redis_server, tmp_path: Path
     results = [h.result(scaled(120)) for h in handles if h is not None]
     assert len(results) == 8 and all(r.state == "COMMITTED" for r in results), [r.error for r in results]
     assert len(with_words) >= 8 and all(with_words), with_words   # the device fingerprints were checked
-    _assert_slots_pinned(client)
+    assert_slots_pinned(client)
     for step in (8, 9):
         assert_same(CheckpointClient(co, job, 0, 1).restore(step)["model"], expected[step])
     client.close()
