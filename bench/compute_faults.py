@@ -42,10 +42,15 @@ from bench.paired import paired_interval
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from checksums.compute_gate import ComputeChecks
-from checksums.grad_checks import BucketAllreduce, GradSummaries, set_fused, summary_paths
+from checksums.device_mask import DeviceMask
+from checksums.device_verdict import DeviceVerdict
+from checksums.fingerprint import triton_available
+from checksums.grad_checks import BucketAllreduce, GradSummaries, SpreadTracker, set_fused, summary_paths
 from checksums.monitor import Monitor
 from checksums.replica_recovery import ReplicaRecovery
+from checksums.replay import Replayer
 from checksums.reporter import ReporterStats, StepReport
+from checksums.step_guard import StepGuard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +393,7 @@ def _weights_digest(model: nn.Module, world: int) -> list[str]:
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
              gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False,
-             accum: int = 1, hook_arm: bool = False) -> dict[str, Any]:
+             accum: int = 1, hook_arm: bool = False, host_parts: int = 0) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -403,7 +408,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     # thread, so the hook, the gate, retain() and Monitor.step are timed by wrappers too (host seconds per
     # step on any thread); wrapped before the arms are made, as DDP keeps the hook it was given at attach
     spent: dict[str, float] = {}
-    if profile:
+    spent_on = bool(profile or host_parts)
+    if spent_on:
         def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(fn)   # DDP reads the hook's signature (state, bucket)
             def wrapper(*a: Any, **kw: Any) -> Any:
@@ -413,8 +419,17 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                 finally:
                     spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
             return wrapper
-        for cls, attr in [(GradSummaries, "_hook"), (ComputeChecks, "run"), (ComputeChecks, "retain"),
-                          (Monitor, "step")]:
+        wrapped = [(GradSummaries, "_hook"), (ComputeChecks, "run"), (ComputeChecks, "retain"), (Monitor, "step")]
+        if host_parts:   # the parts inside them (each time includes what it calls)
+            if triton_available():
+                from checksums.grad_summary_triton import GradSummaryPlan
+                wrapped.append((GradSummaryPlan, "launch"))
+            wrapped += [(BucketAllreduce, "__call__"), (GradSummaries, "gather"),
+                        (ComputeChecks, "_mask_on_device"), (ComputeChecks, "_settle_previous"),
+                        (DeviceVerdict, "flag"), (DeviceMask, "add"), (DeviceMask, "run"),
+                        (SpreadTracker, "assess"), (StepGuard, "_pre_hook"), (StepGuard, "_post_hook"),
+                        (Replayer, "end_step")]
+        for cls, attr in wrapped:
             setattr(cls, attr, timed(f"{cls.__name__}.{attr}", cls.__dict__[attr]))
     arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
@@ -438,7 +453,9 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                                           side_stream=False if name == "checks-inline" else None)
         if name == "hook":      # DDP through a Python comm hook that only reduces (BucketAllreduce): the
             reduce = BucketAllreduce(getattr(ddp, "process_group", None))   # floor of a per-bucket hook
-            ddp.register_comm_hook(None, lambda state, bucket: reduce(bucket.buffer()))
+            def only_reduce(state, bucket, reduce=reduce):  # type: ignore[no-untyped-def]
+                return reduce(bucket.buffer())
+            ddp.register_comm_hook(None, timed("hook-arm", only_reduce) if spent_on else only_reduce)
         guard = _sdcguard(sdcguard, model) if name == "sdcguard" else None
         arms.append((name, ddp, opt, checks, guard, monitor))
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -506,6 +523,25 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                             "host_s_per_step": st.total_tt / block,
                             "top": [(f"{Path(f).name}:{ln}:{fn}", tt / block, ct / block, nc // block)
                                     for (f, ln, fn), (cc, nc, tt, ct, _) in rows]}
+    if host_parts:   # host time a step in each part, by the wrappers alone (no cProfile): rounds of blocks
+        parts: dict[str, dict[str, list[float]]] = {a[0]: {} for a in arms}
+        for rnd in range(3):
+            for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
+                set_fused(arm[0] != "checks-torch")
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                spent.clear()
+                t0 = time.perf_counter()
+                run_block(arm, range(steps + block, steps + block + host_parts))
+                enqueued = time.perf_counter() - t0     # the host's own time: it ran ahead of the GPU
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                got = parts[arm[0]]
+                for k, v in [("(enqueue)", enqueued), ("(step)", time.perf_counter() - t0), *spent.items()]:
+                    got.setdefault(k, []).append(v / host_parts)
+        for name, got in parts.items():
+            host.setdefault(name, {"host_s_per_step": float("nan"), "top": []})
+            host[name]["parts"] = {k: statistics.median(v) for k, v in got.items()}
     if sync_debug and device.type == "cuda":   # what makes the host wait for the GPU inside a step
         import traceback
         import warnings
@@ -619,7 +655,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                        sdcguard=args.sdcguard, together=args.together,
                                        profile=args.profile, gpu_profile=args.gpu_profile,
                                        sync_debug=args.sync_debug, fsdp=args.fsdp, accum=args.accum,
-                                       hook_arm=args.hook_arm)
+                                       hook_arm=args.hook_arm, host_parts=args.host_parts)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -697,6 +733,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         for name, h in o.get("host", {}).items():
             lines.append(f"  host time of arm {name}: {h['host_s_per_step'] * 1e3:.3f} ms/step; largest own times "
                          "(ms/step own, cumulative, calls/step):")
+            if h.get("parts"):
+                lines.append(f"  host time by part, arm {name} (us/step, median of 3 blocks; each includes "
+                             "what it calls): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in h["parts"].items()))
             if h.get("wrapped"):
                 lines.append("    host ms/step in (any thread): " + ", ".join(
                     f"{k} {v * 1e3:.3f}" for k, v in sorted(h["wrapped"].items())))
@@ -768,6 +807,9 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
                    "dispatch: its default mode (every matmul, slower)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="after --overhead, profile one more "
                    "block of each arm (cProfile: host time per step and its N largest functions)")
+    p.add_argument("--host-parts", type=int, default=0, metavar="N", help="after --overhead, time the host's "
+                   "parts of each arm (the hook, the kernel launch, the reduction, the gate's stages) with plain "
+                   "wrappers, no profiler: 3 rounds of N steps an arm, the median a step of each part")
     p.add_argument("--sync-debug", action="store_true", help="after --overhead, run one more block of the "
                    "base, checks and all arms in CUDA's sync debug mode and print where the host waited")
     p.add_argument("--gpu-profile", type=int, default=0, metavar="N", help="after --overhead, trace one more "

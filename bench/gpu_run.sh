@@ -299,18 +299,7 @@ want ckpttests && step fs-types 10 bash -c 'uname -r; stat -f -c "%n %T" /tmp /d
 want ckpttests && step ckpttests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py \
   tests/test_step_guard.py
-want ckpttests && rm -rf /tmp/mut && mkdir /tmp/mut && tar --exclude=./.git --exclude=./.venv --exclude=./.whl -cf - . \
-  | tar -xf - -C /tmp/mut
-want ckpttests && python3 - >> "$LOG" 2>&1 <<'PY'
-p = "/tmp/mut/checkpoint/snapshot.py"
-s = open(p).read()
-for old, new in (("            cur.wait_event(ev)\n", "            pass\n"),
-                 ("self._inflight.append((dev, ev))  # the optimizer's", "pass  # the optimizer's")):
-    assert s.count(old) == 1, old
-    s = s.replace(old, new)
-open(p, "w").write(s)
-print("mutant: the update's waits for the save cut out")
-PY
+want ckpttests && python3 bench/mutate.py /tmp/mut update-waits >> "$LOG" 2>&1
 want ckpttests && step ckpttests-mutant 200 bash -c 'cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut python3 -m pytest \
   -p no:cacheprovider -q -m gpu -o addopts="" -rA tests/test_checkpoint_source_sums.py tests/test_checkpoint_overlap.py \
   tests/test_step_guard.py; echo "mutant rc=$? (must be 1)"'
@@ -355,6 +344,11 @@ want computequick && step compute-gpu1-quick 150 python3 -m bench.compute_gpu1 -
 # issue 19: the hooks' tests alone (the side stream's two events kept, not one made a bucket)
 want hooktests && step hook-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
   tests/test_grad_summary_gpu.py tests/test_compute_gate_device.py
+# and under the mutant (the old waits, through torch's wait_stream) the side stream's event count must fail
+want hooktests && python3 bench/mutate.py /tmp/mut hook-wait-stream >> "$LOG" 2>&1
+want hooktests && step hook-tests-mutant 120 bash -c 'cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut python3 -m pytest \
+  -p no:cacheprovider -q -m gpu -o addopts="" -rA tests/test_compute_gate_device.py \
+  -k side_stream; echo "mutant rc=$? (must be 1)"'
 want gradsum && step gradsum-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_grad_summary_gpu.py
 # issue 19: the summary kernel's launch configuration swept (device time, rows checked against the default's)
@@ -394,7 +388,7 @@ want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pyth
   --gpu-profile 4
 # issue 19: a host-bound step (8k tokens): the side stream's host cost against the summaries inline
 want compute8 && step compute-8k 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 --hook-arm
+  --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 --hook-arm --host-parts 20
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
 # beside it, then 2,000 clean steps
 want computepair && [ "$NGPU" -ge 2 ] && step compute-pair 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -139,3 +138,51 @@ def save_on_two_nodes(agents: dict[str, Any], job: str, clients: list[Any], step
     both = {(0, "node-a"), (0, "node-b"), (1, "node-a"), (1, "node-b")}
     return wait_for(lambda: next((i for i in clients[1].list() if i.step == step and i.state == "COMMITTED"
                                   and {(c.rank, c.node) for c in i.copies} == both), None))
+
+
+class Late:
+    """What `side_stream_late` held back: `sleeps` grows by one a sleep; `fingerprint_args` holds the
+    arguments of each `_enqueue_fingerprints` call."""
+
+    def __init__(self) -> None:
+        self.sleeps: list[int] = []
+        self.fingerprint_args: list[tuple[Any, ...]] = []
+
+
+def side_stream_late(monkeypatch: Any, ms: float = 50.0, copies: bool = True) -> Late:
+    """Each save's side stream sleeps on the device before its fingerprints and (`copies`) before each group
+    of device copies (the early group the current stream waits for at once, then the group only the update
+    waits for): the training's next update, enqueued at once, then reaches the device before the late work
+    unless it waits for it. Without the delay a missing wait went unseen (H200, 2026-12-04: with the update's
+    waits cut out these tests passed; the copies were done before the update came)."""
+    import checkpoint.gather as gather_mod
+    import checkpoint.snapshot as snapshot_mod
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * ms)   # clock_rate: kHz
+    late = Late()
+
+    def sleep() -> None:   # on the calling thread's current stream: the side stream, where all three run
+        late.sleeps.append(1)
+        torch.cuda._sleep(cycles)
+    real_fp, real_copy = snapshot_mod._enqueue_fingerprints, snapshot_mod.copy_all
+    real_run = gather_mod.GatherPlan.run
+
+    def fingerprints(*args: Any) -> None:
+        late.fingerprint_args.append(args)
+        sleep()
+        real_fp(*args)
+
+    def copy_all(dsts: Any, srcs: Any, idx: Any) -> None:
+        idx = list(idx)
+        if any(srcs[i].is_cuda for i in idx):   # not a CPU state's host copies (no stream of the save)
+            sleep()
+        real_copy(dsts, srcs, idx)
+
+    def run(self: Any, k: int, arena: Any, bounce: Any, tensors: Any, non_blocking: bool = True) -> None:
+        if bounce is not None or any(t.is_cuda for t in tensors):
+            sleep()
+        real_run(self, k, arena, bounce, tensors, non_blocking)
+    monkeypatch.setattr(snapshot_mod, "_enqueue_fingerprints", fingerprints)
+    if copies:
+        monkeypatch.setattr(snapshot_mod, "copy_all", copy_all)
+        monkeypatch.setattr(gather_mod.GatherPlan, "run", run)
+    return late

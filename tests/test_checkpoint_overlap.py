@@ -24,7 +24,7 @@ from checkpoint.slots import SlotRing, memory_budget, ring_size
 from checkpoint.snapshot import SnapshotConfig, Snapshotter, layout, optimizer_storages, pipelined_ring
 from checkpoint.state_tree import flatten
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
-from ckpt_support import assert_same, job_id, node, state_dict
+from ckpt_support import assert_same, job_id, node, side_stream_late, state_dict
 from deadlines import scaled
 
 MiB = 1 << 20
@@ -666,43 +666,6 @@ def test_a_devices_share_of_a_mixed_state_is_kept_in_the_plan() -> None:
     assert got == ([tensors[1]], [offsets[1]], None, None) and not plan.subs
 
 
-def _side_stream_late(monkeypatch: pytest.MonkeyPatch, ms: float = 50.0) -> list[int]:
-    """Each save's side stream sleeps on the device before its fingerprints and before each group of device
-    copies (the early group the current stream waits for at once, then the group only the update waits
-    for): the training's next update, enqueued at once, then reaches the device before the late copies
-    unless it waits for them. Without the delay a missing wait went unseen (H200, 2026-12-04: with the
-    update's waits cut out these tests passed; the copies were done before the update came). The list it
-    returns grows by one a sleep."""
-    import checkpoint.gather as gather_mod
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * ms)   # clock_rate: kHz
-    delayed: list[int] = []
-
-    def sleep() -> None:   # on the calling thread's current stream: the side stream, where all three run
-        delayed.append(1)
-        torch.cuda._sleep(cycles)
-    real_fp, real_copy = snapshot_mod._enqueue_fingerprints, snapshot_mod.copy_all
-    real_run = gather_mod.GatherPlan.run
-
-    def fingerprints(*args: Any) -> None:
-        sleep()
-        real_fp(*args)
-
-    def copies(dsts: Any, srcs: Any, idx: Any) -> None:
-        idx = list(idx)
-        if any(srcs[i].is_cuda for i in idx):   # not a CPU state's host copies (no stream of the save)
-            sleep()
-        real_copy(dsts, srcs, idx)
-
-    def run(self: Any, k: int, arena: Any, bounce: Any, tensors: Any, non_blocking: bool = True) -> None:
-        if bounce is not None or any(t.is_cuda for t in tensors):
-            sleep()
-        real_run(self, k, arena, bounce, tensors, non_blocking)
-    monkeypatch.setattr(snapshot_mod, "_enqueue_fingerprints", fingerprints)
-    monkeypatch.setattr(snapshot_mod, "copy_all", copies)
-    monkeypatch.setattr(gather_mod.GatherPlan, "run", run)
-    return delayed
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("gather", [1 << 20, 0])
 def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redis_server, tmp_path: Path,
@@ -714,7 +677,7 @@ def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redi
     non-contiguous tensor (per-tensor fallback); the tensors outside the optimizer change in place right
     after save returns, the optimizer's in the update: every restore is bit-identical to the state at the
     save, and the scrub finds the host bytes equal to the source checksums, with each save's copies held
-    back on the device (`_side_stream_late`). The gathered plan and the bounce are made ahead by prepare()
+    back on the device (`ckpt_support.side_stream_late`). The gathered plan and the bounce are made ahead by prepare()
     (the plan thread) and the saves use them."""
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id(f"cudagather{gather}")
     torch.manual_seed(0)
@@ -742,7 +705,7 @@ def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redi
     client.prepare(state()).result(scaled(120))
     ahead = list(client.snapshotter._plan.gathers.values())   # made on the plan thread, with the bounce
     assert bool(ahead) == bool(gather) and bool(client.snapshotter._bounce) == bool(gather)
-    delayed = _side_stream_late(monkeypatch)
+    delayed = side_stream_late(monkeypatch).sleeps
     for step in range(1, 5):
         sd = state()
         expected = on_host(sd)
@@ -783,7 +746,7 @@ def test_cuda_copies_enqueued_by_the_copy_thread_restore_bit_identical(redis_ser
                                                                       with_buffers: bool) -> None:
     """`SnapshotConfig.copy_thread`: the copies only the update waits for are enqueued by the copy thread
     (with no early group, the pieces' fingerprints too), two saves in flight, the next forward and update
-    right after each save (its copies held back on the device, `_side_stream_late`): every restore is
+    right after each save (its copies held back on the device, `ckpt_support.side_stream_late`): every restore is
     bit-identical to the state at its save and the scrub finds the bytes equal to the source checksums.
     Then an enqueue that fails on the copy thread fails that save with its error, the update does not hang,
     and the next save commits."""
@@ -815,7 +778,7 @@ def test_cuda_copies_enqueued_by_the_copy_thread_restore_bit_identical(redis_ser
         threads.append(threading.current_thread().name)
         real_copy_all(dsts, srcs, idx)
     monkeypatch.setattr(snapshot_mod, "copy_all", spy)
-    delayed = _side_stream_late(monkeypatch)
+    delayed = side_stream_late(monkeypatch).sleeps
     handles, expected = [], []
     for step in range(1, 7):
         sd = state()

@@ -25,7 +25,8 @@ from checkpoint.source_sums import CombinePlan, ManifestTemplate, combine, piece
 from checksums.fingerprint import triton_available
 from checksums.fingerprint_host import (MASK64, fingerprint_bytes, fmix64, fmix64_inverse, shift_sums,
                                         sums_from_tensor_words, word_sums_numpy)
-from ckpt_support import assert_same, assert_slots_pinned, flip_bit, job_id, node, state_dict
+from ckpt_support import (assert_same, assert_slots_pinned, flip_bit, job_id, node, side_stream_late,
+                          state_dict)
 from deadlines import scaled
 
 
@@ -411,24 +412,12 @@ def test_the_update_waits_for_the_save_fingerprints(redis_server, tmp_path: Path
     saves would not commit (the words would not match the copied bytes) or restore other bytes. The
     fingerprints are in use in every timed save (source: the pieces' plan built first; host: the transfer
     check)."""
-    import torch
-
-    import checkpoint.snapshot as snapmod
-
     co, job, client, train_step = _every_step_on_gpu(redis_server, tmp_path, f"fpwait{checksums}", checksums)
     # warm: the buffers, and (source) the pieces' fingerprint plan, made before the timed saves
     assert client.save(1, train_step()).result(scaled(120)).state == "COMMITTED"
     if client.snapshotter._plan_fut is not None:
         client.snapshotter._plan_fut.result(scaled(120))
-    real = snapmod._enqueue_fingerprints
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.1)   # ~100 ms (clock_rate: kHz)
-    with_words = []
-
-    def late(dev: Any, run_pieces: Any, check: Any, fps_host: Any, fst: Any) -> None:
-        with_words.append(fps_host is not None and (run_pieces is not None or check is not None))
-        torch.cuda._sleep(cycles)   # on the side stream: the fingerprint stream waits for it
-        real(dev, run_pieces, check, fps_host, fst)
-    monkeypatch.setattr(snapmod, "_enqueue_fingerprints", late)
+    late = side_stream_late(monkeypatch, ms=100, copies=False)   # the fingerprint stream waits for it
     handles, expected = [], {}
     for step in range(2, 10):
         sd = train_step()
@@ -436,7 +425,9 @@ def test_the_update_waits_for_the_save_fingerprints(redis_server, tmp_path: Path
         handles.append(client.save(step, sd))
     results = [h.result(scaled(120)) for h in handles if h is not None]
     assert len(results) == 8 and all(r.state == "COMMITTED" for r in results), [r.error for r in results]
-    assert len(with_words) >= 8 and all(with_words), with_words   # the device fingerprints were checked
+    # the device fingerprints were checked: words to the host, and the pieces' plan or the transfer check
+    with_words = [a[3] is not None and (a[1] is not None or a[2] is not None) for a in late.fingerprint_args]
+    assert len(with_words) >= 8 and all(with_words), with_words
     assert_slots_pinned(client)
     for step in (8, 9):
         assert_same(CheckpointClient(co, job, 0, 1).restore(step)["model"], expected[step])
