@@ -387,6 +387,9 @@ want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pyth
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 150 --block 10 --together --hook-arm \
   --gpu-profile 4
 # issue 19: a host-bound step (8k tokens): the side stream's host cost against the summaries inline
+# issue 19: the host time of each piece of the checks' hook, one bucket at a time (stream and event calls, the
+# reduction with and without its future, the summary's launch in each form)
+want hookhost && step hook-host 120 python3 -m bench.hook_host
 want compute8 && step compute-8k 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 --hook-arm --host-parts 20
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
