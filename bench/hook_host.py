@@ -56,7 +56,7 @@ def main() -> None:
 
 
 def run(dev: torch.device, args: argparse.Namespace) -> None:
-    from checksums.grad_checks import BucketAllreduce
+    from checksums.grad_checks import BucketAllreduce, SpreadTracker, _CurrentStreams
     from checksums.grad_summary_triton import ONE_LAUNCH_TB, GradSummaryPlan, gs_partials_kernel
 
     buf = torch.randn(int(args.bucket_mb * 2**20 / 4), device=dev)
@@ -126,6 +126,23 @@ def run(dev: torch.device, args: argparse.Namespace) -> None:
         ("runner(*args, stream=raw)", lambda: runner(*kargs, *consts, stream=raw_stream)),
         ("runner(*int pointers, stream=raw)", lambda: runner(*ints, *consts, stream=raw_stream)),
     ]
+    bound = plan.bound(buf, out)
+    if bound is not None:
+        pieces.append(("plan.bound(buf, out)(stream) (the hook's launch)", lambda: bound(raw_stream)))
+    streams = _CurrentStreams()
+    pieces.append(("_CurrentStreams().get(0) (the hook's stream)", lambda: streams.get(0)))
+    # the gate's host verdict a step (the previous step's rows): 2 ranks x 13 buckets, warmed, clean steps
+    rng = torch.Generator().manual_seed(0)
+    tracker = SpreadTracker(warmup=20)
+    clean = [torch.exp(torch.randn(2, 13, 2, generator=rng, dtype=torch.float64) * 0.01) for _ in range(64)]
+    for st in clean[:30]:
+        tracker.assess(st)
+    k = [0]
+
+    def assess() -> None:
+        k[0] = (k[0] + 1) % len(clean)
+        tracker.assess(clean[k[0]])
+    pieces.append(("SpreadTracker.assess (2 ranks x 13 buckets, clean)", assess))
     if c_launch is not None and scratch_free:
         head = (plan.n_items, 1, 1, raw_stream, compiled.function, launcher.launch_cooperative_grid,
                 launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None)

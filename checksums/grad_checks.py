@@ -272,6 +272,38 @@ class BucketAllreduce:
         return pg.allreduce([buf], self._opts).get_future().then(_reduced)
 
 
+class _BoundBucket:
+    """A bucket's summary launch bound to its buffer (address, size) and row, on device `dev`."""
+
+    __slots__ = ("ptr", "numel", "dev", "launch", "row")
+
+    def __init__(self, ptr: int, numel: int, dev: int, launch: Callable[[int], bool], row: torch.Tensor) -> None:
+        self.ptr, self.numel, self.dev, self.launch, self.row = ptr, numel, dev, launch, row
+
+
+try:     # the raw handle of a device's current stream, as Triton's driver reads it (no Stream object made)
+    from torch._C import _cuda_getCurrentRawStream as _raw_current_stream
+except ImportError:  # a torch without it
+    def _raw_current_stream(dev: int) -> int:
+        return torch.cuda.current_stream(dev).cuda_stream
+
+
+class _CurrentStreams:
+    """Each device's current stream as (raw handle, Stream), the Stream made again only when the handle
+    changes (a job that switches streams): `torch.cuda.current_stream()` makes a Python object a call."""
+
+    def __init__(self) -> None:
+        self._by_dev: dict[int, tuple[int, Any]] = {}
+
+    def get(self, dev: int) -> tuple[int, Any]:
+        raw = _raw_current_stream(dev)
+        got = self._by_dev.get(dev)
+        if got is None or got[0] != raw:
+            stream = torch.cuda.current_stream(dev)
+            got = self._by_dev[dev] = (stream.cuda_stream, stream)
+        return got
+
+
 class GradSummaries:
     """The DDP communication hook that summarises each bucket's local gradient, then all-reduces it.
 
@@ -330,6 +362,8 @@ class GradSummaries:
         # the side stream waits on for the backward's stream (the hooks of a device run on one autograd
         # thread, one after another), one the caller's stream waits on for the side stream (`rows()`)
         self._sides: dict[int, tuple[Any, Any, Any]] = {}
+        self._fast: dict[int, _BoundBucket] = {}     # bucket -> its bound summary (`_fast_path`)
+        self._current = _CurrentStreams()
         ddp.register_comm_hook(None, self._hook)
 
     @classmethod
@@ -338,22 +372,63 @@ class GradSummaries:
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
         buf = bucket.buffer()
-        if self._side_on and buf.is_cuda:
-            got = self._sides.get(buf.device.index)
-            if got is None:
-                got = self._sides[buf.device.index] = (torch.cuda.Stream(buf.device), torch.cuda.Event(),
-                                                       torch.cuda.Event())
-            side, ready, _ = got
-            ready.record(torch.cuda.current_stream(buf.device))   # the bucket's gradients are ready there
-            side.wait_event(ready)
-            with torch.cuda.stream(side):    # the collective waits for the side stream, not the backward's
-                return self._summarise_and_reduce(state, bucket, buf)
-        return self._summarise_and_reduce(state, bucket, buf)
-
-    def _summarise_and_reduce(self, state: Any, bucket: Any, buf: torch.Tensor) -> Any:
         idx = bucket.index()
         if self._inject is not None:
             self._inject(idx, buf)
+        fast = self._fast.get(idx)
+        if fast is not None and fast.ptr == buf.data_ptr() and fast.numel == buf.numel() and _FUSED \
+                and not _BROKEN:
+            got = self._fast_path(fast, idx, state, bucket, buf)
+            if got is not None:
+                return got
+            self._fast.pop(idx, None)          # the bound launch was refused: the general path from now on
+        if self._side_on and buf.is_cuda:
+            side, ready, _ = self._side(buf.device.index)
+            ready.record(torch.cuda.current_stream(buf.device))   # the bucket's gradients are ready there
+            side.wait_event(ready)
+            with torch.cuda.stream(side):    # the collective waits for the side stream, not the backward's
+                return self._summarise_and_reduce(state, bucket, buf, idx)
+        return self._summarise_and_reduce(state, bucket, buf, idx)
+
+    def _side(self, dev: int) -> tuple[Any, Any, Any]:
+        got = self._sides.get(dev)
+        if got is None:
+            got = self._sides[dev] = (torch.cuda.Stream(dev), torch.cuda.Event(), torch.cuda.Event())
+        return got
+
+    def _fast_path(self, fast: _BoundBucket, idx: int, state: Any, bucket: Any, buf: torch.Tensor) -> Any:
+        """A bucket seen at this address for more than `_LAYOUT_CALLS` calls, with its summary bound
+        (GradSummaryPlan.bound): the launch with its arguments made once, the streams without Python stream
+        objects made a call (`torch.cuda.stream()` and `current_stream()` cost ~25 us of host time a bucket
+        on the H200's host, bench/hook_host.py). None when the launch was refused (nothing was launched)."""
+        cur_raw, cur = self._current.get(fast.dev)
+        if self._side_on:
+            side, ready, _ = self._side(fast.dev)
+            ready.record(cur)                  # the bucket's gradients are ready on the backward's stream
+            side.wait_event(ready)
+            if not fast.launch(side.cuda_stream):
+                return None
+            self._rows[idx] = fast.row
+            self.hook_calls += 1
+            torch.cuda.set_stream(side)        # the collective waits for the side stream, not the backward's
+            try:
+                return self._reduced(state, bucket, buf)
+            finally:
+                torch.cuda.set_stream(cur)
+        if not fast.launch(cur_raw):
+            return None
+        self._rows[idx] = fast.row
+        self.hook_calls += 1
+        return self._reduced(state, bucket, buf)
+
+    def _reduced(self, state: Any, bucket: Any, buf: torch.Tensor) -> Any:
+        """The bucket's reduction (its summary already enqueued, and the buffer scaled by it): the job's own
+        comm hook, or the default all-reduce."""
+        if self._comm_hook is not None:
+            return self._comm_hook(self._comm_state, bucket)
+        return self._reduce(buf, scaled=True)
+
+    def _summarise_and_reduce(self, state: Any, bucket: Any, buf: torch.Tensor, idx: int) -> Any:
         # the bucket's flat buffer (its gradients are views into it, in order): one fused read of it on
         # CUDA with Triton (checksums.grad_summary_triton), torch ops elsewhere; not two kernels a parameter
         # (+34% of a GPT-2-small step on the H200)
@@ -382,11 +457,15 @@ class GradSummaries:
         calls = seen[3] + 1 if same else 1
         if calls <= _LAYOUT_CALLS or idx not in self.layout:
             self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
+        elif plan is not None and buf.is_cuda and getattr(plan, "summarises", False):
+            # the layout settled and the kernel compiled: the next calls on this buffer take `_fast_path`
+            bound = plan.bound(buf, self._views[idx], scale)
+            if bound is not None:
+                self._fast[idx] = _BoundBucket(buf.data_ptr(), buf.numel(), buf.device.index, bound,
+                                               self._views[idx])
         self._seen[idx] = (*key, calls)
         self.hook_calls += 1
-        if self._comm_hook is not None:
-            return self._comm_hook(self._comm_state, bucket)
-        return self._reduce(buf, scaled=True)
+        return self._reduced(state, bucket, buf)
 
     def _plan(self, idx: int, grads: Sequence[torch.Tensor]) -> Any:
         """CUDA with Triton: the bucket's own plan (`summary_plan`), kept while it fits the buffer
@@ -402,6 +481,7 @@ class GradSummaries:
         old = self._buf
         cap = max(16, 2 * (idx + 1))
         self._buf = torch.zeros(cap, ROW_WORDS, dtype=torch.int64, device=device)
+        self._fast.clear()                     # their launches write the old buffer's rows
         if old is not None and old.device == device:
             self._buf[:old.shape[0]].copy_(old)
         self._views = list(self._buf.unbind(0))
@@ -641,8 +721,8 @@ class SpreadTracker:
 
     It runs on the host every step (the device path judges the previous step's rows), on arrays of world x
     buckets x 2: in numpy, as one call each, not torch ops on tiny CPU tensors (about 10x fewer host
-    microseconds a step, bench/judge_host.py). The rule is `deviations`' (torch's lower median), so the
-    host verdict and the device's `device_flag` agree.
+    microseconds a step; `python -m bench.hook_host` times `assess`). The rule is `deviations`' (torch's
+    lower median), so the host verdict and the device's `device_flag` agree.
     """
 
     def __init__(self, *, margin: float = 3.0, warmup: int = 20, floor: float = math.log(1.05)) -> None:
@@ -666,12 +746,23 @@ class SpreadTracker:
         return None if self._spread is None else torch.from_numpy(self._spread)
 
     def assess(self, stats: torch.Tensor) -> tuple[tuple[float, ...], StatsVerdict]:
-        """`jumps(stats)` (before this step is learnt), then `judge(stats)`, from one host copy of the
-        statistics and one log of them: what the gate runs every step."""
+        """`jumps(stats)` (before this step is learnt) and `judge(stats)`, from one host copy of the
+        statistics and one log of them: what the gate runs every step. The jumps are taken only for a step
+        with suspects (the replays' tie-break reads them then, nothing else does); zeros otherwise. The
+        same numbers: `_judge` learns a step exactly when it has no suspects, so a step with suspects
+        leaves the history the jumps compare with as it was."""
         x = _host_array(stats)
-        lx = _log_np(x)
-        nonfinite = _nonfinite_ranks_np(x)
-        return self._jumps(x, lx, nonfinite), self._judge(x, lx, nonfinite)
+        fin = np.isfinite(x)
+        if fin.all():              # every clean step: no masking, no search for the non-finite ranks
+            lx = np.log(np.maximum(x, _TINY))
+            nonfinite: tuple[int, ...] = ()
+        else:
+            lx = np.log(np.maximum(np.where(fin, x, 0.0), _TINY))
+            nonfinite = _nonfinite_of(fin)
+        verdict = self._judge(x, lx, nonfinite)
+        if not verdict.suspects:
+            return (0.0,) * x.shape[0], verdict
+        return self._jumps(x, lx, nonfinite), verdict
 
     def judge(self, stats: torch.Tensor) -> StatsVerdict:
         """The verdict on one step's gathered statistics float64 [world, buckets, 2] (host or device)."""
@@ -771,5 +862,10 @@ def _deviations_of_log(lx: np.ndarray) -> np.ndarray:
 
 
 def _nonfinite_ranks_np(x: np.ndarray) -> tuple[int, ...]:
-    bad = ~np.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
+    return _nonfinite_of(np.isfinite(x))
+
+
+def _nonfinite_of(fin: np.ndarray) -> tuple[int, ...]:
+    """The ranks (first axis) with a False in `fin` (np.isfinite of the statistics)."""
+    bad = ~fin.reshape(fin.shape[0], -1).all(axis=1)
     return tuple(int(r) for r in np.flatnonzero(bad))

@@ -65,6 +65,13 @@ def test_the_graph_verdict_is_the_eager_rule_on_every_input() -> None:
     assert float(v.flag(inp2.view(world, buckets + 1, 4), spread2)) == 0.0 and v.captures == 2
 
 
+class _NeverStored(dict):
+    """A bucket -> bound launch map that keeps nothing: the hook's general path on every call."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
 def _train(rank: int, init: str, device_name: str, out: str, variant: str = "graphs") -> None:
     import json
 
@@ -88,7 +95,8 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
     arm_step = {"now": 0}
     runs = []
     # variant "graphs": the verdict through a CUDA graph, then eager; "side": the bucket summaries and
-    # reductions on the hooks' side stream, then on the backward's stream
+    # reductions on the hooks' side stream, then on the backward's stream; "fast" ("fast-inline": without the
+    # side stream): the hook's bound launches (`_fast_path`), then its general path every call
     for first in (True, False):
         m = nn.Sequential(*[type(layer)(*(() if isinstance(layer, nn.GELU) else
                                           (layer.in_features, layer.out_features))) for layer in base])
@@ -99,7 +107,9 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
         checks = ComputeChecks.attach(
             ddp, opt, mask="device", audit_every=0, warmup=3,
             loss_fn=lambda mod, b: nn.functional.mse_loss(mod(b[0]), b[1]), inject_bucket=inject,
-            side_stream=first if variant == "side" else None)
+            side_stream=first if variant == "side" else False if variant == "fast-inline" else None)
+        if variant.startswith("fast") and not first:
+            checks.summaries._fast = _NeverStored()      # the general path every call
         if variant == "graphs":
             checks._verdict.graphs = first
         runs.append((ddp, opt, checks))
@@ -139,6 +149,8 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
     with open(out, "w") as f:
         json.dump({"masked": masked_ok, "same": same_every_step, "same_rows": same_rows,
                    "sides": [len(c.summaries._sides) for _, _, c in runs], "events_made": made,
+                   "fast": [len(c.summaries._fast) for _, _, c in runs],
+                   "buckets": [len(c.summaries.layout) for _, _, c in runs],
                    "captures": [c._verdict.captures for _, _, c in runs],
                    "suspicions": [c.status().suspicions for _, _, c in runs],
                    "dropped": [c.status().dropped for _, _, c in runs],
@@ -229,3 +241,17 @@ def test_the_device_rule_runs_under_deterministic_algorithms() -> None:
         assert float(v.flag(rows, spread)) == 1.0 and v.captures == 1
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", ["fast", "fast-inline"])
+def test_the_hooks_bound_launches_give_the_general_paths_rows_mask_and_training(tmp_path, variant: str) -> None:
+    """Issue 19: once a bucket's layout settled, the hook launches its summary bound to the buffer and row
+    (GradSummaryPlan.bound, integer addresses, the streams without Python stream objects): the rows, the
+    masked NaN step (injected in a bucket the bound path summarises) and the weights are bit for bit those
+    of the general path, on the side stream and without it."""
+    got = _run(tmp_path, "cuda", variant)
+    assert got["fast"][0] == got["buckets"][0] >= 1 and got["fast"][1] == 0, got   # every bucket bound, or none
+    assert got["masked"] and got["same"] and got["same_rows"] and got["finite"], got
+    assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got

@@ -130,3 +130,45 @@ def test_direct_launches_give_the_jit_entrys_rows_and_buffers(monkeypatch, dtype
     assert not any(d.ok for d in j_plan._direct.values())
     ref = bucket_summary_torch([bufs[1]])
     assert torch.equal(d_rows[1][2:], ref[2:])                           # and it is the right row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_a_bound_launch_gives_launchs_row_and_buffer_on_any_stream(monkeypatch, dtype: torch.dtype,
+                                                                    scale: float) -> None:
+    """`GradSummaryPlan.bound` (the DDP hook's launch once a bucket settled: integer addresses, a raw stream
+    handle) writes the row and scales the buffer bit for bit as `launch` does, on the current stream and on
+    another one; it is None before the variant was launched and when direct launches are off, and a refused
+    launch returns False without launching."""
+    import checksums.grad_summary_triton as gst
+
+    n = (3 << 20) + 5
+    x = (torch.randn(n + 16, device="cuda") * 1e-2).to(dtype)[:n]
+    plan = gst.GradSummaryPlan(x)
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    assert plan.bound(x, out, scale) is None                 # nothing compiled for it yet
+    want_buf = x.clone()
+    want = plan.launch(want_buf, out.clone(), scale=scale).clone()   # compiles; direct from the next call
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        y = x.clone()
+        row = torch.zeros(4, dtype=torch.int64, device="cuda")
+        plan.launch(y, row, scale=scale)        # this address's variant (its offset may need 64 bits)
+        y.copy_(x)
+        row.zero_()
+        b = plan.bound(y, row, scale)
+        assert b is not None
+        side.wait_stream(torch.cuda.current_stream())
+        assert b(stream.cuda_stream)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(row, want) and torch.equal(y, want_buf), stream    # row and scaled buffer
+    b._direct.ok = False                                     # a launcher that refused once
+    row.zero_()
+    assert b(torch.cuda.current_stream().cuda_stream) is False
+    torch.cuda.synchronize()
+    assert not row.any()                                     # nothing was launched
+    monkeypatch.setattr(gst, "DIRECT_LAUNCH", False)
+    off = gst.GradSummaryPlan(x)
+    off.launch(x.clone(), out, scale=scale)
+    off.launch(x.clone(), out, scale=scale)
+    assert off.bound(x, out, scale) is None                  # direct launches off: never bound
