@@ -194,9 +194,10 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     gate = object.__new__(ComputeChecks)     # the settle path alone: no ranks, no model
     gate.guard, gate.tracker, gate.last_verdict = guard, SpreadTracker(margin=3.0, warmup=0), None
     gate._classify = lambda *a: replayed.append(1) or []
+    gate._learn_later = None
 
-    def pend() -> None:
-        gate._pending = (3, _rows(10, world=2), None, True, None, guard.restores)
+    def pend() -> None:           # a step the device masked (its flag 1)
+        gate._pending = (3, _rows(10, world=2), torch.tensor(1.0), None, True, None, guard.restores)
 
     pend()
     gate._settle_previous()
@@ -209,6 +210,50 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     guard.note_restore(1)                    # a restore to the step the guard is at
     gate._settle_previous()
     assert replayed == [1]
+
+
+def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed():
+    """Issue 19: the previous step's host verdict waits for the AFTER stage when the device did not mask it
+    (its flag 0, `defer`): the pre-update stage only reads the flag; the spread learns from the step after
+    the update. A masked step (flag 1), or any step on an audit step (no `defer`), is judged at once. Where
+    the host finds a suspect the device passed, nothing is replayed (the update was applied)."""
+    from checksums.compute_gate import ComputeChecks
+    from checksums.step_guard import StepGuard
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    guard = StepGuard.attach(opt)
+    replayed: list[int] = []
+    gate = object.__new__(ComputeChecks)
+    gate.guard, gate.tracker, gate.last_verdict = guard, SpreadTracker(margin=3.0, warmup=0), None
+    gate._classify = lambda verdict, *a: (replayed.append(1) if verdict.suspects else None) or []
+    gate._learn_later, gate._host_only_said = None, False
+
+    def pend(flag: float, norms: list[float]) -> None:
+        rows = torch.zeros(3, 2, 4, dtype=torch.int64)
+        rows[..., :2] = _stats(norms).contiguous().view(torch.int64)
+        gate._pending = (3, rows, torch.tensor(flag), None, True, None, guard.restores)
+
+    pend(0.0, [1.0, 1.01, 1.02])
+    gate._settle_previous(defer=True)
+    assert gate._learn_later is not None and gate.tracker.learned == 0 and gate.last_verdict is None
+    gate._learn_deferred()                              # the AFTER stage
+    assert gate._learn_later is None and gate.tracker.learned == 1 and gate.last_verdict.suspects == ()
+    pend(0.0, [1.0, 1.01, 1.02])
+    gate._settle_previous(defer=False)                  # an audit step: learnt in order, at once
+    assert gate._learn_later is None and gate.tracker.learned == 2
+    pend(1.0, [1.0, 1.01, 50.0])                        # the device masked it: judged and replayed at once
+    gate._settle_previous(defer=True)
+    assert gate._learn_later is None and replayed == [1] and gate.last_verdict.suspects == (2,)
+    pend(0.0, [1.0, 1.01, 50.0])                        # the host names a rank the device passed
+    gate._settle_previous(defer=True)
+    gate._learn_deferred()
+    assert replayed == [1] and gate.last_verdict.suspects == (2,) and gate._host_only_said
+    pend(0.0, [1.0, 1.01, 1.02])                        # the AFTER stage never ran (the update raised):
+    gate._settle_previous(defer=True)
+    pend(0.0, [1.0, 1.01, 1.02])
+    learned = gate.tracker.learned
+    gate._settle_previous(defer=True)                   # the next step learns the one left first
+    assert gate.tracker.learned == learned + 1 and gate._learn_later is not None
 
 
 def test_classify_pair_names_a_transient_by_its_non_repeating_original():
