@@ -364,6 +364,7 @@ class GradSummaries:
         self._sides: dict[int, tuple[Any, Any, Any]] = {}
         self._fast: dict[int, _BoundBucket] = {}     # bucket -> its bound summary (`_fast_path`)
         self._current = _CurrentStreams()
+        self._world = 0                  # the group's size, read at the first gather
         ddp.register_comm_hook(None, self._hook)
 
     @classmethod
@@ -501,11 +502,12 @@ class GradSummaries:
         n = self._check_rows()
         assert self._buf is not None      # every hook call wrote its row there (`_row_slot`)
         if self._sides and self._buf.is_cuda:
-            got = self._sides.get(self._buf.device.index)
+            dev = self._buf.device.index
+            got = self._sides.get(dev)
             if got is not None:
                 side, _, done = got
                 done.record(side)
-                torch.cuda.current_stream(self._buf.device).wait_event(done)
+                self._current.get(dev)[1].wait_event(done)
         return self._buf[:n]
 
     def _check_rows(self) -> int:
@@ -523,7 +525,8 @@ class GradSummaries:
         """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call).
         `out`: int64 [world * buckets, 4] on that device to gather into (the compute gate's static input)."""
         mine = self.rows()
-        world = dist.get_world_size(self._group)
+        world = self._world if self._world else dist.get_world_size(self._group)
+        self._world = world
         if out is None:
             out = mine.new_empty((world * mine.shape[0], *mine.shape[1:]))   # the concatenated form (gloo's)
         all_gather_single(out, mine, group=self._group)    # one call and no stack, whatever the world
@@ -573,6 +576,7 @@ class FsdpGradSummaries:
         self._plans: dict[int, tuple[tuple, Any]] = {}
         self.layout: dict[int, tuple[int, ...]] = {}
         self.hook_calls = 0
+        self._world = 0                  # the group's size, read at the first gather
         self._inject = inject
         self._capture: dict[int, torch.Tensor] | None = None
         self._keep_flat: dict[int, torch.Tensor] | None = None   # a witness replay's whole inputs (2 ranks)
