@@ -663,6 +663,18 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     dist.destroy_process_group()
 
 
+def _own_host_time(parts: dict[str, float], hook_parts: dict[str, float] | None) -> tuple[float, float] | None:
+    """(before, after) the update, seconds a step: an arm's host time over the hook-only arm's, from
+    --host-parts: its hook minus the hook-only arm's hook (the floor of any Python comm hook), plus the step
+    guard's pre-hook and retain() (before), and the step guard's post-hook (after: it overlaps the update's
+    kernels). None without the hook-only arm or for an arm without the checks' hook."""
+    if not hook_parts or "GradSummaries._hook" not in parts or "hook-arm" not in hook_parts:
+        return None
+    before = (parts["GradSummaries._hook"] - hook_parts["hook-arm"] + parts.get("StepGuard._pre_hook", 0.0)
+              + parts.get("ComputeChecks.retain", 0.0))
+    return before, parts.get("StepGuard._post_hook", 0.0)
+
+
 def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     head = f"fault (rank {fault_rank}, step {fault_step})"
     lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
@@ -736,6 +748,13 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
             if h.get("parts"):
                 lines.append(f"  host time by part, arm {name} (us/step, median of 3 blocks; each includes "
                              "what it calls): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in h["parts"].items()))
+                own = _own_host_time(h["parts"], o.get("host", {}).get("hook", {}).get("parts"))
+                if own is not None:
+                    before, after = own
+                    step = o["arms"]["base"]["median_s"]
+                    lines.append(f"    arm {name}'s own host time a step over the hook-only arm: before the update "
+                                 f"{before * 1e6:.0f} us ({before / step * 100:.2f}% of base's median step), "
+                                 f"after it {after * 1e6:.0f} us")
             if h.get("wrapped"):
                 lines.append("    host ms/step in (any thread): " + ", ".join(
                     f"{k} {v * 1e3:.3f}" for k, v in sorted(h["wrapped"].items())))

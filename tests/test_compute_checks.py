@@ -471,6 +471,22 @@ def test_one_gpu_bench_runs_on_cpu():
     assert set(o["arms"]) == {"base", "checks", "checks+audits"} and o["blocks"] == 2
 
 
+def test_host_parts_time_each_part_of_each_arm_and_the_checks_own_share():
+    """`compute_faults --host-parts` (how the H200's host-bound step is measured): each arm's parts, with the
+    hook-only arm's hook as the floor the checks' own host time is counted over."""
+    o = _faults(["--world", "1", "--cases", "none", "--overhead", "4", "--block", "2", "--hook-arm",
+                 "--host-parts", "3"])["overhead"]
+    parts, hook, base = (o["host"][a]["parts"] for a in ("checks", "hook", "base"))
+    assert parts["GradSummaries._hook"] > parts["BucketAllreduce.__call__"] > 0, parts
+    assert parts["StepGuard._pre_hook"] >= parts["ComputeChecks.run"] > 0 and parts["(step)"] > 0, parts
+    assert hook["hook-arm"] > 0 and "GradSummaries._hook" not in hook and "hook-arm" not in base, (hook, base)
+    got = compute_faults._own_host_time(
+        {"GradSummaries._hook": 5.0, "StepGuard._pre_hook": 2.0, "ComputeChecks.retain": 0.5,
+         "StepGuard._post_hook": 1.5}, {"hook-arm": 3.0})
+    assert got == (4.5, 1.5)                             # (5 - 3) + 2 + 0.5 before the update; 1.5 after
+    assert compute_faults._own_host_time(base, hook) is None and compute_faults._own_host_time(parts, None) is None
+
+
 def test_fsdp2_overhead_arms_run_on_cpu():
     """The FSDP2 overhead arms (bench/gpu_run.sh's compute-fsdp step on the GPU pair) run on 2 gloo ranks:
     base, checks, checks with collective audits; every audit passes (the numbers are the GPU run's)."""
