@@ -433,21 +433,24 @@ class _DirectLaunch:
 
 class BoundLaunch:
     """`GradSummaryPlan.bound`'s launch: `call(stream)` launches on that raw CUDA stream handle and returns
-    True, or False (nothing launched; the caller takes `launch`) once the launcher refused."""
+    True, or False (nothing launched; the caller takes `launch`) once this launch or the plan's direct
+    launch was refused. A refusal here (say a Triton whose launcher takes no `stream=`) leaves the plan's
+    direct launch on."""
 
-    __slots__ = ("_direct", "_ints")
+    __slots__ = ("_direct", "_ints", "ok")
 
     def __init__(self, direct: _DirectLaunch, ints: tuple) -> None:
         self._direct, self._ints = direct, ints
+        self.ok = True
 
     def __call__(self, stream: int) -> bool:
         d = self._direct
-        if not d.ok:
+        if not (self.ok and d.ok):
             return False
         try:
             d._run(*self._ints, stream=stream)      # type: ignore[misc]
         except Exception:  # noqa: BLE001 (an argument the launcher refuses: nothing was launched)
-            d.ok = False
+            self.ok = False
             return False
         return True
 

@@ -479,3 +479,29 @@ def test_the_sweep_reports_a_row_that_differs() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     _child()
+
+
+def test_a_refused_bound_launch_leaves_the_plans_direct_launch_on() -> None:
+    """`BoundLaunch` (the DDP hook's launch once a bucket settled) passes its integer arguments and the stream
+    to the direct launch's runner; a runner that refuses them (say a Triton without `stream=`) turns the
+    bound launch off, not the plan's direct launch; a direct launch turned off turns the bound one off."""
+    from checksums.grad_summary_triton import BoundLaunch, _DirectLaunch
+
+    calls: list[tuple] = []
+
+    def runner(*args: object, stream: int | None = None) -> None:
+        calls.append((args, stream))
+
+    d = _DirectLaunch(runner)
+    b = BoundLaunch(d, (1, 2, 3))
+    assert b(77) and calls == [((1, 2, 3), 77)]
+
+    def refusing(*args: object, **kw: object) -> None:
+        raise TypeError("runner() got an unexpected keyword argument 'stream'")
+
+    d2 = _DirectLaunch(refusing)
+    b2 = BoundLaunch(d2, (1,))
+    assert b2(5) is False and not b2.ok and d2.ok          # the bound one off; the direct launch stays on
+    assert b2(5) is False                                   # and stays off
+    d.ok = False
+    assert b(77) is False and len(calls) == 1               # the direct launch off: the bound one launches nothing
