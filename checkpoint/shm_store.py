@@ -87,6 +87,14 @@ def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> 
     return kind
 
 
+def disk_filesystem(path: str | os.PathLike[str]) -> str:
+    """The type of `path`'s filesystem when it is not a memory one ("ext4", "xfs", ...): a memory dir or a
+    staging slot there is written to a disk, and the GPU cannot pin its pages; "" on tmpfs, hugetlbfs or
+    when unknown."""
+    kind = filesystem_type(path)
+    return kind if kind and kind not in MEMORY_FILESYSTEMS else ""
+
+
 def secure_memory_dir(root: str | os.PathLike[str], gid: int = -1) -> Path:
     """Create and check the memory dir `root` and its parent (sdcwatch.safe_fs.secure_dir: never a link,
     never another user's): the parent 0750 (0700 without a group), `root` and its `.slots` 2770 with group

@@ -44,7 +44,7 @@ import torch
 
 from checkpoint.errors import InvalidInputError
 from checkpoint.names import validate_job_id
-from checkpoint.shm_store import MEMORY_FILESYSTEMS, SLOTS_DIR, filesystem_type
+from checkpoint.shm_store import SLOTS_DIR, disk_filesystem
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def _cudart_call(name: str, *args: int) -> int:
 
 
 def _why_not_pinned(where: Path | None) -> str:
-    kind = filesystem_type(where) if where is not None else ""
-    if kind and kind not in MEMORY_FILESYSTEMS:
+    kind = disk_filesystem(where) if where is not None else ""
+    if kind:
         return (f" ({where} is on {kind}: the kernel does not pin a disk filesystem's file pages for a "
                 "device; put the memory dir on tmpfs, e.g. under /dev/shm)")
     return ""

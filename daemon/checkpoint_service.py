@@ -62,8 +62,7 @@ from checkpoint.records import (LATEST, LATEST_VERIFIED, CheckpointInfo, Copy, R
                                 RestoreReportMsg, SaveReport, ShardPlan)
 from sdcwatch.event_kinds import Publish
 from checkpoint.shard_layout import ShardLayout
-from checkpoint.shm_store import (MEMORY_FILESYSTEMS, ShmStore, default_shm_root, filesystem_type,
-                                  secure_memory_dir)
+from checkpoint.shm_store import ShmStore, default_shm_root, disk_filesystem, secure_memory_dir
 from daemon.background import Background, cancel_tasks
 from daemon.pools import WorkPool, run_in_thread
 from daemon.checkpoint_metrics import CheckpointMetrics
@@ -756,8 +755,8 @@ def build_checkpoint_service(redis_url: str, state_dir: str | os.PathLike[str], 
     begin/commit (checkpoint/commit_fence.py); a `redis+sentinel://` URL fences commits with Sentinel's epoch."""
     base = config.memory_base if config is not None else ""
     root = secure_memory_dir(Path(memory_dir) if memory_dir is not None else default_shm_root(state_dir, base), gid)
-    kind = filesystem_type(root)
-    if kind and kind not in MEMORY_FILESYSTEMS:
+    kind = disk_filesystem(root)
+    if kind:
         log.warning("the checkpoint memory dir %s is on %s, not tmpfs: the memory tier writes to that disk, and "
                     "the GPU cannot pin the ranks' staging slots there (their copies run synchronously); set "
                     "[checkpoints] memory_base to a tmpfs (e.g. /dev/shm/sdcwatch)", root, kind)

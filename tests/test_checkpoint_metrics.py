@@ -88,9 +88,9 @@ def test_a_memory_dir_on_a_disk_filesystem_is_named_at_start(redis_server, tmp_p
     """The agent says at start when its memory dir is not on tmpfs (a `memory_base` set to a disk, or /dev/shm
     missing): the memory tier then writes to that disk and the GPU cannot pin the ranks' staging slots there.
     Said once per start, naming the dir, its filesystem and the setting; nothing on tmpfs."""
-    import daemon.checkpoint_service as service_mod
+    import checkpoint.shm_store as shm_store_mod
     kinds = {"disk": "xfs", "shm": "tmpfs"}
-    monkeypatch.setattr(service_mod, "filesystem_type", lambda p: kinds[Path(p).parent.name])
+    monkeypatch.setattr(shm_store_mod, "filesystem_type", lambda p: kinds[Path(p).parent.name])
     for where in ("disk", "shm"):
         caplog.clear()
         with caplog.at_level("WARNING", logger="daemon.checkpoint_service"):

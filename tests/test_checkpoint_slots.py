@@ -205,11 +205,12 @@ def test_a_failed_registration_names_a_disk_filesystem_as_the_cause(monkeypatch:
     """A slot whose pages the device could not pin: the warning says when its dir is on a disk filesystem
     (the kernel pins no such file pages for a device) and where to put the memory dir instead; on tmpfs it
     adds nothing it does not know."""
+    import checkpoint.shm_store as shm_store_mod
     import checkpoint.slots as slots_mod
     monkeypatch.setattr(slots_mod.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(slots_mod, "_cudart_call", lambda name, *a: 1)          # cudaErrorInvalidValue
     kinds = {"/srv/mem": "ext4", "/dev/shm/mem": "tmpfs"}
-    monkeypatch.setattr(slots_mod, "filesystem_type", lambda p, mounts=None: kinds[str(p)])
+    monkeypatch.setattr(shm_store_mod, "filesystem_type", lambda p, mounts=None: kinds[str(p)])
     with caplog.at_level("WARNING", logger="checkpoint.slots"):
         assert slots_mod.register_host_memory(4096, 8192, Path("/srv/mem")) is False
         assert slots_mod.register_host_memory(4096, 8192, Path("/dev/shm/mem")) is False
@@ -284,7 +285,8 @@ def test_on_a_gpu_a_collected_ring_leaves_no_registration_and_a_stale_one_is_rep
     import mmap as mmap_mod
 
     import checkpoint.slots as slots_mod
-    assert slots_mod.filesystem_type(tmp_path) == "tmpfs", "tests/conftest.py puts tmp_path on /dev/shm"
+    from checkpoint.shm_store import filesystem_type
+    assert filesystem_type(tmp_path) == "tmpfs", "tests/conftest.py puts tmp_path on /dev/shm"
     size = 3 << 20
     ring = SlotRing(tmp_path, "j", 0, max_slots=2, register_cuda=True)
     assert ring.ensure_spare(size) and ring.ensure_spare(size, want=2)
