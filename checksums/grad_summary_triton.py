@@ -349,11 +349,8 @@ class GradSummaryPlan:
         with _on_device(self.device):
             one = self._one
             if self.n_items:
-                args = (self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items,
-                        self.fpart, self.spart, self.counter, self.n_items, self.hdr, out, float(scale))
-                # what Triton specialises among the arguments that change between calls: `off`'s integer
-                # type (i32 or i64, by its value) and `out`'s 16-byte alignment
-                key = (scaled, -_I32 <= off < _I32, out.data_ptr() % 16 == 0)
+                args = self._args(off, out, scale)
+                key = _variant(off, out, scaled)
                 direct = self._direct.get(key)
                 if direct is None or not direct(args, self._constexprs[scaled]):
                     compiled = gs_partials_kernel[(self.n_items,)](
@@ -366,6 +363,10 @@ class GradSummaryPlan:
                                          num_warps=FINAL_WARPS)
         return out
 
+    def _args(self, off: int, out: torch.Tensor, scale: float) -> tuple:
+        """The partials kernel's arguments but its constexprs, for the buffer at `off` from the anchor."""
+        return (self.anchor, self._base_i32, self._base_el, off, self.nbytes, self.nvec4, self.items, self.fpart,
+                self.spart, self.counter, self.n_items, self.hdr, out, float(scale))
 
     def bound(self, t: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> "BoundLaunch | None":
         """`launch(t, out, scale)` with every argument fixed but the stream: a `BoundLaunch` for a caller that
@@ -380,17 +381,21 @@ class GradSummaryPlan:
             return None         # two launches (the finaliser too), or an empty buffer: not bound
         off = t.data_ptr() - self._anchor_ptr
         scaled = scale != 1.0
-        direct = self._direct.get((scaled, -_I32 <= off < _I32, out.data_ptr() % 16 == 0))
+        direct = self._direct.get(_variant(off, out, scaled))
         if direct is None or not direct.ok:
             return None
-        ints = (self.anchor.data_ptr(), self._base_i32.data_ptr(), self._base_el.data_ptr(), off, self.nbytes,
-                self.nvec4, self.items.data_ptr(), self.fpart.data_ptr(), self.spart.data_ptr(),
-                self.counter.data_ptr(), self.n_items, self.hdr.data_ptr(), out.data_ptr(), float(scale),
-                *self._constexprs[scaled])
-        return BoundLaunch(direct, ints)
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args(off, out, scale))
+        return BoundLaunch(direct, (*ints, *self._constexprs[scaled]))
 
 
 _I32 = 1 << 31
+
+
+def _variant(off: int, out: torch.Tensor, scaled: bool) -> tuple[bool, bool, bool]:
+    """Which compiled variant a launch takes: what Triton specialises among the arguments that change
+    between calls (`off`'s integer type, i32 or i64 by its value, and `out`'s 16-byte alignment), and
+    whether the pass scales the buffer."""
+    return scaled, -_I32 <= off < _I32, out.data_ptr() % 16 == 0
 # SDCWATCH_GS_DIRECT=0: every launch through Triton's JIT entry (bench/bench_grad_summary.py compares)
 DIRECT_LAUNCH = os.environ.get("SDCWATCH_GS_DIRECT", "1") != "0"
 
