@@ -403,24 +403,22 @@ class GradSummaries:
         objects made a call (`torch.cuda.stream()` and `current_stream()` cost ~25 us of host time a bucket
         on the H200's host, bench/hook_host.py). None when the launch was refused (nothing was launched)."""
         cur_raw, cur = self._current.get(fast.dev)
+        side = None
         if self._side_on:
             side, ready, _ = self._side(fast.dev)
             ready.record(cur)                  # the bucket's gradients are ready on the backward's stream
             side.wait_event(ready)
-            if not fast.launch(side.cuda_stream):
-                return None
-            self._rows[idx] = fast.row
-            self.hook_calls += 1
-            torch.cuda.set_stream(side)        # the collective waits for the side stream, not the backward's
-            try:
-                return self._reduced(state, bucket, buf)
-            finally:
-                torch.cuda.set_stream(cur)
-        if not fast.launch(cur_raw):
+        if not fast.launch(cur_raw if side is None else side.cuda_stream):
             return None
         self._rows[idx] = fast.row
         self.hook_calls += 1
-        return self._reduced(state, bucket, buf)
+        if side is None:
+            return self._reduced(state, bucket, buf)
+        torch.cuda.set_stream(side)            # the collective waits for the side stream, not the backward's
+        try:
+            return self._reduced(state, bucket, buf)
+        finally:
+            torch.cuda.set_stream(cur)
 
     def _reduced(self, state: Any, bucket: Any, buf: torch.Tensor) -> Any:
         """The bucket's reduction (its summary already enqueued, and the buffer scaled by it): the job's own
@@ -525,8 +523,9 @@ class GradSummaries:
         """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call).
         `out`: int64 [world * buckets, 4] on that device to gather into (the compute gate's static input)."""
         mine = self.rows()
-        world = self._world if self._world else dist.get_world_size(self._group)
-        self._world = world
+        if not self._world:
+            self._world = dist.get_world_size(self._group)
+        world = self._world
         if out is None:
             out = mine.new_empty((world * mine.shape[0], *mine.shape[1:]))   # the concatenated form (gloo's)
         all_gather_single(out, mine, group=self._group)    # one call and no stack, whatever the world
@@ -757,12 +756,7 @@ class SpreadTracker:
         leaves the history the jumps compare with as it was."""
         x = _host_array(stats)
         fin = np.isfinite(x)
-        if fin.all():              # every clean step: no masking, no search for the non-finite ranks
-            lx = np.log(np.maximum(x, _TINY))
-            nonfinite: tuple[int, ...] = ()
-        else:
-            lx = np.log(np.maximum(np.where(fin, x, 0.0), _TINY))
-            nonfinite = _nonfinite_of(fin)
+        lx, nonfinite = _log_np(x, fin), _nonfinite_ranks_np(x, fin)
         verdict = self._judge(x, lx, nonfinite)
         if not verdict.suspects:
             return (0.0,) * x.shape[0], verdict
@@ -851,10 +845,12 @@ def _host_array(stats: torch.Tensor) -> np.ndarray:
     return np.array(stats.detach().to(device="cpu", dtype=torch.float64).numpy(), dtype=np.float64)
 
 
-def _log_np(x: np.ndarray) -> np.ndarray:
+def _log_np(x: np.ndarray, fin: np.ndarray | None = None) -> np.ndarray:
     """`deviations`' log: non-finite values counted as zero, zeros as _TINY (np.where, not np.nan_to_num:
-    the same values at a fraction of its host time, in the gate's every step)."""
-    return np.log(np.maximum(np.where(np.isfinite(x), x, 0.0), _TINY))
+    the same values at a fraction of its host time, in the gate's every step). `fin`: np.isfinite(x), if
+    the caller has it; on an all-finite step (every clean one) nothing is masked."""
+    fin = np.isfinite(x) if fin is None else fin
+    return np.log(np.maximum(x if fin.all() else np.where(fin, x, 0.0), _TINY))
 
 
 def _deviations_of_log(lx: np.ndarray) -> np.ndarray:
@@ -865,11 +861,10 @@ def _deviations_of_log(lx: np.ndarray) -> np.ndarray:
     return np.abs(lx - med)
 
 
-def _nonfinite_ranks_np(x: np.ndarray) -> tuple[int, ...]:
-    return _nonfinite_of(np.isfinite(x))
-
-
-def _nonfinite_of(fin: np.ndarray) -> tuple[int, ...]:
-    """The ranks (first axis) with a False in `fin` (np.isfinite of the statistics)."""
+def _nonfinite_ranks_np(x: np.ndarray, fin: np.ndarray | None = None) -> tuple[int, ...]:
+    """The ranks (first axis) with a non-finite statistic; `fin` as in `_log_np`."""
+    fin = np.isfinite(x) if fin is None else fin
+    if fin.all():
+        return ()
     bad = ~fin.reshape(fin.shape[0], -1).all(axis=1)
     return tuple(int(r) for r in np.flatnonzero(bad))
