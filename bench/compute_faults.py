@@ -464,7 +464,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     # every batch made on the device before timing, as a loader with pinned memory and non-blocking copies
     # delivers them: a pageable copy per step waits for the stream, so the GPU idled ~20 ms a step while the
     # host launched the next one and every arm's host work was timed as if it were device work
-    batches = [batch_for(rank, s, device, micro) for s in range(steps + 2 * block + host_parts) for micro in range(accum)]
+    batches = [batch_for(rank, s, device, micro) for s in range(steps + 2 * block + host_parts)
+               for micro in range(accum)]
     step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
 
     def run_block(arm: tuple[Any, ...], steps_: range) -> None:

@@ -25,6 +25,13 @@ step() {  # step NAME TIMEOUT CMD...
   timeout "$t" "$@" >> "$LOG" 2>&1; local rc=$?
   printf '%-16s rc=%-4s %5ss\n' "$name" "$rc" "$((SECONDS - t0))" >> "$SUM"
 }
+mutant() {  # mutant NAME TIMEOUT MUTANT PYTEST-ARGS...: GPU tests in a copy of the tree with bench/mutate.py's
+  # MUTANT applied; they must fail there (rc 1)
+  local name=$1 t=$2 which=$3; shift 3
+  python3 bench/mutate.py /tmp/mut "$which" >> "$LOG" 2>&1 || { printf '%-16s mutant %s did not apply\n' "$name" "$which" >> "$SUM"; return; }
+  step "$name" "$t" bash -c 'cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut python3 -m pytest -p no:cacheprovider -q -m gpu \
+    -o addopts="" -rA "$@"; echo "mutant rc=$? (must be 1)"' _ "$@"
+}
 { date -u; nvidia-smi --query-gpu=name,uuid,pci.bus_id,driver_version,memory.total --format=csv; nproc;
   python3 -c 'import torch, triton, grpc, google.protobuf as p; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "grpc", grpc.__version__, "protobuf", p.__version__, "gpus", torch.cuda.device_count())'; } >> "$LOG" 2>&1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -290,8 +297,6 @@ fi
 # run, every step against none at batches 16 and 32, three clients each, four rounds
 want ckpt47 && step ckpt47 480 python3 bench/ckpt_overlap.py --parts b --checksums source --inflight 3 \
   --batches 16,32 --rounds 4 --switch-interval 0 --gc on,on,on
-# the first save against a steady one in seven fresh clients with prepare() (one client's ratio moves with the
-# spread of a 1 ms save: ckptfirst's one client 1.50x, twentieth session), after the fingerprint stream made ahead
 # the save path's GPU tests with the suite's tmp_path on tmpfs (tests/conftest.py: until the twentieth session it
 # was under /tmp, where no slot could be pinned, so those tests copied synchronously), then the mutant (the
 # update's waits for the save cut out): both parameters of the fingerprint-wait test must fail under it
@@ -299,10 +304,10 @@ want ckpttests && step fs-types 10 bash -c 'uname -r; stat -f -c "%n %T" /tmp /d
 want ckpttests && step ckpttests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
   tests/test_checkpoint_overlap.py tests/test_checkpoint_source_sums.py tests/test_checkpoint_slots.py \
   tests/test_step_guard.py
-want ckpttests && python3 bench/mutate.py /tmp/mut update-waits >> "$LOG" 2>&1
-want ckpttests && step ckpttests-mutant 200 bash -c 'cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut python3 -m pytest \
-  -p no:cacheprovider -q -m gpu -o addopts="" -rA tests/test_checkpoint_source_sums.py tests/test_checkpoint_overlap.py \
-  tests/test_step_guard.py; echo "mutant rc=$? (must be 1)"'
+want ckpttests && mutant ckpttests-mutant 200 update-waits tests/test_checkpoint_source_sums.py \
+  tests/test_checkpoint_overlap.py tests/test_step_guard.py
+# the first save against a steady one in seven fresh clients with prepare() (one client's ratio moves with the
+# spread of a 1 ms save: ckptfirst's one client 1.50x, twentieth session), after the fingerprint stream made ahead
 want ckptfresh && step ckptfresh 200 python3 bench/ckpt_overlap.py --parts c --fresh 7 --repeat 4
 # the first save against a steady one, after this session's prepare() changes (with the tests they touch)
 want ckptfirst && step ckptfirst-tests 120 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
@@ -338,17 +343,14 @@ want compute && step compute-gpu1 480 python3 -m bench.compute_gpu1 --device cud
 # the same table in about 90 s (--quick: warm-up 12, clean 40, every other sweep size; seconds per phase printed)
 want computequick && step compute-gpu1-quick 150 python3 -m bench.compute_gpu1 --device cuda --model gpt2 --quick \
   --sdcguard 20
-# issue 19: the fused gradient-bucket summary (one read of each bucket) compiled for the GPU against the torch
-# path; its time against the torch path and a plain read (1-500 MB, bf16/fp32); the compute checks' overhead
-# on GPT-2 small with the fused path ("checks") and the torch path ("checks-torch") side by side
 # issue 19: the hooks' tests alone (the side stream's two events kept, not one made a bucket)
 want hooktests && step hook-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
   tests/test_grad_summary_gpu.py tests/test_compute_gate_device.py
 # and under the mutant (the old waits, through torch's wait_stream) the side stream's event count must fail
-want hooktests && python3 bench/mutate.py /tmp/mut hook-wait-stream >> "$LOG" 2>&1
-want hooktests && step hook-tests-mutant 120 bash -c 'cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut python3 -m pytest \
-  -p no:cacheprovider -q -m gpu -o addopts="" -rA tests/test_compute_gate_device.py \
-  -k side_stream; echo "mutant rc=$? (must be 1)"'
+want hooktests && mutant hook-tests-mutant 120 hook-wait-stream tests/test_compute_gate_device.py -k side_stream
+# issue 19: the fused gradient-bucket summary (one read of each bucket) compiled for the GPU against the torch
+# path; its time against the torch path and a plain read (1-500 MB, bf16/fp32); the compute checks' overhead
+# on GPT-2 small with the fused path ("checks") and the torch path ("checks-torch") side by side
 want gradsum && step gradsum-tests 240 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_grad_summary_gpu.py
 # issue 19: the summary kernel's launch configuration swept (device time, rows checked against the default's)
@@ -386,10 +388,11 @@ want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 py
 want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 150 --block 10 --together --hook-arm \
   --gpu-profile 4
-# issue 19: a host-bound step (8k tokens): the side stream's host cost against the summaries inline
 # issue 19: the host time of each piece of the checks' hook, one bucket at a time (stream and event calls, the
 # reduction with and without its future, the summary's launch in each form)
 want hookhost && step hook-host 120 python3 -m bench.hook_host
+# issue 19: a host-bound step (8k tokens): the side stream's host cost against the summaries inline, and the
+# host time of each part of each arm (--host-parts)
 want compute8 && step compute-8k 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 --hook-arm --host-parts 20
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard

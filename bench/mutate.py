@@ -23,8 +23,8 @@ MUTANTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "            side.wait_stream(torch.cuda.current_stream(buf.device))\n"),
         ("checksums/grad_checks.py",
          "                done.record(side)\n"
-         "                torch.cuda.current_stream(self._buf.device).wait_event(done)\n",
-         "                torch.cuda.current_stream(self._buf.device).wait_stream(side)\n"),
+         "                self._current.get(dev)[1].wait_event(done)\n",
+         "                self._current.get(dev)[1].wait_stream(side)\n"),
     ]),
 }
 
@@ -37,13 +37,16 @@ def main(argv: list[str]) -> int:
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(".", dest, ignore=shutil.ignore_patterns(".git", ".venv", ".whl", "__pycache__"))
     what, edits = MUTANTS[name]
-    for rel, old, new in edits:
+    texts: dict[Path, str] = {}
+    for rel, old, new in edits:       # every edit checked before any file is written: all or none
         p = dest / rel
-        s = p.read_text()
+        s = texts.get(p, p.read_text())
         if s.count(old) != 1:
             print(f"mutant {name}: {rel} has {s.count(old)} copies of {old!r} (must be 1)", file=sys.stderr)
             return 1
-        p.write_text(s.replace(old, new))
+        texts[p] = s.replace(old, new)
+    for p, s in texts.items():
+        p.write_text(s)
     print(f"mutant {name}: {what}")
     return 0
 

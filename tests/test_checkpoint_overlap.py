@@ -677,8 +677,8 @@ def test_cuda_gathered_copies_restore_bit_identical_with_the_update_ordered(redi
     non-contiguous tensor (per-tensor fallback); the tensors outside the optimizer change in place right
     after save returns, the optimizer's in the update: every restore is bit-identical to the state at the
     save, and the scrub finds the host bytes equal to the source checksums, with each save's copies held
-    back on the device (`ckpt_support.side_stream_late`). The gathered plan and the bounce are made ahead by prepare()
-    (the plan thread) and the saves use them."""
+    back on the device (`ckpt_support.side_stream_late`). The gathered plan and the bounce are made ahead
+    by prepare() (the plan thread) and the saves use them."""
     co, job = node(redis_server.port, tmp_path, "n0", keep_committed=8), job_id(f"cudagather{gather}")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.BatchNorm1d(1024)).cuda()
