@@ -35,6 +35,15 @@ FSDP2 (`fully_shard`): the rows come from a custom reduce-scatter (checksums.gra
 and replays are collective (checksums.fsdp_replay: every rank replays at once; an audit step audits every
 rank); `witness_model=` (a factory of the bare model) gives two ranks their CPU witness.
 
+Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;
+replays multiply `loss_fn`'s loss by the scale the step ran under (checksums.replay), so they reproduce the
+step bit for bit, and a rank whose scaled gradient overflowed is cleared as DATA (the overflow reproduces
+everywhere; the scaler skips the step itself). At the first step the replay of rank 0's batch is compared
+with that step's own rows: when it does not reproduce them (no `scaler=` under a scaler, a `loss_fn` that
+is not what the loop back-propagates), no GPU is named on the evidence of a replay: audits stop, and a
+suspect step is dropped without a finding; an error in the log and GetStatus's compute mode
+("unreproducible: ...") say why.
+
 DDP takes one communication hook, and the checks are one: a job that reduces through its own
 (`bf16_compress_hook`, PowerSGD, ...) passes it as `comm_hook=` (and `comm_state=`) instead of registering
 it; each bucket is summarised, then handed to it (checksums.grad_checks.GradSummaries).
@@ -101,7 +110,7 @@ class ComputeChecks:
                  mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
                  max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None,
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
-                 side_stream: bool | None = None) -> None:
+                 side_stream: bool | None = None, scaler: Any = None) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
         self.group = group
@@ -120,8 +129,9 @@ class ComputeChecks:
         self.device = device
         self.replayer: Replayer = (
             FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group,
-                         witness_model=witness_model) if self.fsdp else
-            Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group))
+                         witness_model=witness_model, scaler=scaler) if self.fsdp else
+            Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
+                     scaler=scaler))
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)
         self.audit_every = audit_every
         where = [None] * self.world
@@ -172,7 +182,27 @@ class ComputeChecks:
 
     def retain(self, batch: Any) -> None:
         """The step's batch and RNG state, kept so the step can be replayed; call before the forward."""
+        if self.summaries.pending():      # the last backward's step never reached optimizer.step()
+            self._judge_skipped()
         self.replayer.retain(batch)
+
+    def _judge_skipped(self) -> None:
+        """The loop did not call `optimizer.step()` after the last synchronised backward (a GradScaler found
+        inf in the reduced gradient and skipped the update; every rank alike, as the scaler follows the
+        reduced gradient): that step's rows are judged now, before the next step's first batch is retained (a
+        collective). A suspect is replayed and classified as at any step (an overflow reproduces everywhere:
+        DATA, no GPU named; a fault that made one rank's gradient non-finite names it); nothing is vetoed:
+        there was no update."""
+        rows = self.summaries.gather().cpu()
+        self.summaries.clear()
+        try:
+            stats = stats_of(rows)
+            jumps, verdict = self.tracker.assess(stats)
+            self.last_verdict = verdict
+            outcomes = self._classify(verdict, rows, jumps)
+            self._conclude(self.guard.step, stats, verdict, outcomes, masked=True)
+        finally:
+            self.replayer.end_step()
 
     # ---- the stage ----------------------------------------------------------------------------------
 
@@ -180,10 +210,8 @@ class ComputeChecks:
         self._steps += 1
         if not self._determinism_checked:
             self._determinism_checked = True
-            if not self.replayer.check_determinism():
-                logger.warning("sdcwatch: replays of one batch differ bit for bit on this model; compute "
-                               "replays compare norms within a rounding bound instead of fingerprints")
-        audit_due = bool(self.audit_every) and ctx.step % self.audit_every == 0
+            self._check_replays()
+        audit_due = bool(self.audit_every) and ctx.step % self.audit_every == 0 and self.replayer.reproduces
         try:
             if self.mask == "device":
                 self._settle_previous(defer=not audit_due)   # an audit's host verdict learns in order
@@ -195,11 +223,25 @@ class ComputeChecks:
         finally:
             self.replayer.end_step()              # the next retain() starts the next step's micro-batches
 
+    def _check_replays(self) -> None:
+        """At the first step (a collective): replays are deterministic (else the rounding-aware bound), and
+        they reproduce the step they replay (compared with rank 0's own rows of this step)."""
+        original = self.summaries.gather()[0].cpu()
+        if not self.replayer.check_determinism(original):
+            logger.warning("sdcwatch: replays of one batch differ bit for bit on this model; compute "
+                           "replays compare norms within a rounding bound instead of fingerprints")
+        if not self.replayer.reproduces:
+            logger.error("sdcwatch: compute replays do not reproduce this job's steps (%s); no GPU will be "
+                         "named on a replay's evidence: audits are off and a suspect step is dropped "
+                         "without a finding", self.replayer.why_not)
+
     def _classify(self, verdict: StatsVerdict, rows: torch.Tensor, jumps: tuple[float, ...],
                   retained: Retained | None = None) -> list[tuple[str, int, Classification]]:
         """Replay and classify a step's suspects: each of at most two (3+ ranks), or both batches on both
         ranks at once (two ranks: `classify_pair`)."""
         if not verdict.suspects:
+            return []
+        if not self.replayer.reproduces:           # a replay would blame a GPU for the loss_fn's mismatch
             return []
         if self.world == 2:
             c = self.replayer.classify_pair(rows, retained, (jumps[0], jumps[1]))
@@ -241,6 +283,10 @@ class ComputeChecks:
         if drop:
             why = "; ".join(f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
             return Veto(self.name, why)
+        if verdict.suspects and not self.replayer.reproduces:
+            self._dropped += 1
+            return Veto(self.name, f"ranks {list(verdict.suspects)} suspect, not replayed "
+                                   f"({self.replayer.why_not})")
         return None
 
     def _conclude(self, step: int, stats: torch.Tensor, verdict: StatsVerdict,
@@ -344,20 +390,29 @@ class ComputeChecks:
         self._pending = None
         if done is not None:
             done.synchronize()                            # recorded a step ago: already complete
-        if defer and not float(host_flag):
+        masked = bool(float(host_flag))                   # the device's verdict skipped this update
+        if defer and not masked:
             self._learn_later = host
             return
         stats = stats_of(host)
         jumps, verdict = self.tracker.assess(stats)
         self.last_verdict = verdict
-        if not armed and not verdict.nonfinite:
-            return
-        if epoch != self.guard.restores:   # restored since: a replay now would run on other weights
-            logger.info("sdcwatch: compute check of step %d not replayed: the weights were restored since",
-                        step)
-            return
-        outcomes = self._classify(verdict, host, jumps, retained)
-        self._conclude(step, stats, verdict, outcomes, masked=bool(outcomes))
+        if (not armed and not verdict.nonfinite) or epoch != self.guard.restores:
+            if masked or verdict.suspects:     # restored since: a replay now would run on other weights
+                restored = epoch != self.guard.restores
+                logger.info("sdcwatch: compute check of step %d not replayed: %s", step,
+                            "the weights were restored since" if restored else "not armed")
+            outcomes = []
+        else:
+            outcomes = self._classify(verdict, host, jumps, retained)
+        self._conclude(step, stats, verdict, outcomes, masked=masked)
+        if masked:
+            if not outcomes:                              # no finding, but no update either
+                self._dropped += 1
+            self.guard.masked(step, self.name, "; ".join(
+                f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
+                or (f"ranks {list(verdict.suspects)} suspect, not replayed ({self.replayer.why_not})"
+                    if verdict.suspects and not self.replayer.reproduces else "the device's verdict"))
 
     def _learn_deferred(self) -> None:
         """The host verdict of a step the device did not mask: the spread and each rank's history learn
@@ -387,18 +442,22 @@ class ComputeChecks:
                                  bucket=verdict.bucket, stat=verdict.stat, where=where, since_step=since)
         self.findings.append(finding)
         self._unreported.append(finding)
-        if self.rank == 0 or self.rank in c.faulty:
-            logger.warning("sdcwatch: compute check at step %d: %s on rank %d -> %s, faulty %s, %s",
-                           step, detector, suspect, c.cause.value, list(where),
-                           "dropped" if drop else "applied")
+        if self.rank == 0 or self.rank in c.faulty:      # a suspicion the replays cleared is no warning
+            logger.log(logging.INFO if c.cause is Cause.DATA else logging.WARNING,
+                       "sdcwatch: compute check at step %d: %s on rank %d -> %s, faulty %s, %s%s",
+                       step, detector, suspect, c.cause.value, list(where), "dropped" if drop else "applied",
+                       f" ({c.detail})" if c.cause is Cause.DATA else "")
 
     # ---- what it says -------------------------------------------------------------------------------
 
     def mode(self) -> str:
         """How replays compare, for the agent's GetStatus: "exact" (bit-exact fingerprints), "bounded: ..."
-        (the determinism check found replays differ: norms within a rounding bound), "" before the check."""
+        (the determinism check found replays differ: norms within a rounding bound), "unreproducible: ..."
+        (a replay does not give its step's gradient: no GPU is named on replays), "" before the check."""
         if not self._determinism_checked:
             return ""
+        if not self.replayer.reproduces:
+            return f"unreproducible: {self.replayer.why_not}"[:120]
         if self.replayer.exact:
             return "exact"
         return "bounded: replays of one batch differ bit for bit; norm and max-abs compared within 1e-3"

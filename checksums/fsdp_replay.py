@@ -49,6 +49,7 @@ from checksums.replay import (
     _equal,
     _map_tensors,
     classify_replays,
+    scaled,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,8 @@ class FsdpReplayer(Replayer):
 
     def __init__(self, root: nn.Module, summaries: FsdpGradSummaries, loss_fn: LossFn, *,
                  device: torch.device, group: Any = None,
-                 witness_model: Callable[[], nn.Module] | None = None) -> None:
-        super().__init__(root, None, loss_fn, device=device, group=group)
+                 witness_model: Callable[[], nn.Module] | None = None, scaler: Any = None) -> None:
+        super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler)
         self.fsdp = summaries
         self.witness_model = witness_model
         self.cpu_witness = witness_model is not None    # the bare module is on no rank: a copy is built
@@ -92,7 +93,7 @@ class FsdpReplayer(Replayer):
                         torch.cuda.set_rng_state(dev_rng, self.device)
                     module.set_requires_gradient_sync(k == last)  # type: ignore[operator]
                     with torch.enable_grad():
-                        self.loss_fn(module, batch).backward()
+                        scaled(self.loss_fn(module, batch), retained.loss_scale).backward()
             rows = self.fsdp.rows_of(captured)
         finally:
             module.set_requires_gradient_sync(True)  # type: ignore[operator]

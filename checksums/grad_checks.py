@@ -519,6 +519,10 @@ class GradSummaries:
     def clear(self) -> None:
         self._rows.clear()
 
+    def pending(self) -> bool:
+        """Rows of a synchronised backward that no step took (`clear` not called since)."""
+        return bool(self._rows)
+
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call).
         `out`: int64 [world * buckets, 4] on that device to gather into (the compute gate's static input)."""
@@ -641,6 +645,9 @@ class FsdpGradSummaries:
 
     def clear(self) -> None:
         self._rows.clear()
+
+    def pending(self) -> bool:
+        return GradSummaries.pending(self)  # type: ignore[arg-type]
 
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
         return GradSummaries.gather(self, out)  # type: ignore[arg-type]

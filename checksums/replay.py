@@ -35,6 +35,16 @@ One replay per step at most, never retried: the gate never loops.
 
 Determinism: `check_determinism` replays one batch twice at start. When the two fingerprints differ the
 comparisons fall back to a rounding-aware bound on the norm and max-abs (`exact=False`), said in status.
+It also compares the replay with the step's own rows: a replay that does not reproduce the step it replays
+(a `loss_fn` that is not what the loop back-propagates: a GradScaler not given as `scaler=`, a division by
+the micro-batches missing, a term the loop adds) would blame a GPU for every audit, so replays are then
+not trusted (`reproduces` False, `why_not` says why): no GPU is named on their evidence.
+
+Loss scaling (`scaler=`, a `torch.amp.GradScaler`): the loop back-propagates `scaler.scale(loss)`, so a
+replay multiplies `loss_fn`'s loss by the scale that step ran under (`note_loss_scale`, a copy on the device
+taken in the GATE stage, before `scaler.update()` moves it), the same multiplication as `scaler.scale`: its
+gradient is the step's bit for bit. A rank whose scaled gradient overflowed reproduces the overflow on
+every rank (DATA), so the scaler's own skip is not blamed on a GPU.
 
 Training-side module: never imports the agent (`daemon`).
 """
@@ -161,6 +171,7 @@ class Retained:
 
     micro: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(
         default_factory=list)
+    loss_scale: torch.Tensor | None = None    # the GradScaler's scale the step ran under (0-d, device)
 
     @property
     def batch(self) -> Any:
@@ -181,15 +192,20 @@ class Replayer:
     """Retains each step's batch and RNG state and recomputes gradients from them (see the module doc)."""
 
     def __init__(self, module: nn.Module, summaries: GradSummaries | None, loss_fn: LossFn, *,
-                 device: torch.device, group: Any = None) -> None:
+                 device: torch.device, group: Any = None, scaler: Any = None) -> None:
         self.module = module
         self.summaries = summaries
         self.loss_fn = loss_fn
         self.device = device
         self.group = group
+        self.scaler = scaler
         self.retained = Retained()
         self._step_open = False
+        self._scale_bufs: list[torch.Tensor | None] = [None, None]   # two steps' scales, used in turn
+        self._scale_i = 0
         self.exact = True
+        self.reproduces = True        # a replay of a step gives that step's gradient (check_determinism)
+        self.why_not = ""
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
         self._witnessed: tuple[int, int] | None = None     # (the rank it named, reuses left)
@@ -200,12 +216,28 @@ class Replayer:
         if not self._step_open:
             self.retained = Retained()            # a new object: a step kept for later keeps its own list
             self._step_open = True
+            self.note_loss_scale()
         dev_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         self.retained.micro.append((batch, torch.get_rng_state(), dev_rng))
 
     def end_step(self) -> None:
         """The optimizer step is over: the next `retain` starts the next step's micro-batches."""
         self._step_open = False
+
+    def note_loss_scale(self) -> None:
+        """Keep the loss scale this step runs under with its retained batch (`scaler=`): taken as the step's
+        first micro-batch is retained, before its forward (`scaler.update()` moves the scale only after the
+        step, and a step the scaler skips is judged after that). A copy on the device, no synchronisation,
+        into one of two buffers used in turn (a retained step is replayed at the latest at the next step)."""
+        scale = loss_scale_of(self.scaler, self.device)
+        if scale is None:
+            return
+        i = self._scale_i = self._scale_i ^ 1
+        buf = self._scale_bufs[i]
+        if buf is None or buf.device != scale.device or buf.dtype != scale.dtype:
+            buf = self._scale_bufs[i] = torch.empty_like(scale)
+        buf.copy_(scale)
+        self.retained.loss_scale = buf
 
     def replay(self, retained: Retained) -> torch.Tensor:
         """Summary rows [buckets, 4] of the gradient of `retained`'s micro-batches on this rank (each with
@@ -231,7 +263,7 @@ class Replayer:
                 if cast is not None:
                     batch = _map_tensors(batch, cast)
                 with torch.enable_grad():
-                    loss = self.loss_fn(module, batch)
+                    loss = scaled(self.loss_fn(module, batch), retained.loss_scale, cast)
                     got = torch.autograd.grad(loss, params, allow_unused=True)
                 grads = list(got) if grads is None else [
                     g if a is None else (a if g is None else a + g) for a, g in zip(grads, got)]
@@ -306,7 +338,9 @@ class Replayer:
                         for b, c, d in mine.micro]]
         dist.broadcast_object_list(payload, src=src, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
-        return Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in payload[0]])
+        # the scale is the same on every rank (the scaler's state follows the reduced gradient)
+        return Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in payload[0]],
+                        loss_scale=mine.loss_scale)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size(self.group)
@@ -372,10 +406,12 @@ class Replayer:
                                   "every replay after it agrees with the original")
         return c
 
-    def check_determinism(self) -> bool:
+    def check_determinism(self, original: torch.Tensor | None = None) -> bool:
         """Every rank replays rank 0's retained batch twice (a collective, after a first backward built the
         bucket layout); exact comparisons stay on only if all the results agree bit for bit, else the
-        rounding-aware bound is used (`exact` False)."""
+        rounding-aware bound is used (`exact` False). `original`: rank 0's own rows of this step [B, 4]
+        (host): when the replays agree with each other but not with it, replays do not reproduce this
+        job's steps (`reproduces` False, `why_not` the likely reason)."""
         retained = self.fetch(0)
         a = self.replay(retained)
         b = self.replay(retained)
@@ -384,7 +420,52 @@ class Replayer:
         self.exact = all(bool(torch.equal(fingerprints_of(got[r, k]), first))
                          for r in range(got.shape[0]) for k in range(2))
         self.replays -= 2
+        if original is not None:
+            self.why_not = replay_mismatch(original, got[0, 0], self.exact)
+            self.reproduces = not self.why_not
         return self.exact
+
+
+def replay_mismatch(original: torch.Tensor, replayed: torch.Tensor, exact: bool, rtol: float = 1e-3) -> str:
+    """"" when a replay's rows [B, 4] reproduce the step's own, else why not (under 105 characters: it goes in
+    GetStatus's compute mode), in words a user can act on: a constant ratio between the two gradients' norms
+    is a loss scale or a division the replay misses. Pure (host tensors)."""
+    if _equal(original, replayed, exact, rtol):
+        return ""
+    so, sr = stats_of(original)[:, 0], stats_of(replayed)[:, 0]
+    if not bool(torch.isfinite(so).all()) and bool(torch.isfinite(sr).all()):
+        return "the step's gradient overflowed and its replay's did not: a loss scale (pass scaler=)"
+    live = (sr > 0) & (so > 0) & torch.isfinite(so) & torch.isfinite(sr)
+    ratios = so[live] / sr[live]
+    if live.any() and not torch.isclose(ratios.mean(), torch.ones((), dtype=ratios.dtype), rtol=rtol) \
+            and bool(torch.allclose(ratios, ratios.mean().expand_as(ratios), rtol=rtol)):
+        return (f"the step's gradient is {float(ratios.mean()):.6g}x its replay's: a loss scale (pass "
+                "scaler=) or a division loss_fn lacks")
+    return "a replay does not give its step's gradient: loss_fn must be the loss the loop back-propagates"
+
+
+def loss_scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
+    """A GradScaler's current scale as a 0-d tensor without a host synchronisation (None: no scaler or a
+    disabled one). Before its first `scale()` a torch GradScaler has no scale tensor yet: its `init_scale`
+    then, on `device` (what its first `scale()` will use)."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        return None
+    scale = getattr(scaler, "_scale", None)    # torch.amp.GradScaler's own tensor (made at its first scale())
+    if isinstance(scale, torch.Tensor):
+        return scale
+    init = getattr(scaler, "_init_scale", None)
+    if scale is None and init is not None:
+        return torch.full((), float(init), dtype=torch.float32, device=device)
+    return torch.tensor(float(scaler.get_scale()))  # another scaler: its public float (a sync)
+
+
+def scaled(loss: torch.Tensor, scale: torch.Tensor | None,
+           cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """`loss` as the loop back-propagated it: times the step's loss scale, the multiplication
+    `GradScaler.scale` does (the witness's float64 CPU replay: the scale cast alike)."""
+    if scale is None:
+        return loss
+    return loss * (scale.to(loss.device) if cast is None else cast(scale))
 
 
 def audit_every(budget: float, replay_s: float, step_s: float, *, least: int = 10) -> int:

@@ -236,6 +236,9 @@ class JobTracker:
         checks = req.checks_run
         if checks and (rank in job.checks_run or len(job.checks_run) < self.MAX_RANKS_TRACKED):
             job.checks_run[rank] = checks   # the rank's own running count
+        # said once per job: the ranks' replays do not reproduce their steps, so no GPU is named on them
+        unreproducible = (req.compute_checks.startswith("unreproducible")
+                          and not job.compute_checks.startswith("unreproducible"))
         if req.compute_checks:
             job.compute_checks = req.compute_checks   # the same on every rank (the check is collective)
         no_vote = req.vote_unavailable and not job.vote_unavailable   # said once per job
@@ -263,7 +266,7 @@ class JobTracker:
         unvoted_check = bool(req.fingerprint) and not has("vote") and not req.replica_group
         if not (new or dropped or late or not finite or has("canary") or has("vote") or req.frozen_changed
                 or req.compute or went_back_from is not None or loss_events or job.directive is not None
-                or unvoted_check or no_vote or stage_new):
+                or unvoted_check or no_vote or stage_new or unreproducible):
             return None
         out = ReportOutcome()
         if stage_new:
@@ -280,6 +283,12 @@ class JobTracker:
                                         f"job {job_id} cannot vote across replicas (rank {rank}): "
                                         f"{req.vote_unavailable}",
                                         {"job_id": job_id, "rank": rank, "reason": req.vote_unavailable}))
+        if unreproducible:
+            why = req.compute_checks.removeprefix("unreproducible: ")
+            out.findings.append(Finding(ek.COMPUTE_UNREPRODUCIBLE, Severity.WARNING, f"job/{job_id}",
+                                        f"job {job_id}'s compute replays do not reproduce its steps (rank "
+                                        f"{rank}): {why}; audits are off and no GPU is named on a replay",
+                                        {"job_id": job_id, "rank": rank, "reason": req.compute_checks}))
         if new:
             out.evicted = evicted
             out.findings.append(Finding(ek.JOB_STARTED, Severity.INFO, f"job/{job_id}",

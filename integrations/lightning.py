@@ -27,9 +27,10 @@ give the hook as `compute={"comm_hook": ...}` instead), automatic optimization. 
 `on_train_batch_start` (after it was moved to the device) with its index; a replay runs the module's
 `training_step(batch, batch_idx)` (what Lightning's DDP forward runs), under the precision plugin's autocast
 as the step did, divided by `accumulate_grad_batches` as Lightning's closure divides it, with `self.log`
-silenced (a replay must not log twice). Precision "16-mixed" (a gradient scaler, whose scale moves between a
-step and its replay) is refused; "32-true" and "bf16-mixed" work. What cannot be checked is refused at
-`on_train_start`, before anything is attached.
+silenced (a replay must not log twice), and under "16-mixed" times the scale the precision plugin's gradient
+scaler applied to that step (given to the checks as `scaler=`; a step the scaler skips for an overflow is
+judged at the next batch, and an overflow that reproduces everywhere names no GPU). "32-true", "bf16-mixed"
+and "16-mixed" work. What cannot be checked is refused at `on_train_start`, before anything is attached.
 
 Automatic optimization with one optimizer; with manual optimization, call the session yourself
 (`callback.session.step(loss)` after your `opt.step()`).
@@ -133,8 +134,10 @@ class SdcwatchCallback(Callback):
                 raise ValueError("sdcwatch: training_step returned no loss for a compute replay")
             return loss / normalize            # what Lightning back-propagates (its closure divides, always)
 
+        options = dict(self.compute)
+        options.setdefault("scaler", getattr(precision, "scaler", None))   # "16-mixed": its GradScaler
         return ComputeChecks.attach(trainer.strategy.model, self._optimizer, loss_fn=replay_loss,
-                                    monitor=self.session.monitor, **self.compute)
+                                    monitor=self.session.monitor, **options)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.checks is not None:
@@ -174,6 +177,3 @@ def _refuse_unchecked(trainer: Any, pl_module: Any) -> None:
     if not pl_module.automatic_optimization:
         raise ValueError("sdcwatch's compute checks need automatic optimization (a replay runs training_step, "
                          "which under manual optimization steps the optimizer itself)")
-    if getattr(trainer.strategy.precision_plugin, "scaler", None) is not None:
-        raise ValueError("sdcwatch's compute checks do not support a gradient scaler (precision='16-mixed'): "
-                         "its scale changes between a step and its replay; use '32-true' or 'bf16-mixed'")

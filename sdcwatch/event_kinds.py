@@ -241,7 +241,12 @@ COMPUTE_FAULT = _kind("compute.fault", CRITICAL, RANK, "one rank's forward or ba
                       "(pre-reduction check or replay audit): rank, host, GPU, cause, whether the update was "
                       "dropped", alerts=("SDCWatchComputeFault",), fold_s=60.0)
 COMPUTE_CLEARED = _kind("compute.cleared", INFO, JOB, "a compute suspicion that the replays cleared: the "
-                        "outlier gradient reproduces on every rank (the data's), the update was applied")
+                        "outlier gradient reproduces on every rank (the data's), the update was applied (a "
+                        "non-finite one was not: a loss scale's overflow)")
+COMPUTE_UNREPRODUCIBLE = _kind("compute.unreproducible", WARNING, JOB, "a job's compute replays do not "
+                               "reproduce its steps (its loss_fn is not what the loop back-propagates: a "
+                               "GradScaler not passed as scaler=, a missing division): audits are off and no "
+                               "GPU is named on a replay; once per job")
 SDC_FROZEN_CHANGED = _kind("sdc.frozen_changed", CRITICAL, RANK, "parameters that must not change changed their "
                            "fingerprint", alerts=("SDCWatchFrozenParamsChanged",), fold_s=60.0)
 

@@ -109,6 +109,24 @@ def test_the_replay_mode_reaches_the_job_status():
     assert wire.compute_checks == "exact"
 
 
+def test_unreproducible_replays_are_a_warning_once_per_job():
+    """The ranks' replays do not reproduce their steps (a GradScaler not passed, ...): no GPU is named on a
+    replay, so the job's owner must hear it: one compute.unreproducible warning with the reason, not one a
+    report or a rank."""
+    tracker = JobTracker()
+    why = ("unreproducible: the step's gradient is 65536x its replay's: a loss scale (pass scaler=) or a "
+           "division")
+    said = []
+    for step, rank in ((1, 0), (1, 1), (2, 0), (3, 2)):
+        req = pb.ReportStepRequest(job_id="j", rank=rank, world_size=3, step=step, compute_checks=why)
+        assert check_report_step(req) is None
+        out = tracker.report(req, 1.0)
+        said += [f for f in (out.findings if out else []) if f.kind is ek.COMPUTE_UNREPRODUCIBLE]
+    assert len(said) == 1 and said[0].severity.name == "WARNING" and said[0].subject == "job/j", said
+    assert "65536x" in said[0].message and said[0].details["reason"] == why
+    assert tracker.jobs["j"].compute_checks == why
+
+
 def test_an_unresolved_finding_naming_two_ranks_makes_both_suspect_never_failed():
     """Two ranks, a persistent fault without a third witness: the gate names both; the agent suspects both
     GPUs on every repeat but fails neither (one of them is fine)."""

@@ -3,6 +3,7 @@ three real gloo ranks under DDP with faults injected in one rank's forward and g
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -195,6 +196,8 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     gate.guard, gate.tracker, gate.last_verdict = guard, SpreadTracker(margin=3.0, warmup=0), None
     gate._classify = lambda *a: replayed.append(1) or []
     gate._learn_later = None
+    gate._suspicions = gate._dropped = 0
+    gate.replayer = types.SimpleNamespace(reproduces=True, why_not="")
 
     def pend() -> None:           # a step the device masked (its flag 1)
         gate._pending = (3, _rows(10, world=2), torch.tensor(1.0), None, True, None, guard.restores)
@@ -210,6 +213,8 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     guard.note_restore(1)                    # a restore to the step the guard is at
     gate._settle_previous()
     assert replayed == [1]
+    # each masked step, replayed or not, is a step the guard learns was skipped (its update never happened)
+    assert [k.step for k in guard.skipped] == [3, 3, 3] and gate._dropped == 3, guard.skipped
 
 
 def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed():
@@ -227,6 +232,8 @@ def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed(
     gate.guard, gate.tracker, gate.last_verdict = guard, SpreadTracker(margin=3.0, warmup=0), None
     gate._classify = lambda verdict, *a: (replayed.append(1) if verdict.suspects else None) or []
     gate._learn_later, gate._host_only_said = None, False
+    gate._suspicions = gate._dropped = 0
+    gate.replayer = types.SimpleNamespace(reproduces=True, why_not="")
 
     def pend(flag: float, norms: list[float]) -> None:
         rows = torch.zeros(3, 2, 4, dtype=torch.int64)
@@ -244,6 +251,7 @@ def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed(
     pend(1.0, [1.0, 1.01, 50.0])                        # the device masked it: judged and replayed at once
     gate._settle_previous(defer=True)
     assert gate._learn_later is None and replayed == [1] and gate.last_verdict.suspects == (2,)
+    assert [k.step for k in guard.skipped] == [3], "the masked step is one the guard learns was skipped"
     pend(0.0, [1.0, 1.01, 50.0])                        # the host names a rank the device passed
     gate._settle_previous(defer=True)
     gate._learn_deferred()
@@ -254,6 +262,7 @@ def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed(
     learned = gate.tracker.learned
     gate._settle_previous(defer=True)                   # the next step learns the one left first
     assert gate.tracker.learned == learned + 1 and gate._learn_later is not None
+    assert len(guard.skipped) == 1, "a step the device passed is not a skipped one"
 
 
 def test_classify_pair_names_a_transient_by_its_non_repeating_original():
@@ -670,3 +679,140 @@ def test_assess_is_jumps_then_judge() -> None:
             assert got == ((0.0,) * 4, want[1]), (k, got, want)
     assert suspects > 40 and moved > 20, (suspects, moved)      # steps whose jumps were compared, finite ones
     assert a.spread_version == b.spread_version and torch.equal(a.spread, b.spread)
+
+
+def _scaled_loop(rank: int, world: int, init: str, out: str) -> None:
+    """Three gloo ranks under a GradScaler (the loop back-propagates `scaler.scale(loss)`), each case a run
+    of a checked model beside the same model unchecked; see the test."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+
+    def loss_fn(m: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    def run(fused: bool, pass_scaler: bool, overflow_at: int = 0, nan_at: int = 0, steps: int = 24) -> dict:
+        arms = []
+        for checked in (False, True):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+            ddp = DDP(net, bucket_cap_mb=0.004)
+            opt = (torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=True) if fused
+                   else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=5)
+            checks, at = None, {"step": 0}
+            if checked:
+                def inject(idx: int, buf: torch.Tensor, at: dict = at) -> None:   # a fault on rank 1's GPU
+                    if rank == 1 and at["step"] == nan_at and idx == 0:
+                        buf.view(-1)[0] = float("nan")
+                checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=4, warmup=8,
+                                              scaler=scaler if pass_scaler else None, inject_bucket=inject)
+            arms.append((ddp, opt, scaler, checks, at))
+        g = torch.Generator().manual_seed(10 + rank)
+        for s in range(1, steps + 1):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            if s == overflow_at and rank == 1:
+                x = x * 1e30       # the data: rank 1's scaled gradient overflows (inf), every replay's too
+            for ddp, opt, scaler, checks, at in arms:
+                at["step"] = s
+                if checks is not None:
+                    checks.retain((x, y))
+                scaler.scale(loss_fn(ddp, (x, y))).backward()
+                scaler.step(opt)       # non-fused: skipped on inf, so the gate runs at the next retain
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+        plain, checked = arms[0], arms[1]
+        st = checked[3].status()
+        same = all(torch.equal(a, b) for a, b in zip(plain[0].parameters(), checked[0].parameters()))
+        return {"same": same,
+                "mode": checked[3].mode(), "audits": st.audits, "suspicions": st.suspicions,
+                "scale": float(checked[2].get_scale()), "plain_scale": float(plain[2].get_scale()),
+                "findings": [(f.detector, f.cause, list(f.faulty), f.dropped) for f in checked[3].findings]}
+
+    res = {"clean_fused": run(True, True), "clean_sgd": run(False, True),
+           "overflow_fused": run(True, True, overflow_at=14),
+           "overflow_sgd": run(False, True, overflow_at=14),
+           "nan_sgd": run(False, True, nan_at=14), "no_scaler": run(True, False)}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_replays_reproduce_a_step_under_a_gradient_scaler(tmp_path) -> None:
+    """A loop under a GradScaler back-propagates the loss times the scale. The checks take `scaler=` and a
+    replay multiplies by the scale its step ran under: audits compare exact fingerprints and agree (before,
+    every audit named the audited GPU transient, as the unscaled replay never matched). An overflow of one
+    rank's scaled gradient (the data's: it reproduces on every rank) names no GPU, with a fused optimizer
+    (the gate runs in the step) and a plain one (the scaler skips `step()`: the gate judges it at the next
+    `retain`); a NaN on one rank at a step the scaler skips names that rank. Without `scaler=` the first
+    step's check finds the replay 1024x off: no audit runs and no GPU is named on a replay's evidence."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_scaled_loop, (3, str(tmp_path / "init"), out), nprocs=3)
+    for r in range(3):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        for case in ("clean_fused", "clean_sgd"):
+            c = res[case]
+            assert c["mode"] == "exact" and c["audits"] >= 5 and c["suspicions"] == 0 and c["same"], (case, c)
+        for case in ("overflow_fused", "overflow_sgd"):
+            c = res[case]
+            assert c["mode"] == "exact" and c["findings"] == [["nonfinite", "data", [], True]], (case, c)
+            assert c["same"] and c["scale"] == c["plain_scale"], (case, c)     # the scaler backed off alike
+        c = res["nan_sgd"]
+        assert c["findings"] == [["nonfinite", "transient", [1], True]], c
+        c = res["no_scaler"]
+        assert c["mode"].startswith("unreproducible: the step's gradient is 1024x its replay's"), c
+        assert c["audits"] == 0 and not c["findings"] and c["same"], c
+
+
+def test_a_replay_mismatch_says_what_to_fix() -> None:
+    from checksums.replay import replay_mismatch
+
+    def rows(norms: list[float], fp: int = 5) -> torch.Tensor:
+        r = torch.zeros(len(norms), 4, dtype=torch.int64)     # one bucket a norm; max-abs = norm
+        r[:, :2] = torch.tensor([[n, n] for n in norms], dtype=torch.float64).view(torch.int64)
+        r[:, 2:] = fp
+        return r
+    assert replay_mismatch(rows([1.0, 2.0]), rows([1.0, 2.0]), exact=True) == ""
+    ratio = replay_mismatch(rows([65536.0, 131072.0], 6), rows([1.0, 2.0]), exact=True)
+    assert "65536x its replay's" in ratio
+    assert "overflowed" in replay_mismatch(rows([math.inf, 2.0], 6), rows([1.0, 2.0]), exact=True)
+    assert "loss_fn must be" in replay_mismatch(rows([3.0, 2.0], 6), rows([1.0, 2.0]), exact=True)
+    assert max(len(replay_mismatch(rows(n, 6), rows([1.0, 2.0]), exact=True))    # it goes in GetStatus's mode
+               for n in ([65536.0, 131072.0], [math.inf, 2.0], [3.0, 2.0])) <= 105
+
+
+def test_a_retained_step_keeps_the_loss_scale_it_ran_under() -> None:
+    """The scale is copied as a step's first batch is retained: the scaler's update (in place, after the step)
+    does not reach a step kept for a replay at the next step; before the scaler's first scale() its
+    init_scale; a disabled scaler or none keeps nothing."""
+    from torch import nn
+
+    from checksums.replay import Replayer, scaled
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    rep = Replayer(nn.Linear(2, 1), None, lambda m, b: m(b).sum(), device=torch.device("cpu"), scaler=scaler)
+    rep.retain(torch.ones(1, 2))
+    first = rep.retained
+    assert float(first.loss_scale) == 256.0             # the scaler made no tensor yet
+    scaler.scale(torch.ones(()))                        # now it has one
+    rep.end_step()
+    rep.retain(torch.ones(1, 2))
+    rep.retain(torch.ones(1, 2))                        # a second micro-batch: the same step, the same scale
+    second = rep.retained
+    scaler._scale.fill_(512.0)                          # update() after the step, in place
+    assert float(second.loss_scale) == 256.0 and float(first.loss_scale) == 256.0
+    rep.end_step()
+    rep.retain(torch.ones(1, 2))
+    assert float(rep.retained.loss_scale) == 512.0 and float(second.loss_scale) == 256.0
+    assert float(scaled(torch.tensor(3.0), rep.retained.loss_scale)) == 1536.0
+    for off in (None, torch.amp.GradScaler("cpu", enabled=False)):
+        rep = Replayer(nn.Linear(2, 1), None, lambda m, b: m(b).sum(), device=torch.device("cpu"), scaler=off)
+        rep.retain(torch.ones(1, 2))
+        assert rep.retained.loss_scale is None

@@ -25,11 +25,12 @@ from rank_spawn import spawn
 WORLD, STEPS, FAULT = 3, 60, 40
 
 
-def doc_loop() -> str:
+def doc_loop(which: int = 0) -> str:
+    """The doc's python blocks in order: 0 the loop, 1 the loop under a GradScaler."""
     text = (ROOT / "docs" / "compute-checks.md").read_text()
-    m = re.search(r"```python\n(.*?)```", text, re.S)
-    assert m, "docs/compute-checks.md has no python block"
-    return m.group(1)
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) > which, f"docs/compute-checks.md has {len(blocks)} python blocks"
+    return blocks[which]
 
 
 def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
@@ -45,14 +46,16 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
         gen = torch.Generator().manual_seed(rank)
         loader = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen))
                   for _ in range(STEPS)]
-        g: dict[str, Any] = {"ddp_model": ddp_model, "optimizer": optimizer, "loader": loader}
+        g: dict[str, Any] = {"ddp_model": ddp_model, "optimizer": optimizer, "loader": loader,
+                             "device": "cpu"}
         fired: list[int] = []
 
         def one_bad_element(grad: torch.Tensor) -> torch.Tensor | None:
             if rank == 1 and not fired and g["monitor"].guard.step == FAULT - 1:
                 fired.append(FAULT)
                 grad = grad.clone()
-                grad.view(-1)[3] = 100.0
+                # under a GradScaler the gradient is the scale times larger: the same fault in its units
+                grad.view(-1)[3] = 100.0 * (g["scaler"].get_scale() if "scaler" in g else 1.0)
                 return grad
             return None
 
@@ -65,6 +68,8 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
         out["skipped"] = g["monitor"].guard.skipped_count
         out["fired"] = fired
         out["identical"] = replicas_identical(list(model.parameters()))
+        out["mode"] = checks.mode()
+        out["scale"] = float(g["scaler"].get_scale()) if "scaler" in g else None
         g["monitor"].close()
         checks.close()
     finally:
@@ -93,4 +98,30 @@ def test_the_doc_loop_drops_a_faulty_gradient_and_names_the_rank(short_tmp: Path
         assert dropped[0]["step"] == FAULT, dropped[0]
         assert r["skipped"] == 1 and r["identical"], r
         assert r["status"]["steps"] == STEPS and r["status"]["suspicions"] == 1, r["status"]
+    assert all("critical" in line and "rank 1" in line for line in faults), faults
+
+
+def test_the_doc_loop_under_a_gradient_scaler_names_the_rank_and_replays_exactly(short_tmp: Path,
+                                                                                tmp_path: Path) -> None:
+    """The doc's GradScaler loop as written (fp16 autocast on the CPU, the scaler passed): the same fault is
+    caught on its step, rank 1 named as transient (its replay, under the step's scale, computes the clean
+    gradient and the others agree), every replay exact."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        spawn(_worker, (str(tmp_path / "store"), str(tmp_path), str(agent.socket), doc_loop(1)), WORLD)
+
+        def journal() -> list[str]:
+            lines = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
+            return [line for line in lines if "compute.fault" in line]
+
+        faults = wait_until(journal, 30, "a compute.fault in the agent's journal")
+    finally:
+        agent.stop()
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert res[1]["fired"] == [FAULT], res[1]
+    for r in res:
+        assert r["mode"] == "exact" and r["scale"], r
+        named = [f for f in r["findings"] if f["faulty"]]
+        assert [(f["faulty"], f["cause"], f["step"]) for f in named] == [([1], "transient", FAULT)], r
+        assert r["identical"], r
     assert all("critical" in line and "rank 1" in line for line in faults), faults

@@ -255,3 +255,82 @@ def test_the_hooks_bound_launches_give_the_general_paths_rows_mask_and_training(
     assert got["fast"][0] == got["buckets"][0] >= 1 and got["fast"][1] == 0, got   # every bucket bound, or none
     assert got["masked"] and got["same"] and got["same_rows"] and got["finite"], got
     assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
+
+
+def _scaled(rank: int, init: str, device_name: str, out: str) -> None:
+    """The device path under a GradScaler: fp16 autocast on CUDA (fp32 on the CPU), fused Adam (the scaler
+    hands it found_inf and always calls step()), audits every 3rd step; step 8's data overflows the scaled
+    gradient. The verdict of a masked step is settled a step later, after `scaler.update()` halved the
+    scale: its replay must use the scale the step ran under (kept with its retained batch)."""
+    import contextlib
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+
+    device = torch.device(device_name)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init}",
+                            rank=rank, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    model.to(device)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, growth_interval=4)
+    amp = ((lambda: torch.autocast("cuda", dtype=torch.float16)) if device.type == "cuda"
+           else contextlib.nullcontext)
+
+    def loss_fn(m: nn.Module, b: tuple) -> torch.Tensor:
+        with amp():
+            return nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, mask="device", audit_every=3, warmup=3,
+                                  scaler=scaler)
+    g = torch.Generator().manual_seed(7)
+    scales = []
+    for s in range(1, 19):
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        if s == 8:
+            x = x * 3e4 if device.type == "cuda" else x * 1e30     # fp16 / fp32 overflow of the scaled loss
+        x, y = x.to(device), y.to(device)
+        checks.retain((x, y))
+        scaler.scale(loss_fn(ddp, (x, y))).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        scales.append(float(scaler.get_scale()))
+    st = checks.status()
+    with open(out, "w") as f:
+        json.dump({"mode": checks.mode(), "audits": st.audits, "suspicions": st.suspicions, "scales": scales,
+                   "findings": [(f.step, f.detector, f.cause, list(f.faulty)) for f in checks.findings],
+                   "finite": all(bool(torch.isfinite(p).all()) for p in ddp.parameters())}, f)
+    dist.destroy_process_group()
+
+
+def _scaled_run(tmp_path, device: str) -> dict:
+    import json
+    out = tmp_path / "out.json"
+    spawn(_scaled, (str(tmp_path / "init"), device, str(out)), nprocs=1)
+    return json.loads(out.read_text())
+
+
+def _check_scaled(got: dict) -> None:
+    assert got["mode"] == "exact" and got["finite"], got
+    assert got["audits"] >= 4, got                          # each audit's replay agreed (no finding from one)
+    # the overflow: masked, settled at step 9 with step 8's scale (the scaler had halved it), cleared as data
+    assert got["findings"] == [[8, "nonfinite", "data", []]] and got["suspicions"] == 1, got
+    assert got["scales"][7] == got["scales"][6] / 2, got["scales"]
+
+
+def test_the_device_path_replays_under_the_scale_its_step_ran_with_on_cpu(tmp_path) -> None:
+    _check_scaled(_scaled_run(tmp_path, "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_device_path_replays_under_the_scale_its_step_ran_with(tmp_path) -> None:
+    """fp16 autocast with a GradScaler on the GPU (issue 19's replays under loss scaling)."""
+    _check_scaled(_scaled_run(tmp_path, "cuda"))

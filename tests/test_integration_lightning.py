@@ -81,8 +81,12 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
                     wait_directive(JOB)       # the run does not end before the agent's rollback
 
         loader = torch.utils.data.DataLoader(Tokens(8 * STEPS), batch_size=4, shuffle=False)
+        # "16-mixed" on the CPU: Lightning's own choice would be bf16 there, so its plugin is given as the GPU
+        # gets it (fp16 autocast, a GradScaler)
+        amp = ({"plugins": [L.pytorch.plugins.MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed"
+               else {"precision": precision})
         trainer = L.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy="ddp", max_steps=STEPS,
-                            accumulate_grad_batches=accumulate, precision=precision,
+                            accumulate_grad_batches=accumulate, **amp,
                             callbacks=[Flip(), sdc], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
                             default_root_dir=str(Path(outdir, f"out{rank}")))
@@ -97,6 +101,9 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
         if sdc.checks is not None:
             out["compute"] = dataclasses.asdict(sdc.checks.status())
             out["findings"] = [dataclasses.asdict(f) for f in sdc.checks.findings]
+            out["compute"]["mode"] = sdc.checks.mode()
+            scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+            out["scale"] = float(scaler.get_scale()) if scaler is not None else None
         out["faulted"] = faulted
     finally:
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
@@ -167,6 +174,28 @@ def test_lightning_compute_audits_agree_under_accumulation_and_bf16(short_tmp: P
     for r in res:
         c = r["compute"]
         assert c["exact"] and c["audits"] >= STEPS // 5 - 1 and c["suspicions"] == 0 and not r["findings"], r
+
+
+def test_lightning_compute_audits_agree_under_a_gradient_scaler(short_tmp: Path, tmp_path: Path) -> None:
+    """precision="16-mixed": Lightning back-propagates the loss times its GradScaler's scale (refused
+    before: a replay without the scale never reproduced a step, and with the scale left out a hand-written
+    loop's audits named a GPU 7 times in 35 clean steps). The checks take the plugin's scaler: every audit's
+    replay, under the scale its step ran with, equals the step bit for bit (exact fingerprints, gradient
+    accumulation over 2 batches); a step the scaler skipped for an overflow names no GPU. Without the scaler
+    passed, the mode reads `unreproducible: ... 65536x ...` (checked by hand, 2026-12-04)."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, {"audit_every": 5}, False, 2, "16-mixed")
+        lines = settled_journal(agent)
+        states = checkpoint_states(agent, JOB)
+    finally:
+        agent.stop()
+    check_clean(res, lines, states, STEPS)
+    for r in res:
+        c = r["compute"]
+        assert c["mode"] == "exact" and c["audits"] >= 2 and not any(f["faulty"] for f in r["findings"]), r
+        assert all(f["cause"] == "data" for f in r["findings"]), r
+        assert r["scale"] not in (None, 1.0), r          # the scaler ran
 
 
 def test_compute_checks_refuse_a_strategy_without_ddp_and_bad_options(tmp_path: Path) -> None:
