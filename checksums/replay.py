@@ -406,23 +406,29 @@ class Replayer:
                                   "every replay after it agrees with the original")
         return c
 
-    def check_determinism(self, original: torch.Tensor | None = None) -> bool:
+    def check_determinism(self, originals: torch.Tensor | None = None) -> bool:
         """Every rank replays rank 0's retained batch twice (a collective, after a first backward built the
         bucket layout); exact comparisons stay on only if all the results agree bit for bit, else the
-        rounding-aware bound is used (`exact` False). `original`: rank 0's own rows of this step [B, 4]
-        (host): when the replays agree with each other but not with it, replays do not reproduce this
-        job's steps (`reproduces` False, `why_not` the likely reason)."""
-        retained = self.fetch(0)
-        a = self.replay(retained)
-        b = self.replay(retained)
-        got = self.gather(torch.stack([a, b]))
+        rounding-aware bound is used (`exact` False). `originals`: every rank's own rows of this step
+        [world, B, 4] (host): when rank 0's replay of its batch does not give its original, and (with two
+        ranks or more) rank 1's replay of its own batch neither (one fault at this step does not turn the
+        check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the likely
+        reason)."""
+        batches = [self.fetch(0)]
+        if originals is not None and originals.shape[0] > 1:
+            batches.append(self.fetch(1))
+        rows = [self.replay(batches[0]), self.replay(batches[0])] + [self.replay(b) for b in batches[1:]]
+        got = self.gather(torch.stack(rows))
         first = fingerprints_of(got[0, 0])
         self.exact = all(bool(torch.equal(fingerprints_of(got[r, k]), first))
                          for r in range(got.shape[0]) for k in range(2))
-        self.replays -= 2
-        if original is not None:
-            self.why_not = replay_mismatch(original, got[0, 0], self.exact)
-            self.reproduces = not self.why_not
+        self.replays -= len(rows)
+        if originals is not None:
+            why = [replay_mismatch(originals[0], got[0, 0], self.exact)]
+            if len(batches) > 1 and why[0]:
+                why.append(replay_mismatch(originals[1], got[1, 2], self.exact))
+            self.reproduces = not all(why)
+            self.why_not = why[0] if not self.reproduces else ""
         return self.exact
 
 

@@ -696,7 +696,8 @@ def _scaled_loop(rank: int, world: int, init: str, out: str) -> None:
     def loss_fn(m: nn.Module, batch: tuple) -> torch.Tensor:
         return nn.functional.mse_loss(m(batch[0]), batch[1])
 
-    def run(fused: bool, pass_scaler: bool, overflow_at: int = 0, nan_at: int = 0, steps: int = 24) -> dict:
+    def run(fused: bool, pass_scaler: bool, overflow_at: int = 0, nan_at: int = 0, nan_rank: int = 1,
+            steps: int = 24) -> dict:
         arms = []
         for checked in (False, True):
             torch.manual_seed(0)
@@ -708,7 +709,7 @@ def _scaled_loop(rank: int, world: int, init: str, out: str) -> None:
             checks, at = None, {"step": 0}
             if checked:
                 def inject(idx: int, buf: torch.Tensor, at: dict = at) -> None:   # a fault on rank 1's GPU
-                    if rank == 1 and at["step"] == nan_at and idx == 0:
+                    if rank == nan_rank and at["step"] == nan_at and idx == 0:
                         buf.view(-1)[0] = float("nan")
                 checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=4, warmup=8,
                                               scaler=scaler if pass_scaler else None, inject_bucket=inject)
@@ -737,7 +738,8 @@ def _scaled_loop(rank: int, world: int, init: str, out: str) -> None:
     res = {"clean_fused": run(True, True), "clean_sgd": run(False, True),
            "overflow_fused": run(True, True, overflow_at=14),
            "overflow_sgd": run(False, True, overflow_at=14),
-           "nan_sgd": run(False, True, nan_at=14), "no_scaler": run(True, False)}
+           "nan_sgd": run(False, True, nan_at=14), "no_scaler": run(True, False),
+           "nan_first": run(True, True, nan_at=1, nan_rank=0, steps=6)}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -750,7 +752,8 @@ def test_replays_reproduce_a_step_under_a_gradient_scaler(tmp_path) -> None:
     rank's scaled gradient (the data's: it reproduces on every rank) names no GPU, with a fused optimizer
     (the gate runs in the step) and a plain one (the scaler skips `step()`: the gate judges it at the next
     `retain`); a NaN on one rank at a step the scaler skips names that rank. Without `scaler=` the first
-    step's check finds the replay 1024x off: no audit runs and no GPU is named on a replay's evidence."""
+    step's check finds the replay 1024x off: no audit runs and no GPU is named on a replay's evidence. A
+    fault on rank 0 at that first step does not turn the check off (rank 1's batch reproduces)."""
     import json
     out = str(tmp_path / "res")
     spawn(_scaled_loop, (3, str(tmp_path / "init"), out), nprocs=3)
@@ -769,6 +772,8 @@ def test_replays_reproduce_a_step_under_a_gradient_scaler(tmp_path) -> None:
         c = res["no_scaler"]
         assert c["mode"].startswith("unreproducible: the step's gradient is 1024x its replay's"), c
         assert c["audits"] == 0 and not c["findings"] and c["same"], c
+        c = res["nan_first"]         # a fault on rank 0 at the first step: named, and the check stays on
+        assert c["mode"] == "exact" and c["findings"] == [["nonfinite", "transient", [0], True]], c
 
 
 def test_a_replay_mismatch_says_what_to_fix() -> None:
