@@ -821,3 +821,86 @@ def test_a_retained_step_keeps_the_loss_scale_it_ran_under() -> None:
         rep = Replayer(nn.Linear(2, 1), None, lambda m, b: m(b).sum(), device=torch.device("cpu"), scaler=off)
         rep.retain(torch.ones(1, 2))
         assert rep.retained.loss_scale is None
+
+
+def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
+    """The checks under DDP options jobs use, each run beside the same model unchecked; see the test."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+            self.d = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor, use_c: bool = True) -> torch.Tensor:
+            h = torch.relu(self.b(torch.relu(self.a(x))))
+            return self.d(torch.relu(self.c(h)) if use_c else h)
+
+    def loss_fn(m: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.mse_loss(m(batch[0], bool(batch[2])), batch[1])
+
+    res = {}
+    for option in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "frozen"):
+        arms = []
+        for checked in (False, True):
+            torch.manual_seed(0)
+            net = Net()
+            if option == "frozen":
+                net.a.requires_grad_(False)
+            ddp = DDP(net, bucket_cap_mb=0.004, **({} if option == "frozen" else {option: True}))
+            opt = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=1e-3)
+            at = {"step": 0}
+            checks = None
+            if checked:
+                def inject(idx: int, buf: torch.Tensor, at: dict = at) -> None:
+                    if rank == 1 and at["step"] == 18 and idx == 0:
+                        buf.view(-1)[0] += 50.0
+                checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=4, warmup=8,
+                                              inject_bucket=inject)
+            arms.append((ddp, opt, checks, at))
+        g = torch.Generator().manual_seed(10 + rank)
+        for s in range(1, 23):
+            batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g),
+                     s % 2 == 0 or option != "find_unused_parameters")   # layer c unused on odd steps
+            for ddp, opt, checks, at in arms:
+                at["step"] = s
+                if checks is not None:
+                    checks.retain(batch)
+                loss_fn(ddp, batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if s == 17:          # the weights agree with the unchecked run's until the fault
+                    at["same"] = all(torch.equal(a, b) for a, b in zip(arms[0][0].parameters(),
+                                                                        ddp.parameters()))
+        checks = arms[1][2]
+        st = checks.status()
+        res[option] = {"same_before": arms[1][3]["same"], "mode": checks.mode(), "audits": st.audits,
+                       "findings": [(f.step, f.detector, f.cause, list(f.faulty)) for f in checks.findings]}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_the_checks_follow_ddps_options(tmp_path) -> None:
+    """find_unused_parameters (a layer unused on odd steps: its gradient is zeros in its bucket and None in a
+    replay), static_graph, gradient_as_bucket_view and frozen parameters (requires_grad False): the training
+    is the unchecked one's bit for bit, every audit's replay agrees exactly, and a fault in rank 1's bucket
+    at step 18 is caught on its step with rank 1 named. (torch.compile inside and outside DDP: the same by
+    hand, 2026-12-04; its compile takes a minute a run on the CPU.)"""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_ddp_options, (3, str(tmp_path / "init"), out), nprocs=3)
+    for r in range(3):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        for option, c in res.items():
+            assert c["same_before"] and c["mode"] == "exact" and c["audits"] >= 3, (option, c)
+            assert c["findings"] == [[18, "stats", "transient", [1]]], (option, c)
