@@ -139,8 +139,8 @@ class _Sink:
         return ReporterStats()
 
 
-MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8}   # set by --model (--sdcguard: bf16,
-# --hsdp: replicas) per worker
+# set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
+MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8, "amp": "bf16"}
 
 
 def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
@@ -167,11 +167,13 @@ def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tup
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
-    bf16 = x.device.type == "cuda" or MODEL["bf16"]     # sdcguard checks bf16/fp16 matmuls only: CPU too
+    fp16 = MODEL["amp"] == "fp16"      # --amp fp16: fp16 autocast, the loop under a GradScaler (run_case)
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    bf16 = x.device.type == "cuda" or MODEL["bf16"] or fp16   # sdcguard checks bf16/fp16 matmuls only
     if MODEL["name"] != "mlp":
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(x.device.type, dtype=dtype, enabled=bf16):
             return model(x, y)
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=MODEL["bf16"]):
+    with torch.autocast(x.device.type, dtype=dtype, enabled=MODEL["bf16"] or fp16):
         return nn.functional.mse_loss(model(x).float(), y)
 
 
@@ -262,8 +264,13 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     monitor = (None if fsdp else
                Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
     step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
+    scaler = torch.amp.GradScaler(device.type) if MODEL["amp"] == "fp16" else None   # its default scale
+
+    def backward(loss: torch.Tensor) -> None:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
     checks = ComputeChecks.attach(ddp, opt, loss_fn=step_loss, audit_every=audit_every, warmup=warmup,
                                   margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor, mask=mask,
+                                  scaler=scaler,
                                   inject_bucket=grad_inject if rank == fault_rank else None,
                                   # FSDP2 with 2 ranks: the CPU witness needs the bare model (a factory)
                                   witness_model=(lambda: make_model(0)[0]) if fsdp else None)
@@ -292,17 +299,17 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 with guard.on_step(step):
                     if micro < accum - 1:
                         with ddp.no_sync():
-                            step_loss(ddp, batch).backward()
+                            backward(step_loss(ddp, batch))
                     else:
-                        step_loss(ddp, batch).backward()
+                        backward(step_loss(ddp, batch))
             elif fsdp:
                 ddp.set_requires_gradient_sync(micro == accum - 1)
-                step_loss(ddp, batch).backward()
+                backward(step_loss(ddp, batch))
             elif micro < accum - 1:
                 with ddp.no_sync():
-                    step_loss(ddp, batch).backward()
+                    backward(step_loss(ddp, batch))
             else:
-                step_loss(ddp, batch).backward()
+                backward(step_loss(ddp, batch))
         if case is None or not case.persistent:
             active["on"] = False
         if (step == fault_step and case is not None and case.where in ("mm", "grad")
@@ -317,7 +324,11 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             checks.replayer.replays -= 1
             active["on"] = held
         before = [p.detach().clone() for p in model.parameters()] if step == fault_step and not fsdp else None
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)        # fused Adam: always steps (with the scaler's found_inf)
+            scaler.update()
+        else:
+            opt.step()
         if before is not None:      # did the fault's step change the weights? (masked: no)
             unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         opt.zero_grad(set_to_none=True)
@@ -373,6 +384,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     checks.close()
     reported = [(f.step, f.detector, f.cause, [list(w) for w in f.where]) for f in sink.compute]
     return {"caught": caught, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
+            "mode": checks.mode(), "scale": float(scaler.get_scale()) if scaler is not None else None,
             "reported": reported, "fault_step_unchanged": unchanged, "effective": effective,
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else [],
             "weights": weights}
@@ -636,6 +648,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["bf16"] = bool(args.sdcguard)
     MODEL["hsdp"] = args.hsdp
     MODEL["batch"] = args.batch
+    MODEL["amp"] = args.amp
     SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
     names = {"all": [c.name for c in CASES], "h200": H200, "none": []}.get(args.cases, args.cases.split(","))
@@ -718,6 +731,11 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                      f"{st['audits']} audits, exact={st['exact']}, largest clean spread "
                      f"{st['spread_max']:.3f} (log units, x{2.718281828 ** st['spread_max']:.3f}), largest "
                      f"clean score {st['max_score_clean']:.2f} of margin {st['margin']}, {r['elapsed_s']:.1f}s")
+        named = sum(1 for f in r.get("reported", []) if f[3])       # a GPU named on a clean run: false
+        found = len(r.get("reported", []))
+        lines.append(f"clean: replays {r.get('mode') or '-'}; findings reported {found}, "
+                     f"naming a GPU {named}" + (f"; loss scale at the end {r['scale']:g}"
+                                                if r.get("scale") is not None else ""))
     if "overhead" in results:
         o = results["overhead"]
         lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm after one untimed "
@@ -840,6 +858,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     p.add_argument("--model", choices=["mlp", "tiny-gpt", "gpt2"], default="mlp",
                    help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); gpt2: GPT-2 small, bf16 autocast "
                    "on CUDA (the matmul faults hit block 0's MLP fc output)")
+    p.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16: fp16 autocast with a "
+                   "GradScaler (the checks given scaler=); a gradient fault is then in the scale's units")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):

@@ -381,6 +381,10 @@ want computeprof && step gate-host 90 python3 -m bench.gate_host
 # where the host waits for the GPU inside a step (CUDA sync debug mode), base / checks / all
 want computesync && step compute-sync 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --cases none --overhead 20 --block 10 --together --sync-debug
+# issue 19: fp16 autocast under a GradScaler (its default 65536: early overflows), GPT-2 small, world 1, an
+# audit every 10 steps: every replay exact under the step's scale, no GPU named
+want computefp16 && step compute-fp16 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --clean 400 --audit-every 10 --amp fp16
 # issue 19: the checks' overhead on a device-bound step (32k tokens in one micro-batch), with each arm's 95%
 # interval and the device's busy share; the arm checks-inline runs the summaries on the backward's stream (the default: the hooks' side stream)
 (want computebig || want gatetests) && step gate-tests 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \

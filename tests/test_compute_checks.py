@@ -158,6 +158,21 @@ def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
     assert clean["status"]["exact"] and clean["status"]["audits"] >= 100
 
 
+def test_the_harness_under_fp16_and_a_gradient_scaler(tmp_path):
+    """`--amp fp16`: fp16 autocast and a GradScaler at its default scale (65536), the checks given it. Matmul
+    faults (relative: the scale does not hide them) are caught and rank 1 named, the small persistent one by
+    the next audit; a clean run with an audit every 5 steps names no GPU and every replay is exact."""
+    cases = ["mm one elem x1.01 persistent", "mm channel x2 persistent", "grad elem NaN"]
+    results = _faults(["--world", "3", "--fault-step", "30", "--cases", ",".join(cases), "--clean", "60",
+                       "--audit-every", "5", "--amp", "fp16"])
+    for name in cases:
+        hit = results[name]["caught"].get("compute")
+        assert hit and hit["named"] == [1] and hit["dropped"] and hit["step"] - 30 <= 5, (name, hit)
+    clean = results["clean"]
+    assert clean["mode"] == "exact" and clean["scale"] and clean["status"]["audits"] >= 10, clean
+    assert not [f for f in clean["reported"] if f[3]], clean["reported"]     # no GPU named
+
+
 def test_device_mask_skips_the_update_through_found_inf_and_judges_a_step_later():
     """The CUDA design run on CPU: fused Adam's found_inf masks the suspect step with no host veto (weights,
     moments and step count unchanged); the rows are judged and the masked step replayed at the next step."""
