@@ -81,6 +81,7 @@ from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 
 logger = logging.getLogger(__name__)
 
+NO_BATCH = "no batch retained: call checks.retain(batch) before each forward"
 DEFAULT_AUDIT_EVERY = 334      # one replay per 334 steps: <= 0.3% when a replay costs about one step
 
 
@@ -155,6 +156,9 @@ class ComputeChecks:
         # is enqueued (`_learn_deferred`, the AFTER stage)
         self._learn_later: torch.Tensor | None = None
         self._host_only_said = False
+        self._said_no_batch = False
+        self._no_batch = False                # the last step asked had no batch retained on some rank
+        self._not_replayed = ""               # why the last `_classify` replayed nothing ("": it could)
         self._spread_dev: torch.Tensor | None = None
         self._verdict = DeviceVerdict(margin)             # the device path's rule: one graph replay a step
         self._host_bufs: list[torch.Tensor | None] = [None, None]   # the device path's rows on the host
@@ -210,8 +214,10 @@ class ComputeChecks:
         self._steps += 1
         if not self._determinism_checked:
             self._determinism_checked = True
-            self._check_replays()
-        audit_due = bool(self.audit_every) and ctx.step % self.audit_every == 0 and self.replayer.reproduces
+            if not self._unreplayable(None):
+                self._check_replays()
+        audit_due = (bool(self.audit_every) and ctx.step % self.audit_every == 0
+                     and not self._unreplayable(None))
         try:
             if self.mask == "device":
                 self._settle_previous(defer=not audit_due)   # an audit's host verdict learns in order
@@ -234,13 +240,36 @@ class ComputeChecks:
                          "named on a replay's evidence: audits are off and a suspect step is dropped "
                          "without a finding", self.replayer.why_not)
 
+    def _unreplayable(self, retained: Retained | None) -> str:
+        """Why a step (`retained`, default this one) cannot be replayed; "" when it can. Replays that do not
+        reproduce steps would blame a GPU for the loss_fn's mismatch; a step with no batch retained has
+        nothing to replay. Every rank must take the same path (replays are collectives), so the ranks agree
+        that each kept its batch: one tiny all-reduce, on a suspect or audit step only."""
+        if not self.replayer.reproduces:
+            return self.replayer.why_not
+        retained = retained if retained is not None else self.replayer.retained
+        kept = torch.tensor([1 if retained.micro else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(kept, op=dist.ReduceOp.MIN, group=self.group)
+        self._no_batch = not int(kept.item())
+        if not self._no_batch:
+            return ""
+        if not self._said_no_batch:
+            self._said_no_batch = True
+            logger.error("sdcwatch: compute checks: a step with no batch retained (call checks.retain(batch) "
+                         "before each forward, on every rank): its suspects are dropped without a replay and "
+                         "no GPU is named; audits skip such steps (said once)")
+        return NO_BATCH
+
     def _classify(self, verdict: StatsVerdict, rows: torch.Tensor, jumps: tuple[float, ...],
                   retained: Retained | None = None) -> list[tuple[str, int, Classification]]:
         """Replay and classify a step's suspects: each of at most two (3+ ranks), or both batches on both
-        ranks at once (two ranks: `classify_pair`)."""
+        ranks at once (two ranks: `classify_pair`). [] when there are none, or when the step cannot be
+        replayed (`_unreplayable`: the reason is kept in `_not_replayed`)."""
+        self._not_replayed = ""
         if not verdict.suspects:
             return []
-        if not self.replayer.reproduces:           # a replay would blame a GPU for the loss_fn's mismatch
+        self._not_replayed = self._unreplayable(retained)
+        if self._not_replayed:
             return []
         if self.world == 2:
             c = self.replayer.classify_pair(rows, retained, (jumps[0], jumps[1]))
@@ -282,10 +311,10 @@ class ComputeChecks:
         if drop:
             why = "; ".join(f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
             return Veto(self.name, why)
-        if verdict.suspects and not self.replayer.reproduces:
+        if verdict.suspects and self._not_replayed:
             self._dropped += 1
             return Veto(self.name, f"ranks {list(verdict.suspects)} suspect, not replayed "
-                                   f"({self.replayer.why_not})")
+                                   f"({self._not_replayed})")
         return None
 
     def _conclude(self, step: int, stats: torch.Tensor, verdict: StatsVerdict,
@@ -401,7 +430,7 @@ class ComputeChecks:
                 restored = epoch != self.guard.restores
                 logger.info("sdcwatch: compute check of step %d not replayed: %s", step,
                             "the weights were restored since" if restored else "not armed")
-            outcomes = []
+            outcomes, self._not_replayed = [], ""
         else:
             outcomes = self._classify(verdict, host, jumps, retained)
         self._conclude(step, stats, verdict, outcomes, masked=masked)
@@ -410,8 +439,8 @@ class ComputeChecks:
                 self._dropped += 1
             self.guard.masked(step, self.name, "; ".join(
                 f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
-                or (f"ranks {list(verdict.suspects)} suspect, not replayed ({self.replayer.why_not})"
-                    if verdict.suspects and not self.replayer.reproduces else "the device's verdict"))
+                or (f"ranks {list(verdict.suspects)} suspect, not replayed ({self._not_replayed})"
+                    if verdict.suspects and self._not_replayed else "the device's verdict"))
 
     def _learn_deferred(self) -> None:
         """The host verdict of a step the device did not mask: the spread and each rank's history learn
@@ -455,8 +484,8 @@ class ComputeChecks:
         (a replay does not give its step's gradient: no GPU is named on replays), "" before the check."""
         if not self._determinism_checked:
             return ""
-        if not self.replayer.reproduces:
-            return f"unreproducible: {self.replayer.why_not}"[:120]
+        if not self.replayer.reproduces or self._no_batch:
+            return f"unreproducible: {self.replayer.why_not or NO_BATCH}"[:120]
         if self.replayer.exact:
             return "exact"
         return "bounded: replays of one batch differ bit for bit; norm and max-abs compared within 1e-3"

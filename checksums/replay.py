@@ -221,8 +221,10 @@ class Replayer:
         self.retained.micro.append((batch, torch.get_rng_state(), dev_rng))
 
     def end_step(self) -> None:
-        """The optimizer step is over: the next `retain` starts the next step's micro-batches."""
+        """The optimizer step is over: the next `retain` starts the next step's micro-batches (a step kept
+        for later keeps its own object; a step with no `retain` finds none, never the last step's batch)."""
         self._step_open = False
+        self.retained = Retained()
 
     def note_loss_scale(self) -> None:
         """Keep the loss scale this step runs under with its retained batch (`scaler=`): taken as the step's

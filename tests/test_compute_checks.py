@@ -213,6 +213,7 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     gate._learn_later = None
     gate._suspicions = gate._dropped = 0
     gate.replayer = types.SimpleNamespace(reproduces=True, why_not="")
+    gate._not_replayed = ""
 
     def pend() -> None:           # a step the device masked (its flag 1)
         gate._pending = (3, _rows(10, world=2), torch.tensor(1.0), None, True, None, guard.restores)
@@ -249,6 +250,7 @@ def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed(
     gate._learn_later, gate._host_only_said = None, False
     gate._suspicions = gate._dropped = 0
     gate.replayer = types.SimpleNamespace(reproduces=True, why_not="")
+    gate._not_replayed = ""
 
     def pend(flag: float, norms: list[float]) -> None:
         rows = torch.zeros(3, 2, 4, dtype=torch.int64)
@@ -863,14 +865,16 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
         return nn.functional.mse_loss(m(batch[0], bool(batch[2])), batch[1])
 
     res = {}
-    for option in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "frozen"):
+    options = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "frozen", "no_retain")
+    for option in options:
         arms = []
         for checked in (False, True):
             torch.manual_seed(0)
             net = Net()
             if option == "frozen":
                 net.a.requires_grad_(False)
-            ddp = DDP(net, bucket_cap_mb=0.004, **({} if option == "frozen" else {option: True}))
+            flags = {} if option in ("frozen", "no_retain") else {option: True}
+            ddp = DDP(net, bucket_cap_mb=0.004, **flags)
             opt = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=1e-3)
             at = {"step": 0}
             checks = None
@@ -887,7 +891,7 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
                      s % 2 == 0 or option != "find_unused_parameters")   # layer c unused on odd steps
             for ddp, opt, checks, at in arms:
                 at["step"] = s
-                if checks is not None:
+                if checks is not None and option != "no_retain":
                     checks.retain(batch)
                 loss_fn(ddp, batch).backward()
                 opt.step()
@@ -898,6 +902,7 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
         checks = arms[1][2]
         st = checks.status()
         res[option] = {"same_before": arms[1][3]["same"], "mode": checks.mode(), "audits": st.audits,
+                       "dropped": st.dropped, "skipped": [k.step for k in checks.guard.skipped],
                        "findings": [(f.step, f.detector, f.cause, list(f.faulty)) for f in checks.findings]}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
@@ -908,14 +913,19 @@ def test_the_checks_follow_ddps_options(tmp_path) -> None:
     """find_unused_parameters (a layer unused on odd steps: its gradient is zeros in its bucket and None in a
     replay), static_graph, gradient_as_bucket_view and frozen parameters (requires_grad False): the training
     is the unchecked one's bit for bit, every audit's replay agrees exactly, and a fault in rank 1's bucket
-    at step 18 is caught on its step with rank 1 named. (torch.compile inside and outside DDP: the same by
-    hand, 2026-12-04; its compile takes a minute a run on the CPU.)"""
+    at step 18 is caught on its step with rank 1 named. A loop that never calls retain(): that step is
+    dropped without a replay, no GPU named, and the mode says why. (torch.compile inside and outside DDP:
+    the same by hand, 2026-12-04; its compile takes a minute a run on the CPU.)"""
     import json
     out = str(tmp_path / "res")
     spawn(_ddp_options, (3, str(tmp_path / "init"), out), nprocs=3)
     for r in range(3):
         with open(f"{out}.{r}") as f:
             res = json.load(f)
+        c = res.pop("no_retain")    # a loop that never retains: the suspect step is dropped, no GPU named
+        assert c["mode"] == "unreproducible: no batch retained: call checks.retain(batch) before each forward"
+        assert c["same_before"] and not c["findings"] and c["audits"] == 0 and c["dropped"] == 1, c
+        assert c["skipped"] == [18], c
         for option, c in res.items():
             assert c["same_before"] and c["mode"] == "exact" and c["audits"] >= 3, (option, c)
             assert c["findings"] == [[18, "stats", "transient", [1]]], (option, c)
