@@ -157,6 +157,7 @@ class ComputeChecks:
         self._learn_later: torch.Tensor | None = None
         self._host_only_said = False
         self._said_no_batch = False
+        self._last_step = 0                   # the number of the last step the stage ran for
         self._no_batch = False                # the last step asked had no batch retained on some rank
         self._not_replayed = ""               # why the last `_classify` replayed nothing ("": it could)
         self._spread_dev: torch.Tensor | None = None
@@ -196,7 +197,7 @@ class ComputeChecks:
         reduced gradient): that step's rows are judged now, before the next step's first batch is retained (a
         collective). A suspect is replayed and classified as at any step (an overflow reproduces everywhere:
         DATA, no GPU named; a fault that made one rank's gradient non-finite names it); nothing is vetoed:
-        there was no update."""
+        there was no update. Its number is the skipped step's, whether or not the Monitor counted it."""
         rows = self.summaries.gather().cpu()
         self.summaries.clear()
         try:
@@ -204,7 +205,9 @@ class ComputeChecks:
             jumps, verdict = self.tracker.assess(stats)
             self.last_verdict = verdict
             outcomes = self._classify(verdict, rows, jumps)
-            self._conclude(self.guard.step, stats, verdict, outcomes, masked=True)
+            # its number: the guard's when the Monitor counted the skipped step, else the one after the last
+            step = max(self.guard.step, self._last_step + 1)
+            self._conclude(step, stats, verdict, outcomes, masked=True)
         finally:
             self.replayer.end_step()
 
@@ -212,6 +215,7 @@ class ComputeChecks:
 
     def run(self, ctx: StepContext) -> Veto | None:
         self._steps += 1
+        self._last_step = ctx.step
         if not self._determinism_checked:
             self._determinism_checked = True
             if not self._unreplayable(None):

@@ -184,8 +184,9 @@ class FsdpReplayer(Replayer):
                    for b, c, d in mine.micro]
         got: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(got, payload, group=self.group)
-        return [Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in micro])
-                for micro in got]
+        # the scale is the same on every rank (the scaler's state follows the reduced gradient)
+        return [Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in micro],
+                         loss_scale=mine.loss_scale) for micro in got]
 
     def audit_all(self, originals: torch.Tensor,
                   jumps: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, Classification]]:

@@ -158,19 +158,24 @@ def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
     assert clean["status"]["exact"] and clean["status"]["audits"] >= 100
 
 
-def test_the_harness_under_fp16_and_a_gradient_scaler(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_the_harness_under_fp16_and_a_gradient_scaler(tmp_path, fsdp: bool):
     """`--amp fp16`: fp16 autocast and a GradScaler at its default scale (65536), the checks given it. Matmul
     faults (relative: the scale does not hide them) are caught and rank 1 named, the small persistent one by
-    the next audit; a clean run with an audit every 5 steps names no GPU and every replay is exact."""
-    cases = ["mm one elem x1.01 persistent", "mm channel x2 persistent", "grad elem NaN"]
-    results = _faults(["--world", "3", "--fault-step", "30", "--cases", ",".join(cases), "--clean", "60",
-                       "--audit-every", "5", "--amp", "fp16"])
+    the next audit; a NaN in rank 1's gradient is named on its step (under FSDP2 the optimizer is not fused,
+    so the scaler skips its step() and the gate judges the step at the next retain, with its own number); a
+    clean run with an audit every 5 steps names no GPU and every replay is exact (under FSDP2 the audits'
+    replays lost the scale once: every audit failed)."""
+    cases = ["mm one elem x1.01 persistent", "grad elem NaN"] + ([] if fsdp else ["mm channel x2 persistent"])
+    results = _faults(["--world", "3", "--fault-step", "30", "--cases", ",".join(cases), "--clean", "40",
+                       "--audit-every", "5", "--amp", "fp16"] + (["--fsdp"] if fsdp else []))
     for name in cases:
         hit = results[name]["caught"].get("compute")
         assert hit and hit["named"] == [1] and hit["dropped"] and hit["step"] - 30 <= 5, (name, hit)
+    assert results["grad elem NaN"]["caught"]["compute"]["step"] == 30, results["grad elem NaN"]["caught"]
     clean = results["clean"]
-    assert clean["mode"] == "exact" and clean["scale"] and clean["status"]["audits"] >= 10, clean
-    assert not [f for f in clean["reported"] if f[3]], clean["reported"]     # no GPU named
+    assert clean["mode"] == "exact" and clean["scale"] and clean["status"]["audits"] >= 7, clean
+    assert clean["status"]["suspicions"] == 0, clean["status"]
 
 
 def test_device_mask_skips_the_update_through_found_inf_and_judges_a_step_later():
