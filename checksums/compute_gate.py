@@ -313,13 +313,19 @@ class ComputeChecks:
                 self._last_audit[audited] = ctx.step
         drop = self._conclude(ctx.step, stats, verdict, outcomes)
         if drop:
-            why = "; ".join(f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
-            return Veto(self.name, why)
+            return Veto(self.name, self._why(verdict, outcomes))
         if verdict.suspects and self._not_replayed:
             self._dropped += 1
-            return Veto(self.name, f"ranks {list(verdict.suspects)} suspect, not replayed "
-                                   f"({self._not_replayed})")
+            return Veto(self.name, self._why(verdict, outcomes))
         return None
+
+    def _why(self, verdict: StatsVerdict, outcomes: list[tuple[str, int, Classification]]) -> str:
+        """Why a step's update is dropped: its classified suspects, or its suspects not replayed."""
+        if outcomes:
+            return "; ".join(f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
+        if verdict.suspects and self._not_replayed:
+            return f"ranks {list(verdict.suspects)} suspect, not replayed ({self._not_replayed})"
+        return "the device's verdict"
 
     def _conclude(self, step: int, stats: torch.Tensor, verdict: StatsVerdict,
                   outcomes: list[tuple[str, int, Classification]], masked: bool = False) -> bool:
@@ -441,10 +447,7 @@ class ComputeChecks:
         if masked:
             if not outcomes:                              # no finding, but no update either
                 self._dropped += 1
-            self.guard.masked(step, self.name, "; ".join(
-                f"{d} rank {r}: {c.cause.value} ({c.detail})" for d, r, c in outcomes)
-                or (f"ranks {list(verdict.suspects)} suspect, not replayed ({self._not_replayed})"
-                    if verdict.suspects and self._not_replayed else "the device's verdict"))
+            self.guard.masked(step, self.name, self._why(verdict, outcomes))
 
     def _learn_deferred(self) -> None:
         """The host verdict of a step the device did not mask: the spread and each rank's history learn

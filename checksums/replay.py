@@ -42,8 +42,8 @@ not trusted (`reproduces` False, `why_not` says why): no GPU is named on their e
 
 Loss scaling (`scaler=`, a `torch.amp.GradScaler`): the loop back-propagates `scaler.scale(loss)`, so a
 replay multiplies `loss_fn`'s loss by the scale that step ran under (`note_loss_scale`, a copy on the device
-taken in the GATE stage, before `scaler.update()` moves it), the same multiplication as `scaler.scale`: its
-gradient is the step's bit for bit. A rank whose scaled gradient overflowed reproduces the overflow on
+taken as the step's first batch is retained, before `scaler.update()` moves it), the same multiplication as
+`scaler.scale`: its gradient is the step's bit for bit. A rank whose scaled gradient overflowed reproduces the overflow on
 every rank (DATA), so the scaler's own skip is not blamed on a GPU.
 
 Training-side module: never imports the agent (`daemon`).
@@ -416,19 +416,18 @@ class Replayer:
         ranks or more) rank 1's replay of its own batch neither (one fault at this step does not turn the
         check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the likely
         reason)."""
-        batches = [self.fetch(0)]
-        if originals is not None and originals.shape[0] > 1:
-            batches.append(self.fetch(1))
-        rows = [self.replay(batches[0]), self.replay(batches[0])] + [self.replay(b) for b in batches[1:]]
-        got = self.gather(torch.stack(rows))
+        retained = self.fetch(0)
+        got = self.gather(torch.stack([self.replay(retained), self.replay(retained)]))
         first = fingerprints_of(got[0, 0])
         self.exact = all(bool(torch.equal(fingerprints_of(got[r, k]), first))
                          for r in range(got.shape[0]) for k in range(2))
-        self.replays -= len(rows)
+        self.replays -= 2
         if originals is not None:
             why = [replay_mismatch(originals[0], got[0, 0], self.exact)]
-            if len(batches) > 1 and why[0]:
-                why.append(replay_mismatch(originals[1], got[1, 2], self.exact))
+            if why[0] and originals.shape[0] > 1:     # the same on every rank: the replays are collective
+                own = self.gather(self.replay(self.fetch(1)))          # own[1]: rank 1's replay of its batch
+                self.replays -= 1
+                why.append(replay_mismatch(originals[1], own[1], self.exact))
             self.reproduces = not all(why)
             self.why_not = why[0] if not self.reproduces else ""
         return self.exact
