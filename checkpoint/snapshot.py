@@ -94,7 +94,7 @@ from checkpoint.records import Restored, SaveReport
 from checkpoint.slots import Slot, SlotRing, memory_budget, ring_size
 from checkpoint.shard_layout import ShardLayout
 from checkpoint.source_sums import Piece, pieces
-from checkpoint.state_tree import Flattener, dtype_name, flatten
+from checkpoint.state_tree import Flattener, dtype_name
 from checksums.fingerprint import (
     MASK64,
     fingerprint_bytes,

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from probes.canary_schedule import GpuSnapshot
 from sdcwatch.canary import DeviceInfo, SuiteConfig
 from sdcwatch.extras import needs
-from sdcwatch.proc import bind_to_parent
+from sdcwatch.proc import PARENT_ENV, bind_to_parent
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,9 @@ def _test_hook(hook: str) -> None:
 
 def main() -> int:
     # The child has its own session (so that its whole group can be killed); this keeps it from outliving an
-    # agent killed mid-round.
-    bind_to_parent(signal.SIGKILL, parent_pid=os.getppid())
+    # agent killed mid-round, even one killed while this child was still starting (the starter's pid comes in
+    # $SDCWATCH_PARENT_PID: getppid() here would already be 1 then).
+    bind_to_parent(signal.SIGKILL, parent_pid=None if os.environ.get(PARENT_ENV) else os.getppid())
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints from torch or the CUDA libraries go to stderr, not into the reply
     try:

@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 from probes.canary_schedule import GpuSnapshot
 from sdcwatch.canary import CheckResult, SuiteConfig, SuiteReport
 from sdcwatch.errors import SdcwatchError
+from sdcwatch.proc import parent_env
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def child_replay(path: str | Path, *, timeout_s: float, gpus: Sequence[int] | No
 
 def call_child(request: Mapping[str, Any], timeout_s: float) -> Any:
     """One round trip to a new child; its `ok` result, else `CanaryChildError` saying why."""
-    env = dict(os.environ)
+    env = parent_env()          # the child's bind_to_parent compares its parent with this pid
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()

@@ -137,9 +137,12 @@ def test_quick_round_on_a_gpu_leaves_cuda_out_of_the_agent(tmp_path: Path) -> No
     assert torch.cuda.is_initialized() == cuda_before
 
 
-def test_the_child_dies_with_an_agent_killed_mid_round(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["mid_round", "while_it_starts"])
+def test_the_child_dies_with_an_agent_killed_mid_round(tmp_path: Path, when: str) -> None:
     """The child runs in its own session (so its group can be killed), yet must not outlive a parent that is
-    SIGKILLed mid-round: PR_SET_PDEATHSIG. (The test hook's grandchild is this test's own to clean up.)"""
+    SIGKILLed mid-round: PR_SET_PDEATHSIG. Killed while the child is still starting (before it armed the
+    signal), the child must find out from the starter's pid it was given. (The test hook's grandchild is this
+    test's own to clean up.)"""
     import signal
     import subprocess
     import sys
@@ -161,7 +164,8 @@ def test_the_child_dies_with_an_agent_killed_mid_round(tmp_path: Path) -> None:
                     pass
             time.sleep(0.05)
         assert child is not None, "the canary child did not start"
-        time.sleep(0.5)  # past its start-up, into the hook's sleep
+        if when == "mid_round":
+            time.sleep(0.5)  # past its start-up, into the hook's sleep
         agent.kill()
         agent.wait()
         deadline = time.monotonic() + scaled(5)
