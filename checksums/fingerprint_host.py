@@ -48,6 +48,7 @@ Larger or multi-tensor corruptions are caught unless two linear sums mod 2**64 b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,8 +120,13 @@ def canonical_dtype_name(dtype: Any) -> str:
 
 
 def header_words(dtype_name: str, shape: Sequence[int]) -> tuple[int, int]:
-    """(h0, h1): the dtype and shape words of spec step 4."""
-    seq = [DTYPE_IDS[canonical_dtype_name(dtype_name)], len(shape), *(int(d) for d in shape)]
+    """(h0, h1): the dtype and shape words of spec step 4 (cached: a model's few shapes recur every step)."""
+    return _header_words(canonical_dtype_name(dtype_name), tuple(int(d) for d in shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_words(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    seq = [DTYPE_IDS[name], len(shape), *shape]
     h0, h1 = SEED_H0, SEED_H1
     for v in seq:
         h0 = absorb(h0, v)

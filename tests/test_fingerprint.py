@@ -76,7 +76,10 @@ def test_dtype_ids_are_unique_and_complete() -> None:
 def test_torch_and_numpy_agree(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(hash((str(dtype), shape)) & 0xFFFF)
     t = random_tensor(shape, dtype, gen)
-    assert fingerprint_tensor(t) == fp_host(t)
+    assert fingerprint_tensor(t) == fp_host(t)          # on the CPU: the host path (fingerprint_tensors_host)
+    words, per = fingerprint_tensors_torch([t])        # the torch ops (any device) give the same integers
+    assert fingerprint_words_to_ints(per[0]) == fp_host(t)
+    assert torch.equal(words, fingerprint_tensors_async([t]))
 
 
 def test_numpy_arrays_with_native_and_raw_dtypes() -> None:
@@ -166,8 +169,12 @@ def test_non_contiguous_views_fingerprint_their_logical_order() -> None:
     t = torch.randn(6, 8)
     h = torch.randn(9).to(torch.bfloat16)
     assert fingerprint_tensor(h[1:]) == fp_host(h[1:].clone())  # contiguous, but starts mid-word
-    for view in [t.T, t[:, 1:5], t[::2], t[1:, 3], t.expand(2, 6, 8)[1]]:
-        assert fingerprint_tensor(view) == fingerprint_tensor(view.contiguous()) == fp_host(view)
+    for view in [t.T, t[:, 1:5], t[::2], t[1:, 3], t.expand(2, 6, 8)[1], -t, h[1:]]:
+        assert fingerprint_tensor(view) == fingerprint_tensor(view.contiguous()) == fp_host(view.contiguous())
+        per = fingerprint_tensors_torch([view.contiguous()])[1]
+        assert fingerprint_words_to_ints(per[0]) == fp_host(view)
+    z = torch.randn(3, 2, dtype=torch.complex64)
+    assert fingerprint_tensor(z.conj()) == fp_host(z.conj().resolve_conj())   # a lazy conjugate: its values
     assert fingerprint_tensor(t.T) != fingerprint_tensor(t)
 
 
