@@ -75,7 +75,7 @@ from checksums.grad_checks import (
     StatsVerdict,
     stats_of,
 )
-from checksums.replay import Cause, Classification, LossFn, Replayer, Retained
+from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 
@@ -157,6 +157,7 @@ class ComputeChecks:
         self._learn_later: torch.Tensor | None = None
         self._host_only_said = False
         self._said_no_batch = False
+        self._said_failed: set[str] = set()          # replay failures logged (each reason once)
         self._last_step = 0                   # the number of the last step the stage ran for
         self._no_batch = False                # the last step asked had no batch retained on some rank
         self._not_replayed = ""               # why the last `_classify` replayed nothing ("": it could)
@@ -236,7 +237,11 @@ class ComputeChecks:
     def _check_replays(self) -> None:
         """At the first step (a collective): replays are deterministic (else the rounding-aware bound), and
         they reproduce the step they replay (compared with rank 0's and rank 1's own rows of this step)."""
-        if not self.replayer.check_determinism(self.summaries.gather().cpu()):
+        try:
+            exact = self.replayer.check_determinism(self.summaries.gather().cpu())
+        except ReplayFailed as exc:     # a model a replay cannot run: as replays that do not reproduce
+            exact, self.replayer.reproduces, self.replayer.why_not = True, False, str(exc)
+        if not exact:
             logger.warning("sdcwatch: replays of one batch differ bit for bit on this model; compute "
                            "replays compare norms within a rounding bound instead of fingerprints")
         if not self.replayer.reproduces:
@@ -275,14 +280,28 @@ class ComputeChecks:
         self._not_replayed = self._unreplayable(retained)
         if self._not_replayed:
             return []
-        if self.world == 2:
-            c = self.replayer.classify_pair(rows, retained, (jumps[0], jumps[1]))
-            detector = "nonfinite" if verdict.nonfinite else "stats"
-            named = c.faulty[0] if len(c.faulty) == 1 else max((0, 1), key=lambda r: verdict.scores[r])
-            return [(detector, named, c)]
-        return [("nonfinite" if r in verdict.nonfinite else "stats", r,
-                 self.replayer.classify(r, rows[r], retained))
-                for r in verdict.suspects[:2]]              # at most two replays per step: bounded
+        try:
+            if self.world == 2:
+                c = self.replayer.classify_pair(rows, retained, (jumps[0], jumps[1]))
+                detector = "nonfinite" if verdict.nonfinite else "stats"
+                named = c.faulty[0] if len(c.faulty) == 1 else max((0, 1), key=lambda r: verdict.scores[r])
+                return [(detector, named, c)]
+            return [("nonfinite" if r in verdict.nonfinite else "stats", r,
+                     self.replayer.classify(r, rows[r], retained))
+                    for r in verdict.suspects[:2]]              # at most two replays per step: bounded
+        except ReplayFailed as exc:     # held back without a finding, as a step with no batch is
+            self._not_replayed = self._replay_failed(exc)
+            return []
+
+    def _replay_failed(self, exc: ReplayFailed) -> str:
+        """A replay round raised (on every rank alike, `Replayer.agreed`): its reason, logged once."""
+        why = str(exc)
+        if why not in self._said_failed and len(self._said_failed) < 16:
+            self._said_failed.add(why)
+            logger.error("sdcwatch: a compute replay failed (%s); its step's suspects are dropped without a "
+                         "finding and an audit then is skipped (each reason said once)", why,
+                         exc_info=exc.__cause__ is not None)
+        return why
 
     def _judge_now(self, ctx: StepContext, rows: torch.Tensor, audit_due: bool) -> Veto | None:
         """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps)."""
@@ -295,22 +314,26 @@ class ComputeChecks:
         # gets none and a symmetric mismatch goes to the CPU witness (a 1.5-spread jump of the clean rank
         # named it on FSDP2 with the fault on rank 0)
         no_jumps = (0.0, 0.0)
-        if not outcomes and audit_due and self.fsdp:      # FSDP2: every rank audited at once, collectively
-            self._audits += 1
-            assert isinstance(self.replayer, FsdpReplayer)
-            got_all = self.replayer.audit_all(rows, no_jumps)
-            outcomes.extend(("audit", audited, c) for audited, c in got_all)
-            if not got_all:
-                self._last_audit.update((r, ctx.step) for r in range(self.world))
-        elif not outcomes and audit_due:
-            audited = (ctx.step // self.audit_every) % self.world
-            self._audits += 1
-            got = self.replayer.audit(audited, rows[audited], rows if self.world == 2 else None,
-                                      no_jumps)
-            if got is not None:
-                outcomes.append(("audit", audited, got))
-            else:
-                self._last_audit[audited] = ctx.step
+        try:
+            if not outcomes and audit_due and self.fsdp:      # FSDP2: every rank audited at once
+                self._audits += 1
+                assert isinstance(self.replayer, FsdpReplayer)
+                got_all = self.replayer.audit_all(rows, no_jumps)
+                outcomes.extend(("audit", audited, c) for audited, c in got_all)
+                if not got_all:
+                    self._last_audit.update((r, ctx.step) for r in range(self.world))
+            elif not outcomes and audit_due:
+                audited = (ctx.step // self.audit_every) % self.world
+                self._audits += 1
+                got = self.replayer.audit(audited, rows[audited], rows if self.world == 2 else None,
+                                          no_jumps)
+                if got is not None:
+                    outcomes.append(("audit", audited, got))
+                else:
+                    self._last_audit[audited] = ctx.step
+        except ReplayFailed as exc:     # the audit did not complete: no finding, the update applied
+            self._audits -= 1
+            self._replay_failed(exc)
         drop = self._conclude(ctx.step, stats, verdict, outcomes)
         if drop:
             return Veto(self.name, self._why(verdict, outcomes))

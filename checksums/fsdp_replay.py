@@ -117,7 +117,7 @@ class FsdpReplayer(Replayer):
         group's gradients, dim 0, W chunks). NaN (no witness) without a factory or when FSDP pre-divides
         the input (an fp16 reduce dtype): a collective, every rank calls."""
         flats: dict[int, torch.Tensor] = {}
-        self.replay(retained, flats)
+        self.agreed(lambda: self.replay(retained, flats))
         params = dict(self.module.named_parameters())
         full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
                 for name, p in params.items()}                      # a collective (all-gather), every rank
@@ -198,7 +198,7 @@ class FsdpReplayer(Replayer):
         world = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         batches = self.fetch_all()
-        got = self.gather(self.replay(batches[(rank + 1) % world]))    # got[r]: r's replay of r + 1's batch
+        got = self.gather(self.agreed(lambda: self.replay(batches[(rank + 1) % world])))  # r's of r + 1's
         mismatched = [j for j in range(world) if not _equal(originals[j], got[(j - 1) % world], self.exact, 1e-3)]
         if not mismatched:
             return []
@@ -215,7 +215,8 @@ class FsdpReplayer(Replayer):
         for j in mismatched:
             if len(out) == MAX_CLASSIFIED or j in named or (j - 1) % world in named:
                 continue                  # explained already (a faulty auditor makes its neighbour differ)
-            c = classify_replays(j, originals[j], self.gather(self.replay(batches[j])), exact=self.exact)
+            got_j = self.gather(self.agreed(lambda b=batches[j]: self.replay(b)))    # every rank replays j's
+            c = classify_replays(j, originals[j], got_j, exact=self.exact)
             if c.cause is Cause.DATA:     # every replay agrees with the original: the auditor's was odd, once
                 auditor = (j - 1) % world
                 c = Classification(Cause.TRANSIENT, (auditor,), False,

@@ -52,8 +52,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,7 +63,10 @@ from torch import nn
 
 from checksums.grad_checks import GradSummaries, fingerprints_of, stats_of
 
+logger = logging.getLogger(__name__)
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+T = TypeVar("T")
 
 
 class Cause(str, enum.Enum):
@@ -178,6 +183,26 @@ class Retained:
         return self.micro[-1][0] if self.micro else None
 
 
+class ReplayFailed(RuntimeError):
+    """A replay raised on some rank (`loss_fn` on the bare module, an out-of-memory, a model a gradient
+    replay cannot differentiate): raised on every rank at the same point (`Replayer.agreed`), so no rank
+    waits in a collective the others left. The message says why in under 105 characters."""
+
+
+# torch's words for autograd.grad through reentrant checkpointing (older and newer releases)
+_REENTRANT = re.compile(r"[Cc]heckpoint\w*.* (?:not compatible|incompatible) with \.grad")
+
+
+def replay_failure(exc: BaseException | None) -> str:
+    """Why a replay raised, in under 105 characters a user can act on (GetStatus's compute mode)."""
+    if exc is None:
+        return "a replay raised on another rank (its log says why)"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if _REENTRANT.search(text):
+        return "reentrant activation checkpointing: pass use_reentrant=False to torch.utils.checkpoint"
+    return f"a replay raised {type(exc).__name__}: {text}"[:104]
+
+
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -288,27 +313,36 @@ class Replayer:
             return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
                               for g, p in zip(gs, like)])
 
-        mine = flat(self._grads(retained, self.module, params), params).to(torch.float32)
+        mine = self.agreed(lambda: flat(self._grads(retained, self.module, params), params).to(torch.float32))
         self.replays += 1
         both = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(both, mine, group=self.group)
         out: list[Any] = [None]
         if dist.get_rank(self.group) == 0:
-            import copy
-            ref_mod = copy.deepcopy(self.module).to(device="cpu", dtype=torch.float64)
-            ref_params = [p for p in ref_mod.parameters() if p.requires_grad]
-
-            def cast(t: torch.Tensor) -> torch.Tensor:
-                t = t.detach().cpu()
-                return t.to(torch.float64) if t.is_floating_point() else t
-            ref = flat(self._grads(retained, ref_mod, ref_params, cast), ref_params)
-            g0, g1 = both[0].cpu().double(), both[1].cpu().double()
-            d = g1 - g0
-            dd = float(d.dot(d))
-            out = [float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")]
+            try:
+                out = [self._cpu_projection(retained, both[0].cpu().double(), both[1].cpu().double())]
+            except Exception as exc:  # noqa: BLE001 (a model the CPU cannot replay: no witness, said)
+                logger.warning("sdcwatch: the CPU witness failed (%s); no witness", replay_failure(exc))
+                out = [float("nan")]
         dist.broadcast_object_list(out, src=0, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
         return float(out[0])
+
+    def _cpu_projection(self, retained: Retained, g0: torch.Tensor, g1: torch.Tensor) -> float:
+        """`witness`'s t from rank 0's float64 CPU replay of `retained` (a copy of the module)."""
+        import copy
+        ref_mod = copy.deepcopy(self.module).to(device="cpu", dtype=torch.float64)
+        ref_params = [p for p in ref_mod.parameters() if p.requires_grad]
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu()
+            return t.to(torch.float64) if t.is_floating_point() else t
+        got = self._grads(retained, ref_mod, ref_params, cast)
+        ref = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
+                         for g, p in zip(got, ref_params)])
+        d = g1 - g0
+        dd = float(d.dot(d))
+        return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
 
     def replay_loss(self, retained: Retained) -> float:
         """The loss of `retained`'s micro-batches (summed) recomputed on this rank with their RNG states,
@@ -344,6 +378,22 @@ class Replayer:
         return Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in payload[0]],
                         loss_scale=mine.loss_scale)
 
+    def agreed(self, replay: Callable[[], T]) -> T:
+        """`replay()` (this rank's part of a replay round), or `ReplayFailed` on every rank when it raised on
+        any: the ranks first agree with one tiny all-reduce (a replay round only, never a plain step), so a
+        rank whose replay raised never leaves the others waiting in the round's gather."""
+        err: Exception | None = None
+        try:
+            got = replay()
+        except Exception as exc:  # noqa: BLE001 (any failure of the user's model or loss_fn: said)
+            err = exc
+        bad = torch.tensor([0 if err is None else 1], dtype=torch.int32, device=self.device)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if int(bad.item()):
+            raise ReplayFailed(replay_failure(err)) from err
+        return got
+
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size(self.group)
         out = [torch.empty_like(rows) for _ in range(world)]
@@ -354,7 +404,7 @@ class Replayer:
         """Every rank replays `suspect`'s batch (of this step, or `mine`: an earlier step's); the replays
         decide (a collective: all ranks call)."""
         retained = self.fetch(suspect, mine)
-        rows = self.replay(retained)
+        rows = self.agreed(lambda: self.replay(retained))
         return classify_replays(suspect, original, self.gather(rows), exact=self.exact)
 
     def classify_pair(self, originals: torch.Tensor, mine: Retained | None = None,
@@ -363,7 +413,7 @@ class Replayer:
         [2, B, 4] are both ranks' rows; `jumps` the own-history tie-break (a collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
         batches = [self.fetch(j, mine) for j in (0, 1)]
-        rows = self.gather(torch.stack([self.replay(b) for b in batches]))
+        rows = self.gather(self.agreed(lambda: torch.stack([self.replay(b) for b in batches])))
         c = classify_pair_replays(originals, rows, jumps, exact=self.exact)
         if c.cause is Cause.UNRESOLVED and c.faulty == (0, 1) and self.cpu_witness and \
                 c.detail.startswith("each GPU repeats"):       # symmetric: ask the host CPU (every rank)
@@ -389,7 +439,8 @@ class Replayer:
         rank = dist.get_rank(self.group)
         auditor = (audited + 1) % world
         retained = self.fetch(audited)
-        rows = self.replay(retained) if rank == auditor else torch.zeros_like(original, device=self.device)
+        rows = self.agreed(lambda: self.replay(retained) if rank == auditor
+                           else torch.zeros_like(original, device=self.device))
         got = self.gather(rows)
         if _equal(original, got[auditor], self.exact, 1e-3):
             return None
@@ -400,7 +451,7 @@ class Replayer:
                                       f"auditor rank {auditor}'s replay of rank {audited}'s batch differed "
                                       "once; every replay after it agrees with the originals")
             return c
-        got = self.gather(self.replay(retained))                     # every rank replays it now
+        got = self.gather(self.agreed(lambda: self.replay(retained)))        # every rank replays it now
         c = classify_replays(audited, original, got, exact=self.exact)
         if c.cause is Cause.DATA:      # the auditor's first replay was the odd one out, once
             return Classification(Cause.TRANSIENT, (auditor,), False,
@@ -417,7 +468,7 @@ class Replayer:
         check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the likely
         reason)."""
         retained = self.fetch(0)
-        got = self.gather(torch.stack([self.replay(retained), self.replay(retained)]))
+        got = self.gather(self.agreed(lambda: torch.stack([self.replay(retained), self.replay(retained)])))
         first = fingerprints_of(got[0, 0])
         self.exact = all(bool(torch.equal(fingerprints_of(got[r, k]), first))
                          for r in range(got.shape[0]) for k in range(2))
@@ -425,7 +476,8 @@ class Replayer:
         if originals is not None:
             why = [replay_mismatch(originals[0], got[0, 0], self.exact)]
             if why[0] and originals.shape[0] > 1:     # the same on every rank: the replays are collective
-                own = self.gather(self.replay(self.fetch(1)))          # own[1]: rank 1's replay of its batch
+                theirs = self.fetch(1)
+                own = self.gather(self.agreed(lambda: self.replay(theirs)))   # own[1]: rank 1's of its own
                 self.replays -= 1
                 why.append(replay_mismatch(originals[1], own[1], self.exact))
             self.reproduces = not all(why)

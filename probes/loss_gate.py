@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
-from checksums.replay import Cause, Classification, LossFn, Replayer, Retained
+from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
@@ -361,21 +361,31 @@ class LossGate:
             obs.event.synchronize()
         mine = (float(obs.buf[0]), obs.baseline if obs.baseline is not None else self._baseline())
         outcomes = []
-        for r in flagged[:2]:  # bounded: at most two flagged ranks, one replay each
-            if self.world > 1:
-                box: list[Any] = [mine]
-                dist.broadcast_object_list(
-                    box, src=r, group=self.group, device=self.device if self.device.type == "cuda" else None
-                )
-                orig_r, base_r = box[0]
-                value = self.replayer.replay_loss(self.replayer.fetch(r, obs.retained))
-                got: list[Any] = [None] * self.world
-                dist.all_gather_object(got, value, group=self.group)
-            else:
-                orig_r, base_r = mine
-                assert obs.retained is not None
-                got = [self.replayer.replay_loss(obs.retained)]
-            outcomes.append((r, classify_loss_replays(r, orig_r, base_r, got)))
+        try:
+            for r in flagged[:2]:  # bounded: at most two flagged ranks, one replay each
+                if self.world > 1:
+                    box: list[Any] = [mine]
+                    dist.broadcast_object_list(
+                        box, src=r, group=self.group,
+                        device=self.device if self.device.type == "cuda" else None,
+                    )
+                    orig_r, base_r = box[0]
+                    theirs = self.replayer.fetch(r, obs.retained)
+                    value = self.replayer.agreed(lambda b=theirs: self.replayer.replay_loss(b))
+                    got: list[Any] = [None] * self.world
+                    dist.all_gather_object(got, value, group=self.group)
+                else:
+                    orig_r, base_r = mine
+                    assert obs.retained is not None
+                    kept = obs.retained
+                    got = [self.replayer.agreed(lambda b=kept: self.replayer.replay_loss(b))]
+                outcomes.append((r, classify_loss_replays(r, orig_r, base_r, got)))
+        except ReplayFailed as exc:  # every rank alike: the flagged step is held back, no rank named
+            logger.error("sdcwatch: the loss gate could not replay step %d (%s); its update is dropped "
+                         "without a finding", obs.step, exc)
+            self._dropped += 1
+            return None if masked else Veto(self.name, f"loss of rank(s) {flagged} at step {obs.step}: "
+                                                       f"not replayed ({exc})")
         drop = masked or any(c.drop for _, c in outcomes)
         if drop:
             self._dropped += 1

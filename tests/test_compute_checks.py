@@ -853,6 +853,8 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from torch.utils.checkpoint import checkpoint
+
     from checksums.compute_gate import ComputeChecks
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
 
@@ -862,15 +864,24 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
             self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)
             self.d = nn.Linear(32, 4)
 
+            self.ckpt: bool | None = None       # activation checkpointing of b (and a dropout): reentrant?
+
+        def _b(self, h: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.b(h))
+            return h if self.ckpt is None else nn.functional.dropout(h, 0.2)
+
         def forward(self, x: torch.Tensor, use_c: bool = True) -> torch.Tensor:
-            h = torch.relu(self.b(torch.relu(self.a(x))))
+            h = torch.relu(self.a(x))
+            h = self._b(h) if self.ckpt is None else checkpoint(self._b, h, use_reentrant=self.ckpt)
             return self.d(torch.relu(self.c(h)) if use_c else h)
 
     def loss_fn(m: nn.Module, batch: tuple) -> torch.Tensor:
         return nn.functional.mse_loss(m(batch[0], bool(batch[2])), batch[1])
 
     res = {}
-    options = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "frozen", "no_retain")
+    options = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "frozen", "no_retain",
+               "checkpoint", "reentrant_checkpoint", "clip_and_schedule", "replay_raises")
+    plain = options[3:]
     for option in options:
         arms = []
         for checked in (False, True):
@@ -878,28 +889,43 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
             net = Net()
             if option == "frozen":
                 net.a.requires_grad_(False)
-            flags = {} if option in ("frozen", "no_retain") else {option: True}
+            if option.endswith("checkpoint"):
+                net.ckpt = option == "reentrant_checkpoint"
+            flags = {} if option in plain else {option: True}
             ddp = DDP(net, bucket_cap_mb=0.004, **flags)
             opt = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=1e-3)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.5) if option == "clip_and_schedule" else None
             at = {"step": 0}
             checks = None
             if checked:
                 def inject(idx: int, buf: torch.Tensor, at: dict = at) -> None:
                     if rank == 1 and at["step"] == 18 and idx == 0:
                         buf.view(-1)[0] += 50.0
-                checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=4, warmup=8,
+                def replay_loss(m: nn.Module, batch: tuple, at: dict = at, option: str = option
+                                ) -> torch.Tensor:
+                    if option == "replay_raises" and rank == 0 and at["step"] == 8 and not isinstance(m, DDP):
+                        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's)")
+                    return loss_fn(m, batch)     # (the audit at 8: only its auditor, rank 0, replays)
+                checks = ComputeChecks.attach(ddp, opt, loss_fn=replay_loss, audit_every=4, warmup=8,
                                               inject_bucket=inject)
-            arms.append((ddp, opt, checks, at))
+            arms.append((ddp, opt, checks, at, sched))
         g = torch.Generator().manual_seed(10 + rank)
+        torch.manual_seed(100 + rank)        # the dropout's draws: each arm's step starts from the same state
         for s in range(1, 23):
             batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g),
                      s % 2 == 0 or option != "find_unused_parameters")   # layer c unused on odd steps
-            for ddp, opt, checks, at in arms:
+            rng = torch.get_rng_state()
+            for ddp, opt, checks, at, sched in arms:
                 at["step"] = s
+                torch.set_rng_state(rng)
                 if checks is not None and option != "no_retain":
                     checks.retain(batch)
                 loss_fn(ddp, batch).backward()
+                if sched is not None:
+                    nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
                 opt.step()
+                if sched is not None:
+                    sched.step()
                 opt.zero_grad(set_to_none=True)
                 if s == 17:          # the weights agree with the unchecked run's until the fault
                     at["same"] = all(torch.equal(a, b) for a, b in zip(arms[0][0].parameters(),
@@ -918,9 +944,13 @@ def test_the_checks_follow_ddps_options(tmp_path) -> None:
     """find_unused_parameters (a layer unused on odd steps: its gradient is zeros in its bucket and None in a
     replay), static_graph, gradient_as_bucket_view and frozen parameters (requires_grad False): the training
     is the unchecked one's bit for bit, every audit's replay agrees exactly, and a fault in rank 1's bucket
-    at step 18 is caught on its step with rank 1 named. A loop that never calls retain(): that step is
-    dropped without a replay, no GPU named, and the mode says why. (torch.compile inside and outside DDP:
-    the same by hand, 2026-12-04; its compile takes a minute a run on the CPU.)"""
+    at step 18 is caught on its step with rank 1 named; so with activation checkpointing (non-reentrant, a
+    dropout inside: the replay restores its RNG), and with gradient clipping and an LR scheduler. A loop that
+    never calls retain(): that step is dropped without a replay, no GPU named, and the mode says why; so with
+    reentrant checkpointing, which a replay cannot differentiate (the step-1 check says what to change). A
+    replay that raises on one rank (an audit's): every rank skips that audit, the checks stay on.
+    (torch.compile inside and outside DDP: the same by hand, 2026-12-04; its compile takes a minute a run
+    on the CPU.)"""
     import json
     out = str(tmp_path / "res")
     spawn(_ddp_options, (3, str(tmp_path / "init"), out), nprocs=3)
@@ -931,6 +961,16 @@ def test_the_checks_follow_ddps_options(tmp_path) -> None:
         assert c["mode"] == "unreproducible: no batch retained: call checks.retain(batch) before each forward"
         assert c["same_before"] and not c["findings"] and c["audits"] == 0 and c["dropped"] == 1, c
         assert c["skipped"] == [18], c
+        # a replay cannot differentiate reentrant checkpointing (torch.autograd.grad): the step-1 check says
+        # so, the training goes on as unchecked, and the suspect step is dropped without naming a GPU
+        c = res.pop("reentrant_checkpoint")
+        assert c["mode"] == ("unreproducible: reentrant activation checkpointing: pass use_reentrant=False "
+                             "to torch.utils.checkpoint"), c
+        assert c["same_before"] and not c["findings"] and c["audits"] == 0 and c["dropped"] == 1, c
+        assert c["skipped"] == [18], c
+        # one rank's replay raised (an out-of-memory in the audit at step 8): every rank leaves that audit
+        # at once (none waits in its gather), the training goes on, the checks stay on
+        assert res["replay_raises"]["audits"] == res["frozen"]["audits"] - 1, res
         for option, c in res.items():
             assert c["same_before"] and c["mode"] == "exact" and c["audits"] >= 3, (option, c)
             assert c["findings"] == [[18, "stats", "transient", [1]]], (option, c)

@@ -9,6 +9,7 @@ import json
 import math
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from rank_spawn import spawn
@@ -50,7 +51,8 @@ def _loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(m(b[0]), b[1])
 
 
-def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = False, mask: str = "auto"):
+def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = False, mask: str = "auto",
+           loss_fn=_loss):
     model, layer = _model()
     net = nn.parallel.DistributedDataParallel(model) if ddp else model
     opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=mask == "device")
@@ -62,7 +64,7 @@ def _train(steps: int, fault: dict, gate_on=None, rank: int = 0, ddp: bool = Fal
                 out.view(-1)[3] = fault["value"]
 
     layer.register_forward_hook(hook)
-    gate = LossGate.attach(opt, module=net, loss_fn=_loss, gate_on=gate_on, mask=mask)
+    gate = LossGate.attach(opt, module=net, loss_fn=loss_fn, gate_on=gate_on, mask=mask)
     for step in range(1, steps + 1):
         b = _batch(rank, step)
         gate.retain(b)
@@ -95,6 +97,24 @@ def test_a_non_finite_loss_masks_its_own_step_and_a_transient_one_is_named():
     )
     st = gate.status()
     assert st.flagged == 1 and st.dropped == 1 and st.replays == 1
+
+
+@pytest.mark.parametrize("mask", ["host", "device"])
+def test_a_replay_that_raises_drops_the_flagged_step_without_a_finding(mask: str, caplog):
+    """A replay that cannot run (here the loss_fn raises under no_grad, where only replays run it): the
+    flagged step's update is still held back, no rank is named, the training goes on, the reason is logged."""
+    def replay_raises(m, b):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("CUDA out of memory (a test's)")
+        return _loss(m, b)
+    model, gate = _train(40, {"step": 25, "value": math.inf}, loss_fn=replay_raises, mask=mask)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not list(gate.findings)
+    assert gate.status().dropped == 1
+    if mask == "host":
+        assert [(s.step, s.stage) for s in gate.guard.skipped] == [(25, "loss")]
+        assert "not replayed (a replay raised RuntimeError: CUDA out of memory" in gate.guard.skipped[0].reason
+    assert "could not replay step 25" in caplog.text
 
 
 def test_device_mask_skips_the_update_through_found_inf_and_classifies_a_step_later():
