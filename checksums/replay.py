@@ -54,7 +54,7 @@ import dataclasses
 import enum
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -204,12 +204,26 @@ def replay_failure(exc: BaseException | None) -> str:
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` with `fn` applied to every tensor in it, the containers batches come in kept as they were:
+    lists, tuples and named tuples, dicts and other mappings (a Hugging Face `BatchEncoding`, rebuilt from a
+    dict, else a plain dict), dataclasses; anything else as is."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):             # a named tuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, Mapping):
+        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            return type(obj)(items)
+        except Exception:  # noqa: BLE001 (a mapping its type cannot rebuild from a dict: the dict)
+            return items
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
     return obj
 
 

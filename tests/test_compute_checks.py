@@ -815,6 +815,33 @@ def test_a_replay_mismatch_says_what_to_fix() -> None:
                for n in ([65536.0, 131072.0], [math.inf, 2.0], [3.0, 2.0])) <= 105
 
 
+def test_batches_travel_in_the_containers_they_came_in() -> None:
+    """A batch fetched by another rank (or cast for the CPU witness) keeps its container, so `loss_fn` finds
+    what it reads: named tuples, dataclasses and dict subclasses (a Hugging Face BatchEncoding) included;
+    the tensors inside each moved, everything else as is."""
+    import collections
+    import dataclasses
+
+    from transformers import BatchEncoding
+
+    from checksums.replay import _map_tensors
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    @dataclasses.dataclass
+    class Batch:
+        ids: torch.Tensor
+        name: str = "b"
+
+    batch = {"pair": Pair(torch.ones(2), [torch.zeros(1), 3]), "dc": Batch(torch.ones(3)),
+             "enc": BatchEncoding({"input_ids": torch.ones(1, 2)}), "tag": "t"}
+    out = _map_tensors(batch, lambda t: t.double() * 2)
+    assert isinstance(out["pair"], Pair) and out["pair"].x.dtype == torch.float64 and out["pair"].y[1] == 3
+    assert isinstance(out["dc"], Batch) and out["dc"].ids.dtype == torch.float64 and out["dc"].name == "b"
+    assert isinstance(out["enc"], BatchEncoding) and float(out["enc"].input_ids.sum()) == 4.0
+    assert out["tag"] == "t" and float(batch["dc"].ids.sum()) == 3.0      # the original left alone
+
+
 def test_a_retained_step_keeps_the_loss_scale_it_ran_under() -> None:
     """The scale is copied as a step's first batch is retained: the scaler's update (in place, after the step)
     does not reach a step kept for a replay at the next step; before the scaler's first scale() its
