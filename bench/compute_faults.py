@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -140,18 +141,41 @@ class _Sink:
 
 
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
-MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8, "amp": "bf16"}
+MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8, "amp": "bf16", "ac": "none"}
+
+
+class Checkpointed(nn.Module):
+    """`--ac`: activation checkpointing of one module (`torch.utils.checkpoint`, reentrant or not), as
+    torchtitan's and Megatron's activation checkpointing wrap a block: its activations are recomputed in
+    the backward, under the RNG state the forward saw."""
+
+    def __init__(self, inner: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
 
 
 def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
-    """The model and the Linear whose output the matmul faults hit."""
+    """The model and the Linear whose output the matmul faults hit (`--ac`: the MLP's middle layer, or every
+    GPT block, activation-checkpointed)."""
     torch.manual_seed(seed)
+    ac = MODEL["ac"] != "none"
     if MODEL["name"] == "mlp":
         m = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
-        return m, m[2]
+        target = m[2]
+        if ac:
+            m[2] = Checkpointed(target, MODEL["ac"] == "reentrant")
+        return m, target
     cfg = GPTConfig() if MODEL["name"] == "gpt2" else GPTConfig(layers=2, width=64, heads=2, vocab=256, seq=32)
     g = TinyGPT(cfg)
-    return g, g.blocks[0].fc
+    target = g.blocks[0].fc
+    if ac:
+        for i, block in enumerate(g.blocks):
+            g.blocks[i] = Checkpointed(block, MODEL["ac"] == "reentrant")
+    return g, target
 
 
 def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,7 +337,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         if case is None or not case.persistent:
             active["on"] = False
         if (step == fault_step and case is not None and case.where in ("mm", "grad")
-                and (on or fsdp and 0 <= fault_rank < world)):
+                and (on or fsdp and 0 <= fault_rank < world) and checks.replayer.reproduces):
             # did the fault change any bit of the gradient this rank hands to the all-reduce? (a one-ulp flip
             # of an activation often rounds away): the original rows against a clean recompute (FSDP2: a
             # collective replay, every rank its own batch)
@@ -383,7 +407,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         monitor.close()
     checks.close()
     reported = [(f.step, f.detector, f.cause, [list(w) for w in f.where]) for f in sink.compute]
-    return {"caught": caught, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
+    # an update the gate held back without naming a GPU (its replays off: `mode` says why)
+    held = next((k.step for k in checks.guard.skipped if k.step >= fault_step and k.stage == checks.name), None)
+    return {"caught": caught, "held": held, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
             "mode": checks.mode(), "scale": float(scaler.get_scale()) if scaler is not None else None,
             "reported": reported, "fault_step_unchanged": unchanged, "effective": effective,
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else [],
@@ -649,6 +675,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["hsdp"] = args.hsdp
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
+    MODEL["ac"] = args.ac
     SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
     names = {"all": [c.name for c in CASES], "h200": H200, "none": []}.get(args.cases, args.cases.split(","))
@@ -704,6 +731,10 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                                      if hit_sg else "not caught")
                   + f" ({c['sdcguard_stats']['checked']} matmuls checked)")
         det = ("compute:" + c["compute"]["detector"]) if "compute" in c else ("vote" if "vote" in c else None)
+        if det is None and r.get("held") is not None:
+            lines.append(f"{name:34} {'compute:held':17} {'no':6} {r['held'] - fault_step:<5} {'none':10} "
+                         f"{'-':11} dropped (not replayed: {r['mode']})" + sg)
+            continue
         if det is None:
             lines.append(f"{name:34} {'-':17} {'no':6}" + ("      (no effect: the faulty rank's gradient was bit "
                                                            "for bit the clean one)" if r.get("effective") is False else "")
@@ -860,6 +891,9 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
                    "on CUDA (the matmul faults hit block 0's MLP fc output)")
     p.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16: fp16 autocast with a "
                    "GradScaler (the checks given scaler=); a gradient fault is then in the scale's units")
+    p.add_argument("--ac", choices=["none", "nonreentrant", "reentrant"], default="none",
+                   help="activation checkpointing (torch.utils.checkpoint) of the MLP's middle layer or of every "
+                   "GPT block; DDP's replays cannot differentiate the reentrant form (the mode then says so)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):

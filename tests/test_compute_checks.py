@@ -404,9 +404,12 @@ def test_fsdp2_audits_name_a_small_persistent_fault_and_a_transient_on_an_audite
     reduced). A persistent x1.01 on one matmul element of rank 1 from step 42 (below the statistics'
     margin) is caught by the next audit (45), rank 1 named, persistent, its update dropped; a transient
     fault on an audited step (45) likewise, transient; 100 clean steps with accumulation: no suspicion,
-    exact replays, every audit passing (10,000 clean steps: test_compute_clean_steps.py and BENCHMARKS)."""
+    exact replays, every audit passing (10,000 clean steps: test_compute_clean_steps.py and BENCHMARKS).
+    The faults and the clean run with the faulty layer activation-checkpointed (`--ac nonreentrant`, as
+    torchtitan wraps its blocks: recomputed in the backward, and in every replay)."""
     results = _faults(["--world", "3", "--fsdp", "--fault-step", "42", "--audit-every", "5",
-                       "--cases", ",".join(FSDP_AUDIT[:2]), "--clean", "100", "--accum", "2"])
+                       "--cases", ",".join(FSDP_AUDIT[:2]), "--clean", "100", "--accum", "2",
+                       "--ac", "nonreentrant"])
     for name in FSDP_AUDIT[:2]:
         hit = results[name]["caught"].get("compute")
         assert hit and hit["detector"] == "audit" and hit["step"] == 45, f"{name}: {hit}"
