@@ -893,7 +893,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
                    "GradScaler (the checks given scaler=); a gradient fault is then in the scale's units")
     p.add_argument("--ac", choices=["none", "nonreentrant", "reentrant"], default="none",
                    help="activation checkpointing (torch.utils.checkpoint) of the MLP's middle layer or of every "
-                   "GPT block; DDP's replays cannot differentiate the reentrant form (the mode then says so)")
+                   "GPT block (a reentrant checkpoint runs its forward without grad: the MLP's matmul faults then "
+                   "reach only the recomputation; use --model tiny-gpt)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):

@@ -50,6 +50,7 @@ Training-side module: never imports the agent (`daemon`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -244,6 +245,7 @@ class Replayer:
         self._scale_i = 0
         self.exact = True
         self.reproduces = True        # a replay of a step gives that step's gradient (check_determinism)
+        self.by_backward = False      # replays by .backward() into stand-ins (reentrant checkpointing)
         self.why_not = ""
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
@@ -290,28 +292,63 @@ class Replayer:
 
     def _grads(self, retained: Retained, module: nn.Module, params: list[torch.Tensor],
                cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+        """The gradient of `retained`'s micro-batches with respect to `params` of `module`, each micro-batch
+        under its RNG state, the module's buffers put back after. By `torch.autograd.grad`; a model it cannot
+        differentiate (reentrant activation checkpointing) by `.backward()` into stand-ins (`by_backward`)."""
         if not retained.micro:
             raise RuntimeError("no batch retained: call retain(batch) before each step's forward")
+        if not self.by_backward:
+            try:
+                return self._replay_grads(retained, module, params, cast, by_backward=False)
+            except RuntimeError as exc:
+                if not _REENTRANT.search(str(exc)):
+                    raise
+                self.by_backward = True       # every rank meets it at the same replay (step 1's check)
+        return self._replay_grads(retained, module, params, cast, by_backward=True)
+
+    def _replay_grads(self, retained: Retained, module: nn.Module, params: list[torch.Tensor],
+                      cast: Callable[[torch.Tensor], torch.Tensor] | None, *,
+                      by_backward: bool) -> list[torch.Tensor | None]:
+        """`_grads`' work. `by_backward`: each parameter is replaced in the module, for the whole replay (a
+        reentrant checkpoint recomputes its forward inside the backward), by a leaf sharing its storage
+        (`torch.nn.utils.stateless._reparametrize_module`, what `torch.func.functional_call` uses), and
+        each micro-batch's loss is back-propagated with `.backward()`: the gradients land in the leaves'
+        `.grad`, accumulated as autograd accumulates the step's own `.grad`; DDP's hooks (on the real
+        parameters' accumulators) do not fire, the step's `.grad` is not touched."""
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
         grads: list[torch.Tensor | None] | None = None
-        with torch.random.fork_rng(devices=devices):
-            for batch, cpu_rng, dev_rng in retained.micro:
-                if cpu_rng is not None:
-                    torch.set_rng_state(cpu_rng)
-                if dev_rng is not None and cast is None:
-                    torch.cuda.set_rng_state(dev_rng, self.device)
-                if cast is not None:
-                    batch = _map_tensors(batch, cast)
-                with torch.enable_grad():
-                    loss = scaled(self.loss_fn(module, batch), retained.loss_scale, cast)
-                    got = torch.autograd.grad(loss, params, allow_unused=True)
-                grads = list(got) if grads is None else [
-                    g if a is None else (a if g is None else a + g) for a, g in zip(grads, got)]
+        leaves = [p.detach().requires_grad_(True) for p in params] if by_backward else []
+        swap: Any = contextlib.nullcontext()
+        if by_backward:
+            from torch.nn.utils.stateless import _reparametrize_module
+            of = {id(p): leaf for p, leaf in zip(params, leaves)}
+            named = module.named_parameters(remove_duplicate=False)        # a tied weight: every name
+            swap = _reparametrize_module(module, {name: of[id(p)] for name, p in named if id(p) in of})
+        try:
+            with torch.random.fork_rng(devices=devices), swap:
+                for batch, cpu_rng, dev_rng in retained.micro:
+                    if cpu_rng is not None:
+                        torch.set_rng_state(cpu_rng)
+                    if dev_rng is not None and cast is None:
+                        torch.cuda.set_rng_state(dev_rng, self.device)
+                    if cast is not None:
+                        batch = _map_tensors(batch, cast)
+                    with torch.enable_grad():
+                        loss = scaled(self.loss_fn(module, batch), retained.loss_scale, cast)
+                        if by_backward:
+                            loss.backward()
+                            continue
+                        got = torch.autograd.grad(loss, params, allow_unused=True)
+                    grads = list(got) if grads is None else [
+                        g if a is None else (a if g is None else a + g) for a, g in zip(grads, got)]
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+        if by_backward:
+            return [leaf.grad for leaf in leaves]
         assert grads is not None
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
         return grads
 
     def witness(self, retained: Retained) -> float:
