@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{name}: the two paths disagree")
         h, t = [], []
         for _ in range(args.rounds):
-            h.append(_time(lambda: fingerprint_tensors_host(tensors)))
-            t.append(_time(lambda: fingerprint_tensors_torch(tensors)))
+            h.append(_time(lambda ts=tensors: fingerprint_tensors_host(ts)))
+            t.append(_time(lambda ts=tensors: fingerprint_tensors_torch(ts)))
         mh, mt = statistics.median(h), statistics.median(t)
         print(f"{name:28} {mh * 1e6:10.1f} {mt * 1e6:10.1f} {mt / mh:10.2f}")
 

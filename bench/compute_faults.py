@@ -892,9 +892,9 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     p.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16: fp16 autocast with a "
                    "GradScaler (the checks given scaler=); a gradient fault is then in the scale's units")
     p.add_argument("--ac", choices=["none", "nonreentrant", "reentrant"], default="none",
-                   help="activation checkpointing (torch.utils.checkpoint) of the MLP's middle layer or of every "
-                   "GPT block (a reentrant checkpoint runs its forward without grad: the MLP's matmul faults then "
-                   "reach only the recomputation; use --model tiny-gpt)")
+                   help="activation checkpointing (torch.utils.checkpoint) of the MLP's middle layer or of "
+                   "every GPT block (a reentrant checkpoint runs its forward without grad: the MLP's matmul "
+                   "faults then reach only the recomputation; use --model tiny-gpt)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):
