@@ -199,8 +199,6 @@ def replay_failure(exc: BaseException | None) -> str:
     if exc is None:
         return "a replay raised on another rank (its log says why)"
     text = str(exc).splitlines()[0] if str(exc) else ""
-    if _REENTRANT.search(text):
-        return "reentrant activation checkpointing: pass use_reentrant=False to torch.utils.checkpoint"
     return f"a replay raised {type(exc).__name__}: {text}"[:104]
 
 
