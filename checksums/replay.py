@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.grad_checks import GradSummaries, fingerprints_of, stats_of
+from sdcwatch.errors import SdcwatchError
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class Retained:
         return self.micro[-1][0] if self.micro else None
 
 
-class ReplayFailed(RuntimeError):
+class ReplayFailed(SdcwatchError, RuntimeError):
     """A replay raised on some rank (`loss_fn` on the bare module, an out-of-memory, a model a gradient
     replay cannot differentiate): raised on every rank at the same point (`Replayer.agreed`), so no rank
     waits in a collective the others left. The message says why in under 105 characters."""
