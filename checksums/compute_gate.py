@@ -314,6 +314,7 @@ class ComputeChecks:
         # gets none and a symmetric mismatch goes to the CPU witness (a 1.5-spread jump of the clean rank
         # named it on FSDP2 with the fault on rank 0)
         no_jumps = (0.0, 0.0)
+        held = ""          # an audit's replay differed and classifying it failed: the update is held back
         try:
             if not outcomes and audit_due and self.fsdp:      # FSDP2: every rank audited at once
                 self._audits += 1
@@ -331,12 +332,17 @@ class ComputeChecks:
                     outcomes.append(("audit", audited, got))
                 else:
                     self._last_audit[audited] = ctx.step
-        except ReplayFailed as exc:     # the audit did not complete: no finding, the update applied
+        except ReplayFailed as exc:     # the audit did not complete: no finding; applied unless it differed
             self._audits -= 1
-            self._replay_failed(exc)
+            why = self._replay_failed(exc)
+            if exc.after_mismatch:
+                held = f"an audit's replay differed from the step's own and could not be classified ({why})"
         drop = self._conclude(ctx.step, stats, verdict, outcomes)
         if drop:
             return Veto(self.name, self._why(verdict, outcomes))
+        if held:
+            self._dropped += 1
+            return Veto(self.name, held)
         if verdict.suspects and self._not_replayed:
             self._dropped += 1
             return Veto(self.name, self._why(verdict, outcomes))

@@ -46,6 +46,7 @@ from checksums.replay import (
     LossFn,
     Replayer,
     Retained,
+    _after_mismatch,
     _equal,
     _map_tensors,
     classify_replays,
@@ -202,6 +203,11 @@ class FsdpReplayer(Replayer):
         mismatched = [j for j in range(world) if not _equal(originals[j], got[(j - 1) % world], self.exact, 1e-3)]
         if not mismatched:
             return []
+        with _after_mismatch():
+            return self._classify_audits(originals, batches, mismatched, world, jumps)
+
+    def _classify_audits(self, originals: torch.Tensor, batches: list[Retained], mismatched: list[int],
+                         world: int, jumps: tuple[float, float]) -> list[tuple[int, Classification]]:
         if world == 2:
             c = self.classify_pair(originals, jumps=jumps)
             if c.cause is Cause.DATA:

@@ -186,9 +186,22 @@ class Retained:
 
 
 class ReplayFailed(SdcwatchError, RuntimeError):
-    """A replay raised on some rank (`loss_fn` on the bare module, an out-of-memory, a model a gradient
-    replay cannot differentiate): raised on every rank at the same point (`Replayer.agreed`), so no rank
-    waits in a collective the others left. The message says why in under 105 characters."""
+    """A replay raised on some rank (`loss_fn` on the bare module, an out-of-memory): raised on every rank
+    at the same point (`Replayer.agreed`), so no rank waits in a collective the others left. The message
+    says why in under 105 characters. `after_mismatch`: an audit's replay had already differed from the
+    step's own when the classifying round failed (the step is then held back, not applied)."""
+
+    after_mismatch = False
+
+
+@contextlib.contextmanager
+def _after_mismatch() -> Any:
+    """Marks a `ReplayFailed` raised inside as `after_mismatch`."""
+    try:
+        yield
+    except ReplayFailed as exc:
+        exc.after_mismatch = True
+        raise
 
 
 # torch's words for autograd.grad through reentrant checkpointing (older and newer releases)
@@ -494,6 +507,12 @@ class Replayer:
         got = self.gather(rows)
         if _equal(original, got[auditor], self.exact, 1e-3):
             return None
+        with _after_mismatch():
+            return self._classify_audit(audited, auditor, original, retained, world, originals, jumps)
+
+    def _classify_audit(self, audited: int, auditor: int, original: torch.Tensor, retained: Retained,
+                        world: int, originals: torch.Tensor | None,
+                        jumps: tuple[float, float]) -> Classification:
         if world == 2 and originals is not None:
             c = self.classify_pair(originals, jumps=jumps)
             if c.cause is Cause.DATA:

@@ -954,7 +954,8 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
 
     res = {}
     options = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "frozen", "no_retain",
-               "checkpoint", "reentrant_checkpoint", "clip_and_schedule", "replay_raises")
+               "checkpoint", "reentrant_checkpoint", "clip_and_schedule", "replay_raises",
+               "mismatch_then_raises")
     plain = options[3:]
     for option in options:
         arms = []
@@ -972,12 +973,15 @@ def _ddp_options(rank: int, world: int, init: str, out: str) -> None:
             at = {"step": 0}
             checks = None
             if checked:
-                def inject(idx: int, buf: torch.Tensor, at: dict = at) -> None:
+                def inject(idx: int, buf: torch.Tensor, at: dict = at, option: str = option) -> None:
                     if rank == 1 and at["step"] == 18 and idx == 0:
                         buf.view(-1)[0] += 50.0
+                    if option == "mismatch_then_raises" and rank == 2 and at["step"] == 8 and idx == 0:
+                        buf.view(-1)[0] += 1e-4        # below the statistics' margin: the audit of 8 differs
                 def replay_loss(m: nn.Module, batch: tuple, at: dict = at, option: str = option
                                 ) -> torch.Tensor:
-                    if option == "replay_raises" and rank == 0 and at["step"] == 8 and not isinstance(m, DDP):
+                    raising = {"replay_raises": 0, "mismatch_then_raises": 1}.get(option)
+                    if at["step"] == 8 and not isinstance(m, DDP) and rank == raising:
                         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's)")
                     return loss_fn(m, batch)     # (the audit at 8: only its auditor, rank 0, replays)
                 checks = ComputeChecks.attach(ddp, opt, loss_fn=replay_loss, audit_every=4, warmup=8,
@@ -1022,7 +1026,8 @@ def test_the_checks_follow_ddps_options(tmp_path) -> None:
     reentrant (a dropout inside: the replay restores its RNG; reentrant: replayed by .backward() into
     stand-in leaves), and with gradient clipping and an LR scheduler. A loop that never calls retain(): that
     step is dropped without a replay, no GPU named, and the mode says why. A replay that raises on one rank
-    (an audit's): every rank skips that audit, the checks stay on.
+    (an audit's): every rank skips that audit, the checks stay on; after the audit's replay differed from
+    the step's own: the update is held back.
     (torch.compile inside and outside DDP: the same by hand, 2026-12-04; its compile takes a minute a run
     on the CPU.)"""
     import json
@@ -1038,6 +1043,11 @@ def test_the_checks_follow_ddps_options(tmp_path) -> None:
         # one rank's replay raised (an out-of-memory in the audit at step 8): every rank leaves that audit
         # at once (none waits in its gather), the training goes on, the checks stay on
         assert res["replay_raises"]["audits"] == res["frozen"]["audits"] - 1, res
+        # the audit of step 8 differed (rank 2's bucket), then its classifying round raised (on rank 1): the
+        # update is held back without a finding
+        c = res.pop("mismatch_then_raises")
+        assert c["skipped"] == [8, 18] and c["dropped"] == 2 and c["mode"] == "exact", c
+        assert c["findings"] == [[18, "stats", "transient", [1]]], c
         for option, c in res.items():
             assert c["same_before"] and c["mode"] == "exact" and c["audits"] >= 3, (option, c)
             assert c["findings"] == [[18, "stats", "transient", [1]]], (option, c)
