@@ -33,6 +33,11 @@ Two uses, both collectives (every rank calls, in the same order):
 
 One replay per step at most, never retried: the gate never loops.
 
+A model `torch.autograd.grad` cannot differentiate (reentrant activation checkpointing) is replayed by
+`.backward()` into stand-in leaves swapped in for its parameters (`_replay_grads`, `by_backward`): the same
+gradients bit for bit, DDP's hooks untouched. A replay round that raises on any rank raises `ReplayFailed`
+on every rank at the same point (`agreed`: one tiny all-reduce a round), so no rank is left in a collective.
+
 Determinism: `check_determinism` replays one batch twice at start. When the two fingerprints differ the
 comparisons fall back to a rounding-aware bound on the norm and max-abs (`exact=False`), said in status.
 It also compares the replay with the step's own rows: a replay that does not reproduce the step it replays
