@@ -245,8 +245,7 @@ def fingerprint_tensors_async(tensors: Sequence[torch.Tensor], *, out: torch.Ten
         tensors = list(tensors)
     if tensors and isinstance(tensors[0], torch.Tensor) and _use_triton(tensors[0].device):
         return _cached_plan(tensors).run_async(out=out, per_tensor_out=per_tensor_out)
-    cpu = bool(tensors) and all(isinstance(t, torch.Tensor) and local_tensor(t).device.type == "cpu"
-                                for t in tensors)
+    cpu = bool(tensors) and isinstance(tensors[0], torch.Tensor) and tensors[0].device.type == "cpu"
     words, per = fingerprint_tensors_host(tensors) if cpu else fingerprint_tensors_torch(tensors)
     if per_tensor_out is not None:
         per_tensor_out.copy_(per)

@@ -51,6 +51,7 @@ from checksums.replay import (
     _map_tensors,
     classify_replays,
     scaled,
+    witness_projection,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,9 +175,7 @@ class FsdpReplayer(Replayer):
         ref = torch.cat(parts)
         if ref.numel() != g0.numel():
             return float("nan")
-        d = g1 - g0
-        dd = float(d.dot(d))
-        return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
+        return witness_projection(ref, g0, g1)
 
     def fetch_all(self, mine: Retained | None = None) -> list[Retained]:
         """Every rank's retained micro-batches (`mine`, default this step's) on every rank (a collective)."""
@@ -199,7 +198,7 @@ class FsdpReplayer(Replayer):
         world = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         batches = self.fetch_all()
-        got = self.gather(self.agreed(lambda: self.replay(batches[(rank + 1) % world])))  # r's of r + 1's
+        got = self.replay_round(lambda: self.replay(batches[(rank + 1) % world]))  # r's of r + 1's
         mismatched = [j for j in range(world) if not _equal(originals[j], got[(j - 1) % world], self.exact, 1e-3)]
         if not mismatched:
             return []
@@ -221,7 +220,7 @@ class FsdpReplayer(Replayer):
         for j in mismatched:
             if len(out) == MAX_CLASSIFIED or j in named or (j - 1) % world in named:
                 continue                  # explained already (a faulty auditor makes its neighbour differ)
-            got_j = self.gather(self.agreed(lambda b=batches[j]: self.replay(b)))    # every rank replays j's
+            got_j = self.replay_round(lambda b=batches[j]: self.replay(b))    # every rank replays j's
             c = classify_replays(j, originals[j], got_j, exact=self.exact)
             if c.cause is Cause.DATA:     # every replay agrees with the original: the auditor's was odd, once
                 auditor = (j - 1) % world

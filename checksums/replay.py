@@ -408,9 +408,7 @@ class Replayer:
         got = self._grads(retained, ref_mod, ref_params, cast)
         ref = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
                          for g, p in zip(got, ref_params)])
-        d = g1 - g0
-        dd = float(d.dot(d))
-        return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
+        return witness_projection(ref, g0, g1)
 
     def replay_loss(self, retained: Retained) -> float:
         """The loss of `retained`'s micro-batches (summed) recomputed on this rank with their RNG states,
@@ -462,6 +460,10 @@ class Replayer:
             raise ReplayFailed(replay_failure(err)) from err
         return got
 
+    def replay_round(self, replay: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Every rank's `replay()` rows, gathered [world, ...], once every rank's replay ran (`agreed`)."""
+        return self.gather(self.agreed(replay))
+
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size(self.group)
         out = [torch.empty_like(rows) for _ in range(world)]
@@ -472,8 +474,8 @@ class Replayer:
         """Every rank replays `suspect`'s batch (of this step, or `mine`: an earlier step's); the replays
         decide (a collective: all ranks call)."""
         retained = self.fetch(suspect, mine)
-        rows = self.agreed(lambda: self.replay(retained))
-        return classify_replays(suspect, original, self.gather(rows), exact=self.exact)
+        return classify_replays(suspect, original, self.replay_round(lambda: self.replay(retained)),
+                                exact=self.exact)
 
     def classify_pair(self, originals: torch.Tensor, mine: Retained | None = None,
                       jumps: tuple[float, float] = (0.0, 0.0)) -> Classification:
@@ -481,7 +483,7 @@ class Replayer:
         [2, B, 4] are both ranks' rows; `jumps` the own-history tie-break (a collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
         batches = [self.fetch(j, mine) for j in (0, 1)]
-        rows = self.gather(self.agreed(lambda: torch.stack([self.replay(b) for b in batches])))
+        rows = self.replay_round(lambda: torch.stack([self.replay(b) for b in batches]))
         c = classify_pair_replays(originals, rows, jumps, exact=self.exact)
         if c.cause is Cause.UNRESOLVED and c.faulty == (0, 1) and self.cpu_witness and \
                 c.detail.startswith("each GPU repeats"):       # symmetric: ask the host CPU (every rank)
@@ -507,9 +509,8 @@ class Replayer:
         rank = dist.get_rank(self.group)
         auditor = (audited + 1) % world
         retained = self.fetch(audited)
-        rows = self.agreed(lambda: self.replay(retained) if rank == auditor
-                           else torch.zeros_like(original, device=self.device))
-        got = self.gather(rows)
+        got = self.replay_round(lambda: self.replay(retained) if rank == auditor
+                                else torch.zeros_like(original, device=self.device))
         if _equal(original, got[auditor], self.exact, 1e-3):
             return None
         with _after_mismatch():
@@ -525,7 +526,7 @@ class Replayer:
                                       f"auditor rank {auditor}'s replay of rank {audited}'s batch differed "
                                       "once; every replay after it agrees with the originals")
             return c
-        got = self.gather(self.agreed(lambda: self.replay(retained)))        # every rank replays it now
+        got = self.replay_round(lambda: self.replay(retained))        # every rank replays it now
         c = classify_replays(audited, original, got, exact=self.exact)
         if c.cause is Cause.DATA:      # the auditor's first replay was the odd one out, once
             return Classification(Cause.TRANSIENT, (auditor,), False,
@@ -542,7 +543,7 @@ class Replayer:
         check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the likely
         reason)."""
         retained = self.fetch(0)
-        got = self.gather(self.agreed(lambda: torch.stack([self.replay(retained), self.replay(retained)])))
+        got = self.replay_round(lambda: torch.stack([self.replay(retained), self.replay(retained)]))
         first = fingerprints_of(got[0, 0])
         self.exact = all(bool(torch.equal(fingerprints_of(got[r, k]), first))
                          for r in range(got.shape[0]) for k in range(2))
@@ -551,7 +552,7 @@ class Replayer:
             why = [replay_mismatch(originals[0], got[0, 0], self.exact)]
             if why[0] and originals.shape[0] > 1:     # the same on every rank: the replays are collective
                 theirs = self.fetch(1)
-                own = self.gather(self.agreed(lambda: self.replay(theirs)))   # own[1]: rank 1's of its own
+                own = self.replay_round(lambda: self.replay(theirs))   # own[1]: rank 1's of its own
                 self.replays -= 1
                 why.append(replay_mismatch(originals[1], own[1], self.exact))
             self.reproduces = not all(why)
@@ -599,6 +600,14 @@ def scaled(loss: torch.Tensor, scale: torch.Tensor | None,
     if scale is None:
         return loss
     return loss * (scale.to(loss.device) if cast is None else cast(scale))
+
+
+def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) -> float:
+    """The CPU witness's t = <ref - g0, g1 - g0> / |g1 - g0|^2 (float64 host tensors): 0 when GPU 0's
+    gradient is the reference, 1 when GPU 1's is; NaN when they are equal. Pure."""
+    d = g1 - g0
+    dd = float(d.dot(d))
+    return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
 
 
 def audit_every(budget: float, replay_s: float, step_s: float, *, least: int = 10) -> int:
