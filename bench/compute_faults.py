@@ -57,7 +57,7 @@ from checksums.step_guard import StepGuard
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    where: str            # mm | grad | opt | weight
+    where: str            # mm | bwd | grad | opt | weight
     how: str              # elem | tile | warp | zero | ulp | expflip | scale | channel | set
     value: float = 0.0
     persistent: bool = False
@@ -75,6 +75,11 @@ CASES = [
     Case("mm zeroed column", "mm", "zero"),
     Case("mm x1.05 persistent", "mm", "scale", 1.05, True),
     Case("mm one elem =1e4 persistent", "mm", "set", 1e4, True),
+    Case("bwd one elem =1e4", "bwd", "set", 1e4),
+    Case("bwd one elem x2", "bwd", "scale", 2.0),
+    Case("bwd one elem x1.01 persistent", "bwd", "scale", 1.01, True),
+    Case("bwd channel x2 persistent", "bwd", "channel", 2.0, True),
+    Case("bwd zeroed column", "bwd", "zero"),
     Case("grad elem =100", "grad", "set", 100.0),
     Case("grad elem =0.01", "grad", "set", 0.01),
     Case("grad elem ulp persistent", "grad", "ulp", 0.0, True),
@@ -121,6 +126,24 @@ def corrupt(t: torch.Tensor, case: Case) -> None:
             flat[::32] *= case.value
         elif case.how == "zero":
             t2[:, 3] = 0.0
+
+
+class BackwardFault(torch.autograd.Function):
+    """The faulty GPU in the backward: identity forward; the gradient arriving at the target layer's output
+    (the dgrad of the layer after it, what the target's own dW and dX matmuls consume) is corrupted by the
+    case. Applied where the target's forward ran with the fault on, so a persistent fault also hits the
+    replays' backward (the same GPU computes wrong again)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, case: Case) -> torch.Tensor:  # type: ignore[override]
+        ctx.case = case
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.clone()
+        corrupt(grad, ctx.case)
+        return grad, None
 
 
 class _Sink:
@@ -270,12 +293,16 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     model = model.to(device)
     active = {"on": False}
 
-    def mm_hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> None:
+    def mm_hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
         # (float64: the CPU witness of two-rank replays, checksums.replay.Replayer.witness: the CPU is not the
         # faulty GPU)
-        if (active["on"] and case is not None and case.where == "mm" and torch.is_grad_enabled() and not sdcguard
-                and out.dtype != torch.float64):
+        if not (active["on"] and case is not None and torch.is_grad_enabled() and out.dtype != torch.float64):
+            return None
+        if case.where == "mm" and not sdcguard:
             corrupt(out, case)
+        elif case.where == "bwd":       # a backward fault (with --sdcguard too: outside its checked matmuls)
+            return BackwardFault.apply(out, case)
+        return None
 
     def grad_inject(idx: int, buf: torch.Tensor) -> None:
         if active["on"] and case is not None and case.where == "grad" and idx == 0:
@@ -316,7 +343,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         # micro-batch --fault-micro only
         for micro in range(accum):
             active["on"] = on and case is not None and (
-                case.where == "grad" or (case.where == "mm" and (case.persistent or micro == fault_micro)))
+                case.where == "grad"
+                or (case.where in ("mm", "bwd") and (case.persistent or micro == fault_micro)))
             batch = batch_for(rank, step, device, micro)
             checks.retain(batch)
             if guard is not None:
@@ -336,7 +364,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 backward(step_loss(ddp, batch))
         if case is None or not case.persistent:
             active["on"] = False
-        if (step == fault_step and case is not None and case.where in ("mm", "grad")
+        if (step == fault_step and case is not None and case.where in ("mm", "bwd", "grad")
                 and (on or fsdp and 0 <= fault_rank < world) and checks.replayer.reproduces):
             # did the fault change any bit of the gradient this rank hands to the all-reduce? (a one-ulp flip
             # of an activation often rounds away): the original rows against a clean recompute (FSDP2: a

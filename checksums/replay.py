@@ -245,6 +245,19 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
+class _Swapped(nn.Module):
+    """A stand-in replay's wrapper: `torch.func.functional_call` swaps the stand-in leaves into `module` (its
+    child) for the call of this forward, which runs the whole replay (`run`), backward included."""
+
+    def __init__(self, module: nn.Module, run: Callable[[], None]) -> None:
+        super().__init__()
+        self.module = module
+        self.run = run
+
+    def forward(self) -> None:
+        self.run()
+
+
 class Replayer:
     """Retains each step's batch and RNG state and recomputes gradients from them (see the module doc)."""
 
@@ -328,7 +341,7 @@ class Replayer:
                       by_backward: bool) -> list[torch.Tensor | None]:
         """`_grads`' work. `by_backward`: each parameter is replaced in the module, for the whole replay (a
         reentrant checkpoint recomputes its forward inside the backward), by a leaf sharing its storage
-        (`torch.nn.utils.stateless._reparametrize_module`, what `torch.func.functional_call` uses), and
+        (`torch.func.functional_call` of `_Swapped`, a wrapper whose forward is the whole replay), and
         each micro-batch's loss is back-propagated with `.backward()`: the gradients land in the leaves'
         `.grad`, accumulated as autograd accumulates the step's own `.grad`; DDP's hooks (on the real
         parameters' accumulators) do not fire, the step's `.grad` is not touched."""
@@ -336,29 +349,34 @@ class Replayer:
         devices = [self.device] if self.device.type == "cuda" else []
         grads: list[torch.Tensor | None] | None = None
         leaves = [p.detach().requires_grad_(True) for p in params] if by_backward else []
-        swap: Any = contextlib.nullcontext()
-        if by_backward:
-            from torch.nn.utils.stateless import _reparametrize_module
-            of = {id(p): leaf for p, leaf in zip(params, leaves)}
-            named = module.named_parameters(remove_duplicate=False)        # a tied weight: every name
-            swap = _reparametrize_module(module, {name: of[id(p)] for name, p in named if id(p) in of})
+
+        def micro_batches() -> None:
+            nonlocal grads
+            for batch, cpu_rng, dev_rng in retained.micro:
+                if cpu_rng is not None:
+                    torch.set_rng_state(cpu_rng)
+                if dev_rng is not None and cast is None:
+                    torch.cuda.set_rng_state(dev_rng, self.device)
+                if cast is not None:
+                    batch = _map_tensors(batch, cast)
+                with torch.enable_grad():
+                    loss = scaled(self.loss_fn(module, batch), retained.loss_scale, cast)
+                    if by_backward:
+                        loss.backward()
+                        continue
+                    got = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = list(got) if grads is None else [
+                    g if a is None else (a if g is None else a + g) for a, g in zip(grads, got)]
+
         try:
-            with torch.random.fork_rng(devices=devices), swap:
-                for batch, cpu_rng, dev_rng in retained.micro:
-                    if cpu_rng is not None:
-                        torch.set_rng_state(cpu_rng)
-                    if dev_rng is not None and cast is None:
-                        torch.cuda.set_rng_state(dev_rng, self.device)
-                    if cast is not None:
-                        batch = _map_tensors(batch, cast)
-                    with torch.enable_grad():
-                        loss = scaled(self.loss_fn(module, batch), retained.loss_scale, cast)
-                        if by_backward:
-                            loss.backward()
-                            continue
-                        got = torch.autograd.grad(loss, params, allow_unused=True)
-                    grads = list(got) if grads is None else [
-                        g if a is None else (a if g is None else a + g) for a, g in zip(grads, got)]
+            with torch.random.fork_rng(devices=devices):
+                if by_backward:
+                    of = {id(p): leaf for p, leaf in zip(params, leaves)}
+                    named = module.named_parameters(remove_duplicate=False)    # a tied weight: every name
+                    swapped = {"module." + name: of[id(p)] for name, p in named if id(p) in of}
+                    torch.func.functional_call(_Swapped(module, micro_batches), swapped)
+                else:
+                    micro_batches()
         finally:
             with torch.no_grad():
                 for b, saved in buffers:

@@ -538,11 +538,12 @@ class JobTracker:
         every report (the agent keeps its own GPUs): SUSPECT, FAILED when that GPU was faulty on two steps.
         A fault the gate did not resolve, or one an audit found (it may have slipped into updates since the
         rank's last clean audit), keeps the job's checkpoints from `since_step` on from VERIFIED. An
-        unresolved finding that names several ranks (two ranks, no witness: one of them is faulty) makes their
-        GPUs SUSPECT, never FAILED: a repeat of it does not say which one is."""
+        unresolved finding (the replays had no majority: two ranks without a witness, where one of the two
+        named is faulty, or replays that split evenly, as those of HSDP replicas whose weights differ do)
+        makes the GPUs it names SUSPECT, never FAILED: a repeat of it does not say which one is faulty."""
         for f in req.compute:
             named = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in f.faulty]
-            either = f.cause == "unresolved" and len(f.faulty) > 1
+            either = f.cause == "unresolved"
             for s in f.faulty:
                 steps = job.compute_faults.setdefault(s.gpu_uuid or f"rank/{s.rank}", set())
                 if len(steps) < 64 and not either:

@@ -141,3 +141,18 @@ def test_an_unresolved_finding_naming_two_ranks_makes_both_suspect_never_failed(
         out = report(tracker, step, 0, f)
         assert sorted((u, ev.implies) for u, _, ev in out.evidence) == sorted(
             [(GPU, State.SUSPECT), (other, State.SUSPECT)])
+
+
+def test_an_unresolved_finding_naming_one_rank_never_makes_its_gpu_failed():
+    """Replays with no majority (3+ ranks splitting evenly: HSDP replicas whose weights differ make the
+    innocent replica's ranks the outliers, tests/test_compute_checks.py) name the suspect `unresolved`:
+    SUSPECT on every repeat, never FAILED; a resolved repeat on the same GPU still fails it."""
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    for step in (40, 41, 42):
+        out = report(tracker, step, 0, finding(step, cause="unresolved"))
+        assert [(u, ev.implies) for u, _, ev in out.evidence] == [(GPU, State.SUSPECT)], step
+    out = report(tracker, 43, 0, finding(43, cause="transient"))
+    assert [ev.implies for _, _, ev in out.evidence] == [State.SUSPECT]
+    out = report(tracker, 44, 0, finding(44, cause="persistent"))
+    assert [ev.implies for _, _, ev in out.evidence] == [State.FAILED]

@@ -130,7 +130,7 @@ def test_audit_cadence_from_the_budget():
 
 
 CATCH = ["mm one elem =1e4", "grad elem =100", "grad elem NaN", "mm one elem x1.01 persistent",
-         "mm channel x2 persistent", "mm one elem ulp"]
+         "mm channel x2 persistent", "mm one elem ulp", "bwd one elem =1e4", "bwd one elem x1.01 persistent"]
 
 
 def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
@@ -153,6 +153,9 @@ def test_three_gloo_ranks_catch_name_and_drop(tmp_path):
     assert reported and reported[0][:3] == [50, "stats", "transient"]
     assert [w[0] for w in reported[0][3]] == [1] and reported[0][3][0][2] == "GPU-fake-1"
     assert results["mm one elem x1.01 persistent"]["caught"]["compute"]["cause"] == "persistent"
+    # a fault in rank 1's backward (the gradient reaching the faulty layer's output): the same verdicts
+    assert results["bwd one elem =1e4"]["caught"]["compute"]["detector"] == "stats"
+    assert results["bwd one elem x1.01 persistent"]["caught"]["compute"]["cause"] == "persistent"
     clean = results["clean"]
     assert clean["status"]["suspicions"] == 0 and clean["status"]["dropped"] == 0, clean["status"]
     assert clean["status"]["exact"] and clean["status"]["audits"] >= 100
