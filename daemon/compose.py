@@ -44,7 +44,8 @@ def build_agent(config: Config, *, versions: Mapping[str, str] | None = None) ->
     host = config.agent.hostname
     background = Background()
     jobs = JobTracker(max_jobs=config.jobs.max_jobs, idle_s=config.jobs.job_idle_s, loss_config=config.loss,
-                      rollback=config.rollback if config.jobs.rollback else None)
+                      rollback=config.rollback if config.jobs.rollback else None,
+                      compute_stop=config.jobs.stop_on_compute_fault)
     metrics = AgentMetrics(jobs=jobs)
     jc = config.journal
     journal = Journal(state_dir / "journal", max_bytes=jc.max_bytes, keep_files=jc.keep_files)

@@ -306,6 +306,9 @@ class JobsConfig:
 
     max_jobs: int = setting(64, "jobs tracked at once (the least recently seen is forgotten)")
     rollback: bool = setting(True, "reply to critical loss events with rollback directives ([rollback] says how)")
+    stop_on_compute_fault: bool = setting(True, "tell a job's ranks to stop when one of its GPUs keeps "
+                                          "computing wrong (a persistent compute fault, or faults on two "
+                                          "steps), naming the VERIFIED checkpoint to restart from without it")
     job_idle_s: float = setting(3600.0, "a job with no report for this many seconds is forgotten")
 
     def validate(self) -> None:

@@ -58,6 +58,21 @@ class MismatchIncident:
     replicas: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ComputeIncident:
+    """A GPU of the job keeps computing wrong: a `persistent` compute fault (its replay repeats its wrong
+    gradient while the other ranks agree on another), or compute faults on two steps. Neither dropping the
+    job's updates (a persistent fault the statistics see gets every step dropped: no progress) nor a
+    rollback (the same GPU would compute wrong again) helps, so the rollback planner turns it into a STOP
+    directive naming the newest VERIFIED checkpoint older than `first_step` to restart from, without the
+    GPU (daemon/rollback.py). One per job until the job goes back before `first_step` (its restart)."""
+    first_step: int       # the first step whose update may carry the fault (the finding's since_step)
+    step: int             # the finding's step
+    cause: str            # persistent, or the repeat's cause
+    who: str              # the faulty rank(s): rank, host and GPU
+    gpus: tuple[str, ...]
+
+
 @dataclasses.dataclass(slots=True)
 class JobState:
     job_id: str
@@ -105,6 +120,7 @@ class JobState:
     mismatch_planned: bool = False     # its rollback plan was asked for
     mismatch_plans: int = 0            # plans of this incident that found no rollback (`mismatch_unplanned`)
     mismatch_retry_at: float = 0.0     # not planned again before this time
+    stop_from: int | None = None       # the first step of the compute incident a STOP was asked for
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,26 +130,29 @@ class ReportOutcome:
     dropped_delta: int = 0
     mismatch: bool = False
     job_events: list[tuple[int | None, str, str]] = dataclasses.field(default_factory=list)  # for checkpoints
-    # (index in `findings` of the loss event that asks for a rollback plan, the event)
-    rollbacks: list[tuple[int, LossEvent | MismatchIncident]] = dataclasses.field(default_factory=list)
+    # (index in `findings` of the event that asks for a rollback or stop plan, the anomaly)
+    rollbacks: list[tuple[int, LossEvent | MismatchIncident | ComputeIncident]] = dataclasses.field(
+        default_factory=list)
     directives: list[pb.Directive] = dataclasses.field(default_factory=list)   # for the reporting rank
     evicted: list[str] = dataclasses.field(default_factory=list)   # jobs forgotten to make room for this one
 
 
 class JobTracker:
     """`loss_config`: each job's loss detector; `rollback`: the policy that turns a critical loss event into a
-    rollback request (None: rollback directives off)."""
+    rollback request (None: rollback directives off); `compute_stop`: a GPU that keeps computing wrong asks
+    for a STOP directive (`ComputeIncident`)."""
 
     MAX_RANKS_TRACKED = 4096
 
     def __init__(self, *, max_jobs: int = 64, idle_s: float = 3600.0,
                  loss_config: LossDetectorConfig | None = None,
-                 rollback: RollbackPolicy | None = None) -> None:
+                 rollback: RollbackPolicy | None = None, compute_stop: bool = True) -> None:
         self.jobs: collections.OrderedDict[str, JobState] = collections.OrderedDict()
         self.max_jobs = max_jobs
         self.idle_s = idle_s
         self.loss_config = loss_config or LossDetectorConfig()
         self.rollback = rollback
+        self.compute_stop = compute_stop
 
     def _make_room(self) -> list[str]:
         """Evict the least recently seen jobs until a new one fits; returns their ids."""
@@ -172,8 +191,18 @@ class JobTracker:
             since = list(job.restores_seen)[-(job.restores - restores_at):]
             if any(directive.target_step <= r < anomaly_start for r in since):
                 return False
+        pending = job.directive
+        if (pending is not None and pending.directive.kind == pb.Directive.KIND_STOP
+                and directive.kind != pb.Directive.KIND_STOP):
+            return False      # a STOP the ranks have not all taken wins: a rollback would run on the bad GPU
         job.directive = PendingDirective(directive, now, anomaly_start)
         return True
+
+    def stop_open(self, job_id: str, first_step: int) -> bool:
+        """Is the compute incident from `first_step` a STOP was asked for still open (the job has not gone
+        back before it since: restarted from an older checkpoint)?"""
+        job = self.jobs.get(job_id)
+        return job is not None and job.stop_from == first_step
 
     def mismatch_unplanned(self, job_id: str, first_step: int, now: float) -> float | None:
         """The plan for the mismatch incident that began at `first_step` found no rollback (no VERIFIED
@@ -369,6 +398,8 @@ class JobTracker:
         job.restores_seen.append(restored)
         if job.mismatch_from is not None and restored < job.mismatch_from:
             _close_mismatch(job)   # back before it: a later one is new
+        if job.stop_from is not None and restored < job.stop_from:
+            job.stop_from = None   # restarted before the compute incident: a fault after this is a new one
         pending = job.directive
         if pending is not None and pending.directive.target_step <= restored < pending.anomaly_start:
             # the job already went back to before that anomaly (e.g. for a replica mismatch)
@@ -544,11 +575,13 @@ class JobTracker:
         for f in req.compute:
             named = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in f.faulty]
             either = f.cause == "unresolved"
+            repeated = False
             for s in f.faulty:
                 steps = job.compute_faults.setdefault(s.gpu_uuid or f"rank/{s.rank}", set())
                 if len(steps) < 64 and not either:
                     steps.add(f.step)
                 repeat = len(steps) > 1 and not either
+                repeated = repeated or repeat
                 if s.gpu_uuid:
                     out.evidence.append((s.gpu_uuid, s.host, Evidence(
                         source="compute_check", signal="fault", value=f"{f.cause}@{f.step}",
@@ -576,9 +609,15 @@ class JobTracker:
                 f"compute fault at step {f.step} ({f.detector}, {f.cause}): {who}; update "
                 f"{'dropped' if f.dropped else 'applied'}", details))
             job.state, job.reason = State.SUSPECT, f"compute fault at step {f.step} on {who}"
+            first_step = min(f.since_step or f.step, f.step)
             if f.cause == "unresolved" or f.detector == "audit" or not f.dropped:
-                out.job_events.append((min(f.since_step or f.step, f.step), "sdc",
+                out.job_events.append((first_step, "sdc",
                                        f"compute fault ({f.detector}, {f.cause}) on {who}"))
+            if self.compute_stop and job.stop_from is None and stops_job(f.cause, repeated):
+                job.stop_from = first_step
+                out.rollbacks.append((len(out.findings) - 1, ComputeIncident(
+                    first_step, f.step, f.cause if f.cause == "persistent" else f"repeated {f.cause}", who,
+                    tuple(n["gpu_uuid"] for n in named if n["gpu_uuid"]))))
 
     def _frozen(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
         key = (_era(job, req.rank), req.step)
@@ -610,6 +649,13 @@ def _close_mismatch(job: JobState) -> None:
 def _era(job: JobState, rank: int) -> int:
     """The restore `rank` is in (0: none yet): its reports are about the weights since that restore."""
     return job.rank_restores.get(rank, job.restores)
+
+
+def stops_job(cause: str, repeated: bool) -> bool:
+    """Does a compute finding ask the job to stop? When the GPU it names keeps computing wrong: its replay
+    repeats the fault (`persistent`), or the GPU was faulty on another step of the job before (`repeated`).
+    Never on `unresolved` (the replays did not say which GPU) nor on `data` (no GPU named). Pure."""
+    return cause == "persistent" or (repeated and cause in ("transient", "persistent"))
 
 
 def _went_back(job: JobState, rank: int, step: int) -> int | None:

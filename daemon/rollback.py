@@ -14,6 +14,13 @@ plans once the checkpoint coordinator has taken every event reported before the 
 checkpoint feed's `handed`), so the VERIFIED steps it reads are those of the job as of the anomaly (a loaded
 agent's feed runs seconds behind: the votes that verify the checkpoint before it, or the bad events that
 block one, would otherwise be missed).
+
+A GPU that keeps computing wrong (`daemon.jobs.ComputeIncident`: a persistent compute fault, or faults on
+two steps) becomes a STOP directive instead: a rollback on the same GPU would compute wrong again, and a job
+whose every update the compute gate drops makes no progress. Its `target_step` is the checkpoint to restart
+from without that GPU: the newest VERIFIED one older than the incident's first suspect step (0, and the
+reason says so, when there is none). The `job.stop_directive` event carries it; the directive's
+`event_seq` is that event's own (a folded compute.fault repeat has none).
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Awaitable, Callable, Protocol
 
 from daemon.background import Background
 from daemon.events import Publisher
-from daemon.jobs import JobTracker, MismatchIncident
+from daemon.jobs import ComputeIncident, JobTracker, MismatchIncident
 from daemon.pools import WorkPool
 from probes.loss_detector import LossEvent, RollbackPolicy
 from sdcwatch import event_kinds as ek
@@ -50,30 +57,40 @@ class RollbackPlanner:
         self.background = background
         self.clock = clock   # the reports' clock (the tracker's `now`)
 
-    def request(self, job: str, ev: LossEvent | MismatchIncident, event_seq: int,
+    def request(self, job: str, ev: LossEvent | MismatchIncident | ComputeIncident, event_seq: int,
                 ready: Awaitable[None] | None = None) -> None:
         """Plan a rollback for the anomaly journaled as `event_seq` (in the background), once `ready` (the
         checkpoint coordinator has taken the job's events up to the anomaly) is done."""
         self.background.start(self.plan(job, ev, event_seq, ready, self.jobs.restores(job)),
                               name=f"rollback-plan-{job}")
 
-    async def plan(self, job: str, ev: LossEvent | MismatchIncident, seq: int,
+    async def plan(self, job: str, ev: LossEvent | MismatchIncident | ComputeIncident, seq: int,
                    ready: Awaitable[None] | None = None, restores_at: int | None = None) -> None:
         if ready is not None:
             try:
                 await asyncio.wait_for(ready, self.timeout_s)
             except asyncio.TimeoutError:
-                self._impossible(job, ev, f"the checkpoint coordinator did not take the events before the "
-                                 f"anomaly in {self.timeout_s:.0f}s: no rollback planned")
+                why = (f"the checkpoint coordinator did not take the events before the anomaly in "
+                       f"{self.timeout_s:.0f}s")
+                if isinstance(ev, ComputeIncident):   # a stop needs no checkpoint: stop, say where is unknown
+                    self._plan_stop(job, ev, seq, None, restores_at, why)
+                else:
+                    self._impossible(job, ev, f"{why}: no rollback planned")
                 return
         try:
             verified = await asyncio.wait_for(self.pool.run(self.checkpoints.verified_steps, job), self.timeout_s)
         except asyncio.TimeoutError:
-            self._impossible(job, ev, f"the checkpoint index did not answer in {self.timeout_s:.0f}s "
-                             f"({self.pool.describe()}): no rollback planned")
+            why = f"the checkpoint index did not answer in {self.timeout_s:.0f}s ({self.pool.describe()})"
+            if isinstance(ev, ComputeIncident):
+                self._plan_stop(job, ev, seq, None, restores_at, why)
+            else:
+                self._impossible(job, ev, f"{why}: no rollback planned")
             return
         if isinstance(ev, MismatchIncident):
             self._plan_mismatch(job, ev, seq, verified, restores_at)
+            return
+        if isinstance(ev, ComputeIncident):
+            self._plan_stop(job, ev, seq, verified, restores_at)
             return
         decision = self.policy.decide(ev, verified)
         if decision is None:
@@ -90,6 +107,32 @@ class RollbackPlanner:
                                f"batches ({decision.reason})",
                                {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
                                 "cause_seq": seq})
+
+    def _plan_stop(self, job: str, inc: ComputeIncident, seq: int, verified: list[int] | None,
+                   restores_at: int | None = None, unread: str = "") -> None:
+        """`verified` None: the checkpoints could not be read (`unread` says why): the job stops all the
+        same, the restart point left to `sdcwatch ckpt ls`."""
+        if not self.jobs.stop_open(job, inc.first_step):
+            return   # the job went back before the incident meanwhile (restarted): nothing to stop
+        older = [s for s in verified or () if s < inc.first_step]
+        target = max(older) if older else 0
+        if verified is None:
+            restart = (f"{unread}: restart it without that GPU from the newest VERIFIED checkpoint older "
+                       f"than step {inc.first_step} (sdcwatch ckpt ls --job {job})")
+        elif older:
+            restart = f"restart it without that GPU from VERIFIED step {target}"
+        else:
+            restart = (f"no VERIFIED checkpoint is older than step {inc.first_step}: restart it without that "
+                       "GPU from its start, or from a checkpoint you have checked")
+        reason = (f"{inc.cause} compute fault at step {inc.step} on {inc.who} (its updates are suspect from "
+                  f"step {inc.first_step}): the job stops; {restart}")
+        event = self.publisher.publish(
+            ek.JOB_STOP_DIRECTIVE, f"job/{job}", f"stop directive: {reason}",
+            {"job_id": job, "target_step": target, "verified": bool(older), "first_step": inc.first_step,
+             "step": inc.step, "cause": inc.cause, "gpu_uuids": list(inc.gpus), "cause_seq": seq})
+        directive = pb.Directive(kind=pb.Directive.KIND_STOP, target_step=target, skip_batches=0,
+                                 reason=reason, event_seq=event.seq if event is not None else seq)
+        self.jobs.set_directive(job, directive, inc.first_step, self.clock(), restores_at)
 
     def _impossible(self, job: str, ev: LossEvent | MismatchIncident, why: str,
                     verified: list[int] | None = None) -> None:

@@ -154,6 +154,14 @@ class TrainingSession:
             logger.error("sdcwatch: the agent asks this job to stop: %s", directive.reason)
         return directive
 
+    @property
+    def stopped(self) -> Directive | None:
+        """The STOP directive the job took, or None. The agent sends one when a GPU of the job keeps
+        computing wrong (`job.stop_directive`); the framework then ends training as it ends any run, so a
+        script checks this after training returns and exits non-zero (`sys.exit(session.stopped.reason)`)
+        for its launcher to restart the job without that GPU, from `target_step` (a VERIFIED checkpoint)."""
+        return next((d for d in reversed(self.directives) if d.kind == Directive.KIND_STOP), None)
+
     def rollback(self, directive: Directive) -> None:
         """Restore `directive.target_step` (verified), load it, renumber the guard, skip its batches."""
         if self.ckpt is None:

@@ -223,6 +223,10 @@ JOB_FORGOTTEN = _kind("job.forgotten", INFO, JOB, "a job sent no report for jobs
 JOB_ROLLBACK = _kind("job.rollback", INFO, JOB, "a job's steps went back: it restored a checkpoint")
 JOB_ROLLBACK_DIRECTIVE = _kind("job.rollback_directive", WARNING, JOB, "the agent tells the job's ranks to restore "
                                "a VERIFIED checkpoint and skip batches")
+JOB_STOP_DIRECTIVE = _kind("job.stop_directive", WARNING, JOB, "the agent tells the job's ranks to stop: a "
+                           "GPU of the job keeps computing wrong (a persistent compute fault, or faults on "
+                           "two steps); target_step is the newest VERIFIED checkpoint older than the fault's "
+                           "first suspect step, to restart from without that GPU")
 JOB_ROLLBACK_IMPOSSIBLE = _kind("job.rollback_impossible", CRITICAL, JOB, "a rollback was due but none was "
                                 "planned: no VERIFIED checkpoint is older than the anomaly, or the checkpoints did "
                                 "not answer in time (a replica mismatch is planned again while its replicas "

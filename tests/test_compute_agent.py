@@ -156,3 +156,42 @@ def test_an_unresolved_finding_naming_one_rank_never_makes_its_gpu_failed():
     assert [ev.implies for _, _, ev in out.evidence] == [State.SUSPECT]
     out = report(tracker, 44, 0, finding(44, cause="persistent"))
     assert [ev.implies for _, _, ev in out.evidence] == [State.FAILED]
+
+
+def _stops(out) -> list:
+    from daemon.jobs import ComputeIncident
+    return [ev for _, ev in (out.rollbacks if out is not None else []) if isinstance(ev, ComputeIncident)]
+
+
+def test_a_gpu_that_keeps_computing_wrong_asks_the_job_to_stop_once():
+    """A persistent fault (the GPU's replay repeats it) asks for a STOP plan at once, from the finding's
+    since_step; every rank reports it, the plan is asked once per incident; after the job went back before it
+    (its restart), a new persistent fault is a new incident."""
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    out = report(tracker, 50, 0, finding(50, detector="audit", cause="persistent", since=36))
+    [inc] = _stops(out)
+    assert (inc.first_step, inc.step, inc.cause, inc.gpus) == (36, 50, "persistent", (GPU,))
+    assert "rank 1 on node2" in inc.who and GPU in inc.who
+    assert out.rollbacks[0][0] == next(i for i, f in enumerate(out.findings) if f.kind is ek.COMPUTE_FAULT)
+    assert not _stops(report(tracker, 50, 2, finding(50, detector="audit", cause="persistent", since=36)))
+    assert not _stops(report(tracker, 51, 0, finding(51, cause="persistent")))      # the same incident
+    assert tracker.stop_open("j", 36)
+    report(tracker, 52, 0)
+    report(tracker, 31, 0)                                                         # restarted from step 30
+    assert not tracker.stop_open("j", 36)
+    [again] = _stops(report(tracker, 40, 0, finding(40, cause="persistent")))
+    assert again.first_step == 40
+
+
+def test_a_second_faulty_step_on_one_gpu_stops_the_job_a_single_transient_or_unresolved_does_not():
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    assert not _stops(report(tracker, 40, 0, finding(40)))                           # one transient: dropped
+    for step in (41, 42):                                                          # unresolved: never
+        assert not _stops(report(tracker, step, 0, finding(step, cause="unresolved")))
+    [inc] = _stops(report(tracker, 45, 0, finding(45)))                              # the same GPU again
+    assert inc.cause == "repeated transient" and inc.first_step == 45
+    off = JobTracker(compute_stop=False)
+    report(off, 1, 0)
+    assert not _stops(report(off, 50, 0, finding(50, cause="persistent")))

@@ -41,7 +41,8 @@ class Saves:
         self.steps.append(step)
 
 
-def _run(directives: dict[int, Directive], steps: int, batches_per_step: int = 1) -> tuple[Any, list, list]:
+def _run(directives: dict[int, Directive], steps: int, batches_per_step: int = 1,
+         took: list | None = None) -> tuple[Any, list, list]:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -63,6 +64,8 @@ def _run(directives: dict[int, Directive], steps: int, batches_per_step: int = 1
             got.append((sess.step_count, d.kind))
     sess.ckpt = None
     sess.close()
+    if took is not None:
+        took.append(sess)
     assert StepGuard.of(opt) is None or not StepGuard.of(opt).stages, "closing removes the session's stages"
     return saves, changed, got
 
@@ -73,6 +76,15 @@ def test_skip_batches_vetoes_that_many_updates_and_stop_is_returned() -> None:
     assert changed == [True, True, False, False, False, True, True, True, True], changed
     assert got == [(2, Directive.KIND_SKIP_BATCHES), (7, Directive.KIND_STOP)]
     assert saves.steps == [3, 6, 9]
+
+
+def test_stopped_is_the_stop_directive_the_session_took() -> None:
+    took: list = []
+    _run({2: Directive(Directive.KIND_SKIP_BATCHES, skip_batches=1)}, 4, took=took)
+    assert took[0].stopped is None
+    _run({3: Directive(Directive.KIND_STOP, target_step=1, reason="GPU-x computes wrong")}, 5, took=took)
+    assert took[1].stopped is not None and took[1].stopped.reason == "GPU-x computes wrong"
+    assert took[1].stopped.target_step == 1
 
 
 def test_with_gradient_accumulation_a_skip_counts_optimizer_steps() -> None:

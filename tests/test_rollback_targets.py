@@ -203,3 +203,48 @@ def test_a_repair_in_place_drops_what_was_saved_while_the_replicas_differed(redi
     co.on_job_event(job, 40, "vote_agreed", now)
     assert co.info(job, 40).state == "COMMITTED", "the SDC event at 40 still blocks"
     assert 20 not in _ever_verified(co)
+
+
+def test_a_persistent_compute_fault_stops_the_job_naming_the_checkpoint_to_restart_from(
+        redis_server, tmp_path: Path) -> None:
+    """An audit at step 145 finds rank 1's GPU computing wrong (persistent), its updates suspect from 126 (the
+    rank's last clean audit): the agent asks every rank to STOP, naming VERIFIED step 125, the newest older
+    than 126, to restart from without the GPU (a rollback on it would compute wrong again); nothing from 126
+    on is VERIFIED; a loss rollback planned after it does not replace the STOP; the job's restart from 125
+    closes the incident."""
+    co, job = _node(redis_server, tmp_path), job_id("stop")
+    agent = Agent(co, job)
+    got: dict[int, list[pb.Directive]] = {0: [], 1: []}
+    for step in range(100, 152):
+        if step % 5 == 0:
+            _save(co, job, step, 2, "")
+        for rank in range(2):
+            req = pb.ReportStepRequest(job_id=job, rank=rank, world_size=2, step=step, fingerprint=[1])
+            if step == 145:
+                f = req.compute.add(step=step, detector="audit", suspect=1, cause="persistent", dropped=True,
+                                    since_step=126, detail="injected")
+                f.faulty.add(rank=1, host="h", gpu_uuid="GPU-1")
+            out = agent.tracker.report(req, time.time())
+            if out is not None:
+                got[rank] += out.directives
+                for _, ev in out.rollbacks:
+                    agent.anomalies.append((req.step, ev))
+                    asyncio.run(agent.planner.plan(job, ev, 7))
+                for s, kind, reason in out.job_events:
+                    co.on_job_event(job, s, kind, time.time(), reason)
+    assert [type(ev).__name__ for _, ev in agent.anomalies] == ["ComputeIncident"]
+    for rank in (0, 1):                                      # each rank handed it once, in a later reply
+        assert [(d.kind, d.target_step) for d in got[rank]] == [(pb.Directive.KIND_STOP, 125)], got[rank]
+    reason = got[0][0].reason
+    assert "persistent compute fault at step 145" in reason and "GPU-1" in reason and "step 125" in reason
+    [(kind, details)] = [e for e in agent.publisher.events if e[0] == "job.stop_directive"]
+    assert details["target_step"] == 125 and details["verified"] and details["gpu_uuids"] == ["GPU-1"]
+    assert details["first_step"] == 126 and details["cause_seq"] == 7
+    states = {i.step: i.state for i in co.list(job)}
+    assert max(s for s, st in states.items() if st == "VERIFIED") == 125, states
+    rollback = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=120, reason="a loss spike")
+    assert not agent.tracker.set_directive(job, rollback, 140, time.time())
+    assert agent.tracker.jobs[job].directive.directive.kind == pb.Directive.KIND_STOP
+    for rank in range(2):                                    # the job restarts from 125 (without the GPU)
+        agent.report(pb.ReportStepRequest(job_id=job, rank=rank, world_size=2, step=126, fingerprint=[1]))
+    assert agent.tracker.jobs[job].directive is None and not agent.tracker.stop_open(job, 126)
