@@ -136,7 +136,7 @@ class Directive:
     target_step: int = 0
     skip_batches: int = 0
     reason: str = ""
-    event_seq: int = 0          # the agent event that caused it (0: none)
+    event_seq: int = 0          # the agent event announcing it (0: none): ranks act on each seq once, in order
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,14 +19,16 @@ A GPU that keeps computing wrong (`daemon.jobs.ComputeIncident`: a persistent co
 two steps) becomes a STOP directive instead: a rollback on the same GPU would compute wrong again, and a job
 whose every update the compute gate drops makes no progress. Its `target_step` is the checkpoint to restart
 from without that GPU: the newest VERIFIED one older than the incident's first suspect step (0, and the
-reason says so, when there is none). The `job.stop_directive` event carries it; the directive's
-`event_seq` is that event's own (a folded compute.fault repeat has none).
+reason says so, when there is none). The `job.stop_directive` event carries it.
+
+Every directive's `event_seq` is its announcing event's own (`job.rollback_directive`, `job.stop_directive`;
+the cause's is in the event's `cause_seq`): the ranks act on each seq once, in order.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from daemon.background import Background
 from daemon.events import Publisher
@@ -102,11 +104,20 @@ class RollbackPlanner:
                                  skip_batches=skip, reason=decision.reason, event_seq=seq)
         if not self.jobs.set_directive(job, directive, ev.start_step, self.clock(), restores_at):
             return   # the job went back before the anomaly while this was planned: nothing to do
-        self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}",
-                               f"rollback directive: restore step {decision.target_step}, skip {skip} "
-                               f"batches ({decision.reason})",
-                               {"job_id": job, "target_step": decision.target_step, "skip_batches": skip,
-                                "cause_seq": seq})
+        self._announced(directive, self.publisher.publish(
+            ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step {decision.target_step}, "
+            f"skip {skip} batches ({decision.reason})",
+            {"job_id": job, "target_step": decision.target_step, "skip_batches": skip, "cause_seq": seq}))
+
+    @staticmethod
+    def _announced(directive: pb.Directive, event: Any) -> None:
+        """The directive's `event_seq` becomes its own announcing event's: fresh and increasing for every
+        directive. The ranks agree on a directive by its seq and act on each seq once, in order
+        (`Monitor.agreed_directive`), so a cause's seq will not do: a cause folded into a repeat count has
+        none (0), and a directive with 0 after one the job already took would never be agreed, holding every
+        later directive behind it. Set before any await: no report is handed the directive in between."""
+        if event is not None:
+            directive.event_seq = event.seq
 
     def _plan_stop(self, job: str, inc: ComputeIncident, seq: int, verified: list[int] | None,
                    restores_at: int | None = None, unread: str = "") -> None:
@@ -126,13 +137,14 @@ class RollbackPlanner:
                        "GPU from its start, or from a checkpoint you have checked")
         reason = (f"{inc.cause} compute fault at step {inc.step} on {inc.who} (its updates are suspect from "
                   f"step {inc.first_step}): the job stops; {restart}")
-        event = self.publisher.publish(
+        directive = pb.Directive(kind=pb.Directive.KIND_STOP, target_step=target, skip_batches=0,
+                                 reason=reason, event_seq=seq)
+        if not self.jobs.set_directive(job, directive, inc.first_step, self.clock(), restores_at):
+            return
+        self._announced(directive, self.publisher.publish(
             ek.JOB_STOP_DIRECTIVE, f"job/{job}", f"stop directive: {reason}",
             {"job_id": job, "target_step": target, "verified": bool(older), "first_step": inc.first_step,
-             "step": inc.step, "cause": inc.cause, "gpu_uuids": list(inc.gpus), "cause_seq": seq})
-        directive = pb.Directive(kind=pb.Directive.KIND_STOP, target_step=target, skip_batches=0,
-                                 reason=reason, event_seq=event.seq if event is not None else seq)
-        self.jobs.set_directive(job, directive, inc.first_step, self.clock(), restores_at)
+             "step": inc.step, "cause": inc.cause, "gpu_uuids": list(inc.gpus), "cause_seq": seq}))
 
     def _impossible(self, job: str, ev: LossEvent | MismatchIncident, why: str,
                     verified: list[int] | None = None) -> None:
@@ -163,9 +175,9 @@ class RollbackPlanner:
                                  reason=reason, event_seq=seq)
         if not self.jobs.set_directive(job, directive, inc.first_step, self.clock(), restores_at):
             return
-        self.publisher.publish(ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step "
-                               f"{target}, skip 0 batches ({reason})",
-                               {"job_id": job, "target_step": target, "skip_batches": 0, "cause_seq": seq})
+        self._announced(directive, self.publisher.publish(
+            ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step {target}, skip 0 "
+            f"batches ({reason})", {"job_id": job, "target_step": target, "skip_batches": 0, "cause_seq": seq}))
 
 
 def _start(ev: LossEvent | MismatchIncident) -> int:

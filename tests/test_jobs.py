@@ -144,8 +144,40 @@ def test_the_rollback_planner_hands_the_directive_to_the_tracker(tmp_path: Path)
     assert kinds == ["loss.nonfinite", "job.rollback_impossible", "job.rollback_directive"]
     assert events[-1][1]["target_step"] == 1 and events[-1][1]["cause_seq"] == 1
     pending = tracker.jobs["j"].directive
-    assert pending is not None and pending.directive.target_step == 1 and pending.directive.event_seq == 1
+    # the directive's seq is its own announcing event's (job.rollback_directive, the third): fresh for each
+    assert pending is not None and pending.directive.target_step == 1 and pending.directive.event_seq == 3
     assert pending.anomaly_start == 2
+
+
+def test_every_directive_gets_a_fresh_seq_even_when_its_cause_was_folded(tmp_path: Path) -> None:
+    """The ranks act on each directive seq once, in order (Monitor.agreed_directive): a directive planned for a
+    cause that the bus folded into a repeat count (seq 0) used to go out with seq 0, which ranks that had
+    taken any directive before never agree on (and which holds every later directive behind it). Each
+    directive's seq is now its own announcing event's, increasing."""
+    async def run() -> list[int]:
+        journal = Journal(tmp_path / "journal").open()
+        bus = EventBus(journal, host="n0")
+        bus.bind_loop(asyncio.get_running_loop())
+        background = Background()
+        tracker = JobTracker(rollback=RollbackPolicy())
+        report(tracker, 1, loss=1.0)
+        seqs = []
+        for step, cause_seq in ((2, 1), (10, 0)):         # the second cause folded: no seq of its own
+            out = report(tracker, step, loss=math.nan)
+            (_, ev), = out.rollbacks
+            planner = RollbackPlanner(RollbackPolicy(), checkpoints=Verified([1, 5]), jobs=tracker,
+                                      publisher=bus, background=background)
+            planner.request("j", ev, cause_seq)
+            while len(background):
+                await asyncio.sleep(0.01)
+            seqs.append(tracker.jobs["j"].directive.directive.event_seq)
+            report(tracker, step + 1, loss=1.0)
+        await background.cancel()
+        journal.close()
+        return seqs
+
+    first, second = asyncio.run(run())
+    assert 0 < first < second, (first, second)
 
 
 def _excursion_run(tracker: JobTracker, straggler_lag: int) -> tuple[list, list]:
