@@ -217,26 +217,37 @@ class ComputeChecks:
     def run(self, ctx: StepContext) -> Veto | None:
         self._steps += 1
         self._last_step = ctx.step
+        start = None
         if not self._determinism_checked:
             self._determinism_checked = True
             if not self._unreplayable(None):
-                self._check_replays()
+                start = self._check_replays()
         audit_due = (bool(self.audit_every) and ctx.step % self.audit_every == 0
                      and not self._unreplayable(None))
         try:
             if self.mask == "device":
                 self._settle_previous(defer=not audit_due)   # an audit's host verdict learns in order
-                if not audit_due:
+                if not audit_due and start is None:
                     return self._mask_on_device(ctx)
             rows = self.summaries.gather().cpu()
             self.summaries.clear()
-            return self._judge_now(ctx, rows, audit_due)
+            veto = self._judge_now(ctx, rows, audit_due)
+            if start is not None:        # GPUs computing wrong from the start: this step's update carries it
+                verdict = self.last_verdict
+                assert verdict is not None
+                self._suspicions += 1
+                self._record(ctx.step, "audit", start.faulty[0], start, True, verdict)
+                if veto is None:
+                    self._dropped += 1
+                    veto = Veto(self.name, self._why(verdict, [("audit", start.faulty[0], start)]))
+            return veto
         finally:
             self.replayer.end_step()              # the next retain() starts the next step's micro-batches
 
-    def _check_replays(self) -> None:
+    def _check_replays(self) -> Classification | None:
         """At the first step (a collective): replays are deterministic (else the rounding-aware bound), and
-        they reproduce the step they replay (compared with rank 0's and rank 1's own rows of this step)."""
+        they reproduce the step they replay (compared with rank 0's and rank 1's own rows of this step).
+        Returns the GPUs found computing wrong from the start (`classify_start`), or None."""
         try:
             exact = self.replayer.check_determinism(self.summaries.gather().cpu())
         except ReplayFailed as exc:     # a model a replay cannot run: as replays that do not reproduce
@@ -248,6 +259,8 @@ class ComputeChecks:
             logger.error("sdcwatch: compute replays do not reproduce this job's steps (%s); no GPU will be "
                          "named on a replay's evidence: audits are off and a suspect step is dropped "
                          "without a finding", self.replayer.why_not)
+            return None
+        return self.replayer.start_fault
 
     def _unreplayable(self, retained: Retained | None) -> str:
         """Why a step (`retained`, default this one) cannot be replayed; "" when it can. Replays that do not

@@ -130,6 +130,45 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
                           f"rank {suspect} recomputes its wrong result again; ranks {ref} agree on another")
 
 
+def classify_start(got: torch.Tensor) -> tuple[bool, Classification | None]:
+    """The first step's determinism check from every rank's two replays of rank 0's batch [world, 2, B, 4]
+    (host): whether replays compare exact fingerprints, and the GPUs found computing wrong (or None).
+
+    Every replay agrees bit for bit: exact. Each rank repeats its own result (no run-to-run variation: the
+    kernels are deterministic) and a strict majority of ranks agree while the others each get another result:
+    exact, and the others' GPUs compute wrong from the job's start (named `persistent`). Taking that for a
+    non-deterministic model would move every later comparison to the rounding bound, where such a GPU's
+    small fault hides for good. Anything else (a rank whose two replays differ, two ranks that disagree, no
+    majority): the rounding-aware bound. Pure."""
+    world = got.shape[0]
+    fps = [fingerprints_of(got[r, 0]) for r in range(world)]
+    if not repeats_own(got):
+        return False, None
+    groups: list[list[int]] = []               # ranks by the result they repeat
+    for r in range(world):
+        for g in groups:
+            if torch.equal(fps[g[0]], fps[r]):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    if len(groups) == 1:
+        return True, None
+    ref = max(groups, key=len)
+    if world < 3 or len(ref) * 2 <= world:
+        return False, None
+    dissent = tuple(sorted(r for r in range(world) if r not in ref))
+    return True, Classification(Cause.PERSISTENT, dissent, True,
+                                f"ranks {list(dissent)} each repeat their own gradient of rank 0's batch at the "
+                                f"first step, ranks {ref} agree on another: their GPUs compute wrong from the "
+                                "start (or run another GPU model or library)")
+
+
+def repeats_own(got: torch.Tensor) -> bool:
+    """Each rank's two replays of one batch [world, 2, B, 4] agree bit for bit (no run-to-run variation)."""
+    return all(torch.equal(fingerprints_of(got[r, 0]), fingerprints_of(got[r, 1])) for r in range(got.shape[0]))
+
+
 PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
 WITNESS_NEAR = 0.25     # the CPU witness names a GPU when its projection is this close to that GPU's result
 WITNESS_REUSE = 100     # symmetric suspicions after a CPU witness naming its GPU without asking the CPU
@@ -276,6 +315,7 @@ class Replayer:
         self.exact = True
         self.reproduces = True        # a replay of a step gives that step's gradient (check_determinism)
         self.by_backward = False      # replays by .backward() into stand-ins (reentrant checkpointing)
+        self.start_fault: Classification | None = None  # GPUs the first step's check found computing wrong
         self.why_not = ""
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
@@ -552,20 +592,40 @@ class Replayer:
                                   "every replay after it agrees with the original")
         return c
 
+    def _start_witness(self, retained: Retained) -> None:
+        """Two ranks at the first step, each GPU repeating its own gradient of rank 0's batch, the two
+        different: a GPU that computes wrong from the start, or GPUs whose arithmetic differs by rounding
+        (another model or library). The CPU witness tells them apart (a collective): a fault leaves the good
+        GPU's gradient far closer to the float64 one than the two are to each other (t near 0 or 1);
+        rounding leaves both about as close (t near 0.5). Named: exact stays on, the GPU is `start_fault`
+        (and the witness's answer is reused as in `classify_pair`); else the rounding-aware bound."""
+        t = self.witness(retained)
+        if not (t < WITNESS_NEAR or t > 1 - WITNESS_NEAR):
+            return
+        bad = 1 if t < WITNESS_NEAR else 0
+        self.exact = True
+        self._witnessed = (bad, WITNESS_REUSE)
+        self.start_fault = Classification(
+            Cause.PERSISTENT, (bad,), True,
+            f"each GPU repeats its own gradient of rank 0's batch at the first step and they differ; the CPU's "
+            f"float64 gradient sits at t={t:.3f} between GPU 0's (0) and GPU 1's (1): rank {bad}'s GPU computes "
+            "wrong from the start")
+
     def check_determinism(self, originals: torch.Tensor | None = None) -> bool:
         """Every rank replays rank 0's retained batch twice (a collective, after a first backward built the
-        bucket layout); exact comparisons stay on only if all the results agree bit for bit, else the
-        rounding-aware bound is used (`exact` False). `originals`: every rank's own rows of this step
+        bucket layout); exact comparisons stay on if all the results agree bit for bit, or if only GPUs that
+        each repeat a wrong result of their own disagree with a majority (`classify_start`: those are kept in
+        `start_fault`), else the rounding-aware bound is used (`exact` False). `originals`: every rank's own rows of this step
         [world, B, 4] (host): when rank 0's replay of its batch does not give its original, and (with two
         ranks or more) rank 1's replay of its own batch neither (one fault at this step does not turn the
         check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the likely
         reason)."""
         retained = self.fetch(0)
         got = self.replay_round(lambda: torch.stack([self.replay(retained), self.replay(retained)]))
-        first = fingerprints_of(got[0, 0])
-        self.exact = all(bool(torch.equal(fingerprints_of(got[r, k]), first))
-                         for r in range(got.shape[0]) for k in range(2))
+        self.exact, self.start_fault = classify_start(got)
         self.replays -= 2
+        if not self.exact and got.shape[0] == 2 and self.cpu_witness and repeats_own(got):
+            self._start_witness(retained)    # two GPUs, each repeating its own result: the CPU decides
         if originals is not None:
             why = [replay_mismatch(originals[0], got[0, 0], self.exact)]
             if why[0] and originals.shape[0] > 1:     # the same on every rank: the replays are collective

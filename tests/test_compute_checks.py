@@ -12,7 +12,7 @@ from rank_spawn import spawn
 from bench import compute_faults
 from checksums.compute_gate import _choose_mask
 from checksums.grad_checks import SpreadTracker, bucket_summary, stats_of
-from checksums.replay import Cause, audit_every, classify_pair_replays, classify_replays
+from checksums.replay import Cause, audit_every, classify_pair_replays, classify_replays, classify_start
 
 
 def _faults(argv: list[str]) -> dict:
@@ -288,6 +288,44 @@ def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed(
     gate._settle_previous(defer=True)                   # the next step learns the one left first
     assert gate.tracker.learned == learned + 1 and gate._learn_later is not None
     assert len(guard.skipped) == 1, "a step the device passed is not a skipped one"
+
+
+def _start(fps: list[tuple[int, int]]) -> torch.Tensor:
+    """Every rank's two replays of rank 0's batch at the first step: rank r's pair of fingerprints."""
+    return torch.stack([torch.stack([_rows(a, world=1)[0], _rows(b, world=1)[0]]) for a, b in fps])
+
+
+def test_the_first_steps_check_names_a_gpu_faulty_from_the_start_instead_of_calling_the_model_random():
+    """A GPU that computes wrong from the job's first step repeats its own result: with a strict majority
+    agreeing on another, it is named and replays stay exact (a faulty GPU used to turn exact comparisons off
+    for the whole run, its small fault then hidden under the rounding bound). Run-to-run variation on any
+    rank, two ranks that differ, or no majority: the rounding-aware bound, naming nobody."""
+    assert classify_start(_start([(10, 10)] * 3)) == (True, None)
+    exact, c = classify_start(_start([(10, 10), (10, 10), (99, 99)]))
+    assert exact and (c.cause, c.faulty, c.drop) == (Cause.PERSISTENT, (2,), True), c
+    exact, c = classify_start(_start([(99, 99), (10, 10), (10, 10), (10, 10)]))   # rank 0's own GPU
+    assert exact and c.faulty == (0,)
+    exact, c = classify_start(_start([(10, 10), (10, 10), (10, 10), (98, 98), (99, 99)]))
+    assert exact and c.faulty == (3, 4)
+    assert classify_start(_start([(10, 10), (10, 10), (10, 11)])) == (False, None)   # run to run: random
+    assert classify_start(_start([(10, 10), (99, 99)])) == (False, None)             # two: the CPU decides
+    assert classify_start(_start([(10, 10), (10, 10), (99, 99), (99, 99)])) == (False, None)   # no majority
+    assert classify_start(_start([(10, 10), (11, 11), (12, 12)])) == (False, None)
+
+
+@pytest.mark.parametrize("world,faulty", [(3, 2), (2, 1)])
+def test_a_gpu_faulty_from_the_first_step_is_named_at_it_and_the_replays_stay_exact(world, faulty):
+    """The harness with a persistent x1.01 fault on one element from step 1 (3 ranks: the majority decides;
+    2 ranks: the CPU witness): named `persistent` at step 1, that update dropped, replays exact, the later
+    audits of that rank find it again; without the fault the check stays exact and quiet."""
+    name = "mm one elem x1.01 persistent"
+    r = _faults(["--world", str(world), "--fault-rank", str(faulty), "--fault-step", "1", "--audit-every", "5",
+                 "--cases", name, "--clean", "20"])
+    hit = r[name]["caught"]["compute"]
+    assert hit == {"step": 1, "named": [faulty], "cause": "persistent", "dropped": True, "detector": "audit"}, hit
+    assert r[name]["mode"] == "exact" and r[name]["status"]["exact"], r[name]["mode"]
+    assert r[name]["status"]["suspicions"] >= 2, r[name]["status"]
+    assert r["clean"]["mode"] == "exact" and r["clean"]["status"]["suspicions"] == 0, r["clean"]
 
 
 def test_classify_pair_names_a_transient_by_its_non_repeating_original():
