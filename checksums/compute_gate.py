@@ -136,9 +136,12 @@ class ComputeChecks:
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)
         self.audit_every = audit_every
         where = [None] * self.world
-        dist.all_gather_object(where, (host if host is not None else socket.gethostname(), gpu_uuid),
-                               group=group)
-        self.where: list[tuple[str, str]] = [tuple(w) for w in where]  # type: ignore[misc]
+        dist.all_gather_object(where, (host if host is not None else socket.gethostname(), gpu_uuid,
+                                       _hardware(device)), group=group)
+        self.where: list[tuple[str, str]] = [(w[0], w[1]) for w in where]  # type: ignore[index]
+        # ranks on other GPU models (or CUDA, torch) round differently: the first step's check then names no
+        # GPU for computing its own result (checksums.replay.classify_start)
+        self.replayer.same_hardware = len({w[2] for w in where}) == 1  # type: ignore[index]
         self.findings: collections.deque[ComputeFinding] = collections.deque(maxlen=max_findings)
         self._unreported: collections.deque[ComputeFinding] = collections.deque(maxlen=64)
         self._last_audit: dict[int, int] = {}      # rank -> the step of its last audit that passed
@@ -572,6 +575,13 @@ class _LearnAfter:
         owner = self._owner()
         if owner is not None:
             owner._learn_deferred()
+
+
+def _hardware(device: torch.device) -> str:
+    """What makes two ranks' arithmetic round alike: the GPU model and the CUDA and torch builds."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}|cuda {torch.version.cuda}|torch {torch.__version__}"
+    return f"{device.type}|torch {torch.__version__}"
 
 
 def _is_fsdp(model: nn.Module) -> bool:

@@ -130,7 +130,7 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
                           f"rank {suspect} recomputes its wrong result again; ranks {ref} agree on another")
 
 
-def classify_start(got: torch.Tensor) -> tuple[bool, Classification | None]:
+def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool, Classification | None]:
     """The first step's determinism check from every rank's two replays of rank 0's batch [world, 2, B, 4]
     (host): whether replays compare exact fingerprints, and the GPUs found computing wrong (or None).
 
@@ -139,7 +139,8 @@ def classify_start(got: torch.Tensor) -> tuple[bool, Classification | None]:
     exact, and the others' GPUs compute wrong from the job's start (named `persistent`). Taking that for a
     non-deterministic model would move every later comparison to the rounding bound, where such a GPU's
     small fault hides for good. Anything else (a rank whose two replays differ, two ranks that disagree, no
-    majority): the rounding-aware bound. Pure."""
+    majority, or ranks on different GPU models or CUDA or torch builds: `same_hardware` False, where rounding
+    differs by design): the rounding-aware bound. Pure."""
     world = got.shape[0]
     fps = [fingerprints_of(got[r, 0]) for r in range(world)]
     if not repeats_own(got):
@@ -155,7 +156,7 @@ def classify_start(got: torch.Tensor) -> tuple[bool, Classification | None]:
     if len(groups) == 1:
         return True, None
     ref = max(groups, key=len)
-    if world < 3 or len(ref) * 2 <= world:
+    if world < 3 or len(ref) * 2 <= world or not same_hardware:
         return False, None
     dissent = tuple(sorted(r for r in range(world) if r not in ref))
     return True, Classification(Cause.PERSISTENT, dissent, True,
@@ -316,6 +317,7 @@ class Replayer:
         self.reproduces = True        # a replay of a step gives that step's gradient (check_determinism)
         self.by_backward = False      # replays by .backward() into stand-ins (reentrant checkpointing)
         self.start_fault: Classification | None = None  # GPUs the first step's check found computing wrong
+        self.same_hardware = True     # every rank's GPU model, CUDA and torch alike (the gate says; see there)
         self.why_not = ""
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
@@ -622,9 +624,10 @@ class Replayer:
         reason)."""
         retained = self.fetch(0)
         got = self.replay_round(lambda: torch.stack([self.replay(retained), self.replay(retained)]))
-        self.exact, self.start_fault = classify_start(got)
+        self.exact, self.start_fault = classify_start(got, self.same_hardware)
         self.replays -= 2
-        if not self.exact and got.shape[0] == 2 and self.cpu_witness and repeats_own(got):
+        if (not self.exact and got.shape[0] == 2 and self.cpu_witness and self.same_hardware
+                and repeats_own(got)):
             self._start_witness(retained)    # two GPUs, each repeating its own result: the CPU decides
         if originals is not None:
             why = [replay_mismatch(originals[0], got[0, 0], self.exact)]
