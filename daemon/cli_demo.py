@@ -2,7 +2,8 @@
 
 Starts the agent on the embedded defaults (unless `--socket` names a running one), trains a small GPT on
 the Python standard library's source text with N data-parallel ranks (gloo on CPU, NCCL on GPUs), each
-with the Monitor and in-memory checkpoints, injects the planned faults, shows what is detected as it
+with the Monitor, the compute checks and in-memory checkpoints, injects the planned faults (a weight bit
+flip, a wrong gradient element in one rank's backward, a corrupted data range), shows what is detected as it
 happens, and writes a report (loss curve PNG, summary JSON, the event journal) into `--out`.
 Exit 0 only if every injected fault was detected and training finished.
 
@@ -53,6 +54,9 @@ def register(sub: Any) -> None:
     p.add_argument("--no-faults", action="store_true", help="inject nothing (a clean run detects nothing)")
     p.add_argument("--flip-step", type=int, default=60, help="step after which a weight bit flips (-1: none)")
     p.add_argument("--flip-rank", type=int, default=None, help="rank whose weights flip (default: the last)")
+    p.add_argument("--compute-step", type=int, default=100, help="step whose backward computes one wrong "
+                   "gradient element on one rank (-1: none)")
+    p.add_argument("--compute-rank", type=int, default=0, help="rank of the compute fault (default 0)")
     p.add_argument("--bad-data-start", type=int, default=150, help="first corrupted batch (-1: none)")
     p.add_argument("--bad-data-length", type=int, default=100, help="corrupted batches in a row")
     p.add_argument("--xid-at", type=float, default=-1, help="XID 79 on one simulated GPU at this many seconds "
@@ -158,14 +162,16 @@ class EventFollower(threading.Thread):
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_faults:
-        return {"bitflips": [], "bad_data": []}
-    flips, bad = [], []
+        return {"bitflips": [], "bad_data": [], "compute": []}
+    flips, bad, compute = [], [], []
     if 0 <= args.flip_step < args.steps:
         rank = args.ranks - 1 if args.flip_rank is None else args.flip_rank
         flips.append({"step": args.flip_step, "rank": rank, "param": "", "index": 7, "bit": 21})
     if 0 <= args.bad_data_start < args.steps:
         bad.append({"start": args.bad_data_start, "length": args.bad_data_length})
-    return {"bitflips": flips, "bad_data": bad}
+    if 0 < args.compute_step < args.steps:
+        compute.append({"step": args.compute_step, "rank": args.compute_rank, "value": 1e4})
+    return {"bitflips": flips, "bad_data": bad, "compute": compute}
 
 
 def cuda_devices(timeout_s: float = 120.0) -> int:
@@ -190,6 +196,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.steps < 10:
         print("sdcwatch demo: --steps must be at least 10", file=sys.stderr)
         return 2
+    for flag, rank in (("--flip-rank", args.flip_rank), ("--compute-rank", args.compute_rank)):
+        if rank is not None and not 0 <= rank < args.ranks:
+            print(f"sdcwatch demo: {flag} {rank} is not a rank of {args.ranks} (0..{args.ranks - 1})",
+                  file=sys.stderr)
+            return 2
     if not available("torch"):
         print(f"sdcwatch demo: {needs('torch')}", file=sys.stderr)
         return 2

@@ -7,12 +7,16 @@ and the detectors see only the consequences, as they would in production:
   on rank `rank` (a silent corruption of one replica's weights, as a faulty GPU would leave them);
 - `bad_data`: batches with data index in [start, start + length) have their targets replaced by
   random tokens (a corrupted data shard: the loss jumps and stays up while it lasts);
+- `compute`: in the backward of `step` on rank `rank`, one element of the gradient arriving at the first
+  block's MLP output is set to `value` (a wrong result of the GPU's arithmetic: the replicas stay identical,
+  the all-reduce would average it into all of them; the compute checks see it before the reduction);
 - `xid`: an XID event on one GPU at a scenario time (only with the scenario NVML backend; the agent's
   scenario file carries it, see `daemon.demo.scenario`, written by the `sdcwatch demo` command).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -33,18 +37,43 @@ class BadData:
 
 
 @dataclasses.dataclass(frozen=True)
+class ComputeFault:
+    step: int
+    rank: int
+    value: float = 1e4       # the wrong gradient element (the true ones are about 1e-3)
+
+
+@dataclasses.dataclass(frozen=True)
 class FaultPlan:
     bitflips: tuple[BitFlip, ...] = ()
     bad_data: tuple[BadData, ...] = ()
+    compute: tuple[ComputeFault, ...] = ()
 
     def to_json(self) -> dict[str, object]:
         return {"bitflips": [dataclasses.asdict(b) for b in self.bitflips],
-                "bad_data": [dataclasses.asdict(b) for b in self.bad_data]}
+                "bad_data": [dataclasses.asdict(b) for b in self.bad_data],
+                "compute": [dataclasses.asdict(c) for c in self.compute]}
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> "FaultPlan":
         return cls(bitflips=tuple(BitFlip(**b) for b in data.get("bitflips", [])),  # type: ignore[arg-type]
-                   bad_data=tuple(BadData(**b) for b in data.get("bad_data", [])))  # type: ignore[arg-type]
+                   bad_data=tuple(BadData(**b) for b in data.get("bad_data", [])),  # type: ignore[arg-type]
+                   compute=tuple(ComputeFault(**c) for c in data.get("compute", [])))  # type: ignore[arg-type]
+
+
+class _WrongGradient(torch.autograd.Function):
+    """Identity forward; in the backward one element of the incoming gradient becomes `value`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, value: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.value = value
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.clone()
+        grad.view(-1)[3] = ctx.value
+        return grad, None
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[int, int]:
@@ -72,6 +101,30 @@ class Injector:
         self.rank = rank
         self.seed = seed
         self.done: set[BitFlip] = set()
+        self.armed: ComputeFault | None = None
+        self.computed: set[ComputeFault] = set()
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """The compute faults' place: the output of the first block's MLP (`blocks.0.fc`)."""
+        model.get_submodule("blocks.0.fc").register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if self.armed is None or not torch.is_grad_enabled():
+            return None
+        return _WrongGradient.apply(out, self.armed.value)
+
+    def before_forward(self, step: int) -> list[dict[str, object]]:
+        """Arm this rank's compute fault scheduled for `step` (once each) for the forward and backward that
+        follow; `after_backward` disarms it (a transient fault: the checks' replays compute right)."""
+        for fault in self.plan.compute:
+            if fault.step == step and fault.rank == self.rank and fault not in self.computed:
+                self.computed.add(fault)
+                self.armed = fault
+                return [{"kind": "compute", "step": step, "rank": self.rank, "value": fault.value}]
+        return []
+
+    def after_backward(self) -> None:
+        self.armed = None
 
     def after_optimizer_step(self, step: int, model: torch.nn.Module) -> list[dict[str, object]]:
         """Apply this rank's bit flips scheduled for `step` (once each, even if the step is re-run)."""

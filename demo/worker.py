@@ -1,5 +1,5 @@
-"""One data-parallel rank of `sdcwatch demo`: trains the small GPT with the Monitor and in-memory
-checkpoints, applies the fault plan, and rolls back when the vote or the agent says so.
+"""One data-parallel rank of `sdcwatch demo`: trains the small GPT with the Monitor, the compute checks and
+in-memory checkpoints, applies the fault plan, and rolls back when the vote or the agent says so.
 
 Run by the demo orchestrator as `python -m demo.worker SPEC.json` with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set. Writes JSON lines to `<out>/rank<R>.jsonl` (rank 0: one per step).
@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from checkpoint.client import CheckpointClient
+from checksums.compute_gate import ComputeChecks
 from checksums.monitor import Monitor
 from demo.data import Batches, load_corpus
 from demo.faults import FaultPlan, Injector
@@ -73,6 +74,10 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
     sock = spec["socket"]
     monitor = Monitor.attach(ddp, opt, job_id=spec["job_id"], agent_socket=sock, every=1,
                              gpu_uuid=uuids[rank] if rank < len(uuids) else None)
+    # each rank's gradient compared across ranks before the all-reduce, a suspect update held back and replayed
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=gpt_loss, monitor=monitor,
+                                  gpu_uuid=uuids[rank] if rank < len(uuids) else "")
+    injector.attach(model)
     ckpt = CheckpointClient.connect(spec["job_id"], rank, world, target=sock, deadline_s=10, guard=monitor.guard)
     steps, every = int(spec["steps"]), int(spec.get("ckpt_every", 10))
     step, data_index, iteration = 0, 0, 0
@@ -83,9 +88,13 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
         x, y = batches.get(data_index, rank)
         x, y, bad = injector.batch(data_index, x, y, cfg.vocab_size)
         x, y = x.to(device), y.to(device)
+        checks.retain((x, y))
+        for rec in injector.before_forward(step):
+            log.write(event="injected", **rec)
         _, loss = ddp(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        injector.after_backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         for rec in injector.after_optimizer_step(step, model):
@@ -144,10 +153,19 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
     ckpt.wait(timeout=30)
     monitor.close(timeout=5)
     stats = monitor.stats
+    cs = checks.status()
     log.write(event="finished", rank=rank, step=step, iterations=iteration, checks=stats.checks_run,
-              mismatches=stats.mismatches, dropped=stats.reports_dropped)
+              mismatches=stats.mismatches, dropped=stats.reports_dropped,
+              compute={"mode": checks.mode(), "suspicions": cs.suspicions, "dropped": cs.dropped,
+                       "audits": cs.audits, "replays": cs.replays})
     ckpt.close()
     return 0
+
+
+def gpt_loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The step's loss from the bare model and a retained batch (the compute checks' replays)."""
+    x, y = batch
+    return module(x, y)[1]
 
 
 def _all_reduce_max(t: torch.Tensor, device: torch.device) -> torch.Tensor:

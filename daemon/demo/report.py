@@ -84,6 +84,9 @@ class Display:
                             progress.update(task, completed=rec["step"] + 1,
                                             description=f"step {rec['step']:>4}  loss {rec['loss']:.3f}"
                                                         + ("  [bad batch]" if rec.get("bad_batch") else ""))
+                        elif rec.get("event") == "injected" and rec.get("kind") == "compute":
+                            self.info(f"[magenta]INJECTED[/] a wrong gradient element ({rec['value']:g}) in rank "
+                                      f"{rec['rank']}'s backward of step {rec['step']}")
                         elif rec.get("event") == "injected":
                             self.info(f"[magenta]INJECTED[/] bit {rec['bit']} of {rec['param']}[{rec['index']}] "
                                       f"flipped on rank {rec['rank']} after step {rec['step']}")
@@ -127,6 +130,10 @@ class Display:
         c.print(f"training finished: {'yes' if s['finished'] else 'NO'} ({s['iterations']} iterations for "
                 f"{s['steps']} steps, {s['wall_s']:.1f}s); critical events: {len(s['critical_events'])}; "
                 f"replicas equal at the end: {s['replicas_equal_at_end']}")
+        cc = s.get("compute_checks")
+        if cc:
+            c.print(f"compute checks (rank 0): replays {cc['mode']}; {cc['suspicions']} suspicion(s), "
+                    f"{cc['dropped']} update(s) dropped, {cc['audits']} audit(s)")
         for d in s["detections"]:
             if d.get("checkpoint_at_step"):
                 c.print(f"checkpoint at step {d['step']} (the bit flip's step): {d['checkpoint_at_step']}")
@@ -155,7 +162,7 @@ def build_summary(out: Path, plan: dict[str, Any], events: list[dict[str, Any]],
     rollbacks = [r for r in rank0 if r.get("event") == "rollback"]
     by_step_time = {r["step"]: r["t"] for r in steps_log}
     detections = []
-    for inj in injected:
+    for inj in [i for i in injected if i.get("kind") == "bitflip"]:
         hit = next((e for e in events if e.get("kind") == "replica.mismatch"
                     and _num(e.get("details", {}), "step", -1) >= inj["step"]
                     and any(_num(s, "rank") == inj["rank"] for s in e.get("details", {}).get("suspects", []))), None)
@@ -173,6 +180,18 @@ def build_summary(out: Path, plan: dict[str, Any], events: list[dict[str, Any]],
             "time_to_detect_s": (hit["time"] - inj["t"]) if hit else None,
             "restore": f"step {rb['to_step']} in {rb['seconds']:.2f}s" if rb else "-",
             "suspect_gpu": next((s.get("gpu_uuid") for s in hit["details"]["suspects"]), "") if hit else ""})
+    for inj in [i for i in injected if i.get("kind") == "compute"]:
+        hit = next((e for e in events if e.get("kind") == "compute.fault"
+                    and _num(e.get("details", {}), "step", -1) >= inj["step"]
+                    and any(_num(f, "rank") == inj["rank"] for f in e.get("details", {}).get("faulty", []))), None)
+        d = hit.get("details", {}) if hit else {}
+        detections.append({
+            "fault": f"compute fault in rank {inj['rank']}'s backward", "step": inj["step"],
+            "by": f"compute check ({d.get('detector')}, {d.get('cause')})" if hit else None,
+            "detected_step": _num(d, "step") if hit else None,
+            "time_to_detect_s": (hit["time"] - inj["t"]) if hit else None,
+            "restore": ("update dropped" if d.get("dropped") else "update applied") if hit else "-",
+            "suspect_gpu": next((f.get("gpu_uuid") for f in d.get("faulty", [])), "") if hit else ""})
     for bad in plan.get("bad_data", []):
         first = next((r for r in steps_log if r.get("bad_batch")), None)
         hit = next((e for e in events if e.get("kind", "").startswith("loss.")
@@ -209,7 +228,8 @@ def build_summary(out: Path, plan: dict[str, Any], events: list[dict[str, Any]],
         "rollbacks": rollbacks, "critical_events": [{"kind": e["kind"], "message": e.get("message", "")}
                                                     for e in critical],
         "would_page": sorted({e["kind"] for e in critical}), "replicas_equal_at_end": bool(last_votes) and all(last_votes),
-        "gpus": gpus, "first_step_time": by_step_time.get(0)}
+        "gpus": gpus, "first_step_time": by_step_time.get(0),
+        "compute_checks": next((r.get("compute") for r in rank0 if r.get("event") == "finished"), None)}
 
 
 def write_report(out: Path, summary: dict[str, Any], events: list[dict[str, Any]]) -> None:
