@@ -145,6 +145,7 @@ class ComputeChecks:
         self.findings: collections.deque[ComputeFinding] = collections.deque(maxlen=max_findings)
         self._unreported: collections.deque[ComputeFinding] = collections.deque(maxlen=64)
         self._last_audit: dict[int, int] = {}      # rank -> the step of its last audit that passed
+        self._first_step = 1                       # the first step this process judged (a resumed job's > 1)
         self.last_verdict: StatsVerdict | None = None
         self._steps = 0
         self._suspicions = 0
@@ -223,6 +224,7 @@ class ComputeChecks:
         start = None
         if not self._determinism_checked:
             self._determinism_checked = True
+            self._first_step = ctx.step
             if not self._unreplayable(None):
                 start = self._check_replays()
         audit_due = (bool(self.audit_every) and ctx.step % self.audit_every == 0
@@ -516,7 +518,9 @@ class ComputeChecks:
         score = verdict.scores[suspect] if suspect < len(verdict.scores) else 0.0
         where = tuple((r, *self.where[r]) for r in c.faulty)
         # an audit finds what may have slipped through since the rank's last clean audit
-        since = self._last_audit.get(suspect, 0) + 1 if detector == "audit" else step
+        # (before the rank's first clean audit: from this process's first step; a resumed job's earlier steps
+        # were judged by the audits of the process that trained them)
+        since = self._last_audit.get(suspect, self._first_step - 1) + 1 if detector == "audit" else step
         finding = ComputeFinding(step=step, detector=detector, suspect=suspect, cause=c.cause.value,
                                  faulty=c.faulty, dropped=drop, detail=c.detail, score=score,
                                  bucket=verdict.bucket, stat=verdict.stat, where=where, since_step=since)

@@ -617,8 +617,8 @@ class Replayer:
         """Every rank replays rank 0's retained batch twice (a collective, after a first backward built the
         bucket layout); exact comparisons stay on if all the results agree bit for bit, or if only GPUs that
         each repeat a wrong result of their own disagree with a majority (`classify_start`: those are kept in
-        `start_fault`), else the rounding-aware bound is used (`exact` False). `originals`: every rank's own rows of this step
-        [world, B, 4] (host): when rank 0's replay of its batch does not give its original, and (with two
+        `start_fault`), else the rounding-aware bound is used (`exact` False). `originals`: every rank's own
+        rows of this step [world, B, 4] (host): when rank 0's replay of its batch does not give its original, and (with two
         ranks or more) rank 1's replay of its own batch neither (one fault at this step does not turn the
         check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the likely
         reason)."""

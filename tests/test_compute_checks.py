@@ -1095,3 +1095,26 @@ def test_the_checks_follow_ddps_options(tmp_path) -> None:
         for option, c in res.items():
             assert c["same_before"] and c["mode"] == "exact" and c["audits"] >= 3, (option, c)
             assert c["findings"] == [[18, "stats", "transient", [1]]], (option, c)
+
+
+def test_an_audit_before_the_first_clean_one_dates_the_fault_from_this_processs_first_step():
+    """`since_step` of an audit finding is the rank's last clean audit + 1; before the first one, this
+    process's first step: a fresh job's 1, a resumed job's first step after its restore (the steps before it
+    were judged by the process that trained them: one finding must not take every VERIFIED checkpoint)."""
+    import collections
+
+    from checksums.compute_gate import ComputeChecks
+    from checksums.grad_checks import StatsVerdict
+    from checksums.replay import Classification
+
+    gate = object.__new__(ComputeChecks)
+    gate.rank, gate.where = 0, [("h0", "GPU-0"), ("h1", "GPU-1"), ("h2", "GPU-2")]
+    gate.findings, gate._unreported = collections.deque(), collections.deque()
+    verdict = StatsVerdict(scores=(0.0, 0.0, 0.0), outliers=(), nonfinite=())
+    c = Classification(Cause.PERSISTENT, (1,), True, "injected")
+    for first, last_audit, step, since in ((1, {}, 40, 1), (5001, {}, 5001, 5001), (5001, {1: 5010}, 5020, 5011)):
+        gate._first_step, gate._last_audit = first, last_audit
+        gate._record(step, "audit", 1, c, True, verdict)
+        assert gate.findings[-1].since_step == since, (first, last_audit, gate.findings[-1])
+    gate._record(5030, "stats", 1, c, True, verdict)
+    assert gate.findings[-1].since_step == 5030            # a fault seen on its step dates from it
