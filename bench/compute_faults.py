@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.paired import paired_interval
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
+from demo.faults import BackwardFault
 from checksums.compute_gate import ComputeChecks
 from checksums.device_mask import DeviceMask
 from checksums.device_verdict import DeviceVerdict
@@ -126,24 +127,6 @@ def corrupt(t: torch.Tensor, case: Case) -> None:
             flat[::32] *= case.value
         elif case.how == "zero":
             t2[:, 3] = 0.0
-
-
-class BackwardFault(torch.autograd.Function):
-    """The faulty GPU in the backward: identity forward; the gradient arriving at the target layer's output
-    (the dgrad of the layer after it, what the target's own dW and dX matmuls consume) is corrupted by the
-    case. Applied where the target's forward ran with the fault on, so a persistent fault also hits the
-    replays' backward (the same GPU computes wrong again)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, case: Case) -> torch.Tensor:  # type: ignore[override]
-        ctx.case = case
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        grad = grad.clone()
-        corrupt(grad, ctx.case)
-        return grad, None
 
 
 class _Sink:
@@ -301,7 +284,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         if case.where == "mm" and not sdcguard:
             corrupt(out, case)
         elif case.where == "bwd":       # a backward fault (with --sdcguard too: outside its checked matmuls)
-            return BackwardFault.apply(out, case)
+            # the gradient reaching the target's output (what its dW and dX matmuls consume); applied where
+            # the target's forward ran with the fault on, so a persistent one hits the replays' backward too
+            return BackwardFault.apply(out, lambda grad: corrupt(grad, case))
         return None
 
     def grad_inject(idx: int, buf: torch.Tensor) -> None:

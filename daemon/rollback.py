@@ -100,22 +100,24 @@ class RollbackPlanner:
                              verified)
             return
         skip = max(0, decision.skip_to_step - (decision.target_step + 1))
-        directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
-                                 skip_batches=skip, reason=decision.reason, event_seq=seq)
-        if not self.jobs.set_directive(job, directive, ev.start_step, self.clock(), restores_at):
-            return   # the job went back before the anomaly while this was planned: nothing to do
-        self._announced(directive, self.publisher.publish(
-            ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step {decision.target_step}, "
-            f"skip {skip} batches ({decision.reason})",
-            {"job_id": job, "target_step": decision.target_step, "skip_batches": skip, "cause_seq": seq}))
+        self._direct(job, pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=decision.target_step,
+                                       skip_batches=skip, reason=decision.reason, event_seq=seq),
+                     ev.start_step, restores_at, ek.JOB_ROLLBACK_DIRECTIVE,
+                     f"rollback directive: restore step {decision.target_step}, skip {skip} batches "
+                     f"({decision.reason})",
+                     {"job_id": job, "target_step": decision.target_step, "skip_batches": skip, "cause_seq": seq})
 
-    @staticmethod
-    def _announced(directive: pb.Directive, event: Any) -> None:
-        """The directive's `event_seq` becomes its own announcing event's: fresh and increasing for every
-        directive. The ranks agree on a directive by its seq and act on each seq once, in order
-        (`Monitor.agreed_directive`), so a cause's seq will not do: a cause folded into a repeat count has
-        none (0), and a directive with 0 after one the job already took would never be agreed, holding every
-        later directive behind it. Set before any await: no report is handed the directive in between."""
+    def _direct(self, job: str, directive: pb.Directive, anomaly_start: int, restores_at: int | None,
+                kind: ek.EventKind, message: str, details: dict[str, Any]) -> None:
+        """Hand `directive` to the tracker (nothing more when the plan is stale: the job went back before
+        the anomaly meanwhile) and announce it. Its `event_seq` becomes the announcing event's own: fresh and
+        increasing for every directive. The ranks agree on a directive by its seq and act on each seq once,
+        in order (`Monitor.agreed_directive`), so a cause's seq will not do: a cause folded into a repeat
+        count has none (0), and a directive with 0 after one the job already took would never be agreed,
+        holding every later directive behind it. Set before any await: no report is handed it in between."""
+        if not self.jobs.set_directive(job, directive, anomaly_start, self.clock(), restores_at):
+            return
+        event = self.publisher.publish(kind, f"job/{job}", message, details)
         if event is not None:
             directive.event_seq = event.seq
 
@@ -137,14 +139,11 @@ class RollbackPlanner:
                        "GPU from its start, or from a checkpoint you have checked")
         reason = (f"{inc.cause} compute fault at step {inc.step} on {inc.who} (its updates are suspect from "
                   f"step {inc.first_step}): the job stops; {restart}")
-        directive = pb.Directive(kind=pb.Directive.KIND_STOP, target_step=target, skip_batches=0,
-                                 reason=reason, event_seq=seq)
-        if not self.jobs.set_directive(job, directive, inc.first_step, self.clock(), restores_at):
-            return
-        self._announced(directive, self.publisher.publish(
-            ek.JOB_STOP_DIRECTIVE, f"job/{job}", f"stop directive: {reason}",
-            {"job_id": job, "target_step": target, "verified": bool(older), "first_step": inc.first_step,
-             "step": inc.step, "cause": inc.cause, "gpu_uuids": list(inc.gpus), "cause_seq": seq}))
+        self._direct(job, pb.Directive(kind=pb.Directive.KIND_STOP, target_step=target, skip_batches=0,
+                                       reason=reason, event_seq=seq),
+                     inc.first_step, restores_at, ek.JOB_STOP_DIRECTIVE, f"stop directive: {reason}",
+                     {"job_id": job, "target_step": target, "verified": bool(older), "first_step": inc.first_step,
+                      "step": inc.step, "cause": inc.cause, "gpu_uuids": list(inc.gpus), "cause_seq": seq})
 
     def _impossible(self, job: str, ev: LossEvent | MismatchIncident, why: str,
                     verified: list[int] | None = None) -> None:
@@ -171,13 +170,11 @@ class RollbackPlanner:
         target = max(older)
         reason = (f"replica mismatch from step {inc.first_step} ({inc.method}, {inc.replicas} replicas): roll "
                   f"back to verified step {target} and replay the batches since")
-        directive = pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=target, skip_batches=0,
-                                 reason=reason, event_seq=seq)
-        if not self.jobs.set_directive(job, directive, inc.first_step, self.clock(), restores_at):
-            return
-        self._announced(directive, self.publisher.publish(
-            ek.JOB_ROLLBACK_DIRECTIVE, f"job/{job}", f"rollback directive: restore step {target}, skip 0 "
-            f"batches ({reason})", {"job_id": job, "target_step": target, "skip_batches": 0, "cause_seq": seq}))
+        self._direct(job, pb.Directive(kind=pb.Directive.KIND_ROLLBACK, target_step=target, skip_batches=0,
+                                       reason=reason, event_seq=seq),
+                     inc.first_step, restores_at, ek.JOB_ROLLBACK_DIRECTIVE,
+                     f"rollback directive: restore step {target}, skip 0 batches ({reason})",
+                     {"job_id": job, "target_step": target, "skip_batches": 0, "cause_seq": seq})
 
 
 def _start(ev: LossEvent | MismatchIncident) -> int:

@@ -16,6 +16,7 @@ and the detectors see only the consequences, as they would in production:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,18 +62,22 @@ class FaultPlan:
                    compute=tuple(ComputeFault(**c) for c in data.get("compute", [])))  # type: ignore[arg-type]
 
 
-class _WrongGradient(torch.autograd.Function):
-    """Identity forward; in the backward one element of the incoming gradient becomes `value`."""
+class BackwardFault(torch.autograd.Function):
+    """A fault in the backward: identity forward; the gradient arriving at the tensor it is applied to (a
+    layer's output: what that layer's dW and dX matmuls consume) is copied and `corrupt` changes the copy
+    in place. Applied in a forward hook, it hits every backward through that forward (a replay's too, if
+    the hook applies it there: a persistent fault)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, value: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.value = value
+    def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
+                corrupt: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.corrupt = corrupt
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         grad = grad.clone()
-        grad.view(-1)[3] = ctx.value
+        ctx.corrupt(grad)
         return grad, None
 
 
@@ -111,7 +116,8 @@ class Injector:
     def _hook(self, module: torch.nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
         if self.armed is None or not torch.is_grad_enabled():
             return None
-        return _WrongGradient.apply(out, self.armed.value)
+        value = self.armed.value
+        return BackwardFault.apply(out, lambda grad: grad.view(-1).__setitem__(3, value))
 
     def before_forward(self, step: int) -> list[dict[str, object]]:
         """Arm this rank's compute fault scheduled for `step` (once each) for the forward and backward that

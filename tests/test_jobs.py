@@ -116,14 +116,20 @@ class Verified:
         return list(self.steps)
 
 
+def _planning(tmp_path: Path) -> tuple[Journal, EventBus, Background, JobTracker]:
+    """In a running loop: a journal, the bus on it, a Background for the planner, and a tracker whose job
+    "j" reported a clean first step."""
+    journal = Journal(tmp_path / "journal").open()
+    bus = EventBus(journal, host="n0")
+    bus.bind_loop(asyncio.get_running_loop())
+    tracker = JobTracker(rollback=RollbackPolicy())
+    report(tracker, 1, loss=1.0)
+    return journal, bus, Background(), tracker
+
+
 def test_the_rollback_planner_hands_the_directive_to_the_tracker(tmp_path: Path) -> None:
     async def run() -> tuple[list[tuple[str, dict]], JobTracker]:
-        journal = Journal(tmp_path / "journal").open()
-        bus = EventBus(journal, host="n0")
-        bus.bind_loop(asyncio.get_running_loop())
-        background = Background()
-        tracker = JobTracker(rollback=RollbackPolicy())
-        report(tracker, 1, loss=1.0)
+        journal, bus, background, tracker = _planning(tmp_path)
         out = report(tracker, 2, loss=math.nan)
         assert out is not None
         (index, ev), = out.rollbacks
@@ -155,12 +161,7 @@ def test_every_directive_gets_a_fresh_seq_even_when_its_cause_was_folded(tmp_pat
     taken any directive before never agree on (and which holds every later directive behind it). Each
     directive's seq is now its own announcing event's, increasing."""
     async def run() -> list[int]:
-        journal = Journal(tmp_path / "journal").open()
-        bus = EventBus(journal, host="n0")
-        bus.bind_loop(asyncio.get_running_loop())
-        background = Background()
-        tracker = JobTracker(rollback=RollbackPolicy())
-        report(tracker, 1, loss=1.0)
+        journal, bus, background, tracker = _planning(tmp_path)
         seqs = []
         for step, cause_seq in ((2, 1), (10, 0)):         # the second cause folded: no seq of its own
             out = report(tracker, step, loss=math.nan)
