@@ -405,6 +405,11 @@ want computepair && [ "$NGPU" -ge 2 ] && step compute-pair 300 env CUBLAS_WORKSP
   --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --model gpt2 --cases h200 --sdcguard 20
 want computepair && [ "$NGPU" -ge 2 ] && step compute-pair-clean 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
   --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --model gpt2 --cases none --clean 2000
+# a GPU faulty from the first step (x1.01 on one element of rank 1's forward from step 1): named at step 1
+# through the CPU witness (float64 GPT-2 small on the host), replays exact after it (CPU: tests/test_compute_checks.py)
+want computepair && [ "$NGPU" -ge 2 ] && step compute-pair-start 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
+  --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --model gpt2 --fault-step 1 --audit-every 5 \
+  --cases "mm one elem x1.01 persistent"
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
