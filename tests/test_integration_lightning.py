@@ -32,7 +32,8 @@ FAULT = 40          # the optimizer step whose forward is faulty on rank 1 (afte
 
 
 def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool, compute: Any = False,
-            fault: bool = False, accumulate: int = 1, precision: str = "32-true") -> None:
+            fault: bool = False, accumulate: int = 1, precision: str = "32-true",
+            persistent: bool = False) -> None:
     torchrun_env(rank, world, port, socket)
     import lightning as L
 
@@ -63,6 +64,10 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
             if fault and rank == 1 and not faulted and sdc.session.guard.step == FAULT - 1:
                 faulted.append(sdc.session.guard.step + 1)
                 grad = grad.clone()
+                grad.view(-1)[7] = 100.0
+                return grad
+            if persistent and rank == 1 and sdc.session.guard.step >= FAULT - 1:   # every backward from
+                grad = grad.clone()                                                 # FAULT on, replays too
                 grad.view(-1)[7] = 100.0
                 return grad
             return None
@@ -105,6 +110,8 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
             scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
             out["scale"] = float(scaler.get_scale()) if scaler is not None else None
         out["faulted"] = faulted
+        stop = sess.stopped
+        out["stopped"] = None if stop is None else {"target": stop.target_step, "reason": stop.reason}
     finally:
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
         import torch.distributed as dist
@@ -156,6 +163,30 @@ def test_lightning_compute_checks_drop_a_faulty_forward_and_name_the_rank(short_
         assert r["identical"] and not r["rollbacks"] and r["final_step"] == STEPS, r
     faults = [line for line in lines if "compute.fault" in line]
     assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
+
+
+def test_lightning_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, tmp_path: Path) -> None:
+    """Rank 1's GPU computes one gradient element wrong in every backward from step FAULT (its replays too):
+    the checks name it `persistent` (two ranks: each GPU repeats its own result; the CPU witness decides),
+    the agent's STOP directive reaches both ranks at the same step, the Trainer stops there (its stop flag)
+    and `session.stopped` holds the directive: the newest VERIFIED checkpoint before the fault to restart
+    from, the GPU named in its reason."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, False, 1, "32-true", True)
+        lines = settled_journal(agent)
+        states = checkpoint_states(agent, JOB)
+    finally:
+        agent.stop()
+    stops = [r["stopped"] for r in res]
+    assert all(stops) and stops[0] == stops[1], (stops, [line for line in lines if "stop" in line][-5:])
+    assert res[0]["final_step"] == res[1]["final_step"] < STEPS, [r["final_step"] for r in res]
+    assert stops[0]["target"] < FAULT and states.get(stops[0]["target"]) == "VERIFIED", (stops[0], states)
+    assert "persistent compute fault" in stops[0]["reason"] and "rank 1" in stops[0]["reason"], stops[0]
+    assert any("job.stop_directive" in line for line in lines)
+    for r in res:
+        named = [f for f in r["findings"] if f["cause"] == "persistent"]
+        assert named and named[0]["faulty"] == [1], r["findings"]
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
