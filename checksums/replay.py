@@ -102,7 +102,10 @@ def _equal(a: torch.Tensor, b: torch.Tensor, exact: bool, rtol: float) -> bool:
 def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor, *, exact: bool = True,
                      rtol: float = 1e-3) -> Classification:
     """Decide a suspicion from the suspect's original rows [B, 4] and every rank's replay of its batch
-    [world, B, 4] (host tensors). Pure."""
+    [world, B, 4] (host tensors). The reference is the replays a strict majority of ranks agree on; with
+    exact fingerprints also a group of 2+ ranks larger than every other group (two faulty GPUs in four
+    ranks, each wrong its own way: independent GPUs do not agree bit for bit on a wrong result; an even
+    split, as HSDP replicas with different weights give, stays unresolved). Pure."""
     world = replays.shape[0]
     groups: list[list[int]] = []
     for r in range(world):
@@ -113,7 +116,8 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
         else:
             groups.append([r])
     ref = max(groups, key=len)
-    if len(ref) * 2 <= world:
+    plurality = exact and len(ref) >= 2 and all(len(g) < len(ref) for g in groups if g is not ref)
+    if len(ref) * 2 <= world and not plurality:
         return Classification(Cause.UNRESOLVED, (suspect,), True,
                               f"no majority among the {world} replays of rank {suspect}'s batch")
     dissent = tuple(r for r in range(world) if r not in ref)

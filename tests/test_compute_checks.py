@@ -112,6 +112,18 @@ def test_classify_replays():
     # the auditor's GPU is the wrong one: the original and the third rank agree
     c = classify_replays(0, orig_ok, persistent)
     assert (c.cause, c.faulty, c.drop) == (Cause.PERSISTENT, (1,), True)
+    # four ranks, two faulty GPUs each wrong its own way: the two that agree bit for bit are the reference
+    four = _rows(10, world=4)
+    four[1], four[3] = _rows(98, world=4)[1], _rows(99, world=4)[3]
+    c = classify_replays(1, _rows(98)[0], four)
+    assert (c.cause, c.faulty, c.drop) == (Cause.PERSISTENT, (1, 3), True), c
+    bounded = four.clone()               # compared within a rounding bound (norms), plurality does not decide
+    for r, norm in enumerate((1.0, 2.0, 1.0, 3.0)):
+        bounded[r, :, :2] = torch.tensor([norm, norm], dtype=torch.float64).view(torch.int64)
+    assert classify_replays(1, bounded[1], bounded, exact=False).cause is Cause.UNRESOLVED
+    split = _rows(10, world=4)
+    split[2], split[3] = _rows(99, world=4)[2], _rows(99, world=4)[3]                 # an even split
+    assert classify_replays(0, _rows(10)[0], split).cause is Cause.UNRESOLVED
     # two ranks that disagree: no majority
     two = _rows(10, world=2)
     two[1] = _rows(99, world=2)[1]
