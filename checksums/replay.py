@@ -139,7 +139,8 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
     (host): whether replays compare exact fingerprints, and the GPUs found computing wrong (or None).
 
     Every replay agrees bit for bit: exact. Each rank repeats its own result (no run-to-run variation: the
-    kernels are deterministic) and a strict majority of ranks agree while the others each get another result:
+    kernels are deterministic) and a majority of ranks (as `classify_replays` counts it) agree while the others
+    each get another result:
     exact, and the others' GPUs compute wrong from the job's start (named `persistent`). Taking that for a
     non-deterministic model would move every later comparison to the rounding bound, where such a GPU's
     small fault hides for good. Anything else (a rank whose two replays differ, two ranks that disagree, no
@@ -160,7 +161,8 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
     if len(groups) == 1:
         return True, None
     ref = max(groups, key=len)
-    if world < 3 or len(ref) * 2 <= world or not same_hardware:
+    plurality = len(ref) >= 2 and all(len(g) < len(ref) for g in groups if g is not ref)   # as classify_replays
+    if world < 3 or (len(ref) * 2 <= world and not plurality) or not same_hardware:
         return False, None
     dissent = tuple(sorted(r for r in range(world) if r not in ref))
     return True, Classification(Cause.PERSISTENT, dissent, True,

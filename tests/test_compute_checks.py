@@ -322,6 +322,8 @@ def test_the_first_steps_check_names_a_gpu_faulty_from_the_start_instead_of_call
     assert classify_start(_start([(10, 10), (10, 10), (10, 11)])) == (False, None)   # run to run: random
     assert classify_start(_start([(10, 10), (99, 99)])) == (False, None)             # two: the CPU decides
     assert classify_start(_start([(10, 10), (10, 10), (99, 99), (99, 99)])) == (False, None)   # no majority
+    exact, c = classify_start(_start([(10, 10), (98, 98), (10, 10), (99, 99)]))     # two faulty, each its own
+    assert exact and c.faulty == (1, 3)
     assert classify_start(_start([(10, 10), (11, 11), (12, 12)])) == (False, None)
     # a job across GPU models (or CUDA, torch builds): ranks round differently by design, nobody is named
     assert classify_start(_start([(10, 10), (10, 10), (99, 99)]), same_hardware=False) == (False, None)
