@@ -139,8 +139,8 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
     (host): whether replays compare exact fingerprints, and the GPUs found computing wrong (or None).
 
     Every replay agrees bit for bit: exact. Each rank repeats its own result (no run-to-run variation: the
-    kernels are deterministic) and a majority of ranks (as `classify_replays` counts it) agree while the others
-    each get another result:
+    kernels are deterministic) and a majority of ranks (as `classify_replays` counts it) agree while the
+    others each get another result:
     exact, and the others' GPUs compute wrong from the job's start (named `persistent`). Taking that for a
     non-deterministic model would move every later comparison to the rounding bound, where such a GPU's
     small fault hides for good. Anything else (a rank whose two replays differ, two ranks that disagree, no
@@ -161,19 +161,20 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
     if len(groups) == 1:
         return True, None
     ref = max(groups, key=len)
-    plurality = len(ref) >= 2 and all(len(g) < len(ref) for g in groups if g is not ref)   # as classify_replays
+    plurality = len(ref) >= 2 and all(len(g) < len(ref) for g in groups if g is not ref)  # classify_replays'
     if world < 3 or (len(ref) * 2 <= world and not plurality) or not same_hardware:
         return False, None
     dissent = tuple(sorted(r for r in range(world) if r not in ref))
     return True, Classification(Cause.PERSISTENT, dissent, True,
-                                f"ranks {list(dissent)} each repeat their own gradient of rank 0's batch at the "
-                                f"first step, ranks {ref} agree on another: their GPUs compute wrong from the "
-                                "start (or run another GPU model or library)")
+                                f"ranks {list(dissent)} each repeat their own gradient of rank 0's batch at "
+                                f"the first step, ranks {ref} agree on another: their GPUs compute wrong from "
+                                "the start (or run another GPU model or library)")
 
 
 def repeats_own(got: torch.Tensor) -> bool:
     """Each rank's two replays of one batch [world, 2, B, 4] agree bit for bit (no run-to-run variation)."""
-    return all(torch.equal(fingerprints_of(got[r, 0]), fingerprints_of(got[r, 1])) for r in range(got.shape[0]))
+    return all(torch.equal(fingerprints_of(got[r, 0]), fingerprints_of(got[r, 1]))
+               for r in range(got.shape[0]))
 
 
 PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
@@ -323,7 +324,7 @@ class Replayer:
         self.reproduces = True        # a replay of a step gives that step's gradient (check_determinism)
         self.by_backward = False      # replays by .backward() into stand-ins (reentrant checkpointing)
         self.start_fault: Classification | None = None  # GPUs the first step's check found computing wrong
-        self.same_hardware = True     # every rank's GPU model, CUDA and torch alike (the gate says; see there)
+        self.same_hardware = True     # every rank's GPU model, CUDA and torch alike (the gate says)
         self.why_not = ""
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
@@ -615,19 +616,19 @@ class Replayer:
         self._witnessed = (bad, WITNESS_REUSE)
         self.start_fault = Classification(
             Cause.PERSISTENT, (bad,), True,
-            f"each GPU repeats its own gradient of rank 0's batch at the first step and they differ; the CPU's "
-            f"float64 gradient sits at t={t:.3f} between GPU 0's (0) and GPU 1's (1): rank {bad}'s GPU computes "
-            "wrong from the start")
+            f"each GPU repeats its own gradient of rank 0's batch at the first step and they differ; the "
+            f"CPU's float64 gradient sits at t={t:.3f} between GPU 0's (0) and GPU 1's (1): rank {bad}'s GPU "
+            "computes wrong from the start")
 
     def check_determinism(self, originals: torch.Tensor | None = None) -> bool:
         """Every rank replays rank 0's retained batch twice (a collective, after a first backward built the
         bucket layout); exact comparisons stay on if all the results agree bit for bit, or if only GPUs that
         each repeat a wrong result of their own disagree with a majority (`classify_start`: those are kept in
         `start_fault`), else the rounding-aware bound is used (`exact` False). `originals`: every rank's own
-        rows of this step [world, B, 4] (host): when rank 0's replay of its batch does not give its original, and (with two
-        ranks or more) rank 1's replay of its own batch neither (one fault at this step does not turn the
-        check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the likely
-        reason)."""
+        rows of this step [world, B, 4] (host): when rank 0's replay of its batch does not give its original,
+        and (with two ranks or more) rank 1's replay of its own batch neither (one fault at this step does
+        not turn the check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the
+        likely reason)."""
         retained = self.fetch(0)
         got = self.replay_round(lambda: torch.stack([self.replay(retained), self.replay(retained)]))
         self.exact, self.start_fault = classify_start(got, self.same_hardware)
