@@ -30,6 +30,7 @@ from framework_support import replicas_identical
 from deadlines import scaled
 
 STEPS, FLIP = 200, 100
+FAULT_STEP = 112  # the compute_stop run: rank 1's GPU computes wrong from this step on (saves at 50, 100)
 # The bad-data run keeps every checkpoint in memory (not the newest 2): here they are a second apart, and on a
 # loaded machine the votes that verify the one before the range reach the coordinator seconds later, after two
 # more were saved (a real run saves minutes apart).
@@ -103,8 +104,14 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
                              "world_size": 2, "loader": loader}
         flipped = []
 
+        def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+            x, y = batch
+            return ((module(x) - y) ** 2).mean()
+
         def train_step(batch: Any) -> torch.Tensor:
             x, y = batch
+            if "checks" in g:
+                g["checks"].retain(batch)
             loss = ((ddp_model(x) - y) ** 2).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -129,7 +136,23 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
         exec(code_main, g)                               # the imports, attach and connect
         real_restore = g["ckpt"].restore
         g["ckpt"].restore = recording_restore
-        exec("batches = iter(loader)" + code.partition("batches = iter(loader)")[2], g)   # the loop
+        if scenario == "compute_stop":                   # the README's bullet: the compute checks beside it
+            from checksums.compute_gate import ComputeChecks
+            g["checks"] = ComputeChecks.attach(ddp_model, optimizer, loss_fn=loss_fn, monitor=g["monitor"],
+                                               audit_every=5, warmup=10)
+
+            def wrong(mod: nn.Module, inp: Any, output: torch.Tensor) -> None:
+                # rank 1's GPU computes its first layer 5% wrong from step FAULT_STEP on (its replays too)
+                if rank == 1 and g["monitor"].guard.step >= FAULT_STEP - 1 and torch.is_grad_enabled():
+                    with torch.no_grad():
+                        output.mul_(1.05)
+
+            model[0].register_forward_hook(wrong)
+        try:
+            exec("batches = iter(loader)" + code.partition("batches = iter(loader)")[2], g)   # the loop
+        except SystemExit as stop:                       # the loop's exit on the agent's STOP
+            out["exit"] = str(stop.code)
+            out["exit_step"] = g["monitor"].step_count
         g["ckpt"].wait(60)
         g["monitor"].flush()
         out["identical"] = replicas_identical(list(model.parameters()))
@@ -185,6 +208,34 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
                                       [line for line in journal if "checkpoint" in line or "rollback" in line])
     assert not [line for line in since if "checkpoint.replicas_differ" in line
                 and int(re.search(r"step (\d+):", line).group(1)) in after], "a redone checkpoint's replicas differ"
+
+
+def test_the_readme_loop_exits_when_a_gpu_keeps_computing_wrong(short_tmp: Path, tmp_path: Path) -> None:
+    """The README's loop with the compute checks its bullet describes, and rank 1's GPU computing 5% wrong
+    from step 112 (too small for the statistics; its replays repeat it): the audit names rank 1 (two ranks:
+    the CPU witness), the agent's STOP reaches both ranks at the same iteration, and the loop as written
+    exits with the reason (non-zero, for a launcher to restart the job without that GPU) naming the GPU's
+    rank and the VERIFIED step to restart from."""
+    code = readme_loop()
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "compute_stop",
+                                0.0), nprocs=2, join=True)
+        from checkpoint.agent_link import GrpcAgentLink
+        link = GrpcAgentLink.connect(agent.target, 10)
+        verified = sorted(i.step for i in link.list("llama-7b-run3") if i.state == "VERIFIED")
+        link.close()
+        journal = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
+    finally:
+        agent.stop()
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all("exit" in r for r in res), ([r.get("final_step") for r in res], [l for l in journal if "stop" in l])
+    assert res[0]["exit"] == res[1]["exit"] and res[0]["exit_step"] == res[1]["exit_step"] < STEPS, res
+    reason = res[0]["exit"]
+    assert reason.startswith("sdcwatch: persistent compute fault") and "rank 1" in reason, reason
+    target = int(re.search(r"VERIFIED step (\d+)", reason).group(1))
+    assert target < FAULT_STEP and target in verified, (reason, verified)
+    assert any("job.stop_directive" in line for line in journal)
 
 
 def _evicted_before_verified(lines: list[str], step: int) -> bool:
