@@ -236,16 +236,9 @@ class ComputeChecks:
                     return self._mask_on_device(ctx)
             rows = self.summaries.gather().cpu()
             self.summaries.clear()
-            veto = self._judge_now(ctx, rows, audit_due)
-            if start is not None:        # GPUs computing wrong from the start: this step's update carries it
-                verdict = self.last_verdict
-                assert verdict is not None
-                self._suspicions += 1
-                self._record(ctx.step, "audit", start.faulty[0], start, True, verdict)
-                if veto is None:
-                    self._dropped += 1
-                    veto = Veto(self.name, self._why(verdict, [("audit", start.faulty[0], start)]))
-            return veto
+            # GPUs computing wrong from the start: an outcome of this step (its update carries their fault)
+            return self._judge_now(ctx, rows, audit_due,
+                                   [] if start is None else [("audit", start.faulty[0], start)])
         finally:
             self.replayer.end_step()              # the next retain() starts the next step's micro-batches
 
@@ -321,12 +314,14 @@ class ComputeChecks:
                          exc_info=exc.__cause__ is not None)
         return why
 
-    def _judge_now(self, ctx: StepContext, rows: torch.Tensor, audit_due: bool) -> Veto | None:
-        """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps)."""
+    def _judge_now(self, ctx: StepContext, rows: torch.Tensor, audit_due: bool,
+                   found: list[tuple[str, int, Classification]] | None = None) -> Veto | None:
+        """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps).
+        `found`: outcomes of this step known already (the first step's check)."""
         stats = stats_of(rows)
         jumps, verdict = self.tracker.assess(stats)      # the jumps before the verdict learns this step
         self.last_verdict = verdict
-        outcomes = self._classify(verdict, rows, jumps)
+        outcomes = self._classify(verdict, rows, jumps) + (found or [])
         # an audit runs only on a step the statistics passed: no rank's history jump is evidence then (a
         # persistent fault below the margin was learnt as clean since it began), so the two-rank tie-break
         # gets none and a symmetric mismatch goes to the CPU witness (a 1.5-spread jump of the clean rank

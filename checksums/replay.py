@@ -107,17 +107,8 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
     ranks, each wrong its own way: independent GPUs do not agree bit for bit on a wrong result; an even
     split, as HSDP replicas with different weights give, stays unresolved). Pure."""
     world = replays.shape[0]
-    groups: list[list[int]] = []
-    for r in range(world):
-        for g in groups:
-            if _equal(replays[g[0]], replays[r], exact, rtol):
-                g.append(r)
-                break
-        else:
-            groups.append([r])
-    ref = max(groups, key=len)
-    plurality = exact and len(ref) >= 2 and all(len(g) < len(ref) for g in groups if g is not ref)
-    if len(ref) * 2 <= world and not plurality:
+    ref = _reference(_agreeing(world, lambda a, b: _equal(replays[a], replays[b], exact, rtol)), world, exact)
+    if ref is None:
         return Classification(Cause.UNRESOLVED, (suspect,), True,
                               f"no majority among the {world} replays of rank {suspect}'s batch")
     dissent = tuple(r for r in range(world) if r not in ref)
@@ -132,6 +123,43 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
                               f"rank {suspect}'s replay agrees with ranks {ref}, its original did not")
     return Classification(Cause.PERSISTENT, dissent, True,
                           f"rank {suspect} recomputes its wrong result again; ranks {ref} agree on another")
+
+
+PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
+WITNESS_NEAR = 0.25     # the CPU witness names a GPU when its projection is this close to that GPU's result
+WITNESS_REUSE = 100     # symmetric suspicions after a CPU witness naming its GPU without asking the CPU
+
+
+def _agreeing(world: int, eq: Callable[[int, int], bool]) -> list[list[int]]:
+    """The ranks 0..world-1 grouped by the result they agree on (`eq(a, b)`: ranks a and b agree)."""
+    groups: list[list[int]] = []
+    for r in range(world):
+        for g in groups:
+            if eq(g[0], r):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    return groups
+
+
+def _reference(groups: list[list[int]], world: int, exact: bool) -> list[int] | None:
+    """The group whose result is taken as right: a strict majority of the ranks; with exact fingerprints also
+    a group of 2+ larger than every other (independent GPUs do not agree bit for bit on a wrong result; an
+    even split stays undecided). None: no reference."""
+    ref = max(groups, key=len)
+    plurality = exact and len(ref) >= 2 and all(len(g) < len(ref) for g in groups if g is not ref)
+    return ref if len(ref) * 2 > world or plurality else None
+
+
+def witness_names(t: float) -> int | None:
+    """The GPU the CPU witness's projection t names as computing wrong (1 when t is near 0: GPU 0's gradient
+    is the float64 one's; 0 when near 1), or None (t between, or NaN: no witness)."""
+    if t < WITNESS_NEAR:
+        return 1
+    if t > 1 - WITNESS_NEAR:
+        return 0
+    return None
 
 
 def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool, Classification | None]:
@@ -150,19 +178,11 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
     fps = [fingerprints_of(got[r, 0]) for r in range(world)]
     if not repeats_own(got):
         return False, None
-    groups: list[list[int]] = []               # ranks by the result they repeat
-    for r in range(world):
-        for g in groups:
-            if torch.equal(fps[g[0]], fps[r]):
-                g.append(r)
-                break
-        else:
-            groups.append([r])
+    groups = _agreeing(world, lambda a, b: torch.equal(fps[a], fps[b]))   # ranks by the result they repeat
     if len(groups) == 1:
         return True, None
-    ref = max(groups, key=len)
-    plurality = len(ref) >= 2 and all(len(g) < len(ref) for g in groups if g is not ref)  # classify_replays'
-    if world < 3 or (len(ref) * 2 <= world and not plurality) or not same_hardware:
+    ref = _reference(groups, world, exact=True)
+    if world < 3 or ref is None or not same_hardware:
         return False, None
     dissent = tuple(sorted(r for r in range(world) if r not in ref))
     return True, Classification(Cause.PERSISTENT, dissent, True,
@@ -175,11 +195,6 @@ def repeats_own(got: torch.Tensor) -> bool:
     """Each rank's two replays of one batch [world, 2, B, 4] agree bit for bit (no run-to-run variation)."""
     return all(torch.equal(fingerprints_of(got[r, 0]), fingerprints_of(got[r, 1]))
                for r in range(got.shape[0]))
-
-
-PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
-WITNESS_NEAR = 0.25     # the CPU witness names a GPU when its projection is this close to that GPU's result
-WITNESS_REUSE = 100     # symmetric suspicions after a CPU witness naming its GPU without asking the CPU
 
 
 def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
@@ -209,8 +224,8 @@ def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
                                   f"{hi}'s statistics jumped {jumps[hi]:.1f} clean spreads from its own "
                                   "history, rank "
                                   f"{lo}'s {jumps[lo]:.1f}")
-        if witness is not None and (witness < WITNESS_NEAR or witness > 1 - WITNESS_NEAR):
-            bad = 1 if witness < WITNESS_NEAR else 0
+        bad = witness_names(witness) if witness is not None else None
+        if bad is not None:
             return Classification(Cause.PERSISTENT, (bad,), True,
                                   "each GPU repeats its own result and they disagree on both batches; the "
                                   f"CPU's float64 gradient sits at t={witness:.3f} between GPU 0's (0) and "
@@ -609,9 +624,9 @@ class Replayer:
         rounding leaves both about as close (t near 0.5). Named: exact stays on, the GPU is `start_fault`
         (and the witness's answer is reused as in `classify_pair`); else the rounding-aware bound."""
         t = self.witness(retained)
-        if not (t < WITNESS_NEAR or t > 1 - WITNESS_NEAR):
+        bad = witness_names(t)
+        if bad is None:
             return
-        bad = 1 if t < WITNESS_NEAR else 0
         self.exact = True
         self._witnessed = (bad, WITNESS_REUSE)
         self.start_fault = Classification(

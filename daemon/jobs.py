@@ -655,7 +655,7 @@ def stops_job(cause: str, repeated: bool) -> bool:
     """Does a compute finding ask the job to stop? When the GPU it names keeps computing wrong: its replay
     repeats the fault (`persistent`), or the GPU was faulty on another step of the job before (`repeated`).
     Never on `unresolved` (the replays did not say which GPU) nor on `data` (no GPU named). Pure."""
-    return cause == "persistent" or (repeated and cause in ("transient", "persistent"))
+    return cause == "persistent" or (repeated and cause == "transient")
 
 
 def _went_back(job: JobState, rank: int, step: int) -> int | None:

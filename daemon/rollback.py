@@ -72,21 +72,14 @@ class RollbackPlanner:
             try:
                 await asyncio.wait_for(ready, self.timeout_s)
             except asyncio.TimeoutError:
-                why = (f"the checkpoint coordinator did not take the events before the anomaly in "
-                       f"{self.timeout_s:.0f}s")
-                if isinstance(ev, ComputeIncident):   # a stop needs no checkpoint: stop, say where is unknown
-                    self._plan_stop(job, ev, seq, None, restores_at, why)
-                else:
-                    self._impossible(job, ev, f"{why}: no rollback planned")
+                self._unread(job, ev, seq, restores_at, f"the checkpoint coordinator did not take the events "
+                             f"before the anomaly in {self.timeout_s:.0f}s")
                 return
         try:
             verified = await asyncio.wait_for(self.pool.run(self.checkpoints.verified_steps, job), self.timeout_s)
         except asyncio.TimeoutError:
-            why = f"the checkpoint index did not answer in {self.timeout_s:.0f}s ({self.pool.describe()})"
-            if isinstance(ev, ComputeIncident):
-                self._plan_stop(job, ev, seq, None, restores_at, why)
-            else:
-                self._impossible(job, ev, f"{why}: no rollback planned")
+            self._unread(job, ev, seq, restores_at, f"the checkpoint index did not answer in "
+                         f"{self.timeout_s:.0f}s ({self.pool.describe()})")
             return
         if isinstance(ev, MismatchIncident):
             self._plan_mismatch(job, ev, seq, verified, restores_at)
@@ -120,6 +113,15 @@ class RollbackPlanner:
         event = self.publisher.publish(kind, f"job/{job}", message, details)
         if event is not None:
             directive.event_seq = event.seq
+
+    def _unread(self, job: str, ev: LossEvent | MismatchIncident | ComputeIncident, seq: int,
+                restores_at: int | None, why: str) -> None:
+        """The VERIFIED steps could not be read (`why`): no rollback is planned; a stop needs no checkpoint,
+        so it goes out all the same, the restart point left to the user."""
+        if isinstance(ev, ComputeIncident):
+            self._plan_stop(job, ev, seq, None, restores_at, why)
+        else:
+            self._impossible(job, ev, f"{why}: no rollback planned")
 
     def _plan_stop(self, job: str, inc: ComputeIncident, seq: int, verified: list[int] | None,
                    restores_at: int | None = None, unread: str = "") -> None:

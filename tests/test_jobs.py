@@ -518,3 +518,34 @@ def test_a_loss_anomaly_well_before_the_mismatch_is_the_datas_and_plans_its_roll
     _, rollbacks = _mismatch_then_plateau(loss_at, 150, 200)
     kinds = [type(ev).__name__ for ev in rollbacks]
     assert "LossEvent" in kinds and "MismatchIncident" in kinds, kinds
+
+
+def test_a_stop_goes_out_when_the_checkpoints_do_not_answer(tmp_path: Path) -> None:
+    """A GPU that keeps computing wrong stops the job even when the checkpoint index does not answer in time
+    (a rollback would be impossible then): target 0, the reason says the restart point is the user's to find."""
+    import time
+
+    from daemon.jobs import ComputeIncident
+
+    class Slow:
+        def verified_steps(self, job_id: str) -> list[int]:
+            time.sleep(1.0)
+            return [10]
+
+    async def run() -> tuple[object, list[tuple[str, dict]]]:
+        journal, bus, background, tracker = _planning(tmp_path)
+        tracker.jobs["j"].stop_from = 20
+        planner = RollbackPlanner(RollbackPolicy(), checkpoints=Slow(), jobs=tracker, publisher=bus,
+                                  background=background, timeout_s=0.2)
+        planner.request("j", ComputeIncident(20, 25, "persistent", "rank 1 on h GPU-1", ("GPU-1",)), 5)
+        while len(background):
+            await asyncio.sleep(0.01)
+        await background.cancel()
+        journal.close()
+        return tracker.jobs["j"].directive, [(e.kind, dict(e.details)) for e in bus.recent(0) or []]
+
+    pending, events = asyncio.run(run())
+    assert pending is not None and pending.directive.kind == pb.Directive.KIND_STOP, pending
+    assert pending.directive.target_step == 0 and "did not answer" in pending.directive.reason
+    assert "sdcwatch ckpt ls --job j" in pending.directive.reason
+    assert [k for k, _ in events if k.startswith("job.")] == ["job.stop_directive"], events
