@@ -676,12 +676,12 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     if args.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True, warn_only=args.determinism == "warn")
+    backend = args.backend if args.backend != "auto" else "gloo" if device.type == "cpu" else "nccl"
     if init:
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"file://{init}",
-                                rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
     else:
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
+        dist.init_process_group(backend)
     torch.set_num_threads(1)
     MODEL["name"] = args.model
     MODEL["bf16"] = bool(args.sdcguard)
@@ -908,6 +908,12 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
                    help="activation checkpointing (torch.utils.checkpoint) of the MLP's middle layer or of "
                    "every GPT block (a reentrant checkpoint runs its forward without grad: the MLP's matmul "
                    "faults then reach only the recomputation; use --model tiny-gpt)")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto", help="auto: gloo on the CPU, "
+                   "NCCL on GPUs; gloo with --device cuda puts every rank on the GPUs there are (ranks sharing "
+                   "one GPU: the cross-rank checks on one device)")
+    p.add_argument("--determinism", choices=["warn", "strict"], default="warn", help="--device cuda: "
+                   "torch.use_deterministic_algorithms(True, warn_only=True) (warn) or warn_only=False "
+                   "(strict: kernels with a deterministic variant use it, e.g. cuDNN attention's backward)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):

@@ -410,6 +410,20 @@ want computepair && [ "$NGPU" -ge 2 ] && step compute-pair-clean 280 env CUBLAS_
 want computepair && [ "$NGPU" -ge 2 ] && step compute-pair-start 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
   --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --model gpt2 --fault-step 1 --audit-every 5 \
   --cases "mm one elem x1.01 persistent"
+# issue 19: is GPT-2 small's step bit-for-bit repeatable on the H200, under which settings (warn_only=True
+# before; strict = warn_only=False, as docs/compute-checks.md tells users; sdpa held to one backend)? Then the
+# checks with strict determinism (exact replays expected), and a GPU faulty from step 1 on ranks sharing
+# this GPU (gloo over CUDA tensors; 3 ranks: majority, 2 ranks: the CPU witness)
+want determ && step determ-probe 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.determinism_probe \
+  --device cuda --model gpt2 --repeats 4
+want determ && step determ-clean 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --cases none --clean 100 --audit-every 10 --determinism strict
+want determ && step start-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model gpt2 --fault-step 1 --audit-every 5 --determinism strict \
+  --cases "mm one elem x1.01 persistent"
+want determ && step start-2ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model gpt2 --fault-step 1 --audit-every 5 --determinism strict \
+  --cases "mm one elem x1.01 persistent"
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
