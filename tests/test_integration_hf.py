@@ -6,6 +6,7 @@ directive takes both ranks (the Trainer's model, optimizer, scheduler and global
 checkpoint before the flip, and the replicas end bit-identical. A clean run: no rollback, no event."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,6 +22,7 @@ from framework_support import (
 
 JOB = "hf-gpt2"
 STEPS, FLIP, SAVE_EVERY = 60, 30, 10
+FAULT = 40          # the optimizer step whose backward is faulty on rank 1 (after the checks' 20 warm-up steps)
 
 
 def tiny_gpt2() -> Any:
@@ -46,7 +48,8 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool) -> None:
+def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool, compute: Any = False,
+            fault: str = "", accumulate: int = 1, bind: bool = True) -> None:
     torchrun_env(rank, world, port, socket)
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -55,7 +58,22 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
     out: dict[str, Any] = {"rollbacks": []}
     try:
         model = tiny_gpt2()
-        sdc = SdcwatchCallback(job_id=JOB, save_every=SAVE_EVERY)
+        sdc = SdcwatchCallback(job_id=JOB, save_every=SAVE_EVERY, compute=compute)
+        faulted: list[int] = []
+
+        def bad_element(grad: torch.Tensor) -> torch.Tensor | None:
+            # rank 1's backward: one element of a weight's gradient before DDP reduces it, at the last
+            # micro-batch of step FAULT ("transient": once; a replay computes it right) or in every backward
+            # from step FAULT on, replays too ("persistent")
+            step = sdc.session.guard.step + 1 if sdc.session is not None else 0
+            if rank != 1 or step < FAULT or (fault == "transient" and (faulted or step != FAULT)) or not fault:
+                return None
+            faulted.append(step)
+            grad = grad.clone()
+            grad.view(-1)[7] = 100.0
+            return grad
+
+        model.transformer.h[0].mlp.c_fc.weight.register_hook(bad_element)
 
         class Flip(TrainerCallback):
             done = held = False
@@ -73,17 +91,32 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
             output_dir=os.path.join(outdir, f"out{rank}"), use_cpu=True, ddp_backend="gloo", max_steps=STEPS,
             per_device_train_batch_size=4, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=5,
             logging_steps=1000, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-            dataloader_num_workers=0, max_grad_norm=1.0)
+            dataloader_num_workers=0, max_grad_norm=1.0, gradient_accumulation_steps=accumulate)
         # two epochs' worth of batches in the one epoch max_steps asks for: the redone steps need batches
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens(16 * STEPS), callbacks=[Flip(), sdc])
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(16 * STEPS * accumulate),
+                          callbacks=[Flip(), sdc])
+        if bind:
+            sdc.bind(trainer)
         assert sdc.session is None
-        trainer.train()
+        try:
+            trainer.train()
+        except ValueError as e:
+            out["error"] = str(e)
+            return
         sess = sdc.session
         out["rollbacks"] = [d.target_step for d in sess.rollbacks]
         out["final_step"] = sess.step_count
         out["framework_step"] = trainer.state.global_step
         out["monitor_events"] = [e.kind for e in sess.monitor.events if e.kind not in ("directive",)]
         out["identical"] = replicas_identical(list(model.parameters()))
+        out["skipped"] = sess.guard.skipped_count
+        if sdc.checks is not None:
+            out["compute"] = dataclasses.asdict(sdc.checks.status())
+            out["compute"]["mode"] = sdc.checks.mode()
+            out["findings"] = [dataclasses.asdict(f) for f in sdc.checks.findings]
+        out["faulted"] = sorted(set(faulted))
+        stop = sess.stopped
+        out["stopped"] = None if stop is None else {"target": stop.target_step, "reason": stop.reason}
     finally:
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
         import torch.distributed as dist
@@ -114,3 +147,76 @@ def test_hf_trainer_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> 
     finally:
         agent.stop()
     check_clean(res, lines, states, STEPS)
+
+
+def test_hf_trainer_compute_checks_drop_a_faulty_backward_and_name_the_rank(short_tmp: Path,
+                                                                          tmp_path: Path) -> None:
+    """One element of rank 1's gradient set to 100 in its backward at step FAULT (the all-reduce would
+    average it into both replicas, where the vote cannot see it): that step's update is dropped on both
+    ranks, rank 1 named transient by the pair replays (run through the Trainer's compute_loss), the agent's
+    journal names rank 1, and the run goes on to the end with the replicas bit-identical."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, "transient")
+        lines = settled_journal(agent)
+    finally:
+        agent.stop()
+    assert res[1]["faulted"] == [FAULT], res[1]
+    for r in res:
+        hit = [f for f in r["findings"] if f["dropped"]]
+        assert len(hit) == 1 and hit[0]["faulty"] == [1] and hit[0]["cause"] == "transient", r["findings"]
+        assert hit[0]["step"] == FAULT, hit[0]
+        assert r["skipped"] == 1 and r["compute"]["dropped"] == 1 and r["compute"]["mode"] == "exact", r
+        assert r["identical"] and not r["rollbacks"] and r["final_step"] == STEPS, r
+    faults = [line for line in lines if "compute.fault" in line]
+    assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
+
+
+def test_hf_trainer_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, tmp_path: Path) -> None:
+    """Rank 1 computes one gradient element wrong in every backward from step FAULT, replays too: named
+    persistent, the agent's STOP reaches both ranks at one step, the Trainer stops there, and
+    `session.stopped` names rank 1 and a VERIFIED checkpoint before the fault to restart from."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, "persistent")
+        lines = settled_journal(agent)
+        states = checkpoint_states(agent, JOB)
+    finally:
+        agent.stop()
+    stops = [r["stopped"] for r in res]
+    assert all(stops) and stops[0] == stops[1], (stops, [line for line in lines if "stop" in line][-5:])
+    assert res[0]["final_step"] == res[1]["final_step"] < STEPS, [r["final_step"] for r in res]
+    assert stops[0]["target"] < FAULT and states.get(stops[0]["target"]) == "VERIFIED", (stops[0], states)
+    assert "rank 1" in stops[0]["reason"], stops[0]
+    for r in res:
+        named = [f for f in r["findings"] if f["cause"] == "persistent"]
+        assert named and named[0]["faulty"] == [1], r["findings"]
+
+
+def test_hf_trainer_compute_audits_agree_under_accumulation(short_tmp: Path, tmp_path: Path) -> None:
+    """Replays must reproduce the Trainer's step bit for bit: audits every 5 steps over 2 accumulated
+    micro-batches (the Trainer divides each loss by 2, or the model normalises by num_items_in_batch) raise
+    no suspicion, stay exact, and the clean run has no event."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, {"audit_every": 5}, "", 2)
+        lines = settled_journal(agent)
+        states = checkpoint_states(agent, JOB)
+    finally:
+        agent.stop()
+    check_clean(res, lines, states, STEPS)
+    for r in res:
+        c = r["compute"]
+        assert c["mode"] == "exact" and c["audits"] >= STEPS // 5 - 2 and c["suspicions"] == 0, r
+        assert r["skipped"] == 0 and not r["findings"], r
+
+
+def test_hf_trainer_compute_checks_need_bind(short_tmp: Path, tmp_path: Path) -> None:
+    """compute= without bind(trainer): a clear ValueError at train(), before any step."""
+    agent = AgentProcess(short_tmp / "state").start()
+    try:
+        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, "", 1, False)
+    finally:
+        agent.stop()
+    for r in res:
+        assert "sdc.bind(trainer)" in r.get("error", ""), r
