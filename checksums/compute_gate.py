@@ -251,8 +251,8 @@ class ComputeChecks:
         except ReplayFailed as exc:     # a model a replay cannot run: as replays that do not reproduce
             exact, self.replayer.reproduces, self.replayer.why_not = True, False, str(exc)
         if not exact:
-            logger.warning("sdcwatch: replays of one batch differ bit for bit on this model; compute "
-                           "replays compare norms within a rounding bound instead of fingerprints")
+            logger.warning("sdcwatch: %s; compute replays compare norms within a rounding bound instead of "
+                           "fingerprints (a small fault can hide within it)", self.replayer.why_bounded)
         if not self.replayer.reproduces:
             logger.error("sdcwatch: compute replays do not reproduce this job's steps (%s); no GPU will be "
                          "named on a replay's evidence: audits are off and a suspect step is dropped "
@@ -539,7 +539,7 @@ class ComputeChecks:
             return f"unreproducible: {self.replayer.why_not or NO_BATCH}"[:120]
         if self.replayer.exact:
             return "exact"
-        return "bounded: replays of one batch differ bit for bit; norm and max-abs compared within 1e-3"
+        return f"bounded: {self.replayer.why_bounded or 'replays of one batch differ'}; norms within 1e-3"[:120]
 
     def take_findings(self) -> tuple[ComputeFinding, ...]:
         """The findings not handed out yet, oldest first (the Monitor puts them on its next step report)."""

@@ -59,6 +59,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -189,6 +190,29 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
                                 f"ranks {list(dissent)} each repeat their own gradient of rank 0's batch at "
                                 f"the first step, ranks {ref} agree on another: their GPUs compute wrong from "
                                 "the start (or run another GPU model or library)")
+
+
+def bounded_reason(got: torch.Tensor, same_hardware: bool, device_type: str, deterministic: bool,
+                   warn_only: bool, cublas_workspace: str | None) -> str:
+    """Why the first step's check chose the rounding bound (`classify_start` said not exact), in words a user
+    can act on (under 100 characters: it goes in GetStatus's compute mode). `got`: every rank's two replays
+    of rank 0's batch [world, 2, B, 4] (host); the rest: this process's torch settings
+    (`torch.are_deterministic_algorithms_enabled()`, `...warn_only_enabled()`, $CUBLAS_WORKSPACE_CONFIG).
+    Pure."""
+    if not same_hardware:
+        return "ranks on different GPU models or CUDA/torch builds round differently"
+    if repeats_own(got):
+        return "ranks each repeat a result of their own and no majority or witness decides"
+    if device_type != "cuda":
+        return "replays of one batch differ (a non-deterministic kernel)"
+    if not deterministic:
+        return "replays of one batch differ: set torch.use_deterministic_algorithms(True)"
+    if warn_only:
+        return ("replays differ under use_deterministic_algorithms(warn_only=True): set "
+                "warn_only=False")
+    if not cublas_workspace:
+        return "replays of one batch differ: set CUBLAS_WORKSPACE_CONFIG=:4096:8"
+    return "replays differ under deterministic algorithms (a kernel with no deterministic variant)"
 
 
 def repeats_own(got: torch.Tensor) -> bool:
@@ -336,6 +360,7 @@ class Replayer:
         self._scale_bufs: list[torch.Tensor | None] = [None, None]   # two steps' scales, used in turn
         self._scale_i = 0
         self.exact = True
+        self.why_bounded = ""         # why check_determinism chose the rounding bound (bounded_reason)
         self.reproduces = True        # a replay of a step gives that step's gradient (check_determinism)
         self.by_backward = False      # replays by .backward() into stand-ins (reentrant checkpointing)
         self.start_fault: Classification | None = None  # GPUs the first step's check found computing wrong
@@ -651,6 +676,9 @@ class Replayer:
         if (not self.exact and got.shape[0] == 2 and self.cpu_witness and self.same_hardware
                 and repeats_own(got)):
             self._start_witness(retained)    # two GPUs, each repeating its own result: the CPU decides
+        self.why_bounded = "" if self.exact else bounded_reason(
+            got, self.same_hardware, self.device.type, torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         if originals is not None:
             why = [replay_mismatch(originals[0], got[0, 0], self.exact)]
             if why[0] and originals.shape[0] > 1:     # the same on every rank: the replays are collective

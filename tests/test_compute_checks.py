@@ -12,7 +12,9 @@ from rank_spawn import spawn
 from bench import compute_faults
 from checksums.compute_gate import _choose_mask
 from checksums.grad_checks import SpreadTracker, bucket_summary, stats_of
-from checksums.replay import Cause, audit_every, classify_pair_replays, classify_replays, classify_start
+from checksums.replay import (
+    Cause, audit_every, bounded_reason, classify_pair_replays, classify_replays, classify_start,
+)
 
 
 def _faults(argv: list[str]) -> dict:
@@ -328,6 +330,26 @@ def test_the_first_steps_check_names_a_gpu_faulty_from_the_start_instead_of_call
     # a job across GPU models (or CUDA, torch builds): ranks round differently by design, nobody is named
     assert classify_start(_start([(10, 10), (10, 10), (99, 99)]), same_hardware=False) == (False, None)
     assert classify_start(_start([(10, 10)] * 3), same_hardware=False) == (True, None)
+
+
+def test_the_bounds_reason_says_what_to_change():
+    """GetStatus's "bounded: ..." says why the rounding bound was chosen and what setting would give exact
+    replays on a GPU (under warn_only=True, cuDNN attention's backward stays non-deterministic: GPT-2 small's
+    replays on an H200), in a line the mode's 120 characters hold whole."""
+    random = _start([(10, 10), (10, 10), (10, 11)])
+    own = _start([(10, 10), (99, 99)])
+    cases = {
+        (False, "cuda", True, False, ":4096:8"): "different GPU models",
+        (True, "cuda", True, False, ":4096:8"): "no deterministic variant",
+        (True, "cuda", True, True, ":4096:8"): "set warn_only=False",
+        (True, "cuda", False, False, ":4096:8"): "set torch.use_deterministic_algorithms(True)",
+        (True, "cuda", True, False, None): "CUBLAS_WORKSPACE_CONFIG",
+        (True, "cpu", False, False, None): "non-deterministic kernel",
+    }
+    for args, words in cases.items():
+        why = bounded_reason(random, *args)
+        assert words in why and len(f"bounded: {why}; norms within 1e-3") <= 120, (args, why)
+    assert "no majority or witness" in bounded_reason(own, True, "cuda", True, False, ":4096:8")
 
 
 @pytest.mark.parametrize("world,faulty", [(3, 2), (2, 1)])
