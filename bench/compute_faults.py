@@ -684,7 +684,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         dist.init_process_group(backend)
     torch.set_num_threads(1)
     MODEL["name"] = args.model
-    MODEL["bf16"] = bool(args.sdcguard)
+    MODEL["bf16"] = bool(args.sdcguard) or args.cpu_autocast
     MODEL["hsdp"] = args.hsdp
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
@@ -914,6 +914,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     p.add_argument("--determinism", choices=["warn", "strict"], default="warn", help="--device cuda: "
                    "torch.use_deterministic_algorithms(True, warn_only=True) (warn) or warn_only=False "
                    "(strict: kernels with a deterministic variant use it, e.g. cuDNN attention's backward)")
+    p.add_argument("--cpu-autocast", action="store_true", help="--device cpu: bf16 autocast on the CPU ranks too "
+                   "(the GPU's arithmetic: a small fault then changes the rounding of all that follows)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):

@@ -67,6 +67,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from checksums.grad_checks import GradSummaries, fingerprints_of, stats_of
 from sdcwatch.errors import SdcwatchError
@@ -331,6 +332,35 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
+class _NoAutocast(TorchFunctionMode):
+    """Every op under it runs with autocast off for `device_type`, even inside a `loss_fn`'s own
+    `torch.autocast` (the innermost context wins: this one is entered around each op)."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def full_precision(device_type: str):
+    """A replay in float32 throughout: autocast off (`_NoAutocast`) and TF32 off for matmuls and cuDNN, the
+    flags put back after. The CPU witness's GPU side: in bf16 or fp16 a small fault changes the rounding of
+    everything downstream, so the two GPUs' gradients differ by a rounding pattern as large as their
+    distance from float64, and a float64 witness sits halfway (t near 0.5 for x1.01 on one element of
+    GPT-2's MLP output in bf16, measured); in float32 the fault's own effect dominates."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with _NoAutocast(device_type):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
 class _Swapped(nn.Module):
     """A stand-in replay's wrapper: `torch.func.functional_call` swaps the stand-in leaves into `module` (its
     child) for the call of this forward, which runs the whole replay (`run`), backward included."""
@@ -488,7 +518,15 @@ class Replayer:
             return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
                               for g, p in zip(gs, like)])
 
-        mine = self.agreed(lambda: flat(self._grads(retained, self.module, params), params).to(torch.float32))
+        # in float32 when the parameters are (autocast's bf16/fp16 arithmetic off: see `full_precision`); a
+        # model kept in a low precision is compared as it computes
+        wide = all(p.dtype == torch.float32 for p in params)
+
+        def grads() -> torch.Tensor:
+            with full_precision(self.device.type) if wide else contextlib.nullcontext():
+                return flat(self._grads(retained, self.module, params), params).to(torch.float32)
+
+        mine = self.agreed(grads)
         self.replays += 1
         both = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(both, mine, group=self.group)

@@ -367,6 +367,38 @@ def test_a_gpu_faulty_from_the_first_step_is_named_at_it_and_the_replays_stay_ex
     assert r["clean"]["mode"] == "exact" and r["clean"]["status"]["suspicions"] == 0, r["clean"]
 
 
+@pytest.mark.parametrize("faulty,step", [(1, 1), (0, 40)])
+def test_two_bf16_ranks_name_the_gpu_that_computes_wrong_not_the_good_one(faulty, step):
+    """Two ranks training under bf16 autocast (the tiny GPT on the CPU, as GPUs train), a persistent fault
+    on one rank from `step`: each GPU repeats its own result, so the CPU witness decides. In bf16 the fault
+    changes the rounding of everything after it, and a witness projecting bf16 gradients sat near 0.5 (the
+    x1.01 and x1.05 faults: both ranks named, unresolved) or past it: the backward's x1.01 named the GOOD
+    rank persistent, which the agent's STOP would have blamed. The witness's GPU side now recomputes in
+    float32 (`full_precision`): the faulty rank is named, on either rank, from step 1 or later."""
+    names = ["bwd one elem x1.01 persistent", "mm x1.05 persistent"]
+    r = _faults(["--model", "tiny-gpt", "--world", "2", "--cpu-autocast", "--fault-rank", str(faulty),
+                 "--fault-step", str(step), "--audit-every", "5", "--cases", ",".join(names)])
+    for name in names:
+        hit = r[name]["caught"]["compute"]
+        assert hit["named"] == [faulty] and hit["cause"] == "persistent", (name, hit)
+        assert r[name]["mode"] == "exact", r[name]["mode"]
+
+
+def test_full_precision_replays_ignore_the_loss_fns_own_autocast():
+    """The witness's replay runs in float32 even inside a loss_fn's `torch.autocast`, TF32 off, the flags
+    put back after."""
+    from checksums.replay import full_precision
+    a = torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with full_precision("cpu"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert (a @ a).dtype == torch.float32 and torch.nn.functional.linear(a, a).dtype == torch.float32
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
 def test_classify_pair_names_a_transient_by_its_non_repeating_original():
     ok, bad = _rows(10, world=1)[0], _rows(99, world=1)[0]
     other = _rows(20, world=1)[0]
