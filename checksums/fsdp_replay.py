@@ -31,6 +31,7 @@ Training-side module: never imports the agent (`daemon`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ from checksums.replay import (
     _equal,
     _map_tensors,
     classify_replays,
+    full_precision,
     scaled,
     witness_projection,
 )
@@ -119,10 +121,21 @@ class FsdpReplayer(Replayer):
         group's gradients, dim 0, W chunks). NaN (no witness) without a factory or when FSDP pre-divides
         the input (an fp16 reduce dtype): a collective, every rank calls."""
         flats: dict[int, torch.Tensor] = {}
-        self.agreed(lambda: self.replay(retained, flats))
+        # in float32 unless FSDP's own policy computes in a low precision (see `full_precision`)
+        wide = all(getattr(fp, "param_dtype", None) in (None, torch.float32)
+                   and fp.sharded_param.dtype == torch.float32 for group in self.fsdp.groups for fp in group)
+
+        def replay() -> None:
+            with full_precision(self.device.type) if wide else contextlib.nullcontext():
+                self.replay(retained, flats)
+
+        self.agreed(replay)
         params = dict(self.module.named_parameters())
         full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
                 for name, p in params.items()}                      # a collective (all-gather), every rank
+        first = {id(p): name for name, p in params.items()}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            full.setdefault(name, full[first[id(p)]])    # a tied weight under each of its names (a GPT's head)
         if self.witness_model is None or any(f.dtype == torch.float16 for f in flats.values()):
             return float("nan")
         mine = torch.cat([flats[i].reshape(-1) for i in range(len(flats))]).to(torch.float64)

@@ -384,6 +384,19 @@ def test_two_bf16_ranks_name_the_gpu_that_computes_wrong_not_the_good_one(faulty
         assert r[name]["mode"] == "exact", r[name]["mode"]
 
 
+def test_the_fsdp_witness_loads_a_model_with_tied_weights():
+    """FSDP2 on two ranks, a GPT whose head is tied to its embedding: the witness's float64 copy needs the
+    tied weight under both names (named_parameters gives it once, the copy's state_dict asks for both); it
+    failed to load ("Missing key(s): head.weight"), so every persistent fault on two FSDP ranks ended
+    `unresolved`. Now the faulty rank is named, in float32 and under bf16 autocast."""
+    for extra in ([], ["--cpu-autocast"]):
+        name = "mm x1.05 persistent"
+        r = _faults(["--model", "tiny-gpt", "--fsdp", "--world", "2", "--fault-rank", "1", "--audit-every", "5",
+                     "--cases", name, *extra])
+        hit = r[name]["caught"]["compute"]
+        assert hit["named"] == [1] and hit["cause"] == "persistent", (extra, hit)
+
+
 def test_full_precision_replays_ignore_the_loss_fns_own_autocast():
     """The witness's replay runs in float32 even inside a loss_fn's `torch.autocast`, TF32 off, the flags
     put back after."""
