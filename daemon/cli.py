@@ -226,11 +226,13 @@ def format_status(st: Any) -> str:
                          str(p.failures), p.last_error or "-"])
         lines += ["", table(rows)]
     if st.jobs:
-        rows = [["JOB", "RANKS", "LAST STEP", "LAST REPORT", "DROPPED", "STATE", "REASON"]]
+        # COMPUTE: the compute checks' replay mode ("bounded: ..." says why small faults can hide, and what
+        # to set; "-": no checks)
+        rows = [["JOB", "RANKS", "LAST STEP", "LAST REPORT", "DROPPED", "STATE", "REASON", "COMPUTE"]]
         for j in st.jobs:
             ranks = f"{len(j.ranks)}" if len(j.ranks) > 8 else ",".join(map(str, j.ranks))
             rows.append([j.job_id, ranks, str(j.last_step), ago(j.last_report, now), str(j.dropped_reports),
-                         STATE_NAMES.get(j.state, "?"), j.reason])
+                         STATE_NAMES.get(j.state, "?"), j.reason or "-", j.compute_checks or "-"])
         lines += ["", table(rows)]
     return "\n".join(lines)
 

@@ -195,3 +195,18 @@ def test_a_second_faulty_step_on_one_gpu_stops_the_job_a_single_transient_or_unr
     off = JobTracker(compute_stop=False)
     report(off, 1, 0)
     assert not _stops(report(off, 50, 0, finding(50, cause="persistent")))
+
+
+def test_status_shows_each_jobs_compute_mode():
+    """`sdcwatch status` shows the mode the ranks reported, so on-call sees a job whose replays fell to the
+    rounding bound, and why, without --json."""
+    from daemon.cli import format_status
+    st = pb.GetStatusResponse(hostname="n1")
+    st.jobs.add(job_id="j1", ranks=[0, 1], compute_checks="bounded: replays differ under "
+                "use_deterministic_algorithms(warn_only=True): set warn_only=False; norms within 1e-3")
+    st.jobs.add(job_id="j2", ranks=[0, 1], compute_checks="exact")
+    st.jobs.add(job_id="j3", ranks=[0])
+    out = format_status(st)
+    assert "COMPUTE" in out and "set warn_only=False" in out, out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("j")}
+    assert lines["j2"].rstrip().endswith("exact") and lines["j3"].rstrip().endswith("-"), lines
