@@ -427,11 +427,11 @@ want determ && step start-2ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3
   --cases "mm one elem x1.01 persistent"
 # issue 19: the CPU witness on bf16 GPUs: t for a fault and for rounding, per witness (host fp64/fp32/bf16, and
 # the GPUs recomputing in fp32); then two ranks on this GPU with the fault from step 1 and from step 40
-want witness && step witness-probe 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.witness_probe \
-  --device cuda --batch 2
 want witness && step start-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model gpt2 --batch 2 --fault-step 1 --audit-every 5 --determinism strict \
   --cases "mm one elem x1.01 persistent"
+want witness && step witness-probe 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.witness_probe \
+  --device cuda --batch 2
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
