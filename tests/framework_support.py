@@ -177,6 +177,36 @@ def check_clean(res: list[dict[str, Any]], lines: list[str], states: dict[int, s
     assert newest_verified(lines), ([line for line in lines if "checkpoint." in line], states)
 
 
+def check_dropped_and_named(res: list[dict[str, Any]], lines: list[str], fault: int, steps: int) -> None:
+    """A one-step fault on rank 1 under the compute checks: on both ranks one update dropped, at step `fault`,
+    rank 1 named `transient`, the run on to `steps` with no rollback and the replicas identical; the
+    agent's compute.fault events name rank 1."""
+    for r in res:
+        hit = [f for f in r["findings"] if f["dropped"]]
+        assert len(hit) == 1 and hit[0]["faulty"] == [1] and hit[0]["cause"] == "transient", r["findings"]
+        assert hit[0]["step"] == fault, hit[0]
+        assert r["skipped"] == 1 and r["compute"]["dropped"] == 1 and r["compute"]["mode"] == "exact", r
+        assert r["identical"] and not r["rollbacks"] and r["final_step"] == steps, r
+    faults = [line for line in lines if "compute.fault" in line]
+    assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
+
+
+def check_stopped(res: list[dict[str, Any]], lines: list[str], states: dict[int, str], fault: int,
+                  steps: int) -> None:
+    """Rank 1 computing wrong from step `fault` on: both ranks stopped at one step before `steps` by the
+    agent's STOP, whose target is a VERIFIED checkpoint before the fault and whose reason names rank 1; the
+    checks named rank 1 `persistent`."""
+    stops = [r["stopped"] for r in res]
+    assert all(stops) and stops[0] == stops[1], (stops, [line for line in lines if "stop" in line][-5:])
+    assert res[0]["final_step"] == res[1]["final_step"] < steps, [r["final_step"] for r in res]
+    assert stops[0]["target"] < fault and states.get(stops[0]["target"]) == "VERIFIED", (stops[0], states)
+    assert "persistent compute fault" in stops[0]["reason"] and "rank 1" in stops[0]["reason"], stops[0]
+    assert any("job.stop_directive" in line for line in lines)
+    for r in res:
+        named = [f for f in r["findings"] if f["cause"] == "persistent"]
+        assert named and named[0]["faulty"] == [1], r["findings"]
+
+
 _READS = itertools.count()
 
 

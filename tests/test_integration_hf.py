@@ -16,7 +16,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    HOLD_AFTER_FLIP, check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events,
+    HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped, checkpoint_states,
+    flip_bit, mismatch_events,
     replicas_identical, settled_journal, spawn, torchrun_env, wait_directive, wait_verified,
 )
 
@@ -162,14 +163,7 @@ def test_hf_trainer_compute_checks_drop_a_faulty_backward_and_name_the_rank(shor
     finally:
         agent.stop()
     assert res[1]["faulted"] == [FAULT], res[1]
-    for r in res:
-        hit = [f for f in r["findings"] if f["dropped"]]
-        assert len(hit) == 1 and hit[0]["faulty"] == [1] and hit[0]["cause"] == "transient", r["findings"]
-        assert hit[0]["step"] == FAULT, hit[0]
-        assert r["skipped"] == 1 and r["compute"]["dropped"] == 1 and r["compute"]["mode"] == "exact", r
-        assert r["identical"] and not r["rollbacks"] and r["final_step"] == STEPS, r
-    faults = [line for line in lines if "compute.fault" in line]
-    assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
+    check_dropped_and_named(res, lines, FAULT, STEPS)
 
 
 def test_hf_trainer_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, tmp_path: Path) -> None:
@@ -183,14 +177,7 @@ def test_hf_trainer_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, 
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
-    stops = [r["stopped"] for r in res]
-    assert all(stops) and stops[0] == stops[1], (stops, [line for line in lines if "stop" in line][-5:])
-    assert res[0]["final_step"] == res[1]["final_step"] < STEPS, [r["final_step"] for r in res]
-    assert stops[0]["target"] < FAULT and states.get(stops[0]["target"]) == "VERIFIED", (stops[0], states)
-    assert "rank 1" in stops[0]["reason"], stops[0]
-    for r in res:
-        named = [f for f in r["findings"] if f["cause"] == "persistent"]
-        assert named and named[0]["faulty"] == [1], r["findings"]
+    check_stopped(res, lines, states, FAULT, STEPS)
 
 
 def test_hf_trainer_compute_audits_agree_under_accumulation(short_tmp: Path, tmp_path: Path) -> None:

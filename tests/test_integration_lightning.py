@@ -21,7 +21,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    HOLD_AFTER_FLIP, check_clean, check_recovered, checkpoint_states, flip_bit, mismatch_events,
+    HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped, checkpoint_states,
+    flip_bit, mismatch_events,
     replicas_identical, settled_journal, spawn, torchrun_env, wait_directive,
 )
 from test_integration_hf import Tokens, tiny_gpt2
@@ -154,15 +155,7 @@ def test_lightning_compute_checks_drop_a_faulty_forward_and_name_the_rank(short_
     finally:
         agent.stop()
     assert res[1]["faulted"] == [FAULT], res[1]
-    for r in res:
-        hit = [f for f in r["findings"] if f["dropped"]]
-        assert len(hit) == 1, json.dumps(r)
-        assert hit[0]["faulty"] == [1] and hit[0]["cause"] == "transient", hit[0]
-        assert abs(hit[0]["step"] - FAULT) <= 1, hit[0]
-        assert r["skipped"] == 1 and r["compute"]["dropped"] == 1, r
-        assert r["identical"] and not r["rollbacks"] and r["final_step"] == STEPS, r
-    faults = [line for line in lines if "compute.fault" in line]
-    assert faults and all("rank 1" in line for line in faults), (faults, lines[-20:])
+    check_dropped_and_named(res, lines, FAULT, STEPS)
 
 
 def test_lightning_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, tmp_path: Path) -> None:
@@ -178,15 +171,7 @@ def test_lightning_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, t
         states = checkpoint_states(agent, JOB)
     finally:
         agent.stop()
-    stops = [r["stopped"] for r in res]
-    assert all(stops) and stops[0] == stops[1], (stops, [line for line in lines if "stop" in line][-5:])
-    assert res[0]["final_step"] == res[1]["final_step"] < STEPS, [r["final_step"] for r in res]
-    assert stops[0]["target"] < FAULT and states.get(stops[0]["target"]) == "VERIFIED", (stops[0], states)
-    assert "persistent compute fault" in stops[0]["reason"] and "rank 1" in stops[0]["reason"], stops[0]
-    assert any("job.stop_directive" in line for line in lines)
-    for r in res:
-        named = [f for f in r["findings"] if f["cause"] == "persistent"]
-        assert named and named[0]["faulty"] == [1], r["findings"]
+    check_stopped(res, lines, states, FAULT, STEPS)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
