@@ -177,6 +177,18 @@ def check_clean(res: list[dict[str, Any]], lines: list[str], states: dict[int, s
     assert newest_verified(lines), ([line for line in lines if "checkpoint." in line], states)
 
 
+def run_with_agent(state: Path, outdir: Path, job: str, worker: Callable[..., None],
+                   *args: Any) -> tuple[list[dict[str, Any]], list[str], dict[int, str]]:
+    """Two ranks of `worker(*args)` against a real agent on `state`: the ranks' results, the agent's settled
+    journal and the job's checkpoint states."""
+    agent = AgentProcess(state).start()
+    try:
+        res = spawn(worker, 2, str(agent.socket), outdir, *args)
+        return res, settled_journal(agent), checkpoint_states(agent, job)
+    finally:
+        agent.stop()
+
+
 def check_dropped_and_named(res: list[dict[str, Any]], lines: list[str], fault: int, steps: int) -> None:
     """A one-step fault on rank 1 under the compute checks: on both ranks one update dropped, at step `fault`,
     rank 1 named `transient`, the run on to `steps` with no rollback and the replicas identical; the

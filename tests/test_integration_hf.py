@@ -16,7 +16,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped, checkpoint_states,
+    HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped,
+    run_with_agent, checkpoint_states,
     flip_bit, mismatch_events,
     replicas_identical, settled_journal, spawn, torchrun_env, wait_directive, wait_verified,
 )
@@ -156,12 +157,7 @@ def test_hf_trainer_compute_checks_drop_a_faulty_backward_and_name_the_rank(shor
     average it into both replicas, where the vote cannot see it): that step's update is dropped on both
     ranks, rank 1 named transient by the pair replays (run through the Trainer's compute_loss), the agent's
     journal names rank 1, and the run goes on to the end with the replicas bit-identical."""
-    agent = AgentProcess(short_tmp / "state").start()
-    try:
-        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, "transient")
-        lines = settled_journal(agent)
-    finally:
-        agent.stop()
+    res, lines, states = run_with_agent(short_tmp / "state", tmp_path, JOB, _worker, False, True, "transient")
     assert res[1]["faulted"] == [FAULT], res[1]
     check_dropped_and_named(res, lines, FAULT, STEPS)
 
@@ -170,13 +166,8 @@ def test_hf_trainer_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, 
     """Rank 1 computes one gradient element wrong in every backward from step FAULT, replays too: named
     persistent, the agent's STOP reaches both ranks at one step, the Trainer stops there, and
     `session.stopped` names rank 1 and a VERIFIED checkpoint before the fault to restart from."""
-    agent = AgentProcess(short_tmp / "state").start()
-    try:
-        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, "persistent")
-        lines = settled_journal(agent)
-        states = checkpoint_states(agent, JOB)
-    finally:
-        agent.stop()
+    res, lines, states = run_with_agent(short_tmp / "state", tmp_path, JOB, _worker,
+                                        False, True, "persistent")
     check_stopped(res, lines, states, FAULT, STEPS)
 
 
@@ -184,13 +175,8 @@ def test_hf_trainer_compute_audits_agree_under_accumulation(short_tmp: Path, tmp
     """Replays must reproduce the Trainer's step bit for bit: audits every 5 steps over 2 accumulated
     micro-batches (the Trainer divides each loss by 2, or the model normalises by num_items_in_batch) raise
     no suspicion, stay exact, and the clean run has no event."""
-    agent = AgentProcess(short_tmp / "state").start()
-    try:
-        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, {"audit_every": 5}, "", 2)
-        lines = settled_journal(agent)
-        states = checkpoint_states(agent, JOB)
-    finally:
-        agent.stop()
+    res, lines, states = run_with_agent(short_tmp / "state", tmp_path, JOB, _worker,
+                                        False, {"audit_every": 5}, "", 2)
     check_clean(res, lines, states, STEPS)
     for r in res:
         c = r["compute"]

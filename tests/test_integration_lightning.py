@@ -21,7 +21,8 @@ import torch
 
 from agent_harness import AgentProcess
 from framework_support import (
-    HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped, checkpoint_states,
+    HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped,
+    run_with_agent, checkpoint_states,
     flip_bit, mismatch_events,
     replicas_identical, settled_journal, spawn, torchrun_env, wait_directive,
 )
@@ -148,12 +149,7 @@ def test_lightning_clean_run_has_no_events(short_tmp: Path, tmp_path: Path) -> N
 
 def test_lightning_compute_checks_drop_a_faulty_forward_and_name_the_rank(short_tmp: Path,
                                                                          tmp_path: Path) -> None:
-    agent = AgentProcess(short_tmp / "state").start()
-    try:
-        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, True)
-        lines = settled_journal(agent)
-    finally:
-        agent.stop()
+    res, lines, states = run_with_agent(short_tmp / "state", tmp_path, JOB, _worker, False, True, True)
     assert res[1]["faulted"] == [FAULT], res[1]
     check_dropped_and_named(res, lines, FAULT, STEPS)
 
@@ -164,13 +160,8 @@ def test_lightning_stops_for_a_gpu_that_keeps_computing_wrong(short_tmp: Path, t
     the agent's STOP directive reaches both ranks at the same step, the Trainer stops there (its stop flag)
     and `session.stopped` holds the directive: the newest VERIFIED checkpoint before the fault to restart
     from, the GPU named in its reason."""
-    agent = AgentProcess(short_tmp / "state").start()
-    try:
-        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, True, False, 1, "32-true", True)
-        lines = settled_journal(agent)
-        states = checkpoint_states(agent, JOB)
-    finally:
-        agent.stop()
+    res, lines, states = run_with_agent(short_tmp / "state", tmp_path, JOB, _worker,
+                                        False, True, False, 1, "32-true", True)
     check_stopped(res, lines, states, FAULT, STEPS)
 
 
@@ -185,13 +176,8 @@ def test_lightning_compute_audits_agree_under_accumulation_and_mixed_precision(
     hand-written loop's audits named a GPU 7 times in 35 clean steps); the checks take the plugin's scaler,
     and a step the scaler skipped for an overflow would be cleared as data. Without the scaler passed, the
     mode reads `unreproducible: ... 65536x ...` (checked by hand, 2026-12-04)."""
-    agent = AgentProcess(short_tmp / "state").start()
-    try:
-        res = spawn(_worker, 2, str(agent.socket), tmp_path, False, {"audit_every": 5}, False, 2, precision)
-        lines = settled_journal(agent)
-        states = checkpoint_states(agent, JOB)
-    finally:
-        agent.stop()
+    res, lines, states = run_with_agent(short_tmp / "state", tmp_path, JOB, _worker,
+                                        False, {"audit_every": 5}, False, 2, precision)
     check_clean(res, lines, states, STEPS)
     for r in res:
         c = r["compute"]
