@@ -147,7 +147,8 @@ class _Sink:
 
 
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
-MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8, "amp": "bf16", "ac": "none"}
+MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8, "amp": "bf16", "ac": "none",
+                         "wide_fails": -1}
 
 
 class Checkpointed(nn.Module):
@@ -197,6 +198,10 @@ def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tup
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
+    if MODEL["wide_fails"] == dist.get_rank() and any(
+            type(m).__name__ == "_NoAutocast" for m in torch.overrides._get_current_function_mode_stack()):
+        # --witness-fp32-fails: this rank has no memory for the CPU witness's float32 replay
+        raise torch.OutOfMemoryError("injected: no memory for the witness's float32 replay")
     fp16 = MODEL["amp"] == "fp16"      # --amp fp16: fp16 autocast, the loop under a GradScaler (run_case)
     dtype = torch.float16 if fp16 else torch.bfloat16
     bf16 = x.device.type == "cuda" or MODEL["bf16"] or fp16   # sdcguard checks bf16/fp16 matmuls only
@@ -685,6 +690,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     MODEL["name"] = args.model
     MODEL["bf16"] = bool(args.sdcguard) or args.cpu_autocast
+    MODEL["wide_fails"] = args.witness_fp32_fails
     MODEL["hsdp"] = args.hsdp
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
@@ -916,6 +922,9 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
                    "(strict: kernels with a deterministic variant use it, e.g. cuDNN attention's backward)")
     p.add_argument("--cpu-autocast", action="store_true", help="--device cpu: bf16 autocast on the CPU ranks too "
                    "(the GPU's arithmetic: a small fault then changes the rounding of all that follows)")
+    p.add_argument("--witness-fp32-fails", type=int, default=-1, metavar="RANK", help="the CPU witness's "
+                   "float32 replay raises out of memory on RANK (it must fall back to the step's precision on "
+                   "every rank, never name a GPU on mixed evidence)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):

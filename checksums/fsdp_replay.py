@@ -31,7 +31,6 @@ Training-side module: never imports the agent (`daemon`).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +50,6 @@ from checksums.replay import (
     _equal,
     _map_tensors,
     classify_replays,
-    full_precision,
     scaled,
     witness_projection,
 )
@@ -121,15 +119,10 @@ class FsdpReplayer(Replayer):
         group's gradients, dim 0, W chunks). NaN (no witness) without a factory or when FSDP pre-divides
         the input (an fp16 reduce dtype): a collective, every rank calls."""
         flats: dict[int, torch.Tensor] = {}
-        # in float32 unless FSDP's own policy computes in a low precision (see `full_precision`)
+        # in float32 unless FSDP's own policy computes in a low precision (`Replayer.agreed_wide`)
         wide = all(getattr(fp, "param_dtype", None) in (None, torch.float32)
                    and fp.sharded_param.dtype == torch.float32 for group in self.fsdp.groups for fp in group)
-
-        def replay() -> None:
-            with full_precision(self.device.type) if wide else contextlib.nullcontext():
-                self.replay(retained, flats)
-
-        self.agreed(replay)
+        self.agreed_wide(lambda: self.replay(retained, flats), wide)
         params = dict(self.module.named_parameters())
         full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
                 for name, p in params.items()}                      # a collective (all-gather), every rank

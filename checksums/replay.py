@@ -520,13 +520,8 @@ class Replayer:
 
         # in float32 when the parameters are (autocast's bf16/fp16 arithmetic off: see `full_precision`); a
         # model kept in a low precision is compared as it computes
-        wide = all(p.dtype == torch.float32 for p in params)
-
-        def grads() -> torch.Tensor:
-            with full_precision(self.device.type) if wide else contextlib.nullcontext():
-                return flat(self._grads(retained, self.module, params), params).to(torch.float32)
-
-        mine = self.agreed(grads)
+        mine = self.agreed_wide(lambda: flat(self._grads(retained, self.module, params), params)
+                                .to(torch.float32), all(p.dtype == torch.float32 for p in params))
         self.replays += 1
         both = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(both, mine, group=self.group)
@@ -604,6 +599,21 @@ class Replayer:
         if int(bad.item()):
             raise ReplayFailed(replay_failure(err)) from err
         return got
+
+    def agreed_wide(self, replay: Callable[[], T], wide: bool) -> T:
+        """The witness's replay (`agreed`) in float32 when `wide` (`full_precision`), else as the step
+        computes; when the float32 replay fails on any rank (out of memory for float32 activations), every
+        rank replays as the step computes instead: the two gradients projected always have one precision."""
+        if wide:
+            try:
+                with full_precision(self.device.type):
+                    return self.agreed(replay)
+            except ReplayFailed as exc:
+                logger.warning("sdcwatch: the witness's float32 replay failed (%s); replaying as the step "
+                               "computes", exc)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        return self.agreed(replay)
 
     def replay_round(self, replay: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Every rank's `replay()` rows, gathered [world, ...], once every rank's replay ran (`agreed`)."""

@@ -384,6 +384,18 @@ def test_two_bf16_ranks_name_the_gpu_that_computes_wrong_not_the_good_one(faulty
         assert r[name]["mode"] == "exact", r[name]["mode"]
 
 
+def test_a_witness_without_memory_for_float32_falls_back_on_every_rank():
+    """The witness's float32 replay needs more activation memory than the step; when it fails on one rank
+    (out of memory, injected on rank 1) every rank replays as the step computes instead (the same precision
+    on both, never a projection of mixed evidence): a finding that names both ranks `unresolved`. Before,
+    the failure made the audit unclassifiable: the fault held back with no finding at all."""
+    name = "mm x1.05 persistent"
+    r = _faults(["--model", "tiny-gpt", "--world", "2", "--cpu-autocast", "--witness-fp32-fails", "1",
+                 "--audit-every", "5", "--cases", name])
+    hit = r[name]["caught"]["compute"]
+    assert hit["cause"] == "unresolved" and hit["named"] == [0, 1] and hit["dropped"], hit
+
+
 def test_the_fsdp_witness_loads_a_model_with_tied_weights():
     """FSDP2 on two ranks, a GPT whose head is tied to its embedding: the witness's float64 copy needs the
     tied weight under both names (named_parameters gives it once, the copy's state_dict asks for both); it
