@@ -77,19 +77,20 @@ def wait_verified(job: str, timeout: float = 60.0) -> None:
 HOLD_AFTER_FLIP = 3   # steps after the flip at which the flip tests hold the run for the agent's directive
 
 
-def wait_directive(job: str, timeout: float = 60.0) -> None:
+def wait_directive(job: str, timeout: float = 60.0, kind: str = "job.rollback_directive") -> None:
     """In a rank (SDCWATCH_SOCKET set): block until the agent has journaled a rollback directive for `job`.
     The agent plans it once its checkpoint feed has taken every event before the mismatch (daemon/rollback.py),
     seconds behind a tiny model's steps on a loaded machine: a run that ends first has nothing left to roll
     back (its last checkpoints are not VERIFIED and the mismatch is journaled: right, but not what a flip test
     tests). The flip's rank calls it HOLD_AFTER_FLIP steps after the flip; the other ranks wait in the next
-    collective; the directive reaches every rank in its next ReportStep reply."""
+    collective; the directive reaches every rank in its next ReportStep reply. `kind`: the directive's event
+    (`job.stop_directive` for a STOP)."""
     target = f"unix:{os.environ['SDCWATCH_SOCKET']}"
 
     def issued() -> bool:
-        return any(e.subject == f"job/{job}" for e in _events(target, ("job.rollback_directive",)))
+        return any(e.subject == f"job/{job}" for e in _events(target, (kind,)))
 
-    wait_until(issued, timeout, f"a rollback directive for {job}", interval=0.2)
+    wait_until(issued, timeout, f"a {kind} for {job}", interval=0.2)
 
 
 def mismatch_events(agent: AgentProcess) -> list[dict[str, Any]]:

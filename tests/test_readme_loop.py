@@ -26,11 +26,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from agent_harness import ROOT, AgentProcess, cli
-from framework_support import replicas_identical
+from framework_support import replicas_identical, wait_directive
 from deadlines import scaled
 
 STEPS, FLIP = 200, 100
 FAULT_STEP = 112  # the compute_stop run: rank 1's GPU computes wrong from this step on (saves at 50, 100)
+HOLD = 10         # ... and rank 1 waits for the agent's STOP this many steps after (the audit at 115 finds it)
+JOB = "llama-7b-run3"   # the README loop's job
 # The bad-data run keeps every checkpoint in memory (not the newest 2): here they are a second apart, and on a
 # loaded machine the votes that verify the one before the range reach the coordinator seconds later, after two
 # more were saved (a real run saves minutes apart).
@@ -102,7 +104,8 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
         loader = LongerLoader(loader, clean, lambda: bool(out["restores"]), extend_s)
         g: dict[str, Any] = {"ddp_model": ddp_model, "model": model, "optimizer": optimizer, "rank": rank,
                              "world_size": 2, "loader": loader}
-        flipped = []
+        flipped: list[int] = []
+        held: list[int] = []
 
         def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
             x, y = batch
@@ -118,6 +121,9 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str, scenario
             g["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
             optimizer.step()
             monitor = g["monitor"]
+            if scenario == "compute_stop" and rank == 1 and monitor.guard.step == FAULT_STEP + HOLD and not held:
+                held.append(1)   # the agent's STOP is planned seconds behind a tiny model's steps on a loaded
+                wait_directive(JOB, kind="job.stop_directive")   # machine: rank 0 waits in the next all-reduce
             if scenario == "flip" and rank == 1 and monitor.guard.step == FLIP and not flipped:
                 flipped.append(FLIP)
                 with torch.no_grad():
