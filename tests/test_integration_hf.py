@@ -88,6 +88,10 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
                 elif self.done and not self.held and sdc.session.guard.step == FLIP + HOLD_AFTER_FLIP:
                     self.held = True
                     wait_directive(JOB)       # the run does not end before the agent's rollback
+                elif fault == "persistent" and rank == 1 and not self.held \
+                        and sdc.session.guard.step == FAULT + HOLD_AFTER_FLIP:
+                    self.held = True          # nor before its STOP (planned seconds behind on a loaded machine)
+                    wait_directive(JOB, kind="job.stop_directive")
 
         args = TrainingArguments(
             output_dir=os.path.join(outdir, f"out{rank}"), use_cpu=True, ddp_backend="gloo", max_steps=STEPS,

@@ -86,6 +86,9 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
                 elif self.done and not self.held and sdc.session.guard.step == FLIP + HOLD_AFTER_FLIP:
                     self.held = True
                     wait_directive(JOB)       # the run does not end before the agent's rollback
+                elif persistent and rank == 1 and not self.held and sdc.session.guard.step == FAULT + HOLD_AFTER_FLIP:
+                    self.held = True          # nor before its STOP (planned seconds behind on a loaded machine)
+                    wait_directive(JOB, kind="job.stop_directive")
 
         loader = torch.utils.data.DataLoader(Tokens(8 * STEPS), batch_size=4, shuffle=False)
         # "16-mixed" on the CPU: Lightning's own choice would be bf16 there, so its plugin is given as the GPU
