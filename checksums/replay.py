@@ -352,13 +352,20 @@ def full_precision(device_type: str):
     everything downstream, so the two GPUs' gradients differ by a rounding pattern as large as their
     distance from float64, and a float64 witness sits halfway (t near 0.5 for x1.01 on one element of
     GPT-2's MLP output in bf16, measured); in float32 the fault's own effect dominates."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    saved: list[tuple[Any, bool]] = []
+    for flags in (torch.backends.cuda.matmul, torch.backends.cudnn):
+        try:                                  # a torch that refuses the legacy flag (its fp32_precision API
+            saved.append((flags, flags.allow_tf32))   # set by the job): left as the job set it
+            flags.allow_tf32 = False
+        except (AttributeError, RuntimeError):
+            saved = [s for s in saved if s[0] is not flags]
     try:
         with _NoAutocast(device_type):
             yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        for flags, old in saved:
+            with contextlib.suppress(AttributeError, RuntimeError):
+                flags.allow_tf32 = old
 
 
 class _Swapped(nn.Module):
