@@ -198,7 +198,7 @@ def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tup
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
-    if MODEL["wide_fails"] == dist.get_rank() and any(
+    if MODEL["wide_fails"] >= 0 and MODEL["wide_fails"] == dist.get_rank() and any(
             type(m).__name__ == "_NoAutocast" for m in torch.overrides._get_current_function_mode_stack()):
         # --witness-fp32-fails: this rank has no memory for the CPU witness's float32 replay
         raise torch.OutOfMemoryError("injected: no memory for the witness's float32 replay")
