@@ -109,10 +109,11 @@ class SdcwatchCallback(TrainerCallback):
         self._trainer = trainer
         inner = trainer.training_step
 
-        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None, *a: Any, **kw: Any) -> Any:
+        def training_step(model: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
+            # passed on as given: a Trainer before num_items_in_batch calls training_step(model, inputs)
             if self.checks is not None:
-                self.checks.retain((inputs, num_items_in_batch))
-            return inner(model, inputs, num_items_in_batch, *a, **kw)
+                self.checks.retain((inputs, a[0] if a else kw.get("num_items_in_batch")))
+            return inner(model, inputs, *a, **kw)
 
         trainer.training_step = training_step
 
@@ -128,8 +129,9 @@ class SdcwatchCallback(TrainerCallback):
             """The micro-batch's loss again, as the Trainer's training_step back-propagated it."""
             inputs, items = item
             inputs = trainer._prepare_inputs(inputs)
+            extra = {} if items is None else {"num_items_in_batch": items}   # a Trainer before it: none
             with trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(module, inputs, num_items_in_batch=items)
+                loss = trainer.compute_loss(module, inputs, **extra)
             if args.n_gpu > 1:
                 loss = loss.mean()
             scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
