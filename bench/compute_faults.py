@@ -129,6 +129,18 @@ def corrupt(t: torch.Tensor, case: Case) -> None:
             t2[:, 3] = 0.0
 
 
+def fault_output(out: torch.Tensor, case: Case) -> torch.Tensor | None:
+    """`case` on the target layer's output `out`, in its forward hook (what the hook returns): a matmul fault
+    corrupts it in place; a backward fault wraps it so the gradient reaching it (what the layer's dW and dX
+    matmuls consume) is corrupted, in every backward through this forward (a replay's too, when the hook
+    applies it there: a persistent one); other cases leave it."""
+    if case.where == "mm":
+        corrupt(out, case)
+    elif case.where == "bwd":
+        return BackwardFault.apply(out, lambda grad: corrupt(grad, case))
+    return None
+
+
 class _Sink:
     """A StepSink that keeps the compute findings the Monitor's reports carry (no agent in the bench)."""
 
@@ -286,13 +298,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         # faulty GPU)
         if not (active["on"] and case is not None and torch.is_grad_enabled() and out.dtype != torch.float64):
             return None
-        if case.where == "mm" and not sdcguard:
-            corrupt(out, case)
-        elif case.where == "bwd":       # a backward fault (with --sdcguard too: outside its checked matmuls)
-            # the gradient reaching the target's output (what its dW and dX matmuls consume); applied where
-            # the target's forward ran with the fault on, so a persistent one hits the replays' backward too
-            return BackwardFault.apply(out, lambda grad: corrupt(grad, case))
-        return None
+        if case.where == "mm" and sdcguard:      # injected inside the matmul instead (MatmulFault)
+            return None
+        return fault_output(out, case)         # a backward fault with --sdcguard too: outside its matmuls
 
     def grad_inject(idx: int, buf: torch.Tensor) -> None:
         if active["on"] and case is not None and case.where == "grad" and idx == 0:

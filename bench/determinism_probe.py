@@ -49,8 +49,7 @@ def probe(setting: str, model: torch.nn.Module, batch, repeats: int) -> str:
             for _ in range(repeats - 1):
                 again = grads(model, batch)
                 for a, b in zip(first, again):
-                    if not torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
-                                       b.view(torch.uint8) if b.dtype != torch.bool else b):
+                    if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):   # bit for bit
                         same = False
                         na, nb = a.float().norm().item(), b.float().norm().item()
                         worst = max(worst, abs(na - nb) / max(na, 1e-30))

@@ -7,9 +7,9 @@ alone (two GPUs that differ only by rounding) should leave it near 0.5. This pro
 both situations: "fault" = the clean gradient against one with the fault case applied to block 0's MLP
 output (bench.compute_faults's cases); "rounding" = the clean gradient against the same step with
 scaled_dot_product_attention held to the math backend (a GPU that rounds differently, no fault). Each is
-projected with several witnesses: the host in float64 (today's), the host in fp32, the host under bf16
-autocast, and "gpu-fp32": both GPU gradients recomputed without autocast in fp32 (TF32 off), against the host
-in float64. A witness works when every fault row is within 0.25 of 0 and every rounding row is not.
+projected with several witnesses: the host in float64, the host in fp32, the host under bf16 autocast, and
+"gpu-fp32": both GPU gradients recomputed as the witness does (`full_precision`: autocast and TF32 off),
+against the host in float64. A witness works when every fault row is within 0.25 of 0 and every rounding row is not.
 
     PYTHONPATH=$PWD CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m bench.witness_probe --device cuda --batch 2
     PYTHONPATH=$PWD python -m bench.witness_probe --model tiny-gpt          # CPU smoke (the "GPU" is the CPU)
@@ -26,7 +26,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench import compute_faults as cf
-from checksums.replay import witness_projection
+from checksums.replay import full_precision, witness_names, witness_projection
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, flat, float64 on the host (zeros for a parameter without one)."""
+    return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).double().cpu()
+                      for q in model.parameters()])
 
 
 def main() -> None:
@@ -50,54 +56,24 @@ def main() -> None:
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             return model(x, y)
 
-    def fp32_step() -> torch.Tensor:
-        return model(x, y)
+    def grad_of(case: cf.Case | None = None, wide: bool = False) -> torch.Tensor:
+        """The step's flat gradient, with `case` on block 0's MLP output (the harness's own injection,
+        `fault_output`), in float32 as the witness replays (`full_precision`) when `wide`."""
+        hook = target.register_forward_hook(lambda m, i, o: cf.fault_output(o, case) if case else None)
+        try:
+            model.zero_grad(set_to_none=True)
+            with full_precision(dev.type) if wide else contextlib.nullcontext():
+                bf16_step().backward()
+        finally:
+            hook.remove()
+        return flat_grad(model)
 
-    def with_case(case: cf.Case | None, run):
-        """`run` with the case applied (None: clean): a forward hook on block 0's MLP output ("mm"), or on
-        the gradient reaching it ("bwd")."""
-        if case is None:
-            return run
-        if case.where == "mm":
-            def go():
-                h = target.register_forward_hook(lambda m, i, o: (cf.corrupt(o, case), o)[1])
-                try:
-                    return run()
-                finally:
-                    h.remove()
-            return go
-
-        def go_bwd():
-            def hook(m, go):
-                g = go[0].clone()
-                cf.corrupt(g, case)
-                return (g,)
-            h = target.register_full_backward_pre_hook(hook)
-            try:
-                loss = run()
-                loss.backward()        # the hook must see the backward: run it here
-                return None
-            finally:
-                h.remove()
-        return go_bwd
-
-    def grad_of(run) -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        loss = run()
-        if loss is not None:
-            loss.backward()
-        return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).double().cpu()
-                          for q in model.parameters()])
-
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    g_clean = grad_of(bf16_step)
+    g_clean = grad_of()
     with sdpa_kernel([SDPBackend.MATH]):
-        g_round = grad_of(bf16_step)
-    g_clean32 = grad_of(fp32_step)
+        g_round = grad_of()
+    g_clean32 = grad_of(wide=True)
     cases = [c for c in cf.CASES if c.name in args.cases.split(",")]
-    faulty = {c.name: (grad_of(with_case(c, bf16_step)), grad_of(with_case(c, fp32_step))) for c in cases}
-    torch.backends.cuda.matmul.allow_tf32 = prev
+    faulty = {c.name: (grad_of(c), grad_of(c, wide=True)) for c in cases}
     t_dev = time.perf_counter() - t0
 
     host = copy.deepcopy(model).cpu()
@@ -112,8 +88,7 @@ def main() -> None:
         with ctx:
             loss = m(xc, yc)
         loss.backward()
-        refs[name] = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).double()
-                                for q in m.parameters()])
+        refs[name] = flat_grad(m)
         print(f"{name}: {time.perf_counter() - t1:.1f} s", flush=True)
 
     print(f"{args.model}, batch {args.batch} x {x.shape[1]} tokens on {args.device}; GPU side {t_dev:.1f} s")
@@ -121,7 +96,7 @@ def main() -> None:
 
     def row(situation: str, witness: str, ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, fault: bool):
         t = witness_projection(ref, g0, g1)
-        named = 1 if abs(t) <= 0.25 else 0 if abs(t - 1) <= 0.25 else None
+        named = witness_names(t)
         ok = (named == 1) if fault else (named is None)
         print(f"{situation:42s} {witness:10s} {t:8.3f}  named {named}  {'ok' if ok else 'WRONG'}")
 

@@ -539,7 +539,7 @@ class ComputeChecks:
             return f"unreproducible: {self.replayer.why_not or NO_BATCH}"[:120]
         if self.replayer.exact:
             return "exact"
-        return f"bounded: {self.replayer.why_bounded or 'replays of one batch differ'}; norms within 1e-3"[:120]
+        return f"bounded: {self.replayer.why_bounded}; norms within 1e-3"[:120]
 
     def take_findings(self) -> tuple[ComputeFinding, ...]:
         """The findings not handed out yet, oldest first (the Monitor puts them on its next step report)."""

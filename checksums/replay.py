@@ -354,11 +354,11 @@ def full_precision(device_type: str):
     GPT-2's MLP output in bf16, measured); in float32 the fault's own effect dominates."""
     saved: list[tuple[Any, bool]] = []
     for flags in (torch.backends.cuda.matmul, torch.backends.cudnn):
-        try:                                  # a torch that refuses the legacy flag (its fp32_precision API
-            saved.append((flags, flags.allow_tf32))   # set by the job): left as the job set it
+        # a torch that refuses the legacy flag (the job set its fp32_precision API): left as the job set it
+        with contextlib.suppress(AttributeError, RuntimeError):
+            old = flags.allow_tf32
             flags.allow_tf32 = False
-        except (AttributeError, RuntimeError):
-            saved = [s for s in saved if s[0] is not flags]
+            saved.append((flags, old))
     try:
         with _NoAutocast(device_type):
             yield

@@ -68,7 +68,9 @@ def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bo
             # micro-batch of step FAULT ("transient": once; a replay computes it right) or in every backward
             # from step FAULT on, replays too ("persistent")
             step = sdc.session.guard.step + 1 if sdc.session is not None else 0
-            if rank != 1 or step < FAULT or (fault == "transient" and (faulted or step != FAULT)) or not fault:
+            if rank != 1 or not fault or step < FAULT:
+                return None
+            if fault == "transient" and (faulted or step != FAULT):
                 return None
             faulted.append(step)
             grad = grad.clone()
