@@ -58,7 +58,8 @@ from checksums.step_guard import StepGuard
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    where: str            # mm | bwd | grad | opt | weight
+    where: str            # mm | tc | tcb | bwd | grad | opt | weight (tc, tcb: its bf16/fp16 matmuls only,
+    #                       forward or backward: a tensor core's)
     how: str              # elem | tile | warp | zero | ulp | expflip | scale | channel | set
     value: float = 0.0
     persistent: bool = False
@@ -87,6 +88,14 @@ CASES = [
     Case("grad elem NaN", "grad", "set", float("nan")),
     Case("adam exp_avg exp-flip", "opt", "expflip"),
     Case("weight exp-flip", "weight", "expflip"),
+]
+# a tensor core's fault: the target's matmul output wrong only where it is computed in bf16 or fp16 (its
+# float32 matmuls, on other units, stay right); for a run under autocast (--cpu-autocast, or the GPU)
+TC_CASES = [
+    Case("tc one elem x1.05 persistent", "tc", "scale", 1.05, True),
+    Case("tc channel x2 persistent", "tc", "channel", 2.0, True),
+    Case("tc one elem =10 persistent", "tc", "set", 10.0, True),
+    Case("tc backward channel x2 persistent", "tcb", "channel", 2.0, True),     # its first bf16 matmul in backward
 ]
 H200 = ["mm one elem =1e4", "mm one elem =10", "mm one elem x1.01 persistent", "mm channel x2 persistent",
         "grad elem =100", "grad elem =0.01", "mm one elem ulp", "mm zeroed column", "adam exp_avg exp-flip",
@@ -228,22 +237,33 @@ class MatmulFault(TorchDispatchMode):
     """The faulty GPU, inside the matmul: corrupts the output of the target layer's matmul op (aten::mm,
     addmm, bmm, linear) where it is computed, so a check of the matmul itself (sdcguard's ABFT checksums,
     a dispatch mode entered inside this one) sees the wrong output, and so does everything downstream (our
-    gradient statistics). Used with --sdcguard; without it a forward hook corrupts the layer's output, the
-    same values."""
+    gradient statistics). Used with --sdcguard, and for the tensor-core cases (`TC_CASES`: only its bf16/fp16
+    matmuls; an op witness, entered inside this one, sees the op compute wrong from right inputs); without
+    them a forward hook corrupts the layer's output, the same values."""
 
     OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
 
     def __init__(self, target: nn.Module, case: Case | None, active: dict[str, bool]) -> None:
         super().__init__()
         self.case, self.active, self.inside = case, active, False
-        target.register_forward_pre_hook(lambda m, i: setattr(self, "inside", True))
+        target.register_forward_pre_hook(lambda m, i: setattr(self, "inside", self.where(case) != "tcb"))
         target.register_forward_hook(lambda m, i, o: setattr(self, "inside", False))
+        if self.where(case) == "tcb":    # the layer's backward: its first matmul (dX or dW) is wrong
+            target.register_full_backward_pre_hook(lambda m, g: setattr(self, "inside", True))
+
+    @staticmethod
+    def where(case: Case | None) -> str:
+        return case.where if case is not None else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         # (no grad-mode test: sdcguard's checked linear runs its matmul inside an autograd.Function's forward)
-        if (self.inside and self.active["on"] and self.case is not None and self.case.where == "mm"
+        low = (torch.bfloat16, torch.float16) if self.where(self.case) in ("tc", "tcb") else None
+        if self.where(self.case) == "tcb" and torch._C._current_autograd_node() is None:
+            return out                # (tcb: a matmul the backward runs, not a forward's)
+        if (self.inside and self.active["on"] and self.case is not None and self.case.where in ("mm", "tc", "tcb")
                 and isinstance(out, torch.Tensor) and out.dtype != torch.float64
+                and (low is None or out.dtype in low)
                 and getattr(func, "_schema", None) is not None
                 and func._schema.name in self.OPS):
             self.inside = False       # the layer's own matmul only, not the checksum matmuls a check runs after it
@@ -326,7 +346,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     caught: dict[str, dict[str, Any]] = {}
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
     guard = _sdcguard(sdcguard, model) if sdcguard else None
-    fault_mode = MatmulFault(target, case, active) if sdcguard else None
+    fault_mode = MatmulFault(target, case, active) if sdcguard or MatmulFault.where(case) in ("tc", "tcb") else None
     if fault_mode is not None:
         fault_mode.__enter__()        # the whole run, replays included (a persistent fault is the GPU's)
     t0 = time.perf_counter()
@@ -342,7 +362,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         for micro in range(accum):
             active["on"] = on and case is not None and (
                 case.where == "grad"
-                or (case.where in ("mm", "bwd") and (case.persistent or micro == fault_micro)))
+                or (case.where in ("mm", "tc", "tcb", "bwd") and (case.persistent or micro == fault_micro)))
             batch = batch_for(rank, step, device, micro)
             checks.retain(batch)
             if guard is not None:
@@ -362,7 +382,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 backward(step_loss(ddp, batch))
         if case is None or not case.persistent:
             active["on"] = False
-        if (step == fault_step and case is not None and case.where in ("mm", "bwd", "grad")
+        if (step == fault_step and case is not None and case.where in ("mm", "tc", "tcb", "bwd", "grad")
                 and (on or fsdp and 0 <= fault_rank < world) and checks.replayer.reproduces):
             # did the fault change any bit of the gradient this rank hands to the all-reduce? (a one-ulp flip
             # of an activation often rounds away): the original rows against a clean recompute (FSDP2: a
@@ -705,8 +725,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["ac"] = args.ac
     SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
-    names = {"all": [c.name for c in CASES], "h200": H200, "none": []}.get(args.cases, args.cases.split(","))
-    for case in [c for c in CASES if c.name in names]:
+    names = {"all": [c.name for c in CASES], "h200": H200, "tc": [c.name for c in TC_CASES],
+             "none": []}.get(args.cases, args.cases.split(","))
+    for case in [c for c in CASES + TC_CASES if c.name in names]:
         results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + 30,
                                       fault_step=args.fault_step, fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
@@ -868,7 +889,8 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--cases", default="all", help="all | h200 | none | comma-separated case names")
+    p.add_argument("--cases", default="all", help="all | h200 | tc (the tensor-core cases, under "
+                   "autocast) | none | comma-separated case names")
     p.add_argument("--fault-step", type=int, default=40)
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--audit-every", type=int, default=5)

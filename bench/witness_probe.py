@@ -26,7 +26,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench import compute_faults as cf
-from checksums.replay import full_precision, witness_names, witness_projection
+from checksums.op_witness import witness_projection
+from checksums.replay import witness_names
+from checksums.replay_modes import full_precision
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:

@@ -51,8 +51,8 @@ from checksums.replay import (
     _map_tensors,
     classify_replays,
     scaled,
-    witness_projection,
 )
+from checksums.op_witness import witness_projection
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class FsdpReplayer(Replayer):
         self.replays += 1
         return rows
 
-    def witness(self, retained: Retained) -> float:
+    def witness(self, retained: Retained, ops: bool = False) -> float:
         """Two ranks, a persistent fault, each GPU self-consistent: the host CPU is the third witness, as
         `Replayer.witness` (t = <ref - g0, g1 - g0> / |g1 - g0|^2; 0: GPU 0 computed right, 1: GPU 1 did),
         with `witness_model` (a factory of the bare, unsharded model) for the float64 CPU copy. Both ranks
@@ -117,7 +117,9 @@ class FsdpReplayer(Replayer):
         full parameters are gathered (`full_tensor`, every rank) and loaded into the copy on rank 0, whose
         float64 gradient is laid out as FSDP lays out a reduce-scatter input (`torch._chunk_cat` of each
         group's gradients, dim 0, W chunks). NaN (no witness) without a factory or when FSDP pre-divides
-        the input (an fp16 reduce dtype): a collective, every rank calls."""
+        the input (an fp16 reduce dtype): a collective, every rank calls. No op witness (`ops` is not
+        used: FSDP2's forward runs collectives between the ops; checksums.op_witness is DDP's)."""
+        self.witness_by = "the CPU's float64 gradient"
         flats: dict[int, torch.Tensor] = {}
         # in float32 unless FSDP's own policy computes in a low precision (`Replayer.agreed_wide`)
         wide = all(getattr(fp, "param_dtype", None) in (None, torch.float32)

@@ -67,9 +67,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from checksums.grad_checks import GradSummaries, fingerprints_of, stats_of
+from checksums.op_witness import op_witness, witness_projection
+from checksums.replay_modes import full_precision
 from sdcwatch.errors import SdcwatchError
 
 logger = logging.getLogger(__name__)
@@ -224,11 +225,13 @@ def repeats_own(got: torch.Tensor) -> bool:
 
 def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
                           jumps: tuple[float, float] = (0.0, 0.0), *, exact: bool = True, rtol: float = 1e-3,
-                          witness: float | None = None) -> Classification:
+                          witness: float | None = None,
+                          witness_by: str = "the CPU's float64 gradient") -> Classification:
     """Two ranks: decide from both originals [2 (batch), B, 4] and every replay [2 (GPU), 2 (batch), B, 4]
     (`replays[g, j]`: GPU g's replay of rank j's batch), with `jumps[r]`, rank r's own-history jump (the
     tie-break of a persistent fault), and `witness`, the CPU witness's projection (`Replayer.witness`: near 0
-    when GPU 0 computed right, near 1 when GPU 1 did). Pure; see the module docstring."""
+    when GPU 0 computed right, near 1 when GPU 1 did; `witness_by` what it rests on). Pure; see the module
+    docstring."""
     def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
         return _equal(a, b, exact, rtol)
 
@@ -252,10 +255,9 @@ def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
         bad = witness_names(witness) if witness is not None else None
         if bad is not None:
             return Classification(Cause.PERSISTENT, (bad,), True,
-                                  "each GPU repeats its own result and they disagree on both batches; the "
-                                  f"CPU's float64 gradient sits at t={witness:.3f} between GPU 0's (0) and "
-                                  "GPU 1's (1): "
-                                  f"rank {bad}'s GPU computes wrong")
+                                  "each GPU repeats its own result and they disagree on both batches; "
+                                  f"{witness_by} sits at t={witness:.3f} between GPU 0's (0) and GPU 1's "
+                                  f"(1): rank {bad}'s GPU computes wrong")
         return Classification(Cause.UNRESOLVED, (0, 1), True,
                               "each GPU repeats its own result and they disagree on both batches; no third "
                               f"witness tells which (history jumps {jumps[0]:.1f} and {jumps[1]:.1f})")
@@ -332,42 +334,6 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-class _NoAutocast(TorchFunctionMode):
-    """Every op under it runs with autocast off for `device_type`, even inside a `loss_fn`'s own
-    `torch.autocast` (the innermost context wins: this one is entered around each op)."""
-
-    def __init__(self, device_type: str) -> None:
-        super().__init__()
-        self.device_type = device_type
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        with torch.autocast(self.device_type, enabled=False):
-            return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def full_precision(device_type: str):
-    """A replay in float32 throughout: autocast off (`_NoAutocast`) and TF32 off for matmuls and cuDNN, the
-    flags put back after. The CPU witness's GPU side: in bf16 or fp16 a small fault changes the rounding of
-    everything downstream, so the two GPUs' gradients differ by a rounding pattern as large as their
-    distance from float64, and a float64 witness sits halfway (t near 0.5 for x1.01 on one element of
-    GPT-2's MLP output in bf16, measured); in float32 the fault's own effect dominates."""
-    saved: list[tuple[Any, bool]] = []
-    for flags in (torch.backends.cuda.matmul, torch.backends.cudnn):
-        # a torch that refuses the legacy flag (the job set its fp32_precision API): left as the job set it
-        with contextlib.suppress(AttributeError, RuntimeError):
-            old = flags.allow_tf32
-            flags.allow_tf32 = False
-            saved.append((flags, old))
-    try:
-        with _NoAutocast(device_type):
-            yield
-    finally:
-        for flags, old in saved:
-            with contextlib.suppress(AttributeError, RuntimeError):
-                flags.allow_tf32 = old
-
-
 class _Swapped(nn.Module):
     """A stand-in replay's wrapper: `torch.func.functional_call` swaps the stand-in leaves into `module` (its
     child) for the call of this forward, which runs the whole replay (`run`), backward included."""
@@ -406,6 +372,7 @@ class Replayer:
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
         self._witnessed: tuple[int, int] | None = None     # (the rank it named, reuses left)
+        self.witness_by = "the CPU's float64 gradient"      # what the last witness's t rests on
 
     def retain(self, batch: Any) -> None:
         """Keep this micro-batch and the RNG state before its forward; call before each forward. Every
@@ -512,12 +479,14 @@ class Replayer:
         assert grads is not None
         return grads
 
-    def witness(self, retained: Retained) -> float:
+    def witness(self, retained: Retained, ops: bool = False) -> float:
         """Two ranks, a persistent fault, each GPU self-consistent: the host CPU is the third witness. Both
         ranks replay `retained` (rank 0's batch); D = GPU 1's gradient - GPU 0's; rank 0 recomputes the
         gradient on the CPU in float64 (a copy of the module) and projects: t = <ref - g0, D> / <D, D>, 0
         when GPU 0 computed it right, 1 when GPU 1 did; rounding moves t off those. A collective, run only on
-        such a suspicion (two full gradients travel once)."""
+        such a suspicion (two full gradients travel once). `ops` (bit-for-bit deterministic GPUs of one
+        model): when that t names nobody, the op witness decides (`_op_witness`). `witness_by` says what
+        the answer rests on."""
         assert self.summaries is not None
         params = self.summaries.params
 
@@ -541,7 +510,29 @@ class Replayer:
                 out = [float("nan")]
         dist.broadcast_object_list(out, src=0, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
-        return float(out[0])
+        t = float(out[0])
+        self.witness_by = "the CPU's float64 gradient"
+        if ops and witness_names(t) is None:
+            t = self._op_witness(retained, t)
+        return t
+
+    def _op_witness(self, retained: Retained, t: float) -> float:
+        """`witness`'s second opinion when the model-level one named nobody (t): the op witness
+        (checksums.op_witness), rank 0's batch replayed as the step computes; its t when it names a GPU
+        (`witness_by` then says which op), else `t` (a collective)."""
+        assert self.summaries is not None
+        params = self.summaries.params
+        try:
+            t_op, by = op_witness(lambda: self.agreed(lambda: self._grads(retained, self.module, params)),
+                                  self.group, self.device)
+        except ReplayFailed as exc:
+            t_op, by = float("nan"), f"its replay failed ({exc})"
+        self.replays += 2
+        if witness_names(t_op) is None:
+            logger.warning("sdcwatch: the op witness names no GPU either (t=%.3f): %s", t_op, by)
+            return t
+        self.witness_by = by
+        return t_op
 
     def _cpu_projection(self, retained: Retained, g0: torch.Tensor, g1: torch.Tensor) -> float:
         """`witness`'s t from rank 0's float64 CPU replay of `retained` (a copy of the module)."""
@@ -657,8 +648,9 @@ class Replayer:
                 return Classification(Cause.PERSISTENT, (bad,), True,
                                       "each GPU repeats its own result and they disagree on both batches; "
                                       f"the CPU witness named rank {bad} earlier")
-            t = self.witness(batches[0])
-            c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=t)
+            t = self.witness(batches[0], ops=self.exact and self.same_hardware)
+            c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=t,
+                                      witness_by=self.witness_by)
             if c.cause is Cause.PERSISTENT:
                 self._witnessed = (c.faulty[0], WITNESS_REUSE)
         return c
@@ -703,7 +695,7 @@ class Replayer:
         GPU's gradient far closer to the float64 one than the two are to each other (t near 0 or 1);
         rounding leaves both about as close (t near 0.5). Named: exact stays on, the GPU is `start_fault`
         (and the witness's answer is reused as in `classify_pair`); else the rounding-aware bound."""
-        t = self.witness(retained)
+        t = self.witness(retained, ops=self.same_hardware)      # each GPU repeats its own: deterministic
         bad = witness_names(t)
         if bad is None:
             return
@@ -711,8 +703,8 @@ class Replayer:
         self._witnessed = (bad, WITNESS_REUSE)
         self.start_fault = Classification(
             Cause.PERSISTENT, (bad,), True,
-            f"each GPU repeats its own gradient of rank 0's batch at the first step and they differ; the "
-            f"CPU's float64 gradient sits at t={t:.3f} between GPU 0's (0) and GPU 1's (1): rank {bad}'s GPU "
+            f"each GPU repeats its own gradient of rank 0's batch at the first step and they differ; "
+            f"{self.witness_by} sits at t={t:.3f} between GPU 0's (0) and GPU 1's (1): rank {bad}'s GPU "
             "computes wrong from the start")
 
     def check_determinism(self, originals: torch.Tensor | None = None) -> bool:
@@ -786,14 +778,6 @@ def scaled(loss: torch.Tensor, scale: torch.Tensor | None,
     if scale is None:
         return loss
     return loss * (scale.to(loss.device) if cast is None else cast(scale))
-
-
-def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) -> float:
-    """The CPU witness's t = <ref - g0, g1 - g0> / |g1 - g0|^2 (float64 host tensors): 0 when GPU 0's
-    gradient is the reference, 1 when GPU 1's is; NaN when they are equal. Pure."""
-    d = g1 - g0
-    dd = float(d.dot(d))
-    return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
 
 
 def audit_every(budget: float, replay_s: float, step_s: float, *, least: int = 10) -> int:

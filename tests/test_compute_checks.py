@@ -412,7 +412,7 @@ def test_the_fsdp_witness_loads_a_model_with_tied_weights():
 def test_full_precision_replays_ignore_the_loss_fns_own_autocast():
     """The witness's replay runs in float32 even inside a loss_fn's `torch.autocast`, TF32 off, the flags
     put back after."""
-    from checksums.replay import full_precision
+    from checksums.replay_modes import full_precision
     a = torch.randn(8, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert (a @ a).dtype == torch.bfloat16

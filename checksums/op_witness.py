@@ -1,0 +1,247 @@
+"""The op witness: which of two GPUs computes wrong, decided at the one op where they first part.
+
+Two ranks, a persistent fault each GPU repeats, and the model-level CPU witness (`Replayer.witness`: the
+whole gradient recomputed in float64 and projected between the GPUs') named nobody. Two ways that happens:
+the GPUs' float32 recomputations agree, because the fault lives only in the low-precision path (a tensor
+core's: bf16/fp16 matmuls, never the float32 ones), or the projection sits between the two (a small fault
+in bf16, where everything after it re-rounds). Then both ranks replay rank 0's batch as the step computes,
+under `OpTrace`, a dispatch mode that fingerprints the output of every op on the device (no host copy);
+deterministic kernels on one GPU model give the same bits for the same inputs, so the first op whose output
+differs between the GPUs while its inputs are bit for bit equal is where one of them computed wrong. That op
+alone is run again on the host CPU in float64 from those inputs and projected as the model-level witness
+projects (`witness_projection`: t near 0 when GPU 0's output is the float64 one, near 1 when GPU 1's is): one
+op's rounding is at most about half a unit in the last place of its output, so a fault of a few units is
+plain, where a whole bf16 model's rounding pattern is as large as a small fault's effect.
+
+Used only where bit-for-bit determinism holds (exact replays, one GPU model, CUDA and torch on both ranks):
+elsewhere the first differing op is rounding, not a fault. No answer (NaN, and why) when the two GPUs do not
+run the same op sequence, when that op's inputs already differ, or when the CPU has no kernel for the op (a
+CUDA-only attention kernel).
+
+Training-side module: never imports the agent (`daemon`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from checksums.replay_modes import eager
+
+# ops whose output is memory not yet written: its bits are whatever was there (never compared)
+_UNWRITTEN = ("aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+              "aten.empty_permuted", "aten.resize_", "aten.set_")
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) -> float:
+    """The CPU witness's t = <ref - g0, g1 - g0> / |g1 - g0|^2 (float64 host tensors): 0 when GPU 0's
+    gradient is the reference, 1 when GPU 1's is; NaN when they are equal. Pure."""
+    d = g1 - g0
+    dd = float(d.dot(d))
+    return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """An int64 0-dim tensor, on the tensors' device, that changes when any bit of any of them changes
+    (the sum of each tensor's bits read as integers, combined in order; no host synchronisation). None for
+    no tensor data (an op returning none, or only empty or meta tensors)."""
+    acc: torch.Tensor | None = None
+    for t in tensors:
+        if t.is_sparse or t.device.type == "meta" or t.numel() == 0:
+            continue
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        bits = flat.view(_INT_OF_SIZE.get(flat.element_size(), torch.uint8))
+        s = bits.sum(dtype=torch.int64)
+        acc = s if acc is None else acc.to(s.device) * 1_000_003 + s
+    return acc
+
+
+def _host(obj: Any) -> Any:
+    """`obj` with every tensor copied to the host (a clone: an in-place op changes its argument after)."""
+    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, obj)
+
+
+class OpTrace(TorchDispatchMode):
+    """Names and fingerprints (`fingerprint`, on the device) every op's output run under it, the autograd
+    engine's backward ops included; with `capture=i` also keeps op i's function, its arguments as they were
+    before it ran and its outputs, on the host (`captured`)."""
+
+    def __init__(self, capture: int = -1) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.prints: list[torch.Tensor | None] = []
+        self.capture = capture
+        self.captured: tuple[Any, Any, Any, Any] | None = None     # (func, args, kwargs, outputs), host
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        i = len(self.names)
+        name = str(func)
+        self.names.append(name)
+        before = _host((args, kwargs)) if i == self.capture else None
+        out = func(*args, **kwargs)
+        if before is not None:
+            self.captured = (func, before[0], before[1], _host(out))
+        unwritten = name.rsplit(".", 1)[0] in _UNWRITTEN
+        self.prints.append(None if unwritten else fingerprint(_tensors(out)))
+        return out
+
+    def host_prints(self) -> list[int]:
+        """The fingerprints as host ints (one transfer; 0 for an op with none)."""
+        if not self.prints:
+            return []
+        dev = next((p.device for p in self.prints if p is not None and p.device.type != "cpu"),
+                   torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        return torch.stack([zero if p is None else p.to(dev) for p in self.prints]).cpu().tolist()
+
+
+def first_divergence(a: tuple[list[str], list[int]], b: tuple[list[str], list[int]]) -> tuple[int | None, str]:
+    """The index of the first op whose output differs between two traces (names, fingerprints), or None and
+    why not (the op sequences part: the GPUs did not run the same ops, or no op differs). Pure."""
+    (na, pa), (nb, pb) = a, b
+    for i, (x, y) in enumerate(zip(na, nb)):
+        if x != y:
+            return None, f"the GPUs' op sequences part at op {i} ({x} vs {y})"
+        if pa[i] != pb[i]:
+            return i, ""
+    if len(na) != len(nb):
+        return None, f"the GPUs ran {len(na)} and {len(nb)} ops"
+    return None, f"all {len(na)} ops agree bit for bit"
+
+
+def _same_bits(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        fx, fy = _flat_bits(x), _flat_bits(y)
+        return bool(torch.equal(fx, fy))
+    return bool(x == y) if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) else False
+
+
+def _flat_bits(t: torch.Tensor) -> torch.Tensor:
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(_INT_OF_SIZE.get(flat.element_size(), torch.uint8))
+
+
+def same_inputs(args0: Any, args1: Any) -> bool:
+    """Two captures' (args, kwargs) are the same bit for bit (tensors compared as raw bits). Pure."""
+    l0, s0 = tree_flatten(args0)
+    l1, s1 = tree_flatten(args1)
+    return s0 == s1 and len(l0) == len(l1) and all(_same_bits(x, y) for x, y in zip(l0, l1))
+
+
+def cpu_reference(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Op `func` run on the host CPU with its floating-point tensor arguments in float64 (a `device=`
+    argument moved to the CPU). Raises what the op raises (no CPU kernel, no float64 kernel)."""
+    def wide(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(torch.float64) if x.is_floating_point() else x
+        return torch.device("cpu") if isinstance(x, torch.device) else x
+    with torch.no_grad():
+        return func(*tree_map(wide, args), **tree_map(wide, kwargs))
+
+
+def op_projection(ref: Any, out0: Any, out1: Any) -> tuple[float, int]:
+    """The witness's t over the floating-point outputs the two GPUs disagree on (`witness_projection`: 0
+    when GPU 0's outputs are the float64 reference's, 1 when GPU 1's are), and how many elements differ.
+    NaN when no floating-point output differs (with 0: none differs at all) or the reference has another
+    structure. Pure."""
+    r, o0, o1 = (_tensors(x) for x in (ref, out0, out1))
+    if not (len(r) == len(o0) == len(o1)):
+        return float("nan"), 0
+    if all(_same_bits(b, c) for b, c in zip(o0, o1)):
+        return float("nan"), 0
+    picked = [(a, b, c) for a, b, c in zip(r, o0, o1)
+              if b.is_floating_point() and b.shape == c.shape == a.shape and not _same_bits(b, c)]
+    if not picked:
+        return float("nan"), 1
+
+    def cat(k: int) -> torch.Tensor:
+        return torch.cat([p[k].reshape(-1).to(torch.float64) for p in picked])
+    ref_f, g0, g1 = cat(0), cat(1), cat(2)
+    differ = int((g0 != g1).sum())
+    keep = torch.isfinite(ref_f) & torch.isfinite(g0) & torch.isfinite(g1)
+    if not bool(keep.all()):        # an overflow on one GPU: project the finite elements, the rest said
+        if not bool(keep.any()):
+            return float("nan"), differ
+        ref_f, g0, g1 = ref_f[keep], g0[keep], g1[keep]
+    return witness_projection(ref_f, g0, g1), differ
+
+
+def exchange(obj: Any, group: Any, device: torch.device) -> list[Any]:
+    """Every rank's `obj`, in rank order (a collective: one `broadcast_object_list` from each rank, on
+    `device` for NCCL, as the replay's other object broadcasts)."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    out: list[Any] = []
+    for src in range(world):
+        box = [obj if src == rank else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group is not None else src,
+                                   group=group, device=device if device.type == "cuda" else None)
+        out.append(box[0])
+    return out
+
+
+def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> tuple[float, str]:
+    """Two ranks (a collective: both call, `replay` runs rank 0's retained batch on each, as the step
+    computes, through `Replayer.agreed`): t as `Replayer.witness` returns it, and what it rests on (or why
+    there is none, with t NaN). Two replays: one tracing every op's fingerprint, one capturing the first op
+    that differs; one op's inputs and outputs travel once. A compiled model replays eagerly (`eager`)."""
+    trace = OpTrace()
+    with eager(), trace:
+        replay()
+    mine = (trace.names, trace.host_prints())
+    traces = exchange(mine, group, device)
+    i, why = first_divergence(traces[0], traces[1])
+    if i is None:
+        return float("nan"), why
+    cap = OpTrace(capture=i)
+    with eager(), cap:
+        replay()
+    got = cap.captured
+    captured = exchange(None if got is None else got[1:], group, device)
+    out: list[Any] = [(float("nan"), "")]
+    if dist.get_rank(group) == 0:
+        out = [_decide(i, len(trace.names), got[0] if got is not None else None, captured)]
+    dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
+                               device=device if device.type == "cuda" else None)
+    return out[0]
+
+
+def _decide(i: int, n_ops: int, func: Any, captured: list[Any]) -> tuple[float, str]:
+    """Rank 0's answer from both ranks' captures of op i ((args, kwargs, outputs) each, host)."""
+    if func is None or any(c is None for c in captured):
+        return float("nan"), f"op {i} was not captured again (the second replay ran other ops)"
+    (a0, k0, o0), (a1, k1, o1) = captured
+    where = f"{func} (op {i} of {n_ops}, the first whose output differs between the GPUs)"  # why none
+    if not same_inputs((a0, k0), (a1, k1)):
+        return float("nan"), f"{where}: its inputs already differ (a change no op made)"
+    try:
+        ref = cpu_reference(func, a0, k0)
+    except Exception as exc:  # noqa: BLE001 (an op the CPU cannot run in float64: no witness, said)
+        return float("nan"), f"{where}: the CPU cannot run it in float64 ({type(exc).__name__})"
+    t, differ = op_projection(ref, o0, o1)
+    if math.isnan(t):
+        return t, (f"{where}: no floating-point output to project" if differ else
+                   f"{where}: its outputs agree when replayed again (the fault did not repeat)")
+    return t, (f"the CPU's float64 result of {func} (op {i} of the {n_ops} in the replay, the first whose "
+               f"output differs between the GPUs, {differ} elements, from inputs equal on both)")

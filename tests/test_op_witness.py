@@ -1,0 +1,147 @@
+"""The op witness (checksums.op_witness): two ranks, a fault only in the low-precision path (a tensor core's),
+named at the first op where the GPUs part."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from rank_spawn import spawn
+from torch import nn
+
+from bench import compute_faults
+from checksums.op_witness import (
+    OpTrace,
+    cpu_reference,
+    fingerprint,
+    first_divergence,
+    op_projection,
+    same_inputs,
+)
+from checksums.replay import witness_names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.bool,
+                                   torch.int64])
+def test_a_fingerprint_changes_with_any_one_bit(dtype):
+    t = (torch.rand(64, 8) * 3).to(dtype)
+    base = int(fingerprint([t]))
+    for i in (0, 37, 511):
+        u = t.clone().reshape(-1)
+        if dtype == torch.bool:
+            u[i] = ~u[i]
+        else:
+            u.view(torch.uint8)[i * u.element_size()] ^= 1       # the lowest bit of element i
+        assert int(fingerprint([u.reshape(64, 8)])) != base, (dtype, i)
+    assert int(fingerprint([t.t()])) == int(fingerprint([t.t().contiguous()]))   # a view reads as its values
+    assert fingerprint([]) is None and fingerprint([torch.empty(0)]) is None
+
+
+def test_first_divergence_needs_the_same_op_sequence():
+    names = ["aten.mm.default", "aten.add.Tensor", "aten.sum.default"]
+    assert first_divergence((names, [1, 2, 3]), (names, [1, 5, 6])) == (1, "")
+    i, why = first_divergence((names, [1, 2, 3]), (names, [1, 2, 3]))
+    assert i is None and "all 3 ops agree" in why
+    i, why = first_divergence((names, [1, 2, 3]), (["aten.mm.default", "aten.mul.Tensor"], [1, 2]))
+    assert i is None and "part at op 1" in why
+    i, why = first_divergence((names, [1, 2, 3]), (names[:2], [1, 2]))
+    assert i is None and "3 and 2 ops" in why
+
+
+def _mm_outputs(scale: float, where: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, 48, generator=g).to(torch.bfloat16)
+    good = torch.mm(a, b)
+    bad = good.clone()
+    bad.view(-1)[where] *= scale
+    return a, b, good, bad
+
+
+@pytest.mark.parametrize("scale", [1.05, 2.0, 10.0])
+def test_one_op_in_float64_names_the_gpu_whose_bf16_output_is_wrong(scale):
+    """A bf16 matmul, one element of one GPU's output wrong: the float64 result of that op alone sits at the
+    good GPU's output (t near 0 when GPU 1 is wrong, near 1 when GPU 0 is), where a whole model's bf16
+    rounding pattern hid a fault of this size."""
+    a, b, good, bad = _mm_outputs(scale)
+    ref = cpu_reference(torch.ops.aten.mm.default, (a, b), {})
+    assert ref.dtype == torch.float64
+    t, differ = op_projection(ref, good, bad)
+    assert differ == 1 and witness_names(t) == 1, t
+    t, _ = op_projection(ref, bad, good)
+    assert witness_names(t) == 0, t
+
+
+def test_rounding_alone_names_nobody():
+    """Two GPUs rounding one op differently (float32 accumulation in two orders, then bf16): the float64
+    result sits between them, so neither is named."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(256, 512, generator=g).to(torch.bfloat16)
+    b = torch.randn(512, 256, generator=g).to(torch.bfloat16)
+    one = torch.mm(a, b)
+    # another summation order: the two halves of the inner dimension summed in float32, then rounded
+    two = (torch.mm(a[:, 256:].float(), b[256:].float()) + torch.mm(a[:, :256].float(), b[:256].float())
+           ).to(torch.bfloat16)
+    ref = cpu_reference(torch.ops.aten.mm.default, (a, b), {})
+    t, differ = op_projection(ref, one, two)
+    assert differ >= 1 and witness_names(t) is None, (t, differ)
+    t, differ = op_projection(ref, one, one.clone())
+    assert differ == 0 and math.isnan(t)
+
+
+def test_a_device_argument_runs_on_the_cpu_and_inputs_compare_as_bits():
+    ref = cpu_reference(torch.ops.aten.full.default, ([2, 2], 1.5), {"device": torch.device("meta"),
+                                                                   "dtype": torch.float32})
+    assert ref.device.type == "cpu" and ref.dtype == torch.float32
+    x = torch.tensor([0.0, float("nan")])
+    assert same_inputs(((x,), {"alpha": 2}), ((x.clone(),), {"alpha": 2}))     # NaN bits equal
+    assert not same_inputs(((x,), {"alpha": 2}), ((x,), {"alpha": 3}))
+    assert not same_inputs(((torch.tensor([0.0]),), {}), ((torch.tensor([-0.0]),), {}))   # -0.0 is another bit
+
+
+def test_the_trace_sees_the_backward_and_captures_inputs_before_an_in_place_op():
+    """Every op of a forward and its backward under autocast is traced (the backward's bf16 matmuls too);
+    a capture keeps the arguments as they were before the op ran (an in-place op changes them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        torch.autograd.grad(loss, list(model.parameters()))
+
+    trace = OpTrace()
+    with trace:
+        run()
+    fwd = trace.names.index("aten.pow.Tensor_Scalar")
+    assert any(n.startswith("aten.mm") for n in trace.names[fwd:]), trace.names       # backward matmuls
+    assert len(trace.host_prints()) == len(trace.names)
+    again = OpTrace()
+    with again:
+        run()
+    assert again.host_prints() == trace.host_prints()                       # deterministic: the same bits
+
+    y = torch.ones(3)
+    cap = OpTrace(capture=0)
+    with cap:
+        y.mul_(2.0)
+    func, args, _, out = cap.captured
+    assert str(func) == "aten.mul_.Tensor" and args[0].tolist() == [1.0] * 3 and out.tolist() == [2.0] * 3
+
+
+@pytest.mark.parametrize("faulty,step", [(1, 40), (0, 1)])
+def test_two_bf16_ranks_name_a_tensor_core_fault_the_float32_witness_cannot_see(faulty, step):
+    """A GPU whose bf16 matmuls compute wrong while its float32 ones are right (a tensor core's fault: the
+    harness corrupts the target matmul's output where it is computed, and only in bf16), forward or
+    backward, from step 1 or later, on two ranks under bf16 autocast. The float32 witness's replays agree on
+    both GPUs, so before the op witness every case ended `unresolved` on both ranks (checked with the op
+    witness off). Now the first op where the GPUs part is recomputed in float64 on the CPU: the faulty rank
+    is named `persistent`, its update dropped, the replays exact."""
+    r = compute_faults.main(["--model", "tiny-gpt", "--world", "2", "--cpu-autocast", "--fault-rank", str(faulty),
+                             "--fault-step", str(step), "--audit-every", "5", "--cases", "tc"], start=spawn)
+    assert set(r) == {c.name for c in compute_faults.TC_CASES}, r.keys()
+    for name, res in r.items():
+        hit = res["caught"]["compute"]
+        assert hit["named"] == [faulty] and hit["cause"] == "persistent" and hit["dropped"], (name, hit)
+        assert res["mode"] == "exact", (name, res["mode"])
