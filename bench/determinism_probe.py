@@ -13,6 +13,7 @@ Settings: `warn` = torch.use_deterministic_algorithms(True, warn_only=True) (the
 
     PYTHONPATH=$PWD CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m bench.determinism_probe --device cuda
     PYTHONPATH=$PWD python -m bench.determinism_probe --model tiny-gpt --settings warn,math   # CPU smoke
+    PYTHONPATH=$PWD python -m bench.determinism_probe --model demo --settings strict          # the demo's GPT
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ BACKENDS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
+LOSS = {"fn": cf.loss_fn}      # --model demo: the demo's own loss (demo.worker.gpt_loss)
+
+
 def grads(model: torch.nn.Module, batch) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    cf.loss_fn(model, batch).backward()
+    LOSS["fn"](model, batch).backward()
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
@@ -63,16 +67,27 @@ def probe(setting: str, model: torch.nn.Module, batch, repeats: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", choices=["tiny-gpt", "gpt2"], default="gpt2")
+    p.add_argument("--model", choices=["tiny-gpt", "gpt2", "demo"], default="gpt2",
+                   help="demo: `sdcwatch demo`'s GPT (float32, its default size) with its loss")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--settings", default="warn,strict,math,flash,efficient,cudnn")
     args = p.parse_args()
     cf.MODEL.update(name=args.model, batch=args.batch, amp="bf16", bf16=False, ac="none", hsdp=0)
     device = torch.device(args.device)
-    model, _ = cf.make_model(0)
+    if args.model == "demo":
+        from demo.model import GPT, GPTConfig
+        from demo.worker import gpt_loss
+        cfg = GPTConfig()
+        torch.manual_seed(0)
+        model: torch.nn.Module = GPT(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=torch.Generator().manual_seed(1))
+        batch = (idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device))
+        LOSS["fn"] = gpt_loss
+    else:
+        model, _ = cf.make_model(0)
+        batch = cf.batch_for(0, 1, device)
     model.to(device)
-    batch = cf.batch_for(0, 1, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{args.model} on {name}, torch {torch.__version__}, batch {args.batch}, {args.repeats} repeats")
     for s in args.settings.split(","):

@@ -432,6 +432,16 @@ want witness && step start-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python
   --cases "mm one elem x1.01 persistent"
 want witness && step witness-probe 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.witness_probe \
   --device cuda --batch 2
+# issue 19: the op witness: a fault only in the bf16 matmuls (a tensor core's), forward and backward, on two
+# ranks sharing this GPU (the float32 witness's replays agree; the first op where the GPUs part decides);
+# a torch.compile'd model's witness replays (eager, float32 exact?); the demo's GPT under strict determinism
+want opwit && step determ-demo 120 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.determinism_probe \
+  --device cuda --model demo --settings strict,warn
+want opwit && step tc-2ranks 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model gpt2 --batch 2 --fault-step 10 --audit-every 5 \
+  --determinism strict --cases tc
+want compileprobe && step compile-probe 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compile_replay_probe \
+  --device cuda --model gpt2 --batch 4
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,

@@ -48,6 +48,11 @@ def main(spec_path: str) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     use_cuda = spec.get("device") == "cuda" and torch.cuda.is_available()
     if use_cuda:
+        # the compute checks' replays compare gradients bit for bit only under deterministic kernels (else
+        # they fall back to a rounding bound, said in `sdcwatch status`): cuBLAS's workspace setting before
+        # its first handle, and warn_only=False (warn_only=True leaves a non-deterministic kernel in place)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
