@@ -226,14 +226,19 @@ def format_status(st: Any) -> str:
                          str(p.failures), p.last_error or "-"])
         lines += ["", table(rows)]
     if st.jobs:
-        # COMPUTE: the compute checks' replay mode ("bounded: ..." says why small faults can hide, and what
-        # to set; "-": no checks)
+        # COMPUTE: the compute checks' replay mode, its first word ("-": no checks); a mode with a reason
+        # ("bounded: ..." says why small faults can hide, and what to set) on its own line under the table,
+        # so the table stays as narrow as a terminal
         rows = [["JOB", "RANKS", "LAST STEP", "LAST REPORT", "DROPPED", "STATE", "REASON", "COMPUTE"]]
+        said = []
         for j in st.jobs:
             ranks = f"{len(j.ranks)}" if len(j.ranks) > 8 else ",".join(map(str, j.ranks))
+            mode, _, why = (j.compute_checks or "-").partition(":")
             rows.append([j.job_id, ranks, str(j.last_step), ago(j.last_report, now), str(j.dropped_reports),
-                         STATE_NAMES.get(j.state, "?"), j.reason or "-", j.compute_checks or "-"])
-        lines += ["", table(rows)]
+                         STATE_NAMES.get(j.state, "?"), j.reason or "-", mode])
+            if why.strip():
+                said.append(f"  {j.job_id} compute checks {mode}: {why.strip()}")
+        lines += ["", table(rows), *said]
     return "\n".join(lines)
 
 
