@@ -61,6 +61,7 @@ import enum
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -522,14 +523,17 @@ class Replayer:
         (`witness_by` then says which op), else `t` (a collective)."""
         assert self.summaries is not None
         params = self.summaries.params
+        t0 = time.perf_counter()
         try:
             t_op, by = op_witness(lambda: self.agreed(lambda: self._grads(retained, self.module, params)),
                                   self.group, self.device)
         except ReplayFailed as exc:
             t_op, by = float("nan"), f"its replay failed ({exc})"
         self.replays += 2
-        if witness_names(t_op) is None:
-            logger.warning("sdcwatch: the op witness names no GPU either (t=%.3f): %s", t_op, by)
+        named = witness_names(t_op)
+        logger.warning("sdcwatch: the op witness (%.2f s) %s at t=%.3f: %s", time.perf_counter() - t0,
+                       "names no GPU" if named is None else f"names rank {named}", t_op, by)
+        if named is None:
             return t
         self.witness_by = by
         return t_op
