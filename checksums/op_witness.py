@@ -22,6 +22,7 @@ Training-side module: never imports the agent (`daemon`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -160,31 +161,70 @@ def cpu_reference(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         return func(*tree_map(wide, args), **tree_map(wide, kwargs))
 
 
-def op_projection(ref: Any, out0: Any, out1: Any) -> tuple[float, int]:
-    """The witness's t over the floating-point outputs the two GPUs disagree on (`witness_projection`: 0
-    when GPU 0's outputs are the float64 reference's, 1 when GPU 1's are), and how many elements differ.
-    NaN when no floating-point output differs (with 0: none differs at all) or the reference has another
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpEvidence:
+    """What one op's float64 recomputation says about two GPUs' outputs that differ."""
+    t: float                       # `witness_projection` over the differing outputs (NaN: none to project)
+    differ: int                    # elements that differ between the GPUs
+    ulps: tuple[float, float]      # each GPU's largest distance from float64 there, in its output's ulps
+    #                                (at the element or at the output's root mean square, the larger: `_ulps`)
+
+    def fault(self) -> bool:
+        """One GPU's output is a fault's distance from float64 (OP_FAULT_ULPS units in the last place or
+        more) and the other's a rounding's (within a unit, or a quarter of the first), on the side t says:
+        two GPUs differing by rounding alone (a kernel choosing another summation order) both sit within
+        about a unit, and then a t near 0 or 1 is chance (one element), never a verdict. Pure."""
+        lo, hi = sorted(self.ulps)
+        if math.isnan(self.t) or hi < OP_FAULT_ULPS or lo > max(1.0, hi / 4):
+            return False
+        return (self.ulps[1] > self.ulps[0]) == (self.t < 0.5)
+
+
+OP_FAULT_ULPS = 2.0
+
+
+def _ulps(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rms: float) -> torch.Tensor:
+    """|x - ref| in units in the last place of `dtype`, at ref or at the output's root mean square `rms`,
+    whichever unit is larger (float64 tensors): an element that cancels to near 0 carries the summation's
+    error of its large terms, many of its own units, a few of the output's at most."""
+    fi = torch.finfo(dtype)
+    mag = torch.maximum(ref.abs(), torch.full_like(ref, rms)).clamp_min(fi.tiny)
+    return (x - ref).abs() / (torch.exp2(torch.floor(torch.log2(mag))) * fi.eps)
+
+
+def op_projection(ref: Any, out0: Any, out1: Any) -> OpEvidence:
+    """The witness's evidence over the floating-point outputs the two GPUs disagree on: t
+    (`witness_projection`: 0 when GPU 0's outputs are the float64 reference's, 1 when GPU 1's are), how
+    many elements differ, and each GPU's distance from the reference there in units in the last place. t
+    NaN when no floating-point output differs (differ 0: none differs at all) or the reference has another
     structure. Pure."""
+    none = OpEvidence(float("nan"), 0, (0.0, 0.0))
     r, o0, o1 = (_tensors(x) for x in (ref, out0, out1))
     if not (len(r) == len(o0) == len(o1)):
-        return float("nan"), 0
+        return none
     if all(_same_bits(b, c) for b, c in zip(o0, o1)):
-        return float("nan"), 0
+        return none
     picked = [(a, b, c) for a, b, c in zip(r, o0, o1)
               if b.is_floating_point() and b.shape == c.shape == a.shape and not _same_bits(b, c)]
     if not picked:
-        return float("nan"), 1
-
-    def cat(k: int) -> torch.Tensor:
-        return torch.cat([p[k].reshape(-1).to(torch.float64) for p in picked])
-    ref_f, g0, g1 = cat(0), cat(1), cat(2)
-    differ = int((g0 != g1).sum())
-    keep = torch.isfinite(ref_f) & torch.isfinite(g0) & torch.isfinite(g1)
-    if not bool(keep.all()):        # an overflow on one GPU: project the finite elements, the rest said
-        if not bool(keep.any()):
-            return float("nan"), differ
-        ref_f, g0, g1 = ref_f[keep], g0[keep], g1[keep]
-    return witness_projection(ref_f, g0, g1), differ
+        return OpEvidence(float("nan"), 1, (0.0, 0.0))
+    refs, g0s, g1s, ulps = [], [], [], [0.0, 0.0]
+    for a, b, c in picked:
+        ra, rb, rc = (x.reshape(-1).to(torch.float64) for x in (a, b, c))
+        keep = (rb != rc) & torch.isfinite(ra) & torch.isfinite(rb) & torch.isfinite(rc)
+        refs.append(ra[keep])
+        g0s.append(rb[keep])
+        g1s.append(rc[keep])
+        finite = ra[torch.isfinite(ra)]
+        rms = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
+        for k, g in enumerate((rb, rc)):
+            if bool(keep.any()):
+                ulps[k] = max(ulps[k], float(_ulps(g[keep], ra[keep], b.dtype, rms).max()))
+    differ = sum(int((b.reshape(-1) != c.reshape(-1)).sum()) for _, b, c in picked)
+    ref_f, g0, g1 = torch.cat(refs), torch.cat(g0s), torch.cat(g1s)
+    if ref_f.numel() == 0:          # only non-finite elements differ: an overflow, nothing to project
+        return OpEvidence(float("nan"), differ, (0.0, 0.0))
+    return OpEvidence(witness_projection(ref_f, g0, g1), differ, (ulps[0], ulps[1]))
 
 
 def exchange(obj: Any, group: Any, device: torch.device) -> list[Any]:
@@ -239,9 +279,13 @@ def _decide(i: int, n_ops: int, func: Any, captured: list[Any]) -> tuple[float, 
         ref = cpu_reference(func, a0, k0)
     except Exception as exc:  # noqa: BLE001 (an op the CPU cannot run in float64: no witness, said)
         return float("nan"), f"{where}: the CPU cannot run it in float64 ({type(exc).__name__})"
-    t, differ = op_projection(ref, o0, o1)
-    if math.isnan(t):
-        return t, (f"{where}: no floating-point output to project" if differ else
-                   f"{where}: its outputs agree when replayed again (the fault did not repeat)")
-    return t, (f"the CPU's float64 result of {func} (op {i} of the {n_ops} in the replay, the first whose "
-               f"output differs between the GPUs, {differ} elements, from inputs equal on both)")
+    ev = op_projection(ref, o0, o1)
+    if math.isnan(ev.t):
+        return ev.t, (f"{where}: no floating-point output to project" if ev.differ else
+                      f"{where}: its outputs agree when replayed again (the fault did not repeat)")
+    if not ev.fault():
+        return float("nan"), (f"{where}: GPU 0's output {ev.ulps[0]:.1f} and GPU 1's {ev.ulps[1]:.1f} units in "
+                              f"the last place from float64 (t={ev.t:.3f}): rounding, or no clear side")
+    return ev.t, (f"the CPU's float64 result of {func} (op {i} of the {n_ops} in the replay, the first whose "
+                  f"output differs between the GPUs, {ev.differ} elements, from inputs equal on both; GPU 0 "
+                  f"{ev.ulps[0]:.1f} and GPU 1 {ev.ulps[1]:.1f} units in the last place from it)")

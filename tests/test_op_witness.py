@@ -66,10 +66,11 @@ def test_one_op_in_float64_names_the_gpu_whose_bf16_output_is_wrong(scale):
     a, b, good, bad = _mm_outputs(scale)
     ref = cpu_reference(torch.ops.aten.mm.default, (a, b), {})
     assert ref.dtype == torch.float64
-    t, differ = op_projection(ref, good, bad)
-    assert differ == 1 and witness_names(t) == 1, t
-    t, _ = op_projection(ref, bad, good)
-    assert witness_names(t) == 0, t
+    ev = op_projection(ref, good, bad)
+    assert ev.differ == 1 and witness_names(ev.t) == 1 and ev.fault(), ev
+    assert ev.ulps[0] <= 0.51 and ev.ulps[1] >= 4, ev        # a bf16 ulp is 0.4-0.8 %: x1.05 is 6+ of them
+    ev = op_projection(ref, bad, good)
+    assert witness_names(ev.t) == 0 and ev.fault(), ev
 
 
 def test_rounding_alone_names_nobody():
@@ -83,10 +84,28 @@ def test_rounding_alone_names_nobody():
     two = (torch.mm(a[:, 256:].float(), b[256:].float()) + torch.mm(a[:, :256].float(), b[:256].float())
            ).to(torch.bfloat16)
     ref = cpu_reference(torch.ops.aten.mm.default, (a, b), {})
-    t, differ = op_projection(ref, one, two)
-    assert differ >= 1 and witness_names(t) is None, (t, differ)
-    t, differ = op_projection(ref, one, one.clone())
-    assert differ == 0 and math.isnan(t)
+    ev = op_projection(ref, one, two)
+    assert ev.differ >= 1 and witness_names(ev.t) is None and not ev.fault(), ev
+    assert max(ev.ulps) <= 1.0, ev
+    ev = op_projection(ref, one, one.clone())
+    assert ev.differ == 0 and math.isnan(ev.t) and not ev.fault()
+
+
+def test_one_element_rounded_the_other_way_is_no_verdict_whatever_t_says():
+    """Two GPUs whose one differing element was rounded up on one and down on the other (no fault): t lands
+    anywhere between 0 and 1 by chance, so t alone would name a GPU half the time; both are within a unit
+    in the last place of float64, and that is no verdict (`OpEvidence.fault`)."""
+    ref = torch.tensor([1.0 + 0.2 * 2 ** -7, 3.0], dtype=torch.float64)        # a fifth of a bf16 ulp above 1
+    low = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
+    high = torch.tensor([1.0 + 2 ** -7, 3.0], dtype=torch.bfloat16)
+    ev = op_projection(ref, low, high)
+    assert ev.differ == 1 and witness_names(ev.t) == 1, ev        # t = 0.2: t alone would blame GPU 1
+    assert not ev.fault() and max(ev.ulps) <= 1.0, ev
+    far = torch.tensor([1.0 + 8 * 2 ** -7, 3.0], dtype=torch.bfloat16)        # 8 ulps off: a fault
+    ev = op_projection(ref, low, far)
+    assert ev.fault() and witness_names(ev.t) == 1, ev
+    ev = op_projection(ref, far, low)
+    assert ev.fault() and witness_names(ev.t) == 0, ev
 
 
 def test_a_device_argument_runs_on_the_cpu_and_inputs_compare_as_bits():
