@@ -13,10 +13,12 @@ from bench import compute_faults
 from checksums.op_witness import (
     OpTrace,
     cpu_reference,
+    decide,
+    digest,
     fingerprint,
     first_divergence,
     op_projection,
-    same_inputs,
+    row_subset,
 )
 from checksums.replay import witness_names
 
@@ -113,9 +115,45 @@ def test_a_device_argument_runs_on_the_cpu_and_inputs_compare_as_bits():
                                                                    "dtype": torch.float32})
     assert ref.device.type == "cpu" and ref.dtype == torch.float32
     x = torch.tensor([0.0, float("nan")])
-    assert same_inputs(((x,), {"alpha": 2}), ((x.clone(),), {"alpha": 2}))     # NaN bits equal
-    assert not same_inputs(((x,), {"alpha": 2}), ((x,), {"alpha": 3}))
-    assert not same_inputs(((torch.tensor([0.0]),), {}), ((torch.tensor([-0.0]),), {}))   # -0.0 is another bit
+    assert digest(((x,), {"alpha": 2})) == digest(((x.clone(),), {"alpha": 2}))     # NaN bits equal
+    assert digest(((x,), {"alpha": 2})) != digest(((x,), {"alpha": 3}))
+    assert digest(((torch.tensor([0.0]),), {})) != digest(((torch.tensor([-0.0]),), {}))   # -0.0: another bit
+    assert digest(((x,), {})) != digest(((x.to(torch.float64),), {}))                     # the dtype counts
+    y = torch.arange(6.0).to(torch.bfloat16)
+    assert digest((y,)) != digest((y.flip(0),))                            # the order counts (a permutation)
+
+
+@pytest.mark.parametrize("op", ["mm", "addmm-row-bias", "addmm-2d-bias", "bmm"])
+def test_a_matmul_is_recomputed_on_the_rows_that_differ_only(op):
+    """A large model's matmul in float64 on the CPU takes minutes while the other rank waits: the op witness
+    recomputes at most `limit` of the output rows (bmm: batches) where the GPUs differ, and the verdict is
+    the whole op's (`decide` with and without the limit, a channel x2 fault: every row differs)."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(96, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(32, 24, generator=g).to(torch.bfloat16)
+    func: object
+    if op == "mm":
+        func, args = torch.ops.aten.mm.default, (a, b)
+    elif op == "bmm":
+        func, args = torch.ops.aten.bmm.default, (a.reshape(8, 12, 32), b.repeat(8, 1, 1))
+    else:
+        bias = torch.randn(96, 24, generator=g) if op == "addmm-2d-bias" else torch.randn(24, generator=g)
+        func, args = torch.ops.aten.addmm.default, (bias.to(torch.bfloat16), a, b)
+    good = func(*args)
+    bad = good.clone()
+    bad[..., 5] *= 2.0                               # a channel: every row (every batch) differs
+    cut, _, g0, g1 = row_subset(func, args, {}, good, bad, limit=4)
+    assert g0.shape[0] == 4 and torch.equal(func(*cut), g0), (op, g0.shape)
+    one = bad.clone().reshape(-1, 24)
+    one[:, 5] = good.reshape(-1, 24)[:, 5]
+    one[7, 5] *= 3.0                                  # one element: its row alone
+    _, _, h0, h1 = row_subset(func, args, {}, good, one.reshape(good.shape), limit=4)
+    assert h0.shape[0] == 1
+    full = decide(3, 10, func, [(args, {}, good), (digest((args, {})), bad)], limit=None)
+    rows = decide(3, 10, func, [(args, {}, good), (digest((args, {})), bad)], limit=4)
+    assert witness_names(full[0]) == witness_names(rows[0]) == 1, (full, rows)
+    other = decide(3, 10, func, [(args, {}, good), (digest(((a,), {})), bad)])
+    assert math.isnan(other[0]) and "inputs already differ" in other[1]
 
 
 def test_the_trace_sees_the_backward_and_captures_inputs_before_an_in_place_op():
