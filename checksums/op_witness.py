@@ -331,6 +331,8 @@ def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None
     where = f"{func} (op {i} of {n_ops}, the first whose output differs between the GPUs)"  # why none
     if digest((a0, k0)) != d1:
         return float("nan"), f"{where}: its inputs already differ (a change no op made)"
+    total = sum(int((_bits_view(x) != _bits_view(y)).sum()) for x, y in zip(_tensors(o0), _tensors(o1))
+                if x.is_floating_point() and x.shape == y.shape)
     if limit is not None:
         a0, k0, o0, o1 = row_subset(func, a0, k0, o0, o1, limit)
     try:
@@ -345,5 +347,6 @@ def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None
         return float("nan"), (f"{where}: GPU 0's output {ev.ulps[0]:.1f} and GPU 1's {ev.ulps[1]:.1f} units in "
                               f"the last place from float64 (t={ev.t:.3f}): rounding, or no clear side")
     return ev.t, (f"the CPU's float64 result of {func} (op {i} of the {n_ops} in the replay, the first whose "
-                  f"output differs between the GPUs, {ev.differ} elements, from inputs equal on both; GPU 0 "
+                  f"output differs between the GPUs, in {total} elements ({ev.differ} recomputed), from inputs "
+                  f"equal on both; GPU 0 "
                   f"{ev.ulps[0]:.1f} and GPU 1 {ev.ulps[1]:.1f} units in the last place from it)")
