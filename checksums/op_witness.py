@@ -72,9 +72,9 @@ def _host(obj: Any) -> Any:
 
 
 class OpTrace(TorchDispatchMode):
-    """Names and fingerprints (`fingerprint`, on the device) every op's floating-point outputs run under
-    it, the autograd engine's backward ops included; with `capture=i` also keeps op i's function, its arguments as they were
-    before it ran and its outputs, on the host (`captured`)."""
+    """Names and fingerprints (`fingerprint`, on the device) the floating-point outputs of every op run
+    under it, the autograd engine's backward ops included; with `capture=i` also keeps op i's function, its
+    arguments as they were before it ran and its outputs, on the host (`captured`)."""
 
     def __init__(self, capture: int = -1) -> None:
         super().__init__()
@@ -93,9 +93,9 @@ class OpTrace(TorchDispatchMode):
         if before is not None:
             self.captured = (func, before[0], before[1], _host(out))
         unwritten = name.rsplit(".", 1)[0] in _UNWRITTEN
-        # floating-point outputs only: an attention kernel's RNG seed and offset come back unwritten when it
-        # draws no dropout (no determinism setting fills them), and would part two GPUs at the first
-        # attention; a wrong integer output shows at the next op, whose inputs then differ (no answer)
+        # floating-point outputs only: an attention kernel's RNG seed and offset may come back unwritten
+        # when it draws no dropout, and would part two GPUs at the first attention; a wrong integer output
+        # shows at the next op, whose inputs then differ (no answer)
         self.prints.append(None if unwritten else fingerprint(
             [x for x in _tensors(out) if x.is_floating_point() or x.is_complex()]))
         return out
@@ -124,13 +124,8 @@ def first_divergence(a: tuple[list[str], list[int]], b: tuple[list[str], list[in
     return None, f"all {len(na)} ops agree bit for bit"
 
 
-def _same_bits(x: Any, y: Any) -> bool:
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        fx, fy = _flat_bits(x), _flat_bits(y)
-        return bool(torch.equal(fx, fy))
-    return bool(x == y) if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) else False
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.dtype == y.dtype and x.shape == y.shape and bool(torch.equal(_flat_bits(x), _flat_bits(y)))
 
 
 def _bits_view(t: torch.Tensor) -> torch.Tensor:
@@ -309,13 +304,13 @@ def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> t
     with eager(), cap:
         replay()
     got = cap.captured
-    # rank 0 keeps its own inputs; the other rank sends their digest and its outputs
+    # rank 0 keeps its own capture; the other rank sends the digest of its inputs and its outputs
     rank0 = dist.get_rank(group) == 0
-    captured = exchange(None if got is None else (got[1], got[2], got[3]) if rank0 else
-                        (digest((got[1], got[2])), got[3]), group, device)
+    theirs = exchange(None if rank0 or got is None else (digest((got[1], got[2])), got[3]), group, device)
     out: list[Any] = [(float("nan"), "")]
     if rank0:
-        out = [decide(i, len(trace.names), got[0] if got is not None else None, captured)]
+        own = None if got is None else (got[1], got[2], got[3])
+        out = [decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[1]])]
     dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
                                device=device if device.type == "cuda" else None)
     return out[0]
