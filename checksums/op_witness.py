@@ -310,7 +310,10 @@ def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> t
     out: list[Any] = [(float("nan"), "")]
     if rank0:
         own = None if got is None else (got[1], got[2], got[3])
-        out = [decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[1]])]
+        try:
+            out = [decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[1]])]
+        except Exception as exc:  # noqa: BLE001 (the other rank waits in the broadcast below: never raise)
+            out = [(float("nan"), f"op {i}: the decision failed ({type(exc).__name__}: {str(exc)[:200]})")]
     dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
                                device=device if device.type == "cuda" else None)
     return out[0]
