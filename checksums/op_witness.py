@@ -15,8 +15,8 @@ plain, where a whole bf16 model's rounding pattern is as large as a small fault'
 
 Used only where bit-for-bit determinism holds (exact replays, one GPU model, CUDA and torch on both ranks):
 elsewhere the first differing op is rounding, not a fault. No answer (NaN, and why) when the two GPUs do not
-run the same op sequence, when that op's inputs already differ, or when the CPU has no kernel for the op (a
-CUDA-only attention kernel).
+run the same op sequence, when that op's inputs already differ, or when the CPU has no float64 kernel for
+the op (the GPU-only fused attention ops are recomputed by their definition: `_attention_reference`).
 
 Training-side module: never imports the agent (`daemon`).
 """
@@ -161,13 +161,61 @@ def digest(obj: Any) -> str:
 
 def cpu_reference(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Op `func` run on the host CPU with its floating-point tensor arguments in float64 (a `device=`
-    argument moved to the CPU). Raises what the op raises (no CPU kernel, no float64 kernel)."""
+    argument moved to the CPU); the GPU-only fused attention ops (flash, memory-efficient, cuDNN; forward
+    and backward) by their definition instead (`_attention_reference`: their leading outputs only). Raises
+    what the op raises (no CPU kernel, no float64 kernel)."""
     def wide(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return x.to(torch.float64) if x.is_floating_point() else x
         return torch.device("cpu") if isinstance(x, torch.device) else x
+    args, kwargs = tree_map(wide, args), tree_map(wide, kwargs)
+    if str(func).rsplit(".", 1)[0] in _ATTENTION:
+        return _attention_reference(func, args, kwargs)
     with torch.no_grad():
-        return func(*tree_map(wide, args), **tree_map(wide, kwargs))
+        return func(*args, **kwargs)
+
+
+# the fused attention ops scaled_dot_product_attention dispatches to on a GPU: no CPU kernel; the number of
+# outputs the reference gives (forward: the attention's output; backward: the query's, key's and value's
+# gradients)
+_ATTENTION = {"aten._scaled_dot_product_flash_attention": 1, "aten._scaled_dot_product_efficient_attention": 1,
+              "aten._scaled_dot_product_cudnn_attention": 1,
+              "aten._scaled_dot_product_flash_attention_backward": 3,
+              "aten._scaled_dot_product_efficient_attention_backward": 3,
+              "aten._scaled_dot_product_cudnn_attention_backward": 3}
+
+
+def _attention_reference(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """A fused attention op's leading outputs by its definition, softmax(q k^T * scale + bias, causal
+    mask) v on [batch, heads, length, dim] float64 tensors (autograd for a backward's gradients). Raises
+    ValueError where the op draws dropout (its random mask cannot be recomputed here)."""
+    named = dict(zip((a.name for a in func._schema.arguments), args))
+    named.update(kwargs)
+    if float(named.get("dropout_p") or 0.0) > 0.0:
+        raise ValueError("attention with dropout: its random mask is the GPU's")
+    bias = named.get("attn_bias")
+    scale = named.get("scale")
+    scale = scale if scale is not None else 1.0 / math.sqrt(named["query"].shape[-1])
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[-3] != q.shape[-3]:              # grouped-query attention: key/value heads shared
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        s = (q @ k.transpose(-2, -1)) * scale
+        if named.get("is_causal"):
+            keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+        if isinstance(bias, torch.Tensor):
+            s = s + bias.to(s.dtype)
+        return torch.softmax(s, dim=-1) @ v
+    qkv = [named["query"], named["key"], named["value"]]
+    if _ATTENTION[str(func).rsplit(".", 1)[0]] == 1:
+        with torch.no_grad():
+            return [attend(*qkv)]
+    grad_out = named.get("grad_out", named.get("grad_out_"))
+    leaves = [x.detach().requires_grad_(True) for x in qkv]
+    with torch.enable_grad():
+        return list(torch.autograd.grad(attend(*leaves), leaves, grad_out))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,8 +257,9 @@ def op_projection(ref: Any, out0: Any, out1: Any) -> OpEvidence:
     structure. Pure."""
     none = OpEvidence(float("nan"), 0, (0.0, 0.0))
     r, o0, o1 = (_tensors(x) for x in (ref, out0, out1))
-    if not (len(r) == len(o0) == len(o1)):
+    if len(o0) != len(o1) or not 0 < len(r) <= len(o0):
         return none
+    o0, o1 = o0[:len(r)], o1[:len(r)]        # a reference of a fused op's leading outputs (`cpu_reference`)
     if all(_same_bits(b, c) for b, c in zip(o0, o1)):
         return none
     picked = [(a, b, c) for a, b, c in zip(r, o0, o1)

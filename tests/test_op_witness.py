@@ -236,3 +236,51 @@ def test_replays_of_a_compiled_model_run_eagerly():
             grad(m)
         traces.append(tr.names)
     assert traces[0] == traces[1] and any(n.startswith("aten.mm") for n in traces[0])
+
+
+@pytest.mark.parametrize("kind", ["flash", "efficient", "cudnn"])
+def test_a_gpu_only_attention_kernel_is_recomputed_by_its_definition(kind):
+    """The fused attention ops a GPU runs for scaled_dot_product_attention have no CPU kernel, so the op
+    witness recomputes them by their definition (causal, grouped-query, a bias; forward and backward) in
+    float64: the same as PyTorch's own math attention in float64, and a fault in one GPU's attention output
+    or gradient (one element x1.05, bf16) names that GPU."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 16, 8, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 2, 16, 8, generator=g).to(torch.bfloat16)          # 2 key/value heads for 4 queries
+    v = torch.randn(2, 2, 16, 8, generator=g).to(torch.bfloat16)
+    bias = torch.randn(2, 4, 16, 16, generator=g).to(torch.bfloat16) if kind != "flash" else None
+    grad_out = torch.randn(2, 4, 16, 8, generator=g).to(torch.bfloat16)
+    aten = torch.ops.aten
+    fwd = {"flash": aten._scaled_dot_product_flash_attention.default,
+           "efficient": aten._scaled_dot_product_efficient_attention.default,
+           "cudnn": aten._scaled_dot_product_cudnn_attention.default}[kind]
+    bwd = {"flash": aten._scaled_dot_product_flash_attention_backward.default,
+           "efficient": aten._scaled_dot_product_efficient_attention_backward.default,
+           "cudnn": aten._scaled_dot_product_cudnn_attention_backward.default}[kind]
+    extra = {} if kind == "flash" else {"attn_bias": bias}
+    [out] = cpu_reference(fwd, (q, k, v), {"is_causal": True, **extra})
+
+    def leaves():
+        return [x.double().requires_grad_(True) for x in (q, k, v)]
+    lq, lk, lv = leaves()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        lq, lk, lv, attn_mask=None if bias is None else bias.double(), is_causal=bias is None, enable_gqa=True)
+    if bias is not None:               # sdpa takes a mask or is_causal: the causal mask folded into the bias
+        causal = torch.full((16, 16), float("-inf"), dtype=torch.float64).triu(1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            lq, lk, lv, attn_mask=bias.double() + causal, enable_gqa=True)
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+    grads = cpu_reference(bwd, (), {"grad_out" if kind != "efficient" else "grad_out_": grad_out, "query": q,
+                                    "key": k, "value": v, "is_causal": True, "attn_bias": bias, "dropout_p": 0.0})
+    for got, exp in zip(grads, torch.autograd.grad(want, (lq, lk, lv), grad_out.double())):
+        assert got.shape == exp.shape and torch.allclose(got, exp, rtol=1e-10, atol=1e-12)
+    good = out.to(torch.bfloat16)
+    bad = good.clone()
+    bad.view(-1)[good.abs().argmax()] *= 1.05        # (an element as large as most: x1.05 is ~6 of its ulps)
+    outs = (good, torch.zeros(2, 4, 16))              # the GPU's output and its logsumexp
+    for theirs, named in (((bad, outs[1]), 1), ((good, outs[1]), None)):
+        t, why = decide(0, 1, fwd, [((q, k, v), {"is_causal": True, **extra}, outs),
+                                    (digest(((q, k, v), {"is_causal": True, **extra})), theirs)])
+        assert witness_names(t) == named, (t, why)
+    with pytest.raises(ValueError, match="dropout"):
+        cpu_reference(fwd, (q, k, v), {"dropout_p": 0.1})
