@@ -58,8 +58,8 @@ from checksums.step_guard import StepGuard
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    where: str            # mm | tc | tcb | bwd | grad | opt | weight (tc, tcb: its bf16/fp16 matmuls only,
-    #                       forward or backward: a tensor core's)
+    where: str            # mm | tc | tcb | tca | bwd | grad | opt | weight (tc, tcb: its bf16/fp16 matmuls
+    #                       only, forward or backward: a tensor core's; tca: block 0's fused attention op)
     how: str              # elem | tile | warp | zero | ulp | expflip | scale | channel | set
     value: float = 0.0
     persistent: bool = False
@@ -96,6 +96,7 @@ TC_CASES = [
     Case("tc channel x2 persistent", "tc", "channel", 2.0, True),
     Case("tc one elem =10 persistent", "tc", "set", 10.0, True),
     Case("tc backward channel x2 persistent", "tcb", "channel", 2.0, True),     # its first bf16 matmul in backward
+    Case("tc attn one elem x1.05 persistent", "tca", "scale", 1.05, True),  # block 0's attention (GPT)
 ]
 H200 = ["mm one elem =1e4", "mm one elem =10", "mm one elem x1.01 persistent", "mm channel x2 persistent",
         "grad elem =100", "grad elem =0.01", "mm one elem ulp", "mm zeroed column", "adam exp_avg exp-flip",
@@ -243,9 +244,13 @@ class MatmulFault(TorchDispatchMode):
 
     OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
 
-    def __init__(self, target: nn.Module, case: Case | None, active: dict[str, bool]) -> None:
+    def __init__(self, target: nn.Module, case: Case | None, active: dict[str, bool],
+                 block: nn.Module | None = None) -> None:
         super().__init__()
         self.case, self.active, self.inside = case, active, False
+        if self.where(case) == "tca":      # the fused attention op of `block` (the target's GPT block)
+            assert block is not None, "an attention fault needs a GPT (--model tiny-gpt or gpt2)"
+            target = block
         target.register_forward_pre_hook(lambda m, i: setattr(self, "inside", self.where(case) != "tcb"))
         target.register_forward_hook(lambda m, i, o: setattr(self, "inside", False))
         if self.where(case) == "tcb":    # the layer's backward: its first matmul (dX or dW) is wrong
@@ -258,9 +263,19 @@ class MatmulFault(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         # (no grad-mode test: sdcguard's checked linear runs its matmul inside an autograd.Function's forward)
-        low = (torch.bfloat16, torch.float16) if self.where(self.case) in ("tc", "tcb") else None
+        low = (torch.bfloat16, torch.float16) if self.where(self.case) in ("tc", "tcb", "tca") else None
         if self.where(self.case) == "tcb" and torch._C._current_autograd_node() is None:
             return out                # (tcb: a matmul the backward runs, not a forward's)
+        if self.where(self.case) == "tca":
+            name = str(func)
+            if (self.inside and self.active["on"] and "scaled_dot_product" in name and "backward" not in name
+                    and out[0].dtype in low):
+                self.inside = False
+                o = out[0]                         # [batch, heads, length, dim], strided: one element
+                assert self.case.how == "scale", "an attention fault scales one element"
+                with torch.no_grad():
+                    o[(0,) * (o.dim() - 2) + (3, 1)] *= self.case.value
+            return out
         if (self.inside and self.active["on"] and self.case is not None and self.case.where in ("mm", "tc", "tcb")
                 and isinstance(out, torch.Tensor) and out.dtype != torch.float64
                 and (low is None or out.dtype in low)
@@ -346,7 +361,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     caught: dict[str, dict[str, Any]] = {}
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
     guard = _sdcguard(sdcguard, model) if sdcguard else None
-    fault_mode = MatmulFault(target, case, active) if sdcguard or MatmulFault.where(case) in ("tc", "tcb") else None
+    fault_mode = (MatmulFault(target, case, active, getattr(model, "blocks", [None])[0])
+                  if sdcguard or MatmulFault.where(case) in ("tc", "tcb", "tca") else None)
     if fault_mode is not None:
         fault_mode.__enter__()        # the whole run, replays included (a persistent fault is the GPU's)
     t0 = time.perf_counter()
@@ -362,7 +378,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         for micro in range(accum):
             active["on"] = on and case is not None and (
                 case.where == "grad"
-                or (case.where in ("mm", "tc", "tcb", "bwd") and (case.persistent or micro == fault_micro)))
+                or (case.where in ("mm", "tc", "tcb", "tca", "bwd") and (case.persistent or micro == fault_micro)))
             batch = batch_for(rank, step, device, micro)
             checks.retain(batch)
             if guard is not None:
@@ -382,7 +398,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 backward(step_loss(ddp, batch))
         if case is None or not case.persistent:
             active["on"] = False
-        if (step == fault_step and case is not None and case.where in ("mm", "tc", "tcb", "bwd", "grad")
+        if (step == fault_step and case is not None and case.where in ("mm", "tc", "tcb", "tca", "bwd", "grad")
                 and (on or fsdp and 0 <= fault_rank < world) and checks.replayer.reproduces):
             # did the fault change any bit of the gradient this rank hands to the all-reduce? (a one-ulp flip
             # of an activation often rounds away): the original rows against a clean recompute (FSDP2: a

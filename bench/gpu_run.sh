@@ -433,7 +433,7 @@ want witness && step start-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python
 want witness && step witness-probe 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.witness_probe \
   --device cuda --batch 2
 # issue 19: the op witness: a fault only in the bf16 matmuls (a tensor core's), forward and backward, on two
-# ranks sharing this GPU (the float32 witness's replays agree; the first op where the GPUs part decides);
+# ranks sharing this GPU, and in its fused attention (the float32 witness's replays agree; the first op where the GPUs part decides);
 # a torch.compile'd model's witness replays (eager, float32 exact?); the demo's GPT under strict determinism
 want opwit && step determ-demo 120 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.determinism_probe \
   --device cuda --model demo --settings strict,warn

@@ -195,7 +195,7 @@ def test_the_trace_sees_the_backward_and_captures_inputs_before_an_in_place_op()
 def test_two_bf16_ranks_name_a_tensor_core_fault_the_float32_witness_cannot_see(faulty, step):
     """A GPU whose bf16 matmuls compute wrong while its float32 ones are right (a tensor core's fault: the
     harness corrupts the target matmul's output where it is computed, and only in bf16), forward or
-    backward, from step 1 or later, on two ranks under bf16 autocast. The float32 witness's replays agree on
+    backward, or its fused attention's output, from step 1 or later, on two ranks under bf16 autocast. The float32 witness's replays agree on
     both GPUs, so before the op witness every case ended `unresolved` on both ranks (checked with the op
     witness off). Now the first op where the GPUs part is recomputed in float64 on the CPU: the faulty rank
     is named `persistent`, its update dropped, the replays exact."""
