@@ -36,6 +36,24 @@ def eager() -> contextlib.AbstractContextManager[Any]:
 
 
 @contextlib.contextmanager
+def _autocast_contexts_off() -> Any:
+    """Every `torch.autocast` context entered inside (the loss_fn's own, an activation checkpoint's
+    recomputation restoring its forward's state) enters disabled. Process-wide while it lasts: the witness's
+    replay is the only work of its rank then (the training loop waits in the collective around it)."""
+    cls = torch.amp.autocast_mode.autocast
+    enter = cls.__enter__
+
+    def disabled(self: Any) -> Any:
+        self._enabled = False
+        return enter(self)
+    cls.__enter__ = disabled
+    try:
+        yield
+    finally:
+        cls.__enter__ = enter
+
+
+@contextlib.contextmanager
 def full_precision(device_type: str):
     """A replay in float32 throughout: autocast off (`_NoAutocast`) and TF32 off for matmuls and cuDNN, the
     flags put back after. The CPU witness's GPU side: in bf16 or fp16 a small fault changes the rounding of
@@ -43,7 +61,9 @@ def full_precision(device_type: str):
     distance from float64, and a float64 witness sits halfway (t near 0.5 for x1.01 on one element of
     GPT-2's MLP output in bf16, measured); in float32 the fault's own effect dominates. A `torch.compile`d
     model runs eagerly here (`eager`): compiled, the mode was half honoured (its gradient 3e-3 away from
-    both the bf16 and the float32 one, and a recompilation first, measured)."""
+    both the bf16 and the float32 one, and a recompilation first, measured). An activation checkpoint's
+    recomputation in the backward runs without the mode (autograd does not carry function modes there) but
+    under the autocast state its forward saw: `_autocast_contexts_off` makes that state float32 too."""
     saved: list[tuple[Any, bool]] = []
     for flags in (torch.backends.cuda.matmul, torch.backends.cudnn):
         # a torch that refuses the legacy flag (the job set its fp32_precision API): left as the job set it
@@ -52,7 +72,7 @@ def full_precision(device_type: str):
             flags.allow_tf32 = False
             saved.append((flags, old))
     try:
-        with eager(), _NoAutocast(device_type):
+        with eager(), _autocast_contexts_off(), _NoAutocast(device_type):
             yield
     finally:
         for flags, old in saved:

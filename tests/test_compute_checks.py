@@ -424,6 +424,33 @@ def test_full_precision_replays_ignore_the_loss_fns_own_autocast():
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
 
 
+def test_full_precision_reaches_an_activation_checkpoints_recomputation():
+    """A non-reentrant activation checkpoint recomputes its forward in the backward, where autograd carries
+    no function mode, under the autocast state its forward saw: the float32 replay's recomputation ran in
+    bf16 and torch.utils.checkpoint refused it ("Recomputed values ... have different metadata"), so every
+    float32 witness of such a model fell back to the step's precision. Now the recomputation is float32
+    too, the gradient the plain float32 one bit for bit; autocast works again after."""
+    import torch.utils.checkpoint as cp
+    from torch import nn
+
+    from checksums.replay_modes import full_precision
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def grad(checkpointed: bool) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            body = lambda v: nn.functional.gelu(lin(v))    # noqa: E731
+            y = cp.checkpoint(body, x, use_reentrant=False) if checkpointed else body(x)
+            return torch.autograd.grad(y.float().pow(2).sum(), [lin.weight])[0]
+    with full_precision("cpu"):
+        got = grad(True)
+        plain = grad(False)
+    assert got.dtype == torch.float32 and torch.equal(got, plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(x).dtype == torch.bfloat16
+
+
 def test_classify_pair_names_a_transient_by_its_non_repeating_original():
     ok, bad = _rows(10, world=1)[0], _rows(99, world=1)[0]
     other = _rows(20, world=1)[0]
