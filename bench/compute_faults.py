@@ -98,6 +98,7 @@ TC_CASES = [
     Case("tc backward channel x2 persistent", "tcb", "channel", 2.0, True),     # its first bf16 matmul in backward
     Case("tc attn one elem x1.05 persistent", "tca", "scale", 1.05, True),  # block 0's attention (GPT)
 ]
+TC_WHERE = ("tc", "tcb", "tca")     # injected inside the op (MatmulFault), in bf16/fp16 only
 H200 = ["mm one elem =1e4", "mm one elem =10", "mm one elem x1.01 persistent", "mm channel x2 persistent",
         "grad elem =100", "grad elem =0.01", "mm one elem ulp", "mm zeroed column", "adam exp_avg exp-flip",
         "weight exp-flip", "mm tile 4x8 x2", "grad elem NaN"]
@@ -263,7 +264,7 @@ class MatmulFault(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         # (no grad-mode test: sdcguard's checked linear runs its matmul inside an autograd.Function's forward)
-        low = (torch.bfloat16, torch.float16) if self.where(self.case) in ("tc", "tcb", "tca") else None
+        low = (torch.bfloat16, torch.float16) if self.where(self.case) in TC_WHERE else None
         if self.where(self.case) == "tcb" and torch._C._current_autograd_node() is None:
             return out                # (tcb: a matmul the backward runs, not a forward's)
         if self.where(self.case) == "tca":
@@ -362,7 +363,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
     guard = _sdcguard(sdcguard, model) if sdcguard else None
     fault_mode = (MatmulFault(target, case, active, getattr(model, "blocks", [None])[0])
-                  if sdcguard or MatmulFault.where(case) in ("tc", "tcb", "tca") else None)
+                  if sdcguard or MatmulFault.where(case) in TC_WHERE else None)
     if fault_mode is not None:
         fault_mode.__enter__()        # the whole run, replays included (a persistent fault is the GPU's)
     t0 = time.perf_counter()
@@ -378,7 +379,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         for micro in range(accum):
             active["on"] = on and case is not None and (
                 case.where == "grad"
-                or (case.where in ("mm", "tc", "tcb", "tca", "bwd") and (case.persistent or micro == fault_micro)))
+                or (case.where in ("mm", *TC_WHERE, "bwd") and (case.persistent or micro == fault_micro)))
             batch = batch_for(rank, step, device, micro)
             checks.retain(batch)
             if guard is not None:
@@ -398,7 +399,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 backward(step_loss(ddp, batch))
         if case is None or not case.persistent:
             active["on"] = False
-        if (step == fault_step and case is not None and case.where in ("mm", "tc", "tcb", "tca", "bwd", "grad")
+        if (step == fault_step and case is not None and case.where in ("mm", *TC_WHERE, "bwd", "grad")
                 and (on or fsdp and 0 <= fault_rank < world) and checks.replayer.reproduces):
             # did the fault change any bit of the gradient this rank hands to the all-reduce? (a one-ulp flip
             # of an activation often rounds away): the original rows against a clean recompute (FSDP2: a
@@ -744,6 +745,10 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     names = {"all": [c.name for c in CASES], "h200": H200, "tc": [c.name for c in TC_CASES],
              "none": []}.get(args.cases, args.cases.split(","))
     for case in [c for c in CASES + TC_CASES if c.name in names]:
+        if case.where == "tca" and args.model == "mlp":
+            if rank == 0:
+                print(f"{case.name}: skipped, the MLP has no attention (--model tiny-gpt or gpt2)", flush=True)
+            continue
         results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + 30,
                                       fault_step=args.fault_step, fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,

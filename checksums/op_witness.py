@@ -4,7 +4,7 @@ Two ranks, a persistent fault each GPU repeats, and the model-level CPU witness 
 whole gradient recomputed in float64 and projected between the GPUs') named nobody. Two ways that happens:
 the GPUs' float32 recomputations agree, because the fault lives only in the low-precision path (a tensor
 core's: bf16/fp16 matmuls, never the float32 ones), or the projection sits between the two (a small fault
-in bf16, where everything after it re-rounds). Then both ranks replay rank 0's batch as the step computes,
+in bf16, where everything after it re-rounds). Then both ranks replay that batch as the step computes,
 under `OpTrace`, a dispatch mode that fingerprints the output of every op on the device (no host copy);
 deterministic kernels on one GPU model give the same bits for the same inputs, so the first op whose output
 differs between the GPUs while its inputs are bit for bit equal is where one of them computed wrong. That op
@@ -337,7 +337,7 @@ def exchange(obj: Any, group: Any, device: torch.device) -> list[Any]:
 
 
 def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> tuple[float, str]:
-    """Two ranks (a collective: both call, `replay` runs rank 0's retained batch on each, as the step
+    """Two ranks (a collective: both call, `replay` runs the witness's retained batch on each, as the step
     computes, through `Replayer.agreed`): t as `Replayer.witness` returns it, and what it rests on (or why
     there is none, with t NaN). Two replays: one tracing every op's fingerprint, one capturing the first op
     that differs; one op's inputs and outputs travel once. A compiled model replays eagerly (`eager`)."""

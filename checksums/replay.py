@@ -26,7 +26,7 @@ Two uses, both collectives (every rank calls, in the same order):
   fingerprints alone are symmetric then, so a third witness decides: each rank's own history (the jump of
   its bucket statistics from its last clean step, in units of the clean step-to-step spread,
   `SpreadTracker.jumps`): the rank that jumped `PAIR_WITNESS` times more than the other is named; else the
-  host CPU (`Replayer.witness`: rank 0's batch recomputed in float64 on the CPU, projected on the line from
+  host CPU (`Replayer.witness`: a batch they disagree on recomputed in float64 on the CPU, projected on the line from
   GPU 0's gradient to GPU 1's); where that names nobody, the first op where the GPUs part, recomputed
   alone (checksums.op_witness); else both are named (UNRESOLVED), never one wrong rank.
 - `audit`: every `every` steps one rank's batch is replayed by its neighbour; a mismatch becomes a
@@ -246,22 +246,28 @@ def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
         return Classification(Cause.TRANSIENT, bad, True,
                               f"rank {list(bad)}'s original gradient does not repeat; both GPUs' replays "
                               "agree")
-    if not any(cross) and all(own):
+    if all(own) and not all(cross):
+        # a persistent fault: each GPU repeats its own result. On both batches, or on one only (a fault that
+        # shows on some data: x1.05 on one activation the other batch's gradient rounds away; that was
+        # "no consistent story", unresolved, until an audit met two batches that both show it)
+        where = ("they disagree on both batches" if not any(cross) else
+                 f"they disagree on rank {cross.index(False)}'s batch (the other agrees: a fault some data "
+                 "shows)")
         hi, lo = (0, 1) if jumps[0] >= jumps[1] else (1, 0)
         if jumps[hi] > PAIR_WITNESS * max(jumps[lo], 1e-12) and jumps[hi] > 1.0:
             return Classification(Cause.PERSISTENT, (hi,), True,
-                                  "each GPU repeats its own result and they disagree on both batches; rank "
+                                  f"each GPU repeats its own result and {where}; rank "
                                   f"{hi}'s statistics jumped {jumps[hi]:.1f} clean spreads from its own "
                                   "history, rank "
                                   f"{lo}'s {jumps[lo]:.1f}")
         bad = witness_names(witness) if witness is not None else None
         if bad is not None:
             return Classification(Cause.PERSISTENT, (bad,), True,
-                                  "each GPU repeats its own result and they disagree on both batches; "
+                                  f"each GPU repeats its own result and {where}; "
                                   f"{witness_by} sits at t={witness:.3f} between GPU 0's (0) and GPU 1's "
                                   f"(1): rank {bad}'s GPU computes wrong")
         return Classification(Cause.UNRESOLVED, (0, 1), True,
-                              "each GPU repeats its own result and they disagree on both batches; no third "
+                              f"each GPU repeats its own result and {where}; no third "
                               f"witness tells which (history jumps {jumps[0]:.1f} and {jumps[1]:.1f})")
     return Classification(Cause.UNRESOLVED, (0, 1), True,
                           f"the GPUs' replays agree on {sum(cross)} of 2 batches, originals repeat on "
@@ -483,7 +489,7 @@ class Replayer:
 
     def witness(self, retained: Retained, ops: bool = False) -> float:
         """Two ranks, a persistent fault, each GPU self-consistent: the host CPU is the third witness. Both
-        ranks replay `retained` (rank 0's batch); D = GPU 1's gradient - GPU 0's; rank 0 recomputes the
+        ranks replay `retained` (a batch the GPUs disagree on); D = GPU 1's gradient - GPU 0's; rank 0 recomputes the
         gradient on the CPU in float64 (a copy of the module) and projects: t = <ref - g0, D> / <D, D>, 0
         when GPU 0 computed it right, 1 when GPU 1 did; rounding moves t off those. A collective, run only on
         such a suspicion (two full gradients travel once). `ops` (bit-for-bit deterministic GPUs of one
@@ -520,7 +526,7 @@ class Replayer:
 
     def _op_witness(self, retained: Retained, t: float) -> float:
         """`witness`'s second opinion when the model-level one named nobody (t): the op witness
-        (checksums.op_witness), rank 0's batch replayed as the step computes; its t when it names a GPU
+        (checksums.op_witness), `retained` replayed as the step computes; its t when it names a GPU
         (`witness_by` then says which op), else `t` (a collective)."""
         assert self.summaries is not None
         params = self.summaries.params
@@ -643,6 +649,8 @@ class Replayer:
         batches = [self.fetch(j, mine) for j in (0, 1)]
         rows = self.replay_round(lambda: torch.stack([self.replay(b) for b in batches]))
         c = classify_pair_replays(originals, rows, jumps, exact=self.exact)
+        # the witness recomputes a batch the GPUs disagree on (rank 0's when both)
+        seen = next((j for j in (0, 1) if not _equal(rows[0, j], rows[1, j], self.exact, 1e-3)), 0)
         if c.cause is Cause.UNRESOLVED and c.faulty == (0, 1) and self.cpu_witness and \
                 c.detail.startswith("each GPU repeats"):       # symmetric: ask the host CPU (every rank)
             if self._witnessed is not None and self._witnessed[1] > 0:
@@ -653,7 +661,7 @@ class Replayer:
                 return Classification(Cause.PERSISTENT, (bad,), True,
                                       "each GPU repeats its own result and they disagree on both batches; "
                                       f"the CPU witness named rank {bad} earlier")
-            t = self.witness(batches[0], ops=self.exact and self.same_hardware)
+            t = self.witness(batches[seen], ops=self.exact and self.same_hardware)
             c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=t,
                                       witness_by=self.witness_by)
             if c.cause is Cause.PERSISTENT:

@@ -487,6 +487,28 @@ def test_classify_pair_names_a_persistent_fault_by_its_history_or_both():
     assert (c.cause, c.faulty) == (Cause.UNRESOLVED, (0, 1))
 
 
+def test_classify_pair_takes_a_persistent_fault_some_data_shows_to_the_witness():
+    """A persistent fault one batch shows and the other rounds away (x1.05 on one activation): the GPUs
+    agree on one batch and each repeats its own result on the other. That was "no consistent story",
+    both ranks unresolved, with no witness asked; now it is the persistent case, decided as that is (the
+    history jump, else the witness on the batch they disagree on), and said so."""
+    a0, a1 = _rows(10, world=1)[0], _rows(20, world=1)[0]        # GPU 0's results of batches 0 and 1
+    b1 = _rows(21, world=1)[0]                                    # GPU 1's wrong result of batch 1 only
+    originals = torch.stack([a0, b1])
+    replays = torch.stack([torch.stack([a0, a1]), torch.stack([a0, b1])])
+    c = classify_pair_replays(originals, replays, (2.0, 2.5))
+    assert (c.cause, c.faulty) == (Cause.UNRESOLVED, (0, 1)), c
+    assert c.detail.startswith("each GPU repeats") and "rank 1's batch" in c.detail, c.detail   # asks a witness
+    c = classify_pair_replays(originals, replays, (2.0, 2.5), witness=0.01)
+    assert (c.cause, c.faulty, c.drop) == (Cause.PERSISTENT, (1,), True), c
+    c = classify_pair_replays(originals, replays, (0.5, 9.0))
+    assert (c.cause, c.faulty) == (Cause.PERSISTENT, (1,)), c
+    # an original that does not repeat on its GPU as well: still no consistent story
+    replays_odd = torch.stack([torch.stack([a0, a1]), torch.stack([a0, _rows(22, world=1)[0]])])
+    c = classify_pair_replays(originals, replays_odd, (2.0, 2.5), witness=0.01)
+    assert c.cause is Cause.UNRESOLVED and "no consistent story" in c.detail, c
+
+
 def test_jumps_measure_each_rank_against_its_own_clean_history():
     t = SpreadTracker(warmup=3)
     for k in range(6):
