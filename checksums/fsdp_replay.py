@@ -50,6 +50,7 @@ from checksums.replay import (
     _equal,
     _map_tensors,
     classify_replays,
+    MODEL_WITNESS,
     scaled,
 )
 from checksums.op_witness import witness_projection
@@ -109,7 +110,7 @@ class FsdpReplayer(Replayer):
         self.replays += 1
         return rows
 
-    def witness(self, retained: Retained, ops: bool = False) -> float:
+    def witness(self, retained: Retained, ops: bool = False) -> tuple[float, str]:
         """Two ranks, a persistent fault, each GPU self-consistent: the host CPU is the third witness, as
         `Replayer.witness` (t = <ref - g0, g1 - g0> / |g1 - g0|^2; 0: GPU 0 computed right, 1: GPU 1 did),
         with `witness_model` (a factory of the bare, unsharded model) for the float64 CPU copy. Both ranks
@@ -119,7 +120,6 @@ class FsdpReplayer(Replayer):
         group's gradients, dim 0, W chunks). NaN (no witness) without a factory or when FSDP pre-divides
         the input (an fp16 reduce dtype): a collective, every rank calls. No op witness (`ops` is not
         used: FSDP2's forward runs collectives between the ops; checksums.op_witness is DDP's)."""
-        self.witness_by = "the CPU's float64 gradient"
         flats: dict[int, torch.Tensor] = {}
         # in float32 unless FSDP's own policy computes in a low precision (`Replayer.agreed_wide`)
         wide = all(getattr(fp, "param_dtype", None) in (None, torch.float32)
@@ -132,7 +132,7 @@ class FsdpReplayer(Replayer):
         for name, p in self.module.named_parameters(remove_duplicate=False):
             full.setdefault(name, full[first[id(p)]])    # a tied weight under each of its names (a GPT's head)
         if self.witness_model is None or any(f.dtype == torch.float16 for f in flats.values()):
-            return float("nan")
+            return float("nan"), MODEL_WITNESS
         mine = torch.cat([flats[i].reshape(-1) for i in range(len(flats))]).to(torch.float64)
         both = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(both, mine, group=self.group)
@@ -146,7 +146,7 @@ class FsdpReplayer(Replayer):
                 out = [float("nan")]
         dist.broadcast_object_list(out, src=0, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
-        return float(out[0])
+        return float(out[0]), MODEL_WITNESS
 
     def _project(self, retained: Retained, full: dict[str, torch.Tensor], g0: torch.Tensor,
                  g1: torch.Tensor) -> float:

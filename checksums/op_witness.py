@@ -53,10 +53,13 @@ def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) ->
     return float((ref - g0).dot(d)) / dd if dd > 0 else float("nan")
 
 
-def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def op_print(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """An int64 0-dim tensor, on the tensors' device, that changes when any bit of any of them changes
-    (the sum of each tensor's bits read as integers, combined in order; no host synchronisation). None for
-    no tensor data (an op returning none, or only empty or meta tensors)."""
+    (the sum of each tensor's bits read as integers, combined in order; one reduction a tensor, no host
+    synchronisation). None for no tensor data (an op returning none, or only empty or meta tensors). Not
+    checksums.fingerprint's spec'd fingerprint: on CUDA that builds a Triton plan per tensor list, kept in
+    the 16-entry cache the replica vote's plans live in, and its torch path runs about ten ops and three
+    int64 copies a tensor; a trace fingerprints thousands of ops' outputs once each."""
     acc: torch.Tensor | None = None
     for t in tensors:
         if t.is_sparse or t.device.type == "meta" or t.numel() == 0:
@@ -72,7 +75,7 @@ def _host(obj: Any) -> Any:
 
 
 class OpTrace(TorchDispatchMode):
-    """Names and fingerprints (`fingerprint`, on the device) the floating-point outputs of every op run
+    """Names and fingerprints (`op_print`, on the device) the floating-point outputs of every op run
     under it, the autograd engine's backward ops included; with `capture=i` also keeps op i's function, its
     arguments as they were before it ran and its outputs, on the host (`captured`)."""
 
@@ -96,7 +99,7 @@ class OpTrace(TorchDispatchMode):
         # floating-point outputs only: an attention kernel's RNG seed and offset may come back unwritten
         # when it draws no dropout, and would part two GPUs at the first attention; a wrong integer output
         # shows at the next op, whose inputs then differ (no answer)
-        self.prints.append(None if unwritten else fingerprint(
+        self.prints.append(None if unwritten else op_print(
             [x for x in _tensors(out) if x.is_floating_point() or x.is_complex()]))
         return out
 
@@ -125,7 +128,12 @@ def first_divergence(a: tuple[list[str], list[int]], b: tuple[list[str], list[in
 
 
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return x.dtype == y.dtype and x.shape == y.shape and bool(torch.equal(_flat_bits(x), _flat_bits(y)))
+    return x.dtype == y.dtype and x.shape == y.shape and _differing(x, y) == 0
+
+
+def _differing(x: torch.Tensor, y: torch.Tensor) -> int:
+    """Elements whose bits differ between two tensors of one dtype and shape."""
+    return int((_bits_view(x) != _bits_view(y)).sum())
 
 
 def _bits_view(t: torch.Tensor) -> torch.Tensor:
@@ -134,10 +142,7 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8)
     if t.is_complex():
         t = torch.view_as_real(t)
-    if not t.is_floating_point():
-        return t
-    return t.view(_INT_OF_SIZE[t.element_size()]) if t.element_size() in _INT_OF_SIZE else \
-        t.contiguous().view(torch.uint8)
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.is_floating_point() else t
 
 
 def _flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -278,7 +283,7 @@ def op_projection(ref: Any, out0: Any, out1: Any) -> OpEvidence:
         for k, g in enumerate((rb, rc)):
             if bool(keep.any()):
                 ulps[k] = max(ulps[k], float(_ulps(g[keep], ra[keep], b.dtype, rms).max()))
-    differ = sum(int((b.reshape(-1) != c.reshape(-1)).sum()) for _, b, c in picked)
+    differ = sum(_differing(b, c) for _, b, c in picked)
     ref_f, g0, g1 = torch.cat(refs), torch.cat(g0s), torch.cat(g1s)
     if ref_f.numel() == 0:          # only non-finite elements differ: an overflow, nothing to project
         return OpEvidence(float("nan"), differ, (0.0, 0.0))
@@ -378,8 +383,8 @@ def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None
     where = f"{func} (op {i} of {n_ops}, the first whose output differs between the GPUs)"  # why none
     if digest((a0, k0)) != d1:
         return float("nan"), f"{where}: its inputs already differ (a change no op made)"
-    total = sum(int((_bits_view(x) != _bits_view(y)).sum()) for x, y in zip(_tensors(o0), _tensors(o1))
-                if x.is_floating_point() and x.shape == y.shape)
+    total = sum(_differing(x, y) for x, y in zip(_tensors(o0), _tensors(o1))
+                if x.is_floating_point() and x.dtype == y.dtype and x.shape == y.shape)
     if limit is not None:
         a0, k0, o0, o1 = row_subset(func, a0, k0, o0, o1, limit)
     try:

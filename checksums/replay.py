@@ -225,10 +225,19 @@ def repeats_own(got: torch.Tensor) -> bool:
                for r in range(got.shape[0]))
 
 
+MODEL_WITNESS = "the CPU's float64 gradient"      # what `Replayer.witness`'s t rests on (not the op witness)
+
+
+def pair_agreement(replays: torch.Tensor, exact: bool = True, rtol: float = 1e-3) -> list[bool]:
+    """Two ranks: whether both GPUs' replays of batch j agree, for j = 0, 1 (`replays` [2 (GPU), 2 (batch),
+    B, 4]). Pure."""
+    return [_equal(replays[0, j], replays[1, j], exact, rtol) for j in (0, 1)]
+
+
 def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
                           jumps: tuple[float, float] = (0.0, 0.0), *, exact: bool = True, rtol: float = 1e-3,
                           witness: float | None = None,
-                          witness_by: str = "the CPU's float64 gradient") -> Classification:
+                          witness_by: str = MODEL_WITNESS) -> Classification:
     """Two ranks: decide from both originals [2 (batch), B, 4] and every replay [2 (GPU), 2 (batch), B, 4]
     (`replays[g, j]`: GPU g's replay of rank j's batch), with `jumps[r]`, rank r's own-history jump (the
     tie-break of a persistent fault), and `witness`, the CPU witness's projection (`Replayer.witness`: near 0
@@ -237,7 +246,7 @@ def classify_pair_replays(originals: torch.Tensor, replays: torch.Tensor,
     def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
         return _equal(a, b, exact, rtol)
 
-    cross = [eq(replays[0, j], replays[1, j]) for j in (0, 1)]        # the GPUs agree on batch j's replay
+    cross = pair_agreement(replays, exact, rtol)
     own = [eq(originals[j], replays[j, j]) for j in (0, 1)]           # batch j's original repeats on its GPU
     if all(cross):
         bad = tuple(j for j in (0, 1) if not eq(originals[j], replays[0, j]))
@@ -380,7 +389,6 @@ class Replayer:
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
         self._witnessed: tuple[int, int] | None = None     # (the rank it named, reuses left)
-        self.witness_by = "the CPU's float64 gradient"      # what the last witness's t rests on
 
     def retain(self, batch: Any) -> None:
         """Keep this micro-batch and the RNG state before its forward; call before each forward. Every
@@ -487,14 +495,14 @@ class Replayer:
         assert grads is not None
         return grads
 
-    def witness(self, retained: Retained, ops: bool = False) -> float:
+    def witness(self, retained: Retained, ops: bool = False) -> tuple[float, str]:
         """Two ranks, a persistent fault, each GPU self-consistent: the host CPU is the third witness. Both
         ranks replay `retained` (a batch the GPUs disagree on); D = GPU 1's gradient - GPU 0's; rank 0 recomputes the
         gradient on the CPU in float64 (a copy of the module) and projects: t = <ref - g0, D> / <D, D>, 0
         when GPU 0 computed it right, 1 when GPU 1 did; rounding moves t off those. A collective, run only on
         such a suspicion (two full gradients travel once). `ops` (bit-for-bit deterministic GPUs of one
-        model): when that t names nobody, the op witness decides (`_op_witness`). `witness_by` says what
-        the answer rests on."""
+        model): when that t names nobody, the op witness decides (`_op_witness`). Returns t and what it rests
+        on."""
         assert self.summaries is not None
         params = self.summaries.params
 
@@ -519,15 +527,14 @@ class Replayer:
         dist.broadcast_object_list(out, src=0, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
         t = float(out[0])
-        self.witness_by = "the CPU's float64 gradient"
         if ops and witness_names(t) is None:
-            t = self._op_witness(retained, t)
-        return t
+            return self._op_witness(retained) or (t, MODEL_WITNESS)
+        return t, MODEL_WITNESS
 
-    def _op_witness(self, retained: Retained, t: float) -> float:
-        """`witness`'s second opinion when the model-level one named nobody (t): the op witness
-        (checksums.op_witness), `retained` replayed as the step computes; its t when it names a GPU
-        (`witness_by` then says which op), else `t` (a collective)."""
+    def _op_witness(self, retained: Retained) -> tuple[float, str] | None:
+        """`witness`'s second opinion when the model-level one named nobody: the op witness
+        (checksums.op_witness), `retained` replayed as the step computes; its t and which op when it names
+        a GPU, else None (a collective)."""
         assert self.summaries is not None
         params = self.summaries.params
         t0 = time.perf_counter()
@@ -540,10 +547,7 @@ class Replayer:
         named = witness_names(t_op)
         logger.warning("sdcwatch: the op witness (%.2f s) %s at t=%.3f: %s", time.perf_counter() - t0,
                        "names no GPU" if named is None else f"names rank {named}", t_op, by)
-        if named is None:
-            return t
-        self.witness_by = by
-        return t_op
+        return None if named is None else (t_op, by)
 
     def _cpu_projection(self, retained: Retained, g0: torch.Tensor, g1: torch.Tensor) -> float:
         """`witness`'s t from rank 0's float64 CPU replay of `retained` (a copy of the module)."""
@@ -649,8 +653,8 @@ class Replayer:
         batches = [self.fetch(j, mine) for j in (0, 1)]
         rows = self.replay_round(lambda: torch.stack([self.replay(b) for b in batches]))
         c = classify_pair_replays(originals, rows, jumps, exact=self.exact)
-        # the witness recomputes a batch the GPUs disagree on (rank 0's when both)
-        seen = next((j for j in (0, 1) if not _equal(rows[0, j], rows[1, j], self.exact, 1e-3)), 0)
+        cross = pair_agreement(rows, self.exact)
+        seen = cross.index(False) if False in cross else 0      # the witness's batch: one they disagree on
         if c.cause is Cause.UNRESOLVED and c.faulty == (0, 1) and self.cpu_witness and \
                 c.detail.startswith("each GPU repeats"):       # symmetric: ask the host CPU (every rank)
             if self._witnessed is not None and self._witnessed[1] > 0:
@@ -661,9 +665,8 @@ class Replayer:
                 return Classification(Cause.PERSISTENT, (bad,), True,
                                       "each GPU repeats its own result and they disagree on both batches; "
                                       f"the CPU witness named rank {bad} earlier")
-            t = self.witness(batches[seen], ops=self.exact and self.same_hardware)
-            c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=t,
-                                      witness_by=self.witness_by)
+            t, by = self.witness(batches[seen], ops=self.exact and self.same_hardware)
+            c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=t, witness_by=by)
             if c.cause is Cause.PERSISTENT:
                 self._witnessed = (c.faulty[0], WITNESS_REUSE)
         return c
@@ -708,7 +711,7 @@ class Replayer:
         GPU's gradient far closer to the float64 one than the two are to each other (t near 0 or 1);
         rounding leaves both about as close (t near 0.5). Named: exact stays on, the GPU is `start_fault`
         (and the witness's answer is reused as in `classify_pair`); else the rounding-aware bound."""
-        t = self.witness(retained, ops=self.same_hardware)      # each GPU repeats its own: deterministic
+        t, by = self.witness(retained, ops=self.same_hardware)      # each GPU repeats its own: deterministic
         bad = witness_names(t)
         if bad is None:
             return
@@ -717,7 +720,7 @@ class Replayer:
         self.start_fault = Classification(
             Cause.PERSISTENT, (bad,), True,
             f"each GPU repeats its own gradient of rank 0's batch at the first step and they differ; "
-            f"{self.witness_by} sits at t={t:.3f} between GPU 0's (0) and GPU 1's (1): rank {bad}'s GPU "
+            f"{by} sits at t={t:.3f} between GPU 0's (0) and GPU 1's (1): rank {bad}'s GPU "
             "computes wrong from the start")
 
     def check_determinism(self, originals: torch.Tensor | None = None) -> bool:
