@@ -170,8 +170,8 @@ class _Sink:
 
 
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
-MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "batch": 8, "amp": "bf16", "ac": "none",
-                         "wide_fails": -1}
+MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
+                         "ac": "none", "wide_fails": -1}
 
 
 class Checkpointed(nn.Module):
@@ -357,8 +357,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                   margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor, mask=mask,
                                   scaler=scaler,
                                   inject_bucket=grad_inject if rank == fault_rank else None,
-                                  # FSDP2 with 2 ranks: the CPU witness needs the bare model (a factory)
-                                  witness_model=(lambda: make_model(0)[0]) if fsdp else None)
+                                  # FSDP2 with 2 ranks: the model-level CPU witness needs the bare model (a
+                                  # factory; --no-witness-model: the op witness alone)
+                                  witness_model=(lambda: make_model(0)[0]) if fsdp and MODEL["factory"] else None)
     caught: dict[str, dict[str, Any]] = {}
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
     guard = _sdcguard(sdcguard, model) if sdcguard else None
@@ -737,6 +738,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["bf16"] = bool(args.sdcguard) or args.cpu_autocast
     MODEL["wide_fails"] = args.witness_fp32_fails
     MODEL["hsdp"] = args.hsdp
+    MODEL["factory"] = not args.no_witness_model
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
     MODEL["ac"] = args.ac
@@ -929,6 +931,9 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     p.add_argument("--hsdp", type=int, default=0, metavar="REPLICAS", help="with --fsdp: HSDP on a "
                    "(REPLICAS, world / REPLICAS) mesh (the checks summarise each shard group's reduce-scatter; "
                    "every rank replays at once, so FSDP's all-reduce across replicas pairs up)")
+    p.add_argument("--no-witness-model", action="store_true", help="with --fsdp: the checks get no "
+                   "witness_model (the bare model's factory the model-level CPU witness needs): two ranks' "
+                   "symmetric faults are left to the op witness")
     p.add_argument("--fault-micro", type=int, default=0, help="the micro-batch a transient matmul fault hits")
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",

@@ -23,9 +23,13 @@ FSDP's all-reduce across replicas then runs on the zeroed output (every rank rep
 tests/test_compute_checks.py's HSDP test on 4 gloo ranks).
 
 Two ranks, a symmetric persistent fault (each GPU repeats its own result): the ranks' own-history jumps
-name the GPU, else the CPU witness (`witness`) when the user passes `witness_model`, a factory of the bare
-(unsharded) model: rank 0 loads the gathered full parameters into it and recomputes the gradient in
-float64; without one both ranks are named `unresolved` (never one wrong rank).
+name the GPU, else the CPU witness (`witness`): when the user passes `witness_model`, a factory of the bare
+(unsharded) model, rank 0 loads the gathered full parameters into it and recomputes the gradient in
+float64; where that names nobody (or there is no factory) and replays are bit for bit deterministic on one
+GPU model, the op witness (checksums.op_witness: both ranks replay the batch under its trace, collectives
+and all; the ops that copy each rank's own shard differ by design and are passed over, the first op that
+computes differently from equal inputs is recomputed on the CPU). Else both ranks are named `unresolved`
+(never one wrong rank).
 
 Training-side module: never imports the agent (`daemon`).
 """
@@ -52,6 +56,7 @@ from checksums.replay import (
     classify_replays,
     MODEL_WITNESS,
     scaled,
+    witness_names,
 )
 from checksums.op_witness import witness_projection
 
@@ -68,13 +73,18 @@ class FsdpReplayer(Replayer):
                  witness_model: Callable[[], nn.Module] | None = None, scaler: Any = None) -> None:
         super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler)
         self.fsdp = summaries
-        self.witness_model = witness_model
-        self.cpu_witness = witness_model is not None    # the bare module is on no rank: a copy is built
+        self.witness_model = witness_model      # the bare module is on no rank: the CPU builds a copy
 
     def replay(self, retained: Retained, flats: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Summary rows [groups, 4] of `retained`'s gradient recomputed on this rank; a collective: every
         rank calls at once (each with the micro-batches it replays). Leaves `.grad`, the post-accumulate
         hooks and the buffers as they were. `flats`: also each group's whole reduce-scatter input."""
+        rows = self._rows_of_replay(retained, flats)
+        self.replays += 1
+        return rows
+
+    def _rows_of_replay(self, retained: Retained, flats: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """`replay`'s work (not counted)."""
         if not retained.micro:
             raise RuntimeError("no batch retained: call retain(batch) before each step's forward")
         module = self.module
@@ -107,7 +117,6 @@ class FsdpReplayer(Replayer):
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-        self.replays += 1
         return rows
 
     def witness(self, retained: Retained, ops: bool = False) -> tuple[float, str]:
@@ -117,9 +126,19 @@ class FsdpReplayer(Replayer):
         replay `retained` keeping each group's whole reduce-scatter input (g0, g1; all-gathered once); the
         full parameters are gathered (`full_tensor`, every rank) and loaded into the copy on rank 0, whose
         float64 gradient is laid out as FSDP lays out a reduce-scatter input (`torch._chunk_cat` of each
-        group's gradients, dim 0, W chunks). NaN (no witness) without a factory or when FSDP pre-divides
-        the input (an fp16 reduce dtype): a collective, every rank calls. No op witness (`ops` is not
-        used: FSDP2's forward runs collectives between the ops; checksums.op_witness is DDP's)."""
+        group's gradients, dim 0, W chunks). That t is NaN without a factory or when FSDP pre-divides the
+        input (an fp16 reduce dtype). `ops` (bit-for-bit deterministic GPUs of one model): when t names
+        nobody, the op witness on collective replays (`Replayer._op_witness`). A collective, every rank
+        calls."""
+        t = float("nan")
+        if self.witness_model is not None:
+            t = self._model_witness(retained)
+        if ops and witness_names(t) is None:
+            return self._op_witness(lambda: self._rows_of_replay(retained)) or (t, MODEL_WITNESS)
+        return t, MODEL_WITNESS
+
+    def _model_witness(self, retained: Retained) -> float:
+        """`witness`'s model-level t (the factory's float64 copy on rank 0's CPU); a collective."""
         flats: dict[int, torch.Tensor] = {}
         # in float32 unless FSDP's own policy computes in a low precision (`Replayer.agreed_wide`)
         wide = all(getattr(fp, "param_dtype", None) in (None, torch.float32)
@@ -131,8 +150,8 @@ class FsdpReplayer(Replayer):
         first = {id(p): name for name, p in params.items()}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             full.setdefault(name, full[first[id(p)]])    # a tied weight under each of its names (a GPT's head)
-        if self.witness_model is None or any(f.dtype == torch.float16 for f in flats.values()):
-            return float("nan"), MODEL_WITNESS
+        if any(f.dtype == torch.float16 for f in flats.values()):
+            return float("nan")
         mine = torch.cat([flats[i].reshape(-1) for i in range(len(flats))]).to(torch.float64)
         both = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(both, mine, group=self.group)
@@ -146,7 +165,7 @@ class FsdpReplayer(Replayer):
                 out = [float("nan")]
         dist.broadcast_object_list(out, src=0, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
-        return float(out[0]), MODEL_WITNESS
+        return float(out[0])
 
     def _project(self, retained: Retained, full: dict[str, torch.Tensor], g0: torch.Tensor,
                  g1: torch.Tensor) -> float:

@@ -14,9 +14,17 @@ op's rounding is at most about half a unit in the last place of its output, so a
 plain, where a whole bf16 model's rounding pattern is as large as a small fault's effect.
 
 Used only where bit-for-bit determinism holds (exact replays, one GPU model, CUDA and torch on both ranks):
-elsewhere the first differing op is rounding, not a fault. No answer (NaN, and why) when the two GPUs do not
-run the same op sequence, when that op's inputs already differ, or when the CPU has no float64 kernel for
-the op (the GPU-only fused attention ops are recomputed by their definition: `_attention_reference`).
+elsewhere the first differing op is rounding, not a fault. The trace fingerprints each op's inputs too (what
+it reads, before it runs): the op wanted is the first whose inputs are equal on both ranks and whose outputs
+are not. Ops whose inputs differ are passed over, so ops that are meant to differ between ranks do not end
+the search: under FSDP2 (`checksums.fsdp_replay`) each rank copies its own shard into the all-gather buffer;
+collectives themselves are not fingerprinted (their output is written asynchronously). Integer and boolean
+outputs are fingerprinted too (a top-k's indices, a comparison's mask), except the fused attention ops' (their
+RNG seed and offset may come back unwritten), and decided exactly: the CPU's result equals one GPU's where the
+two part and never the other's. No answer (NaN, and why) when the two GPUs do not run the same op sequence,
+when no op computes differently from equal inputs, or when the CPU has no float64 kernel for the op (the
+GPU-only fused attention ops are recomputed by their definition: `_attention_reference`; with dropout, no
+answer: its mask is the GPU's random draw).
 
 Training-side module: never imports the agent (`daemon`).
 """
@@ -39,10 +47,38 @@ from checksums.replay_modes import eager
 _UNWRITTEN = ("aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
               "aten.empty_permuted", "aten.resize_", "aten.set_")
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# collectives (c10d's ops, the functional collectives, DTensor's): neither inputs nor outputs fingerprinted (an
+# asynchronous collective writes its output after the op returns; its buffers hold other ranks' data)
+_COLLECTIVE = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def _plain(obj: Any) -> list[torch.Tensor]:
+    """`obj`'s tensors that are no tensor subclass with a dispatch of its own (a DTensor: the ops it
+    dispatches to on its local tensor are traced themselves; fingerprinting one would run its collectives)."""
+    return [x for x in _tensors(obj) if type(x).__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl]
+
+
+def reads(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """An op's (args, kwargs) without its `out=` arguments, which it writes and never reads (memory not yet
+    written: their bits are whatever was there). Pure."""
+    schema = getattr(func, "_schema", None)
+    outs = {a.name for a in schema.arguments if a.is_out} if schema is not None else set()
+    if not outs:
+        return args, kwargs
+    names = [a.name for a in schema.arguments]
+    return (tuple(None if i < len(names) and names[i] in outs else x for i, x in enumerate(args)),
+            {k: v for k, v in kwargs.items() if k not in outs})
+
+
+def _compared(name: str, out: Any) -> list[torch.Tensor]:
+    """An op's outputs the trace fingerprints: every plain tensor, but not a fused attention op's integer
+    ones (its RNG seed and offset come back unwritten when it draws no dropout)."""
+    attention = "attention" in name
+    return [x for x in _plain(out) if not attention or x.is_floating_point() or x.is_complex()]
 
 
 def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) -> float:
@@ -75,14 +111,16 @@ def _host(obj: Any) -> Any:
 
 
 class OpTrace(TorchDispatchMode):
-    """Names and fingerprints (`op_print`, on the device) the floating-point outputs of every op run
-    under it, the autograd engine's backward ops included; with `capture=i` also keeps op i's function, its
-    arguments as they were before it ran and its outputs, on the host (`captured`)."""
+    """Names every op run under it, the autograd engine's backward ops included, and fingerprints
+    (`op_print`, on the device) what it reads, before it runs (`reads`), and its outputs (`_compared`); with
+    `capture=i` also keeps op i's function, its arguments as they were before it ran and its outputs, on the
+    host (`captured`)."""
 
     def __init__(self, capture: int = -1) -> None:
         super().__init__()
         self.names: list[str] = []
-        self.prints: list[torch.Tensor | None] = []
+        self.ins: list[torch.Tensor | None] = []
+        self.outs: list[torch.Tensor | None] = []
         self.capture = capture
         self.captured: tuple[Any, Any, Any, Any] | None = None     # (func, args, kwargs, outputs), host
 
@@ -91,39 +129,52 @@ class OpTrace(TorchDispatchMode):
         i = len(self.names)
         name = str(func)
         self.names.append(name)
+        local = not name.startswith(_COLLECTIVE)
+        self.ins.append(op_print(_plain(reads(func, args, kwargs))) if local else None)
         before = _host((args, kwargs)) if i == self.capture else None
         out = func(*args, **kwargs)
         if before is not None:
             self.captured = (func, before[0], before[1], _host(out))
         unwritten = name.rsplit(".", 1)[0] in _UNWRITTEN
-        # floating-point outputs only: an attention kernel's RNG seed and offset may come back unwritten
-        # when it draws no dropout, and would part two GPUs at the first attention; a wrong integer output
-        # shows at the next op, whose inputs then differ (no answer)
-        self.prints.append(None if unwritten else op_print(
-            [x for x in _tensors(out) if x.is_floating_point() or x.is_complex()]))
+        self.outs.append(op_print(_compared(name, out)) if local and not unwritten else None)
         return out
 
-    def host_prints(self) -> list[int]:
-        """The fingerprints as host ints (one transfer; 0 for an op with none)."""
-        if not self.prints:
+    def host_prints(self) -> list[tuple[int, int]]:
+        """Each op's (inputs, outputs) fingerprints as host ints (one transfer after the device finished
+        every stream's work; 0 for none)."""
+        if not self.names:
             return []
-        dev = next((p.device for p in self.prints if p is not None and p.device.type != "cpu"),
-                   torch.device("cpu"))
+        every = [p for p in self.ins + self.outs if p is not None]
+        dev = next((p.device for p in every if p.device.type != "cpu"), torch.device("cpu"))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)       # prints made on FSDP's all-gather and reduce-scatter streams too
         zero = torch.zeros((), dtype=torch.int64, device=dev)
-        return torch.stack([zero if p is None else p.to(dev) for p in self.prints]).cpu().tolist()
+        flat = torch.stack([zero if p is None else p.to(dev) for p in self.ins + self.outs]).cpu().tolist()
+        n = len(self.names)
+        return list(zip(flat[:n], flat[n:]))
 
 
-def first_divergence(a: tuple[list[str], list[int]], b: tuple[list[str], list[int]]) -> tuple[int | None, str]:
-    """The index of the first op whose output differs between two traces (names, fingerprints), or None and
-    why not (the op sequences part: the GPUs did not run the same ops, or no op differs). Pure."""
+def first_divergence(a: tuple[list[str], list[tuple[int, int]]],
+                     b: tuple[list[str], list[tuple[int, int]]]) -> tuple[int | None, str]:
+    """The index of the first op whose inputs are equal in two traces (names, (inputs, outputs)
+    fingerprints) and whose outputs are not, or None and why not (the op sequences part: the GPUs did not
+    run the same ops; no op computes differently from equal inputs). Ops whose inputs differ are passed over
+    (an FSDP2 rank's own shard). Pure."""
     (na, pa), (nb, pb) = a, b
+    other = 0                  # ops whose outputs differ after inputs that differ
     for i, (x, y) in enumerate(zip(na, nb)):
         if x != y:
             return None, f"the GPUs' op sequences part at op {i} ({x} vs {y})"
-        if pa[i] != pb[i]:
-            return i, ""
+        (ia, oa), (ib, ob) = pa[i], pb[i]
+        if oa != ob:
+            if ia == ib:
+                return i, ""
+            other += 1
     if len(na) != len(nb):
         return None, f"the GPUs ran {len(na)} and {len(nb)} ops"
+    if other:
+        return None, (f"no op of {len(na)} computes differently from equal inputs ({other} differ after inputs "
+                      "that already differ: a change no op made)")
     return None, f"all {len(na)} ops agree bit for bit"
 
 
@@ -229,20 +280,53 @@ class OpEvidence:
     t: float                       # `witness_projection` over the differing outputs (NaN: none to project)
     differ: int                    # elements that differ between the GPUs
     ulps: tuple[float, float]      # each GPU's largest distance from float64 there, in its output's ulps
-    #                                (at the element or at the output's root mean square, the larger: `_ulps`)
+    #                                (at the element or at the output's root mean square, the larger: `_ulps`);
+    #                                for integer outputs (`exact`) how many of those elements are not the CPU's
+    exact: bool = False            # integer or boolean outputs: compared for equality
 
     def fault(self) -> bool:
         """One GPU's output is a fault's distance from float64 (OP_FAULT_ULPS units in the last place or
         more) and the other's a rounding's (within a unit, or a quarter of the first), on the side t says:
         two GPUs differing by rounding alone (a kernel choosing another summation order) both sit within
-        about a unit, and then a t near 0 or 1 is chance (one element), never a verdict. Pure."""
+        about a unit, and then a t near 0 or 1 is chance (one element), never a verdict. Integer outputs:
+        one GPU's equal to the CPU's everywhere the two part, the other's nowhere. Pure."""
         lo, hi = sorted(self.ulps)
+        if self.exact:
+            return not math.isnan(self.t) and lo == 0 < hi and (self.ulps[1] > self.ulps[0]) == (self.t < 0.5)
         if math.isnan(self.t) or hi < OP_FAULT_ULPS or lo > max(1.0, hi / 4):
             return False
         return (self.ulps[1] > self.ulps[0]) == (self.t < 0.5)
 
+    def describe(self, ref: str) -> str:
+        """Each GPU's distance from the CPU's result (`ref`: how to call it), in words."""
+        if self.exact:
+            return (f"GPU 0's output differs from {ref} in {self.ulps[0]:.0f} and GPU 1's in "
+                    f"{self.ulps[1]:.0f} of the {self.differ} elements where they part")
+        return f"GPU 0 {self.ulps[0]:.1f} and GPU 1 {self.ulps[1]:.1f} units in the last place from {ref}"
+
+
+def exact_projection(ref: list[torch.Tensor], out0: list[torch.Tensor], out1: list[torch.Tensor]) -> OpEvidence:
+    """The evidence of integer and boolean outputs the GPUs disagree on: t 0 when the CPU's result equals
+    GPU 0's at every element where the GPUs part, 1 when it equals GPU 1's, NaN when neither (a tie broken
+    another way: no answer); differ 0 when no such output differs. Pure."""
+    miss, differ = [0, 0], 0
+    for a, b, c in zip(ref, out0, out1):
+        if b.is_floating_point() or b.is_complex() or not a.shape == b.shape == c.shape or b.dtype != c.dtype:
+            continue
+        d = b != c
+        n = int(d.sum())
+        if not n:
+            continue
+        differ += n
+        want = a.to(b.dtype)[d]
+        miss[0] += int((want != b[d]).sum())
+        miss[1] += int((want != c[d]).sum())
+    t = 0.0 if miss[0] == 0 < miss[1] else 1.0 if miss[1] == 0 < miss[0] else float("nan")
+    return OpEvidence(t if differ else float("nan"), differ, (float(miss[0]), float(miss[1])), exact=True)
+
 
 OP_FAULT_ULPS = 2.0
+CPU_RESULT = "the CPU's result"
 
 
 def _ulps(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rms: float) -> torch.Tensor:
@@ -257,9 +341,9 @@ def _ulps(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rms: float) ->
 def op_projection(ref: Any, out0: Any, out1: Any) -> OpEvidence:
     """The witness's evidence over the floating-point outputs the two GPUs disagree on: t
     (`witness_projection`: 0 when GPU 0's outputs are the float64 reference's, 1 when GPU 1's are), how
-    many elements differ, and each GPU's distance from the reference there in units in the last place. t
-    NaN when no floating-point output differs (differ 0: none differs at all) or the reference has another
-    structure. Pure."""
+    many elements differ, and each GPU's distance from the reference there in units in the last place; when
+    only integer or boolean outputs differ, `exact_projection`'s. t NaN when no output can be compared
+    (differ 0: none differs at all) or the reference has another structure. Pure."""
     none = OpEvidence(float("nan"), 0, (0.0, 0.0))
     r, o0, o1 = (_tensors(x) for x in (ref, out0, out1))
     if len(o0) != len(o1) or not 0 < len(r) <= len(o0):
@@ -269,8 +353,9 @@ def op_projection(ref: Any, out0: Any, out1: Any) -> OpEvidence:
         return none
     picked = [(a, b, c) for a, b, c in zip(r, o0, o1)
               if b.is_floating_point() and b.shape == c.shape == a.shape and not _same_bits(b, c)]
-    if not picked:
-        return OpEvidence(float("nan"), 1, (0.0, 0.0))
+    if not picked:                  # only integer or boolean outputs differ (or ones of another shape)
+        ev = exact_projection(r, o0, o1)
+        return ev if ev.differ else OpEvidence(float("nan"), 1, (0.0, 0.0))
     refs, g0s, g1s, ulps = [], [], [], [0.0, 0.0]
     for a, b, c in picked:
         ra, rb, rc = (x.reshape(-1).to(torch.float64) for x in (a, b, c))
@@ -360,7 +445,7 @@ def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> t
     got = cap.captured
     # rank 0 keeps its own capture; the other rank sends the digest of its inputs and its outputs
     rank0 = dist.get_rank(group) == 0
-    theirs = exchange(None if rank0 or got is None else (digest((got[1], got[2])), got[3]), group, device)
+    theirs = exchange(None if rank0 or got is None else (digest(reads(*got[:3])), got[3]), group, device)
     out: list[Any] = [(float("nan"), "")]
     if rank0:
         own = None if got is None else (got[1], got[2], got[3])
@@ -380,11 +465,11 @@ def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None
     if func is None or any(c is None for c in captured):
         return float("nan"), f"op {i} was not captured again (the second replay ran other ops)"
     (a0, k0, o0), (d1, o1) = captured
-    where = f"{func} (op {i} of {n_ops}, the first whose output differs between the GPUs)"  # why none
-    if digest((a0, k0)) != d1:
+    where = f"{func} (op {i} of {n_ops}, the first to compute differently from equal inputs)"  # why none
+    if digest(reads(func, a0, k0)) != d1:
         return float("nan"), f"{where}: its inputs already differ (a change no op made)"
     total = sum(_differing(x, y) for x, y in zip(_tensors(o0), _tensors(o1))
-                if x.is_floating_point() and x.dtype == y.dtype and x.shape == y.shape)
+                if x.dtype == y.dtype and x.shape == y.shape)
     if limit is not None:
         a0, k0, o0, o1 = row_subset(func, a0, k0, o0, o1, limit)
     try:
@@ -393,12 +478,12 @@ def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None
         return float("nan"), f"{where}: the CPU cannot run it in float64 ({type(exc).__name__})"
     ev = op_projection(ref, o0, o1)
     if math.isnan(ev.t):
-        return ev.t, (f"{where}: no floating-point output to project" if ev.differ else
+        if ev.exact:
+            return ev.t, f"{where}: {ev.describe(CPU_RESULT)}: no side"
+        return ev.t, (f"{where}: no output to compare" if ev.differ else
                       f"{where}: its outputs agree when replayed again (the fault did not repeat)")
     if not ev.fault():
-        return float("nan"), (f"{where}: GPU 0's output {ev.ulps[0]:.1f} and GPU 1's {ev.ulps[1]:.1f} units in "
-                              f"the last place from float64 (t={ev.t:.3f}): rounding, or no clear side")
-    return ev.t, (f"the CPU's float64 result of {func} (op {i} of the {n_ops} in the replay, the first whose "
-                  f"output differs between the GPUs, in {total} elements ({ev.differ} recomputed), from inputs "
-                  f"equal on both; GPU 0 "
-                  f"{ev.ulps[0]:.1f} and GPU 1 {ev.ulps[1]:.1f} units in the last place from it)")
+        return float("nan"), f"{where}: {ev.describe('float64')} (t={ev.t:.3f}): rounding, or no clear side"
+    return ev.t, (f"the CPU's float64 result of {func} (op {i} of the {n_ops} in the replay, the first to "
+                  f"compute differently on the two GPUs from inputs equal on both, in {total} elements "
+                  f"({ev.differ} recomputed); {ev.describe('it')})")

@@ -528,19 +528,16 @@ class Replayer:
                                    device=self.device if self.device.type == "cuda" else None)
         t = float(out[0])
         if ops and witness_names(t) is None:
-            return self._op_witness(retained) or (t, MODEL_WITNESS)
+            return self._op_witness(lambda: self._grads(retained, self.module, params)) or (t, MODEL_WITNESS)
         return t, MODEL_WITNESS
 
-    def _op_witness(self, retained: Retained) -> tuple[float, str] | None:
+    def _op_witness(self, replay: Callable[[], Any]) -> tuple[float, str] | None:
         """`witness`'s second opinion when the model-level one named nobody: the op witness
-        (checksums.op_witness), `retained` replayed as the step computes; its t and which op when it names
-        a GPU, else None (a collective)."""
-        assert self.summaries is not None
-        params = self.summaries.params
+        (checksums.op_witness), `replay` (this rank's replay of the witness's batch as the step computes) run
+        on both ranks; its t and which op when it names a GPU, else None (a collective)."""
         t0 = time.perf_counter()
         try:
-            t_op, by = op_witness(lambda: self.agreed(lambda: self._grads(retained, self.module, params)),
-                                  self.group, self.device)
+            t_op, by = op_witness(lambda: self.agreed(replay), self.group, self.device)
         except ReplayFailed as exc:
             t_op, by = float("nan"), f"its replay failed ({exc})"
         self.replays += 2

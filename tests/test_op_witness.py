@@ -8,16 +8,19 @@ import pytest
 import torch
 from rank_spawn import spawn
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import compute_faults
 from checksums.op_witness import (
     OpTrace,
+    _compared,
     cpu_reference,
     decide,
     digest,
     first_divergence,
     op_print,
     op_projection,
+    reads,
     row_subset,
 )
 from checksums.replay import witness_names
@@ -39,14 +42,19 @@ def test_a_fingerprint_changes_with_any_one_bit(dtype):
     assert op_print([]) is None and op_print([torch.empty(0)]) is None
 
 
-def test_first_divergence_needs_the_same_op_sequence():
+def test_first_divergence_is_the_first_op_computing_differently_from_equal_inputs():
     names = ["aten.mm.default", "aten.add.Tensor", "aten.sum.default"]
-    assert first_divergence((names, [1, 2, 3]), (names, [1, 5, 6])) == (1, "")
-    i, why = first_divergence((names, [1, 2, 3]), (names, [1, 2, 3]))
+    same = [(1, 1), (1, 2), (2, 3)]                                   # (inputs, outputs) fingerprints
+    assert first_divergence((names, same), (names, [(1, 1), (1, 5), (5, 6)])) == (1, "")
+    i, why = first_divergence((names, same), (names, list(same)))
     assert i is None and "all 3 ops agree" in why
-    i, why = first_divergence((names, [1, 2, 3]), (["aten.mm.default", "aten.mul.Tensor"], [1, 2]))
+    # an op whose inputs differ (an FSDP2 rank copying its own shard) is passed over, not taken for the fault
+    assert first_divergence((names, [(7, 1), (1, 2), (2, 3)]), (names, [(8, 4), (4, 2), (2, 9)])) == (2, "")
+    i, why = first_divergence((names, [(7, 1), (1, 2), (2, 3)]), (names, [(8, 4), (4, 5), (5, 6)]))
+    assert i is None and "3 differ after inputs that already differ" in why, why
+    i, why = first_divergence((names, same), (["aten.mm.default", "aten.mul.Tensor"], same[:2]))
     assert i is None and "part at op 1" in why
-    i, why = first_divergence((names, [1, 2, 3]), (names[:2], [1, 2]))
+    i, why = first_divergence((names, same), (names[:2], same[:2]))
     assert i is None and "3 and 2 ops" in why
 
 
@@ -179,10 +187,22 @@ def test_the_trace_sees_the_backward_and_captures_inputs_before_an_in_place_op()
         run()
     assert again.host_prints() == trace.host_prints()                       # deterministic: the same bits
 
-    ints = OpTrace()                 # integer outputs are not fingerprinted (unwritten RNG seeds)
+    ints = OpTrace()                 # integer outputs are fingerprinted (a top-k's indices)...
     with ints:
         torch.arange(5).add(1)
-    assert ints.host_prints() == [0, 0], ints.names
+    assert ints.names == ["aten.arange.default", "aten.add.Tensor"], ints.names
+    (_, made), (read, added) = ints.host_prints()
+    assert made != 0 and read == made and added not in (0, made)
+    fused = ("aten._scaled_dot_product_flash_attention.default",         # ...but not an attention kernel's
+             (torch.ones(2), torch.ones(2), torch.empty(2, dtype=torch.int64)))        # (unwritten RNG seed)
+    assert [x.dtype for x in _compared(*fused)] == [torch.float32, torch.float32]
+    buf = [torch.full((3, 3), v) for v in (1.0, 2.0)]       # an out= buffer's old bits are not read
+    outs = []
+    for b in buf:
+        with OpTrace() as tr:
+            torch.mm(torch.eye(3), torch.eye(3), out=b)
+        outs.append(tr.host_prints())
+    assert outs[0] == outs[1] and outs[0][-1][0] != 0           # (the mm reads its operands)
     y = torch.ones(3)
     cap = OpTrace(capture=0)
     with cap:
@@ -284,3 +304,90 @@ def test_a_gpu_only_attention_kernel_is_recomputed_by_its_definition(kind):
         assert witness_names(t) == named, (t, why)
     with pytest.raises(ValueError, match="dropout"):
         cpu_reference(fwd, (q, k, v), {"dropout_p": 0.1})
+
+
+def test_an_integer_output_is_decided_exactly():
+    """A top-k's indices wrong on one GPU, its values right (a fault in the selection, as an MoE router's
+    would be): the CPU's top-k of the same scores equals the other GPU's indices wherever the two part, so
+    the GPU is named; where the CPU's equals neither (each GPU wrong somewhere), nobody is."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.stack([torch.randperm(8, generator=g) for _ in range(64)]).to(torch.bfloat16)  # no ties
+    func = torch.ops.aten.topk.default
+    args = (scores, 2)
+    values, indices = func(*args)
+    wrong = indices.clone()
+    wrong[5, 0] = scores[5].argmin()
+    theirs = digest(reads(func, args, {}))
+    for mine, other, named in (((values, indices), (values, wrong), 1), ((values, wrong), (values, indices), 0)):
+        t, why = decide(7, 40, func, [(args, {}, mine), (theirs, other)])
+        assert witness_names(t) == named and "in 1 elements" in why and "differs from it in" in why, (t, why)
+    both = indices.clone()
+    both[9, 1] = scores[9].argmin()
+    t, why = decide(7, 40, func, [(args, {}, (values, both)), (theirs, (values, wrong))])
+    assert math.isnan(t) and "no side" in why, why
+    ev = op_projection(func(scores.double(), 2), (values, indices), (values, indices.clone()))
+    assert ev.differ == 0 and math.isnan(ev.t)
+
+
+class _WrongIndex(TorchDispatchMode):
+    """Rank 1's faulty GPU: its top-k returns one wrong index, its values right."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if str(func) == "aten.topk.default":
+            out[1][3, 0] = (out[1][3, 0] + 1) % args[0].shape[-1]
+        return out
+
+
+def _routed_rank(rank: int, init: str, out: str) -> None:
+    import contextlib
+    import json
+
+    import torch.distributed as dist
+    from checksums.op_witness import op_witness
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    router = torch.randn(16, 8, requires_grad=True)
+    experts = torch.randn(8, 16, 16, requires_grad=True)
+    x = torch.randn(32, 16)
+
+    def step():                                    # top-2 routing to 8 experts, as an MoE layer routes
+        scores = x @ router
+        _, idx = scores.topk(2, dim=-1)
+        gate = scores.gather(-1, idx).softmax(-1)
+        y = (experts[idx] @ x[:, None, :, None]).squeeze(-1)             # [tokens, 2, 16]
+        return torch.autograd.grad((gate[..., None] * y).sum(1).square().mean(), [router, experts])
+
+    with _WrongIndex() if rank == 1 else contextlib.nullcontext():
+        t, by = op_witness(step, None, torch.device("cpu"))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump([t, by], f)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_name_a_gpu_whose_top_k_picks_a_wrong_index(tmp_path):
+    """An MoE router's top-k on rank 1's GPU returns a wrong index (its scores right): the tokens go to
+    another expert, so every floating-point op after it differs from inputs that already differ. The trace
+    fingerprints integer outputs, so the top-k is the first op to compute differently from equal inputs, and
+    the CPU's top-k of the same scores (exact) names rank 1 (before: "its inputs already differ", nobody)."""
+    import json
+    out = str(tmp_path / "got")
+    spawn(_routed_rank, (str(tmp_path / "init"), out), nprocs=2)
+    for rank in (0, 1):
+        t, by = json.load(open(f"{out}.{rank}"))
+        assert witness_names(t) == 1 and "aten.topk.default" in by and "GPU 1's in 1 of the 1 elements" in by, (t, by)
+
+
+@pytest.mark.parametrize("factory", [True, False])
+def test_two_fsdp2_ranks_name_a_tensor_core_fault(factory):
+    """FSDP2 (`fully_shard` per GPT block) on two ranks under bf16 autocast: the forward all-gathers each
+    block's weights and the backward reduce-scatters, and each rank copies its own shard into the all-gather
+    buffer (ops whose inputs differ by design, passed over). Every tensor-core case on rank 1 from step 40
+    was `unresolved` on both ranks (FSDP2 had no op witness); now the op witness names rank 1, with the
+    model-level witness's factory (`witness_model`) and without one."""
+    r = compute_faults.main(["--model", "tiny-gpt", "--world", "2", "--cpu-autocast", "--fsdp", "--audit-every", "5",
+                             "--cases", "tc"] + ([] if factory else ["--no-witness-model"]), start=spawn)
+    assert set(r) == {c.name for c in compute_faults.TC_CASES}, r.keys()
+    for name, res in r.items():
+        hit = res["caught"]["compute"]
+        assert hit["named"] == [1] and hit["cause"] == "persistent" and hit["dropped"], (name, hit)
