@@ -5,9 +5,10 @@ whole gradient recomputed in float64 and projected between the GPUs') named nobo
 the GPUs' float32 recomputations agree, because the fault lives only in the low-precision path (a tensor
 core's: bf16/fp16 matmuls, never the float32 ones), or the projection sits between the two (a small fault
 in bf16, where everything after it re-rounds). Then both ranks replay that batch as the step computes,
-under `OpTrace`, a dispatch mode that fingerprints the output of every op on the device (no host copy);
-deterministic kernels on one GPU model give the same bits for the same inputs, so the first op whose output
-differs between the GPUs while its inputs are bit for bit equal is where one of them computed wrong. That op
+under `OpTrace`, a dispatch mode that fingerprints what every op reads and its outputs on the device (no
+host copy); deterministic kernels on one GPU model give the same bits for the same inputs, so the first op
+whose output differs between the GPUs while its inputs are bit for bit equal is where one of them computed
+wrong. That op
 alone is run again on the host CPU in float64 from those inputs and projected as the model-level witness
 projects (`witness_projection`: t near 0 when GPU 0's output is the float64 one, near 1 when GPU 1's is): one
 op's rounding is at most about half a unit in the last place of its output, so a fault of a few units is
@@ -91,8 +92,8 @@ def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) ->
 
 def op_print(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """An int64 0-dim tensor, on the tensors' device, that changes when any bit of any of them changes
-    (the sum of each tensor's bits read as integers, combined in order; one reduction a tensor, no host
-    synchronisation). None for no tensor data (an op returning none, or only empty or meta tensors). Not
+    (the sum of each tensor's bits read as integers, combined in order; one reduction a tensor, read where it
+    lies: a strided view is not copied; no host synchronisation). None for no tensor data (an op returning none, or only empty or meta tensors). Not
     checksums.fingerprint's spec'd fingerprint: on CUDA that builds a Triton plan per tensor list, kept in
     the 16-entry cache the replica vote's plans live in, and its torch path runs about ten ops and three
     int64 copies a tensor; a trace fingerprints thousands of ops' outputs once each."""
@@ -100,7 +101,7 @@ def op_print(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     for t in tensors:
         if t.is_sparse or t.device.type == "meta" or t.numel() == 0:
             continue
-        s = _flat_bits(t.detach()).sum(dtype=torch.int64)
+        s = _bits_view(t.detach()).sum(dtype=torch.int64)
         acc = s if acc is None else acc.to(s.device) * 1_000_003 + s
     return acc
 

@@ -27,8 +27,8 @@ Two uses, both collectives (every rank calls, in the same order):
   its bucket statistics from its last clean step, in units of the clean step-to-step spread,
   `SpreadTracker.jumps`): the rank that jumped `PAIR_WITNESS` times more than the other is named; else the
   host CPU (`Replayer.witness`: a batch they disagree on recomputed in float64 on the CPU, projected on the line from
-  GPU 0's gradient to GPU 1's); where that names nobody, the first op where the GPUs part, recomputed
-  alone (checksums.op_witness); else both are named (UNRESOLVED), never one wrong rank.
+  GPU 0's gradient to GPU 1's); where that names nobody, the first op that computes differently on the
+  two GPUs from equal inputs, recomputed alone (checksums.op_witness); else both are named (UNRESOLVED), never one wrong rank.
 - `audit`: every `every` steps one rank's batch is replayed by its neighbour; a mismatch becomes a
   `classify` of that rank (with 3+ ranks a third result decides; with 2, `classify_pair`).
 
