@@ -102,6 +102,9 @@ TC_WHERE = ("tc", "tcb", "tca")     # injected inside the op (MatmulFault), in b
 H200 = ["mm one elem =1e4", "mm one elem =10", "mm one elem x1.01 persistent", "mm channel x2 persistent",
         "grad elem =100", "grad elem =0.01", "mm one elem ulp", "mm zeroed column", "adam exp_avg exp-flip",
         "weight exp-flip", "mm tile 4x8 x2", "grad elem NaN"]
+# --cases by group (else names, comma-separated)
+GROUPS: dict[str, Callable[[], list[str]]] = {"all": lambda: [c.name for c in CASES], "h200": lambda: H200,
+                                              "tc": lambda: [c.name for c in TC_CASES], "none": lambda: []}
 
 
 def flip_bit(t: torch.Tensor, index: int, which: str) -> None:
@@ -744,8 +747,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["ac"] = args.ac
     SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
-    names = {"all": [c.name for c in CASES], "h200": H200, "tc": [c.name for c in TC_CASES],
-             "none": []}.get(args.cases, args.cases.split(","))
+    names = GROUPS[args.cases]() if args.cases in GROUPS else args.cases.split(",")
     for case in [c for c in CASES + TC_CASES if c.name in names]:
         if case.where == "tca" and args.model == "mlp":
             if rank == 0:
@@ -906,9 +908,8 @@ def _interval_cell(arm: dict[str, Any], host: dict[str, Any]) -> str:
     return cell + (f" {100 * busy / arm['median_s']:10.1f}%" if busy else "")
 
 
-def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks) -> dict[str, Any]:
-    """`start(fn, args, nprocs)` runs the ranks (`fn(rank, *args)`, joined, a rank's exception raised):
-    bench.rank_start's by default; the suite passes tests/rank_spawn.py's, forked with torch imported already."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The harness's options (exit 2 with a message on a bad one)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -985,6 +986,18 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
+    known = {c.name for c in CASES + TC_CASES}
+    unknown = [n for n in args.cases.split(",") if n not in known] if args.cases not in GROUPS else []
+    if unknown:
+        p.error(f"--cases: no case named {', '.join(map(repr, unknown))} (a group: {', '.join(GROUPS)}; or "
+                "names from the table's first column, comma-separated)")
+    return args
+
+
+def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks) -> dict[str, Any]:
+    """`start(fn, args, nprocs)` runs the ranks (`fn(rank, *args)`, joined, a rank's exception raised):
+    bench.rank_start's by default; the suite passes tests/rank_spawn.py's, forked with torch imported already."""
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         if "RANK" in os.environ:        # torchrun

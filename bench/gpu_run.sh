@@ -458,6 +458,10 @@ want computefsdp && [ "$NGPU" -ge 2 ] && step compute-fsdp 600 env CUBLAS_WORKSP
   --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --fsdp --model gpt2 --audit-every 5 \
   --fault-step 42 --cases "mm one elem =1e4,mm one elem x1.01 persistent,mm channel x2 persistent,grad elem NaN" \
   --clean 300 --overhead 400 --block 20 --overhead-audit-every 334
+# the op witness on FSDP2's collective replays (NCCL on 2 GPUs; the tensor-core cases, no witness_model)
+want computefsdp && [ "$NGPU" -ge 2 ] && step tc-fsdp 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
+  --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --fsdp --model gpt2 --batch 2 \
+  --fault-step 10 --audit-every 5 --determinism strict --cases tc --no-witness-model
 want multirank && [ "$NGPU" -ge 2 ] && step multi-rank 200 torchrun --standalone --nproc-per-node "$NGPU" \
   --max-restarts 1 bench/multi_rank.py --out "$OUT/multi_rank.json"
 # the agent's RSS after one canary round, and whether it maps libtorch (it must not: issue 17)

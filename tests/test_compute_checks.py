@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -1260,3 +1261,21 @@ def test_an_audit_before_the_first_clean_one_dates_the_fault_from_this_processs_
         assert gate.findings[-1].since_step == since, (first, last_audit, gate.findings[-1])
     gate._record(5030, "stats", 1, c, True, verdict)
     assert gate.findings[-1].since_step == 5030            # a fault seen on its step dates from it
+
+
+def test_every_harness_command_of_the_gpu_script_parses():
+    """bench/gpu_run.sh's compute_faults commands run only on a device machine: each parses here (an option
+    renamed, or a case name misspelt, would cost a device session; a misspelt case ran nothing before, and
+    now exits 2 naming it)."""
+    import re
+    import shlex
+    text = (Path(__file__).resolve().parents[1] / "bench" / "gpu_run.sh").read_text().replace("\\\n", " ")
+    commands = [m.group(1) for m in re.finditer(r"(?:bench/compute_faults\.py|-m bench\.compute_faults)\b([^\n]*)",
+                                                 text)]
+    assert len(commands) >= 15, commands
+    for command in commands:
+        args = compute_faults.parse_args(shlex.split(command))
+        assert args.device == "cuda", command
+    with pytest.raises(SystemExit) as e:
+        compute_faults.parse_args(["--cases", "mm one elem =10,mm one elem x1.05 persistant"])
+    assert e.value.code == 2
