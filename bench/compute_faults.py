@@ -437,7 +437,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             if f.step >= fault_step and (first is None or (not first["named"] and f.faulty
                                                             and first["step"] == f.step)):
                 caught["compute:" + f.detector] = {"step": f.step, "named": list(f.faulty), "cause": f.cause,
-                                                   "dropped": f.dropped, "detector": f.detector}
+                                                   "dropped": f.dropped, "detector": f.detector,
+                                                   "detail": f.detail}
                 caught["compute"] = caught["compute:" + f.detector]
         checks.findings.clear()
         for ev in (monitor.events if monitor is not None else ()):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,8 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # collectives (c10d's ops, the functional collectives, DTensor's): neither inputs nor outputs fingerprinted (an
 # asynchronous collective writes its output after the op returns; its buffers hold other ranks' data)
 _COLLECTIVE = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
+# a fused attention op's RNG arguments: unwritten when it draws no dropout (its forward returns them empty)
+_RNG_ARGS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -58,21 +61,43 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _plain(obj: Any) -> list[torch.Tensor]:
-    """`obj`'s tensors that are no tensor subclass with a dispatch of its own (a DTensor: the ops it
-    dispatches to on its local tensor are traced themselves; fingerprinting one would run its collectives)."""
+    """`obj`'s tensors that are no tensor subclass with a dispatch of its own (a DTensor: fingerprinting one
+    would run its collectives; the ops it runs on its local tensor are not traced either, the trace being
+    off while an op it dispatched runs: a tensor-parallel model's compute is not seen, FSDP2's is, on plain
+    unsharded tensors)."""
     return [x for x in _tensors(obj) if type(x).__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl]
 
 
+def _named(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    """An op's arguments by their schema's names."""
+    named = dict(zip((a.name for a in func._schema.arguments), args))
+    named.update(kwargs)
+    return named
+
+
 def reads(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """An op's (args, kwargs) without its `out=` arguments, which it writes and never reads (memory not yet
-    written: their bits are whatever was there). Pure."""
+    """An op's (args, kwargs) without what it does not read: its `out=` arguments (it writes them: memory not
+    yet written, whatever bits were there) and a fused attention op's RNG seed and offset when it draws no
+    dropout (its forward returned them unwritten). Pure."""
     schema = getattr(func, "_schema", None)
-    outs = {a.name for a in schema.arguments if a.is_out} if schema is not None else set()
-    if not outs:
+    if schema is None:
+        return args, kwargs
+    skip = {a.name for a in schema.arguments if a.is_out}
+    if "attention" in str(func) and not float(_named(func, args, kwargs).get("dropout_p") or 0.0):
+        skip |= _RNG_ARGS
+    if not skip:
         return args, kwargs
     names = [a.name for a in schema.arguments]
-    return (tuple(None if i < len(names) and names[i] in outs else x for i, x in enumerate(args)),
-            {k: v for k, v in kwargs.items() if k not in outs})
+    return (tuple(None if i < len(names) and names[i] in skip else x for i, x in enumerate(args)),
+            {k: v for k, v in kwargs.items() if k not in skip})
+
+
+def _consts(obj: Any) -> int:
+    """A host digest of `obj`'s arguments that are no tensor (sizes, a dim, a rank number, a dtype), in their
+    places: an op given other numbers on the two ranks reads different inputs. Deterministic across
+    processes (crc32 of their repr). Pure."""
+    leaves, spec = tree_flatten(obj)
+    return zlib.crc32(repr((spec, [None if isinstance(x, torch.Tensor) else x for x in leaves])).encode())
 
 
 def _compared(name: str, out: Any) -> list[torch.Tensor]:
@@ -93,14 +118,15 @@ def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) ->
 def op_print(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """An int64 0-dim tensor, on the tensors' device, that changes when any bit of any of them changes
     (the sum of each tensor's bits read as integers, combined in order; one reduction a tensor, read where it
-    lies: a strided view is not copied; no host synchronisation). None for no tensor data (an op returning none, or only empty or meta tensors). Not
+    lies: a strided view is not copied; no host synchronisation). None for no tensor data (an op returning
+    none, or only empty, meta, sparse or nested tensors). Not
     checksums.fingerprint's spec'd fingerprint: on CUDA that builds a Triton plan per tensor list, kept in
     the 16-entry cache the replica vote's plans live in, and its torch path runs about ten ops and three
     int64 copies a tensor; a trace fingerprints thousands of ops' outputs once each."""
     acc: torch.Tensor | None = None
     for t in tensors:
-        if t.is_sparse or t.device.type == "meta" or t.numel() == 0:
-            continue
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta" or t.numel() == 0:
+            continue                  # (a sparse or nested tensor: not fingerprinted; `digest` compares it)
         s = _bits_view(t.detach()).sum(dtype=torch.int64)
         acc = s if acc is None else acc.to(s.device) * 1_000_003 + s
     return acc
@@ -121,6 +147,7 @@ class OpTrace(TorchDispatchMode):
         super().__init__()
         self.names: list[str] = []
         self.ins: list[torch.Tensor | None] = []
+        self.consts: list[int] = []                  # `_consts` of what each op reads (host)
         self.outs: list[torch.Tensor | None] = []
         self.capture = capture
         self.captured: tuple[Any, Any, Any, Any] | None = None     # (func, args, kwargs, outputs), host
@@ -131,7 +158,9 @@ class OpTrace(TorchDispatchMode):
         name = str(func)
         self.names.append(name)
         local = not name.startswith(_COLLECTIVE)
-        self.ins.append(op_print(_plain(reads(func, args, kwargs))) if local else None)
+        read = reads(func, args, kwargs)
+        self.ins.append(op_print(_plain(read)) if local else None)
+        self.consts.append(_consts(read) if local else 0)
         before = _host((args, kwargs)) if i == self.capture else None
         out = func(*args, **kwargs)
         if before is not None:
@@ -140,9 +169,9 @@ class OpTrace(TorchDispatchMode):
         self.outs.append(op_print(_compared(name, out)) if local and not unwritten else None)
         return out
 
-    def host_prints(self) -> list[tuple[int, int]]:
-        """Each op's (inputs, outputs) fingerprints as host ints (one transfer after the device finished
-        every stream's work; 0 for none)."""
+    def host_prints(self) -> list[tuple[tuple[int, int], int]]:
+        """Each op's ((inputs, their non-tensor arguments), outputs) fingerprints as host ints (one transfer
+        after the device finished every stream's work; 0 for none)."""
         if not self.names:
             return []
         every = [p for p in self.ins + self.outs if p is not None]
@@ -152,11 +181,11 @@ class OpTrace(TorchDispatchMode):
         zero = torch.zeros((), dtype=torch.int64, device=dev)
         flat = torch.stack([zero if p is None else p.to(dev) for p in self.ins + self.outs]).cpu().tolist()
         n = len(self.names)
-        return list(zip(flat[:n], flat[n:]))
+        return list(zip(zip(flat[:n], self.consts), flat[n:]))
 
 
-def first_divergence(a: tuple[list[str], list[tuple[int, int]]],
-                     b: tuple[list[str], list[tuple[int, int]]]) -> tuple[int | None, str]:
+def first_divergence(a: tuple[list[str], list[tuple[Any, int]]],
+                     b: tuple[list[str], list[tuple[Any, int]]]) -> tuple[int | None, str]:
     """The index of the first op whose inputs are equal in two traces (names, (inputs, outputs)
     fingerprints) and whose outputs are not, or None and why not (the op sequences part: the GPUs did not
     run the same ops; no op computes differently from equal inputs). Ops whose inputs differ are passed over
@@ -190,6 +219,7 @@ def _differing(x: torch.Tensor, y: torch.Tensor) -> int:
 
 def _bits_view(t: torch.Tensor) -> torch.Tensor:
     """t's raw bits as integers of its element size, its shape kept (complex: a last dimension of 2)."""
+    t = t.resolve_conj().resolve_neg()       # (a conjugate or negative view: its values, not its storage)
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
     if t.is_complex():
@@ -209,23 +239,24 @@ def digest(obj: Any) -> str:
     h.update(repr(spec).encode())
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-            h.update(_flat_bits(x.detach().cpu()).numpy().tobytes())
+            x = x.detach().cpu()
+            h.update(f"{x.dtype}{tuple(x.shape)}{x.layout}".encode())
+            h.update(_flat_bits(x.to_dense() if x.layout != torch.strided else x).numpy().tobytes())
         else:
             h.update(repr(x).encode())
     return h.hexdigest()
 
 
-def cpu_reference(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """Op `func` run on the host CPU with its floating-point tensor arguments in float64 (a `device=`
-    argument moved to the CPU); the GPU-only fused attention ops (flash, memory-efficient, cuDNN; forward
-    and backward) by their definition instead (`_attention_reference`: their leading outputs only). Raises
-    what the op raises (no CPU kernel, no float64 kernel)."""
-    def wide(x: Any) -> Any:
+def cpu_reference(func: Callable[..., Any], args: Any, kwargs: Any, wide: bool = True) -> Any:
+    """Op `func` run on the host CPU with its floating-point tensor arguments in float64 (`wide`; else in
+    their own dtypes; a `device=` argument moved to the CPU); the GPU-only fused attention ops (flash,
+    memory-efficient, cuDNN; forward and backward) by their definition instead (`_attention_reference`:
+    their leading outputs only). Raises what the op raises (no CPU kernel, no float64 kernel)."""
+    def widen(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return x.to(torch.float64) if x.is_floating_point() else x
+            return x.to(torch.float64) if x.is_floating_point() and wide else x
         return torch.device("cpu") if isinstance(x, torch.device) else x
-    args, kwargs = tree_map(wide, args), tree_map(wide, kwargs)
+    args, kwargs = tree_map(widen, args), tree_map(widen, kwargs)
     if str(func).rsplit(".", 1)[0] in _ATTENTION:
         return _attention_reference(func, args, kwargs)
     with torch.no_grad():
@@ -246,8 +277,7 @@ def _attention_reference(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor
     """A fused attention op's leading outputs by its definition, softmax(q k^T * scale + bias, causal
     mask) v on [batch, heads, length, dim] float64 tensors (autograd for a backward's gradients). Raises
     ValueError where the op draws dropout (its random mask cannot be recomputed here)."""
-    named = dict(zip((a.name for a in func._schema.arguments), args))
-    named.update(kwargs)
+    named = _named(func, args, kwargs)
     if float(named.get("dropout_p") or 0.0) > 0.0:
         raise ValueError("attention with dropout: its random mask is the GPU's")
     bias = named.get("attn_bias")
@@ -444,14 +474,25 @@ def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> t
     with eager(), cap:
         replay()
     got = cap.captured
-    # rank 0 keeps its own capture; the other rank sends the digest of its inputs and its outputs
+    if got is not None and str(got[0]) != trace.names[i]:
+        got = None                  # the second replay ran other ops (both traces named op i alike)
+    # rank 0 keeps its own capture; the other rank sends the digest of its inputs and its outputs (None when
+    # it has none or cannot digest them: rank 0 then answers "not captured", never waits for more)
     rank0 = dist.get_rank(group) == 0
-    theirs = exchange(None if rank0 or got is None else (digest(reads(*got[:3])), got[3]), group, device)
+    sent = None
+    if not rank0 and got is not None:
+        try:
+            sent = (digest(reads(*got[:3])), got[3])
+        except Exception:  # noqa: BLE001 (rank 0 waits in the exchange: never raise before it)
+            sent = None
+    theirs = exchange(sent, group, device)
     out: list[Any] = [(float("nan"), "")]
     if rank0:
         own = None if got is None else (got[1], got[2], got[3])
+        strict = device.type != "cuda" or torch.are_deterministic_algorithms_enabled()
         try:
-            out = [decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[1]])]
+            out = [decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[1]],
+                          exact_ints=strict)]
         except Exception as exc:  # noqa: BLE001 (the other rank waits in the broadcast below: never raise)
             out = [(float("nan"), f"op {i}: the decision failed ({type(exc).__name__}: {str(exc)[:200]})")]
     dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
@@ -459,10 +500,14 @@ def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> t
     return out[0]
 
 
-def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None = ROWS) -> tuple[float, str]:
+def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None = ROWS,
+           exact_ints: bool = True) -> tuple[float, str]:
     """Rank 0's answer from both ranks' captures of op i (rank 0's (args, kwargs, outputs), the other's
     (digest of its args and kwargs, outputs); host), the CPU recomputing at most `limit` rows of a matmul
-    (`row_subset`; None: the whole op)."""
+    (`row_subset`; None: the whole op). Integer outputs (`exact_projection`) are decided only with
+    `exact_ints` (on a GPU: under torch.use_deterministic_algorithms, where an integer op's result is
+    fixed), only where the CPU's result in the op's own precision is the float64 one's, and never on a tie
+    (`_tie`)."""
     if func is None or any(c is None for c in captured):
         return float("nan"), f"op {i} was not captured again (the second replay ran other ops)"
     (a0, k0, o0), (d1, o1) = captured
@@ -485,6 +530,60 @@ def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None
                       f"{where}: its outputs agree when replayed again (the fault did not repeat)")
     if not ev.fault():
         return float("nan"), f"{where}: {ev.describe('float64')} (t={ev.t:.3f}): rounding, or no clear side"
+    if ev.exact:
+        why = _integer_doubt(func, a0, k0, o0, o1, ev, exact_ints)
+        if why:
+            return float("nan"), f"{where}: {why}"
     return ev.t, (f"the CPU's float64 result of {func} (op {i} of the {n_ops} in the replay, the first to "
                   f"compute differently on the two GPUs from inputs equal on both, in {total} elements "
                   f"({ev.differ} recomputed); {ev.describe('it')})")
+
+
+def _integer_doubt(func: Any, args: Any, kwargs: Any, out0: Any, out1: Any, ev: OpEvidence,
+                   exact_ints: bool) -> str:
+    """Why an integer output's verdict `ev` (float64 inputs) is not to be trusted, or "": nondeterministic
+    algorithms allowed; the CPU's result in the op's own precision (a comparison with a number computed in
+    bf16 on the GPU) not the same verdict; a selection op's two GPUs pointing at equal values (a tie, which
+    either may break)."""
+    if not exact_ints:
+        return "integer outputs are decided only under torch.use_deterministic_algorithms(True)"
+    try:
+        own = op_projection(cpu_reference(func, args, kwargs, wide=False), out0, out1)
+    except Exception as exc:  # noqa: BLE001 (no CPU kernel in that precision: no verdict)
+        return f"the CPU cannot run it in its own precision ({type(exc).__name__})"
+    if not own.exact or own.t != ev.t:
+        return "the CPU's results in float64 and in the op's own precision disagree where the GPUs part"
+    if _tie(func, args, kwargs, out0, out1):
+        return "the GPUs' indices point at equal values (a tie either may break)"
+    return ""
+
+
+# ops selecting elements along a dim, whose last output is the chosen indices (dim None: the flattened input)
+_SELECT = {"aten.topk": -1, "aten.sort": -1, "aten.kthvalue": -1, "aten.mode": -1, "aten.median": None,
+           "aten.nanmedian": None, "aten.max": None, "aten.min": None, "aten.argmax": None, "aten.argmin": None,
+           "aten.cummax": None, "aten.cummin": None}
+
+
+def _tie(func: Any, args: Any, kwargs: Any, out0: Any, out1: Any) -> bool:
+    """For a selection op (`_SELECT`): whether the two GPUs' indices, where they part, point at equal values
+    of its input (a tie: no verdict); True too when that cannot be read (conservative). Other ops: False.
+    Pure."""
+    base = str(func).rsplit(".", 1)[0]
+    if base not in _SELECT:
+        return False
+    try:
+        named = _named(func, args, kwargs)
+        x = named["self"]
+        dim = named.get("dim", _SELECT[base])
+        i0, i1 = (_tensors(o)[-1] for o in (out0, out1))
+        if dim is None:
+            v0, v1 = x.reshape(-1)[i0], x.reshape(-1)[i1]
+        else:
+            dim = dim % max(x.dim(), 1)
+            if i0.dim() < x.dim():                      # keepdim=False: the reduced dim dropped
+                i0, i1 = i0.unsqueeze(dim), i1.unsqueeze(dim)
+            v0, v1 = x.gather(dim, i0), x.gather(dim, i1)
+        part = i0 != i1
+        return bool((_bits_view(v0)[part] == _bits_view(v1)[part]).any())
+    except Exception:  # noqa: BLE001 (an argument layout not foreseen: no verdict)
+        return True

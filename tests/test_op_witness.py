@@ -191,7 +191,7 @@ def test_the_trace_sees_the_backward_and_captures_inputs_before_an_in_place_op()
     with ints:
         torch.arange(5).add(1)
     assert ints.names == ["aten.arange.default", "aten.add.Tensor"], ints.names
-    (_, made), (read, added) = ints.host_prints()
+    (_, made), ((read, _), added) = ints.host_prints()
     assert made != 0 and read == made and added not in (0, made)
     fused = ("aten._scaled_dot_product_flash_attention.default",         # ...but not an attention kernel's
              (torch.ones(2), torch.ones(2), torch.empty(2, dtype=torch.int64)))        # (unwritten RNG seed)
@@ -202,7 +202,7 @@ def test_the_trace_sees_the_backward_and_captures_inputs_before_an_in_place_op()
         with OpTrace() as tr:
             torch.mm(torch.eye(3), torch.eye(3), out=b)
         outs.append(tr.host_prints())
-    assert outs[0] == outs[1] and outs[0][-1][0] != 0           # (the mm reads its operands)
+    assert outs[0] == outs[1] and outs[0][-1][0][0] != 0           # (the mm reads its operands)
     y = torch.ones(3)
     cap = OpTrace(capture=0)
     with cap:
@@ -225,6 +225,7 @@ def test_two_bf16_ranks_name_a_tensor_core_fault_the_float32_witness_cannot_see(
     for name, res in r.items():
         hit = res["caught"]["compute"]
         assert hit["named"] == [faulty] and hit["cause"] == "persistent" and hit["dropped"], (name, hit)
+        assert "the CPU's float64 result of aten." in hit["detail"], (name, hit["detail"])
         assert res["mode"] == "exact", (name, res["mode"])
 
 
@@ -391,3 +392,66 @@ def test_two_fsdp2_ranks_name_a_tensor_core_fault(factory):
     for name, res in r.items():
         hit = res["caught"]["compute"]
         assert hit["named"] == [1] and hit["cause"] == "persistent" and hit["dropped"], (name, hit)
+        assert "the CPU's float64 result of aten." in hit["detail"], (name, hit["detail"])   # the op witness's
+
+
+def test_an_integer_verdict_needs_the_own_precision_result_and_no_tie():
+    """Two ways the exact rule would name the healthy GPU, refused: a comparison with a number, computed in
+    the tensor's own precision on the GPU (float32 0.1 > 0.1 is False; in float64 it is True), so the
+    float64 result sides with the faulty GPU; and a top-k whose GPUs part only where they point at equal
+    scores (a tie either may break). A deterministic-algorithms check is asked for on a GPU."""
+    x = torch.tensor([0.1, 0.5, 0.2])
+    func = torch.ops.aten.gt.Scalar
+    good = func(x, 0.1)
+    bad = good.clone()
+    bad[0] = ~bad[0]                                           # GPU 1 says True where float32 says False
+    t, why = decide(2, 9, func, [((x, 0.1), {}, good), (digest(reads(func, (x, 0.1), {})), bad)])
+    assert math.isnan(t) and "own precision disagree" in why, (t, why)
+    t, _ = decide(2, 9, func, [((x, 0.1), {}, bad), (digest(reads(func, (x, 0.1), {})), good)])
+    assert math.isnan(t)
+    y = torch.tensor([[3.0, 1.0, 3.0, 0.5], [2.0, 4.0, 1.0, 0.0]]).to(torch.bfloat16)
+    topk = torch.ops.aten.topk.default
+    values, indices = topk(y, 1)
+    tied = indices.clone()
+    tied[0, 0] = 2 - indices[0, 0]                             # the other 3.0: a tie
+    theirs = digest(reads(topk, (y, 1), {}))
+    t, why = decide(4, 9, topk, [((y, 1), {}, (values, indices)), (theirs, (values, tied))])
+    assert math.isnan(t) and "tie" in why, (t, why)
+    wrong = indices.clone()
+    wrong[1, 0] = 0                                            # 2.0, not the 4.0: a fault
+    t, why = decide(4, 9, topk, [((y, 1), {}, (values, indices)), (theirs, (values, wrong))])
+    assert witness_names(t) == 1, (t, why)
+    t, why = decide(4, 9, topk, [((y, 1), {}, (values, indices)), (theirs, (values, wrong))], exact_ints=False)
+    assert math.isnan(t) and "use_deterministic_algorithms" in why
+
+
+def test_what_an_op_reads_leaves_out_unwritten_rng_arguments_and_counts_numbers():
+    """A fused attention backward reads its forward's RNG seed and offset, which come back unwritten without
+    dropout (other bits on each GPU): not counted as read then (else every attention backward's inputs would
+    differ and a fault there could never be decided); counted under dropout. Numbers an op is given count
+    (`narrow` at another offset on each rank reads other inputs, not the same ones)."""
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    q = torch.ones(1, 1, 4, 8)
+    seeds = [torch.tensor(v) for v in (12345, -7)]
+
+    def args(seed, p):
+        return (q, q, q, q, q, torch.zeros(1, 1, 4), None, None, 4, 4, p, True, seed, seed)
+    assert digest(reads(bwd, args(seeds[0], 0.0), {})) == digest(reads(bwd, args(seeds[1], 0.0), {}))
+    assert digest(reads(bwd, args(seeds[0], 0.1), {})) != digest(reads(bwd, args(seeds[1], 0.1), {}))
+    traces = []
+    for r in (0, 1):
+        with OpTrace() as tr:
+            torch.ones(4).narrow(0, r, 2).mul(2.0)
+        traces.append((tr.names, tr.host_prints()))
+    i, why = first_divergence(*traces)
+    assert i is None and "already differ" not in why and "agree bit for bit" in why, why   # (ones: equal)
+    assert traces[0][1][1][0] != traces[1][1][1][0]            # narrow's inputs: the offset differs
+
+
+def test_a_fingerprint_reads_conjugate_and_negative_views_and_skips_sparse_tensors():
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    assert int(op_print([z.conj()])) == int(op_print([z.conj().resolve_conj()]))
+    assert int(op_print([torch._neg_view(z)])) == int(op_print([-z]))
+    assert op_print([torch.eye(3).to_sparse_csr()]) is None and op_print([torch.eye(3).to_sparse()]) is None
+    s = torch.eye(3).to_sparse()
+    assert digest((s,)) == digest((torch.eye(3).to_sparse(),)) and digest((s,)) != digest((2 * s,))
