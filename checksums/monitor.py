@@ -931,9 +931,7 @@ class Monitor:
         skip of the oldest directive it holds and the ranks have not agreed on) in the step's pipeline: an
         all_reduce (MAX) over the world group, on NCCL asynchronous and copied to pinned host memory with the
         vote. Here the ranks read the same step's result, so all get the directive at the same call, once; a
-        copy that reaches a rank later is ignored. No collective and no host synchronisation of its own on a
-        step without a directive; on the step one is agreed, the ranks that hold its text send it to those
-        that do not yet (`_agreed_reason`: every rank gets the agent's reason).
+        copy that reaches a rank later is ignored. No collective and no host synchronisation of its own.
 
         Which step's result: on CUDA (NCCL) the previous `step()`'s, so a directive is acted on one step later
         than it reaches the last rank that needed it (it waits for that step's copy only if the GPU runs more
@@ -965,24 +963,8 @@ class Monitor:
         self._seen_directive_seqs.append(seq)          # its copy, arriving later here, is not acted on again
         mine = next((d for d in self._directives if int(d.event_seq) == seq), None)
         self._directives = collections.deque((d for d in self._directives if int(d.event_seq) > seq), maxlen=64)
-        return Directive(kind=kind, target_step=target1 - 1, skip_batches=skip, reason=self._agreed_reason(mine),
-                         event_seq=seq)
-
-    def _agreed_reason(self, mine: Directive | None) -> str:
-        """An agreed directive's reason on every rank: a rank the agent has not handed it to yet (a busy
-        host's reply comes later) takes it from the lowest rank holding it, so every rank logs and reports
-        the agent's words. One all_reduce (MIN) and one object broadcast over the world group, once per
-        directive agreed (every rank reads the same row, so all call them at the same step), never per step."""
-        world, rank = dist.get_world_size(), dist.get_rank()
-        dev = self._directive_sync.device
-        holder = torch.tensor([rank if mine is not None else world], dtype=torch.int64, device=dev)
-        dist.all_reduce(holder, op=dist.ReduceOp.MIN)
-        src = int(holder.item())
-        if src >= world:                 # nobody holds its text (cannot happen: a holder sent the row)
-            return "agreed across the ranks"
-        box = [mine.reason if mine is not None and rank == src else None]
-        dist.broadcast_object_list(box, src=src, device=dev if dev.type == "cuda" else None)
-        return str(box[0])
+        reason = mine.reason if mine is not None else "agreed across the ranks"
+        return Directive(kind=kind, target_step=target1 - 1, skip_batches=skip, reason=reason, event_seq=seq)
 
     @property
     def events(self) -> list[MonitorEvent]:
