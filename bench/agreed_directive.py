@@ -15,7 +15,8 @@ to check that the rows still travel over the world group. Directive seq 7 reache
 and every other rank at its 9th; seq 9 reaches the last rank only, at its 14th. `agreed_directive()` runs
 every `--every` steps under torch.cuda.set_sync_debug_mode("error") (a synchronising CUDA call raises), with
 torch.distributed's collectives counted around it. Rank 0 prints one line per rank: `rank R got
-[[iteration, target, seq], ...] own_collectives=0`, then PASS (every rank the same list, seqs [7, 9], zero
+[[iteration, target, seq, reason], ...] own_collectives=0`, then PASS (every rank the same list, seqs [7, 9]
+with the agent's reasons "d7", "d9" on every rank (seq 9 reaches only the last rank), zero
 own collectives) or FAIL; the exit status is non-zero on FAIL. On NCCL a directive is acted on one step
 later than on gloo (the row of the previous step is read).
 """
@@ -105,7 +106,7 @@ def main() -> int:
     monitor = Monitor.attach(net, opt, job_id="agreed-bench", vote_enabled=not args.hsdp, reporter=DirectiveAt(at))
     counter = [0]
     _count(counter)
-    got: list[list[int]] = []
+    got: list[list[Any]] = []
     own = 0
     x = torch.randn(64, 256, device=device)
     for i in range(1, args.steps + 1):
@@ -125,7 +126,7 @@ def main() -> int:
                     torch.cuda.set_sync_debug_mode("default")
             own += counter[0] - before
             if d is not None:
-                got.append([i, d.target_step, d.event_seq])
+                got.append([i, d.target_step, d.event_seq, d.reason])
     monitor.close()
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (got, own))
@@ -133,8 +134,8 @@ def main() -> int:
     if rank == 0:
         for r, (g, o) in enumerate(everyone):
             print(f"rank {r} got {g} own_collectives={o}")
-        ok = (all(g == everyone[0][0] for g, _ in everyone) and [s for _, _, s in everyone[0][0]] == [7, 9]
-              and all(o == 0 for _, o in everyone))
+        ok = (all(g == everyone[0][0] for g, _ in everyone) and [g[2] for g in everyone[0][0]] == [7, 9]
+              and [g[3] for g in everyone[0][0]] == ["d7", "d9"] and all(o == 0 for _, o in everyone))
         print("PASS" if ok else "FAIL")
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -50,6 +50,7 @@ from torch import nn
 
 from checksums.canary_injob import InJobCanary
 from checksums.collectives import all_gather_single
+from checksums.directive_text import REASON_WORDS, decode_reason, encode_reason
 from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
 from checksums.replica_vote import VoteResult, vote
 from checksums.reporter import (
@@ -64,7 +65,8 @@ DirectiveCallback = Callable[[Directive], None]
 
 _U64 = (1 << 64) - 1
 _N_SCALARS = 3          # loss, grad_norm, loss_scale
-_N_DIRECTIVE = 4        # a directive row: event seq + 1, kind, target step + 1, skip batches (0s: none)
+_N_HEAD = 4             # a directive row: event seq + 1, kind, target step + 1, skip batches (0s: none),
+_N_DIRECTIVE = _N_HEAD + REASON_WORDS     # then its reason's text (checksums.directive_text)
 _CUDA_SLOTS = 4         # ring of in-flight steps on CUDA
 _NONFINITE_LOG_EVERY = 1000
 
@@ -136,6 +138,7 @@ class _Slot:
     directive_src: torch.Tensor | None = None  # pinned host row copied into `directive` (CUDA async)
     directive_work: Any = None      # the async world all_reduce of the directive row
     directive_row: tuple[int, ...] | None = None  # the world MAX, once read (None: not launched this step)
+    src_seq: int = 0                # whose reason text `directive_src` holds (event seq + 1; 0: zeros)
     busy: bool = False
     call: int = 0                   # the step() call that launched it (1 for the first)
     epoch: int = 0                  # the guard's restore epoch at the launch (StepVote.epoch)
@@ -288,6 +291,8 @@ class Monitor:
         self._directives: collections.deque[Directive] = collections.deque(maxlen=64)
         self._seen_directive_seqs: collections.deque[int] = collections.deque(maxlen=256)
         self._agreed_seq = -1                  # the newest directive agreed across the ranks (agreed_directive)
+        self._reason_words: tuple[int, torch.Tensor] | None = None   # (seq + 1, its reason's row words)
+        self._sync_words = False               # the host row's reason words hold text from the last MAX
         self._agreeing = False                 # set by the first agreed_directive(): step() carries the rows
         self._directive_slot: _Slot | None = None  # the slot agreed_directive() reads (see there)
         self._agent_down_said = False
@@ -712,27 +717,44 @@ class Monitor:
         slot.values[i] = float(x)
         return False
 
-    def _directive_row(self) -> list[int]:
-        """This rank's row: the oldest directive it holds that the ranks have not agreed on yet."""
+    def _directive_row(self) -> tuple[list[int], torch.Tensor | None]:
+        """This rank's row: the head of the oldest directive it holds that the ranks have not agreed on yet
+        (zeros: none), and its reason as `REASON_WORDS` int64 words (a host tensor made once a directive)."""
         for d in self._directives:
             if int(d.event_seq) > self._agreed_seq:
-                return [int(d.event_seq) + 1, int(d.kind), int(d.target_step) + 1, int(d.skip_batches)]
-        return [0] * _N_DIRECTIVE
+                seq1 = int(d.event_seq) + 1
+                if self._reason_words is None or self._reason_words[0] != seq1:
+                    self._reason_words = (seq1, torch.tensor(encode_reason(d.reason), dtype=torch.int64))
+                return [seq1, int(d.kind), int(d.target_step) + 1, int(d.skip_batches)], self._reason_words[1]
+        return [0] * _N_HEAD, None
 
     def _launch_directive(self, slot: _Slot) -> None:
-        """All_reduce (MAX) this rank's directive row over the world group, as part of this step."""
-        row = self._directive_row()
+        """All_reduce (MAX) this rank's directive row over the world group, as part of this step. The reason's
+        words are written only when they change (a directive held for several steps: once a slot)."""
+        head, words = self._directive_row()
         if self._directive_async:
             assert slot.directive is not None and slot.directive_src is not None
-            for i, x in enumerate(row):   # the pinned source is free: its slot's previous copy has completed
-                slot.directive_src[i] = x
-            slot.directive.copy_(slot.directive_src, non_blocking=True)
+            src = slot.directive_src      # pinned and free: its slot's previous copy has completed
+            for i, x in enumerate(head):
+                src[i] = x
+            if slot.src_seq != head[0]:
+                if words is not None:
+                    src[_N_HEAD:].copy_(words)
+                else:
+                    src[_N_HEAD:].zero_()
+                slot.src_seq = head[0]
+            slot.directive.copy_(src, non_blocking=True)
             slot.directive_work = dist.all_reduce(slot.directive, op=dist.ReduceOp.MAX, async_op=True)
             return
         t = self._directive_sync          # gloo: host tensors, synchronous; NCCL with host buffers: syncs
-        for i, x in enumerate(row):
+        for i, x in enumerate(head):
             t[i] = x
+        if words is not None:
+            t[_N_HEAD:].copy_(words)
+        elif self._sync_words:            # the last MAX left another rank's reason there
+            t[_N_HEAD:].zero_()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self._sync_words = int(t[0]) != 0
         slot.directive_row = tuple(int(x) for x in t.tolist())
 
     def _finish_on_copy_stream(self, slot: _Slot) -> None:
@@ -956,14 +978,16 @@ class Monitor:
         row = slot.directive_row
         if row is None:
             return None
-        seq1, kind, target1, skip = row
+        seq1, kind, target1, skip = row[:_N_HEAD]
         if seq1 == 0 or seq1 - 1 <= self._agreed_seq:
             return None
         self._agreed_seq = seq = seq1 - 1
         self._seen_directive_seqs.append(seq)          # its copy, arriving later here, is not acted on again
         mine = next((d for d in self._directives if int(d.event_seq) == seq), None)
         self._directives = collections.deque((d for d in self._directives if int(d.event_seq) > seq), maxlen=64)
-        reason = mine.reason if mine is not None else "agreed across the ranks"
+        # a rank the agent has not handed it yet (its reply comes later on a busy host) reads the reason the
+        # holders sent in the row
+        reason = mine.reason if mine is not None else decode_reason(row[_N_HEAD:]) or "agreed across the ranks"
         return Directive(kind=kind, target_step=target1 - 1, skip_batches=skip, reason=reason, event_seq=seq)
 
     @property

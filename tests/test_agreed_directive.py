@@ -134,4 +134,7 @@ def test_agreed_directive_issues_no_collective_and_ranks_agree_when_called_every
     # at the next call on both ranks, rank 1's late copy (iteration 6) is ignored, seq 9 (rank 1 only) reaches
     # rank 0 through the rows.
     assert [g[:3] for g in out[0]["got"]] == [g[:3] for g in out[1]["got"]] == [[6, 7, 7], [9, 9, 9]]
-    assert out[1]["got"][1][3] == "d9"            # the rank holding it keeps the agent's reason
+    # every rank reports the agent's reason: rank 0, which the agent never handed seq 9, reads it in the rows
+    # rank 1 sent (it said "agreed across the ranks" before, and so did a loaded CI run's STOP on one rank)
+    assert out[0]["got"][1][3] == out[1]["got"][1][3] == "d9"
+    assert out[0]["got"][0][3] == out[1]["got"][0][3] == "d7"
