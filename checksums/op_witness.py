@@ -93,11 +93,18 @@ def reads(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
 
 
 def _consts(obj: Any) -> int:
-    """A host digest of `obj`'s arguments that are no tensor (sizes, a dim, a rank number, a dtype), in their
-    places: an op given other numbers on the two ranks reads different inputs. Deterministic across
-    processes (crc32 of their repr). Pure."""
+    """A host digest of `obj`'s arguments that are no tensor (sizes, a dim, a rank number, a dtype; a device
+    by its type), in their places: an op given other numbers on the two ranks reads different inputs.
+    Deterministic across processes (crc32 of their repr). Pure."""
     leaves, spec = tree_flatten(obj)
-    return zlib.crc32(repr((spec, [None if isinstance(x, torch.Tensor) else x for x in leaves])).encode())
+    return zlib.crc32(repr((spec, [None if isinstance(x, torch.Tensor) else _rank_free(x) for x in leaves]))
+                      .encode())
+
+
+def _rank_free(x: Any) -> Any:
+    """A non-tensor argument as both ranks' ops compare it: a device by its type (rank 0 computes on cuda:0,
+    rank 1 on cuda:1, the same op)."""
+    return x.type if isinstance(x, torch.device) else x
 
 
 def _compared(name: str, out: Any) -> list[torch.Tensor]:
@@ -232,8 +239,8 @@ def _flat_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def digest(obj: Any) -> str:
-    """A digest of `obj`'s structure, values and tensors' raw bits (host tensors; blake2b), so two ranks
-    compare an op's inputs without sending them. Pure."""
+    """A digest of `obj`'s structure, values (a device by its type) and tensors' raw bits (host tensors;
+    blake2b), so two ranks compare an op's inputs without sending them. Pure."""
     h = hashlib.blake2b(digest_size=16)
     leaves, spec = tree_flatten(obj)
     h.update(repr(spec).encode())
@@ -243,7 +250,7 @@ def digest(obj: Any) -> str:
             h.update(f"{x.dtype}{tuple(x.shape)}{x.layout}".encode())
             h.update(_flat_bits(x.to_dense() if x.layout != torch.strided else x).numpy().tobytes())
         else:
-            h.update(repr(x).encode())
+            h.update(repr(_rank_free(x)).encode())
     return h.hexdigest()
 
 

@@ -455,3 +455,13 @@ def test_a_fingerprint_reads_conjugate_and_negative_views_and_skips_sparse_tenso
     assert op_print([torch.eye(3).to_sparse_csr()]) is None and op_print([torch.eye(3).to_sparse()]) is None
     s = torch.eye(3).to_sparse()
     assert digest((s,)) == digest((torch.eye(3).to_sparse(),)) and digest((s,)) != digest((2 * s,))
+
+
+def test_ranks_on_their_own_gpus_compare_an_op_given_its_device():
+    """On the GPU pair rank 0 computes on cuda:0 and rank 1 on cuda:1: an op given a device (a factory, a
+    copy to the device) reads the same inputs on both (its digest and its numbers' fingerprint alike)."""
+    from checksums.op_witness import _consts
+    x = torch.ones(3)
+    one, two = (((x,), {"device": torch.device("cuda", i), "dtype": torch.float32}) for i in (0, 1))
+    assert digest(one) == digest(two) and _consts(one) == _consts(two)
+    assert _consts(one) != _consts(((x,), {"device": torch.device("cpu"), "dtype": torch.float32}))
