@@ -754,8 +754,8 @@ class Monitor:
         elif self._sync_words:            # the last MAX left another rank's reason there
             t[_N_HEAD:].zero_()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        self._sync_words = int(t[0]) != 0
         slot.directive_row = tuple(int(x) for x in t.tolist())
+        self._sync_words = slot.directive_row[0] != 0
 
     def _finish_on_copy_stream(self, slot: _Slot) -> None:
         assert self._copy_stream is not None
