@@ -43,6 +43,7 @@ from bench.paired import paired_interval
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from demo.faults import BackwardFault
+from demo.model import Block
 from checksums.compute_gate import ComputeChecks
 from checksums.device_mask import DeviceMask
 from checksums.device_verdict import DeviceVerdict
@@ -98,13 +99,17 @@ TC_CASES = [
     Case("tc backward channel x2 persistent", "tcb", "channel", 2.0, True),     # its first bf16 matmul in backward
     Case("tc attn one elem x1.05 persistent", "tca", "scale", 1.05, True),  # block 0's attention (GPT)
 ]
-TC_WHERE = ("tc", "tcb", "tca")     # injected inside the op (MatmulFault), in bf16/fp16 only
+# an MoE router's fault (--model tiny-moe): block 0's top-k over the experts' bf16 scores returns one wrong
+# index (its values right): a token goes to another expert; an integer output, decided exactly by the op witness
+MOE_CASES = [Case("moe router top-k index persistent", "tcr", "index", 0.0, True)]
+TC_WHERE = ("tc", "tcb", "tca", "tcr")     # injected inside the op (MatmulFault), in bf16/fp16 only
 H200 = ["mm one elem =1e4", "mm one elem =10", "mm one elem x1.01 persistent", "mm channel x2 persistent",
         "grad elem =100", "grad elem =0.01", "mm one elem ulp", "mm zeroed column", "adam exp_avg exp-flip",
         "weight exp-flip", "mm tile 4x8 x2", "grad elem NaN"]
 # --cases by group (else names, comma-separated)
 GROUPS: dict[str, Callable[[], list[str]]] = {"all": lambda: [c.name for c in CASES], "h200": lambda: H200,
-                                              "tc": lambda: [c.name for c in TC_CASES], "none": lambda: []}
+                                              "tc": lambda: [c.name for c in TC_CASES],
+                                              "moe": lambda: [c.name for c in MOE_CASES], "none": lambda: []}
 
 
 def flip_bit(t: torch.Tensor, index: int, which: str) -> None:
@@ -191,9 +196,38 @@ class Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
 
 
+class MoEBlock(Block):
+    """A GPT block whose MLP is routed, as an MoE layer's (Mixtral's: the top 2 of the experts' scores per
+    token, their outputs combined by the softmax of those scores); the tiny model's 4 experts computed densely
+    and the chosen ones gathered by the top-k's indices (`--model tiny-moe`)."""
+
+    EXPERTS, TOP = 4, 2
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        del self.fc, self.out                        # the dense MLP: replaced by the experts
+        w = cfg.width
+        self.router = nn.Linear(w, self.EXPERTS, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(w, 2 * w), nn.GELU(), nn.Linear(2 * w, w))
+                                     for _ in range(self.EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        h = self.ln2(x)
+        top, idx = self.router(h).topk(self.TOP, dim=-1)
+        gate = top.float().softmax(-1)
+        ys = torch.stack([e(h) for e in self.experts], dim=-2)                     # [b, t, experts, c]
+        chosen = ys.gather(-2, idx.unsqueeze(-1).expand(b, t, self.TOP, c))
+        return x + (gate.unsqueeze(-1) * chosen.float()).sum(-2).to(x.dtype)
+
+
 def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
     """The model and the Linear whose output the matmul faults hit (`--ac`: the MLP's middle layer, or every
-    GPT block, activation-checkpointed)."""
+    GPT block, activation-checkpointed; tiny-moe: block 0's router)."""
     torch.manual_seed(seed)
     ac = MODEL["ac"] != "none"
     if MODEL["name"] == "mlp":
@@ -204,7 +238,9 @@ def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
         return m, target
     cfg = GPTConfig() if MODEL["name"] == "gpt2" else GPTConfig(layers=2, width=64, heads=2, vocab=256, seq=32)
     g = TinyGPT(cfg)
-    target = g.blocks[0].fc
+    if MODEL["name"] == "tiny-moe":
+        g.blocks = nn.ModuleList(MoEBlock(g.cfg) for _ in g.blocks)
+    target = g.blocks[0].router if MODEL["name"] == "tiny-moe" else g.blocks[0].fc
     if ac:
         for i, block in enumerate(g.blocks):
             g.blocks[i] = Checkpointed(block, MODEL["ac"] == "reentrant")
@@ -252,8 +288,8 @@ class MatmulFault(TorchDispatchMode):
                  block: nn.Module | None = None) -> None:
         super().__init__()
         self.case, self.active, self.inside = case, active, False
-        if self.where(case) == "tca":      # the fused attention op of `block` (the target's GPT block)
-            assert block is not None, "an attention fault needs a GPT (--model tiny-gpt or gpt2)"
+        if self.where(case) in ("tca", "tcr"):   # block 0's fused attention op, or its router's top-k
+            assert block is not None, "an attention or router fault needs a GPT (--model tiny-gpt, tiny-moe, gpt2)"
             target = block
         target.register_forward_pre_hook(lambda m, i: setattr(self, "inside", self.where(case) != "tcb"))
         target.register_forward_hook(lambda m, i, o: setattr(self, "inside", False))
@@ -270,6 +306,14 @@ class MatmulFault(TorchDispatchMode):
         low = (torch.bfloat16, torch.float16) if self.where(self.case) in TC_WHERE else None
         if self.where(self.case) == "tcb" and torch._C._current_autograd_node() is None:
             return out                # (tcb: a matmul the backward runs, not a forward's)
+        if self.where(self.case) == "tcr":
+            if (self.inside and self.active["on"] and str(func) == "aten.topk.default"
+                    and args[0].dtype in low):
+                self.inside = False
+                idx = out[1]                       # [batch, tokens, top]: token 3's first choice, the next expert
+                with torch.no_grad():
+                    idx[0, 3, 0] = (idx[0, 3, 0] + 1) % args[0].shape[-1]
+            return out
         if self.where(self.case) == "tca":
             name = str(func)
             if (self.inside and self.active["on"] and "scaled_dot_product" in name and "backward" not in name
@@ -320,7 +364,7 @@ def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_
                                          mesh_dim_names=("replicate", "shard"))
     for sub in model.modules():
         if sub is not model and (isinstance(sub, nn.Linear) and MODEL["name"] == "mlp"
-                                 or type(sub).__name__ == "Block"):
+                                 or isinstance(sub, Block)):
             fully_shard(sub, **shard)
     return fully_shard(model, **shard)
 
@@ -749,10 +793,14 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     SDCGUARD["mode"] = args.sdcguard_mode
     results = {}
     names = GROUPS[args.cases]() if args.cases in GROUPS else args.cases.split(",")
-    for case in [c for c in CASES + TC_CASES if c.name in names]:
+    for case in [c for c in CASES + TC_CASES + MOE_CASES if c.name in names]:
         if case.where == "tca" and args.model == "mlp":
             if rank == 0:
                 print(f"{case.name}: skipped, the MLP has no attention (--model tiny-gpt or gpt2)", flush=True)
+            continue
+        if case.where == "tcr" and args.model != "tiny-moe":
+            if rank == 0:
+                print(f"{case.name}: skipped, no router (--model tiny-moe)", flush=True)
             continue
         results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + 30,
                                       fault_step=args.fault_step, fault_rank=args.fault_rank,
@@ -915,7 +963,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--cases", default="all", help="all | h200 | tc (the tensor-core cases, under "
-                   "autocast) | none | comma-separated case names")
+                   "autocast) | moe (the router's top-k, --model tiny-moe) | none | comma-separated case names")
     p.add_argument("--fault-step", type=int, default=40)
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--audit-every", type=int, default=5)
@@ -963,8 +1011,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--together", action="store_true", help="also an --overhead arm \"all\": the Monitor's "
                    "vote with ReplicaRecovery's gate, the in-job canary, the checks and the audits at once")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
-    p.add_argument("--model", choices=["mlp", "tiny-gpt", "gpt2"], default="mlp",
-                   help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); gpt2: GPT-2 small, bf16 autocast "
+    p.add_argument("--model", choices=["mlp", "tiny-gpt", "tiny-moe", "gpt2"], default="mlp",
+                   help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); tiny-moe: it with routed MLPs "
+                   "(top 2 of 4 experts; the matmul faults hit block 0's router); gpt2: GPT-2 small, bf16 autocast "
                    "on CUDA (the matmul faults hit block 0's MLP fc output)")
     p.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16: fp16 autocast with a "
                    "GradScaler (the checks given scaler=); a gradient fault is then in the scale's units")
@@ -987,7 +1036,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
-    known = {c.name for c in CASES + TC_CASES}
+    known = {c.name for c in CASES + TC_CASES + MOE_CASES}
     unknown = [n for n in args.cases.split(",") if n not in known] if args.cases not in GROUPS else []
     if unknown:
         p.error(f"--cases: no case named {', '.join(map(repr, unknown))} (a group: {', '.join(GROUPS)}; or "
