@@ -819,7 +819,7 @@ class SpreadTracker:
         world = x.shape[0]
         out = [0.0] * world
         if self._last is not None and self._last.shape == x.shape and self._tspread is not None:
-            ratio = np.abs(lx - self._last) / self._tspread
+            ratio = _moves(lx, self._last) / self._tspread
             out = ratio.reshape(world, -1).max(axis=1).tolist()
         for r in nonfinite:
             out[r] = math.inf
@@ -838,12 +838,22 @@ class SpreadTracker:
             self.learned += 1
         if lx is not None and not nonfinite:
             if self._last is not None and self._last.shape == lx.shape:
-                step = np.abs(lx - self._last).max(axis=0)
+                step = _moves(lx, self._last).max(axis=0)
                 base = self._tspread if self._tspread is not None else np.full_like(step, self.floor)
                 self._tspread = np.maximum(base, step)
             else:       # the first step, or other buckets (DDP rebuilt them) or ranks: a history anew
                 self._tspread = None
             self._last = lx
+
+
+_LOG_TINY = math.log(_TINY)
+
+
+def _moves(lx: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """|lx - last| (log statistics), 0 where either is a zero statistic: a bucket whose gradient is exactly
+    zero on a rank one step and not the next (an MoE expert no token of that rank chose) moved by the data,
+    by some 70 log units, and would name that rank in the two-rank tie-break or numb its history. Pure."""
+    return np.where((lx <= _LOG_TINY) | (last <= _LOG_TINY), 0.0, np.abs(lx - last))
 
 
 def _host_array(stats: torch.Tensor) -> np.ndarray:

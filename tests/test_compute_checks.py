@@ -1281,3 +1281,20 @@ def test_every_harness_command_of_the_gpu_script_parses():
     with pytest.raises(SystemExit) as e:
         compute_faults.parse_args(["--cases", "mm one elem =10,mm one elem x1.05 persistant"])
     assert e.value.code == 2
+
+
+def test_a_bucket_zero_on_a_rank_is_no_jump():
+    """An MoE expert no token of a rank chose has a zero gradient there one step and not the next: its
+    statistics move by some 70 log units by the data alone. That is no jump of the rank (the two-rank
+    tie-break would name a clean rank on it), nor part of the clean step-to-step spread."""
+    t = SpreadTracker(warmup=3)
+    for k in range(6):
+        t.judge(_stats([1.0 + 0.01 * k, 1.1 - 0.01 * k]))
+    zero = _stats([1.03, 1.07])
+    zero[1, 0] = 0.0                                   # rank 1's first bucket: no token chose that expert
+    assert max(t.jumps(zero)) < 3.0, t.jumps(zero)
+    t.learn(zero)                                      # a step the replays cleared: learnt
+    back = _stats([1.04, 1.06])
+    assert max(t.jumps(back)) < 3.0, t.jumps(back)      # and back from zero: no jump either
+    j = t.jumps(_stats([1.05, 8.0]))
+    assert j[1] > 3.0 * j[0] and j[1] > 1.0, j          # a live bucket's move still counts

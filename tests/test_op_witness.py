@@ -386,9 +386,10 @@ def test_two_fsdp2_ranks_name_a_tensor_core_fault(factory):
     buffer (ops whose inputs differ by design, passed over). Every tensor-core case on rank 1 from step 40
     was `unresolved` on both ranks (FSDP2 had no op witness); now the op witness names rank 1, with the
     model-level witness's factory (`witness_model`) and without one."""
-    # with the factory (the model-level witness asked first, naming nobody), two of the cases: forward, backward
-    cases = ["tc one elem x1.05 persistent", "tc backward channel x2 persistent"] if factory else \
-        [c.name for c in compute_faults.TC_CASES]
+    # a forward matmul, a backward one and the attention op without the factory; with it (the model-level
+    # witness asked first, naming nobody) two (the channel and =10 cases: the DDP test above)
+    cases = ["tc one elem x1.05 persistent", "tc backward channel x2 persistent"]
+    cases += [] if factory else ["tc attn one elem x1.05 persistent"]
     r = compute_faults.main(["--model", "tiny-gpt", "--world", "2", "--cpu-autocast", "--fsdp", "--audit-every", "5",
                              "--cases", ",".join(cases)] + ([] if factory else ["--no-witness-model"]), start=spawn)
     assert set(r) == set(cases), r.keys()
