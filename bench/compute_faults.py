@@ -211,18 +211,13 @@ class MoEBlock(Block):
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(w, 2 * w), nn.GELU(), nn.Linear(2 * w, w))
                                      for _ in range(self.EXPERTS))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        h = self.ln2(x)
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, c = h.shape
         top, idx = self.router(h).topk(self.TOP, dim=-1)
         gate = top.float().softmax(-1)
         ys = torch.stack([e(h) for e in self.experts], dim=-2)                     # [b, t, experts, c]
         chosen = ys.gather(-2, idx.unsqueeze(-1).expand(b, t, self.TOP, c))
-        return x + (gate.unsqueeze(-1) * chosen.float()).sum(-2).to(x.dtype)
+        return (gate.unsqueeze(-1) * chosen.float()).sum(-2).to(h.dtype)
 
 
 def make_model(seed: int) -> tuple[nn.Module, nn.Module]:

@@ -60,12 +60,16 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
 
 
+def _is_plain(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and type(x).__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl
+
+
 def _plain(obj: Any) -> list[torch.Tensor]:
     """`obj`'s tensors that are no tensor subclass with a dispatch of its own (a DTensor: fingerprinting one
     would run its collectives; the ops it runs on its local tensor are not traced either, the trace being
     off while an op it dispatched runs: a tensor-parallel model's compute is not seen, FSDP2's is, on plain
     unsharded tensors)."""
-    return [x for x in _tensors(obj) if type(x).__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl]
+    return [x for x in tree_flatten(obj)[0] if _is_plain(x)]
 
 
 def _named(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -96,7 +100,10 @@ def _consts(obj: Any) -> int:
     """A host digest of `obj`'s arguments that are no tensor (sizes, a dim, a rank number, a dtype; a device
     by its type), in their places: an op given other numbers on the two ranks reads different inputs.
     Deterministic across processes (crc32 of their repr). Pure."""
-    leaves, spec = tree_flatten(obj)
+    return _consts_of(*tree_flatten(obj))
+
+
+def _consts_of(leaves: list[Any], spec: Any) -> int:
     return zlib.crc32(repr((spec, [None if isinstance(x, torch.Tensor) else _rank_free(x) for x in leaves]))
                       .encode())
 
@@ -165,9 +172,9 @@ class OpTrace(TorchDispatchMode):
         name = str(func)
         self.names.append(name)
         local = not name.startswith(_COLLECTIVE)
-        read = reads(func, args, kwargs)
-        self.ins.append(op_print(_plain(read)) if local else None)
-        self.consts.append(_consts(read) if local else 0)
+        leaves, spec = tree_flatten(reads(func, args, kwargs)) if local else ([], None)
+        self.ins.append(op_print([x for x in leaves if _is_plain(x)]) if local else None)
+        self.consts.append(_consts_of(leaves, spec) if local else 0)
         before = _host((args, kwargs)) if i == self.capture else None
         out = func(*args, **kwargs)
         if before is not None:

@@ -660,7 +660,7 @@ class Replayer:
                 bad, left = self._witnessed
                 self._witnessed = (bad, left - 1)
                 return Classification(Cause.PERSISTENT, (bad,), True,
-                                      "each GPU repeats its own result and they disagree on both batches; "
+                                      "each GPU repeats its own result and they disagree; "
                                       f"the CPU witness named rank {bad} earlier")
             t, by = self.witness(batches[seen], ops=self.exact and self.same_hardware)
             c = classify_pair_replays(originals, rows, jumps, exact=self.exact, witness=t, witness_by=by)

@@ -44,13 +44,21 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(x)
+        return x + self.mlp(self.ln2(x))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention of the normalised `x`, projected (the residual branch)."""
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normalised `h` (the residual branch; a routed one in bench.compute_faults' MoE)."""
+        return self.out(F.gelu(self.fc(h)))
 
 
 class GPT(nn.Module):
