@@ -440,6 +440,10 @@ want opwit && step determ-demo 120 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -
 want opwit && step tc-2ranks 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model gpt2 --batch 2 --fault-step 10 --audit-every 5 \
   --determinism strict --cases tc
+# an MoE router's top-k returning one wrong index on rank 1 (an integer output: the op witness's exact rule)
+want opwitmoe && step moe-2ranks 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model tiny-moe --fault-step 10 --audit-every 5 \
+  --determinism strict --cases moe
 want compileprobe && step compile-probe 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compile_replay_probe \
   --device cuda --model gpt2 --batch 4
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
