@@ -881,8 +881,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                      f"clean score {st['max_score_clean']:.2f} of margin {st['margin']}, {r['elapsed_s']:.1f}s")
         named = sum(1 for f in r.get("reported", []) if f[3])       # a GPU named on a clean run: false
         found = len(r.get("reported", []))
-        lines.append(f"clean: replays {r.get('mode') or '-'}; findings reported {found}, "
-                     f"naming a GPU {named}" + (f"; loss scale at the end {r['scale']:g}"
+        causes = ", ".join(f"step {f[0]} {f[2]}" for f in r.get("reported", [])[:8])
+        lines.append(f"clean: replays {r.get('mode') or '-'}; findings reported {found}"
+                     + (f" ({causes})" if causes else "") + f", naming a GPU {named}" + (f"; loss scale at the end {r['scale']:g}"
                                                 if r.get("scale") is not None else ""))
     if "overhead" in results:
         o = results["overhead"]

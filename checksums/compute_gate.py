@@ -426,7 +426,7 @@ class ComputeChecks:
         used in turn, each reused once its previous copy is done (`query`, never a wait): a non-blocking copy
         from pageable memory may synchronise with the stream (CUDA's rules), and it ran every clean step
         before. A change found while both buffers are busy is copied at a later step."""
-        spread = self.tracker.spread
+        spread = self.tracker.signed_spread
         if spread is None:
             return None
         version = self.tracker.spread_version

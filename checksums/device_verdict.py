@@ -37,10 +37,12 @@ GRAPHS = os.environ.get("SDCWATCH_GATE_GRAPH", "1") != "0"
 
 def device_flag(stats: torch.Tensor, spread: torch.Tensor | None, margin: float) -> torch.Tensor:
     """0-d float32 on the stats' device: 1.0 when a rank has a non-finite statistic or (with `spread`) is
-    more than `margin` spreads from the median; the same rule as `SpreadTracker.judge`, no host sync."""
+    more than `margin` spreads from the median; the same rule as `SpreadTracker.judge`, no host sync.
+    `spread`: the tracker's `signed_spread` (a negative row: a bucket that can be zero on a rank, whose
+    zeros `deviations` leaves out)."""
     bad = ~torch.isfinite(stats).all()
     if spread is not None:
-        bad = bad | ((deviations(stats) / spread) > margin).any()
+        bad = bad | ((deviations(stats, spread[:, 0] < 0) / spread.abs()) > margin).any()
     return bad.float()
 
 

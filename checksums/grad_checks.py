@@ -687,16 +687,26 @@ def _summarising_reduce_scatter() -> type:
 # ---- the cross-rank comparison (pure: tensors in, verdict out) -------------------------------------------
 
 
-def deviations(stats: torch.Tensor) -> torch.Tensor:
+def deviations(stats: torch.Tensor, zeroable: torch.Tensor | None = None) -> torch.Tensor:
     """|log(x_r) - median_r log(x)| per rank, bucket and statistic: float64 [world, buckets, 2].
 
     Non-finite values are counted as zero here (their rank is named by `SpreadTracker.judge`). The median is
     torch.median's (the lower of the two middle values for an even count), taken from a sort: `median(dim=)`
     on CUDA has no deterministic implementation, so under `torch.use_deterministic_algorithms(True)` (jobs
-    that want reproducible runs, and exact replays of cuDNN attention) it raises; a sort does not."""
+    that want reproducible runs, and exact replays of cuDNN attention) it raises; a sort does not.
+    `zeroable` (bool [buckets], on the stats' device): buckets whose gradient can be exactly zero on a rank
+    (an MoE expert no token of that rank chose: `SpreadTracker` learns them); there a zero statistic is left
+    out, its distance 0, and the median is taken over the other ranks'. Fixed shapes, no host sync (the
+    device verdict's graph runs it)."""
     x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
-    med = x.sort(dim=0, stable=True).values[(x.shape[0] - 1) // 2]
-    return (x - med).abs()
+    if zeroable is None:
+        med = x.sort(dim=0, stable=True).values[(x.shape[0] - 1) // 2]
+        return (x - med).abs()
+    out = (x <= _LOG_TINY) & zeroable.view(1, -1, 1)
+    ordered = torch.where(out, math.inf, x).sort(dim=0, stable=True).values
+    k = ((~out).sum(dim=0) - 1).clamp_min(0) // 2
+    med = ordered.gather(0, k.unsqueeze(0))
+    return torch.where(out, 0.0, (x - med).abs())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -749,11 +759,30 @@ class SpreadTracker:
         # and the clean step-to-step spread per bucket and statistic
         self._last: np.ndarray | None = None
         self._tspread: np.ndarray | None = None
+        # buckets whose gradient was exactly zero on some rank and not on another, on a step learnt as
+        # clean (an MoE expert no token of that rank chose): a zero there is the data's, left out of the
+        # comparison (`deviations`), never widening the spread
+        self._zeroable: np.ndarray | None = None
 
     @property
     def spread(self) -> torch.Tensor | None:
         """float64 [buckets, 2] (a view of the tracker's array; replaced, never changed in place)."""
         return None if self._spread is None else torch.from_numpy(self._spread)
+
+    @property
+    def zeroable(self) -> tuple[int, ...]:
+        """The buckets learnt to be exactly zero on a rank in clean training (see `deviations`)."""
+        return () if self._zeroable is None else tuple(int(b) for b in np.flatnonzero(self._zeroable))
+
+    @property
+    def signed_spread(self) -> torch.Tensor | None:
+        """`spread` with the zeroable buckets' rows negated: the one tensor the device verdict reads
+        (`device_flag`), moving with `spread_version` as `spread` does."""
+        if self._spread is None:
+            return None
+        if self._zeroable is None or not self._zeroable.any():
+            return torch.from_numpy(self._spread)
+        return torch.from_numpy(np.where(self._zeroable[:, None], -self._spread, self._spread))
 
     def assess(self, stats: torch.Tensor) -> tuple[tuple[float, ...], StatsVerdict]:
         """`jumps(stats)` (before this step is learnt) and `judge(stats)`, from one host copy of the
@@ -776,11 +805,12 @@ class SpreadTracker:
 
     def _judge(self, x: np.ndarray, lx: np.ndarray, nonfinite: tuple[int, ...]) -> StatsVerdict:
         world, nb = x.shape[0], x.shape[1]
-        dev = _deviations_of_log(lx)
         if self._spread is None or self._spread.shape[0] != nb:   # DDP rebuilt its buckets: learn anew
             self._spread = np.full((nb, 2), self.floor, dtype=np.float64)
+            self._zeroable = np.zeros(nb, dtype=bool)
             self.spread_version += 1
             self.learned = 0
+        dev = _deviations_of_log(lx, self._zeroable)
         if self.learned < self.warmup or world < 2:
             if not nonfinite:
                 self._learn(dev, nonfinite, lx)
@@ -806,7 +836,7 @@ class SpreadTracker:
         x = _host_array(stats)
         if self._spread is not None and self._spread.shape[0] == x.shape[1]:
             lx = _log_np(x)
-            self._learn(_deviations_of_log(lx), _nonfinite_ranks_np(x), lx)
+            self._learn(_deviations_of_log(lx, self._zeroable), _nonfinite_ranks_np(x), lx)
 
     def jumps(self, stats: torch.Tensor) -> tuple[float, ...]:
         """Each rank's largest move from its own last clean step (log units over the clean step-to-step
@@ -828,8 +858,19 @@ class SpreadTracker:
     def _learn(self, dev: np.ndarray, nonfinite: Sequence[int], lx: np.ndarray | None = None) -> None:
         """`lx`: the step's `_log_np` (its history's log statistics; a step with a non-finite value is
         never learnt into the history)."""
-        assert self._spread is not None
+        assert self._spread is not None and self._zeroable is not None
         keep = [r for r in range(dev.shape[0]) if r not in nonfinite]
+        if keep and lx is not None:
+            zero = lx[keep, :, 0] <= _LOG_TINY                   # [kept ranks, buckets]: a zero norm
+            mixed = zero.any(axis=0) & ~zero.all(axis=0)
+            if (mixed & ~self._zeroable).any():                 # a bucket newly seen zero on a rank only
+                logger.info("sdcwatch: gradient bucket(s) %s exactly zero on some ranks only, on a step learnt "
+                            "as clean (step %d of the comparison): their zeros are the data's (an MoE expert no "
+                            "token chose) and are left out of the comparison from now on",
+                            np.flatnonzero(mixed & ~self._zeroable).tolist(), self.learned + 1)
+                self._zeroable = self._zeroable | mixed
+                self.spread_version += 1
+                dev = _deviations_of_log(lx, self._zeroable)     # its zeros left out: no wider spread
         if keep:
             wider = np.maximum(self._spread, dev[keep].max(axis=0))
             if not np.array_equal(wider, self._spread):      # after warm-up, rarely
@@ -846,7 +887,7 @@ class SpreadTracker:
             self._last = lx
 
 
-_LOG_TINY = math.log(_TINY)
+_LOG_TINY = math.log(_TINY) + 1e-6      # a log at or below this is a zero statistic's (any log's rounding)
 
 
 def _moves(lx: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -870,9 +911,17 @@ def _log_np(x: np.ndarray, fin: np.ndarray | None = None) -> np.ndarray:
     return np.log(np.maximum(x if fin.all() else np.where(fin, x, 0.0), _TINY))
 
 
-def _deviations_of_log(lx: np.ndarray) -> np.ndarray:
+def _deviations_of_log(lx: np.ndarray, zeroable: np.ndarray | None = None) -> np.ndarray:
     """`deviations` in numpy from `_log_np`'s logs: the same rule, torch's lower median (the middle value for
-    an odd count, the lower of the two middle ones for an even count)."""
+    an odd count, the lower of the two middle ones for an even count), zeros of `zeroable` buckets left out."""
+    if zeroable is not None and zeroable.any():
+        out = (lx <= _LOG_TINY) & zeroable[None, :, None]
+        if out.any():
+            ordered = np.sort(np.where(out, np.inf, lx), axis=0)
+            k = np.maximum((~out).sum(axis=0) - 1, 0) // 2
+            med = np.take_along_axis(ordered, k[None], axis=0)[0]
+            with np.errstate(invalid="ignore"):
+                return np.where(out, 0.0, np.abs(lx - med))
     k = (lx.shape[0] - 1) // 2
     med = np.partition(lx, k, axis=0)[k]
     return np.abs(lx - med)

@@ -1,0 +1,169 @@
+"""Gradient buckets that can be exactly zero on a rank (an MoE expert that no token of that rank chose).
+
+In a dense model a bucket whose gradient is exactly zero on one rank while the others' are not is a fault's
+signature (the statistics' log puts it some 70 log units from the median). In an MoE model it is the data's:
+before, the cross-rank spread learnt it during the warm-up (62.6 log units on the harness's tiny MoE against
+1.29 for the dense GPT), leaving that bucket's statistics blind for the rest of the run. `SpreadTracker`
+now learns such buckets ("zeroable") on steps it learns as clean (warm-up, clean, or cleared by a replay)
+and leaves their zeros out of the comparison, on the host (`_judge`) and on the device (`device_flag`,
+the flag carried in the sign of the spread it reads), without widening the spread.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from checksums.device_verdict import device_flag
+from checksums.grad_checks import SpreadTracker, _deviations_of_log, _log_np, deviations
+
+CUDA = torch.cuda.is_available()
+
+
+def _step(g: torch.Generator, world: int, buckets: int, zero: dict[int, list[int]] | None = None) -> torch.Tensor:
+    """One step's statistics [world, buckets, 2] near 1 (the ranks' data differ a little); `zero`: bucket ->
+    ranks whose gradient in it is exactly zero."""
+    stats = torch.exp(torch.randn(world, buckets, 2, generator=g, dtype=torch.float64) * 0.05)
+    for b, ranks in (zero or {}).items():
+        stats[ranks, b] = 0.0
+    return stats
+
+
+def _moe_zero(g: torch.Generator, world: int, bucket: int) -> dict[int, list[int]]:
+    """A third of the steps: the expert's bucket zero on one or two ranks (never all)."""
+    if torch.rand((), generator=g) < 0.33:
+        k = int(torch.randint(1, world, (), generator=g))
+        return {bucket: torch.randperm(world, generator=g)[:k].tolist()}
+    return {}
+
+
+def test_a_bucket_zero_on_some_ranks_is_learnt_and_its_zeros_left_out() -> None:
+    g = torch.Generator().manual_seed(0)
+    world, buckets = 4, 5
+    t = SpreadTracker(warmup=20)
+    for _ in range(20):                                    # warm-up: bucket 2 zero on some ranks at times
+        t.assess(_step(g, world, buckets, _moe_zero(g, world, 2)))
+    assert t.zeroable == (2,)
+    spread = t.spread
+    assert spread is not None and float(spread.max()) < 0.5, spread    # before: ~69 log units in bucket 2
+    suspected = []
+    for k in range(500):
+        _, v = t.assess(_step(g, world, buckets, _moe_zero(g, world, 2)))
+        if v.suspects:
+            suspected.append((k, v))
+    assert not suspected, suspected[:3]
+    # the zeroable bucket is still compared among the ranks that are not zero there: x3 on rank 1
+    stats = _step(g, world, buckets, {2: [0]})
+    stats[1, 2] *= 3.0
+    _, v = t.assess(stats)
+    assert v.outliers == (1,) and v.bucket == 2, v
+    # a dense bucket zero on one rank stays a suspicion (a fault's signature there)
+    _, v = t.assess(_step(g, world, buckets, {0: [3]}))
+    assert v.outliers == (3,) and v.bucket == 0, v
+    # the signed spread tells the device which buckets: the same magnitudes, bucket 2's row negative
+    signed = t.signed_spread
+    assert signed is not None and torch.equal(signed.abs(), t.spread)
+    assert (signed[:, 0] < 0).tolist() == [False, False, True, False, False]
+
+
+def test_a_first_zero_after_the_warm_up_is_suspected_once_then_learnt_from_the_cleared_step() -> None:
+    """A bucket first zero after the warm-up: a suspicion (the tracker cannot tell it from a fault); the
+    replay clears it as the data's (`learn`), which makes the bucket zeroable without widening its spread;
+    later zeros there raise nothing."""
+    g = torch.Generator().manual_seed(1)
+    world, buckets = 3, 4
+    t = SpreadTracker(warmup=20)
+    for _ in range(30):
+        t.assess(_step(g, world, buckets))
+    assert t.zeroable == ()
+    before = t.spread.clone()
+    version = t.spread_version
+    stats = _step(g, world, buckets, {1: [2]})
+    _, v = t.assess(stats)
+    assert v.outliers == (2,) and v.bucket == 1, v
+    t.learn(stats)                                         # the replays said: data
+    assert t.zeroable == (1,) and t.spread_version > version
+    assert float((t.spread - before).abs().max()) < 0.5, (before, t.spread)   # not ~69 log units wider
+    for _ in range(50):
+        _, v = t.assess(_step(g, world, buckets, {1: [int(torch.randint(0, world, (), generator=g))]}))
+        assert not v.suspects, v
+
+
+def test_a_bucket_zero_on_every_rank_is_not_zeroable() -> None:
+    """Zero on every rank (a parameter no rank's data touched) teaches nothing: a fault that makes one rank's
+    gradient there non-zero is still an outlier (the median is zero)."""
+    g = torch.Generator().manual_seed(2)
+    t = SpreadTracker(warmup=10)
+    for _ in range(30):
+        t.assess(_step(g, 3, 3, {0: [0, 1, 2]}))
+    assert t.zeroable == ()
+    _, v = t.assess(_step(g, 3, 3, {0: [0, 2]}))
+    assert v.outliers == (1,), v
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8])
+def test_device_rule_equals_the_host_rule_with_zeroable_buckets(world: int) -> None:
+    """`deviations(stats, zeroable)` (torch, the device's) equals the host's numpy rule: the lower median over
+    the ranks not left out, 0 for the ones left out; and `device_flag` with the signed spread raises exactly
+    on the steps the host verdict has suspects."""
+    g = torch.Generator().manual_seed(world)
+    buckets = 6
+    zeroable = torch.tensor([False, True, False, True, True, False])
+    for k in range(40):
+        stats = torch.exp(torch.randn(world, buckets, 2, generator=g, dtype=torch.float64) * 0.3)
+        for b in range(buckets):
+            if torch.rand((), generator=g) < 0.4:
+                stats[torch.randperm(world, generator=g)[:int(torch.randint(1, world + 1, (), generator=g))], b] = 0
+        if k % 7 == 3:
+            stats[k % world, k % buckets, 0] = float("nan")
+        x = stats.numpy()
+        want = _deviations_of_log(_log_np(x), zeroable.numpy())
+        got = deviations(stats, zeroable).numpy()
+        assert np.allclose(got, want, rtol=1e-12, atol=1e-12), (k, got, want)
+        left_out = (np.nan_to_num(x, nan=0.0) == 0) & zeroable.numpy()[None, :, None]
+        assert np.all(got[left_out] == 0)
+        plain = _deviations_of_log(_log_np(x))
+        assert np.allclose(deviations(stats).numpy(), plain, rtol=1e-12, atol=1e-12)
+
+    t = SpreadTracker(warmup=20)
+    for _ in range(20):
+        t.assess(_step(g, world, buckets, _moe_zero(g, world, 3) if world > 1 else {}))
+    flags = set()
+    for k in range(60):
+        stats = _step(g, world, buckets, _moe_zero(g, world, 3) if world > 1 else {})
+        if k % 3 == 1:
+            stats[k % world, k % buckets, k % 2] *= 1.0 + 0.5 * (k % 5)   # some past the margin, some not
+        if k % 11 == 5:
+            stats[k % world, 0, 0] = float("inf")
+        signed = t.signed_spread
+        flag = float(device_flag(stats, signed, t.margin))
+        _, v = t.assess(stats)
+        assert flag == (1.0 if v.suspects else 0.0), (k, flag, v)
+        flags.add(flag)
+    assert flags == {0.0, 1.0} or world == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_device_graph_reads_the_zeroable_rows_of_the_spread() -> None:
+    """The captured graph (DeviceVerdict.flag) leaves a zeroable bucket's zeros out once the gate turns its
+    spread row negative in place, as the eager rule does; and flags the same zero on a dense bucket."""
+    from checksums.device_verdict import DeviceVerdict
+    from checksums.grad_checks import ROW_WORDS, stats_of
+
+    world, buckets = 3, 4
+    v = DeviceVerdict(3.0, graphs=True)
+    inp = v.input(world * buckets, torch.device("cuda"))
+    spread = torch.full((buckets, 2), math.log(1.05), dtype=torch.float64, device="cuda")
+    stats = torch.ones(world, buckets, 2, dtype=torch.float64)
+    stats[1, 2] = 0.0                                       # bucket 2 zero on rank 1
+    rows = torch.zeros(world, buckets, ROW_WORDS, dtype=torch.int64)
+    rows[..., :2] = stats.view(torch.int64)
+    inp.copy_(rows.view(-1, ROW_WORDS).cuda())
+    r = inp.view(world, buckets, ROW_WORDS)
+    assert float(v.flag(r, spread)) == 1.0                  # dense: a suspicion
+    spread[2].neg_()                                        # the tracker learnt bucket 2 zeroable
+    assert float(v.flag(r, spread)) == 0.0 and v.captures == 1
+    assert float(device_flag(stats_of(r), spread, 3.0)) == 0.0
