@@ -763,6 +763,7 @@ class SpreadTracker:
         # clean (an MoE expert no token of that rank chose): a zero there is the data's, left out of the
         # comparison (`deviations`), never widening the spread
         self._zeroable: np.ndarray | None = None
+        self._signed: np.ndarray | None = None
 
     @property
     def spread(self) -> torch.Tensor | None:
@@ -778,11 +779,14 @@ class SpreadTracker:
     def signed_spread(self) -> torch.Tensor | None:
         """`spread` with the zeroable buckets' rows negated: the one tensor the device verdict reads
         (`device_flag`), moving with `spread_version` as `spread` does."""
-        if self._spread is None:
-            return None
-        if self._zeroable is None or not self._zeroable.any():
-            return torch.from_numpy(self._spread)
-        return torch.from_numpy(np.where(self._zeroable[:, None], -self._spread, self._spread))
+        return None if self._signed is None else torch.from_numpy(self._signed)
+
+    def _set(self, spread: np.ndarray, zeroable: np.ndarray) -> None:
+        """New spread values or zeroable buckets (never changed in place: views handed out stay as they
+        were); the signed copy made here, once, not every step."""
+        self._spread, self._zeroable = spread, zeroable
+        self._signed = np.where(zeroable[:, None], -spread, spread) if zeroable.any() else spread
+        self.spread_version += 1
 
     def assess(self, stats: torch.Tensor) -> tuple[tuple[float, ...], StatsVerdict]:
         """`jumps(stats)` (before this step is learnt) and `judge(stats)`, from one host copy of the
@@ -806,9 +810,7 @@ class SpreadTracker:
     def _judge(self, x: np.ndarray, lx: np.ndarray, nonfinite: tuple[int, ...]) -> StatsVerdict:
         world, nb = x.shape[0], x.shape[1]
         if self._spread is None or self._spread.shape[0] != nb:   # DDP rebuilt its buckets: learn anew
-            self._spread = np.full((nb, 2), self.floor, dtype=np.float64)
-            self._zeroable = np.zeros(nb, dtype=bool)
-            self.spread_version += 1
+            self._set(np.full((nb, 2), self.floor, dtype=np.float64), np.zeros(nb, dtype=bool))
             self.learned = 0
         dev = _deviations_of_log(lx, self._zeroable)
         if self.learned < self.warmup or world < 2:
@@ -868,14 +870,12 @@ class SpreadTracker:
                             "as clean (step %d of the comparison): their zeros are the data's (an MoE expert no "
                             "token chose) and are left out of the comparison from now on",
                             np.flatnonzero(mixed & ~self._zeroable).tolist(), self.learned + 1)
-                self._zeroable = self._zeroable | mixed
-                self.spread_version += 1
+                self._set(self._spread, self._zeroable | mixed)
                 dev = _deviations_of_log(lx, self._zeroable)     # its zeros left out: no wider spread
         if keep:
             wider = np.maximum(self._spread, dev[keep].max(axis=0))
             if not np.array_equal(wider, self._spread):      # after warm-up, rarely
-                self._spread = wider
-                self.spread_version += 1
+                self._set(wider, self._zeroable)
             self.learned += 1
         if lx is not None and not nonfinite:
             if self._last is not None and self._last.shape == lx.shape:
