@@ -797,7 +797,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
             if rank == 0:
                 print(f"{case.name}: skipped, no router (--model tiny-moe)", flush=True)
             continue
-        results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + 30,
+        results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + args.after,
                                       fault_step=args.fault_step, fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
                                       mask=args.mask, accum=args.accum, fault_micro=args.fault_micro,
@@ -882,9 +882,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         named = sum(1 for f in r.get("reported", []) if f[3])       # a GPU named on a clean run: false
         found = len(r.get("reported", []))
         causes = ", ".join(f"step {f[0]} {f[2]}" for f in r.get("reported", [])[:8])
+        scale = f"; loss scale at the end {r['scale']:g}" if r.get("scale") is not None else ""
         lines.append(f"clean: replays {r.get('mode') or '-'}; findings reported {found}"
-                     + (f" ({causes})" if causes else "") + f", naming a GPU {named}" + (f"; loss scale at the end {r['scale']:g}"
-                                                if r.get("scale") is not None else ""))
+                     + (f" ({causes})" if causes else "") + f", naming a GPU {named}{scale}")
     if "overhead" in results:
         o = results["overhead"]
         lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm after one untimed "
@@ -961,6 +961,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default="all", help="all | h200 | tc (the tensor-core cases, under "
                    "autocast) | moe (the router's top-k, --model tiny-moe) | none | comma-separated case names")
     p.add_argument("--fault-step", type=int, default=40)
+    p.add_argument("--after", type=int, default=30, help="steps each case runs after its fault step (a "
+                   "persistent fault is named by the first audit at the latest: --audit-every)")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--audit-every", type=int, default=5)
     p.add_argument("--warmup", type=int, default=20)
