@@ -435,13 +435,13 @@ want witness && step witness-probe 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pytho
 # issue 19: the op witness: a fault only in the bf16 matmuls (a tensor core's), forward and backward, on two
 # ranks sharing this GPU, and in its fused attention (the float32 witness's replays agree; the first op where the GPUs part decides);
 # a torch.compile'd model's witness replays (eager, float32 exact?); the demo's GPT under strict determinism
-want opwit && step determ-demo 120 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.determinism_probe \
+want determdemo && step determ-demo 120 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.determinism_probe \
   --device cuda --model demo --settings strict,warn
-want opwit && step tc-2ranks 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --backend gloo --world 2 --model gpt2 --batch 2 --fault-step 10 --audit-every 5 \
+want opwit && step tc-2ranks 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model gpt2 --batch 2 --fault-step 10 --after 10 --audit-every 5 \
   --determinism strict --cases tc
 # an MoE router's top-k returning one wrong index on rank 1 (an integer output: the op witness's exact rule)
-want opwitmoe && step moe-2ranks 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+want opwitmoe && step moe-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model tiny-moe --fault-step 10 --audit-every 5 \
   --determinism strict --cases moe
 want compileprobe && step compile-probe 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compile_replay_probe \
