@@ -1034,6 +1034,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
+    if args.after < 1 or args.fault_step < 1:
+        p.error(f"--after ({args.after}) and --fault-step ({args.fault_step}) must be at least 1")
     known = {c.name for c in CASES + TC_CASES + MOE_CASES}
     unknown = [n for n in args.cases.split(",") if n not in known] if args.cases not in GROUPS else []
     if unknown:

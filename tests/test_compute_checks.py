@@ -1281,6 +1281,9 @@ def test_every_harness_command_of_the_gpu_script_parses():
     with pytest.raises(SystemExit) as e:
         compute_faults.parse_args(["--cases", "mm one elem =10,mm one elem x1.05 persistant"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:                 # a case run no step past its fault would say nothing
+        compute_faults.parse_args(["--after", "0"])
+    assert e.value.code == 2
 
 
 def test_a_bucket_zero_on_a_rank_is_no_jump():
