@@ -797,8 +797,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
             if rank == 0:
                 print(f"{case.name}: skipped, no router (--model tiny-moe)", flush=True)
             continue
-        results[case.name] = run_case(case, rank=rank, world=world, device=device, steps=args.fault_step + args.after,
-                                      fault_step=args.fault_step, fault_rank=args.fault_rank,
+        results[case.name] = run_case(case, rank=rank, world=world, device=device,
+                                      steps=args.fault_step + args.after, fault_step=args.fault_step,
+                                      fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
                                       mask=args.mask, accum=args.accum, fault_micro=args.fault_micro,
                                       fsdp=args.fsdp, sdcguard=args.sdcguard)

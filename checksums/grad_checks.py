@@ -857,27 +857,26 @@ class SpreadTracker:
             out[r] = math.inf
         return tuple(out)
 
-    def _learn(self, dev: np.ndarray, nonfinite: Sequence[int], lx: np.ndarray | None = None) -> None:
+    def _learn(self, dev: np.ndarray, nonfinite: Sequence[int], lx: np.ndarray) -> None:
         """`lx`: the step's `_log_np` (its history's log statistics; a step with a non-finite value is
         never learnt into the history)."""
         assert self._spread is not None and self._zeroable is not None
         keep = [r for r in range(dev.shape[0]) if r not in nonfinite]
-        if keep and lx is not None:
+        if keep:
             zero = lx[keep, :, 0] <= _LOG_TINY                   # [kept ranks, buckets]: a zero norm
-            mixed = zero.any(axis=0) & ~zero.all(axis=0)
-            if (mixed & ~self._zeroable).any():                 # a bucket newly seen zero on a rank only
+            new = zero.any(axis=0) & ~zero.all(axis=0) & ~self._zeroable   # newly seen zero on some ranks only
+            if new.any():
                 logger.info("sdcwatch: gradient bucket(s) %s exactly zero on some ranks only, on a step learnt "
                             "as clean (step %d of the comparison): their zeros are the data's (an MoE expert no "
                             "token chose) and are left out of the comparison from now on",
-                            np.flatnonzero(mixed & ~self._zeroable).tolist(), self.learned + 1)
-                self._set(self._spread, self._zeroable | mixed)
+                            np.flatnonzero(new).tolist(), self.learned + 1)
+                self._set(self._spread, self._zeroable | new)
                 dev = _deviations_of_log(lx, self._zeroable)     # its zeros left out: no wider spread
-        if keep:
             wider = np.maximum(self._spread, dev[keep].max(axis=0))
             if not np.array_equal(wider, self._spread):      # after warm-up, rarely
                 self._set(wider, self._zeroable)
             self.learned += 1
-        if lx is not None and not nonfinite:
+        if not nonfinite:
             if self._last is not None and self._last.shape == lx.shape:
                 step = _moves(lx, self._last).max(axis=0)
                 base = self._tspread if self._tspread is not None else np.full_like(step, self.floor)
