@@ -682,11 +682,9 @@ class Coordinator:
             unchecked = self._unscrubbed(job_id, i.step)
             if unchecked:   # the host bytes of a source-checksummed shard are not checked (yet, or failed)
                 verdicts[i.step] = f"host bytes {unchecked}"
-        checked = self.redis.get(self._jk(job_id, "checked"))
-        bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
+        checked, bad_steps = self._checks(job_id)
         changed = []
-        good = policy.verified_steps([i.step for i in infos], verdicts,
-                                     None if checked is None else int(_s(checked)), bad_steps)
+        good = policy.verified_steps([i.step for i in infos], verdicts, checked, bad_steps)
         for i in infos:
             meta = self._meta(job_id, i.step)
             if i.step in good and i.state == policy.COMMITTED:
@@ -705,6 +703,27 @@ class Coordinator:
                     self.emit(ek.CHECKPOINT_REVOKED, job_id,
                               f"checkpoint step {i.step} is no longer VERIFIED: {why}", {"step": i.step})
         return changed
+
+    def _checks(self, job_id: str) -> tuple[int | None, list[int]]:
+        """The job's checked-through step (None before its first clean check) and its bad steps."""
+        checked = self.redis.get(self._jk(job_id, "checked"))
+        bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
+        return (None if checked is None else int(_s(checked))), bad_steps
+
+    def _next_to_verify(self, job_id: str, infos: list[CheckpointInfo]) -> set[int]:
+        """`policy.next_to_verify` for retention (as a set, empty or one step): the bytes verdicts as judged
+        (None: not yet), a shard whose host bytes were found bad counting as not vouching."""
+        committed: dict[int, str | None] = {}
+        for i in infos:
+            if i.state != policy.COMMITTED:
+                continue
+            verdict = self.redis.hget(self._meta(job_id, i.step), "bytes_check")
+            committed[i.step] = (replica_bytes.MISMATCH if self._unscrubbed(job_id, i.step).startswith("bad")
+                                 else None if verdict is None else _s(verdict))
+        checked, bad_steps = self._checks(job_id)
+        step = policy.next_to_verify(committed, [i.step for i in infos if i.state == policy.VERIFIED], checked,
+                                     bad_steps)
+        return set() if step is None else {step}
 
     # ---- the scrub: host bytes of source-checksummed shards -----------------------------------------------
     def _unscrubbed(self, job_id: str, step: int) -> str:
@@ -879,8 +898,11 @@ class Coordinator:
                 held = hold(job_id)
             except Exception:  # noqa: BLE001 - a hint only
                 log.exception("retention hold failed")
+        # the drainer's steps, the one being scrubbed, and the one that becomes VERIFIED next (else, saved
+        # faster than a loaded agent's votes arrive, each would go before its vote: nothing to roll back to)
+        keep = set(held) | scrubbing | self._next_to_verify(job_id, [i for i in infos if i.step not in dropped])
         for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes or None,
-                                           self.config.rollback_span_steps, set(held) | scrubbing):
+                                           self.config.rollback_span_steps, keep):
             self._drop(job_id, step, policy.EVICTED, "retention", now)
             self.stats["evictions"] += 1
             dropped.append(step)

@@ -58,6 +58,31 @@ def verified_steps(committed: Iterable[int], bytes_verdicts: Mapping[int, str], 
             and (first_bad is None or k < first_bad)}
 
 
+def next_to_verify(committed: Mapping[int, str | None], verified: Iterable[int], checked_through: int | None,
+                   bad_steps: Iterable[int]) -> int | None:
+    """The checkpoint that becomes VERIFIED next, when the job's checks reach it: the oldest COMMITTED step
+    newer than every VERIFIED one whose bytes vouch (`committed[k]` in VOUCHING, or None: not compared yet)
+    and that no bad event precedes (`verified_steps`' rules less "checked through k"). None when there is
+    none, or the job never reported a clean check (`checked_through` None: a job whose checks never run would
+    keep it for good). Retention keeps it (`plan_retention`'s `hold`): saved faster than a loaded agent's
+    feed brings the votes (Gemini-style saves seconds apart), the newest `keep_committed` would otherwise
+    push every checkpoint out before its vote came, leaving no VERIFIED step to roll back to. At most one
+    copy more, and only until the checks reach it."""
+    if checked_through is None:
+        return None
+    first_bad = min(bad_steps, default=None)
+    newest_verified = max(verified, default=None)
+    for k in sorted(committed):
+        if newest_verified is not None and k <= newest_verified:
+            continue
+        if first_bad is not None and k >= first_bad:
+            return None
+        verdict = committed[k]
+        if verdict is None or verdict in VOUCHING:
+            return k
+    return None
+
+
 def plan_retention(records: Iterable[Record], keep_committed: int, memory_cap_bytes: int | None,
                    rollback_span_steps: int = 0, hold: Iterable[int] = ()) -> list[int]:
     """Steps to evict, oldest first.

@@ -292,12 +292,21 @@ def test_retention_keeps_newest_k_and_verified(redis_server, tmp_path: Path) -> 
     co.on_job_event(job, 1, "vote_agreed", time.time())
     for step in (2, 3, 4):
         save_all(co, job, step)
-    assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED"), (3, "COMMITTED"), (4, "COMMITTED")]
-    assert co.store.list(f"{job}/000000000002/") == []
+    # 2 stays: the next to become VERIFIED when the votes reach it (policy.next_to_verify); 3 does not
+    assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED"), (2, "COMMITTED"), (3, "COMMITTED"),
+                                                         (4, "COMMITTED")]
+    co.on_job_event(job, 2, "vote_agreed", time.time())
+    save_all(co, job, 5)   # 1: the oldest VERIFIED inside the rollback span (160 steps); 3: next to verify
+    assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED"), (2, "VERIFIED"), (3, "COMMITTED"),
+                                                         (4, "COMMITTED"), (5, "COMMITTED")]
+    co.on_job_event(job, 5, "vote_agreed", time.time())
+    save_all(co, job, 6)
+    assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED"), (5, "VERIFIED"), (6, "COMMITTED")]
+    assert co.store.list(f"{job}/000000000002/") == [] and co.store.list(f"{job}/000000000004/") == []
     # a memory cap below one checkpoint: unverified go first, the only verified copy stays
     capped = node(redis_server.port, tmp_path, "n0", keep_committed=2, memory_cap_bytes=1)
     capped.maintain_job(job, time.time())
-    assert [(i.step, i.state) for i in co.list(job)] == [(1, "VERIFIED")]
+    assert [(i.step, i.state) for i in co.list(job)] == [(5, "VERIFIED")]
 
 
 def test_flipped_bit_uses_peer_copy_and_both_bad_is_a_clear_error(redis_server, tmp_path: Path) -> None:

@@ -174,3 +174,32 @@ def test_replicas_that_saved_different_plain_values_are_never_verified(redis_ser
     info = co.info(job, 40)
     assert info.state == "COMMITTED"
     assert "DIFFERS in state_dict/loader; odd ranks 1" in info.vouched_by
+
+
+def test_saves_faster_than_the_votes_keep_the_checkpoint_a_rollback_needs(redis_server, tmp_path: Path) -> None:
+    """Saved faster than a loaded agent's votes arrive (keep_committed 2): the checkpoint before a flip must
+    survive the saves after it (their bytes differ) until its vote comes, then be VERIFIED, the rollback's
+    target. Before: retention kept only the newest two and evicted it while it waited: nothing to roll back
+    to (the README loop on a loaded CI machine)."""
+    co, job = node(redis_server.port, tmp_path, "n0", keep_committed=2), job_id()
+    co.on_job_event(job, 1, "vote_agreed", time.time())   # the job's checks run, behind its saves
+    save_replicas(co, job, 50, 2)
+    for step in (100, 150, 200):
+        save_replicas(co, job, step, 2, flip_rank=1)        # the replicas' bytes differ from 100 on
+    assert {i.step: i.state for i in co.list(job)} == {50: "COMMITTED", 150: "COMMITTED", 200: "COMMITTED"}
+    co.on_job_event(job, 50, "vote_agreed", time.time())   # the late vote that vouches for 50
+    co.on_job_event(job, 100, "vote_mismatch", time.time())
+    assert co.latest_verified(job).step == 50
+    # all saves in time, none verified yet: the oldest waits for its vote, at most one copy more
+    lag = job_id()
+    co.on_job_event(lag, 1, "vote_agreed", time.time())
+    for step in range(10, 70, 10):
+        save_replicas(co, lag, step, 2)
+    assert [i.step for i in co.list(lag)] == [10, 50, 60]
+    co.on_job_event(lag, 60, "vote_agreed", time.time())
+    assert [i.state for i in co.list(lag)] == ["VERIFIED"] * 3
+    # a job whose checks never reported keeps only the newest two (nothing would ever verify the held one)
+    unchecked = job_id()
+    for step in (10, 20, 30):
+        save_replicas(co, unchecked, step, 2)
+    assert [i.step for i in co.list(unchecked)] == [20, 30]
