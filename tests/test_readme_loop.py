@@ -33,10 +33,6 @@ STEPS, FLIP = 200, 100
 FAULT_STEP = 112  # the compute_stop run: rank 1's GPU computes wrong from this step on (saves at 50, 100)
 HOLD = 10         # ... and rank 1 waits for the agent's STOP this many steps after (the audit at 115 finds it)
 JOB = "llama-7b-run3"   # the README loop's job
-# The bad-data run keeps every checkpoint in memory (not the newest 2): here they are a second apart, and on a
-# loaded machine the votes that verify the one before the range reach the coordinator seconds later, after two
-# more were saved (a real run saves minutes apart).
-KEEP = ("--checkpoints-keep-committed", "100")
 BAD = (130, 170)   # the corrupted batches (loader positions) of the bad-data run
 
 
@@ -257,7 +253,7 @@ def _evicted_before_verified(lines: list[str], step: int) -> bool:
 def test_the_readme_loop_rolls_back_before_a_corrupted_data_range(short_tmp: Path, tmp_path: Path) -> None:
     code = readme_loop()
     agent = AgentProcess(short_tmp / "state", "--rollback-skip-batches", "60",
-                         "--rollback-skip-before-steps", "0", *KEEP).start()
+                         "--rollback-skip-before-steps", "0").start()
     try:
         mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "bad_data",
                                 scaled(60)), nprocs=2, join=True)
