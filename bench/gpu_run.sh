@@ -437,9 +437,14 @@ want witness && step witness-probe 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pytho
 # a torch.compile'd model's witness replays (eager, float32 exact?); the demo's GPT under strict determinism
 want determdemo && step determ-demo 120 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.determinism_probe \
   --device cuda --model demo --settings strict,warn
-want opwit && step tc-2ranks 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+want opwit && step tc-2ranks 430 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model gpt2 --batch 2 --fault-step 10 --after 10 --audit-every 5 \
   --determinism strict --cases tc
+# the tensor-core attention case alone (its fused attention op's uint64 RNG outputs crossed the op witness's
+# exchange only since checksums/rank_transit.py, 2026-12-05)
+want opwitattn && step tc-attn-2ranks 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model gpt2 --batch 2 --fault-step 10 --after 10 --audit-every 5 \
+  --determinism strict --cases "tc attn one elem x1.05 persistent"
 # an MoE router's top-k returning one wrong index on rank 1 (an integer output: the op witness's exact rule)
 want opwitmoe && step moe-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model tiny-moe --fault-step 10 --audit-every 5 \

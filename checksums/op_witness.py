@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from checksums.rank_transit import portable, restored
 from checksums.replay_modes import eager
 
 # ops whose output is memory not yet written: its bits are whatever was there (never compared)
@@ -459,15 +460,15 @@ def row_subset(func: Any, args: Any, kwargs: Any, out0: Any, out1: Any,
 
 def exchange(obj: Any, group: Any, device: torch.device) -> list[Any]:
     """Every rank's `obj`, in rank order (a collective: one `broadcast_object_list` from each rank, on
-    `device` for NCCL, as the replay's other object broadcasts)."""
+    `device` for NCCL, as the replay's other object broadcasts; `rank_transit.portable` in transit)."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     out: list[Any] = []
     for src in range(world):
-        box = [obj if src == rank else None]
+        box = [portable(obj) if src == rank else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group is not None else src,
                                    group=group, device=device if device.type == "cuda" else None)
-        out.append(box[0])
+        out.append(obj if src == rank else restored(box[0]))
     return out
 
 

@@ -72,6 +72,7 @@ from torch import nn
 
 from checksums.grad_checks import GradSummaries, fingerprints_of, stats_of
 from checksums.op_witness import op_witness, witness_projection
+from checksums.rank_transit import map_tensors, portable, restored
 from checksums.replay_modes import full_precision
 from sdcwatch.errors import SdcwatchError
 
@@ -327,30 +328,6 @@ def replay_failure(exc: BaseException | None) -> str:
     return f"a replay raised {type(exc).__name__}: {text}"[:104]
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`obj` with `fn` applied to every tensor in it, the containers batches come in kept as they were:
-    lists, tuples and named tuples, dicts and other mappings (a Hugging Face `BatchEncoding`, rebuilt from a
-    dict, else a plain dict), dataclasses; anything else as is."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):             # a named tuple
-        return type(obj)(*(_map_tensors(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, Mapping):
-        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        try:
-            return type(obj)(items)
-        except Exception:  # noqa: BLE001 (a mapping its type cannot rebuild from a dict: the dict)
-            return items
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
 class _Swapped(nn.Module):
     """A stand-in replay's wrapper: `torch.func.functional_call` swaps the stand-in leaves into `module` (its
     child) for the call of this forward, which runs the whole replay (`run`), backward included."""
@@ -467,7 +444,7 @@ class Replayer:
                 if dev_rng is not None and cast is None:
                     torch.cuda.set_rng_state(dev_rng, self.device)
                 if cast is not None:
-                    batch = _map_tensors(batch, cast)
+                    batch = map_tensors(batch, cast)
                 with torch.enable_grad():
                     loss = scaled(self.loss_fn(module, batch), retained.loss_scale, cast)
                     if by_backward:
@@ -586,12 +563,13 @@ class Replayer:
         mine = mine if mine is not None else self.retained
         payload: list[Any] = [None]
         if dist.get_rank(self.group) == src:
-            payload = [[(_map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
-                        for b, c, d in mine.micro]]
+            payload = [portable([(map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
+                                 for b, c, d in mine.micro])]   # rank_transit: uint16 token ids too
         dist.broadcast_object_list(payload, src=src, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
         # the scale is the same on every rank (the scaler's state follows the reduced gradient)
-        return Retained([(_map_tensors(b, lambda t: t.to(self.device)), c, d) for b, c, d in payload[0]],
+        return Retained([(map_tensors(b, lambda t: t.to(self.device)), c, d)
+                         for b, c, d in restored(payload[0])],
                         loss_scale=mine.loss_scale)
 
     def agreed(self, replay: Callable[[], T]) -> T:

@@ -1060,7 +1060,7 @@ def test_batches_travel_in_the_containers_they_came_in() -> None:
 
     from transformers import BatchEncoding
 
-    from checksums.replay import _map_tensors
+    from checksums.rank_transit import map_tensors
 
     Pair = collections.namedtuple("Pair", "x y")
 
@@ -1071,7 +1071,7 @@ def test_batches_travel_in_the_containers_they_came_in() -> None:
 
     batch = {"pair": Pair(torch.ones(2), [torch.zeros(1), 3]), "dc": Batch(torch.ones(3)),
              "enc": BatchEncoding({"input_ids": torch.ones(1, 2)}), "tag": "t"}
-    out = _map_tensors(batch, lambda t: t.double() * 2)
+    out = map_tensors(batch, lambda t: t.double() * 2)
     assert isinstance(out["pair"], Pair) and out["pair"].x.dtype == torch.float64 and out["pair"].y[1] == 3
     assert isinstance(out["dc"], Batch) and out["dc"].ids.dtype == torch.float64 and out["dc"].name == "b"
     assert isinstance(out["enc"], BatchEncoding) and float(out["enc"].input_ids.sum()) == 4.0

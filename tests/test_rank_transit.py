@@ -1,0 +1,97 @@
+"""What ranks send each other through torch's object collectives (checksums.rank_transit): torch pickles a
+tensor through its legacy typed storage, which the unsigned dtypes wider than a byte lack, so a uint64
+tensor (a fused attention op's RNG seed and offset on a GPU: the H200 run of 2026-12-05 broke in the op
+witness's exchange on the attention case) or a batch of uint16 token ids failed to unpickle on the receiving
+rank. They now travel as their bits in the signed twin and arrive bit for bit, over real gloo collectives:
+the op witness's `exchange`, a replay's `fetch` (DDP) and `fetch_all` (FSDP2's)."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rank_spawn import spawn
+
+from checksums.rank_transit import portable, restored
+
+Pair = collections.namedtuple("Pair", "ids mask")
+
+
+@dataclasses.dataclass
+class Batch:
+    ids: torch.Tensor
+    name: str = "b"
+
+
+def _values() -> dict:
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 2**62, (6,), generator=g)
+    return {"u64": raw.view(torch.uint64), "u32": raw[:3].to(torch.int32).view(torch.uint32),
+            "u16": torch.tensor([0, 1, 65535], dtype=torch.uint16), "u8": torch.tensor([255], dtype=torch.uint8),
+            "f": torch.randn(3, generator=g), "pair": Pair(torch.tensor([7], dtype=torch.uint16), [1, "x"]),
+            "dc": Batch(torch.tensor([0, 1, 2**32 - 1], dtype=torch.int64).to(torch.int32).view(torch.uint32)), "scalar": torch.tensor(5, dtype=torch.uint64)}
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+                           b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b)
+        for f in dataclasses.fields(a):
+            _same(getattr(a, f.name), getattr(b, f.name))
+    else:
+        assert a == b
+
+
+def _pickled(obj):
+    f = io.BytesIO()
+    pickle.Pickler(f).dump(obj)
+    return pickle.Unpickler(io.BytesIO(f.getvalue())).load()
+
+
+def test_unsigned_tensors_round_trip_bit_for_bit_in_their_containers() -> None:
+    values = _values()
+    _same(restored(_pickled(portable(values))), values)
+    assert restored(portable(7)) == 7 and restored(portable(None)) is None
+
+
+def _ranks(rank: int, world: int, init: str, out: str) -> None:
+    from torch import nn
+
+    from checksums.op_witness import exchange
+    from checksums.replay import Replayer
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mine = _values() if rank == 1 else {"rank": 0}
+        got = exchange(mine, None, torch.device("cpu"))
+        _same(got[1], _values())
+        assert got[0] == {"rank": 0}
+        # a retained batch of uint16 token ids (a loader's own dtype), fetched by the other rank for a replay
+        replayer = Replayer(nn.Linear(2, 2), None, lambda m, b: m(b["x"]).sum(), device=torch.device("cpu"))
+        ids = torch.tensor([rank, 40000 + rank, 65535], dtype=torch.int32).to(torch.int16).view(torch.uint16)
+        replayer.retain({"x": torch.ones(1, 2), "ids": ids})
+        fetched = replayer.fetch(1)     # in the step (the gate replays a kept step's own `Retained` the same way)
+        sent = torch.tensor([1, 40001, 65535], dtype=torch.int32).to(torch.int16).view(torch.uint16)
+        _same(fetched.micro[0][0], {"x": torch.ones(1, 2), "ids": sent})
+        Path(out, f"ok{rank}").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unsigned_tensors_cross_real_gloo_collectives(tmp_path: Path) -> None:
+    spawn(_ranks, (2, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
