@@ -9,9 +9,10 @@ what its ranks need in `args` (or sets it inside the rank), never through os.env
 The framework tests' ranks (tests/framework_support.py: Hugging Face, Lightning, torchtitan, against a real
 agent over gRPC) fork from it too (since 2026-12-03: each rank imported torch itself before, 3 of its 8-9 s
 of CPU for the imports; the flip and clean runs passed alike, and their checks wait for the agent's
-background verification, `settled_journal`). test_readme_loop's ranks still use `mp.spawn`: with the
-forkserver one loaded run (2026-12-01) left checkpoints COMMITTED that spawn's ranks got VERIFIED, not
-understood then.
+background verification, `settled_journal`). test_readme_loop's ranks too since 2026-12-05 (78 -> 23 s):
+a loaded run with the forkserver had left checkpoints COMMITTED that `mp.spawn`'s slower ranks got VERIFIED:
+saves faster than the agent's votes arrived, retention evicted each before its vote
+(`checkpoint.policy.next_to_verify` keeps it now).
 """
 from __future__ import annotations
 

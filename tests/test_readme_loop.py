@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from agent_harness import ROOT, AgentProcess, cli
+from rank_spawn import spawn
 from framework_support import replicas_identical, wait_directive
 from deadlines import scaled
 
@@ -173,8 +173,8 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
     code = readme_loop()
     agent = AgentProcess(short_tmp / "state").start()
     try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "flip",
-                                scaled(60)), nprocs=2, join=True)
+        spawn(_worker, (str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "flip",
+                                scaled(60)), nprocs=2)
         from checkpoint.agent_link import GrpcAgentLink
         link = GrpcAgentLink.connect(agent.target, 10)
         infos = link.list("llama-7b-run3")
@@ -221,8 +221,8 @@ def test_the_readme_loop_exits_when_a_gpu_keeps_computing_wrong(short_tmp: Path,
     code = readme_loop()
     agent = AgentProcess(short_tmp / "state").start()
     try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "compute_stop",
-                                0.0), nprocs=2, join=True)
+        spawn(_worker, (str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "compute_stop",
+                                0.0), nprocs=2)
         from checkpoint.agent_link import GrpcAgentLink
         link = GrpcAgentLink.connect(agent.target, 10)
         verified = sorted(i.step for i in link.list("llama-7b-run3") if i.state == "VERIFIED")
@@ -255,8 +255,8 @@ def test_the_readme_loop_rolls_back_before_a_corrupted_data_range(short_tmp: Pat
     agent = AgentProcess(short_tmp / "state", "--rollback-skip-batches", "60",
                          "--rollback-skip-before-steps", "0").start()
     try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "bad_data",
-                                scaled(60)), nprocs=2, join=True)
+        spawn(_worker, (str(tmp_path / "store"), str(tmp_path), str(agent.socket), code, "bad_data",
+                                scaled(60)), nprocs=2)
         journal = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
     finally:
         agent.stop()
