@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from agent_harness import AgentProcess, cli
 from deadlines import scaled
+from rank_spawn import spawn
 
 JOB, WORLD, FAULT, SAVE_EVERY, MIN_STEPS = "compute-stop", 3, 42, 10, 80
 
@@ -98,8 +98,7 @@ def test_a_persistent_compute_fault_stops_every_rank_at_once_naming_the_checkpoi
         short_tmp: Path, tmp_path: Path) -> None:
     agent = AgentProcess(short_tmp / "state", "--checkpoints-keep-committed", "100").start()
     try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(agent.socket), scaled(60)),
-                 nprocs=WORLD, join=True)
+        spawn(_worker, (str(tmp_path / "store"), str(tmp_path), str(agent.socket), scaled(60)), nprocs=WORLD)
         from checkpoint.agent_link import GrpcAgentLink
         link = GrpcAgentLink.connect(agent.target, 10)
         infos = link.list(JOB)
