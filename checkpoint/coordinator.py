@@ -707,8 +707,8 @@ class Coordinator:
     def _checks(self, job_id: str) -> tuple[int | None, list[int]]:
         """The job's checked-through step (None before its first clean check) and its bad steps."""
         checked = self.redis.get(self._jk(job_id, "checked"))
-        bad_steps = [int(float(s)) for _, s in self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)]
-        return (None if checked is None else int(_s(checked))), bad_steps
+        bad = self.redis.zrange(self._jk(job_id, "bad"), 0, -1, withscores=True)
+        return (None if checked is None else int(_s(checked))), [int(float(s)) for _, s in bad]
 
     def _next_to_verify(self, job_id: str, infos: list[CheckpointInfo]) -> set[int]:
         """`policy.next_to_verify` for retention (as a set, empty or one step): the bytes verdicts as judged
@@ -721,8 +721,8 @@ class Coordinator:
             committed[i.step] = (replica_bytes.MISMATCH if self._unscrubbed(job_id, i.step).startswith("bad")
                                  else None if verdict is None else _s(verdict))
         checked, bad_steps = self._checks(job_id)
-        step = policy.next_to_verify(committed, [i.step for i in infos if i.state == policy.VERIFIED], checked,
-                                     bad_steps)
+        verified = [i.step for i in infos if i.state == policy.VERIFIED]
+        step = policy.next_to_verify(committed, verified, checked, bad_steps)
         return set() if step is None else {step}
 
     # ---- the scrub: host bytes of source-checksummed shards -----------------------------------------------
@@ -900,7 +900,8 @@ class Coordinator:
                 log.exception("retention hold failed")
         # the drainer's steps, the one being scrubbed, and the one that becomes VERIFIED next (else, saved
         # faster than a loaded agent's votes arrive, each would go before its vote: nothing to roll back to)
-        keep = set(held) | scrubbing | self._next_to_verify(job_id, [i for i in infos if i.step not in dropped])
+        live = [i for i in infos if i.step not in dropped]
+        keep = set(held) | scrubbing | self._next_to_verify(job_id, live)
         for step in policy.plan_retention(records, self.config.keep_committed, self.config.memory_cap_bytes or None,
                                            self.config.rollback_span_steps, keep):
             self._drop(job_id, step, policy.EVICTED, "retention", now)

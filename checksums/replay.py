@@ -63,7 +63,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -563,8 +563,9 @@ class Replayer:
         mine = mine if mine is not None else self.retained
         payload: list[Any] = [None]
         if dist.get_rank(self.group) == src:
-            payload = [portable([(map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
-                                 for b, c, d in mine.micro])]   # rank_transit: uint16 token ids too
+            on_host = [(map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
+                       for b, c, d in mine.micro]
+            payload = [portable(on_host)]   # rank_transit: uint16 token ids too
         dist.broadcast_object_list(payload, src=src, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
         # the scale is the same on every rank (the scaler's state follows the reduced gradient)

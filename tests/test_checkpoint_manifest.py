@@ -262,9 +262,9 @@ def test_next_to_verify_is_the_oldest_that_can_still_be_verified() -> None:
     A, M = replica_bytes.AGREED, replica_bytes.MISMATCH
     # after the newest VERIFIED (10); 20's bytes differ; 30 waits for the checks
     assert policy.next_to_verify({20: M, 30: A, 40: None}, [10], 15, []) == 30
-    assert policy.next_to_verify({20: None, 30: A}, [10], 15, []) == 20           # not compared yet: may vouch
+    assert policy.next_to_verify({20: None, 30: A}, [10], 15, []) == 20     # not compared yet: may vouch
     assert policy.next_to_verify({5: A, 30: A}, [10], 15, []) == 30               # older than a VERIFIED one
-    assert policy.next_to_verify({30: A, 40: A}, [], 15, [30]) is None            # a bad event at 30 blocks it
+    assert policy.next_to_verify({30: A, 40: A}, [], 15, [30]) is None      # a bad event at 30 blocks it
     assert policy.next_to_verify({30: A, 40: A}, [], 15, [35]) == 30
     assert policy.next_to_verify({30: A}, [], None, []) is None                   # no check ever reported
     assert policy.next_to_verify({20: M, 30: replica_bytes.IMPORTED}, [], 15, []) is None

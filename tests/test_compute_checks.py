@@ -608,8 +608,9 @@ def test_fsdp2_audits_name_a_small_persistent_fault_and_a_transient_on_an_audite
     st = results["clean"]["status"]
     assert st["suspicions"] == 0 and st["dropped"] == 0 and st["exact"] and st["audits"] == 20, st
     assert st["steps"] == 100, st
-    transient = _faults(["--world", "3", "--fsdp", "--fault-step", "25", "--after", "10", "--audit-every", "5",
-                         "--cases", FSDP_AUDIT[2]])[FSDP_AUDIT[2]]["caught"].get("compute")
+    transient = _faults(["--world", "3", "--fsdp", "--fault-step", "25", "--after", "10",
+                         "--audit-every", "5", "--cases", FSDP_AUDIT[2]])
+    transient = transient[FSDP_AUDIT[2]]["caught"].get("compute")
     assert transient and transient["detector"] == "audit" and transient["step"] == 25, transient
     assert transient["named"] == [1] and transient["cause"] == "transient" and transient["dropped"], transient
 
@@ -634,8 +635,9 @@ def test_hsdp_audits_name_the_rank_and_leave_the_training_alone():
     1 from step 22 is named by the audit at 25; 20 clean steps with an audit every 2nd leave every shard
     bit-identical to the run without audits."""
     hsdp = ["--world", "4", "--fsdp", "--hsdp", "2"]
+    name = "mm one elem x1.01 persistent"
     hit = _faults(hsdp + ["--fault-step", "22", "--after", "10", "--audit-every", "5",
-                          "--cases", "mm one elem x1.01 persistent"])["mm one elem x1.01 persistent"]["caught"]["compute"]
+                          "--cases", name])[name]["caught"]["compute"]
     assert hit["step"] == 25 and hit["named"] == [1] and hit["cause"] == "persistent" and hit["dropped"], hit
 
     def clean(audit_every: int) -> list[str]:

@@ -95,7 +95,7 @@ def test_ten_thousand_clean_steps_raise_no_suspicion() -> None:
         if step % AUDIT_EVERY == 0:
             r = (step // AUDIT_EVERY) % world
             computed, replay = (_rows(local(r, step), buckets) for _ in range(2))
-            assert torch.equal(fingerprints_of(replay), fingerprints_of(computed)), f"step {step}: rank {r}'s replay"
+            assert torch.equal(fingerprints_of(replay), fingerprints_of(computed)), (step, r, "replay")
             assert torch.allclose(stats_of(computed), stats_of(rows[r]), rtol=1e-4), (step, r)
             audits += 1
         for p in params:

@@ -31,9 +31,11 @@ def _values() -> dict:
     g = torch.Generator().manual_seed(3)
     raw = torch.randint(0, 2**62, (6,), generator=g)
     return {"u64": raw.view(torch.uint64), "u32": raw[:3].to(torch.int32).view(torch.uint32),
-            "u16": torch.tensor([0, 1, 65535], dtype=torch.uint16), "u8": torch.tensor([255], dtype=torch.uint8),
+            "u16": torch.tensor([0, 1, 65535], dtype=torch.uint16),
+            "u8": torch.tensor([255], dtype=torch.uint8),
             "f": torch.randn(3, generator=g), "pair": Pair(torch.tensor([7], dtype=torch.uint16), [1, "x"]),
-            "dc": Batch(torch.tensor([0, 1, 2**32 - 1], dtype=torch.int64).to(torch.int32).view(torch.uint32)), "scalar": torch.tensor(5, dtype=torch.uint64)}
+            "dc": Batch(torch.tensor([0, 1, 2**32 - 1]).to(torch.int32).view(torch.uint32)),
+            "scalar": torch.tensor(5, dtype=torch.uint64)}
 
 
 def _same(a, b) -> None:
@@ -84,7 +86,7 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
         replayer = Replayer(nn.Linear(2, 2), None, lambda m, b: m(b["x"]).sum(), device=torch.device("cpu"))
         ids = torch.tensor([rank, 40000 + rank, 65535], dtype=torch.int32).to(torch.int16).view(torch.uint16)
         replayer.retain({"x": torch.ones(1, 2), "ids": ids})
-        fetched = replayer.fetch(1)     # in the step (the gate replays a kept step's own `Retained` the same way)
+        fetched = replayer.fetch(1)     # in the step (a kept step's own `Retained` travels the same way)
         sent = torch.tensor([1, 40001, 65535], dtype=torch.int32).to(torch.int16).view(torch.uint16)
         _same(fetched.micro[0][0], {"x": torch.ones(1, 2), "ids": sent})
         Path(out, f"ok{rank}").write_text("ok")

@@ -176,7 +176,8 @@ def test_replicas_that_saved_different_plain_values_are_never_verified(redis_ser
     assert "DIFFERS in state_dict/loader; odd ranks 1" in info.vouched_by
 
 
-def test_saves_faster_than_the_votes_keep_the_checkpoint_a_rollback_needs(redis_server, tmp_path: Path) -> None:
+def test_saves_faster_than_the_votes_keep_the_checkpoint_a_rollback_needs(redis_server, tmp_path: Path
+                                                                           ) -> None:
     """Saved faster than a loaded agent's votes arrive (keep_committed 2): the checkpoint before a flip must
     survive the saves after it (their bytes differ) until its vote comes, then be VERIFIED, the rollback's
     target. Before: retention kept only the newest two and evicted it while it waited: nothing to roll back
