@@ -3,7 +3,8 @@
 # the agent on real NVML, the preflight canary and the demo on GPUs. Logs go to $OUT (8 files at most).
 #   bash bench/gpu_run.sh                    everything
 #   ONLY="diag canary demo" NVML=0 bash bench/gpu_run.sh   a subset; NVML=0 runs the agent without NVML
-# Needs the wheels in .whl/ (grpcio, protobuf, ... for python 3.12: see docs/BENCHMARKS.md).
+# Needs the wheels in .whl/ (the agent's and the rank library's for python 3.12: bash bench/device_wheels.sh;
+# the framework benches' too: bench/framework_wheels.sh), carried to the machine (`carry: [".whl"]`).
 set -u
 OUT=${OUT:-/tmp/sdcw-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
