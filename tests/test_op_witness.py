@@ -386,13 +386,15 @@ def test_two_fsdp2_ranks_name_a_tensor_core_fault(factory):
     block's weights and the backward reduce-scatters, and each rank copies its own shard into the all-gather
     buffer (ops whose inputs differ by design, passed over). Every tensor-core case on rank 1 from step 40
     was `unresolved` on both ranks (FSDP2 had no op witness); now the op witness names rank 1, with the
-    model-level witness's factory (`witness_model`) and without one."""
+    model-level witness's factory (`witness_model`) and without one (here from step 25, after the warm-up,
+    on an audit step, 10 steps past it)."""
     # a forward matmul, a backward one and the attention op without the factory; with it (the model-level
     # witness asked first, naming nobody) two (the channel and =10 cases: the DDP test above)
     cases = ["tc one elem x1.05 persistent", "tc backward channel x2 persistent"]
     cases += [] if factory else ["tc attn one elem x1.05 persistent"]
     r = compute_faults.main(["--model", "tiny-gpt", "--world", "2", "--cpu-autocast", "--fsdp", "--audit-every", "5",
-                             "--cases", ",".join(cases)] + ([] if factory else ["--no-witness-model"]), start=spawn)
+                             "--fault-step", "25", "--after", "10", "--cases", ",".join(cases)]
+                            + ([] if factory else ["--no-witness-model"]), start=spawn)
     assert set(r) == set(cases), r.keys()
     for name, res in r.items():
         hit = res["caught"]["compute"]
@@ -481,7 +483,7 @@ def test_two_ranks_name_a_gpu_whose_moe_router_picks_a_wrong_expert():
     steps after: no GPU named, no update dropped, and the experts' zero buckets do not widen the spread."""
     for extra in (["--clean", "40"], ["--fsdp", "--no-witness-model"]):
         r = compute_faults.main(["--model", "tiny-moe", "--world", "2", "--cpu-autocast", "--audit-every", "5",
-                                 "--fault-step", "10", "--cases", "moe", *extra], start=spawn)
+                                 "--fault-step", "10", "--after", "10", "--cases", "moe", *extra], start=spawn)
         hit = r["moe router top-k index persistent"]["caught"]["compute"]
         assert hit["named"] == [1] and hit["cause"] == "persistent" and hit["dropped"], (extra, hit)
         assert "aten.topk.default" in hit["detail"], hit["detail"]
