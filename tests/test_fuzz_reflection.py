@@ -58,7 +58,8 @@ def _scalar(f: FieldDescriptor) -> st.SearchStrategy:
         # on one went unseen, 2026-12-05)
         width = 64 if f.type == F.TYPE_DOUBLE else 32
         top = 1.7976931348623157e308 if width == 64 else 3.4028234663852886e38
-        edges = [math.inf, -math.inf, math.nan, 0.0, -0.0, 1.0, -1.0, top, -top, 5e-324 if width == 64 else 1e-45]
+        tiny = 5e-324 if width == 64 else 1e-45
+        edges = [math.inf, -math.inf, math.nan, 0.0, -0.0, 1.0, -1.0, top, -top, tiny]
         return st.one_of(st.sampled_from(edges), st.floats(allow_nan=True, allow_infinity=True, width=width))
     if f.type == F.TYPE_BOOL:
         return st.booleans()
