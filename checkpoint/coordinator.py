@@ -711,18 +711,19 @@ class Coordinator:
         return (None if checked is None else int(_s(checked))), [int(float(s)) for _, s in bad]
 
     def _next_to_verify(self, job_id: str, infos: list[CheckpointInfo]) -> set[int]:
-        """`policy.next_to_verify` for retention (as a set, empty or one step): the bytes verdicts as judged
-        (None: not yet), a shard whose host bytes were found bad counting as not vouching."""
-        committed: dict[int, str | None] = {}
-        for i in infos:
-            if i.state != policy.COMMITTED:
-                continue
-            verdict = self.redis.hget(self._meta(job_id, i.step), "bytes_check")
-            committed[i.step] = (replica_bytes.MISMATCH if self._unscrubbed(job_id, i.step).startswith("bad")
-                                 else None if verdict is None else _s(verdict))
+        """`policy.next_to_verify` for retention (as a set, empty or one step): a record's bytes verdict as
+        judged (None: not yet), a shard whose host bytes were found bad counting as not vouching; read only
+        for the records the rule asks about (usually one)."""
+        def verdict(step: int) -> str | None:
+            raw = self.redis.hget(self._meta(job_id, step), "bytes_check")
+            v = None if raw is None else _s(raw)
+            vouching = v is None or v in replica_bytes.VOUCHING
+            return replica_bytes.MISMATCH if vouching and self._unscrubbed(job_id, step).startswith("bad") else v
+
         checked, bad_steps = self._checks(job_id)
+        committed = [i.step for i in infos if i.state == policy.COMMITTED]
         verified = [i.step for i in infos if i.state == policy.VERIFIED]
-        step = policy.next_to_verify(committed, verified, checked, bad_steps)
+        step = policy.next_to_verify(committed, verdict, verified, checked, bad_steps)
         return set() if step is None else {step}
 
     # ---- the scrub: host bytes of source-checksummed shards -----------------------------------------------

@@ -5,7 +5,7 @@ No Redis, no clock: the coordinator passes records and `now` in and applies the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from checkpoint.replica_bytes import VOUCHING
 
@@ -58,11 +58,12 @@ def verified_steps(committed: Iterable[int], bytes_verdicts: Mapping[int, str], 
             and (first_bad is None or k < first_bad)}
 
 
-def next_to_verify(committed: Mapping[int, str | None], verified: Iterable[int], checked_through: int | None,
-                   bad_steps: Iterable[int]) -> int | None:
+def next_to_verify(committed: Iterable[int], verdict: Callable[[int], str | None], verified: Iterable[int],
+                   checked_through: int | None, bad_steps: Iterable[int]) -> int | None:
     """The checkpoint that becomes VERIFIED next, when the job's checks reach it: the oldest COMMITTED step
-    newer than every VERIFIED one whose bytes vouch (`committed[k]` in VOUCHING, or None: not compared yet)
-    and that no bad event precedes (`verified_steps`' rules less "checked through k"). None when there is
+    newer than every VERIFIED one whose bytes vouch (`verdict(k)` in VOUCHING, or None: not compared yet)
+    and that no bad event precedes (`verified_steps`' rules less "checked through k"). `verdict` is asked
+    in step order, only until the answer is found (the coordinator reads it from Redis). None when there is
     none, or the job never reported a clean check (`checked_through` None: a job whose checks never run would
     keep it for good). Retention keeps it (`plan_retention`'s `hold`): saved faster than a loaded agent's
     feed brings the votes (Gemini-style saves seconds apart), the newest `keep_committed` would otherwise
@@ -77,8 +78,8 @@ def next_to_verify(committed: Mapping[int, str | None], verified: Iterable[int],
             continue
         if first_bad is not None and k >= first_bad:
             return None
-        verdict = committed[k]
-        if verdict is None or verdict in VOUCHING:
+        v = verdict(k)
+        if v is None or v in VOUCHING:
             return k
     return None
 

@@ -260,15 +260,21 @@ def test_retention_under_cap_evicts_oldest_unverified_never_only_verified() -> N
 
 def test_next_to_verify_is_the_oldest_that_can_still_be_verified() -> None:
     A, M = replica_bytes.AGREED, replica_bytes.MISMATCH
+    asked: list[int] = []
+
+    def _next(verdicts: dict, *rest):   # the verdicts as the coordinator gives them: asked for one by one
+        return policy.next_to_verify(verdicts, lambda k: (asked.append(k), verdicts[k])[1], *rest)
     # after the newest VERIFIED (10); 20's bytes differ; 30 waits for the checks
-    assert policy.next_to_verify({20: M, 30: A, 40: None}, [10], 15, []) == 30
-    assert policy.next_to_verify({20: None, 30: A}, [10], 15, []) == 20     # not compared yet: may vouch
-    assert policy.next_to_verify({5: A, 30: A}, [10], 15, []) == 30               # older than a VERIFIED one
-    assert policy.next_to_verify({30: A, 40: A}, [], 15, [30]) is None      # a bad event at 30 blocks it
-    assert policy.next_to_verify({30: A, 40: A}, [], 15, [35]) == 30
-    assert policy.next_to_verify({30: A}, [], None, []) is None                   # no check ever reported
-    assert policy.next_to_verify({20: M, 30: replica_bytes.IMPORTED}, [], 15, []) is None
-    assert policy.next_to_verify({}, [10], 15, []) is None
+    assert _next({20: M, 30: A, 40: None}, [10], 15, []) == 30
+    assert _next({20: None, 30: A}, [10], 15, []) == 20     # not compared yet: may vouch
+    assert _next({5: A, 30: A}, [10], 15, []) == 30         # older than a VERIFIED one
+    assert _next({30: A, 40: A}, [], 15, [30]) is None      # a bad event at 30 blocks it
+    assert _next({30: A, 40: A}, [], 15, [35]) == 30
+    assert _next({30: A}, [], None, []) is None             # no check ever reported
+    assert _next({20: M, 30: replica_bytes.IMPORTED}, [], 15, []) is None
+    assert _next({}, [10], 15, []) is None
+    asked.clear()
+    assert _next({20: M, 30: A, 40: A, 50: A}, [10], 15, []) == 30 and asked == [20, 30]   # read until found
     # retention keeps it as it keeps a held step; a memory cap still evicts it first
     recs = [R(30, "COMMITTED"), R(40, "COMMITTED"), R(50, "COMMITTED"), R(60, "COMMITTED")]
     assert policy.plan_retention(recs, keep_committed=2, memory_cap_bytes=None, hold={30}) == [40]
