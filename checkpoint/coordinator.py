@@ -717,8 +717,10 @@ class Coordinator:
         def verdict(step: int) -> str | None:
             raw = self.redis.hget(self._meta(job_id, step), "bytes_check")
             v = None if raw is None else _s(raw)
-            vouching = v is None or v in replica_bytes.VOUCHING
-            return replica_bytes.MISMATCH if vouching and self._unscrubbed(job_id, step).startswith("bad") else v
+            if v is not None and v not in replica_bytes.VOUCHING:
+                return v
+            # host bytes found bad (the scrub): never VERIFIED
+            return replica_bytes.MISMATCH if self._unscrubbed(job_id, step).startswith("bad") else v
 
         checked, bad_steps = self._checks(job_id)
         committed = [i.step for i in infos if i.state == policy.COMMITTED]
