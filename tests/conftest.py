@@ -14,6 +14,7 @@ from typing import Iterator
 import pytest
 
 from deadlines import SLOWDOWN, describe, scaled
+from suite_order import heaviest_files_first, load_costs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -182,6 +183,8 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):     # an xdist worker: the order the controller hands files out in
+        heaviest_files_first(items, load_costs(ROOT / "tests" / "durations.json"))
     try:
         base = float(config.getini("timeout") or 0)   # pytest-timeout's ini key (pyproject: 300)
     except (TypeError, ValueError):   # pytest-timeout not installed
