@@ -366,7 +366,8 @@ def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_
 
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
-             accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0) -> dict[str, Any]:
+             accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0,
+             fused_adam: bool = False) -> dict[str, Any]:
     model, target = make_model(0)
     model = model.to(device)
     active = {"on": False}
@@ -386,7 +387,10 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
     target.register_forward_hook(mm_hook)
     ddp = _wrap(model, device, world, fsdp, bucket_cap_mb=0.01)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=not fsdp and (mask == "device" or device.type == "cuda"))
+    # fused Adam where the device mask needs it, and for DDP on CUDA; --fused-adam: always (FSDP2's host veto
+    # against its device mask on the same optimizer)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3,
+                           fused=fused_adam or mask == "device" or (not fsdp and device.type == "cuda"))
     sink = _Sink()
     monitor = (None if fsdp else
                Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
@@ -802,12 +806,12 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                       fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
                                       mask=args.mask, accum=args.accum, fault_micro=args.fault_micro,
-                                      fsdp=args.fsdp, sdcguard=args.sdcguard)
+                                      fsdp=args.fsdp, sdcguard=args.sdcguard, fused_adam=args.fused_adam)
     if args.clean:
         results["clean"] = run_case(None, rank=rank, world=world, device=device, steps=args.clean,
                                     fault_step=args.clean + 1, fault_rank=-1, audit_every=args.audit_every,
                                     warmup=args.warmup, margin=args.margin, mask=args.mask, accum=args.accum,
-                                    fsdp=args.fsdp, sdcguard=args.sdcguard)
+                                    fsdp=args.fsdp, sdcguard=args.sdcguard, fused_adam=args.fused_adam)
     if args.overhead:
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
                                        audit_every=args.overhead_audit_every, mask=args.mask,
@@ -987,6 +991,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",
                    help="how a suspect update is masked: host veto, or the device found_inf flag (fused Adam)")
+    p.add_argument("--fused-adam", action="store_true",
+                   help="fault cases: fused Adam whatever the mask and device (a host-veto run to compare "
+                        "with a device-mask one on the same optimizer)")
     p.add_argument("--overhead", type=int, default=0, help="also measure step time with and without the gate "
                    "over this many steps each, interleaved")
     p.add_argument("--overhead-audit-every", type=int, default=334, help="the audit cadence of --overhead's "

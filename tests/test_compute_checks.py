@@ -586,6 +586,24 @@ def test_fsdp2_pre_reduce_scatter_checks_name_the_rank_and_drop():
         assert hit["cause"] == "transient", f"{name}: {hit}"
 
 
+def test_fsdp2_device_mask_leaves_the_weights_the_host_veto_leaves():
+    """FSDP2 on 3 gloo ranks with fused Adam (its parameters DTensor shards): the device mask (`found_inf`
+    set to the verdict, no host wait; `mask="auto"` picks it on CUDA with a fused optimizer) drops the
+    faulty step as the host veto does, rank 1 named at step 25, and every rank's shards end bit-identical
+    to the host veto's run: the fused optimizer skipped the masked update on DTensor parameters too
+    (parameters, moments and step count)."""
+    def run(mask: str) -> tuple[dict, list[str]]:
+        name = "mm one elem =1e4"
+        r = _faults(["--world", "3", "--fsdp", "--mask", mask, "--fused-adam", "--fault-step", "25",
+                     "--after", "8", "--audit-every", "0", "--cases", name])[name]
+        return r["caught"].get("compute"), r["weights"]
+    host_hit, host_w = run("host")
+    dev_hit, dev_w = run("device")
+    for hit in (host_hit, dev_hit):
+        assert hit and hit["step"] == 25 and hit["named"] == [1] and hit["dropped"], hit
+    assert dev_w == host_w
+
+
 FSDP_AUDIT = ["mm one elem x1.01 persistent", "mm channel x2 persistent", "mm one elem =10"]
 
 
