@@ -367,7 +367,7 @@ def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
              accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0,
-             fused_adam: bool = False) -> dict[str, Any]:
+             fused_adam: bool = False, experts_hint: bool = True) -> dict[str, Any]:
     model, target = make_model(0)
     model = model.to(device)
     active = {"on": False}
@@ -405,7 +405,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                   inject_bucket=grad_inject if rank == fault_rank else None,
                                   # FSDP2 with 2 ranks: the model-level CPU witness needs the bare model (a
                                   # factory; --no-witness-model: the op witness alone)
-                                  witness_model=(lambda: make_model(0)[0]) if fsdp and MODEL["factory"] else None)
+                                  witness_model=((lambda: make_model(0)[0]) if fsdp and MODEL["factory"]
+                                                 else None),
+                                  **({} if experts_hint else {"experts": None}))
     caught: dict[str, dict[str, Any]] = {}
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
     guard = _sdcguard(sdcguard, model) if sdcguard else None
@@ -522,6 +524,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     held = next((k.step for k in checks.guard.skipped if k.step >= fault_step and k.stage == checks.name), None)
     return {"caught": caught, "held": held, "steps": step, "elapsed_s": elapsed, "status": dataclasses.asdict(st),
             "mode": checks.mode(), "scale": float(scaler.get_scale()) if scaler is not None else None,
+            "expert_buckets": list(checks.expert_buckets or ()), "zeroable": list(checks.tracker.zeroable),
             "reported": reported, "fault_step_unchanged": unchanged, "effective": effective,
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else [],
             "weights": weights}
@@ -806,12 +809,14 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                       fault_rank=args.fault_rank,
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
                                       mask=args.mask, accum=args.accum, fault_micro=args.fault_micro,
-                                      fsdp=args.fsdp, sdcguard=args.sdcguard, fused_adam=args.fused_adam)
+                                      fsdp=args.fsdp, sdcguard=args.sdcguard, fused_adam=args.fused_adam,
+                                      experts_hint=not args.no_experts_hint)
     if args.clean:
         results["clean"] = run_case(None, rank=rank, world=world, device=device, steps=args.clean,
                                     fault_step=args.clean + 1, fault_rank=-1, audit_every=args.audit_every,
                                     warmup=args.warmup, margin=args.margin, mask=args.mask, accum=args.accum,
-                                    fsdp=args.fsdp, sdcguard=args.sdcguard, fused_adam=args.fused_adam)
+                                    fsdp=args.fsdp, sdcguard=args.sdcguard, fused_adam=args.fused_adam,
+                                    experts_hint=not args.no_experts_hint)
     if args.overhead:
         results["overhead"] = overhead(rank=rank, device=device, steps=args.overhead, block=args.block,
                                        audit_every=args.overhead_audit_every, mask=args.mask,
@@ -991,6 +996,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",
                    help="how a suspect update is masked: host veto, or the device found_inf flag (fused Adam)")
+    p.add_argument("--no-experts-hint", action="store_true",
+                   help="ComputeChecks(experts=None): MoE expert buckets only learnt as zeroable, not "
+                        "declared")
     p.add_argument("--fused-adam", action="store_true",
                    help="fault cases: fused Adam whatever the mask and device (a host-veto run to compare "
                         "with a device-mask one on the same optimizer)")

@@ -48,6 +48,13 @@ DDP takes one communication hook, and the checks are one: a job that reduces thr
 (`bf16_compress_hook`, PowerSGD, ...) passes it as `comm_hook=` (and `comm_state=`) instead of registering
 it; each bucket is summarised, then handed to it (checksums.grad_checks.GradSummaries).
 
+MoE experts (DDP): a bucket holding only experts' parameters (`experts=`, a predicate on the parameter's
+name; by default a name with an `experts` or `local_experts` part, not `shared_experts`, as Mixtral, Qwen-MoE,
+DeepSeek and Megatron name them) is exactly zero on a rank none of whose tokens chose those experts. Once
+DDP's bucket layout has settled such buckets are declared zeroable to the spread
+(`SpreadTracker.declare_zeroable`): a zero there is the data's from the start, not a suspicion the first
+time it happens after the warm-up (a lost update under the device mask). `experts=None`: learnt only.
+
 Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and the evidence; with
 `monitor=` the Monitor's next step report carries them to the agent (ReportStepRequest.compute). Training-side module: never imports the agent (`daemon`).
 """
@@ -85,6 +92,14 @@ NO_BATCH = "no batch retained: call checks.retain(batch) before each forward"
 DEFAULT_AUDIT_EVERY = 334      # one replay per 334 steps: <= 0.3% when a replay costs about one step
 
 
+def expert_param(name: str) -> bool:
+    """The default `experts=`: a parameter of an MoE layer's routed experts, by its qualified name (a part
+    `experts` or ending in `_experts`, as `layers.0.block_sparse_moe.experts.3.w1.weight` or Megatron's
+    `local_experts`; not `shared_experts`, which every token uses)."""
+    return any(part == "experts" or (part.endswith("_experts") and not part.startswith("shared"))
+               for part in name.split("."))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ComputeStatus:
     exact: bool                # replays compare exact fingerprints (False: the rounding-aware bound)
@@ -111,7 +126,8 @@ class ComputeChecks:
                  mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
                  max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None,
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
-                 side_stream: bool | None = None, scaler: Any = None) -> None:
+                 side_stream: bool | None = None, scaler: Any = None,
+                 experts: Callable[[str], bool] | None = expert_param) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
         self.group = group
@@ -134,6 +150,14 @@ class ComputeChecks:
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
                      scaler=scaler))
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)
+        # the experts' parameters (indices into the hook's `params`, named in the same order), declared
+        # zeroable bucket by bucket once DDP's layout settles (`_declare_experts`); FSDP2's groups are whole
+        # layers (never zero on a rank), so only DDP
+        self._experts: frozenset[int] = frozenset()
+        if experts is not None and not self.fsdp:
+            names = [n for n, p in getattr(ddp, "module", ddp).named_parameters() if p.requires_grad]
+            self._experts = frozenset(i for i, n in enumerate(names) if experts(n))
+        self.expert_buckets: tuple[int, ...] | None = None if self._experts else ()
         self.audit_every = audit_every
         where = [None] * self.world
         dist.all_gather_object(where, (host if host is not None else socket.gethostname(), gpu_uuid,
@@ -221,6 +245,8 @@ class ComputeChecks:
     def run(self, ctx: StepContext) -> Veto | None:
         self._steps += 1
         self._last_step = ctx.step
+        if self.expert_buckets is None:
+            self._declare_experts()
         start = None
         if not self._determinism_checked:
             self._determinism_checked = True
@@ -241,6 +267,20 @@ class ComputeChecks:
                                    [] if start is None else [("audit", start.faulty[0], start)])
         finally:
             self.replayer.end_step()              # the next retain() starts the next step's micro-batches
+
+    def _declare_experts(self) -> None:
+        """Once DDP's bucket layout has settled: its buckets of experts' parameters only, declared zeroable
+        (see the module docstring); said once in the log."""
+        layout = self.summaries.settled_layout()
+        if layout is None:
+            return
+        buckets = tuple(sorted(b for b, idx in layout.items() if idx and self._experts.issuperset(idx)))
+        self.expert_buckets = buckets
+        if buckets:
+            self.tracker.declare_zeroable(buckets, len(layout))
+            logger.info("sdcwatch: compute checks: gradient bucket(s) %s hold MoE experts' parameters "
+                        "only: a zero there (no token of a rank chose them) is left out of the comparison",
+                        list(buckets))
 
     def _check_replays(self) -> Classification | None:
         """At the first step (a collective): replays are deterministic (else the rounding-aware bound), and
@@ -594,4 +634,4 @@ def _is_fsdp(model: nn.Module) -> bool:
 _choose_mask = choose_mask   # the name this module had for it
 
 
-__all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus"]
+__all__ = ["Cause", "ComputeChecks", "ComputeFinding", "ComputeStatus", "expert_param"]

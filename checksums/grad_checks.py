@@ -489,6 +489,13 @@ class GradSummaries:
                 self._rows[i] = self._views[i]
         return self._views[idx]
 
+    def settled_layout(self) -> dict[int, tuple[int, ...]] | None:
+        """`layout` once every bucket has kept its buffer for more than `_LAYOUT_CALLS` calls (DDP's one
+        rebuild behind it), else None."""
+        if not self._seen or any(seen[3] <= _LAYOUT_CALLS for seen in self._seen.values()):
+            return None
+        return dict(self.layout)
+
     def bucket_count(self) -> int:
         """The buckets reduced since the last `clear` (every index below it must have been)."""
         return max(self._rows) + 1 if self._rows else 0
@@ -764,6 +771,7 @@ class SpreadTracker:
         # comparison (`deviations`), never widening the spread
         self._zeroable: np.ndarray | None = None
         self._signed: np.ndarray | None = None
+        self._declared: np.ndarray | None = None    # zeroable by the model's own word (`declare_zeroable`)
 
     @property
     def spread(self) -> torch.Tensor | None:
@@ -780,6 +788,22 @@ class SpreadTracker:
         """`spread` with the zeroable buckets' rows negated: the one tensor the device verdict reads
         (`device_flag`), moving with `spread_version` as `spread` does."""
         return None if self._signed is None else torch.from_numpy(self._signed)
+
+    def declare_zeroable(self, buckets: Sequence[int], count: int) -> tuple[int, ...]:
+        """Buckets whose gradient the model says can be exactly zero on a rank (an MoE expert's parameters
+        only: `ComputeChecks`' `experts=`), of a layout of `count` buckets: zeroable from now on (and in a
+        spread learnt anew for `count` buckets), as if learnt on a clean step, so the first step an expert
+        gets no token on some rank is not a suspicion (under the device gate: a lost update). Returns the
+        buckets newly marked."""
+        marks = np.zeros(count, dtype=bool)
+        marks[[b for b in buckets if 0 <= b < count]] = True
+        self._declared = marks
+        if self._spread is None or self._zeroable is None or self._spread.shape[0] != count:
+            return tuple(int(b) for b in np.flatnonzero(marks))
+        new = marks & ~self._zeroable
+        if new.any():
+            self._set(self._spread, self._zeroable | new)
+        return tuple(int(b) for b in np.flatnonzero(new))
 
     def _set(self, spread: np.ndarray, zeroable: np.ndarray) -> None:
         """New spread values or zeroable buckets (never changed in place: views handed out stay as they
@@ -810,7 +834,10 @@ class SpreadTracker:
     def _judge(self, x: np.ndarray, lx: np.ndarray, nonfinite: tuple[int, ...]) -> StatsVerdict:
         world, nb = x.shape[0], x.shape[1]
         if self._spread is None or self._spread.shape[0] != nb:   # DDP rebuilt its buckets: learn anew
-            self._set(np.full((nb, 2), self.floor, dtype=np.float64), np.zeros(nb, dtype=bool))
+            declared = self._declared
+            self._set(np.full((nb, 2), self.floor, dtype=np.float64),
+                      declared.copy() if declared is not None and declared.shape[0] == nb
+                      else np.zeros(nb, dtype=bool))
             self.learned = 0
         dev = _deviations_of_log(lx, self._zeroable)
         if self.learned < self.warmup or world < 2:

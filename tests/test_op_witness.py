@@ -494,3 +494,8 @@ def test_two_ranks_name_a_gpu_whose_moe_router_picks_a_wrong_expert():
             assert all(not named and cause == "data" for _, _, cause, named in clean["reported"]), clean["reported"]
             # those zeros are left out, not learnt: the spread stays the data's (62.6 log units before)
             assert max(max(row) for row in clean["spread"]) < 10.0, clean["spread"]
+            # the buckets of the experts' parameters only, named from the parameters (`experts=`), are
+            # zeroable from the layout's settling on; under FSDP2 none are declared (its groups are layers)
+            assert clean["expert_buckets"] and set(clean["expert_buckets"]) <= set(clean["zeroable"]), clean
+        else:
+            assert r["moe router top-k index persistent"]["expert_buckets"] == [], extra

@@ -167,3 +167,121 @@ def test_the_device_graph_reads_the_zeroable_rows_of_the_spread() -> None:
     spread[2].neg_()                                        # the tracker learnt bucket 2 zeroable
     assert float(v.flag(r, spread)) == 0.0 and v.captures == 1
     assert float(device_flag(stats_of(r), spread, 3.0)) == 0.0
+
+
+def test_declared_expert_buckets_are_zeroable_from_the_start_on_host_and_device() -> None:
+    """`declare_zeroable` (ComputeChecks' `experts=`: the buckets of MoE experts' parameters): a first zero
+    there after the warm-up is no suspicion (undeclared it is: the previous test), on the host and in the
+    device rule (the signed spread); a dense bucket zero on one rank still is; marks made before the spread
+    exists, or kept for a layout of the same size, apply when it is made; another layout's size ignores
+    them."""
+    g = torch.Generator().manual_seed(3)
+    world, buckets = 3, 4
+    t = SpreadTracker(warmup=20)
+    assert t.declare_zeroable([1, 3, 9], buckets) == (1, 3)     # before any step; 9 is not a bucket
+    for _ in range(30):
+        t.assess(_step(g, world, buckets))                       # no zero seen in the warm-up
+    assert t.zeroable == (1, 3)
+    first = _step(g, world, buckets, {3: [2]})
+    _, v = t.assess(first)
+    assert v.suspects == (), v
+    signed = t.signed_spread
+    assert signed is not None
+    assert float(device_flag(first, signed, t.margin)) == 0.0
+    dense = _step(g, world, buckets, {0: [1]})
+    _, v = t.assess(dense)
+    assert v.outliers == (1,) and v.bucket == 0, v
+    assert float(device_flag(dense, signed, t.margin)) == 1.0
+    # declared after the spread exists: the new ones only; the version moves so the device copy follows
+    version = t.spread_version
+    assert t.declare_zeroable([0, 1], buckets) == (0,) and t.zeroable == (0, 1, 3)
+    assert t.spread_version > version
+    # DDP's layout of another size (a rebuild): the spread is learnt anew, the marks do not carry over
+    for _ in range(3):
+        t.assess(_step(g, world, buckets + 1))
+    assert t.zeroable == ()
+
+
+def test_expert_parameters_are_named_as_moe_models_name_them() -> None:
+    from checksums.compute_gate import expert_param
+
+    yes = ["model.layers.0.block_sparse_moe.experts.3.w1.weight",
+           "model.layers.7.mlp.experts.12.up_proj.weight",
+           "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", "blocks.0.experts.2.0.bias",
+           "layers.3.moe.routed_experts.w2"]
+    no = ["model.layers.0.mlp.shared_experts.up_proj.weight", "model.layers.0.block_sparse_moe.gate.weight",
+          "blocks.0.router.weight", "expertsx.w", "mlp.expert_bias", "lm_head.weight"]
+    assert [expert_param(n) for n in yes] == [True] * len(yes)
+    assert [expert_param(n) for n in no] == [False] * len(no)
+
+
+def _expert_layout_worker(rank: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=1)
+    try:
+        class Moe(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inp = nn.Linear(8, 8)
+                self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+                self.shared_experts = nn.Linear(8, 8)
+                self.out = nn.Linear(8, 2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                h = self.inp(x)
+                h = h + sum(e(h) for e in self.experts) + self.shared_experts(h)
+                return self.out(h)
+
+        got = {}
+        for hint in (True, False):
+            torch.manual_seed(0)
+            model = Moe()
+            ddp = DDP(model, bucket_cap_mb=0.0002)                   # about a Linear a bucket
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+            kw = {} if hint else {"experts": None}
+            checks = ComputeChecks.attach(ddp, opt, loss_fn=lambda m, b: m(b).square().mean(), audit_every=0,
+                                          **kw)
+            steps = []
+            for step in range(6):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                checks.retain(x)
+                ddp(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(checks.expert_buckets)
+            names = [n for n, p in model.named_parameters()]
+            layout = checks.summaries.layout
+            want = sorted(b for b, idx in layout.items() if all(".experts." in "." + names[i] for i in idx))
+            got[str(hint)] = {"steps": [None if s is None else list(s) for s in steps], "want": want,
+                              "zeroable": list(checks.tracker.zeroable), "buckets": len(layout)}
+            checks.close()
+        with open(out, "w") as f:
+            json.dump(got, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_expert_buckets_follow_ddps_settled_layout(tmp_path) -> None:
+    """On a DDP model with four routed experts and a shared one (one rank, gloo): once DDP's layout has
+    settled (its rebuild after the first step behind it) the buckets holding routed experts' parameters
+    only are declared zeroable, the shared expert's and the dense layers' are not; `experts=None` declares
+    nothing."""
+    import json
+
+    from rank_spawn import spawn
+
+    out = tmp_path / "out.json"
+    spawn(_expert_layout_worker, (str(tmp_path / "init"), str(out)), nprocs=1)
+    got = json.loads(out.read_text())
+    hint, none = got["True"], got["False"]
+    assert hint["buckets"] >= 5 and hint["want"], hint
+    assert hint["steps"][0] is None and hint["steps"][-1] == hint["want"], hint    # declared once settled
+    assert set(hint["want"]) <= set(hint["zeroable"]), hint
+    assert none["steps"][-1] == [] and none["zeroable"] == [], none
