@@ -1,7 +1,6 @@
 """Agent process lifecycle: shutdown cleanliness, restart after kill -9, config errors, Redis modes, TCP."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time

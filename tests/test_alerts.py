@@ -8,11 +8,8 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import shutil
-import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 

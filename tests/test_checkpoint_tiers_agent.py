@@ -6,7 +6,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 
 from agent_harness import AgentProcess
 from checkpoint.client import CheckpointClient

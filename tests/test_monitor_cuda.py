@@ -6,7 +6,6 @@ from support import RecordingReporter
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 from typing import Any
 
-import pytest
 import yaml
 
 from daemon import alert_policy

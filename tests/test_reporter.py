@@ -6,7 +6,6 @@ the end-to-end test with the real agent belongs in tests/test_agent_*.py.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import os
 import subprocess
