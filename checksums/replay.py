@@ -40,7 +40,9 @@ gradients bit for bit, DDP's hooks untouched. A replay round that raises on any 
 on every rank at the same point (`agreed`: one tiny all-reduce a round), so no rank is left in a collective.
 
 Determinism: `check_determinism` replays one batch twice at start. When the two fingerprints differ the
-comparisons fall back to a rounding-aware bound on the norm and max-abs (`exact=False`), said in status.
+comparisons fall back to a rounding-aware bound on the norm and max-abs (`exact=False`), said in status;
+where only a minority of 3+ ranks differ and the rest repeat and agree, a second round decides first
+(`classify_start_rechecked`: a one-off stays exact; the same ranks again are named).
 It also compares the replay with the step's own rows: a replay that does not reproduce the step it replays
 (a `loss_fn` that is not what the loop back-propagates: a GradScaler not given as `scaler=`, a division by
 the micro-batches missing, a term the loop adds) would blame a GPU for every audit, so replays are then
@@ -195,6 +197,46 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
                                 f"ranks {list(dissent)} each repeat their own gradient of rank 0's batch at "
                                 f"the first step, ranks {ref} agree on another: their GPUs compute wrong from "
                                 "the start (or run another GPU model or library)")
+
+
+def flaky_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[int, ...]:
+    """The ranks whose two replays of rank 0's batch differ [world, 2, B, 4] (host) while every other rank
+    repeats its own and a strict majority of all the ranks agree on one result: then the kernels are
+    deterministic (those ranks show it) and those few GPUs did not reproduce. 3+ ranks on the same hardware;
+    () otherwise (no rank differs, too many do, or no majority: `classify_start` decides alone). Pure."""
+    world = got.shape[0]
+    if world < 3 or not same_hardware:
+        return ()
+    fps = [(fingerprints_of(got[r, 0]), fingerprints_of(got[r, 1])) for r in range(world)]
+    flaky = tuple(r for r in range(world) if not torch.equal(*fps[r]))
+    if not flaky or len(flaky) * 2 >= world:
+        return ()
+    steady = [r for r in range(world) if r not in flaky]
+    groups = _agreeing(len(steady), lambda a, b: torch.equal(fps[steady[a]][0], fps[steady[b]][0]))
+    return flaky if max(len(g) for g in groups) * 2 > world else ()
+
+
+def classify_start_rechecked(first: torch.Tensor, second: torch.Tensor,
+                             same_hardware: bool = True) -> tuple[bool, Classification | None]:
+    """The first step's check when `first` had ranks that did not repeat their own result (`flaky_start`)
+    and every rank replayed rank 0's batch twice more (`second`): one odd replay must not move the whole run
+    to the rounding bound, where a small fault hides for good, and must not name a GPU on its own. The
+    second round deterministic (`classify_start` exact): exact, with the GPUs it finds (a one-off on the
+    first: logged by the caller, no GPU named for it). The same ranks again not repeating while the others
+    do and agree: exact, and those GPUs named (`persistent`: they do not reproduce a computation the others
+    repeat bit for bit). Anything else: the rounding bound, as `classify_start(first)` says. Pure."""
+    flaky = flaky_start(first, same_hardware)
+    exact, fault = classify_start(second, same_hardware)
+    if exact:
+        return exact, fault
+    again = flaky_start(second, same_hardware)
+    if flaky and again == flaky:
+        steady = [r for r in range(first.shape[0]) if r not in flaky]
+        return True, Classification(Cause.PERSISTENT, flaky, True,
+                                    f"ranks {list(flaky)} gave two different gradients of rank 0's batch in "
+                                    f"each of two checks at the first step while ranks {steady} repeated "
+                                    "theirs: their GPUs do not reproduce a deterministic computation")
+    return classify_start(first, same_hardware)
 
 
 def bounded_reason(got: torch.Tensor, same_hardware: bool, device_type: str, deterministic: bool,
@@ -703,15 +745,31 @@ class Replayer:
         """Every rank replays rank 0's retained batch twice (a collective, after a first backward built the
         bucket layout); exact comparisons stay on if all the results agree bit for bit, or if only GPUs that
         each repeat a wrong result of their own disagree with a majority (`classify_start`: those are kept in
-        `start_fault`), else the rounding-aware bound is used (`exact` False). `originals`: every rank's own
+        `start_fault`), else the rounding-aware bound is used (`exact` False). When only a few ranks did not
+        repeat their own result and the others did and agree (`flaky_start`), every rank replays it twice
+        more and `classify_start_rechecked` decides (a one-off: exact; the same ranks again: exact, and
+        their GPUs named). `originals`: every rank's own
         rows of this step [world, B, 4] (host): when rank 0's replay of its batch does not give its original,
         and (with two ranks or more) rank 1's replay of its own batch neither (one fault at this step does
         not turn the check off), replays do not reproduce this job's steps (`reproduces` False, `why_not` the
         likely reason)."""
         retained = self.fetch(0)
         got = self.replay_round(lambda: torch.stack([self.replay(retained), self.replay(retained)]))
-        self.exact, self.start_fault = classify_start(got, self.same_hardware)
         self.replays -= 2
+        flaky = flaky_start(got, self.same_hardware)    # the same on every rank: the gathered `got`
+        if flaky:      # a few ranks did not repeat, the others did and agree: check once more, not the bound
+            again = self.replay_round(lambda: torch.stack([self.replay(retained), self.replay(retained)]))
+            self.replays -= 2
+            self.exact, self.start_fault = classify_start_rechecked(got, again, self.same_hardware)
+            named = self.start_fault is not None and set(flaky) <= set(self.start_fault.faulty)
+            logger.warning("sdcwatch: compute checks: at the first step rank(s) %s gave two different "
+                           "gradients of one batch while the others repeated theirs; a second check: %s",
+                           list(flaky),
+                           "they did again, their GPUs are named" if self.exact and named else
+                           "every rank repeated (a one-off; exact comparisons stay on)" if self.exact else
+                           "no majority repeats (the rounding bound)")
+        else:
+            self.exact, self.start_fault = classify_start(got, self.same_hardware)
         if (not self.exact and got.shape[0] == 2 and self.cpu_witness and self.same_hardware
                 and repeats_own(got)):
             self._start_witness(retained)    # two GPUs, each repeating its own result: the CPU decides

@@ -15,6 +15,7 @@ from checksums.compute_gate import _choose_mask
 from checksums.grad_checks import SpreadTracker, bucket_summary, stats_of
 from checksums.replay import (
     Cause, audit_every, bounded_reason, classify_pair_replays, classify_replays, classify_start,
+    classify_start_rechecked, flaky_start,
 )
 
 
@@ -333,6 +334,65 @@ def test_the_first_steps_check_names_a_gpu_faulty_from_the_start_instead_of_call
     # a job across GPU models (or CUDA, torch builds): ranks round differently by design, nobody is named
     assert classify_start(_start([(10, 10), (10, 10), (99, 99)]), same_hardware=False) == (False, None)
     assert classify_start(_start([(10, 10)] * 3), same_hardware=False) == (True, None)
+
+
+def test_one_rank_that_does_not_repeat_at_the_first_step_is_checked_again_not_taken_for_a_random_model():
+    """3+ ranks, one (or a minority) whose two replays of rank 0's batch differ while the rest repeat theirs
+    and agree: the kernels are deterministic (they show it). Every rank replays twice more: all repeat ->
+    exact, nobody named (a one-off); the same ranks again -> exact, those GPUs named (persistent: they do not
+    reproduce what the others repeat bit for bit); anything else -> the rounding bound, as before."""
+    first = _start([(10, 10), (10, 10), (10, 11)])
+    assert flaky_start(first) == (2,)
+    assert flaky_start(_start([(10, 12), (10, 10), (10, 10), (10, 10)])) == (0,)
+    assert flaky_start(_start([(10, 11), (10, 10), (10, 10), (10, 12)])) == ()      # half the ranks: random
+    assert flaky_start(_start([(10, 10), (12, 12), (10, 11)])) == ()                 # no majority repeats
+    assert flaky_start(_start([(10, 10), (10, 11)])) == ()                           # two ranks
+    assert flaky_start(first, same_hardware=False) == ()
+    assert flaky_start(_start([(10, 10)] * 3)) == ()
+    # the second round
+    assert classify_start_rechecked(first, _start([(10, 10)] * 3)) == (True, None)      # a one-off
+    exact, c = classify_start_rechecked(first, _start([(10, 10), (10, 10), (10, 13)]))  # rank 2 again
+    assert exact and (c.cause, c.faulty, c.drop) == (Cause.PERSISTENT, (2,), True), c
+    assert "do not reproduce" in c.detail
+    exact, c = classify_start_rechecked(first, _start([(10, 10), (10, 10), (99, 99)]))  # repeats, but wrong
+    assert exact and c.faulty == (2,), c
+    assert classify_start_rechecked(first, _start([(10, 11), (10, 10), (10, 10)])) == (False, None)  # another
+    assert classify_start_rechecked(first, _start([(10, 11), (10, 10), (10, 12)])) == (False, None)
+
+
+def test_the_determinism_check_replays_a_second_round_only_for_a_flaky_minority(caplog):
+    """`Replayer.check_determinism` with its collectives scripted: a second round (every rank, twice) runs
+    only when a minority did not repeat; its outcome sets `exact` and `start_fault`, and the log says
+    which."""
+    from checksums.replay import Replayer
+
+    class Scripted:
+        same_hardware, cpu_witness, replays = True, False, 10
+        device = torch.device("cpu")
+
+        def __init__(self, rounds: list[torch.Tensor]) -> None:
+            self.rounds = rounds
+
+        def fetch(self, src: int) -> object:
+            return object()
+
+        def replay_round(self, fn: object) -> torch.Tensor:
+            return self.rounds.pop(0)
+
+    first = _start([(10, 10), (10, 10), (10, 11)])
+    cases = [([first, _start([(10, 10)] * 3)], True, None, "one-off"),
+             ([first, _start([(10, 10), (10, 10), (10, 12)])], True, (2,), "named"),
+             ([first, _start([(10, 12), (10, 10), (10, 10)])], False, None, "rounding bound"),
+             ([_start([(10, 10)] * 3)], True, None, ""),                     # all repeat: one round
+             ([_start([(10, 11), (10, 10), (10, 12)])], False, None, "")]    # random: one round, the bound
+    for rounds, exact, faulty, said in cases:
+        stub = Scripted(list(rounds))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="checksums.replay"):
+            assert Replayer.check_determinism(stub) is exact
+        assert stub.rounds == [] and stub.replays == 10 - 2 * len(rounds), (said, stub.replays)
+        assert (stub.start_fault.faulty if stub.start_fault else None) == faulty, said
+        assert (said in caplog.text) if said else "first step" not in caplog.text, caplog.text
 
 
 def test_the_bounds_reason_says_what_to_change():
