@@ -130,6 +130,9 @@ class ComputeChecks:
                  experts: Callable[[str], bool] | None = expert_param) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
+        if experts is not None and not callable(experts):
+            raise TypeError(f"experts= is a predicate on a parameter's qualified name (name -> bool) or "
+                            f"None, got {type(experts).__name__}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

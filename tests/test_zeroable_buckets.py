@@ -215,6 +215,14 @@ def test_expert_parameters_are_named_as_moe_models_name_them() -> None:
     assert [expert_param(n) for n in no] == [False] * len(no)
 
 
+def test_experts_must_be_a_predicate() -> None:
+    from checksums.compute_gate import ComputeChecks
+
+    with pytest.raises(TypeError, match="predicate on a parameter's qualified name"):
+        ComputeChecks(object(), object(), loss_fn=lambda m, b: b,  # type: ignore[arg-type]
+                      experts=["experts.0.weight"])
+
+
 def _expert_layout_worker(rank: int, init: str, out: str) -> None:
     import json
 
