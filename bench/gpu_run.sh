@@ -58,6 +58,10 @@ if want agentbench && [ "${AGENT_FG:-${FG:-0}}" != 1 ]; then
   python3 bench/bench_agent.py --calls 3000 --rounds 3 --seconds 3 --memory-calls 100000 \
     $([ "$NVML" = 0 ] && echo --no-nvml) > "$OUT/agent_bench.log" 2>&1 & AGENTB=$!
 fi
+# every test marked gpu in the suite (the ones the CPU suite skips); the Kubernetes tests' client libraries
+# are not among the device's wheels, and they have no GPU test
+want gpuall && step gpu-all 400 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rfE tests/ \
+  --ignore=tests/test_k8s_manifests.py --ignore=tests/test_k8s_node_conditions.py --ignore=tests/test_kustomize.py
 want tests && step gpu-tests 200 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
   tests/test_fingerprint_gpu.py tests/test_monitor_cuda.py tests/test_canary_gpu.py tests/test_canary_child.py \
   $([ "$NVML" = 1 ] && echo tests/test_nvml_real.py)
@@ -450,6 +454,14 @@ want opwitattn && step tc-attn-2ranks 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 py
 want opwitmoe && step moe-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model tiny-moe --fault-step 10 --audit-every 5 \
   --determinism strict --cases moe
+# issue 19: the MoE experts named by the model (`experts=`) against learnt only: 150 clean steps after the
+# router's fault, the device mask; suspicions and lost updates in each (thirtieth session)
+want moeclean && step moe-clean 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model tiny-moe --fault-step 10 --audit-every 5 \
+  --determinism strict --cases moe --clean 150
+want moeclean && step moe-clean-nohint 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model tiny-moe --fault-step 10 --audit-every 5 \
+  --determinism strict --cases moe --clean 150 --no-experts-hint
 want compileprobe && step compile-probe 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compile_replay_probe \
   --device cuda --model gpt2 --batch 4
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
