@@ -772,6 +772,36 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     return out
 
 
+def _flaky_replays(calls: set[int]) -> None:
+    """This rank's replays numbered in `calls` (1-based, this process) come back with a fingerprint word
+    changed: a GPU that does not reproduce one computation (`--flaky-replay`; the first step's determinism
+    check makes calls 1-2, its second round, if any, 3-4)."""
+    from checksums.replay import Replayer
+
+    real = Replayer.replay
+    count = [0]
+
+    def replay(self: Any, *a: Any, **k: Any) -> torch.Tensor:
+        rows = real(self, *a, **k)
+        count[0] += 1
+        if count[0] in calls:
+            rows = rows.clone()
+            rows[0, 2] ^= 1                              # one bit of the first bucket's fingerprint
+        return rows
+    Replayer.replay = replay  # type: ignore[method-assign]
+
+
+def _flaky_spec(text: str) -> tuple[int, list[int]]:
+    rank, _, calls = text.partition(":")
+    try:
+        out = int(rank), [int(c) for c in calls.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--flaky-replay is RANK:CALL[,CALL...], got {text!r}") from None
+    if out[0] < 0 or not out[1] or min(out[1]) < 1:
+        raise argparse.ArgumentTypeError(f"--flaky-replay is RANK:CALL[,CALL...] (calls from 1), got {text!r}")
+    return out
+
+
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -793,6 +823,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["amp"] = args.amp
     MODEL["ac"] = args.ac
     SDCGUARD["mode"] = args.sdcguard_mode
+    if args.flaky_replay and rank == args.flaky_replay[0]:
+        _flaky_replays(set(args.flaky_replay[1]))
     results = {}
     names = GROUPS[args.cases]() if args.cases in GROUPS else args.cases.split(",")
     for case in [c for c in CASES + TC_CASES + MOE_CASES if c.name in names]:
@@ -996,6 +1028,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clean", type=int, default=0, help="also run this many clean steps")
     p.add_argument("--mask", choices=["auto", "host", "device"], default="auto",
                    help="how a suspect update is masked: host veto, or the device found_inf flag (fused Adam)")
+    p.add_argument("--flaky-replay", type=_flaky_spec, default=None, metavar="RANK:CALL[,CALL...]",
+                   help="that rank's replays with these numbers (from 1: the first step's check makes 1-2, "
+                        "its second round 3-4) come back with one fingerprint bit changed")
     p.add_argument("--no-experts-hint", action="store_true",
                    help="ComputeChecks(experts=None): MoE expert buckets only learnt as zeroable, not "
                         "declared")

@@ -360,6 +360,23 @@ def test_one_rank_that_does_not_repeat_at_the_first_step_is_checked_again_not_ta
     assert classify_start_rechecked(first, _start([(10, 11), (10, 10), (10, 12)])) == (False, None)
 
 
+def test_three_gloo_ranks_check_a_rank_whose_first_replays_differ_again():
+    """End to end (bench.compute_faults `--flaky-replay`: rank 1's numbered replays come back with one
+    fingerprint bit changed): differing once at the first step's check, the second round repeats and the run
+    stays exact, nobody named, nothing dropped (before: the rounding bound for the whole run); differing in
+    both rounds, rank 1 is named `persistent` at step 1 and that update dropped, exact kept."""
+    once = _faults(["--world", "3", "--cases", "none", "--clean", "12", "--flaky-replay", "1:1"])["clean"]
+    assert once["status"]["exact"] and once["reported"] == [] and once["status"]["dropped"] == 0, once["status"]
+    twice = _faults(["--world", "3", "--cases", "none", "--clean", "12", "--flaky-replay", "1:1,3"])["clean"]
+    assert twice["status"]["exact"] and twice["status"]["dropped"] == 1, twice["status"]
+    [(step, _, cause, where)] = twice["reported"]
+    assert (step, cause, [w[0] for w in where]) == (1, "persistent", [1]), twice["reported"]
+    for bad in ("1", "x:1", "1:0", "1:"):
+        with pytest.raises(SystemExit) as e:
+            compute_faults.parse_args(["--flaky-replay", bad])
+        assert e.value.code == 2, bad
+
+
 def test_the_determinism_check_replays_a_second_round_only_for_a_flaky_minority(caplog):
     """`Replayer.check_determinism` with its collectives scripted: a second round (every rank, twice) runs
     only when a minority did not repeat; its outcome sets `exact` and `start_fault`, and the log says
