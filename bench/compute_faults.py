@@ -798,7 +798,8 @@ def _flaky_spec(text: str) -> tuple[int, list[int]]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--flaky-replay is RANK:CALL[,CALL...], got {text!r}") from None
     if out[0] < 0 or not out[1] or min(out[1]) < 1:
-        raise argparse.ArgumentTypeError(f"--flaky-replay is RANK:CALL[,CALL...] (calls from 1), got {text!r}")
+        raise argparse.ArgumentTypeError(f"--flaky-replay is RANK:CALL[,CALL...] (calls from 1), "
+                                         f"got {text!r}")
     return out
 
 
