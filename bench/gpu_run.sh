@@ -480,6 +480,11 @@ want computefsdp && [ "$NGPU" -ge 2 ] && step compute-fsdp 600 env CUBLAS_WORKSP
   --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --fsdp --model gpt2 --audit-every 5 \
   --fault-step 42 --cases "mm one elem =1e4,mm one elem x1.01 persistent,mm channel x2 persistent,grad elem NaN" \
   --clean 300 --overhead 400 --block 20 --overhead-audit-every 334
+# FSDP2 under the device mask (fused Adam on DTensor shards: what mask="auto" picks on CUDA), the same faults
+# (on the CPU: the host veto's weights bit for bit, tests/test_compute_checks.py)
+want computefsdp && [ "$NGPU" -ge 2 ] && step compute-fsdp-mask 400 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
+  --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --fsdp --model gpt2 --audit-every 5 \
+  --mask device --fault-step 42 --cases "mm one elem =1e4,mm one elem x1.01 persistent,grad elem NaN" --clean 100
 # the op witness on FSDP2's collective replays (NCCL on 2 GPUs; the tensor-core cases, no witness_model)
 want computefsdp && [ "$NGPU" -ge 2 ] && step tc-fsdp 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun \
   --standalone --nproc-per-node 2 bench/compute_faults.py --device cuda --fsdp --model gpt2 --batch 2 \
