@@ -153,13 +153,12 @@ class ComputeChecks:
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
                      scaler=scaler))
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)
-        # the experts' parameters (indices into the hook's `params`, named in the same order), declared
-        # zeroable bucket by bucket once DDP's layout settles (`_declare_experts`); FSDP2's groups are whole
-        # layers (never zero on a rank), so only DDP
+        # the experts' parameters (indices into the hook's `params`, by its `names`), declared zeroable
+        # bucket by bucket once DDP's layout settles (`_declare_experts`); FSDP2's groups are whole layers
+        # (never zero on a rank), so only DDP
         self._experts: frozenset[int] = frozenset()
         if experts is not None and not self.fsdp:
-            names = [n for n, p in getattr(ddp, "module", ddp).named_parameters() if p.requires_grad]
-            self._experts = frozenset(i for i, n in enumerate(names) if experts(n))
+            self._experts = frozenset(i for i, n in enumerate(self.summaries.names) if experts(n))
         self.expert_buckets: tuple[int, ...] | None = None if self._experts else ()
         self.audit_every = audit_every
         where = [None] * self.world

@@ -58,7 +58,6 @@ from checksums.replay import (
     witness_names,
 )
 from checksums.op_witness import witness_projection
-from checksums.rank_transit import map_tensors, portable, restored
 
 logger = logging.getLogger(__name__)
 
@@ -207,14 +206,9 @@ class FsdpReplayer(Replayer):
     def fetch_all(self, mine: Retained | None = None) -> list[Retained]:
         """Every rank's retained micro-batches (`mine`, default this step's) on every rank (a collective)."""
         mine = mine if mine is not None else self.retained
-        payload = portable([(map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
-                            for b, c, d in mine.micro])
         got: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(got, payload, group=self.group)
-        # the scale is the same on every rank (the scaler's state follows the reduced gradient)
-        return [Retained([(map_tensors(b, lambda t: t.to(self.device)), c, d)
-                          for b, c, d in restored(micro)],
-                         loss_scale=mine.loss_scale) for micro in got]
+        dist.all_gather_object(got, mine.outgoing(), group=self.group)
+        return [Retained.arriving(payload, self.device, mine.loss_scale) for payload in got]
 
     def audit_all(self, originals: torch.Tensor,
                   jumps: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, Classification]]:

@@ -342,7 +342,9 @@ class GradSummaries:
                             f"{type(comm_hook).__name__}")
         self._comm_hook, self._comm_state = comm_hook, comm_state
         self._group = group
-        self.params: list[torch.Tensor] = [p for p in ddp.module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for _, p in named]
+        self.names: list[str] = [n for n, _ in named]     # each parameter's qualified name, in `params` order
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._rows: dict[int, torch.Tensor] = {}
         # the rows are written into one buffer (a view a bucket, made once): `rows()` is a slice of it, not

@@ -338,6 +338,19 @@ class Retained:
     def batch(self) -> Any:
         return self.micro[-1][0] if self.micro else None
 
+    def outgoing(self) -> Any:
+        """The micro-batches as they cross to other ranks in an object collective: on the host, unsigned
+        tensors in their signed twins (`rank_transit.portable`). `arriving` is the other end."""
+        return portable([(map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
+                         for b, c, d in self.micro])
+
+    @classmethod
+    def arriving(cls, payload: Any, device: torch.device, loss_scale: torch.Tensor | None) -> "Retained":
+        """`outgoing`'s payload back as a `Retained` on `device`; the loss scale is the receiver's own (the
+        same on every rank: the scaler's state follows the reduced gradient)."""
+        return cls([(map_tensors(b, lambda t: t.to(device)), c, d) for b, c, d in restored(payload)],
+                   loss_scale=loss_scale)
+
 
 class ReplayFailed(SdcwatchError, RuntimeError):
     """A replay raised on some rank (`loss_fn` on the bare module, an out-of-memory): raised on every rank
@@ -603,17 +616,10 @@ class Replayer:
         """Rank `src`'s retained batch and RNG state (`mine`, default this step's) on every rank (a
         collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
-        payload: list[Any] = [None]
-        if dist.get_rank(self.group) == src:
-            on_host = [(map_tensors(b, lambda t: t.detach().cpu()), c, None if d is None else d.cpu())
-                       for b, c, d in mine.micro]
-            payload = [portable(on_host)]   # rank_transit: uint16 token ids too
+        payload: list[Any] = [mine.outgoing() if dist.get_rank(self.group) == src else None]
         dist.broadcast_object_list(payload, src=src, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
-        # the scale is the same on every rank (the scaler's state follows the reduced gradient)
-        return Retained([(map_tensors(b, lambda t: t.to(self.device)), c, d)
-                         for b, c, d in restored(payload[0])],
-                        loss_scale=mine.loss_scale)
+        return Retained.arriving(payload[0], self.device, mine.loss_scale)
 
     def agreed(self, replay: Callable[[], T]) -> T:
         """`replay()` (this rank's part of a replay round), or `ReplayFailed` on every rank when it raised on
