@@ -44,6 +44,7 @@ from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from demo.faults import BackwardFault
 from demo.model import Block
+from checksums import native_hook
 from checksums.compute_gate import ComputeChecks
 from checksums.device_mask import DeviceMask
 from checksums.device_verdict import DeviceVerdict
@@ -585,7 +586,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             setattr(cls, attr, timed(f"{cls.__name__}.{attr}", cls.__dict__[attr]))
     arms: list[tuple[str, Any, Any, Any, Any, Any]] = []
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
-    names = (["base"] + (["hook"] if hook_arm else []) + ["checks"]
+    names = (["base"] + (["hook"] if hook_arm else []) + ["checks"] + (["checks-python"] if hook_arm else [])
              + (["checks-torch", "checks-inline"] if device.type == "cuda" else []) + ["checks+audits"]
              + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else []))
     world = dist.get_world_size()
@@ -602,7 +603,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, mask=mask, gpu_uuid=f"GPU-fake-{rank}",
                                           monitor=monitor,
                                           audit_every=audit_every if name in ("checks+audits", "all") else 0,
-                                          side_stream=False if name == "checks-inline" else None)
+                                          side_stream=False if name == "checks-inline" else None,
+                                          native=False if name == "checks-python" else None)
         if name == "hook":      # DDP through a Python comm hook that only reduces (BucketAllreduce): the
             reduce = BucketAllreduce(getattr(ddp, "process_group", None))   # floor of a per-bucket hook
             def only_reduce(state, bucket, reduce=reduce):  # type: ignore[no-untyped-def]
@@ -612,6 +614,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
         arms.append((name, ddp, opt, checks, guard, monitor))
     times: dict[str, list[float]] = {name: [] for name in names}
     paths: dict[str, dict[str, int]] = {}
+    hooks: dict[str, str] = {}         # the comm hook each arm's checks ran through
 
     # every batch made on the device before timing, as a loader with pinned memory and non-blocking copies
     # delivers them: a pageable copy per step waits for the stream, so the GPU idled ~20 ms a step while the
@@ -657,6 +660,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                 times[name].append((time.perf_counter() - t0) / block)
             if arm[3] is not None:
                 paths[name] = summary_paths(arm[3].summaries)
+                hooks[name] = ("C++" if getattr(arm[3].summaries, "native", False) else
+                               f"Python ({native_hook.why() or 'asked'})")
         step += block
         rnd += 1
     host: dict[str, Any] = {}
@@ -764,7 +769,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                            "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
                            "accum": accum,
                            "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
-                           "summary_paths": paths, "host": host,
+                           "summary_paths": paths, "hooks": hooks, "host": host,
                            "status": {a[0]: dataclasses.asdict(a[3].status()) for a in arms if a[3] is not None}}
     # the previous keys (one gated arm: checks with audits)
     out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
@@ -942,6 +947,7 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                     "hook": "a Python comm hook that only reduces",
                     "checks-torch": "the same checks in torch ops (pre-fused)",
                     "checks-inline": "the same on the backward's stream",
+                    "checks-python": "the same through the Python comm hook",
                     "checks+audits": f"checks + audits every {o['audit_every']}",
                     "all": f"all: vote+gate, canary, checks, audits/{o['audit_every']}",
                     "sdcguard": f"sdcguard ABFT ({o.get('sdcguard_mode', '')}) every {o['sdcguard_every']}th step"}[name]
@@ -960,12 +966,17 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                 lines.append(f"  host time by part, arm {name} (us/step, median of 3 blocks; each includes "
                              "what it calls): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in h["parts"].items()))
                 own = _own_host_time(h["parts"], o.get("host", {}).get("hook", {}).get("parts"))
+                step = o["arms"]["base"]["median_s"]
                 if own is not None:
                     before, after = own
-                    step = o["arms"]["base"]["median_s"]
                     lines.append(f"    arm {name}'s own host time a step over the hook-only arm: before the update "
                                  f"{before * 1e6:.0f} us ({before / step * 100:.2f}% of base's median step), "
                                  f"after it {after * 1e6:.0f} us")
+                base_parts = o.get("host", {}).get("base", {}).get("parts", {})
+                if name != "base" and "(enqueue)" in base_parts:   # what no wrapper sees: the C++ hook
+                    extra = h["parts"]["(enqueue)"] - base_parts["(enqueue)"]
+                    lines.append(f"    arm {name}'s step enqueued in {extra * 1e6:+.0f} us over base's "
+                                 f"({extra / step * 100:+.2f}% of base's median step)")
             if h.get("wrapped"):
                 lines.append("    host ms/step in (any thread): " + ", ".join(
                     f"{k} {v * 1e3:.3f}" for k, v in sorted(h["wrapped"].items())))
@@ -983,7 +994,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                 for k, ms, n in h["kernel_diff"]:
                     lines.append(f"    {k[:90]:90} {ms:+7.3f} {n:+6.1f}")
         for name, counts in o.get("summary_paths", {}).items():
-            lines.append(f"  bucket summaries of arm {name}: " + ", ".join(f"{n} {p}" for p, n in counts.items()))
+            lines.append(f"  bucket summaries of arm {name}: "
+                         + ", ".join(f"{n} {p}" for p, n in counts.items())
+                         + (f"; comm hook {o['hooks'][name]}" if name in o.get("hooks", {}) else ""))
     return "\n".join(lines)
 
 

@@ -353,6 +353,12 @@ want hooktests && step hook-tests 240 python3 -m pytest -p no:cacheprovider -q -
   tests/test_grad_summary_gpu.py tests/test_compute_gate_device.py
 # and under the mutant (the old waits, through torch's wait_stream) the side stream's event count must fail
 want hooktests && mutant hook-tests-mutant 120 hook-wait-stream tests/test_compute_gate_device.py -k side_stream
+# issue 19: the C++ comm hook (checksums/native_hook.py): built here with the machine's compiler against
+# torch's headers, then its GPU tests (its bound launches against the Python hook's rows, masked step and
+# weights)
+want native && step native-build 300 bash -c 'command -v c++; time python3 -m checksums.native_hook'
+want native && step native-tests 300 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
+  tests/test_native_hook.py tests/test_compute_gate_device.py tests/test_grad_summary_gpu.py
 # issue 19: the fused gradient-bucket summary (one read of each bucket) compiled for the GPU against the torch
 # path; its time against the torch path and a plain read (1-500 MB, bf16/fp32); the compute checks' overhead
 # on GPT-2 small with the fused path ("checks") and the torch path ("checks-torch") side by side
@@ -402,7 +408,7 @@ want computebig && step compute-big 330 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pyth
 want hookhost && step hook-host 120 python3 -m bench.hook_host
 # issue 19: a host-bound step (8k tokens): the side stream's host cost against the summaries inline, and the
 # host time of each part of each arm (--host-parts)
-want compute8 && step compute-8k 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+want compute8 && step compute-8k 320 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 --hook-arm --host-parts 20
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
 # beside it, then 2,000 clean steps; --determinism strict (warn_only=False: under warn_only=True GPT-2's step

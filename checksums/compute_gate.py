@@ -127,7 +127,7 @@ class ComputeChecks:
                  max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None,
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
                  side_stream: bool | None = None, scaler: Any = None,
-                 experts: Callable[[str], bool] | None = expert_param) -> None:
+                 experts: Callable[[str], bool] | None = expert_param, native: bool | None = None) -> None:
         if audit_every < 0:
             raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
         if experts is not None and not callable(experts):
@@ -144,7 +144,7 @@ class ComputeChecks:
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
         else:
             self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket, comm_hook=comm_hook,
-                                           comm_state=comm_state, side_stream=side_stream)
+                                           comm_state=comm_state, side_stream=side_stream, native=native)
         device = self.summaries.params[0].device if self.summaries.params else torch.device("cpu")
         self.device = device
         self.replayer: Replayer = (

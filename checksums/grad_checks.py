@@ -258,6 +258,11 @@ class BucketAllreduce:
         return self._pg
 
     @property
+    def process_group(self) -> Any:
+        """The group it reduces over (DDP's own, else the default group)."""
+        return self._pg if self._pg is not None else self._resolve()
+
+    @property
     def scale(self) -> float:
         """What each bucket is multiplied by before the sum: 1 / the group's size (1.0 for one rank)."""
         if self._pg is None:
@@ -270,6 +275,24 @@ class BucketAllreduce:
         if not scaled and self._scale != 1.0:
             buf.mul_(self._scale)
         return pg.allreduce([buf], self._opts).get_future().then(_reduced)
+
+
+def _register_native(ddp: nn.Module, reduce: BucketAllreduce, fallback: Callable[..., None],
+                     prepare: Callable[[int], None], side_on: bool) -> Any:
+    """The C++ comm hook registered on DDP's reducer (its handle), or None where it is not built or DDP has
+    no C++ reducer (the Python hook then)."""
+    from checksums import native_hook
+
+    module = native_hook.load()
+    reducer = getattr(ddp, "reducer", None)
+    if module is None or reducer is None:
+        return None
+    try:
+        return module.register(reducer, reduce.process_group, fallback, prepare, side_on)
+    except Exception as exc:  # noqa: BLE001 (a reducer or group it cannot take: the Python hook)
+        logger.warning("sdcwatch: the C++ comm hook could not be registered (%s): the Python hook is used",
+                       exc)
+        return None
 
 
 class _BoundBucket:
@@ -323,11 +346,17 @@ class GradSummaries:
     summary's read of the bucket runs beside the backward's remaining kernels instead of between them (on
     the H200 the checks' +0.30% of a device-bound step became -0.13%, docs/BENCHMARKS.md); `rows()` makes
     the caller's stream wait for it. The rows and the reduced gradients are the same either way.
+
+    `native` (default: on where it builds; SDCWATCH_NATIVE_HOOK=0 sets it off): the hook registered on DDP
+    is the C++ one of checksums/native_hook.py, which does this hook's work for a bucket whose summary
+    launch is bound (its layout settled) without entering Python, and calls this class for the others (the
+    first calls, the CPU, fault injection). Not with `comm_hook=` (the job's hook is Python). False: this
+    Python hook always. The rows, the gradients and the summaries' paths are the same either way.
     """
 
     def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None,
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
-                 side_stream: bool | None = None) -> None:
+                 side_stream: bool | None = None, native: bool | None = None) -> None:
         if not hasattr(ddp, "register_comm_hook"):
             raise TypeError(f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}")
         registered = getattr(ddp, "_comm_hooks", None)
@@ -355,7 +384,7 @@ class GradSummaries:
         self._plans: dict[int, tuple[tuple, Any]] = {}
         self.layout: dict[int, tuple[int, ...]] = {}
         self._seen: dict[int, tuple[int, int, bool, int]] = {}   # bucket -> (address, numel, fused, calls)
-        self.hook_calls = 0
+        self._py_calls = 0
         self._inject = inject           # fault injection (bench/): called with the bucket's flat buffer
         self._reduce = BucketAllreduce(getattr(ddp, "process_group", None))
         self._side_on = _SIDE_DEFAULT if side_stream is None else bool(side_stream)
@@ -367,11 +396,44 @@ class GradSummaries:
         self._fast: dict[int, _BoundBucket] = {}     # bucket -> its bound summary (`_fast_path`)
         self._current = _CurrentStreams()
         self._world = 0                  # the group's size, read at the first gather
-        ddp.register_comm_hook(None, self._hook)
+        # the C++ hook (checksums/native_hook.py) where it builds, and no job's own hook is to be called:
+        # the same work without Python a bucket once its launch is bound; else this Python hook
+        self._native: Any = None
+        self._unbindable: set[int] = set()       # buckets the C++ hook refused to bind (said once)
+        if comm_hook is None and native is not False:
+            self._native = _register_native(ddp, self._reduce, self._native_fallback, self._native_prepare,
+                                            self._side_on)
+        if self._native is None:
+            ddp.register_comm_hook(None, self._hook)
+        else:       # DDP's own record of its hook (a second registration is refused with its name)
+            ddp._comm_hooks.append((self._hook, None))
 
     @classmethod
     def attach(cls, ddp: nn.Module, **kwargs: Any) -> GradSummaries:
         return cls(ddp, **kwargs)
+
+    @property
+    def hook_calls(self) -> int:
+        """Buckets summarised and reduced by the hook so far (either hook)."""
+        return self._py_calls + (self._native.native_calls() if self._native is not None else 0)
+
+    @property
+    def native(self) -> bool:
+        """Whether the C++ hook reduces the buckets (False: this Python hook; `native_hook.why()` says
+        why)."""
+        return self._native is not None
+
+    def _native_prepare(self, dev: int) -> None:
+        """The C++ hook's first bucket on a device: the hooks' side stream there, made and handed to it."""
+        side = self._side(dev)[0]
+        self._native.set_side(dev, side.stream_id, side.device_type)
+
+    def _native_fallback(self, idx: int, buf: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """The C++ hook's bucket without a bound launch: summarised here, on the current stream (the side
+        stream, which the C++ hook made current), bound when it can be; the C++ hook reduces it."""
+        if self._inject is not None:
+            self._inject(idx, buf)
+        self._summarise(buf, idx, params)
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks these annotations)
         buf = bucket.buffer()
@@ -390,8 +452,10 @@ class GradSummaries:
             ready.record(torch.cuda.current_stream(buf.device))   # the bucket's gradients are ready there
             side.wait_event(ready)
             with torch.cuda.stream(side):    # the collective waits for the side stream, not the backward's
-                return self._summarise_and_reduce(state, bucket, buf, idx)
-        return self._summarise_and_reduce(state, bucket, buf, idx)
+                self._summarise(buf, idx, None, bucket)
+                return self._reduced(state, bucket, buf)
+        self._summarise(buf, idx, None, bucket)
+        return self._reduced(state, bucket, buf)
 
     def _side(self, dev: int) -> tuple[Any, Any, Any]:
         got = self._sides.get(dev)
@@ -413,7 +477,7 @@ class GradSummaries:
         if not fast.launch(cur_raw if side is None else side.cuda_stream):
             return None
         self._rows[idx] = fast.row
-        self.hook_calls += 1
+        self._py_calls += 1
         if side is None:
             return self._reduced(state, bucket, buf)
         torch.cuda.set_stream(side)            # the collective waits for the side stream, not the backward's
@@ -429,7 +493,10 @@ class GradSummaries:
             return self._comm_hook(self._comm_state, bucket)
         return self._reduce(buf, scaled=True)
 
-    def _summarise_and_reduce(self, state: Any, bucket: Any, buf: torch.Tensor, idx: int) -> Any:
+    def _summarise(self, buf: torch.Tensor, idx: int, params: list[torch.Tensor] | None,
+                   bucket: Any = None) -> None:
+        """Bucket `idx`'s row (`params`: its parameters, else `bucket.parameters()`), leaving the buffer
+        scaled for the sum; its launch bound once its layout settled."""
         # the bucket's flat buffer (its gradients are views into it, in order): one fused read of it on
         # CUDA with Triton (checksums.grad_summary_triton), torch ops elsewhere; not two kernels a parameter
         # (+34% of a GPT-2-small step on the H200)
@@ -457,16 +524,33 @@ class GradSummaries:
         # resized is taken again. Afterwards the hook skips it (bucket.parameters() builds a list a call)
         calls = seen[3] + 1 if same else 1
         if calls <= _LAYOUT_CALLS or idx not in self.layout:
-            self.layout[idx] = tuple(self._index[id(p)] for p in bucket.parameters())
+            self.layout[idx] = tuple(self._index[id(p)] for p in (params if params is not None
+                                                                   else bucket.parameters()))
         elif plan is not None and buf.is_cuda and getattr(plan, "summarises", False):
-            # the layout settled and the kernel compiled: the next calls on this buffer take `_fast_path`
-            bound = plan.bound(buf, self._views[idx], scale)
-            if bound is not None:
-                self._fast[idx] = _BoundBucket(buf.data_ptr(), buf.numel(), buf.device.index, bound,
-                                               self._views[idx])
+            # the layout settled and the kernel compiled: the next calls on this buffer launch it bound
+            if self._native is not None:
+                self._bind_native(idx, plan, buf, scale)
+            else:                                 # `_fast_path`
+                bound = plan.bound(buf, self._views[idx], scale)
+                if bound is not None:
+                    self._fast[idx] = _BoundBucket(buf.data_ptr(), buf.numel(), buf.device.index, bound,
+                                                   self._views[idx])
         self._seen[idx] = (*key, calls)
-        self.hook_calls += 1
-        return self._reduced(state, bucket, buf)
+        self._py_calls += 1
+
+    def _bind_native(self, idx: int, plan: Any, buf: torch.Tensor, scale: float) -> None:
+        """Bucket `idx`'s launch handed to the C++ hook (not under fault injection, which runs here every
+        call); a refusal is said once and the bucket stays on the fallback."""
+        if self._inject is not None or idx in self._unbindable:
+            return
+        spec = plan.native_launch(buf, self._views[idx], scale)
+        why = ("the kernel needs Triton's own launcher" if spec is None else
+               self._native.bind(idx, buf.data_ptr(), buf.numel(), spec.function, list(spec.grid), spec.block,
+                                 spec.shared, list(spec.params)))
+        if why:
+            self._unbindable.add(idx)
+            logger.info("sdcwatch: bucket %d's summary is launched through Python, not the C++ hook: %s",
+                        idx, why)
 
     def _plan(self, idx: int, grads: Sequence[torch.Tensor]) -> Any:
         """CUDA with Triton: the bucket's own plan (`summary_plan`), kept while it fits the buffer
@@ -483,6 +567,9 @@ class GradSummaries:
         cap = max(16, 2 * (idx + 1))
         self._buf = torch.zeros(cap, ROW_WORDS, dtype=torch.int64, device=device)
         self._fast.clear()                     # their launches write the old buffer's rows
+        if self._native is not None:
+            self._native.unbind_all()
+        self._unbindable.clear()
         if old is not None and old.device == device:
             self._buf[:old.shape[0]].copy_(old)
         self._views = list(self._buf.unbind(0))
@@ -498,9 +585,16 @@ class GradSummaries:
             return None
         return dict(self.layout)
 
+    def _reduced_buckets(self) -> set[int]:
+        """The buckets reduced since the last `clear`."""
+        if self._native is not None:
+            return set(self._native.reduced())
+        return set(self._rows)
+
     def bucket_count(self) -> int:
         """The buckets reduced since the last `clear` (every index below it must have been)."""
-        return max(self._rows) + 1 if self._rows else 0
+        done = self._reduced_buckets()
+        return max(done) + 1 if done else 0
 
     def rows(self) -> torch.Tensor:
         """This rank's rows of the last backward, int64 [buckets, 4] (device), ordered by bucket index. A
@@ -518,19 +612,22 @@ class GradSummaries:
         return self._buf[:n]
 
     def _check_rows(self) -> int:
-        if not self._rows:
+        done = self._reduced_buckets()
+        if not done:
             raise RuntimeError("no gradient bucket was reduced since the last step (no backward?)")
-        n = max(self._rows) + 1
-        if len(self._rows) != n:
-            raise RuntimeError(f"buckets {sorted(set(range(n)) - set(self._rows))} were not reduced")
+        n = max(done) + 1
+        if len(done) != n:
+            raise RuntimeError(f"buckets {sorted(set(range(n)) - done)} were not reduced")
         return n
 
     def clear(self) -> None:
         self._rows.clear()
+        if self._native is not None:
+            self._native.clear()
 
     def pending(self) -> bool:
         """Rows of a synchronised backward that no step took (`clear` not called since)."""
-        return bool(self._rows)
+        return bool(self._reduced_buckets())
 
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call).
@@ -643,6 +740,9 @@ class FsdpGradSummaries:
     def _wait_streams(self) -> None:
         for stream in self._streams:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+    def _reduced_buckets(self) -> set[int]:
+        return set(self._rows)
 
     def rows(self) -> torch.Tensor:
         self._wait_streams()

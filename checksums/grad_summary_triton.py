@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -387,6 +388,61 @@ class GradSummaryPlan:
         ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args(off, out, scale))
         return BoundLaunch(direct, (*ints, *self._constexprs[scaled]))
 
+    def native_launch(self, t: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> "NativeLaunch | None":
+        """`bound`'s launch described for a launcher outside Python (the C++ comm hook,
+        checksums/native_hook.cpp): the compiled kernel's function handle, grid, block, shared memory and
+        its parameters' values with their kinds, in the kernel's parameter order (constexprs left out, as
+        Triton's launcher leaves them). None where `bound` is None, or for a kernel that needs more than a
+        plain launch (scratch memory, clusters, cooperative or PDL launches, instrumentation)."""
+        if not self._one:
+            return None
+        off = t.data_ptr() - self._anchor_ptr
+        scaled = scale != 1.0
+        direct = self._direct.get(_variant(off, out, scaled))
+        if direct is None or not direct.ok or direct.compiled is None:
+            return None
+        args = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args(off, out, scale)),
+                *self._constexprs[scaled])
+        return native_launch_of(direct.compiled, direct.grid, args)
+
+
+class NativeLaunch(NamedTuple):
+    """A compiled kernel's launch for cuLaunchKernel: `params` as (kind, value), kind 0 a 64-bit integer or
+    device address, 1 a 32-bit integer, 2 a float32 (checksums/native_hook.cpp packs them)."""
+    function: int
+    grid: tuple[int, int, int]
+    block: int
+    shared: int
+    params: tuple[tuple[int, int | float], ...]
+
+
+_KINDS = {"i64": 0, "u64": 0, "i32": 1, "u32": 1, "fp32": 2}
+
+
+def native_launch_of(compiled: object, grid: tuple[int, int, int], args: tuple) -> NativeLaunch | None:
+    """A Triton `CompiledKernel`'s launch with `args` (every argument, in the signature's order), or None
+    for one this cannot describe: arguments whose type is not an address, i32/u32/i64/u64 or fp32, or a
+    launch that needs Triton's launcher (scratch memory, several CTAs, cooperative or PDL launches)."""
+    function = getattr(compiled, "function", None)
+    md = getattr(compiled, "metadata", None)
+    src = getattr(compiled, "src", None)
+    signature = getattr(src, "signature", None)
+    if not function or md is None or not isinstance(signature, dict) or len(signature) != len(args):
+        return None
+    if (getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
+            or getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False) or getattr(md, "instrumentation_mode", "")):
+        return None
+    params: list[tuple[int, int | float]] = []
+    for ty, value in zip(signature.values(), args):
+        if ty == "constexpr":
+            continue
+        kind = 0 if isinstance(ty, str) and ty.startswith("*") else _KINDS.get(ty)
+        if kind is None or (kind == 2) != isinstance(value, float) or isinstance(value, bool):
+            return None
+        params.append((kind, value))
+    return NativeLaunch(int(function), tuple(grid), 32 * int(md.num_warps), int(md.shared), tuple(params))
+
 
 _I32 = 1 << 31
 
@@ -407,11 +463,12 @@ class _DirectLaunch:
     through the JIT entry) when direct launches are off, unavailable (the interpreter returns no compiled
     kernel), or failed once (then never again in this plan)."""
 
-    __slots__ = ("_run", "ok")
+    __slots__ = ("_run", "ok", "compiled", "grid")
 
-    def __init__(self, run: object) -> None:
+    def __init__(self, run: object, compiled: object = None, grid: tuple[int, int, int] = (1, 1, 1)) -> None:
         self._run = run
         self.ok = run is not None
+        self.compiled, self.grid = compiled, grid     # for a launch made elsewhere (`native_args`)
 
     @classmethod
     def of(cls, compiled: object, grid: tuple[int, int, int]) -> "_DirectLaunch":
@@ -423,7 +480,7 @@ class _DirectLaunch:
             run = compiled[grid]                # type: ignore[index]
         except Exception:  # noqa: BLE001 (a Triton without this launcher: the JIT entry every time)
             run = None
-        return cls(run)
+        return cls(run, compiled if run is not None else None, grid)
 
     def __call__(self, args: tuple, constexprs: tuple) -> bool:
         if not self.ok:

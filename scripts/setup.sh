@@ -15,6 +15,11 @@ want_test=0
 
 apt_pkgs=()
 python3 -c 'import ensurepip, venv' 2>/dev/null || apt_pkgs+=(python3-venv)
+# the compute checks' C++ comm hook is built on first use (checksums/native_hook.py): a C++ compiler and the
+# Python headers (without them the checks run through the Python hook, with more host time a bucket)
+command -v c++ >/dev/null || apt_pkgs+=(g++)
+python3 -c 'import os, sysconfig as s; assert os.path.isfile(s.get_paths()["include"] + "/Python.h")' \
+  2>/dev/null || apt_pkgs+=(python3-dev)
 if [ "$want_test" = 1 ]; then
   command -v promtool >/dev/null || apt_pkgs+=(prometheus)
   command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || apt_pkgs+=(prometheus-alertmanager)
@@ -50,4 +55,7 @@ if [ "$want_test" = 1 ]; then
 else
   .venv/bin/python -m pip install -q -e '.[demo]'
 fi
+# built now, so no rank pays the compile (~20 s) at its first step; a failure is said and is not fatal
+.venv/bin/python -m checksums.native_hook >/dev/null \
+  || echo "setup: the C++ comm hook was not built (above); the checks use the Python hook" >&2
 echo "setup: sdcwatch installed in $(pwd)/.venv"

@@ -801,8 +801,13 @@ def test_host_parts_time_each_part_of_each_arm_and_the_checks_own_share():
     hook-only arm's hook as the floor the checks' own host time is counted over."""
     o = _faults(["--world", "1", "--cases", "none", "--overhead", "4", "--block", "2", "--hook-arm",
                  "--host-parts", "3"])["overhead"]
-    parts, hook, base = (o["host"][a]["parts"] for a in ("checks", "hook", "base"))
+    parts, hook, base = (o["host"][a]["parts"] for a in ("checks-python", "hook", "base"))
     assert parts["GradSummaries._hook"] > parts["BucketAllreduce.__call__"] > 0, parts
+    # the default arm's checks went through the C++ hook: no Python hook call, the step's enqueue timed
+    assert o["hooks"] == {"checks": "C++", "checks-python": "Python (asked)", "checks+audits": "C++"}, \
+        o["hooks"]
+    native = o["host"]["checks"]["parts"]
+    assert "GradSummaries._hook" not in native and native["(enqueue)"] > 0, native
     assert parts["StepGuard._pre_hook"] >= parts["ComputeChecks.run"] > 0 and parts["(step)"] > 0, parts
     assert hook["hook-arm"] > 0 and "GradSummaries._hook" not in hook and "hook-arm" not in base, (hook, base)
     got = compute_faults._own_host_time(

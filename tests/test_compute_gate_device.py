@@ -96,7 +96,10 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
     runs = []
     # variant "graphs": the verdict through a CUDA graph, then eager; "side": the bucket summaries and
     # reductions on the hooks' side stream, then on the backward's stream; "fast" ("fast-inline": without the
-    # side stream): the hook's bound launches (`_fast_path`), then its general path every call
+    # side stream): the Python hook's bound launches (`_fast_path`), then its general path every call;
+    # "native" ("native-inline"): the C++ hook's bound launches, then the Python hook's general path every
+    # call (no fault injection there, which keeps every bucket on the Python fallback: the NaN is the batch's)
+    native_variant = variant.startswith("native")
     for first in (True, False):
         m = nn.Sequential(*[type(layer)(*(() if isinstance(layer, nn.GELU) else
                                           (layer.in_features, layer.out_features))) for layer in base])
@@ -106,9 +109,12 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, fused=True)
         checks = ComputeChecks.attach(
             ddp, opt, mask="device", audit_every=0, warmup=3,
-            loss_fn=lambda mod, b: nn.functional.mse_loss(mod(b[0]), b[1]), inject_bucket=inject,
-            side_stream=first if variant == "side" else False if variant == "fast-inline" else None)
-        if variant.startswith("fast") and not first:
+            loss_fn=lambda mod, b: nn.functional.mse_loss(mod(b[0]), b[1]),
+            inject_bucket=None if native_variant else inject,
+            side_stream=(first if variant == "side" else False if variant in ("fast-inline", "native-inline")
+                         else None),
+            native=(first if native_variant else False if variant.startswith("fast") else None))
+        if (variant.startswith("fast") or native_variant) and not first:
             checks.summaries._fast = _NeverStored()      # the general path every call
         if variant == "graphs":
             checks._verdict.graphs = first
@@ -130,6 +136,8 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
     for s in range(1, 15):
         arm_step["now"] = s
         x, y = torch.randn(16, 32, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
+        if native_variant and s == poison["step"]:
+            x[3, 5] = float("nan")
         rows = []
         for k, (ddp, opt, checks) in enumerate(runs):
             before = [p.detach().clone() for p in ddp.parameters()]
@@ -150,6 +158,11 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
         json.dump({"masked": masked_ok, "same": same_every_step, "same_rows": same_rows,
                    "sides": [len(c.summaries._sides) for _, _, c in runs], "events_made": made,
                    "fast": [len(c.summaries._fast) for _, _, c in runs],
+                   "native": [c.summaries.native for _, _, c in runs],
+                   "bound": [len(c.summaries._native.bound()) if c.summaries.native else 0
+                             for _, _, c in runs],
+                   "native_calls": [c.summaries._native.native_calls() if c.summaries.native else 0
+                                    for _, _, c in runs],
                    "buckets": [len(c.summaries.layout) for _, _, c in runs],
                    "captures": [c._verdict.captures for _, _, c in runs],
                    "suspicions": [c.status().suspicions for _, _, c in runs],
@@ -255,6 +268,24 @@ def test_the_hooks_bound_launches_give_the_general_paths_rows_mask_and_training(
     assert got["fast"][0] == got["buckets"][0] >= 1 and got["fast"][1] == 0, got   # every bucket bound, or none
     assert got["masked"] and got["same"] and got["same_rows"] and got["finite"], got
     assert got["suspicions"] == [1, 1] and got["dropped"] == [1, 1], got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", ["native", "native-inline"])
+def test_the_cpp_hooks_bound_launches_give_the_python_paths_rows_mask_and_training(tmp_path,
+                                                                                   variant: str) -> None:
+    """The C++ comm hook (checksums/native_hook.cpp) launching each bucket's bound summary itself, on the
+    side stream and without it: the Python hook's general path's rows every step, the same masked NaN step
+    (a NaN in the batch at step 9) and the same weights, bit for bit."""
+    got = _run(tmp_path, "cuda", variant)
+    assert got["native"] == [True, False], got
+    assert got["bound"][0] == got["buckets"][0] >= 1 and got["fast"] == [0, 0], got   # bound in C++ only
+    assert got["native_calls"][0] >= 5 * got["buckets"][0] and got["native_calls"][1] == 0, got
+    assert got["sides"] == ([0, 0] if variant == "native-inline" else [1, 1]), got
+    assert got["masked"] and got["same"] and got["same_rows"] and got["finite"], got
+    assert got["suspicions"][0] == got["suspicions"][1] >= 1, got
+    assert got["dropped"][0] == got["dropped"][1] >= 1, got
 
 
 def _scaled(rank: int, init: str, device_name: str, out: str) -> None:

@@ -1,0 +1,353 @@
+// sdcwatch's DDP communication hook in C++ (checksums/native_hook.py builds and loads it).
+//
+// What GradSummaries' Python hook does for each gradient bucket, with no Python in the steady state: on a
+// side stream that waits for the backward's (when one is given), launch the bucket's bound summary kernel
+// (a compiled Triton kernel, its arguments fixed once the bucket's layout settled), then all-reduce the
+// bucket through DDP's process group and hand DDP the collective's future. A bucket without a bound launch
+// (the first calls, a moved buffer, the CPU, fault injection) calls the Python fallback, which summarises
+// it on the current stream (and may bind it); the reduction is done here either way. DDP calls a Python
+// hook through the GIL with a GradBucket object, a future and a `then` callback a bucket: on the H200's
+// host that cost ~130 us a bucket inside a step, more than the checks themselves (docs/BENCHMARKS.md).
+//
+// No CUDA header is needed: streams and events go through c10's device-generic guard interface, and the
+// kernel launch through the driver's cuLaunchKernel, looked up in the libcuda the process already loaded.
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+using CUresult = int;
+using LaunchFn = CUresult (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                              unsigned bz, unsigned shared, void* stream, void** params, void** extra);
+using ParamInfoFn = CUresult (*)(void* f, size_t index, size_t* offset, size_t* size);
+
+struct Driver {
+  LaunchFn launch = nullptr;
+  ParamInfoFn param_info = nullptr;
+  std::string why;
+};
+
+const Driver& driver() {
+  static Driver d = [] {
+    Driver out;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);   // only the one CUDA already loaded
+    if (lib == nullptr) {
+      out.why = "libcuda.so.1 is not loaded in this process";
+      return out;
+    }
+    out.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+    out.param_info = reinterpret_cast<ParamInfoFn>(dlsym(lib, "cuFuncGetParamInfo"));
+    if (out.launch == nullptr) {
+      out.why = "the CUDA driver has no cuLaunchKernel";
+    } else if (out.param_info == nullptr) {
+      out.why = "the CUDA driver has no cuFuncGetParamInfo (a driver older than CUDA 12.4)";
+    }
+    return out;
+  }();
+  return d;
+}
+
+// kinds of a kernel argument, as Python passes them
+constexpr int kInt64 = 0;   // a device address or a 64-bit integer
+constexpr int kInt32 = 1;
+constexpr int kFloat32 = 2;
+
+// a bucket's summary launch, every argument fixed: the packed parameter buffer cuLaunchKernel copies
+struct Bound {
+  int64_t ptr = 0;
+  int64_t numel = 0;
+  void* function = nullptr;
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 32;
+  unsigned shared = 0;
+  std::vector<char> params;
+};
+
+struct Side {
+  c10::Stream stream;
+  void* ready = nullptr;   // recorded on the backward's stream, waited on by `stream`
+};
+
+class SummaryHook : public c10d::CommHookInterface {
+ public:
+  SummaryHook(c10::intrusive_ptr<c10d::ProcessGroup> pg, py::object fallback, py::object prepare,
+              bool side_on)
+      : pg_(std::move(pg)), fallback_(std::move(fallback)), prepare_(std::move(prepare)),
+        side_on_(side_on) {}
+
+  ~SummaryHook() override {
+    // the hook dies with DDP's reducer: the Python objects need the GIL to be released
+    try {
+      py::gil_scoped_acquire gil;
+      fallback_ = py::object();
+      prepare_ = py::object();
+    } catch (...) {
+    }
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor& buf = bucket.getBufferRef();
+    const size_t idx = bucket.getIndex();
+    const bool cuda = buf.is_cuda();
+    const c10::impl::DeviceGuardImplInterface* impl = nullptr;
+    std::optional<c10::Stream> previous;
+    Side* side = nullptr;
+    if (cuda && side_on_) {
+      const c10::DeviceIndex dev = buf.device().index();
+      side = side_for(dev);
+      if (side == nullptr) {   // the device's first bucket: Python makes its side stream (set_side)
+        py::gil_scoped_acquire gil;
+        prepare_(static_cast<int>(dev));
+        side = side_for(dev);
+      }
+      if (side != nullptr) {
+        impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+        const c10::Stream current = impl->getStream(buf.device());
+        // the bucket's gradients are ready on the backward's stream: the side stream waits for them
+        impl->record(&side->ready, current, dev, c10::EventFlag::PYTORCH_DEFAULT);
+        impl->block(side->ready, side->stream);
+        previous = impl->exchangeStream(side->stream);   // the summary and the collective run there
+      }
+    }
+    try {
+      if (!(cuda && launch_bound(idx, buf))) {
+        py::gil_scoped_acquire gil;
+        fallback_(static_cast<int64_t>(idx), buf, bucket.getParameters());
+      } else {
+        native_calls_.fetch_add(1, std::memory_order_relaxed);
+      }
+      mark(idx);
+      std::vector<at::Tensor> tensors{buf};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      auto work = pg_->allreduce(tensors, opts);
+      auto fut = work->getFuture();
+      if (previous) impl->exchangeStream(*previous);
+      return fut;
+    } catch (...) {
+      if (previous) impl->exchangeStream(*previous);
+      throw;
+    }
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return c10d::detail::parseCppCommHookResult(result);
+  }
+
+  // ---- from Python (under the GIL) ----
+
+  void set_side(int dev, int64_t stream_id, int device_type) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto s = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(dev),
+                                        static_cast<c10::DeviceType>(device_type));
+    for (auto& side : sides_) {
+      if (side.stream.device_index() == s.device_index()) {
+        side.stream = s;
+        return;
+      }
+    }
+    sides_.push_back(Side{s, nullptr});
+  }
+
+  // bind bucket `idx`'s launch; "" when bound, else why not (nothing bound)
+  std::string bind(int64_t idx, int64_t ptr, int64_t numel, int64_t function, std::vector<int64_t> grid,
+                   int64_t block, int64_t shared, const std::vector<std::pair<int, py::object>>& args) {
+    const Driver& d = driver();
+    if (!d.why.empty()) return d.why;
+    if (idx < 0 || grid.size() != 3 || function == 0 || block <= 0) return "a malformed launch";
+    Bound b;
+    b.ptr = ptr;
+    b.numel = numel;
+    b.function = reinterpret_cast<void*>(function);
+    for (int i = 0; i < 3; ++i) b.grid[i] = static_cast<unsigned>(grid[i]);
+    b.block = static_cast<unsigned>(block);
+    b.shared = static_cast<unsigned>(shared);
+    // the kernel's own parameter list (offsets, sizes): each given argument must fill one exactly, and
+    // the parameters after them (Triton's scratch pointers) must be 8-byte addresses, passed as null
+    size_t i = 0;
+    for (;; ++i) {
+      size_t off = 0, size = 0;
+      if (d.param_info(b.function, i, &off, &size) != 0) break;   // past the last parameter
+      if (b.params.size() < off + size) b.params.resize(off + size, 0);
+      if (i >= args.size()) {
+        if (size != 8) return "the kernel has a parameter after its arguments that is not an address";
+        continue;   // zeros: a null scratch pointer
+      }
+      const auto& [kind, value] = args[i];
+      char* at = b.params.data() + off;
+      if (kind == kFloat32) {
+        if (size != 4) return "argument " + std::to_string(i) + " (fp32) fills a " + std::to_string(size) +
+                              "-byte parameter";
+        const float v = value.cast<float>();
+        std::memcpy(at, &v, 4);
+      } else if (kind == kInt32) {
+        if (size != 4) return "argument " + std::to_string(i) + " (i32) fills a " + std::to_string(size) +
+                              "-byte parameter";
+        const int32_t v = value.cast<int32_t>();
+        std::memcpy(at, &v, 4);
+      } else if (kind == kInt64) {
+        if (size != 8) return "argument " + std::to_string(i) + " (i64) fills a " + std::to_string(size) +
+                              "-byte parameter";
+        const int64_t v = value.cast<int64_t>();
+        std::memcpy(at, &v, 8);
+      } else {
+        return "argument " + std::to_string(i) + " of an unknown kind";
+      }
+    }
+    if (i < args.size()) {
+      return "the kernel takes " + std::to_string(i) + " parameters, given " + std::to_string(args.size());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (bound_.size() <= static_cast<size_t>(idx)) bound_.resize(idx + 1);
+    bound_[idx] = std::make_unique<Bound>(std::move(b));
+    return "";
+  }
+
+  void unbind_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    bound_.clear();
+  }
+
+  std::vector<int64_t> bound() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < bound_.size(); ++i) {
+      if (bound_[i]) out.push_back(static_cast<int64_t>(i));
+    }
+    return out;
+  }
+
+  std::vector<int64_t> reduced() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < reduced_.size(); ++i) {
+      if (reduced_[i]) out.push_back(static_cast<int64_t>(i));
+    }
+    return out;
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::fill(reduced_.begin(), reduced_.end(), false);
+  }
+
+  int64_t native_calls() const { return native_calls_.load(std::memory_order_relaxed); }
+
+  std::string last_error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_error_;
+  }
+
+ private:
+  Side* side_for(c10::DeviceIndex dev) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& side : sides_) {
+      if (side.stream.device_index() == dev) return &side;
+    }
+    return nullptr;
+  }
+
+  void mark(size_t idx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reduced_.size() <= idx) reduced_.resize(idx + 1, false);
+    reduced_[idx] = true;
+  }
+
+  // the bucket's bound launch on the current stream; false (nothing launched) when it has none, its
+  // buffer moved or resized, or the driver refused it (then the bucket is unbound: Python rebinds or not)
+  bool launch_bound(size_t idx, const at::Tensor& buf) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (idx >= bound_.size() || !bound_[idx]) return false;
+    Bound& b = *bound_[idx];
+    if (b.ptr != reinterpret_cast<int64_t>(buf.data_ptr()) || b.numel != buf.numel()) {
+      bound_[idx].reset();
+      return false;
+    }
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    void* stream = impl->getStream(buf.device()).native_handle();
+    size_t size = b.params.size();
+    void* extra[] = {reinterpret_cast<void*>(1), b.params.data(),    // CU_LAUNCH_PARAM_BUFFER_POINTER
+                     reinterpret_cast<void*>(2), &size,              // CU_LAUNCH_PARAM_BUFFER_SIZE
+                     nullptr};                                       // CU_LAUNCH_PARAM_END
+    const CUresult rc = driver().launch(b.function, b.grid[0], b.grid[1], b.grid[2], b.block, 1, 1,
+                                        b.shared, stream, nullptr, extra);
+    if (rc != 0) {
+      last_error_ = "cuLaunchKernel returned " + std::to_string(rc) + " for bucket " + std::to_string(idx);
+      bound_[idx].reset();
+      return false;
+    }
+    return true;
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  py::object fallback_;
+  py::object prepare_;
+  const bool side_on_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Bound>> bound_;
+  std::vector<bool> reduced_;
+  std::vector<Side> sides_;
+  std::atomic<int64_t> native_calls_{0};
+  std::string last_error_;
+};
+
+// what DDP's reducer owns: the hook, shared with Python's handle (either may outlive the other)
+class Registered : public c10d::CommHookInterface {
+ public:
+  explicit Registered(std::shared_ptr<SummaryHook> hook) : hook_(std::move(hook)) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    return hook_->runHook(bucket);
+  }
+  at::Tensor parseHookResult(const c10::IValue& result) override { return hook_->parseHookResult(result); }
+
+ private:
+  std::shared_ptr<SummaryHook> hook_;
+};
+
+struct Handle {
+  std::shared_ptr<SummaryHook> hook;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sdcwatch's C++ DDP communication hook (checksums/native_hook.py)";
+  py::class_<Handle>(m, "Handle")
+      .def("set_side", [](Handle& h, int dev, int64_t id, int type) { h.hook->set_side(dev, id, type); })
+      .def("bind", [](Handle& h, int64_t idx, int64_t ptr, int64_t numel, int64_t fn,
+                      std::vector<int64_t> grid, int64_t block, int64_t shared,
+                      std::vector<std::pair<int, py::object>> args) {
+             return h.hook->bind(idx, ptr, numel, fn, std::move(grid), block, shared, args);
+           })
+      .def("unbind_all", [](Handle& h) { h.hook->unbind_all(); })
+      .def("bound", [](Handle& h) { return h.hook->bound(); })
+      .def("reduced", [](Handle& h) { return h.hook->reduced(); })
+      .def("clear", [](Handle& h) { h.hook->clear(); })
+      .def("native_calls", [](Handle& h) { return h.hook->native_calls(); })
+      .def("last_error", [](Handle& h) { return h.hook->last_error(); });
+  m.def(
+      "register",
+      [](c10d::Reducer& reducer, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, py::object fallback,
+         py::object prepare, bool side_on) {
+        auto hook = std::make_shared<SummaryHook>(pg, std::move(fallback), std::move(prepare), side_on);
+        reducer.register_comm_hook(std::make_unique<Registered>(hook));
+        return Handle{hook};
+      },
+      "Register the hook on DDP's reducer (DDP takes one hook); its handle");
+  m.def("driver_why", [] { return driver().why; }, "Why kernels cannot be launched here ('' when they can)");
+}

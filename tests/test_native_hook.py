@@ -1,0 +1,233 @@
+"""The C++ DDP comm hook (checksums/native_hook.cpp, built by checksums/native_hook.py): it is what
+GradSummaries registers by default, it reduces and summarises exactly as the Python hook does (rows and
+gradients bit for bit, on 3 gloo ranks here; with its bound kernel launches on a GPU, `-m gpu`), a second
+hook on the same DDP model is refused with the first one's name, and where it cannot be built the Python
+hook runs and the reason is said."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rank_spawn import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+
+
+def _twins(rank: int, init: str, world: int, device_name: str, out: str) -> None:
+    """Two identical DDP models, one through the C++ hook and one through the Python hook, the same batches:
+    their rows and reduced gradients after each step, compared."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums import native_hook
+    from checksums.grad_checks import GradSummaries
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init}",
+                           rank=rank, world_size=world)
+    torch.manual_seed(0)
+    def make() -> nn.Module:     # > DDP's first bucket (1 MB) so its rebuilt buckets are several
+        return nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                             nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 4))
+    base = make()
+    runs = []
+    for native in (None, False):
+        m = make()
+        m.load_state_dict(base.state_dict())
+        ddp = DDP(m.to(device), bucket_cap_mb=0.004)         # several buckets
+        runs.append((ddp, GradSummaries(ddp, native=native)))
+    g = torch.Generator().manual_seed(rank)                     # each rank its own data
+    same_rows = same_grads = True
+    counts = []
+    for s in range(8):
+        x, y = torch.randn(16, 32, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
+        rows, grads = [], []
+        for ddp, summaries in runs:
+            nn.functional.mse_loss(ddp(x), y).backward()
+            rows.append(summaries.gather().clone())
+            counts.append(summaries.bucket_count())
+            summaries.clear()
+            grads.append([p.grad.clone() for p in ddp.parameters()])
+            ddp.zero_grad(set_to_none=True)
+        same_rows &= torch.equal(rows[0], rows[1])
+        same_grads &= all(torch.equal(a, b) for a, b in zip(*grads))
+    first = runs[0][1]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"native": [s.native for _, s in runs], "why": native_hook.why(),
+                       "same_rows": same_rows, "same_grads": same_grads, "buckets": counts,
+                       "calls": [s.hook_calls for _, s in runs],
+                       "native_calls": first._native.native_calls() if first.native else -1,
+                       "bound": first._native.bound() if first.native else [],
+                       "pending_after_clear": first.pending()}, f)
+    dist.destroy_process_group()
+
+
+def _run_twins(tmp_path: Path, world: int, device: str) -> dict:
+    out = tmp_path / "out.json"
+    spawn(_twins, (str(tmp_path / "init"), world, device, str(out)), nprocs=world)
+    return json.loads(out.read_text())
+
+
+def test_the_cpp_hook_reduces_and_summarises_as_the_python_hook_on_three_ranks(tmp_path: Path) -> None:
+    got = _run_twins(tmp_path, 3, "cpu")
+    assert got["native"] == [True, False], got            # the default is the C++ hook; it built here
+    assert got["same_rows"] and got["same_grads"], got
+    n = got["buckets"][-1]           # DDP's first step: one bucket; rebuilt after it
+    assert n >= 3 and all(c == n for c in got["buckets"][2:]), got
+    assert got["calls"] == [got["calls"][1]] * 2 and got["calls"][1] == 7 * n + got["buckets"][0], got
+    assert got["native_calls"] == 0 and got["bound"] == [], got   # the CPU: every bucket through Python
+    assert not got["pending_after_clear"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_cpp_hooks_bound_launches_give_the_python_hooks_rows_and_gradients(tmp_path: Path) -> None:
+    got = _run_twins(tmp_path, 1, "cuda")
+    assert got["native"] == [True, False] and got["same_rows"] and got["same_grads"], got
+    n = got["buckets"][-1]
+    assert sorted(got["bound"]) == list(range(n)), got    # every bucket's launch bound once settled
+    # DDP rebuilds its buckets after step 1; each bucket's layout is taken for 3 calls, bound at the 4th;
+    # the launches from then on ran in C++
+    assert got["native_calls"] >= 3 * n and got["calls"][0] == got["calls"][1], got
+
+
+def _second_hook(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.grad_checks import GradSummaries
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=1)
+    ddp = DDP(nn.Linear(4, 4))
+    first = GradSummaries(ddp)
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        return None
+
+    errors = []
+    for again in (lambda: GradSummaries(ddp), lambda: GradSummaries(ddp, native=False),
+                  lambda: ddp.register_comm_hook(None, hook)):
+        try:
+            again()
+            errors.append("")
+        except (ValueError, RuntimeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    with open(out, "w") as f:
+        json.dump({"native": first.native, "errors": errors}, f)
+    dist.destroy_process_group()
+
+
+def test_a_second_hook_on_the_model_is_refused_naming_the_first(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    spawn(_second_hook, (str(tmp_path / "init"), str(out)), nprocs=1)
+    got = json.loads(out.read_text())
+    assert got["native"] is True, got
+    ours, ours_py, torchs = got["errors"]
+    assert ours.startswith("ValueError") and "GradSummaries._hook" in ours and "comm_hook=" in ours, ours
+    assert ours_py == ours, got
+    assert torchs.startswith("RuntimeError") and "once" in torchs, torchs   # DDP's reducer takes one hook
+
+
+def test_without_a_compiler_the_python_hook_runs_and_says_why(tmp_path: Path) -> None:
+    code = """
+import json, logging, os, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from checksums import native_hook
+from checksums.grad_checks import GradSummaries
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+ddp = DDP(nn.Linear(4, 4))
+s = GradSummaries(ddp)
+ddp(torch.ones(2, 4)).sum().backward()
+print(json.dumps({"native": s.native, "why": native_hook.why(), "rows": list(s.rows().shape),
+                  "main": native_hook.main()}))
+"""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
+           "SDCWATCH_NATIVE_CACHE": str(tmp_path / "c"), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "init")], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["native"] is False and "no C++ compiler" in got["why"], got
+    assert got["rows"] == [1, 4] and got["main"] == 1, got       # the Python hook summarised the bucket
+    assert "the C++ comm hook is not used (no C++ compiler" in done.stderr, done.stderr
+    assert "native hook: not built: no C++ compiler" in done.stderr
+    assert not list((tmp_path / "c").glob("*.so"))
+
+
+def test_a_build_that_fails_says_the_compilers_error(tmp_path: Path) -> None:
+    """A compiler that fails: its last lines in the reason, no library left in the cache."""
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\n"
+                    "echo 'fatal error: torch/csrc/distributed/c10d/reducer.hpp: No such file' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    code = ("import sys; from checksums import native_hook; m = native_hook.load(); "
+            "print(m is None); print(native_hook.why())")
+    env = {**os.environ, "CXX": str(fake), "SDCWATCH_NATIVE_CACHE": str(tmp_path / "c"),
+           "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "True" and "failed (exit 1)" in lines[1] and "reducer.hpp: No such file" in done.stdout
+    assert not list((tmp_path / "c").glob("*.so")) and not list((tmp_path / "c").glob("*.tmp"))
+
+
+def test_the_switch_turns_it_off() -> None:
+    code = "from checksums import native_hook; print(native_hook.load() is None, native_hook.why())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "SDCWATCH_NATIVE_HOOK": "0", "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "True off (SDCWATCH_NATIVE_HOOK=0)", done.stdout + done.stderr
+
+
+def _compiled(signature: dict, **md: object) -> SimpleNamespace:
+    meta = {"num_warps": 4, "shared": 128, "global_scratch_size": 0, "profile_scratch_size": 0, "num_ctas": 1,
+            "launch_cooperative_grid": False, "launch_pdl": False, **md}
+    return SimpleNamespace(function=0xABC, metadata=SimpleNamespace(**meta),
+                           src=SimpleNamespace(signature=signature))
+
+
+def test_a_triton_launch_is_described_for_cuLaunchKernel_or_refused() -> None:
+    from checksums.grad_summary_triton import native_launch_of
+
+    sig = {"x": "*fp32", "n": "i32", "big": "i64", "scale": "fp32", "BLOCK": "constexpr", "flag": "constexpr"}
+    got = native_launch_of(_compiled(sig), (7, 1, 1), (1 << 40, 5, 1 << 33, 0.5, 1024, True))
+    assert got is not None and got.function == 0xABC and got.grid == (7, 1, 1)
+    assert got.block == 128 and got.shared == 128                  # 4 warps of 32 threads
+    assert got.params == ((0, 1 << 40), (1, 5), (0, 1 << 33), (2, 0.5)), got.params   # constexprs left out
+    # what a plain launch cannot do, or arguments it cannot type: refused (Triton's launcher then)
+    args = (1, 5, 1, 0.5, 1, True)
+    assert native_launch_of(_compiled(sig, global_scratch_size=64), (1, 1, 1), args) is None
+    assert native_launch_of(_compiled(sig, num_ctas=2), (1, 1, 1), args) is None
+    assert native_launch_of(_compiled(sig, launch_pdl=True), (1, 1, 1), args) is None
+    assert native_launch_of(_compiled({"a": "bf16"}), (1, 1, 1), (1.0,)) is None
+    assert native_launch_of(_compiled({"a": "i32"}), (1, 1, 1), (1.5,)) is None        # a float as an int
+    assert native_launch_of(_compiled({"a": "fp32"}), (1, 1, 1), (1,)) is None         # an int as a float
+    assert native_launch_of(_compiled(sig), (1, 1, 1), (1, 5)) is None                 # too few arguments
+    assert native_launch_of(SimpleNamespace(function=None), (1, 1, 1), ()) is None
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU's answer; the GPU's binding is tested with a kernel above")
+def test_binding_a_launch_without_a_cuda_driver_says_why(tmp_path: Path) -> None:
+    """On a machine without CUDA the C++ hook binds no launch and says why (every bucket then summarises
+    through Python, as test_the_cpp_hook_reduces_and_summarises... shows)."""
+    from checksums import native_hook
+
+    module = native_hook.load()
+    assert module is not None, native_hook.why()
+    assert module.driver_why() == "libcuda.so.1 is not loaded in this process"
