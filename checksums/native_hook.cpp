@@ -156,12 +156,12 @@ class SummaryHook : public c10d::CommHookInterface {
     const auto s = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(dev),
                                         static_cast<c10::DeviceType>(device_type));
     for (auto& side : sides_) {
-      if (side.stream.device_index() == s.device_index()) {
-        side.stream = s;
+      if (side->stream.device_index() == s.device_index()) {
+        side->stream = s;
         return;
       }
     }
-    sides_.push_back(Side{s, nullptr});
+    sides_.push_back(std::make_unique<Side>(Side{s, nullptr}));
   }
 
   // bind bucket `idx`'s launch; "" when bound, else why not (nothing bound)
@@ -170,6 +170,10 @@ class SummaryHook : public c10d::CommHookInterface {
     const Driver& d = driver();
     if (!d.why.empty()) return d.why;
     if (idx < 0 || grid.size() != 3 || function == 0 || block <= 0) return "a malformed launch";
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (static_cast<size_t>(idx) < refused_.size() && !refused_[idx].empty()) return refused_[idx];
+    }
     Bound b;
     b.ptr = ptr;
     b.numel = numel;
@@ -257,7 +261,7 @@ class SummaryHook : public c10d::CommHookInterface {
   Side* side_for(c10::DeviceIndex dev) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& side : sides_) {
-      if (side.stream.device_index() == dev) return &side;
+      if (side->stream.device_index() == dev) return side.get();   // stable: each Side is its own allocation
     }
     return nullptr;
   }
@@ -288,6 +292,8 @@ class SummaryHook : public c10d::CommHookInterface {
                                         b.shared, stream, nullptr, extra);
     if (rc != 0) {
       last_error_ = "cuLaunchKernel returned " + std::to_string(rc) + " for bucket " + std::to_string(idx);
+      if (refused_.size() <= idx) refused_.resize(idx + 1);
+      refused_[idx] = last_error_;
       bound_[idx].reset();
       return false;
     }
@@ -301,7 +307,8 @@ class SummaryHook : public c10d::CommHookInterface {
   std::mutex mu_;
   std::vector<std::unique_ptr<Bound>> bound_;
   std::vector<bool> reduced_;
-  std::vector<Side> sides_;
+  std::vector<std::unique_ptr<Side>> sides_;
+  std::vector<std::string> refused_;     // a bucket's launch the driver refused: why (never bound again)
   std::atomic<int64_t> native_calls_{0};
   std::string last_error_;
 };
