@@ -25,6 +25,7 @@ import json
 import os
 import pstats
 import statistics
+import threading
 import sys
 import tempfile
 import time
@@ -546,7 +547,8 @@ def _weights_digest(model: nn.Module, world: int) -> list[str]:
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
              gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False,
-             accum: int = 1, hook_arm: bool = False, host_parts: int = 0) -> dict[str, Any]:
+             accum: int = 1, hook_arm: bool = False, host_parts: int = 0,
+             busy_thread: float = 0.0) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -622,6 +624,20 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     batches = [batch_for(rank, s, device, micro) for s in range(steps + 2 * block + host_parts)
                for micro in range(accum)]
     step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
+    # --busy-thread F: a Python thread computing beside the training for a share F of the time, in bursts of
+    # 1 ms (as a loader's collate, a tokenizer or a metrics thread does), so a Python call on autograd's
+    # thread (a Python comm hook's, a bucket at a time) may wait for the GIL; the C++ hook's bound buckets
+    # take none
+    busy = threading.Event()
+    if busy_thread > 0:
+        def spin() -> None:
+            while not busy.is_set():
+                end = time.perf_counter() + 1e-3
+                while time.perf_counter() < end:
+                    sum(i * i for i in range(200))
+                if busy_thread < 1:
+                    busy.wait(1e-3 * (1 - busy_thread) / busy_thread)
+        threading.Thread(target=spin, name="busy-python", daemon=True).start()
 
     def run_block(arm: tuple[Any, ...], steps_: range) -> None:
         _, ddp, opt, checks, guard, monitor = arm
@@ -746,6 +762,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                                            for e in evs}
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    busy.set()                              # the busy thread, if any, stops
     mean = {name: sum(t) / len(t) for name, t in times.items()}
     # block k of every arm ran in round k (the order turned within the round): pair each with base's
     ratios = {name: [a / b for a, b in zip(t, times["base"])] for name, t in times.items()}
@@ -767,7 +784,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                                            "overhead": mean[name] / mean["base"] - 1.0,
                                            "blocks": times[name]} for name in names},
                            "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
-                           "accum": accum,
+                           "accum": accum, "busy_thread": busy_thread,
                            "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
                            "summary_paths": paths, "hooks": hooks, "host": host,
                            "status": {a[0]: dataclasses.asdict(a[3].status()) for a in arms if a[3] is not None}}
@@ -861,7 +878,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                        sdcguard=args.sdcguard, together=args.together,
                                        profile=args.profile, gpu_profile=args.gpu_profile,
                                        sync_debug=args.sync_debug, fsdp=args.fsdp, accum=args.accum,
-                                       hook_arm=args.hook_arm, host_parts=args.host_parts)
+                                       hook_arm=args.hook_arm, host_parts=args.host_parts,
+                                       busy_thread=args.busy_thread)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -937,7 +955,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         o = results["overhead"]
         lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm after one untimed "
                      f"round, {o.get('accum', 1)} micro-batch(es) a step (mean over blocks; median block; median "
-                     "of each round's ratio to its base block):")
+                     "of each round's ratio to its base block)"
+                     + (f", a Python thread computing {o['busy_thread']:.0%} of the time beside the training:"
+                        if o.get("busy_thread") else ":"))
         lines.append(f"  {'arm':42} {'ms/step':>9} {'ratio':>7} {'overhead':>9} {'median':>9} {'paired':>9} "
                      f"{'paired mean, 95% interval':>27} {'device busy':>11}")
         base = o["arms"]["base"]["step_s"]
@@ -1024,7 +1044,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--margin", type=float, default=3.0)
     p.add_argument("--hook-arm", action="store_true", help="with --overhead: an arm \"hook\" (DDP through a "
-                   "Python comm hook that only all-reduces: what any per-bucket hook costs)")
+                   "Python comm hook that only all-reduces: what any per-bucket hook costs) and an arm "
+                   "\"checks-python\" (the checks through their Python hook instead of the C++ one)")
+    p.add_argument("--busy-thread", type=float, default=0.0, metavar="F", help="with --overhead: a Python "
+                   "thread computing beside the training a share F (0-1] of the time, in 1 ms bursts (a "
+                   "loader's, a tokenizer's, a logger's): Python hooks wait for the GIL")
     p.add_argument("--batch", type=int, default=8, help="--model gpt2: sequences of 1024 tokens a micro-batch "
                    "(8: 8k tokens, a host-bound step on the H200's host; 32: a device-bound one)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "

@@ -410,6 +410,11 @@ want hookhost && step hook-host 120 python3 -m bench.hook_host
 # host time of each part of each arm (--host-parts)
 want compute8 && step compute-8k 320 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 --hook-arm --host-parts 20
+# the same with a Python thread computing 20% of the time beside the training (in 1 ms bursts): a Python comm
+# hook waits for the GIL a bucket at a time, the C++ hook's bound buckets do not (arms checks / checks-python)
+want compute8busy && step compute-8k-busy 320 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m \
+  bench.compute_faults --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 200 --block 10 \
+  --hook-arm --host-parts 20 --busy-thread 0.2
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
 # beside it, then 2,000 clean steps; --determinism strict (warn_only=False: under warn_only=True GPT-2's step
 # is not repeatable on the H200, and replays fall to the rounding bound: determ-probe, 2026-12-05)

@@ -800,7 +800,8 @@ def test_host_parts_time_each_part_of_each_arm_and_the_checks_own_share():
     """`compute_faults --host-parts` (how the H200's host-bound step is measured): each arm's parts, with the
     hook-only arm's hook as the floor the checks' own host time is counted over."""
     o = _faults(["--world", "1", "--cases", "none", "--overhead", "4", "--block", "2", "--hook-arm",
-                 "--host-parts", "3"])["overhead"]
+                 "--host-parts", "3", "--busy-thread", "0.5"])["overhead"]
+    assert o["busy_thread"] == 0.5, o
     parts, hook, base = (o["host"][a]["parts"] for a in ("checks-python", "hook", "base"))
     assert parts["GradSummaries._hook"] > parts["BucketAllreduce.__call__"] > 0, parts
     # the default arm's checks went through the C++ hook: no Python hook call, the step's enqueue timed
