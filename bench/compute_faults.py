@@ -1125,6 +1125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
     if args.after < 1 or args.fault_step < 1:
         p.error(f"--after ({args.after}) and --fault-step ({args.fault_step}) must be at least 1")
+    if not 0.0 <= args.busy_thread <= 1.0:
+        p.error(f"--busy-thread is a share of the time, 0 to 1, got {args.busy_thread:g}")
     known = {c.name for c in CASES + TC_CASES + MOE_CASES}
     unknown = [n for n in args.cases.split(",") if n not in known] if args.cases not in GROUPS else []
     if unknown:
