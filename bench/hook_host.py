@@ -143,6 +143,12 @@ def run(dev: torch.device, args: argparse.Namespace) -> None:
         k[0] = (k[0] + 1) % len(clean)
         tracker.assess(clean[k[0]])
     pieces.append(("SpreadTracker.assess (2 ranks x 13 buckets, clean)", assess))
+    # the gate's all-gather of the rows a step (13 buckets), through the wrapper it uses and the group directly
+    from checksums.collectives import all_gather_single
+    rows = torch.zeros(13, 4, dtype=torch.int64, device=dev)
+    gathered = torch.empty_like(rows)
+    pieces.append(("all_gather_single(rows) (the gate's, a step)", lambda: all_gather_single(gathered, rows)))
+    pieces.append(("  pg._allgather_base(out, rows).wait()", lambda: pg._allgather_base(gathered, rows).wait()))
     if c_launch is not None and scratch_free:
         head = (plan.n_items, 1, 1, raw_stream, compiled.function, launcher.launch_cooperative_grid,
                 launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
