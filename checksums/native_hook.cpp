@@ -229,20 +229,12 @@ class SummaryHook : public c10d::CommHookInterface {
 
   std::vector<int64_t> bound() {
     std::lock_guard<std::mutex> lock(mu_);
-    std::vector<int64_t> out;
-    for (size_t i = 0; i < bound_.size(); ++i) {
-      if (bound_[i]) out.push_back(static_cast<int64_t>(i));
-    }
-    return out;
+    return set_indices(bound_);
   }
 
   std::vector<int64_t> reduced() {
     std::lock_guard<std::mutex> lock(mu_);
-    std::vector<int64_t> out;
-    for (size_t i = 0; i < reduced_.size(); ++i) {
-      if (reduced_[i]) out.push_back(static_cast<int64_t>(i));
-    }
-    return out;
+    return set_indices(reduced_);
   }
 
   void clear() {
@@ -264,6 +256,15 @@ class SummaryHook : public c10d::CommHookInterface {
       if (side->stream.device_index() == dev) return side.get();   // stable: each Side is its own allocation
     }
     return nullptr;
+  }
+
+  template <typename V>
+  static std::vector<int64_t> set_indices(const V& v) {   // the indices whose entry is set
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (v[i]) out.push_back(static_cast<int64_t>(i));
+    }
+    return out;
   }
 
   void mark(size_t idx) {
