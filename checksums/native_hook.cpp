@@ -91,7 +91,18 @@ class SummaryHook : public c10d::CommHookInterface {
         side_on_(side_on) {}
 
   ~SummaryHook() override {
-    // the hook dies with DDP's reducer: the Python objects need the GIL to be released
+    // the hook dies with DDP's reducer: the Python objects are let go under the GIL, or left alone when
+    // the interpreter is shutting down (nothing may take the GIL then)
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (!Py_IsInitialized() || finalizing) {
+      fallback_.release();
+      prepare_.release();
+      return;
+    }
     try {
       py::gil_scoped_acquire gil;
       fallback_ = py::object();
