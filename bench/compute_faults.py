@@ -652,7 +652,12 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                 with (contextlib.nullcontext() if sync or fsdp else ddp.no_sync(),
                       guard.on_step(s + 1) if guard is not None else contextlib.nullcontext()):
                     loss = step_loss(ddp, batch)
-                    loss.backward()
+                    if spent_on:     # the backward's host time: autograd's launches and every bucket's hook
+                        t = time.perf_counter()
+                        loss.backward()
+                        spent["(backward)"] = spent.get("(backward)", 0.0) + time.perf_counter() - t
+                    else:
+                        loss.backward()
             opt.step()
             if monitor is not None:
                 monitor.step(loss)
@@ -997,6 +1002,10 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                     extra = h["parts"]["(enqueue)"] - base_parts["(enqueue)"]
                     lines.append(f"    arm {name}'s step enqueued in {extra * 1e6:+.0f} us over base's "
                                  f"({extra / step * 100:+.2f}% of base's median step)")
+                if name != "base" and "(backward)" in base_parts and "(backward)" in h["parts"]:
+                    extra = h["parts"]["(backward)"] - base_parts["(backward)"]
+                    lines.append(f"    arm {name}'s backward (autograd's launches and the hooks) took "
+                                 f"{extra * 1e6:+.0f} us over base's")
             if h.get("wrapped"):
                 lines.append("    host ms/step in (any thread): " + ", ".join(
                     f"{k} {v * 1e3:.3f}" for k, v in sorted(h["wrapped"].items())))

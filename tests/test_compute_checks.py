@@ -808,7 +808,8 @@ def test_host_parts_time_each_part_of_each_arm_and_the_checks_own_share():
     assert o["hooks"] == {"checks": "C++", "checks-python": "Python (asked)", "checks+audits": "C++"}, \
         o["hooks"]
     native = o["host"]["checks"]["parts"]
-    assert "GradSummaries._hook" not in native and native["(enqueue)"] > 0, native
+    assert "GradSummaries._hook" not in native and native["(enqueue)"] > native["(backward)"] > 0, native
+    assert parts["(backward)"] > parts["GradSummaries._hook"], parts      # the hooks run inside the backward
     assert parts["StepGuard._pre_hook"] >= parts["ComputeChecks.run"] > 0 and parts["(step)"] > 0, parts
     assert hook["hook-arm"] > 0 and "GradSummaries._hook" not in hook and "hook-arm" not in base, (hook, base)
     got = compute_faults._own_host_time(
