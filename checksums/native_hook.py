@@ -5,8 +5,10 @@ the all-reduce of each bucket then run without Python once a bucket's launch is 
 hook costs ~130 us of host time a bucket inside a step (the GIL, a GradBucket object, a future and its
 `then` callback: docs/BENCHMARKS.md). It is compiled on first use with the C++ compiler Triton and torch's
 extensions use (`$CXX`, else `c++`), against the installed torch's headers, into
-`$SDCWATCH_NATIVE_CACHE` (default `~/.cache/sdcwatch/native`), under a lock, so ranks and test workers
-starting together build it once. No CUDA toolkit is needed. Where it cannot be built or loaded (no
+`$SDCWATCH_NATIVE_CACHE` (default `~/.cache/sdcwatch/native`; where that cannot be made, a directory of
+ours in the temp directory), under a lock, so ranks and test workers starting together build it once. The
+directory is made private first (0700, ours, no link on the way: `sdcwatch.safe_fs.secure_dir`), since
+what is loaded from it runs in the training process. No CUDA toolkit is needed. Where it cannot be built or loaded (no
 compiler, no Python headers, a torch without its C++ headers), `load()` returns None, the reason is logged
 once and `why()` says it, and the Python hook is used: the same rows and gradients, more host time.
 
@@ -22,9 +24,11 @@ import importlib.util
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -50,6 +54,20 @@ def why() -> str:
 def cache_dir() -> Path:
     base = os.environ.get("SDCWATCH_NATIVE_CACHE")
     return Path(base) if base else Path.home() / ".cache" / "sdcwatch" / "native"
+
+
+def _cache_root() -> Path:
+    """The cache directory, made private (0700, ours, reached without links another user planted: a
+    library loaded from it runs in the training process); a default one that cannot be made (a read-only
+    home) is replaced by one in the temp directory, made the same way."""
+    from sdcwatch.safe_fs import secure_dir
+
+    try:
+        return secure_dir(cache_dir(), 0o700)
+    except OSError:
+        if os.environ.get("SDCWATCH_NATIVE_CACHE"):
+            raise
+    return secure_dir(Path(tempfile.gettempdir()) / f"sdcwatch-native-{os.getuid()}", 0o700)
 
 
 def _compiler() -> str | None:
@@ -89,8 +107,7 @@ def build() -> Path:
     if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
         raise RuntimeError(f"no Python headers in {sysconfig.get_paths()['include']} "
                            "(apt install python3-dev)")
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    root = _cache_root()
     lib = root / f"{_MODULE}-{_key(cxx)}.so"
     if lib.is_file():
         return lib
@@ -98,7 +115,7 @@ def build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)           # another rank or worker may be building it
         if lib.is_file():
             return lib
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        tmp = lib.with_suffix(f".{socket.gethostname()}.{os.getpid()}.tmp")   # a home shared by nodes
         try:
             done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True,
                                   timeout=_BUILD_TIMEOUT_S)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +195,34 @@ def test_a_build_that_fails_says_the_compilers_error(tmp_path: Path) -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "True" and "failed (exit 1)" in lines[1] and "reducer.hpp: No such file" in done.stdout
     assert not list((tmp_path / "c").glob("*.so")) and not list((tmp_path / "c").glob("*.tmp"))
+
+
+def test_a_cache_reached_through_a_link_is_refused_and_a_loose_one_made_private(tmp_path: Path) -> None:
+    """The library is loaded into the training process: its cache must be ours alone. A cache path through a
+    link (another user could have planted it) is refused (the Python hook runs, saying why); a cache
+    directory others may write is made 0700 before anything is built or loaded from it."""
+    code = ("from checksums import native_hook; m = native_hook.load(); print(m is None); "
+            "print(native_hook.why())")
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    env = {**os.environ, "SDCWATCH_NATIVE_CACHE": str(tmp_path / "link"), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.stdout.splitlines()[0] == "True" and "link" in done.stdout.splitlines()[1], done.stdout
+    assert not list(real.iterdir())
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    from checksums import native_hook
+    built = native_hook.load()                       # this process's library: the same key, no second build
+    assert built is not None, native_hook.why()
+    shutil.copy(built.__file__, loose / Path(built.__file__).name)
+    env["SDCWATCH_NATIVE_CACHE"] = str(loose)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.stdout.splitlines()[0] == "False", done.stdout + done.stderr    # built and loaded
+    assert loose.stat().st_mode & 0o777 == 0o700 and list(loose.glob("*.so"))
 
 
 def test_the_switch_turns_it_off() -> None:
