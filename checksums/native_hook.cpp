@@ -338,8 +338,12 @@ class Registered : public c10d::CommHookInterface {
   std::shared_ptr<SummaryHook> hook_;
 };
 
+// Python's handle: not an owner (the hook holds Python's callbacks, which hold the handle's owner: owning
+// the hook from Python would be a cycle through C++ that no collector sees, keeping the model's parameters)
 struct Handle {
-  std::shared_ptr<SummaryHook> hook;
+  std::weak_ptr<SummaryHook> hook;
+
+  std::shared_ptr<SummaryHook> get() const { return hook.lock(); }   // null once DDP's reducer is gone
 };
 
 }  // namespace
@@ -347,25 +351,44 @@ struct Handle {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sdcwatch's C++ DDP communication hook (checksums/native_hook.py)";
   py::class_<Handle>(m, "Handle")
-      .def("set_side", [](Handle& h, int dev, int64_t id, int type) { h.hook->set_side(dev, id, type); })
+      .def("set_side", [](Handle& h, int dev, int64_t id, int type) {
+             if (auto hook = h.get()) hook->set_side(dev, id, type);
+           })
       .def("bind", [](Handle& h, int64_t idx, int64_t ptr, int64_t numel, int64_t fn,
                       std::vector<int64_t> grid, int64_t block, int64_t shared,
-                      std::vector<std::pair<int, py::object>> args) {
-             return h.hook->bind(idx, ptr, numel, fn, std::move(grid), block, shared, args);
+                      std::vector<std::pair<int, py::object>> args) -> std::string {
+             auto hook = h.get();
+             if (!hook) return "the hook is gone (its DDP model was collected)";
+             return hook->bind(idx, ptr, numel, fn, std::move(grid), block, shared, args);
            })
-      .def("unbind_all", [](Handle& h) { h.hook->unbind_all(); })
-      .def("bound", [](Handle& h) { return h.hook->bound(); })
-      .def("reduced", [](Handle& h) { return h.hook->reduced(); })
-      .def("clear", [](Handle& h) { h.hook->clear(); })
-      .def("native_calls", [](Handle& h) { return h.hook->native_calls(); })
-      .def("last_error", [](Handle& h) { return h.hook->last_error(); });
+      .def("unbind_all", [](Handle& h) {
+             if (auto hook = h.get()) hook->unbind_all();
+           })
+      .def("bound", [](Handle& h) {
+             auto hook = h.get();
+             return hook ? hook->bound() : std::vector<int64_t>{};
+           })
+      .def("reduced", [](Handle& h) {
+             auto hook = h.get();
+             return hook ? hook->reduced() : std::vector<int64_t>{};
+           })
+      .def("clear", [](Handle& h) {
+             if (auto hook = h.get()) hook->clear();
+           })
+      .def("native_calls", [](Handle& h) { auto hook = h.get(); return hook ? hook->native_calls() : 0; })
+      .def("last_error", [](Handle& h) {
+             auto hook = h.get();
+             return hook ? hook->last_error() : std::string();
+           })
+      .def("alive", [](Handle& h) { return !h.hook.expired(); });
   m.def(
       "register",
       [](c10d::Reducer& reducer, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, py::object fallback,
          py::object prepare, bool side_on) {
         auto hook = std::make_shared<SummaryHook>(pg, std::move(fallback), std::move(prepare), side_on);
-        reducer.register_comm_hook(std::make_unique<Registered>(hook));
-        return Handle{hook};
+        Handle handle{hook};
+        reducer.register_comm_hook(std::make_unique<Registered>(std::move(hook)));   // the one owner
+        return handle;
       },
       "Register the hook on DDP's reducer (DDP takes one hook); its handle");
   m.def("driver_why", [] { return driver().why; }, "Why kernels cannot be launched here ('' when they can)");

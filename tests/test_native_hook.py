@@ -127,15 +127,20 @@ def _second_hook(rank: int, init: str, out: str) -> None:
         except (ValueError, RuntimeError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     native = first.native
-    # the model and its hook collected (the hook's Python callbacks let go under the GIL), then another
+    # the model and its hook collected (the hook's Python callbacks let go under the GIL), and with them the
+    # GradSummaries (no cycle through the C++ hook keeps it and the model's parameters), then another model
     import gc
-    del first, ddp, again
+    import weakref
+    handle, gone = first._native, weakref.ref(first)
+    first = ddp = again = None          # (the lambdas above hold `ddp` in a cell: emptied, not deleted)
     gc.collect()
+    collected = [gone() is None, handle.alive(), handle.reduced(), handle.bind(0, 0, 0, 1, [1, 1, 1], 32, 0, [])]
     ddp2 = DDP(nn.Linear(4, 4))
     second = GradSummaries(ddp2)
     ddp2(torch.ones(2, 4)).sum().backward()
     with open(out, "w") as f:
-        json.dump({"native": native, "errors": errors, "second": [second.native, list(second.rows().shape)]}, f)
+        json.dump({"native": native, "errors": errors, "second": [second.native, list(second.rows().shape)],
+                   "collected": collected}, f)
     dist.destroy_process_group()
 
 
@@ -144,6 +149,7 @@ def test_a_second_hook_on_the_model_is_refused_naming_the_first(tmp_path: Path) 
     spawn(_second_hook, (str(tmp_path / "init"), str(out)), nprocs=1)
     got = json.loads(out.read_text())
     assert got["native"] is True and got["second"] == [True, [1, 4]], got
+    assert got["collected"] == [True, False, [], "the hook is gone (its DDP model was collected)"], got
     ours, ours_py, torchs = got["errors"]
     assert ours.startswith("ValueError") and "GradSummaries._hook" in ours and "comm_hook=" in ours, ours
     assert ours_py == ours, got
