@@ -134,7 +134,8 @@ def _second_hook(rank: int, init: str, out: str) -> None:
     handle, gone = first._native, weakref.ref(first)
     first = ddp = again = None          # (the lambdas above hold `ddp` in a cell: emptied, not deleted)
     gc.collect()
-    collected = [gone() is None, handle.alive(), handle.reduced(), handle.bind(0, 0, 0, 1, [1, 1, 1], 32, 0, [])]
+    collected = [gone() is None, handle.alive(), handle.reduced(),
+                 handle.bind(0, 0, 0, 1, [1, 1, 1], 32, 0, [])]
     ddp2 = DDP(nn.Linear(4, 4))
     second = GradSummaries(ddp2)
     ddp2(torch.ones(2, 4)).sum().backward()
