@@ -4,7 +4,7 @@ GradSummaries registers it instead of its Python hook when it loads: the summary
 the all-reduce of each bucket then run without Python once a bucket's launch is bound, where a Python comm
 hook costs ~130 us of host time a bucket inside a step (the GIL, a GradBucket object, a future and its
 `then` callback: docs/BENCHMARKS.md). It is compiled on first use with the C++ compiler Triton and torch's
-extensions use (`$CXX`, else `c++`), against the installed torch's headers, into
+extensions use (`$CXX`, else `c++`, `g++` or `clang++`), against the installed torch's headers, into
 `$SDCWATCH_NATIVE_CACHE` (default `~/.cache/sdcwatch/native`; where that cannot be made, a directory of
 ours in the temp directory), under a lock, so ranks and test workers starting together build it once. The
 directory is made private first (0700, ours, no link on the way: `sdcwatch.safe_fs.secure_dir`), since
@@ -71,8 +71,10 @@ def _cache_root() -> Path:
 
 
 def _compiler() -> str | None:
-    cxx = os.environ.get("CXX") or "c++"
-    return shutil.which(cxx)
+    """$CXX when set (nothing else then), else the first of c++, g++, clang++ on the PATH."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    return next((found for cxx in ("c++", "g++", "clang++") if (found := shutil.which(cxx))), None)
 
 
 def _key(cxx: str) -> str:
@@ -103,7 +105,8 @@ def build() -> Path:
     the reason when it cannot be built."""
     cxx = _compiler()
     if cxx is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'} not found; apt install g++)")
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++, g++, clang++'} not found; "
+                           "apt install g++)")
     if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
         raise RuntimeError(f"no Python headers in {sysconfig.get_paths()['include']} "
                            "(apt install python3-dev)")
