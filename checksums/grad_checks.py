@@ -544,9 +544,12 @@ class GradSummaries:
         if self._inject is not None or idx in self._unbindable:
             return
         spec = plan.native_launch(buf, self._views[idx], scale)
-        why = ("the kernel needs Triton's own launcher" if spec is None else
-               self._native.bind(idx, buf.data_ptr(), buf.numel(), spec.function, list(spec.grid), spec.block,
-                                 spec.shared, list(spec.params)))
+        try:
+            why = ("the kernel needs Triton's own launcher" if spec is None else
+                   self._native.bind(idx, buf.data_ptr(), buf.numel(), spec.function, list(spec.grid),
+                                     spec.block, spec.shared, list(spec.params)))
+        except Exception as exc:  # noqa: BLE001 (an argument the C++ side cannot take: the fallback stays)
+            why = f"{type(exc).__name__}: {exc}"
         if why:
             self._unbindable.add(idx)
             logger.info("sdcwatch: bucket %d's summary is launched through Python, not the C++ hook: %s",

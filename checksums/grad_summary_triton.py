@@ -417,6 +417,9 @@ class NativeLaunch(NamedTuple):
 
 
 _KINDS = {"i64": 0, "u64": 0, "i32": 1, "u32": 1, "fp32": 2}
+# what each integer parameter holds, as the C++ hook packs it (an int64 for 64-bit ones)
+_RANGES = {"i32": (-(1 << 31), 1 << 31), "u32": (0, 1 << 32), "i64": (-(1 << 63), 1 << 63),
+           "u64": (0, 1 << 63)}
 
 
 def native_launch_of(compiled: object, grid: tuple[int, int, int], args: tuple) -> NativeLaunch | None:
@@ -440,6 +443,9 @@ def native_launch_of(compiled: object, grid: tuple[int, int, int], args: tuple) 
         kind = 0 if isinstance(ty, str) and ty.startswith("*") else _KINDS.get(ty)
         if kind is None or (kind == 2) != isinstance(value, float) or isinstance(value, bool):
             return None
+        low, high = _RANGES.get(ty, (0, 1 << 63))           # (an address: a non-negative int64)
+        if kind != 2 and not low <= value < high:
+            return None                 # a value the compiled parameter cannot hold (another variant's)
         params.append((kind, value))
     return NativeLaunch(int(function), tuple(grid), 32 * int(md.num_warps), int(md.shared), tuple(params))
 

@@ -213,7 +213,8 @@ class SummaryHook : public c10d::CommHookInterface {
       } else if (kind == kInt32) {
         if (size != 4) return "argument " + std::to_string(i) + " (i32) fills a " + std::to_string(size) +
                               "-byte parameter";
-        const int32_t v = value.cast<int32_t>();
+        const int64_t wide = value.cast<int64_t>();   // a u32 above INT32_MAX keeps its bits
+        const uint32_t v = static_cast<uint32_t>(wide);
         std::memcpy(at, &v, 4);
       } else if (kind == kInt64) {
         if (size != 8) return "argument " + std::to_string(i) + " (i64) fills a " + std::to_string(size) +

@@ -263,6 +263,11 @@ def test_a_triton_launch_is_described_for_cuLaunchKernel_or_refused() -> None:
     assert native_launch_of(_compiled({"a": "i32"}), (1, 1, 1), (1.5,)) is None        # a float as an int
     assert native_launch_of(_compiled({"a": "fp32"}), (1, 1, 1), (1,)) is None         # an int as a float
     assert native_launch_of(_compiled(sig), (1, 1, 1), (1, 5)) is None                 # too few arguments
+    # a value the compiled parameter cannot hold (a variant compiled for another bucket's sizes)
+    assert native_launch_of(_compiled(sig), (1, 1, 1), (1, 1 << 31, 1, 0.5, 1, True)) is None
+    assert native_launch_of(_compiled(sig), (1, 1, 1), (-8, 5, 1, 0.5, 1, True)) is None   # negative address
+    top = native_launch_of(_compiled({"a": "u32"}), (1, 1, 1), ((1 << 32) - 1,))
+    assert top is not None and top.params == ((1, (1 << 32) - 1),)
     assert native_launch_of(SimpleNamespace(function=None), (1, 1, 1), ()) is None
 
 
