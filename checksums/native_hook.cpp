@@ -199,9 +199,10 @@ class SummaryHook : public c10d::CommHookInterface {
       size_t off = 0, size = 0;
       if (d.param_info(b.function, i, &off, &size) != 0) break;   // past the last parameter
       if (b.params.size() < off + size) b.params.resize(off + size, 0);
-      if (i >= args.size()) {
+      if (i >= args.size()) {   // Triton's global and profile scratch pointers: at most two, null
         if (size != 8) return "the kernel has a parameter after its arguments that is not an address";
-        continue;   // zeros: a null scratch pointer
+        if (i >= args.size() + 2) return "the kernel has more than two parameters after its arguments";
+        continue;
       }
       const auto& [kind, value] = args[i];
       char* at = b.params.data() + off;
