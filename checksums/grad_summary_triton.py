@@ -378,15 +378,8 @@ class GradSummaryPlan:
         H200's host (bench/hook_host.py). None until `launch` has run this variant directly (it compiles
         it), or when direct launches are off or failed. The caller keeps `t` and `out` alive and at their
         addresses (it checks `t.data_ptr()` before each call) and calls on `t`'s device."""
-        if not self._one:
-            return None         # two launches (the finaliser too), or an empty buffer: not bound
-        off = t.data_ptr() - self._anchor_ptr
-        scaled = scale != 1.0
-        direct = self._direct.get(_variant(off, out, scaled))
-        if direct is None or not direct.ok:
-            return None
-        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args(off, out, scale))
-        return BoundLaunch(direct, (*ints, *self._constexprs[scaled]))
+        fixed = self._fixed_args(t, out, scale)
+        return None if fixed is None else BoundLaunch(*fixed)
 
     def native_launch(self, t: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> "NativeLaunch | None":
         """`bound`'s launch described for a launcher outside Python (the C++ comm hook,
@@ -394,16 +387,25 @@ class GradSummaryPlan:
         its parameters' values with their kinds, in the kernel's parameter order (constexprs left out, as
         Triton's launcher leaves them). None where `bound` is None, or for a kernel that needs more than a
         plain launch (scratch memory, clusters, cooperative or PDL launches, instrumentation)."""
+        fixed = self._fixed_args(t, out, scale)
+        if fixed is None or fixed[0].compiled is None:
+            return None
+        return native_launch_of(fixed[0].compiled, fixed[0].grid, fixed[1])
+
+    def _fixed_args(self, t: torch.Tensor, out: torch.Tensor,
+                    scale: float) -> "tuple[_DirectLaunch, tuple] | None":
+        """The direct launch of the variant `t`, `out` and `scale` take, with every argument (integer
+        addresses, constexprs last) in the signature's order; None when not one launch (the finaliser too,
+        or an empty buffer) or that variant has no working direct launch."""
         if not self._one:
             return None
         off = t.data_ptr() - self._anchor_ptr
         scaled = scale != 1.0
         direct = self._direct.get(_variant(off, out, scaled))
-        if direct is None or not direct.ok or direct.compiled is None:
+        if direct is None or not direct.ok:
             return None
-        args = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args(off, out, scale)),
-                *self._constexprs[scaled])
-        return native_launch_of(direct.compiled, direct.grid, args)
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args(off, out, scale))
+        return direct, (*ints, *self._constexprs[scaled])
 
 
 class NativeLaunch(NamedTuple):
