@@ -257,10 +257,6 @@ class SummaryHook : public c10d::CommHookInterface {
 
   int64_t native_calls() const { return native_calls_.load(std::memory_order_relaxed); }
 
-  std::string last_error() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return last_error_;
-  }
 
  private:
   Side* side_for(c10::DeviceIndex dev) {
@@ -305,9 +301,8 @@ class SummaryHook : public c10d::CommHookInterface {
     const CUresult rc = driver().launch(b.function, b.grid[0], b.grid[1], b.grid[2], b.block, 1, 1,
                                         b.shared, stream, nullptr, extra);
     if (rc != 0) {
-      last_error_ = "cuLaunchKernel returned " + std::to_string(rc) + " for bucket " + std::to_string(idx);
-      if (refused_.size() <= idx) refused_.resize(idx + 1);
-      refused_[idx] = last_error_;
+      if (refused_.size() <= idx) refused_.resize(idx + 1);   // said when Python next asks to bind it
+      refused_[idx] = "cuLaunchKernel returned " + std::to_string(rc) + " for bucket " + std::to_string(idx);
       bound_[idx].reset();
       return false;
     }
@@ -324,7 +319,6 @@ class SummaryHook : public c10d::CommHookInterface {
   std::vector<std::unique_ptr<Side>> sides_;
   std::vector<std::string> refused_;     // a bucket's launch the driver refused: why (never bound again)
   std::atomic<int64_t> native_calls_{0};
-  std::string last_error_;
 };
 
 // what DDP's reducer owns: the hook, shared with Python's handle (either may outlive the other)
@@ -378,10 +372,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (auto hook = h.get()) hook->clear();
            })
       .def("native_calls", [](Handle& h) { auto hook = h.get(); return hook ? hook->native_calls() : 0; })
-      .def("last_error", [](Handle& h) {
-             auto hook = h.get();
-             return hook ? hook->last_error() : std::string();
-           })
       .def("alive", [](Handle& h) { return !h.hook.expired(); });
   m.def(
       "register",
