@@ -359,6 +359,11 @@ class GradSummaries:
                  side_stream: bool | None = None, native: bool | None = None) -> None:
         if not hasattr(ddp, "register_comm_hook"):
             raise TypeError(f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}")
+        if getattr(ddp, "_use_python_reducer", False):
+            raise ValueError("this DDP model reduces through compiled autograd's Python reducer "
+                             "(torch._dynamo.config.optimize_ddp = 'python_reducer'), which calls a comm hook "
+                             "a parameter at a time, not a bucket: the compute checks summarise DDP's buckets; "
+                             "build the model with another optimize_ddp mode (the default, 'ddp_optimizer')")
         registered = getattr(ddp, "_comm_hooks", None)
         if registered:
             name = getattr(registered[0][0], "__qualname__", repr(registered[0][0]))

@@ -126,6 +126,20 @@ def _second_hook(rank: int, init: str, out: str) -> None:
             errors.append("")
         except (ValueError, RuntimeError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
+    # compiled autograd's Python reducer calls a hook a parameter at a time: refused, saying so
+    import torch._dynamo
+    mode = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        per_param = DDP(nn.Linear(4, 4))
+    finally:
+        torch._dynamo.config.optimize_ddp = mode
+    try:
+        GradSummaries(per_param)
+        errors.append("")
+    except ValueError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    per_param = None
     native = first.native
     # the model and its hook collected (the hook's Python callbacks let go under the GIL), and with them the
     # GradSummaries (no cycle through the C++ hook keeps it and the model's parameters), then another model
@@ -151,7 +165,8 @@ def test_a_second_hook_on_the_model_is_refused_naming_the_first(tmp_path: Path) 
     got = json.loads(out.read_text())
     assert got["native"] is True and got["second"] == [True, [1, 4]], got
     assert got["collected"] == [True, False, [], "the hook is gone (its DDP model was collected)"], got
-    ours, ours_py, torchs = got["errors"]
+    ours, ours_py, torchs, per_param = got["errors"]
+    assert per_param.startswith("ValueError") and "python_reducer" in per_param, per_param
     assert ours.startswith("ValueError") and "GradSummaries._hook" in ours and "comm_hook=" in ours, ours
     assert ours_py == ours, got
     assert torchs.startswith("RuntimeError") and "once" in torchs, torchs   # DDP's reducer takes one hook
