@@ -763,8 +763,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             host[arm[0]]["device_s_per_step"] = total / 1e6 / block
             host[arm[0]]["kernels"] = [(e.key[:90], e.self_device_time_total / 1e3 / block, e.count // block)
                                        for e in evs[:gpu_profile]]
-            host[arm[0]]["all_kernels"] = {e.key[:90]: (e.self_device_time_total / 1e3 / block, e.count / block)
-                                           for e in evs}
+            host[arm[0]]["all_kernels"] = kernel_times(evs, block)
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     busy.set()                              # the busy thread, if any, stops
@@ -777,11 +776,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             mine = host.get(name, {}).get("all_kernels")
             if name == "base" or mine is None:
                 continue
-            keys = set(mine) | set(base_k)
-            diff = [(k, mine.get(k, (0.0, 0))[0] - base_k.get(k, (0.0, 0))[0],
-                     mine.get(k, (0.0, 0))[1] - base_k.get(k, (0.0, 0))[1]) for k in keys]
-            diff.sort(key=lambda d: -abs(d[1]))
-            host[name]["kernel_diff"] = [d for d in diff[:12] if abs(d[1]) >= 0.002 or d[2]]
+            host[name]["kernel_diff"] = kernel_diff(base_k, mine)
     out: dict[str, Any] = {"arms": {name: {"step_s": mean[name], "median_s": med[name],
                                            "paired": statistics.median(ratios[name]) - 1.0,
                                            "paired_mean": statistics.fmean(ratios[name]) - 1.0,
@@ -890,6 +885,28 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def kernel_times(events: list[Any], steps: int) -> dict[str, tuple[float, float]]:
+    """torch.profiler's averaged events -> kernel name -> (device ms, launches) a step. By the whole name:
+    kernels whose names share a prefix (a copy kernel's template arguments) are different kernels (keyed
+    by 90 characters, base seemed to run 7.7 ms of copies a step that no arm ran: the last kernel of a
+    prefix overwrote the others)."""
+    out: dict[str, tuple[float, float]] = {}
+    for e in events:
+        ms, n = out.get(e.key, (0.0, 0.0))
+        out[e.key] = (ms + e.self_device_time_total / 1e3 / steps, n + e.count / steps)
+    return out
+
+
+def kernel_diff(base: dict[str, tuple[float, float]], arm: dict[str, tuple[float, float]],
+                top: int = 12) -> list[tuple[str, float, float]]:
+    """What an arm's device time adds over base's, kernel by kernel (name -> (ms, launches) a step, whole
+    names): the `top` largest changes by time, each named by its first 90 characters."""
+    diff = [(k, arm.get(k, (0.0, 0))[0] - base.get(k, (0.0, 0))[0],
+             arm.get(k, (0.0, 0))[1] - base.get(k, (0.0, 0))[1]) for k in set(arm) | set(base)]
+    diff.sort(key=lambda d: -abs(d[1]))
+    return [(k[:90], ms, n) for k, ms, n in diff[:top] if abs(ms) >= 0.002 or n]
 
 
 def _own_host_time(parts: dict[str, float], hook_parts: dict[str, float] | None) -> tuple[float, float] | None:

@@ -819,6 +819,25 @@ def test_host_parts_time_each_part_of_each_arm_and_the_checks_own_share():
     assert compute_faults._own_host_time(base, hook) is None and compute_faults._own_host_time(parts, None) is None
 
 
+def test_the_device_profile_diff_keeps_kernels_whose_names_share_a_prefix_apart():
+    """`--gpu-profile`'s per-kernel diff against base: two copy kernels whose first 90 characters agree are
+    two kernels (a truncated key kept the last of them: base seemed to run 7.7 ms of copies no arm ran)."""
+    from types import SimpleNamespace as E
+    stem = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(" + "x" * 50
+    evs = [E(key=stem + "<bf16>", self_device_time_total=77_000.0, count=1250),
+           E(key=stem + "<fp32>", self_device_time_total=2_000.0, count=30),
+           E(key="gemm", self_device_time_total=264_000.0, count=10)]
+    base = compute_faults.kernel_times(evs, 10)
+    assert base == {stem + "<bf16>": (7.7, 125.0), stem + "<fp32>": (0.2, 3.0), "gemm": (26.4, 1.0)}, base
+    summary = E(key="gs_partials", self_device_time_total=3_400.0, count=130)
+    arm = compute_faults.kernel_times([*evs[::-1], summary], 10)
+    assert compute_faults.kernel_diff(base, arm) == [("gs_partials", pytest.approx(0.34), 13.0)]
+    assert compute_faults.kernel_diff(arm, base) == [("gs_partials", pytest.approx(-0.34), -13.0)]
+    slower = dict(arm, **{stem + "<fp32>": (0.5, 3.0)})
+    (name, ms, n), = [d for d in compute_faults.kernel_diff(arm, slower) if d[0] != "gs_partials"]
+    assert name == (stem + "<fp32>")[:90] and abs(ms - 0.3) < 1e-9 and n == 0, (name, ms, n)
+
+
 def test_fsdp2_overhead_arms_run_on_cpu():
     """The FSDP2 overhead arms (bench/gpu_run.sh's compute-fsdp step on the GPU pair) run on 2 gloo ranks:
     base, checks, checks with collective audits; every audit passes (the numbers are the GPU run's)."""
