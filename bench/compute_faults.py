@@ -548,7 +548,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
              gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False,
              accum: int = 1, hook_arm: bool = False, host_parts: int = 0,
-             busy_thread: float = 0.0) -> dict[str, Any]:
+             busy_thread: float = 0.0, host_ops: int = 0) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -763,7 +763,25 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             host[arm[0]]["device_s_per_step"] = total / 1e6 / block
             host[arm[0]]["kernels"] = [(e.key[:90], e.self_device_time_total / 1e3 / block, e.count // block)
                                        for e in evs[:gpu_profile]]
-            host[arm[0]]["all_kernels"] = kernel_times(evs, block)
+            host[arm[0]]["all_kernels"] = profile_times(evs, block, "self_device_time_total")
+    if host_ops:        # which host operations and CUDA runtime calls each arm adds (torch.profiler, CPU)
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        for arm in arms:
+            set_fused(arm[0] != "checks-torch")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            with tprofile(activities=acts) as prof:
+                run_block(arm, range(steps + block, steps + 2 * block))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            host.setdefault(arm[0], {"host_s_per_step": float("nan"), "top": []})
+            host[arm[0]]["all_ops"] = profile_times(prof.key_averages(), block, "self_cpu_time_total")
+        for name in names:
+            mine = host.get(name, {}).get("all_ops")
+            if name != "base" and mine is not None and "all_ops" in host.get("base", {}):
+                host[name]["op_diff"] = kernel_diff(host["base"]["all_ops"], mine, top=host_ops)
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     busy.set()                              # the busy thread, if any, stops
@@ -879,7 +897,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                        profile=args.profile, gpu_profile=args.gpu_profile,
                                        sync_debug=args.sync_debug, fsdp=args.fsdp, accum=args.accum,
                                        hook_arm=args.hook_arm, host_parts=args.host_parts,
-                                       busy_thread=args.busy_thread)
+                                       busy_thread=args.busy_thread, host_ops=args.host_ops)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -887,15 +905,19 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     dist.destroy_process_group()
 
 
-def kernel_times(events: list[Any], steps: int) -> dict[str, tuple[float, float]]:
-    """torch.profiler's averaged events -> kernel name -> (device ms, launches) a step. By the whole name:
-    kernels whose names share a prefix (a copy kernel's template arguments) are different kernels (keyed
-    by 90 characters, base seemed to run 7.7 ms of copies a step that no arm ran: the last kernel of a
-    prefix overwrote the others)."""
+def profile_times(events: list[Any], steps: int, attr: str) -> dict[str, tuple[float, float]]:
+    """torch.profiler's averaged events -> name -> (ms, calls) a step, the time being each event's `attr`
+    (us: `self_device_time_total` for kernels, `self_cpu_time_total` for host operations); events with none
+    left out. By the whole name: kernels whose names share a prefix (a copy kernel's template arguments) are
+    different kernels (keyed by 90 characters, base seemed to run 7.7 ms of copies a step that no arm ran:
+    the last kernel of a prefix overwrote the others)."""
     out: dict[str, tuple[float, float]] = {}
     for e in events:
+        us = getattr(e, attr)
+        if us <= 0:
+            continue
         ms, n = out.get(e.key, (0.0, 0.0))
-        out[e.key] = (ms + e.self_device_time_total / 1e3 / steps, n + e.count / steps)
+        out[e.key] = (ms + us / 1e3 / steps, n + e.count / steps)
     return out
 
 
@@ -1035,6 +1057,11 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                              "(ms/step, launches/step):")
                 for k, ms, n in h["kernels"]:
                     lines.append(f"    {k[:90]:90} {ms:7.3f} {n:5d}")
+            if h.get("op_diff"):
+                lines.append(f"  host operations arm {name} adds over base (self CPU ms/step under the profiler, "
+                             "calls/step):")
+                for k, ms, n in h["op_diff"]:
+                    lines.append(f"    {k[:90]:90} {ms:+7.3f} {n:+6.1f}")
             if h.get("kernel_diff"):
                 lines.append(f"  device time arm {name} adds over base (ms/step, launches/step):")
                 for k, ms, n in h["kernel_diff"]:
@@ -1121,6 +1148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "base, checks and all arms in CUDA's sync debug mode and print where the host waited")
     p.add_argument("--gpu-profile", type=int, default=0, metavar="N", help="after --overhead, trace one more "
                    "block of each arm on the GPU (torch.profiler): device time per step and its N largest kernels")
+    p.add_argument("--host-ops", type=int, default=0, metavar="N", help="after --overhead, trace one more "
+                   "block of each arm on the host (torch.profiler, CPU): the N host operations and CUDA runtime "
+                   "calls whose self time changes most over base's")
     p.add_argument("--together", action="store_true", help="also an --overhead arm \"all\": the Monitor's "
                    "vote with ReplicaRecovery's gate, the in-job canary, the checks and the audits at once")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")

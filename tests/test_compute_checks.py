@@ -792,8 +792,13 @@ def test_one_gpu_bench_runs_on_cpu():
         assert r["cases"][name]["right"], r["cases"][name]
     assert r["sweep"]["mm one elem = v"]["smallest"] is not None
     o = _faults(["--world", "1", "--cases", "none", "--overhead", "8", "--block", "4",
-                             "--overhead-audit-every", "5"])["overhead"]
+                             "--overhead-audit-every", "5", "--host-ops", "40"])["overhead"]
     assert set(o["arms"]) == {"base", "checks", "checks+audits"} and o["blocks"] == 2
+    # --host-ops: what each arm adds over base on the host, by operation: the checks' one gather of the
+    # rows a step (base has none), with the whole names kept
+    diff = {k: (ms, n) for k, ms, n in o["host"]["checks"]["op_diff"]}
+    assert diff["c10d::_allgather_base_"][1] == 1.0 and diff["c10d::_allgather_base_"][0] > 0, diff
+    assert "c10d::_allgather_base_" not in o["host"]["base"]["all_ops"], o["host"]["base"]["all_ops"]
 
 
 def test_host_parts_time_each_part_of_each_arm_and_the_checks_own_share():
@@ -827,10 +832,10 @@ def test_the_device_profile_diff_keeps_kernels_whose_names_share_a_prefix_apart(
     evs = [E(key=stem + "<bf16>", self_device_time_total=77_000.0, count=1250),
            E(key=stem + "<fp32>", self_device_time_total=2_000.0, count=30),
            E(key="gemm", self_device_time_total=264_000.0, count=10)]
-    base = compute_faults.kernel_times(evs, 10)
+    base = compute_faults.profile_times(evs, 10, "self_device_time_total")
     assert base == {stem + "<bf16>": (7.7, 125.0), stem + "<fp32>": (0.2, 3.0), "gemm": (26.4, 1.0)}, base
     summary = E(key="gs_partials", self_device_time_total=3_400.0, count=130)
-    arm = compute_faults.kernel_times([*evs[::-1], summary], 10)
+    arm = compute_faults.profile_times([*evs[::-1], summary], 10, "self_device_time_total")
     assert compute_faults.kernel_diff(base, arm) == [("gs_partials", pytest.approx(0.34), 13.0)]
     assert compute_faults.kernel_diff(arm, base) == [("gs_partials", pytest.approx(-0.34), -13.0)]
     slower = dict(arm, **{stem + "<fp32>": (0.5, 3.0)})
