@@ -781,7 +781,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
         for name in names:
             mine = host.get(name, {}).get("all_ops")
             if name != "base" and mine is not None and "all_ops" in host.get("base", {}):
-                host[name]["op_diff"] = kernel_diff(host["base"]["all_ops"], mine, top=host_ops)
+                host[name]["op_diff"] = profile_diff(host["base"]["all_ops"], mine, top=host_ops)
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     busy.set()                              # the busy thread, if any, stops
@@ -794,7 +794,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             mine = host.get(name, {}).get("all_kernels")
             if name == "base" or mine is None:
                 continue
-            host[name]["kernel_diff"] = kernel_diff(base_k, mine)
+            host[name]["kernel_diff"] = profile_diff(base_k, mine)
     out: dict[str, Any] = {"arms": {name: {"step_s": mean[name], "median_s": med[name],
                                            "paired": statistics.median(ratios[name]) - 1.0,
                                            "paired_mean": statistics.fmean(ratios[name]) - 1.0,
@@ -921,10 +921,10 @@ def profile_times(events: list[Any], steps: int, attr: str) -> dict[str, tuple[f
     return out
 
 
-def kernel_diff(base: dict[str, tuple[float, float]], arm: dict[str, tuple[float, float]],
+def profile_diff(base: dict[str, tuple[float, float]], arm: dict[str, tuple[float, float]],
                 top: int = 12) -> list[tuple[str, float, float]]:
-    """What an arm's device time adds over base's, kernel by kernel (name -> (ms, launches) a step, whole
-    names): the `top` largest changes by time, each named by its first 90 characters."""
+    """What an arm adds over base, name by name (`profile_times`' kernels or host operations: name -> (ms,
+    calls) a step, whole names): the `top` largest changes by time, each named by its first 90 characters."""
     diff = [(k, arm.get(k, (0.0, 0))[0] - base.get(k, (0.0, 0))[0],
              arm.get(k, (0.0, 0))[1] - base.get(k, (0.0, 0))[1]) for k in set(arm) | set(base)]
     diff.sort(key=lambda d: -abs(d[1]))
@@ -1181,6 +1181,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
     if args.after < 1 or args.fault_step < 1:
         p.error(f"--after ({args.after}) and --fault-step ({args.fault_step}) must be at least 1")
+    for flag, n in (("--gpu-profile", args.gpu_profile), ("--host-ops", args.host_ops)):
+        if n < 0:
+            p.error(f"{flag} is a number of kernels or operations to print, 0 or more, got {n}")
     if not 0.0 <= args.busy_thread <= 1.0:
         p.error(f"--busy-thread is a share of the time, 0 to 1, got {args.busy_thread:g}")
     known = {c.name for c in CASES + TC_CASES + MOE_CASES}

@@ -376,6 +376,10 @@ def test_three_gloo_ranks_check_a_rank_whose_first_replays_differ_again():
         with pytest.raises(SystemExit) as e:
             compute_faults.parse_args(["--flaky-replay", bad])
         assert e.value.code == 2, bad
+    for bad in (["--host-ops", "-1"], ["--gpu-profile", "-3"]):
+        with pytest.raises(SystemExit) as e:
+            compute_faults.parse_args(bad)
+        assert e.value.code == 2, bad
 
 
 def test_the_determinism_check_replays_a_second_round_only_for_a_flaky_minority(caplog):
@@ -836,10 +840,10 @@ def test_the_device_profile_diff_keeps_kernels_whose_names_share_a_prefix_apart(
     assert base == {stem + "<bf16>": (7.7, 125.0), stem + "<fp32>": (0.2, 3.0), "gemm": (26.4, 1.0)}, base
     summary = E(key="gs_partials", self_device_time_total=3_400.0, count=130)
     arm = compute_faults.profile_times([*evs[::-1], summary], 10, "self_device_time_total")
-    assert compute_faults.kernel_diff(base, arm) == [("gs_partials", pytest.approx(0.34), 13.0)]
-    assert compute_faults.kernel_diff(arm, base) == [("gs_partials", pytest.approx(-0.34), -13.0)]
+    assert compute_faults.profile_diff(base, arm) == [("gs_partials", pytest.approx(0.34), 13.0)]
+    assert compute_faults.profile_diff(arm, base) == [("gs_partials", pytest.approx(-0.34), -13.0)]
     slower = dict(arm, **{stem + "<fp32>": (0.5, 3.0)})
-    (name, ms, n), = [d for d in compute_faults.kernel_diff(arm, slower) if d[0] != "gs_partials"]
+    (name, ms, n), = [d for d in compute_faults.profile_diff(arm, slower) if d[0] != "gs_partials"]
     assert name == (stem + "<fp32>")[:90] and abs(ms - 0.3) < 1e-9 and n == 0, (name, ms, n)
 
 
