@@ -140,6 +140,12 @@ class ComputeChecks:
         if comm_hook is not None and self.fsdp:
             raise ValueError("comm_hook= is DDP's (a communication hook per bucket); FSDP2 reduces through its "
                              "reduce-scatter")
+        # what the caller passed is checked before the hook goes on the model: DDP takes one hook and
+        # cannot take it back, so a refused attach must leave the model as it was (a retry with the
+        # error's advice would otherwise be refused as "already has a communication hook")
+        first = next((p for p in ddp.parameters() if p.requires_grad), None)
+        self.mask = _choose_mask(mask, optimizer, first.device if first is not None else torch.device("cpu"))
+        self.tracker = SpreadTracker(margin=margin, warmup=warmup)
         if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; collective replays
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
         else:
@@ -152,7 +158,6 @@ class ComputeChecks:
                          witness_model=witness_model, scaler=scaler) if self.fsdp else
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
                      scaler=scaler))
-        self.tracker = SpreadTracker(margin=margin, warmup=warmup)
         # the experts' parameters (indices into the hook's `params`, by its `names`), declared zeroable
         # bucket by bucket once DDP's layout settles (`_declare_experts`); FSDP2's groups are whole layers
         # (never zero on a rank), so only DDP
@@ -178,7 +183,6 @@ class ComputeChecks:
         self._dropped = 0
         self._audits = 0
         self._determinism_checked = False
-        self.mask = _choose_mask(mask, optimizer, device)
         self._optimizer_ref = weakref.ref(optimizer)
         # the device path's last step, judged at the next: (step, rows, event, armed, retained, restore epoch)
         self._pending: tuple[int, torch.Tensor, torch.Tensor, Any, bool, Retained, int] | None = None

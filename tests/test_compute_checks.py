@@ -887,6 +887,52 @@ def test_device_path_reuses_two_host_buffers_for_the_rows(tmp_path) -> None:
     spawn(_device_path_host_rows, (str(tmp_path / "init"),), nprocs=1)
 
 
+def _refused_then_retried(rank: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=1)
+    compute_faults.MODEL["name"] = "mlp"
+    ddp = DDP(compute_faults.make_model(0)[0])
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)            # not fused: no device mask
+    errors = []
+    for bad in ({"mask": "device"}, {"mask": "bogus"}, {"margin": 0.5}, {"audit_every": -1}):
+        try:
+            ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, **bad)
+            errors.append("")
+        except ValueError as exc:
+            errors.append(str(exc))
+    # the error's advice taken on the same model: attached, and it checks every step
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="host", audit_every=0)
+    for s in range(4):
+        b = compute_faults.batch_for(0, s, torch.device("cpu"))
+        checks.retain(b)
+        compute_faults.loss_fn(ddp, b).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with open(out, "w") as f:
+        json.dump({"errors": errors, "steps": checks.status().steps, "calls": checks.summaries.hook_calls}, f)
+    dist.destroy_process_group()
+
+
+def test_a_refused_attach_leaves_the_model_free_for_a_retry(tmp_path) -> None:
+    """DDP takes one comm hook and cannot give it back: an attach refused for what the caller passed (a
+    device mask without a fused optimizer, an unknown mask, a margin, an audit cadence) refuses before the
+    hook goes on the model, so the retry the message advises attaches (it was refused as 'already has a
+    communication hook')."""
+    import json
+    out = tmp_path / "out.json"
+    spawn(_refused_then_retried, (str(tmp_path / "init"), str(out)), nprocs=1)
+    got = json.loads(out.read_text())
+    device, bogus, margin, cadence = got["errors"]
+    assert "use mask='host'" in device and "'bogus'" in bogus and "margin" in margin, got
+    assert "audit_every" in cadence, got
+    assert got["steps"] == 4 and got["calls"] >= 4, got
+
+
 def _hook_trains_like_plain_ddp(rank: int, world: int, init: str, out: str) -> None:
     import json
 
