@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import operator
 import socket
 import weakref
 from collections.abc import Callable
@@ -128,8 +129,12 @@ class ComputeChecks:
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
                  side_stream: bool | None = None, scaler: Any = None,
                  experts: Callable[[str], bool] | None = expert_param, native: bool | None = None) -> None:
-        if audit_every < 0:
-            raise ValueError(f"audit_every is a number of steps >= 0 (0: no audits), got {audit_every!r}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn= recomputes a step's loss for its replays: (model, batch) -> loss "
+                            f"tensor, got {type(loss_fn).__name__}")
+        audit_every = _count("audit_every", audit_every, "a number of steps (0: no audits)")
+        warmup = _count("warmup", warmup, "the clean steps learnt before the comparison arms")
+        max_findings = _count("max_findings", max_findings, "the findings kept for GetStatus")
         if experts is not None and not callable(experts):
             raise TypeError(f"experts= is a predicate on a parameter's qualified name (name -> bool) or "
                             f"None, got {type(experts).__name__}")
@@ -620,6 +625,17 @@ class _LearnAfter:
         owner = self._owner()
         if owner is not None:
             owner._learn_deferred()
+
+
+def _count(what: str, value: Any, why: str) -> int:
+    """`value` as an int >= 0 (numpy's integers too), else a ValueError naming `what` and `why`."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = -1
+    if isinstance(value, bool) or n < 0:
+        raise ValueError(f"{what} is {why}, an int >= 0, got {value!r}")
+    return n
 
 
 def _hardware(device: torch.device) -> str:

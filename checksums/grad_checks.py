@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import numbers
 import os
 import threading
 from collections import OrderedDict
@@ -863,8 +864,13 @@ class SpreadTracker:
     """
 
     def __init__(self, *, margin: float = 3.0, warmup: int = 20, floor: float = math.log(1.05)) -> None:
-        if margin <= 1.0:
-            raise ValueError(f"margin must be > 1 (units of the clean spread), got {margin!r}")
+        if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 1.0 < margin < math.inf:
+            raise ValueError(f"margin must be a number > 1 (units of the clean spread), finite, "
+                             f"got {margin!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
+            raise ValueError(f"warmup is a number of clean steps, an int >= 0, got {warmup!r}")
+        if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not 0.0 < floor < math.inf:
+            raise ValueError(f"floor is the smallest spread (log units), a number > 0, got {floor!r}")
         self.margin = margin
         self.warmup = warmup
         self.floor = floor

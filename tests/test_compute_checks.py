@@ -899,12 +899,14 @@ def _refused_then_retried(rank: int, init: str, out: str) -> None:
     ddp = DDP(compute_faults.make_model(0)[0])
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)            # not fused: no device mask
     errors = []
-    for bad in ({"mask": "device"}, {"mask": "bogus"}, {"margin": 0.5}, {"audit_every": -1}):
+    for bad in ({"mask": "device"}, {"mask": "bogus"}, {"margin": 0.5}, {"audit_every": -1},
+                {"margin": float("nan")}, {"loss_fn": None}, {"audit_every": 2.5}, {"warmup": -1},
+                {"max_findings": -1}):
         try:
-            ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, **bad)
+            ComputeChecks.attach(ddp, opt, **{"loss_fn": compute_faults.loss_fn, **bad})
             errors.append("")
-        except ValueError as exc:
-            errors.append(str(exc))
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
     # the error's advice taken on the same model: attached, and it checks every step
     checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="host", audit_every=0)
     for s in range(4):
@@ -920,16 +922,21 @@ def _refused_then_retried(rank: int, init: str, out: str) -> None:
 
 def test_a_refused_attach_leaves_the_model_free_for_a_retry(tmp_path) -> None:
     """DDP takes one comm hook and cannot give it back: an attach refused for what the caller passed (a
-    device mask without a fused optimizer, an unknown mask, a margin, an audit cadence) refuses before the
-    hook goes on the model, so the retry the message advises attaches (it was refused as 'already has a
-    communication hook')."""
+    device mask without a fused optimizer, an unknown mask, a margin, an audit cadence, no loss function)
+    refuses before the hook goes on the model, so the retry the message advises attaches (it was refused as
+    'already has a communication hook'); and values that were taken silently (a NaN margin, under which
+    nothing is ever caught; no loss_fn, under which nothing is replayed; 2.5 steps) are refused."""
     import json
     out = tmp_path / "out.json"
     spawn(_refused_then_retried, (str(tmp_path / "init"), str(out)), nprocs=1)
     got = json.loads(out.read_text())
-    device, bogus, margin, cadence = got["errors"]
+    device, bogus, margin, cadence, nan, no_loss, half, warm, kept = got["errors"]
     assert "use mask='host'" in device and "'bogus'" in bogus and "margin" in margin, got
-    assert "audit_every" in cadence, got
+    assert "audit_every" in cadence and "audit_every" in half and "2.5" in half, got
+    # a NaN margin compares false with every score (nothing would ever be caught); no loss_fn, no replays
+    assert nan.startswith("ValueError") and "nan" in nan, nan
+    assert no_loss.startswith("TypeError") and "loss_fn" in no_loss, no_loss
+    assert "warmup" in warm and "max_findings" in kept, got
     assert got["steps"] == 4 and got["calls"] >= 4, got
 
 
