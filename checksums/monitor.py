@@ -40,6 +40,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import socket
 import time
 from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
@@ -236,10 +237,27 @@ class Monitor:
             raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("Monitor.attach needs a non-empty job_id string")
-        if not isinstance(every, int) or every < 1:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
+        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 0:
+            raise ValueError(f"max_events is the events kept for the job's history, an int >= 0, "
+                             f"got {max_events!r}")
         if (check_optimizer_state and optimizer is None):
             raise ValueError("check_optimizer_state=True needs the optimizer")
+        if isinstance(frozen, (str, bytes)):
+            raise ValueError(f"frozen is a collection of parameter names, got the string {frozen!r} "
+                             "(a list of one name: [name])")
+        for what, value, kinds in (("host", host, str), ("gpu_uuid", gpu_uuid, str),
+                                   ("agent_socket", agent_socket, (str, os.PathLike))):
+            if value is not None and not isinstance(value, kinds):
+                raise ValueError(f"{what} is a string, got {type(value).__name__}")
+        for what, fn in (("on_directive", on_directive), ("fingerprint_fn", fingerprint_fn)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{what} is a function, got {type(fn).__name__}")
+        if canary is not False and canary is not None and canary is not True and not callable(
+                getattr(canary, "maybe_run", None)):
+            raise ValueError("canary is True (the in-job canary on this device), False, or an object with "
+                             f"maybe_run(step, step_s) (checksums.canary_injob.InJobCanary), got {canary!r}")
         self._custom_fp = fingerprint_fn is not None
         if fingerprint_fn is None:
             fingerprint_fn = fingerprint_tensors_async

@@ -92,8 +92,9 @@ class ReplicaRecovery:
         if mask == "auto" and chosen == "device" and not monitor.vote_lag:
             chosen = "host"           # a synchronous vote (gloo on CUDA): read at once, nothing to save
         self.mask = chosen
-        if settle_lag is not None and settle_lag < 0:
-            raise ValueError(f"settle_lag is a number of steps >= 0, got {settle_lag!r}")
+        if settle_lag is not None and (isinstance(settle_lag, bool) or not isinstance(settle_lag, int)
+                                       or settle_lag < 0):
+            raise ValueError(f"settle_lag is a number of steps, an int >= 0, got {settle_lag!r}")
         self.settle_lag = monitor.vote_lag if settle_lag is None else settle_lag
         self._acted: Any = None           # host gate: the last vote acted on
         self._pending: Any = None         # a disagreeing vote to repair for, at this step's REPAIR stage

@@ -267,6 +267,15 @@ def test_replaced_storage_is_followed_without_a_false_alarm() -> None:
     ({"job_id": "j", "every": 0}, "every"),
     ({"job_id": "j", "check_optimizer_state": True}, "optimizer"),
     ({"job_id": "j", "frozen": ["nope"]}, "frozen names"),
+    # each of these was taken (True as every=1) or failed later, or with another library's message
+    ({"job_id": "j", "every": True}, "every"),
+    ({"job_id": "j", "max_events": -1}, "max_events"),
+    ({"job_id": "j", "frozen": "weight"}, "the string 'weight'"),
+    ({"job_id": "j", "host": 3}, "host is a string"),
+    ({"job_id": "j", "gpu_uuid": b"GPU-1"}, "gpu_uuid is a string"),
+    ({"job_id": "j", "on_directive": "print"}, "on_directive is a function"),
+    ({"job_id": "j", "fingerprint_fn": 3}, "fingerprint_fn is a function"),
+    ({"job_id": "j", "canary": "yes"}, "maybe_run"),
 ])
 def test_bad_arguments_are_value_errors(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -216,3 +216,15 @@ def test_mask_choice() -> None:
     assert choose_mask("auto", fused, torch.device("cuda", 0)) == "device"
     with pytest.raises(ValueError, match="fused optimizer"):
         choose_mask("device", plain, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("lag", [-1, 2.5, True, "4"])
+def test_a_settle_lag_that_is_not_a_whole_number_of_steps_is_refused(lag) -> None:
+    """settle_lag=2.5 (or True) was taken and compared with step numbers; now refused with its name."""
+    from checksums.monitor import Monitor
+    from checksums.replica_recovery import ReplicaRecovery
+
+    model = nn.Linear(2, 2)
+    monitor = Monitor.attach(model, torch.optim.Adam(model.parameters(), fused=True), job_id="j", reporter=False)
+    with pytest.raises(ValueError, match="settle_lag is a number of steps"):
+        ReplicaRecovery.attach(monitor, mask="device", settle_lag=lag)
