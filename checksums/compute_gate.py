@@ -63,7 +63,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import operator
 import socket
 import weakref
 from collections.abc import Callable
@@ -86,6 +85,7 @@ from checksums.grad_checks import (
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
+from sdcwatch.arguments import count
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +132,9 @@ class ComputeChecks:
         if not callable(loss_fn):
             raise TypeError("loss_fn= recomputes a step's loss for its replays: (model, batch) -> loss "
                             f"tensor, got {type(loss_fn).__name__}")
-        audit_every = _count("audit_every", audit_every, "a number of steps (0: no audits)")
-        warmup = _count("warmup", warmup, "the clean steps learnt before the comparison arms")
-        max_findings = _count("max_findings", max_findings, "the findings kept for GetStatus")
+        audit_every = count("audit_every", audit_every, "a number of steps (0: no audits)")
+        warmup = count("warmup", warmup, "the clean steps learnt before the comparison arms")
+        max_findings = count("max_findings", max_findings, "the findings kept for GetStatus")
         if experts is not None and not callable(experts):
             raise TypeError(f"experts= is a predicate on a parameter's qualified name (name -> bool) or "
                             f"None, got {type(experts).__name__}")
@@ -625,17 +625,6 @@ class _LearnAfter:
         owner = self._owner()
         if owner is not None:
             owner._learn_deferred()
-
-
-def _count(what: str, value: Any, why: str) -> int:
-    """`value` as an int >= 0 (numpy's integers too), else a ValueError naming `what` and `why`."""
-    try:
-        n = operator.index(value)
-    except TypeError:
-        n = -1
-    if isinstance(value, bool) or n < 0:
-        raise ValueError(f"{what} is {why}, an int >= 0, got {value!r}")
-    return n
 
 
 def _hardware(device: torch.device) -> str:

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import numbers
 import os
 import threading
 from collections import OrderedDict
@@ -45,6 +44,7 @@ from torch import nn
 
 from checksums.collectives import all_gather_single
 from checksums.fingerprint import fingerprint_tensors_async, prepare_fingerprint, triton_available
+from sdcwatch.arguments import above, count
 
 logger = logging.getLogger(__name__)
 
@@ -864,16 +864,9 @@ class SpreadTracker:
     """
 
     def __init__(self, *, margin: float = 3.0, warmup: int = 20, floor: float = math.log(1.05)) -> None:
-        if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 1.0 < margin < math.inf:
-            raise ValueError(f"margin must be a number > 1 (units of the clean spread), finite, "
-                             f"got {margin!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
-            raise ValueError(f"warmup is a number of clean steps, an int >= 0, got {warmup!r}")
-        if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not 0.0 < floor < math.inf:
-            raise ValueError(f"floor is the smallest spread (log units), a number > 0, got {floor!r}")
-        self.margin = margin
-        self.warmup = warmup
-        self.floor = floor
+        self.margin = above("margin", margin, "the detection margin in units of the clean spread", 1.0)
+        self.warmup = count("warmup", warmup, "a number of clean steps")
+        self.floor = above("floor", floor, "the smallest spread (log units)", 0.0)
         self._spread: np.ndarray | None = None
         self.spread_version = 0           # moves only when the spread's values change (the device copy's cue)
         self.learned = 0

@@ -58,6 +58,7 @@ from checksums.reporter import (
     CanaryReport, ComputeFinding, Directive, ReporterStats, StepReport, StepReporter, StepSink,
 )
 from checksums.step_guard import StepGuard
+from sdcwatch.arguments import count, function, text
 
 logger = logging.getLogger(__name__)
 
@@ -237,23 +238,19 @@ class Monitor:
             raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("Monitor.attach needs a non-empty job_id string")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 0:
-            raise ValueError(f"max_events is the events kept for the job's history, an int >= 0, "
-                             f"got {max_events!r}")
+        every = count("every", every, "the steps between fingerprints", least=1)
+        max_events = count("max_events", max_events, "the events kept for the job's history")
         if (check_optimizer_state and optimizer is None):
             raise ValueError("check_optimizer_state=True needs the optimizer")
         if isinstance(frozen, (str, bytes)):
             raise ValueError(f"frozen is a collection of parameter names, got the string {frozen!r} "
                              "(a list of one name: [name])")
-        for what, value, kinds in (("host", host, str), ("gpu_uuid", gpu_uuid, str),
-                                   ("agent_socket", agent_socket, (str, os.PathLike))):
-            if value is not None and not isinstance(value, kinds):
-                raise ValueError(f"{what} is a string, got {type(value).__name__}")
-        for what, fn in (("on_directive", on_directive), ("fingerprint_fn", fingerprint_fn)):
-            if fn is not None and not callable(fn):
-                raise ValueError(f"{what} is a function, got {type(fn).__name__}")
+        text("host", host)
+        text("gpu_uuid", gpu_uuid)
+        text("agent_socket", os.fspath(agent_socket) if isinstance(agent_socket, os.PathLike)
+             else agent_socket)
+        function("on_directive", on_directive)
+        function("fingerprint_fn", fingerprint_fn)
         if canary is not False and canary is not None and canary is not True and not callable(
                 getattr(canary, "maybe_run", None)):
             raise ValueError("canary is True (the in-job canary on this device), False, or an object with "

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from checksums.device_mask import DeviceMask, choose_mask, device_disagree
 from checksums.fingerprint import fingerprint_tensors_async
 from checksums.step_guard import Phase, StepContext, Veto
+from sdcwatch.arguments import count
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,8 @@ class ReplicaRecovery:
         if mask == "auto" and chosen == "device" and not monitor.vote_lag:
             chosen = "host"           # a synchronous vote (gloo on CUDA): read at once, nothing to save
         self.mask = chosen
-        if settle_lag is not None and (isinstance(settle_lag, bool) or not isinstance(settle_lag, int)
-                                       or settle_lag < 0):
-            raise ValueError(f"settle_lag is a number of steps, an int >= 0, got {settle_lag!r}")
+        if settle_lag is not None:
+            settle_lag = count("settle_lag", settle_lag, "a number of steps")
         self.settle_lag = monitor.vote_lag if settle_lag is None else settle_lag
         self._acted: Any = None           # host gate: the last vote acted on
         self._pending: Any = None         # a disagreeing vote to repair for, at this step's REPAIR stage

@@ -59,6 +59,7 @@ from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replay
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
+from sdcwatch.arguments import count, function, text
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,19 @@ class LossGate:
         host: str | None = None,
         max_findings: int = 1000,
     ) -> None:
+        if module is not None and not isinstance(module, nn.Module):
+            raise ValueError(f"module is the training's nn.Module (replayed on a critical loss), got "
+                             f"{type(module).__name__}")
+        function("loss_fn", loss_fn)
+        function("gate_on", gate_on)
+        if checks is not None and not hasattr(checks, "replayer"):
+            raise ValueError("checks is a ComputeChecks (its replayer replays the step), got "
+                             f"{type(checks).__name__}")
+        if config is not None and not isinstance(config, LossDetectorConfig):
+            raise ValueError(f"config is a LossDetectorConfig, got {type(config).__name__}")
+        text("host", host)
+        text("gpu_uuid", gpu_uuid, optional=False)
+        max_findings = count("max_findings", max_findings, "the findings and events kept for GetStatus")
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.world > 1 else 0
