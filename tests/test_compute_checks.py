@@ -858,6 +858,18 @@ def test_fsdp2_overhead_arms_run_on_cpu():
     assert st["audits"] >= 6 and st["suspicions"] == 0 and st["exact"], st
 
 
+def _harness_steps(checks, ddp, opt, n: int, after_each=None) -> None:  # type: ignore[no-untyped-def]
+    """`n` steps of the harness's model and data (compute_faults) under `checks`, as a loop writes them."""
+    for s in range(n):
+        b = compute_faults.batch_for(0, s, torch.device("cpu"))
+        checks.retain(b)
+        compute_faults.loss_fn(ddp, b).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_each is not None:
+            after_each()
+
+
 def _device_path_host_rows(rank: int, init: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -868,14 +880,8 @@ def _device_path_host_rows(rank: int, init: str) -> None:
     ddp = DDP(compute_faults.make_model(0)[0])
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=True)
     checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="device", audit_every=0)
-    seen = []
-    for s in range(12):
-        b = compute_faults.batch_for(0, s, torch.device("cpu"))
-        checks.retain(b)
-        compute_faults.loss_fn(ddp, b).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        seen.append(checks._pending[1])
+    seen: list[torch.Tensor] = []
+    _harness_steps(checks, ddp, opt, 12, lambda: seen.append(checks._pending[1]))
     # two host buffers made once and used in turn: no step allocates the rows' host memory
     assert len({id(t) for t in seen}) == 2, [id(t) for t in seen]
     assert all(seen[k] is seen[k + 2] for k in range(10))
@@ -909,12 +915,7 @@ def _refused_then_retried(rank: int, init: str, out: str) -> None:
             errors.append(f"{type(exc).__name__}: {exc}")
     # the error's advice taken on the same model: attached, and it checks every step
     checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="host", audit_every=0)
-    for s in range(4):
-        b = compute_faults.batch_for(0, s, torch.device("cpu"))
-        checks.retain(b)
-        compute_faults.loss_fn(ddp, b).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    _harness_steps(checks, ddp, opt, 4)
     with open(out, "w") as f:
         json.dump({"errors": errors, "steps": checks.status().steps, "calls": checks.summaries.hook_calls}, f)
     dist.destroy_process_group()
