@@ -9,6 +9,11 @@ Training never waits on the agent. `submit()` puts the report on a bounded queue
 when the queue is full the report is dropped and counted. A daemon thread sends each report with a
 per-call deadline; a failed call (agent down, slow, restarting) is counted and the report is lost. The
 number of reports lost since the last accepted one travels in the next request's `dropped_reports`.
+What a lost report said of a GPU is not lost with it: its compute findings (the compute gate's faults and
+their outcomes) and its in-job canary result ride on the next report that is sent (at most
+`_CARRIED_FINDINGS` findings are kept meanwhile, the oldest given up first, with a warning). The agent
+announces a finding once per (step, detector, suspect) and counts a GPU's faulty steps as a set, so a
+finding sent twice (a call that failed after the agent took it) is harmless.
 The first outage is logged as one WARNING; when the agent answers again one INFO line sums up what was
 lost. Nothing here raises into the training thread.
 
@@ -50,6 +55,7 @@ _CANARY_WHY_CHARS = 1000
 _COMPUTE_MODE_CHARS = 120
 _STAGE_ERROR_CHARS = 200    # the agent's limit on ReportStepRequest.stage_error (daemon/validation.py)
 _MAX_COMPUTE = 16          # compute findings per report (each step has at most three)
+_CARRIED_FINDINGS = 256    # compute findings of lost reports kept for the next one sent
 _STOP = object()
 
 
@@ -252,6 +258,11 @@ class StepReporter:
         self._failed = 0
         self._dropped_full = 0
         self._unreported = 0          # lost since the last accepted request: goes in dropped_reports
+        # what lost reports said of the GPUs, for the next report sent: compute findings (oldest first)
+        # and the newest in-job canary result
+        self._carried: list[ComputeFinding] = []
+        self._carried_canary: CanaryReport | None = None
+        self._carry_overflow_said = False
         self._down = False
         self._outage_lost_at_start = 0
         self._outage_started = 0.0
@@ -272,6 +283,7 @@ class StepReporter:
             with self._lock:
                 self._dropped_full += 1
                 self._unreported += 1
+                self._carry(report)
             return False
         try:
             self._queue.put_nowait(report)
@@ -280,7 +292,38 @@ class StepReporter:
             with self._lock:
                 self._dropped_full += 1
                 self._unreported += 1
+                self._carry(report)
             return False
+
+    def _carry(self, report: StepReport, taken: int | None = None) -> None:
+        """Keep what a lost `report` said of the GPUs for the next report sent (under the lock). `taken`
+        (a failed send): its first `taken` findings were carried already (`_with_carried`; older than any
+        carried now): they go back in front, its own at the end (the carried ones stay ahead of those
+        found after them); and its canary result only where no newer one waits."""
+        if report.canary is not None and (taken is None or self._carried_canary is None):
+            self._carried_canary = report.canary
+        taken = taken or 0
+        self._carried[:0] = report.compute[:taken]
+        self._carried.extend(report.compute[taken:])
+        over = len(self._carried) - _CARRIED_FINDINGS
+        if over > 0:
+            del self._carried[:over]
+            if not self._carry_overflow_said:
+                self._carry_overflow_said = True
+                logger.warning("sdcwatch reporter: more than %d compute findings waited for the agent; the "
+                               "oldest were given up (said once)", _CARRIED_FINDINGS)
+
+    def _with_carried(self, report: StepReport) -> tuple[StepReport, int]:
+        """`report` with the findings and canary result of lost reports before its own, and how many
+        findings it took (under the lock; what does not fit in one request stays carried for the next)."""
+        if not self._carried and self._carried_canary is None:
+            return report, 0
+        take = self._carried[:max(_MAX_COMPUTE - len(report.compute), 0)]
+        del self._carried[:len(take)]
+        canary = report.canary
+        if canary is None:
+            canary, self._carried_canary = self._carried_canary, None
+        return dataclasses.replace(report, compute=(*take, *report.compute), canary=canary), len(take)
 
     def take_directives(self) -> list[Directive]:
         """The directives received since the last call (oldest first), and forget them."""
@@ -385,13 +428,16 @@ class StepReporter:
                 self._queue.task_done()
 
     def _send(self, report: StepReport) -> None:
-        request = to_request(report)
         with self._lock:
             carried = self._unreported
+            report, taken = self._with_carried(report)
+        request = to_request(report)
         request.dropped_reports = carried
         try:
             reply = self._stub.ReportStep(request, timeout=self.deadline_s)
         except grpc.RpcError as err:
+            with self._lock:
+                self._carry(report, taken)
             self._on_failure(err)
             return
         now = time.monotonic()

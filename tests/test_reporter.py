@@ -6,6 +6,7 @@ the end-to-end test with the real agent belongs in tests/test_agent_*.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import subprocess
@@ -379,3 +380,82 @@ def test_every_step_sink_conforms_and_the_monitor_refuses_anything_else(sock) ->
         reporter.close(0.1)
     with pytest.raises(ValueError, match="StepSink"):
         Monitor.attach(nn.Linear(2, 2), job_id="j", reporter=object())
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the agent is restarting"
+
+
+class _FlakyStub:
+    """An agent stub whose calls fail while `down` is set and block while `hold` is clear; the requests it
+    took are kept."""
+
+    def __init__(self) -> None:
+        self.down = threading.Event()
+        self.hold = threading.Event()
+        self.hold.set()
+        self.requests: list[agent_pb2.ReportStepRequest] = []
+
+    def ReportStep(self, request: agent_pb2.ReportStepRequest,
+                   timeout: float) -> agent_pb2.ReportStepResponse:
+        self.hold.wait(scaled(30))
+        if self.down.is_set():
+            raise _Unavailable()
+        self.requests.append(request)
+        return agent_pb2.ReportStepResponse()
+
+
+def _finding(step: int) -> Any:
+    from checksums.reporter import ComputeFinding
+    return ComputeFinding(step=step, detector="stats", suspect=1, cause="transient", faulty=(1,),
+                          dropped=True, detail="an outlier", where=((1, "h1", "GPU-1"),))
+
+
+def test_a_lost_reports_compute_findings_and_canary_ride_on_the_next_report_sent(sock) -> None:
+    """A compute fault found while the agent was down (the call failed) or while the queue was full is not
+    lost with its report: the next report the agent takes carries it (and a lost in-job canary result),
+    oldest first; more than one request's worth goes over the following reports. Before, the agent never
+    heard of it: no compute.fault event, the GPU never SUSPECT (seen in the HF integration test on a
+    loaded machine)."""
+    stub = _FlakyStub()
+    reporter = StepReporter(sock, queue_size=1, deadline_s=1.0, stub_factory=lambda channel: stub)
+    try:
+        stub.down.set()                                   # the agent is down: these calls fail
+        fail = CanaryReport(step=2, check="injob/gemm/fp32", status="FAIL", why="off by 1 ulp")
+        for report in (dataclasses.replace(_req(1), compute=(_finding(1),)),
+                       dataclasses.replace(_req(2), canary=fail), _req(3)):
+            assert reporter.submit(report) and reporter.flush(scaled(10))
+        assert reporter.failed == 3 and stub.requests == []
+        stub.down.clear()
+        stub.hold.clear()                                 # the agent is back but slow: the queue fills
+        assert reporter.submit(_req(4))                   # being sent (held)
+        assert _wait(lambda: reporter.pending() == 0)    # taken by the sending thread
+        assert reporter.submit(_req(5))                   # queued
+        assert not reporter.submit(dataclasses.replace(_req(6), compute=(_finding(6),)))   # full: dropped
+        stub.hold.set()
+        assert reporter.flush(scaled(10))
+        assert [r.step for r in stub.requests] == [4, 5]
+        first, second = stub.requests
+        assert [f.step for f in first.compute] == [1] and first.canary.status == "FAIL", first
+        assert first.canary.check == "injob/gemm/fp32" and first.dropped_reports == 3
+        # the finding of the report the full queue refused went on the next one sent (5, queued before it);
+        # each is carried once
+        assert [f.step for f in second.compute] == [6] and not second.canary.check, second
+        assert reporter.submit(_req(7)) and reporter.flush(scaled(10))
+        assert not stub.requests[-1].compute, stub.requests[-1]
+        # an outage with more findings than one request takes: they go over the following reports in order
+        stub.down.set()
+        for step in range(10, 30):
+            assert reporter.submit(dataclasses.replace(_req(step), compute=(_finding(step),)))
+            assert reporter.flush(scaled(10))
+        stub.down.clear()
+        for step in (30, 31):
+            assert reporter.submit(_req(step)) and reporter.flush(scaled(10))
+        got = [f.step for r in stub.requests[-2:] for f in r.compute]
+        assert got == list(range(10, 30)) and len(stub.requests[-2].compute) == 16, got
+    finally:
+        reporter.close(1)
