@@ -436,8 +436,11 @@ class StepReporter:
         try:
             reply = self._stub.ReportStep(request, timeout=self.deadline_s)
         except grpc.RpcError as err:
-            with self._lock:
-                self._carry(report, taken)
+            # a request the agent refused as invalid would be refused again with whatever rides on it: its
+            # findings are not carried (the refusal is counted and logged like any failed call)
+            if getattr(err, "code", lambda: None)() != grpc.StatusCode.INVALID_ARGUMENT:
+                with self._lock:
+                    self._carry(report, taken)
             self._on_failure(err)
             return
         now = time.monotonic()

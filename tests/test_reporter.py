@@ -390,6 +390,11 @@ class _Unavailable(grpc.RpcError):
         return "the agent is restarting"
 
 
+class _Invalid(_Unavailable):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+
 class _FlakyStub:
     """An agent stub whose calls fail while `down` is set and block while `hold` is clear; the requests it
     took are kept."""
@@ -399,12 +404,15 @@ class _FlakyStub:
         self.hold = threading.Event()
         self.hold.set()
         self.requests: list[agent_pb2.ReportStepRequest] = []
+        self.refuse: set[int] = set()        # steps the agent refuses as invalid
 
     def ReportStep(self, request: agent_pb2.ReportStepRequest,
                    timeout: float) -> agent_pb2.ReportStepResponse:
         self.hold.wait(scaled(30))
         if self.down.is_set():
             raise _Unavailable()
+        if request.step in self.refuse:
+            raise _Invalid()
         self.requests.append(request)
         return agent_pb2.ReportStepResponse()
 
@@ -457,5 +465,11 @@ def test_a_lost_reports_compute_findings_and_canary_ride_on_the_next_report_sent
             assert reporter.submit(_req(step)) and reporter.flush(scaled(10))
         got = [f.step for r in stub.requests[-2:] for f in r.compute]
         assert got == list(range(10, 30)) and len(stub.requests[-2].compute) == 16, got
+        # a request the agent refuses as invalid is not sent again inside the next one (it would be refused
+        # again, and every report after it)
+        stub.refuse.add(40)
+        assert reporter.submit(dataclasses.replace(_req(40), compute=(_finding(40),)))
+        assert reporter.flush(scaled(10)) and reporter.submit(_req(41)) and reporter.flush(scaled(10))
+        assert stub.requests[-1].step == 41 and not stub.requests[-1].compute, stub.requests[-1]
     finally:
         reporter.close(1)
