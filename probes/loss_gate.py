@@ -175,7 +175,8 @@ class LossGate:
         if config is not None and not isinstance(config, LossDetectorConfig):
             raise ValueError(f"config is a LossDetectorConfig, got {type(config).__name__}")
         text("host", host)
-        text("gpu_uuid", gpu_uuid, optional=False)
+        text("gpu_uuid", gpu_uuid)
+        gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         max_findings = count("max_findings", max_findings, "the findings and events kept for GetStatus")
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1

@@ -52,7 +52,7 @@ def test_text_and_function() -> None:
     ({"max_findings": -1}, "max_findings"),
     ({"max_findings": 2.5}, "max_findings"),
     ({"host": 3}, "host is a string"),
-    ({"gpu_uuid": None}, "gpu_uuid is a string"),
+    ({"gpu_uuid": b"GPU-1"}, "gpu_uuid is a string"),
     ({"config": {"spike_ratio": 2}}, "config is a LossDetectorConfig"),
     ({"checks": object()}, "checks is a ComputeChecks"),
 ])
