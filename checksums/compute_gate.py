@@ -85,7 +85,7 @@ from checksums.grad_checks import (
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
-from sdcwatch.arguments import count
+from sdcwatch.arguments import count, text
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,9 @@ class ComputeChecks:
         if not callable(loss_fn):
             raise TypeError("loss_fn= recomputes a step's loss for its replays: (model, batch) -> loss "
                             f"tensor, got {type(loss_fn).__name__}")
+        text("host", host)
+        text("gpu_uuid", gpu_uuid)
+        gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         audit_every = count("audit_every", audit_every, "a number of steps (0: no audits)")
         warmup = count("warmup", warmup, "the clean steps learnt before the comparison arms")
         max_findings = count("max_findings", max_findings, "the findings kept for GetStatus")

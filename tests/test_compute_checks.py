@@ -907,14 +907,15 @@ def _refused_then_retried(rank: int, init: str, out: str) -> None:
     errors = []
     for bad in ({"mask": "device"}, {"mask": "bogus"}, {"margin": 0.5}, {"audit_every": -1},
                 {"margin": float("nan")}, {"loss_fn": None}, {"audit_every": 2.5}, {"warmup": -1},
-                {"max_findings": -1}):
+                {"max_findings": -1}, {"gpu_uuid": 7}):
         try:
             ComputeChecks.attach(ddp, opt, **{"loss_fn": compute_faults.loss_fn, **bad})
             errors.append("")
         except (ValueError, TypeError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     # the error's advice taken on the same model: attached, and it checks every step
-    checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="host", audit_every=0)
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="host", audit_every=0,
+                                  gpu_uuid=None)         # not known, as the Monitor takes it
     _harness_steps(checks, ddp, opt, 4)
     with open(out, "w") as f:
         json.dump({"errors": errors, "steps": checks.status().steps, "calls": checks.summaries.hook_calls}, f)
@@ -931,7 +932,8 @@ def test_a_refused_attach_leaves_the_model_free_for_a_retry(tmp_path) -> None:
     out = tmp_path / "out.json"
     spawn(_refused_then_retried, (str(tmp_path / "init"), str(out)), nprocs=1)
     got = json.loads(out.read_text())
-    device, bogus, margin, cadence, nan, no_loss, half, warm, kept = got["errors"]
+    device, bogus, margin, cadence, nan, no_loss, half, warm, kept, uuid = got["errors"]
+    assert "gpu_uuid is a string" in uuid, uuid
     assert "use mask='host'" in device and "'bogus'" in bogus and "margin" in margin, got
     assert "audit_every" in cadence and "audit_every" in half and "2.5" in half, got
     # a NaN margin compares false with every score (nothing would ever be caught); no loss_fn, no replays
