@@ -747,27 +747,12 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                     warnings.showwarning = old
             host.setdefault(arm[0], {"host_s_per_step": float("nan"), "top": []})
             host[arm[0]]["syncs"] = [(n / block, k) for k, n in sorted(seen.items(), key=lambda kv: -kv[1])]
-    if gpu_profile and device.type == "cuda":   # which device kernels each arm adds (torch.profiler, CUDA)
+    kernels = bool(gpu_profile) and device.type == "cuda"
+    if kernels or host_ops:     # what each arm adds: device kernels, host operations (torch.profiler)
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as tprofile
-        for arm in arms:
-            set_fused(arm[0] != "checks-torch")
-            torch.cuda.synchronize(device)
-            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-                run_block(arm, range(steps + block, steps + 2 * block))
-                torch.cuda.synchronize(device)
-            evs = [e for e in prof.key_averages() if e.device_time_total > 0]
-            total = sum(e.self_device_time_total for e in evs)
-            evs.sort(key=lambda e: -e.self_device_time_total)
-            host.setdefault(arm[0], {"host_s_per_step": float("nan"), "top": []})
-            host[arm[0]]["device_s_per_step"] = total / 1e6 / block
-            host[arm[0]]["kernels"] = [(e.key[:90], e.self_device_time_total / 1e3 / block, e.count // block)
-                                       for e in evs[:gpu_profile]]
-            host[arm[0]]["all_kernels"] = profile_times(evs, block, "self_device_time_total")
-    if host_ops:        # which host operations and CUDA runtime calls each arm adds (torch.profiler, CPU)
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as tprofile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        acts = (([ProfilerActivity.CPU] if host_ops else [])
+                + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
         for arm in arms:
             set_fused(arm[0] != "checks-torch")
             if device.type == "cuda":
@@ -776,25 +761,31 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                 run_block(arm, range(steps + block, steps + 2 * block))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-            host.setdefault(arm[0], {"host_s_per_step": float("nan"), "top": []})
-            host[arm[0]]["all_ops"] = profile_times(prof.key_averages(), block, "self_cpu_time_total")
-        for name in names:
-            mine = host.get(name, {}).get("all_ops")
-            if name != "base" and mine is not None and "all_ops" in host.get("base", {}):
-                host[name]["op_diff"] = profile_diff(host["base"]["all_ops"], mine, top=host_ops)
+            evs = prof.key_averages()
+            h = host.setdefault(arm[0], {"host_s_per_step": float("nan"), "top": []})
+            if host_ops:
+                h["all_ops"] = profile_times(evs, block, "self_cpu_time_total")
+            if kernels:
+                own = sorted((e for e in evs if e.self_device_time_total > 0),
+                             key=lambda e: -e.self_device_time_total)
+                h["device_s_per_step"] = sum(e.self_device_time_total for e in own) / 1e6 / block
+                h["kernels"] = [(e.key[:90], e.self_device_time_total / 1e3 / block, e.count // block)
+                                for e in own[:gpu_profile]]
+                h["all_kernels"] = profile_times(own, block, "self_device_time_total")
+        for name in names:              # each arm over base, kernel by kernel and operation by operation
+            mine, base_h = host.get(name, {}), host.get("base", {})
+            if name == "base":
+                continue
+            if "all_ops" in mine and "all_ops" in base_h:
+                mine["op_diff"] = profile_diff(base_h["all_ops"], mine["all_ops"], top=host_ops)
+            if "all_kernels" in mine and "all_kernels" in base_h:
+                mine["kernel_diff"] = profile_diff(base_h["all_kernels"], mine["all_kernels"])
     set_fused(True)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     busy.set()                              # the busy thread, if any, stops
     mean = {name: sum(t) / len(t) for name, t in times.items()}
     # block k of every arm ran in round k (the order turned within the round): pair each with base's
     ratios = {name: [a / b for a, b in zip(t, times["base"])] for name, t in times.items()}
-    if gpu_profile and "base" in host and "all_kernels" in host["base"]:   # what each arm adds on the device
-        base_k = host["base"]["all_kernels"]
-        for name in names:
-            mine = host.get(name, {}).get("all_kernels")
-            if name == "base" or mine is None:
-                continue
-            host[name]["kernel_diff"] = profile_diff(base_k, mine)
     out: dict[str, Any] = {"arms": {name: {"step_s": mean[name], "median_s": med[name],
                                            "paired": statistics.median(ratios[name]) - 1.0,
                                            "paired_mean": statistics.fmean(ratios[name]) - 1.0,
