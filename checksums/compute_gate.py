@@ -136,7 +136,6 @@ class ComputeChecks:
         text("gpu_uuid", gpu_uuid)
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         audit_every = count("audit_every", audit_every, "a number of steps (0: no audits)")
-        warmup = count("warmup", warmup, "the clean steps learnt before the comparison arms")
         max_findings = count("max_findings", max_findings, "the findings kept for GetStatus")
         if experts is not None and not callable(experts):
             raise TypeError(f"experts= is a predicate on a parameter's qualified name (name -> bool) or "
@@ -151,16 +150,16 @@ class ComputeChecks:
         # what the caller passed is checked before the hook goes on the model: DDP takes one hook and
         # cannot take it back, so a refused attach must leave the model as it was (a retry with the
         # error's advice would otherwise be refused as "already has a communication hook")
-        first = next((p for p in ddp.parameters() if p.requires_grad), None)
-        self.mask = _choose_mask(mask, optimizer, first.device if first is not None else torch.device("cpu"))
-        self.tracker = SpreadTracker(margin=margin, warmup=warmup)
+        first = next((p for p in ddp.parameters() if p.requires_grad), None)   # the hook's params[0]
+        device = first.device if first is not None else torch.device("cpu")
+        self.device = device
+        self.mask = _choose_mask(mask, optimizer, device)
+        self.tracker = SpreadTracker(margin=margin, warmup=warmup)      # (checks margin and warmup)
         if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; collective replays
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
         else:
             self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket, comm_hook=comm_hook,
                                            comm_state=comm_state, side_stream=side_stream, native=native)
-        device = self.summaries.params[0].device if self.summaries.params else torch.device("cpu")
-        self.device = device
         self.replayer: Replayer = (
             FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group,
                          witness_model=witness_model, scaler=scaler) if self.fsdp else

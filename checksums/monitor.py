@@ -251,8 +251,7 @@ class Monitor:
              else agent_socket)
         function("on_directive", on_directive)
         function("fingerprint_fn", fingerprint_fn)
-        if canary is not False and canary is not None and canary is not True and not callable(
-                getattr(canary, "maybe_run", None)):
+        if not (canary is None or isinstance(canary, bool) or callable(getattr(canary, "maybe_run", None))):
             raise ValueError("canary is True (the in-job canary on this device), False, or an object with "
                              f"maybe_run(step, step_s) (checksums.canary_injob.InJobCanary), got {canary!r}")
         self._custom_fp = fingerprint_fn is not None
