@@ -13,6 +13,7 @@ directive can come after the 200th step (the loss detector sees the range 32 ste
 the checkpoint coordinator to take the votes before it, and a loaded agent's feed runs seconds behind)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from torch import nn
 from agent_harness import ROOT, AgentProcess, cli
 from rank_spawn import spawn
 from framework_support import replicas_identical, wait_directive
-from deadlines import scaled
+from deadlines import scaled, wait_until
 
 STEPS, FLIP = 200, 100
 FAULT_STEP = 112  # the compute_stop run: rank 1's GPU computes wrong from this step on (saves at 50, 100)
@@ -181,13 +182,16 @@ def test_the_readme_loop_recovers_from_a_flip(short_tmp: Path, tmp_path: Path) -
         # the agent compares each checkpoint's replicas in the background: on a loaded machine it may still
         # be on the last few when the job ends. Wait (a deadline that scales) until every checkpoint redone
         # after the restore is VERIFIED or accounted for; one that never is fails below all the same
-        deadline = time.monotonic() + scaled(60)
-        while True:
-            infos = link.list("llama-7b-run3")
-            journal = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
-            if not _unvouched(infos, journal, res[0]["restores"]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        seen: dict[str, Any] = {}
+
+        def vouched() -> bool:
+            seen["infos"] = link.list("llama-7b-run3")
+            seen["journal"] = cli("events", "--socket", str(agent.socket)).stdout.splitlines()
+            return not _unvouched(seen["infos"], seen["journal"], res[0]["restores"])
+
+        with contextlib.suppress(AssertionError):          # judged below, with what it saw last
+            wait_until(vouched, 60, "redone checkpoints VERIFIED", interval=0.5)
+        infos, journal = seen["infos"], seen["journal"]
         link.close()
     finally:
         agent.stop()
