@@ -10,10 +10,12 @@ when the queue is full the report is dropped and counted. A daemon thread sends 
 per-call deadline; a failed call (agent down, slow, restarting) is counted and the report is lost. The
 number of reports lost since the last accepted one travels in the next request's `dropped_reports`.
 What a lost report said of a GPU is not lost with it: its compute findings (the compute gate's faults and
-their outcomes) and its in-job canary result ride on the next report that is sent (at most
-`_CARRIED_FINDINGS` findings are kept meanwhile, the oldest given up first, with a warning). The agent
-announces a finding once per (step, detector, suspect) and counts a GPU's faulty steps as a set, so a
-finding sent twice (a call that failed after the agent took it) is harmless.
+their outcomes), its in-job canary result and its changed frozen parameters (with the step they changed
+at: the Monitor takes their baseline again, so the change is not seen twice) ride on the next report sent
+(at most `_CARRIED_FINDINGS` findings are kept meanwhile, the oldest given up first, with a warning).
+The agent announces a finding once per (step, detector, suspect) (a frozen change once per step) and counts
+a GPU's faulty steps as a set, so a finding sent twice (a call that failed after the agent took it) is
+harmless.
 The first outage is logged as one WARNING; when the agent answers again one INFO line sums up what was
 lost. Nothing here raises into the training thread.
 
@@ -56,6 +58,7 @@ _COMPUTE_MODE_CHARS = 120
 _STAGE_ERROR_CHARS = 200    # the agent's limit on ReportStepRequest.stage_error (daemon/validation.py)
 _MAX_COMPUTE = 16          # compute findings per report (each step has at most three)
 _CARRIED_FINDINGS = 256    # compute findings of lost reports kept for the next one sent
+_MAX_FROZEN_NAMES = 10_000  # frozen-parameter names in one report (the agent refuses more)
 _STOP = object()
 
 
@@ -114,6 +117,7 @@ class StepReport:
     replica_group: str = ""
     fingerprint: tuple[int, ...] = ()
     frozen_changed: tuple[str, ...] = ()
+    frozen_step: int | None = None  # the step of `frozen_changed` when before `step` (carried), or None
     checks_run: int = 0
     loss: float | None = None
     grad_norm: float | None = None
@@ -170,6 +174,23 @@ class StepSink(Protocol):
         ...
 
 
+def _frozen_step(report: StepReport) -> int:
+    """The step `report`'s frozen-parameter change was seen at."""
+    return report.step if report.frozen_step is None else report.frozen_step
+
+
+def _frozen_union(a: tuple[int, tuple[str, ...]] | None,
+                  b: tuple[int, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]]:
+    """Two frozen-parameter changes as one: the earlier step (checkpoints from it on are not VERIFIED) and
+    the names of both, each once, at most `_MAX_FROZEN_NAMES` (the agent's limit). Pure."""
+    if a is None or b is None:
+        got = a or b
+        assert got is not None
+        return got
+    names = tuple(dict.fromkeys((*a[1], *b[1])))[:_MAX_FROZEN_NAMES]
+    return min(a[0], b[0]), names
+
+
 # ---- the gRPC implementation ----------------------------------------------------------------------------
 
 
@@ -182,6 +203,8 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
         checks_run=report.checks_run, compute_checks=report.compute_checks[:_COMPUTE_MODE_CHARS],
         vote_unavailable=report.vote_unavailable[:_COMPUTE_MODE_CHARS], stage_errors=report.stage_errors,
         stage_error=report.stage_error[:_STAGE_ERROR_CHARS])
+    if report.frozen_step is not None and report.frozen_changed:
+        req.frozen_step = report.frozen_step
     if report.loss is not None:
         req.loss = report.loss
     if report.grad_norm is not None:
@@ -262,6 +285,7 @@ class StepReporter:
         # and the newest in-job canary result
         self._carried: list[ComputeFinding] = []
         self._carried_canary: CanaryReport | None = None
+        self._carried_frozen: tuple[int, tuple[str, ...]] | None = None   # (the earliest step, the names)
         self._carry_overflow_said = False
         self._down = False
         self._outage_lost_at_start = 0
@@ -302,6 +326,9 @@ class StepReporter:
         found after them); and its canary result only where no newer one waits."""
         if report.canary is not None and (taken is None or self._carried_canary is None):
             self._carried_canary = report.canary
+        if report.frozen_changed:
+            self._carried_frozen = _frozen_union(
+                self._carried_frozen, (_frozen_step(report), report.frozen_changed))
         taken = taken or 0
         self._carried[:0] = report.compute[:taken]
         self._carried.extend(report.compute[taken:])
@@ -316,14 +343,20 @@ class StepReporter:
     def _with_carried(self, report: StepReport) -> tuple[StepReport, int]:
         """`report` with the findings and canary result of lost reports before its own, and how many
         findings it took (under the lock; what does not fit in one request stays carried for the next)."""
-        if not self._carried and self._carried_canary is None:
+        if not self._carried and self._carried_canary is None and self._carried_frozen is None:
             return report, 0
         take = self._carried[:max(_MAX_COMPUTE - len(report.compute), 0)]
         del self._carried[:len(take)]
         canary = report.canary
         if canary is None:
             canary, self._carried_canary = self._carried_canary, None
-        return dataclasses.replace(report, compute=(*take, *report.compute), canary=canary), len(take)
+        frozen_step, frozen = report.frozen_step, report.frozen_changed
+        if self._carried_frozen is not None:
+            own = (_frozen_step(report), frozen) if frozen else None
+            frozen_step, frozen = _frozen_union(self._carried_frozen, own)
+            self._carried_frozen = None
+        return dataclasses.replace(report, compute=(*take, *report.compute), canary=canary,
+                                   frozen_step=frozen_step, frozen_changed=frozen), len(take)
 
     def take_directives(self) -> list[Directive]:
         """The directives received since the last call (oldest first), and forget them."""

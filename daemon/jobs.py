@@ -620,23 +620,25 @@ class JobTracker:
                     tuple(n["gpu_uuid"] for n in named if n["gpu_uuid"]))))
 
     def _frozen(self, req: pb.ReportStepRequest, job: JobState, out: ReportOutcome, now: float) -> None:
-        key = (_era(job, req.rank), req.step)
+        # the step the change was seen at: a lost report's change rides on a later report (`frozen_step`)
+        step = req.frozen_step if req.HasField("frozen_step") else req.step
+        key = (_era(job, req.rank), step)
         if not req.frozen_changed or key in job.frozen_steps:
             return
         job.frozen_steps.append(key)
         names = list(req.frozen_changed)
-        job.state, job.reason = State.SUSPECT, f"frozen parameters changed at step {req.step}"
-        out.job_events.append((req.step, "sdc", f"frozen parameters changed on rank {req.rank}"))
+        job.state, job.reason = State.SUSPECT, f"frozen parameters changed at step {step}"
+        out.job_events.append((step, "sdc", f"frozen parameters changed on rank {req.rank}"))
         out.findings.append(Finding(
             ek.SDC_FROZEN_CHANGED, Severity.CRITICAL, f"job/{req.job_id}/rank/{req.rank}",
-            f"{len(names)} frozen parameter(s) changed at step {req.step} on rank {req.rank}: "
+            f"{len(names)} frozen parameter(s) changed at step {step} on rank {req.rank}: "
             + ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""),
-            {"job_id": req.job_id, "rank": req.rank, "step": req.step, "gpu_uuid": req.gpu_uuid,
+            {"job_id": req.job_id, "rank": req.rank, "step": step, "gpu_uuid": req.gpu_uuid,
              "host": req.host, "names": names[:100]}))
         if req.gpu_uuid:
             out.evidence.append((req.gpu_uuid, req.host, Evidence(
-                source="frozen_params", signal="changed", value=str(req.step), implies=State.SUSPECT,
-                reason=f"frozen parameters changed at step {req.step} of job {req.job_id} (rank {req.rank})",
+                source="frozen_params", signal="changed", value=str(step), implies=State.SUSPECT,
+                reason=f"frozen parameters changed at step {step} of job {req.job_id} (rank {req.rank})",
                 time=now)))
 
 

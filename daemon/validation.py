@@ -100,7 +100,8 @@ def _plain_and_valid(req: pb.ReportStepRequest) -> bool:
             and (not host or host in _HOSTS.names) and (not uuid or uuid in _UUIDS.names)
             and (not group or group in _GROUPS.names)
             and len(req.fingerprint) <= MAX_FINGERPRINT_WORDS
-            and not req.labels and not req.frozen_changed and not req.HasField("canary")
+            and not req.labels and not req.frozen_changed and not req.HasField("frozen_step")
+            and not req.HasField("canary")
             and not req.HasField("vote") and not req.compute and len(req.compute_checks) <= 120
             and len(req.vote_unavailable) <= 120 and not req.stage_error
             and req.ByteSize() <= MAX_REPORT_BYTES)
@@ -160,6 +161,9 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
                 return f"label {key} is {len(value)} characters; the limit is 256"
     if req.frozen_changed and (len(req.frozen_changed) > 10_000 or any(len(n) > 512 for n in req.frozen_changed)):
         return "frozen_changed: too many names or a name over 512 characters"
+    if req.HasField("frozen_step") and (req.frozen_step < 0 or not req.frozen_changed):
+        return (f"frozen_step is {req.frozen_step}; it must be >= 0" if req.frozen_step < 0 else
+                "frozen_step is set without frozen_changed (it is the step those names changed at)")
     if req.HasField("canary"):
         if req.canary.status not in ("PASS", "FAIL", "UNKNOWN"):
             return f"canary.status {req.canary.status[:16]!r} is not PASS, FAIL or UNKNOWN"

@@ -91,6 +91,8 @@ def test_socket_mode_is_0660(agent):
     (dict(labels={"k": "v" * 300}), "label"),
     (dict(labels={"k": "v" * 3000 for _ in range(1)} | {f"l{i}": "x" * 250 for i in range(30)}), "label"),
     (dict(frozen_changed=["p" * 1000] * 70), "bytes; the limit is"),
+    (dict(frozen_step=3), "frozen_step is set without frozen_changed"),
+    (dict(frozen_changed=["emb"], frozen_step=-1), "frozen_step is -1"),
     (dict(vote=pb.ReplicaVote(checked=True, method="coinflip")), "vote.method"),
     (dict(vote=pb.ReplicaVote(checked=True, suspects=[pb.SuspectRank(rank=9)])), "suspect rank 9"),
 ])

@@ -549,3 +549,21 @@ def test_a_stop_goes_out_when_the_checkpoints_do_not_answer(tmp_path: Path) -> N
     assert pending.directive.target_step == 0 and "did not answer" in pending.directive.reason
     assert "sdcwatch ckpt ls --job j" in pending.directive.reason
     assert [k for k, _ in events if k.startswith("job.")] == ["job.stop_directive"], events
+
+
+def test_a_carried_frozen_change_is_told_at_the_step_it_was_seen_and_once() -> None:
+    """A frozen-parameter change from a lost report rides on a later one with `frozen_step`: the event, the
+    GPU's evidence and the checkpoints' mark name that step (the checkpoints after it are not VERIFIED), and
+    the same change sent again (a failed call the agent took) is not a second event."""
+    tracker = JobTracker()
+    for step in range(1, 8):
+        report(tracker, step, gpu_uuid="GPU-1")
+    out = report(tracker, 8, gpu_uuid="GPU-1", frozen_changed=["emb"], frozen_step=5)
+    assert out is not None
+    assert [(f.kind, f.details["step"]) for f in out.findings] == [(ek.SDC_FROZEN_CHANGED, 5)]
+    assert out.job_events == [(5, "sdc", "frozen parameters changed on rank 0")]
+    assert [(uuid, e.value) for uuid, _, e in out.evidence] == [("GPU-1", "5")]
+    again = report(tracker, 9, gpu_uuid="GPU-1", frozen_changed=["emb"], frozen_step=5)
+    assert again is None or not again.findings
+    out = report(tracker, 10, gpu_uuid="GPU-1", frozen_changed=["emb"])   # a new change, at its own step
+    assert out is not None and [f.details["step"] for f in out.findings] == [10]

@@ -364,6 +364,7 @@ def test_a_step_report_becomes_the_request_the_agent_reads() -> None:
     assert v.checked and not v.agreed and v.method == "majority" and v.replicas == 3
     assert (v.step, v.replica_group) == (9, "world")
     assert [(s.rank, s.host, s.gpu_uuid, list(s.fingerprint)) for s in v.suspects] == [(2, "h2", "GPU-2", [1, 3])]
+    assert not req.HasField("frozen_step"), "a change seen at the report's own step needs no frozen_step"
     bare = to_request(StepReport(job_id="j", rank=0, world_size=1, step=1))
     assert not bare.HasField("vote") and not bare.HasField("canary") and not bare.HasField("loss")
 
@@ -471,5 +472,26 @@ def test_a_lost_reports_compute_findings_and_canary_ride_on_the_next_report_sent
         assert reporter.submit(dataclasses.replace(_req(40), compute=(_finding(40),)))
         assert reporter.flush(scaled(10)) and reporter.submit(_req(41)) and reporter.flush(scaled(10))
         assert stub.requests[-1].step == 41 and not stub.requests[-1].compute, stub.requests[-1]
+    finally:
+        reporter.close(1)
+
+
+def test_a_lost_reports_frozen_change_rides_on_the_next_report_sent_with_its_step(sock) -> None:
+    """The Monitor takes a frozen parameter's baseline again once it has told a change, so a report lost
+    with a change in it would lose the change for good: the next report sent carries the names (of every
+    lost change, each once) and the earliest step they were seen at, and only that one carries them."""
+    stub = _FlakyStub()
+    reporter = StepReporter(sock, queue_size=4, deadline_s=1.0, stub_factory=lambda channel: stub)
+    try:
+        stub.down.set()
+        for report in (dataclasses.replace(_req(5), frozen_changed=("emb",)),
+                       dataclasses.replace(_req(6), frozen_changed=("head", "emb")), _req(7)):
+            assert reporter.submit(report) and reporter.flush(scaled(10))
+        stub.down.clear()
+        for report in (dataclasses.replace(_req(8), frozen_changed=("norm",)), _req(9)):
+            assert reporter.submit(report) and reporter.flush(scaled(10))
+        first, second = stub.requests
+        assert (first.step, first.frozen_step, list(first.frozen_changed)) == (8, 5, ["emb", "head", "norm"])
+        assert not second.frozen_changed and not second.HasField("frozen_step"), second
     finally:
         reporter.close(1)

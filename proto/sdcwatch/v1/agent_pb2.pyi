@@ -303,7 +303,7 @@ class ComputeFinding(_message.Message):
     def __init__(self, step: _Optional[int] = ..., detector: _Optional[str] = ..., suspect: _Optional[int] = ..., cause: _Optional[str] = ..., faulty: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., dropped: _Optional[bool] = ..., detail: _Optional[str] = ..., score: _Optional[float] = ..., bucket: _Optional[int] = ..., stat: _Optional[str] = ..., since_step: _Optional[int] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary", "compute", "compute_checks", "vote_unavailable", "stage_errors", "stage_error")
+    __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary", "compute", "compute_checks", "vote_unavailable", "stage_errors", "stage_error", "frozen_step")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +336,7 @@ class ReportStepRequest(_message.Message):
     VOTE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     STAGE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     STAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -361,7 +362,8 @@ class ReportStepRequest(_message.Message):
     vote_unavailable: str
     stage_errors: int
     stage_error: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ..., canary: _Optional[_Union[CanaryResult, _Mapping]] = ..., compute: _Optional[_Iterable[_Union[ComputeFinding, _Mapping]]] = ..., compute_checks: _Optional[str] = ..., vote_unavailable: _Optional[str] = ..., stage_errors: _Optional[int] = ..., stage_error: _Optional[str] = ...) -> None: ...
+    frozen_step: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., fingerprint: _Optional[_Iterable[int]] = ..., replica_group: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., dropped_reports: _Optional[int] = ..., time: _Optional[float] = ..., micro_batch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., vote: _Optional[_Union[ReplicaVote, _Mapping]] = ..., frozen_changed: _Optional[_Iterable[str]] = ..., checks_run: _Optional[int] = ..., canary: _Optional[_Union[CanaryResult, _Mapping]] = ..., compute: _Optional[_Iterable[_Union[ComputeFinding, _Mapping]]] = ..., compute_checks: _Optional[str] = ..., vote_unavailable: _Optional[str] = ..., stage_errors: _Optional[int] = ..., stage_error: _Optional[str] = ..., frozen_step: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("kind", "target_step", "skip_batches", "reason", "event_seq")
