@@ -544,11 +544,14 @@ def _weights_digest(model: nn.Module, world: int) -> list[str]:
     return out
 
 
+ARMS = ("hook", "checks", "checks-python", "checks-torch", "checks-inline", "checks+audits", "all", "sdcguard")
+
+
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
              mask: str, sdcguard: int = 0, together: bool = False, profile: int = 0,
              gpu_profile: int = 0, sync_debug: bool = False, fsdp: bool = False,
              accum: int = 1, hook_arm: bool = False, host_parts: int = 0,
-             busy_thread: float = 0.0, host_ops: int = 0) -> dict[str, Any]:
+             busy_thread: float = 0.0, host_ops: int = 0, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Step time of the same DDP model under each arm, in alternating blocks of `block` steps (interleaved,
     so drift in the machine's speed hits every arm alike): "base" (no checks), "checks" (the compute gate's
     pre-reduction checks every step, no audits), "checks+audits" (audits every `audit_every`), and with
@@ -557,7 +560,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     blocks (an audit every 334 steps lands in one block in several: a median would leave it out); the
     median block is kept too, and the median over rounds of each round's ratio to the base block of the
     same round (`paired`: drift between rounds cancels). `accum`: micro-batches per optimizer step (all but
-    the last under `no_sync()`, as jobs that accumulate run): the checks run once a step."""
+    the last under `no_sync()`, as jobs that accumulate run): the checks run once a step. `only`: these
+    arms and base, no others (`--arms`: more rounds of the arms in question in the same time)."""
     fused = (mask == "device" or device.type == "cuda") and not fsdp   # FSDP2: the host veto (as run_case)
     # with --profile: cProfile sees the training thread only, and DDP's comm hook runs on autograd's device
     # thread, so the hook, the gate, retain() and Monitor.step are timed by wrappers too (host seconds per
@@ -591,6 +595,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     names = (["base"] + (["hook"] if hook_arm else []) + ["checks"] + (["checks-python"] if hook_arm else [])
              + (["checks-torch", "checks-inline"] if device.type == "cuda" else []) + ["checks+audits"]
              + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else []))
+    if only:
+        names = [n for n in names if n == "base" or n in only]
     world = dist.get_world_size()
     for name in names:
         model = make_model(0)[0].to(device)
@@ -798,8 +804,9 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                            "summary_paths": paths, "hooks": hooks, "host": host,
                            "status": {a[0]: dataclasses.asdict(a[3].status()) for a in arms if a[3] is not None}}
     # the previous keys (one gated arm: checks with audits)
-    out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
-               overhead=mean["checks+audits"] / mean["base"] - 1.0)
+    if "checks+audits" in mean:
+        out.update(base_step_s=mean["base"], gated_step_s=mean["checks+audits"],
+                   overhead=mean["checks+audits"] / mean["base"] - 1.0)
     return out
 
 
@@ -888,7 +895,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                        profile=args.profile, gpu_profile=args.gpu_profile,
                                        sync_debug=args.sync_debug, fsdp=args.fsdp, accum=args.accum,
                                        hook_arm=args.hook_arm, host_parts=args.host_parts,
-                                       busy_thread=args.busy_thread, host_ops=args.host_ops)
+                                       busy_thread=args.busy_thread, host_ops=args.host_ops,
+                                       only=tuple(args.arms.split(",")) if args.arms else ())
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -1144,6 +1152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "calls whose self time changes most over base's")
     p.add_argument("--together", action="store_true", help="also an --overhead arm \"all\": the Monitor's "
                    "vote with ReplicaRecovery's gate, the in-job canary, the checks and the audits at once")
+    p.add_argument("--arms", default="", metavar="A,B", help="with --overhead: only these arms beside base "
+                   f"(of {', '.join(ARMS)}; those the other flags turn on)")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
     p.add_argument("--model", choices=["mlp", "tiny-gpt", "tiny-moe", "gpt2"], default="mlp",
                    help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); tiny-moe: it with routed MLPs "
@@ -1172,6 +1182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
     if args.after < 1 or args.fault_step < 1:
         p.error(f"--after ({args.after}) and --fault-step ({args.fault_step}) must be at least 1")
+    odd = [a for a in args.arms.split(",") if a not in ARMS] if args.arms else []
+    if odd:
+        p.error(f"--arms: no arm named {', '.join(map(repr, odd))} (arms: {', '.join(ARMS)})")
     for flag, n in (("--gpu-profile", args.gpu_profile), ("--host-ops", args.host_ops)):
         if n < 0:
             p.error(f"{flag} is a number of kernels or operations to print, 0 or more, got {n}")

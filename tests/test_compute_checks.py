@@ -376,7 +376,7 @@ def test_three_gloo_ranks_check_a_rank_whose_first_replays_differ_again():
         with pytest.raises(SystemExit) as e:
             compute_faults.parse_args(["--flaky-replay", bad])
         assert e.value.code == 2, bad
-    for bad in (["--host-ops", "-1"], ["--gpu-profile", "-3"]):
+    for bad in (["--host-ops", "-1"], ["--gpu-profile", "-3"], ["--arms", "checks,chekcs"]):
         with pytest.raises(SystemExit) as e:
             compute_faults.parse_args(bad)
         assert e.value.code == 2, bad
@@ -849,11 +849,12 @@ def test_the_device_profile_diff_keeps_kernels_whose_names_share_a_prefix_apart(
 
 def test_fsdp2_overhead_arms_run_on_cpu():
     """The FSDP2 overhead arms (bench/gpu_run.sh's compute-fsdp step on the GPU pair) run on 2 gloo ranks:
-    base, checks, checks with collective audits; every audit passes (the numbers are the GPU run's)."""
+    base and checks with collective audits (`--arms`: the plain checks arm left out); every audit passes
+    (the numbers are the GPU run's)."""
     o = _faults(["--world", "2", "--fsdp", "--cases", "none", "--overhead", "8", "--block", "4",
-                 "--overhead-audit-every", "2"])["overhead"]
-    assert set(o["arms"]) == {"base", "checks", "checks+audits"} and o["blocks"] == 2, o
-    assert o["summary_paths"]["checks"] == {"torch": 3}, o["summary_paths"]       # one row per FSDP group
+                 "--overhead-audit-every", "2", "--arms", "checks+audits"])["overhead"]
+    assert set(o["arms"]) == {"base", "checks+audits"} and o["blocks"] == 2, o
+    assert o["summary_paths"]["checks+audits"] == {"torch": 3}, o["summary_paths"]   # one row per FSDP group
     st = o["status"]["checks+audits"]
     assert st["audits"] >= 6 and st["suspicions"] == 0 and st["exact"], st
 
