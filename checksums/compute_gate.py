@@ -85,7 +85,7 @@ from checksums.grad_checks import (
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
-from sdcwatch.arguments import count, text
+from sdcwatch.arguments import count, function, text
 
 logger = logging.getLogger(__name__)
 
@@ -129,17 +129,14 @@ class ComputeChecks:
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
                  side_stream: bool | None = None, scaler: Any = None,
                  experts: Callable[[str], bool] | None = expert_param, native: bool | None = None) -> None:
-        if not callable(loss_fn):
-            raise TypeError("loss_fn= recomputes a step's loss for its replays: (model, batch) -> loss "
-                            f"tensor, got {type(loss_fn).__name__}")
+        function("loss_fn", loss_fn, optional=False,
+                 why="it recomputes a step's loss for the replays: (model, batch) -> loss tensor")
+        function("experts", experts, why="a predicate on a parameter's qualified name (name -> bool), or None")
         text("host", host)
         text("gpu_uuid", gpu_uuid)
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         audit_every = count("audit_every", audit_every, "a number of steps (0: no audits)")
         max_findings = count("max_findings", max_findings, "the findings kept for GetStatus")
-        if experts is not None and not callable(experts):
-            raise TypeError(f"experts= is a predicate on a parameter's qualified name (name -> bool) or "
-                            f"None, got {type(experts).__name__}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

@@ -36,7 +36,7 @@ def text(what: str, value: Any, *, optional: bool = True) -> None:
         raise ValueError(f"{what} is a string, got {type(value).__name__}")
 
 
-def function(what: str, value: Any, *, optional: bool = True) -> None:
-    """`value` is callable (or None where `optional`)."""
+def function(what: str, value: Any, *, optional: bool = True, why: str = "") -> None:
+    """`value` is callable (or None where `optional`); `why`: what the function is for, for the message."""
     if not callable(value) and not (optional and value is None):
-        raise ValueError(f"{what} is a function, got {type(value).__name__}")
+        raise ValueError(f"{what} is a function{f' ({why})' if why else ''}, got {type(value).__name__}")

@@ -43,6 +43,8 @@ def test_text_and_function() -> None:
         function("cb", "print")
     with pytest.raises(ValueError, match="cb is a function, got NoneType"):
         function("cb", None, optional=False)
+    with pytest.raises(ValueError, match=r"cb is a function \(called back\), got int"):
+        function("cb", 3, why="called back")
 
 
 @pytest.mark.parametrize("kwargs, message", [
