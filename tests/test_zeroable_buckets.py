@@ -218,7 +218,7 @@ def test_expert_parameters_are_named_as_moe_models_name_them() -> None:
 def test_experts_must_be_a_predicate() -> None:
     from checksums.compute_gate import ComputeChecks
 
-    with pytest.raises(TypeError, match="predicate on a parameter's qualified name"):
+    with pytest.raises(ValueError, match="experts is a function \\(a predicate on a parameter's qualified name"):
         ComputeChecks(object(), object(), loss_fn=lambda m, b: b,  # type: ignore[arg-type]
                       experts=["experts.0.weight"])
 
