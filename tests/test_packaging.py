@@ -40,6 +40,24 @@ def test_generated_stubs_are_current(tmp_path):
         assert committed.relative_to(ROOT) in generated, f"{committed} has no .proto any more"
 
 
+def test_the_stub_generator_is_pinned_to_the_committed_stubs_version():
+    """The committed stubs name the grpcio-tools that wrote them (GRPC_GENERATED_VERSION): the test extra
+    installs exactly that one, else a fresh install takes the newest on PyPI and the check above fails on a
+    clean clone (1.85.4 came out after the stubs were written with 1.85.1)."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    pins = [e for e in extras if re.match(r"grpcio-tools\b", e)]
+    assert len(pins) == 1 and "==" in pins[0], pins
+    pinned = pins[0].split("==")[1].strip()
+    stubs = sorted((ROOT / "proto").rglob("*_pb2_grpc.py"))
+    assert stubs
+    for stub in stubs:
+        got = re.search(r"^GRPC_GENERATED_VERSION = '([^']+)'", stub.read_text(), re.M)
+        assert got is not None and got.group(1) == pinned, (stub, got and got.group(1), pinned)
+
+
 def test_console_script_entry_point():
     from importlib.metadata import entry_points
 
