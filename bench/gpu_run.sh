@@ -422,7 +422,7 @@ want compute8busy && step compute-8k-busy 320 env CUBLAS_WORKSPACE_CONFIG=:4096:
 # the 0.2% target resolved: many more rounds of base against checks only (and all together, 32k), for a
 # narrow paired interval: 8k tokens host-bound (~55 ms a step), 32k device-bound (~160 ms)
 want ci8 && step checks-ci-8k 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 1200 --block 10 --arms checks
+  --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 800 --block 10 --arms checks
 want ci32 && step checks-ci-32k 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 500 --block 10 --together --arms checks,all
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
