@@ -58,7 +58,9 @@ _COMPUTE_MODE_CHARS = 120
 _STAGE_ERROR_CHARS = 200    # the agent's limit on ReportStepRequest.stage_error (daemon/validation.py)
 _MAX_COMPUTE = 16          # compute findings per report (each step has at most three)
 _CARRIED_FINDINGS = 256    # compute findings of lost reports kept for the next one sent
-_MAX_FROZEN_NAMES = 10_000  # frozen-parameter names in one report (the agent refuses more)
+_MAX_FROZEN_NAMES = 64      # frozen-parameter names on the wire, the last saying how many more changed
+_FROZEN_NAME_CHARS = 256    # a name's characters on the wire
+_CARRIED_FROZEN = 1_000     # frozen-parameter names of lost reports kept for the next one sent
 _STOP = object()
 
 
@@ -182,13 +184,24 @@ def _frozen_step(report: StepReport) -> int:
 def _frozen_union(a: tuple[int, tuple[str, ...]] | None,
                   b: tuple[int, tuple[str, ...]] | None) -> tuple[int, tuple[str, ...]]:
     """Two frozen-parameter changes as one: the earlier step (checkpoints from it on are not VERIFIED) and
-    the names of both, each once, at most `_MAX_FROZEN_NAMES` (the agent's limit). Pure."""
+    the names of both, each once, at most `_CARRIED_FROZEN`. Pure."""
     if a is None or b is None:
         got = a or b
         assert got is not None
         return got
-    names = tuple(dict.fromkeys((*a[1], *b[1])))[:_MAX_FROZEN_NAMES]
+    names = tuple(dict.fromkeys((*a[1], *b[1])))[:_CARRIED_FROZEN]
     return min(a[0], b[0]), names
+
+
+def _frozen_names(names: tuple[str, ...]) -> list[str]:
+    """The changed frozen parameters' names as the wire takes them: at most `_MAX_FROZEN_NAMES`, the last
+    one saying how many more there were, each cut to `_FROZEN_NAME_CHARS`. A job whose "frozen" set is
+    trained after all changes every tensor of it each step: thousands of names would pass the agent's
+    size limit, and it would refuse the whole report (its loss, its vote, the change itself). Pure."""
+    if len(names) > _MAX_FROZEN_NAMES:
+        more = len(names) - (_MAX_FROZEN_NAMES - 1)
+        names = (*names[:_MAX_FROZEN_NAMES - 1], f"... and {more} more")
+    return [n[:_FROZEN_NAME_CHARS] for n in names]
 
 
 # ---- the gRPC implementation ----------------------------------------------------------------------------
@@ -199,7 +212,7 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
     req = agent_pb2.ReportStepRequest(
         job_id=report.job_id, rank=report.rank, world_size=report.world_size, step=report.step,
         fingerprint=report.fingerprint, replica_group=report.replica_group, host=report.host,
-        gpu_uuid=report.gpu_uuid, time=report.time, frozen_changed=report.frozen_changed,
+        gpu_uuid=report.gpu_uuid, time=report.time, frozen_changed=_frozen_names(report.frozen_changed),
         checks_run=report.checks_run, compute_checks=report.compute_checks[:_COMPUTE_MODE_CHARS],
         vote_unavailable=report.vote_unavailable[:_COMPUTE_MODE_CHARS], stage_errors=report.stage_errors,
         stage_error=report.stage_error[:_STAGE_ERROR_CHARS])

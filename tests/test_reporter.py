@@ -495,3 +495,20 @@ def test_a_lost_reports_frozen_change_rides_on_the_next_report_sent_with_its_ste
         assert not second.frozen_changed and not second.HasField("frozen_step"), second
     finally:
         reporter.close(1)
+
+
+def test_thousands_of_changed_frozen_parameters_still_make_a_report_the_agent_takes() -> None:
+    """A job whose "frozen" set is trained after all changes every tensor of it each step: the names are
+    bounded on the wire (the last saying how many more), so the agent's size check passes and the report
+    (its loss, its vote, the change) is not refused whole, as a 5,000-name report was."""
+    from daemon.validation import check_report_step
+
+    names = tuple(f"backbone.layers.{i}.attention.query_key_value.weight" + "x" * (i % 400) for i in range(5000))
+    req = to_request(StepReport(job_id="j", rank=0, world_size=2, step=7, frozen_changed=names, loss=1.0,
+                                fingerprint=(1, 2)))
+    assert check_report_step(req) is None, check_report_step(req)
+    got = list(req.frozen_changed)
+    assert got[:3] == [n[:256] for n in names[:3]] and got[-1] == "... and 4937 more", got[-1]
+    assert len(got) == 64 and max(map(len, got)) <= 256
+    whole = agent_pb2.ReportStepRequest(job_id="j", rank=0, world_size=2, step=7, frozen_changed=names)
+    assert check_report_step(whole) is not None, "the agent's limit this guards against"
