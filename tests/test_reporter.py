@@ -503,7 +503,7 @@ def test_thousands_of_changed_frozen_parameters_still_make_a_report_the_agent_ta
     (its loss, its vote, the change) is not refused whole, as a 5,000-name report was."""
     from daemon.validation import check_report_step
 
-    names = tuple(f"backbone.layers.{i}.attention.query_key_value.weight" + "x" * (i % 400) for i in range(5000))
+    names = tuple(f"backbone.layers.{i}.attention.qkv.weight" + "x" * (i % 400) for i in range(5000))
     req = to_request(StepReport(job_id="j", rank=0, world_size=2, step=7, frozen_changed=names, loss=1.0,
                                 fingerprint=(1, 2)))
     assert check_report_step(req) is None, check_report_step(req)
