@@ -58,6 +58,7 @@ _COMPUTE_MODE_CHARS = 120
 _STAGE_ERROR_CHARS = 200    # the agent's limit on ReportStepRequest.stage_error (daemon/validation.py)
 _MAX_COMPUTE = 16          # compute findings per report (each step has at most three)
 _CARRIED_FINDINGS = 256    # compute findings of lost reports kept for the next one sent
+_MAX_SUSPECTS = 64          # a disagreeing vote's suspects on the wire (`_suspects_sent`)
 _MAX_FROZEN_NAMES = 64      # frozen-parameter names on the wire, the last saying how many more changed
 _FROZEN_NAME_CHARS = 256    # a name's characters on the wire
 _CARRIED_FROZEN = 1_000     # frozen-parameter names of lost reports kept for the next one sent
@@ -204,6 +205,19 @@ def _frozen_names(names: tuple[str, ...]) -> list[str]:
     return [n[:_FROZEN_NAME_CHARS] for n in names]
 
 
+def _suspects_sent(suspects: Sequence[Any], host: str) -> list[Any]:
+    """A disagreeing vote's suspects as the wire takes them: at most `_MAX_SUSPECTS`, this rank's own node's
+    first (its agent keeps evidence on its own GPUs only, and every rank of the group reports the same vote,
+    so each node's agent still hears of each of its GPUs), in rank order. A group of hundreds of replicas
+    that all disagree (a nondeterministic update) would pass the agent's size limit, and it would refuse
+    every rank's report whole. Pure."""
+    if len(suspects) <= _MAX_SUSPECTS:
+        return list(suspects)
+    own = [s for s in suspects if s.host == host]
+    chosen = (own + [s for s in suspects if s.host != host])[:_MAX_SUSPECTS]
+    return sorted(chosen, key=lambda s: s.rank)
+
+
 # ---- the gRPC implementation ----------------------------------------------------------------------------
 
 
@@ -246,7 +260,10 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
         pv.method = r.method
         pv.step = report.step
         pv.replica_group = report.replica_group
-        for s in r.suspects:
+        sent = _suspects_sent(r.suspects, report.host)
+        if len(sent) < len(r.suspects):
+            pv.suspect_count = len(r.suspects)
+        for s in sent:
             pv.suspects.add(rank=s.rank, host=s.host, gpu_uuid=s.gpu_uuid, fingerprint=s.fingerprint)
     return req
 

@@ -500,11 +500,15 @@ class JobTracker:
         plan = not job.mismatch_planned and now >= job.mismatch_retry_at and (
             vote.method != "majority" or vote.step > job.mismatch_from + MAJORITY_REPAIR_STEPS)
         names = ", ".join(f"rank {s['rank']} on {s['host'] or '?'} GPU {s['gpu_uuid'] or '?'}" for s in suspects)
+        count = max(vote.suspect_count, len(suspects))       # the rank bounds the list it sends
+        if count > len(suspects):
+            names += f" and {count - len(suspects)} more"
         out.findings.append(Finding(
             ek.REPLICA_MISMATCH, Severity.CRITICAL, f"job/{req.job_id}",
             f"replica vote at step {vote.step}: suspect {names}",
             {"job_id": req.job_id, "step": vote.step, "method": vote.method, "replicas": vote.replicas,
              "replica_group": vote.replica_group or req.replica_group, "suspects": suspects,
+             "suspect_count": count,
              "reported_by_rank": req.rank, "incident_from_step": job.mismatch_from,
              "incident": job.incidents}))
         if plan and self.rollback is not None:

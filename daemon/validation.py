@@ -175,6 +175,9 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
             return f"vote has {len(vote.suspects)} suspects; the limit is {MAX_SUSPECTS}"
         if vote.replicas < 0 or vote.step < 0:
             return "vote.replicas and vote.step must be >= 0"
+        if vote.suspect_count and not len(vote.suspects) <= vote.suspect_count <= MAX_WORLD:
+            return (f"vote.suspect_count is {vote.suspect_count}; it counts every suspect, at least the "
+                    f"{len(vote.suspects)} listed (or 0)")
         if vote.method not in ("", "majority", "all_disagreeing", "none"):
             return f"vote.method {vote.method[:32]!r} is unknown (majority, all_disagreeing)"
         for s in vote.suspects:

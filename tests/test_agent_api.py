@@ -94,6 +94,8 @@ def test_socket_mode_is_0660(agent):
     (dict(frozen_step=3), "frozen_step is set without frozen_changed"),
     (dict(frozen_changed=["emb"], frozen_step=-1), "frozen_step is -1"),
     (dict(vote=pb.ReplicaVote(checked=True, method="coinflip")), "vote.method"),
+    (dict(vote=pb.ReplicaVote(checked=True, suspect_count=1, suspects=[pb.SuspectRank(rank=0)] * 2)),
+     "vote.suspect_count is 1"),
     (dict(vote=pb.ReplicaVote(checked=True, suspects=[pb.SuspectRank(rank=9)])), "suspect rank 9"),
 ])
 def test_report_step_rejects_bad_input(agent, bad, needle):

@@ -567,3 +567,15 @@ def test_a_carried_frozen_change_is_told_at_the_step_it_was_seen_and_once() -> N
     assert again is None or not again.findings
     out = report(tracker, 10, gpu_uuid="GPU-1", frozen_changed=["emb"])   # a new change, at its own step
     assert out is not None and [f.details["step"] for f in out.findings] == [10]
+
+
+def test_a_vote_whose_suspects_the_rank_bounded_says_how_many_there_were() -> None:
+    tracker = JobTracker()
+    report(tracker, 1)
+    suspects = [pb.SuspectRank(rank=r, host="n1", gpu_uuid=f"GPU-{r}") for r in range(2)]
+    vote = pb.ReplicaVote(checked=True, agreed=False, replicas=300, method="all_disagreeing", step=2,
+                          suspects=suspects, suspect_count=300)
+    out = report(tracker, 2, vote=vote)
+    assert out is not None
+    [f] = [f for f in out.findings if f.kind == ek.REPLICA_MISMATCH]
+    assert f.details["suspect_count"] == 300 and f.message.endswith("and 298 more"), f.message

@@ -247,7 +247,7 @@ class SuspectRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., fingerprint: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaVote(_message.Message):
-    __slots__ = ("checked", "agreed", "replicas", "suspects", "method", "step", "replica_group")
+    __slots__ = ("checked", "agreed", "replicas", "suspects", "method", "step", "replica_group", "suspect_count")
     CHECKED_FIELD_NUMBER: _ClassVar[int]
     AGREED_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class ReplicaVote(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_COUNT_FIELD_NUMBER: _ClassVar[int]
     checked: bool
     agreed: bool
     replicas: int
@@ -262,7 +263,8 @@ class ReplicaVote(_message.Message):
     method: str
     step: int
     replica_group: str
-    def __init__(self, checked: _Optional[bool] = ..., agreed: _Optional[bool] = ..., replicas: _Optional[int] = ..., suspects: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., method: _Optional[str] = ..., step: _Optional[int] = ..., replica_group: _Optional[str] = ...) -> None: ...
+    suspect_count: int
+    def __init__(self, checked: _Optional[bool] = ..., agreed: _Optional[bool] = ..., replicas: _Optional[int] = ..., suspects: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., method: _Optional[str] = ..., step: _Optional[int] = ..., replica_group: _Optional[str] = ..., suspect_count: _Optional[int] = ...) -> None: ...
 
 class CanaryResult(_message.Message):
     __slots__ = ("status", "check", "why", "step")
