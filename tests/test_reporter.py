@@ -524,10 +524,12 @@ def test_a_vote_with_hundreds_of_suspects_is_bounded_its_own_nodes_first() -> No
     result = vote({r: (r, r + 1) for r in range(300)}, where)
     assert not result.agreed and len(result.suspects) == 300, result
     req = to_request(StepReport(job_id="j", rank=250, world_size=300, step=9, host="node31",
-                                gpu_uuid="GPU-0250", replica_group="world", fingerprint=(250, 251), vote=result))
+                                gpu_uuid="GPU-0250", replica_group="world", fingerprint=(250, 251),
+                                vote=result))
     assert check_report_step(req) is None, check_report_step(req)
     got = [s.rank for s in req.vote.suspects]
     assert len(got) == 64 and req.vote.suspect_count == 300 and got == sorted(got), got
     assert set(range(248, 256)) <= set(got), "every GPU of this rank's node is listed"
-    few = to_request(StepReport(job_id="j", rank=0, world_size=3, step=9, vote=vote({0: (1,), 1: (1,), 2: (2,)})))
+    few = to_request(StepReport(job_id="j", rank=0, world_size=3, step=9,
+                                vote=vote({0: (1,), 1: (1,), 2: (2,)})))
     assert [s.rank for s in few.vote.suspects] == [2] and few.vote.suspect_count == 0
