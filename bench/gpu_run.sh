@@ -414,6 +414,9 @@ want compute8 && step compute-8k 320 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3
 # where the gate's ~0.7 ms before the update goes in the step when its pieces alone take ~0.15 ms
 want hostops && step host-ops 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 60 --block 10 --hook-arm --host-ops 25
+# the same, base and checks only (fits a call on a machine started with little device time left)
+want hostops2 && step host-ops-checks 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 40 --block 10 --arms checks --host-ops 25
 # the same with a Python thread computing 20% of the time beside the training (in 1 ms bursts): a Python comm
 # hook waits for the GIL a bucket at a time, the C++ hook's bound buckets do not (arms checks / checks-python)
 want compute8busy && step compute-8k-busy 320 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m \
