@@ -85,7 +85,8 @@ from checksums.grad_checks import (
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
-from sdcwatch.arguments import count, function, text
+from sdcwatch.arguments import count, function, text, wire_name
+from sdcwatch.names import GPU_UUID, GPU_UUID_RULE, HOST, HOST_RULE
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class ComputeChecks:
         function("experts", experts, why="a predicate on a parameter's qualified name (name -> bool), or None")
         text("host", host)
         text("gpu_uuid", gpu_uuid)
+        wire_name("host", host, HOST, HOST_RULE)
+        wire_name("gpu_uuid", gpu_uuid, GPU_UUID, GPU_UUID_RULE)
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         audit_every = count("audit_every", audit_every, "a number of steps (0: no audits)")
         max_findings = count("max_findings", max_findings, "the findings kept for GetStatus")

@@ -58,7 +58,8 @@ from checksums.reporter import (
     CanaryReport, ComputeFinding, Directive, ReporterStats, StepReport, StepReporter, StepSink,
 )
 from checksums.step_guard import StepGuard
-from sdcwatch.arguments import count, function, text
+from sdcwatch.arguments import count, function, text, wire_name
+from sdcwatch.names import GPU_UUID, GPU_UUID_RULE, HOST, HOST_RULE, JOB_ID, JOB_ID_RULE
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ class Monitor:
             raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("Monitor.attach needs a non-empty job_id string")
+        wire_name("job_id", job_id, JOB_ID, JOB_ID_RULE)
         every = count("every", every, "the steps between fingerprints", least=1)
         max_events = count("max_events", max_events, "the events kept for the job's history")
         if (check_optimizer_state and optimizer is None):
@@ -247,6 +249,8 @@ class Monitor:
                              "(a list of one name: [name])")
         text("host", host)
         text("gpu_uuid", gpu_uuid)
+        wire_name("host", host, HOST, HOST_RULE)
+        wire_name("gpu_uuid", gpu_uuid, GPU_UUID, GPU_UUID_RULE)
         text("agent_socket", os.fspath(agent_socket) if isinstance(agent_socket, os.PathLike)
              else agent_socket)
         function("on_directive", on_directive)

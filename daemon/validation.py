@@ -9,11 +9,9 @@ import math
 import re
 
 from proto.sdcwatch.v1 import agent_pb2 as pb
+from sdcwatch.names import (GPU_UUID, GPU_UUID_RULE, GROUP, GROUP_RULE, HOST, HOST_RULE, JOB_ID, JOB_ID_RULE,
+                            problem)
 
-JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")
-HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-_]{0,252})?$")
-GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z\-/]{1,90}$")
-GROUP = re.compile(r"^[A-Za-z0-9._:@+=/-]{0,128}$")
 LABEL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
 
 MAX_REPORT_BYTES = 64 * 1024
@@ -40,19 +38,19 @@ class _Accepted:
         """None for an empty or valid name (remembered), else what is wrong with it."""
         if not name or name in self.names:
             return None
-        if not self.pattern.match(name):
-            return f"{field} {name[:64]!r} {self.problem}"
+        err = problem(field, name, self.pattern, self.problem)
+        if err:
+            return err
         if len(self.names) >= self.limit:
             self.names.clear()
         self.names.add(name)
         return None
 
 
-_JOBS = _Accepted(JOB_ID, "is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, starting with a letter "
-                          "or digit")
-_HOSTS = _Accepted(HOST, "is not a hostname")
-_UUIDS = _Accepted(GPU_UUID, "is not a GPU UUID (GPU-... or MIG-...)")
-_GROUPS = _Accepted(GROUP, "is invalid")
+_JOBS = _Accepted(JOB_ID, JOB_ID_RULE)
+_HOSTS = _Accepted(HOST, HOST_RULE)
+_UUIDS = _Accepted(GPU_UUID, GPU_UUID_RULE)
+_GROUPS = _Accepted(GROUP, GROUP_RULE)
 
 
 def check_job_id(job_id: str) -> str | None:

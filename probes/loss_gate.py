@@ -59,7 +59,8 @@ from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replay
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
-from sdcwatch.arguments import count, function, text
+from sdcwatch.arguments import count, function, text, wire_name
+from sdcwatch.names import GPU_UUID, GPU_UUID_RULE, HOST, HOST_RULE
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,8 @@ class LossGate:
             raise ValueError(f"config is a LossDetectorConfig, got {type(config).__name__}")
         text("host", host)
         text("gpu_uuid", gpu_uuid)
+        wire_name("host", host, HOST, HOST_RULE)
+        wire_name("gpu_uuid", gpu_uuid, GPU_UUID, GPU_UUID_RULE)
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         max_findings = count("max_findings", max_findings, "the findings and events kept for GetStatus")
         self.group = group

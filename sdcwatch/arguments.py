@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import re
 from typing import Any
+
+from sdcwatch.names import problem
 
 
 def count(what: str, value: Any, why: str, least: int = 0) -> int:
@@ -40,3 +43,11 @@ def function(what: str, value: Any, *, optional: bool = True, why: str = "") -> 
     """`value` is callable (or None where `optional`); `why`: what the function is for, for the message."""
     if not callable(value) and not (optional and value is None):
         raise ValueError(f"{what} is a function{f' ({why})' if why else ''}, got {type(value).__name__}")
+
+
+def wire_name(what: str, value: str | None, pattern: re.Pattern[str], rule: str) -> None:
+    """`value` (a string, or None: not given) keeps the rule the agent checks reports by (sdcwatch.names):
+    a name it would refuse is refused here, in its words, not on every report after."""
+    err = problem(what, value or "", pattern, rule)
+    if err:
+        raise ValueError(err)

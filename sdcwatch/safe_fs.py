@@ -169,7 +169,7 @@ def _walk(target: str, mode: int, gid: int, check_only: str = "") -> str | None:
                 return None
             if now.st_uid != _euid():
                 raise UnsafePathError(path, f"it is owned by uid {now.st_uid}, not by this agent's uid {_euid()}",
-                                      f"remove it (someone else created it) or choose another path")
+                                      "remove it (someone else created it) or choose another path")
             os.fchmod(fd, mode)
             if gid >= 0 and now.st_gid != gid:
                 os.fchown(fd, -1, gid)

@@ -55,6 +55,8 @@ def test_text_and_function() -> None:
     ({"max_findings": 2.5}, "max_findings"),
     ({"host": 3}, "host is a string"),
     ({"gpu_uuid": b"GPU-1"}, "gpu_uuid is a string"),
+    ({"gpu_uuid": "0"}, r"gpu_uuid '0' is not a GPU UUID \(GPU-... or MIG-...\)"),
+    ({"host": "node 7"}, "host 'node 7' is not a hostname"),
     ({"config": {"spike_ratio": 2}}, "config is a LossDetectorConfig"),
     ({"checks": object()}, "checks is a ComputeChecks"),
 ])
@@ -71,3 +73,35 @@ def test_loss_gate_refuses_arguments_of_the_wrong_kind_before_it_hooks_the_optim
     with pytest.raises(ValueError, match=message):
         LossGate.attach(opt, **args)
     assert StepGuard.attach(opt)._stages == {}, "a refused gate left a stage on the optimizer's guard"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"job_id": "llama 70b #3"}, "job_id 'llama 70b #3' is invalid: 1-128 characters"),
+    ({"job_id": "-x"}, "starting with a letter or digit"),
+    ({"host": "node/7"}, "host 'node/7' is not a hostname"),
+    ({"gpu_uuid": "cuda:0"}, r"gpu_uuid 'cuda:0' is not a GPU UUID"),
+])
+def test_the_monitor_refuses_a_name_the_agent_would_refuse_on_every_report(kwargs, message) -> None:
+    """The agent refuses a report whose job id, host or GPU UUID breaks its rule (INVALID_ARGUMENT): such a
+    name was taken at attach, and the job then trained with every report refused. One rule for both sides
+    (sdcwatch.names), said at attach in the agent's words; a valid name and the agent's own check agree."""
+    from checksums.monitor import Monitor
+    from daemon.validation import check_job_id
+
+    with pytest.raises(ValueError, match=message) as refused:
+        Monitor.attach(nn.Linear(2, 2), **{"job_id": "j", "reporter": False, **kwargs})
+    if "job_id" in kwargs:                       # the agent's words for the same name
+        assert check_job_id(kwargs["job_id"]) == str(refused.value)
+    Monitor.attach(nn.Linear(2, 2), job_id="llama-70b.run_3", host="node_7.cluster", gpu_uuid="MIG-1a/2/3",
+                   reporter=False).close()
+
+
+def test_the_compute_checks_refuse_a_host_or_gpu_uuid_the_agent_would_refuse() -> None:
+    """Their findings name the faulty rank's host and GPU: a name the agent refuses would have its report
+    refused whole (the finding with it)."""
+    from checksums.compute_gate import ComputeChecks
+
+    for kwargs, message in (({"gpu_uuid": "0"}, "gpu_uuid '0' is not a GPU UUID"),
+                            ({"host": "a b"}, "host 'a b' is not a hostname")):
+        with pytest.raises(ValueError, match=message):
+            ComputeChecks(object(), object(), loss_fn=lambda m, b: b, **kwargs)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -103,3 +104,16 @@ def test_helpers_find_the_loss_and_the_torch_optimizer() -> None:
     assert output_loss({"loss": loss}).requires_grad is False
     assert output_loss((loss, torch.zeros(3))) is not None
     assert output_loss(torch.zeros(3)) is None
+
+
+def test_a_callbacks_job_id_the_agent_would_refuse_is_refused_when_the_callback_is_made() -> None:
+    """The HF and Lightning callbacks share SessionOptions: a job id with a space or a slash (a run name
+    taken as it is) was taken, then refused by Monitor.attach at the first step or, before, by the agent on
+    every report."""
+    from integrations.hf import SdcwatchCallback
+
+    for bad, message in (("my run/3", "job_id 'my run/3' is invalid"), ("", "a non-empty string"),
+                         (7, "job_id is a string")):
+        with pytest.raises(ValueError, match=message):
+            SdcwatchCallback(job_id=bad)  # type: ignore[arg-type]
+    assert SdcwatchCallback(job_id="my-run.3").options.job_id == "my-run.3"
