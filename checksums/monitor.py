@@ -204,8 +204,9 @@ def _gpu_uuid(device: torch.device) -> str:
 def _group_name(ranks: Sequence[int], world: bool) -> str:
     if world:
         return "world"
-    if len(ranks) <= 16:
-        return "ranks:" + ",".join(str(r) for r in ranks)
+    listed = "ranks:" + ",".join(str(r) for r in ranks)
+    if len(ranks) <= 16 and len(listed) <= 128:       # the agent's limit on a group's name (sdcwatch.names)
+        return listed
     digest = hashlib.sha1(",".join(str(r) for r in ranks).encode()).hexdigest()[:12]
     return f"ranks:{ranks[0]}..{ranks[-1]}#{len(ranks)}:{digest}"
 

@@ -10,12 +10,14 @@ import re
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")
 HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-_]{0,252})?$")
 GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z\-/]{1,90}$")
-GROUP = re.compile(r"^[A-Za-z0-9._:@+=/-]{0,128}$")
+# a replica group: the Monitor names one "world", "ranks:0,2,4,6" (up to 16 ranks), or
+# "ranks:0..120#16:<sha1, 12 hex>" (checksums.monitor._group_name); a job may name its own
+GROUP = re.compile(r"^[A-Za-z0-9._:@+=/,#-]{0,128}$")
 
 JOB_ID_RULE = "is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, starting with a letter or digit"
 HOST_RULE = "is not a hostname"
 GPU_UUID_RULE = "is not a GPU UUID (GPU-... or MIG-...)"
-GROUP_RULE = "is invalid"
+GROUP_RULE = "is invalid: up to 128 characters from A-Z a-z 0-9 . _ : @ + = / , # -"
 
 
 def problem(what: str, name: str, pattern: re.Pattern[str], rule: str) -> str | None:

@@ -533,3 +533,19 @@ def test_a_vote_with_hundreds_of_suspects_is_bounded_its_own_nodes_first() -> No
     few = to_request(StepReport(job_id="j", rank=0, world_size=3, step=9,
                                 vote=vote({0: (1,), 1: (1,), 2: (2,)})))
     assert [s.rank for s in few.vote.suspects] == [2] and few.vote.suspect_count == 0
+
+
+def test_the_replica_group_names_the_monitor_makes_are_ones_the_agent_takes() -> None:
+    """HSDP and other sub-world replica groups are named "ranks:0,2,4,6" (or a digest form past 16 ranks):
+    the agent's rule for a group's name had no ',' or '#', so every report of such a rank was refused
+    (INVALID_ARGUMENT) while its local view looked right (the multi-rank test read only that)."""
+    from checksums.monitor import _group_name
+    from daemon.validation import check_report_step
+
+    groups = ([0, 2, 4, 6], [1, 3], list(range(0, 64, 2)), [1_000_000 + r for r in range(16)])
+    for ranks in groups:
+        name = _group_name(ranks, world=False)
+        req = to_request(StepReport(job_id="j", rank=ranks[0], world_size=1 << 20, step=3, replica_group=name,
+                                    fingerprint=(1, 2), vote=vote({r: (1, 2) for r in ranks}, {})))
+        assert check_report_step(req) is None, (name, check_report_step(req))
+    assert check_report_step(agent_pb2.ReportStepRequest(job_id="j", step=1, replica_group="a b")) is not None
