@@ -119,6 +119,23 @@ def test_nan_loss_is_accepted_and_journaled(agent):
     assert nonfinite[0].details["step"] == 7
 
 
+def test_a_sub_world_replica_groups_disagreeing_vote_is_taken_and_told(agent):
+    """An HSDP rank's report names its replica group as the Monitor does ("ranks:0,2,4,6"): the agent took
+    none of them before (INVALID_ARGUMENT on every report); now its vote reaches replica.mismatch."""
+    from checksums.monitor import _group_name
+
+    group = _group_name([0, 2, 4, 6], world=False)
+    vote = pb.ReplicaVote(checked=True, agreed=False, replicas=4, method="majority", step=7,
+                          replica_group=group, suspects=[pb.SuspectRank(rank=2, host="node1", gpu_uuid="GPU-2")])
+    with grpc.insecure_channel(agent.target) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        assert stub.ReportStep(good_report(world_size=8, step=8, replica_group=group, fingerprint=[1, 2],
+                                           vote=vote), timeout=5).accepted
+        events = list(stub.WatchEvents(pb.WatchEventsRequest(since_seq=0), timeout=10))
+    [mismatch] = [e for e in events if e.kind == "replica.mismatch"]
+    assert mismatch.details["replica_group"] == group and mismatch.details["step"] == 7
+
+
 def test_oversize_message_rejected(agent):
     with grpc.insecure_channel(agent.target) as ch:
         stub = pb_grpc.AgentStub(ch)
