@@ -85,8 +85,8 @@ from checksums.grad_checks import (
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
-from sdcwatch.arguments import count, function, text, wire_name
-from sdcwatch.names import GPU_UUID, GPU_UUID_RULE, HOST, HOST_RULE
+from sdcwatch.arguments import count, function, wire_name
+from sdcwatch.names import GPU_UUID, HOST
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +133,8 @@ class ComputeChecks:
         function("loss_fn", loss_fn, optional=False,
                  why="it recomputes a step's loss for the replays: (model, batch) -> loss tensor")
         function("experts", experts, why="a predicate on a parameter's qualified name (name -> bool), or None")
-        text("host", host)
-        text("gpu_uuid", gpu_uuid)
-        wire_name("host", host, HOST, HOST_RULE)
-        wire_name("gpu_uuid", gpu_uuid, GPU_UUID, GPU_UUID_RULE)
+        wire_name("host", host, HOST)
+        wire_name("gpu_uuid", gpu_uuid, GPU_UUID)
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         audit_every = count("audit_every", audit_every, "a number of steps (0: no audits)")
         max_findings = count("max_findings", max_findings, "the findings kept for GetStatus")

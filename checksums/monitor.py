@@ -59,7 +59,7 @@ from checksums.reporter import (
 )
 from checksums.step_guard import StepGuard
 from sdcwatch.arguments import count, function, text, wire_name
-from sdcwatch.names import GPU_UUID, GPU_UUID_RULE, HOST, HOST_RULE, JOB_ID, JOB_ID_RULE
+from sdcwatch.names import GPU_UUID, HOST, JOB_ID
 
 logger = logging.getLogger(__name__)
 
@@ -204,10 +204,10 @@ def _gpu_uuid(device: torch.device) -> str:
 def _group_name(ranks: Sequence[int], world: bool) -> str:
     if world:
         return "world"
-    listed = "ranks:" + ",".join(str(r) for r in ranks)
-    if len(ranks) <= 16 and len(listed) <= 128:       # the agent's limit on a group's name (sdcwatch.names)
-        return listed
-    digest = hashlib.sha1(",".join(str(r) for r in ranks).encode()).hexdigest()[:12]
+    joined = ",".join(str(r) for r in ranks)
+    if len(ranks) <= 16 and len(joined) <= 122:       # the agent's limit on a group's name: 128 with "ranks:"
+        return "ranks:" + joined
+    digest = hashlib.sha1(joined.encode()).hexdigest()[:12]
     return f"ranks:{ranks[0]}..{ranks[-1]}#{len(ranks)}:{digest}"
 
 
@@ -240,7 +240,7 @@ class Monitor:
             raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("Monitor.attach needs a non-empty job_id string")
-        wire_name("job_id", job_id, JOB_ID, JOB_ID_RULE)
+        wire_name("job_id", job_id, JOB_ID)
         every = count("every", every, "the steps between fingerprints", least=1)
         max_events = count("max_events", max_events, "the events kept for the job's history")
         if (check_optimizer_state and optimizer is None):
@@ -248,10 +248,8 @@ class Monitor:
         if isinstance(frozen, (str, bytes)):
             raise ValueError(f"frozen is a collection of parameter names, got the string {frozen!r} "
                              "(a list of one name: [name])")
-        text("host", host)
-        text("gpu_uuid", gpu_uuid)
-        wire_name("host", host, HOST, HOST_RULE)
-        wire_name("gpu_uuid", gpu_uuid, GPU_UUID, GPU_UUID_RULE)
+        wire_name("host", host, HOST)
+        wire_name("gpu_uuid", gpu_uuid, GPU_UUID)
         text("agent_socket", os.fspath(agent_socket) if isinstance(agent_socket, os.PathLike)
              else agent_socket)
         function("on_directive", on_directive)

@@ -9,8 +9,7 @@ import math
 import re
 
 from proto.sdcwatch.v1 import agent_pb2 as pb
-from sdcwatch.names import (GPU_UUID, GPU_UUID_RULE, GROUP, GROUP_RULE, HOST, HOST_RULE, JOB_ID, JOB_ID_RULE,
-                            problem)
+from sdcwatch.names import GPU_UUID, GROUP, HOST, JOB_ID, Rule
 
 LABEL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
 
@@ -28,17 +27,17 @@ class _Accepted:
     rank sends the same few names on every report, so the pattern runs once per name. Bounded; one set per
     kind, so a name accepted as one kind is never taken for another."""
 
-    __slots__ = ("names", "pattern", "problem", "limit")
+    __slots__ = ("names", "rule", "limit")
 
-    def __init__(self, pattern: re.Pattern[str], problem: str, limit: int = 4096) -> None:
+    def __init__(self, rule: Rule, limit: int = 4096) -> None:
         self.names: set[str] = set()
-        self.pattern, self.problem, self.limit = pattern, problem, limit
+        self.rule, self.limit = rule, limit
 
     def check(self, name: str, field: str) -> str | None:
         """None for an empty or valid name (remembered), else what is wrong with it."""
         if not name or name in self.names:
             return None
-        err = problem(field, name, self.pattern, self.problem)
+        err = self.rule.problem(field, name)
         if err:
             return err
         if len(self.names) >= self.limit:
@@ -47,10 +46,10 @@ class _Accepted:
         return None
 
 
-_JOBS = _Accepted(JOB_ID, JOB_ID_RULE)
-_HOSTS = _Accepted(HOST, HOST_RULE)
-_UUIDS = _Accepted(GPU_UUID, GPU_UUID_RULE)
-_GROUPS = _Accepted(GROUP, GROUP_RULE)
+_JOBS = _Accepted(JOB_ID)
+_HOSTS = _Accepted(HOST)
+_UUIDS = _Accepted(GPU_UUID)
+_GROUPS = _Accepted(GROUP)
 
 
 def check_job_id(job_id: str) -> str | None:

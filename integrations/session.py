@@ -37,8 +37,8 @@ from checksums.monitor import Monitor
 from checksums.replica_recovery import ReplicaRecovery
 from checksums.reporter import Directive
 from checksums.step_guard import Phase, StepContext, Veto
-from sdcwatch.arguments import text, wire_name
-from sdcwatch.names import JOB_ID, JOB_ID_RULE
+from sdcwatch.arguments import wire_name
+from sdcwatch.names import JOB_ID
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +80,7 @@ class SessionOptions:
 
     def __post_init__(self) -> None:
         # refused when the callback is made, not at the first training step's attach
-        text("job_id", self.job_id, optional=False)
-        if not self.job_id:
-            raise ValueError("job_id is the agent's name of the job, a non-empty string")
-        wire_name("job_id", self.job_id, JOB_ID, JOB_ID_RULE)
+        wire_name("job_id", self.job_id, JOB_ID, optional=False)
 
     def start(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> "TrainingSession":
         """A session with these options; `kwargs`: the framework's own (state_fn, load_fn, start_step, ...)."""

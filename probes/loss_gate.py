@@ -59,8 +59,8 @@ from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replay
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 from probes.loss_detector import LossDetector, LossDetectorConfig, LossEvent
-from sdcwatch.arguments import count, function, text, wire_name
-from sdcwatch.names import GPU_UUID, GPU_UUID_RULE, HOST, HOST_RULE
+from sdcwatch.arguments import count, function, wire_name
+from sdcwatch.names import GPU_UUID, HOST
 
 logger = logging.getLogger(__name__)
 
@@ -175,10 +175,8 @@ class LossGate:
                              f"{type(checks).__name__}")
         if config is not None and not isinstance(config, LossDetectorConfig):
             raise ValueError(f"config is a LossDetectorConfig, got {type(config).__name__}")
-        text("host", host)
-        text("gpu_uuid", gpu_uuid)
-        wire_name("host", host, HOST, HOST_RULE)
-        wire_name("gpu_uuid", gpu_uuid, GPU_UUID, GPU_UUID_RULE)
+        wire_name("host", host, HOST)
+        wire_name("gpu_uuid", gpu_uuid, GPU_UUID)
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         max_findings = count("max_findings", max_findings, "the findings and events kept for GetStatus")
         self.group = group

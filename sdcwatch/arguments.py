@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import re
 from typing import Any
 
-from sdcwatch.names import problem
+from sdcwatch.names import Rule
 
 
 def count(what: str, value: Any, why: str, least: int = 0) -> int:
@@ -45,9 +44,13 @@ def function(what: str, value: Any, *, optional: bool = True, why: str = "") -> 
         raise ValueError(f"{what} is a function{f' ({why})' if why else ''}, got {type(value).__name__}")
 
 
-def wire_name(what: str, value: str | None, pattern: re.Pattern[str], rule: str) -> None:
-    """`value` (a string, or None: not given) keeps the rule the agent checks reports by (sdcwatch.names):
-    a name it would refuse is refused here, in its words, not on every report after."""
-    err = problem(what, value or "", pattern, rule)
+def wire_name(what: str, value: Any, rule: Rule, *, optional: bool = True) -> None:
+    """`value` is a string (or None where `optional`; never empty where not) that keeps the `rule` the agent
+    checks reports by (sdcwatch.names): a name it would refuse is refused here, in its words, not on every
+    report after."""
+    text(what, value, optional=optional)
+    if not optional and not value:
+        raise ValueError(f"{what} is a non-empty string")
+    err = rule.problem(what, value or "")
     if err:
         raise ValueError(err)
