@@ -33,6 +33,7 @@ DIRECTIVE_TTL_S = 600.0   # a rollback directive not handed to a rank within thi
 # Monitor's ring of 4 in-flight steps, checksums.monitor._CUDA_SLOTS, + 1), so votes up to step M + 4 may
 # still disagree. A vote after that disagreeing means the repair failed: the agent plans a rollback.
 MAJORITY_REPAIR_STEPS = 5
+AGREED_STEPS_KEPT = 256   # steps whose agreeing groups are counted at once (HSDP: the groups report apart)
 # A mismatch incident whose plan found no rollback is planned again while its replicas still disagree: first
 # this long after, doubling up to the maximum (JobTracker.mismatch_unplanned)
 MISMATCH_REPLAN_S = 10.0
@@ -89,15 +90,21 @@ class JobState:
     # The rules' dedup state is keyed by the restore the reporting rank is in (`rank_restores`): after a
     # restore the job runs its steps again, and a signal at a step seen before the restore is a new one; a
     # straggler still reporting from before the restore is in the old one, so its repeats stay repeats.
-    mismatch_steps: collections.deque[tuple[int, int]] = dataclasses.field(
+    # (restore, replica group, step): a job may have several replica groups (HSDP: one per shard), each
+    # voting on its own replicas; every rank of a group reports the same vote
+    mismatch_steps: collections.deque[tuple[int, str, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64))
     frozen_steps: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64))
     nonfinite_steps: collections.deque[tuple[int, int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
     gpus: set[str] = dataclasses.field(default_factory=set)          # GPU UUIDs its ranks reported
-    voted_steps: collections.deque[tuple[int, int]] = dataclasses.field(
+    # the votes told to the checkpoints, (restore, step, kind), and the groups that agreed at (restore, step)
+    # until every group of the job has (then "vote_agreed" is told: checked through that step)
+    voted_steps: collections.deque[tuple[int, int, str]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
+    agreed_groups: collections.OrderedDict[tuple[int, int], set[str]] = dataclasses.field(
+        default_factory=collections.OrderedDict)
     loss: JobLoss = dataclasses.field(default_factory=JobLoss)      # the job's loss detector
     rank_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its newest report's step
     restores_seen: collections.deque[int] = dataclasses.field(
@@ -116,6 +123,7 @@ class JobState:
         default_factory=lambda: collections.deque(maxlen=256))  # (restores, step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
     mismatch_from: int | None = None   # the first step of the open replica-mismatch incident
+    mismatch_groups: set[str] = dataclasses.field(default_factory=set)  # its groups not agreeing again yet
     incidents: int = 0                 # replica-mismatch incidents opened (the events fold per incident)
     mismatch_planned: bool = False     # its rollback plan was asked for
     mismatch_plans: int = 0            # plans of this incident that found no rollback (`mismatch_unplanned`)
@@ -470,24 +478,26 @@ class JobTracker:
         if gen < job.restores:   # a straggler's vote of weights the job has since restored over
             self._mismatch_evidence(req, now, out)
             return
-        if (gen, vote.step) not in job.voted_steps:  # every rank reports the same vote: tell checkpoints once
-            job.voted_steps.append((gen, vote.step))
-            out.job_events.append((vote.step, "vote_agreed" if vote.agreed else "vote_mismatch",
-                                   "" if vote.agreed else f"replica vote disagreed ({vote.method})"))
+        group = vote.replica_group or req.replica_group
+        self._tell_vote(job, gen, vote, group, req.world_size, out)
         if vote.agreed:
-            if job.mismatch_from is not None and vote.step > job.mismatch_from:
-                # the replicas agree again (repaired in place): the incident is over; the checkpoints saved
-                # during it are dropped and its mismatches stop blocking VERIFIED from this step on
-                out.job_events.append((vote.step, "repaired", f"replicas agree again from step {vote.step} "
-                                       f"(they differed from step {job.mismatch_from})"))
-                _close_mismatch(job)
+            if job.mismatch_from is not None and vote.step > job.mismatch_from and group in job.mismatch_groups:
+                job.mismatch_groups.discard(group)
+                if not job.mismatch_groups:
+                    # every group that disagreed agrees again (repaired in place): the incident is over; the
+                    # checkpoints saved during it are dropped and its mismatches stop blocking VERIFIED from
+                    # this step on
+                    out.job_events.append((vote.step, "repaired", f"replicas agree again from step {vote.step} "
+                                           f"(they differed from step {job.mismatch_from})"))
+                    _close_mismatch(job)
             return
-        out.mismatch = (gen, vote.step) not in job.mismatch_steps
+        out.mismatch = (gen, group, vote.step) not in job.mismatch_steps
         suspects = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in vote.suspects]
         self._mismatch_evidence(req, now, out)
         if not out.mismatch:
             return
-        job.mismatch_steps.append((gen, vote.step))
+        job.mismatch_steps.append((gen, group, vote.step))
+        job.mismatch_groups.add(group)
         job.state = State.SUSPECT
         job.reason = f"replica mismatch at step {vote.step}"
         if job.mismatch_from is None:
@@ -515,6 +525,30 @@ class JobTracker:
             job.mismatch_planned = True
             out.rollbacks.append((len(out.findings) - 1,
                                   MismatchIncident(job.mismatch_from, vote.method, vote.replicas)))
+
+    @staticmethod
+    def _tell_vote(job: JobState, gen: int, vote: pb.ReplicaVote, group: str, world: int,
+                   out: ReportOutcome) -> None:
+        """Tell the checkpoints a vote once per step: a disagreeing one at once (any group's); an agreeing one
+        when every replica group of the job agreed at the step (the job is checked through it only then).
+        The groups are `world / replicas` (the reporting rank's world size) when that divides (DDP, HSDP,
+        TP/PP x DP grids: groups of one size), else one (each agreeing group tells)."""
+        key = (gen, vote.step)
+        if not vote.agreed:
+            if (gen, vote.step, "vote_mismatch") not in job.voted_steps:
+                job.voted_steps.append((gen, vote.step, "vote_mismatch"))
+                out.job_events.append((vote.step, "vote_mismatch", f"replica vote disagreed ({vote.method})"))
+            return
+        if (gen, vote.step, "vote_agreed") in job.voted_steps:
+            return
+        agreed = job.agreed_groups.setdefault(key, set())
+        agreed.add(group)
+        while len(job.agreed_groups) > AGREED_STEPS_KEPT:
+            job.agreed_groups.popitem(last=False)
+        if len(agreed) >= vote_groups(world, vote.replicas):
+            del job.agreed_groups[key]
+            job.voted_steps.append((gen, vote.step, "vote_agreed"))
+            out.job_events.append((vote.step, "vote_agreed", ""))
 
     @staticmethod
     def _mismatch_evidence(req: pb.ReportStepRequest, now: float, out: ReportOutcome) -> None:
@@ -646,9 +680,18 @@ class JobTracker:
                 time=now)))
 
 
+def vote_groups(world_size: int, replicas: int) -> int:
+    """How many replica groups a job of `world_size` ranks with groups of `replicas` has: the quotient when
+    it divides, else 1 (a job that names its own uneven groups: each agreeing group is taken alone). Pure."""
+    if replicas >= 2 and world_size >= replicas and world_size % replicas == 0:
+        return world_size // replicas
+    return 1
+
+
 def _close_mismatch(job: JobState) -> None:
     """The job's replica-mismatch incident is over (repaired in place, or the job went back before it)."""
     job.mismatch_from, job.mismatch_planned = None, False
+    job.mismatch_groups.clear()
     job.mismatch_plans, job.mismatch_retry_at = 0, 0.0
 
 

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from agent_harness import cli
+from deadlines import wait_until
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
 
@@ -250,11 +251,17 @@ def test_metrics_endpoint(agent):
         with pytest.raises(grpc.RpcError):   # the health servicer aborts NOT_FOUND
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="no-such"), timeout=5)
     addr = agent.runtime_info()["metrics"]
-    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
+    series = [f"sdcwatch_rpc_requests_total{labels} " for labels in (
+        '{code="OK",method="ReportStep"}', '{code="INVALID_ARGUMENT",method="ReportStep"}',
+        '{code="NOT_FOUND",method="Check"}')]   # the agent is shared by this module's tests: >= 1
+
+    def scraped() -> str | None:
+        # the server counts a call once its status is sent: the client may see the status first
+        text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
+        return text if all(s in text for s in series) else None
+
+    text = wait_until(scraped, 10, "every call counted by its code")
     assert 'sdcwatch_build_info{' in text
-    for series in ('{code="OK",method="ReportStep"}', '{code="INVALID_ARGUMENT",method="ReportStep"}',
-                   '{code="NOT_FOUND",method="Check"}'):   # the agent is shared by this module's tests: >= 1
-        assert f"sdcwatch_rpc_requests_total{series} " in text, series
     assert 'sdcwatch_job_steps_total{job_id="metrics-job"} 1.0' in text
     assert 'sdcwatch_job_fingerprint_checks_total{job_id="metrics-job"} 5.0' in text
     assert 'sdcwatch_events_total{kind="agent.ready",severity="info"} 1.0' in text

@@ -106,6 +106,59 @@ def test_hsdp_replica_groups_vote_and_plain_fsdp_says_no_vote(tmp_path: Path) ->
         assert r["fsdp_events"] == ["vote.unavailable"] and r["fsdp_checks"] == STEPS, r
 
 
+def _hsdp_reporting_worker(rank: int, world: int, port: int, outdir: str, socket: str) -> None:
+    """HSDP 2x2 as above, each rank's Monitor with its own reporter to one real agent."""
+    _init(rank, world, port)
+    out: dict[str, Any] = {}
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from checksums.monitor import Monitor
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _mlp()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = Monitor.attach(model, opt, job_id="hsdp-reported", agent_socket=socket)
+        out["group"] = monitor.replica_group_name
+        _train(model, monitor, opt, rank, FLIP if rank == 1 else None, lambda: model[0].weight._local_tensor)
+        monitor.close()
+        stats = monitor.stats
+        out.update(sent=stats.reports_sent, failed=stats.reports_failed, dropped=stats.reports_dropped)
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def test_hsdp_ranks_reports_reach_a_real_agent_which_tells_the_groups_vote(agent: Any, tmp_path: Path) -> None:
+    """Every report of every HSDP rank is taken by the agent (a sub-world group's name was refused before:
+    each rank's own view looked right while its agent heard nothing), and the agent's events tell the
+    disagreeing vote of group ranks:1,3 at the flip's step, rank 1 suspected, and nothing of group 0,2."""
+    import grpc
+
+    from proto.sdcwatch.v1 import agent_pb2 as pb
+    from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+
+    spawn(_hsdp_reporting_worker, (4, free_port(), str(tmp_path), agent.target), 4)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["group"] for r in res] == ["ranks:0,2", "ranks:1,3", "ranks:0,2", "ranks:1,3"], res
+    assert all(r["sent"] == STEPS and r["failed"] == 0 and r["dropped"] == 0 for r in res), res
+    with grpc.insecure_channel(agent.target) as ch:
+        events = list(pb_grpc.AgentStub(ch).WatchEvents(pb.WatchEventsRequest(since_seq=0), timeout=10))
+    mismatches = [e for e in events if e.kind == "replica.mismatch"]
+    assert mismatches, [e.kind for e in events]
+    assert {e.details["replica_group"] for e in mismatches} == {"ranks:1,3"}, mismatches
+    # one incident (its group disagrees from the flip on; the other group's agreeing votes do not end it)
+    assert [int(e.details["step"]) for e in mismatches] == [FLIP], mismatches
+    assert not [e for e in events if "agree again" in e.message], events
+    assert all("rank 1" in e.message for e in mismatches), [e.message for e in mismatches]
+    refused = [e for e in events if "invalid" in e.message.lower()]
+    assert not refused, refused
+
+
 class _WithLoss(nn.Module):
     """A model whose forward returns its loss (as a Hugging Face model's output does)."""
 

@@ -579,3 +579,41 @@ def test_a_vote_whose_suspects_the_rank_bounded_says_how_many_there_were() -> No
     assert out is not None
     [f] = [f for f in out.findings if f.kind == ek.REPLICA_MISMATCH]
     assert f.details["suspect_count"] == 300 and f.message.endswith("and 298 more"), f.message
+
+
+def test_each_replica_group_votes_for_itself_and_the_checkpoints_hear_the_jobs_verdict() -> None:
+    """HSDP 2x2: groups "ranks:0,2" and "ranks:1,3" vote apart. One group's agreeing votes neither end the
+    other's incident (it reopened every step: an event, a rollback plan and a false "repaired" each time) nor
+    tell the checkpoints a step is checked while the other group has not agreed at it; "repaired" comes
+    when the disagreeing group agrees again; the vote needs every group only where the world divides."""
+    def vote(tracker: JobTracker, group: str, rank: int, step: int, agreed: bool,
+             world: int = 4) -> ReportOutcome:
+        req = pb.ReportStepRequest(job_id="h", rank=rank, world_size=world, step=step + 1, replica_group=group)
+        req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = True, agreed, step, 2
+        req.vote.method, req.vote.replica_group = "all_disagreeing", group
+        if not agreed:
+            req.vote.suspects.add(rank=rank, host="h", gpu_uuid=f"GPU-{rank}")
+        return tracker.report(req, 1.0) or ReportOutcome()
+
+    tracker = JobTracker(rollback=RollbackPolicy())
+    assert vote(tracker, "ranks:0,2", 0, 1, True).job_events == [], "group ranks:1,3 has not voted on step 1"
+    assert vote(tracker, "ranks:0,2", 2, 1, True).job_events == [], "the same group again"
+    assert vote(tracker, "ranks:1,3", 1, 1, True).job_events == [(1, "vote_agreed", "")]
+    out = vote(tracker, "ranks:1,3", 1, 2, False)
+    assert [k for _, k, _ in out.job_events] == ["vote_mismatch"] and len(out.rollbacks) == 1
+    assert [f.kind for f in out.findings] == [ek.REPLICA_MISMATCH]
+    assert vote(tracker, "ranks:0,2", 0, 2, True).job_events == [], "step 2 is not checked: a group disagreed"
+    for step in (3, 4):
+        agreeing = vote(tracker, "ranks:0,2", 0, step, True)
+        assert not agreeing.job_events and not agreeing.findings, step
+        later = vote(tracker, "ranks:1,3", 1, step, False)
+        assert [f.details["incident"] for f in later.findings] == [1], "one incident"
+        assert not later.rollbacks, "one plan per incident"
+    assert tracker.jobs["h"].mismatch_from == 2
+    out = vote(tracker, "ranks:1,3", 3, 5, True)
+    assert (5, "repaired") in [(s, k) for s, k, _ in out.job_events]
+    assert tracker.jobs["h"].mismatch_from is None
+    assert (5, "vote_agreed") not in [(s, k) for s, k, _ in out.job_events], "ranks:0,2 has not voted on 5"
+    assert (5, "vote_agreed", "") in vote(tracker, "ranks:0,2", 0, 5, True).job_events
+    uneven = JobTracker()
+    assert vote(uneven, "mine", 0, 1, True, world=5).job_events == [(1, "vote_agreed", "")]
