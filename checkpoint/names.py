@@ -1,7 +1,9 @@
 """Validation of the names that end up in store keys and Redis keys.
 
-A job id or key segment may hold letters, digits, `_`, `-`, `.` (not `.`/`..` alone, not leading `.`),
-so it can never climb out of a directory, split a Redis key, or match a glob. Anything else is
+A job id is checked by the one rule the agent and the rank library apply too (`sdcwatch.names.JOB_ID`: a job
+the Monitor and the agent take can save checkpoints under the same name). A key segment may hold letters,
+digits and `_ - . : @ + =` (not `.`/`..` alone, not leading `.`), so it can never climb out of a directory,
+split a Redis key, or match a glob. Anything else is
 rejected with `InvalidInputError` naming the bad value (shown cut to `SHOWN` characters: an error never
 echoes an unbounded client string, e.g. into gRPC metadata). A key is at most `MAX_KEY` characters, well
 under PATH_MAX once under the store's root.
@@ -11,8 +13,9 @@ from __future__ import annotations
 import re
 
 from checkpoint.errors import InvalidInputError
+from sdcwatch.names import JOB_ID
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.:@+=\-]{0,127}$")
 MAX_KEY = 1024
 SHOWN = 80
 
@@ -27,10 +30,9 @@ def validate_job_id(job_id: object) -> str:
     """Return `job_id` if it is a safe name, else raise InvalidInputError saying why."""
     if not isinstance(job_id, str) or not job_id:
         raise InvalidInputError(f"job id must be a non-empty string, got {shown(job_id)}")
-    if not _SEGMENT.match(job_id):
-        raise InvalidInputError(
-            f"job id {shown(job_id)} is not allowed: use 1-128 letters, digits, '_', '-' or '.', not starting "
-            "with '.' (no '/', '\\', spaces, or other path characters)")
+    problem = JOB_ID.problem("job id", job_id)
+    if problem:
+        raise InvalidInputError(problem)
     return job_id
 
 
@@ -43,10 +45,10 @@ def validate_key(key: object) -> str:
     if ".tmp-" in key:
         raise InvalidInputError(f"store key {shown(key)} must not contain '.tmp-' (reserved for partial writes)")
     for seg in key.split("/"):
-        if not _SEGMENT.match(seg):
+        if not _SEGMENT.fullmatch(seg):
             raise InvalidInputError(
-                f"store key {shown(key)} has a bad segment {shown(seg)}: segments are 1-128 letters, digits, '_', "
-                "'-' or '.', not starting with '.'")
+                f"store key {shown(key)} has a bad segment {shown(seg)}: segments are 1-128 letters, digits and "
+                "'_ - . : @ + =', not starting with '.'")
     return key
 
 
@@ -60,9 +62,9 @@ def validate_prefix(prefix: object) -> str:
         raise InvalidInputError(f"prefix {shown(prefix)} is over {MAX_KEY} characters")
     *whole, last = prefix.split("/")
     for seg in whole:
-        if not _SEGMENT.match(seg):
+        if not _SEGMENT.fullmatch(seg):
             raise InvalidInputError(f"prefix {shown(prefix)} has a bad segment {shown(seg)}")
-    if last and not _SEGMENT.match(last):
+    if last and not _SEGMENT.fullmatch(last):
         raise InvalidInputError(f"prefix {shown(prefix)} has a bad last segment {shown(last)}")
     return prefix
 

@@ -19,11 +19,14 @@ class Rule:
 
     def problem(self, what: str, name: str) -> str | None:
         """None when `name` keeps the rule (or is empty), else `what`, the name and the rule broken."""
-        if not name or self.pattern.match(name):
+        if not name or self.pattern.fullmatch(name):   # fullmatch: '$' would let a final newline in
             return None
         return f"{what} {name[:64]!r} {self.broken}"
 
 
+# a job id also names the job's checkpoints (checkpoint.names: a store key's first segment, a directory of a
+# file tier, a Redis hash tag), so both sides take it by this rule: none of its characters is special in a
+# path, a URL path (S3 keys are quoted), a Redis key or a glob
 JOB_ID = Rule(re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"),
               "is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, starting with a letter or digit")
 HOST = Rule(re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-_]{0,252})?$"), "is not a hostname")

@@ -123,7 +123,8 @@ def test_empty_blob(store: BlobStore) -> None:
     assert store.exists("e/empty")
 
 
-@pytest.mark.parametrize("bad", ["a/b", "..", "job id", "x\\y", "", ".job", "j" * 200, "a*b"])
+@pytest.mark.parametrize("bad", ["a/b", "..", "job id", "x\\y", "", ".job", "j" * 200, "a*b", "ok\n", "-x",
+                                 "a{b}", "a?b"])
 def test_job_id_with_path_characters_rejected(bad: str) -> None:
     with pytest.raises(InvalidInputError, match="job id"):
         validate_job_id(bad)
@@ -132,6 +133,34 @@ def test_job_id_with_path_characters_rejected(bad: str) -> None:
 def test_good_names_accepted() -> None:
     assert validate_job_id("llama-70b_run.3") == "llama-70b_run.3"
     assert validate_key("job/000000000001/rank-00000.bin")
+
+
+@pytest.mark.parametrize("name", ["llama-70b_run.3", "team:llama@v2+het=1", "1234+0", "_x", "-x", "a" * 128,
+                                  "a" * 129, "ok\n", "a/b", "a b", "", ".x", "x:y/z"])
+def test_the_checkpoints_take_exactly_the_job_ids_the_agent_and_the_monitor_take(name: str) -> None:
+    """One rule (sdcwatch.names.JOB_ID): a job the Monitor attached and the agent took under a name (Slurm's
+    heterogeneous "1234+0", "team:run@v2") saves its checkpoints under it, and a name refused is refused
+    by all three with the same words."""
+    from sdcwatch.names import JOB_ID
+
+    problem = JOB_ID.problem("job id", name) if name else "empty"
+    try:
+        validate_job_id(name)
+    except InvalidInputError as err:
+        assert problem is not None, f"{name!r}: the agent takes it, the checkpoints refused it: {err}"
+        assert name == "" or problem in str(err)
+    else:
+        assert problem is None, f"{name!r}: the checkpoints took it, the agent refuses it: {problem}"
+
+
+def test_a_job_id_with_every_character_the_rule_allows_keys_a_blob_in_every_store(store: BlobStore) -> None:
+    job = validate_job_id("team:llama@v2+het=1_a.b-c")
+    key = f"{job}/000000000001/rank-00000.bin"
+    assert store.put(key, b"shard") == 5
+    assert store.get(key) == b"shard" and store.size(key) == 5 and store.exists(key)
+    assert store.list(f"{job}/") == [key] and store.list(f"{job}/000000000001/") == [key]
+    assert store.list("team:llama@v2") == [key]
+    assert store.delete(key) and store.list(f"{job}/") == []
 
 
 def test_dir_store_sweeps_temp_files(tmp_path: Path) -> None:
