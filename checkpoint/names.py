@@ -47,8 +47,8 @@ def validate_key(key: object) -> str:
     for seg in key.split("/"):
         if not _SEGMENT.fullmatch(seg):
             raise InvalidInputError(
-                f"store key {shown(key)} has a bad segment {shown(seg)}: segments are 1-128 letters, digits and "
-                "'_ - . : @ + =', not starting with '.'")
+                f"store key {shown(key)} has a bad segment {shown(seg)}: segments are 1-128 letters, "
+                "digits and '_ - . : @ + =', not starting with '.'")
     return key
 
 
