@@ -1023,8 +1023,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         for name, a in o["arms"].items():
             lines.append(f"  blocks of arm {name} (ms/step): " + " ".join(f"{b * 1e3:.1f}" for b in a["blocks"]))
         for name, h in o.get("host", {}).items():
-            lines.append(f"  host time of arm {name}: {h['host_s_per_step'] * 1e3:.3f} ms/step; largest own times "
-                         "(ms/step own, cumulative, calls/step):")
+            if h["top"]:   # the Python profile ran (not with --host-ops or --gpu-profile alone)
+                lines.append(f"  host time of arm {name}: {h['host_s_per_step'] * 1e3:.3f} ms/step; largest own "
+                             "times (ms/step own, cumulative, calls/step):")
             if h.get("parts"):
                 lines.append(f"  host time by part, arm {name} (us/step, median of 3 blocks; each includes "
                              "what it calls): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in h["parts"].items()))
