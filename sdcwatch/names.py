@@ -27,8 +27,8 @@ class Rule:
 # a job id also names the job's checkpoints (checkpoint.names: a store key's first segment, a directory of a
 # file tier, a Redis hash tag), so both sides take it by this rule: none of its characters is special in a
 # path, a URL path (S3 keys are quoted), a Redis key or a glob
-JOB_ID = Rule(re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"),
-              "is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, starting with a letter or digit")
+JOB_ID = Rule(re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,127}$"),
+              "is invalid: 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, starting with a letter, digit or _")
 HOST = Rule(re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-_]{0,252})?$"), "is not a hostname")
 GPU_UUID = Rule(re.compile(r"^(GPU|MIG)-[0-9A-Za-z\-/]{1,90}$"), "is not a GPU UUID (GPU-... or MIG-...)")
 # a replica group: the Monitor names one "world", "ranks:0,2,4,6" (up to 16 ranks), or

@@ -77,7 +77,7 @@ def test_loss_gate_refuses_arguments_of_the_wrong_kind_before_it_hooks_the_optim
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"job_id": "llama 70b #3"}, "job_id 'llama 70b #3' is invalid: 1-128 characters"),
-    ({"job_id": "-x"}, "starting with a letter or digit"),
+    ({"job_id": "-x"}, "starting with a letter, digit or _"),
     ({"host": "node/7"}, "host 'node/7' is not a hostname"),
     ({"gpu_uuid": "cuda:0"}, r"gpu_uuid 'cuda:0' is not a GPU UUID"),
 ])
