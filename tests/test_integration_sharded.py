@@ -50,6 +50,19 @@ def _train(model: nn.Module, monitor: Any, opt: torch.optim.Optimizer, rank: int
         monitor.step(loss.detach())
 
 
+def _hsdp_mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """HSDP on 4 ranks: replicate over mesh dim 0, shard over dim 1 (groups ranks 0,2 and 1,3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
 def _sharded_worker(rank: int, world: int, port: int, outdir: str) -> None:
     _init(rank, world, port)
     out: dict[str, Any] = {}
@@ -59,13 +72,7 @@ def _sharded_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
         from checksums.monitor import Monitor
 
-        # HSDP: replicate over mesh dim 0, shard over dim 1
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = _mlp()
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, opt = _hsdp_mlp()
         monitor = Monitor.attach(model, opt, job_id="hsdp", reporter=False)
         out["hsdp_group"] = monitor.replica_group_name
         _train(model, monitor, opt, rank, FLIP if rank == 1 else None, lambda: model[0].weight._local_tensor)
@@ -111,17 +118,9 @@ def _hsdp_reporting_worker(rank: int, world: int, port: int, outdir: str, socket
     _init(rank, world, port)
     out: dict[str, Any] = {}
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         from checksums.monitor import Monitor
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = _mlp()
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, opt = _hsdp_mlp()
         monitor = Monitor.attach(model, opt, job_id="hsdp-reported", agent_socket=socket)
         out["group"] = monitor.replica_group_name
         _train(model, monitor, opt, rank, FLIP if rank == 1 else None, lambda: model[0].weight._local_tensor)
