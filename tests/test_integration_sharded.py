@@ -50,17 +50,24 @@ def _train(model: nn.Module, monitor: Any, opt: torch.optim.Optimizer, rank: int
         monitor.step(loss.detach())
 
 
-def _hsdp_mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
-    """HSDP on 4 ranks: replicate over mesh dim 0, shard over dim 1 (groups ranks 0,2 and 1,3)."""
+def _hsdp_trained(rank: int, job_id: str, **monitor_kwargs: Any) -> Any:
+    """HSDP on 4 ranks (replicate over mesh dim 0, shard over dim 1: groups ranks 0,2 and 1,3), trained STEPS
+    steps under a Monitor, a bit of rank 1's shard flipped at FLIP. Returns the Monitor, flushed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from checksums.monitor import Monitor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = _mlp()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor.attach(model, opt, job_id=job_id, **monitor_kwargs)
+    _train(model, monitor, opt, rank, FLIP if rank == 1 else None, lambda: model[0].weight._local_tensor)
+    monitor.flush()
+    return monitor
 
 
 def _sharded_worker(rank: int, world: int, port: int, outdir: str) -> None:
@@ -72,11 +79,8 @@ def _sharded_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
         from checksums.monitor import Monitor
 
-        model, opt = _hsdp_mlp()
-        monitor = Monitor.attach(model, opt, job_id="hsdp", reporter=False)
+        monitor = _hsdp_trained(rank, "hsdp", reporter=False)
         out["hsdp_group"] = monitor.replica_group_name
-        _train(model, monitor, opt, rank, FLIP if rank == 1 else None, lambda: model[0].weight._local_tensor)
-        monitor.flush()
         out["hsdp_events"] = [(e.kind, e.step) for e in monitor.events]
         out["hsdp_votes"] = monitor.stats.votes
         monitor.close()
@@ -118,12 +122,8 @@ def _hsdp_reporting_worker(rank: int, world: int, port: int, outdir: str, socket
     _init(rank, world, port)
     out: dict[str, Any] = {}
     try:
-        from checksums.monitor import Monitor
-
-        model, opt = _hsdp_mlp()
-        monitor = Monitor.attach(model, opt, job_id="hsdp-reported", agent_socket=socket)
+        monitor = _hsdp_trained(rank, "hsdp-reported", agent_socket=socket)
         out["group"] = monitor.replica_group_name
-        _train(model, monitor, opt, rank, FLIP if rank == 1 else None, lambda: model[0].weight._local_tensor)
         monitor.close()
         stats = monitor.stats
         out.update(sent=stats.reports_sent, failed=stats.reports_failed, dropped=stats.reports_dropped)
