@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import pstats
 import statistics
@@ -46,7 +47,7 @@ from bench.tiny_gpt import GPTConfig, TinyGPT
 from demo.faults import BackwardFault
 from demo.model import Block
 from checksums import native_hook
-from checksums.compute_gate import ComputeChecks
+from checksums.compute_gate import DEFAULT_WARMUP, ComputeChecks
 from checksums.device_mask import DeviceMask
 from checksums.device_verdict import DeviceVerdict
 from checksums.fingerprint import triton_available
@@ -669,9 +670,12 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                 monitor.step(loss)
             opt.zero_grad(set_to_none=True)
 
-    # one untimed round of blocks first: kernel compilation (Triton, cuBLAS/cuDNN plans, sdcguard's set-up)
-    # lands in each arm's first block, and in a mean over 10 blocks a 1.6 s compile is +8 ms a step
-    step, rnd = -block, 0
+    # untimed rounds of blocks first: kernel compilation (Triton, cuBLAS/cuDNN plans, sdcguard's set-up)
+    # lands in each arm's first block, and in a mean over 10 blocks a 1.6 s compile is +8 ms a step; and the
+    # checks' warm-up (their first judged step sets up the device verdict once: one block of 80 on an H100
+    # took 8 ms a step more, the whole of the checks' mean) ends inside them
+    warm_blocks = max(1, math.ceil((DEFAULT_WARMUP + 2) / block))
+    step, rnd = -block * warm_blocks, 0
     while step < steps:
         # the arms' order turns each round, so no arm always runs right after the same other arm
         for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
@@ -679,7 +683,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             set_fused(name != "checks-torch")
             dist.barrier()
             t0 = time.perf_counter()
-            # warm-up: batches after the timed ones
+            # warm-up: batches after the timed ones (the same ones each warm-up round)
             run_block(arm, range(step, step + block) if step >= 0 else range(steps, steps + block))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -798,7 +802,8 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                                            "paired_ci": paired_interval(ratios[name]),
                                            "overhead": mean[name] / mean["base"] - 1.0,
                                            "blocks": times[name]} for name in names},
-                           "blocks": len(times["base"]), "block": block, "audit_every": audit_every,
+                           "blocks": len(times["base"]), "block": block, "warm_rounds": warm_blocks,
+                           "audit_every": audit_every,
                            "accum": accum, "busy_thread": busy_thread,
                            "sdcguard_every": sdcguard, "sdcguard_mode": SDCGUARD["mode"],
                            "summary_paths": paths, "hooks": hooks, "host": host,
@@ -996,9 +1001,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                      + (f" ({causes})" if causes else "") + f", naming a GPU {named}{scale}")
     if "overhead" in results:
         o = results["overhead"]
-        lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm after one untimed "
-                     f"round, {o.get('accum', 1)} micro-batch(es) a step (mean over blocks; median block; median "
-                     "of each round's ratio to its base block)"
+        lines.append(f"overhead, interleaved blocks of {o['block']} steps x {o['blocks']} per arm after "
+                     f"{o.get('warm_rounds', 1)} untimed round(s), {o.get('accum', 1)} micro-batch(es) a step "
+                     "(mean over blocks; median block; median of each round's ratio to its base block)"
                      + (f", a Python thread computing {o['busy_thread']:.0%} of the time beside the training:"
                         if o.get("busy_thread") else ":"))
         lines.append(f"  {'arm':42} {'ms/step':>9} {'ratio':>7} {'overhead':>9} {'median':>9} {'paired':>9} "

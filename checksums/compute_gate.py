@@ -92,6 +92,7 @@ logger = logging.getLogger(__name__)
 
 NO_BATCH = "no batch retained: call checks.retain(batch) before each forward"
 DEFAULT_AUDIT_EVERY = 334      # one replay per 334 steps: <= 0.3% when a replay costs about one step
+DEFAULT_WARMUP = 20            # steps whose bucket statistics only teach the spread (no rank judged)
 
 
 def expert_param(name: str) -> bool:
@@ -123,7 +124,7 @@ class ComputeChecks:
     phase = Phase.GATE
 
     def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: LossFn,
-                 margin: float = 3.0, warmup: int = 20, audit_every: int = DEFAULT_AUDIT_EVERY,
+                 margin: float = 3.0, warmup: int = DEFAULT_WARMUP, audit_every: int = DEFAULT_AUDIT_EVERY,
                  group: Any = None, host: str | None = None, gpu_uuid: str = "",
                  mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
                  max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None,
