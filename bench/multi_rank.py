@@ -21,7 +21,8 @@ NCCL on GPUs (NVLink multicast stays off: NCCL_NVLS_ENABLE=0), gloo on the CPU. 
   5  FSDP2 with HSDP (`fully_shard` on a (replicate, shard) DeviceMesh, --hsdp RxS, default 2x2 for 4 ranks,
      4x2 for 8): the Monitor picks the replicate dim's group by itself; a bit flipped on one rank's shard is
      named within its replica group only (alone with >= 3 replicas; with 2 both are suspect), and the other
-     replica groups see no event.
+     replica groups see no event; every rank reports to an agent (--agent-socket, or one started for this
+     part), which must take every report and tell one incident, of that group, at that step.
 Each part prints PASS/FAIL with its evidence; a table comes last; the exit status is non-zero if one failed.
 Part 4 needs the restart: run with `--max-restarts 1` (or leave it out: --parts 1,2,3,5).
 """
@@ -436,9 +437,6 @@ def hsdp_shape(arg: str | None, world: int) -> tuple[int, int]:
 def part_hsdp(ctx: Ctx) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    from checksums.monitor import Monitor
 
     a, width = ctx.args, ctx.args.mlp_width
     reps, shards = hsdp_shape(a.hsdp, ctx.world)
@@ -450,7 +448,26 @@ def part_hsdp(ctx: Ctx) -> dict[str, Any]:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    monitor = Monitor.attach(model, opt, job_id=f"mr-{ctx.tag}-hsdp", reporter=False)
+    # every rank reports to an agent (--agent-socket, or one rank 0 starts for this part), whose events are
+    # read back: each rank's local view is not enough (a sub-world group's name was once refused by the
+    # agent on every report while each rank's own events looked right)
+    agent = _part_agent(ctx, "hsdp")
+    try:
+        return _hsdp_reported(ctx, model, opt, reps, shards, agent)
+    finally:
+        if ctx.rank == 0:
+            stop_agent(agent)
+
+
+def _hsdp_reported(ctx: Ctx, model: nn.Module, opt: torch.optim.Optimizer, reps: int, shards: int,
+                   agent: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from checksums.monitor import Monitor
+
+    a, width = ctx.args, ctx.args.mlp_width
+    job = f"mr-{ctx.tag}-hsdp"
+    monitor = Monitor.attach(model, opt, job_id=job, agent_socket=agent["target"])
     flipped = shards                                   # replicate index 1, shard index 0
     groups = [[j * shards + i for j in range(reps)] for i in range(shards)]
     flipped_group = groups[flipped % shards]
@@ -463,13 +480,20 @@ def part_hsdp(ctx: Ctx) -> dict[str, Any]:
 
     steps = a.flip_step + 2
     _train_steps(ctx, model, opt, monitor, steps, width, flip)
+    monitor.close()                                    # every report sent (or counted as lost)
+    stats = monitor.stats
     mine = {"group": monitor.replica_group_name, "mismatches": _mismatches(monitor),
-            "votes": monitor.stats.votes,
+            "votes": stats.votes,
+            "reports": [stats.reports_sent, stats.reports_failed, stats.reports_dropped],
             "other_events": [e.kind for e in monitor.events if e.kind != "replica.mismatch"],
             "placements": str(cast(DTensor, first_weight(model)).placements)}
-    monitor.close()
     views = ctx.gather(mine)
+    told = ctx.gather(_agent_mismatches(agent["target"], job) if ctx.rank == 0 else None)[0]
     want_pairs = [[r, ctx.uuids[r]] for r in want]
+    flipped_name = views[flipped]["group"]
+    # the agent: one incident, of the flipped group, at the flip's step, naming whom the vote names
+    agent_ok = told == [{"group": flipped_name, "step": a.flip_step, "ranks": want}]
+    unsent = [r for r, v in enumerate(views) if v["reports"] != [steps, 0, 0]]
     wrong = []
     for r, v in enumerate(views):
         group = next(g for g in groups if r in g)
@@ -492,10 +516,47 @@ def part_hsdp(ctx: Ctx) -> dict[str, Any]:
                 f"other groups "
                 f"{quiet}: {sum(len(views[r]['mismatches']) for g in quiet for r in g)} events in "
                 f"{sum(views[r]['votes'] for g in quiet for r in g)} rank-votes")
+    evidence += (f"; the agent ({'given' if not agent['started_here'] else 'started here'}) took "
+                 f"{sum(v['reports'][0] for v in views)} of {steps * ctx.world} reports and told {told}")
     if wrong:
         evidence += f"; WRONG on ranks {wrong}: {[views[r] for r in wrong[:2]]}"
-    return part_result(5, not wrong, evidence, mesh=[reps, shards], groups=groups, flipped=flipped,
-                       expected=want_pairs, method=method, views=views)
+    if unsent:
+        evidence += f"; reports not taken on ranks {unsent}: {[views[r]['reports'] for r in unsent[:4]]}"
+    if not agent_ok:
+        evidence += (f"; the AGENT told {told}, not one incident of {flipped_name} at step {a.flip_step} "
+                     f"naming {want}")
+    return part_result(5, not wrong and not unsent and agent_ok, evidence, mesh=[reps, shards], groups=groups,
+                       flipped=flipped, expected=want_pairs, method=method, views=views, agent_told=told)
+
+
+def _part_agent(ctx: Ctx, name: str) -> dict[str, Any]:
+    """The agent a part reports to: --agent-socket, else one rank 0 starts now (`stop_agent` stops it)."""
+    given = ctx.args.agent_socket
+    if given is not None:
+        return {"target": given if given.startswith("unix:") else f"unix:{given}", "started_here": False}
+    info = ctx.gather(_try(lambda: start_agent(ctx, name)) if ctx.rank == 0 else None)[0]
+    if "error" in info:
+        raise RuntimeError(f"could not start the agent: {info['error']}")
+    return info
+
+
+def _agent_mismatches(target: str, job: str) -> list[dict[str, Any]]:
+    """The replica-mismatch incidents the agent told for `job`, each by its first event (a fold window that
+    closes publishes the incident's later occurrences again): group, step and the ranks named."""
+    import grpc
+
+    from proto.sdcwatch.v1 import agent_pb2 as pb
+    from proto.sdcwatch.v1 import agent_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        request = pb.WatchEventsRequest(since_seq=0, kinds=["replica.mismatch"])
+        events = pb_grpc.AgentStub(ch).WatchEvents(request, timeout=30)
+        first = {}
+        for e in events:
+            if e.kind == "replica.mismatch" and e.subject == f"job/{job}":
+                first.setdefault(int(e.details["incident"]), e)
+        return [{"group": e.details["replica_group"], "step": int(e.details["step"]),
+                 "ranks": sorted(int(x["rank"]) for x in e.details["suspects"])} for e in first.values()]
 
 
 # ------------------------------------------------------------------------------------ part 4: checkpoint
@@ -520,11 +581,12 @@ def _wait_serving(target: str, proc: subprocess.Popen[bytes] | None, log_path: P
     raise TimeoutError(f"the agent at {target} is not SERVING after {timeout:.0f}s (last: {last})")
 
 
-def start_agent(ctx: Ctx) -> dict[str, Any]:
-    """Rank 0 starts `sdcwatch run` in its own session (it must outlive the killed attempt)."""
-    state = ctx.workdir / f"agent-{ctx.tag}"
+def start_agent(ctx: Ctx, name: str = "") -> dict[str, Any]:
+    """Rank 0 starts `sdcwatch run` in its own session (it must outlive the killed attempt). `name` tells
+    two agents of one run apart (their state dirs and logs)."""
+    state = ctx.workdir / (f"agent-{ctx.tag}-{name}" if name else f"agent-{ctx.tag}")
     state.mkdir(parents=True, exist_ok=True)
-    log_path = ctx.workdir / "agent.log"
+    log_path = ctx.workdir / (f"{name}-agent.log" if name else "agent.log")
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "daemon.cli", "run", "--state-dir", str(state), "--metrics-listen",

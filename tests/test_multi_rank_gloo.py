@@ -140,6 +140,9 @@ def test_four_ranks_all_parts(short_tmp: Path) -> None:
     hsdp = parts[5]["data"]                   # 2x2: two replicas per group, so both are suspect
     assert hsdp["mesh"] == [2, 2] and hsdp["groups"] == [[0, 2], [1, 3]] and hsdp["flipped"] == 2
     assert hsdp["expected"] == [[0, ""], [2, ""]] and hsdp["method"] == "all_disagreeing"
+    # every rank reported to the agent the script started, which told one incident of the flipped group
+    assert hsdp["agent_told"] == [{"group": "ranks:0,2", "step": FLIP_STEP, "ranks": [0, 2]}]
+    assert all(view["reports"] == [FLIP_STEP + 2, 0, 0] for view in hsdp["views"]), hsdp["views"]
     for rank, view in enumerate(hsdp["views"]):
         if rank in (0, 2):
             (event,) = view["mismatches"]
@@ -172,6 +175,7 @@ def test_eight_ranks_all_parts_with_a_given_agent(short_tmp: Path) -> None:
     hsdp = parts[5]["data"]                   # 4x2: four replicas per group, the flipped one named alone
     assert hsdp["mesh"] == [4, 2] and hsdp["groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert hsdp["expected"] == [[2, ""]] and hsdp["method"] == "majority"
+    assert hsdp["agent_told"] == [{"group": "ranks:0,2,4,6", "step": FLIP_STEP, "ranks": [2]}]   # the given agent
     for rank, view in enumerate(hsdp["views"]):
         if rank % 2 == 0:
             (event,) = view["mismatches"]
