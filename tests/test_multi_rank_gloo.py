@@ -175,7 +175,8 @@ def test_eight_ranks_all_parts_with_a_given_agent(short_tmp: Path) -> None:
     hsdp = parts[5]["data"]                   # 4x2: four replicas per group, the flipped one named alone
     assert hsdp["mesh"] == [4, 2] and hsdp["groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert hsdp["expected"] == [[2, ""]] and hsdp["method"] == "majority"
-    assert hsdp["agent_told"] == [{"group": "ranks:0,2,4,6", "step": FLIP_STEP, "ranks": [2]}]   # the given agent
+    # the given agent told one incident of the flipped group
+    assert hsdp["agent_told"] == [{"group": "ranks:0,2,4,6", "step": FLIP_STEP, "ranks": [2]}]
     for rank, view in enumerate(hsdp["views"]):
         if rank % 2 == 0:
             (event,) = view["mismatches"]
