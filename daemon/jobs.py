@@ -499,7 +499,8 @@ class JobTracker:
         job.mismatch_steps.append((gen, group, vote.step))
         job.mismatch_groups.add(group)
         job.state = State.SUSPECT
-        job.reason = f"replica mismatch at step {vote.step}"
+        job.reason = f"replica mismatch at step {vote.step}" + (
+            f" in replica group {group}" if group and group != "world" else "")
         if job.mismatch_from is None:
             job.incidents += 1                 # a new incident: its own event (the bus folds per incident)
         if job.mismatch_from is None or vote.step < job.mismatch_from:

@@ -610,6 +610,7 @@ def test_each_replica_group_votes_for_itself_and_the_checkpoints_hear_the_jobs_v
         assert [f.details["incident"] for f in later.findings] == [1], "one incident"
         assert not later.rollbacks, "one plan per incident"
     assert tracker.jobs["h"].mismatch_from == 2
+    assert tracker.jobs["h"].reason == "replica mismatch at step 4 in replica group ranks:1,3"
     out = vote(tracker, "ranks:1,3", 3, 5, True)
     assert (5, "repaired") in [(s, k) for s, k, _ in out.job_events]
     assert tracker.jobs["h"].mismatch_from is None
