@@ -33,7 +33,9 @@ DIRECTIVE_TTL_S = 600.0   # a rollback directive not handed to a rank within thi
 # Monitor's ring of 4 in-flight steps, checksums.monitor._CUDA_SLOTS, + 1), so votes up to step M + 4 may
 # still disagree. A vote after that disagreeing means the repair failed: the agent plans a rollback.
 MAJORITY_REPAIR_STEPS = 5
-AGREED_STEPS_KEPT = 256   # steps whose agreeing groups are counted at once (HSDP: the groups report apart)
+# steps whose agreeing groups are counted at once (HSDP: the groups report apart, a few steps at most); each
+# group kept as its name's hash (a job of 8,192 two-replica groups: ~30 MB at worst, not its names)
+AGREED_STEPS_KEPT = 128
 # A mismatch incident whose plan found no rollback is planned again while its replicas still disagree: first
 # this long after, doubling up to the maximum (JobTracker.mismatch_unplanned)
 MISMATCH_REPLAN_S = 10.0
@@ -103,7 +105,7 @@ class JobState:
     # until every group of the job has (then "vote_agreed" is told: checked through that step)
     voted_steps: collections.deque[tuple[int, int, str]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
-    agreed_groups: collections.OrderedDict[tuple[int, int], set[str]] = dataclasses.field(
+    agreed_groups: collections.OrderedDict[tuple[int, int], set[int]] = dataclasses.field(
         default_factory=collections.OrderedDict)
     loss: JobLoss = dataclasses.field(default_factory=JobLoss)      # the job's loss detector
     rank_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its newest report's step
@@ -543,7 +545,7 @@ class JobTracker:
         if (gen, vote.step, "vote_agreed") in job.voted_steps:
             return
         agreed = job.agreed_groups.setdefault(key, set())
-        agreed.add(group)
+        agreed.add(hash(group))
         while len(job.agreed_groups) > AGREED_STEPS_KEPT:
             job.agreed_groups.popitem(last=False)
         if len(agreed) >= vote_groups(world, vote.replicas):
