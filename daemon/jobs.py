@@ -125,7 +125,9 @@ class JobState:
         default_factory=lambda: collections.deque(maxlen=256))  # (restores, step, detector, suspect) announced
     compute_faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # GPU -> steps it was faulty
     mismatch_from: int | None = None   # the first step of the open replica-mismatch incident
-    mismatch_groups: set[str] = dataclasses.field(default_factory=set)  # its groups not agreeing again yet
+    # its groups not agreeing again yet -> the first step each disagreed at (a straggler's agreeing vote of
+    # an earlier step, from a rank behind the others of its group, is no repair)
+    mismatch_groups: dict[str, int] = dataclasses.field(default_factory=dict)
     incidents: int = 0                 # replica-mismatch incidents opened (the events fold per incident)
     mismatch_planned: bool = False     # its rollback plan was asked for
     mismatch_plans: int = 0            # plans of this incident that found no rollback (`mismatch_unplanned`)
@@ -483,8 +485,9 @@ class JobTracker:
         group = vote.replica_group or req.replica_group
         self._tell_vote(job, gen, vote, group, req.world_size, out)
         if vote.agreed:
-            if job.mismatch_from is not None and vote.step > job.mismatch_from and group in job.mismatch_groups:
-                job.mismatch_groups.discard(group)
+            since = job.mismatch_groups.get(group)
+            if job.mismatch_from is not None and since is not None and vote.step > since:
+                del job.mismatch_groups[group]
                 if not job.mismatch_groups:
                     # every group that disagreed agrees again (repaired in place): the incident is over; the
                     # checkpoints saved during it are dropped and its mismatches stop blocking VERIFIED from
@@ -499,7 +502,7 @@ class JobTracker:
         if not out.mismatch:
             return
         job.mismatch_steps.append((gen, group, vote.step))
-        job.mismatch_groups.add(group)
+        job.mismatch_groups[group] = min(vote.step, job.mismatch_groups.get(group, vote.step))
         job.state = State.SUSPECT
         job.reason = f"replica mismatch at step {vote.step}" + (
             f" in replica group {group}" if group and group != "world" else "")

@@ -618,3 +618,13 @@ def test_each_replica_group_votes_for_itself_and_the_checkpoints_hear_the_jobs_v
     assert (5, "vote_agreed", "") in vote(tracker, "ranks:0,2", 0, 5, True).job_events
     uneven = JobTracker()
     assert vote(uneven, "mine", 0, 1, True, world=5).job_events == [(1, "vote_agreed", "")]
+    # both groups disagree, ranks:1,3 from step 2, ranks:0,2 from step 6; a rank of ranks:0,2 behind the
+    # others then reports step 5's agreeing vote: no repair (its group disagreed after step 5)
+    both = JobTracker()
+    vote(both, "ranks:1,3", 1, 2, False)
+    vote(both, "ranks:0,2", 0, 6, False)
+    assert not [k for _, k, _ in vote(both, "ranks:0,2", 2, 5, True).job_events if k == "repaired"]
+    assert both.jobs["h"].mismatch_groups == {"ranks:1,3": 2, "ranks:0,2": 6}
+    assert not [k for _, k, _ in vote(both, "ranks:0,2", 0, 7, True).job_events if k == "repaired"], \
+        "ranks:1,3 still disagrees"
+    assert (8, "repaired") in [(s, k) for s, k, _ in vote(both, "ranks:1,3", 1, 8, True).job_events]
