@@ -529,7 +529,7 @@ def _hsdp_reported(ctx: Ctx, model: nn.Module, opt: torch.optim.Optimizer, reps:
                        flipped=flipped, expected=want_pairs, method=method, views=views, agent_told=told)
 
 
-def _part_agent(ctx: Ctx, name: str) -> dict[str, Any]:
+def _part_agent(ctx: Ctx, name: str = "") -> dict[str, Any]:
     """The agent a part reports to: --agent-socket, else one rank 0 starts now (`stop_agent` stops it)."""
     given = ctx.args.agent_socket
     if given is not None:
@@ -965,14 +965,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_part(ctx, p, parts[p]))
         save_info, client, armed = None, None, {"on": False}
         if 4 in args.parts:
-            agent: dict[str, Any] = {"target": args.agent_socket, "started_here": False}
+            agent: dict[str, Any] = {"started_here": False}
             try:
-                if args.agent_socket is None:
-                    agent = ctx.gather(_try(lambda: start_agent(ctx)) if ctx.rank == 0 else None)[0]
-                    if "error" in agent:
-                        raise RuntimeError(f"could not start the agent: {agent['error']}")
-                elif not args.agent_socket.startswith("unix:"):
-                    agent["target"] = f"unix:{args.agent_socket}"
+                agent = _part_agent(ctx)
                 save_info, client, armed = part_ckpt_save(ctx, agent)
             except Exception as exc:
                 log.exception("part 4 (saves) failed")

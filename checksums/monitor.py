@@ -238,9 +238,7 @@ class Monitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"Monitor.attach needs an nn.Module, got {type(model).__name__}")
-        if not isinstance(job_id, str) or not job_id:
-            raise ValueError("Monitor.attach needs a non-empty job_id string")
-        wire_name("job_id", job_id, JOB_ID)
+        wire_name("job_id", job_id, JOB_ID, optional=False)
         every = count("every", every, "the steps between fingerprints", least=1)
         max_events = count("max_events", max_events, "the events kept for the job's history")
         if (check_optimizer_state and optimizer is None):

@@ -486,7 +486,7 @@ class JobTracker:
         self._tell_vote(job, gen, vote, group, req.world_size, out)
         if vote.agreed:
             since = job.mismatch_groups.get(group)
-            if job.mismatch_from is not None and since is not None and vote.step > since:
+            if since is not None and vote.step > since:    # a group of the open incident agrees again
                 del job.mismatch_groups[group]
                 if not job.mismatch_groups:
                     # every group that disagreed agrees again (repaired in place): the incident is over; the
