@@ -587,7 +587,9 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             wrapped += [(BucketAllreduce, "__call__"), (GradSummaries, "gather"),
                         (ComputeChecks, "_mask_on_device"), (ComputeChecks, "_settle_previous"),
                         (DeviceVerdict, "flag"), (DeviceMask, "add"), (DeviceMask, "run"),
-                        (SpreadTracker, "assess"), (StepGuard, "_pre_hook"), (StepGuard, "_post_hook"),
+                        (SpreadTracker, "assess"), (SpreadTracker, "learn_clean"),
+                        (ComputeChecks, "_learn_deferred"), (StepGuard, "_pre_hook"),
+                        (StepGuard, "_post_hook"),
                         (Replayer, "end_step")]
         for cls, attr in wrapped:
             setattr(cls, attr, timed(f"{cls.__name__}.{attr}", cls.__dict__[attr]))

@@ -82,6 +82,7 @@ from checksums.grad_checks import (
     StatsVerdict,
     stats_of,
 )
+from checksums.host_ring import HostRing, HostSlot, batch_stats
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
@@ -93,6 +94,8 @@ logger = logging.getLogger(__name__)
 NO_BATCH = "no batch retained: call checks.retain(batch) before each forward"
 DEFAULT_AUDIT_EVERY = 334      # one replay per 334 steps: <= 0.3% when a replay costs about one step
 DEFAULT_WARMUP = 20            # steps whose bucket statistics only teach the spread (no rank judged)
+LEARN_BATCH = 8                # the device path's unmasked steps learnt at once, once the spread is armed
+RING_BYTES = 32 << 20          # at most this much pinned host memory for the rows waiting to be learnt
 
 
 def expert_param(name: str) -> bool:
@@ -190,11 +193,12 @@ class ComputeChecks:
         self._audits = 0
         self._determinism_checked = False
         self._optimizer_ref = weakref.ref(optimizer)
-        # the device path's last step, judged at the next: (step, rows, event, armed, retained, restore epoch)
-        self._pending: tuple[int, torch.Tensor, torch.Tensor, Any, bool, Retained, int] | None = None
-        # the rows of the previous step the device did not mask, judged on the host after this step's update
-        # is enqueued (`_learn_deferred`, the AFTER stage)
-        self._learn_later: torch.Tensor | None = None
+        # the device path's last step, judged at the next: (step, host slot, armed, retained, restore epoch)
+        self._pending: tuple[int, HostSlot, bool, Retained, int] | None = None
+        # the steps the device did not mask, learnt on the host after an update is enqueued, a batch at a time
+        # once the spread is armed (`_learn_deferred`, the AFTER stage)
+        self._learn_queue: list[HostSlot] = []
+        self._learn_batch = LEARN_BATCH
         self._host_only_said = False
         self._said_no_batch = False
         self._said_failed: set[str] = set()          # replay failures logged (each reason once)
@@ -203,10 +207,7 @@ class ComputeChecks:
         self._not_replayed = ""               # why the last `_classify` replayed nothing ("": it could)
         self._spread_dev: torch.Tensor | None = None
         self._verdict = DeviceVerdict(margin)             # the device path's rule: one graph replay a step
-        self._host_bufs: list[torch.Tensor | None] = [None, None]   # the device path's rows on the host
-        self._host_done: list[Any] = [None, None]
-        self._host_flags: list[torch.Tensor | None] = [None, None]  # and its device verdict (the mask flag)
-        self._host_i = 0
+        self._ring: HostRing | None = None     # the device path's rows and flag on the host (`_host_slot`)
         self._spread_version = -1
         self._spread_pinned: list[torch.Tensor | None] = [None, None]   # the spread's way to the device
         self._spread_done: list[Any] = [None, None]
@@ -239,6 +240,7 @@ class ComputeChecks:
         collective). A suspect is replayed and classified as at any step (an overflow reproduces everywhere:
         DATA, no GPU named; a fault that made one rank's gradient non-finite names it); nothing is vetoed:
         there was no update. Its number is the skipped step's, whether or not the Monitor counted it."""
+        self._learn_deferred(flush=True)                  # the steps before it learnt first, in order
         rows = self.summaries.gather().cpu()
         self.summaries.clear()
         try:
@@ -370,6 +372,7 @@ class ComputeChecks:
                    found: list[tuple[str, int, Classification]] | None = None) -> Veto | None:
         """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps).
         `found`: outcomes of this step known already (the first step's check)."""
+        self._learn_deferred(flush=True)                  # the steps before it learnt first, in order
         stats = stats_of(rows)
         jumps, verdict = self.tracker.assess(stats)      # the jumps before the verdict learns this step
         self.last_verdict = verdict
@@ -450,27 +453,22 @@ class ComputeChecks:
         flag = self._verdict.flag(rows, spread if armed else None)
         assert self._device_mask is not None
         self._device_mask.add(ctx, flag)                  # combined with GradScaler's found_inf, if any
-        host, host_flag, done = self._host_slot(rows)
-        host.copy_(rows, non_blocking=True)
-        host_flag.copy_(flag, non_blocking=True)
-        if done is not None:
-            done.record()
-        self._pending = (ctx.step, host, host_flag, done, armed, self.replayer.retained, self.guard.restores)
+        slot = self._host_slot(rows)
+        slot.rows.copy_(rows, non_blocking=True)
+        slot.flag.copy_(flag, non_blocking=True)
+        slot.record()
+        self._pending = (ctx.step, slot, armed, self.replayer.retained, self.guard.restores)
 
-    def _host_slot(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """The pinned host rows (and their event) this step's copy lands in: two made once and used in turn
-        (the previous step's are read by `_settle_previous` before this step's copy is enqueued, and nothing
-        keeps a view of them), so no step allocates host memory (a pinned allocation a step before)."""
-        i = self._host_i = self._host_i ^ 1
-        buf = self._host_bufs[i]
-        if buf is None or buf.shape != rows.shape or buf.dtype != rows.dtype:
-            cuda = rows.device.type == "cuda"
-            buf = self._host_bufs[i] = torch.empty(rows.shape, dtype=rows.dtype, device="cpu", pin_memory=cuda)
-            self._host_flags[i] = torch.empty((), dtype=torch.float32, device="cpu", pin_memory=cuda)
-            self._host_done[i] = torch.cuda.Event(blocking=True) if cuda else None
-        flag = self._host_flags[i]
-        assert flag is not None
-        return buf, flag, self._host_done[i]
+    def _host_slot(self, rows: torch.Tensor) -> HostSlot:
+        """The pinned host slot this step's rows and flag land in (checksums/host_ring.py), made once: no
+        step allocates host memory. The ring has room for a learning batch, the step settled and this one
+        (`_settle_previous` keeps the queue at most a batch long), so no slot waiting to be read is reused;
+        the batch is smaller where the rows are large (a world of thousands of ranks), within RING_BYTES."""
+        if self._ring is None:
+            row_bytes = max(1, rows.numel() * rows.element_size())
+            self._learn_batch = max(1, min(LEARN_BATCH, RING_BYTES // row_bytes - 2))
+            self._ring = HostRing(self._learn_batch + 2)
+        return self._ring.next(rows)
 
     def _spread_on(self, device: torch.device) -> torch.Tensor | None:
         """The learned spread on the device, copied there only when its values changed (`spread_version`:
@@ -510,22 +508,25 @@ class ComputeChecks:
         ones it saw: the masked update changed nothing). A step classified DATA here is lost, not applied.
 
         `defer`: a step the device did not mask (its flag, copied with the rows, is 0: most steps) is only
-        learnt from, and that waits for the AFTER stage (`_learn_deferred`), after this step's update is
-        enqueued: on a host-bound step the host's time there overlaps the update's kernels instead of
-        keeping the device waiting before them (the judge is ~40 us of host time alone and ~0.3 ms inside
-        a GPT-2-small step on the H200's host, bench/hook_host.py and `compute_faults --host-parts`)."""
-        if self._learn_later is not None:                 # the AFTER stage did not run (the update raised)
-            self._learn_deferred()
+        learnt from, and that waits for the AFTER stage (`_learn_deferred`), after an update is enqueued, and
+        once the spread is armed for a batch of such steps (LEARN_BATCH), learnt in one pass: on a host-bound
+        step the host's time there is step time (the judge was ~40 us of host time alone and ~0.3 ms inside a
+        GPT-2-small step on the H200's host, bench/hook_host.py and `compute_faults --host-parts`). The
+        device's copy of the spread then lags by up to a batch: after the warm-up it widens rarely."""
         if self._pending is None:
             return
-        step, host, host_flag, done, armed, retained, epoch = self._pending
+        step, slot, armed, retained, epoch = self._pending
         self._pending = None
-        if done is not None:
-            done.synchronize()                            # recorded a step ago: already complete
-        masked = bool(float(host_flag))                   # the device's verdict skipped this update
+        slot.wait()                                       # recorded a step ago: already complete
+        masked = slot.flagged()                           # the device's verdict skipped this update
+        queue = self._learn_queue
         if defer and not masked:
-            self._learn_later = host
+            if queue and (len(queue) >= self._learn_batch or queue[0].rows.shape != slot.rows.shape):
+                self._learn_deferred(flush=True)          # the AFTER stage did not run, or other buckets
+            self._learn_queue.append(slot)
             return
+        self._learn_deferred(flush=True)                  # the steps before it learnt first, in order
+        host = slot.rows
         stats = stats_of(host)
         jumps, verdict = self.tracker.assess(stats)
         self.last_verdict = verdict
@@ -543,22 +544,28 @@ class ComputeChecks:
                 self._dropped += 1
             self.guard.masked(step, self.name, self._why(verdict, outcomes))
 
-    def _learn_deferred(self) -> None:
-        """The host verdict of a step the device did not mask: the spread and each rank's history learn
-        from it. Where the host finds a suspect the device did not (its copy of the spread lagged a change,
-        or a score within rounding of the margin), the update was applied: nothing is replayed (the
-        weights moved on), and that is said once in the log."""
-        host = self._learn_later
-        if host is None:
+    def _learn_deferred(self, flush: bool = False) -> None:
+        """The host verdicts of the queued steps the device did not mask: the spread and each rank's history
+        learn from them, oldest first: a whole batch in one pass (`SpreadTracker.learn_clean`) when each is
+        clean, else one by one. Runs when the queue holds a batch (one step while the spread is still
+        warming up, so it arms on time) or `flush`. Where the host finds a suspect the device did not (its
+        copy of the spread lagged a change, or a score within rounding of the margin), the update was
+        applied: nothing is replayed (the weights moved on), and that is said once in the log."""
+        queue = self._learn_queue
+        if not queue or (not flush and len(queue) < (
+                self._learn_batch if self.tracker.learned >= self.tracker.warmup else 1)):
             return
-        self._learn_later = None
-        _, verdict = self.tracker.assess(stats_of(host))
+        self._learn_queue = []                            # a new list: `queue` is learnt below
+        verdict = self.tracker.learn_clean(batch_stats(queue)) if len(queue) > 1 else None
+        if verdict is None:
+            for slot in queue:
+                _, verdict = self.tracker.assess(torch.from_numpy(slot.stats()))
+                if verdict.suspects and not self._host_only_said:
+                    self._host_only_said = True
+                    logger.info("sdcwatch: the host's compute verdict named rank(s) %s on a step the "
+                                "device's verdict passed (a spread copy behind a change, or a score at the "
+                                "margin); its update was applied (said once)", list(verdict.suspects))
         self.last_verdict = verdict
-        if verdict.suspects and not self._host_only_said:
-            self._host_only_said = True
-            logger.info("sdcwatch: the host's compute verdict named rank(s) %s on a step the device's verdict "
-                        "passed (a spread copy one step behind, or a score at the margin); its update was "
-                        "applied (said once)", list(verdict.suspects))
 
     def _record(self, step: int, detector: str, suspect: int, c: Classification, drop: bool,
                 verdict: StatsVerdict) -> None:
@@ -600,6 +607,7 @@ class ComputeChecks:
         return out
 
     def status(self) -> ComputeStatus:
+        self._learn_deferred(flush=True)                  # the steps waiting in a batch counted
         spread = self.tracker.spread
         return ComputeStatus(exact=self.replayer.exact, steps=self._steps, suspicions=self._suspicions,
                              dropped=self._dropped, audits=self._audits, replays=self.replayer.replays,

@@ -935,6 +935,46 @@ class SpreadTracker:
             return (0.0,) * x.shape[0], verdict
         return self._jumps(x, lx, nonfinite), verdict
 
+    def learn_clean(self, steps: np.ndarray) -> StatsVerdict | None:
+        """Consecutive steps' statistics, float64 numpy [k, world, buckets, 2], judged and learnt at once when
+        every one is clean: what `assess` on each in turn would do (the same spread, history, count and
+        clean maximum, each step judged against the spread as the steps before it left it), in one pass of
+        array operations instead of k (the device path learns its unmasked steps a batch at a time: on a
+        host-bound step each numpy call is step time). Returns the last step's verdict; None, with nothing
+        learnt, when the batch is not plain (a non-finite or zero statistic, a rank over the margin, still
+        warming up, no history, other buckets or ranks than the spread's): the caller then runs `assess` on
+        each step. Pure."""
+        k, world, nb = steps.shape[0], steps.shape[1], steps.shape[2]
+        spread, last = self._spread, self._last
+        if (k == 0 or self.learned < self.warmup or spread is None or spread.shape[0] != nb or last is None
+                or last.shape != steps.shape[1:]):
+            return None
+        if not np.isfinite(steps).all():
+            return None
+        lx = np.log(np.maximum(steps, _TINY))
+        if (lx <= _LOG_TINY).any():     # a zero statistic: `_learn`'s zeroable buckets and `_moves`' rule
+            return None
+        dev = np.abs(lx - np.partition(lx, (world - 1) // 2, axis=1)[:, (world - 1) // 2][:, None])
+        worst = dev.max(axis=1)                                         # [k, buckets, 2]
+        # the spread each step was judged against: the one before the batch, widened by the steps before it
+        seen = np.maximum.accumulate(np.concatenate([spread[None], worst[:-1]]), axis=0)
+        scores = (dev / seen[:, None]).reshape(k, world, -1).max(axis=2)   # [k, world]
+        if world >= 2 and (scores > self.margin).any():
+            return None
+        wider = np.maximum(seen[-1], worst[-1])
+        if not np.array_equal(wider, spread):
+            assert self._zeroable is not None             # set with the spread (`_set`)
+            self._set(wider, self._zeroable)
+        moves = np.abs(np.diff(np.concatenate([last[None], lx]), axis=0)).max(axis=(0, 1))
+        base = self._tspread if self._tspread is not None else np.full_like(moves, self.floor)
+        self._tspread = np.maximum(base, moves)
+        self._last = lx[-1]
+        self.learned += k
+        if world < 2:
+            return StatsVerdict(scores=(0.0,) * world, outliers=(), nonfinite=(), warming=True)
+        self.max_score_clean = max(self.max_score_clean, float(scores.max()))
+        return StatsVerdict(scores=tuple(scores[-1].tolist()), outliers=(), nonfinite=())
+
     def judge(self, stats: torch.Tensor) -> StatsVerdict:
         """The verdict on one step's gathered statistics float64 [world, buckets, 2] (host or device)."""
         x = _host_array(stats)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,50 @@ def _stats(norms: list[float], amax: list[float] | None = None, buckets: int = 2
 def _rows(fp: int, world: int = 3, buckets: int = 2) -> torch.Tensor:
     row = torch.tensor([0, 0, fp, fp + 1], dtype=torch.int64)
     return row.repeat(world, buckets, 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+def test_a_clean_batch_learnt_at_once_leaves_the_tracker_as_assessing_each_step_does(world: int):
+    """Issue 19: `SpreadTracker.learn_clean` (the device path's unmasked steps, a batch at a time) gives the
+    spread, history, count and clean maximum of `assess` on each step in turn, bit for bit, on a run with a
+    widening spread; a batch holding a step that is not plain (an outlier, a non-finite or zero statistic)
+    is refused and changes nothing (the caller assesses it step by step)."""
+    import numpy as np
+
+    rng = np.random.default_rng(world)
+    one, batched = SpreadTracker(margin=3.0, warmup=4), SpreadTracker(margin=3.0, warmup=4)
+
+    def step(k: int) -> np.ndarray:
+        x = np.exp(rng.normal(0.0, 0.02 * (1 + k / 40), size=(world, 3, 2)))   # a slowly widening spread
+        if k in (37, 61):
+            x[world - 1, 1, 0] *= 1e3                   # an outlier (one rank alone: its own median)
+        if k == 50:
+            x[0, 2, 1] = math.nan
+        if k == 70:
+            x[0, 0, 0] = 0.0
+        return x
+
+    refused = 0
+    for start in range(0, 96, 6):
+        batch = np.stack([step(k) for k in range(start, start + 6)])
+        for x in batch:
+            _, want = one.assess(torch.from_numpy(x))
+        before = (batched.learned, None if batched._spread is None else batched._spread.copy())
+        got = batched.learn_clean(batch)
+        if got is None:
+            refused += 1
+            assert batched.learned == before[0], "a refused batch learns nothing"
+            for x in batch:
+                _, got = batched.assess(torch.from_numpy(x))
+        assert got == want, start
+        assert batched.learned == one.learned and batched.max_score_clean == one.max_score_clean
+        for a, b in ((batched._spread, one._spread), (batched._tspread, one._tspread),
+                     (batched._last, one._last)):
+            assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), start
+    # refused: the warm-up's batch, and the batches with the NaN, the zero and (with two ranks or more) the
+    # outliers
+    assert refused == (5 if world >= 2 else 3), refused
+    assert one.learned > 80
 
 
 def test_spread_learns_then_names_the_outlier_rank():
@@ -236,13 +281,13 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     gate = object.__new__(ComputeChecks)     # the settle path alone: no ranks, no model
     gate.guard, gate.tracker, gate.last_verdict = guard, SpreadTracker(margin=3.0, warmup=0), None
     gate._classify = lambda *a: replayed.append(1) or []
-    gate._learn_later = None
+    gate._learn_queue, gate._learn_batch = [], 8
     gate._suspicions = gate._dropped = 0
     gate.replayer = types.SimpleNamespace(reproduces=True, why_not="")
     gate._not_replayed = ""
 
     def pend() -> None:           # a step the device masked (its flag 1)
-        gate._pending = (3, _rows(10, world=2), torch.tensor(1.0), None, True, None, guard.restores)
+        gate._pending = (3, _slot(_rows(10, world=2), 1.0), True, None, guard.restores)
 
     pend()
     gate._settle_previous()
@@ -259,11 +304,22 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     assert [k.step for k in guard.skipped] == [3, 3, 3] and gate._dropped == 3, guard.skipped
 
 
-def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed():
+def _slot(rows: torch.Tensor, flag: float) -> Any:
+    """A host slot (checksums/host_ring.py) with a step's rows and the device's flag, as copied."""
+    from checksums.host_ring import HostSlot
+
+    slot = HostSlot(rows.shape, cuda=False)
+    slot.rows.copy_(rows)
+    slot.flag.fill_(flag)
+    return slot
+
+
+def test_a_step_the_device_passed_is_learnt_after_the_update_a_batch_at_a_time_and_never_replayed():
     """Issue 19: the previous step's host verdict waits for the AFTER stage when the device did not mask it
-    (its flag 0, `defer`): the pre-update stage only reads the flag; the spread learns from the step after
-    the update. A masked step (flag 1), or any step on an audit step (no `defer`), is judged at once. Where
-    the host finds a suspect the device passed, nothing is replayed (the update was applied)."""
+    (its flag 0, `defer`): the pre-update stage only reads the flag; the spread learns from such steps after
+    an update, a batch at a time once armed. A masked step (flag 1), or any step on an audit step (no
+    `defer`), is judged at once, the queued steps before it learnt first. Where the host finds a suspect the
+    device passed, nothing is replayed (the update was applied)."""
     from checksums.compute_gate import ComputeChecks
     from checksums.step_guard import StepGuard
 
@@ -273,7 +329,7 @@ def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed(
     gate = object.__new__(ComputeChecks)
     gate.guard, gate.tracker, gate.last_verdict = guard, SpreadTracker(margin=3.0, warmup=0), None
     gate._classify = lambda verdict, *a: (replayed.append(1) if verdict.suspects else None) or []
-    gate._learn_later, gate._host_only_said = None, False
+    gate._learn_queue, gate._learn_batch, gate._host_only_said = [], 2, False
     gate._suspicions = gate._dropped = 0
     gate.replayer = types.SimpleNamespace(reproduces=True, why_not="")
     gate._not_replayed = ""
@@ -281,31 +337,62 @@ def test_a_step_the_device_passed_is_learnt_after_the_update_and_never_replayed(
     def pend(flag: float, norms: list[float]) -> None:
         rows = torch.zeros(3, 2, 4, dtype=torch.int64)
         rows[..., :2] = _stats(norms).contiguous().view(torch.int64)
-        gate._pending = (3, rows, torch.tensor(flag), None, True, None, guard.restores)
+        gate._pending = (3, _slot(rows, flag), True, None, guard.restores)
 
     pend(0.0, [1.0, 1.01, 1.02])
     gate._settle_previous(defer=True)
-    assert gate._learn_later is not None and gate.tracker.learned == 0 and gate.last_verdict is None
-    gate._learn_deferred()                              # the AFTER stage
-    assert gate._learn_later is None and gate.tracker.learned == 1 and gate.last_verdict.suspects == ()
+    assert len(gate._learn_queue) == 1 and gate.tracker.learned == 0 and gate.last_verdict is None
+    gate._learn_deferred()                              # the AFTER stage: half a batch waits
+    assert gate.tracker.learned == 0
     pend(0.0, [1.0, 1.01, 1.02])
-    gate._settle_previous(defer=False)                  # an audit step: learnt in order, at once
-    assert gate._learn_later is None and gate.tracker.learned == 2
+    gate._settle_previous(defer=True)
+    gate._learn_deferred()                              # a batch: both learnt
+    assert gate._learn_queue == [] and gate.tracker.learned == 2 and gate.last_verdict.suspects == ()
+    pend(0.0, [1.0, 1.02, 1.03])
+    gate._settle_previous(defer=True)
+    pend(0.0, [1.0, 1.01, 1.02])
+    gate._settle_previous(defer=False)                  # an audit step: the queued one first, then this one
+    assert gate._learn_queue == [] and gate.tracker.learned == 4
+    pend(0.0, [1.0, 1.01, 1.02])
+    gate._settle_previous(defer=True)
     pend(1.0, [1.0, 1.01, 50.0])                        # the device masked it: judged and replayed at once
     gate._settle_previous(defer=True)
-    assert gate._learn_later is None and replayed == [1] and gate.last_verdict.suspects == (2,)
+    assert gate._learn_queue == [] and gate.tracker.learned == 5, "the queued step learnt before it"
+    assert replayed == [1] and gate.last_verdict.suspects == (2,)
     assert [k.step for k in guard.skipped] == [3], "the masked step is one the guard learns was skipped"
     pend(0.0, [1.0, 1.01, 50.0])                        # the host names a rank the device passed
     gate._settle_previous(defer=True)
-    gate._learn_deferred()
-    assert replayed == [1] and gate.last_verdict.suspects == (2,) and gate._host_only_said
-    pend(0.0, [1.0, 1.01, 1.02])                        # the AFTER stage never ran (the update raised):
-    gate._settle_previous(defer=True)
     pend(0.0, [1.0, 1.01, 1.02])
-    learned = gate.tracker.learned
-    gate._settle_previous(defer=True)                   # the next step learns the one left first
-    assert gate.tracker.learned == learned + 1 and gate._learn_later is not None
+    gate._settle_previous(defer=True)
+    gate._learn_deferred()                              # not a clean batch: one by one, in order
+    assert replayed == [1] and gate._host_only_said and gate.tracker.learned == 6
+    for _ in range(2):                                  # the AFTER stage never ran (the update raised):
+        pend(0.0, [1.0, 1.01, 1.02])
+        gate._settle_previous(defer=True)
+    pend(0.0, [1.0, 1.01, 1.02])
+    gate._settle_previous(defer=True)                   # the next step learns the full batch first
+    assert gate.tracker.learned == 8 and len(gate._learn_queue) == 1
     assert len(guard.skipped) == 1, "a step the device passed is not a skipped one"
+
+
+def test_the_warming_spread_is_learnt_every_step_so_the_device_verdict_arms_on_time():
+    """Issue 19: while the spread warms up, each unmasked step is learnt at its AFTER stage (a batch of one):
+    the device verdict arms after `warmup` steps, not a batch later."""
+    from checksums.compute_gate import ComputeChecks
+    from checksums.step_guard import StepGuard
+
+    gate = object.__new__(ComputeChecks)
+    gate.guard = StepGuard.attach(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
+    gate.tracker, gate.last_verdict = SpreadTracker(margin=3.0, warmup=3), None
+    gate._learn_queue, gate._learn_batch, gate._host_only_said = [], 8, False
+    for k in range(5):
+        rows = torch.zeros(3, 2, 4, dtype=torch.int64)
+        rows[..., :2] = _stats([1.0, 1.01, 1.02 + 0.001 * k]).contiguous().view(torch.int64)
+        gate._pending = (k, _slot(rows, 0.0), False, None, gate.guard.restores)
+        gate._settle_previous(defer=True)
+        gate._learn_deferred()
+        assert gate.tracker.learned == min(k + 1, 3), k
+    assert len(gate._learn_queue) == 2, "armed: the steps after the warm-up wait for a batch"
 
 
 def _start(fps: list[tuple[int, int]]) -> torch.Tensor:
@@ -881,16 +968,20 @@ def _device_path_host_rows(rank: int, init: str) -> None:
     ddp = DDP(compute_faults.make_model(0)[0])
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=True)
     checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="device", audit_every=0)
-    seen: list[torch.Tensor] = []
-    _harness_steps(checks, ddp, opt, 12, lambda: seen.append(checks._pending[1]))
-    # two host buffers made once and used in turn: no step allocates the rows' host memory
-    assert len({id(t) for t in seen}) == 2, [id(t) for t in seen]
-    assert all(seen[k] is seen[k + 2] for k in range(10))
-    assert checks.status().steps == 12 and checks.status().suspicions == 0
+    seen: list[Any] = []
+    _harness_steps(checks, ddp, opt, 40, lambda: seen.append(checks._pending[1]))
+    # a ring of host slots made once and used in turn: no step allocates the rows' host memory; room for a
+    # learning batch, the step settled and the step's own
+    n = checks._learn_batch + 2
+    assert checks._learn_batch == 8 and len({id(t) for t in seen}) == n, [id(t) for t in seen]
+    assert all(seen[k] is seen[k + n] for k in range(40 - n))
+    status = checks.status()              # the steps waiting for a batch learnt first
+    assert status.steps == 40 and status.suspicions == 0
+    assert checks.tracker.learned == 39, "every step but the last (judged at the next) learnt"
     dist.destroy_process_group()
 
 
-def test_device_path_reuses_two_host_buffers_for_the_rows(tmp_path) -> None:
+def test_device_path_reuses_a_ring_of_host_slots_for_the_rows(tmp_path) -> None:
     spawn(_device_path_host_rows, (str(tmp_path / "init"),), nprocs=1)
 
 

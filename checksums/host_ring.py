@@ -1,0 +1,81 @@
+"""Pinned host slots that the compute gate's device path copies each step's rows and flag into, used in turn.
+
+    ring = HostRing(slots=10)
+    slot = ring.next(rows)                 # a free slot shaped like `rows` (made once; again on a new shape)
+    slot.rows.copy_(rows, non_blocking=True); slot.flag.copy_(flag, non_blocking=True); slot.record()
+    ...                                    # a step later
+    slot.wait(); slot.flagged(); slot.stats()   # numpy views: no torch op on the host to read them
+
+A slot is reused `slots` steps after it was filled, so its rows may wait that long to be read (the gate
+learns its unmasked steps a batch at a time, checksums/compute_gate.py); nothing is allocated in a step once
+the slots exist (a pinned allocation in a step costs more than the step's whole check). The reads are
+numpy views of the pinned memory, each a fraction of a microsecond, where a torch op on a tiny CPU tensor
+costs several. CPU rows (gloo tests of the device path) get plain memory and no event.
+
+Training-side module: never imports the agent (`daemon`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class HostSlot:
+    """One step's rows (int64 [world, buckets, 4]) and device flag (0-d float32) on the host."""
+
+    __slots__ = ("rows", "flag", "done", "words", "_flag_np")
+
+    def __init__(self, shape: torch.Size, cuda: bool) -> None:
+        self.rows = torch.empty(shape, dtype=torch.int64, device="cpu", pin_memory=cuda)
+        self.flag = torch.empty((), dtype=torch.float32, device="cpu", pin_memory=cuda)
+        self.done: Any = torch.cuda.Event(blocking=True) if cuda else None
+        self.words = self.rows.numpy()          # the rows as numpy (a view of the pinned memory)
+        self._flag_np = self.flag.numpy()
+
+    def record(self) -> None:
+        """After the copies are enqueued: `wait` returns once they landed."""
+        if self.done is not None:
+            self.done.record()
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+    def flagged(self) -> bool:
+        """The device's verdict masked this step's update."""
+        return bool(self._flag_np != 0.0)
+
+    def stats(self) -> np.ndarray:
+        """float64 [world, buckets, 2] (norm, max-abs): a copy, the slot may be refilled after."""
+        return np.ascontiguousarray(self.words[..., :2]).view(np.float64)
+
+
+class HostRing:
+    """`slots` HostSlots used in turn (see the module docstring)."""
+
+    def __init__(self, slots: int) -> None:
+        if slots < 2:
+            raise ValueError(f"a host ring needs at least 2 slots, got {slots}")
+        self._slots: list[HostSlot | None] = [None] * slots
+        self._i = slots - 1
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def next(self, rows: torch.Tensor) -> HostSlot:
+        """The next slot in turn, shaped like `rows` (made on first use and when the shape changes)."""
+        self._i = (self._i + 1) % len(self._slots)
+        slot = self._slots[self._i]
+        if slot is None or slot.rows.shape != rows.shape:
+            slot = self._slots[self._i] = HostSlot(rows.shape, rows.device.type == "cuda")
+        return slot
+
+
+def batch_stats(slots: list[HostSlot]) -> np.ndarray:
+    """float64 [k, world, buckets, 2]: the statistics of `slots` (one shape) stacked, one copy."""
+    return np.stack([s.words[..., :2] for s in slots]).view(np.float64)
+
+
+__all__ = ["HostRing", "HostSlot", "batch_stats"]
