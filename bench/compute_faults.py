@@ -584,7 +584,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             if triton_available():
                 from checksums.grad_summary_triton import GradSummaryPlan
                 wrapped.append((GradSummaryPlan, "launch"))
-            wrapped += [(BucketAllreduce, "__call__"), (GradSummaries, "gather"),
+            wrapped += [(BucketAllreduce, "__call__"), (GradSummaries, "gather"), (GradSummaries, "rows"),
                         (ComputeChecks, "_mask_on_device"), (ComputeChecks, "_settle_previous"),
                         (DeviceVerdict, "flag"), (DeviceMask, "add"), (DeviceMask, "run"),
                         (SpreadTracker, "assess"), (SpreadTracker, "learn_clean"),

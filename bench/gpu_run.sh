@@ -431,7 +431,7 @@ want ci8 && step checks-ci-8k 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m
 # alternates with this one's on the same machine: the host work a change cut, measured side by side
 hostbound() {  # hostbound NAME TREE
   step "$1" 240 env -C "$2" PYTHONPATH="/tmp/site:$2" CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m \
-    bench.compute_faults --device cuda --world 1 --model gpt2 --batch 2 --cases none --overhead 300 \
+    bench.compute_faults --device cuda --world 1 --model gpt2 --batch 2 --cases none --overhead "${AB_STEPS:-300}" \
     --block 10 --arms checks --host-parts 20
 }
 want hostab && for r in 1 2; do
