@@ -584,6 +584,9 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             if triton_available():
                 from checksums.grad_summary_triton import GradSummaryPlan
                 wrapped.append((GradSummaryPlan, "launch"))
+            import checksums.grad_checks as grad_checks
+            from checksums.host_ring import HostSlot
+            wrapped += [(grad_checks, "all_gather_single"), (HostSlot, "wait"), (HostSlot, "flagged")]
             wrapped += [(BucketAllreduce, "__call__"), (GradSummaries, "gather"), (GradSummaries, "rows"),
                         (ComputeChecks, "_mask_on_device"), (ComputeChecks, "_settle_previous"),
                         (DeviceVerdict, "flag"), (DeviceMask, "add"), (DeviceMask, "run"),

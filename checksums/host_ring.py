@@ -45,7 +45,7 @@ class HostSlot:
 
     def flagged(self) -> bool:
         """The device's verdict masked this step's update."""
-        return bool(self._flag_np != 0.0)
+        return self._flag_np.item() != 0.0     # a Python float: 0.1 us (a numpy comparison: 1.1 us)
 
     def stats(self) -> np.ndarray:
         """float64 [world, buckets, 2] (norm, max-abs): a copy, the slot may be refilled after."""
