@@ -15,13 +15,22 @@ with the weights repeated per rank, whose gradients are then each rank's own: th
 rounding, a third of the calls: 77 s -> 30 s here). Every 50th step one rank's gradient is computed from
 its batch alone, twice (the step's and the audit's replay: the exact fingerprint words must repeat), and
 its statistics must equal the batched pass's to rounding.
+
+The device path (CUDA, a fused optimizer) judges each step on the device against its copy of the spread,
+which learns the steps it passed a batch at a time after the warm-up (`SpreadTracker.learn_clean`, eight
+steps: checksums/compute_gate.py), so its spread lags the host's by up to a batch; the same steps run
+through that rule too (`device_flag` against the lagged spread, as the device computes it), and it must
+mask none of them and end with the host's spread.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from bench import compute_faults as cf
+from checksums.compute_gate import LEARN_BATCH
+from checksums.device_verdict import device_flag
 from checksums.grad_checks import SpreadTracker, bucket_summary, fingerprints_of, stats_of
 
 STEPS = 10_000
@@ -84,6 +93,9 @@ def test_ten_thousand_clean_steps_raise_no_suspicion() -> None:
         return dict(zip(params, torch.autograd.grad(loss, params)))
 
     suspicions: list[tuple[int, object]] = []
+    lagged = SpreadTracker()             # the device path's: learns the steps it passed a batch at a time
+    queue: list[np.ndarray] = []
+    masked: list[int] = []
     audits = 0
     cpu = torch.device("cpu")
     for step in range(1, STEPS + 1):
@@ -92,6 +104,15 @@ def test_ten_thousand_clean_steps_raise_no_suspicion() -> None:
         _, verdict = tracker.assess(stats_of(rows))
         if verdict.suspects:
             suspicions.append((step, verdict))
+        armed = lagged.learned >= lagged.warmup
+        if armed and float(device_flag(stats_of(rows), lagged.signed_spread, lagged.margin)):
+            masked.append(step)
+        queue.append(stats_of(rows).numpy().copy())
+        if len(queue) >= (LEARN_BATCH if armed else 1):
+            if lagged.learn_clean(np.stack(queue)) is None:
+                for q in queue:
+                    lagged.assess(torch.from_numpy(q))
+            queue.clear()
         if step % AUDIT_EVERY == 0:
             r = (step // AUDIT_EVERY) % world
             computed, replay = (_rows(local(r, step), buckets) for _ in range(2))
@@ -102,6 +123,9 @@ def test_ten_thousand_clean_steps_raise_no_suspicion() -> None:
             p.grad = torch.stack([g[p] for g in grads]).mean(dim=0)
         opt.step()
     assert not suspicions, f"{len(suspicions)} clean steps suspected, first: {suspicions[:3]}"
+    assert not masked, f"the device path would have masked {len(masked)} clean steps, first: {masked[:3]}"
+    assert lagged.learned == STEPS - len(queue) and lagged.max_score_clean <= tracker.max_score_clean
+    assert np.array_equal(lagged._spread, tracker._spread), "the batches learnt the host's spread"
     assert audits == STEPS // AUDIT_EVERY
     # the comparison had something to learn: the ranks' statistics differ every step (their batches do)
     assert tracker.learned == STEPS and tracker.max_score_clean > 0.5, (tracker.learned, tracker.max_score_clean)
