@@ -472,10 +472,12 @@ class ComputeChecks:
 
     def _spread_on(self, device: torch.device) -> torch.Tensor | None:
         """The learned spread on the device, copied there only when its values changed (`spread_version`:
-        every few steps while it is learnt, rarely after). The copy goes through one of two pinned buffers
-        used in turn, each reused once its previous copy is done (`query`, never a wait): a non-blocking copy
-        from pageable memory may synchronise with the stream (CUDA's rules), and it ran every clean step
-        before. A change found while both buffers are busy is copied at a later step."""
+        every step while it is learnt, at most once a learning batch after). The copy goes through one of
+        two pinned buffers used in turn (a non-blocking copy from pageable memory may synchronise with the
+        stream, CUDA's rules). A buffer is reused once its copy, two changes ago, is done: waited for if it
+        is not (a query only used to skip the change to a later step, which made the step a rank takes a
+        change depend on its own device's timing; every rank must judge each step against the same spread,
+        or one rank masks an update the others apply and the replicas part)."""
         spread = self.tracker.signed_spread
         if spread is None:
             return None
@@ -494,7 +496,7 @@ class ComputeChecks:
                     buf = self._spread_pinned[i] = torch.empty(spread.shape, dtype=spread.dtype, pin_memory=True)
                     done = self._spread_done[i] = torch.cuda.Event()
                 elif not done.query():
-                    return self._spread_dev                 # its last copy is still queued: next step
+                    done.synchronize()                      # enqueued two changes ago: done, in practice
                 buf.copy_(spread)
                 self._spread_dev.copy_(buf, non_blocking=True)
                 done.record()

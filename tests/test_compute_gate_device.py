@@ -178,6 +178,52 @@ def _run(tmp_path, device: str, variant: str = "graphs") -> dict:
     return json.loads(out.read_text())
 
 
+class _Busy:
+    """A CUDA event whose copy has not landed yet (as `query` says on a device running behind the host)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event, self.waited = event, 0
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.event.synchronize()
+
+    def record(self) -> None:
+        self.event.record()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_spread_change_reaches_the_device_at_once_even_while_its_buffer_is_busy() -> None:
+    """Issue 19: every rank must judge a step against the same spread, or one rank's device masks an update
+    the others apply. A change found while the pinned buffer's last copy still looked queued was put off to
+    a later step: the step a rank took it on depended on its own device's timing. Now it is copied at once
+    (the copy two changes ago waited for)."""
+    import numpy as np
+
+    from checksums.compute_gate import ComputeChecks
+    from checksums.grad_checks import SpreadTracker
+
+    gate = object.__new__(ComputeChecks)
+    gate.tracker = SpreadTracker(warmup=0)
+    gate._spread_dev, gate._spread_version, gate._spread_i = None, -1, 0
+    gate._spread_pinned, gate._spread_done = [None, None], [None, None]
+    dev = torch.device("cuda")
+    busy = []
+    for k in range(6):
+        gate.tracker._set(np.full((3, 2), 0.05 * (k + 1)), np.zeros(3, dtype=bool))
+        got = gate._spread_on(dev)
+        assert torch.equal(got.cpu(), torch.full((3, 2), 0.05 * (k + 1), dtype=torch.float64)), k
+        for j, done in enumerate(gate._spread_done):     # each buffer's last copy now seems still queued
+            if done is not None and not isinstance(done, _Busy):
+                gate._spread_done[j] = _Busy(done)
+                busy.append(gate._spread_done[j])
+    assert sum(b.waited for b in busy) >= 3, "a busy buffer is waited for, not skipped"
+
+
 def test_the_device_path_masks_a_nan_step_and_trains_on_cpu(tmp_path) -> None:
     got = _run(tmp_path, "cpu")
     assert got["masked"] and got["same"] and got["finite"], got
