@@ -975,14 +975,58 @@ def _device_path_host_rows(rank: int, init: str) -> None:
     n = checks._learn_batch + 2
     assert checks._learn_batch == 8 and len({id(t) for t in seen}) == n, [id(t) for t in seen]
     assert all(seen[k] is seen[k + n] for k in range(40 - n))
-    status = checks.status()              # the steps waiting for a batch learnt first
+    learned, waiting = checks.tracker.learned, len(checks._learn_queue)
+    status = checks.status()
     assert status.steps == 40 and status.suspicions == 0
-    assert checks.tracker.learned == 39, "every step but the last (judged at the next) learnt"
+    # every step but the last (judged at the next) learnt or waiting for its batch; reading the status
+    # learns nothing (every rank must judge against the same spread, asked or not)
+    assert learned + waiting == 39 and 0 < waiting < checks._learn_batch, (learned, waiting)
+    assert checks.tracker.learned == learned and len(checks._learn_queue) == waiting
     dist.destroy_process_group()
 
 
 def test_device_path_reuses_a_ring_of_host_slots_for_the_rows(tmp_path) -> None:
     spawn(_device_path_host_rows, (str(tmp_path / "init"),), nprocs=1)
+
+
+def _tracker_per_step(rank: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=3)
+    compute_faults.MODEL["name"] = "mlp"
+    ddp = DDP(compute_faults.make_model(0)[0])
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=True)
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=compute_faults.loss_fn, mask="device", audit_every=0)
+    seen = []
+    for s in range(60):
+        b = compute_faults.batch_for(rank, s, torch.device("cpu"))
+        checks.retain(b)
+        compute_faults.loss_fn(ddp, b).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            checks.status()                  # one rank logs the checks' status every step
+        seen.append([checks.tracker.learned, checks.tracker.spread_version])
+    with open(out.format(rank=rank), "w") as f:
+        json.dump(seen, f)
+    dist.destroy_process_group()
+
+
+def test_every_rank_learns_the_spread_at_the_same_steps_whoever_reads_the_status(tmp_path) -> None:
+    """Issue 19: each rank's device judges a step against its own copy of the spread, so the copies must
+    move at the same steps on every rank, or one rank masks an update the others apply. The device path
+    learns its unmasked steps a batch at a time; reading `status()` on one rank (as a loop logging on rank
+    0 does) must not learn that rank's waiting batch early."""
+    import json
+
+    spawn(_tracker_per_step, (str(tmp_path / "init"), str(tmp_path / "r{rank}.json")), nprocs=3)
+    got = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(3)]
+    assert got[0] == got[1] == got[2], [g[-5:] for g in got]
+    assert got[0][-1][0] >= 40 and got[0][-1][1] >= 2, got[0][-1]   # it learnt, and the spread moved
 
 
 def _refused_then_retried(rank: int, init: str, out: str) -> None:
