@@ -611,7 +611,7 @@ class ComputeChecks:
     def status(self) -> ComputeStatus:
         """What the checks did so far. The spread and its clean maximum are the learnt batches' (the device
         path's last few unmasked steps wait for theirs): reading the status learns nothing, so a rank that
-        asks (rank 0 logging it, say) judges the next steps against the same spread as the ranks that do not."""
+        asks (rank 0 logging it, say) judges the next steps against the spread the other ranks use."""
         spread = self.tracker.spread
         return ComputeStatus(exact=self.replayer.exact, steps=self._steps, suspicions=self._suspicions,
                              dropped=self._dropped, audits=self._audits, replays=self.replayer.replays,
