@@ -240,13 +240,11 @@ class ComputeChecks:
         collective). A suspect is replayed and classified as at any step (an overflow reproduces everywhere:
         DATA, no GPU named; a fault that made one rank's gradient non-finite names it); nothing is vetoed:
         there was no update. Its number is the skipped step's, whether or not the Monitor counted it."""
-        self._learn_deferred(flush=True)                  # the steps before it learnt first, in order
         rows = self.summaries.gather().cpu()
         self.summaries.clear()
         try:
             stats = stats_of(rows)
-            jumps, verdict = self.tracker.assess(stats)
-            self.last_verdict = verdict
+            jumps, verdict = self._assess(stats)
             outcomes = self._classify(verdict, rows, jumps)
             # its number: the guard's when the Monitor counted the skipped step, else the one after the last
             step = max(self.guard.step, self._last_step + 1)
@@ -372,10 +370,8 @@ class ComputeChecks:
                    found: list[tuple[str, int, Classification]] | None = None) -> Veto | None:
         """The host path: this step's verdict before its update (gloo/CPU every step; CUDA on audit steps).
         `found`: outcomes of this step known already (the first step's check)."""
-        self._learn_deferred(flush=True)                  # the steps before it learnt first, in order
         stats = stats_of(rows)
-        jumps, verdict = self.tracker.assess(stats)      # the jumps before the verdict learns this step
-        self.last_verdict = verdict
+        jumps, verdict = self._assess(stats)             # the jumps before the verdict learns this step
         outcomes = self._classify(verdict, rows, jumps) + (found or [])
         # an audit runs only on a step the statistics passed: no rank's history jump is evidence then (a
         # persistent fault below the margin was learnt as clean since it began), so the two-rank tie-break
@@ -521,17 +517,15 @@ class ComputeChecks:
         self._pending = None
         slot.wait()                                       # recorded a step ago: already complete
         masked = slot.flagged()                           # the device's verdict skipped this update
-        queue = self._learn_queue
         if defer and not masked:
+            queue = self._learn_queue
             if queue and (len(queue) >= self._learn_batch or queue[0].rows.shape != slot.rows.shape):
                 self._learn_deferred(flush=True)          # the AFTER stage did not run, or other buckets
             self._learn_queue.append(slot)
             return
-        self._learn_deferred(flush=True)                  # the steps before it learnt first, in order
         host = slot.rows
         stats = stats_of(host)
-        jumps, verdict = self.tracker.assess(stats)
-        self.last_verdict = verdict
+        jumps, verdict = self._assess(stats)
         if (not armed and not verdict.nonfinite) or epoch != self.guard.restores:
             if masked or verdict.suspects:     # restored since: a replay now would run on other weights
                 restored = epoch != self.guard.restores
@@ -561,13 +555,21 @@ class ComputeChecks:
         verdict = self.tracker.learn_clean(batch_stats(queue)) if len(queue) > 1 else None
         if verdict is None:
             for slot in queue:
-                _, verdict = self.tracker.assess(torch.from_numpy(slot.stats()))
+                _, verdict = self.tracker.assess(stats_of(slot.rows))
                 if verdict.suspects and not self._host_only_said:
                     self._host_only_said = True
                     logger.info("sdcwatch: the host's compute verdict named rank(s) %s on a step the "
                                 "device's verdict passed (a spread copy behind a change, or a score at the "
                                 "margin); its update was applied (said once)", list(verdict.suspects))
         self.last_verdict = verdict
+
+    def _assess(self, stats: torch.Tensor) -> tuple[tuple[float, ...], StatsVerdict]:
+        """A step's host verdict (`SpreadTracker.assess`) with the steps queued before it learnt first, in
+        order: every host verdict but the queue's own goes through here."""
+        self._learn_deferred(flush=True)
+        jumps, verdict = self.tracker.assess(stats)
+        self.last_verdict = verdict
+        return jumps, verdict
 
     def _record(self, step: int, detector: str, suspect: int, c: Classification, drop: bool,
                 verdict: StatsVerdict) -> None:

@@ -949,12 +949,13 @@ class SpreadTracker:
         if (k == 0 or self.learned < self.warmup or spread is None or spread.shape[0] != nb or last is None
                 or last.shape != steps.shape[1:]):
             return None
-        if not np.isfinite(steps).all():
+        fin = np.isfinite(steps)
+        if not fin.all():
             return None
-        lx = np.log(np.maximum(steps, _TINY))
-        if (lx <= _LOG_TINY).any():     # a zero statistic: `_learn`'s zeroable buckets and `_moves`' rule
+        lx = _log_np(steps, fin)
+        if (lx <= _LOG_TINY).any():     # a zero statistic: `_learn`'s zeroable buckets
             return None
-        dev = np.abs(lx - np.partition(lx, (world - 1) // 2, axis=1)[:, (world - 1) // 2][:, None])
+        dev = _deviations_of_log(lx.swapaxes(0, 1)).swapaxes(0, 1)      # [k, world, buckets, 2]
         worst = dev.max(axis=1)                                         # [k, buckets, 2]
         # the spread each step was judged against: the one before the batch, widened by the steps before it
         seen = np.maximum.accumulate(np.concatenate([spread[None], worst[:-1]]), axis=0)
@@ -965,7 +966,7 @@ class SpreadTracker:
         if not np.array_equal(wider, spread):
             assert self._zeroable is not None             # set with the spread (`_set`)
             self._set(wider, self._zeroable)
-        moves = np.abs(np.diff(np.concatenate([last[None], lx]), axis=0)).max(axis=(0, 1))
+        moves = _moves(lx, np.concatenate([last[None], lx[:-1]])).max(axis=(0, 1))
         base = self._tspread if self._tspread is not None else np.full_like(moves, self.floor)
         self._tspread = np.maximum(base, moves)
         self._last = lx[-1]

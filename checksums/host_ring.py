@@ -4,7 +4,7 @@
     slot = ring.next(rows)                 # a free slot shaped like `rows` (made once; again on a new shape)
     slot.rows.copy_(rows, non_blocking=True); slot.flag.copy_(flag, non_blocking=True); slot.record()
     ...                                    # a step later
-    slot.wait(); slot.flagged(); slot.stats()   # numpy views: no torch op on the host to read them
+    slot.wait(); slot.flagged(); batch_stats(slots)   # numpy views: no torch op on the host to read them
 
 A slot is reused `slots` steps after it was filled, so its rows may wait that long to be read (the gate
 learns its unmasked steps a batch at a time, checksums/compute_gate.py); nothing is allocated in a step once
@@ -47,10 +47,6 @@ class HostSlot:
         """The device's verdict masked this step's update."""
         return self._flag_np.item() != 0.0     # a Python float: 0.1 us (a numpy comparison: 1.1 us)
 
-    def stats(self) -> np.ndarray:
-        """float64 [world, buckets, 2] (norm, max-abs): a copy, the slot may be refilled after."""
-        return np.ascontiguousarray(self.words[..., :2]).view(np.float64)
-
 
 class HostRing:
     """`slots` HostSlots used in turn (see the module docstring)."""
@@ -60,9 +56,6 @@ class HostRing:
             raise ValueError(f"a host ring needs at least 2 slots, got {slots}")
         self._slots: list[HostSlot | None] = [None] * slots
         self._i = slots - 1
-
-    def __len__(self) -> int:
-        return len(self._slots)
 
     def next(self, rows: torch.Tensor) -> HostSlot:
         """The next slot in turn, shaped like `rows` (made on first use and when the shape changes)."""
