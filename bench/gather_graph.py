@@ -9,11 +9,15 @@ against the product's path in the same run. Not in the product: a captured colle
 the same step on every rank and fall back together, which needs the pair (two GPUs) to test; on one GPU it
 measures what the change would save.
 
-    patch(checks)        # ComputeChecks on CUDA with mask="device"; every step after the warm-up replays
+    patch(checks)        # ComputeChecks with mask="device": its own device path, the gather moved
+
+The gate's device path (`ComputeChecks._mask_on_device`) runs as it is; only two of its calls change. The
+gather into the verdict's input buffer is put off (the rows' view is handed back unfilled) and done by the
+verdict's `flag`: inside its graph once the spread is armed on CUDA, eagerly before the eager rule
+otherwise (the warm-up; CPU). Every other gather (the host path's) is the summaries' own.
 """
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -24,51 +28,45 @@ from checksums.grad_checks import stats_of
 
 
 def patch(checks: Any) -> None:
-    """Route `checks`' device path through one graph of gather + verdict once the spread is armed."""
-    state: dict[str, Any] = {"key": None, "graph": None, "flag": None}
+    """Route `checks`' device-path gather through its verdict (see the module docstring)."""
+    summaries, verdict = checks.summaries, checks._verdict
+    real_gather, real_flag = summaries.gather, verdict.flag
+    state: dict[str, Any] = {"mine": None, "key": None, "graph": None, "flag": None}
 
-    def gathered_flag(self: Any, mine: torch.Tensor, inp: torch.Tensor, world: int,
-                      spread: torch.Tensor) -> torch.Tensor:
-        n = mine.shape[0]
-        key = (mine.data_ptr(), n, inp.data_ptr(), spread.data_ptr(), tuple(spread.shape))
+    def gather(out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None or out is not verdict._in:       # the host path's gather: as it was
+            return real_gather(out=out)
+        mine = state["mine"] = summaries.rows()         # the hooks' side stream joined, eagerly
+        return out.view(-1, *mine.shape)                # filled by `flag`, before anything reads it
+
+    def flag(rows: torch.Tensor, spread: torch.Tensor | None) -> torch.Tensor:
+        mine, state["mine"] = state["mine"], None
+        inp = verdict._in
+        if mine is None:
+            return real_flag(rows, spread)
+        if spread is None or rows.device.type != "cuda":
+            all_gather_single(inp, mine, group=summaries._group)
+            return real_flag(rows, spread)
+        key = (mine.data_ptr(), tuple(mine.shape), inp.data_ptr(), spread.data_ptr(), tuple(spread.shape))
         if key != state["key"]:
             state["key"] = key
-            current = torch.cuda.current_stream(mine.device)
-            side = torch.cuda.Stream(mine.device)
+            current = torch.cuda.current_stream(rows.device)
+            side = torch.cuda.Stream(rows.device)
             side.wait_stream(current)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(side):
-                all_gather_single(inp, mine, group=self.summaries._group)        # eager: lazy set-up
-                device_flag(stats_of(inp.view(world, n, -1)), spread, self.tracker.margin)
+                all_gather_single(inp, mine, group=summaries._group)        # eager: lazy set-up
+                device_flag(stats_of(rows), spread, verdict.margin)
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    all_gather_single(inp, mine, group=self.summaries._group)
-                    flag = device_flag(stats_of(inp.view(world, n, -1)), spread, self.tracker.margin)
+                    all_gather_single(inp, mine, group=summaries._group)
+                    out = device_flag(stats_of(rows), spread, verdict.margin)
                 finally:
                     graph.capture_end()
             current.wait_stream(side)
-            state["graph"], state["flag"] = graph, flag
+            state["graph"], state["flag"] = graph, out
         state["graph"].replay()
         return state["flag"]
 
-    def mask_on_device(self: Any, ctx: Any) -> None:
-        mine = self.summaries.rows()                  # the hooks' side stream joined, eagerly
-        n = mine.shape[0]
-        inp = self._verdict.input(self.world * n, self.device)
-        spread = self._spread_on(inp.device)
-        armed = spread is not None and self.tracker.learned >= self.tracker.warmup
-        if armed:
-            flag = gathered_flag(self, mine, inp, self.world, spread)
-            rows = inp.view(self.world, n, -1)
-        else:
-            rows = self.summaries.gather(out=inp)
-            flag = self._verdict.flag(rows, None)
-        self.summaries.clear()
-        self._device_mask.add(ctx, flag)
-        slot = self._host_slot(rows)
-        slot.rows.copy_(rows, non_blocking=True)
-        slot.flag.copy_(flag, non_blocking=True)
-        slot.record()
-        self._pending = (ctx.step, slot, armed, self.replayer.retained, self.guard.restores)
-
-    checks._mask_on_device = types.MethodType(mask_on_device, checks)
+    summaries.gather = gather
+    verdict.flag = flag
