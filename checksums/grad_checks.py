@@ -106,15 +106,21 @@ def _run_fused(plan: Any, t: torch.Tensor, checked: bool = False, scale: float =
 def bucket_summary_torch(grads: Sequence[torch.Tensor], plan: Any = None) -> torch.Tensor:
     """`bucket_summary` in torch ops (several passes over the memory); `plan`: a fingerprint plan of
     exactly these tensors (checksums.fingerprint's `prepare_fingerprint`) or None."""
+    device = grads[0].device
+    fp = plan.run_async() if plan is not None else fingerprint_tensors_async(list(grads))
+    return torch.cat([bucket_stats(grads).view(torch.int64), fp.to(device)])
+
+
+def bucket_stats(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The statistics of `bucket_summary_torch`'s row alone, float64 [2] (norm, max-abs) on the gradients'
+    device: what `stats_of` reads from the row, without the fingerprint (a host-side reference that needs
+    only what the comparison judges, e.g. the suite's 10,000 clean steps)."""
     norms = torch.stack([torch.linalg.vector_norm(g, dtype=_norm_dtype(g)).float() for g in grads])
     amax = torch.stack([g.detach().abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
                         for g in grads])
     stats = torch.stack([torch.linalg.vector_norm(norms), amax.amax()]).double()
     # a NaN in a gradient makes its norm NaN but amax may skip it on some backends: carry it in both
-    stats = stats + (norms.sum() * 0).double()
-    device = grads[0].device
-    fp = plan.run_async() if plan is not None else fingerprint_tensors_async(list(grads))
-    return torch.cat([stats.view(torch.int64), fp.to(device)])
+    return stats + (norms.sum() * 0).double()
 
 
 def _norm_dtype(g: torch.Tensor) -> torch.dtype:

@@ -107,7 +107,7 @@ def train(spec: dict[str, Any], rank: int, world: int, device: torch.device, log
         monitor.step(loss.detach(), grad_norm.detach(), step=step)
         if rank == 0:
             vote = monitor.last_vote
-            log.write(i=iteration, step=step, data=data_index, loss=float(loss), grad_norm=float(grad_norm),
+            log.write(i=iteration, step=step, data=data_index, loss=loss.item(), grad_norm=grad_norm.item(),
                       bad_batch=bad, vote_step=vote.step if vote else None,
                       agreed=vote.result.agreed if vote else None)
         if step % every == 0:
