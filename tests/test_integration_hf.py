@@ -19,7 +19,7 @@ from framework_support import (
     HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped,
     run_with_agent, checkpoint_states,
     flip_bit, mismatch_events,
-    replicas_identical, settled_journal, spawn, torchrun_env, wait_directive, wait_verified,
+    preloads, replicas_identical, settled_journal, spawn, torchrun_env, wait_directive, wait_verified,
 )
 
 JOB = "hf-gpt2"
@@ -50,6 +50,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+@preloads("transformers.trainer", "transformers.models.gpt2.modeling_gpt2", "integrations.hf")
 def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool, compute: Any = False,
             fault: str = "", accumulate: int = 1, bind: bool = True) -> None:
     torchrun_env(rank, world, port, socket)

@@ -24,7 +24,7 @@ from framework_support import (
     HOLD_AFTER_FLIP, check_clean, check_dropped_and_named, check_recovered, check_stopped,
     run_with_agent, checkpoint_states,
     flip_bit, mismatch_events,
-    replicas_identical, settled_journal, spawn, torchrun_env, wait_directive,
+    preloads, replicas_identical, settled_journal, spawn, torchrun_env, wait_directive,
 )
 from test_integration_hf import Tokens, tiny_gpt2
 
@@ -33,6 +33,7 @@ STEPS, FLIP, SAVE_EVERY = 60, 30, 10
 FAULT = 40          # the optimizer step whose forward is faulty on rank 1 (after the checks' 20 warm-up steps)
 
 
+@preloads("lightning.pytorch", "integrations.lightning", "transformers.models.gpt2.modeling_gpt2")
 def _worker(rank: int, world: int, port: int, socket: str, outdir: str, flip: bool, compute: Any = False,
             fault: bool = False, accumulate: int = 1, precision: str = "32-true",
             persistent: bool = False) -> None:
