@@ -85,7 +85,7 @@ def _judge(world: int, buckets: int, steps: int) -> dict[str, float]:
         return [float(s) for s in scores], nonfinite
 
     tracker = SpreadTracker(warmup=5)
-    spread = torch.full((buckets, 2), math.log(1.05), dtype=torch.float64)
+    spread = torch.full((buckets, 4), math.log(1.05), dtype=torch.float64)   # deviations' four columns
     for x in xs[:20]:
         tracker.assess(x)
         torch_rule(x, spread)

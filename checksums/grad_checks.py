@@ -812,25 +812,37 @@ def _summarising_reduce_scatter() -> type:
 
 
 def deviations(stats: torch.Tensor, zeroable: torch.Tensor | None = None) -> torch.Tensor:
-    """|log(x_r) - median_r log(x)| per rank, bucket and statistic: float64 [world, buckets, 2].
+    """Each rank's distance from the others per bucket and statistic, in log units: float64 [world, buckets,
+    4]. Columns 0-1 (norm, max-abs): |d| with d = log(x_r) - median_r log(x), the rank against the other
+    ranks on that bucket. Columns 2-3 (`relative`): |d - median_b d|, the same less the rank's own median d
+    over its buckets (per statistic): what the rank's data moves in every bucket alike (a batch of short
+    documents, another source's text: each of its buckets' norms up together) is taken out, so where the
+    ranks' batches differ in kind the spread learnt there stays narrow, and a fault, which moves the buckets
+    its op feeds and not the others alike, stands out against it (a run of mixed sources, 3 ranks: a bucket's
+    norm had to move ~100x to pass 3 absolute spreads, ~2-6x to pass 3 relative ones; docs/compute-checks.md).
+    A rank's fault that moves all its buckets alike is still seen by columns 0-1.
 
-    Non-finite values are counted as zero here (their rank is named by `SpreadTracker.judge`). The median is
-    torch.median's (the lower of the two middle values for an even count), taken from a sort: `median(dim=)`
-    on CUDA has no deterministic implementation, so under `torch.use_deterministic_algorithms(True)` (jobs
-    that want reproducible runs, and exact replays of cuDNN attention) it raises; a sort does not.
+    Non-finite values are counted as zero here (their rank is named by `SpreadTracker.judge`). The medians
+    are torch.median's (the lower of the two middle values for an even count), taken from a sort: `median(
+    dim=)` on CUDA has no deterministic implementation, so under `torch.use_deterministic_algorithms(True)`
+    (jobs that want reproducible runs, and exact replays of cuDNN attention) it raises; a sort does not.
     `zeroable` (bool [buckets], on the stats' device): buckets whose gradient can be exactly zero on a rank
     (an MoE expert no token of that rank chose: `SpreadTracker` learns them); there a zero statistic is left
-    out, its distance 0, and the median is taken over the other ranks'. Fixed shapes, no host sync (the
-    device verdict's graph runs it)."""
+    out of both medians, its distances 0. Fixed shapes, no host sync (the device verdict's graph runs it)."""
     x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
     if zeroable is None:
-        med = x.sort(dim=0, stable=True).values[(x.shape[0] - 1) // 2]
-        return (x - med).abs()
+        d = x - x.sort(dim=0, stable=True).values[(x.shape[0] - 1) // 2]
+        kb = (x.shape[1] - 1) // 2
+        shift = d.sort(dim=1, stable=True).values[:, kb:kb + 1]
+        return torch.cat([d.abs(), (d - shift).abs()], dim=-1)
     out = (x <= _LOG_TINY) & zeroable.view(1, -1, 1)
     ordered = torch.where(out, math.inf, x).sort(dim=0, stable=True).values
     k = ((~out).sum(dim=0) - 1).clamp_min(0) // 2
-    med = ordered.gather(0, k.unsqueeze(0))
-    return torch.where(out, 0.0, (x - med).abs())
+    d = x - ordered.gather(0, k.unsqueeze(0))
+    by_bucket = torch.where(out, math.inf, d).sort(dim=1, stable=True).values
+    kb = ((~out).sum(dim=1, keepdim=True) - 1).clamp_min(0) // 2
+    shift = by_bucket.gather(1, kb)
+    return torch.where(torch.cat([out, out], dim=-1), 0.0, torch.cat([d.abs(), (d - shift).abs()], dim=-1))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -852,19 +864,20 @@ class StatsVerdict:
         return tuple(sorted(set(self.outliers) | set(self.nonfinite)))
 
 
-STAT_NAMES = ("norm", "maxabs")
+STAT_NAMES = ("norm", "maxabs", "relative norm", "relative maxabs")   # `deviations`' columns
 
 
 class SpreadTracker:
     """The clean cross-rank spread per bucket and statistic, and the verdict against it.
 
     `spread[b, s]` is the largest distance from the median (in log units) seen on a clean step, floored at
-    `floor` (log(1.05) by default); a step is clean when no rank exceeded `margin` spreads, or when a replay
-    cleared it (`learn`). The first `warmup` steps only learn (non-finite values still count). Pure: the
+    `floor` (log(1.05) by default), for each of `deviations`' four columns (s: norm, max-abs, and the two
+    relative to the rank's other buckets: STAT_NAMES); a step is clean when no rank exceeded `margin`
+    spreads, or when a replay cleared it (`learn`). The first `warmup` steps only learn (non-finite values still count). Pure: the
     caller passes the gathered statistics; nothing here reads a clock or a GPU.
 
     It runs on the host every step (the device path judges the previous step's rows), on arrays of world x
-    buckets x 2: in numpy, as one call each, not torch ops on tiny CPU tensors (about 10x fewer host
+    buckets x 2 statistics: in numpy, as one call each, not torch ops on tiny CPU tensors (about 10x fewer host
     microseconds a step; `python -m bench.hook_host` times `assess`). The rule is `deviations`' (torch's
     lower median), so the host verdict and the device's `device_flag` agree.
     """
@@ -890,7 +903,8 @@ class SpreadTracker:
 
     @property
     def spread(self) -> torch.Tensor | None:
-        """float64 [buckets, 2] (a view of the tracker's array; replaced, never changed in place)."""
+        """float64 [buckets, 4], `deviations`' columns (a view of the tracker's array; replaced, never changed
+        in place)."""
         return None if self._spread is None else torch.from_numpy(self._spread)
 
     @property
@@ -991,7 +1005,7 @@ class SpreadTracker:
         world, nb = x.shape[0], x.shape[1]
         if self._spread is None or self._spread.shape[0] != nb:   # DDP rebuilt its buckets: learn anew
             declared = self._declared
-            self._set(np.full((nb, 2), self.floor, dtype=np.float64),
+            self._set(np.full((nb, 4), self.floor, dtype=np.float64),
                       declared.copy() if declared is not None and declared.shape[0] == nb
                       else np.zeros(nb, dtype=bool))
             self.learned = 0
@@ -1009,7 +1023,7 @@ class SpreadTracker:
         if over:
             worst = max(over, key=lambda r: scores[r])
             flat = int(ratio[worst].reshape(-1).argmax())
-            bucket, stat = flat // 2, STAT_NAMES[flat % 2]
+            bucket, stat = flat // 4, STAT_NAMES[flat % 4]
         elif not nonfinite:
             self.max_score_clean = max(self.max_score_clean, max(scores))
             self._learn(dev, nonfinite, lx)
@@ -1094,19 +1108,26 @@ def _log_np(x: np.ndarray, fin: np.ndarray | None = None) -> np.ndarray:
 
 
 def _deviations_of_log(lx: np.ndarray, zeroable: np.ndarray | None = None) -> np.ndarray:
-    """`deviations` in numpy from `_log_np`'s logs: the same rule, torch's lower median (the middle value for
-    an odd count, the lower of the two middle ones for an even count), zeros of `zeroable` buckets left out."""
+    """`deviations` in numpy from `_log_np`'s logs [world, ..., buckets, 2] (ranks first, buckets second to
+    last): the same rule, torch's lower median (the middle value for an odd count, the lower of the two
+    middle ones for an even count), zeros of `zeroable` buckets left out ([world, buckets, 2] then)."""
     if zeroable is not None and zeroable.any():
         out = (lx <= _LOG_TINY) & zeroable[None, :, None]
         if out.any():
             ordered = np.sort(np.where(out, np.inf, lx), axis=0)
             k = np.maximum((~out).sum(axis=0) - 1, 0) // 2
-            med = np.take_along_axis(ordered, k[None], axis=0)[0]
             with np.errstate(invalid="ignore"):
-                return np.where(out, 0.0, np.abs(lx - med))
+                d = lx - np.take_along_axis(ordered, k[None], axis=0)[0]
+                by_bucket = np.sort(np.where(out, np.inf, d), axis=1)
+                kb = np.maximum((~out).sum(axis=1, keepdims=True) - 1, 0) // 2
+                rel = np.abs(d - np.take_along_axis(by_bucket, kb, axis=1))
+                return np.where(np.concatenate([out, out], axis=-1), 0.0,
+                                np.concatenate([np.abs(d), rel], axis=-1))
     k = (lx.shape[0] - 1) // 2
-    med = np.partition(lx, k, axis=0)[k]
-    return np.abs(lx - med)
+    d = lx - np.partition(lx, k, axis=0)[k]
+    kb = (lx.shape[-2] - 1) // 2
+    shift = np.partition(d, kb, axis=-2)[..., kb:kb + 1, :]
+    return np.concatenate([np.abs(d), np.abs(d - shift)], axis=-1)
 
 
 def _nonfinite_ranks_np(x: np.ndarray, fin: np.ndarray | None = None) -> tuple[int, ...]:

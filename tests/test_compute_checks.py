@@ -7,6 +7,7 @@ import types
 from typing import Any
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from rank_spawn import spawn
@@ -89,6 +90,37 @@ def test_spread_learns_then_names_the_outlier_rank():
     assert v.outliers == (1,) and v.scores[1] > 3.0 and v.stat in ("norm", "maxabs")
     # a clean step after it still passes: the outlier did not widen the spread
     assert t.judge(_stats([1.0, 1.08, 0.97])).suspects == ()
+
+
+def test_a_ranks_data_moving_every_bucket_alike_leaves_a_one_bucket_fault_visible():
+    """Ranks whose batches differ in kind (a source of short documents on one rank, long ones on another):
+    each rank's gradient is scaled as a whole, up to e^2.5 (12x) apart, step to step; its buckets keep
+    their profile within a few percent. The distance from the other ranks (columns norm, maxabs) then learns
+    a spread that only a 1,000x change passes; the same distance less the rank's own median over its buckets
+    (`relative`) learns the profile's few percent: 800 such steps raise no suspicion, and a bucket of one
+    rank 1.5x off its profile is named on its step, by that bucket's relative norm, whatever the rank's data
+    did to it as a whole. A rank whose every bucket is 1e5x off (a loss computed wrong) is still named by the
+    plain distance."""
+    g = np.random.default_rng(7)
+    world, buckets = 4, 9
+    profile = g.lognormal(0.0, 1.0, size=(buckets, 2))
+
+    def step(fault: float = 1.0, everywhere: float = 1.0) -> torch.Tensor:
+        whole = g.normal(0.0, 0.8, size=(world, 1, 1)).clip(-1.25, 1.25)   # each rank's data, all its buckets
+        x = profile[None] * np.exp(whole + g.normal(0.0, 0.02, size=(world, buckets, 2)))
+        x[2, 5, 0] *= fault
+        x[1] *= everywhere
+        return torch.from_numpy(x)
+
+    t = SpreadTracker()
+    for _ in range(800):
+        assert t.judge(step()).suspects == ()
+    spread = t.spread.numpy()
+    assert spread[:, :2].min() > 1.5 and spread[:, 2:].max() < 0.15, spread     # log units: 4.5x vs 1.16x
+    v = t.judge(step(fault=1.5))
+    assert v.outliers == (2,) and (v.bucket, v.stat) == (5, "relative norm"), v
+    v = t.judge(step(everywhere=1e5))
+    assert v.outliers == (1,) and v.stat in ("norm", "maxabs"), v
 
 
 def test_non_finite_names_the_rank_at_once_even_while_warming():

@@ -262,19 +262,22 @@ def test_the_side_stream_option_is_inert_without_cuda(tmp_path) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8])
 def test_deviations_take_torchs_lower_median(world: int) -> None:
-    """The device rule's median (from a sort: deterministic) is torch.median's, for odd and even counts,
-    with ties, zeros and non-finite values."""
+    """The device rule's medians (from a sort: deterministic) are torch.median's, over the ranks and over a
+    rank's buckets (the relative columns), for odd and even counts (5 and 4 buckets), with ties, zeros and
+    non-finite values."""
     from checksums.grad_checks import _TINY, deviations
 
     g = torch.Generator().manual_seed(world)
-    for k in range(20):
-        stats = torch.exp(torch.randn(world, 5, 2, generator=g, dtype=torch.float64))
+    for k in range(40):
+        buckets = 5 - k % 2
+        stats = torch.exp(torch.randn(world, buckets, 2, generator=g, dtype=torch.float64))
         if k % 3 == 0:
             stats[0] = stats[-1]                                        # ties
         if k % 4 == 1:
-            stats[k % world, k % 5, 0] = [0.0, float("nan"), float("inf")][k % 3]
+            stats[k % world, k % buckets, 0] = [0.0, float("nan"), float("inf")][k % 3]
         x = torch.nan_to_num(stats, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(_TINY).log()
-        want = (x - x.median(dim=0).values).abs()
+        d = x - x.median(dim=0).values
+        want = torch.cat([d.abs(), (d - d.median(dim=1, keepdim=True).values).abs()], dim=-1)
         assert torch.equal(deviations(stats), want)
 
 

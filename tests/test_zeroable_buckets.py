@@ -103,11 +103,28 @@ def test_a_bucket_zero_on_every_rank_is_not_zeroable() -> None:
     assert v.outliers == (1,), v
 
 
+def _by_hand(lx: np.ndarray) -> np.ndarray:
+    """`deviations`' four columns one number at a time: the lower median is the ((n - 1) // 2)-th smallest."""
+    def lower_median(values: list[float]) -> float:
+        return sorted(values)[(len(values) - 1) // 2]
+    world, buckets, _ = lx.shape
+    out = np.zeros((world, buckets, 4))
+    for s in range(2):
+        d = [[lx[r, b, s] - lower_median([lx[q, b, s] for q in range(world)]) for b in range(buckets)]
+             for r in range(world)]
+        for r in range(world):
+            shift = lower_median(d[r])
+            for b in range(buckets):
+                out[r, b, s], out[r, b, 2 + s] = abs(d[r][b]), abs(d[r][b] - shift)
+    return out
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8])
 def test_device_rule_equals_the_host_rule_with_zeroable_buckets(world: int) -> None:
-    """`deviations(stats, zeroable)` (torch, the device's) equals the host's numpy rule: the lower median over
-    the ranks not left out, 0 for the ones left out; and `device_flag` with the signed spread raises exactly
-    on the steps the host verdict has suspects."""
+    """`deviations(stats, zeroable)` (torch, the device's) equals the host's numpy rule: the lower medians over
+    the ranks and over the rank's buckets not left out, 0 for the ones left out (without zeroable buckets,
+    the rule worked by hand too); and `device_flag` with the signed spread raises exactly on the steps the
+    host verdict has suspects."""
     g = torch.Generator().manual_seed(world)
     buckets = 6
     zeroable = torch.tensor([False, True, False, True, True, False])
@@ -123,9 +140,10 @@ def test_device_rule_equals_the_host_rule_with_zeroable_buckets(world: int) -> N
         got = deviations(stats, zeroable).numpy()
         assert np.allclose(got, want, rtol=1e-12, atol=1e-12), (k, got, want)
         left_out = (np.nan_to_num(x, nan=0.0) == 0) & zeroable.numpy()[None, :, None]
-        assert np.all(got[left_out] == 0)
+        assert np.all(got[np.concatenate([left_out, left_out], axis=-1)] == 0)
         plain = _deviations_of_log(_log_np(x))
         assert np.allclose(deviations(stats).numpy(), plain, rtol=1e-12, atol=1e-12)
+        assert np.allclose(plain, _by_hand(_log_np(x)), rtol=1e-12, atol=1e-12)
 
     t = SpreadTracker(warmup=20)
     for _ in range(20):
