@@ -872,13 +872,13 @@ class SpreadTracker:
 
     `spread[b, s]` is the largest distance from the median (in log units) seen on a clean step, floored at
     `floor` (log(1.05) by default), for each of `deviations`' four columns (s: norm, max-abs, and the two
-    relative to the rank's other buckets: STAT_NAMES); a step is clean when no rank exceeded `margin`
-    spreads, or when a replay cleared it (`learn`). The first `warmup` steps only learn (non-finite values still count). Pure: the
-    caller passes the gathered statistics; nothing here reads a clock or a GPU.
+    relative to the rank's other buckets: STAT_NAMES); a step is clean when no rank exceeded `margin` spreads,
+    or when a replay cleared it (`learn`). The first `warmup` steps only learn (non-finite values still
+    count). Pure: the caller passes the gathered statistics; nothing here reads a clock or a GPU.
 
     It runs on the host every step (the device path judges the previous step's rows), on arrays of world x
-    buckets x 2 statistics: in numpy, as one call each, not torch ops on tiny CPU tensors (about 10x fewer host
-    microseconds a step; `python -m bench.hook_host` times `assess`). The rule is `deviations`' (torch's
+    buckets x 2 statistics: in numpy, as one call each, not torch ops on tiny CPU tensors (about 10x fewer
+    host microseconds a step; `python -m bench.hook_host` times `assess`). The rule is `deviations`' (torch's
     lower median), so the host verdict and the device's `device_flag` agree.
     """
 

@@ -33,7 +33,7 @@ def test_the_graph_verdict_is_the_eager_rule_on_every_input() -> None:
     world, buckets, margin = 5, 7, 3.0
     v = DeviceVerdict(margin, graphs=True)
     inp = v.input(world * buckets, torch.device("cuda"))
-    spread = torch.full((buckets, 2), math.log(1.05), dtype=torch.float64, device="cuda")
+    spread = torch.full((buckets, 4), math.log(1.05), dtype=torch.float64, device="cuda")   # 4 columns
     g = torch.Generator().manual_seed(3)
     cases = []
     for k in range(40):
@@ -59,7 +59,7 @@ def test_the_graph_verdict_is_the_eager_rule_on_every_input() -> None:
     assert {a for a, _ in flags} == {0.0, 1.0}
     # a new input buffer (DDP rebuilt its buckets) captures again
     inp2 = v.input(world * (buckets + 1), torch.device("cuda"))
-    spread2 = torch.full((buckets + 1, 2), 0.1, dtype=torch.float64, device="cuda")
+    spread2 = torch.full((buckets + 1, 4), 0.1, dtype=torch.float64, device="cuda")
     inp2.zero_()
     inp2[:, 0] = torch.tensor(1.0, dtype=torch.float64).view(torch.int64)
     assert float(v.flag(inp2.view(world, buckets + 1, 4), spread2)) == 0.0 and v.captures == 2
@@ -297,7 +297,7 @@ def test_the_device_rule_runs_under_deterministic_algorithms() -> None:
         stats = torch.exp(torch.randn(3, 4, 2, dtype=torch.float64) * 0.01)
         stats[1, 2, 0] *= 2.0
         inp.copy_(_rows_of(stats.cuda()))
-        spread = torch.full((4, 2), 0.05, dtype=torch.float64, device="cuda")
+        spread = torch.full((4, 4), 0.05, dtype=torch.float64, device="cuda")
         rows = inp.view(3, 4, 4)
         assert float(device_flag(stats_of(rows), spread, 3.0)) == 1.0
         assert float(v.flag(rows, spread)) == 1.0 and v.captures == 1

@@ -121,10 +121,10 @@ def _by_hand(lx: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8])
 def test_device_rule_equals_the_host_rule_with_zeroable_buckets(world: int) -> None:
-    """`deviations(stats, zeroable)` (torch, the device's) equals the host's numpy rule: the lower medians over
-    the ranks and over the rank's buckets not left out, 0 for the ones left out (without zeroable buckets,
-    the rule worked by hand too); and `device_flag` with the signed spread raises exactly on the steps the
-    host verdict has suspects."""
+    """`deviations(stats, zeroable)` (torch, the device's) equals the host's numpy rule: the lower medians
+    over the ranks and over the rank's buckets not left out, 0 for the ones left out (without zeroable
+    buckets, the rule worked by hand too); and `device_flag` with the signed spread raises exactly on the
+    steps the host verdict has suspects."""
     g = torch.Generator().manual_seed(world)
     buckets = 6
     zeroable = torch.tensor([False, True, False, True, True, False])
@@ -174,7 +174,7 @@ def test_the_device_graph_reads_the_zeroable_rows_of_the_spread() -> None:
     world, buckets = 3, 4
     v = DeviceVerdict(3.0, graphs=True)
     inp = v.input(world * buckets, torch.device("cuda"))
-    spread = torch.full((buckets, 2), math.log(1.05), dtype=torch.float64, device="cuda")
+    spread = torch.full((buckets, 4), math.log(1.05), dtype=torch.float64, device="cuda")
     stats = torch.ones(world, buckets, 2, dtype=torch.float64)
     stats[1, 2] = 0.0                                       # bucket 2 zero on rank 1
     rows = torch.zeros(world, buckets, ROW_WORDS, dtype=torch.int64)
