@@ -83,6 +83,20 @@ def test_the_reporter_puts_findings_on_the_wire():
     assert [(s.rank, s.host, s.gpu_uuid) for s in pf.faulty] == [(2, "node3", GPU)]
 
 
+def test_every_statistic_a_verdict_can_name_passes_the_agents_check():
+    """The statistic a verdict names (`StatsVerdict.stat`, one of `deviations`' columns) travels in the finding;
+    the agent refuses a `stat` longer than 16 characters, so each name must fit."""
+    from checksums.grad_checks import STAT_NAMES
+
+    assert len(STAT_NAMES) == 4
+    for name in STAT_NAMES:
+        f = ComputeFinding(step=7, detector="stats", suspect=2, cause="transient", faulty=(2,), dropped=True,
+                           detail="d", score=4.2, bucket=3, stat=name, where=((2, "node3", GPU),), since_step=7)
+        req = to_request(StepReport(job_id="j", rank=0, world_size=3, step=7, compute=(f,)))
+        assert check_report_step(req) is None, name
+        assert req.compute[0].stat == name
+
+
 def test_bad_findings_are_refused_with_the_reason():
     def bad(**kw: object) -> str | None:
         base: dict[str, object] = {"step": 1, "detector": "stats", "suspect": 0, "cause": "transient"}
