@@ -30,7 +30,7 @@ import threading
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +347,22 @@ def _sdcguard(every: int, model: nn.Module | None = None) -> Any:
 
 
 SDCGUARD = {"mode": "protect"}       # set by --sdcguard-mode in each worker
+
+
+def ddp_buckets(params: Sequence[torch.Tensor], cap_mb: float) -> list[list[torch.Tensor]]:
+    """DDP's bucket layout of `params` as this harness builds it (`bucket_cap_mb`; no rebuild): parameters in
+    reverse order, a bucket closed once it holds `cap_mb` MiB. For what replays the harness's buckets in one
+    process (tests/test_compute_clean_steps.py, bench/mixed_sources.py)."""
+    cap = int(cap_mb * 1024 * 1024)
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in reversed(list(params)):
+        out[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            out.append([])
+            size = 0
+    return [b for b in out if b]
 
 
 def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_kwargs: Any) -> nn.Module:

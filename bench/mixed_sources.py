@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.compute_faults import ddp_buckets
 from checksums.grad_checks import SpreadTracker, _deviations_of_log, _log_np, bucket_stats
 from demo.model import GPT, GPTConfig
 
@@ -69,24 +70,11 @@ class Sources:
         return torch.from_numpy(xs), torch.from_numpy(ys)
 
 
-def buckets_of(params: list[torch.Tensor], cap: int = 25_000) -> list[list[torch.Tensor]]:
-    """DDP's layout: parameters in reverse order, a bucket closed once it holds `cap` bytes."""
-    out: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for p in reversed(params):
-        out[-1].append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap:
-            out.append([])
-            size = 0
-    return [b for b in out if b]
-
-
 def run(data: str, clean: int, per_fault: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, context=CONTEXT, layers=2, heads=4, width=64))
     params = list(model.parameters())
-    buckets = buckets_of(params)
+    buckets = ddp_buckets(params, 25_000 / 2**20)     # 7 buckets of the tiny GPT
     opt = torch.optim.AdamW(params, lr=3e-4)
     sources = Sources(data)
     fault: dict[str, Any] = {"now": None}

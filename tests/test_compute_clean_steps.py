@@ -40,21 +40,6 @@ STEPS = 10_000
 AUDIT_EVERY = 50
 
 
-def _buckets(model: torch.nn.Module) -> list[list[torch.Tensor]]:
-    """The harness's DDP buckets: parameters in reverse order, a bucket closed once it holds 10 KB
-    (bucket_cap_mb=0.01)."""
-    cap = int(0.01 * 1024 * 1024)
-    out: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for p in reversed(list(model.parameters())):
-        out[-1].append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap:
-            out.append([])
-            size = 0
-    return [b for b in out if b]
-
-
 def _rows(grads: dict[torch.Tensor, torch.Tensor], buckets: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.stack([bucket_summary([_flat(grads, b)]) for b in buckets])
 
@@ -95,7 +80,7 @@ def test_ten_thousand_clean_steps_raise_no_suspicion() -> None:
     torch.manual_seed(0)
     model, _ = cf.make_model(0)
     params = list(model.parameters())
-    buckets = _buckets(model)
+    buckets = cf.ddp_buckets(params, 0.01)                # the harness's bucket_cap_mb
     assert len(buckets) == 2, [len(b) for b in buckets]
     opt = torch.optim.Adam(params, lr=1e-3)
     tracker = SpreadTracker()
