@@ -818,9 +818,10 @@ def deviations(stats: torch.Tensor, zeroable: torch.Tensor | None = None) -> tor
     over its buckets (per statistic): what the rank's data moves in every bucket alike (a batch of short
     documents, another source's text: each of its buckets' norms up together) is taken out, so where the
     ranks' batches differ in kind the spread learnt there stays narrow, and a fault, which moves the buckets
-    its op feeds and not the others alike, stands out against it (a run of mixed sources, 3 ranks: a bucket's
-    norm had to move ~100x to pass 3 absolute spreads, ~2-6x to pass 3 relative ones; docs/compute-checks.md).
-    A rank's fault that moves all its buckets alike is still seen by columns 0-1.
+    its op feeds and not the others alike, stands out against it (3 ranks on mixed-source batches,
+    `bench.mixed_sources`: plain spreads of 1.5-3.0 log units, so a statistic had to move 90x or more, and
+    relative ones from 0.15; a whole layer's output x3 caught on its step, before not even x10). A rank's
+    fault that moves all its buckets alike is still seen by columns 0-1.
 
     Non-finite values are counted as zero here (their rank is named by `SpreadTracker.judge`). The medians
     are torch.median's (the lower of the two middle values for an even count), taken from a sort: `median(
