@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.compute_faults import ddp_buckets
-from checksums.grad_checks import SpreadTracker, _deviations_of_log, _log_np, bucket_stats
+from checksums.grad_checks import SpreadTracker, bucket_stats, deviations
 from demo.model import GPT, GPTConfig
 
 WORLD, BATCH, CONTEXT, VOCAB = 3, 8, 64, 256
@@ -124,11 +124,12 @@ def run(data: str, clean: int, per_fault: int) -> dict[str, Any]:
         if tracker.judge(stats(gs)).suspects:
             suspicions.append(step)
         train(gs)
+    assert tracker.spread is not None             # learnt in the warm-up
     caught = {}
     for kind, value in FAULTS:
         plain = both = 0
         for _ in range(per_fault):
-            ratio = _deviations_of_log(_log_np(stats(grads((kind, value))).numpy()))[1] / tracker._spread
+            ratio = (deviations(stats(grads((kind, value))))[1] / tracker.spread).numpy()   # rank 1's
             plain += int(ratio[:, :2].max() > tracker.margin)
             both += int(ratio.max() > tracker.margin)
             gs = grads()
@@ -136,7 +137,7 @@ def run(data: str, clean: int, per_fault: int) -> dict[str, Any]:
                 suspicions.append(-1)
             train(gs)
         caught[f"{kind}{value:g}"] = (plain, both)
-    spread = tracker._spread
+    spread = tracker.spread.numpy()
     return {"data": data, "buckets": len(buckets), "clean": clean + len(FAULTS) * per_fault,
             "suspicions": len(suspicions), "max_score_clean": tracker.max_score_clean,
             "spread_plain": [float(spread[:, :2].min()), float(spread[:, :2].max())],
