@@ -33,14 +33,25 @@ _TORCH_CHUNK_WORDS = 1 << 24
 # ---------------------------------------------------------------- torch path (any device)
 
 
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+        return DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+
+
+DTENSOR = _dtensor_type()
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose bytes are fingerprinted: a DTensor's local shard, detached."""
+    """The tensor whose bytes are fingerprinted and summarised: a DTensor's local shard (taken without an
+    autograd op), detached; a plain tensor not needing grad is returned as it is."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None and type(t).__name__ == "DTensor":
-        t = to_local()
-    return t.detach()
+    if DTENSOR is not None and isinstance(t, DTENSOR):
+        t = t._local_tensor  # type: ignore[attr-defined]
+    return t.detach() if t.requires_grad else t
 
 
 def _torch_word_sums(t: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,9 @@ from torch import nn
 from checksums.canary_injob import InJobCanary
 from checksums.collectives import all_gather_single
 from checksums.directive_text import REASON_WORDS, decode_reason, encode_reason
-from checksums.fingerprint import NUM_WORDS, fingerprint_tensors_async, prepare_fingerprint
+from checksums.fingerprint import (
+    DTENSOR, NUM_WORDS, fingerprint_tensors_async, local_tensor, prepare_fingerprint,
+)
 from checksums.replica_vote import VoteResult, vote
 from checksums.reporter import (
     CanaryReport, ComputeFinding, Directive, ReporterStats, StepReport, StepReporter, StepSink,
@@ -167,28 +169,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
         else:
             break
     return model
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-        return DTensor
-    except ImportError:  # older torch
-        try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-            return DTensor
-        except ImportError:
-            return None
-
-
-_DTENSOR = _dtensor_type()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (no autograd op), the tensor itself otherwise."""
-    if _DTENSOR is not None and isinstance(t, _DTENSOR):
-        return t._local_tensor  # type: ignore[attr-defined]
-    return t.detach() if t.requires_grad else t
 
 
 def _gpu_uuid(device: torch.device) -> str:
@@ -351,22 +331,22 @@ class Monitor:
             raise ValueError("the model has no parameters to fingerprint")
 
     def _pick_device(self) -> torch.device:
-        devices = {_local(p).device for _, p in self._params + self._frozen}
+        devices = {local_tensor(p).device for _, p in self._params + self._frozen}
         cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
         device = cuda[0] if cuda else torch.device("cpu")
         if len(devices) > 1:
-            skipped = [n for n, p in self._params + self._frozen if _local(p).device != device]
+            skipped = [n for n, p in self._params + self._frozen if local_tensor(p).device != device]
             logger.warning("sdcwatch: parameters on several devices; fingerprinting those on %s, "
                            "skipping %d (%s ...)", device, len(skipped), skipped[:3])
-            self._params = [(n, p) for n, p in self._params if _local(p).device == device]
-            self._frozen = [(n, p) for n, p in self._frozen if _local(p).device == device]
+            self._params = [(n, p) for n, p in self._params if local_tensor(p).device == device]
+            self._frozen = [(n, p) for n, p in self._frozen if local_tensor(p).device == device]
         self._bind_tensors()
         return device
 
     def _bind_tensors(self) -> None:
-        self._param_tensors = [_local(p) for _, p in self._params]
-        self._frozen_tensors = [_local(p) for _, p in self._frozen]
-        self._ptr_objs = [p._local_tensor if _DTENSOR is not None and isinstance(p, _DTENSOR) else p
+        self._param_tensors = [local_tensor(p) for _, p in self._params]
+        self._frozen_tensors = [local_tensor(p) for _, p in self._frozen]
+        self._ptr_objs = [p._local_tensor if DTENSOR is not None and isinstance(p, DTENSOR) else p
                           for _, p in self._params + self._frozen]
         self._ptrs = self._current_ptrs()
 
@@ -375,7 +355,7 @@ class Monitor:
 
     def _storages_moved(self) -> bool:
         """True if a parameter's storage was replaced since attach (FSDP lazy init, assign=True loads)."""
-        if _DTENSOR is not None and any(isinstance(p, _DTENSOR) and p._local_tensor is not t
+        if DTENSOR is not None and any(isinstance(p, DTENSOR) and p._local_tensor is not t
                                         for (_, p), t in zip(self._params + self._frozen, self._ptr_objs)):
             return True
         return self._current_ptrs() != self._ptrs
@@ -436,7 +416,7 @@ class Monitor:
     def _auto_group(self) -> Any:
         """World for plain DDP; the Replicate mesh dim for HSDP; None (no vote) for plain FSDP."""
         for _, p in self._params + self._frozen:
-            if _DTENSOR is not None and isinstance(p, _DTENSOR):
+            if DTENSOR is not None and isinstance(p, DTENSOR):
                 replicate = [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
                 if len(replicate) == 1:
                     return p.device_mesh.get_group(mesh_dim=replicate[0])
@@ -705,13 +685,13 @@ class Monitor:
                 for key in sorted(state, key=str):
                     v = state[key]
                     if torch.is_tensor(v) and v.numel() > 0:
-                        lv = _local(v)
+                        lv = local_tensor(v)
                         if lv.device == self.device:
                             out.append(lv)
         return out
 
     def _grad_tensors(self) -> list[torch.Tensor]:
-        return [_local(p.grad) for _, p in self._params if p.grad is not None]
+        return [local_tensor(p.grad) for _, p in self._params if p.grad is not None]
 
     def _stage_scalar(self, slot: _Slot, i: int, x: Any) -> bool:
         """Put scalar i in the slot; True if that queued device work."""

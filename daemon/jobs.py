@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from collections.abc import Iterable
 from math import isfinite
 
 from daemon.job_loss import JobLoss
@@ -102,10 +103,11 @@ class JobState:
         default_factory=lambda: collections.deque(maxlen=256))
     gpus: set[str] = dataclasses.field(default_factory=set)          # GPU UUIDs its ranks reported
     # the votes told to the checkpoints, (restore, step, kind), and the groups that agreed at (restore, step)
-    # until every group of the job has (then "vote_agreed" is told: checked through that step)
+    # with their sizes, until they cover every rank of the job (then "vote_agreed" is told: checked through
+    # that step)
     voted_steps: collections.deque[tuple[int, int, str]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256))
-    agreed_groups: collections.OrderedDict[tuple[int, int], set[int]] = dataclasses.field(
+    agreed_groups: collections.OrderedDict[tuple[int, int], dict[str, int]] = dataclasses.field(
         default_factory=collections.OrderedDict)
     loss: JobLoss = dataclasses.field(default_factory=JobLoss)      # the job's loss detector
     rank_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its newest report's step
@@ -536,9 +538,8 @@ class JobTracker:
     def _tell_vote(job: JobState, gen: int, vote: pb.ReplicaVote, group: str, world: int,
                    out: ReportOutcome) -> None:
         """Tell the checkpoints a vote once per step: a disagreeing one at once (any group's); an agreeing one
-        when every replica group of the job agreed at the step (the job is checked through it only then).
-        The groups are `world / replicas` (the reporting rank's world size) when that divides (DDP, HSDP,
-        TP/PP x DP grids: groups of one size), else one (each agreeing group tells)."""
+        when the groups that agreed at the step cover every rank of the job (`votes_cover`; the job is checked
+        through it only then): groups of one size (DDP, HSDP, TP/PP x DP grids) or a job's own uneven ones."""
         key = (gen, vote.step)
         if not vote.agreed:
             if (gen, vote.step, "vote_mismatch") not in job.voted_steps:
@@ -547,11 +548,11 @@ class JobTracker:
             return
         if (gen, vote.step, "vote_agreed") in job.voted_steps:
             return
-        agreed = job.agreed_groups.setdefault(key, set())
-        agreed.add(hash(group))
+        agreed = job.agreed_groups.setdefault(key, {})
+        agreed[group] = vote.replicas
         while len(job.agreed_groups) > AGREED_STEPS_KEPT:
             job.agreed_groups.popitem(last=False)
-        if len(agreed) >= vote_groups(world, vote.replicas):
+        if votes_cover(world, agreed.values()):
             del job.agreed_groups[key]
             job.voted_steps.append((gen, vote.step, "vote_agreed"))
             out.job_events.append((vote.step, "vote_agreed", ""))
@@ -686,12 +687,13 @@ class JobTracker:
                 time=now)))
 
 
-def vote_groups(world_size: int, replicas: int) -> int:
-    """How many replica groups a job of `world_size` ranks with groups of `replicas` has: the quotient when
-    it divides, else 1 (a job that names its own uneven groups: each agreeing group is taken alone). Pure."""
-    if replicas >= 2 and world_size >= replicas and world_size % replicas == 0:
-        return world_size // replicas
-    return 1
+def votes_cover(world_size: int, group_sizes: Iterable[int]) -> bool:
+    """Whether the replica groups that agreed at a step, of these sizes (each distinct group once), cover a
+    job of `world_size` ranks: every rank belongs to one group (the groups partition the ranks that vote), so
+    their sizes sum to the world once all have agreed. Uneven groups (a job's own) need every one; a job
+    with ranks outside every group (no replica: nothing vouches for them) is never covered by its vote. An
+    unknown world (0, an old client) takes one group alone. Pure."""
+    return sum(group_sizes) >= world_size if world_size >= 2 else True
 
 
 def _close_mismatch(job: JobState) -> None:

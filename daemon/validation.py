@@ -172,6 +172,9 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
             return f"vote has {len(vote.suspects)} suspects; the limit is {MAX_SUSPECTS}"
         if vote.replicas < 0 or vote.step < 0:
             return "vote.replicas and vote.step must be >= 0"
+        if vote.checked and (vote.replicas < 2 or (req.world_size and vote.replicas > req.world_size)):
+            return (f"vote.replicas is {vote.replicas}: a checked vote compares 2 or more replicas, at most "
+                    f"world_size ({req.world_size})")
         if vote.suspect_count and not len(vote.suspects) <= vote.suspect_count <= MAX_WORLD:
             return (f"vote.suspect_count is {vote.suspect_count}; it counts every suspect, at least the "
                     f"{len(vote.suspects)} listed (or 0)")

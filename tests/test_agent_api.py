@@ -94,10 +94,13 @@ def test_socket_mode_is_0660(agent):
     (dict(frozen_changed=["p" * 1000] * 70), "bytes; the limit is"),
     (dict(frozen_step=3), "frozen_step is set without frozen_changed"),
     (dict(frozen_changed=["emb"], frozen_step=-1), "frozen_step is -1"),
-    (dict(vote=pb.ReplicaVote(checked=True, method="coinflip")), "vote.method"),
-    (dict(vote=pb.ReplicaVote(checked=True, suspect_count=1, suspects=[pb.SuspectRank(rank=0)] * 2)),
-     "vote.suspect_count is 1"),
-    (dict(vote=pb.ReplicaVote(checked=True, suspects=[pb.SuspectRank(rank=9)])), "suspect rank 9"),
+    (dict(vote=pb.ReplicaVote(checked=True, replicas=2, method="coinflip")), "vote.method"),
+    (dict(vote=pb.ReplicaVote(checked=True, replicas=2, suspect_count=1,
+                              suspects=[pb.SuspectRank(rank=0)] * 2)), "vote.suspect_count is 1"),
+    (dict(vote=pb.ReplicaVote(checked=True, replicas=2, suspects=[pb.SuspectRank(rank=9)])),
+     "suspect rank 9"),
+    (dict(vote=pb.ReplicaVote(checked=True, replicas=1)), "a checked vote compares 2 or more replicas"),
+    (dict(vote=pb.ReplicaVote(checked=True, replicas=3)), "at most world_size (2)"),
 ])
 def test_report_step_rejects_bad_input(agent, bad, needle):
     with grpc.insecure_channel(agent.target) as ch:

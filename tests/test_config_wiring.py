@@ -208,7 +208,7 @@ def test_rollback_section_from_a_flag_shapes_the_directive(short_tmp: Path) -> N
             try:
                 assert client.save(1, state_dict(0, 1)).result(WAIT_S).error == ""
                 vote = apb.ReplicaVote(checked=True, agreed=True, replicas=2, step=1, method="majority")
-                stub.ReportStep(_report(job, 2, 2.0, vote=vote), timeout=10)
+                stub.ReportStep(_report(job, 2, 2.0, world=2, vote=vote), timeout=10)
                 _wait_for(lambda: [i.state for i in client.list()] == ["VERIFIED"], "step 1 VERIFIED")
             finally:
                 client.close()

@@ -585,11 +585,11 @@ def test_each_replica_group_votes_for_itself_and_the_checkpoints_hear_the_jobs_v
     """HSDP 2x2: groups "ranks:0,2" and "ranks:1,3" vote apart. One group's agreeing votes neither end the
     other's incident (it reopened every step: an event, a rollback plan and a false "repaired" each time) nor
     tell the checkpoints a step is checked while the other group has not agreed at it; "repaired" comes
-    when the disagreeing group agrees again; the vote needs every group only where the world divides."""
+    when the disagreeing group agrees again; a job's own uneven groups need every one of them too."""
     def vote(tracker: JobTracker, group: str, rank: int, step: int, agreed: bool,
-             world: int = 4) -> ReportOutcome:
+             world: int = 4, replicas: int = 2) -> ReportOutcome:
         req = pb.ReportStepRequest(job_id="h", rank=rank, world_size=world, step=step + 1, replica_group=group)
-        req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = True, agreed, step, 2
+        req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = True, agreed, step, replicas
         req.vote.method, req.vote.replica_group = "all_disagreeing", group
         if not agreed:
             req.vote.suspects.add(rank=rank, host="h", gpu_uuid=f"GPU-{rank}")
@@ -616,8 +616,17 @@ def test_each_replica_group_votes_for_itself_and_the_checkpoints_hear_the_jobs_v
     assert tracker.jobs["h"].mismatch_from is None
     assert (5, "vote_agreed") not in [(s, k) for s, k, _ in out.job_events], "ranks:0,2 has not voted on 5"
     assert (5, "vote_agreed", "") in vote(tracker, "ranks:0,2", 0, 5, True).job_events
+    # a job's own uneven groups (5 ranks: 3 + 2): the step is checked once both have agreed, whichever first
     uneven = JobTracker()
-    assert vote(uneven, "mine", 0, 1, True, world=5).job_events == [(1, "vote_agreed", "")]
+    assert vote(uneven, "ranks:3,4", 3, 1, True, world=5).job_events == [], "ranks 0-2 have not voted on 1"
+    assert vote(uneven, "ranks:3,4", 4, 1, True, world=5).job_events == [], "the same group again"
+    assert vote(uneven, "ranks:0,1,2", 0, 1, True, world=5, replicas=3).job_events == [(1, "vote_agreed", "")]
+    assert vote(uneven, "ranks:0,1,2", 1, 2, True, world=5, replicas=3).job_events == []
+    assert vote(uneven, "ranks:3,4", 3, 2, True, world=5).job_events == [(2, "vote_agreed", "")]
+    # ranks outside every group (rank 4 has no replica): nothing vouches for it, so the vote never does
+    lone = JobTracker()
+    for group, rank in (("ranks:0,1", 0), ("ranks:2,3", 2)):
+        assert vote(lone, group, rank, 1, True, world=5).job_events == [], group
     # both groups disagree, ranks:1,3 from step 2, ranks:0,2 from step 6; a rank of ranks:0,2 behind the
     # others then reports step 5's agreeing vote: no repair (its group disagreed after step 5)
     both = JobTracker()

@@ -76,3 +76,17 @@ def test_the_usual_report_takes_the_fast_path() -> None:
     req.rank = 8                                           # not below world_size
     assert not validation._plain_and_valid(req)            # noqa: SLF001
     assert "not below world_size" in (validation.check_report_step(req) or "")
+
+
+def test_a_checked_vote_names_how_many_replicas_it_compared() -> None:
+    """The agent sums the agreeing groups' sizes to know when a step is checked on every rank: a checked
+    vote of fewer than 2 replicas, or of more than the job's ranks, is refused with the reason."""
+    def vote(replicas: int, checked: bool = True) -> str | None:
+        req = pb.ReportStepRequest(job_id="v-1", rank=0, world_size=4, step=3, replica_group="world")
+        req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = checked, True, 2, replicas
+        return validation.check_report_step(req)
+
+    assert vote(2) is None and vote(4) is None
+    for bad in (0, 1, 5):
+        assert "a checked vote compares 2 or more replicas" in (vote(bad) or ""), bad
+    assert vote(0, checked=False) is None, "an unchecked vote (none this step) carries no count"
