@@ -562,7 +562,7 @@ def _weights_digest(model: nn.Module, world: int) -> list[str]:
 
 
 ARMS = ("hook", "checks", "checks-python", "checks-torch", "checks-inline", "checks+audits", "all",
-        "sdcguard", "checks-graph")
+        "sdcguard")
 
 
 def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_every: int,
@@ -605,6 +605,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
             from checksums.host_ring import HostSlot
             wrapped += [(grad_checks, "all_gather_single"), (HostSlot, "wait"), (HostSlot, "flagged")]
             wrapped += [(BucketAllreduce, "__call__"), (GradSummaries, "gather"), (GradSummaries, "rows"),
+                        (GradSummaries, "_hook_gathered"),
                         (ComputeChecks, "_mask_on_device"), (ComputeChecks, "_settle_previous"),
                         (DeviceVerdict, "flag"), (DeviceMask, "add"), (DeviceMask, "run"),
                         (SpreadTracker, "assess"), (SpreadTracker, "learn_clean"),
@@ -617,9 +618,7 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
     # on CUDA also the checks through torch ops (the pre-fused path), for the fused kernel's gain in this run
     names = (["base"] + (["hook"] if hook_arm else []) + ["checks"] + (["checks-python"] if hook_arm else [])
              + (["checks-torch", "checks-inline"] if device.type == "cuda" else []) + ["checks+audits"]
-             + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else [])
-             # an experiment (bench/gather_graph.py), only when asked for by --arms
-             + (["checks-graph"] if device.type == "cuda" and not fsdp and "checks-graph" in only else []))
+             + (["all"] if together and not fsdp else []) + (["sdcguard"] if sdcguard else []))
     if only:
         names = [n for n in names if n == "base" or n in only]
     world = dist.get_world_size()
@@ -638,9 +637,6 @@ def overhead(*, rank: int, device: torch.device, steps: int, block: int, audit_e
                                           audit_every=audit_every if name in ("checks+audits", "all") else 0,
                                           side_stream=False if name == "checks-inline" else None,
                                           native=False if name == "checks-python" else None)
-            if name == "checks-graph":
-                from bench import gather_graph
-                gather_graph.patch(checks)
         if name == "hook":      # DDP through a Python comm hook that only reduces (BucketAllreduce): the
             reduce = BucketAllreduce(getattr(ddp, "process_group", None))   # floor of a per-bucket hook
             def only_reduce(state, bucket, reduce=reduce):  # type: ignore[no-untyped-def]
@@ -1042,7 +1038,6 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                     "hook": "a Python comm hook that only reduces",
                     "checks-torch": "the same checks in torch ops (pre-fused)",
                     "checks-inline": "the same on the backward's stream",
-                    "checks-graph": "the same, gather in the verdict's graph",
                     "checks-python": "the same through the Python comm hook",
                     "checks+audits": f"checks + audits every {o['audit_every']}",
                     "all": f"all: vote+gate, canary, checks, audits/{o['audit_every']}",

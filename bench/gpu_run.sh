@@ -438,11 +438,6 @@ want hostab && for r in 1 2; do
   [ -n "${AB_TREE:-}" ] && hostbound "hostbound-ab$r" "$PWD/$AB_TREE"
   hostbound "hostbound-$r" "$PWD"
 done
-# an experiment (bench/gather_graph.py): the rows' all-gather captured in the verdict's graph, against the
-# product's eager gather, on the host-bound step
-want gathergraph && step gather-graph 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --world 1 --model gpt2 --batch 2 --cases none --overhead 400 --block 10 \
-  --arms checks,checks-graph --host-parts 20
 want ci32 && step checks-ci-32k 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 500 --block 10 --together --arms checks,all
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard

@@ -234,6 +234,8 @@ def fingerprints_of(rows: torch.Tensor) -> torch.Tensor:
 
 
 _LAYOUT_CALLS = 3    # hook calls a bucket that take its layout (DDP rebuilds its buckets once, after step 1)
+# eager gathers of one bucket count before the C++ hook gathers the rows itself (DDP's rebuild behind)
+_GATHER_ARM_AFTER = 3
 
 
 def _reduced(fut: Any) -> torch.Tensor:
@@ -408,6 +410,13 @@ class GradSummaries:
         self._fast: dict[int, _BoundBucket] = {}     # bucket -> its bound summary (`_fast_path`)
         self._current = _CurrentStreams()
         self._world = 0                  # the group's size, read at the first gather
+        # the rows' all-gather moved into the C++ hook (`_arm_hook_gather`): (its output, its bucket count)
+        # while armed; the eager gathers of this bucket count so far; whether every rank can (None: not
+        # asked yet; asked once, through a collective every rank makes at the same gather)
+        self._hook_gather: tuple[torch.Tensor, int] | None = None
+        self._eager_gathers = 0
+        self._hook_gather_ok: bool | None = None
+        self.hook_gathers = 0            # steps whose rows the C++ hook gathered
         # the C++ hook (checksums/native_hook.py) where it builds, and no job's own hook is to be called:
         # the same work without Python a bucket once its launch is bound; else this Python hook
         self._native: Any = None
@@ -646,7 +655,25 @@ class GradSummaries:
 
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call).
-        `out`: int64 [world * buckets, 4] on that device to gather into (the compute gate's static input)."""
+        `out`: int64 [world * buckets, 4] on that device to gather into (the compute gate's static input).
+
+        With the C++ hook, once every rank has gathered rows of one bucket count a few times, the hook
+        gathers them itself (`_arm_hook_gather`): then this only waits for it, and without `out` returns
+        the hook's output buffer, valid until the next backward (copy it, or use it in this step)."""
+        armed = self._hook_gather
+        if armed is not None:
+            got = self._hook_gathered(armed, out)
+            if got is not None:
+                return got
+        rows = self._gather_eager(out)
+        if self._hook_gather_ok is not False:
+            self._eager_gathers += 1
+            if self._eager_gathers >= _GATHER_ARM_AFTER:
+                self._arm_hook_gather(rows.view(-1, ROW_WORDS), rows.shape[1])
+        return rows
+
+    def _gather_eager(self, out: torch.Tensor | None) -> torch.Tensor:
+        """`gather` by one all-gather call here (FsdpGradSummaries' too)."""
         mine = self.rows()
         if not self._world:
             self._world = dist.get_world_size(self._group)
@@ -655,6 +682,45 @@ class GradSummaries:
             out = mine.new_empty((world * mine.shape[0], *mine.shape[1:]))   # the concatenated form (gloo's)
         all_gather_single(out, mine, group=self._group)    # one call and no stack, whatever the world
         return out.view(world, *mine.shape)
+
+    def _hook_gathered(self, armed: tuple[torch.Tensor, int],
+                       out: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows the C++ hook gathered this step (the caller's stream, or the host on gloo, waits for
+        them), or None when it did not gather them or gathered another bucket count (DDP rebuilt its
+        buckets: every rank alike): disarmed then, and the caller gathers eagerly, as every rank does."""
+        target, n = armed
+        issued = self._native.wait_gather()
+        if not issued or self._check_rows() != n:
+            self._native.disarm_gather()
+            self._hook_gather, self._eager_gathers = None, 0
+            return None
+        if out is not None and (out.data_ptr() != target.data_ptr() or out.shape != target.shape):
+            out.copy_(target)              # another output than the armed one (not the gate's: it keeps one)
+            target = out
+        self.hook_gathers += 1
+        return target.view(self._world, n, ROW_WORDS)
+
+    def _arm_hook_gather(self, out: torch.Tensor, n: int) -> None:
+        """From the next backward, the C++ hook all-gathers the rows into `out` itself, right after its last
+        bucket's all-reduce, so the step guard's pre-update stage issues no collective (the call took
+        ~0.2-0.3 ms of host time inside a host-bound GPT-2-small step, docs/BENCHMARKS.md). A collective
+        moved between ranks' Python and C++ must move on all of them at once, or a job's own collective
+        between backward and step (a loss all-reduce for logging) would pair with another rank's gather:
+        every rank arms at the same eager gather (their count is the same everywhere: each is a
+        collective), and only when every rank can (asked once with one all-reduce there: a rank on the
+        Python hook, its C++ hook not built, makes every rank keep the eager gather)."""
+        if self._hook_gather_ok is None:
+            can = torch.tensor([1 if self._native is not None else 0], dtype=torch.int64, device=out.device)
+            dist.all_reduce(can, op=dist.ReduceOp.MIN, group=self._group)
+            self._hook_gather_ok = bool(can.item())       # once a job: one host sync
+            if not self._hook_gather_ok:
+                logger.info("sdcwatch: the rows' all-gather stays in the step guard: a rank has no C++ hook")
+        if not self._hook_gather_ok:
+            return
+        assert self._buf is not None
+        group = self._group if self._group is not None else dist.distributed_c10d._get_default_group()
+        self._native.arm_gather(group, out, self._buf[:n], n)
+        self._hook_gather = (out, n)
 
     def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""
@@ -701,6 +767,13 @@ class FsdpGradSummaries:
         self.layout: dict[int, tuple[int, ...]] = {}
         self.hook_calls = 0
         self._world = 0                  # the group's size, read at the first gather
+        # the rows' all-gather moved into the C++ hook (`_arm_hook_gather`): (its output, its bucket count)
+        # while armed; the eager gathers of this bucket count so far; whether every rank can (None: not
+        # asked yet; asked once, through a collective every rank makes at the same gather)
+        self._hook_gather: tuple[torch.Tensor, int] | None = None
+        self._eager_gathers = 0
+        self._hook_gather_ok: bool | None = None
+        self.hook_gathers = 0            # steps whose rows the C++ hook gathered
         self._inject = inject
         self._capture: dict[int, torch.Tensor] | None = None
         self._keep_flat: dict[int, torch.Tensor] | None = None   # a witness replay's whole inputs (2 ranks)
@@ -774,7 +847,7 @@ class FsdpGradSummaries:
         return GradSummaries.pending(self)  # type: ignore[arg-type]
 
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        return GradSummaries.gather(self, out)  # type: ignore[arg-type]
+        return GradSummaries._gather_eager(self, out)  # type: ignore[arg-type]
 
 
 def fsdp_group_params(module: nn.Module) -> list[Any]:

@@ -142,12 +142,13 @@ class SummaryHook : public c10d::CommHookInterface {
       } else {
         native_calls_.fetch_add(1, std::memory_order_relaxed);
       }
-      mark(idx);
+      const bool last = mark(idx);
       std::vector<at::Tensor> tensors{buf};
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       auto work = pg_->allreduce(tensors, opts);
       auto fut = work->getFuture();
+      if (last) gather_rows();
       if (previous) impl->exchangeStream(*previous);
       return fut;
     } catch (...) {
@@ -253,6 +254,44 @@ class SummaryHook : public c10d::CommHookInterface {
   void clear() {
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(reduced_.begin(), reduced_.end(), false);
+    gather_work_.reset();
+  }
+
+  // the rows' all-gather, issued by the hook of bucket n-1 once buckets 0..n-1 (and no other) were reduced
+  // this step, right after that bucket's all-reduce, on the same stream: `rows` ([n, words], the rows'
+  // buffer) into `out` ([world * n, words]) over `pg`. Every rank arms it at the same step (its
+  // GradSummaries agree on it through a collective), so each issues it at the same point of its sequence
+  // of collectives: the step's eager all-gather, moved from the step guard's Python into the backward.
+  void arm_gather(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Tensor out, at::Tensor rows, int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    gather_pg_ = std::move(pg);
+    gather_out_ = std::move(out);
+    gather_in_ = std::move(rows);
+    gather_n_ = n;
+    gather_work_.reset();
+  }
+
+  void disarm_gather() {
+    std::lock_guard<std::mutex> lock(mu_);
+    gather_pg_.reset();
+    gather_out_ = at::Tensor();
+    gather_in_ = at::Tensor();
+    gather_n_ = 0;
+    gather_work_.reset();
+  }
+
+  // whether the hook all-gathered the rows since the last clear; if so, the caller's current stream (NCCL)
+  // or the host (gloo) waits for it first
+  bool wait_gather() {
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      work = std::move(gather_work_);
+      gather_work_.reset();
+    }
+    if (!work) return false;
+    work->wait();
+    return true;
   }
 
   int64_t native_calls() const { return native_calls_.load(std::memory_order_relaxed); }
@@ -276,10 +315,26 @@ class SummaryHook : public c10d::CommHookInterface {
     return out;
   }
 
-  void mark(size_t idx) {
+  // bucket `idx` reduced this step; true when it completes an armed gather's buckets 0..n-1 (no other)
+  bool mark(size_t idx) {
     std::lock_guard<std::mutex> lock(mu_);
     if (reduced_.size() <= idx) reduced_.resize(idx + 1, false);
     reduced_[idx] = true;
+    if (gather_n_ <= 0 || static_cast<int64_t>(idx) + 1 != gather_n_) return false;
+    for (size_t i = 0; i < reduced_.size(); ++i) {
+      if (reduced_[i] != (static_cast<int64_t>(i) < gather_n_)) return false;
+    }
+    return true;
+  }
+
+  void gather_rows() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!gather_pg_) return;
+    // `_allgather_base`: every torch this builds against has it (2.13 names it all_gather_single too)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    gather_work_ = gather_pg_->_allgather_base(gather_out_, gather_in_);
+#pragma GCC diagnostic pop
   }
 
   // the bucket's bound launch on the current stream; false (nothing launched) when it has none, its
@@ -318,6 +373,11 @@ class SummaryHook : public c10d::CommHookInterface {
   std::vector<bool> reduced_;
   std::vector<std::unique_ptr<Side>> sides_;
   std::vector<std::string> refused_;     // a bucket's launch the driver refused: why (never bound again)
+  c10::intrusive_ptr<c10d::ProcessGroup> gather_pg_;   // the armed rows' all-gather (`arm_gather`)
+  at::Tensor gather_out_;
+  at::Tensor gather_in_;
+  int64_t gather_n_ = 0;
+  c10::intrusive_ptr<c10d::Work> gather_work_;       // issued since the last clear, not yet waited for
   std::atomic<int64_t> native_calls_{0};
 };
 
@@ -370,6 +430,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("clear", [](Handle& h) {
              if (auto hook = h.get()) hook->clear();
+           })
+      .def("arm_gather", [](Handle& h, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor out,
+                            at::Tensor rows, int64_t n) {
+             if (auto hook = h.get()) hook->arm_gather(pg, std::move(out), std::move(rows), n);
+           })
+      .def("disarm_gather", [](Handle& h) {
+             if (auto hook = h.get()) hook->disarm_gather();
+           })
+      .def("wait_gather", [](Handle& h) {
+             auto hook = h.get();
+             if (!hook) return false;
+             py::gil_scoped_release nogil;   // gloo's wait blocks the host
+             return hook->wait_gather();
            })
       .def("native_calls", [](Handle& h) { auto hook = h.get(); return hook ? hook->native_calls() : 0; })
       .def("alive", [](Handle& h) { return !h.hook.expired(); });

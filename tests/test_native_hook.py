@@ -23,9 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 
 
-def _twins(rank: int, init: str, world: int, device_name: str, out: str) -> None:
+def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_rank: int = -1) -> None:
     """Two identical DDP models, one through the C++ hook and one through the Python hook, the same batches:
-    their rows and reduced gradients after each step, compared."""
+    their rows and reduced gradients after each step, compared. Between each backward and its gather the
+    job all-reduces its loss (a collective of its own there, as a loop logging the mean loss does): every
+    rank's gather must pair with every other's, wherever it is issued. `python_rank`: that rank's first
+    model takes the Python hook too (its C++ hook not built there)."""
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,19 +47,23 @@ def _twins(rank: int, init: str, world: int, device_name: str, out: str) -> None
                              nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 4))
     base = make()
     runs = []
-    for native in (None, False):
+    for native in (False if rank == python_rank else None, False):
         m = make()
         m.load_state_dict(base.state_dict())
         ddp = DDP(m.to(device), bucket_cap_mb=0.004)         # several buckets
         runs.append((ddp, GradSummaries(ddp, native=native)))
     g = torch.Generator().manual_seed(rank)                     # each rank its own data
     same_rows = same_grads = True
-    counts = []
+    counts, losses_summed = [], True
     for s in range(8):
         x, y = torch.randn(16, 32, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
         rows, grads = [], []
         for ddp, summaries in runs:
-            nn.functional.mse_loss(ddp(x), y).backward()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            mine = torch.tensor([float(rank + 1)], device=device)
+            dist.all_reduce(mine)                                 # the job's own collective, then the gather
+            losses_summed &= mine.item() == world * (world + 1) / 2
             rows.append(summaries.gather().clone())
             counts.append(summaries.bucket_count())
             summaries.clear()
@@ -71,26 +78,39 @@ def _twins(rank: int, init: str, world: int, device_name: str, out: str) -> None
                        "same_rows": same_rows, "same_grads": same_grads, "buckets": counts,
                        "calls": [s.hook_calls for _, s in runs],
                        "native_calls": first._native.native_calls() if first.native else -1,
+                       "hook_gathers": [s.hook_gathers for _, s in runs], "losses_summed": losses_summed,
                        "bound": first._native.bound() if first.native else [],
                        "pending_after_clear": first.pending()}, f)
     dist.destroy_process_group()
 
 
-def _run_twins(tmp_path: Path, world: int, device: str) -> dict:
+def _run_twins(tmp_path: Path, world: int, device: str, python_rank: int = -1) -> dict:
     out = tmp_path / "out.json"
-    spawn(_twins, (str(tmp_path / "init"), world, device, str(out)), nprocs=world)
+    spawn(_twins, (str(tmp_path / "init"), world, device, str(out), python_rank), nprocs=world)
     return json.loads(out.read_text())
 
 
 def test_the_cpp_hook_reduces_and_summarises_as_the_python_hook_on_three_ranks(tmp_path: Path) -> None:
     got = _run_twins(tmp_path, 3, "cpu")
     assert got["native"] == [True, False], got            # the default is the C++ hook; it built here
-    assert got["same_rows"] and got["same_grads"], got
+    assert got["same_rows"] and got["same_grads"] and got["losses_summed"], got
+    # the C++ hook gathers the rows itself after three eager gathers (the job's all-reduce between)
+    assert got["hook_gathers"] == [8 - 3, 0], got
     n = got["buckets"][-1]           # DDP's first step: one bucket; rebuilt after it
     assert n >= 3 and all(c == n for c in got["buckets"][2:]), got
     assert got["calls"] == [got["calls"][1]] * 2 and got["calls"][1] == 7 * n + got["buckets"][0], got
     assert got["native_calls"] == 0 and got["bound"] == [], got   # the CPU: every bucket through Python
     assert not got["pending_after_clear"]
+
+
+def test_a_rank_without_the_cpp_hook_keeps_every_rank_gathering_in_the_step(tmp_path: Path) -> None:
+    """Rank 1 runs the Python hook (its C++ hook not built): the ranks agree, once, to keep the rows'
+    all-gather where every rank can issue it, so each gather still pairs with the others' around the job's
+    own all-reduce: the same rows and sums as the twins through the Python hook everywhere."""
+    got = _run_twins(tmp_path, 3, "cpu", python_rank=1)
+    assert got["native"] == [True, False], got            # rank 0's first model: the C++ hook
+    assert got["same_rows"] and got["same_grads"] and got["losses_summed"], got
+    assert got["hook_gathers"] == [0, 0], got
 
 
 @pytest.mark.gpu
@@ -103,6 +123,7 @@ def test_the_cpp_hooks_bound_launches_give_the_python_hooks_rows_and_gradients(t
     # DDP rebuilds its buckets after step 1; each bucket's layout is taken for 3 calls, bound at the 4th;
     # the launches from then on ran in C++
     assert got["native_calls"] >= 3 * n and got["calls"][0] == got["calls"][1], got
+    assert got["hook_gathers"] == [8 - 3, 0] and got["losses_summed"], got   # NCCL: the hook's gather too
 
 
 def _second_hook(rank: int, init: str, out: str) -> None:
