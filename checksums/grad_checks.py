@@ -658,8 +658,8 @@ class GradSummaries:
         `out`: int64 [world * buckets, 4] on that device to gather into (the compute gate's static input).
 
         With the C++ hook, once every rank has gathered rows of one bucket count a few times, the hook
-        gathers them itself (`_arm_hook_gather`): then this only waits for it, and without `out` returns
-        the hook's output buffer, valid until the next backward (copy it, or use it in this step)."""
+        gathers them itself (`_arm_hook_gather`) into the `out` of that gather (the gate's static input):
+        then this only waits for it (and copies it where another `out`, or none, is given)."""
         armed = self._hook_gather
         if armed is not None:
             got = self._hook_gathered(armed, out)
@@ -668,8 +668,9 @@ class GradSummaries:
         rows = self._gather_eager(out)
         if self._hook_gather_ok is not False:
             self._eager_gathers += 1
-            if self._eager_gathers >= _GATHER_ARM_AFTER:
-                self._arm_hook_gather(rows.view(-1, ROW_WORDS), rows.shape[1])
+            if self._eager_gathers >= _GATHER_ARM_AFTER:   # into the caller's static `out`, else our own
+                self._arm_hook_gather(rows.view(-1, ROW_WORDS) if out is not None
+                                      else torch.empty_like(rows).view(-1, ROW_WORDS), rows.shape[1])
         return rows
 
     def _gather_eager(self, out: torch.Tensor | None) -> torch.Tensor:
@@ -694,7 +695,9 @@ class GradSummaries:
             self._native.disarm_gather()
             self._hook_gather, self._eager_gathers = None, 0
             return None
-        if out is not None and (out.data_ptr() != target.data_ptr() or out.shape != target.shape):
+        if out is None:
+            target = target.clone()        # the caller's own, as an eager gather's (the next backward
+        elif out.data_ptr() != target.data_ptr() or out.shape != target.shape:   # overwrites the hook's)
             out.copy_(target)              # another output than the armed one (not the gate's: it keeps one)
             target = out
         self.hook_gathers += 1

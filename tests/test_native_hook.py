@@ -54,7 +54,7 @@ def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_
         runs.append((ddp, GradSummaries(ddp, native=native)))
     g = torch.Generator().manual_seed(rank)                     # each rank its own data
     same_rows = same_grads = True
-    counts, losses_summed = [], True
+    counts, losses_summed, kept = [], True, []
     for s in range(8):
         x, y = torch.randn(16, 32, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
         rows, grads = [], []
@@ -64,7 +64,9 @@ def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_
             mine = torch.tensor([float(rank + 1)], device=device)
             dist.all_reduce(mine)                                 # the job's own collective, then the gather
             losses_summed &= mine.item() == world * (world + 1) / 2
-            rows.append(summaries.gather().clone())
+            got = summaries.gather()
+            rows.append(got.clone())
+            kept.append((got, rows[-1]))        # the caller's own: no later backward may write it
             counts.append(summaries.bucket_count())
             summaries.clear()
             grads.append([p.grad.clone() for p in ddp.parameters()])
@@ -79,6 +81,7 @@ def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_
                        "calls": [s.hook_calls for _, s in runs],
                        "native_calls": first._native.native_calls() if first.native else -1,
                        "hook_gathers": [s.hook_gathers for _, s in runs], "losses_summed": losses_summed,
+                       "kept": all(torch.equal(a, b) for a, b in kept),
                        "bound": first._native.bound() if first.native else [],
                        "pending_after_clear": first.pending()}, f)
     dist.destroy_process_group()
@@ -93,7 +96,7 @@ def _run_twins(tmp_path: Path, world: int, device: str, python_rank: int = -1) -
 def test_the_cpp_hook_reduces_and_summarises_as_the_python_hook_on_three_ranks(tmp_path: Path) -> None:
     got = _run_twins(tmp_path, 3, "cpu")
     assert got["native"] == [True, False], got            # the default is the C++ hook; it built here
-    assert got["same_rows"] and got["same_grads"] and got["losses_summed"], got
+    assert got["same_rows"] and got["same_grads"] and got["losses_summed"] and got["kept"], got
     # the C++ hook gathers the rows itself after three eager gathers (the job's all-reduce between)
     assert got["hook_gathers"] == [8 - 3, 0], got
     n = got["buckets"][-1]           # DDP's first step: one bucket; rebuilt after it
