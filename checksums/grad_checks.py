@@ -360,7 +360,8 @@ class GradSummaries:
     is the C++ one of checksums/native_hook.py, which does this hook's work for a bucket whose summary
     launch is bound (its layout settled) without entering Python, and calls this class for the others (the
     first calls, the CPU, fault injection). Not with `comm_hook=` (the job's hook is Python). False: this
-    Python hook always. The rows, the gradients and the summaries' paths are the same either way.
+    Python hook always. The rows, the gradients and the summaries' paths are the same either way. Once
+    every rank has it, the C++ hook also issues the rows' all-gather after its last bucket (`gather`).
     """
 
     def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None,
