@@ -76,7 +76,7 @@ def new_agent() -> Iterator[AgentProcess]:
 def _released_report(job: str, step: int, loss: float, vote_about: int | None = None) -> Any:
     """A ReportStep as the 0.1.0 Monitor filled it, on the released messages."""
     w = released_wire()
-    req = w.ReportStepRequest(job_id=job, rank=0, world_size=1, step=step, loss=loss, grad_norm=1.5,
+    req = w.ReportStepRequest(job_id=job, rank=0, world_size=2, step=step, loss=loss, grad_norm=1.5,
                               fingerprint=[step * 7919 % 2**64, 0x9E3779B97F4A7C15], replica_group="dp0",
                               host="node-a", gpu_uuid="GPU-0a", time=time.time(), checks_run=step,
                               frozen_changed=[])
