@@ -234,8 +234,10 @@ def fingerprints_of(rows: torch.Tensor) -> torch.Tensor:
 
 
 _LAYOUT_CALLS = 3    # hook calls a bucket that take its layout (DDP rebuilds its buckets once, after step 1)
-# eager gathers of one bucket count before the C++ hook gathers the rows itself (DDP's rebuild behind)
+# eager gathers of one bucket count before the C++ hook gathers the rows itself (DDP's rebuild behind);
+# SDCWATCH_HOOK_GATHER=0 keeps the gather in the step guard (it must be set alike on every rank)
 _GATHER_ARM_AFTER = 3
+_HOOK_GATHER = os.environ.get("SDCWATCH_HOOK_GATHER", "1") != "0"
 
 
 def _reduced(fut: Any) -> torch.Tensor:
@@ -714,7 +716,8 @@ class GradSummaries:
         collective), and only when every rank can (asked once with one all-reduce there: a rank on the
         Python hook, its C++ hook not built, makes every rank keep the eager gather)."""
         if self._hook_gather_ok is None:
-            can = torch.tensor([1 if self._native is not None else 0], dtype=torch.int64, device=out.device)
+            mine = self._native is not None and _HOOK_GATHER
+            can = torch.tensor([1 if mine else 0], dtype=torch.int64, device=out.device)
             dist.all_reduce(can, op=dist.ReduceOp.MIN, group=self._group)
             self._hook_gather_ok = bool(can.item())       # once a job: one host sync
             if not self._hook_gather_ok:
