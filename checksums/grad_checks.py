@@ -235,7 +235,7 @@ def fingerprints_of(rows: torch.Tensor) -> torch.Tensor:
 
 _LAYOUT_CALLS = 3    # hook calls a bucket that take its layout (DDP rebuilds its buckets once, after step 1)
 # eager gathers of one bucket count before the C++ hook gathers the rows itself (DDP's rebuild behind);
-# SDCWATCH_HOOK_GATHER=0 keeps the gather in the step guard (it must be set alike on every rank)
+# SDCWATCH_HOOK_GATHER=0 on any rank keeps every rank's gather in the step guard (they agree on it)
 _GATHER_ARM_AFTER = 3
 _HOOK_GATHER = os.environ.get("SDCWATCH_HOOK_GATHER", "1") != "0"
 
