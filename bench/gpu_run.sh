@@ -434,7 +434,7 @@ hostbound() {  # hostbound NAME TREE
     bench.compute_faults --device cuda --world 1 --model gpt2 --batch 2 --cases none --overhead "${AB_STEPS:-300}" \
     --block 10 --arms checks --host-parts 20
 }
-want hostab && for r in 1 2; do
+want hostab && for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   [ -n "${AB_TREE:-}" ] && hostbound "hostbound-ab$r" "$PWD/$AB_TREE"
   hostbound "hostbound-$r" "$PWD"
 done
