@@ -3,7 +3,7 @@
 Every probe loop (`daemon.probe_runner.ProbeRunner`) publishes a heartbeat, `last_beat` (monotonic seconds),
 at each round and every second while it waits on a call that is known to hang (a hung NVML call is the
 driver's fault, reported as `probe.hung` and `nvml.unresponsive`, and DESIGN.md keeps it out of liveness).
-A loop whose heartbeat is older than `STALE_INTERVALS` of its interval is stale: its task died, deadlocked or
+A loop whose heartbeat is older than `STALE_INTERVALS` of its interval (and `STALE_FLOOR_S`) is stale: its task died, deadlocked or
 is stuck in our own code. Then `sdcwatch.v1.Agent` answers NOT_SERVING (Kubernetes liveness restarts the
 agent; `sdcwatch status` shows the reason on the probe), an `agent.loop_stale` event is journaled and
 `SDCWatchAgentLoopStale` fires; a beat after that journals `agent.loop_recovered` and resolves it.
@@ -26,6 +26,12 @@ from sdcwatch.event_kinds import Publish
 log = logging.getLogger(__name__)
 
 STALE_INTERVALS = 3.0
+# no loop is stale before this long without a beat, whatever its interval: on a node whose cores the
+# training takes (ranks, data loaders, compile workers) a healthy loop's wake-up can wait a second or two
+# for the CPU, and a short poll interval (0.5 s) made that a false agent.loop_stale and NOT_SERVING (the
+# suite's demo with every core busy, 2026-12-06); a loop that has stopped stays stopped, so this only
+# delays the alarm by a few seconds
+STALE_FLOOR_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,14 +74,16 @@ class ThreadBeat:
         return LoopBeat(self.name, self.interval_s, self._clock() if self._waiting else self.last_beat)
 
 
-def stale_loops(loops: Iterable[LoopBeat], now: float, intervals: float = STALE_INTERVALS) -> dict[str, str]:
-    """Pure: name -> reason for every loop whose last beat is more than `intervals` intervals before `now`."""
+def stale_loops(loops: Iterable[LoopBeat], now: float, intervals: float = STALE_INTERVALS,
+                floor_s: float = STALE_FLOOR_S) -> dict[str, str]:
+    """Pure: name -> reason for every loop whose last beat is more than `intervals` intervals, and more than
+    `floor_s` seconds, before `now`."""
     out = {}
     for lp in loops:
         age = now - lp.last_beat
-        if age > intervals * lp.interval_s:
+        if age > max(intervals * lp.interval_s, floor_s):
             out[lp.name] = (f"loop {lp.name} published no heartbeat for {age:.0f}s ({intervals:g} intervals of "
-                            f"{lp.interval_s:g}s): it is not running")
+                            f"{lp.interval_s:g}s, at least {floor_s:g}s): it is not running")
     return out
 
 

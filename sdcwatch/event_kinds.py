@@ -170,7 +170,8 @@ PROBE_HUNG = _kind("probe.hung", CRITICAL, PROBE, "a probe call did not return w
                    "not re-entered until it does", alerts=("SDCWatchProbeHung",))
 PROBE_RECOVERED = _kind("probe.recovered", INFO, PROBE, "a hung probe call returned (resolves SDCWatchProbeHung)")
 AGENT_LOOP_STALE = _kind("agent.loop_stale", CRITICAL, PROBE, "a loop of the agent published no heartbeat for 3 "
-                         "of its intervals: the agent is not watching (sdcwatch.v1.Agent NOT_SERVING)",
+                         "of its intervals (and at least 5 s): the agent is not watching (sdcwatch.v1.Agent "
+                         "NOT_SERVING)",
                          alerts=("SDCWatchAgentLoopStale",))
 AGENT_LOOP_RECOVERED = _kind("agent.loop_recovered", INFO, PROBE, "a stale loop beats again (resolves "
                              "SDCWatchAgentLoopStale)")
