@@ -143,7 +143,7 @@ def test_thread_beat_counts_driver_waits_as_beating_and_goes_stale_when_the_thre
         now[0] += 50.0     # a driver wait that takes long: not a stopped loop
         assert stale_loops([beat.heartbeat()], now[0]) == {}
     assert stale_loops([beat.heartbeat()], now[0]) == {}
-    now[0] += 5.5          # no beat for 5.5 intervals (past the floor): the thread died or is stuck in our code
+    now[0] += 5.5          # no beat for 5.5 intervals (past the floor): dead, or stuck in our code
     assert "xid" in stale_loops([beat.heartbeat()], now[0])
     beat.beat()
     assert stale_loops([beat.heartbeat()], now[0]) == {}
