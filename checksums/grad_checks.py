@@ -420,6 +420,7 @@ class GradSummaries:
         self._eager_gathers = 0
         self._hook_gather_ok: bool | None = None
         self.hook_gathers = 0            # steps whose rows the C++ hook gathered
+        self._hook_gather_said = False
         # the C++ hook (checksums/native_hook.py) where it builds, and no job's own hook is to be called:
         # the same work without Python a bucket once its launch is bound; else this Python hook
         self._native: Any = None
@@ -728,6 +729,10 @@ class GradSummaries:
         group = self._group if self._group is not None else dist.distributed_c10d._get_default_group()
         self._native.arm_gather(group, out, self._buf[:n], n)
         self._hook_gather = (out, n)
+        if not self._hook_gather_said:
+            self._hook_gather_said = True
+            logger.info("sdcwatch: the C++ comm hook all-gathers the %d gradient bucket rows from the next "
+                        "backward on (every rank alike; SDCWATCH_HOOK_GATHER=0 keeps it in the step guard)", n)
 
     def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""
@@ -781,6 +786,7 @@ class FsdpGradSummaries:
         self._eager_gathers = 0
         self._hook_gather_ok: bool | None = None
         self.hook_gathers = 0            # steps whose rows the C++ hook gathered
+        self._hook_gather_said = False
         self._inject = inject
         self._capture: dict[int, torch.Tensor] | None = None
         self._keep_flat: dict[int, torch.Tensor] | None = None   # a witness replay's whole inputs (2 ranks)
