@@ -731,8 +731,9 @@ class GradSummaries:
         self._hook_gather = (out, n)
         if not self._hook_gather_said:
             self._hook_gather_said = True
-            logger.info("sdcwatch: the C++ comm hook all-gathers the %d gradient bucket rows from the next "
-                        "backward on (every rank alike; SDCWATCH_HOOK_GATHER=0 keeps it in the step guard)", n)
+            logger.info("sdcwatch: the C++ comm hook all-gathers the %d gradient bucket rows from the "
+                        "next backward on (every rank alike; SDCWATCH_HOOK_GATHER=0 keeps it in the step "
+                        "guard)", n)
 
     def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""
