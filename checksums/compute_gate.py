@@ -118,6 +118,7 @@ class ComputeStatus:
     spread_max: float          # the largest learned clean spread (log units) over buckets and statistics
     max_score_clean: float     # the largest score of a clean step after warm-up (units of the spread)
     margin: float
+    hook_gathers: int = 0      # steps whose rows the C++ comm hook all-gathered (not the step guard)
 
 
 class ComputeChecks:
@@ -619,7 +620,8 @@ class ComputeChecks:
                              dropped=self._dropped, audits=self._audits, replays=self.replayer.replays,
                              audit_every=self.audit_every,
                              spread_max=float(spread.max()) if spread is not None else 0.0,
-                             max_score_clean=self.tracker.max_score_clean, margin=self.tracker.margin)
+                             max_score_clean=self.tracker.max_score_clean, margin=self.tracker.margin,
+                             hook_gathers=getattr(self.summaries, "hook_gathers", 0))
 
     def close(self) -> None:
         self.guard.remove(self.name)

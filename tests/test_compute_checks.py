@@ -1010,6 +1010,9 @@ def _device_path_host_rows(rank: int, init: str) -> None:
     learned, waiting = checks.tracker.learned, len(checks._learn_queue)
     status = checks.status()
     assert status.steps == 40 and status.suspicions == 0
+    # the rows' all-gather: eager at the first step (the determinism check's and the step's own) and the
+    # second, then in the C++ comm hook for the 38 steps after (it built here: the CPU runs it too)
+    assert status.hook_gathers == 38, status
     # every step but the last (judged at the next) learnt or waiting for its batch; reading the status
     # learns nothing (every rank must judge against the same spread, asked or not)
     assert learned + waiting == 39 and 0 < waiting < checks._learn_batch, (learned, waiting)
