@@ -23,18 +23,24 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 
 
-def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_rank: int = -1) -> None:
+def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_rank: int = -1,
+           ddp_kw: dict | None = None, arm_after: int = 0) -> None:
     """Two identical DDP models, one through the C++ hook and one through the Python hook, the same batches:
     their rows and reduced gradients after each step, compared. Between each backward and its gather the
     job all-reduces its loss (a collective of its own there, as a loop logging the mean loss does): every
     rank's gather must pair with every other's, wherever it is issued. `python_rank`: that rank's first
-    model takes the Python hook too (its C++ hook not built there)."""
+    model takes the Python hook too (its C++ hook not built there). `ddp_kw`: DDP's own options
+    (static_graph, find_unused_parameters). `arm_after`: gathers before the hook's is armed (0: the
+    default)."""
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from checksums import native_hook
+    from checksums import grad_checks, native_hook
     from checksums.grad_checks import GradSummaries
+
+    if arm_after:
+        grad_checks._GATHER_ARM_AFTER = arm_after
 
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -50,7 +56,7 @@ def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_
     for native in (False if rank == python_rank else None, False):
         m = make()
         m.load_state_dict(base.state_dict())
-        ddp = DDP(m.to(device), bucket_cap_mb=0.004)         # several buckets
+        ddp = DDP(m.to(device), bucket_cap_mb=0.004, **(ddp_kw or {}))   # several buckets
         runs.append((ddp, GradSummaries(ddp, native=native)))
     g = torch.Generator().manual_seed(rank)                     # each rank its own data
     same_rows = same_grads = True
@@ -87,9 +93,11 @@ def _twins(rank: int, init: str, world: int, device_name: str, out: str, python_
     dist.destroy_process_group()
 
 
-def _run_twins(tmp_path: Path, world: int, device: str, python_rank: int = -1) -> dict:
+def _run_twins(tmp_path: Path, world: int, device: str, python_rank: int = -1,
+               ddp_kw: dict | None = None, arm_after: int = 0) -> dict:
     out = tmp_path / "out.json"
-    spawn(_twins, (str(tmp_path / "init"), world, device, str(out), python_rank), nprocs=world)
+    spawn(_twins, (str(tmp_path / "init"), world, device, str(out), python_rank, ddp_kw, arm_after),
+          nprocs=world)
     return json.loads(out.read_text())
 
 
@@ -114,6 +122,30 @@ def test_a_rank_without_the_cpp_hook_keeps_every_rank_gathering_in_the_step(tmp_
     assert got["native"] == [True, False], got            # rank 0's first model: the C++ hook
     assert got["same_rows"] and got["same_grads"] and got["losses_summed"], got
     assert got["hook_gathers"] == [0, 0], got
+
+
+@pytest.mark.parametrize("ddp_kw", [{"static_graph": True}, {"find_unused_parameters": True}],
+                         ids=["static_graph", "find_unused_parameters"])
+def test_the_hooks_gather_follows_ddps_own_modes(tmp_path: Path, ddp_kw: dict) -> None:
+    """DDP's static graph (its buckets rebuilt from the recorded graph) and its search for unused
+    parameters (every bucket marked ready at the end of the backward): the hook still gathers once the
+    buckets have settled, the rows and gradients are the Python hook's."""
+    got = _run_twins(tmp_path, 3, "cpu", ddp_kw=ddp_kw)
+    assert got["same_rows"] and got["same_grads"] and got["losses_summed"] and got["kept"], got
+    # the static graph rebuilds its buckets after the second step: armed at the third gather either way
+    assert got["hook_gathers"] == [5, 0], got
+
+
+def test_the_hooks_gather_armed_before_ddps_rebuild_is_disarmed_on_every_rank_and_armed_again(
+        tmp_path: Path) -> None:
+    """Armed after the first gather, before DDP rebuilds its buckets (1 bucket -> several): at the second
+    step the hook gathers one bucket's row after bucket 0 on every rank; every rank sees the bucket count
+    changed, disarms and gathers eagerly, and arms again with the new count: the rows stay the Python
+    hook's, the gathers pair up around the job's own all-reduce, and the hook gathers from the third step."""
+    got = _run_twins(tmp_path, 3, "cpu", arm_after=1)
+    assert got["same_rows"] and got["same_grads"] and got["losses_summed"] and got["kept"], got
+    assert got["buckets"][0] == 1 and got["buckets"][2] > 1, got
+    assert got["hook_gathers"] == [8 - 2, 0], got
 
 
 @pytest.mark.gpu
