@@ -420,7 +420,6 @@ class GradSummaries:
         self._eager_gathers = 0
         self._hook_gather_ok: bool | None = None
         self.hook_gathers = 0            # steps whose rows the C++ hook gathered
-        self._hook_gather_said = False
         # the C++ hook (checksums/native_hook.py) where it builds, and no job's own hook is to be called:
         # the same work without Python a bucket once its launch is bound; else this Python hook
         self._native: Any = None
@@ -721,19 +720,16 @@ class GradSummaries:
             can = torch.tensor([1 if mine else 0], dtype=torch.int64, device=out.device)
             dist.all_reduce(can, op=dist.ReduceOp.MIN, group=self._group)
             self._hook_gather_ok = bool(can.item())       # once a job: one host sync
-            if not self._hook_gather_ok:
-                logger.info("sdcwatch: the rows' all-gather stays in the step guard: a rank has no C++ hook")
+            logger.info("sdcwatch: %s", "the C++ comm hook all-gathers the gradient bucket rows from the "
+                        "next backward on (every rank alike; SDCWATCH_HOOK_GATHER=0 keeps it in the step "
+                        "guard)" if self._hook_gather_ok else "the rows' all-gather stays in the step guard: "
+                        "a rank has no C++ hook (or set SDCWATCH_HOOK_GATHER=0)")
         if not self._hook_gather_ok:
             return
         assert self._buf is not None
         group = self._group if self._group is not None else dist.distributed_c10d._get_default_group()
         self._native.arm_gather(group, out, self._buf[:n], n)
         self._hook_gather = (out, n)
-        if not self._hook_gather_said:
-            self._hook_gather_said = True
-            logger.info("sdcwatch: the C++ comm hook all-gathers the %d gradient bucket rows from the "
-                        "next backward on (every rank alike; SDCWATCH_HOOK_GATHER=0 keeps it in the step "
-                        "guard)", n)
 
     def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""
@@ -780,14 +776,6 @@ class FsdpGradSummaries:
         self.layout: dict[int, tuple[int, ...]] = {}
         self.hook_calls = 0
         self._world = 0                  # the group's size, read at the first gather
-        # the rows' all-gather moved into the C++ hook (`_arm_hook_gather`): (its output, its bucket count)
-        # while armed; the eager gathers of this bucket count so far; whether every rank can (None: not
-        # asked yet; asked once, through a collective every rank makes at the same gather)
-        self._hook_gather: tuple[torch.Tensor, int] | None = None
-        self._eager_gathers = 0
-        self._hook_gather_ok: bool | None = None
-        self.hook_gathers = 0            # steps whose rows the C++ hook gathered
-        self._hook_gather_said = False
         self._inject = inject
         self._capture: dict[int, torch.Tensor] | None = None
         self._keep_flat: dict[int, torch.Tensor] | None = None   # a witness replay's whole inputs (2 ranks)
