@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import socket
 import weakref
 from collections.abc import Callable
@@ -96,6 +97,8 @@ DEFAULT_AUDIT_EVERY = 334      # one replay per 334 steps: <= 0.3% when a replay
 DEFAULT_WARMUP = 20            # steps whose bucket statistics only teach the spread (no rank judged)
 LEARN_BATCH = 8                # the device path's unmasked steps learnt at once, once the spread is armed
 RING_BYTES = 32 << 20          # at most this much pinned host memory for the rows waiting to be learnt
+# SDCWATCH_HOOK_VERDICT=0 keeps the device verdict's replay in the step guard (`_arm_finish`)
+_HOOK_VERDICT = os.environ.get("SDCWATCH_HOOK_VERDICT", "1") != "0"
 
 
 def expert_param(name: str) -> bool:
@@ -213,6 +216,9 @@ class ComputeChecks:
         self._spread_pinned: list[torch.Tensor | None] = [None, None]   # the spread's way to the device
         self._spread_done: list[Any] = [None, None]
         self._spread_i = 0
+        # the verdict's flag while the C++ hook replays the verdict after its gather (`_arm_finish`)
+        self._finish: torch.Tensor | None = None
+        self._finish_refused = False
         self.guard = StepGuard.attach(optimizer)
         self.guard.add(self)
         # checksums/device_mask.py: found_inf set here, put back AFTER the update (only the device path masks)
@@ -241,7 +247,7 @@ class ComputeChecks:
         collective). A suspect is replayed and classified as at any step (an overflow reproduces everywhere:
         DATA, no GPU named; a fault that made one rank's gradient non-finite names it); nothing is vetoed:
         there was no update. Its number is the skipped step's, whether or not the Monitor counted it."""
-        rows = self.summaries.gather().cpu()
+        rows = self._rows_on_host()
         self.summaries.clear()
         try:
             stats = stats_of(rows)
@@ -273,7 +279,7 @@ class ComputeChecks:
                 self._settle_previous(defer=not audit_due)   # an audit's host verdict learns in order
                 if not audit_due and start is None:
                     return self._mask_on_device(ctx)
-            rows = self.summaries.gather().cpu()
+            rows = self._rows_on_host()
             self.summaries.clear()
             # GPUs computing wrong from the start: an outcome of this step (its update carries their fault)
             return self._judge_now(ctx, rows, audit_due,
@@ -300,7 +306,7 @@ class ComputeChecks:
         they reproduce the step they replay (compared with rank 0's and rank 1's own rows of this step).
         Returns the GPUs found computing wrong from the start (`classify_start`), or None."""
         try:
-            exact = self.replayer.check_determinism(self.summaries.gather().cpu())
+            exact = self.replayer.check_determinism(self._rows_on_host())
         except ReplayFailed as exc:     # a model a replay cannot run: as replays that do not reproduce
             exact, self.replayer.reproduces, self.replayer.why_not = True, False, str(exc)
         if not exact:
@@ -438,34 +444,78 @@ class ComputeChecks:
 
     # ---- the device path (CUDA, fused optimizers): mask now, judge a step later ---------------------
 
+    def _rows_on_host(self) -> torch.Tensor:
+        """Every rank's rows of this step on the host (the host path's gather: a collective). A host slot
+        the C++ hook's verdict filled meanwhile is taken in turn, unread (`_finish`)."""
+        rows = self.summaries.gather().cpu()
+        if self.summaries.finished >= 0:
+            self._host_slot(rows, self.summaries.finished)
+        return rows
+
     def _mask_on_device(self, ctx: StepContext) -> None:
         """Gather and compare on the device; a 0-d flag masks the update through the optimizer's own
         `found_inf` (a fused optimizer skips params, moments and step count on the device). The rows go to
-        pinned host memory without waiting; `_settle_previous` reads them at the next step."""
+        pinned host memory without waiting; `_settle_previous` reads them at the next step.
+
+        Once the verdict is a CUDA graph and the C++ hook gathers the rows, the hook replays the graph and
+        copies the rows and the flag to the next host slot itself, right after its gather (`_arm_finish`):
+        then this only takes that slot and the graph's flag (the current stream already waits for it)."""
         inp = self._verdict.input(self.world * self.summaries.bucket_count(), self.device)
         rows = self.summaries.gather(out=inp)
+        finished = self.summaries.finished
         self.summaries.clear()
-        spread = self._spread_on(rows.device)
-        armed = spread is not None and self.tracker.learned >= self.tracker.warmup
-        flag = self._verdict.flag(rows, spread if armed else None)
+        flag = self._finish
+        if finished >= 0 and flag is not None:
+            slot, armed = self._host_slot(rows, finished), True
+        else:
+            if flag is not None:           # armed, but the hook did not finish this step: replayed here
+                self._disarm_finish()      # until it can again
+            spread = self._spread_on(rows.device)
+            armed = spread is not None and self.tracker.learned >= self.tracker.warmup
+            flag = self._verdict.flag(rows, spread if armed else None)
+            slot = self._host_slot(rows, finished)
+            slot.rows.copy_(rows, non_blocking=True)
+            slot.flag.copy_(flag, non_blocking=True)
+            slot.record()
+            if armed and spread is not None:
+                self._arm_finish(flag, spread)
         assert self._device_mask is not None
         self._device_mask.add(ctx, flag)                  # combined with GradScaler's found_inf, if any
-        slot = self._host_slot(rows)
-        slot.rows.copy_(rows, non_blocking=True)
-        slot.flag.copy_(flag, non_blocking=True)
-        slot.record()
         self._pending = (ctx.step, slot, armed, self.replayer.retained, self.guard.restores)
 
-    def _host_slot(self, rows: torch.Tensor) -> HostSlot:
+    def _arm_finish(self, flag: torch.Tensor, spread: torch.Tensor) -> None:
+        """From the next step, the C++ hook replays the verdict's graph right after its gather and copies
+        the rows and the flag to the host slots in turn (GradSummaries.arm_finish): the stage before the
+        update then launches nothing (its graph replay, two copies and an event took ~0.1 ms of host time
+        inside a host-bound GPT-2-small step, docs/BENCHMARKS.md). The device's spread is then copied after
+        each update (`_LearnAfter`), before the next backward's verdict reads it. Off with
+        SDCWATCH_HOOK_VERDICT=0; where it cannot be armed, said once in the log."""
+        handle = self._verdict.exec_handle() if _HOOK_VERDICT and not self._finish_refused else 0
+        if not handle or self._ring is None:
+            return
+        why = self.summaries.arm_finish(handle, flag, [spread], self._ring.fill(), self._ring.following())
+        if why:
+            self._finish_refused = True
+            logger.info("sdcwatch: the compute verdict stays in the step guard, not in the C++ hook: %s", why)
+            return
+        self._finish = flag
+
+    def _disarm_finish(self) -> None:
+        if self._finish is not None:
+            self._finish = None
+            self.summaries.disarm_finish()
+
+    def _host_slot(self, rows: torch.Tensor, finished: int = -1) -> HostSlot:
         """The pinned host slot this step's rows and flag land in (checksums/host_ring.py), made once: no
         step allocates host memory. The ring has room for a learning batch, the step settled and this one
         (`_settle_previous` keeps the queue at most a batch long), so no slot waiting to be read is reused;
-        the batch is smaller where the rows are large (a world of thousands of ranks), within RING_BYTES."""
+        the batch is smaller where the rows are large (a world of thousands of ranks), within RING_BYTES.
+        `finished` >= 0: the slot the C++ hook filled (the next in turn, as the ring's own)."""
         if self._ring is None:
             row_bytes = max(1, rows.numel() * rows.element_size())
             self._learn_batch = max(1, min(LEARN_BATCH, RING_BYTES // row_bytes - 2))
             self._ring = HostRing(self._learn_batch + 2)
-        return self._ring.next(rows)
+        return self._ring.take(finished) if finished >= 0 else self._ring.next(rows)
 
     def _spread_on(self, device: torch.device) -> torch.Tensor | None:
         """The learned spread on the device, copied there only when its values changed (`spread_version`:
@@ -480,6 +530,7 @@ class ComputeChecks:
             return None
         version = self.tracker.spread_version
         if self._spread_dev is None or self._spread_dev.shape != spread.shape:
+            self._disarm_finish()                         # the hook's verdict graph reads the old buffer
             self._spread_dev = spread.to(device)          # on arming and after a bucket rebuild only
             self._spread_version = version
         elif self._spread_version != version:
@@ -624,6 +675,7 @@ class ComputeChecks:
                              hook_gathers=getattr(self.summaries, "hook_gathers", 0))
 
     def close(self) -> None:
+        self._disarm_finish()
         self.guard.remove(self.name)
         if self._after is not None:
             self.guard.remove(self._after.name)
@@ -642,6 +694,8 @@ class _LearnAfter:
         owner = self._owner()
         if owner is not None:
             owner._learn_deferred()
+            if owner._finish is not None:     # the next backward's verdict (in the C++ hook) reads it
+                owner._spread_on(owner.device)
 
 
 def _hardware(device: torch.device) -> str:

@@ -80,6 +80,15 @@ class DeviceVerdict:
         assert self._flag is not None
         return self._flag
 
+    def exec_handle(self) -> int:
+        """The captured graph's instantiated form (cudaGraphExec_t, an integer; 0 with no graph or a torch
+        without `raw_cuda_graph_exec`): what the C++ comm hook launches itself (`GradSummaries.arm_finish`).
+        Valid until the next capture."""
+        graph = self._graph
+        if graph is None or not hasattr(graph, "raw_cuda_graph_exec"):
+            return 0
+        return int(graph.raw_cuda_graph_exec())
+
     def _capture(self, rows: torch.Tensor, spread: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
         device = rows.device
         current = torch.cuda.current_stream(device)

@@ -420,6 +420,10 @@ class GradSummaries:
         self._eager_gathers = 0
         self._hook_gather_ok: bool | None = None
         self.hook_gathers = 0            # steps whose rows the C++ hook gathered
+        # the gate's verdict replayed by the C++ hook after its gather (`arm_finish`): the host slot it
+        # copied this step's rows and flag to (-1: it did not), and the steps it did so
+        self.finished = -1
+        self.hook_finishes = 0
         # the C++ hook (checksums/native_hook.py) where it builds, and no job's own hook is to be called:
         # the same work without Python a bucket once its launch is bound; else this Python hook
         self._native: Any = None
@@ -664,6 +668,7 @@ class GradSummaries:
         gathers them itself (`_arm_hook_gather`) into the `out` of that gather (the gate's static input):
         then this only waits for it (and copies it where another `out`, or none, is given)."""
         armed = self._hook_gather
+        self.finished = -1
         if armed is not None:
             got = self._hook_gathered(armed, out)
             if got is not None:
@@ -693,11 +698,14 @@ class GradSummaries:
         them), or None when it did not gather them or gathered another bucket count (DDP rebuilt its
         buckets: every rank alike): disarmed then, and the caller gathers eagerly, as every rank does."""
         target, n = armed
-        issued = self._native.wait_gather()
-        if not issued or self._check_rows() != n:
-            self._native.disarm_gather()
+        done = self._native.wait_gather()   # -2: not over buckets 0..n-1 exactly; -1: gathered; k: finished
+        if done == -2:
+            self._native.disarm_gather()        # (and its `arm_finish`)
             self._hook_gather, self._eager_gathers = None, 0
             return None
+        if done >= 0:
+            self.finished = done
+            self.hook_finishes += 1
         if out is None:
             target = target.clone()        # the caller's own, as an eager gather's (the next backward
         elif out.data_ptr() != target.data_ptr() or out.shape != target.shape:   # overwrites the hook's)
@@ -731,6 +739,27 @@ class GradSummaries:
         self._native.arm_gather(group, out, self._buf[:n], n)
         self._hook_gather = (out, n)
 
+    def arm_finish(self, exec_handle: int, flag: torch.Tensor, keep: Sequence[torch.Tensor],
+                   slots: Sequence[Any], start: int) -> str:
+        """From the next backward, the C++ hook also replays the compute gate's verdict (the CUDA graph
+        `exec_handle`, reading the armed gather's output and `keep`, writing `flag`) right after its gather,
+        and copies the rows and the flag into `slots` (pinned `HostSlot`s, whose events it records), from
+        slot `start` on in turn; `finished` then names the slot of each step. "" when armed, else why not.
+        Needs the gather in the hook (`_arm_hook_gather`) into the gate's static input: the graph's."""
+        if self._native is None or self._hook_gather is None:
+            return "the rows' gather is not in the C++ hook"
+        return self._native.arm_finish(exec_handle, self._hook_gather[0], flag, list(keep),
+                                       [s.rows.view(-1, ROW_WORDS) for s in slots], [s.flag for s in slots],
+                                       [s.done.cuda_event for s in slots], start)
+
+    def disarm_finish(self) -> None:
+        if self._native is not None:
+            self._native.disarm_finish()
+
+    @property
+    def finish_armed(self) -> bool:
+        return self._native is not None and self._native.finish_armed()
+
     def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""
         rows = []
@@ -761,6 +790,8 @@ class FsdpGradSummaries:
     replay's gradient never reaches the reduce-scatter's output (its sharded `.grad` the replayer discards).
     Every rank replays at once (the forward's all-gathers pair up), so every rank skips alike.
     """
+
+    finished = -1             # (no C++ hook here: the gate's verdict is never replayed by one)
 
     def __init__(self, root: nn.Module, *, group: Any = None, inject: Any = None) -> None:
         from torch.distributed.fsdp import FSDPModule

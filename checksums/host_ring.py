@@ -6,7 +6,8 @@
     ...                                    # a step later
     slot.wait(); slot.flagged(); batch_stats(slots)   # numpy views: no torch op on the host to read them
 
-A slot is reused `slots` steps after it was filled, so its rows may wait that long to be read (the gate
+The C++ comm hook may fill the slots in the same turn itself (`fill`, `following`, `take`). A slot is
+reused `slots` steps after it was filled, so its rows may wait that long to be read (the gate
 learns its unmasked steps a batch at a time, checksums/compute_gate.py); nothing is allocated in a step once
 the slots exist (a pinned allocation in a step costs more than the step's whole check). The reads are
 numpy views of the pinned memory, each a fraction of a microsecond, where a torch op on a tiny CPU tensor
@@ -63,6 +64,30 @@ class HostRing:
         slot = self._slots[self._i]
         if slot is None or slot.rows.shape != rows.shape:
             slot = self._slots[self._i] = HostSlot(rows.shape, rows.device.type == "cuda")
+        return slot
+
+    def fill(self) -> list[HostSlot]:
+        """Every slot, each made like the newest one (`next` was called) and its event created: what the
+        C++ comm hook fills in turn (checksums/native_hook.cpp `arm_finish`)."""
+        newest = self._slots[self._i]
+        assert newest is not None, "fill() after next()"
+        cuda = newest.done is not None
+        for i, slot in enumerate(self._slots):
+            if slot is None or slot.rows.shape != newest.rows.shape:
+                slot = self._slots[i] = HostSlot(newest.rows.shape, cuda)
+            if cuda and not slot.done.cuda_event:
+                slot.done.record()          # the event is made at its first record (a no-op to wait for)
+        return list(self._slots)  # type: ignore[arg-type]
+
+    def following(self) -> int:
+        """The index of the slot `next` gives next."""
+        return (self._i + 1) % len(self._slots)
+
+    def take(self, i: int) -> HostSlot:
+        """Slot `i`, filled by the C++ hook as the next in turn (`fill`): the ring goes on from it."""
+        self._i = i
+        slot = self._slots[i]
+        assert slot is not None, "take() of a slot fill() made"
         return slot
 
 

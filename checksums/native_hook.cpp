@@ -9,8 +9,13 @@
 // hook through the GIL with a GradBucket object, a future and a `then` callback a bucket: on the H200's
 // host that cost ~130 us a bucket inside a step, more than the checks themselves (docs/BENCHMARKS.md).
 //
+// Once armed (`arm_gather`, `arm_finish`), the hook of the last bucket also all-gathers every rank's rows,
+// replays the compute gate's verdict graph on them and copies the rows and the verdict's flag to a pinned
+// host slot, all on its stream: the step guard's stage before the update then only makes its stream wait.
+//
 // No CUDA header is needed: streams and events go through c10's device-generic guard interface, and the
-// kernel launch through the driver's cuLaunchKernel, looked up in the libcuda the process already loaded.
+// kernel and graph launches through the driver's cuLaunchKernel and cuGraphLaunch, looked up in the libcuda
+// the process already loaded.
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -35,10 +40,12 @@ using CUresult = int;
 using LaunchFn = CUresult (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                               unsigned bz, unsigned shared, void* stream, void** params, void** extra);
 using ParamInfoFn = CUresult (*)(void* f, size_t index, size_t* offset, size_t* size);
+using GraphLaunchFn = CUresult (*)(void* exec, void* stream);
 
 struct Driver {
   LaunchFn launch = nullptr;
   ParamInfoFn param_info = nullptr;
+  GraphLaunchFn graph_launch = nullptr;
   std::string why;
 };
 
@@ -52,6 +59,7 @@ const Driver& driver() {
     }
     out.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
     out.param_info = reinterpret_cast<ParamInfoFn>(dlsym(lib, "cuFuncGetParamInfo"));
+    out.graph_launch = reinterpret_cast<GraphLaunchFn>(dlsym(lib, "cuGraphLaunch"));
     if (out.launch == nullptr) {
       out.why = "the CUDA driver has no cuLaunchKernel";
     } else if (out.param_info == nullptr) {
@@ -81,6 +89,20 @@ struct Bound {
 struct Side {
   c10::Stream stream;
   void* ready = nullptr;   // recorded on the backward's stream, waited on by `stream`
+};
+
+// the compute gate's step after the rows' gather (`arm_finish`): its verdict graph replayed on the gather's
+// output, then the rows and the flag copied to the next pinned host slot, each slot's event recorded after
+struct Finish {
+  void* exec = nullptr;              // the verdict's instantiated CUDA graph (cudaGraphExec_t)
+  at::Tensor input;                  // the graph's input: the gather's output, [world * n, words]
+  at::Tensor flag;                   // the graph's output, 0-d float32
+  std::vector<at::Tensor> keep;      // what else the graph reads (the spread): kept alive while armed
+  std::vector<at::Tensor> host_rows; // pinned [world * n, words] slots, used in turn
+  std::vector<at::Tensor> host_flag; // pinned 0-d float32 slots
+  std::vector<void*> events;         // each slot's CUDA event (the caller's torch.cuda.Event's handle)
+  void* ready = nullptr;             // recorded after the graph: the caller's stream waits for it
+  size_t next = 0;                   // the slot of the next step
 };
 
 class SummaryHook : public c10d::CommHookInterface {
@@ -255,6 +277,7 @@ class SummaryHook : public c10d::CommHookInterface {
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(reduced_.begin(), reduced_.end(), false);
     gather_work_.reset();
+    finished_ = -1;
   }
 
   // the rows' all-gather, issued by the hook of bucket n-1 once buckets 0..n-1 (and no other) were reduced
@@ -278,20 +301,94 @@ class SummaryHook : public c10d::CommHookInterface {
     gather_in_ = at::Tensor();
     gather_n_ = 0;
     gather_work_.reset();
+    finish_.reset();          // it replays on the gather's output
+    finished_ = -1;
   }
 
-  // whether the hook all-gathered the rows since the last clear; if so, the caller's current stream (NCCL)
-  // or the host (gloo) waits for it first
-  bool wait_gather() {
+  // from the next gather on (CUDA), the verdict graph `exec` (reading `input`, the armed gather's output,
+  // and `keep`; writing `flag`) is launched on the hook's stream right after the gather, then the rows and
+  // the flag are copied to host slot `start`, `start` + 1, ... in turn, each slot's event recorded after
+  // its copies; "" when armed, else why not (nothing armed)
+  std::string arm_finish(int64_t exec, at::Tensor input, at::Tensor flag, std::vector<at::Tensor> keep,
+                         std::vector<at::Tensor> host_rows, std::vector<at::Tensor> host_flag,
+                         std::vector<int64_t> events, int64_t start) {
+    const Driver& d = driver();
+    if (!d.why.empty()) return d.why;
+    if (d.graph_launch == nullptr) return "the CUDA driver has no cuGraphLaunch";
+    if (exec == 0 || !input.is_cuda() || !flag.is_cuda() || flag.numel() != 1) return "a malformed verdict";
+    const size_t n = host_rows.size();
+    if (n == 0 || host_flag.size() != n || events.size() != n || start < 0 ||
+        static_cast<size_t>(start) >= n) {
+      return "malformed host slots";
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (host_rows[i].is_cuda() || host_rows[i].sizes() != input.sizes() ||
+          host_rows[i].scalar_type() != input.scalar_type() || host_flag[i].numel() != 1 ||
+          host_flag[i].scalar_type() != flag.scalar_type() || events[i] == 0) {
+        return "host slot " + std::to_string(i) + " does not fit the rows";
+      }
+    }
+    auto f = std::make_unique<Finish>();
+    f->exec = reinterpret_cast<void*>(exec);
+    f->input = std::move(input);
+    f->flag = std::move(flag);
+    f->keep = std::move(keep);
+    f->host_rows = std::move(host_rows);
+    f->host_flag = std::move(host_flag);
+    for (int64_t e : events) f->events.push_back(reinterpret_cast<void*>(e));
+    f->next = static_cast<size_t>(start);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!gather_pg_ || gather_out_.data_ptr() != f->input.data_ptr()) {
+      return "the rows' gather is not armed there";
+    }
+    finish_ = std::move(f);
+    finished_ = -1;
+    return "";
+  }
+
+  void disarm_finish() {
+    std::lock_guard<std::mutex> lock(mu_);
+    finish_.reset();
+    finished_ = -1;
+  }
+
+  bool finish_armed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return finish_ != nullptr;
+  }
+
+  // what the hook did since the last clear: -2 no gather (or not over exactly buckets 0..n-1 any more: a
+  // bucket reduced after the gather's); -1 the gather only; k >= 0 the gather, the verdict and the copies
+  // into host slot k. The caller's current stream (NCCL) or the host (gloo) waits for the gather, and for
+  // the verdict when it ran.
+  int64_t wait_gather() {
     c10::intrusive_ptr<c10d::Work> work;
+    int64_t finished = -1;
+    void* ready = nullptr;
+    c10::Device dev = c10::Device(c10::DeviceType::CPU);
+    bool exact = true;
     {
       std::lock_guard<std::mutex> lock(mu_);
       work = std::move(gather_work_);
       gather_work_.reset();
+      finished = finished_;
+      finished_ = -1;
+      if (finished >= 0 && finish_) {
+        ready = finish_->ready;
+        dev = finish_->input.device();
+      }
+      for (size_t i = 0; i < reduced_.size(); ++i) {
+        if (reduced_[i] != (static_cast<int64_t>(i) < gather_n_)) exact = false;
+      }
     }
-    if (!work) return false;
+    if (!work) return -2;
     work->wait();
-    return true;
+    if (ready != nullptr) {
+      const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+      impl->block(ready, impl->getStream(dev));
+    }
+    if (!exact) return -2;
+    return ready != nullptr ? finished : -1;
   }
 
   int64_t native_calls() const { return native_calls_.load(std::memory_order_relaxed); }
@@ -335,6 +432,32 @@ class SummaryHook : public c10d::CommHookInterface {
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     gather_work_ = gather_pg_->_allgather_base(gather_out_, gather_in_);
 #pragma GCC diagnostic pop
+    finished_ = -1;
+    if (finish_ && gather_out_.is_cuda()) finish_step(*finish_);
+  }
+
+  // the verdict and the copies on the current (the hook's) stream, after the gather; a launch the driver
+  // refuses disarms it (the caller's stage then replays the verdict itself, as before arming)
+  void finish_step(Finish& f) {
+    if (f.input.data_ptr() != gather_out_.data_ptr()) {   // re-armed elsewhere: not this verdict's input
+      finish_.reset();
+      return;
+    }
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    const c10::Device dev = gather_out_.device();
+    const c10::Stream stream = impl->getStream(dev);
+    gather_work_->wait();                                   // NCCL: this stream waits; the host does not
+    if (driver().graph_launch(f.exec, stream.native_handle()) != 0) {
+      finish_.reset();
+      return;
+    }
+    impl->record(&f.ready, stream, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    const size_t k = f.next;
+    f.host_rows[k].copy_(f.input, /*non_blocking=*/true);
+    f.host_flag[k].copy_(f.flag, /*non_blocking=*/true);
+    impl->record(&f.events[k], stream, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);   // into its handle
+    f.next = (k + 1) % f.host_rows.size();
+    finished_ = static_cast<int64_t>(k);
   }
 
   // the bucket's bound launch on the current stream; false (nothing launched) when it has none, its
@@ -378,6 +501,8 @@ class SummaryHook : public c10d::CommHookInterface {
   at::Tensor gather_in_;
   int64_t gather_n_ = 0;
   c10::intrusive_ptr<c10d::Work> gather_work_;       // issued since the last clear, not yet waited for
+  std::unique_ptr<Finish> finish_;                    // the verdict after the gather (`arm_finish`)
+  int64_t finished_ = -1;                             // the host slot the hook's verdict went to this step
   std::atomic<int64_t> native_calls_{0};
 };
 
@@ -438,11 +563,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("disarm_gather", [](Handle& h) {
              if (auto hook = h.get()) hook->disarm_gather();
            })
-      .def("wait_gather", [](Handle& h) {
+      .def("wait_gather", [](Handle& h) -> int64_t {
              auto hook = h.get();
-             if (!hook) return false;
+             if (!hook) return -2;
              py::gil_scoped_release nogil;   // gloo's wait blocks the host
              return hook->wait_gather();
+           })
+      .def("arm_finish", [](Handle& h, int64_t exec, at::Tensor input, at::Tensor flag,
+                            std::vector<at::Tensor> keep, std::vector<at::Tensor> host_rows,
+                            std::vector<at::Tensor> host_flag, std::vector<int64_t> events,
+                            int64_t start) -> std::string {
+             auto hook = h.get();
+             if (!hook) return "the hook is gone (its DDP model was collected)";
+             return hook->arm_finish(exec, std::move(input), std::move(flag), std::move(keep),
+                                     std::move(host_rows), std::move(host_flag), std::move(events), start);
+           })
+      .def("disarm_finish", [](Handle& h) {
+             if (auto hook = h.get()) hook->disarm_finish();
+           })
+      .def("finish_armed", [](Handle& h) {
+             auto hook = h.get();
+             return hook ? hook->finish_armed() : false;
            })
       .def("native_calls", [](Handle& h) { auto hook = h.get(); return hook ? hook->native_calls() : 0; })
       .def("alive", [](Handle& h) { return !h.hook.expired(); });

@@ -346,6 +346,114 @@ def _slot(rows: torch.Tensor, flag: float) -> Any:
     return slot
 
 
+def test_the_host_ring_is_filled_in_turn_by_the_hook_or_by_the_gate():
+    """The C++ hook fills the ring's slots in the ring's own turn (`fill`, `following`, `take`): a slot it
+    took is where `next` goes on from, and `fill` makes every slot like the newest (a new shape too)."""
+    from checksums.host_ring import HostRing
+
+    ring = HostRing(4)
+    first = ring.next(torch.zeros(2, 3, 4, dtype=torch.int64))
+    slots = ring.fill()
+    assert len(slots) == 4 and slots[0] is first and all(s.rows.shape == (2, 3, 4) for s in slots)
+    assert ring.following() == 1
+    assert ring.take(1) is slots[1] and ring.following() == 2
+    assert ring.next(torch.zeros(2, 3, 4, dtype=torch.int64)) is slots[2]
+    assert ring.take(3) is slots[3] and ring.following() == 0
+    assert ring.next(torch.zeros(2, 3, 4, dtype=torch.int64)) is slots[0]
+    bigger = ring.next(torch.zeros(2, 5, 4, dtype=torch.int64))     # DDP rebuilt its buckets
+    assert bigger.rows.shape == (2, 5, 4) and ring.fill()[1] is bigger
+    assert all(s.rows.shape == (2, 5, 4) for s in ring.fill())
+    with pytest.raises(ValueError):
+        HostRing(1)
+
+
+def test_the_gate_takes_the_hooks_slot_and_flag_and_replays_itself_when_the_hook_did_not():
+    """The device path once the C++ hook replays the verdict after its gather (`_arm_finish`): the gate
+    launches nothing, masks with the graph's flag and pends the slot the hook filled; a step the hook did
+    not finish (its gather disarmed: DDP rebuilt its buckets) disarms it and is judged here as before, into
+    the ring's next slot; a host-path step (an audit) takes the hook's slot in turn, unread."""
+    from checksums.compute_gate import ComputeChecks
+    from checksums.device_mask import DeviceMask
+    from checksums.step_guard import StepContext, StepGuard
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], fused=True)
+    guard = StepGuard.attach(opt)
+    rows = _rows(10, world=2)
+
+    class Summaries:            # what the gate asks of GradSummaries, the hook's part scripted
+        finished, disarmed, armed = -1, 0, []
+
+        def bucket_count(self) -> int:
+            return rows.shape[1]
+
+        def gather(self, out: Any = None) -> torch.Tensor:
+            self.finished = self.script.pop(0)
+            if out is not None:
+                out.copy_(rows.view(out.shape))
+                return out.view(rows.shape)
+            return rows.clone()
+
+        def clear(self) -> None:
+            pass
+
+        def disarm_finish(self) -> None:
+            self.disarmed += 1
+
+        def arm_finish(self, handle: int, flag: torch.Tensor, keep: Any, slots: Any, start: int) -> str:
+            self.armed.append((handle, start, len(slots)))
+            return ""
+
+    class Verdict:              # a captured graph: its flag tensor, replayed here when the hook did not
+        replays = 0
+        out = torch.zeros(())
+
+        def input(self, n: int, device: torch.device) -> torch.Tensor:
+            return torch.empty(n, 4, dtype=torch.int64)
+
+        def flag(self, got: torch.Tensor, spread: Any) -> torch.Tensor:
+            self.replays += 1
+            return self.out
+
+        def exec_handle(self) -> int:
+            return 1234
+
+    gate = object.__new__(ComputeChecks)
+    gate.summaries, gate._verdict = Summaries(), Verdict()
+    gate.world, gate.device, gate.guard = 2, torch.device("cpu"), guard
+    gate.tracker = SpreadTracker(margin=3.0, warmup=0)
+    gate.tracker.assess(stats_of(rows))                   # its spread set: armed
+    gate._spread_dev, gate._spread_version, gate._spread_i = None, -1, 0
+    gate._spread_pinned, gate._spread_done = [None, None], [None, None]
+    gate._ring, gate._learn_batch = None, 8
+    gate._finish, gate._finish_refused = None, False
+    gate._device_mask = DeviceMask.of(guard)
+    gate.replayer = types.SimpleNamespace(retained=None)
+    summaries, verdict = gate.summaries, gate._verdict
+
+    def step(n: int) -> Any:
+        ctx = StepContext(optimizer=opt, step=n)
+        gate._mask_on_device(ctx)
+        gate._device_mask.run(ctx)
+        return gate._pending[1]
+
+    # step 1: the hook gathered only: replayed here, copied to slot 0, and the hook armed from slot 1
+    summaries.script = [-1, 1, 2, -1, 0, 1]
+    s1 = step(1)
+    assert verdict.replays == 1 and summaries.armed == [(1234, 1, 10)] and gate._finish is verdict.out
+    assert torch.equal(s1.rows, rows)
+    # steps 2, 3: the hook finished into slots 1 and 2: nothing replayed or copied here
+    s2, s3 = step(2), step(3)
+    assert verdict.replays == 1 and gate._ring.take(1) is s2 and gate._ring.take(2) is s3
+    # step 4: armed, but the hook did not finish (its gather disarmed): disarmed, replayed, the next slot
+    s4 = step(4)
+    assert summaries.disarmed == 1 and verdict.replays == 2 and gate._ring.following() == 4
+    assert torch.equal(s4.rows, rows) and summaries.armed[-1] == (1234, 4, 10)   # and armed again
+    # a host-path step the hook finished into slot 0... the ring goes on from there
+    gate._ring._i = 9
+    summaries.script = [0]
+    assert torch.equal(gate._rows_on_host(), rows) and gate._ring.following() == 1
+
+
 def test_a_step_the_device_passed_is_learnt_after_the_update_a_batch_at_a_time_and_never_replayed():
     """Issue 19: the previous step's host verdict waits for the AFTER stage when the device did not mask it
     (its flag 0, `defer`): the pre-update stage only reads the flag; the spread learns from such steps after

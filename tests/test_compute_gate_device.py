@@ -108,7 +108,7 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
         ddp = DDP(m, bucket_cap_mb=0.01)                     # several buckets
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, fused=True)
         checks = ComputeChecks.attach(
-            ddp, opt, mask="device", audit_every=0, warmup=3,
+            ddp, opt, mask="device", audit_every=4 if variant == "native-audits" else 0, warmup=3,
             loss_fn=lambda mod, b: nn.functional.mse_loss(mod(b[0]), b[1]),
             inject_bucket=None if native_variant else inject,
             side_stream=(first if variant == "side" else False if variant in ("fast-inline", "native-inline")
@@ -165,6 +165,8 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
                                     for _, _, c in runs],
                    "buckets": [len(c.summaries.layout) for _, _, c in runs],
                    "captures": [c._verdict.captures for _, _, c in runs],
+                   "finishes": [c.summaries.hook_finishes for _, _, c in runs],
+                   "audits": [c.status().audits for _, _, c in runs],
                    "suspicions": [c.status().suspicions for _, _, c in runs],
                    "dropped": [c.status().dropped for _, _, c in runs],
                    "finite": all(bool(torch.isfinite(p).all()) for d, _, _ in runs for p in d.parameters())}, f)
@@ -321,14 +323,19 @@ def test_the_hooks_bound_launches_give_the_general_paths_rows_mask_and_training(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant", ["native", "native-inline"])
+@pytest.mark.parametrize("variant", ["native", "native-inline", "native-audits"])
 def test_the_cpp_hooks_bound_launches_give_the_python_paths_rows_mask_and_training(tmp_path,
                                                                                    variant: str) -> None:
     """The C++ comm hook (checksums/native_hook.cpp) launching each bucket's bound summary itself, on the
     side stream and without it: the Python hook's general path's rows every step, the same masked NaN step
-    (a NaN in the batch at step 9) and the same weights, bit for bit."""
+    (a NaN in the batch at step 9) and the same weights, bit for bit. Once the spread is armed the C++ hook
+    also gathers the rows, replays the verdict's graph and copies rows and flag to the host slots itself
+    (`arm_finish`): the NaN step is masked by that flag and judged from that slot; with audits every 4th
+    step (host-path steps between the hook's) too."""
     got = _run(tmp_path, "cuda", variant)
     assert got["native"] == [True, False], got
+    assert got["finishes"][0] >= 5 and got["finishes"][1] == 0, got
+    assert got["audits"][0] == got["audits"][1] == (3 if variant == "native-audits" else 0), got
     assert got["bound"][0] == got["buckets"][0] >= 1 and got["fast"] == [0, 0], got   # bound in C++ only
     assert got["native_calls"][0] >= 5 * got["buckets"][0] and got["native_calls"][1] == 0, got
     assert got["sides"] == ([0, 0] if variant == "native-inline" else [1, 1]), got
