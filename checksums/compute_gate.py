@@ -122,6 +122,7 @@ class ComputeStatus:
     max_score_clean: float     # the largest score of a clean step after warm-up (units of the spread)
     margin: float
     hook_gathers: int = 0      # steps whose rows the C++ comm hook all-gathered (not the step guard)
+    hook_verdicts: int = 0     # steps whose device verdict the C++ comm hook replayed after its gather
 
 
 class ComputeChecks:
@@ -470,8 +471,9 @@ class ComputeChecks:
         else:
             if flag is not None:           # armed, but the hook did not finish this step: replayed here
                 self._disarm_finish()      # until it can again
-            spread = self._spread_on(rows.device)
-            armed = spread is not None and self.tracker.learned >= self.tracker.warmup
+            spread = self._spread_dev      # as the last AFTER stage left it, as the hook's verdict reads it
+            armed = (spread is not None and self.tracker.learned >= self.tracker.warmup
+                     and spread.shape[0] == rows.shape[1])
             flag = self._verdict.flag(rows, spread if armed else None)
             slot = self._host_slot(rows, finished)
             slot.rows.copy_(rows, non_blocking=True)
@@ -487,8 +489,8 @@ class ComputeChecks:
         """From the next step, the C++ hook replays the verdict's graph right after its gather and copies
         the rows and the flag to the host slots in turn (GradSummaries.arm_finish): the stage before the
         update then launches nothing (its graph replay, two copies and an event took ~0.1 ms of host time
-        inside a host-bound GPT-2-small step, docs/BENCHMARKS.md). The device's spread is then copied after
-        each update (`_LearnAfter`), before the next backward's verdict reads it. Off with
+        inside a host-bound GPT-2-small step, docs/BENCHMARKS.md). The device's copy of the spread is made
+        after each update (`_LearnAfter`, either way), before the next backward's verdict reads it. Off with
         SDCWATCH_HOOK_VERDICT=0; where it cannot be armed, said once in the log."""
         handle = self._verdict.exec_handle() if _HOOK_VERDICT and not self._finish_refused else 0
         if not handle or self._ring is None:
@@ -524,11 +526,15 @@ class ComputeChecks:
         stream, CUDA's rules). A buffer is reused once its copy, two changes ago, is done: waited for if it
         is not (a query only used to skip the change to a later step, which made the step a rank takes a
         change depend on its own device's timing; every rank must judge each step against the same spread,
-        or one rank masks an update the others apply and the replicas part)."""
+        or one rank masks an update the others apply and the replicas part). Called after each update (the
+        AFTER stage): a step's device verdict reads the spread learnt up to the update before it, on every
+        rank alike, whether the C++ hook replays the verdict or the stage does."""
+        version = self.tracker.spread_version
+        if version == self._spread_version and self._spread_dev is not None:
+            return self._spread_dev                       # unchanged (most steps): no tensor made
         spread = self.tracker.signed_spread
         if spread is None:
             return None
-        version = self.tracker.spread_version
         if self._spread_dev is None or self._spread_dev.shape != spread.shape:
             self._disarm_finish()                         # the hook's verdict graph reads the old buffer
             self._spread_dev = spread.to(device)          # on arming and after a bucket rebuild only
@@ -672,7 +678,8 @@ class ComputeChecks:
                              audit_every=self.audit_every,
                              spread_max=float(spread.max()) if spread is not None else 0.0,
                              max_score_clean=self.tracker.max_score_clean, margin=self.tracker.margin,
-                             hook_gathers=getattr(self.summaries, "hook_gathers", 0))
+                             hook_gathers=getattr(self.summaries, "hook_gathers", 0),
+                             hook_verdicts=getattr(self.summaries, "hook_finishes", 0))
 
     def close(self) -> None:
         self._disarm_finish()
@@ -694,8 +701,7 @@ class _LearnAfter:
         owner = self._owner()
         if owner is not None:
             owner._learn_deferred()
-            if owner._finish is not None:     # the next backward's verdict (in the C++ hook) reads it
-                owner._spread_on(owner.device)
+            owner._spread_on(owner.device)    # what the next step's device verdict reads
 
 
 def _hardware(device: torch.device) -> str:

@@ -429,6 +429,7 @@ def test_the_gate_takes_the_hooks_slot_and_flag_and_replays_itself_when_the_hook
     gate._device_mask = DeviceMask.of(guard)
     gate.replayer = types.SimpleNamespace(retained=None)
     summaries, verdict = gate.summaries, gate._verdict
+    assert gate._spread_on(gate.device) is not None      # as the AFTER stage copies it, after an update
 
     def step(n: int) -> Any:
         ctx = StepContext(optimizer=opt, step=n)
@@ -1120,7 +1121,7 @@ def _device_path_host_rows(rank: int, init: str) -> None:
     assert status.steps == 40 and status.suspicions == 0
     # the rows' all-gather: eager at the first step (the determinism check's and the step's own) and the
     # second, then in the C++ comm hook for the 38 steps after (it built here: the CPU runs it too)
-    assert status.hook_gathers == 38, status
+    assert status.hook_gathers == 38 and status.hook_verdicts == 0, status   # (no verdict graph off CUDA)
     # every step but the last (judged at the next) learnt or waiting for its batch; reading the status
     # learns nothing (every rank must judge against the same spread, asked or not)
     assert learned + waiting == 39 and 0 < waiting < checks._learn_batch, (learned, waiting)

@@ -165,7 +165,7 @@ def _train(rank: int, init: str, device_name: str, out: str, variant: str = "gra
                                     for _, _, c in runs],
                    "buckets": [len(c.summaries.layout) for _, _, c in runs],
                    "captures": [c._verdict.captures for _, _, c in runs],
-                   "finishes": [c.summaries.hook_finishes for _, _, c in runs],
+                   "finishes": [c.status().hook_verdicts for _, _, c in runs],
                    "audits": [c.status().audits for _, _, c in runs],
                    "suspicions": [c.status().suspicions for _, _, c in runs],
                    "dropped": [c.status().dropped for _, _, c in runs],
