@@ -413,10 +413,11 @@ class GradSummaries:
         self._fast: dict[int, _BoundBucket] = {}     # bucket -> its bound summary (`_fast_path`)
         self._current = _CurrentStreams()
         self._world = 0                  # the group's size, read at the first gather
-        # the rows' all-gather moved into the C++ hook (`_arm_hook_gather`): (its output, its bucket count)
+        # the rows' all-gather moved into the C++ hook (`_arm_hook_gather`): (its output, its bucket count,
+        # the output as [world, n, 4], what `gather` returns for it)
         # while armed; the eager gathers of this bucket count so far; whether every rank can (None: not
         # asked yet; asked once, through a collective every rank makes at the same gather)
-        self._hook_gather: tuple[torch.Tensor, int] | None = None
+        self._hook_gather: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._eager_gathers = 0
         self._hook_gather_ok: bool | None = None
         self.hook_gathers = 0            # steps whose rows the C++ hook gathered
@@ -624,6 +625,8 @@ class GradSummaries:
 
     def bucket_count(self) -> int:
         """The buckets reduced since the last `clear` (every index below it must have been)."""
+        if self._native is not None:
+            return self._native.reduced_count()      # one call, no set (every step of the device path)
         done = self._reduced_buckets()
         return max(done) + 1 if done else 0
 
@@ -658,7 +661,7 @@ class GradSummaries:
 
     def pending(self) -> bool:
         """Rows of a synchronised backward that no step took (`clear` not called since)."""
-        return bool(self._reduced_buckets())
+        return self.bucket_count() > 0
 
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's rows, int64 [world, buckets, 4], on the rows' device (a collective: all ranks call).
@@ -677,7 +680,7 @@ class GradSummaries:
         if self._hook_gather_ok is not False:
             self._eager_gathers += 1
             if self._eager_gathers >= _GATHER_ARM_AFTER:   # into the caller's static `out`, else our own
-                self._arm_hook_gather(rows.view(-1, ROW_WORDS) if out is not None
+                self._arm_hook_gather(out if out is not None
                                       else torch.empty_like(rows).view(-1, ROW_WORDS), rows.shape[1])
         return rows
 
@@ -692,12 +695,12 @@ class GradSummaries:
         all_gather_single(out, mine, group=self._group)    # one call and no stack, whatever the world
         return out.view(world, *mine.shape)
 
-    def _hook_gathered(self, armed: tuple[torch.Tensor, int],
+    def _hook_gathered(self, armed: tuple[torch.Tensor, int, torch.Tensor],
                        out: torch.Tensor | None) -> torch.Tensor | None:
         """The rows the C++ hook gathered this step (the caller's stream, or the host on gloo, waits for
         them), or None when it did not gather them or gathered another bucket count (DDP rebuilt its
         buckets: every rank alike): disarmed then, and the caller gathers eagerly, as every rank does."""
-        target, n = armed
+        target, n, view = armed
         done = self._native.wait_gather()   # -2: not over buckets 0..n-1 exactly; -1: gathered; k: finished
         if done == -2:
             self._native.disarm_gather()        # (and its `arm_finish`)
@@ -706,12 +709,14 @@ class GradSummaries:
         if done >= 0:
             self.finished = done
             self.hook_finishes += 1
+        self.hook_gathers += 1
+        if out is target:                  # the gate's static input, the armed one (every step)
+            return view
         if out is None:
             target = target.clone()        # the caller's own, as an eager gather's (the next backward
         elif out.data_ptr() != target.data_ptr() or out.shape != target.shape:   # overwrites the hook's)
             out.copy_(target)              # another output than the armed one (not the gate's: it keeps one)
             target = out
-        self.hook_gathers += 1
         return target.view(self._world, n, ROW_WORDS)
 
     def _arm_hook_gather(self, out: torch.Tensor, n: int) -> None:
@@ -737,7 +742,7 @@ class GradSummaries:
         assert self._buf is not None
         group = self._group if self._group is not None else dist.distributed_c10d._get_default_group()
         self._native.arm_gather(group, out, self._buf[:n], n)
-        self._hook_gather = (out, n)
+        self._hook_gather = (out, n, out.view(-1, n, ROW_WORDS))
 
     def arm_finish(self, exec_handle: int, flag: torch.Tensor, keep: Sequence[torch.Tensor],
                    slots: Sequence[Any], start: int) -> str:
@@ -791,7 +796,9 @@ class FsdpGradSummaries:
     Every rank replays at once (the forward's all-gathers pair up), so every rank skips alike.
     """
 
-    finished = -1             # (no C++ hook here: the gate's verdict is never replayed by one)
+    # no C++ hook here (GradSummaries' methods it borrows see none; the gate's verdict is never replayed by one)
+    _native: Any = None
+    finished = -1
 
     def __init__(self, root: nn.Module, *, group: Any = None, inject: Any = None) -> None:
         from torch.distributed.fsdp import FSDPModule

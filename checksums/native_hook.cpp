@@ -273,6 +273,14 @@ class SummaryHook : public c10d::CommHookInterface {
     return set_indices(reduced_);
   }
 
+  int64_t reduced_count() {   // the highest bucket index reduced since the last clear, plus one (0: none)
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = reduced_.size(); i > 0; --i) {
+      if (reduced_[i - 1]) return static_cast<int64_t>(i);
+    }
+    return 0;
+  }
+
   void clear() {
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(reduced_.begin(), reduced_.end(), false);
@@ -382,10 +390,11 @@ class SummaryHook : public c10d::CommHookInterface {
       }
     }
     if (!work) return -2;
-    work->wait();
-    if (ready != nullptr) {
+    if (ready != nullptr) {   // recorded after the hook's stream waited for the gather: one wait for both
       const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       impl->block(ready, impl->getStream(dev));
+    } else {
+      work->wait();
     }
     if (!exact) return -2;
     return ready != nullptr ? finished : -1;
@@ -552,6 +561,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reduced", [](Handle& h) {
              auto hook = h.get();
              return hook ? hook->reduced() : std::vector<int64_t>{};
+           })
+      .def("reduced_count", [](Handle& h) -> int64_t {
+             auto hook = h.get();
+             return hook ? hook->reduced_count() : 0;
            })
       .def("clear", [](Handle& h) {
              if (auto hook = h.get()) hook->clear();

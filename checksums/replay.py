@@ -411,6 +411,7 @@ class Replayer:
         self._step_open = False
         self._scale_bufs: list[torch.Tensor | None] = [None, None]   # two steps' scales, used in turn
         self._scale_i = 0
+        self._cuda_gen: Any = None    # the device's default generator (`retain` reads its state each step)
         self.exact = True
         self.why_bounded = ""         # why check_determinism chose the rounding bound (bounded_reason)
         self.reproduces = True        # a replay of a step gives that step's gradient (check_determinism)
@@ -429,7 +430,14 @@ class Replayer:
             self.retained = Retained()            # a new object: a step kept for later keeps its own list
             self._step_open = True
             self.note_loss_scale()
-        dev_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        dev_rng = None
+        if self.device.type == "cuda":        # torch.cuda.get_rng_state's state, without its per-call lookups
+            gen = self._cuda_gen
+            if gen is None:
+                torch.cuda.init()
+                idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                gen = self._cuda_gen = torch.cuda.default_generators[idx]
+            dev_rng = gen.get_state()
         self.retained.micro.append((batch, torch.get_rng_state(), dev_rng))
 
     def end_step(self) -> None:

@@ -213,6 +213,7 @@ def test_a_spread_change_reaches_the_device_at_once_even_while_its_buffer_is_bus
     gate.tracker = SpreadTracker(warmup=0)
     gate._spread_dev, gate._spread_version, gate._spread_i = None, -1, 0
     gate._spread_pinned, gate._spread_done = [None, None], [None, None]
+    gate._finish = None
     dev = torch.device("cuda")
     busy = []
     for k in range(6):
