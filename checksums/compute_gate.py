@@ -492,8 +492,15 @@ class ComputeChecks:
         inside a host-bound GPT-2-small step, docs/BENCHMARKS.md). The device's copy of the spread is made
         after each update (`_LearnAfter`, either way), before the next backward's verdict reads it. Off with
         SDCWATCH_HOOK_VERDICT=0; where it cannot be armed, said once in the log."""
-        handle = self._verdict.exec_handle() if _HOOK_VERDICT and not self._finish_refused else 0
-        if not handle or self._ring is None:
+        if (self.fsdp or not _HOOK_VERDICT or self._finish_refused or self._ring is None
+                or not self.summaries.gathers_in_hook):    # (not yet: it arms after a few eager gathers)
+            return
+        handle = self._verdict.exec_handle()
+        if not handle:
+            if self._verdict.graphs:       # a graph, but this torch hands out no cudaGraphExec_t
+                self._finish_refused = True
+                logger.info("sdcwatch: the compute verdict stays in the step guard: this torch has no "
+                            "CUDAGraph.raw_cuda_graph_exec")
             return
         why = self.summaries.arm_finish(handle, flag, [spread], self._ring.fill(), self._ring.following())
         if why:

@@ -762,6 +762,11 @@ class GradSummaries:
             self._native.disarm_finish()
 
     @property
+    def gathers_in_hook(self) -> bool:
+        """The C++ hook all-gathers the rows (`_arm_hook_gather`): `arm_finish` can follow."""
+        return self._hook_gather is not None
+
+    @property
     def finish_armed(self) -> bool:
         return self._native is not None and self._native.finish_armed()
 

@@ -381,7 +381,7 @@ def test_the_gate_takes_the_hooks_slot_and_flag_and_replays_itself_when_the_hook
     rows = _rows(10, world=2)
 
     class Summaries:            # what the gate asks of GradSummaries, the hook's part scripted
-        finished, disarmed, armed = -1, 0, []
+        finished, disarmed, armed, gathers_in_hook = -1, 0, [], True
 
         def bucket_count(self) -> int:
             return rows.shape[1]
@@ -419,7 +419,7 @@ def test_the_gate_takes_the_hooks_slot_and_flag_and_replays_itself_when_the_hook
 
     gate = object.__new__(ComputeChecks)
     gate.summaries, gate._verdict = Summaries(), Verdict()
-    gate.world, gate.device, gate.guard = 2, torch.device("cpu"), guard
+    gate.world, gate.device, gate.guard, gate.fsdp = 2, torch.device("cpu"), guard, False
     gate.tracker = SpreadTracker(margin=3.0, warmup=0)
     gate.tracker.assess(stats_of(rows))                   # its spread set: armed
     gate._spread_dev, gate._spread_version, gate._spread_i = None, -1, 0
@@ -437,18 +437,22 @@ def test_the_gate_takes_the_hooks_slot_and_flag_and_replays_itself_when_the_hook
         gate._device_mask.run(ctx)
         return gate._pending[1]
 
-    # step 1: the hook gathered only: replayed here, copied to slot 0, and the hook armed from slot 1
-    summaries.script = [-1, 1, 2, -1, 0, 1]
+    # step 0: the rows' gather is not in the hook yet: replayed here, nothing armed (nor refused)
+    summaries.script, summaries.gathers_in_hook = [-1, -1, 2, 3, -1, 0, 1], False
+    step(0)
+    assert verdict.replays == 1 and summaries.armed == [] and not gate._finish_refused
+    # step 1: the hook gathers only: replayed here, copied to slot 1, and the hook armed from slot 2
+    summaries.gathers_in_hook = True
     s1 = step(1)
-    assert verdict.replays == 1 and summaries.armed == [(1234, 1, 10)] and gate._finish is verdict.out
+    assert verdict.replays == 2 and summaries.armed == [(1234, 2, 10)] and gate._finish is verdict.out
     assert torch.equal(s1.rows, rows)
-    # steps 2, 3: the hook finished into slots 1 and 2: nothing replayed or copied here
+    # steps 2, 3: the hook finished into slots 2 and 3: nothing replayed or copied here
     s2, s3 = step(2), step(3)
-    assert verdict.replays == 1 and gate._ring.take(1) is s2 and gate._ring.take(2) is s3
+    assert verdict.replays == 2 and gate._ring.take(2) is s2 and gate._ring.take(3) is s3
     # step 4: armed, but the hook did not finish (its gather disarmed): disarmed, replayed, the next slot
     s4 = step(4)
-    assert summaries.disarmed == 1 and verdict.replays == 2 and gate._ring.following() == 4
-    assert torch.equal(s4.rows, rows) and summaries.armed[-1] == (1234, 4, 10)   # and armed again
+    assert summaries.disarmed == 1 and verdict.replays == 3 and gate._ring.following() == 5
+    assert torch.equal(s4.rows, rows) and summaries.armed[-1] == (1234, 5, 10)   # and armed again
     # a host-path step the hook finished into slot 0... the ring goes on from there
     gate._ring._i = 9
     summaries.script = [0]
