@@ -29,7 +29,10 @@ loaded other weights) is not replayed: its verdict gates nothing after the resto
 synchronisation per audit. Cost of the device path per step: the bucket summaries (a norm, a max-abs and the
 fingerprint kernel per bucket), one all-gather of 32 bytes per bucket per rank, and a handful of tiny
 kernels (median, log, compare) for the flag, replayed as one CUDA graph once the spread is learnt
-(checksums.device_verdict).
+(checksums.device_verdict). With the C++ comm hook (DDP on CUDA) the gather, the graph's replay and the copies
+to pinned memory all run in the hook, right after its last bucket's all-reduce (`_arm_finish`): the stage
+before the update then takes the slot the hook filled and makes its stream wait once. In both forms a
+step's verdict reads the device's spread as the last AFTER stage copied it, on every rank alike.
 
 FSDP2 (`fully_shard`): the rows come from a custom reduce-scatter (checksums.grad_checks.FsdpGradSummaries)
 and replays are collective (checksums.fsdp_replay: every rank replays at once; an audit step audits every

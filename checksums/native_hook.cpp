@@ -103,6 +103,15 @@ struct Finish {
   std::vector<void*> events;         // each slot's CUDA event (the caller's torch.cuda.Event's handle)
   void* ready = nullptr;             // recorded after the graph: the caller's stream waits for it
   size_t next = 0;                   // the slot of the next step
+
+  Finish() = default;
+  Finish(const Finish&) = delete;
+  Finish& operator=(const Finish&) = delete;
+  ~Finish() {
+    if (ready != nullptr) {          // (CUDA destroys an event whose record is still pending once it is done)
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->destroyEvent(ready, input.device().index());
+    }
+  }
 };
 
 class SummaryHook : public c10d::CommHookInterface {
@@ -452,21 +461,26 @@ class SummaryHook : public c10d::CommHookInterface {
       finish_.reset();
       return;
     }
-    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    const c10::Device dev = gather_out_.device();
-    const c10::Stream stream = impl->getStream(dev);
-    gather_work_->wait();                                   // NCCL: this stream waits; the host does not
-    if (driver().graph_launch(f.exec, stream.native_handle()) != 0) {
+    try {
+      const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+      const c10::Device dev = gather_out_.device();
+      const c10::Stream stream = impl->getStream(dev);
+      gather_work_->wait();                                 // NCCL: this stream waits; the host does not
+      if (driver().graph_launch(f.exec, stream.native_handle()) != 0) {
+        finish_.reset();
+        return;
+      }
+      impl->record(&f.ready, stream, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
+      const size_t k = f.next;
+      f.host_rows[k].copy_(f.input, /*non_blocking=*/true);
+      f.host_flag[k].copy_(f.flag, /*non_blocking=*/true);
+      impl->record(&f.events[k], stream, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);   // into its handle
+      f.next = (k + 1) % f.host_rows.size();
+      finished_ = static_cast<int64_t>(k);
+    } catch (...) {        // never a broken backward: the stage replays the verdict itself, as before arming
       finish_.reset();
-      return;
+      finished_ = -1;
     }
-    impl->record(&f.ready, stream, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
-    const size_t k = f.next;
-    f.host_rows[k].copy_(f.input, /*non_blocking=*/true);
-    f.host_flag[k].copy_(f.flag, /*non_blocking=*/true);
-    impl->record(&f.events[k], stream, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);   // into its handle
-    f.next = (k + 1) % f.host_rows.size();
-    finished_ = static_cast<int64_t>(k);
   }
 
   // the bucket's bound launch on the current stream; false (nothing launched) when it has none, its
