@@ -41,8 +41,9 @@ class HostSlot:
             self.done.record()
 
     def wait(self) -> None:
-        if self.done is not None:
-            self.done.synchronize()
+        done = self.done
+        if done is not None and not done.query():   # landed a step ago, in practice: a query keeps the GIL,
+            done.synchronize()                      # where a wait lets it go and takes it back
 
     def flagged(self) -> bool:
         """The device's verdict masked this step's update."""
