@@ -374,6 +374,11 @@ class SummaryHook : public c10d::CommHookInterface {
     return finish_ != nullptr;
   }
 
+  bool finished() {   // the hook's verdict ran since the last clear (`wait_gather` then blocks nothing)
+    std::lock_guard<std::mutex> lock(mu_);
+    return finished_ >= 0 && finish_ != nullptr;
+  }
+
   // what the hook did since the last clear: -2 no gather (or not over exactly buckets 0..n-1 any more: a
   // bucket reduced after the gather's); -1 the gather only; k >= 0 the gather, the verdict and the copies
   // into host slot k. The caller's current stream (NCCL) or the host (gloo) waits for the gather, and for
@@ -593,6 +598,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait_gather", [](Handle& h) -> int64_t {
              auto hook = h.get();
              if (!hook) return -2;
+             if (hook->finished()) return hook->wait_gather();   // a stream wait only: the GIL is kept
              py::gil_scoped_release nogil;   // gloo's wait blocks the host
              return hook->wait_gather();
            })
