@@ -103,15 +103,8 @@ struct Finish {
   std::vector<void*> events;         // each slot's CUDA event (the caller's torch.cuda.Event's handle)
   void* ready = nullptr;             // recorded after the graph: the caller's stream waits for it
   size_t next = 0;                   // the slot of the next step
-
-  Finish() = default;
-  Finish(const Finish&) = delete;
-  Finish& operator=(const Finish&) = delete;
-  ~Finish() {
-    if (ready != nullptr) {          // (CUDA destroys an event whose record is still pending once it is done)
-      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->destroyEvent(ready, input.device().index());
-    }
-  }
+  // (`ready` is left to the process's end, as the side streams' events are: one an arming, a few a job; a
+  // hook destroyed while the interpreter and CUDA shut down must not call into them)
 };
 
 class SummaryHook : public c10d::CommHookInterface {
