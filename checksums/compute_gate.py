@@ -478,7 +478,9 @@ class ComputeChecks:
             armed = (spread is not None and self.tracker.learned >= self.tracker.warmup
                      and spread.shape[0] == rows.shape[1])
             flag = self._verdict.flag(rows, spread if armed else None)
-            slot = self._host_slot(rows, finished)
+            if finished >= 0:              # (a slot the hook filled all the same: taken in turn, unread)
+                self._host_slot(rows, finished)
+            slot = self._host_slot(rows)
             slot.rows.copy_(rows, non_blocking=True)
             slot.flag.copy_(flag, non_blocking=True)
             slot.record()

@@ -457,6 +457,11 @@ def test_the_gate_takes_the_hooks_slot_and_flag_and_replays_itself_when_the_hook
     gate._ring._i = 9
     summaries.script = [0]
     assert torch.equal(gate._rows_on_host(), rows) and gate._ring.following() == 1
+    # a slot the hook filled while the gate had it disarmed is skipped, never written by both
+    gate._disarm_finish()
+    summaries.script = [1]
+    s6 = step(6)
+    assert gate._ring.following() == 3 and gate._ring.take(2) is s6 and torch.equal(s6.rows, rows)
 
 
 def test_a_step_the_device_passed_is_learnt_after_the_update_a_batch_at_a_time_and_never_replayed():
