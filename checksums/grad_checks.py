@@ -766,10 +766,6 @@ class GradSummaries:
         """The C++ hook all-gathers the rows (`_arm_hook_gather`): `arm_finish` can follow."""
         return self._hook_gather is not None
 
-    @property
-    def finish_armed(self) -> bool:
-        return self._native is not None and self._native.finish_armed()
-
     def bucket_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Summary rows int64 [buckets, 4] of a gradient given per parameter (a replay's), in this layout."""
         rows = []

@@ -362,11 +362,6 @@ class SummaryHook : public c10d::CommHookInterface {
     finished_ = -1;
   }
 
-  bool finish_armed() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return finish_ != nullptr;
-  }
-
   bool finished() {   // the hook's verdict ran since the last clear (`wait_gather` then blocks nothing)
     std::lock_guard<std::mutex> lock(mu_);
     return finished_ >= 0 && finish_ != nullptr;
@@ -606,10 +601,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("disarm_finish", [](Handle& h) {
              if (auto hook = h.get()) hook->disarm_finish();
-           })
-      .def("finish_armed", [](Handle& h) {
-             auto hook = h.get();
-             return hook ? hook->finish_armed() : false;
            })
       .def("native_calls", [](Handle& h) { auto hook = h.get(); return hook ? hook->native_calls() : 0; })
       .def("alive", [](Handle& h) { return !h.hook.expired(); });
