@@ -468,9 +468,11 @@ class ComputeChecks:
         rows = self.summaries.gather(out=inp)
         finished = self.summaries.finished
         self.summaries.clear()
+        # the slot the hook filled is taken in turn either way (unread where the gate had it disarmed)
+        hooked = self._host_slot(rows, finished) if finished >= 0 else None
         flag = self._finish
-        if finished >= 0 and flag is not None:
-            slot, armed = self._host_slot(rows, finished), True
+        if hooked is not None and flag is not None:
+            slot, armed = hooked, True
         else:
             if flag is not None:           # armed, but the hook did not finish this step: replayed here
                 self._disarm_finish()      # until it can again
@@ -478,8 +480,6 @@ class ComputeChecks:
             armed = (spread is not None and self.tracker.learned >= self.tracker.warmup
                      and spread.shape[0] == rows.shape[1])
             flag = self._verdict.flag(rows, spread if armed else None)
-            if finished >= 0:              # (a slot the hook filled all the same: taken in turn, unread)
-                self._host_slot(rows, finished)
             slot = self._host_slot(rows)
             slot.rows.copy_(rows, non_blocking=True)
             slot.flag.copy_(flag, non_blocking=True)
@@ -550,24 +550,21 @@ class ComputeChecks:
         if self._spread_dev is None or self._spread_dev.shape != spread.shape:
             self._disarm_finish()                         # the hook's verdict graph reads the old buffer
             self._spread_dev = spread.to(device)          # on arming and after a bucket rebuild only
-            self._spread_version = version
-        elif self._spread_version != version:
-            if device.type != "cuda":
-                self._spread_dev.copy_(spread)
-                self._spread_version = version
-            else:
-                i = self._spread_i ^ 1
-                buf, done = self._spread_pinned[i], self._spread_done[i]
-                if buf is None or buf.shape != spread.shape:
-                    buf = self._spread_pinned[i] = torch.empty(spread.shape, dtype=spread.dtype, pin_memory=True)
-                    done = self._spread_done[i] = torch.cuda.Event()
-                elif not done.query():
-                    done.synchronize()                      # enqueued two changes ago: done, in practice
-                buf.copy_(spread)
-                self._spread_dev.copy_(buf, non_blocking=True)
-                done.record()
-                self._spread_i = i
-                self._spread_version = version
+        elif device.type != "cuda":
+            self._spread_dev.copy_(spread)
+        else:
+            i = self._spread_i ^ 1
+            buf, done = self._spread_pinned[i], self._spread_done[i]
+            if buf is None or buf.shape != spread.shape:
+                buf = self._spread_pinned[i] = torch.empty(spread.shape, dtype=spread.dtype, pin_memory=True)
+                done = self._spread_done[i] = torch.cuda.Event()
+            elif not done.query():
+                done.synchronize()                        # enqueued two changes ago: done, in practice
+            buf.copy_(spread)
+            self._spread_dev.copy_(buf, non_blocking=True)
+            done.record()
+            self._spread_i = i
+        self._spread_version = version
         return self._spread_dev
 
     def _settle_previous(self, defer: bool = False) -> None:

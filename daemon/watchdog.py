@@ -4,10 +4,10 @@ Every probe loop (`daemon.probe_runner.ProbeRunner`) publishes a heartbeat, `las
 at each round and every second while it waits on a call that is known to hang (a hung NVML call is the
 driver's fault, reported as `probe.hung` and `nvml.unresponsive`, and DESIGN.md keeps it out of liveness).
 A loop whose heartbeat is older than `STALE_INTERVALS` of its interval (and `STALE_FLOOR_S`) is stale: its
-task died, deadlocked or
-is stuck in our own code. Then `sdcwatch.v1.Agent` answers NOT_SERVING (Kubernetes liveness restarts the
-agent; `sdcwatch status` shows the reason on the probe), an `agent.loop_stale` event is journaled and
-`SDCWatchAgentLoopStale` fires; a beat after that journals `agent.loop_recovered` and resolves it.
+task died, deadlocked or is stuck in our own code. Then `sdcwatch.v1.Agent` answers NOT_SERVING
+(Kubernetes liveness restarts the agent; `sdcwatch status` shows the reason on the probe), an
+`agent.loop_stale` event is journaled and `SDCWatchAgentLoopStale` fires; a beat after that journals
+`agent.loop_recovered` and resolves it.
 
 `stale_loops(loops, now)` is the pure rule; `Watchdog` applies it every `check_s` on the event loop (an
 event loop that is blocked answers no health check at all, which liveness sees as a failure too).
