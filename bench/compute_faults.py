@@ -1001,6 +1001,12 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                      f"{hit.get('cause', '-'):11} {('dropped' if hit.get('dropped') else 'applied') if 'cause' in hit else '-'}"
                      + (f"   (vote also, +{c['vote']['step'] - fault_step})" if det != "vote" and "vote" in c else "")
                      + sg)
+    cases = [r for name, r in results.items() if name not in ("clean", "overhead")]
+    if cases:   # whether the C++ hook's gather and verdict were in play (0 on gloo CPU ranks, by design)
+        lines.append(f"over the fault cases, rank 0's C++ hook gathered the rows on "
+                     f"{sum(r['status'].get('hook_gathers', 0) for r in cases)} steps and judged "
+                     f"{sum(r['status'].get('hook_verdicts', 0) for r in cases)} of "
+                     f"{sum(r['status'].get('steps', 0) for r in cases)}")
     if "clean" in results:
         r = results["clean"]
         st = r["status"]
@@ -1013,7 +1019,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                              f"caught on its step beyond x{(col.median() * st['margin']).exp():.1f} (median "
                              f"bucket) at margin {st['margin']}")
         lines.append(f"clean: {r['steps']} steps, {st['suspicions']} suspicions, {st['dropped']} dropped, "
-                     f"{st['audits']} audits, exact={st['exact']}, largest clean spread "
+                     f"{st['audits']} audits, exact={st['exact']}, rank 0's C++ hook gathered "
+                     f"{st.get('hook_gathers', 0)} and judged {st.get('hook_verdicts', 0)}, "
+                     f"largest clean spread "
                      f"{st['spread_max']:.3f} (log units, x{2.718281828 ** st['spread_max']:.3f}), largest "
                      f"clean score {st['max_score_clean']:.2f} of margin {st['margin']}, {r['elapsed_s']:.1f}s")
         named = sum(1 for f in r.get("reported", []) if f[3])       # a GPU named on a clean run: false
@@ -1047,7 +1055,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                          + _interval_cell(a, o.get("host", {}).get(name, {})))
         for name, st in o.get("status", {}).items():
             lines.append(f"  checks of arm {name}: steps {st['steps']}, suspicions {st['suspicions']}, replays "
-                         f"{st['replays']}, audits {st['audits']}, dropped {st['dropped']}, exact {st['exact']}")
+                         f"{st['replays']}, audits {st['audits']}, dropped {st['dropped']}, "
+                         f"exact {st['exact']}, hook gathers {st.get('hook_gathers', 0)}, "
+                         f"hook verdicts {st.get('hook_verdicts', 0)}")
         for name, a in o["arms"].items():
             lines.append(f"  blocks of arm {name} (ms/step): " + " ".join(f"{b * 1e3:.1f}" for b in a["blocks"]))
         for name, h in o.get("host", {}).items():

@@ -500,6 +500,16 @@ want moeclean && step moe-clean-nohint 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 p
   --determinism strict --cases moe --clean 150 --no-experts-hint
 want compileprobe && step compile-probe 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compile_replay_probe \
   --device cuda --model gpt2 --batch 4
+# issue 19: the C++ hook's gather and verdict across processes while the pair is not lent: 3 and 2 ranks
+# sharing this GPU over gloo (which gathers CUDA tensors; NCCL needs a GPU a rank), each fault caught on its
+# step or by the audit, named and masked with the verdict in the hook, then clean steps; the table says on
+# how many steps rank 0's hook gathered and judged
+want hookranks && step hook-3ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model tiny-gpt --fault-step 30 --after 12 --audit-every 10 \
+  --determinism strict --cases "mm one elem =1e4,grad elem =100,mm one elem x1.01 persistent" --clean 300
+want hookranks && step hook-2ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model tiny-gpt --fault-step 30 --after 12 --audit-every 10 \
+  --determinism strict --cases "mm one elem =1e4,grad elem =100,mm one elem x1.01 persistent" --clean 300
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,

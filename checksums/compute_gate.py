@@ -391,22 +391,12 @@ class ComputeChecks:
         no_jumps = (0.0, 0.0)
         held = ""          # an audit's replay differed and classifying it failed: the update is held back
         try:
-            if not outcomes and audit_due and self.fsdp:      # FSDP2: every rank audited at once
+            if not outcomes and audit_due:            # every rank audited at once (by its neighbour)
                 self._audits += 1
-                assert isinstance(self.replayer, FsdpReplayer)
                 got_all = self.replayer.audit_all(rows, no_jumps)
                 outcomes.extend(("audit", audited, c) for audited, c in got_all)
                 if not got_all:
                     self._last_audit.update((r, ctx.step) for r in range(self.world))
-            elif not outcomes and audit_due:
-                audited = (ctx.step // self.audit_every) % self.world
-                self._audits += 1
-                got = self.replayer.audit(audited, rows[audited], rows if self.world == 2 else None,
-                                          no_jumps)
-                if got is not None:
-                    outcomes.append(("audit", audited, got))
-                else:
-                    self._last_audit[audited] = ctx.step
         except ReplayFailed as exc:     # the audit did not complete: no finding; applied unless it differed
             self._audits -= 1
             why = self._replay_failed(exc)

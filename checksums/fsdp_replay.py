@@ -13,10 +13,9 @@ and does not reduce. The replay's sharded `.grad` (a zeroed output) is discarded
 place: it never sees ours), and so are its post-accumulate-grad hooks (an optimizer in backward must not
 step on a replay) and the module's buffers.
 
-`replay` is the one collective the base Replayer's `classify`, `classify_pair` and `check_determinism`
-call on every rank in the same order, so they work unchanged: every rank replays the same batch. `audit`
-is FSDP's own: one round in which rank r replays rank (r + 1) % W's batch, so every rank is audited at once
-(for the cost DDP pays to audit one), then the base classification of each mismatch (at most two).
+`replay` is the one collective the base Replayer's `classify`, `classify_pair`, `check_determinism` and
+`audit_all` call on every rank in the same order, so they work unchanged: every rank replays the same batch,
+or in an audit each its neighbour's (one round: every rank audited at once).
 
 HSDP (a 2-D mesh): the reduce-scatter of the shard group is the one summarised; a replay skips it, and
 FSDP's all-reduce across replicas then runs on the zeroed output (every rank replays, so it pairs up;
@@ -45,14 +44,9 @@ from torch import nn
 
 from checksums.grad_checks import FsdpGradSummaries
 from checksums.replay import (
-    Cause,
-    Classification,
     LossFn,
     Replayer,
     Retained,
-    _after_mismatch,
-    _equal,
-    classify_replays,
     MODEL_WITNESS,
     scaled,
     witness_names,
@@ -60,8 +54,6 @@ from checksums.replay import (
 from checksums.op_witness import witness_projection
 
 logger = logging.getLogger(__name__)
-
-MAX_CLASSIFIED = 2      # mismatches of one audit classified (each a collective replay): bounded
 
 
 class FsdpReplayer(Replayer):
@@ -162,7 +154,7 @@ class FsdpReplayer(Replayer):
                 logger.warning("sdcwatch: the FSDP2 CPU witness failed (%s: %s); no witness",
                                type(exc).__name__, str(exc)[:300])
                 out = [float("nan")]
-        dist.broadcast_object_list(out, src=0, group=self.group,
+        dist.broadcast_object_list(out, group=self.group, group_src=0,
                                    device=self.device if self.device.type == "cuda" else None)
         return float(out[0])
 
@@ -203,52 +195,3 @@ class FsdpReplayer(Replayer):
             return float("nan")
         return witness_projection(ref, g0, g1)
 
-    def fetch_all(self, mine: Retained | None = None) -> list[Retained]:
-        """Every rank's retained micro-batches (`mine`, default this step's) on every rank (a collective)."""
-        mine = mine if mine is not None else self.retained
-        got: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(got, mine.outgoing(), group=self.group)
-        return [Retained.arriving(payload, self.device, mine.loss_scale) for payload in got]
-
-    def audit_all(self, originals: torch.Tensor,
-                  jumps: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, Classification]]:
-        """Every rank at once: rank r replays rank (r + 1) % W's batch of this step; `originals` [W, G, 4]
-        are every rank's rows. [] when every replay matches its original; else (audited rank,
-        classification) per mismatch classified (two ranks: the pair replays; 3+: `classify`, at most
-        MAX_CLASSIFIED, a mismatch an earlier classification explains skipped). A mismatch whose replays
-        all agree with the original was the auditor's replay, once: `transient` on the auditor, applied."""
-        world = dist.get_world_size(self.group)
-        rank = dist.get_rank(self.group)
-        batches = self.fetch_all()
-        got = self.replay_round(lambda: self.replay(batches[(rank + 1) % world]))  # r's of r + 1's
-        mismatched = [j for j in range(world) if not _equal(originals[j], got[(j - 1) % world], self.exact, 1e-3)]
-        if not mismatched:
-            return []
-        with _after_mismatch():
-            return self._classify_audits(originals, batches, mismatched, world, jumps)
-
-    def _classify_audits(self, originals: torch.Tensor, batches: list[Retained], mismatched: list[int],
-                         world: int, jumps: tuple[float, float]) -> list[tuple[int, Classification]]:
-        if world == 2:
-            c = self.classify_pair(originals, jumps=jumps)
-            if c.cause is Cause.DATA:
-                auditors = tuple(sorted((j - 1) % world for j in mismatched))
-                c = Classification(Cause.TRANSIENT, auditors, False,
-                                   f"auditor rank(s) {list(auditors)}'s replay differed once; every replay "
-                                   "after it agrees with the originals")
-            return [(mismatched[0], c)]
-        out: list[tuple[int, Classification]] = []
-        named: set[int] = set()
-        for j in mismatched:
-            if len(out) == MAX_CLASSIFIED or j in named or (j - 1) % world in named:
-                continue                  # explained already (a faulty auditor makes its neighbour differ)
-            got_j = self.replay_round(lambda b=batches[j]: self.replay(b))    # every rank replays j's
-            c = classify_replays(j, originals[j], got_j, exact=self.exact)
-            if c.cause is Cause.DATA:     # every replay agrees with the original: the auditor's was odd, once
-                auditor = (j - 1) % world
-                c = Classification(Cause.TRANSIENT, (auditor,), False,
-                                   f"auditor rank {auditor}'s replay of rank {j}'s batch differed once; every "
-                                   "replay after it agrees with the original")
-            named.update(c.faulty)
-            out.append((j, c))
-        return out

@@ -29,8 +29,10 @@ Two uses, both collectives (every rank calls, in the same order):
   host CPU (`Replayer.witness`: a batch they disagree on recomputed in float64 on the CPU, projected on the line from
   GPU 0's gradient to GPU 1's); where that names nobody, the first op that computes differently on the
   two GPUs from equal inputs, recomputed alone (checksums.op_witness); else both are named (UNRESOLVED), never one wrong rank.
-- `audit`: every `every` steps one rank's batch is replayed by its neighbour; a mismatch becomes a
-  `classify` of that rank (with 3+ ranks a third result decides; with 2, `classify_pair`).
+- `audit_all`: every `every` steps each rank replays its neighbour's batch (rank r rank (r + 1) % W's, the
+  batches passed point to point, all in one round), so every rank is audited at once for the wall time of
+  one replay; a mismatch becomes a `classify` of that rank (with 3+ ranks a third result decides; with 2,
+  `classify_pair`).
 
 One replay per step at most, never retried: the gate never loops.
 
@@ -97,6 +99,9 @@ class Classification:
     faulty: tuple[int, ...]         # ranks whose arithmetic was wrong (empty for DATA)
     drop: bool                      # the step's update must not be applied
     detail: str
+
+
+MAX_CLASSIFIED = 2      # mismatches of one audit classified (each a replay round): bounded
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor, exact: bool, rtol: float) -> bool:
@@ -564,7 +569,7 @@ class Replayer:
             except Exception as exc:  # noqa: BLE001 (a model the CPU cannot replay: no witness, said)
                 logger.warning("sdcwatch: the CPU witness failed (%s); no witness", replay_failure(exc))
                 out = [float("nan")]
-        dist.broadcast_object_list(out, src=0, group=self.group,
+        dist.broadcast_object_list(out, group=self.group, group_src=0,
                                    device=self.device if self.device.type == "cuda" else None)
         t = float(out[0])
         if ops and witness_names(t) is None:
@@ -625,9 +630,29 @@ class Replayer:
         collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
         payload: list[Any] = [mine.outgoing() if dist.get_rank(self.group) == src else None]
-        dist.broadcast_object_list(payload, src=src, group=self.group,
+        dist.broadcast_object_list(payload, group=self.group, group_src=src,
                                    device=self.device if self.device.type == "cuda" else None)
         return Retained.arriving(payload[0], self.device, mine.loss_scale)
+
+    def fetch_audited(self, mine: Retained | None = None) -> Retained:
+        """Rank (r + 1) % W's retained batch and RNG state (`mine`, default this step's) on rank r, the batch
+        r audits (a collective: all ranks call). Each rank sends its own to the rank before it, point to
+        point, so a rank holds two batches whatever the world (an all-gather would hold W); even ranks send
+        first and odd ranks receive first, so no two ranks wait on each other."""
+        mine = mine if mine is not None else self.retained
+        world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        if world == 1:
+            return mine
+        device = self.device if self.device.type == "cuda" else None
+        got: list[Any] = [None]
+        for sending in ((True, False) if rank % 2 == 0 else (False, True)):
+            if sending:
+                dist.send_object_list([mine.outgoing()], group=self.group, group_dst=(rank - 1) % world,
+                                      device=device)
+            else:
+                dist.recv_object_list(got, group=self.group, group_src=(rank + 1) % world, device=device)
+        return Retained.arriving(got[0], self.device, mine.loss_scale)
 
     def agreed(self, replay: Callable[[], T]) -> T:
         """`replay()` (this rank's part of a replay round), or `ReplayFailed` on every rank when it raised on
@@ -703,38 +728,51 @@ class Replayer:
                 self._witnessed = (c.faulty[0], WITNESS_REUSE)
         return c
 
-    def audit(self, audited: int, original: torch.Tensor, originals: torch.Tensor | None = None,
-              jumps: tuple[float, float] = (0.0, 0.0)) -> Classification | None:
-        """Rank `audited`'s neighbour replays its batch; None when it agrees, else the full `classify`
-        (with two ranks and every rank's `originals` [2, B, 4]: `classify_pair`)."""
+    def audit_all(self, originals: torch.Tensor,
+                  jumps: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, Classification]]:
+        """Every rank audited at once: rank r replays rank (r + 1) % W's batch of this step (one replay a
+        rank, all in one round: the wall time of one replay, W times the coverage of auditing one rank);
+        `originals` [W, B, 4] are every rank's rows. [] when every replay matches its original; else
+        (audited rank, classification) per mismatch classified (two ranks: the pair replays; 3+: every
+        rank replays the mismatched batch and `classify_replays` decides, at most MAX_CLASSIFIED, a mismatch
+        an earlier classification explains skipped). A mismatch whose replays all agree with the original
+        was the auditor's replay, once: `transient` on the auditor, applied (a collective: all ranks call)."""
         world = dist.get_world_size(self.group)
-        rank = dist.get_rank(self.group)
-        auditor = (audited + 1) % world
-        retained = self.fetch(audited)
-        got = self.replay_round(lambda: self.replay(retained) if rank == auditor
-                                else torch.zeros_like(original, device=self.device))
-        if _equal(original, got[auditor], self.exact, 1e-3):
-            return None
+        audited = self.fetch_audited()
+        got = self.replay_round(lambda: self.replay(audited))          # r's replay of r + 1's batch
+        mismatched = [j for j in range(world)
+                      if not _equal(originals[j], got[(j - 1) % world], self.exact, 1e-3)]
+        if not mismatched:
+            return []
         with _after_mismatch():
-            return self._classify_audit(audited, auditor, original, retained, world, originals, jumps)
+            return self._classify_audits(originals, mismatched, world, jumps)
 
-    def _classify_audit(self, audited: int, auditor: int, original: torch.Tensor, retained: Retained,
-                        world: int, originals: torch.Tensor | None,
-                        jumps: tuple[float, float]) -> Classification:
-        if world == 2 and originals is not None:
+    def _classify_audits(self, originals: torch.Tensor, mismatched: list[int], world: int,
+                         jumps: tuple[float, float]) -> list[tuple[int, Classification]]:
+        if world == 2:
             c = self.classify_pair(originals, jumps=jumps)
             if c.cause is Cause.DATA:
-                return Classification(Cause.TRANSIENT, (auditor,), False,
-                                      f"auditor rank {auditor}'s replay of rank {audited}'s batch differed "
-                                      "once; every replay after it agrees with the originals")
-            return c
-        got = self.replay_round(lambda: self.replay(retained))        # every rank replays it now
-        c = classify_replays(audited, original, got, exact=self.exact)
-        if c.cause is Cause.DATA:      # the auditor's first replay was the odd one out, once
-            return Classification(Cause.TRANSIENT, (auditor,), False,
-                                  f"auditor rank {auditor}'s replay of rank {audited}'s batch differed once; "
-                                  "every replay after it agrees with the original")
-        return c
+                auditors = tuple(sorted((j - 1) % world for j in mismatched))
+                c = Classification(Cause.TRANSIENT, auditors, False,
+                                   f"auditor rank(s) {list(auditors)}'s replay differed once; every replay "
+                                   "after it agrees with the originals")
+            return [(mismatched[0], c)]
+        out: list[tuple[int, Classification]] = []
+        named: set[int] = set()
+        for j in mismatched:
+            if len(out) == MAX_CLASSIFIED or j in named or (j - 1) % world in named:
+                continue                  # explained already (a faulty auditor makes its neighbour differ)
+            retained = self.fetch(j)
+            got_j = self.replay_round(lambda: self.replay(retained))    # every rank replays j's batch
+            c = classify_replays(j, originals[j], got_j, exact=self.exact)
+            if c.cause is Cause.DATA:     # every replay agrees with the original: the auditor's was odd, once
+                auditor = (j - 1) % world
+                c = Classification(Cause.TRANSIENT, (auditor,), False,
+                                   f"auditor rank {auditor}'s replay of rank {j}'s batch differed once; "
+                                   "every replay after it agrees with the original")
+            named.update(c.faulty)
+            out.append((j, c))
+        return out
 
     def _start_witness(self, retained: Retained) -> None:
         """Two ranks at the first step, each GPU repeating its own gradient of rank 0's batch, the two

@@ -3,7 +3,8 @@ tensor through its legacy typed storage, which the unsigned dtypes wider than a 
 tensor (a fused attention op's RNG seed and offset on a GPU: the H200 run of 2026-12-05 broke in the op
 witness's exchange on the attention case) or a batch of uint16 token ids failed to unpickle on the receiving
 rank. They now travel as their bits in the signed twin and arrive bit for bit, over real gloo collectives:
-the op witness's `exchange`, a replay's `fetch` (DDP) and `fetch_all` (FSDP2's)."""
+the op witness's `exchange`, a replay's `fetch` and an audit's `fetch_audited` (point to point, around
+the ring of ranks, also inside a process group of some ranks)."""
 from __future__ import annotations
 
 import collections
@@ -97,3 +98,40 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
 def test_unsigned_tensors_cross_real_gloo_collectives(tmp_path: Path) -> None:
     spawn(_ranks, (2, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def _ring(rank: int, world: int, init: str, out: str) -> None:
+    from torch import nn
+
+    from checksums.replay import Replayer
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        def replayer(group: object = None) -> Replayer:
+            r = Replayer(nn.Linear(2, 2), None, lambda m, b: m(b["x"]).sum(), device=torch.device("cpu"),
+                         group=group)
+            ids = torch.tensor([rank, 40000 + rank, 65535], dtype=torch.int32).to(torch.int16)
+            r.retain({"x": torch.full((1, 2), float(rank)), "ids": ids.view(torch.uint16)})
+            return r
+
+        def ids_of(r: int) -> torch.Tensor:
+            return torch.tensor([r, 40000 + r, 65535], dtype=torch.int32).to(torch.int16).view(torch.uint16)
+
+        # every rank holds the batch it audits, its neighbour's (r + 1) % W, and only that one
+        got, nxt = replayer().fetch_audited(), (rank + 1) % world
+        _same(got.micro[0][0], {"x": torch.full((1, 2), float(nxt)), "ids": ids_of(nxt)})
+        # a group of ranks 1 and 2 (a job's data-parallel group): its ranks are the group's, not the world's
+        sub = dist.new_group([1, 2])
+        if rank in (1, 2):
+            r = replayer(sub)
+            other = 3 - rank
+            got = r.fetch_audited()
+            _same(got.micro[0][0], {"x": torch.full((1, 2), float(other)), "ids": ids_of(other)})
+            _same(r.fetch(1).micro[0][0], {"x": torch.full((1, 2), 2.0), "ids": ids_of(2)})   # group rank 1
+        Path(out, f"ring{rank}").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_audits_batches_go_round_the_ring_of_ranks_and_inside_a_group(tmp_path: Path) -> None:
+    spawn(_ring, (3, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=3)
+    assert all((tmp_path / f"ring{r}").exists() for r in range(3))
