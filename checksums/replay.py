@@ -644,7 +644,9 @@ class Replayer:
         rank = dist.get_rank(self.group)
         if world == 1:
             return mine
-        device = self.device if self.device.type == "cuda" else None
+        # gloo sends CUDA tensors in its collectives but not point to point: there the bytes go by the host
+        gloo = str(dist.get_backend(self.group)) == "gloo"
+        device = self.device if self.device.type == "cuda" and not gloo else None
         got: list[Any] = [None]
         for sending in ((True, False) if rank % 2 == 0 else (False, True)):
             if sending:
