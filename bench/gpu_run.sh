@@ -510,6 +510,13 @@ want hookranks && step hook-3ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pytho
 want hookranks && step hook-2ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model tiny-gpt --fault-step 30 --after 12 --audit-every 10 \
   --determinism strict --cases "mm one elem =1e4,grad elem =100,mm one elem x1.01 persistent" --clean 300
+# the same hook path over 5,000 clean steps a world (audits every 10): no false suspicion across processes
+want hookclean && step hook-clean-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model tiny-gpt --cases none --audit-every 10 --determinism strict \
+  --clean 5000
+want hookclean && step hook-clean-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model tiny-gpt --cases none --audit-every 10 --determinism strict \
+  --clean 5000
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
