@@ -758,7 +758,9 @@ class Replayer:
                 c = Classification(Cause.TRANSIENT, auditors, False,
                                    f"auditor rank(s) {list(auditors)}'s replay differed once; every replay "
                                    "after it agrees with the originals")
-            return [(mismatched[0], c)]
+            # the finding's rank: the one named when both batches mismatched (a faulty rank's own batch and
+            # the one it audits differ alike)
+            return [(c.faulty[0] if len(c.faulty) == 1 and c.faulty[0] in mismatched else mismatched[0], c)]
         out: list[tuple[int, Classification]] = []
         named: set[int] = set()
         for j in mismatched:
