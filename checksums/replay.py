@@ -65,6 +65,7 @@ import dataclasses
 import enum
 import logging
 import os
+import pickle
 import re
 import time
 from collections.abc import Callable
@@ -388,6 +389,30 @@ def replay_failure(exc: BaseException | None) -> str:
     return f"a replay raised {type(exc).__name__}: {text}"[:104]
 
 
+class _Discard:
+    """A pickler's file that keeps nothing (`sendable` only asks whether the payload pickles)."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+def sendable(retained: Retained) -> Any:
+    """`retained`'s payload for another rank (`Retained.outgoing`), pickled once here first: a batch holding
+    an object pickle refuses (a lock, an open file, a generator) raises on its own rank, inside a round every
+    rank agrees on (`Replayer.agreed`), never in the transfer, where the receivers would wait for ever."""
+    payload = retained.outgoing()
+    pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+    return payload
+
+
+def unsendable(exc: BaseException | None) -> str:
+    """Why a retained batch could not go to another rank, for GetStatus's compute mode (under 105 chars)."""
+    if exc is None:
+        return "another rank's batch cannot be sent for a replay (its log says why)"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"the batch cannot be sent for a replay: {type(exc).__name__}: {text}"[:104]
+
+
 class _Swapped(nn.Module):
     """A stand-in replay's wrapper: `torch.func.functional_call` swaps the stand-in leaves into `module` (its
     child) for the call of this forward, which runs the whole replay (`run`), backward included."""
@@ -629,7 +654,8 @@ class Replayer:
         """Rank `src`'s retained batch and RNG state (`mine`, default this step's) on every rank (a
         collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
-        payload: list[Any] = [mine.outgoing() if dist.get_rank(self.group) == src else None]
+        sends = dist.get_rank(self.group) == src
+        payload: list[Any] = [self.agreed(lambda: sendable(mine) if sends else None, why=unsendable)]
         dist.broadcast_object_list(payload, group=self.group, group_src=src,
                                    device=self.device if self.device.type == "cuda" else None)
         return Retained.arriving(payload[0], self.device, mine.loss_scale)
@@ -647,19 +673,21 @@ class Replayer:
         # gloo sends CUDA tensors in its collectives but not point to point: there the bytes go by the host
         gloo = str(dist.get_backend(self.group)) == "gloo"
         device = self.device if self.device.type == "cuda" and not gloo else None
+        payload = self.agreed(lambda: sendable(mine), why=unsendable)
         got: list[Any] = [None]
         for sending in ((True, False) if rank % 2 == 0 else (False, True)):
             if sending:
-                dist.send_object_list([mine.outgoing()], group=self.group, group_dst=(rank - 1) % world,
+                dist.send_object_list([payload], group=self.group, group_dst=(rank - 1) % world,
                                       device=device)
             else:
                 dist.recv_object_list(got, group=self.group, group_src=(rank + 1) % world, device=device)
         return Retained.arriving(got[0], self.device, mine.loss_scale)
 
-    def agreed(self, replay: Callable[[], T]) -> T:
+    def agreed(self, replay: Callable[[], T],
+               why: Callable[[BaseException | None], str] = replay_failure) -> T:
         """`replay()` (this rank's part of a replay round), or `ReplayFailed` on every rank when it raised on
         any: the ranks first agree with one tiny all-reduce (a replay round only, never a plain step), so a
-        rank whose replay raised never leaves the others waiting in the round's gather."""
+        rank whose replay raised never leaves the others waiting in the round's gather. `why` words it."""
         err: Exception | None = None
         try:
             got = replay()
@@ -669,7 +697,7 @@ class Replayer:
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if int(bad.item()):
-            raise ReplayFailed(replay_failure(err)) from err
+            raise ReplayFailed(why(err)) from err
         return got
 
     def agreed_wide(self, replay: Callable[[], T], wide: bool) -> T:

@@ -4,7 +4,8 @@ tensor (a fused attention op's RNG seed and offset on a GPU: the H200 run of 202
 witness's exchange on the attention case) or a batch of uint16 token ids failed to unpickle on the receiving
 rank. They now travel as their bits in the signed twin and arrive bit for bit, over real gloo collectives:
 the op witness's `exchange`, a replay's `fetch` and an audit's `fetch_audited` (point to point, around
-the ring of ranks, also inside a process group of some ranks)."""
+the ring of ranks, also inside a process group of some ranks). A batch that cannot be pickled stops the
+replays on every rank at once instead of leaving the others waiting in the transfer."""
 from __future__ import annotations
 
 import collections
@@ -135,3 +136,57 @@ def _ring(rank: int, world: int, init: str, out: str) -> None:
 def test_an_audits_batches_go_round_the_ring_of_ranks_and_inside_a_group(tmp_path: Path) -> None:
     spawn(_ring, (3, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=3)
     assert all((tmp_path / f"ring{r}").exists() for r in range(3))
+
+
+def _unsendable(rank: int, world: int, init: str, out: str) -> None:
+    import threading
+
+    import pytest
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    from checksums.replay import Replayer, ReplayFailed
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        # a batch that holds an object pickle refuses (a lock) on rank 1 only: every rank raises at once,
+        # none waits in the transfer for ever
+        replayer = Replayer(nn.Linear(2, 2), None, lambda m, b: m(b["x"]).sum(), device=torch.device("cpu"))
+        replayer.retain({"x": torch.ones(1, 2), "lock": threading.Lock() if rank == 1 else None})
+        with pytest.raises(ReplayFailed) as got:
+            replayer.fetch(1)
+        assert ("cannot pickle" in str(got.value)) == (rank == 1), str(got.value)
+        with pytest.raises(ReplayFailed):
+            replayer.fetch_audited()
+        assert replayer.fetch(0).micro[0][0]["lock"] is None       # rank 0's batch crosses as before
+        # the user's path: the checks' first step replays rank 0's batch; every rank goes on training, and
+        # GetStatus's mode says why replays are off
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+
+        def loss_fn(m: nn.Module, b: dict) -> torch.Tensor:
+            return ((m(b["x"]) - b["y"]) ** 2).mean()
+        checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=3, warmup=4)
+        lock = threading.Lock()
+        for _ in range(8):
+            b = {"x": torch.randn(4, 8), "y": torch.randn(4, 1), "lock": lock}
+            checks.retain(b)
+            opt.zero_grad()
+            loss_fn(ddp, b).backward()
+            opt.step()
+        mode = checks.mode()
+        checks.close()
+        assert mode.startswith("unreproducible: ") and "batch cannot be sent" in mode, mode
+        Path(out, f"unsendable{rank}").write_text(mode)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_batch_that_cannot_cross_to_another_rank_stops_replays_on_every_rank_without_a_hang(
+        tmp_path: Path) -> None:
+    """Before, rank 0 raised in the transfer at the first step's check (a lock in the batch) and rank 1
+    waited in it for ever."""
+    spawn(_unsendable, (2, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2)
+    assert "cannot pickle" in (tmp_path / "unsendable0").read_text()
+    assert "another rank" in (tmp_path / "unsendable1").read_text()
