@@ -399,18 +399,19 @@ class _Discard:
 def sendable(retained: Retained) -> Any:
     """`retained`'s payload for another rank (`Retained.outgoing`), pickled once here first: a batch holding
     an object pickle refuses (a lock, an open file, a generator) raises on its own rank, inside a round every
-    rank agrees on (`Replayer.agreed`), never in the transfer, where the receivers would wait for ever."""
+    rank agrees on (`Replayer.agreed`), never in the transfer, where the receivers would wait for ever (the
+    receiver takes it in, to its device, in such a round too: an out-of-memory there stops every rank)."""
     payload = retained.outgoing()
     pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
     return payload
 
 
-def unsendable(exc: BaseException | None) -> str:
-    """Why a retained batch could not go to another rank, for GetStatus's compute mode (under 105 chars)."""
+def uncrossed(exc: BaseException | None) -> str:
+    """Why a retained batch could not go to another rank (sent or taken in), for GetStatus's compute mode."""
     if exc is None:
-        return "another rank's batch cannot be sent for a replay (its log says why)"
+        return "a batch could not cross ranks for a replay (another rank's log says why)"
     text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"the batch cannot be sent for a replay: {type(exc).__name__}: {text}"[:104]
+    return f"a batch could not cross ranks for a replay: {type(exc).__name__}: {text}"[:104]
 
 
 class _Swapped(nn.Module):
@@ -655,10 +656,10 @@ class Replayer:
         collective: all ranks call)."""
         mine = mine if mine is not None else self.retained
         sends = dist.get_rank(self.group) == src
-        payload: list[Any] = [self.agreed(lambda: sendable(mine) if sends else None, why=unsendable)]
+        payload: list[Any] = [self.agreed(lambda: sendable(mine) if sends else None, why=uncrossed)]
         dist.broadcast_object_list(payload, group=self.group, group_src=src,
                                    device=self.device if self.device.type == "cuda" else None)
-        return Retained.arriving(payload[0], self.device, mine.loss_scale)
+        return self.agreed(lambda: Retained.arriving(payload[0], self.device, mine.loss_scale), why=uncrossed)
 
     def fetch_audited(self, mine: Retained | None = None) -> Retained:
         """Rank (r + 1) % W's retained batch and RNG state (`mine`, default this step's) on rank r, the batch
@@ -673,7 +674,7 @@ class Replayer:
         # gloo sends CUDA tensors in its collectives but not point to point: there the bytes go by the host
         gloo = str(dist.get_backend(self.group)) == "gloo"
         device = self.device if self.device.type == "cuda" and not gloo else None
-        payload = self.agreed(lambda: sendable(mine), why=unsendable)
+        payload = self.agreed(lambda: sendable(mine), why=uncrossed)
         got: list[Any] = [None]
         for sending in ((True, False) if rank % 2 == 0 else (False, True)):
             if sending:
@@ -681,7 +682,7 @@ class Replayer:
                                       device=device)
             else:
                 dist.recv_object_list(got, group=self.group, group_src=(rank + 1) % world, device=device)
-        return Retained.arriving(got[0], self.device, mine.loss_scale)
+        return self.agreed(lambda: Retained.arriving(got[0], self.device, mine.loss_scale), why=uncrossed)
 
     def agreed(self, replay: Callable[[], T],
                why: Callable[[BaseException | None], str] = replay_failure) -> T:
