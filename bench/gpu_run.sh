@@ -510,6 +510,11 @@ want hookranks && step hook-3ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 pytho
 want hookranks && step hook-2ranks 240 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model tiny-gpt --fault-step 30 --after 12 --audit-every 10 \
   --determinism strict --cases "mm one elem =1e4,grad elem =100,mm one elem x1.01 persistent" --clean 300
+# the pair's 12-case subset on ranks sharing this GPU (the tiny GPT: GPT-2 small over gloo takes ~3 s a step)
+want hookh200 && step hook-h200-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model tiny-gpt --cases h200 --determinism strict
+want hookh200 && step hook-h200-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 2 --model tiny-gpt --cases h200 --determinism strict --fault-step 45
 # the same hook path over 5,000 clean steps a world (audits every 10): no false suspicion across processes
 want hookclean && step hook-clean-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 3 --model tiny-gpt --cases none --audit-every 10 --determinism strict \
