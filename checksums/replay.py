@@ -671,9 +671,10 @@ class Replayer:
         rank = dist.get_rank(self.group)
         if world == 1:
             return mine
-        # gloo sends CUDA tensors in its collectives but not point to point: there the bytes go by the host
-        gloo = str(dist.get_backend(self.group)) == "gloo"
-        device = self.device if self.device.type == "cuda" and not gloo else None
+        # point to point, only NCCL carries CUDA tensors (gloo's collectives do, its send does not): the
+        # bytes go by the device there, by the host elsewhere (the backend test the Monitor's vote makes)
+        nccl = "nccl" in str(dist.get_backend(self.group)).lower()
+        device = self.device if self.device.type == "cuda" and nccl else None
         payload = self.agreed(lambda: sendable(mine), why=uncrossed)
         got: list[Any] = [None]
         for sending in ((True, False) if rank % 2 == 0 else (False, True)):
