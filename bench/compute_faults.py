@@ -141,14 +141,14 @@ def corrupt(t: torch.Tensor, case: Case) -> None:
             flip_bit(t, 3, "ulp")
         elif case.how == "expflip":
             flip_bit(t, 3, "exp")
-        elif case.how == "channel":
-            t2[:, 5] *= case.value
+        elif case.how == "channel":            # column 5, or the last of a narrower output (a router's)
+            t2[:, min(5, t2.shape[1] - 1)] *= case.value
         elif case.how == "tile":
             t2[:4, :8] *= case.value
         elif case.how == "warp":
             flat[::32] *= case.value
         elif case.how == "zero":
-            t2[:, 3] = 0.0
+            t2[:, min(3, t2.shape[1] - 1)] = 0.0
 
 
 def fault_output(out: torch.Tensor, case: Case) -> torch.Tensor | None:
@@ -997,7 +997,7 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         hit = c["compute"] if det != "vote" else c["vote"]
         named = hit["named"]
         lines.append(f"{name:34} {det:17} {'yes':6} {hit['step'] - fault_step:<5} "
-                     f"{('yes ' if named == [fault_rank] else 'NO ') + str(named):10} "
+                     f"{('yes ' if named == [fault_rank] else 'NO ' if named else 'none ') + str(named):10} "
                      f"{hit.get('cause', '-'):11} {('dropped' if hit.get('dropped') else 'applied') if 'cause' in hit else '-'}"
                      + (f"   (vote also, +{c['vote']['step'] - fault_step})" if det != "vote" and "vote" in c else "")
                      + sg)

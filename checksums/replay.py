@@ -92,6 +92,8 @@ class Cause(str, enum.Enum):
     TRANSIENT = "transient"       # the suspect's own replay agrees with the others; its original did not
     PERSISTENT = "persistent"     # the suspect's replay disagrees with the others: its GPU computes wrong
     UNRESOLVED = "unresolved"     # no majority (two ranks, or every replay differs)
+    DIVERGED = "diverged"         # ranks agreeing bit for bit among themselves, not with the rest: their
+    #                               weights or optimizer state differ (an HSDP replica), not their arithmetic
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,25 +120,58 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
     """Decide a suspicion from the suspect's original rows [B, 4] and every rank's replay of its batch
     [world, B, 4] (host tensors). The reference is the replays a strict majority of ranks agree on; with
     exact fingerprints also a group of 2+ ranks larger than every other group (two faulty GPUs in four
-    ranks, each wrong its own way: independent GPUs do not agree bit for bit on a wrong result; an even
-    split, as HSDP replicas with different weights give, stays unresolved). Pure."""
+    ranks, each wrong its own way: independent GPUs do not agree bit for bit on a wrong result). For the
+    same reason a group of 2+ ranks that agree among themselves and not with the reference did not compute
+    wrong: they computed from other inputs, other weights or optimizer state (an HSDP replica whose shard a
+    bit flip changed: every rank of that replica gathers the same changed parameters), and naming them would
+    accuse the replica's good GPUs with the one holding the flip; such ranks are never named, and a
+    suspicion nothing else explains is `diverged` (the update dropped, no GPU named: the replica vote names
+    the shard). An even split into such groups (two HSDP replicas that differ) is `diverged` too. Pure."""
     world = replays.shape[0]
-    ref = _reference(_agreeing(world, lambda a, b: _equal(replays[a], replays[b], exact, rtol)), world, exact)
+    groups = _agreeing(world, lambda a, b: _equal(replays[a], replays[b], exact, rtol))
+    ref = _reference(groups, world, exact)
+    blocks = [g for g in groups if g is not ref and len(g) >= 2]
     if ref is None:
+        if len(blocks) == len(groups):
+            return _diverged(suspect, blocks)
         return Classification(Cause.UNRESOLVED, (suspect,), True,
                               f"no majority among the {world} replays of rank {suspect}'s batch")
+    in_block = {r for g in blocks for r in g}
     dissent = tuple(r for r in range(world) if r not in ref)
+    lone = tuple(r for r in dissent if r not in in_block)          # each wrong its own way: its arithmetic
     if _equal(original, replays[ref[0]], exact, rtol):
-        if dissent:
-            return Classification(Cause.PERSISTENT, dissent, True,
-                                  f"ranks {list(dissent)} recompute rank {suspect}'s batch wrong; ranks {ref} "
+        if lone:
+            return Classification(Cause.PERSISTENT, lone, True,
+                                  f"ranks {list(lone)} recompute rank {suspect}'s batch wrong; ranks {ref} "
                                   "and its original agree")
+        if blocks:
+            return _diverged(suspect, [ref, *blocks])
         return Classification(Cause.DATA, (), False, f"rank {suspect}'s gradient reproduces on every rank")
-    if suspect in ref:
-        return Classification(Cause.TRANSIENT, (suspect,) + dissent, True,
-                              f"rank {suspect}'s replay agrees with ranks {ref}, its original did not")
-    return Classification(Cause.PERSISTENT, dissent, True,
-                          f"rank {suspect} recomputes its wrong result again; ranks {ref} agree on another")
+    if suspect in ref or (suspect in in_block and not _equal(original, replays[suspect], exact, rtol)):
+        mates = ref if suspect in ref else _group_of(suspect, blocks)
+        return Classification(Cause.TRANSIENT, (suspect,) + tuple(r for r in lone if r != suspect), True,
+                              f"rank {suspect}'s replay agrees with ranks {mates}, its original did not")
+    if suspect in lone:
+        return Classification(Cause.PERSISTENT, lone, True, f"rank {suspect} recomputes its wrong result "
+                              f"again; ranks {ref} agree on another")
+    if lone:                        # the suspect's replica differs; other ranks recompute wrong on their own
+        return Classification(Cause.PERSISTENT, lone, True,
+                              f"ranks {list(lone)} recompute rank {suspect}'s batch wrong, each its own way")
+    return _diverged(suspect, [ref, *blocks])
+
+
+def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
+    return next(g for g in groups if rank in g)
+
+
+def _diverged(suspect: int, groups: list[list[int]]) -> Classification:
+    """Ranks agree bit for bit within each of `groups` and not across them: they hold different weights or
+    optimizer state (replicas that diverged), not different arithmetic. Nobody named; the update dropped."""
+    return Classification(Cause.DIVERGED, (), True,
+                          f"the replays of rank {suspect}'s batch agree within ranks "
+                          f"{' | '.join(str(g) for g in groups)} and not across: those ranks compute from "
+                          "different weights or optimizer state (replicas that diverged; the replica vote "
+                          "names the shard), not with wrong arithmetic")
 
 
 PAIR_WITNESS = 3.0      # two ranks, a persistent fault: the named rank's jump is this many times the other's
@@ -198,7 +233,12 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
     ref = _reference(groups, world, exact=True)
     if world < 3 or ref is None or not same_hardware:
         return False, None
-    dissent = tuple(sorted(r for r in range(world) if r not in ref))
+    # ranks that agree among themselves, not with the reference, compute from other weights (an HSDP
+    # replica initialised apart), not wrong: never named (`classify_replays`; the replica vote's to tell)
+    blocked = {r for g in groups if g is not ref and len(g) >= 2 for r in g}
+    dissent = tuple(sorted(r for r in range(world) if r not in ref and r not in blocked))
+    if not dissent:
+        return True, None
     return True, Classification(Cause.PERSISTENT, dissent, True,
                                 f"ranks {list(dissent)} each repeat their own gradient of rank 0's batch at "
                                 f"the first step, ranks {ref} agree on another: their GPUs compute wrong from "

@@ -83,9 +83,9 @@ class ComputeFinding:
     """A compute-fault suspicion of the compute gate (checksums/compute_gate.py) and its outcome.
 
     detector: "nonfinite", "stats" (pre-reduction outlier) or "audit" (replay); cause: "transient",
-    "persistent", "data" or "unresolved" (checksums.replay.Cause); faulty: the ranks named, `where` their
-    (rank, host, gpu_uuid); since_step: the earliest step the fault may have touched (an audit's: the step
-    after the previous audit of that rank; a step's own check: the step itself)."""
+    "persistent", "data", "unresolved" or "diverged" (checksums.replay.Cause); faulty: the ranks named,
+    `where` their (rank, host, gpu_uuid); since_step: the earliest step the fault may have touched (an
+    audit's: the step after the previous audit of that rank; a step's own check: the step itself)."""
 
     step: int
     detector: str

@@ -641,6 +641,16 @@ class JobTracker:
                        "cause": f.cause, "dropped": f.dropped, "faulty": named, "detail": f.detail,
                        "score": round(f.score, 3), "bucket": f.bucket, "stat": f.stat,
                        "since_step": f.since_step, "reported_by_rank": req.rank}
+            if f.cause == "diverged":       # the replicas' weights differ: no GPU's arithmetic to blame
+                out.findings.append(Finding(
+                    ek.COMPUTE_DIVERGED, Severity.WARNING, f"job/{req.job_id}",
+                    f"compute suspicion on rank {f.suspect} at step {f.step}: the replicas compute from "
+                    "different weights or optimizer state, no GPU named; update "
+                    f"{'dropped' if f.dropped else 'applied'} ({f.detail})", details))
+                job.state = State.SUSPECT
+                job.reason = f"replicas' weights differ at step {f.step} (compute check)"
+                out.job_events.append((f.step, "sdc", "compute check: the replicas' weights differ"))
+                continue
             if not named:
                 out.findings.append(Finding(
                     ek.COMPUTE_CLEARED, Severity.INFO, f"job/{req.job_id}",

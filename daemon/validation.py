@@ -192,7 +192,7 @@ def _report_step_error(req: pb.ReportStepRequest) -> str | None:
 
 
 COMPUTE_DETECTORS = ("stats", "nonfinite", "audit", "loss")
-COMPUTE_CAUSES = ("transient", "persistent", "data", "unresolved")
+COMPUTE_CAUSES = ("transient", "persistent", "data", "unresolved", "diverged")
 MAX_COMPUTE_FINDINGS = 16
 MAX_STAGE_ERROR = 200      # ReportStepRequest.stage_error (checksums/reporter.py cuts to it)
 

@@ -248,6 +248,11 @@ COMPUTE_FAULT = _kind("compute.fault", CRITICAL, RANK, "one rank's forward or ba
 COMPUTE_CLEARED = _kind("compute.cleared", INFO, JOB, "a compute suspicion that the replays cleared: the "
                         "outlier gradient reproduces on every rank (the data's), the update was applied (a "
                         "non-finite one was not: a loss scale's overflow)")
+COMPUTE_DIVERGED = _kind("compute.diverged", WARNING, JOB, "a compute suspicion whose replays split by "
+                         "replica: ranks that agree bit for bit among themselves and not with the others "
+                         "compute from other weights or optimizer state (an HSDP replica a bit flip "
+                         "changed), not wrongly: no GPU named, the update dropped, checkpoints from that "
+                         "step not VERIFIED (the replica vote names the shard)", fold_s=60.0)
 COMPUTE_UNREPRODUCIBLE = _kind("compute.unreproducible", WARNING, JOB, "a job's compute replays do not "
                                "reproduce its steps (its loss_fn is not what the loop back-propagates: a "
                                "GradScaler not passed as scaler=, a missing division): audits are off and no "

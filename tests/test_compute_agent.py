@@ -18,7 +18,7 @@ def finding(step: int, *, detector: str = "stats", cause: str = "transient", dro
     return pb.ComputeFinding(step=step, detector=detector, suspect=1, cause=cause, dropped=dropped,
                              detail="why", score=9.5, bucket=0, stat="norm", since_step=since or step,
                              faulty=[pb.SuspectRank(rank=1, host="node2", gpu_uuid=GPU)]
-                             if cause != "data" else [])
+                             if cause not in ("data", "diverged") else [])
 
 
 def report(tracker: JobTracker, step: int, rank: int, *found: pb.ComputeFinding):
@@ -71,6 +71,21 @@ def test_a_cleared_suspicion_is_an_info_event_only():
     assert [f.kind for f in out.findings] == [ek.COMPUTE_CLEARED]
     assert out.evidence == [] and out.job_events == []
     assert tracker.jobs["j"].state is State.HEALTHY
+
+
+def test_replicas_that_diverged_name_no_gpu_but_keep_the_checkpoints_from_verified():
+    """`diverged` (HSDP: one replica's ranks replay alike and unlike the rest, its weights changed by a bit
+    flip): a warning on the job, no GPU evidence however often it repeats, no stop asked, and the job's
+    checkpoints from that step not VERIFIED (they would hold replicas that differ)."""
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    for step in (41, 42, 43):
+        out = report(tracker, step, 0, finding(step, detector="nonfinite", cause="diverged"))
+        assert [f.kind for f in out.findings] == [ek.COMPUTE_DIVERGED]
+        assert out.findings[0].subject == "job/j" and out.findings[0].details["faulty"] == []
+        assert out.evidence == [] and out.rollbacks == []
+        assert out.job_events == [(step, "sdc", "compute check: the replicas' weights differ")]
+    assert tracker.jobs["j"].state is State.SUSPECT and "replicas' weights differ" in tracker.jobs["j"].reason
 
 
 def test_the_reporter_puts_findings_on_the_wire():
@@ -158,9 +173,9 @@ def test_an_unresolved_finding_naming_two_ranks_makes_both_suspect_never_failed(
 
 
 def test_an_unresolved_finding_naming_one_rank_never_makes_its_gpu_failed():
-    """Replays with no majority (3+ ranks splitting evenly: HSDP replicas whose weights differ make the
-    innocent replica's ranks the outliers, tests/test_compute_checks.py) name the suspect `unresolved`:
-    SUSPECT on every repeat, never FAILED; a resolved repeat on the same GPU still fails it."""
+    """Replays with no majority (3+ ranks that each recompute differently, in the rounding-aware bound) name
+    the suspect `unresolved`: SUSPECT on every repeat, never FAILED; a resolved repeat on the same GPU still
+    fails it. (HSDP replicas that differ split by replica: `diverged`, nobody named, above.)"""
     tracker = JobTracker()
     report(tracker, 1, 0)
     for step in (40, 41, 42):

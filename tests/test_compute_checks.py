@@ -204,7 +204,9 @@ def test_classify_replays():
     assert classify_replays(1, bounded[1], bounded, exact=False).cause is Cause.UNRESOLVED
     split = _rows(10, world=4)
     split[2], split[3] = _rows(99, world=4)[2], _rows(99, world=4)[3]                 # an even split
-    assert classify_replays(0, _rows(10)[0], split).cause is Cause.UNRESOLVED
+    c = classify_replays(0, _rows(10)[0], split)          # two HSDP replicas that differ: nobody named
+    assert (c.cause, c.faulty, c.drop) == (Cause.DIVERGED, (), True), c
+    assert classify_replays(0, _rows(10)[0], bounded, exact=False).cause is Cause.UNRESOLVED   # groups of one
     # two ranks that disagree: no majority
     two = _rows(10, world=2)
     two[1] = _rows(99, world=2)[1]
@@ -213,6 +215,34 @@ def test_classify_replays():
     # two ranks, a transient fault: both replays agree, the original differs
     c = classify_replays(1, orig_bad, _rows(10, world=2))
     assert c.cause is Cause.TRANSIENT
+
+
+def test_a_replica_whose_weights_differ_is_not_named_as_computing_wrong():
+    """HSDP, 3 replicas x 2 shards: a bit flipped in rank 5's weight shard reaches both ranks of its replica
+    (each all-gathers the same parameters), so ranks 4 and 5 replay any batch alike and unlike the rest.
+    Independent GPUs do not agree bit for bit on a wrong result: that is other weights, not arithmetic, and
+    naming both accused rank 4's good GPU (measured: `bench.compute_faults --fsdp --hsdp 3 --world 6
+    --fault-rank 5`, "weight exp-flip" named ranks [4, 5] persistent on every step after it). Nobody is
+    named, the update is dropped; a rank wrong on its own beside such a replica still is."""
+    six = _rows(10, world=6)
+    six[4], six[5] = _rows(99, world=6)[4], _rows(99, world=6)[5]
+    for suspect, original in ((4, _rows(99)[0]), (5, _rows(99)[0]), (0, _rows(10)[0])):
+        c = classify_replays(suspect, original, six)
+        assert (c.cause, c.faulty, c.drop) == (Cause.DIVERGED, (), True), (suspect, c)
+        assert "[4, 5]" in c.detail and "[0, 1, 2, 3]" in c.detail
+    lone = six.clone()
+    lone[1] = _rows(98, world=6)[1]                       # and rank 1's GPU recomputes wrong on its own
+    for suspect, original in ((1, _rows(98)[0]), (0, _rows(10)[0]), (4, _rows(99)[0])):
+        c = classify_replays(suspect, original, lone)
+        assert (c.cause, c.faulty) == (Cause.PERSISTENT, (1,)), (suspect, c)
+    c = classify_replays(4, _rows(97)[0], six)            # rank 4's original unlike any replay, its own not
+    assert (c.cause, c.faulty) == (Cause.TRANSIENT, (4,)), c
+    c = classify_replays(2, _rows(97)[0], six)
+    assert (c.cause, c.faulty) == (Cause.TRANSIENT, (2,)), c
+    # at the first step: a replica initialised apart is not a GPU computing wrong from the start
+    assert classify_start(_start([(10, 10)] * 4 + [(99, 99)] * 2)) == (True, None)
+    exact, c = classify_start(_start([(10, 10), (98, 98), (10, 10), (10, 10), (99, 99), (99, 99)]))
+    assert exact and c.faulty == (1,)
 
 
 def test_audit_cadence_from_the_budget():
@@ -976,12 +1006,18 @@ def test_hsdp_audits_name_the_rank_and_leave_the_training_alone():
     reduce-scatter inputs; on an audit step every rank replays its neighbour's batch at once (FSDP's
     all-reduce across replicas runs on the zeroed output, paired on every rank). A persistent x1.01 on rank
     1 from step 22 is named by the audit at 25; 20 clean steps with an audit every 2nd leave every shard
-    bit-identical to the run without audits."""
+    bit-identical to the run without audits. A weight's exponent flipped on rank 3 reaches both ranks of its
+    replica, which replay alike and unlike the other replica: `diverged`, its update dropped, nobody named
+    (before, the good replica's outlier rank was named `unresolved`)."""
     hsdp = ["--world", "4", "--fsdp", "--hsdp", "2"]
     name = "mm one elem x1.01 persistent"
     hit = _faults(hsdp + ["--fault-step", "22", "--after", "10", "--audit-every", "5",
                           "--cases", name])[name]["caught"]["compute"]
     assert hit["step"] == 25 and hit["named"] == [1] and hit["cause"] == "persistent" and hit["dropped"], hit
+    flip = "weight exp-flip"
+    hit = _faults(hsdp + ["--fault-step", "22", "--after", "4", "--audit-every", "5", "--fault-rank", "3",
+                          "--cases", flip])[flip]["caught"]["compute"]
+    assert hit["step"] == 23 and hit["named"] == [] and hit["cause"] == "diverged" and hit["dropped"], hit
 
     def clean(audit_every: int) -> list[str]:
         r = _faults(hsdp + ["--cases", "none", "--clean", "20", "--audit-every", str(audit_every)])["clean"]
