@@ -645,7 +645,7 @@ class ComputeChecks:
             logger.log(logging.INFO if c.cause is Cause.DATA else logging.WARNING,
                        "sdcwatch: compute check at step %d: %s on rank %d -> %s, faulty %s, %s%s",
                        step, detector, suspect, c.cause.value, list(where), "dropped" if drop else "applied",
-                       f" ({c.detail})" if c.cause is Cause.DATA else "")
+                       f" ({c.detail})" if c.cause in (Cause.DATA, Cause.DIVERGED) else "")
 
     # ---- what it says -------------------------------------------------------------------------------
 
