@@ -411,7 +411,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3,
                            fused=fused_adam or mask == "device" or (not fsdp and device.type == "cuda"))
     sink = _Sink()
-    monitor = (None if fsdp else
+    monitor = (None if fsdp and not MODEL["hsdp"] else     # HSDP: the vote across replicas
                Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
     step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
     scaler = torch.amp.GradScaler(device.type) if MODEL["amp"] == "fp16" else None   # its default scale
