@@ -508,6 +508,12 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         for ev in (monitor.events if monitor is not None else ()):
             if ev.kind == "replica.mismatch" and ev.step >= fault_step and "vote" not in caught:
                 caught["vote"] = {"step": ev.step, "named": [s["rank"] for s in ev.details["suspects"]]}
+        if fsdp and monitor is not None:       # HSDP: a shard's vote is its replica group's ranks' only, and
+            votes: list[Any] = [None] * world  # every rank must leave the loop at the same step
+            dist.all_gather_object(votes, caught.get("vote"))
+            seen = [v for v in votes if v is not None]
+            if seen:
+                caught["vote"] = min(seen, key=lambda v: v["step"])
         if guard is not None and "sdcguard" not in mine:
             for ev in guard.log.events:
                 if ev.step is not None and ev.step >= fault_step:
@@ -999,7 +1005,8 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
         lines.append(f"{name:34} {det:17} {'yes':6} {hit['step'] - fault_step:<5} "
                      f"{('yes ' if named == [fault_rank] else 'NO ' if named else 'none ') + str(named):10} "
                      f"{hit.get('cause', '-'):11} {('dropped' if hit.get('dropped') else 'applied') if 'cause' in hit else '-'}"
-                     + (f"   (vote also, +{c['vote']['step'] - fault_step})" if det != "vote" and "vote" in c else "")
+                     + (f"   (vote also, +{c['vote']['step'] - fault_step}, named {c['vote']['named']})"
+                        if det != "vote" and "vote" in c else "")
                      + sg)
     cases = [r for name, r in results.items() if name not in ("clean", "overhead")]
     if cases:   # whether the C++ hook's gather and verdict were in play (0 on gloo CPU ranks, by design)
