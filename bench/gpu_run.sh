@@ -426,16 +426,17 @@ want compute8busy && step compute-8k-busy 320 env CUBLAS_WORKSPACE_CONFIG=:4096:
 # narrow paired interval: 8k tokens host-bound (~55 ms a step), 32k device-bound (~160 ms)
 want ci8 && step checks-ci-8k 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 800 --block 10 --arms checks
-# a step the host paces on any host (2k tokens), base against checks with each part's host time; with AB_TREE
+# a step the host paces on any host (2k tokens; AB_BATCH=8: 8k), base against checks with each part's host time
+# (AB_EXTRA: more arguments, e.g. --gpu-profile 4); with AB_TREE
 # (another commit's tree carried beside this one, e.g. `git archive OLD | tar -x -C ab_old`) that tree's run
 # alternates with this one's on the same machine: the host work a change cut, measured side by side
 hostbound() {  # hostbound NAME TREE
   step "$1" 240 env -C "$2" PYTHONPATH="/tmp/site:$2" CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m \
-    bench.compute_faults --device cuda --world 1 --model gpt2 --batch 2 --cases none --overhead "${AB_STEPS:-300}" \
-    --block 10 --arms checks --host-parts 20
+    bench.compute_faults --device cuda --world 1 --model gpt2 --batch "${AB_BATCH:-2}" --cases none \
+    --overhead "${AB_STEPS:-300}" --block 10 --arms checks --host-parts 20 ${AB_EXTRA:-}
 }
 want hostab && for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-  [ -n "${AB_TREE:-}" ] && hostbound "hostbound-ab$r" "$PWD/$AB_TREE"
+  for t in ${AB_TREE:-}; do hostbound "hostbound-$t-$r" "$PWD/$t"; done    # one tree or several
   hostbound "hostbound-$r" "$PWD"
 done
 want ci32 && step checks-ci-32k 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
