@@ -1241,6 +1241,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--cases: no case named {', '.join(map(repr, unknown))} (a group: {', '.join(GROUPS)}; or "
                 "names from the table's first column, comma-separated)")
+    names = GROUPS[args.cases]() if args.cases in GROUPS else args.cases.split(",")
+    low = [c.name for c in TC_CASES + MOE_CASES if c.name in names and c.where in TC_WHERE]
+    if low and args.device == "cpu" and not (args.cpu_autocast or args.sdcguard or args.amp == "fp16"):
+        p.error(f"--cases: {', '.join(map(repr, low))} fire only where a matmul runs in bf16 or fp16 (a tensor "
+                "core's fault): on --device cpu add --cpu-autocast, or they report 'no effect'")
     return args
 
 

@@ -442,10 +442,11 @@ done
 want ci32 && step checks-ci-32k 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 32 --cases none --overhead 500 --block 10 --together --arms checks,all
 # issue 19's "everything together under 1%, interleaved in one run" at GPT-2 small's usual micro-batch (8k tokens):
-# base / checks / all (the vote + its gate, the in-job canary, the checks, audits every 334)
+# base / checks / all (the vote + its gate, the in-job canary, the checks, audits every 334); --gpu-profile: the
+# device's busy share beside each arm (whether the host or the device paced the step)
 want ci8all && step checks-ci-8k-all 420 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --world 1 --model gpt2 --batch 8 --cases none --overhead 500 --block 10 --together --arms checks,all \
-  --gpu-profile 4     # device busy beside each arm: whether the host or the device paced the step
+  --gpu-profile 4
 # issue 19 on the pair (nvidia-h200-x2; skipped on one GPU): DDP over NCCL, the 12-case subset with sdcguard
 # beside it, then 2,000 clean steps; --determinism strict (warn_only=False: under warn_only=True GPT-2's step
 # is not repeatable on the H200, and replays fall to the rounding bound: determ-probe, 2026-12-05)

@@ -1810,6 +1810,14 @@ def test_every_harness_command_of_the_gpu_script_parses():
     with pytest.raises(SystemExit) as e:                 # a case run no step past its fault would say nothing
         compute_faults.parse_args(["--after", "0"])
     assert e.value.code == 2
+    # a tensor core's fault fires only in bf16/fp16: on the CPU without autocast it would say "no effect"
+    for bad in (["--cases", "tc"], ["--model", "tiny-moe", "--cases", "moe"]):
+        with pytest.raises(SystemExit) as e:
+            compute_faults.parse_args(bad)
+        assert e.value.code == 2
+    for good in (["--cases", "tc", "--cpu-autocast"], ["--cases", "tc", "--amp", "fp16"],
+                 ["--cases", "tc", "--device", "cuda"], ["--cases", "all"]):
+        compute_faults.parse_args(good)
 
 
 def test_a_bucket_zero_on_a_rank_is_no_jump():
