@@ -115,6 +115,12 @@ GROUPS: dict[str, Callable[[], list[str]]] = {"all": lambda: [c.name for c in CA
                                               "moe": lambda: [c.name for c in MOE_CASES], "none": lambda: []}
 
 
+def selected(spec: str) -> list[Case]:
+    """The cases `--cases spec` names (a group, or names comma-separated), in the table's order."""
+    names = GROUPS[spec]() if spec in GROUPS else spec.split(",")
+    return [c for c in CASES + TC_CASES + MOE_CASES if c.name in names]
+
+
 def flip_bit(t: torch.Tensor, index: int, which: str) -> None:
     """Flip one bit of element `index` in place: its lowest mantissa bit ("ulp"), or its top exponent bit
     ("exp": for |x| < 1 the one that makes it huge, else the next one down). float32 or bfloat16/float16."""
@@ -899,8 +905,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     if args.flaky_replay and rank == args.flaky_replay[0]:
         _flaky_replays(set(args.flaky_replay[1]))
     results = {}
-    names = GROUPS[args.cases]() if args.cases in GROUPS else args.cases.split(",")
-    for case in [c for c in CASES + TC_CASES + MOE_CASES if c.name in names]:
+    for case in selected(args.cases):
         if case.where == "tca" and args.model == "mlp":
             if rank == 0:
                 print(f"{case.name}: skipped, the MLP has no attention (--model tiny-gpt or gpt2)", flush=True)
@@ -1241,8 +1246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--cases: no case named {', '.join(map(repr, unknown))} (a group: {', '.join(GROUPS)}; or "
                 "names from the table's first column, comma-separated)")
-    names = GROUPS[args.cases]() if args.cases in GROUPS else args.cases.split(",")
-    low = [c.name for c in TC_CASES + MOE_CASES if c.name in names and c.where in TC_WHERE]
+    low = [c.name for c in selected(args.cases) if c.where in TC_WHERE]
     if low and args.device == "cpu" and not (args.cpu_autocast or args.sdcguard or args.amp == "fp16"):
         p.error(f"--cases: {', '.join(map(repr, low))} fire only where a matmul runs in bf16 or fp16 (a tensor "
                 "core's fault): on --device cpu add --cpu-autocast, or they report 'no effect'")

@@ -130,7 +130,7 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
     world = replays.shape[0]
     groups = _agreeing(world, lambda a, b: _equal(replays[a], replays[b], exact, rtol))
     ref = _reference(groups, world, exact)
-    blocks = [g for g in groups if g is not ref and len(g) >= 2]
+    blocks = _blocks(groups, ref)
     if ref is None:
         if len(blocks) == len(groups):
             return _diverged(suspect, blocks)
@@ -158,6 +158,12 @@ def classify_replays(suspect: int, original: torch.Tensor, replays: torch.Tensor
         return Classification(Cause.PERSISTENT, lone, True,
                               f"ranks {list(lone)} recompute rank {suspect}'s batch wrong, each its own way")
     return _diverged(suspect, [ref, *blocks])
+
+
+def _blocks(groups: list[list[int]], ref: list[int] | None) -> list[list[int]]:
+    """The groups of 2+ ranks that agree among themselves but are not the reference: other weights, not
+    wrong arithmetic (independent GPUs do not agree bit for bit on a wrong result); never named."""
+    return [g for g in groups if g is not ref and len(g) >= 2]
 
 
 def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
@@ -233,9 +239,8 @@ def classify_start(got: torch.Tensor, same_hardware: bool = True) -> tuple[bool,
     ref = _reference(groups, world, exact=True)
     if world < 3 or ref is None or not same_hardware:
         return False, None
-    # ranks that agree among themselves, not with the reference, compute from other weights (an HSDP
-    # replica initialised apart), not wrong: never named (`classify_replays`; the replica vote's to tell)
-    blocked = {r for g in groups if g is not ref and len(g) >= 2 for r in g}
+    # an HSDP replica initialised apart is other weights, not a GPU wrong from the start (the vote's to tell)
+    blocked = {r for g in _blocks(groups, ref) for r in g}
     dissent = tuple(sorted(r for r in range(world) if r not in ref and r not in blocked))
     if not dissent:
         return True, None
