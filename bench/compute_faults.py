@@ -392,7 +392,7 @@ def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
              accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0,
-             fused_adam: bool = False, experts_hint: bool = True) -> dict[str, Any]:
+             fused_adam: bool = False, experts_hint: bool = True, recover: bool = False) -> dict[str, Any]:
     model, target = make_model(0)
     model = model.to(device)
     active = {"on": False}
@@ -419,6 +419,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     sink = _Sink()
     monitor = (None if fsdp and not MODEL["hsdp"] else     # HSDP: the vote across replicas
                Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
+    # --recover: the vote gates the update and, with 3+ replicas, repairs the odd one in place
+    recovery = ReplicaRecovery.attach(monitor) if recover and monitor is not None else None
     step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
     scaler = torch.amp.GradScaler(device.type) if MODEL["amp"] == "fp16" else None   # its default scale
 
@@ -525,7 +527,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 if ev.step is not None and ev.step >= fault_step:
                     mine["sdcguard"] = ev.step
                     break
-        if caught and step > fault_step + 2 and (case is None or not case.persistent or step > fault_step + 10) and (
+        persisting = case is not None and case.persistent and step <= fault_step + 10
+        if caught and not recover and step > fault_step + 2 and not persisting and (
                 guard is None or step >= fault_step + sdcguard):
             break
     elapsed = time.perf_counter() - t0
@@ -547,6 +550,11 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         effective = box[0]
     st = checks.status()
     weights = _weights_digest(model, world)
+    repairs = None
+    if recovery is not None:                   # every rank's repairs (under HSDP only the odd shard's group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, [dict(dataclasses.asdict(r), rank=rank) for r in recovery.repairs])
+        repairs = [r for ranks in gathered for r in ranks]
     if monitor is not None:
         monitor.close()
     checks.close()
@@ -558,7 +566,11 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             "expert_buckets": list(checks.expert_buckets or ()), "zeroable": list(checks.tracker.zeroable),
             "reported": reported, "fault_step_unchanged": unchanged, "effective": effective,
             "spread": checks.tracker.spread.tolist() if checks.tracker.spread is not None else [],
-            "weights": weights}
+            "weights": weights,
+            # --recover: the replica repairs, and every update skipped from the fault on (by which stage)
+            "repairs": repairs,
+            "shards": world // MODEL["hsdp"] if fsdp and MODEL["hsdp"] else 1 if not fsdp else world,
+            "skipped": sorted({(k.step, k.stage) for k in checks.guard.skipped if k.step >= fault_step})}
 
 
 def _weights_digest(model: nn.Module, world: int) -> list[str]:
@@ -920,7 +932,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                                       audit_every=args.audit_every, warmup=args.warmup, margin=args.margin,
                                       mask=args.mask, accum=args.accum, fault_micro=args.fault_micro,
                                       fsdp=args.fsdp, sdcguard=args.sdcguard, fused_adam=args.fused_adam,
-                                      experts_hint=not args.no_experts_hint)
+                                      experts_hint=not args.no_experts_hint, recover=args.recover)
     if args.clean:
         results["clean"] = run_case(None, rank=rank, world=world, device=device, steps=args.clean,
                                     fault_step=args.clean + 1, fault_rank=-1, audit_every=args.audit_every,
@@ -981,6 +993,24 @@ def _own_host_time(parts: dict[str, float], hook_parts: dict[str, float] | None)
     return before, parts.get("StepGuard._post_hook", 0.0)
 
 
+def _recovery_line(r: dict[str, Any]) -> str:
+    """--recover: the updates skipped from the fault on, the repairs, and whether every shard's replicas hold
+    the same bytes at the end."""
+    skipped = sorted({step for step, _ in r["skipped"]})
+    span = (f"{len(skipped)} update{'s' if len(skipped) != 1 else ''} skipped "
+            f"({skipped[0]}..{skipped[-1]})" if skipped else "no update skipped")
+    done = sorted({(x["at_step"], x["source_rank"]) for x in r["repairs"] if x["ok"]})
+    failed = sorted({x["at_step"] for x in r["repairs"] if not x["ok"]})
+    rep = "; ".join([f"repaired at {at} from rank {src}" for at, src in done]
+                    + ([f"not repaired ({failed[0]}..{failed[-1]}, {len(failed)} tries: "
+                        f"{next(x['reason'] for x in r['repairs'] if not x['ok'])})"] if failed else [])) \
+        or "no repair"
+    digests = r["weights"]
+    shards = r["shards"]      # ranks s, s + shards, ...: the replicas of shard s (1: DDP, every rank)
+    agree = all(len({digests[i] for i in range(s, len(digests), shards)}) == 1 for s in range(shards))
+    return f"{span}; {rep}; replicas {'agree' if agree else 'DIFFER'} at the end (step {r['steps']})"
+
+
 def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
     head = f"fault (rank {fault_rank}, step {fault_step})"
     lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
@@ -1013,6 +1043,8 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
                      + (f"   (vote also, +{c['vote']['step'] - fault_step}, named {c['vote']['named']})"
                         if det != "vote" and "vote" in c else "")
                      + sg)
+        if r.get("repairs") is not None:
+            lines.append(f"{'':34} recovery: {_recovery_line(r)}")
     cases = [r for name, r in results.items() if name not in ("clean", "overhead")]
     if cases:   # whether the C++ hook's gather and verdict were in play (0 on gloo CPU ranks, by design)
         lines.append(f"over the fault cases, rank 0's C++ hook gathered the rows on "
@@ -1175,6 +1207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-experts-hint", action="store_true",
                    help="ComputeChecks(experts=None): MoE expert buckets only learnt as zeroable, not "
                         "declared")
+    p.add_argument("--recover", action="store_true",
+                   help="fault cases: ReplicaRecovery on the Monitor (the vote gates the update and, with 3+ "
+                        "replicas, repairs the odd one in place); every case runs its --after steps and the "
+                        "table says which updates were skipped and whether the replicas agree at the end")
     p.add_argument("--fused-adam", action="store_true",
                    help="fault cases: fused Adam whatever the mask and device (a host-veto run to compare "
                         "with a device-mask one on the same optimizer)")

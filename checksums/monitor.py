@@ -994,6 +994,21 @@ class Monitor:
         """The process group the replica vote runs over, or None (no replicas, or the vote is off)."""
         return self._group
 
+    def mesh_peer_groups(self) -> list[Any]:
+        """HSDP: the process groups of the parameters' mesh dims other than the replicate one (the shard
+        dim): the ranks that step the same model holding its other shards, each voting in its own replica
+        group. [] for DDP (no DTensor parameters), plain FSDP (no replicate dim) or dims of one rank. Known
+        whether or not this rank's vote is on, so every rank of the mesh answers alike."""
+        for _, p in self._params + self._frozen:
+            if DTENSOR is not None and isinstance(p, DTENSOR):
+                replicate = [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
+                if len(replicate) != 1:
+                    return []
+                mesh = p.device_mesh
+                return [mesh.get_group(mesh_dim=d) for d in range(mesh.ndim)
+                        if d != replicate[0] and mesh.size(d) > 1]
+        return []
+
     @property
     def last_vote(self) -> StepVote | None:
         return self._last_vote

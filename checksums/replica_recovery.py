@@ -33,9 +33,16 @@ Two stages on the optimizer's `StepGuard` (checksums/step_guard.py), apart from 
     vote that disagreed, and that this stage has not acted on, vetoes this update (a `Veto`, its number
     kept); the REPAIR stage acts in the same step. A vote launched before a restore (an older
     `StepVote.epoch` than the guard's `restores`) vetoes nothing after it: the first redone update applies.
+  * HSDP (FSDP2 on a (replicate, shard) mesh), either way: each shard's replica group votes apart, but the
+    model's shards step together, so a verdict of any group gates the update on every rank of the mesh (a
+    model whose shards applied different steps is no clean run's: before, the agreeing groups applied the
+    update the odd group's gate held back). The device gate combines the flags with an all_reduce (MAX) of
+    one float over each other mesh dim, every step, on the device (no host wait), and records the masked
+    updates from a pinned copy once it landed; the host gate reads the same all_reduce on the host.
 
 - `replica.repair` (Phase.REPAIR): for a disagreeing vote with a strict majority (3+ replicas), every
-  parameter and optimizer-state tensor is broadcast from the lowest-ranked majority replica over the replica
+  parameter and optimizer-state tensor (under FSDP2/HSDP a DTensor's local shard: c10d has no DTensor
+  collectives) is broadcast from the lowest-ranked majority replica over the replica
   group, then fingerprinted and compared across the group (an all_gather of two int64; this rare path reads
   the result on the host): the repair counts only if every replica now holds the majority's exact bytes.
   The weights are then those after the last agreed update; the skipped steps' batches are lost:
@@ -103,11 +110,21 @@ class ReplicaRecovery:
         # the device gate's state (host side: ints and the flag tensor, never read on the host)
         self._flag: torch.Tensor | None = None    # 0-d float on the device: the newest vote disagreed
         self._flag_call = 0               # the call of the vote the flag was computed from
+        self._flag_step = 0               # and its step
         self._mask_from: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)  # (step, its vote)
         self._settled_call = 0            # votes launched up to this call were looked at on the host
         self._fresh_from = 0              # votes launched before this call: weights since repaired
         self._restores = self.guard.restores   # the restore epoch the device flag was computed in
         self._device_mask: DeviceMask | None = None
+        # HSDP: the mesh's other dims (the shard groups). Each shard's replica group votes apart, but the
+        # model's shards step together: a verdict of any group gates the update on every rank (a model whose
+        # shards applied different steps is no clean run's). One tiny all_reduce (MAX) a step over each.
+        self._peers = monitor.mesh_peer_groups()
+        self._peer_flag: torch.Tensor | None = None      # device gate: [this group's flag, the combined one]
+        self._peer_word: torch.Tensor | None = None      # host gate: this rank's verdict, then everyone's
+        # device gate: the combined flag of each recent step, copied to the host for `_settle` to record
+        self._peer_slots: collections.deque[_PeerSlot] = collections.deque()
+        self._peer_free: list[_PeerSlot] = []
         self.gate = _Gate(self)
         self.repair = _Repair(self)
 
@@ -126,10 +143,29 @@ class ReplicaRecovery:
 
     # ---- the gate ------------------------------------------------------------------------------------
     def _gate(self, ctx: StepContext) -> Veto | None:
-        if self.monitor.replica_group is None:
-            return None
         if self.mask == "device":
             return self._gate_on_device(ctx)
+        own = self._gate_on_host(ctx)
+        if self._peers and self._peers_disagree(own is not None) and own is None:
+            self.vetoed += 1
+            return Veto(self.gate.name, "the replica vote of another shard's replica group disagreed: the "
+                                        "update is not applied on any shard (the model's shards step together)")
+        return own
+
+    def _peers_disagree(self, mine: bool) -> bool:
+        """Host gate, HSDP: whether any rank of the mesh vetoes this update for its group's vote (a host read,
+        as the host gate's `flush` is)."""
+        word = self._peer_word
+        if word is None:
+            word = self._peer_word = torch.zeros(1, dtype=torch.int32, device=self.monitor.device)
+        word.fill_(1 if mine else 0)
+        for group in self._peers:
+            dist.all_reduce(word, op=dist.ReduceOp.MAX, group=group)
+        return bool(word.item())
+
+    def _gate_on_host(self, ctx: StepContext) -> Veto | None:
+        if self.monitor.replica_group is None:
+            return None
         self.monitor.flush()
         vote = self.monitor.last_vote
         if vote is None or vote is self._acted or vote.result.agreed:
@@ -147,6 +183,8 @@ class ReplicaRecovery:
         replica has read by now (`settle_lag` calls old). No host synchronisation, no veto."""
         mon = self.monitor
         calls = mon.step_calls
+        if mon.replica_group is None and not self._peers:
+            return None
         restores = self.guard.restores
         if restores != self._restores:        # a restore since the last gate: the flag is about old weights
             self._restores, self._flag = restores, None
@@ -159,13 +197,39 @@ class ReplicaRecovery:
                 flag = device_disagree(words)
                 if flag.device != mon.device:     # a synchronous vote on host buffers (forced device gate)
                     flag = flag.to(mon.device, non_blocking=True)
-                self._flag, self._flag_call = flag, call
-        if self._flag is not None:
-            assert self._device_mask is not None
+                self._flag, self._flag_call, self._flag_step = flag, call, step
+        assert self._device_mask is not None
+        if self._peers:                           # HSDP: every group's flag, on every rank (MAX), masks
+            self._mask_with_peers(ctx)
+        elif self._flag is not None:
             self._device_mask.add(ctx, self._flag)
             self._mask_from.append((ctx.step, self._flag_call))
         self._settle(ctx, calls)
+        if self._peers:
+            self._settle_peers(calls)
         return None
+
+    def _mask_with_peers(self, ctx: StepContext) -> None:
+        """Mask this update with the MAX of every mesh rank's flag (an all_reduce on the device, each step,
+        whether or not this rank has a flag: every rank makes the same calls), and copy both flags to the
+        host, where `_settle` records the masked update once the copy landed (at the latest `settle_lag`
+        calls later, when it waits for it)."""
+        assert self._device_mask is not None
+        pair = self._peer_flag
+        if pair is None:
+            pair = self._peer_flag = torch.zeros(2, dtype=torch.float32, device=self.monitor.device)
+        if self._flag is not None:
+            pair.copy_(self._flag.reshape(1).expand(2))
+            self._mask_from.append((ctx.step, self._flag_call))
+        else:
+            pair.zero_()
+        combined = pair[1:]
+        for group in self._peers:
+            dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=group)
+        self._device_mask.add(ctx, pair[1])
+        slot = self._peer_free.pop() if self._peer_free else _PeerSlot(pair.is_cuda)
+        slot.fill(ctx.step, self.monitor.step_calls, self._flag_step if self._flag is not None else 0, pair)
+        self._peer_slots.append(slot)
 
     def _settle(self, ctx: StepContext, calls: int) -> None:
         """The host's part, on votes every replica has read (so every replica decides the same, at the same
@@ -182,12 +246,28 @@ class ReplicaRecovery:
             why = (f"replica vote at step {vote.step} disagreed ({vote.result.method}): the update was "
                    "masked on the device")
             for step, by in self._mask_from:
-                if by == call:
+                if by == call and not self._peers:      # HSDP: recorded from the combined flag (_settle_peers)
                     self.guard.masked(step, self.gate.name, why)
                     self.vetoed += 1
             if call >= self._fresh_from and vote.epoch == self.guard.restores and self._pending is None:
                 self._pending = vote              # the REPAIR stage, this step
         self._settled_call = through
+
+    def _settle_peers(self, calls: int) -> None:
+        """HSDP, device gate: record the updates the combined flag masked, from the host copies that landed
+        (waiting only for one `settle_lag` calls old: landed long before, in practice)."""
+        through = calls - self.settle_lag
+        while self._peer_slots and (self._peer_slots[0].landed() or self._peer_slots[0].call <= through):
+            slot = self._peer_slots.popleft()
+            own, combined = slot.read()
+            if combined:
+                self.guard.masked(slot.step, self.gate.name,
+                                  f"replica vote at step {slot.vote_step} disagreed: the update was masked on the "
+                                  "device on every shard" if own else
+                                  "the replica vote of another shard's replica group disagreed: the update was "
+                                  "masked on the device on every shard (the model's shards step together)")
+                self.vetoed += 1
+            self._peer_free.append(slot)
 
     # ---- the repair ----------------------------------------------------------------------------------
     def _repair(self, ctx: StepContext) -> Veto | None:
@@ -221,17 +301,50 @@ class ReplicaRecovery:
 
     @staticmethod
     def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """Every parameter and every optimizer-state tensor, in an order all replicas share."""
+        """Every parameter and every optimizer-state tensor, in an order all replicas share. A DTensor (FSDP2,
+        HSDP: this rank's shard) is its local tensor, which shares its storage: the copy goes over the
+        replica group shard for shard, as the vote compared them (c10d has no DTensor collectives)."""
         out: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             for p in group["params"]:
-                out.append(p.data)
+                out.append(_local(p.data))
                 state = optimizer.state.get(p, {})
                 for key in sorted(state):
                     v = state[key]
                     if isinstance(v, torch.Tensor):
-                        out.append(v)
+                        out.append(_local(v))
         return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)    # a DTensor: its shard, the same storage
+    return to_local() if to_local is not None else t
+
+
+class _PeerSlot:
+    """One step's two flags (this group's, the combined one) on the host: pinned on CUDA, with an event."""
+
+    __slots__ = ("step", "call", "vote_step", "host", "done", "_np")
+
+    def __init__(self, cuda: bool) -> None:
+        self.step = self.call = self.vote_step = 0
+        self.host = torch.zeros(2, dtype=torch.float32, pin_memory=cuda)
+        self._np = self.host.numpy()              # read as numpy: no torch op on the host
+        self.done: Any = torch.cuda.Event() if cuda else None
+
+    def fill(self, step: int, call: int, vote_step: int, pair: torch.Tensor) -> None:
+        self.step, self.call, self.vote_step = step, call, vote_step
+        self.host.copy_(pair, non_blocking=self.done is not None)
+        if self.done is not None:
+            self.done.record()
+
+    def landed(self) -> bool:
+        return self.done is None or bool(self.done.query())
+
+    def read(self) -> tuple[bool, bool]:
+        if self.done is not None and not self.done.query():   # settle_lag calls old: landed, in practice
+            self.done.synchronize()
+        return bool(self._np[0] != 0.0), bool(self._np[1] != 0.0)
 
 
 class _Gate:

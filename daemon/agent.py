@@ -42,7 +42,7 @@ from checkpoint.redis_connect import connect_async
 from sdcwatch import __version__
 from sdcwatch.channels import read_token
 from sdcwatch import event_kinds as ek
-from daemon import checkpoint_service
+from daemon import checkpoint_service, grpc_logging
 from daemon.alerts import AlertDispatcher
 from daemon.background import Background
 from daemon.checkpoint_feed import CheckpointFeed
@@ -198,6 +198,7 @@ class Agent:
     def _make_server(self, token: str | None) -> grpc.aio.Server:
         # The token (TCP only) is checked by an interceptor; the RPC metrics wrap each handler once, at
         # registration (MeteredServer), so the unix socket's calls go through no interceptor at all.
+        grpc_logging.install()   # a client gone before a call's end is one INFO line, not an ERROR traceback
         server = grpc.aio.server(interceptors=[AgentInterceptor(token)] if token else None,
                                  options=self._server_options())
         metered: Any = MeteredServer(server, self.metrics)

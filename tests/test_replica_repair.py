@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import rank_spawn
@@ -92,3 +93,93 @@ def test_two_replicas_hold_every_update_until_the_rollback(tmp_path: Path) -> No
         assert res["skipped"] == list(range(FLIP_STEP + 1, STEPS + 1))
         assert res["repairs"] and not any(ok for *_, ok in res["repairs"])
         assert res["repairs"][0][:3] == [FLIP_STEP, FLIP_STEP + 1, -1]
+
+
+# -- HSDP: 3 replicas x 2 shards (6 ranks); the vote runs per shard's replica group -------------------------
+HSDP_WORLD, HSDP_SHARDS, LAG = 6, 2, 4
+
+
+def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: str) -> dict[str, Any]:
+    """The same MLP under HSDP (replicate over mesh dim 0, shard over dim 1: replica groups 0,2,4 and 1,3,5),
+    Adam; with `flip` a bit of rank 5's shard (replica 2, shard 1) is flipped after update FLIP_STEP. `mask`
+    "device": fused Adam, the vote's verdict masks the update through found_inf, the host settles LAG calls
+    later (as on CUDA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from checksums.monitor import Monitor
+    from checksums.replica_recovery import ReplicaRecovery
+
+    mesh = init_device_mesh("cpu", (HSDP_WORLD // HSDP_SHARDS, HSDP_SHARDS), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=mask == "device")
+    monitor = Monitor.attach(model, opt, job_id="repair-hsdp", reporter=RecordingReporter(), host=f"host{rank}")
+    recovery = (ReplicaRecovery.attach(monitor, mask=mask, settle_lag=LAG if mask == "device" else None)
+                if recover else None)
+    for index in batches:
+        x, y = _batch(rank, index)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if flip and index == FLIP_STEP and rank == HSDP_WORLD - 1:
+            with torch.no_grad():
+                model[0].weight.to_local().view(torch.int32).view(-1)[3] ^= 1 << 20
+        monitor.step(loss.detach())
+    local = [p.detach().to_local().clone() for p in model.parameters()]
+    local += [(v.to_local() if hasattr(v, "to_local") else v).clone()
+              for p in model.parameters() for _, v in sorted(opt.state[p].items())]
+    out = {"state": [t.reshape(-1).view(torch.uint8).tolist() for t in local],
+           "skipped": [s.step for s in monitor.guard.skipped],
+           "repairs": [(r.vote_step, r.at_step, r.source_rank, r.ok) for r in recovery.repairs] if recovery else [],
+           "mismatches": monitor.stats.mismatches, "step": monitor.step_count, "group": monitor.replica_group_name,
+           "errors": monitor.guard.stats.errors}
+    monitor.close()
+    return out
+
+
+def _hsdp_worker(rank: int, store: str, outdir: str, mask: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=HSDP_WORLD)
+    torch.set_num_threads(1)
+    try:
+        faulty = _run_hsdp(rank, list(range(1, STEPS + 1)), flip=True, recover=True, mask=mask)
+        skipped = set(faulty["skipped"])
+        clean = _run_hsdp(rank, [i for i in range(1, STEPS + 1) if i not in skipped], flip=False, recover=False,
+                          mask=mask)
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps({"faulty": faulty, "clean": clean}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mask", ["host", "device"])
+def test_hsdp_repairs_the_odd_shard_in_place_and_every_shard_skips_the_same_update(tmp_path: Path, mask: str):
+    """Under HSDP a parameter is a DTensor (this rank's shard): the repair copies the shards over the replica
+    group (c10d has no DTensor collectives: the copy raised NotImplementedError, so nothing was repaired and
+    the replicas stayed apart). The update after the flip is skipped on every rank, the shards whose replicas
+    agreed too (a model whose shards applied different steps is no clean run's), and the result is
+    bit-identical, shard for shard, to a clean run that skipped that batch. On the device (found_inf, no host
+    wait) the flag of every group is combined (an all_reduce MAX over the shard group) before it masks, and
+    each rank records the updates it masked once the host reads them; the repair waits until every replica
+    has read the vote (LAG calls), so updates FLIP_STEP+1 .. FLIP_STEP+LAG+1 are masked everywhere."""
+    rank_spawn.spawn(_hsdp_worker, args=(str(tmp_path / "store"), str(tmp_path), mask), nprocs=HSDP_WORLD)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(HSDP_WORLD)]
+    assert [r["faulty"]["group"] for r in res] == ["ranks:0,2,4", "ranks:1,3,5"] * 3
+    lag = LAG if mask == "device" else 0
+    for rank, r in enumerate(res):
+        f = r["faulty"]
+        assert f["errors"] == 0, rank
+        assert f["skipped"] == list(range(FLIP_STEP + 1, FLIP_STEP + lag + 2)), (rank, f["skipped"])
+        if rank % HSDP_SHARDS == 1:     # the flipped shard's replica group: repaired from rank 1
+            assert f["repairs"] == [[FLIP_STEP, FLIP_STEP + lag + 1, 1, True]], (rank, f["repairs"])
+            assert f["mismatches"] == lag + 1
+        else:
+            assert f["repairs"] == [] and f["mismatches"] == 0, (rank, f)
+        assert f["step"] == STEPS
+        assert f["state"] == r["clean"]["state"], f"rank {rank}: not the clean run that skipped the batch"
+    for shard in range(HSDP_SHARDS):
+        states = [res[r]["faulty"]["state"] for r in range(shard, HSDP_WORLD, HSDP_SHARDS)]
+        assert all(s == states[0] for s in states), f"shard {shard}: the replicas differ at the end"
