@@ -125,6 +125,11 @@ class ReplicaRecovery:
         # device gate: the combined flag of each recent step, copied to the host for `_settle` to record
         self._peer_slots: collections.deque[_PeerSlot] = collections.deque()
         self._peer_free: list[_PeerSlot] = []
+        if self._peers and self.mask == "device":   # made here: nothing is allocated in a step
+            self._peer_flag = torch.zeros(2, dtype=torch.float32, device=monitor.device)
+            self._peer_free = [_PeerSlot(monitor.device.type == "cuda") for _ in range(self.settle_lag + 2)]
+        elif self._peers:
+            self._peer_word = torch.zeros(1, dtype=torch.int32, device=monitor.device)
         self.gate = _Gate(self)
         self.repair = _Repair(self)
 
@@ -156,8 +161,7 @@ class ReplicaRecovery:
         """Host gate, HSDP: whether any rank of the mesh vetoes this update for its group's vote (a host read,
         as the host gate's `flush` is)."""
         word = self._peer_word
-        if word is None:
-            word = self._peer_word = torch.zeros(1, dtype=torch.int32, device=self.monitor.device)
+        assert word is not None
         word.fill_(1 if mine else 0)
         for group in self._peers:
             dist.all_reduce(word, op=dist.ReduceOp.MAX, group=group)
@@ -216,8 +220,7 @@ class ReplicaRecovery:
         calls later, when it waits for it)."""
         assert self._device_mask is not None
         pair = self._peer_flag
-        if pair is None:
-            pair = self._peer_flag = torch.zeros(2, dtype=torch.float32, device=self.monitor.device)
+        assert pair is not None
         if self._flag is not None:
             pair.copy_(self._flag.reshape(1).expand(2))
             self._mask_from.append((ctx.step, self._flag_call))

@@ -1,9 +1,10 @@
 """Small helpers shared by several test files."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from checksums.reporter import Directive, ReporterStats, StepReport, to_request
 
@@ -55,3 +56,37 @@ class RecordingReporter:
 
     def stats(self) -> ReporterStats:
         return ReporterStats(sent=len(self.reports))
+
+
+@contextlib.contextmanager
+def count_host_syncs(monitor: Any, seen: list[str]) -> Iterator[None]:
+    """Record every call that would make the host wait for the device (on CUDA) while active."""
+    import torch   # here: the agent's tests import this module without torch
+
+    patches: list[tuple[Any, str, Any]] = []
+
+    def spy(owner: Any, name: str) -> None:
+        orig = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if name != "_drain" or kwargs.get("block", args[0] if args else False):
+                seen.append(name)
+            return orig(*args, **kwargs)
+        patches.append((owner, name, orig))
+        setattr(owner, name, wrapper)
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        spy(torch.Tensor, name)
+    spy(torch, "equal")
+    spy(torch.cuda.Event, "synchronize")
+    spy(torch.cuda, "synchronize")
+    spy(monitor, "flush")
+    spy(monitor, "_drain")
+    try:
+        yield
+    finally:
+        for owner, name, orig in reversed(patches):
+            if owner is monitor:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)

@@ -6,11 +6,10 @@ synchronisations it makes (item/tolist/bool/equal, Event.synchronize, Monitor.fl
 there must be none."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import rank_spawn
 from torch import nn
 
-from support import RecordingReporter
+from support import RecordingReporter, count_host_syncs
 
 STEPS, FLIP_STEP, LAG = 14, 5, 4
 
@@ -26,38 +25,6 @@ STEPS, FLIP_STEP, LAG = 14, 5, 4
 def _batch(rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + index)
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-
-
-@contextlib.contextmanager
-def _count_host_syncs(monitor: Any, seen: list[str]) -> Iterator[None]:
-    """Record every call that would make the host wait for the device (on CUDA) while active."""
-    patches: list[tuple[Any, str, Any]] = []
-
-    def spy(owner: Any, name: str) -> None:
-        orig = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if name != "_drain" or kwargs.get("block", args[0] if args else False):
-                seen.append(name)
-            return orig(*args, **kwargs)
-        patches.append((owner, name, orig))
-        setattr(owner, name, wrapper)
-
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy"):
-        spy(torch.Tensor, name)
-    spy(torch, "equal")
-    spy(torch.cuda.Event, "synchronize")
-    spy(torch.cuda, "synchronize")
-    spy(monitor, "flush")
-    spy(monitor, "_drain")
-    try:
-        yield
-    finally:
-        for owner, name, orig in reversed(patches):
-            if owner is monitor:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, orig)
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[int]]:
@@ -84,7 +51,7 @@ def _run(rank: int, world: int, batches: list[int], *, flip: bool, recover: bool
         gate_run = recovery.gate.run
 
         def counted(ctx: Any) -> Any:
-            with _count_host_syncs(monitor, syncs):
+            with count_host_syncs(monitor, syncs):
                 return gate_run(ctx)
         recovery.gate.run = counted  # type: ignore[method-assign]
     saved: dict[str, Any] = {}

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import rank_spawn
 from torch import nn
 
-from support import RecordingReporter
+from support import RecordingReporter, count_host_syncs
 
 WORLD, STEPS, FLIP_STEP = 3, 12, 5
 
@@ -120,6 +120,14 @@ def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: st
     monitor = Monitor.attach(model, opt, job_id="repair-hsdp", reporter=RecordingReporter(), host=f"host{rank}")
     recovery = (ReplicaRecovery.attach(monitor, mask=mask, settle_lag=LAG if mask == "device" else None)
                 if recover else None)
+    syncs: list[str] = []
+    if recovery is not None and mask == "device":     # the device gate, all_reduce included, never waits
+        gate_run = recovery.gate.run
+
+        def counted(ctx: Any) -> Any:
+            with count_host_syncs(monitor, syncs):
+                return gate_run(ctx)
+        recovery.gate.run = counted  # type: ignore[method-assign]
     for index in batches:
         x, y = _batch(rank, index)
         loss = ((model(x) - y) ** 2).mean()
@@ -137,7 +145,7 @@ def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: st
            "skipped": [s.step for s in monitor.guard.skipped],
            "repairs": [(r.vote_step, r.at_step, r.source_rank, r.ok) for r in recovery.repairs] if recovery else [],
            "mismatches": monitor.stats.mismatches, "step": monitor.step_count, "group": monitor.replica_group_name,
-           "errors": monitor.guard.stats.errors}
+           "errors": monitor.guard.stats.errors, "syncs": sorted(set(syncs))}
     monitor.close()
     return out
 
@@ -172,6 +180,7 @@ def test_hsdp_repairs_the_odd_shard_in_place_and_every_shard_skips_the_same_upda
     for rank, r in enumerate(res):
         f = r["faulty"]
         assert f["errors"] == 0, rank
+        assert f["syncs"] == [], f"rank {rank}: the device gate synchronised with the host: {f['syncs']}"
         assert f["skipped"] == list(range(FLIP_STEP + 1, FLIP_STEP + lag + 2)), (rank, f["skipped"])
         if rank % HSDP_SHARDS == 1:     # the flipped shard's replica group: repaired from rank 1
             assert f["repairs"] == [[FLIP_STEP, FLIP_STEP + lag + 1, 1, True]], (rank, f["repairs"])
