@@ -24,10 +24,11 @@ mechanism of checksums/device_mask.py, which the replica vote's gate uses too): 
 synchronisation in the step. The rows travel to pinned host memory without waiting; the next step reads
 them (`_settle_previous`), learns the spread, and replays and classifies a masked step from its retained
 batch (its weights are unchanged, the masked update changed nothing). A masked step classified DATA there
-is lost rather than applied late. A step settled after a restore (`StepGuard.restores` moved: a rollback
-loaded other weights) is not replayed: its verdict gates nothing after the restore. Audit steps (every `audit_every`) take the host path: one
-synchronisation per audit. Cost of the device path per step: the bucket summaries (a norm, a max-abs and the
-fingerprint kernel per bucket), one all-gather of 32 bytes per bucket per rank, and a handful of tiny
+is lost rather than applied late. A step settled after a restore or a replica repair (`StepGuard.rewrites`
+moved: a rollback loaded other weights, or ReplicaRecovery copied a majority's) is not replayed: its verdict
+gates nothing after. Audit steps (every `audit_every`) take the host path: one synchronisation per audit.
+Cost of the device path per step: the bucket summaries (a norm, a max-abs and the fingerprint kernel per
+bucket), one all-gather of 32 bytes per bucket per rank, and a handful of tiny
 kernels (median, log, compare) for the flag, replayed as one CUDA graph once the spread is learnt
 (checksums.device_verdict). With the C++ comm hook (DDP on CUDA) the gather, the graph's replay and the copies
 to pinned memory all run in the hook, right after its last bucket's all-reduce (`_arm_finish`): the stage
@@ -478,7 +479,7 @@ class ComputeChecks:
                 self._arm_finish(flag, spread)
         assert self._device_mask is not None
         self._device_mask.add(ctx, flag)                  # combined with GradScaler's found_inf, if any
-        self._pending = (ctx.step, slot, armed, self.replayer.retained, self.guard.restores)
+        self._pending = (ctx.step, slot, armed, self.replayer.retained, self.guard.rewrites)
 
     def _arm_finish(self, flag: torch.Tensor, spread: torch.Tensor) -> None:
         """From the next step, the C++ hook replays the verdict's graph right after its gather and copies
@@ -583,11 +584,11 @@ class ComputeChecks:
         host = slot.rows
         stats = stats_of(host)
         jumps, verdict = self._assess(stats)
-        if (not armed and not verdict.nonfinite) or epoch != self.guard.restores:
-            if masked or verdict.suspects:     # restored since: a replay now would run on other weights
-                restored = epoch != self.guard.restores
+        if (not armed and not verdict.nonfinite) or epoch != self.guard.rewrites:
+            if masked or verdict.suspects:     # restored or repaired since: a replay would run on other weights
+                restored = epoch != self.guard.rewrites
                 logger.info("sdcwatch: compute check of step %d not replayed: %s", step,
-                            "the weights were restored since" if restored else "not armed")
+                            "the weights were restored or repaired since" if restored else "not armed")
             outcomes, self._not_replayed = [], ""
         else:
             outcomes = self._classify(verdict, host, jumps, retained)

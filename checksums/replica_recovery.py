@@ -151,10 +151,13 @@ class ReplicaRecovery:
         if self.mask == "device":
             return self._gate_on_device(ctx)
         own = self._gate_on_host(ctx)
-        if self._peers and self._peers_disagree(own is not None) and own is None:
-            self.vetoed += 1
-            return Veto(self.gate.name, "the replica vote of another shard's replica group disagreed: the "
-                                        "update is not applied on any shard (the model's shards step together)")
+        if self._peers and self._peers_disagree(own is not None):
+            self.guard.note_rewrite()    # every rank of the mesh, this step: a group may repair its shard now
+            if own is None:
+                self.vetoed += 1
+                return Veto(self.gate.name, "the replica vote of another shard's replica group disagreed: the "
+                                            "update is not applied on any shard (the model's shards step "
+                                            "together)")
         return own
 
     def _peers_disagree(self, mine: bool) -> bool:
@@ -257,20 +260,32 @@ class ReplicaRecovery:
         self._settled_call = through
 
     def _settle_peers(self, calls: int) -> None:
-        """HSDP, device gate: record the updates the combined flag masked, from the host copies that landed
-        (waiting only for one `settle_lag` calls old: landed long before, in practice)."""
+        """HSDP, device gate: record the updates the combined flag masked as soon as their host copies
+        landed; the slots `settle_lag` calls old (waited for: landed long before, in practice) are done with,
+        and each that masked says, on every rank at the same call, that a group may repair its shard now."""
+        for slot in self._peer_slots:
+            if slot.recorded:
+                continue
+            if not (slot.landed() or slot.call <= calls - self.settle_lag):
+                break                             # in order: the next ones landed later
+            self._record_peer(slot)
         through = calls - self.settle_lag
-        while self._peer_slots and (self._peer_slots[0].landed() or self._peer_slots[0].call <= through):
+        while self._peer_slots and self._peer_slots[0].call <= through:
             slot = self._peer_slots.popleft()
-            own, combined = slot.read()
-            if combined:
-                self.guard.masked(slot.step, self.gate.name,
-                                  f"replica vote at step {slot.vote_step} disagreed: the update was masked on the "
-                                  "device on every shard" if own else
-                                  "the replica vote of another shard's replica group disagreed: the update was "
-                                  "masked on the device on every shard (the model's shards step together)")
-                self.vetoed += 1
+            if slot.combined:
+                self.guard.note_rewrite()
             self._peer_free.append(slot)
+
+    def _record_peer(self, slot: "_PeerSlot") -> None:
+        own, slot.combined = slot.read()
+        slot.recorded = True
+        if slot.combined:
+            self.guard.masked(slot.step, self.gate.name,
+                              f"replica vote at step {slot.vote_step} disagreed: the update was masked on the "
+                              "device on every shard" if own else
+                              "the replica vote of another shard's replica group disagreed: the update was "
+                              "masked on the device on every shard (the model's shards step together)")
+            self.vetoed += 1
 
     # ---- the repair ----------------------------------------------------------------------------------
     def _repair(self, ctx: StepContext) -> Veto | None:
@@ -283,6 +298,8 @@ class ReplicaRecovery:
             return None
         if self.mask == "device":     # the votes launched before the next step() are about unrepaired weights
             self._fresh_from = self.monitor.step_calls + 1
+        if not self._peers:           # every rank of the group repairs at this step (HSDP: noted mesh-wide)
+            self.guard.note_rewrite()
         odd = {s.rank for s in result.suspects}
         source = min(r for r in vote.ranks if r not in odd)
         group = self.monitor.replica_group
@@ -327,16 +344,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class _PeerSlot:
     """One step's two flags (this group's, the combined one) on the host: pinned on CUDA, with an event."""
 
-    __slots__ = ("step", "call", "vote_step", "host", "done", "_np")
+    __slots__ = ("step", "call", "vote_step", "host", "done", "_np", "recorded", "combined")
 
     def __init__(self, cuda: bool) -> None:
         self.step = self.call = self.vote_step = 0
+        self.recorded = self.combined = False
         self.host = torch.zeros(2, dtype=torch.float32, pin_memory=cuda)
         self._np = self.host.numpy()              # read as numpy: no torch op on the host
         self.done: Any = torch.cuda.Event() if cuda else None
 
     def fill(self, step: int, call: int, vote_step: int, pair: torch.Tensor) -> None:
         self.step, self.call, self.vote_step = step, call, vote_step
+        self.recorded = self.combined = False
         self.host.copy_(pair, non_blocking=self.done is not None)
         if self.done is not None:
             self.done.record()

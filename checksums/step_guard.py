@@ -172,6 +172,7 @@ class StepGuard:
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []   # (param, grad) of a vetoed step
         self._staged = False          # this step's stages before the update have run
         self._restores = 0            # restore epochs (note_restore, renumber to a lower step)
+        self._rewrites = 0            # restores and replica repairs: the weights rewritten outside an update
         self._restored_step: int | None = None
         self._ctx = StepContext(optimizer)
         # The replicas of what this guard updates: ranks naming the same set hold bit-identical weights after
@@ -272,7 +273,21 @@ class StepGuard:
         renumber (call `renumber(step)` once the state is loaded, as after any restore)."""
         _check_step(step)
         self._restores += 1
+        self._rewrites += 1
         self._restored_step = step
+
+    def note_rewrite(self) -> None:
+        """The weights are being rewritten outside an update without a restore (a replica repair copies a
+        majority replica's state), or may be on another shard of the same model: a check still in flight
+        about the weights before (a compute check whose replay waits for the next step) must not replay on
+        the new ones. Every rank that steps the same model calls it at the same step (see `rewrites`)."""
+        self._rewrites += 1
+
+    @property
+    def rewrites(self) -> int:
+        """Restores plus `note_rewrite`s so far: a step's weights are the ones a later step replays on only
+        while this is unchanged (checksums/compute_gate.py compares it)."""
+        return self._rewrites
 
     @property
     def restores(self) -> int:

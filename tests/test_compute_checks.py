@@ -335,10 +335,14 @@ def test_device_mask_needs_a_fused_optimizer():
         _choose_mask("sometimes", fused, torch.device("cpu"))
 
 
-def test_device_path_replays_no_step_pending_from_before_a_restore():
+def test_device_path_replays_no_step_pending_from_before_a_restore_or_a_repair():
     """Issue 18 follow-up: the device path judges a masked step at the next step, replaying its retained batch
-    on the weights it saw. After a restore (the guard's restore epoch moved) those weights are gone: that step
-    is not replayed or classified (its verdict gates nothing after the restore)."""
+    on the weights it saw. After a restore (the guard's restore epoch moved) or a replica repair
+    (`note_rewrite`) those weights are gone: that step is not replayed or classified (its verdict gates
+    nothing after). Before the repair counted, HSDP 3 x 2 with the device mask and ReplicaRecovery
+    (`bench.compute_faults --world 6 --fsdp --hsdp 3 --mask device --fused-adam --recover`, a weight
+    exponent flipped on rank 5) replayed step 41 on the repaired weights and named rank 4's good GPU
+    `transient`."""
     from checksums.compute_gate import ComputeChecks
     from checksums.step_guard import StepGuard
 
@@ -355,7 +359,7 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     gate._not_replayed = ""
 
     def pend() -> None:           # a step the device masked (its flag 1)
-        gate._pending = (3, _slot(_rows(10, world=2), 1.0), True, None, guard.restores)
+        gate._pending = (3, _slot(_rows(10, world=2), 1.0), True, None, guard.rewrites)
 
     pend()
     gate._settle_previous()
@@ -368,8 +372,15 @@ def test_device_path_replays_no_step_pending_from_before_a_restore():
     guard.note_restore(1)                    # a restore to the step the guard is at
     gate._settle_previous()
     assert replayed == [1]
+    pend()
+    guard.note_rewrite()                     # a replica repair (ReplicaRecovery): no restore, other weights
+    gate._settle_previous()
+    assert replayed == [1] and guard.restores == 2 and guard.rewrites == 3
+    pend()
+    gate._settle_previous()
+    assert replayed == [1, 1], "nothing rewritten since: replayed"
     # each masked step, replayed or not, is a step the guard learns was skipped (its update never happened)
-    assert [k.step for k in guard.skipped] == [3, 3, 3] and gate._dropped == 3, guard.skipped
+    assert [k.step for k in guard.skipped] == [3, 3, 3, 3, 3] and gate._dropped == 5, guard.skipped
 
 
 def _slot(rows: torch.Tensor, flag: float) -> Any:

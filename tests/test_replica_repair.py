@@ -145,7 +145,7 @@ def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: st
            "skipped": [s.step for s in monitor.guard.skipped],
            "repairs": [(r.vote_step, r.at_step, r.source_rank, r.ok) for r in recovery.repairs] if recovery else [],
            "mismatches": monitor.stats.mismatches, "step": monitor.step_count, "group": monitor.replica_group_name,
-           "errors": monitor.guard.stats.errors, "syncs": sorted(set(syncs))}
+           "errors": monitor.guard.stats.errors, "syncs": sorted(set(syncs)), "rewrites": monitor.guard.rewrites}
     monitor.close()
     return out
 
@@ -189,6 +189,10 @@ def test_hsdp_repairs_the_odd_shard_in_place_and_every_shard_skips_the_same_upda
             assert f["repairs"] == [] and f["mismatches"] == 0, (rank, f)
         assert f["step"] == STEPS
         assert f["state"] == r["clean"]["state"], f"rank {rank}: not the clean run that skipped the batch"
+    # every rank noted the repair at the same step (a compute check in flight is then replayed nowhere: its
+    # replays are collective), the ranks of the shard whose replicas agreed too
+    assert len({r["faulty"]["rewrites"] for r in res}) == 1 and res[0]["faulty"]["rewrites"] >= 1, \
+        [r["faulty"]["rewrites"] for r in res]
     for shard in range(HSDP_SHARDS):
         states = [res[r]["faulty"]["state"] for r in range(shard, HSDP_WORLD, HSDP_SHARDS)]
         assert all(s == states[0] for s in states), f"shard {shard}: the replicas differ at the end"
