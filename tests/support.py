@@ -90,3 +90,14 @@ def count_host_syncs(monitor: Any, seen: list[str]) -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, orig)
+
+
+def recovery_outcome(monitor: Any, recovery: Any, state: list[Any], **extra: Any) -> dict[str, Any]:
+    """What a replica-recovery test rank reports, the Monitor closed: `state` (its tensors' bytes, as lists),
+    the skipped steps, the repairs, the mismatching votes, the step count, stage errors and the rewrites."""
+    out = {"state": state, "skipped": [s.step for s in monitor.guard.skipped],
+           "repairs": [(r.vote_step, r.at_step, r.source_rank, r.ok) for r in recovery.repairs] if recovery else [],
+           "mismatches": monitor.stats.mismatches, "step": monitor.step_count,
+           "errors": monitor.guard.stats.errors, "rewrites": monitor.guard.rewrites, **extra}
+    monitor.close()
+    return out

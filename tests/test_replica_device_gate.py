@@ -17,7 +17,7 @@ import torch.distributed as dist
 import rank_spawn
 from torch import nn
 
-from support import RecordingReporter, count_host_syncs
+from support import RecordingReporter, count_host_syncs, recovery_outcome
 
 STEPS, FLIP_STEP, LAG = 14, 5, 4
 
@@ -73,12 +73,7 @@ def _run(rank: int, world: int, batches: list[int], *, flip: bool, recover: bool
             opt.load_state_dict(saved["opt"])
             monitor.guard.renumber(restore_to)
             restored = True
-    out = {"state": _state(model, opt), "skipped": [s.step for s in monitor.guard.skipped],
-           "repairs": [(r.vote_step, r.at_step, r.source_rank, r.ok) for r in recovery.repairs] if recovery else [],
-           "mismatches": monitor.stats.mismatches, "step": monitor.step_count, "syncs": sorted(set(syncs)),
-           "errors": monitor.guard.stats.errors}
-    monitor.close()
-    return out
+    return recovery_outcome(monitor, recovery, _state(model, opt), syncs=sorted(set(syncs)))
 
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:

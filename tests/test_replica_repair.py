@@ -14,7 +14,7 @@ import torch.distributed as dist
 import rank_spawn
 from torch import nn
 
-from support import RecordingReporter, count_host_syncs
+from support import RecordingReporter, count_host_syncs, recovery_outcome
 
 WORLD, STEPS, FLIP_STEP = 3, 12, 5
 
@@ -46,13 +46,8 @@ def _run(rank: int, batches: list[int], flip: bool, recover: bool, world: int = 
         monitor.step(loss.detach())
     state = [p.detach().clone() for p in model.parameters()]
     state += [v.clone() for p in model.parameters() for _, v in sorted(opt.state[p].items())]
-    out = {"state": [t.view(-1).view(torch.uint8).tolist() if t.dtype != torch.float32
-                     else t.view(torch.int32).view(-1).tolist() for t in state],
-           "skipped": [s.step for s in monitor.guard.skipped],
-           "repairs": [(r.vote_step, r.at_step, r.source_rank, r.ok) for r in recovery.repairs] if recovery else [],
-           "mismatches": monitor.stats.mismatches, "step": monitor.step_count}
-    monitor.close()
-    return out
+    return recovery_outcome(monitor, recovery, [t.view(-1).view(torch.uint8).tolist() if t.dtype != torch.float32
+                                                else t.view(torch.int32).view(-1).tolist() for t in state])
 
 
 def _worker(rank: int, store: str, outdir: str, world: int = WORLD) -> None:
@@ -141,13 +136,8 @@ def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: st
     local = [p.detach().to_local().clone() for p in model.parameters()]
     local += [(v.to_local() if hasattr(v, "to_local") else v).clone()
               for p in model.parameters() for _, v in sorted(opt.state[p].items())]
-    out = {"state": [t.reshape(-1).view(torch.uint8).tolist() for t in local],
-           "skipped": [s.step for s in monitor.guard.skipped],
-           "repairs": [(r.vote_step, r.at_step, r.source_rank, r.ok) for r in recovery.repairs] if recovery else [],
-           "mismatches": monitor.stats.mismatches, "step": monitor.step_count, "group": monitor.replica_group_name,
-           "errors": monitor.guard.stats.errors, "syncs": sorted(set(syncs)), "rewrites": monitor.guard.rewrites}
-    monitor.close()
-    return out
+    return recovery_outcome(monitor, recovery, [t.reshape(-1).view(torch.uint8).tolist() for t in local],
+                            group=monitor.replica_group_name, syncs=sorted(set(syncs)))
 
 
 def _hsdp_worker(rank: int, store: str, outdir: str, mask: str) -> None:
