@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -380,22 +381,30 @@ class CheckpointService(pb_grpc.CheckpointsServicer):
             with contextlib.suppress(RuntimeError):   # the loop is gone: the agent is stopping
                 loop.call_soon_threadsafe(updates.put_nowait, (done, total, what))
 
-        done = run_in_thread(loop, getattr(fn, "__name__", "checkpoint-op"), fn, *args, progress)
-        while True:
-            getter = asyncio.ensure_future(updates.get())
-            try:
-                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if getter.done() and not getter.cancelled():
-                latest = getter.result()
-                while not updates.empty():
-                    latest = updates.get_nowait()
-                yield "progress", pb.Progress(done_bytes=latest[0], total_bytes=latest[1], what=latest[2])
-                continue
-            if done.done():
-                break
+        name = getattr(fn, "__name__", "checkpoint-op")
+        done = run_in_thread(loop, name, fn, *args, progress)
+        # its error is always retrieved: a caller gone while this generator waits at a `yield` leaves it
+        # suspended until it is collected, after the future, which asyncio would log as never retrieved
+        done.add_done_callback(_retrieved)
+        try:
+            while True:
+                getter = asyncio.ensure_future(updates.get())
+                try:
+                    await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    latest = getter.result()
+                    while not updates.empty():
+                        latest = updates.get_nowait()
+                    yield "progress", pb.Progress(done_bytes=latest[0], total_bytes=latest[1], what=latest[2])
+                    continue
+                if done.done():
+                    break
+        finally:
+            if not done.done():   # the caller left (cancelled, past its deadline): the work goes on, its
+                done.add_done_callback(functools.partial(_orphan_ended, name))   # end said, not "never retrieved"
         try:
             result = done.result()
         except Exception as e:  # noqa: BLE001
@@ -799,3 +808,18 @@ def summarize(infos: list[CheckpointInfo]) -> list[agent_pb2.CheckpointSummary]:
             bytes=sum(i.nbytes for i in items), latest_state=items[-1].state))
     return out
 
+
+def _retrieved(fut: "asyncio.Future[Any]") -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _orphan_ended(name: str, fut: "asyncio.Future[Any]") -> None:
+    """The end of a checkpoint operation whose caller left before it finished (a WatchVerifyCopies or Drain
+    stream cancelled, or past its deadline): one INFO line; its exception is retrieved, so asyncio does not
+    log it as never retrieved, with a traceback, when the future is collected."""
+    if fut.cancelled():
+        return
+    error = fut.exception()
+    log.info("sdcwatch: %s, whose caller left before it finished, ended %s", name,
+                f"with {type(error).__name__}: {error}" if error is not None else "normally")

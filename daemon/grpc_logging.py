@@ -12,9 +12,11 @@ logger, an exception a handler raised included, passes unchanged.
 from __future__ import annotations
 
 import logging
+import re
 
 GRPC_SERVER_LOGGER = "grpc._cython.cygrpc"
 _GONE_PREFIX = "ExecuteBatchError raised in core by servicer method"
+_METHOD = re.compile(r"\[([^\]]*)\]")
 
 
 class ClientGoneFilter(logging.Filter):
@@ -24,7 +26,8 @@ class ClientGoneFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if type(exc).__name__ != "ExecuteBatchError" or not str(record.msg).startswith(_GONE_PREFIX):
             return True
-        method = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        found = _METHOD.search(record.getMessage())   # "... method [/pkg.Service/Method]", formatted or not
+        method = found.group(1) if found else "a method"
         record.msg = "the caller of %s was gone before the end of the call could be sent (%s); nothing to do"
         record.args = (method, _short(exc))
         record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
