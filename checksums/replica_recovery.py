@@ -38,7 +38,9 @@ Two stages on the optimizer's `StepGuard` (checksums/step_guard.py), apart from 
     model whose shards applied different steps is no clean run's: before, the agreeing groups applied the
     update the odd group's gate held back). The device gate combines the flags with an all_reduce (MAX) of
     one float over each other mesh dim, every step, on the device (no host wait), and records the masked
-    updates from a pinned copy once it landed; the host gate reads the same all_reduce on the host.
+    updates from a pinned copy once it landed; the host gate reads the same all_reduce on the host. So
+    under HSDP every rank of the mesh attaches (and detaches) it, as every rank attaches its Monitor: the
+    all_reduce is a collective of each step.
 
 - `replica.repair` (Phase.REPAIR): for a disagreeing vote with a strict majority (3+ replicas), every
   parameter and optimizer-state tensor (under FSDP2/HSDP a DTensor's local shard: c10d has no DTensor
