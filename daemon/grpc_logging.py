@@ -26,7 +26,11 @@ class ClientGoneFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if type(exc).__name__ != "ExecuteBatchError" or not str(record.msg).startswith(_GONE_PREFIX):
             return True
-        found = _METHOD.search(record.getMessage())   # "... method [/pkg.Service/Method]", formatted or not
+        try:
+            text = record.getMessage()    # "... method [/pkg.Service/Method]", formatted or not
+        except (TypeError, ValueError):
+            text = str(record.msg)
+        found = _METHOD.search(text)
         method = found.group(1) if found else "a method"
         record.msg = "the caller of %s was gone before the end of the call could be sent (%s); nothing to do"
         record.args = (method, _short(exc))
