@@ -603,7 +603,10 @@ class Coordinator:
         the bad events at or before `step`. "repaired": the replicas agree again at `step` R without a restore
         (checksums.replica_recovery repaired the odd replica in place): the records saved from the first
         mismatching step M of the vote mismatches before R up to R - 1 hold weights from diverged replicas
-        and are dropped, and those vote mismatches no longer block the checkpoints from R on.
+        and are dropped, and those vote mismatches no longer block the checkpoints from R on; nor do the
+        compute checks' "diverged" events at or before R (the replicas computing from different weights: the
+        same incident, their updates dropped), whichever arrives first (the agent does not report a
+        "diverged" step a repair already covered: daemon/jobs.py).
 
         Returns the steps whose record became VERIFIED or lost it (`evaluate`).
         """
@@ -644,10 +647,10 @@ class Coordinator:
 
     def _repaired(self, job_id: str, bad: str, step: int, now: float) -> None:
         """See `on_job_event` ("repaired")."""
-        prefix = policy.VOTE_MISMATCH + ":"
-        mismatches = [(_s(m), int(float(sc))) for m, sc in self.redis.zrangebyscore(bad, "-inf", f"({step}",
+        mismatch, diverged = policy.VOTE_MISMATCH + ":", policy.DIVERGED + ":"
+        mismatches = [(_s(m), int(float(sc))) for m, sc in self.redis.zrangebyscore(bad, "-inf", step,
                                                                                    withscores=True)
-                      if _s(m).startswith(prefix)]
+                      if (_s(m).startswith(mismatch) and float(sc) < step) or _s(m).startswith(diverged)]
         if not mismatches:
             return
         first = min(sc for _, sc in mismatches)

@@ -11,7 +11,8 @@ Built by the agent's composition (daemon/compose.py), with what it uses passed i
     register(server, svc)            # Checkpoints and PeerStore; SERVICE_NAMES lists both
     svc.start(background)            # the maintenance loop (retention + GC) and the drainer, as tasks
     # replica votes and bad events, from the detectors (kinds in checkpoint.policy.EVENT_KINDS:
-    # "vote_agreed", "vote_mismatch", "sdc", "nan", "fatal_hardware", "rollback", "clear", "repaired"):
+    # "vote_agreed", "vote_mismatch", "sdc", "nan", "diverged", "fatal_hardware", "rollback", "clear",
+    # "repaired"):
     await svc.job_event(job_id, step_or_None, "vote_agreed", time.time())
     svc.stats()  # counters for /metrics: shards/checkpoints committed, bytes, evictions, aborted, ...
     svc.summaries()  # per-job summary, refreshed each maintenance round (no I/O): GetStatus, metrics

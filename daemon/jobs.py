@@ -134,6 +134,7 @@ class JobState:
     mismatch_planned: bool = False     # its rollback plan was asked for
     mismatch_plans: int = 0            # plans of this incident that found no rollback (`mismatch_unplanned`)
     mismatch_retry_at: float = 0.0     # not planned again before this time
+    repaired_at: tuple[int, int] | None = None   # (restore, step R) of the newest repair in place
     stop_from: int | None = None       # the first step of the compute incident a STOP was asked for
 
 
@@ -496,6 +497,7 @@ class JobTracker:
                     # this step on
                     out.job_events.append((vote.step, "repaired", f"replicas agree again from step {vote.step} "
                                            f"(they differed from step {job.mismatch_from})"))
+                    job.repaired_at = (gen, vote.step)
                     _close_mismatch(job)
             return
         out.mismatch = (gen, group, vote.step) not in job.mismatch_steps
@@ -649,7 +651,12 @@ class JobTracker:
                     f"{'dropped' if f.dropped else 'applied'} ({f.detail})", details))
                 job.state = State.SUSPECT
                 job.reason = f"replicas' weights differ at step {f.step} (compute check)"
-                out.job_events.append((f.step, "sdc", "compute check: the replicas' weights differ"))
+                # the vote's incident: a repair in place at R (replicas agree again) covers it when f.step <= R,
+                # whichever the agent hears first (the checkpoints' "repaired" clears it the other way round)
+                rep = job.repaired_at
+                covered = rep is not None and rep[0] == _era(job, req.rank) and f.step <= rep[1]
+                if not covered:
+                    out.job_events.append((f.step, "diverged", "compute check: the replicas' weights differ"))
                 continue
             if not named:
                 out.findings.append(Finding(

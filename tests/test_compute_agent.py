@@ -4,7 +4,7 @@ job's checkpoints from VERIFIED; the rank's reporter puts them on the wire; bad 
 from __future__ import annotations
 
 from checksums.reporter import ComputeFinding, StepReport, to_request
-from daemon.jobs import JobTracker
+from daemon.jobs import JobTracker, ReportOutcome
 from daemon.validation import check_report_step
 from proto.sdcwatch.v1 import agent_pb2 as pb
 from sdcwatch import event_kinds as ek
@@ -84,8 +84,36 @@ def test_replicas_that_diverged_name_no_gpu_but_keep_the_checkpoints_from_verifi
         assert [f.kind for f in out.findings] == [ek.COMPUTE_DIVERGED]
         assert out.findings[0].subject == "job/j" and out.findings[0].details["faulty"] == []
         assert out.evidence == [] and out.rollbacks == []
-        assert out.job_events == [(step, "sdc", "compute check: the replicas' weights differ")]
+        assert out.job_events == [(step, "diverged", "compute check: the replicas' weights differ")]
     assert tracker.jobs["j"].state is State.SUSPECT and "replicas' weights differ" in tracker.jobs["j"].reason
+
+
+def test_a_diverged_step_that_a_repair_in_place_covered_blocks_no_checkpoint():
+    """The vote of step 40 disagrees (3 replicas), the odd replica is repaired in place and the vote of 41
+    agrees ("repaired" at 41); a rank's compute finding `diverged` at 41 heard after that is the same incident,
+    its update dropped: the warning stays, but no job event blocks the checkpoints from 41. One at 44, or one
+    at 41 after a restore to 30 (the weights the repair left are gone), still does."""
+    def vote(step: int, agreed: bool, rank: int = 0) -> ReportOutcome:
+        req = pb.ReportStepRequest(job_id="j", rank=rank, world_size=3, step=step + 1, replica_group="world")
+        req.vote.checked, req.vote.agreed, req.vote.step, req.vote.replicas = True, agreed, step, 3
+        req.vote.method = "majority"
+        if not agreed:
+            req.vote.suspects.add(rank=2, host="h", gpu_uuid=GPU)
+        out = tracker.report(req, 1.0)
+        assert out is not None
+        return out
+
+    tracker = JobTracker()
+    vote(39, True)
+    vote(40, False)
+    assert (41, "repaired") in [(s, k) for s, k, _ in vote(41, True).job_events]
+    out = report(tracker, 42, 0, finding(41, detector="nonfinite", cause="diverged"))
+    assert [f.kind for f in out.findings] == [ek.COMPUTE_DIVERGED] and out.job_events == [], out.job_events
+    out = report(tracker, 45, 0, finding(44, detector="nonfinite", cause="diverged"))
+    assert [k for _, k, _ in out.job_events] == ["diverged"]
+    report(tracker, 31, 0)                              # rank 0 restored step 30 (a rollback)
+    out = report(tracker, 42, 0, finding(41, detector="nonfinite", cause="diverged"))
+    assert [k for _, k, _ in out.job_events] == ["diverged"], "after a restore the repair covers nothing"
 
 
 def test_the_reporter_puts_findings_on_the_wire():
