@@ -206,32 +206,38 @@ def test_a_repair_in_place_drops_what_was_saved_while_the_replicas_differed(redi
 
 
 def test_a_repair_in_place_clears_the_compute_checks_diverged_steps_in_either_order(redis_server, tmp_path):
-    """HSDP: a weight flip on one replica is seen by the vote (mismatch at 40) and by the compute checks
-    (`diverged` at 41: the replicas compute from different weights; update dropped); the replica is repaired
-    in place and the vote agrees from 41 ("repaired" at 41). The checkpoints from 41 on are VERIFIED again,
-    whichever of the two events came first; a `diverged` after the repair still blocks. Before, the compute
-    check's event was an "sdc" the repair did not clear: no checkpoint of the job was VERIFIED again."""
-    for order in ("diverged first", "repaired first"):
+    """HSDP-like: a weight flip on one of three replicas is seen by the vote (its groups disagree at 40) and by
+    the compute checks (`diverged` at 41: the replicas compute from different weights, no GPU named, update
+    dropped); the replica is repaired in place and the votes agree from 41. Through the agent's report path,
+    the checkpoints from 41 on are VERIFIED again whichever the agent heard first, the finding or the
+    agreeing votes; a `diverged` at a later step still blocks from there. Before, the finding was an `sdc`
+    checkpoint event only a rollback cleared: after the repair no checkpoint of the job was VERIFIED again."""
+    from checksums.reporter import ComputeFinding, StepReport, to_request
+
+    def diverged(step: int) -> pb.ReportStepRequest:
+        f = ComputeFinding(step=step, detector="nonfinite", suspect=2, cause="diverged", faulty=(), dropped=True,
+                           detail="replicas differ", score=0.0, bucket=-1, stat="", where=(), since_step=step)
+        return to_request(StepReport(job_id=job, rank=0, world_size=3, step=step + 1, compute=(f,)))
+
+    for order in ("finding first", "votes first"):
         co, job = _node(redis_server, tmp_path), job_id(f"div-{order.split()[0]}")
-        now = time.time()
-        _save(co, job, 35, 3, "world")
-        co.on_job_event(job, 35, "vote_agreed", now)
-        co.on_job_event(job, 40, "vote_mismatch", now)
-        if order == "diverged first":
-            co.on_job_event(job, 41, "diverged", now)
-        _save(co, job, 41, 3, "world")
-        co.on_job_event(job, 41, "vote_agreed", now)
-        co.on_job_event(job, 41, "repaired", now)
-        # the agent does not report a diverged step a repair already covered (daemon/jobs.py), so the other
-        # order has nothing more to clear here
-        _save(co, job, 45, 3, "world")
-        co.on_job_event(job, 45, "vote_agreed", now)
+        agent = Agent(co, job)
+        for step in range(35, 52):
+            if step % 5 == 0 or step == 41:
+                _save(co, job, step, 3, "world")
+            if step == 41 and order == "finding first":
+                agent.report(diverged(41))
+            for rank in range(3):
+                agent.report(_vote_req(job, rank, 3, step, agreed=step != 40))
+            if step == 41 and order == "votes first":
+                agent.report(diverged(41))
+            if step == 48:
+                agent.report(diverged(48))           # another incident: blocks from its step
         states = {i.step: i.state for i in co.list(job)}
-        assert states == {35: "VERIFIED", 41: "VERIFIED", 45: "VERIFIED"}, (order, states)
-        co.on_job_event(job, 47, "diverged", now)          # a new incident: blocks from its step
-        _save(co, job, 50, 3, "world")
-        co.on_job_event(job, 50, "vote_agreed", now)
-        assert co.info(job, 50).state == "COMMITTED", order
+        assert [s for s, st in sorted(states.items()) if st == "VERIFIED"] == [35, 41, 45], (order, states)
+        assert states.get(40) != "VERIFIED", "saved while the replicas differed"
+        assert states[50] == "COMMITTED", (order, states)
+        assert not agent.anomalies, "a majority repaired in place: no rollback planned"
 
 
 def test_a_persistent_compute_fault_stops_the_job_naming_the_checkpoint_to_restart_from(
