@@ -498,6 +498,9 @@ class JobTracker:
                     out.job_events.append((vote.step, "repaired", f"replicas agree again from step {vote.step} "
                                            f"(they differed from step {job.mismatch_from})"))
                     job.repaired_at = (gen, vote.step)
+                    # the state stays SUSPECT (the job had an incident); its reason says how it ended
+                    job.reason = (f"replicas differed from step {job.mismatch_from}, repaired in place: they agree "
+                                  f"again from step {vote.step}")
                     _close_mismatch(job)
             return
         out.mismatch = (gen, group, vote.step) not in job.mismatch_steps
@@ -650,12 +653,11 @@ class JobTracker:
                     "different weights or optimizer state, no GPU named; update "
                     f"{'dropped' if f.dropped else 'applied'} ({f.detail})", details))
                 job.state = State.SUSPECT
-                job.reason = f"replicas' weights differ at step {f.step} (compute check)"
                 # the vote's incident: a repair in place at R (replicas agree again) covers it when f.step <= R,
                 # whichever the agent hears first (the checkpoints' "repaired" clears it the other way round)
                 rep = job.repaired_at
-                covered = rep is not None and rep[0] == _era(job, req.rank) and f.step <= rep[1]
-                if not covered:
+                if not (rep is not None and rep[0] == _era(job, req.rank) and f.step <= rep[1]):
+                    job.reason = f"replicas' weights differ at step {f.step} (compute check)"
                     out.job_events.append((f.step, "diverged", "compute check: the replicas' weights differ"))
                 continue
             if not named:

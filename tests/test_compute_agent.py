@@ -107,8 +107,12 @@ def test_a_diverged_step_that_a_repair_in_place_covered_blocks_no_checkpoint():
     vote(39, True)
     vote(40, False)
     assert (41, "repaired") in [(s, k) for s, k, _ in vote(41, True).job_events]
+    job = tracker.jobs["j"]
+    assert job.state is State.SUSPECT and job.reason == ("replicas differed from step 40, repaired in place: "
+                                                         "they agree again from step 41"), job.reason
     out = report(tracker, 42, 0, finding(41, detector="nonfinite", cause="diverged"))
     assert [f.kind for f in out.findings] == [ek.COMPUTE_DIVERGED] and out.job_events == [], out.job_events
+    assert "repaired in place" in job.reason, "the covered finding leaves the repair's reason"
     out = report(tracker, 45, 0, finding(44, detector="nonfinite", cause="diverged"))
     assert [k for _, k, _ in out.job_events] == ["diverged"]
     report(tracker, 31, 0)                              # rank 0 restored step 30 (a rollback)
