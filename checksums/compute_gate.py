@@ -79,6 +79,7 @@ from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
 from checksums.device_verdict import DeviceVerdict
+from checksums.fingerprint import fingerprint_tensors_async
 from checksums.fsdp_replay import FsdpReplayer
 from checksums.grad_checks import (
     FsdpGradSummaries,
@@ -428,6 +429,7 @@ class ComputeChecks:
         if not outcomes:
             return False
         self._suspicions += 1
+        outcomes = self._weights_checked(outcomes)
         drop = masked or any(c.drop or d == "nonfinite" for d, _, c in outcomes)
         if all(c.cause is Cause.DATA for _, _, c in outcomes):
             self.tracker.learn(stats)                    # the data's own spread: widen it
@@ -436,6 +438,41 @@ class ComputeChecks:
         if drop:
             self._dropped += 1
         return drop
+
+    def _weights_checked(self, outcomes: list[tuple[str, int, Classification]]
+                         ) -> list[tuple[str, int, Classification]]:
+        """DDP: before a GPU is named, are the ranks' weights the same? A rank whose weights differ (a bit
+        flipped in its copy of a parameter, or its Adam state, which the next update turns into its weights)
+        replays every batch unlike the rest, which reads as a persistent fault of its arithmetic, repeated
+        every step until the replicas are repaired or rolled back (the agent would fail the GPU and stop the
+        job on the second). Every parameter's fingerprint is gathered (a collective, only on a step whose
+        outcome names a rank: every rank has the same outcomes); a named rank whose weights differ from a
+        strict majority's (two ranks: from each other) is `diverged`, nobody named, the update dropped: the
+        replica vote names the rank and the repair or the rollback recovers. Sharded parameters (FSDP2,
+        HSDP) are not compared here: their replica groups are (`classify_replays`' groups)."""
+        if self.fsdp or self.world < 2 or not any(c.faulty for _, _, c in outcomes):
+            return outcomes
+        params = [p.detach() for p in self.summaries.params]
+        words = fingerprint_tensors_async(params).to(torch.int64).reshape(-1)
+        gathered = [torch.empty_like(words) for _ in range(self.world)]
+        dist.all_gather(gathered, words, group=self.group)
+        rows = [tuple(g.cpu().tolist()) for g in gathered]    # the rare path: read on the host
+        common, n = collections.Counter(rows).most_common(1)[0]
+        if n == self.world:
+            return outcomes
+        apart = ({r for r, w in enumerate(rows) if w != common} if 2 * n > self.world
+                 else set(range(self.world)))
+        majority = 2 * n > self.world
+        who = (f"rank(s) {sorted(apart)} hold other weights than the rest" if majority and len(apart) <= 8
+               else f"{len(apart)} ranks hold other weights than "
+               + ("the rest" if majority else "each other, no majority"))
+        out = []
+        for detector, r, c in outcomes:
+            if c.faulty and set(c.faulty) <= apart:
+                c = Classification(Cause.DIVERGED, (), True, f"{who} (parameter fingerprints differ): the "
+                                   f"replicas diverged, not their arithmetic; {c.detail}")
+            out.append((detector, r, c))
+        return out
 
     # ---- the device path (CUDA, fused optimizers): mask now, judge a step later ---------------------
 

@@ -1037,6 +1037,27 @@ def test_hsdp_audits_name_the_rank_and_leave_the_training_alone():
     assert clean(2) == clean(0)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_ranks_whose_weights_differ_are_not_named_as_computing_wrong(world):
+    """DDP: a bit flipped in rank 1's copy of a weight (or of Adam's state, which the next update turns into
+    its weights) makes rank 1 replay every batch unlike the rest. The replays alone read that as a persistent
+    fault of rank 1's GPU, repeated every step until the replicas are repaired or rolled back, and the agent
+    failed the GPU and stopped the job on the second (measured before: `--world 2 --cases "weight exp-flip"`
+    named rank 1 `persistent` on steps 31-38). The gate compares the ranks' parameter fingerprints before it
+    names a GPU: `diverged`, nobody named, dropped; the vote names the rank. A fault of the arithmetic on
+    the same run is still named."""
+    cases = ["weight exp-flip", "adam exp_avg exp-flip", "mm one elem x1.01 persistent"]
+    r = _faults(["--world", str(world), "--fault-step", "30", "--after", "4", "--audit-every", "5",
+                 "--cases", ",".join(cases)])
+    for name, late in (("weight exp-flip", 1), ("adam exp_avg exp-flip", 2)):
+        hit = r[name]["caught"]["compute"]
+        assert hit["step"] == 30 + late and hit["named"] == [] and hit["cause"] == "diverged", (name, hit)
+        assert hit["dropped"] and "parameter fingerprints differ" in hit["detail"], (name, hit)
+        assert 1 in r[name]["caught"]["vote"]["named"], (name, r[name]["caught"])
+    hit = r["mm one elem x1.01 persistent"]["caught"]["compute"]
+    assert hit["named"] == [1] and hit["cause"] == "persistent", hit
+
+
 def test_fsdp2_two_ranks_pair_replays_name_the_gpu():
     """FSDP2 on 2 gloo ranks: no majority; an audit's mismatch replays both batches on both ranks (two
     collective rounds). A transient fault on an audited step does not repeat (rank 1 named, transient); a
