@@ -202,6 +202,7 @@ class ComputeChecks:
         self._dropped = 0
         self._audits = 0
         self._determinism_checked = False
+        self._replicated = False        # DDP: the ranks' parameters agreed at the first step (replicas)
         self._optimizer_ref = weakref.ref(optimizer)
         # the device path's last step, judged at the next: (step, host slot, armed, retained, restore epoch)
         self._pending: tuple[int, HostSlot, bool, Retained, int] | None = None
@@ -276,6 +277,8 @@ class ComputeChecks:
         if not self._determinism_checked:
             self._determinism_checked = True
             self._first_step = ctx.step
+            if not self.fsdp and self.world >= 2:      # (collective: every rank's first step)
+                self._replicated = len(set(self._param_words())) == 1
             if not self._unreplayable(None):
                 start = self._check_replays()
         audit_due = (bool(self.audit_every) and ctx.step % self.audit_every == 0
@@ -446,17 +449,15 @@ class ComputeChecks:
         replays every batch unlike the rest, which reads as a persistent fault of its arithmetic, repeated
         every step until the replicas are repaired or rolled back (the agent would fail the GPU and stop the
         job on the second). Every parameter's fingerprint is gathered (a collective, only on a step whose
-        outcome names a rank: every rank has the same outcomes); a named rank whose weights differ from a
+        outcome names a rank: every rank has the same outcomes), where the parameters agreed at the first
+        step (ranks that hold different parameters, experts sharded across them say, are no replicas: their
+        faults are named as before); a named rank whose weights differ from a
         strict majority's (two ranks: from each other) is `diverged`, nobody named, the update dropped: the
         replica vote names the rank and the repair or the rollback recovers. Sharded parameters (FSDP2,
         HSDP) are not compared here: their replica groups are (`classify_replays`' groups)."""
-        if self.fsdp or self.world < 2 or not any(c.faulty for _, _, c in outcomes):
+        if not self._replicated or not any(c.faulty for _, _, c in outcomes):
             return outcomes
-        params = [p.detach() for p in self.summaries.params]
-        words = fingerprint_tensors_async(params).to(torch.int64).reshape(-1)
-        gathered = [torch.empty_like(words) for _ in range(self.world)]
-        dist.all_gather(gathered, words, group=self.group)
-        rows = [tuple(g.cpu().tolist()) for g in gathered]    # the rare path: read on the host
+        rows = self._param_words()
         common, n = collections.Counter(rows).most_common(1)[0]
         if n == self.world:
             return outcomes
@@ -473,6 +474,15 @@ class ComputeChecks:
                                    f"replicas diverged, not their arithmetic; {c.detail}")
             out.append((detector, r, c))
         return out
+
+    def _param_words(self) -> list[tuple[int, ...]]:
+        """Every rank's fingerprint of its parameters, gathered (a collective; read on the host: the first
+        step, and a step whose outcome names a rank)."""
+        params = [p.detach() for p in self.summaries.params]
+        words = fingerprint_tensors_async(params).to(torch.int64).reshape(-1)
+        gathered = [torch.empty_like(words) for _ in range(self.world)]
+        dist.all_gather(gathered, words, group=self.group)
+        return [tuple(g.cpu().tolist()) for g in gathered]
 
     # ---- the device path (CUDA, fused optimizers): mask now, judge a step later ---------------------
 

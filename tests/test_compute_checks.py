@@ -1058,6 +1058,31 @@ def test_ddp_ranks_whose_weights_differ_are_not_named_as_computing_wrong(world):
     assert hit["named"] == [1] and hit["cause"] == "persistent", hit
 
 
+def test_weights_are_compared_only_between_replicas_and_only_the_ranks_apart_are_relabelled():
+    """`_weights_checked` alone (no ranks): ranks that were no replicas at the first step (experts sharded
+    across them) keep their named faults; among replicas a named rank outside the majority's weights is
+    `diverged`, a named rank inside it stays named; with no majority every named rank is `diverged`."""
+    from checksums.compute_gate import ComputeChecks
+    from checksums.replay import Cause, Classification
+
+    gate = object.__new__(ComputeChecks)
+    gate.world, gate.fsdp = 4, False
+    fault = [("stats", 3, Classification(Cause.PERSISTENT, (3,), True, "d")),
+             ("stats", 1, Classification(Cause.TRANSIENT, (1,), True, "d"))]
+    gate._replicated = False
+    gate._param_words = lambda: [(1,), (1,), (1,), (2,)]
+    assert gate._weights_checked(fault) == fault, "no replicas: nothing compared"
+    gate._replicated = True
+    out = gate._weights_checked(fault)
+    assert out[0][2].cause is Cause.DIVERGED and out[0][2].faulty == () and out[0][2].drop
+    assert "rank(s) [3] hold other weights than the rest" in out[0][2].detail
+    assert out[1] == fault[1], "rank 1's weights are the majority's: its fault stays named"
+    gate._param_words = lambda: [(1,), (1,), (2,), (2,)]
+    assert all(c.cause is Cause.DIVERGED for _, _, c in gate._weights_checked(fault))
+    gate._param_words = lambda: [(1,)] * 4
+    assert gate._weights_checked(fault) == fault
+
+
 def test_fsdp2_two_ranks_pair_replays_name_the_gpu():
     """FSDP2 on 2 gloo ranks: no majority; an audit's mismatch replays both batches on both ranks (two
     collective rounds). A transient fault on an audited step does not repeat (rank 1 named, transient); a
