@@ -461,9 +461,8 @@ class ComputeChecks:
         common, n = collections.Counter(rows).most_common(1)[0]
         if n == self.world:
             return outcomes
-        apart = ({r for r, w in enumerate(rows) if w != common} if 2 * n > self.world
-                 else set(range(self.world)))
         majority = 2 * n > self.world
+        apart = {r for r, w in enumerate(rows) if w != common} if majority else set(range(self.world))
         who = (f"rank(s) {sorted(apart)} hold other weights than the rest" if majority and len(apart) <= 8
                else f"{len(apart)} ranks hold other weights than "
                + ("the rest" if majority else "each other, no majority"))

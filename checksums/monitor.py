@@ -413,22 +413,29 @@ class Monitor:
                     {"replica_group": self.replica_group_name})
         self._vote_off()
 
-    def _auto_group(self) -> Any:
-        """World for plain DDP; the Replicate mesh dim for HSDP; None (no vote) for plain FSDP."""
+    def _sharded(self) -> tuple[Any, list[int]] | None:
+        """The first DTensor parameter and its replicate mesh dims, or None (no DTensor: DDP)."""
         for _, p in self._params + self._frozen:
             if DTENSOR is not None and isinstance(p, DTENSOR):
-                replicate = [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
-                if len(replicate) == 1:
-                    return p.device_mesh.get_group(mesh_dim=replicate[0])
-                self.vote_unavailable = (f"sharded parameters without exactly one replicate mesh dim "
-                                         f"(placements {tuple(str(x) for x in p.placements)}): no replica "
-                                         "holds this rank's shard, so no vote is possible")
-                self._event("vote.unavailable", self._step,
-                            f"{self.vote_unavailable}; replica_group= enables it when replicas exist "
-                            "(HSDP: device_mesh['replicate'].get_group())",
-                            {"placements": [str(x) for x in p.placements]})
-                return None
-        return dist.group.WORLD
+                return p, [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
+        return None
+
+    def _auto_group(self) -> Any:
+        """World for plain DDP; the Replicate mesh dim for HSDP; None (no vote) for plain FSDP."""
+        sharded = self._sharded()
+        if sharded is None:
+            return dist.group.WORLD
+        p, replicate = sharded
+        if len(replicate) == 1:
+            return p.device_mesh.get_group(mesh_dim=replicate[0])
+        self.vote_unavailable = (f"sharded parameters without exactly one replicate mesh dim "
+                                 f"(placements {tuple(str(x) for x in p.placements)}): no replica "
+                                 "holds this rank's shard, so no vote is possible")
+        self._event("vote.unavailable", self._step,
+                    f"{self.vote_unavailable}; replica_group= enables it when replicas exist "
+                    "(HSDP: device_mesh['replicate'].get_group())",
+                    {"placements": [str(x) for x in p.placements]})
+        return None
 
     def _setup_words(self) -> None:
         probe = self._fp(self._param_tensors or self._frozen_tensors)
@@ -999,15 +1006,12 @@ class Monitor:
         dim): the ranks that step the same model holding its other shards, each voting in its own replica
         group. [] for DDP (no DTensor parameters), plain FSDP (no replicate dim) or dims of one rank. Known
         whether or not this rank's vote is on, so every rank of the mesh answers alike."""
-        for _, p in self._params + self._frozen:
-            if DTENSOR is not None and isinstance(p, DTENSOR):
-                replicate = [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
-                if len(replicate) != 1:
-                    return []
-                mesh = p.device_mesh
-                return [mesh.get_group(mesh_dim=d) for d in range(mesh.ndim)
-                        if d != replicate[0] and mesh.size(d) > 1]
-        return []
+        sharded = self._sharded()
+        if sharded is None or len(sharded[1]) != 1:
+            return []
+        (p, (replicate,)) = sharded
+        mesh = p.device_mesh
+        return [mesh.get_group(mesh_dim=d) for d in range(mesh.ndim) if d != replicate and mesh.size(d) > 1]
 
     @property
     def last_vote(self) -> StepVote | None:

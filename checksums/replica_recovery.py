@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from checksums.device_mask import DeviceMask, choose_mask, device_disagree
-from checksums.fingerprint import fingerprint_tensors_async
+from checksums.fingerprint import fingerprint_tensors_async, local_tensor
 from checksums.step_guard import Phase, StepContext, Veto
 from sdcwatch.arguments import count
 
@@ -329,18 +329,13 @@ class ReplicaRecovery:
         out: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             for p in group["params"]:
-                out.append(_local(p.data))
+                out.append(local_tensor(p.data))
                 state = optimizer.state.get(p, {})
                 for key in sorted(state):
                     v = state[key]
                     if isinstance(v, torch.Tensor):
-                        out.append(_local(v))
+                        out.append(local_tensor(v))
         return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)    # a DTensor: its shard, the same storage
-    return to_local() if to_local is not None else t
 
 
 class _PeerSlot:

@@ -817,10 +817,9 @@ def _retrieved(fut: "asyncio.Future[Any]") -> None:
 
 def _orphan_ended(name: str, fut: "asyncio.Future[Any]") -> None:
     """The end of a checkpoint operation whose caller left before it finished (a WatchVerifyCopies or Drain
-    stream cancelled, or past its deadline): one INFO line; its exception is retrieved, so asyncio does not
-    log it as never retrieved, with a traceback, when the future is collected."""
+    stream cancelled, or past its deadline): one INFO line."""
     if fut.cancelled():
         return
     error = fut.exception()
     log.info("sdcwatch: %s, whose caller left before it finished, ended %s", name,
-                f"with {type(error).__name__}: {error}" if error is not None else "normally")
+             f"with {type(error).__name__}: {error}" if error is not None else "normally")
