@@ -188,7 +188,7 @@ class _Sink:
 
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
-                         "ac": "none", "wide_fails": -1}
+                         "ac": "none", "wide_fails": -1, "sync_bn": False}
 
 
 class Checkpointed(nn.Module):
@@ -240,6 +240,8 @@ def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
         if ac:
             m[2] = Checkpointed(target, MODEL["ac"] == "reentrant")
         return m, target
+    if MODEL["name"] == "cnn":
+        return small_cnn()
     cfg = GPTConfig() if MODEL["name"] == "gpt2" else GPTConfig(layers=2, width=64, heads=2, vocab=256, seq=32)
     g = TinyGPT(cfg)
     if MODEL["name"] == "tiny-moe":
@@ -251,8 +253,26 @@ def make_model(seed: int) -> tuple[nn.Module, nn.Module]:
     return g, target
 
 
+def small_cnn() -> tuple[nn.Module, nn.Module]:
+    """`--model cnn`: a small image classifier with the parts vision jobs have and the GPTs do not: 2-D
+    convolutions, BatchNorm (running statistics: buffers a replay must put back; `--sync-bn`: SyncBatchNorm,
+    whose forward is itself a collective), dropout (a replay needs the step's RNG state). The faults hit the
+    second convolution's output."""
+    def unit(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    m = nn.Sequential(*unit(3, 16), *unit(16, 32), nn.MaxPool2d(2), *unit(32, 32), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Dropout(0.1), nn.Linear(32, 10))
+    if MODEL["sync_bn"]:
+        m = nn.SyncBatchNorm.convert_sync_batchnorm(m)
+    return m, m[3]
+
+
 def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000_003 * rank + step + 7919 * micro)
+    if MODEL["name"] == "cnn":      # 16 images 3x16x16 and their classes (a learnable rule: the mean colour)
+        x = torch.randn(16, 3, 16, 16, generator=g)
+        y = (x.mean(dim=(2, 3)).argmax(dim=1) * 3 + torch.randint(0, 3, (16,), generator=g)) % 10
+        return x.to(device), y.to(device)
     if MODEL["name"] != "mlp":
         seq, vocab, n = (1024, 50257, MODEL["batch"]) if MODEL["name"] == "gpt2" else (32, 256, 8)
         idx = torch.randint(0, vocab, (n, seq + 1), generator=g)
@@ -271,6 +291,9 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     fp16 = MODEL["amp"] == "fp16"      # --amp fp16: fp16 autocast, the loop under a GradScaler (run_case)
     dtype = torch.float16 if fp16 else torch.bfloat16
     bf16 = x.device.type == "cuda" or MODEL["bf16"] or fp16   # sdcguard checks bf16/fp16 matmuls only
+    if MODEL["name"] == "cnn":
+        with torch.autocast(x.device.type, dtype=dtype, enabled=bf16):
+            return nn.functional.cross_entropy(model(x).float(), y)
     if MODEL["name"] != "mlp":
         with torch.autocast(x.device.type, dtype=dtype, enabled=bf16):
             return model(x, y)
@@ -913,12 +936,13 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
     MODEL["ac"] = args.ac
+    MODEL["sync_bn"] = args.sync_bn
     SDCGUARD["mode"] = args.sdcguard_mode
     if args.flaky_replay and rank == args.flaky_replay[0]:
         _flaky_replays(set(args.flaky_replay[1]))
     results = {}
     for case in selected(args.cases):
-        if case.where == "tca" and args.model == "mlp":
+        if case.where == "tca" and args.model in ("mlp", "cnn"):
             if rank == 0:
                 print(f"{case.name}: skipped, the MLP has no attention (--model tiny-gpt or gpt2)", flush=True)
             continue
@@ -1242,10 +1266,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arms", default="", metavar="A,B", help="with --overhead: only these arms beside base "
                    f"(of {', '.join(ARMS)}; those the other flags turn on)")
     p.add_argument("--block", type=int, default=50, help="steps per interleaved block of --overhead")
-    p.add_argument("--model", choices=["mlp", "tiny-gpt", "tiny-moe", "gpt2"], default="mlp",
+    p.add_argument("--model", choices=["mlp", "tiny-gpt", "tiny-moe", "gpt2", "cnn"], default="mlp",
                    help="mlp: a 3-layer MLP; tiny-gpt: the demo GPT at 2x64 (CPU); tiny-moe: it with routed MLPs "
                    "(top 2 of 4 experts; the matmul faults hit block 0's router); gpt2: GPT-2 small, bf16 autocast "
-                   "on CUDA (the matmul faults hit block 0's MLP fc output)")
+                   "on CUDA (the matmul faults hit block 0's MLP fc output); cnn: a small convolutional classifier with "
+                   "BatchNorm and dropout (the faults hit its second convolution's output)")
+    p.add_argument("--sync-bn", action="store_true", help="--model cnn: SyncBatchNorm (a collective in the "
+                   "forward) instead of BatchNorm")
     p.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16: fp16 autocast with a "
                    "GradScaler (the checks given scaler=); a gradient fault is then in the scale's units")
     p.add_argument("--ac", choices=["none", "nonreentrant", "reentrant"], default="none",

@@ -529,6 +529,15 @@ want hookclean && step hook-clean-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8
 want hookclean && step hook-clean-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 2 --model tiny-gpt --cases none --audit-every 10 --determinism strict \
   --clean 5000
+# a convolutional model (BatchNorm, dropout) on ranks sharing this GPU over gloo, then the same with real
+# SyncBatchNorm (a collective in the forward: no replay reproduces a step, said at attach; the statistics
+# still run): faults on rank 1 at step 30 (an audit step), 200 clean steps
+want syncbn && step cnn-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model cnn --fault-step 30 --after 6 --audit-every 10 \
+  --determinism strict --cases "mm one elem =1e4,grad elem =100,grad elem NaN,mm one elem x1.01 persistent" --clean 200
+want syncbn && step syncbn-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model cnn --sync-bn --fault-step 30 --after 6 --audit-every 10 \
+  --determinism strict --cases "mm one elem =1e4,grad elem =100,grad elem NaN,mm one elem x1.01 persistent" --clean 200
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,

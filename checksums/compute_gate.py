@@ -177,6 +177,12 @@ class ComputeChecks:
                          witness_model=witness_model, scaler=scaler) if self.fsdp else
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
                      scaler=scaler))
+        if self.replayer.cross_rank:
+            logger.warning("sdcwatch: compute checks: %d SyncBatchNorm layer(s) (%s) normalise by every rank's "
+                           "batch, so no replay can reproduce a step: the statistics checks run every step, "
+                           "audits and replays are off, a suspect step is dropped without naming a GPU "
+                           "(GetStatus: compute mode 'unreproducible'). BatchNorm or GroupNorm keep replays.",
+                           len(self.replayer.cross_rank), self.replayer.cross_rank[0])
         # the experts' parameters (indices into the hook's `params`, by its `names`), declared zeroable
         # bucket by bucket once DDP's layout settles (`_declare_experts`); FSDP2's groups are whole layers
         # (never zero on a rank), so only DDP

@@ -48,7 +48,10 @@ where only a minority of 3+ ranks differ and the rest repeat and agree, a second
 It also compares the replay with the step's own rows: a replay that does not reproduce the step it replays
 (a `loss_fn` that is not what the loop back-propagates: a GradScaler not given as `scaler=`, a division by
 the micro-batches missing, a term the loop adds) would blame a GPU for every audit, so replays are then
-not trusted (`reproduces` False, `why_not` says why): no GPU is named on their evidence.
+not trusted (`reproduces` False, `why_not` says why): no GPU is named on their evidence. A model whose
+forward mixes every rank's batch (SyncBatchNorm normalises by the batch statistics of all ranks) is known
+unreproducible at attach (`cross_rank_layers`): a replay of one batch, or of all of them in another order,
+is not its step's arithmetic, so nothing is replayed (no collective is spent finding it out at step 1).
 
 Loss scaling (`scaler=`, a `torch.amp.GradScaler`): the loop back-propagates `scaler.scale(loss)`, so a
 replay multiplies `loss_fn`'s loss by the scale that step ran under (`note_loss_scale`, a copy on the device
@@ -495,6 +498,9 @@ class Replayer:
         self.start_fault: Classification | None = None  # GPUs the first step's check found computing wrong
         self.same_hardware = True     # every rank's GPU model, CUDA and torch alike (the gate says)
         self.why_not = ""
+        self.cross_rank = cross_rank_layers(module)
+        if self.cross_rank:               # known at attach: not found out by replays that cannot match
+            self.reproduces, self.why_not = False, CROSS_RANK
         self.replays = 0
         self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
         self._witnessed: tuple[int, int] | None = None     # (the rank it named, reuses left)
@@ -917,6 +923,17 @@ class Replayer:
             self.reproduces = not all(why)
             self.why_not = why[0] if not self.reproduces else ""
         return self.exact
+
+
+CROSS_RANK = "SyncBatchNorm mixes every rank's batch statistics into each step: no replay reproduces one"
+
+
+def cross_rank_layers(module: nn.Module) -> list[str]:
+    """The qualified names of `module`'s layers whose forward in training combines every rank's batch
+    (SyncBatchNorm: the batch mean and variance over all ranks), [] for none. A replay runs one rank's batch
+    (or each rank a neighbour's, so the ranks' statistics combine in another order): such a layer's output
+    is then not the step's."""
+    return [name for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
 
 
 def replay_mismatch(original: torch.Tensor, replayed: torch.Tensor, exact: bool, rtol: float = 1e-3) -> str:

@@ -1894,3 +1894,98 @@ def test_a_bucket_zero_on_a_rank_is_no_jump():
     assert max(t.jumps(back)) < 3.0, t.jumps(back)      # and back from zero: no jump either
     j = t.jumps(_stats([1.05, 8.0]))
     assert j[1] > 3.0 * j[0] and j[1] > 1.0, j          # a live bucket's move still counts
+
+
+def test_a_convolutional_model_with_batchnorm_and_dropout_is_checked_like_the_gpts():
+    """`--model cnn`: convolutions, BatchNorm (running statistics: buffers every replay must put back, and
+    DDP broadcasts from rank 0 each forward) and dropout (a replay needs the step's RNG state). Three gloo
+    ranks, faults on rank 1 at step 40 (an audit step) and a non-audit step: each caught on its step with
+    rank 1 named and its update dropped, and the clean steps before raise nothing (exact audits)."""
+    r = _faults(["--world", "3", "--model", "cnn", "--after", "3", "--audit-every", "5",
+                 "--cases", "mm one elem x1.01 persistent,bwd zeroed column,grad elem =100,grad elem NaN"])
+    for name in ("mm one elem x1.01 persistent", "bwd zeroed column", "grad elem =100", "grad elem NaN"):
+        hit = r[name]["caught"].get("compute")
+        assert hit is not None and hit["step"] == 40 and hit["named"] == [1] and hit["dropped"], (name, r[name])
+    assert r["mm one elem x1.01 persistent"]["caught"]["compute"]["cause"] == "persistent"
+    r = _faults(["--world", "3", "--model", "cnn", "--fault-step", "43", "--after", "3", "--audit-every", "5",
+                 "--cases", "grad elem =100,grad elem NaN", "--clean", "60"])
+    for name in ("grad elem =100", "grad elem NaN"):
+        hit = r[name]["caught"].get("compute")
+        assert hit is not None and hit["step"] == 43 and hit["named"] == [1] and hit["dropped"], (name, r[name])
+    clean = r["clean"]["status"]
+    assert clean["suspicions"] == 0 and clean["dropped"] == 0 and clean["audits"] >= 10 and clean["exact"], clean
+
+
+def _cross_rank_norm(rank: int, world: int, init: str, out: str) -> None:
+    """Three gloo ranks, a convolutional model whose norm layers are SyncBatchNorm (their class, so the
+    checks see what a user's model holds; computing per rank here: torch runs SyncBatchNorm on GPUs only, and
+    bench/gpu_run.sh `syncbn` runs the real one); see the test."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+
+    class PerRankSyncBN(nn.SyncBatchNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                            True, 0.1, self.eps)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 4))
+    ddp = DDP(net, bucket_cap_mb=0.001)
+    sync, bn = PerRankSyncBN(8), net[1]
+    sync.weight, sync.bias = bn.weight, bn.bias      # the parameters DDP reduces
+    net[1] = sync                       # (DDP refuses a SyncBatchNorm module on the CPU at wrap time)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    at = {"step": 0}
+
+    def inject(idx: int, buf: torch.Tensor) -> None:
+        if rank == 1 and at["step"] == 12 and idx == 0:
+            buf.view(-1)[0] = float("nan")
+
+    def loss_fn(m: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=4, warmup=4, inject_bucket=inject)
+    g = torch.Generator().manual_seed(rank)
+    weights_at = {}
+    for s in range(1, 17):
+        at["step"] = s
+        batch = (torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+        checks.retain(batch)
+        loss_fn(ddp, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        weights_at[s] = [p.detach().clone() for p in net.parameters()]
+    st = checks.status()
+    unchanged = all(torch.equal(a, b) for a, b in zip(weights_at[11], weights_at[12]))
+    finite = all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"mode": checks.mode(), "replays": st.replays, "audits": st.audits,
+                   "cross_rank": checks.replayer.cross_rank, "unchanged": unchanged, "finite": finite,
+                   "findings": [(f.detector, f.cause, list(f.faulty)) for f in checks.findings]}, f)
+    dist.destroy_process_group()
+
+
+def test_a_model_with_syncbatchnorm_is_checked_without_replays_and_says_why(tmp_path) -> None:
+    """SyncBatchNorm normalises each rank's batch by the statistics of every rank's: no replay of one batch
+    (nor of each rank's neighbour's, whose statistics combine in another order) is the step's arithmetic.
+    Before, the first step's check replayed rank 0's batch on every rank, found it unlike the step and blamed
+    the loss function ("loss_fn must be the loss the loop back-propagates"). Now the layers are found at attach:
+    no replay or audit runs, GetStatus's mode says why, and the statistics still drop a rank's NaN gradient
+    on its step (on every rank) without naming a GPU on a replay's evidence."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_cross_rank_norm, (3, str(tmp_path / "init"), out), nprocs=3)
+    for r in range(3):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        assert res["cross_rank"] == ["1"], res
+        assert res["mode"].startswith("unreproducible: SyncBatchNorm mixes every rank's batch"), res
+        assert res["replays"] == 0 and res["audits"] == 0, res
+        assert res["unchanged"] and res["finite"] and res["findings"] == [], res
