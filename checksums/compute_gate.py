@@ -152,6 +152,10 @@ class ComputeChecks:
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
         audit_every = count("audit_every", audit_every, "a number of steps (0: no audits)")
         max_findings = count("max_findings", max_findings, "the findings kept for GetStatus")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("ComputeChecks compares the ranks of a data-parallel job: call "
+                             "torch.distributed.init_process_group and wrap the model in DistributedDataParallel "
+                             "or fully_shard first (a single process: world size 1 works)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

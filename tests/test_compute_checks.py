@@ -1989,3 +1989,21 @@ def test_a_model_with_syncbatchnorm_is_checked_without_replays_and_says_why(tmp_
         assert res["mode"].startswith("unreproducible: SyncBatchNorm mixes every rank's batch"), res
         assert res["replays"] == 0 and res["audits"] == 0, res
         assert res["unchanged"] and res["finite"] and res["findings"] == [], res
+
+
+def test_attaching_without_torch_distributed_says_what_to_do_first() -> None:
+    """A loop that attaches the checks before `init_process_group` gets our error naming the two steps, not
+    torch's "Default process group has not been initialized" from inside the checks (a fresh interpreter:
+    no process group from another test)."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom torch import nn\nfrom checksums.compute_gate import ComputeChecks\n"
+            "m = nn.Linear(4, 4)\n"
+            "try:\n    ComputeChecks.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), "
+            "loss_fn=lambda mod, b: mod(b).sum())\n"
+            "except ValueError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert "refused: ComputeChecks compares the ranks" in out.stdout, out.stdout
+    assert "init_process_group and wrap the model in DistributedDataParallel" in out.stdout, out.stdout
