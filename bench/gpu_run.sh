@@ -538,6 +538,15 @@ want syncbn && step cnn-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -
 want syncbn && step syncbn-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 3 --model cnn --sync-bn --fault-step 30 --after 6 --audit-every 10 \
   --determinism strict --cases "mm one elem =1e4,grad elem =100,grad elem NaN,mm one elem x1.01 persistent" --clean 200
+# the convolutional model's whole matrix on 3 ranks sharing this GPU, then clean steps under strict
+# determinism and under warn_only (the rounding bound: what a job that does not ask for determinism gets)
+want cnnmore && step cnn-all-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model cnn --fault-step 30 --after 6 --audit-every 10 \
+  --determinism strict --cases all
+want cnnmore && step cnn-clean-strict 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model cnn --cases none --audit-every 10 --determinism strict --clean 5000
+want cnnmore && step cnn-clean-warn 200 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 3 --model cnn --cases none --audit-every 10 --clean 2000
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
