@@ -86,6 +86,7 @@ from checksums.grad_checks import (
     GradSummaries,
     SpreadTracker,
     StatsVerdict,
+    model_parallel_dims,
     stats_of,
 )
 from checksums.host_ring import HostRing, HostSlot, batch_stats
@@ -160,6 +161,14 @@ class ComputeChecks:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.fsdp = _is_fsdp(ddp)
+        split = model_parallel_dims(ddp, self.fsdp)
+        if split:      # before any hook or collective: every rank refuses alike, the model left as it was
+            raise ValueError(
+                f"ComputeChecks: the model is also split across ranks over {split} (tensor, sequence or context "
+                "parallelism): its forward is a collective of those ranks, while the checks' replays and "
+                "verdicts are per data-parallel group, so one group's replay would wait on, or pair with, "
+                "another group's collectives (a stalled or corrupted step). Not supported yet: the checks "
+                "refuse here rather than stall the job later")
         if comm_hook is not None and self.fsdp:
             raise ValueError("comm_hook= is DDP's (a communication hook per bucket); FSDP2 reduces through its "
                              "reduce-scatter")

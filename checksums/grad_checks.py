@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checksums.collectives import all_gather_single
-from checksums.fingerprint import fingerprint_tensors_async, prepare_fingerprint, triton_available
+from checksums.fingerprint import DTENSOR, fingerprint_tensors_async, prepare_fingerprint, triton_available
 from sdcwatch.arguments import above, count
 
 logger = logging.getLogger(__name__)
@@ -900,6 +900,46 @@ def fsdp_group_params(module: nn.Module) -> list[Any]:
         one = getattr(state, "_fsdp_param_group", None)
         groups = [one] if one is not None else []
     return [fp for g in groups for fp in g.fsdp_params]
+
+
+def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
+    """The mesh dims `module`'s parameters are split over besides data parallelism (tensor, sequence or
+    context parallelism through DTensor), by name where the mesh names them; [] for none. DDP: every dim a
+    DTensor parameter is not replicated on. FSDP2: the parameters' mesh dims beyond FSDP's own mesh
+    (`FSDPParam.mesh_info.mesh`, FSDP2 internals: where they cannot be read, [])."""
+    if DTENSOR is None:
+        return []
+    dp: Any = None
+    if fsdp:
+        for sub in module.modules():
+            if hasattr(sub, "_get_fsdp_state"):
+                try:
+                    fps = fsdp_group_params(sub)
+                except (AttributeError, RuntimeError, TypeError):
+                    continue
+                dp = getattr(getattr(fps[0], "mesh_info", None), "mesh", None) if fps else None
+                if dp is not None:
+                    break
+        if dp is None:
+            return []
+    out: list[str] = []
+    for p in module.parameters():
+        if not isinstance(p, DTENSOR):
+            continue
+        mesh = p.device_mesh
+        names = mesh.mesh_dim_names or tuple(f"mesh dim {d}" for d in range(mesh.ndim))
+        for d, placement in enumerate(p.placements):
+            if mesh.size(d) == 1:                  # over one rank: nothing split
+                continue
+            if dp is None:
+                extra = not placement.is_replicate()
+            elif mesh.mesh_dim_names and dp.mesh_dim_names:
+                extra = names[d] not in dp.mesh_dim_names
+            else:                                  # FSDP2's mesh first, then the model's own dims
+                extra = d >= dp.ndim
+            if extra and names[d] not in out:
+                out.append(names[d])
+    return out
 
 
 def _summarising_reduce_scatter() -> type:

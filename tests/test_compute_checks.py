@@ -2007,3 +2007,63 @@ def test_attaching_without_torch_distributed_says_what_to_do_first() -> None:
     assert out.returncode == 0, out.stderr
     assert "refused: ComputeChecks compares the ranks" in out.stdout, out.stdout
     assert "init_process_group and wrap the model in DistributedDataParallel" in out.stdout, out.stdout
+
+
+def _tensor_parallel(rank: int, world: int, init: str, out: str) -> None:
+    """FSDP2 over a (dp 2, tp 2) mesh with the MLP's layers split tensor-parallel over tp; see the test."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from checksums.compute_gate import ComputeChecks
+    from checksums.grad_checks import model_parallel_dims
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    res: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    fully_shard(plain, mesh=mesh["dp"])                        # FSDP2 alone: nothing else split
+    res["fsdp_alone"] = model_parallel_dims(plain, True)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def loss_fn(mod: nn.Module, b: tuple) -> torch.Tensor:
+        return nn.functional.mse_loss(mod(b[0]), b[1])
+    try:
+        ComputeChecks.attach(m, opt, loss_fn=loss_fn, group=mesh["dp"].get_group())
+        res["refused"] = ""
+    except ValueError as exc:
+        res["refused"] = str(exc)
+    g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+    for _ in range(3):                 # the model trains as before: the refusal left no hook behind
+        loss_fn(m, (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))).backward()
+        opt.step()
+        opt.zero_grad()
+    res["finite"] = all(bool(torch.isfinite(p.full_tensor()).all()) for p in m.parameters())
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_a_tensor_parallel_model_is_refused_at_attach_not_stalled_later(tmp_path) -> None:
+    """FSDP2 with tensor parallelism (a (dp, tp) mesh): the forward is a collective of the tp ranks, and the
+    checks' replays and verdicts are per data-parallel group. Before, attaching worked and the first suspect
+    seen by one tp lane's group (a gradient element on one rank) made that group replay alone: every later
+    audit named two GPUs `unresolved`, the lanes dropped different updates, and gloo's connections broke
+    (NCCL: a stall or mismatched collectives). Now every rank refuses at attach, naming the tp dim, and the
+    model trains on as before; FSDP2 alone is not refused."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_tensor_parallel, (4, str(tmp_path / "init"), out), nprocs=4)
+    for r in range(4):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        assert res["fsdp_alone"] == [], res
+        assert res["refused"].startswith("ComputeChecks: the model is also split across ranks over ['tp']"), res
+        assert res["finite"], res
