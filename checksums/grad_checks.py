@@ -909,6 +909,10 @@ def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
     (`FSDPParam.mesh_info.mesh`, FSDP2 internals: where they cannot be read, [])."""
     if DTENSOR is None:
         return []
+    if not fsdp:          # DDP over a tensor-parallel module whose DTensors were made local for DDP
+        hooked = _meshes_in_hooks(module)   # (torch's `_pre_dp_module_transform`): its hooks hold the mesh
+        if hooked:
+            return hooked
     dp: Any = None
     if fsdp:
         for sub in module.modules():
@@ -939,6 +943,28 @@ def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
                 extra = d >= dp.ndim
             if extra and names[d] not in out:
                 out.append(names[d])
+    return out
+
+
+def _meshes_in_hooks(module: nn.Module) -> list[str]:
+    """The dims (by name) of the device meshes of more than one rank that `module`'s forward hooks hold:
+    `distribute_module` (tensor parallelism's styles) registers hooks closing over the mesh they lay the
+    inputs and outputs out on."""
+    from torch.distributed.device_mesh import DeviceMesh
+    out: list[str] = []
+    for sub in module.modules():
+        for hook in (*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()):
+            held = [*getattr(hook, "args", ()), *getattr(hook, "keywords", {}).values()]   # a partial
+            for cell in getattr(hook, "__closure__", None) or ():
+                try:
+                    held.append(cell.cell_contents)
+                except ValueError:                 # an empty cell
+                    pass
+            for mesh in held:
+                if isinstance(mesh, DeviceMesh) and mesh.size() > 1:
+                    for d, name in enumerate(mesh.mesh_dim_names or (f"mesh dim {d}" for d in range(mesh.ndim))):
+                        if mesh.size(d) > 1 and name not in out:
+                            out.append(name)
     return out
 
 

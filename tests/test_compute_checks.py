@@ -2046,6 +2046,22 @@ def _tensor_parallel(rank: int, world: int, init: str, out: str) -> None:
         opt.step()
         opt.zero_grad()
     res["finite"] = all(bool(torch.isfinite(p.full_tensor()).all()) for p in m.parameters())
+    # DDP over the dp group of a tensor-parallel module whose DTensors torch made local for DDP (its
+    # `_pre_dp_module_transform`): no DTensor parameter left, the tp mesh held by the layers' hooks
+    from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    tp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    _pre_dp_module_transform(tp)
+    ddp = DDP(tp, process_group=mesh["dp"].get_group())
+    try:
+        ComputeChecks.attach(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), loss_fn=loss_fn,
+                             group=mesh["dp"].get_group())
+        res["ddp_refused"] = ""
+    except ValueError as exc:
+        res["ddp_refused"] = str(exc)
+    ddp_alone = DDP(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)))
+    res["ddp_alone"] = model_parallel_dims(ddp_alone, False)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -2057,7 +2073,8 @@ def test_a_tensor_parallel_model_is_refused_at_attach_not_stalled_later(tmp_path
     seen by one tp lane's group (a gradient element on one rank) made that group replay alone: every later
     audit named two GPUs `unresolved`, the lanes dropped different updates, and gloo's connections broke
     (NCCL: a stall or mismatched collectives). Now every rank refuses at attach, naming the tp dim, and the
-    model trains on as before; FSDP2 alone is not refused."""
+    model trains on as before; FSDP2 alone is not refused. The same under DDP over the dp group (torch's
+    DDP + TP path, whose parameters are plain tensors by then); DDP alone is not refused."""
     import json
     out = str(tmp_path / "res")
     spawn(_tensor_parallel, (4, str(tmp_path / "init"), out), nprocs=4)
@@ -2067,3 +2084,5 @@ def test_a_tensor_parallel_model_is_refused_at_attach_not_stalled_later(tmp_path
         assert res["fsdp_alone"] == [], res
         assert res["refused"].startswith("ComputeChecks: the model is also split across ranks over ['tp']"), res
         assert res["finite"], res
+        assert res["ddp_refused"].startswith("ComputeChecks: the model is also split across ranks over ['tp']"), res
+        assert res["ddp_alone"] == [], res
