@@ -94,20 +94,31 @@ def test_two_replicas_hold_every_update_until_the_rollback(tmp_path: Path) -> No
 HSDP_WORLD, HSDP_SHARDS, LAG = 6, 2, 4
 
 
-def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: str) -> dict[str, Any]:
+def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: str,
+              tp: bool = False) -> dict[str, Any]:
     """The same MLP under HSDP (replicate over mesh dim 0, shard over dim 1: replica groups 0,2,4 and 1,3,5),
     Adam; with `flip` a bit of rank 5's shard (replica 2, shard 1) is flipped after update FLIP_STEP. `mask`
     "device": fused Adam, the vote's verdict masks the update through found_inf, the host settles LAG calls
-    later (as on CUDA)."""
+    later (as on CUDA). `tp`: HSDP with tensor parallelism (torchtitan's layout: a (replicate 3, shard 1,
+    tp 2) mesh, the first layer split by columns and the second by rows over tp, FSDP2 over the first two
+    dims): the replica groups are the same ranks (the tp lanes), rank 5 holds replica 2's tp shard 1."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from checksums.monitor import Monitor
     from checksums.replica_recovery import ReplicaRecovery
 
-    mesh = init_device_mesh("cpu", (HSDP_WORLD // HSDP_SHARDS, HSDP_SHARDS), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if tp:
+        full = init_device_mesh("cpu", (HSDP_WORLD // HSDP_SHARDS, 1, HSDP_SHARDS),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+        parallelize_module(model, full["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = full["replicate", "shard"]
+    else:
+        mesh = init_device_mesh("cpu", (HSDP_WORLD // HSDP_SHARDS, HSDP_SHARDS),
+                                mesh_dim_names=("replicate", "shard"))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -140,21 +151,22 @@ def _run_hsdp(rank: int, batches: list[int], flip: bool, recover: bool, mask: st
                             group=monitor.replica_group_name, syncs=sorted(set(syncs)))
 
 
-def _hsdp_worker(rank: int, store: str, outdir: str, mask: str) -> None:
+def _hsdp_worker(rank: int, store: str, outdir: str, mask: str, tp: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=HSDP_WORLD)
     torch.set_num_threads(1)
     try:
-        faulty = _run_hsdp(rank, list(range(1, STEPS + 1)), flip=True, recover=True, mask=mask)
+        faulty = _run_hsdp(rank, list(range(1, STEPS + 1)), flip=True, recover=True, mask=mask, tp=tp)
         skipped = set(faulty["skipped"])
         clean = _run_hsdp(rank, [i for i in range(1, STEPS + 1) if i not in skipped], flip=False, recover=False,
-                          mask=mask)
+                          mask=mask, tp=tp)
         Path(outdir, f"rank{rank}.json").write_text(json.dumps({"faulty": faulty, "clean": clean}))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mask", ["host", "device"])
-def test_hsdp_repairs_the_odd_shard_in_place_and_every_shard_skips_the_same_update(tmp_path: Path, mask: str):
+@pytest.mark.parametrize("mask,tp", [("host", False), ("device", False), ("host", True), ("device", True)])
+def test_hsdp_repairs_the_odd_shard_in_place_and_every_shard_skips_the_same_update(tmp_path: Path, mask: str,
+                                                                                   tp: bool):
     """Under HSDP a parameter is a DTensor (this rank's shard): the repair copies the shards over the replica
     group (c10d has no DTensor collectives: the copy raised NotImplementedError, so nothing was repaired and
     the replicas stayed apart). The update after the flip is skipped on every rank, the shards whose replicas
@@ -162,8 +174,10 @@ def test_hsdp_repairs_the_odd_shard_in_place_and_every_shard_skips_the_same_upda
     bit-identical, shard for shard, to a clean run that skipped that batch. On the device (found_inf, no host
     wait) the flag of every group is combined (an all_reduce MAX over the shard group) before it masks, and
     each rank records the updates it masked once the host reads them; the repair waits until every replica
-    has read the vote (LAG calls), so updates FLIP_STEP+1 .. FLIP_STEP+LAG+1 are masked everywhere."""
-    rank_spawn.spawn(_hsdp_worker, args=(str(tmp_path / "store"), str(tmp_path), mask), nprocs=HSDP_WORLD)
+    has read the vote (LAG calls), so updates FLIP_STEP+1 .. FLIP_STEP+LAG+1 are masked everywhere. With
+    tensor parallelism (`tp`: torchtitan's HSDP + TP layout) the tp lanes vote apart and step together alike
+    (their flags combined over the tp group), first run 2026-12-07."""
+    rank_spawn.spawn(_hsdp_worker, args=(str(tmp_path / "store"), str(tmp_path), mask, tp), nprocs=HSDP_WORLD)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(HSDP_WORLD)]
     assert [r["faulty"]["group"] for r in res] == ["ranks:0,2,4", "ranks:1,3,5"] * 3
     lag = LAG if mask == "device" else 0
