@@ -40,7 +40,11 @@ Two stages on the optimizer's `StepGuard` (checksums/step_guard.py), apart from 
     one float over each other mesh dim, every step, on the device (no host wait), and records the masked
     updates from a pinned copy once it landed; the host gate reads the same all_reduce on the host. So
     under HSDP every rank of the mesh attaches (and detaches) it, as every rank attaches its Monitor: the
-    all_reduce is a collective of each step.
+    all_reduce is a collective of each step. The ranks that must attach it (the mesh under HSDP, the
+    replica group otherwise) say so through torch.distributed's store at attach; the first gate waits for
+    all of them (`attach_wait_s`, 120 s) and, if some never attach, logs an error and does without the
+    collectives those ranks would not join: no combined flag, no repair (each group's gate still holds
+    back its own shard's updates). Before 2026-12-07 a rank without it left the others waiting for ever.
 
 - `replica.repair` (Phase.REPAIR): for a disagreeing vote with a strict majority (3+ replicas), every
   parameter and optimizer-state tensor (under FSDP2/HSDP a DTensor's local shard: c10d has no DTensor
@@ -60,7 +64,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import itertools
 import logging
+import time
 from typing import Any
 
 import torch
@@ -72,6 +79,9 @@ from checksums.step_guard import Phase, StepContext, Veto
 from sdcwatch.arguments import count
 
 logger = logging.getLogger(__name__)
+
+_ATTACHES = itertools.count()      # ReplicaRecovery objects made in this process (the ranks make them alike)
+ATTACH_WAIT_S = 120.0              # how long the first gate waits for the other ranks to have attached
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +102,8 @@ class ReplicaRecovery:
     which the device gate acts on a vote on the host (default `monitor.vote_lag`; a test may set the CUDA
     value on CPU)."""
 
-    def __init__(self, monitor: Any, *, mask: str = "auto", settle_lag: int | None = None) -> None:
+    def __init__(self, monitor: Any, *, mask: str = "auto", settle_lag: int | None = None,
+                 attach_wait_s: float = ATTACH_WAIT_S) -> None:
         if monitor.guard is None:
             raise ValueError("ReplicaRecovery needs a Monitor attached with an optimizer (its step guard)")
         self.monitor = monitor
@@ -134,6 +145,18 @@ class ReplicaRecovery:
             self._peer_word = torch.zeros(1, dtype=torch.int32, device=monitor.device)
         self.gate = _Gate(self)
         self.repair = _Repair(self)
+        # every rank that joins this object's collectives (the HSDP mesh, else the replica group) counts
+        # itself in the store; the first gate waits for them all (`_check_attached`)
+        self._attach_wait_s = float(attach_wait_s)
+        self._members = self._collective_ranks()
+        self._attached_key = ""
+        self._store = _default_store() if len(self._members) > 1 else None
+        if self._store is not None:
+            digest = hashlib.sha1(",".join(map(str, self._members)).encode()).hexdigest()[:16]
+            self._attached_key = f"sdcwatch/replica_recovery/{next(_ATTACHES)}/{digest}"
+            self._store.add(self._attached_key, 1)
+        self._all_attached: bool | None = None if self._store is not None else True
+        self._repair_off = ""             # why repairs are off (not every replica attached), "" when on
 
     @classmethod
     def attach(cls, monitor: Any, **kwargs: Any) -> "ReplicaRecovery":
@@ -148,8 +171,47 @@ class ReplicaRecovery:
         self.guard.remove(self.gate.name)
         self.guard.remove(self.repair.name)
 
+    def _collective_ranks(self) -> list[int]:
+        """The ranks that must attach a ReplicaRecovery alongside this one: under HSDP every rank of the mesh
+        (the combined flag is a collective of the shard dims), else the replica group (the repair's copy)."""
+        if self._peers:
+            sharded = self.monitor._sharded()
+            if sharded is not None:
+                return sorted(int(r) for r in sharded[0].device_mesh.mesh.flatten().tolist())
+        if self.monitor.replica_group is None:
+            return []
+        return sorted(int(r) for r in dist.get_process_group_ranks(self.monitor.replica_group))
+
+    def _check_attached(self) -> None:
+        """At the first gate: every rank in `_members` attached a ReplicaRecovery (counted in the store),
+        waited for up to `attach_wait_s` (a rank may run behind). If not, said once, and the collectives the
+        missing ranks would never join are dropped on this rank: the shard groups' combined flag and the
+        repair (a wait for ever before)."""
+        assert self._store is not None
+        deadline = time.monotonic() + self._attach_wait_s
+        pause = 0.005
+        while True:
+            got = int(self._store.add(self._attached_key, 0))
+            if got >= len(self._members) or time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        self._all_attached = got >= len(self._members)
+        if self._all_attached:
+            return
+        what = "the HSDP mesh" if self._peers else "the replica group"
+        logger.error("sdcwatch: ReplicaRecovery is attached on %d of the %d ranks of %s after %.0f s: attach "
+                     "it on every rank (its gate and repair are collectives of them). Until then this rank "
+                     "gates its own group's updates only: no repair%s", got, len(self._members), what,
+                     self._attach_wait_s, ", and the shard groups' verdicts are not combined" if self._peers
+                     else "")
+        self._peers = []
+        self._repair_off = f"ReplicaRecovery attached on {got} of the {len(self._members)} ranks of {what}"
+
     # ---- the gate ------------------------------------------------------------------------------------
     def _gate(self, ctx: StepContext) -> Veto | None:
+        if self._all_attached is None:
+            self._check_attached()
         if self.mask == "device":
             return self._gate_on_device(ctx)
         own = self._gate_on_host(ctx)
@@ -295,6 +357,9 @@ class ReplicaRecovery:
         if vote is None:
             return None
         result = vote.result
+        if self._repair_off:          # a replica would never join the copy: the rollback directive recovers
+            self.repairs.append(Repair(vote.step, ctx.step, -1, False, self._repair_off))
+            return None
         if result.majority is None:   # two replicas, or no strict majority: the rollback directive recovers
             self.repairs.append(Repair(vote.step, ctx.step, -1, False, f"no majority ({result.method})"))
             return None
@@ -386,3 +451,12 @@ class _Repair:
 
     def run(self, ctx: StepContext) -> Veto | None:
         return self._owner._repair(ctx)
+
+
+def _default_store() -> Any:
+    """torch.distributed's store of the default process group (torch keeps it in a private attribute), or
+    None where there is none: then the ranks that attached are not counted (and a missing one still hangs)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -200,3 +200,71 @@ def test_hsdp_repairs_the_odd_shard_in_place_and_every_shard_skips_the_same_upda
     for shard in range(HSDP_SHARDS):
         states = [res[r]["faulty"]["state"] for r in range(shard, HSDP_WORLD, HSDP_SHARDS)]
         assert all(s == states[0] for s in states), f"shard {shard}: the replicas differ at the end"
+
+
+def _partial_worker(rank: int, store: str, outdir: str, layout: str) -> None:
+    """ReplicaRecovery attached on every rank but one (rank 4 of an HSDP 3x2 mesh, or rank 2 of 3 DDP
+    replicas), a flip on one replica after update FLIP_STEP; see the test."""
+    from checksums.monitor import Monitor
+    from checksums.replica_recovery import ReplicaRecovery
+
+    world = HSDP_WORLD if layout == "hsdp" else WORLD
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        if layout == "hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (HSDP_WORLD // HSDP_SHARDS, HSDP_SHARDS),
+                                    mesh_dim_names=("replicate", "shard"))
+            wrapped = fully_shard(model, mesh=mesh)
+            without, flipped = 4, HSDP_WORLD - 1
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model)
+            without, flipped = WORLD - 1, 1
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        monitor = Monitor.attach(wrapped, opt, job_id="partial", reporter=RecordingReporter(), host=f"host{rank}")
+        recovery = None if rank == without else ReplicaRecovery.attach(monitor, attach_wait_s=5.0)
+        for index in range(1, STEPS + 1):
+            x, y = _batch(rank, index)
+            loss = ((wrapped(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if index == FLIP_STEP and rank == flipped:
+                with torch.no_grad():
+                    w = model[0].weight
+                    (w.to_local() if hasattr(w, "to_local") else w).view(torch.int32).view(-1)[3] ^= 1 << 20
+            monitor.step(loss.detach())
+        out = {"steps": monitor.guard.step, "recovery": recovery is not None}
+        if recovery is not None:
+            out.update(attached=recovery._all_attached, repairs=[(r.ok, r.reason) for r in recovery.repairs],
+                       vetoed=recovery.vetoed)
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
+def test_a_rank_without_replica_recovery_makes_the_others_drop_its_collectives_not_wait(tmp_path: Path,
+                                                                                        layout: str):
+    """ReplicaRecovery's combined flag (HSDP) and its repair are collectives of the mesh or the replica
+    group, so every rank attaches it. A job that attached it on all ranks but one waited for ever: under HSDP
+    in the first step's combined flag, under DDP in the repair's copy after a flip. Now the ranks count
+    themselves in the store at attach and the first gate waits for all of them (5 s here): one missing, each
+    rank that has it says so and drops those collectives (its group's own gate still holds back the
+    flipped replica's updates), and the job runs to its end."""
+    rank_spawn.spawn(_partial_worker, args=(str(tmp_path / "store"), str(tmp_path), layout),
+                     nprocs=HSDP_WORLD if layout == "hsdp" else WORLD)
+    world = HSDP_WORLD if layout == "hsdp" else WORLD
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert all(r["steps"] == STEPS for r in res), res
+    with_it = [r for r in res if r["recovery"]]
+    assert len(with_it) == world - 1
+    assert all(r["attached"] is False for r in with_it), res
+    # the flipped replica's group vetoed and did not repair (a repair's copy would wait on the missing rank)
+    tried = [r for r in with_it if r["repairs"]]
+    assert tried and all(r["vetoed"] >= 1 for r in tried), res
+    assert all(ok is False and f"of the {world} ranks" in why for r in tried for ok, why in r["repairs"]), tried
