@@ -188,7 +188,8 @@ class _Sink:
 
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
-                         "ac": "none", "wide_fails": -1, "sync_bn": False}
+                         "ac": "none", "wide_fails": -1, "sync_bn": False,
+                         "params_bf16": False}
 
 
 class Checkpointed(nn.Module):
@@ -272,14 +273,15 @@ def batch_for(rank: int, step: int, device: torch.device, micro: int = 0) -> tup
     if MODEL["name"] == "cnn":      # 16 images 3x16x16 and their classes (a learnable rule: the mean colour)
         x = torch.randn(16, 3, 16, 16, generator=g)
         y = (x.mean(dim=(2, 3)).argmax(dim=1) * 3 + torch.randint(0, 3, (16,), generator=g)) % 10
-        return x.to(device), y.to(device)
+        return x.to(device, dtype=torch.bfloat16 if MODEL["params_bf16"] else None), y.to(device)
     if MODEL["name"] != "mlp":
         seq, vocab, n = (1024, 50257, MODEL["batch"]) if MODEL["name"] == "gpt2" else (32, 256, 8)
         idx = torch.randint(0, vocab, (n, seq + 1), generator=g)
         return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
     x = torch.randn(32, 16, generator=g)
     y = torch.sin(x[:, :4] * 1.3) + 0.1 * torch.randn(32, 4, generator=g)
-    return x.to(device), y.to(device)
+    dtype = torch.bfloat16 if MODEL["params_bf16"] else None     # --params-bf16: the inputs too
+    return x.to(device, dtype=dtype), y.to(device, dtype=dtype)
 
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -298,7 +300,7 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=dtype, enabled=bf16):
             return model(x, y)
     with torch.autocast(x.device.type, dtype=dtype, enabled=MODEL["bf16"] or fp16):
-        return nn.functional.mse_loss(model(x).float(), y)
+        return nn.functional.mse_loss(model(x).float(), y.float())
 
 
 class MatmulFault(TorchDispatchMode):
@@ -417,7 +419,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
              accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0,
              fused_adam: bool = False, experts_hint: bool = True, recover: bool = False) -> dict[str, Any]:
     model, target = make_model(0)
-    model = model.to(device)
+    model = model.to(device, dtype=torch.bfloat16 if MODEL["params_bf16"] else None)
     active = {"on": False}
 
     def mm_hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
@@ -937,6 +939,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["amp"] = args.amp
     MODEL["ac"] = args.ac
     MODEL["sync_bn"] = args.sync_bn
+    MODEL["params_bf16"] = args.params_bf16
     SDCGUARD["mode"] = args.sdcguard_mode
     if args.flaky_replay and rank == args.flaky_replay[0]:
         _flaky_replays(set(args.flaky_replay[1]))
@@ -1271,6 +1274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(top 2 of 4 experts; the matmul faults hit block 0's router); gpt2: GPT-2 small, bf16 autocast "
                    "on CUDA (the matmul faults hit block 0's MLP fc output); cnn: a small convolutional classifier with "
                    "BatchNorm and dropout (the faults hit its second convolution's output)")
+    p.add_argument("--params-bf16", action="store_true", help="the model's parameters (so its gradients, "
+                   "DDP's buckets and Adam's state) in bfloat16, as a job that casts the model does, not autocast")
     p.add_argument("--sync-bn", action="store_true", help="--model cnn: SyncBatchNorm (a collective in the "
                    "forward) instead of BatchNorm")
     p.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16: fp16 autocast with a "

@@ -2086,3 +2086,15 @@ def test_a_tensor_parallel_model_is_refused_at_attach_not_stalled_later(tmp_path
         assert res["finite"], res
         assert res["ddp_refused"].startswith("ComputeChecks: the model is also split across ranks over ['tp']"), res
         assert res["ddp_alone"] == [], res
+
+
+def test_a_model_cast_to_bfloat16_is_checked_like_one_under_autocast():
+    """`--params-bf16`: parameters, gradients, DDP's buckets and Adam's state in bfloat16 (a job that casts
+    its model rather than autocasting). The summaries, the replays and the fingerprints take bf16 buckets:
+    faults on rank 1 at step 40 (an audit step) are caught there, rank 1 named, updates dropped."""
+    cases = ["mm channel x2 persistent", "bwd one elem =1e4", "grad elem =0.01", "grad elem NaN"]
+    r = _faults(["--world", "3", "--params-bf16", "--model", "tiny-gpt", "--after", "3", "--audit-every", "5",
+                 "--cases", ",".join(cases)])
+    for name in cases:
+        hit = r[name]["caught"].get("compute")
+        assert hit is not None and hit["step"] == 40 and hit["named"] == [1] and hit["dropped"], (name, r[name])
