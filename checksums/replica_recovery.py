@@ -76,7 +76,7 @@ import torch.distributed as dist
 from checksums.device_mask import DeviceMask, choose_mask, device_disagree
 from checksums.fingerprint import fingerprint_tensors_async, local_tensor
 from checksums.step_guard import Phase, StepContext, Veto
-from sdcwatch.arguments import count
+from sdcwatch.arguments import above, count
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +100,15 @@ class ReplicaRecovery:
     and votes). `mask`: "auto" (the device gate on CUDA with NCCL and a fused optimizer, else the host gate),
     "host" or "device" (forces the device gate, on CPU too: how the tests run it). `settle_lag`: calls after
     which the device gate acts on a vote on the host (default `monitor.vote_lag`; a test may set the CUDA
-    value on CPU)."""
+    value on CPU). `attach_wait_s`: how long the first gate waits for every rank that must attach one to
+    have attached (see the module docstring)."""
 
     def __init__(self, monitor: Any, *, mask: str = "auto", settle_lag: int | None = None,
                  attach_wait_s: float = ATTACH_WAIT_S) -> None:
         if monitor.guard is None:
             raise ValueError("ReplicaRecovery needs a Monitor attached with an optimizer (its step guard)")
+        wait_s = above("attach_wait_s", attach_wait_s, "the seconds the first step waits for every rank to "
+                       "have attached", 0.0)
         self.monitor = monitor
         self.guard = monitor.guard
         optimizer = monitor._optimizer
@@ -147,7 +150,7 @@ class ReplicaRecovery:
         self.repair = _Repair(self)
         # every rank that joins this object's collectives (the HSDP mesh, else the replica group) counts
         # itself in the store; the first gate waits for them all (`_check_attached`)
-        self._attach_wait_s = float(attach_wait_s)
+        self._attach_wait_s = wait_s
         self._members = self._collective_ranks()
         self._attached_key = ""
         self._store = _default_store() if len(self._members) > 1 else None
