@@ -1899,21 +1899,17 @@ def test_a_bucket_zero_on_a_rank_is_no_jump():
 def test_a_convolutional_model_with_batchnorm_and_dropout_is_checked_like_the_gpts():
     """`--model cnn`: convolutions, BatchNorm (running statistics: buffers every replay must put back, and
     DDP broadcasts from rank 0 each forward) and dropout (a replay needs the step's RNG state). Three gloo
-    ranks, faults on rank 1 at step 40 (an audit step) and a non-audit step: each caught on its step with
-    rank 1 named and its update dropped, and the clean steps before raise nothing (exact audits)."""
-    r = _faults(["--world", "3", "--model", "cnn", "--after", "3", "--audit-every", "5",
+    ranks, faults on rank 1 at step 40 (an audit step): each caught on its step with
+    rank 1 named and its update dropped, and clean steps raise nothing (exact audits)."""
+    r = _faults(["--world", "3", "--model", "cnn", "--after", "3", "--audit-every", "5", "--clean", "40",
                  "--cases", "mm one elem x1.01 persistent,bwd zeroed column,grad elem =100,grad elem NaN"])
     for name in ("mm one elem x1.01 persistent", "bwd zeroed column", "grad elem =100", "grad elem NaN"):
         hit = r[name]["caught"].get("compute")
         assert hit is not None and hit["step"] == 40 and hit["named"] == [1] and hit["dropped"], (name, r[name])
     assert r["mm one elem x1.01 persistent"]["caught"]["compute"]["cause"] == "persistent"
-    r = _faults(["--world", "3", "--model", "cnn", "--fault-step", "43", "--after", "3", "--audit-every", "5",
-                 "--cases", "grad elem =100,grad elem NaN", "--clean", "60"])
-    for name in ("grad elem =100", "grad elem NaN"):
-        hit = r[name]["caught"].get("compute")
-        assert hit is not None and hit["step"] == 43 and hit["named"] == [1] and hit["dropped"], (name, r[name])
+    assert r["grad elem =100"]["caught"]["compute"]["detector"] == "stats"   # on the statistics' evidence
     clean = r["clean"]["status"]
-    assert clean["suspicions"] == 0 and clean["dropped"] == 0 and clean["audits"] >= 10 and clean["exact"], clean
+    assert clean["suspicions"] == 0 and clean["dropped"] == 0 and clean["audits"] >= 8 and clean["exact"], clean
 
 
 def _cross_rank_norm(rank: int, world: int, init: str, out: str) -> None:
@@ -2092,7 +2088,7 @@ def test_a_model_cast_to_bfloat16_is_checked_like_one_under_autocast():
     """`--params-bf16`: parameters, gradients, DDP's buckets and Adam's state in bfloat16 (a job that casts
     its model rather than autocasting). The summaries, the replays and the fingerprints take bf16 buckets:
     faults on rank 1 at step 40 (an audit step) are caught there, rank 1 named, updates dropped."""
-    cases = ["mm channel x2 persistent", "bwd one elem =1e4", "grad elem =0.01", "grad elem NaN"]
+    cases = ["mm channel x2 persistent", "grad elem NaN"]
     r = _faults(["--world", "3", "--params-bf16", "--model", "tiny-gpt", "--after", "3", "--audit-every", "5",
                  "--cases", ",".join(cases)])
     for name in cases:

@@ -226,7 +226,7 @@ def _partial_worker(rank: int, store: str, outdir: str, layout: str) -> None:
             without, flipped = WORLD - 1, 1
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         monitor = Monitor.attach(wrapped, opt, job_id="partial", reporter=RecordingReporter(), host=f"host{rank}")
-        recovery = None if rank == without else ReplicaRecovery.attach(monitor, attach_wait_s=5.0)
+        recovery = None if rank == without else ReplicaRecovery.attach(monitor, attach_wait_s=2.0)
         for index in range(1, STEPS + 1):
             x, y = _batch(rank, index)
             loss = ((wrapped(x) - y) ** 2).mean()
@@ -253,7 +253,7 @@ def test_a_rank_without_replica_recovery_makes_the_others_drop_its_collectives_n
     """ReplicaRecovery's combined flag (HSDP) and its repair are collectives of the mesh or the replica
     group, so every rank attaches it. A job that attached it on all ranks but one waited for ever: under HSDP
     in the first step's combined flag, under DDP in the repair's copy after a flip. Now the ranks count
-    themselves in the store at attach and the first gate waits for all of them (5 s here): one missing, each
+    themselves in the store at attach and the first gate waits for all of them (2 s here): one missing, each
     rank that has it says so and drops those collectives (its group's own gate still holds back the
     flipped replica's updates), and the job runs to its end."""
     rank_spawn.spawn(_partial_worker, args=(str(tmp_path / "store"), str(tmp_path), layout),
