@@ -532,6 +532,8 @@ want hookclean && step hook-clean-2ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8
 # a convolutional model (BatchNorm, dropout) on ranks sharing this GPU over gloo, then the same with real
 # SyncBatchNorm (a collective in the forward: no replay reproduces a step, said at attach; the statistics
 # still run): faults on rank 1 at step 30 (an audit step), 200 clean steps
+want syncbn && step syncbn-test 150 python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" -rA \
+  tests/test_compute_checks.py -k syncbatchnorm
 want syncbn && step cnn-3ranks 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 3 --model cnn --fault-step 30 --after 6 --audit-every 10 \
   --determinism strict --cases "mm one elem =1e4,grad elem =100,grad elem NaN,mm one elem x1.01 persistent" --clean 200

@@ -2094,3 +2094,19 @@ def test_a_model_cast_to_bfloat16_is_checked_like_one_under_autocast():
     for name in cases:
         hit = r[name]["caught"].get("compute")
         assert hit is not None and hit["step"] == 40 and hit["named"] == [1] and hit["dropped"], (name, r[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_syncbatchnorm_on_a_gpu_is_found_at_attach_and_nothing_is_replayed():
+    """The real SyncBatchNorm (torch runs it on GPUs only; the CPU test uses a stand-in of its class): three
+    gloo ranks sharing the GPU, its statistics all-gathered in every forward. The checks say at attach that
+    no replay reproduces a step; a NaN in rank 1's gradient is held back on its step without naming a GPU,
+    and clean steps raise nothing."""
+    r = _faults(["--device", "cuda", "--backend", "gloo", "--world", "3", "--model", "cnn", "--sync-bn",
+                 "--fault-step", "12", "--after", "3", "--audit-every", "5", "--determinism", "strict",
+                 "--cases", "grad elem NaN", "--clean", "20"])
+    assert r["clean"]["mode"].startswith("unreproducible: SyncBatchNorm mixes every rank's batch"), r["clean"]
+    assert r["clean"]["status"]["suspicions"] == 0 and r["clean"]["status"]["replays"] == 0, r["clean"]
+    nan = r["grad elem NaN"]
+    assert "compute" not in nan["caught"] and nan["held"] == 12, nan     # held back, no GPU named
