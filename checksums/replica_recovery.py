@@ -187,9 +187,10 @@ class ReplicaRecovery:
 
     def _check_attached(self) -> None:
         """At the first gate: every rank in `_members` attached a ReplicaRecovery (counted in the store),
-        waited for up to `attach_wait_s` (a rank may run behind). If not, said once, and the collectives the
-        missing ranks would never join are dropped on this rank: the shard groups' combined flag and the
-        repair (a wait for ever before)."""
+        waited for up to `attach_wait_s` (a rank may run behind). The first rank to decide writes its answer
+        to the store and every rank takes that one, so all decide alike however late. If not all attached,
+        said once, and the collectives the missing ranks would never join are dropped: the shard groups'
+        combined flag and the repair (a wait for ever before)."""
         assert self._store is not None
         deadline = time.monotonic() + self._attach_wait_s
         pause = 0.005
@@ -199,15 +200,19 @@ class ReplicaRecovery:
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
-        self._all_attached = got >= len(self._members)
+        # the first rank to decide decides for all (a rank far behind must not combine flags the others
+        # gave up on): its answer is kept in the store, and every later one reads it
+        mine = "all" if got >= len(self._members) else "missing"
+        agreed = self._store.compare_set(self._attached_key + "/verdict", "", mine)
+        self._all_attached = (agreed.decode() if isinstance(agreed, bytes) else str(agreed)) == "all"
         if self._all_attached:
             return
         what = "the HSDP mesh" if self._peers else "the replica group"
-        logger.error("sdcwatch: ReplicaRecovery is attached on %d of the %d ranks of %s after %.0f s: attach "
-                     "it on every rank (its gate and repair are collectives of them). Until then this rank "
-                     "gates its own group's updates only: no repair%s", got, len(self._members), what,
-                     self._attach_wait_s, ", and the shard groups' verdicts are not combined" if self._peers
-                     else "")
+        logger.error("sdcwatch: ReplicaRecovery was attached on %d of the %d ranks of %s within %.0f s of a "
+                     "rank's first step: attach it on every rank (its gate and repair are collectives of "
+                     "them). This rank gates its own group's updates only: no repair%s", got,
+                     len(self._members), what, self._attach_wait_s,
+                     ", and the shard groups' verdicts are not combined" if self._peers else "")
         self._peers = []
         self._repair_off = f"ReplicaRecovery attached on {got} of the {len(self._members)} ranks of {what}"
 

@@ -5,6 +5,7 @@ training goes on. At the end every replica is bit-identical to a clean run that 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,8 +227,12 @@ def _partial_worker(rank: int, store: str, outdir: str, layout: str) -> None:
             without, flipped = WORLD - 1, 1
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         monitor = Monitor.attach(wrapped, opt, job_id="partial", reporter=RecordingReporter(), host=f"host{rank}")
-        recovery = None if rank == without else ReplicaRecovery.attach(monitor, attach_wait_s=2.0)
+        late = layout == "late" and rank == without      # attaches after the others gave up waiting for it
+        recovery = None if rank == without else ReplicaRecovery.attach(monitor, attach_wait_s=1.0)
         for index in range(1, STEPS + 1):
+            if late and index == 2:
+                time.sleep(3.0)
+                recovery = ReplicaRecovery.attach(monitor, attach_wait_s=1.0)
             x, y = _batch(rank, index)
             loss = ((wrapped(x) - y) ** 2).mean()
             opt.zero_grad()
@@ -247,22 +252,24 @@ def _partial_worker(rank: int, store: str, outdir: str, layout: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
+@pytest.mark.parametrize("layout", ["hsdp", "ddp", "late"])
 def test_a_rank_without_replica_recovery_makes_the_others_drop_its_collectives_not_wait(tmp_path: Path,
                                                                                         layout: str):
     """ReplicaRecovery's combined flag (HSDP) and its repair are collectives of the mesh or the replica
     group, so every rank attaches it. A job that attached it on all ranks but one waited for ever: under HSDP
     in the first step's combined flag, under DDP in the repair's copy after a flip. Now the ranks count
-    themselves in the store at attach and the first gate waits for all of them (2 s here): one missing, each
+    themselves in the store at attach and the first gate waits for all of them (1 s here): one missing, each
     rank that has it says so and drops those collectives (its group's own gate still holds back the
-    flipped replica's updates), and the job runs to its end."""
+    flipped replica's updates), and the job runs to its end. `late`: the third DDP rank attaches it only
+    after the others stopped waiting; it finds every rank counted, but takes the first decision, kept in
+    the store, so it too leaves the repair's copy out (deciding alone, it would wait in it for ever)."""
     rank_spawn.spawn(_partial_worker, args=(str(tmp_path / "store"), str(tmp_path), layout),
                      nprocs=HSDP_WORLD if layout == "hsdp" else WORLD)
     world = HSDP_WORLD if layout == "hsdp" else WORLD
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert all(r["steps"] == STEPS for r in res), res
     with_it = [r for r in res if r["recovery"]]
-    assert len(with_it) == world - 1
+    assert len(with_it) == (world if layout == "late" else world - 1)
     assert all(r["attached"] is False for r in with_it), res
     # the flipped replica's group vetoed and did not repair (a repair's copy would wait on the missing rank)
     tried = [r for r in with_it if r["repairs"]]
