@@ -930,10 +930,15 @@ CROSS_RANK = "SyncBatchNorm mixes every rank's batch statistics into each step: 
 
 def cross_rank_layers(module: nn.Module) -> list[str]:
     """The qualified names of `module`'s layers whose forward in training combines every rank's batch
-    (SyncBatchNorm: the batch mean and variance over all ranks), [] for none. A replay runs one rank's batch
-    (or each rank a neighbour's, so the ranks' statistics combine in another order): such a layer's output
-    is then not the step's."""
-    return [name for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    (SyncBatchNorm: the batch mean and variance over all ranks), [] for none: torch's, and the other
+    libraries' by their class names (apex's `SyncBatchNorm`, detectron2's `NaiveSyncBatchNorm`, mmcv's
+    `SyncBN`...). A replay runs one rank's batch (or each rank a neighbour's, so the ranks' statistics combine
+    in another order): such a layer's output is then not the step's."""
+    return [name for name, m in module.named_modules()
+            if isinstance(m, nn.SyncBatchNorm) or _SYNC_NORM.search(type(m).__name__)]
+
+
+_SYNC_NORM = re.compile(r"Sync(?:hronized)?_?(?:Batch_?Norm|BN)", re.IGNORECASE)
 
 
 def replay_mismatch(original: torch.Tensor, replayed: torch.Tensor, exact: bool, rtol: float = 1e-3) -> str:

@@ -2110,3 +2110,26 @@ def test_real_syncbatchnorm_on_a_gpu_is_found_at_attach_and_nothing_is_replayed(
     assert r["clean"]["status"]["suspicions"] == 0 and r["clean"]["status"]["replays"] == 0, r["clean"]
     nan = r["grad elem NaN"]
     assert "compute" not in nan["caught"] and nan["held"] == 12, nan     # held back, no GPU named
+
+
+def test_cross_rank_norm_layers_are_found_by_class_and_by_name():
+    """torch's SyncBatchNorm by its class; other libraries' (apex's SyncBatchNorm, detectron2's
+    NaiveSyncBatchNorm, mmcv-style SyncBN), which are plain BatchNorm subclasses, by their class names;
+    BatchNorm, GroupNorm and LayerNorm are not."""
+    from torch import nn
+
+    from checksums.replay import cross_rank_layers
+
+    class NaiveSyncBatchNorm(nn.BatchNorm2d):
+        pass
+
+    class SyncBN(nn.BatchNorm1d):
+        pass
+
+    class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):      # apex.parallel's name, not torch's class
+        pass
+
+    m = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), NaiveSyncBatchNorm(4), nn.GroupNorm(2, 4),
+                      nn.Sequential(nn.SyncBatchNorm(4), SyncBN(4), SyncBatchNorm(4)), nn.LayerNorm(4))
+    assert cross_rank_layers(m) == ["2", "4.0", "4.1", "4.2"]
+    assert cross_rank_layers(nn.Sequential(nn.BatchNorm2d(4), nn.InstanceNorm2d(4))) == []
