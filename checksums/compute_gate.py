@@ -79,7 +79,7 @@ from torch import nn
 
 from checksums.device_mask import DeviceMask, choose_mask
 from checksums.device_verdict import DeviceVerdict
-from checksums.fingerprint import fingerprint_tensors_async
+from checksums.collectives import gathered_fingerprints
 from checksums.fsdp_replay import FsdpReplayer
 from checksums.grad_checks import (
     FsdpGradSummaries,
@@ -496,11 +496,7 @@ class ComputeChecks:
     def _param_words(self) -> list[tuple[int, ...]]:
         """Every rank's fingerprint of its parameters, gathered (a collective; read on the host: the first
         step, and a step whose outcome names a rank)."""
-        params = [p.detach() for p in self.summaries.params]
-        words = fingerprint_tensors_async(params).to(torch.int64).reshape(-1)
-        gathered = [torch.empty_like(words) for _ in range(self.world)]
-        dist.all_gather(gathered, words, group=self.group)
-        return [tuple(g.cpu().tolist()) for g in gathered]
+        return gathered_fingerprints([p.detach() for p in self.summaries.params], self.group)
 
     # ---- the device path (CUDA, fused optimizers): mask now, judge a step later ---------------------
 

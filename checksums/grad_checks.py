@@ -931,7 +931,7 @@ def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
         if not isinstance(p, DTENSOR):
             continue
         mesh = p.device_mesh
-        names = mesh.mesh_dim_names or tuple(f"mesh dim {d}" for d in range(mesh.ndim))
+        names = _dim_names(mesh)
         for d, placement in enumerate(p.placements):
             if mesh.size(d) == 1:                  # over one rank: nothing split
                 continue
@@ -947,25 +947,33 @@ def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
 
 
 def _meshes_in_hooks(module: nn.Module) -> list[str]:
-    """The dims (by name) of the device meshes of more than one rank that `module`'s forward hooks hold:
+    """The dims (by name) of more than one rank of the device meshes `module`'s forward hooks hold:
     `distribute_module` (tensor parallelism's styles) registers hooks closing over the mesh they lay the
     inputs and outputs out on."""
     from torch.distributed.device_mesh import DeviceMesh
     out: list[str] = []
     for sub in module.modules():
         for hook in (*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()):
-            held = [*getattr(hook, "args", ()), *getattr(hook, "keywords", {}).values()]   # a partial
-            for cell in getattr(hook, "__closure__", None) or ():
-                try:
-                    held.append(cell.cell_contents)
-                except ValueError:                 # an empty cell
-                    pass
-            for mesh in held:
-                if isinstance(mesh, DeviceMesh) and mesh.size() > 1:
-                    for d, name in enumerate(mesh.mesh_dim_names or (f"mesh dim {d}" for d in range(mesh.ndim))):
-                        if mesh.size(d) > 1 and name not in out:
-                            out.append(name)
+            for mesh in _held(hook):
+                if isinstance(mesh, DeviceMesh):
+                    out += [n for d, n in enumerate(_dim_names(mesh)) if mesh.size(d) > 1 and n not in out]
     return out
+
+
+def _held(fn: Any) -> list[Any]:
+    """What a callable holds: a partial's arguments, a closure's cells (an empty cell left out)."""
+    held = [*getattr(fn, "args", ()), *getattr(fn, "keywords", {}).values()]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:
+            pass
+    return held
+
+
+def _dim_names(mesh: Any) -> tuple[str, ...]:
+    """A device mesh's dim names, or "mesh dim D" where it has none."""
+    return tuple(mesh.mesh_dim_names or (f"mesh dim {d}" for d in range(mesh.ndim)))
 
 
 def _summarising_reduce_scatter() -> type:

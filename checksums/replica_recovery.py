@@ -74,7 +74,8 @@ import torch
 import torch.distributed as dist
 
 from checksums.device_mask import DeviceMask, choose_mask, device_disagree
-from checksums.fingerprint import fingerprint_tensors_async, local_tensor
+from checksums.collectives import gathered_fingerprints
+from checksums.fingerprint import local_tensor
 from checksums.step_guard import Phase, StepContext, Veto
 from sdcwatch.arguments import above, count
 
@@ -382,10 +383,7 @@ class ReplicaRecovery:
         with torch.no_grad():
             for t in tensors:
                 dist.broadcast(t, src=source, group=group)
-        mine = fingerprint_tensors_async(tensors).to(torch.int64).reshape(-1)
-        gathered = [torch.empty_like(mine) for _ in vote.ranks]
-        dist.all_gather(gathered, mine, group=group)
-        ok = all(torch.equal(g, gathered[0]) for g in gathered)
+        ok = len(set(gathered_fingerprints(tensors, group))) == 1
         why = (f"every replica matches rank {source} after the copy" if ok else
                "replicas still differ after the copy (fingerprints compared): rollback needed")
         self.repairs.append(Repair(vote.step, ctx.step, source, ok, why))
