@@ -1274,8 +1274,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(top 2 of 4 experts; the matmul faults hit block 0's router); gpt2: GPT-2 small, bf16 autocast "
                    "on CUDA (the matmul faults hit block 0's MLP fc output); cnn: a small convolutional classifier with "
                    "BatchNorm and dropout (the faults hit its second convolution's output)")
-    p.add_argument("--params-bf16", action="store_true", help="the model's parameters (so its gradients, "
-                   "DDP's buckets and Adam's state) in bfloat16, as a job that casts the model does, not autocast")
+    p.add_argument("--params-bf16", action="store_true", help="the fault cases' and clean runs' model "
+                   "with its parameters (so its gradients, DDP's buckets and Adam's state) in bfloat16, as a job that "
+                   "casts the model does, not autocast (the --overhead arms keep float32)")
     p.add_argument("--sync-bn", action="store_true", help="--model cnn: SyncBatchNorm (a collective in the "
                    "forward) instead of BatchNorm")
     p.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16: fp16 autocast with a "

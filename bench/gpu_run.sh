@@ -549,13 +549,6 @@ want cnnmore && step cnn-clean-strict 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 py
   --device cuda --backend gloo --world 3 --model cnn --cases none --audit-every 10 --determinism strict --clean 5000
 want cnnmore && step cnn-clean-warn 200 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 3 --model cnn --cases none --audit-every 10 --clean 2000
-# the short form of cnnmore (a device call with little time left): the matrix and 1,000 clean steps without
-# strict determinism
-want cnnshort && step cnn-all-3ranks 120 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --backend gloo --world 3 --model cnn --fault-step 30 --after 6 --audit-every 10 \
-  --determinism strict --cases all
-want cnnshort && step cnn-clean-warn 90 python3 -m bench.compute_faults \
-  --device cuda --backend gloo --world 3 --model cnn --cases none --audit-every 10 --clean 1000
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
 # the training-framework callbacks (issue 25): HF Trainer and Lightning vs the same training without sdcwatch,
