@@ -189,7 +189,7 @@ class _Sink:
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
                          "ac": "none", "wide_fails": -1, "sync_bn": False,
-                         "params_bf16": False}
+                         "params_bf16": False, "tp": 1}
 
 
 class Checkpointed(nn.Module):
@@ -403,7 +403,9 @@ def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
     from torch.distributed.fsdp import fully_shard
     shard: dict[str, Any] = {}
-    if MODEL["hsdp"]:   # HSDP: a (replicate, shard) mesh; the reduce-scatter within a shard group
+    if MODEL["tp"] > 1:   # --tp: the MLP's Linears split over a tp dim (innermost), FSDP2 over the others
+        shard["mesh"] = _tensor_parallel(model, device, world)
+    elif MODEL["hsdp"]:   # HSDP: a (replicate, shard) mesh; the reduce-scatter within a shard group
         from torch.distributed.device_mesh import init_device_mesh
         shard["mesh"] = init_device_mesh(device.type, (MODEL["hsdp"], world // MODEL["hsdp"]),
                                          mesh_dim_names=("replicate", "shard"))
@@ -414,6 +416,26 @@ def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_
     return fully_shard(model, **shard)
 
 
+def _tensor_parallel(model: nn.Module, device: torch.device, world: int) -> Any:
+    """`--tp N`: the MLP's first Linear column-parallel, the second (the faults' target) row-parallel (its
+    output all-reduced over tp), the last column-parallel gathered, as Megatron and torchtitan split an MLP;
+    the mesh (dp, tp), or (replicate, shard, tp) with --hsdp. FSDP2's mesh: the data-parallel dims."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    tp = MODEL["tp"]
+    if MODEL["hsdp"]:
+        mesh = init_device_mesh(device.type, (MODEL["hsdp"], world // (MODEL["hsdp"] * tp), tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+        dp = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                           "4": ColwiseParallel(output_layouts=Replicate())})
+    return dp
+
+
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
              accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0,
@@ -421,6 +443,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     model, target = make_model(0)
     model = model.to(device, dtype=torch.bfloat16 if MODEL["params_bf16"] else None)
     active = {"on": False}
+    tp = MODEL["tp"]
 
     def mm_hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
         # (float64: the CPU witness of two-rank replays, checksums.replay.Replayer.witness: the CPU is not the
@@ -429,20 +452,27 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             return None
         if case.where == "mm" and sdcguard:      # injected inside the matmul instead (MatmulFault)
             return None
+        if tp > 1 and case.where == "mm":      # the local tensor of tensor parallelism's output: a view
+            out = out.clone()
+            fault_output(out, case)
+            return out
         return fault_output(out, case)         # a backward fault with --sdcguard too: outside its matmuls
 
     def grad_inject(idx: int, buf: torch.Tensor) -> None:
         if active["on"] and case is not None and case.where == "grad" and idx == 0:
             corrupt(buf, case)
 
-    target.register_forward_hook(mm_hook)
+    if tp == 1:
+        target.register_forward_hook(mm_hook)
     ddp = _wrap(model, device, world, fsdp, bucket_cap_mb=0.01)
+    if tp > 1:     # after tensor parallelism's own hooks: the output as this rank holds it (a plain tensor)
+        target.register_forward_hook(mm_hook)
     # fused Adam where the device mask needs it, and for DDP on CUDA; --fused-adam: always (FSDP2's host veto
     # against its device mask on the same optimizer)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3,
                            fused=fused_adam or mask == "device" or (not fsdp and device.type == "cuda"))
     sink = _Sink()
-    monitor = (None if fsdp and not MODEL["hsdp"] else     # HSDP: the vote across replicas
+    monitor = (None if fsdp and (not MODEL["hsdp"] or tp > 1) else     # HSDP: the vote across replicas
                Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
     # --recover: the vote gates the update and, with 3+ replicas, repairs the odd one in place
     recovery = ReplicaRecovery.attach(monitor) if recover and monitor is not None else None
@@ -458,7 +488,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                   # FSDP2 with 2 ranks: the model-level CPU witness needs the bare model (a
                                   # factory; --no-witness-model: the op witness alone)
                                   witness_model=((lambda: make_model(0)[0]) if fsdp and MODEL["factory"]
-                                                 else None),
+                                                 and tp == 1 else None),
                                   **({} if experts_hint else {"experts": None}))
     caught: dict[str, dict[str, Any]] = {}
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
@@ -481,7 +511,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             active["on"] = on and case is not None and (
                 case.where == "grad"
                 or (case.where in ("mm", *TC_WHERE, "bwd") and (case.persistent or micro == fault_micro)))
-            batch = batch_for(rank, step, device, micro)
+            batch = batch_for(rank // tp, step, device, micro)    # a tp group's ranks run one batch
             checks.retain(batch)
             if guard is not None:
                 with guard.on_step(step):
@@ -934,6 +964,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["bf16"] = bool(args.sdcguard) or args.cpu_autocast
     MODEL["wide_fails"] = args.witness_fp32_fails
     MODEL["hsdp"] = args.hsdp
+    MODEL["tp"] = args.tp
     MODEL["factory"] = not args.no_witness_model
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
@@ -1038,8 +1069,10 @@ def _recovery_line(r: dict[str, Any]) -> str:
     return f"{span}; {rep}; replicas {'agree' if agree else 'DIFFER'} at the end (step {r['steps']})"
 
 
-def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
+def table(results: dict[str, Any], fault_step: int, fault_rank: int, tp: int = 1) -> str:
+    """The fault table; `tp`: a finding names the faulty rank's whole tensor-parallel group (one of them)."""
     head = f"fault (rank {fault_rank}, step {fault_step})"
+    right = list(range(fault_rank - fault_rank % tp, fault_rank - fault_rank % tp + tp))
     lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
     for name, r in results.items():
         if name in ("clean", "overhead"):
@@ -1064,8 +1097,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int) -> str:
             continue
         hit = c["compute"] if det != "vote" else c["vote"]
         named = hit["named"]
+        want = right if det != "vote" else [fault_rank]
         lines.append(f"{name:34} {det:17} {'yes':6} {hit['step'] - fault_step:<5} "
-                     f"{('yes ' if named == [fault_rank] else 'NO ' if named else 'none ') + str(named):10} "
+                     f"{('yes ' if named == want else 'NO ' if named else 'none ') + str(named):10} "
                      f"{hit.get('cause', '-'):11} {('dropped' if hit.get('dropped') else 'applied') if 'cause' in hit else '-'}"
                      + (f"   (vote also, +{c['vote']['step'] - fault_step}, named {c['vote']['named']})"
                         if det != "vote" and "vote" in c else "")
@@ -1221,6 +1255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hsdp", type=int, default=0, metavar="REPLICAS", help="with --fsdp: HSDP on a "
                    "(REPLICAS, world / REPLICAS) mesh (the checks summarise each shard group's reduce-scatter; "
                    "every rank replays at once, so FSDP's all-reduce across replicas pairs up)")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="with --fsdp and --model mlp: tensor "
+                   "parallelism over N ranks (the innermost mesh dim; FSDP2 over the rest, --hsdp too): a tp "
+                   "group is one data-parallel rank to the checks; a finding names its GPUs (one of them)")
     p.add_argument("--no-witness-model", action="store_true", help="with --fsdp: the checks get no "
                    "witness_model (the bare model's factory the model-level CPU witness needs): two ranks' "
                    "symmetric faults are left to the op witness")
@@ -1300,6 +1337,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
+    if args.tp != 1 and (not args.fsdp or args.model != "mlp" or args.tp < 2 or args.overhead
+                         or args.world % (args.tp * max(args.hsdp, 1)) or args.world // args.tp < 2):
+        p.error("--tp N needs --fsdp, --model mlp, no --overhead, N >= 2 dividing --world (--hsdp R: R * N "
+                "dividing it) and >= 2 tp groups")
     if args.after < 1 or args.fault_step < 1:
         p.error(f"--after ({args.after}) and --fault-step ({args.fault_step}) must be at least 1")
     odd = [a for a in args.arms.split(",") if a not in ARMS] if args.arms else []
@@ -1336,7 +1377,7 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
             start(worker, (args.world, os.path.join(tmp, "init"), args, out), args.world)
         with open(out) as f:
             results = json.load(f)
-    print(table(results, args.fault_step, args.fault_rank))
+    print(table(results, args.fault_step, args.fault_rank, args.tp))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -86,6 +86,7 @@ from checksums.grad_checks import (
     GradSummaries,
     SpreadTracker,
     StatsVerdict,
+    fsdp_mesh,
     model_parallel_dims,
     stats_of,
 )
@@ -93,6 +94,7 @@ from checksums.host_ring import HostRing, HostSlot, batch_stats
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
+from checksums.tp_lanes import Lanes, find_lanes
 from sdcwatch.arguments import count, function, wire_name
 from sdcwatch.names import GPU_UUID, HOST
 
@@ -136,6 +138,7 @@ class ComputeChecks:
 
     name = "compute"
     phase = Phase.GATE
+    lanes: Lanes | None = None     # FSDP2 + tensor parallelism: this rank's place (checksums.tp_lanes)
 
     def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: LossFn,
                  margin: float = 3.0, warmup: int = DEFAULT_WARMUP, audit_every: int = DEFAULT_AUDIT_EVERY,
@@ -157,18 +160,23 @@ class ComputeChecks:
             raise ValueError("ComputeChecks compares the ranks of a data-parallel job: call "
                              "torch.distributed.init_process_group and wrap the model in DistributedDataParallel "
                              "or fully_shard first (a single process: world size 1 works)")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
         self.fsdp = _is_fsdp(ddp)
         split = model_parallel_dims(ddp, self.fsdp)
-        if split:      # before any hook or collective: every rank refuses alike, the model left as it was
+        if split and not self.fsdp:   # before any hook or collective: every rank refuses alike
             raise ValueError(
                 f"ComputeChecks: the model is also split across ranks over {split} (tensor, sequence or context "
-                "parallelism): its forward is a collective of those ranks, while the checks' replays and "
-                "verdicts are per data-parallel group, so one group's replay would wait on, or pair with, "
-                "another group's collectives (a stalled or corrupted step). Not supported yet: the checks "
-                "refuse here rather than stall the job later")
+                "parallelism) under DDP: its forward is a collective of those ranks, while the checks' "
+                "replays and verdicts would be per data-parallel group (a stalled or corrupted step). "
+                "Supported with FSDP2 (fully_shard over the data-parallel mesh dims, as torchtitan lays it "
+                "out); under DDP the checks refuse here rather than stall the job later")
+        # FSDP2 + tensor parallelism: a tp group is one data-parallel rank to the checks (checksums.tp_lanes)
+        self.lanes = find_lanes(ddp, fsdp_mesh(ddp), split, group) if split else None
+        if self.lanes is not None:
+            group = self.lanes.dp_group
+        self.group = group
+        self.wide = self.lanes.wide if self.lanes is not None else group    # where every decision is agreed
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         if comm_hook is not None and self.fsdp:
             raise ValueError("comm_hook= is DDP's (a communication hook per bucket); FSDP2 reduces through its "
                              "reduce-scatter")
@@ -181,13 +189,13 @@ class ComputeChecks:
         self.mask = _choose_mask(mask, optimizer, device)
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)      # (checks margin and warmup)
         if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; collective replays
-            self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket)
+            self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket, lanes=self.lanes)
         else:
             self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket, comm_hook=comm_hook,
                                            comm_state=comm_state, side_stream=side_stream, native=native)
         self.replayer: Replayer = (
             FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group,
-                         witness_model=witness_model, scaler=scaler) if self.fsdp else
+                         witness_model=witness_model, scaler=scaler, lanes=self.lanes) if self.fsdp else
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
                      scaler=scaler))
         if self.replayer.cross_rank:
@@ -204,10 +212,13 @@ class ComputeChecks:
             self._experts = frozenset(i for i, n in enumerate(self.summaries.names) if experts(n))
         self.expert_buckets: tuple[int, ...] | None = None if self._experts else ()
         self.audit_every = audit_every
-        where = [None] * self.world
+        where: list[Any] = [None] * dist.get_world_size(self.wide)
         dist.all_gather_object(where, (host if host is not None else socket.gethostname(), gpu_uuid,
-                                       _hardware(device)), group=group)
-        self.where: list[tuple[str, str]] = [(w[0], w[1]) for w in where]  # type: ignore[index]
+                                       _hardware(device)), group=self.wide)
+        # (rank, host, GPU) of each rank's GPUs: one, or a tp group's, lane by lane (global ranks)
+        self.where: list[tuple[tuple[int, str, str], ...]] = (
+            [((r, where[r][0], where[r][1]),) for r in range(self.world)] if self.lanes is None else
+            [tuple((g, where[g][0], where[g][1]) for g in self.lanes.members(d)) for d in range(self.world)])
         # ranks on other GPU models (or CUDA, torch) round differently: the first step's check then names no
         # GPU for computing its own result (checksums.replay.classify_start)
         self.replayer.same_hardware = len({w[2] for w in where}) == 1  # type: ignore[index]
@@ -356,7 +367,7 @@ class ComputeChecks:
             return self.replayer.why_not
         retained = retained if retained is not None else self.replayer.retained
         kept = torch.tensor([1 if retained.micro else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(kept, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(kept, op=dist.ReduceOp.MIN, group=self.wide)
         self._no_batch = not int(kept.item())
         if not self._no_batch:
             return ""
@@ -516,7 +527,8 @@ class ComputeChecks:
         Once the verdict is a CUDA graph and the C++ hook gathers the rows, the hook replays the graph and
         copies the rows and the flag to the next host slot itself, right after its gather (`_arm_finish`):
         then this only takes that slot and the graph's flag (the current stream already waits for it)."""
-        inp = self._verdict.input(self.world * self.summaries.bucket_count(), self.device)
+        lanes = self.lanes.lanes if self.lanes is not None else 1
+        inp = self._verdict.input(self.world * lanes * self.summaries.bucket_count(), self.device)
         rows = self.summaries.gather(out=inp)
         finished = self.summaries.finished
         self.summaries.clear()
@@ -693,20 +705,28 @@ class ComputeChecks:
     def _record(self, step: int, detector: str, suspect: int, c: Classification, drop: bool,
                 verdict: StatsVerdict) -> None:
         score = verdict.scores[suspect] if suspect < len(verdict.scores) else 0.0
-        where = tuple((r, *self.where[r]) for r in c.faulty)
+        where = tuple(w for r in c.faulty for w in self.where[r])
         # an audit finds what may have slipped through since the rank's last clean audit
         # (before the rank's first clean audit: from this process's first step; a resumed job's earlier steps
         # were judged by the audits of the process that trained them)
         since = self._last_audit.get(suspect, self._first_step - 1) + 1 if detector == "audit" else step
-        finding = ComputeFinding(step=step, detector=detector, suspect=suspect, cause=c.cause.value,
-                                 faulty=c.faulty, dropped=drop, detail=c.detail, score=score,
-                                 bucket=verdict.bucket, stat=verdict.stat, where=where, since_step=since)
+        faulty, detail, who = c.faulty, c.detail, suspect
+        if self.lanes is not None:     # a tp group computes as one: its GPUs (global ranks), one faulty
+            faulty, who = tuple(w[0] for w in where), self.lanes.members(suspect)[0]
+            detail = (f"tensor-parallel group {list(self.lanes.members(suspect))} (data-parallel index "
+                      f"{suspect}); its replays name the group, not which of its GPUs: {c.detail}")
+        finding = ComputeFinding(step=step, detector=detector, suspect=who, cause=c.cause.value,
+                                 faulty=faulty, dropped=drop, detail=detail, score=score,
+                                 bucket=verdict.bucket, stat=verdict.stat, where=where, since_step=since,
+                                 one_of=self.lanes is not None and len(where) > 1)
         self.findings.append(finding)
         self._unreported.append(finding)
-        if self.rank == 0 or self.rank in c.faulty:      # a suspicion the replays cleared is no warning
+        # a suspicion the replays cleared is no warning; a tp group's first lane speaks for it
+        if (self.rank == 0 or self.rank in c.faulty) and (self.lanes is None or self.lanes.lane == 0):
             logger.log(logging.INFO if c.cause is Cause.DATA else logging.WARNING,
-                       "sdcwatch: compute check at step %d: %s on rank %d -> %s, faulty %s, %s%s",
-                       step, detector, suspect, c.cause.value, list(where), "dropped" if drop else "applied",
+                       "sdcwatch: compute check at step %d: %s on rank %d -> %s, faulty %s%s, %s%s",
+                       step, detector, who, c.cause.value, "one of " if finding.one_of else "", list(where),
+                       "dropped" if drop else "applied",
                        f" ({c.detail})" if c.cause in (Cause.DATA, Cause.DIVERGED) else "")
 
     # ---- what it says -------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from checksums.replay import (
     witness_names,
 )
 from checksums.op_witness import witness_projection
+from checksums.tp_lanes import Lanes
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,9 @@ class FsdpReplayer(Replayer):
 
     def __init__(self, root: nn.Module, summaries: FsdpGradSummaries, loss_fn: LossFn, *,
                  device: torch.device, group: Any = None,
-                 witness_model: Callable[[], nn.Module] | None = None, scaler: Any = None) -> None:
-        super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler)
+                 witness_model: Callable[[], nn.Module] | None = None, scaler: Any = None,
+                 lanes: Lanes | None = None) -> None:
+        super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler, lanes=lanes)
         self.fsdp = summaries
         self.witness_model = witness_model      # the bare module is on no rank: the CPU builds a copy
 

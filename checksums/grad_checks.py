@@ -801,13 +801,14 @@ class FsdpGradSummaries:
     _native: Any = None
     finished = -1
 
-    def __init__(self, root: nn.Module, *, group: Any = None, inject: Any = None) -> None:
+    def __init__(self, root: nn.Module, *, group: Any = None, inject: Any = None, lanes: Any = None) -> None:
         from torch.distributed.fsdp import FSDPModule
         mods = [m for m in root.modules() if isinstance(m, FSDPModule)]
         if not mods:
             raise TypeError("FsdpGradSummaries needs a model sharded with fully_shard, got "
                             f"{type(root).__name__}")
         self._group = group
+        self.lanes = lanes             # tensor parallelism (checksums.tp_lanes.Lanes): the whole mesh's rows
         self.params: list[torch.Tensor] = [p for p in root.parameters() if p.requires_grad]
         self._rows: dict[int, torch.Tensor] = {}
         self._streams: set[Any] = set()
@@ -888,7 +889,20 @@ class FsdpGradSummaries:
         return GradSummaries.pending(self)  # type: ignore[arg-type]
 
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        return GradSummaries._gather_eager(self, out)  # type: ignore[arg-type]
+        """`GradSummaries.gather`'s rows; under tensor parallelism every rank's rows of the mesh, a tp group's
+        lanes side by side as one data-parallel rank's: [dp, lanes * groups, 4] (into `out` when given)."""
+        lanes = self.lanes
+        if lanes is None:
+            return GradSummaries._gather_eager(self, out)  # type: ignore[arg-type]
+        mine = self.rows()
+        got = mine.new_empty((lanes.size * mine.shape[0], *mine.shape[1:]))
+        all_gather_single(got, mine, group=lanes.wide)
+        rows = lanes.merge(got.view(lanes.size, *mine.shape))
+        if out is None:
+            return rows
+        view = out.view(rows.shape)
+        view.copy_(rows)
+        return view
 
 
 def fsdp_group_params(module: nn.Module) -> list[Any]:
@@ -900,6 +914,21 @@ def fsdp_group_params(module: nn.Module) -> list[Any]:
         one = getattr(state, "_fsdp_param_group", None)
         groups = [one] if one is not None else []
     return [fp for g in groups for fp in g.fsdp_params]
+
+
+def fsdp_mesh(module: nn.Module) -> Any:
+    """FSDP2's own mesh of `module` (`FSDPParam.mesh_info.mesh`, FSDP2 internals), None where it cannot be
+    read."""
+    for sub in module.modules():
+        if hasattr(sub, "_get_fsdp_state"):
+            try:
+                fps = fsdp_group_params(sub)
+            except (AttributeError, RuntimeError, TypeError):
+                continue
+            mesh = getattr(getattr(fps[0], "mesh_info", None), "mesh", None) if fps else None
+            if mesh is not None:
+                return mesh
+    return None
 
 
 def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
@@ -915,15 +944,7 @@ def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
             return hooked
     dp: Any = None
     if fsdp:
-        for sub in module.modules():
-            if hasattr(sub, "_get_fsdp_state"):
-                try:
-                    fps = fsdp_group_params(sub)
-                except (AttributeError, RuntimeError, TypeError):
-                    continue
-                dp = getattr(getattr(fps[0], "mesh_info", None), "mesh", None) if fps else None
-                if dp is not None:
-                    break
+        dp = fsdp_mesh(module)
         if dp is None:
             return []
     out: list[str] = []

@@ -82,6 +82,7 @@ from checksums.grad_checks import GradSummaries, fingerprints_of, stats_of
 from checksums.op_witness import op_witness, witness_projection
 from checksums.rank_transit import map_tensors, portable, restored
 from checksums.replay_modes import full_precision
+from checksums.tp_lanes import Lanes
 from sdcwatch.errors import SdcwatchError
 
 logger = logging.getLogger(__name__)
@@ -479,12 +480,17 @@ class Replayer:
     """Retains each step's batch and RNG state and recomputes gradients from them (see the module doc)."""
 
     def __init__(self, module: nn.Module, summaries: GradSummaries | None, loss_fn: LossFn, *,
-                 device: torch.device, group: Any = None, scaler: Any = None) -> None:
+                 device: torch.device, group: Any = None, scaler: Any = None,
+                 lanes: Lanes | None = None) -> None:
         self.module = module
         self.summaries = summaries
         self.loss_fn = loss_fn
         self.device = device
-        self.group = group
+        self.group = group          # the data-parallel ranks: batches travel here
+        # tensor parallelism (checksums.tp_lanes): a tp group is one rank here; the replays' rows and every
+        # agreement span the whole mesh (`wide`), so every rank replays alike
+        self.lanes = lanes
+        self.wide = lanes.wide if lanes is not None else group
         self.scaler = scaler
         self.retained = Retained()
         self._step_open = False
@@ -502,7 +508,9 @@ class Replayer:
         if self.cross_rank:               # known at attach: not found out by replays that cannot match
             self.reproduces, self.why_not = False, CROSS_RANK
         self.replays = 0
-        self.cpu_witness = True       # two ranks, a symmetric persistent fault: ask the CPU (witness())
+        # two ranks, a symmetric persistent fault: ask the CPU (witness()); not per lane of a tp group (each
+        # lane's witness could answer otherwise, and the ranks must decide alike)
+        self.cpu_witness = lanes is None
         self._witnessed: tuple[int, int] | None = None     # (the rank it named, reuses left)
 
     def retain(self, batch: Any) -> None:
@@ -747,8 +755,8 @@ class Replayer:
         except Exception as exc:  # noqa: BLE001 (any failure of the user's model or loss_fn: said)
             err = exc
         bad = torch.tensor([0 if err is None else 1], dtype=torch.int32, device=self.device)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if dist.is_initialized() and dist.get_world_size(self.wide) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.wide)
         if int(bad.item()):
             raise ReplayFailed(why(err)) from err
         return got
@@ -773,10 +781,13 @@ class Replayer:
         return self.gather(self.agreed(replay))
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        world = dist.get_world_size(self.group)
+        """Every rank's `rows` [..., B, 4], stacked [world, ...] on the host (a collective); a tp group's
+        lanes side by side as one rank's (`Lanes.merge`)."""
+        world = dist.get_world_size(self.wide)
         out = [torch.empty_like(rows) for _ in range(world)]
-        dist.all_gather(out, rows.contiguous(), group=self.group)
-        return torch.stack(out).cpu()
+        dist.all_gather(out, rows.contiguous(), group=self.wide)
+        got = torch.stack(out).cpu()
+        return got if self.lanes is None else self.lanes.merge(got)
 
     def classify(self, suspect: int, original: torch.Tensor, mine: Retained | None = None) -> Classification:
         """Every rank replays `suspect`'s batch (of this step, or `mine`: an earlier step's); the replays

@@ -84,7 +84,8 @@ class ComputeFinding:
 
     detector: "nonfinite", "stats" (pre-reduction outlier) or "audit" (replay); cause: "transient",
     "persistent", "data", "unresolved" or "diverged" (checksums.replay.Cause); faulty: the ranks named,
-    `where` their (rank, host, gpu_uuid); since_step: the earliest step the fault may have touched (an
+    `where` their (rank, host, gpu_uuid) (`one_of`: the fault is on one of them, the replays cannot say which:
+    a tensor-parallel group's GPUs); since_step: the earliest step the fault may have touched (an
     audit's: the step after the previous audit of that rank; a step's own check: the step itself)."""
 
     step: int
@@ -99,6 +100,7 @@ class ComputeFinding:
     stat: str = ""
     where: tuple[tuple[int, str, str], ...] = ()
     since_step: int = 0
+    one_of: bool = False       # the fault is on one of the GPUs named, not told apart (a tp group's GPUs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -249,7 +251,7 @@ def to_request(report: StepReport) -> agent_pb2.ReportStepRequest:
     for f in report.compute[:_MAX_COMPUTE]:
         pf = req.compute.add(step=f.step, detector=f.detector, suspect=f.suspect, cause=f.cause,
                              dropped=f.dropped, detail=f.detail[:_CANARY_WHY_CHARS], score=f.score,
-                             bucket=f.bucket, stat=f.stat, since_step=f.since_step or f.step)
+                             bucket=f.bucket, stat=f.stat, since_step=f.since_step or f.step, one_of=f.one_of)
         for rank, host, uuid in f.where:
             pf.faulty.add(rank=rank, host=host, gpu_uuid=uuid)
     if report.vote is not None:

@@ -621,10 +621,12 @@ class JobTracker:
         rank's last clean audit), keeps the job's checkpoints from `since_step` on from VERIFIED. An
         unresolved finding (the replays had no majority: two ranks without a witness, where one of the two
         named is faulty, or replays that split evenly, as those of HSDP replicas whose weights differ do)
-        makes the GPUs it names SUSPECT, never FAILED: a repeat of it does not say which one is faulty."""
+        makes the GPUs it names SUSPECT, never FAILED: a repeat of it does not say which one is faulty. So
+        does a `one_of` finding (a tensor-parallel group's GPUs: the replays name the group, not its GPU),
+        whose cause still stops the job when it is persistent."""
         for f in req.compute:
             named = [{"rank": s.rank, "host": s.host, "gpu_uuid": s.gpu_uuid} for s in f.faulty]
-            either = f.cause == "unresolved"
+            either = f.cause == "unresolved" or f.one_of      # one of the named GPUs, not told apart
             repeated = False
             for s in f.faulty:
                 steps = job.compute_faults.setdefault(s.gpu_uuid or f"rank/{s.rank}", set())
@@ -645,7 +647,7 @@ class JobTracker:
             details = {"job_id": req.job_id, "step": f.step, "detector": f.detector, "suspect": f.suspect,
                        "cause": f.cause, "dropped": f.dropped, "faulty": named, "detail": f.detail,
                        "score": round(f.score, 3), "bucket": f.bucket, "stat": f.stat,
-                       "since_step": f.since_step, "reported_by_rank": req.rank}
+                       "since_step": f.since_step, "one_of": f.one_of, "reported_by_rank": req.rank}
             if f.cause == "diverged":       # the replicas' weights differ: no GPU's arithmetic to blame
                 out.findings.append(Finding(
                     ek.COMPUTE_DIVERGED, Severity.WARNING, f"job/{req.job_id}",
@@ -667,7 +669,8 @@ class JobTracker:
                     details))
                 continue
             first = named[0]
-            who = ", ".join(f"rank {n['rank']} on {n['host'] or '?'} GPU {n['gpu_uuid'] or '?'}" for n in named)
+            who = ("one of " if f.one_of else "") + ", ".join(
+                f"rank {n['rank']} on {n['host'] or '?'} GPU {n['gpu_uuid'] or '?'}" for n in named)
             out.findings.append(Finding(
                 ek.COMPUTE_FAULT, Severity.CRITICAL, f"job/{req.job_id}/rank/{first['rank']}",
                 f"compute fault at step {f.step} ({f.detector}, {f.cause}): {who}; update "

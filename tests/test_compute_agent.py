@@ -219,6 +219,39 @@ def test_an_unresolved_finding_naming_one_rank_never_makes_its_gpu_failed():
     assert [ev.implies for _, _, ev in out.evidence] == [State.FAILED]
 
 
+def test_a_tensor_parallel_groups_finding_makes_its_gpus_suspect_never_failed_and_a_persistent_one_stops():
+    """FSDP2 with tensor parallelism: the replays name a tp group, not which of its GPUs (`one_of`). Every GPU
+    of the group is SUSPECT on each repeat, none FAILED (one of them is fine); the event says "one of"; a
+    persistent fault still asks the job to stop (a GPU of the group keeps computing wrong), and the finding
+    crosses the wire from the rank's reporter with its flag."""
+    tracker = JobTracker()
+    report(tracker, 1, 0)
+    other = "GPU-99999999-2222-3333-4444-555555555555"
+    group = [pb.SuspectRank(rank=1, host="node2", gpu_uuid=other),
+             pb.SuspectRank(rank=2, host="node2", gpu_uuid=GPU)]
+    for step in (40, 41):
+        out = report(tracker, step, 0, pb.ComputeFinding(step=step, detector="stats", suspect=1,
+                                                          cause="transient", dropped=True, detail="why",
+                                                          since_step=step, faulty=group, one_of=True))
+        assert sorted((u, ev.implies) for u, _, ev in out.evidence) == sorted(
+            [(GPU, State.SUSPECT), (other, State.SUSPECT)]), step
+        [ev] = [f for f in out.findings if f.kind is ek.COMPUTE_FAULT]
+        assert "one of rank 1 on node2" in ev.message and ev.details["one_of"] is True, ev
+        assert not _stops(out)                       # a transient, again: no GPU known to repeat
+    out = report(tracker, 50, 0, pb.ComputeFinding(step=50, detector="audit", suspect=1, cause="persistent",
+                                                   dropped=True, detail="why", since_step=45, faulty=group,
+                                                   one_of=True))
+    assert sorted(ev.implies for _, _, ev in out.evidence) == [State.SUSPECT, State.SUSPECT]
+    [inc] = _stops(out)
+    assert inc.cause == "persistent" and inc.first_step == 45 and set(inc.gpus) == {GPU, other}
+    f = ComputeFinding(step=7, detector="stats", suspect=2, cause="transient", faulty=(2, 3), dropped=True,
+                       detail="tensor-parallel group [2, 3]", where=((2, "node2", other), (3, "node2", GPU)),
+                       one_of=True)
+    req = to_request(StepReport(job_id="j", rank=0, world_size=4, step=7, compute=(f,)))
+    assert check_report_step(req) is None
+    assert req.compute[0].one_of and [s.rank for s in req.compute[0].faulty] == [2, 3]
+
+
 def _stops(out) -> list:
     from daemon.jobs import ComputeIncident
     return [ev for _, ev in (out.rollbacks if out is not None else []) if isinstance(ev, ComputeIncident)]

@@ -2031,16 +2031,25 @@ def _tensor_parallel(rank: int, world: int, init: str, out: str) -> None:
 
     def loss_fn(mod: nn.Module, b: tuple) -> torch.Tensor:
         return nn.functional.mse_loss(mod(b[0]), b[1])
-    try:
-        ComputeChecks.attach(m, opt, loss_fn=loss_fn, group=mesh["dp"].get_group())
-        res["refused"] = ""
+    try:                               # the tp group's ranks as the data-parallel group: refused, no hook
+        ComputeChecks.attach(m, opt, loss_fn=loss_fn, group=mesh["tp"].get_group())
+        res["wrong_group"] = ""
     except ValueError as exc:
-        res["refused"] = str(exc)
+        res["wrong_group"] = str(exc)
+    checks = ComputeChecks.attach(m, opt, loss_fn=loss_fn, group=mesh["dp"].get_group(), audit_every=2)
+    lanes = checks.lanes
+    res["lanes"] = None if lanes is None else [lanes.dp, lanes.lanes, lanes.dp_rank, lanes.lane,
+                                               list(lanes.dims)]
+    res["rank"] = [checks.rank, checks.world]
     g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
-    for _ in range(3):                 # the model trains as before: the refusal left no hook behind
-        loss_fn(m, (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))).backward()
+    for _ in range(4):                 # a tp group's ranks run one batch
+        batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+        checks.retain(batch)
+        loss_fn(m, batch).backward()
         opt.step()
         opt.zero_grad()
+    st = checks.status()
+    res["status"] = [st.steps, st.audits, st.suspicions, st.exact, checks.mode()]
     res["finite"] = all(bool(torch.isfinite(p.full_tensor()).all()) for p in m.parameters())
     # DDP over the dp group of a tensor-parallel module whose DTensors torch made local for DDP (its
     # `_pre_dp_module_transform`): no DTensor parameter left, the tp mesh held by the layers' hooks
@@ -2063,14 +2072,14 @@ def _tensor_parallel(rank: int, world: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_tensor_parallel_model_is_refused_at_attach_not_stalled_later(tmp_path) -> None:
-    """FSDP2 with tensor parallelism (a (dp, tp) mesh): the forward is a collective of the tp ranks, and the
-    checks' replays and verdicts are per data-parallel group. Before, attaching worked and the first suspect
-    seen by one tp lane's group (a gradient element on one rank) made that group replay alone: every later
-    audit named two GPUs `unresolved`, the lanes dropped different updates, and gloo's connections broke
-    (NCCL: a stall or mismatched collectives). Now every rank refuses at attach, naming the tp dim, and the
-    model trains on as before; FSDP2 alone is not refused. The same under DDP over the dp group (torch's
-    DDP + TP path, whose parameters are plain tensors by then); DDP alone is not refused."""
+def test_tensor_parallelism_under_fsdp2_is_checked_by_tp_group_and_refused_under_ddp(tmp_path) -> None:
+    """FSDP2 with tensor parallelism (a (dp 2, tp 2) mesh): a tp group's ranks compute one step together, so
+    the checks see each tp group as one data-parallel rank (checksums.tp_lanes: dp 2, 2 lanes, every rank's
+    place found from the parameters' mesh) and every decision is the whole mesh's: 4 steps with audits
+    every 2 run their replays as collectives of all ranks, exact, no suspicion. A data-parallel group that
+    is not the rank's lane (the tp group passed as `group=`) is refused at attach. Under DDP over the dp group
+    (torch's DDP + TP path, whose parameters are plain tensors by then) the checks still refuse, naming the
+    tp dim; FSDP2 alone and DDP alone are not split."""
     import json
     out = str(tmp_path / "res")
     spawn(_tensor_parallel, (4, str(tmp_path / "init"), out), nprocs=4)
@@ -2078,10 +2087,52 @@ def test_a_tensor_parallel_model_is_refused_at_attach_not_stalled_later(tmp_path
         with open(f"{out}.{r}") as f:
             res = json.load(f)
         assert res["fsdp_alone"] == [], res
-        assert res["refused"].startswith("ComputeChecks: the model is also split across ranks over ['tp']"), res
+        assert "group= holds ranks" in res["wrong_group"] and "not this rank's data-parallel ranks" in \
+            res["wrong_group"], res
+        assert res["lanes"] == [2, 2, r // 2, r % 2, ["tp"]], res
+        assert res["rank"] == [r // 2, 2], res
+        assert res["status"] == [4, 2, 0, True, "exact"], res
         assert res["finite"], res
         assert res["ddp_refused"].startswith("ComputeChecks: the model is also split across ranks over ['tp']"), res
         assert res["ddp_alone"] == [], res
+
+
+def test_hsdp_with_tensor_parallelism_names_the_faulty_tp_group_and_keeps_clean_steps_clean():
+    """torchtitan's 3-D layout: HSDP (2 replicas x 2 shards) with the MLP split tensor-parallel over 2 ranks,
+    8 gloo ranks (`--tp 2 --hsdp 2`). A tp group is one data-parallel rank to the checks (4 of them), its
+    lanes' rows side by side; every decision is the whole mesh's, so every rank replays alike. Faults on rank
+    5 (lane 1 of tp group 2, ranks 4 and 5): a gradient element set to 100 is caught on its step (22), the
+    group named (both GPUs, `one_of`), its update dropped; a persistent x1.01 on one matmul output element
+    from step 22, below the statistics' margin, by the audit at 25, persistent. 30 clean steps with audits
+    every 5: exact, no suspicion."""
+    results = _faults(["--world", "8", "--fsdp", "--hsdp", "2", "--tp", "2", "--fault-rank", "5",
+                       "--fault-step", "22", "--after", "6", "--audit-every", "5", "--clean", "30",
+                       "--cases", "grad elem =100,mm one elem x1.01 persistent"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["detector"] == "stats" and hit["named"] == [4, 5], hit
+    assert hit["dropped"] and "tensor-parallel group [4, 5]" in hit["detail"], hit
+    hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["detector"] == "audit" and hit["named"] == [4, 5], hit
+    assert hit["cause"] == "persistent" and hit["dropped"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (30, 0, 0, 6) and st["exact"], st
+
+
+def test_fsdp2_with_tensor_parallelism_masks_on_the_device_as_the_host_veto_does():
+    """FSDP2 (dp 2) x tensor parallelism (tp 2) on 4 gloo ranks with fused Adam: the device mask (the
+    verdict a 0-d `found_inf`, from the rows gathered over the whole mesh and laid out by tp group on the
+    device) drops the faulty step (25, tp group [0, 1] named) and every rank's shards end bit-identical to
+    the host veto's run."""
+    def run(mask: str) -> tuple[dict, list[str]]:
+        name = "mm one elem =1e4"
+        r = _faults(["--world", "4", "--fsdp", "--tp", "2", "--mask", mask, "--fused-adam",
+                     "--fault-step", "25", "--after", "4", "--audit-every", "0", "--cases", name])[name]
+        return r["caught"].get("compute"), r["weights"]
+    host_hit, host_w = run("host")
+    dev_hit, dev_w = run("device")
+    for hit in (host_hit, dev_hit):
+        assert hit and hit["step"] == 25 and hit["named"] == [0, 1] and hit["dropped"], hit
+    assert dev_w == host_w
 
 
 def test_a_model_cast_to_bfloat16_is_checked_like_one_under_autocast():

@@ -279,7 +279,7 @@ class CanaryResult(_message.Message):
     def __init__(self, status: _Optional[str] = ..., check: _Optional[str] = ..., why: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ComputeFinding(_message.Message):
-    __slots__ = ("step", "detector", "suspect", "cause", "faulty", "dropped", "detail", "score", "bucket", "stat", "since_step")
+    __slots__ = ("step", "detector", "suspect", "cause", "faulty", "dropped", "detail", "score", "bucket", "stat", "since_step", "one_of")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DETECTOR_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class ComputeFinding(_message.Message):
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     STAT_FIELD_NUMBER: _ClassVar[int]
     SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    ONE_OF_FIELD_NUMBER: _ClassVar[int]
     step: int
     detector: str
     suspect: int
@@ -302,7 +303,8 @@ class ComputeFinding(_message.Message):
     bucket: int
     stat: str
     since_step: int
-    def __init__(self, step: _Optional[int] = ..., detector: _Optional[str] = ..., suspect: _Optional[int] = ..., cause: _Optional[str] = ..., faulty: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., dropped: _Optional[bool] = ..., detail: _Optional[str] = ..., score: _Optional[float] = ..., bucket: _Optional[int] = ..., stat: _Optional[str] = ..., since_step: _Optional[int] = ...) -> None: ...
+    one_of: bool
+    def __init__(self, step: _Optional[int] = ..., detector: _Optional[str] = ..., suspect: _Optional[int] = ..., cause: _Optional[str] = ..., faulty: _Optional[_Iterable[_Union[SuspectRank, _Mapping]]] = ..., dropped: _Optional[bool] = ..., detail: _Optional[str] = ..., score: _Optional[float] = ..., bucket: _Optional[int] = ..., stat: _Optional[str] = ..., since_step: _Optional[int] = ..., one_of: _Optional[bool] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "step", "loss", "grad_norm", "loss_scale", "fingerprint", "replica_group", "host", "gpu_uuid", "timings", "dropped_reports", "time", "micro_batch", "labels", "vote", "frozen_changed", "checks_run", "canary", "compute", "compute_checks", "vote_unavailable", "stage_errors", "stage_error", "frozen_step")
