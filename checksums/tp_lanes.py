@@ -62,12 +62,17 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None) 
     data-parallel ones). A collective of every rank (it may make the lanes' data-parallel groups). `group`:
     the caller's data-parallel group, which must be this lane's. ValueError for a layout it cannot check."""
     from checksums.fingerprint import DTENSOR
-    mesh = next((p.device_mesh for p in module.parameters()
-                 if DTENSOR is not None and isinstance(p, DTENSOR) and p.device_mesh.ndim > fsdp_mesh.ndim),
-                None)
-    if mesh is None:
+    split = [p.device_mesh for p in module.parameters()
+             if DTENSOR is not None and isinstance(p, DTENSOR) and p.device_mesh.ndim > fsdp_mesh.ndim]
+    meshes = {(tuple(m.mesh.reshape(-1).tolist()), tuple(m.mesh.shape), m.mesh_dim_names): m for m in split}
+    if not meshes:
         raise ValueError("ComputeChecks: no parameter's mesh holds both the data-parallel and the "
                          f"{dims} dims")
+    if len(meshes) > 1:         # expert parallelism's experts on a mesh of their own, say: not one layout
+        raise ValueError(f"ComputeChecks: the parameters are split over {len(meshes)} different meshes "
+                         f"({sorted({str(k[2]) for k in meshes})}): the checks take one (data-parallel x "
+                         "tensor-parallel) mesh; expert parallelism is not supported")
+    mesh = next(iter(meshes.values()))
     names = tuple(mesh.mesh_dim_names or ())
     dp_names = tuple(fsdp_mesh.mesh_dim_names or ())
     if names and dp_names:

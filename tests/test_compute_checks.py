@@ -2097,6 +2097,28 @@ def test_tensor_parallelism_under_fsdp2_is_checked_by_tp_group_and_refused_under
         assert res["ddp_alone"] == [], res
 
 
+def test_lanes_lay_a_tp_groups_rows_side_by_side_as_one_data_parallel_ranks():
+    """`Lanes.merge`: rows gathered over the mesh in rank order ([world, *pre, B, 4]) become each tp group's
+    lanes side by side ([dp, *pre, lanes * B, 4]), whatever the mesh's rank order (here a (dp 3, tp 2) mesh
+    whose tp groups are ranks {0, 3}, {1, 4}, {2, 5})."""
+    from checksums.tp_lanes import Lanes
+    ranks = (0, 3, 1, 4, 2, 5)                       # (dp index, lane) order
+    lanes = Lanes(dp=3, lanes=2, dp_rank=0, lane=0, ranks=ranks, perm=ranks, dp_group=None, wide=None,
+                  dims=("tp",))
+    b = 2
+    gathered = torch.stack([torch.full((3, b, 4), r, dtype=torch.int64) for r in range(6)])
+    gathered[:, 1] += 100                              # a leading dim (two replays a rank)
+    gathered[..., 1, :] += 10                          # the bucket index
+    merged = lanes.merge(gathered)
+    assert merged.shape == (3, 3, 2 * b, 4)
+    for d in range(3):
+        for lane in range(2):
+            g = ranks[d * 2 + lane]
+            assert torch.equal(merged[d, :, lane * b:(lane + 1) * b], gathered[g]), (d, lane)
+    assert lanes.members(1) == (1, 4) and lanes.size == 6
+    assert torch.equal(lanes.merge(gathered[:, 0])[2, 2:], gathered[5, 0])
+
+
 def test_hsdp_with_tensor_parallelism_names_the_faulty_tp_group_and_keeps_clean_steps_clean():
     """torchtitan's 3-D layout: HSDP (2 replicas x 2 shards) with the MLP split tensor-parallel over 2 ranks,
     8 gloo ranks (`--tp 2 --hsdp 2`). A tp group is one data-parallel rank to the checks (4 of them), its
