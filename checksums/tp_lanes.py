@@ -20,6 +20,7 @@ Training-side module: never imports the agent (`daemon`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -56,6 +57,23 @@ class Lanes:
         return x.reshape(self.dp, *gathered.shape[1:-2], self.lanes * gathered.shape[-2], gathered.shape[-1])
 
 
+def lane_table(grid: torch.Tensor, dp_dims: list[int], world: int) -> list[list[int]]:
+    """The tp groups of a mesh (`grid`: its global ranks, one dim per mesh dim; `dp_dims`: the data-parallel
+    ones), row d the ranks of tp group d lane by lane. A lane's ranks (a column) must rise with d, as every
+    process group numbers its ranks (a lane's group rank is then its dp index), and the mesh must hold every
+    rank of the job once; ValueError otherwise. Pure."""
+    tp_dims = [d for d in range(grid.ndim) if d not in dp_dims]
+    dp = math.prod(grid.shape[d] for d in dp_dims)
+    table = [[int(r) for r in row] for row in grid.permute(*dp_dims, *tp_dims).reshape(dp, -1).tolist()]
+    if sorted(r for row in table for r in row) != list(range(world)):
+        raise ValueError(f"ComputeChecks: the model's mesh holds {grid.numel()} ranks, not every rank of the "
+                         f"job ({world}) once: tensor parallelism is checked on a mesh of the whole job")
+    if any(table[d][lane] >= table[d + 1][lane] for d in range(dp - 1) for lane in range(len(table[0]))):
+        raise ValueError("ComputeChecks: the mesh orders a lane's data-parallel ranks unlike their global "
+                         "ranks (a custom mesh): its tp groups cannot be numbered alike in every lane")
+    return table
+
+
 def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None) -> Lanes:
     """The lanes of an FSDP2 `module` whose DTensor parameters are also split over mesh `dims` (names from
     `checksums.grad_checks.model_parallel_dims`); `fsdp_mesh` is FSDP's own mesh (its dims are the
@@ -79,20 +97,10 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None) 
         dp_dims = [d for d in range(mesh.ndim) if names[d] in dp_names]
     else:                                          # FSDP2's mesh first, then the model's own dims
         dp_dims = list(range(fsdp_mesh.ndim))
-    tp_dims = [d for d in range(mesh.ndim) if d not in dp_dims]
-    grid = mesh.mesh.permute(*dp_dims, *tp_dims)
-    dp = int(torch.tensor([mesh.size(d) for d in dp_dims]).prod())
-    table = grid.reshape(dp, -1)
-    lanes = table.shape[1]
-    ranks = tuple(int(r) for r in table.reshape(-1).tolist())
-    world = dist.get_world_size()
-    if sorted(ranks) != list(range(world)):
-        raise ValueError(f"ComputeChecks: the model's mesh holds {len(ranks)} ranks, not every rank of the "
-                         f"job ({world}): tensor parallelism is checked on a mesh of the whole job")
-    columns = [[int(r) for r in table[:, lane].tolist()] for lane in range(lanes)]
-    if any(col != sorted(col) for col in columns):
-        raise ValueError("ComputeChecks: the mesh orders a lane's data-parallel ranks unlike their global "
-                         "ranks (a custom mesh): its tp groups cannot be numbered alike in every lane")
+    table = lane_table(mesh.mesh, dp_dims, dist.get_world_size())
+    dp, lanes = len(table), len(table[0])
+    ranks = tuple(r for row in table for r in row)
+    columns = [[row[lane] for row in table] for lane in range(lanes)]
     me = ranks.index(dist.get_rank())
     dp_rank, lane = divmod(me, lanes)
     if fsdp_mesh.ndim == 1:                        # FSDP2's own group is this lane's

@@ -130,6 +130,24 @@ def test_lanes_lay_a_tp_groups_rows_side_by_side_as_one_data_parallel_ranks():
     assert torch.equal(lanes.merge(gathered[:, 0])[2, 2:], gathered[5, 0])
 
 
+def test_the_lane_table_reads_tp_groups_from_any_mesh_layout_and_refuses_what_it_cannot_number():
+    """`lane_table`: torchtitan's (dp, tp) mesh (tp innermost: groups of consecutive ranks), HSDP's (replicate,
+    shard, tp), and a mesh with tp outermost; a mesh that leaves out ranks of the job, and one whose lanes
+    number their ranks against the global order (a lane's group rank would not be its dp index), refused."""
+    import pytest
+
+    from checksums.tp_lanes import lane_table
+    assert lane_table(torch.arange(4).reshape(2, 2), [0], 4) == [[0, 1], [2, 3]]
+    assert lane_table(torch.arange(8).reshape(2, 2, 2), [0, 1], 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lane_table(torch.arange(6).reshape(2, 3), [1], 6) == [[0, 3], [1, 4], [2, 5]]
+    with pytest.raises(ValueError, match="not every rank of the job"):
+        lane_table(torch.arange(4).reshape(2, 2), [0], 8)
+    with pytest.raises(ValueError, match="not every rank of the job"):
+        lane_table(torch.tensor([[0, 1], [1, 3]]), [0], 4)
+    with pytest.raises(ValueError, match="a custom mesh"):
+        lane_table(torch.tensor([[2, 1], [0, 3]]), [0], 4)
+
+
 def test_hsdp_with_tensor_parallelism_names_the_faulty_tp_group_and_keeps_clean_steps_clean():
     """torchtitan's 3-D layout: HSDP (2 replicas x 2 shards) with the MLP split tensor-parallel over 2 ranks,
     8 gloo ranks (`--tp 2 --hsdp 2`). A tp group is one data-parallel rank to the checks (4 of them), its
