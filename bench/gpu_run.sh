@@ -12,10 +12,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
-else
+else   # said in the summary: steps needing the agent's wheels (grpc, redis, ...) will fail for that reason
   export PYTHONPATH=$PWD
 fi
 LOG=$OUT/all.log; SUM=$OUT/summary.txt; : > "$LOG"; : > "$SUM"
+ls .whl/*.whl >/dev/null 2>&1 || echo "no wheels in .whl/ (bash bench/device_wheels.sh here, then carry .whl): \
+steps that need the agent's packages fail" | tee -a "$SUM"
 ONLY=${ONLY:-all}; NVML=${NVML:-1}
 want() { [ "$ONLY" = all ] || [[ " $ONLY " == *" $1 "* ]]; }
 NVFLAG=(); [ "$NVML" = 0 ] && NVFLAG=(--no-nvml-enabled)
