@@ -40,6 +40,8 @@ class Lanes:
     dp_group: Any                # this lane's data-parallel group (rank d = dp index d)
     wide: Any                    # every rank of the mesh (None: the default group)
     dims: tuple[str, ...]        # the mesh dims the model is split over besides data parallelism
+    # `perm` on each device it was used on: made once, not a host-to-device copy every step
+    _index: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -52,7 +54,10 @@ class Lanes:
     def merge(self, gathered: torch.Tensor) -> torch.Tensor:
         """Rows gathered over `wide`, [size, *pre, B, W] in its rank order, as the dp indices' rows:
         [dp, *pre, lanes * B, W] (each tp group's lanes side by side)."""
-        x = gathered.index_select(0, torch.tensor(self.perm, device=gathered.device))
+        index = self._index.get(gathered.device)
+        if index is None:
+            index = self._index[gathered.device] = torch.tensor(self.perm, device=gathered.device)
+        x = gathered.index_select(0, index)
         x = x.reshape(self.dp, self.lanes, *gathered.shape[1:]).movedim(1, -3)
         return x.reshape(self.dp, *gathered.shape[1:-2], self.lanes * gathered.shape[-2], gathered.shape[-1])
 
