@@ -39,6 +39,11 @@ FSDP2 (`fully_shard`): the rows come from a custom reduce-scatter (checksums.gra
 and replays are collective (checksums.fsdp_replay: every rank replays at once; an audit step audits every
 rank); `witness_model=` (a factory of the bare model) gives two ranks their CPU witness.
 
+FSDP2/HSDP with tensor parallelism (a tp mesh dim in the parameters' DTensor mesh): each tp group is one
+data-parallel rank here (checksums.tp_lanes: its lanes' rows side by side, every decision gathered over the
+whole mesh, batches within a lane); a finding names the group's GPUs, `one_of`. DDP with tensor parallelism
+is refused at attach.
+
 Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;
 replays multiply `loss_fn`'s loss by the scale the step ran under (checksums.replay), so they reproduce the
 step bit for bit, and a rank whose scaled gradient overflowed is cleared as DATA (the overflow reproduces
