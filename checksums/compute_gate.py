@@ -179,7 +179,7 @@ class ComputeChecks:
         if self.lanes is not None:
             group = self.lanes.dp_group
         self.group = group
-        self.wide = self.lanes.wide if self.lanes is not None else group    # where every decision is agreed
+        self.wide = None if self.lanes is not None else group    # where every decision is agreed: the mesh
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if comm_hook is not None and self.fsdp:

@@ -807,8 +807,8 @@ class FsdpGradSummaries:
         if not mods:
             raise TypeError("FsdpGradSummaries needs a model sharded with fully_shard, got "
                             f"{type(root).__name__}")
-        self._group = group
         self.lanes = lanes             # tensor parallelism (checksums.tp_lanes.Lanes): the whole mesh's rows
+        self._group = None if lanes is not None else group
         self.params: list[torch.Tensor] = [p for p in root.parameters() if p.requires_grad]
         self._rows: dict[int, torch.Tensor] = {}
         self._streams: set[Any] = set()
@@ -891,13 +891,9 @@ class FsdpGradSummaries:
     def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """`GradSummaries.gather`'s rows; under tensor parallelism every rank's rows of the mesh, a tp group's
         lanes side by side as one data-parallel rank's: [dp, lanes * groups, 4] (into `out` when given)."""
-        lanes = self.lanes
-        if lanes is None:
+        if self.lanes is None:
             return GradSummaries._gather_eager(self, out)  # type: ignore[arg-type]
-        mine = self.rows()
-        got = mine.new_empty((lanes.size * mine.shape[0], *mine.shape[1:]))
-        all_gather_single(got, mine, group=lanes.wide)
-        rows = lanes.merge(got.view(lanes.size, *mine.shape))
+        rows = self.lanes.merge(GradSummaries._gather_eager(self, None))  # type: ignore[arg-type]
         if out is None:
             return rows
         view = out.view(rows.shape)

@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checksums.collectives import all_gather_single
 from checksums.grad_checks import GradSummaries, fingerprints_of, stats_of
 from checksums.op_witness import op_witness, witness_projection
 from checksums.rank_transit import map_tensors, portable, restored
@@ -490,7 +491,7 @@ class Replayer:
         # tensor parallelism (checksums.tp_lanes): a tp group is one rank here; the replays' rows and every
         # agreement span the whole mesh (`wide`), so every rank replays alike
         self.lanes = lanes
-        self.wide = lanes.wide if lanes is not None else group
+        self.wide = None if lanes is not None else group
         self.scaler = scaler
         self.retained = Retained()
         self._step_open = False
@@ -784,9 +785,10 @@ class Replayer:
         """Every rank's `rows` [..., B, 4], stacked [world, ...] on the host (a collective); a tp group's
         lanes side by side as one rank's (`Lanes.merge`)."""
         world = dist.get_world_size(self.wide)
-        out = [torch.empty_like(rows) for _ in range(world)]
-        dist.all_gather(out, rows.contiguous(), group=self.wide)
-        got = torch.stack(out).cpu()
+        rows = rows.contiguous()
+        out = rows.new_empty((world * rows.shape[0], *rows.shape[1:]))
+        all_gather_single(out, rows, group=self.wide)
+        got = out.view(world, *rows.shape).cpu()
         return got if self.lanes is None else self.lanes.merge(got)
 
     def classify(self, suspect: int, original: torch.Tensor, mine: Retained | None = None) -> Classification:

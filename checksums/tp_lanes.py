@@ -4,7 +4,7 @@ A tensor-parallel (tp) group computes one data-parallel replica's step together:
 is a collective of its ranks, each holding a shard of the weights (a lane). So the checks treat a tp group as
 one data-parallel rank, a "dp index": its rows are its lanes' rows side by side (lane-major: [lanes * B, 4]),
 compared with the other dp indices' as one rank's buckets are. Every decision is taken from rows gathered
-over every rank of the mesh (`wide`), so every rank takes it alike: which step is replayed, which batch, how
+over every rank of the mesh (the default group: the mesh must span the job), so every rank takes it alike: which step is replayed, which batch, how
 often. A replay is a collective of the whole mesh: each tp group replays the batch it is given, each lane
 its own shard of the gradient, and the tp groups' collectives inside the forward pair up as the step's did.
 Batches and RNG states travel within a lane (`dp_group`: the ranks holding the same shard), from the rank
@@ -35,12 +35,10 @@ class Lanes:
     lanes: int                   # ranks in one tp group
     dp_rank: int                 # this rank's tp group
     lane: int                    # this rank's place in it
-    ranks: tuple[int, ...]       # global ranks in (dp index, lane) order
-    perm: tuple[int, ...]        # their positions in `wide`'s rank order, in (dp index, lane) order
+    ranks: tuple[int, ...]       # global ranks in (dp index, lane) order (the mesh spans the default group)
     dp_group: Any                # this lane's data-parallel group (rank d = dp index d)
-    wide: Any                    # every rank of the mesh (None: the default group)
     dims: tuple[str, ...]        # the mesh dims the model is split over besides data parallelism
-    # `perm` on each device it was used on: made once, not a host-to-device copy every step
+    # `ranks` on each device it was used on: made once, not a host-to-device copy every step
     _index: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -52,11 +50,11 @@ class Lanes:
         return self.ranks[d * self.lanes:(d + 1) * self.lanes]
 
     def merge(self, gathered: torch.Tensor) -> torch.Tensor:
-        """Rows gathered over `wide`, [size, *pre, B, W] in its rank order, as the dp indices' rows:
+        """Rows gathered over the default group, [size, *pre, B, W] in global rank order, as the dp indices':
         [dp, *pre, lanes * B, W] (each tp group's lanes side by side)."""
         index = self._index.get(gathered.device)
         if index is None:
-            index = self._index[gathered.device] = torch.tensor(self.perm, device=gathered.device)
+            index = self._index[gathered.device] = torch.tensor(self.ranks, device=gathered.device)
         x = gathered.index_select(0, index)
         x = x.reshape(self.dp, self.lanes, *gathered.shape[1:]).movedim(1, -3)
         return x.reshape(self.dp, *gathered.shape[1:-2], self.lanes * gathered.shape[-2], gathered.shape[-1])
@@ -118,5 +116,5 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None) 
     if group is not None and dist.get_process_group_ranks(group) != columns[lane]:
         raise ValueError(f"ComputeChecks: group= holds ranks {dist.get_process_group_ranks(group)}, not this "
                          f"rank's data-parallel ranks {columns[lane]} (the ranks holding the same shard)")
-    return Lanes(dp=dp, lanes=lanes, dp_rank=dp_rank, lane=lane, ranks=ranks, perm=ranks,
-                 dp_group=group if group is not None else dp_group, wide=None, dims=tuple(dims))
+    return Lanes(dp=dp, lanes=lanes, dp_rank=dp_rank, lane=lane, ranks=ranks,
+                 dp_group=group if group is not None else dp_group, dims=tuple(dims))

@@ -38,3 +38,10 @@ def spawn(fn: Callable[..., None], args: Sequence[Any] = (), nprocs: int = 1,
     mp.set_forkserver_preload(wanted)
     _preloaded[:] = wanted
     mp.start_processes(fn, args=tuple(args), nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def compute_faults(argv: list[str]) -> dict:
+    """bench.compute_faults' `main(argv)` with its ranks forked from this forkserver (torch imported
+    already): the results by case."""
+    from bench import compute_faults as harness
+    return harness.main(argv, start=spawn)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rank_spawn import compute_faults as _faults
 from rank_spawn import spawn
 
 from bench import compute_faults
@@ -19,11 +20,6 @@ from checksums.replay import (
     Cause, audit_every, bounded_reason, classify_pair_replays, classify_replays, classify_start,
     classify_start_rechecked, flaky_start,
 )
-
-
-def _faults(argv: list[str]) -> dict:
-    """bench.compute_faults with its ranks forked from the suite's forkserver (torch imported already)."""
-    return compute_faults.main(argv, start=spawn)
 
 
 def _stats(norms: list[float], amax: list[float] | None = None, buckets: int = 2) -> torch.Tensor:

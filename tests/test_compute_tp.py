@@ -6,14 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from rank_spawn import compute_faults as _faults
 from rank_spawn import spawn
-
-from bench import compute_faults
-
-
-def _faults(argv: list[str]) -> dict:
-    """bench.compute_faults with its ranks forked from the suite's forkserver (torch imported already)."""
-    return compute_faults.main(argv, start=spawn)
 
 
 def _tensor_parallel(rank: int, world: int, init: str, out: str) -> None:
@@ -114,8 +108,7 @@ def test_lanes_lay_a_tp_groups_rows_side_by_side_as_one_data_parallel_ranks():
     whose tp groups are ranks {0, 3}, {1, 4}, {2, 5})."""
     from checksums.tp_lanes import Lanes
     ranks = (0, 3, 1, 4, 2, 5)                       # (dp index, lane) order
-    lanes = Lanes(dp=3, lanes=2, dp_rank=0, lane=0, ranks=ranks, perm=ranks, dp_group=None, wide=None,
-                  dims=("tp",))
+    lanes = Lanes(dp=3, lanes=2, dp_rank=0, lane=0, ranks=ranks, dp_group=None, dims=("tp",))
     b = 2
     gathered = torch.stack([torch.full((3, b, 4), r, dtype=torch.int64) for r in range(6)])
     gathered[:, 1] += 100                              # a leading dim (two replays a rank)
