@@ -4,8 +4,8 @@ A tensor-parallel (tp) group computes one data-parallel replica's step together:
 is a collective of its ranks, each holding a shard of the weights (a lane). So the checks treat a tp group as
 one data-parallel rank, a "dp index": its rows are its lanes' rows side by side (lane-major: [lanes * B, 4]),
 compared with the other dp indices' as one rank's buckets are. Every decision is taken from rows gathered
-over every rank of the mesh (the default group: the mesh must span the job), so every rank takes it alike: which step is replayed, which batch, how
-often. A replay is a collective of the whole mesh: each tp group replays the batch it is given, each lane
+over every rank of the mesh (the default group: the mesh must span the job), so every rank takes it alike:
+which step is replayed, which batch, how often. A replay is a collective of the whole mesh: each tp group replays the batch it is given, each lane
 its own shard of the gradient, and the tp groups' collectives inside the forward pair up as the step's did.
 Batches and RNG states travel within a lane (`dp_group`: the ranks holding the same shard), from the rank
 of the same lane in the sending tp group, which ran the same batch.
