@@ -189,7 +189,8 @@ class _Sink:
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
                          "ac": "none", "wide_fails": -1, "sync_bn": False,
-                         "params_bf16": False, "tp": 1}
+                         "params_bf16": False, "tp": 1, "cp": 1, "cp_api": "module", "cp_pass": "name",
+                         "cp_replay_context": False}
 
 
 class Checkpointed(nn.Module):
@@ -396,14 +397,17 @@ def ddp_buckets(params: Sequence[torch.Tensor], cap_mb: float) -> list[list[torc
     return [b for b in out if b]
 
 
-def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, **ddp_kwargs: Any) -> nn.Module:
+def _wrap(model: nn.Module, device: torch.device, world: int, fsdp: bool, mesh: Any = None,
+          **ddp_kwargs: Any) -> nn.Module:
     """DDP, or FSDP2 (each Linear of the MLP or each GPT block its own group, then the root; no replica
-    vote), on a (replicate, shard) mesh with --hsdp."""
+    vote), on a (replicate, shard) mesh with --hsdp; on `mesh` where given (--cp)."""
     if not fsdp:
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
     from torch.distributed.fsdp import fully_shard
     shard: dict[str, Any] = {}
-    if MODEL["tp"] > 1:   # --tp: the MLP's Linears split over a tp dim (innermost), FSDP2 over the others
+    if mesh is not None:
+        shard["mesh"] = mesh
+    elif MODEL["tp"] > 1:   # --tp: the MLP's Linears split over a tp dim (innermost), FSDP2 over the others
         shard["mesh"] = _tensor_parallel(model, device, world)
     elif MODEL["hsdp"]:   # HSDP: a (replicate, shard) mesh; the reduce-scatter within a shard group
         from torch.distributed.device_mesh import init_device_mesh
@@ -436,6 +440,22 @@ def _tensor_parallel(model: nn.Module, device: torch.device, world: int) -> Any:
     return dp
 
 
+def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tuple[Any, Any, Any]:
+    """`--cp N`: the GPT's sequences split over N ranks (bench.cp_attention), on a (dp, cp) mesh whose dims
+    FSDP2 shards over together (flattened, as torchtitan's dp_shard_cp); the cp dim is named "cp" (found by
+    the checks) or, with --cp-pass arg|none, "seq" (passed as context_parallel=, or not at all).
+    -> (FSDP's mesh, the ContextParallel, what context_parallel= gets)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench.cp_attention import ContextParallel
+    name = "cp" if MODEL["cp_pass"] == "name" else "seq"
+    mesh = init_device_mesh(device.type, (world // MODEL["cp"], MODEL["cp"]), mesh_dim_names=("dp", name))
+    cp = ContextParallel(mesh[name], MODEL["cp_api"])
+    cp.attach(model)
+    return (mesh["dp", name]._flatten(f"dp_{name}"), cp,
+            mesh[name] if MODEL["cp_pass"] == "arg" else None)
+
+
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
              fault_rank: int, audit_every: int, warmup: int, margin: float, mask: str = "auto",
              accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0,
@@ -464,7 +484,12 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
     if tp == 1:
         target.register_forward_hook(mm_hook)
-    ddp = _wrap(model, device, world, fsdp, bucket_cap_mb=0.01)
+    cp_mesh = cp = cp_arg = None
+    if MODEL["cp"] > 1:
+        cp_mesh, cp, cp_arg = _context_parallel(model, device, world)
+    ddp = _wrap(model, device, world, fsdp, cp_mesh, bucket_cap_mb=0.01)
+    group = tp * MODEL["cp"]           # the ranks that run one batch together (a tp or cp group)
+    in_step = cp.context if cp is not None else contextlib.nullcontext
     if tp > 1:     # after tensor parallelism's own hooks: the output as this rank holds it (a plain tensor)
         target.register_forward_hook(mm_hook)
     # fused Adam where the device mask needs it, and for DDP on CUDA; --fused-adam: always (FSDP2's host veto
@@ -488,8 +513,11 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                   # FSDP2 with 2 ranks: the model-level CPU witness needs the bare model (a
                                   # factory; --no-witness-model: the op witness alone)
                                   witness_model=((lambda: make_model(0)[0]) if fsdp and MODEL["factory"]
-                                                 and tp == 1 else None),
-                                  **({} if experts_hint else {"experts": None}))
+                                                 and group == 1 else None),
+                                  **({} if experts_hint else {"experts": None}),
+                                  **({"context_parallel": cp_arg} if cp_arg is not None else {}),
+                                  **({"replay_context": cp.context} if cp is not None
+                                     and MODEL["cp_replay_context"] else {}))
     caught: dict[str, dict[str, Any]] = {}
     mine: dict[str, int] = {}          # this rank's own first sdcguard alert (sdcguard runs per rank)
     guard = _sdcguard(sdcguard, model) if sdcguard else None
@@ -511,7 +539,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             active["on"] = on and case is not None and (
                 case.where == "grad"
                 or (case.where in ("mm", *TC_WHERE, "bwd") and (case.persistent or micro == fault_micro)))
-            batch = batch_for(rank // tp, step, device, micro)    # a tp group's ranks run one batch
+            batch = batch_for(rank // group, step, device, micro)    # a tp or cp group's ranks: one batch
+            if cp is not None:                                         # each cp rank its chunk of it
+                batch = tuple(cp.shard(t) for t in batch)
             checks.retain(batch)
             if guard is not None:
                 with guard.on_step(step):
@@ -522,7 +552,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                         backward(step_loss(ddp, batch))
             elif fsdp:
                 ddp.set_requires_gradient_sync(micro == accum - 1)
-                backward(step_loss(ddp, batch))
+                with in_step():
+                    backward(step_loss(ddp, batch))
             elif micro < accum - 1:
                 with ddp.no_sync():
                     backward(step_loss(ddp, batch))
@@ -965,6 +996,10 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["wide_fails"] = args.witness_fp32_fails
     MODEL["hsdp"] = args.hsdp
     MODEL["tp"] = args.tp
+    MODEL["cp"] = args.cp
+    MODEL["cp_api"] = args.cp_api
+    MODEL["cp_pass"] = args.cp_pass
+    MODEL["cp_replay_context"] = args.cp_replay_context
     MODEL["factory"] = not args.no_witness_model
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
@@ -1070,7 +1105,8 @@ def _recovery_line(r: dict[str, Any]) -> str:
 
 
 def table(results: dict[str, Any], fault_step: int, fault_rank: int, tp: int = 1) -> str:
-    """The fault table; `tp`: a finding names the faulty rank's whole tensor-parallel group (one of them)."""
+    """The fault table; `tp`: a finding names the faulty rank's whole tensor- (or context-) parallel group
+    (one of them)."""
     head = f"fault (rank {fault_rank}, step {fault_step})"
     right = list(range(fault_rank - fault_rank % tp, fault_rank - fault_rank % tp + tp))
     lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
@@ -1258,6 +1294,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, metavar="N", help="with --fsdp and --model mlp: tensor "
                    "parallelism over N ranks (the innermost mesh dim; FSDP2 over the rest, --hsdp too): a tp "
                    "group is one data-parallel rank to the checks; a finding names its GPUs (one of them)")
+    p.add_argument("--cp", type=int, default=1, metavar="N", help="with --fsdp and --model tiny-gpt or gpt2: "
+                   "context parallelism over N ranks (bench.cp_attention: each rank one chunk of every "
+                   "sequence, attention over the group's keys and values); FSDP2 over the (dp, cp) ranks")
+    p.add_argument("--cp-api", choices=["module", "context", "torch"], default="module", help="--cp: the cp "
+                   "attention always on (module: torchtitan's style) or only inside the loop's context "
+                   "(context: torch's context_parallel(); replays outside it do not reproduce the step); torch: "
+                   "torch's own context parallelism (_ContextParallel; --device cuda only)")
+    p.add_argument("--cp-pass", choices=["name", "arg", "none"], default="name", help="--cp: how the checks "
+                   "learn of it: the mesh dim named 'cp' (name), context_parallel= (arg; the dim named "
+                   "'seq'), or not at all (none; the dim named 'seq')")
+    p.add_argument("--cp-replay-context", action="store_true", help="--cp: pass the loop's cp context as "
+                   "replay_context= (with --cp-api context, replays then run the cp attention)")
     p.add_argument("--no-witness-model", action="store_true", help="with --fsdp: the checks get no "
                    "witness_model (the bare model's factory the model-level CPU witness needs): two ranks' "
                    "symmetric faults are left to the op witness")
@@ -1341,6 +1389,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          or args.world % (args.tp * max(args.hsdp, 1)) or args.world // args.tp < 2):
         p.error("--tp N needs --fsdp, --model mlp, no --overhead, N >= 2 dividing --world (--hsdp R: R * N "
                 "dividing it) and >= 2 tp groups")
+    if args.cp != 1 and (not args.fsdp or args.model not in ("tiny-gpt", "gpt2") or args.cp < 2
+                         or args.tp != 1 or args.hsdp or args.overhead or args.accum != 1 or args.ac != "none"
+                         or args.world % args.cp or args.world // args.cp < 2):
+        p.error("--cp N needs --fsdp, --model tiny-gpt or gpt2, no --tp, --hsdp, --overhead, --accum or "
+                "--ac, N >= 2 dividing --world and >= 2 cp groups")
+    if args.cp_api == "torch" and args.device != "cuda":
+        p.error("--cp-api torch shards SDPA through CUDA kernels only (flash, efficient, cuDNN): --device cuda")
     if args.after < 1 or args.fault_step < 1:
         p.error(f"--after ({args.after}) and --fault-step ({args.fault_step}) must be at least 1")
     odd = [a for a in args.arms.split(",") if a not in ARMS] if args.arms else []
@@ -1377,7 +1432,7 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
             start(worker, (args.world, os.path.join(tmp, "init"), args, out), args.world)
         with open(out) as f:
             results = json.load(f)
-    print(table(results, args.fault_step, args.fault_rank, args.tp))
+    print(table(results, args.fault_step, args.fault_rank, args.tp * args.cp))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

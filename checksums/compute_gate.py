@@ -41,8 +41,10 @@ rank); `witness_model=` (a factory of the bare model) gives two ranks their CPU 
 
 FSDP2/HSDP with tensor parallelism (a tp mesh dim in the parameters' DTensor mesh): each tp group is one
 data-parallel rank here (checksums.tp_lanes: its lanes' rows side by side, every decision gathered over the
-whole mesh, batches within a lane); a finding names the group's GPUs, `one_of`. DDP with tensor parallelism
-is refused at attach.
+whole mesh, batches within a lane); a finding names the group's GPUs, `one_of`. Context parallelism
+(`context_parallel=` the cp DeviceMesh, or a mesh dim named "cp" beside FSDP's) joins each cp group (and its
+tp groups) into one such group, each rank retaining its own chunk of the sequence. DDP with tensor or
+context parallelism is refused at attach.
 
 Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;
 replays multiply `loss_fn`'s loss by the scale the step ran under (checksums.replay), so they reproduce the
@@ -99,7 +101,7 @@ from checksums.host_ring import HostRing, HostSlot, batch_stats
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
-from checksums.tp_lanes import Lanes, find_lanes
+from checksums.tp_lanes import Lanes, find_lanes, named_cp
 from sdcwatch.arguments import count, function, wire_name
 from sdcwatch.names import GPU_UUID, HOST
 
@@ -112,6 +114,39 @@ LEARN_BATCH = 8                # the device path's unmasked steps learnt at once
 RING_BYTES = 32 << 20          # at most this much pinned host memory for the rows waiting to be learnt
 # SDCWATCH_HOOK_VERDICT=0 keeps the device verdict's replay in the step guard (`_arm_finish`)
 _HOOK_VERDICT = os.environ.get("SDCWATCH_HOOK_VERDICT", "1") != "0"
+
+
+# what an FSDP2 job whose replays do not reproduce may have left out
+_UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context parallelism), pass "
+                        "context_parallel=world_mesh['cp']; if it runs its forward and backward inside a "
+                        "context (one that turns context parallelism's attention on, an sdpa_kernel choice), "
+                        "pass replay_context= "
+                        "a function returning it")
+
+
+def _context_parallel(given: Any, mesh: Any, fsdp: bool) -> Any:
+    """The context-parallel ranks the checks treat as one replica with their tp group: `given` (a 1-D
+    DeviceMesh or a ProcessGroup), else the dim named "cp" beside FSDP's `mesh` (`named_cp`), else None."""
+    if given is None:
+        found = named_cp(mesh) if mesh is not None else None
+        if found is not None:
+            logger.info("sdcwatch: compute checks: context parallelism over the mesh dim 'cp' (%d ranks a "
+                        "group): each cp group is checked as one replica", found.size())
+        return found
+    if hasattr(given, "get_group"):
+        if given.ndim != 1:
+            raise ValueError(f"context_parallel= takes the cp dim's 1-D DeviceMesh (world_mesh['cp']), got "
+                             f"a {given.ndim}-D mesh {given.mesh_dim_names}")
+    elif not isinstance(given, dist.ProcessGroup):
+        raise ValueError(f"context_parallel= takes the cp DeviceMesh (world_mesh['cp']) or its ProcessGroup, "
+                         f"got {type(given).__name__}")
+    if not fsdp:
+        raise ValueError("ComputeChecks: context_parallel= under DDP: a cp group's forward is a collective "
+                         "of its ranks, while DDP's checks replay per rank. Supported with FSDP2 "
+                         "(fully_shard over the data-parallel and cp ranks, torchtitan's dp_shard_cp)")
+    if (given.size() if hasattr(given, "get_group") else dist.get_world_size(given)) < 2:
+        return None
+    return given
 
 
 def expert_param(name: str) -> bool:
@@ -152,10 +187,13 @@ class ComputeChecks:
                  max_findings: int = 1000, witness_model: Callable[[], nn.Module] | None = None,
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
                  side_stream: bool | None = None, scaler: Any = None,
-                 experts: Callable[[str], bool] | None = expert_param, native: bool | None = None) -> None:
+                 experts: Callable[[str], bool] | None = expert_param, native: bool | None = None,
+                 context_parallel: Any = None, replay_context: Callable[[], Any] | None = None) -> None:
         function("loss_fn", loss_fn, optional=False,
                  why="it recomputes a step's loss for the replays: (model, batch) -> loss tensor")
         function("experts", experts, why="a predicate on a parameter's qualified name (name -> bool), or None")
+        function("replay_context", replay_context, why="it makes the context manager each replay's forward "
+                 "and backward run in, as the loop's own do: () -> context manager")
         wire_name("host", host, HOST)
         wire_name("gpu_uuid", gpu_uuid, GPU_UUID)
         gpu_uuid = gpu_uuid or ""           # None as the Monitor takes it: not known
@@ -174,8 +212,11 @@ class ComputeChecks:
                 "replays and verdicts would be per data-parallel group (a stalled or corrupted step). "
                 "Supported with FSDP2 (fully_shard over the data-parallel mesh dims, as torchtitan lays it "
                 "out); under DDP the checks refuse here rather than stall the job later")
-        # FSDP2 + tensor parallelism: a tp group is one data-parallel rank to the checks (checksums.tp_lanes)
-        self.lanes = find_lanes(ddp, fsdp_mesh(ddp), split, group) if split else None
+        dp_mesh = fsdp_mesh(ddp) if self.fsdp else None
+        cp = _context_parallel(context_parallel, dp_mesh, self.fsdp)
+        # FSDP2 + tensor or context parallelism: a tp (cp) group is one data-parallel rank to the checks
+        # (checksums.tp_lanes)
+        self.lanes = find_lanes(ddp, dp_mesh, split, group, cp) if split or cp is not None else None
         if self.lanes is not None:
             group = self.lanes.dp_group
         self.group = group
@@ -200,9 +241,10 @@ class ComputeChecks:
                                            comm_state=comm_state, side_stream=side_stream, native=native)
         self.replayer: Replayer = (
             FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group,
-                         witness_model=witness_model, scaler=scaler, lanes=self.lanes) if self.fsdp else
+                         witness_model=witness_model, scaler=scaler, lanes=self.lanes,
+                         context=replay_context) if self.fsdp else
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
-                     scaler=scaler))
+                     scaler=scaler, context=replay_context))
         if self.replayer.cross_rank:
             logger.warning("sdcwatch: compute checks: %d SyncBatchNorm layer(s) (%s) normalise by every rank's "
                            "batch, so no replay can reproduce a step: the statistics checks run every step, "
@@ -359,7 +401,8 @@ class ComputeChecks:
         if not self.replayer.reproduces:
             logger.error("sdcwatch: compute replays do not reproduce this job's steps (%s); no GPU will be "
                          "named on a replay's evidence: audits are off and a suspect step is dropped "
-                         "without a finding", self.replayer.why_not)
+                         "without a finding%s", self.replayer.why_not,
+                         _UNREPRODUCIBLE_HINT if self.fsdp else "")
             return None
         return self.replayer.start_fault
 
@@ -718,8 +761,9 @@ class ComputeChecks:
         faulty, detail, who = c.faulty, c.detail, suspect
         if self.lanes is not None:     # a tp group computes as one: its GPUs (global ranks), one faulty
             faulty, who = tuple(w[0] for w in where), self.lanes.members(suspect)[0]
-            detail = (f"tensor-parallel group {list(self.lanes.members(suspect))} (data-parallel index "
-                      f"{suspect}); its replays name the group, not which of its GPUs: {c.detail}")
+            detail = (f"{' x '.join(self.lanes.dims)} group {list(self.lanes.members(suspect))} "
+                      f"(data-parallel index {suspect}); its replays name the group, not which of its GPUs: "
+                      f"{c.detail}")
         finding = ComputeFinding(step=step, detector=detector, suspect=who, cause=c.cause.value,
                                  faulty=faulty, dropped=drop, detail=detail, score=score,
                                  bucket=verdict.bucket, stat=verdict.stat, where=where, since_step=since,

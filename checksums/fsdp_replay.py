@@ -63,8 +63,9 @@ class FsdpReplayer(Replayer):
     def __init__(self, root: nn.Module, summaries: FsdpGradSummaries, loss_fn: LossFn, *,
                  device: torch.device, group: Any = None,
                  witness_model: Callable[[], nn.Module] | None = None, scaler: Any = None,
-                 lanes: Lanes | None = None) -> None:
-        super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler, lanes=lanes)
+                 lanes: Lanes | None = None, context: Callable[[], Any] | None = None) -> None:
+        super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler, lanes=lanes,
+                         context=context)
         self.fsdp = summaries
         self.witness_model = witness_model      # the bare module is on no rank: the CPU builds a copy
 
@@ -98,7 +99,7 @@ class FsdpReplayer(Replayer):
                     if dev_rng is not None:
                         torch.cuda.set_rng_state(dev_rng, self.device)
                     module.set_requires_gradient_sync(k == last)  # type: ignore[operator]
-                    with torch.enable_grad():
+                    with torch.enable_grad(), self.context():
                         scaled(self.loss_fn(module, batch), retained.loss_scale).backward()
             rows = self.fsdp.rows_of(captured)
         finally:

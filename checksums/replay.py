@@ -482,10 +482,13 @@ class Replayer:
 
     def __init__(self, module: nn.Module, summaries: GradSummaries | None, loss_fn: LossFn, *,
                  device: torch.device, group: Any = None, scaler: Any = None,
-                 lanes: Lanes | None = None) -> None:
+                 lanes: Lanes | None = None, context: Callable[[], Any] | None = None) -> None:
         self.module = module
         self.summaries = summaries
         self.loss_fn = loss_fn
+        # entered around each replay's forward and backward: what the loop wraps its own in besides loss_fn
+        # (torch's context_parallel(), an sdpa_kernel choice)
+        self.context: Callable[[], Any] = context if context is not None else contextlib.nullcontext
         self.device = device
         self.group = group          # the data-parallel ranks: batches travel here
         # tensor parallelism (checksums.tp_lanes): a tp group is one rank here; the replays' rows and every
@@ -599,7 +602,7 @@ class Replayer:
                     torch.cuda.set_rng_state(dev_rng, self.device)
                 if cast is not None:
                     batch = map_tensors(batch, cast)
-                with torch.enable_grad():
+                with torch.enable_grad(), self.context():
                     loss = scaled(self.loss_fn(module, batch), retained.loss_scale, cast)
                     if by_backward:
                         loss.backward()
@@ -705,7 +708,8 @@ class Replayer:
                     torch.set_rng_state(cpu_rng)
                 if dev_rng is not None:
                     torch.cuda.set_rng_state(dev_rng, self.device)
-                total += float(self.loss_fn(self.module, batch).detach().float().sum())
+                with self.context():
+                    total += float(self.loss_fn(self.module, batch).detach().float().sum())
             for b, saved in buffers:
                 b.copy_(saved)
         self.replays += 1

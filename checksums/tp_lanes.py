@@ -10,6 +10,14 @@ its own shard of the gradient, and the tp groups' collectives inside the forward
 Batches and RNG states travel within a lane (`dp_group`: the ranks holding the same shard), from the rank
 of the same lane in the sending tp group, which ran the same batch.
 
+Context parallelism (torchtitan's cp: each rank of a cp group holds one chunk of every sequence, and the
+attention is a collective of the group) makes the same kind of group: a cp group's ranks (and their tp
+groups) compute one replica's step together, so they join into one group (`context_table`), lane l one
+(cp place, tp lane). The cp ranks come from the caller (`context_parallel=`: the cp DeviceMesh or its
+group) or from a mesh dim named "cp" beside FSDP's (`named_cp`); FSDP's mesh must hold them (its
+reduce-scatter sums the cp ranks' gradients, as torchtitan's `dp_shard_cp` does). Each lane retains its own
+chunk, so a replay of a group's batch is that group's chunks, each replayed by the rank of the same cp place.
+
 Naming: replays tell which tp group computed wrong, not which of its GPUs (the group's forward mixes its
 lanes: a fault on one lane reaches every lane's gradient), so a finding names every GPU of that group,
 marked `one_of` (the agent makes them SUSPECT, never FAILED, on that evidence; a persistent fault still
@@ -71,17 +79,124 @@ def lane_table(grid: torch.Tensor, dp_dims: list[int], world: int) -> list[list[
     if sorted(r for row in table for r in row) != list(range(world)):
         raise ValueError(f"ComputeChecks: the model's mesh holds {grid.numel()} ranks, not every rank of the "
                          f"job ({world}) once: tensor parallelism is checked on a mesh of the whole job")
-    if any(table[d][lane] >= table[d + 1][lane] for d in range(dp - 1) for lane in range(len(table[0]))):
+    return _numbered_alike(table)
+
+
+def _numbered_alike(table: list[list[int]]) -> list[list[int]]:
+    """`table` if each lane's ranks (a column) rise with the group's index, else ValueError."""
+    if any(table[d][lane] >= table[d + 1][lane]
+           for d in range(len(table) - 1) for lane in range(len(table[0]))):
         raise ValueError("ComputeChecks: the mesh orders a lane's data-parallel ranks unlike their global "
-                         "ranks (a custom mesh): its tp groups cannot be numbered alike in every lane")
+                         "ranks (a custom mesh): its groups cannot be numbered alike in every lane")
     return table
 
 
-def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None) -> Lanes:
+def context_table(table: list[list[int]], cp_groups: list[tuple[int, ...]]) -> list[list[int]]:
+    """The groups that compute one replica's step together when context parallelism also splits every
+    sequence: `table`'s rows (tp groups from `lane_table`, or one rank each) joined through the cp groups
+    (`cp_groups[r]`: rank r's cp group, its ranks in group order), each group's ranks ordered by (place in
+    its cp group, tp lane), so lane l of every group holds the same chunk of the sequence and the same shard
+    of the weights; groups numbered by their first rank. ValueError where the cp groups do not tile the
+    rows alike (a rank outside its own cp group, groups of different shapes). Pure."""
+    row_of = {r: i for i, row in enumerate(table) for r in row}
+    lane_of = {r: lane for row in table for lane, r in enumerate(row)}
+    if sorted(row_of) != list(range(len(cp_groups))):
+        raise ValueError(f"ComputeChecks: {len(cp_groups)} ranks' context-parallel groups for a mesh of "
+                         f"{len(row_of)} ranks")
+    root = list(range(len(table)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+    for r, cp in enumerate(cp_groups):
+        if r not in cp or any(q not in row_of for q in cp):
+            raise ValueError(f"ComputeChecks: rank {r}'s context-parallel group {list(cp)} does not hold it, "
+                             "or holds ranks outside the job")
+        for q in cp:
+            root[find(row_of[q])] = find(row_of[r])
+    members: dict[int, list[int]] = {}
+    for i, row in enumerate(table):
+        members.setdefault(find(i), []).extend(row)
+
+    def key(r: int) -> tuple[int, int]:
+        return cp_groups[r].index(r), lane_of[r]
+    out = sorted((sorted(ranks, key=key) for ranks in members.values()), key=lambda g: min(g))
+    shape = [key(r) for r in out[0]]
+    if len(set(shape)) != len(shape):
+        raise ValueError("ComputeChecks: two ranks of one replica hold the same cp place and tp lane")
+    size = len(cp_groups[out[0][0]]) * len(table[0])
+    for group in out:
+        if [key(r) for r in group] != shape or len(group) != size or any(
+                set(cp_groups[r]) - set(group) for r in group):
+            raise ValueError("ComputeChecks: the context-parallel groups and the tensor-parallel groups do "
+                             "not form groups of one shape (each replica: every cp place x every tp lane "
+                             "once)")
+    return _numbered_alike(out)
+
+
+def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, cp: Any = None) -> Lanes:
     """The lanes of an FSDP2 `module` whose DTensor parameters are also split over mesh `dims` (names from
-    `checksums.grad_checks.model_parallel_dims`); `fsdp_mesh` is FSDP's own mesh (its dims are the
-    data-parallel ones). A collective of every rank (it may make the lanes' data-parallel groups). `group`:
-    the caller's data-parallel group, which must be this lane's. ValueError for a layout it cannot check."""
+    `checksums.grad_checks.model_parallel_dims`), and whose sequences context parallelism splits over `cp`
+    (this rank's cp DeviceMesh or ProcessGroup, or None); `fsdp_mesh` is FSDP's own mesh (its dims are the
+    data-parallel ones, and context parallelism's ranks with them: torchtitan's `dp_shard_cp`). A collective
+    of every rank (it may make the lanes' data-parallel groups). `group`: the caller's data-parallel group,
+    which must be this lane's. ValueError for a layout it cannot check."""
+    world = dist.get_world_size()
+    if dims:
+        table = _tp_table(module, fsdp_mesh, dims, world)
+    else:
+        table = [[r] for r in range(world)]
+    names = tuple(dims)
+    cp_group = None
+    if cp is not None:
+        cp_group = cp.get_group() if hasattr(cp, "get_group") else cp
+        mine = tuple(dist.get_process_group_ranks(cp_group))
+        spans = set(int(r) for r in fsdp_mesh.mesh.reshape(-1).tolist())
+        if not set(mine) <= spans:
+            raise ValueError(f"ComputeChecks: FSDP's mesh (ranks {sorted(spans)}) does not hold this rank's "
+                             f"context-parallel ranks {list(mine)}: shard the parameters over the "
+                             "data-parallel and cp ranks together (torchtitan's dp_shard_cp), so FSDP "
+                             "sums the cp ranks' gradients")
+        groups: list[Any] = [None] * world
+        dist.all_gather_object(groups, mine)
+        table = context_table(table, groups)
+        names = (*((getattr(cp, "mesh_dim_names", None) or ("cp",))[:1]), *names)
+    dp, lanes = len(table), len(table[0])
+    ranks = tuple(r for row in table for r in row)
+    columns = [[row[lane] for row in table] for lane in range(lanes)]
+    me = ranks.index(dist.get_rank())
+    dp_rank, lane = divmod(me, lanes)
+    if fsdp_mesh.ndim == 1 and cp_group is None:   # FSDP2's own group is this lane's
+        dp_group = fsdp_mesh.get_group()
+    else:                      # HSDP, context parallelism: each lane's data-parallel ranks, made here
+        dp_group, _ = dist.new_subgroups_by_enumeration(columns)
+    if dist.get_process_group_ranks(dp_group) != columns[lane]:
+        raise ValueError("ComputeChecks: FSDP's group does not hold this lane's data-parallel ranks in mesh "
+                         "order")
+    if group is not None and dist.get_process_group_ranks(group) != columns[lane]:
+        raise ValueError(f"ComputeChecks: group= holds ranks {dist.get_process_group_ranks(group)}, not this "
+                         f"rank's data-parallel ranks {columns[lane]} (the ranks holding the same shard)")
+    return Lanes(dp=dp, lanes=lanes, dp_rank=dp_rank, lane=lane, ranks=ranks,
+                 dp_group=group if group is not None else dp_group, dims=names)
+
+
+def named_cp(fsdp_mesh: Any) -> Any:
+    """The context-parallel mesh beside FSDP's: the dim named "cp" (torchtitan's name) of FSDP's root mesh,
+    where it spans more than one rank; None where there is none or the mesh cannot say."""
+    try:
+        root = fsdp_mesh._get_root_mesh()
+        names = tuple(root.mesh_dim_names or ())
+        if "cp" in names and root.mesh.shape[names.index("cp")] > 1:
+            return root["cp"]
+    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
+        pass
+    return None
+
+
+def _tp_table(module: Any, fsdp_mesh: Any, dims: list[str], world: int) -> list[list[int]]:
+    """`lane_table` of the one mesh `module`'s parameters are split over (data-parallel x `dims`)."""
     from checksums.fingerprint import DTENSOR
     split = [p.device_mesh for p in module.parameters()
              if DTENSOR is not None and isinstance(p, DTENSOR) and p.device_mesh.ndim > fsdp_mesh.ndim]
@@ -100,21 +215,4 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None) 
         dp_dims = [d for d in range(mesh.ndim) if names[d] in dp_names]
     else:                                          # FSDP2's mesh first, then the model's own dims
         dp_dims = list(range(fsdp_mesh.ndim))
-    table = lane_table(mesh.mesh, dp_dims, dist.get_world_size())
-    dp, lanes = len(table), len(table[0])
-    ranks = tuple(r for row in table for r in row)
-    columns = [[row[lane] for row in table] for lane in range(lanes)]
-    me = ranks.index(dist.get_rank())
-    dp_rank, lane = divmod(me, lanes)
-    if fsdp_mesh.ndim == 1:                        # FSDP2's own group is this lane's
-        dp_group = fsdp_mesh.get_group()
-    else:                                          # HSDP: each lane's (replicate, shard) ranks, made here
-        dp_group, _ = dist.new_subgroups_by_enumeration(columns)
-    if dist.get_process_group_ranks(dp_group) != columns[lane]:
-        raise ValueError("ComputeChecks: FSDP's group does not hold this lane's data-parallel ranks in mesh "
-                         "order")
-    if group is not None and dist.get_process_group_ranks(group) != columns[lane]:
-        raise ValueError(f"ComputeChecks: group= holds ranks {dist.get_process_group_ranks(group)}, not this "
-                         f"rank's data-parallel ranks {columns[lane]} (the ranks holding the same shard)")
-    return Lanes(dp=dp, lanes=lanes, dp_rank=dp_rank, lane=lane, ranks=ranks,
-                 dp_group=group if group is not None else dp_group, dims=tuple(dims))
+    return lane_table(mesh.mesh, dp_dims, world)

@@ -154,7 +154,7 @@ def test_hsdp_with_tensor_parallelism_names_the_faulty_tp_group_and_keeps_clean_
                        "--cases", "grad elem =100,mm one elem x1.01 persistent"])
     hit = results["grad elem =100"]["caught"].get("compute")
     assert hit and hit["step"] == 22 and hit["detector"] == "stats" and hit["named"] == [4, 5], hit
-    assert hit["dropped"] and "tensor-parallel group [4, 5]" in hit["detail"], hit
+    assert hit["dropped"] and "tp group [4, 5]" in hit["detail"], hit
     hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
     assert hit and hit["step"] == 25 and hit["detector"] == "audit" and hit["named"] == [4, 5], hit
     assert hit["cause"] == "persistent" and hit["dropped"], hit

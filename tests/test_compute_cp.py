@@ -1,0 +1,140 @@
+"""The compute checks under FSDP2 with context parallelism (issue 19; checksums/tp_lanes.py `context_table`):
+each cp group (the ranks that split one batch's sequences, whose attention is a collective of the group) is
+checked as one data-parallel rank, its findings naming the group's GPUs (`one_of`); a cp dim the checks are
+not told of turns replays off rather than blaming a GPU. Real gloo ranks running bench/cp_attention's
+context parallelism (torch's own shards SDPA through GPU kernels only)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from rank_spawn import compute_faults as _faults
+from rank_spawn import spawn
+
+BASE = ["--fsdp", "--model", "tiny-gpt", "--cp", "2", "--fault-step", "22", "--after", "6",
+        "--audit-every", "5"]
+
+
+def test_the_context_table_joins_cp_and_tp_groups_into_replicas_and_refuses_what_does_not_tile():
+    """`context_table`: torchtitan's (dp 2, cp 2) mesh without tp (each rank its own row: the cp groups
+    are the replicas), and (dp 2, cp 2, tp 2) (tp groups {0,1} {2,3} ... joined by the cp groups {0,2}
+    {1,3} ...: lane l = (cp place, tp lane)); a cp group that leaves out its own rank, and groups of two
+    shapes, refused."""
+    from checksums.tp_lanes import context_table, lane_table
+    assert context_table([[0], [1], [2], [3]], [(0, 1), (0, 1), (2, 3), (2, 3)]) == [[0, 1], [2, 3]]
+    tp = lane_table(torch.arange(8).reshape(2, 2, 2), [0, 1], 8)          # (dp, cp) x tp
+    cp_of = [(0, 2), (1, 3), (0, 2), (1, 3), (4, 6), (5, 7), (4, 6), (5, 7)]
+    assert context_table(tp, cp_of) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # cp outermost: cp groups {0, 2}, {1, 3} over ranks laid out (cp, dp)
+    assert context_table([[0], [1], [2], [3]], [(0, 2), (1, 3), (0, 2), (1, 3)]) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="does not hold it"):
+        context_table([[0], [1], [2], [3]], [(1, 2), (0, 1), (2, 3), (2, 3)])
+    with pytest.raises(ValueError, match="one shape"):
+        context_table([[0], [1], [2], [3]], [(0, 1, 2), (0, 1, 2), (0, 1, 2), (3,)])
+
+
+def test_context_parallelism_found_by_its_mesh_dim_names_the_faulty_cp_group():
+    """dp 3 x cp 2 on 6 gloo ranks, the tiny GPT's sequences split over each cp group, FSDP2 over (dp, cp)
+    flattened (torchtitan's dp_shard_cp); the checks find the cp dim by its name "cp". Faults on rank 3 (cp
+    place 1 of group 1, ranks 2 and 3): a gradient element set to 100 caught on its step, the cp group named
+    (both GPUs, `one_of`: a fault on one cp rank reaches the other's gradient through the attention's
+    all-gather), the update dropped; a persistent x1.01 on one matmul output element, below the statistics'
+    margin, by the audit at 25 (a replay of a group's batch is its chunks, each replayed by the rank of the
+    same cp place), persistent. 30 clean steps, audits every 5: exact, no suspicion."""
+    results = _faults([*BASE, "--world", "6", "--fault-rank", "3", "--clean", "30",
+                       "--cases", "grad elem =100,mm one elem x1.01 persistent"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["detector"] == "stats" and hit["named"] == [2, 3], hit
+    assert hit["dropped"] and "cp group [2, 3]" in hit["detail"], hit
+    hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["detector"] == "audit" and hit["named"] == [2, 3], hit
+    assert hit["cause"] == "persistent" and hit["dropped"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (30, 0, 0, 6) and st["exact"], st
+
+
+@pytest.mark.parametrize("how", [["--cp-pass", "arg"], ["--cp-api", "context", "--cp-replay-context"]])
+def test_context_parallelism_passed_or_run_in_a_context_is_replayed_exactly(how: list[str]) -> None:
+    """The cp dim under another name ("seq"), passed as `context_parallel=`; and the cp attention on only
+    inside the loop's context (as torch's context_parallel() patches SDPA), passed as `replay_context=`:
+    4 ranks (dp 2 x cp 2), a gradient element set to 100 on rank 3 caught on its step with cp group [2, 3]
+    named and dropped; 30 clean steps with 6 exact audits, no suspicion."""
+    results = _faults([*BASE, "--world", "4", "--fault-rank", "3", "--clean", "30",
+                       "--cases", "grad elem =100", *how])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["named"] == [2, 3] and hit["dropped"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["audits"]) == (30, 0, 6) and st["exact"], st
+    assert results["clean"]["mode"] == "exact", results["clean"]["mode"]
+
+
+@pytest.mark.parametrize("how", [["--cp-pass", "none"], ["--cp-api", "context"]])
+def test_context_parallelism_the_checks_cannot_replay_turns_replays_off_naming_no_gpu(how: list[str]) -> None:
+    """The cp dim neither named "cp" nor passed (each rank's replay of another's chunk then attends over the
+    wrong chunks), and the cp attention on only in the loop's context with no `replay_context=` (a replay
+    runs each chunk alone): the first step's check finds replays do not reproduce the step, so replays and
+    audits are off (mode "unreproducible"), 30 clean steps give no suspicion, and the faulty step (a gradient
+    element set to 100 on rank 3) is still caught by the statistics and dropped, with no GPU named."""
+    results = _faults([*BASE, "--world", "4", "--fault-rank", "3", "--clean", "30",
+                       "--cases", "grad elem =100", *how])
+    r = results["grad elem =100"]
+    assert r["caught"].get("compute") is None and r["held"] == 22, r["caught"]
+    assert r["status"]["dropped"] == 1 and r["mode"].startswith("unreproducible"), (r["status"], r["mode"])
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (30, 0, 0, 0), st
+    assert results["clean"]["mode"].startswith("unreproducible"), results["clean"]["mode"]
+
+
+def _refusals(rank: int, world: int, init: str, out: str) -> None:
+    """`context_parallel=` that the checks refuse at attach, on 4 ranks of a (dp 2, cp 2) mesh; see the
+    test."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    res: dict[str, Any] = {}
+
+    def loss_fn(mod: nn.Module, b: tuple) -> torch.Tensor:
+        return nn.functional.mse_loss(mod(b[0]), b[1])
+
+    def attempt(name: str, model: nn.Module, **kw: Any) -> None:
+        try:
+            ComputeChecks.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn, **kw)
+            res[name] = ""
+        except ValueError as exc:
+            res[name] = str(exc)
+    attempt("ddp", DDP(nn.Linear(4, 4)), context_parallel=mesh["cp"])
+    attempt("two_dims", fully_shard(nn.Linear(4, 4)), context_parallel=mesh)
+    attempt("not_a_mesh", fully_shard(nn.Linear(4, 4)), context_parallel=[0, 1])
+    attempt("not_a_function", fully_shard(nn.Linear(4, 4)), replay_context=3)
+    # FSDP over the dp ranks alone: its reduce-scatter would not sum the cp ranks' gradients
+    attempt("fsdp_without_cp", fully_shard(nn.Linear(4, 4), mesh=mesh["dp"]), context_parallel=mesh["cp"])
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_context_parallel_arguments_the_checks_cannot_use_are_refused_at_attach(tmp_path) -> None:
+    """`context_parallel=` under DDP (its replays are per rank), a 2-D mesh, something neither a mesh nor a
+    group, and a cp mesh FSDP does not shard over (so its reduce-scatter would not sum the cp ranks'
+    gradients): each a ValueError at attach that says what to pass; `replay_context=` that is no function
+    too."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_refusals, (4, str(tmp_path / "init"), out), nprocs=4)
+    for r in range(4):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        assert "context_parallel= under DDP" in res["ddp"] and "Supported with FSDP2" in res["ddp"], res
+        assert "takes the cp dim's 1-D DeviceMesh" in res["two_dims"], res
+        assert "got list" in res["not_a_mesh"], res
+        assert res["not_a_function"].startswith("replay_context is a function"), res
+        assert "does not hold this rank's context-parallel ranks" in res["fsdp_without_cp"], res
