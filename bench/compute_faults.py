@@ -190,7 +190,7 @@ class _Sink:
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
                          "ac": "none", "wide_fails": -1, "sync_bn": False,
                          "params_bf16": False, "tp": 1, "cp": 1, "cp_api": "module", "cp_pass": "name",
-                         "cp_replay_context": False}
+                         "cp_replay_context": False, "cp_rotate": "allgather"}
 
 
 class Checkpointed(nn.Module):
@@ -450,7 +450,7 @@ def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tup
     from bench.cp_attention import ContextParallel
     name = "cp" if MODEL["cp_pass"] == "name" else "seq"
     mesh = init_device_mesh(device.type, (world // MODEL["cp"], MODEL["cp"]), mesh_dim_names=("dp", name))
-    cp = ContextParallel(mesh[name], MODEL["cp_api"])
+    cp = ContextParallel(mesh[name], MODEL["cp_api"], MODEL["cp_rotate"])
     cp.attach(model)
     return (mesh["dp", name]._flatten(f"dp_{name}"), cp,
             mesh[name] if MODEL["cp_pass"] == "arg" else None)
@@ -1000,6 +1000,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["cp_api"] = args.cp_api
     MODEL["cp_pass"] = args.cp_pass
     MODEL["cp_replay_context"] = args.cp_replay_context
+    MODEL["cp_rotate"] = args.cp_rotate
     MODEL["factory"] = not args.no_witness_model
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
@@ -1304,6 +1305,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp-pass", choices=["name", "arg", "none"], default="name", help="--cp: how the checks "
                    "learn of it: the mesh dim named 'cp' (name), context_parallel= (arg; the dim named "
                    "'seq'), or not at all (none; the dim named 'seq')")
+    p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default="allgather", help="--cp-api "
+                   "torch: how torch's ring attention passes keys and values (its default one all-gather, or "
+                   "all-to-all round the ring)")
     p.add_argument("--cp-replay-context", action="store_true", help="--cp: pass the loop's cp context as "
                    "replay_context= (with --cp-api context, replays then run the cp attention)")
     p.add_argument("--no-witness-model", action="store_true", help="with --fsdp: the checks get no "

@@ -56,10 +56,12 @@ class _Sdpa(nn.Module):
 class ContextParallel:
     """This rank's place in its cp group (`group`) and whether the cp attention is on."""
 
-    def __init__(self, mesh: Any, api: str = "module") -> None:
+    def __init__(self, mesh: Any, api: str = "module", rotate: str = "allgather") -> None:
         if api not in ("module", "context", "torch"):
             raise ValueError(f"api is 'module', 'context' or 'torch', got {api!r}")
-        self.mesh, self.group, self.api = mesh, mesh.get_group(), api
+        if rotate not in ("allgather", "alltoall"):
+            raise ValueError(f"rotate is 'allgather' or 'alltoall', got {rotate!r}")
+        self.mesh, self.group, self.api, self.rotate = mesh, mesh.get_group(), api, rotate
         group = self.group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -93,9 +95,13 @@ class ContextParallel:
             _ContextParallel,
             _cp_options,
             _enable_context_parallel_dispatcher,
+            _RotateMethod,
         )
         from torch.distributed.tensor.parallel import parallelize_module
         _cp_options.enable_load_balance = False        # contiguous chunks, as `shard` cuts them
+        # torch's keys and values: one all-gather (its default), or passed round the ring by all-to-all
+        _cp_options.rotate_method = (_RotateMethod.ALL_TO_ALL if self.rotate == "alltoall"
+                                     else _RotateMethod.ALL_GATHER)
         _enable_context_parallel_dispatcher()
         for block in gpt.blocks:
             block.sdpa = parallelize_module(_Sdpa(), self.mesh, _ContextParallel(

@@ -554,13 +554,14 @@ want cnnmore && step cnn-clean-warn 200 python3 -m bench.compute_faults \
 # torch's own context parallelism (bench/cp_attention.py api "torch": `_ContextParallel` on each block's SDPA
 # as torchtitan applies it) under FSDP2 over (dp, cp) flattened, ranks sharing this GPU over gloo (NCCL takes
 # one rank a GPU): dp 3 x cp 2, faults on rank 3 (cp group [2, 3]) from step 22, audits every 5, clean steps;
-# then the cp dim not named "cp" and not passed (replays must turn off, no GPU blamed)
+# then the cp dim not named "cp" and not passed (replays must turn off, no GPU blamed). --cp-rotate alltoall:
+# torch 2.11's default all-gather rotation segfaults over gloo on CUDA tensors (in its ring attention, 12-07)
 want cptorch && step cp-torch 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --model tiny-gpt --fault-rank 3 \
+  --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt --fault-rank 3 \
   --fault-step 22 --after 6 --audit-every 5 --determinism strict \
   --cases "grad elem =100,mm one elem x1.01 persistent,mm one elem =1e4,grad elem NaN" --clean 200
 want cptorch && step cp-torch-unnamed 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
-  --device cuda --backend gloo --world 4 --fsdp --cp 2 --cp-api torch --cp-pass none --model tiny-gpt \
+  --device cuda --backend gloo --world 4 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --cp-pass none --model tiny-gpt \
   --fault-rank 3 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50
 want computeclean && step compute-clean 330 python3 -m bench.compute_gpu1 --device cuda --model gpt2 \
   --cases none --no-sweep --clean 2000
