@@ -116,12 +116,11 @@ RING_BYTES = 32 << 20          # at most this much pinned host memory for the ro
 _HOOK_VERDICT = os.environ.get("SDCWATCH_HOOK_VERDICT", "1") != "0"
 
 
-# what an FSDP2 job whose replays do not reproduce may have left out
-_UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context parallelism), pass "
+# what a job whose replays do not reproduce may have left out
+_UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context parallelism, FSDP2), pass "
                         "context_parallel=world_mesh['cp']; if it runs its forward and backward inside a "
                         "context (one that turns context parallelism's attention on, an sdpa_kernel choice), "
-                        "pass replay_context= "
-                        "a function returning it")
+                        "pass replay_context= a function returning it")
 
 
 def _context_parallel(given: Any, mesh: Any, fsdp: bool) -> Any:
@@ -402,7 +401,7 @@ class ComputeChecks:
             logger.error("sdcwatch: compute replays do not reproduce this job's steps (%s); no GPU will be "
                          "named on a replay's evidence: audits are off and a suspect step is dropped "
                          "without a finding%s", self.replayer.why_not,
-                         _UNREPRODUCIBLE_HINT if self.fsdp else "")
+                         _UNREPRODUCIBLE_HINT)
             return None
         return self.replayer.start_fault
 

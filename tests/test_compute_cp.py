@@ -138,3 +138,67 @@ def test_context_parallel_arguments_the_checks_cannot_use_are_refused_at_attach(
         assert "got list" in res["not_a_mesh"], res
         assert res["not_a_function"].startswith("replay_context is a function"), res
         assert "does not hold this rank's context-parallel ranks" in res["fsdp_without_cp"], res
+
+
+def _ddp_replay_context(rank: int, world: int, init: str, out: str) -> None:
+    """DDP on 3 ranks whose loop runs each forward and backward inside a context that changes the model's
+    arithmetic (a flag its forward reads); see the test."""
+    import contextlib
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    flag = {"on": False}
+
+    @contextlib.contextmanager
+    def inside() -> Any:
+        flag["on"] = True
+        try:
+            yield
+        finally:
+            flag["on"] = False
+
+    def loss_fn(mod: nn.Module, b: tuple) -> torch.Tensor:
+        return nn.functional.mse_loss(mod(b[0]), b[1])
+    res: dict[str, Any] = {}
+    for name, kw in (("without", {}), ("with", {"replay_context": inside})):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        net.register_forward_hook(lambda m, i, o: o * 1.5 + 0.25 if flag["on"] else None)
+        ddp = DDP(net)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        checks = ComputeChecks.attach(ddp, opt, loss_fn=loss_fn, audit_every=2, warmup=2, **kw)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(6):
+            batch = (torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g))
+            checks.retain(batch)
+            with inside():
+                loss_fn(ddp, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        st = checks.status()
+        res[name] = [st.steps, st.audits, st.suspicions, st.dropped, checks.mode()]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_replay_context_runs_every_replay_inside_the_loops_own_context(tmp_path) -> None:
+    """DDP on 3 gloo ranks, the loop's forward and backward inside a context that changes the model's output
+    (as torch's context_parallel() or an sdpa_kernel choice changes the computation): without
+    `replay_context=` the first step's check finds that replays do not give the step's gradient and turns
+    them off (mode "unreproducible", no audit, no suspicion); with it, every replay runs inside the context
+    and reproduces the step: 3 audits in 6 steps, exact, no suspicion."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_ddp_replay_context, (3, str(tmp_path / "init"), out), nprocs=3)
+    for r in range(3):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        steps, audits, suspicions, dropped, mode = res["without"]
+        assert (steps, audits, suspicions, dropped) == (6, 0, 0, 0) and mode.startswith("unreproducible"), res
+        assert res["with"] == [6, 3, 0, 0, "exact"], res
