@@ -442,18 +442,25 @@ def _tensor_parallel(model: nn.Module, device: torch.device, world: int) -> Any:
 
 def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tuple[Any, Any, Any]:
     """`--cp N`: the GPT's sequences split over N ranks (bench.cp_attention), on a (dp, cp) mesh whose dims
-    FSDP2 shards over together (flattened, as torchtitan's dp_shard_cp); the cp dim is named "cp" (found by
-    the checks) or, with --cp-pass arg|none, "seq" (passed as context_parallel=, or not at all).
+    FSDP2 shards over together (flattened, as torchtitan's dp_shard_cp; with --hsdp a (replicate, shard, cp)
+    mesh, FSDP2 on (replicate, shard x cp)); the cp dim is named "cp" (found by the checks) or, with
+    --cp-pass arg|none, "seq" (passed as context_parallel=, or not at all).
     -> (FSDP's mesh, the ContextParallel, what context_parallel= gets)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from bench.cp_attention import ContextParallel
-    name = "cp" if MODEL["cp_pass"] == "name" else "seq"
-    mesh = init_device_mesh(device.type, (world // MODEL["cp"], MODEL["cp"]), mesh_dim_names=("dp", name))
+    name, cp_size, hsdp = "cp" if MODEL["cp_pass"] == "name" else "seq", MODEL["cp"], MODEL["hsdp"]
+    if hsdp:
+        mesh = init_device_mesh(device.type, (hsdp, world // (hsdp * cp_size), cp_size),
+                                mesh_dim_names=("replicate", "shard", name))
+        mesh["shard", name]._flatten(f"shard_{name}")
+        fsdp_mesh = mesh["replicate", f"shard_{name}"]
+    else:
+        mesh = init_device_mesh(device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", name))
+        fsdp_mesh = mesh["dp", name]._flatten(f"dp_{name}")
     cp = ContextParallel(mesh[name], MODEL["cp_api"], MODEL["cp_rotate"])
     cp.attach(model)
-    return (mesh["dp", name]._flatten(f"dp_{name}"), cp,
-            mesh[name] if MODEL["cp_pass"] == "arg" else None)
+    return fsdp_mesh, cp, mesh[name] if MODEL["cp_pass"] == "arg" else None
 
 
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
@@ -497,7 +504,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3,
                            fused=fused_adam or mask == "device" or (not fsdp and device.type == "cuda"))
     sink = _Sink()
-    monitor = (None if fsdp and (not MODEL["hsdp"] or tp > 1) else     # HSDP: the vote across replicas
+    monitor = (None if fsdp and (not MODEL["hsdp"] or group > 1) else     # HSDP: the vote across replicas
                Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
     # --recover: the vote gates the update and, with 3+ replicas, repairs the odd one in place
     recovery = ReplicaRecovery.attach(monitor) if recover and monitor is not None else None
@@ -1394,10 +1401,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--tp N needs --fsdp, --model mlp, no --overhead, N >= 2 dividing --world (--hsdp R: R * N "
                 "dividing it) and >= 2 tp groups")
     if args.cp != 1 and (not args.fsdp or args.model not in ("tiny-gpt", "gpt2") or args.cp < 2
-                         or args.tp != 1 or args.hsdp or args.overhead or args.accum != 1 or args.ac != "none"
-                         or args.world % args.cp or args.world // args.cp < 2):
-        p.error("--cp N needs --fsdp, --model tiny-gpt or gpt2, no --tp, --hsdp, --overhead, --accum or "
-                "--ac, N >= 2 dividing --world and >= 2 cp groups")
+                         or args.tp != 1 or args.overhead or args.accum != 1 or args.ac != "none"
+                         or args.world % (args.cp * max(args.hsdp, 1)) or args.world // args.cp < 2):
+        p.error("--cp N needs --fsdp, --model tiny-gpt or gpt2, no --tp, --overhead, --accum or --ac, N >= 2 "
+                "dividing --world (--hsdp R: R * N dividing it) and >= 2 cp groups")
     if args.cp_api == "torch" and args.device != "cuda":
         p.error("--cp-api torch shards SDPA through CUDA kernels only (flash, efficient, cuDNN): --device cuda")
     if args.after < 1 or args.fault_step < 1:

@@ -202,3 +202,21 @@ def test_replay_context_runs_every_replay_inside_the_loops_own_context(tmp_path)
         steps, audits, suspicions, dropped, mode = res["without"]
         assert (steps, audits, suspicions, dropped) == (6, 0, 0, 0) and mode.startswith("unreproducible"), res
         assert res["with"] == [6, 3, 0, 0, "exact"], res
+
+
+def test_hsdp_with_context_parallelism_names_the_faulty_cp_group_and_keeps_clean_steps_clean():
+    """HSDP (2 replicas) x 2 shards x cp 2 on 8 gloo ranks, FSDP2 on (replicate, shard x cp) as torchtitan
+    lays it out (`--hsdp 2 --cp 2`): the lanes' data-parallel groups made across both FSDP dims. Faults on
+    rank 5 (cp group [4, 5]): a gradient element set to 100 caught on its step (22), the group named and the
+    update dropped; a persistent x1.01 on one matmul output element by the audit at 25, persistent. 30 clean
+    steps with audits every 5: exact, no suspicion."""
+    results = _faults([*BASE, "--world", "8", "--hsdp", "2", "--fault-rank", "5", "--clean", "30",
+                       "--cases", "grad elem =100,mm one elem x1.01 persistent"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["detector"] == "stats" and hit["named"] == [4, 5], hit
+    assert hit["dropped"] and "cp group [4, 5]" in hit["detail"], hit
+    hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["detector"] == "audit" and hit["named"] == [4, 5], hit
+    assert hit["cause"] == "persistent" and hit["dropped"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (30, 0, 0, 6) and st["exact"], st
