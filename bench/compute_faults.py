@@ -443,14 +443,23 @@ def _tensor_parallel(model: nn.Module, device: torch.device, world: int) -> Any:
 def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tuple[Any, Any, Any]:
     """`--cp N`: the GPT's sequences split over N ranks (bench.cp_attention), on a (dp, cp) mesh whose dims
     FSDP2 shards over together (flattened, as torchtitan's dp_shard_cp; with --hsdp a (replicate, shard, cp)
-    mesh, FSDP2 on (replicate, shard x cp)); the cp dim is named "cp" (found by the checks) or, with
-    --cp-pass arg|none, "seq" (passed as context_parallel=, or not at all).
+    mesh, FSDP2 on (replicate, shard x cp); with --tp T a (dp, cp, tp) mesh, each block's MLP split
+    column- then row-parallel over tp, the attention whole on every tp rank); the cp dim is named "cp" (found
+    by the checks) or, with --cp-pass arg|none, "seq" (passed as context_parallel=, or not at all).
     -> (FSDP's mesh, the ContextParallel, what context_parallel= gets)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from bench.cp_attention import ContextParallel
     name, cp_size, hsdp = "cp" if MODEL["cp_pass"] == "name" else "seq", MODEL["cp"], MODEL["hsdp"]
-    if hsdp:
+    tp = MODEL["tp"]
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh(device.type, (world // (cp_size * tp), cp_size, tp),
+                                mesh_dim_names=("dp", name, "tp"))
+        fsdp_mesh = mesh["dp", name]._flatten(f"dp_{name}")
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    elif hsdp:
         mesh = init_device_mesh(device.type, (hsdp, world // (hsdp * cp_size), cp_size),
                                 mesh_dim_names=("replicate", "shard", name))
         mesh["shard", name]._flatten(f"shard_{name}")
@@ -1396,15 +1405,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.hsdp and (not args.fsdp or args.hsdp < 2 or args.world % args.hsdp or args.world // args.hsdp < 2):
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
-    if args.tp != 1 and (not args.fsdp or args.model != "mlp" or args.tp < 2 or args.overhead
-                         or args.world % (args.tp * max(args.hsdp, 1)) or args.world // args.tp < 2):
-        p.error("--tp N needs --fsdp, --model mlp, no --overhead, N >= 2 dividing --world (--hsdp R: R * N "
-                "dividing it) and >= 2 tp groups")
+    if args.tp != 1 and (not args.fsdp or args.model != "mlp" and args.cp == 1 or args.tp < 2
+                         or args.overhead or args.world % (args.tp * max(args.hsdp, 1))
+                         or args.world // args.tp < 2):
+        p.error("--tp N needs --fsdp, --model mlp (or a GPT with --cp), no --overhead, N >= 2 dividing "
+                "--world (--hsdp R: R * N dividing it) and >= 2 tp groups")
     if args.cp != 1 and (not args.fsdp or args.model not in ("tiny-gpt", "gpt2") or args.cp < 2
-                         or args.tp != 1 or args.overhead or args.accum != 1 or args.ac != "none"
-                         or args.world % (args.cp * max(args.hsdp, 1)) or args.world // args.cp < 2):
-        p.error("--cp N needs --fsdp, --model tiny-gpt or gpt2, no --tp, --overhead, --accum or --ac, N >= 2 "
-                "dividing --world (--hsdp R: R * N dividing it) and >= 2 cp groups")
+                         or args.tp != 1 and args.hsdp or args.overhead or args.accum != 1 or args.ac != "none"
+                         or args.world % (args.cp * args.tp * max(args.hsdp, 1))
+                         or args.world // (args.cp * args.tp) < 2):
+        p.error("--cp N needs --fsdp, --model tiny-gpt or gpt2, no --overhead, --accum or --ac, not both --tp "
+                "and --hsdp, N (x --tp x --hsdp) dividing --world and >= 2 replicas")
     if args.cp_api == "torch" and args.device != "cuda":
         p.error("--cp-api torch shards SDPA through CUDA kernels only (flash, efficient, cuDNN): --device cuda")
     if args.after < 1 or args.fault_step < 1:

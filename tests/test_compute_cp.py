@@ -220,3 +220,17 @@ def test_hsdp_with_context_parallelism_names_the_faulty_cp_group_and_keeps_clean
     assert hit["cause"] == "persistent" and hit["dropped"], hit
     st = results["clean"]["status"]
     assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (30, 0, 0, 6) and st["exact"], st
+
+
+def test_context_and_tensor_parallelism_together_check_each_cp_x_tp_group_as_one_replica():
+    """dp 2 x cp 2 x tp 2 on 8 gloo ranks (the tiny GPT's MLPs split over tp, its sequences over cp, FSDP2
+    over (dp, cp)): each cp group's tp groups join into one replica of 4 ranks (lane = cp place x tp lane).
+    A gradient element set to 100 on rank 5 is caught on its step with the whole group [4, 5, 6, 7] named
+    (`one_of`) and dropped; 20 clean steps with audits every 5: 4 exact audits, no suspicion."""
+    results = _faults([*BASE, "--world", "8", "--tp", "2", "--fault-rank", "5", "--clean", "20",
+                       "--cases", "grad elem =100"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["named"] == [4, 5, 6, 7] and hit["dropped"], hit
+    assert "cp x tp group [4, 5, 6, 7]" in hit["detail"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (20, 0, 0, 4) and st["exact"], st
