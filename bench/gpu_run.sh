@@ -560,6 +560,9 @@ want cptorch && step cp-torch 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m
   --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt --fault-rank 3 \
   --fault-step 22 --after 6 --audit-every 5 --determinism strict \
   --cases "grad elem =100,mm one elem x1.01 persistent,mm one elem =1e4,grad elem NaN" --clean 200
+want cptorch && step cp-torch-tp 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 8 --fsdp --cp 2 --tp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
+  --fault-rank 5 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50
 want cptorch && step cp-torch-unnamed 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 4 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --cp-pass none --model tiny-gpt \
   --fault-rank 3 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50
