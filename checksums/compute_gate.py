@@ -43,8 +43,9 @@ FSDP2/HSDP with tensor parallelism (a tp mesh dim in the parameters' DTensor mes
 data-parallel rank here (checksums.tp_lanes: its lanes' rows side by side, every decision gathered over the
 whole mesh, batches within a lane); a finding names the group's GPUs, `one_of`. Context parallelism
 (`context_parallel=` the cp DeviceMesh, or a mesh dim named "cp" beside FSDP's) joins each cp group (and its
-tp groups) into one such group, each rank retaining its own chunk of the sequence. DDP with tensor or
-context parallelism is refused at attach.
+tp groups) into one such group, each rank retaining its own chunk of the sequence. DDP with tensor
+parallelism, or with `context_parallel=`, is refused at attach (context parallelism the checks are not told
+of: the first step's check finds replays do not reproduce and turns them off).
 
 Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;
 replays multiply `loss_fn`'s loss by the scale the step ran under (checksums.replay), so they reproduce the
