@@ -560,6 +560,13 @@ want cptorch && step cp-torch 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m
   --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt --fault-rank 3 \
   --fault-step 22 --after 6 --audit-every 5 --determinism strict \
   --cases "grad elem =100,mm one elem x1.01 persistent,mm one elem =1e4,grad elem NaN" --clean 200
+# the whole fault matrix under torch's CP (dp 3 x cp 2), step 42 (not audited) and 45 (audited)
+want cptorchall && step cp-torch-all42 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
+  --fault-rank 3 --fault-step 42 --audit-every 5 --determinism strict --cases all
+want cptorchall && step cp-torch-all45 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
+  --fault-rank 3 --fault-step 45 --audit-every 5 --determinism strict --cases all
 want cptorch && step cp-torch-tp 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 8 --fsdp --cp 2 --tp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
   --fault-rank 5 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50
