@@ -612,7 +612,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                                             and first["step"] == f.step)):
                 caught["compute:" + f.detector] = {"step": f.step, "named": list(f.faulty), "cause": f.cause,
                                                    "dropped": f.dropped, "detector": f.detector,
-                                                   "detail": f.detail}
+                                                   "detail": f.detail, "one_of": f.one_of}
                 caught["compute"] = caught["compute:" + f.detector]
         checks.findings.clear()
         for ev in (monitor.events if monitor is not None else ()):
@@ -1123,7 +1123,7 @@ def _recovery_line(r: dict[str, Any]) -> str:
 
 def table(results: dict[str, Any], fault_step: int, fault_rank: int, tp: int = 1) -> str:
     """The fault table; `tp`: a finding names the faulty rank's whole tensor- (or context-) parallel group
-    (one of them)."""
+    (one of them), or the faulty rank alone (the lane witness)."""
     head = f"fault (rank {fault_rank}, step {fault_step})"
     right = list(range(fault_rank - fault_rank % tp, fault_rank - fault_rank % tp + tp))
     lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
@@ -1150,9 +1150,9 @@ def table(results: dict[str, Any], fault_step: int, fault_rank: int, tp: int = 1
             continue
         hit = c["compute"] if det != "vote" else c["vote"]
         named = hit["named"]
-        want = right if det != "vote" else [fault_rank]
+        ok = named in (right, [fault_rank]) if det != "vote" else named == [fault_rank]
         lines.append(f"{name:34} {det:17} {'yes':6} {hit['step'] - fault_step:<5} "
-                     f"{('yes ' if named == want else 'NO ' if named else 'none ') + str(named):10} "
+                     f"{('yes ' if ok else 'NO ' if named else 'none ') + str(named):10} "
                      f"{hit.get('cause', '-'):11} {('dropped' if hit.get('dropped') else 'applied') if 'cause' in hit else '-'}"
                      + (f"   (vote also, +{c['vote']['step'] - fault_step}, named {c['vote']['named']})"
                         if det != "vote" and "vote" in c else "")

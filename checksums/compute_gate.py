@@ -102,6 +102,7 @@ from checksums.host_ring import HostRing, HostSlot, batch_stats
 from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replayer, Retained
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
+from checksums.lane_witness import lane_witness
 from checksums.tp_lanes import Lanes, find_lanes, named_cp
 from sdcwatch.arguments import count, function, wire_name
 from sdcwatch.names import GPU_UUID, HOST
@@ -511,6 +512,8 @@ class ComputeChecks:
             return False
         self._suspicions += 1
         outcomes = self._weights_checked(outcomes)
+        if self.lanes is not None:
+            outcomes = self._lanes_named(outcomes)
         drop = masked or any(c.drop or d == "nonfinite" for d, _, c in outcomes)
         if all(c.cause is Cause.DATA for _, _, c in outcomes):
             self.tracker.learn(stats)                    # the data's own spread: widen it
@@ -519,6 +522,43 @@ class ComputeChecks:
         if drop:
             self._dropped += 1
         return drop
+
+    def _lanes_named(self, outcomes: list[tuple[str, int, Classification]]
+                     ) -> list[tuple[str, int, Classification]]:
+        """Tensor or context parallelism: for a group found repeating a wrong result (persistent) while
+        another group agrees with the rest, which of its GPUs computed wrong, by the lane witness
+        (checksums.lane_witness: every rank replays that group's batch of this step under the op trace,
+        lane by lane against the good group; a collective, on such a step only, every rank with the same
+        outcomes). Only where replays are bit for bit on one GPU model (the op witness's ground); a lane
+        named goes in the classification (`lane`), else the finding stays `one_of`."""
+        lanes = self.lanes
+        if (lanes is None or lanes.lanes < 2 or not self.replayer.exact or not self.replayer.same_hardware
+                or not self.replayer.retained.micro):
+            return outcomes
+        out = []
+        for detector, r, c in outcomes:
+            good = next((d for d in range(self.world) if d not in c.faulty), None)
+            if c.cause is not Cause.PERSISTENT or len(c.faulty) != 1 or good is None:
+                out.append((detector, r, c))
+                continue
+            suspect = c.faulty[0]
+            try:
+                retained = self.replayer.fetch(suspect)
+                lane, why = lane_witness(
+                    lambda: self.replayer.agreed(lambda: self.replayer._rows_of_replay(retained)),
+                    lanes, suspect, good, self.device)
+            except ReplayFailed as exc:
+                lane, why = None, f"its replay failed ({exc})"
+            self.replayer.replays += 2
+            named = None if lane is None else lanes.members(suspect)[lane]
+            if dist.get_rank() in (0, named):        # said once, and on the GPU it names
+                logger.warning("sdcwatch: the lane witness %s: %s", "names no GPU" if named is None else
+                               f"names rank {named} (lane {lane} of group {list(lanes.members(suspect))})",
+                               why)
+            if lane is not None:
+                c = dataclasses.replace(c, lane=lane, detail=f"{c.detail}; the lane witness: {why}"[:2000])
+            out.append((detector, r, c))
+        return out
 
     def _weights_checked(self, outcomes: list[tuple[str, int, Classification]]
                          ) -> list[tuple[str, int, Classification]]:
@@ -759,7 +799,14 @@ class ComputeChecks:
         # were judged by the audits of the process that trained them)
         since = self._last_audit.get(suspect, self._first_step - 1) + 1 if detector == "audit" else step
         faulty, detail, who = c.faulty, c.detail, suspect
-        if self.lanes is not None:     # a tp group computes as one: its GPUs (global ranks), one faulty
+        if self.lanes is not None and c.lane is not None and len(c.faulty) == 1:   # the lane witness's GPU
+            where = (self.where[c.faulty[0]][c.lane],)
+            faulty = (where[0][0],)
+            who = where[0][0]
+            detail = (f"{' x '.join(self.lanes.dims)} group {list(self.lanes.members(suspect))} "
+                      f"(data-parallel index {suspect}): rank {who} computed wrong, named by the lane "
+                      f"witness: {c.detail}")
+        elif self.lanes is not None:   # a tp group computes as one: its GPUs (global ranks), one faulty
             faulty, who = tuple(w[0] for w in where), self.lanes.members(suspect)[0]
             detail = (f"{' x '.join(self.lanes.dims)} group {list(self.lanes.members(suspect))} "
                       f"(data-parallel index {suspect}); its replays name the group, not which of its GPUs: "

@@ -107,6 +107,7 @@ class Classification:
     faulty: tuple[int, ...]         # ranks whose arithmetic was wrong (empty for DATA)
     drop: bool                      # the step's update must not be applied
     detail: str
+    lane: int | None = None         # a tp (cp) group's faulty GPU, by its lane (checksums.lane_witness)
 
 
 MAX_CLASSIFIED = 2      # mismatches of one audit classified (each a replay round): bounded

@@ -20,7 +20,7 @@ chunk, so a replay of a group's batch is that group's chunks, each replayed by t
 
 Naming: replays tell which tp group computed wrong, not which of its GPUs (the group's forward mixes its
 lanes: a fault on one lane reaches every lane's gradient), so a finding names every GPU of that group,
-marked `one_of` (the agent makes them SUSPECT, never FAILED, on that evidence; a persistent fault still
+marked `one_of`, unless the lane witness (checksums.lane_witness) finds the GPU of a persistent fault (the agent makes them SUSPECT, never FAILED, on that evidence; a persistent fault still
 stops the job).
 
 Training-side module: never imports the agent (`daemon`).

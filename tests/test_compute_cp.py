@@ -234,3 +234,35 @@ def test_context_and_tensor_parallelism_together_check_each_cp_x_tp_group_as_one
     assert "cp x tp group [4, 5, 6, 7]" in hit["detail"], hit
     st = results["clean"]["status"]
     assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (20, 0, 0, 4) and st["exact"], st
+
+
+def test_the_lane_witness_names_the_gpu_of_a_cp_group_that_computed_wrong():
+    """dp 3 x cp 2 on 6 gloo ranks under bf16 autocast: a persistent x1.05 on one element inside block 0's
+    MLP matmul on rank 3 (as a tensor core computing wrong: the op itself returns it) is found by the audit at
+    25 in cp group [2, 3]; then the lane witness (checksums/lane_witness.py: every rank replays the group's
+    batch under the op trace, lane against lane with a good group) finds the first op computing differently
+    from equal inputs in lane 1, the CPU's float64 result is the good GPU's, and rank 3 alone is named (not
+    `one_of`). A fault the hook adds after the op (other ops on that rank only: the traces part) leaves the
+    finding naming the group, `one_of`."""
+    results = _faults([*BASE, "--world", "6", "--fault-rank", "3", "--cpu-autocast",
+                       "--cases", "tc one elem x1.05 persistent,mm one elem x1.01 persistent"])
+    hit = results["tc one elem x1.05 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["detector"] == "audit" and hit["cause"] == "persistent", hit
+    assert hit["named"] == [3] and not hit["one_of"] and hit["dropped"], hit
+    assert "rank 3 computed wrong, named by the lane witness" in hit["detail"], hit
+    assert "aten.addmm" in hit["detail"] or "aten.mm" in hit["detail"], hit
+    hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["named"] == [2, 3] and hit["one_of"], hit
+
+
+def test_the_lane_witness_names_one_lane_only_when_no_other_lane_disagrees():
+    """`judged` (pure): one lane whose decision is near 0 (the good GPU's output is the CPU's) names that
+    lane; none names nobody; two lanes naming, or a lane pointing at the good group's GPU, name nobody."""
+    from checksums.lane_witness import judged
+    nan = float("nan")
+    assert judged([(nan, "no op"), (0.02, "op 97")]) == (1, "lane 1: op 97")
+    lane, why = judged([(nan, "no op"), (nan, "sequences part")])
+    assert lane is None and "lane 1: sequences part" in why
+    assert judged([(0.0, "a"), (0.01, "b")])[0] is None
+    assert judged([(0.0, "a"), (0.99, "b")])[0] is None
+    assert judged([(0.5, "rounding"), (nan, "")])[0] is None
