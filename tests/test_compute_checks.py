@@ -727,7 +727,8 @@ def test_a_gpu_faulty_from_the_first_step_is_named_at_it_and_the_replays_stay_ex
                  "--cases", name, "--clean", "20"])
     hit = r[name]["caught"]["compute"]
     assert {k: v for k, v in hit.items() if k != "detail"} == {"step": 1, "named": [faulty], "cause": "persistent",
-                                                               "dropped": True, "detector": "audit"}, hit
+                                                               "dropped": True, "detector": "audit",
+                                                               "one_of": False}, hit
     assert ("rank 0's batch" if world == 2 else "") in hit["detail"], hit["detail"]   # 2: the start check's
     assert r[name]["mode"] == "exact" and r[name]["status"]["exact"], r[name]["mode"]
     assert r[name]["status"]["suspicions"] >= 2, r[name]["status"]
