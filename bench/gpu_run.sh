@@ -567,6 +567,12 @@ want cptorchall && step cp-torch-all42 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 p
 want cptorchall && step cp-torch-all45 280 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
   --fault-rank 3 --fault-step 45 --audit-every 5 --determinism strict --cases all
+# the lane witness under torch's CP: faults inside block 0's bf16 MLP matmul on rank 3 (the GPU alone named) and
+# one a hook adds after it (the group named, one_of)
+want cplane && step cp-torch-lane 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
+  --fault-rank 3 --fault-step 22 --after 6 --audit-every 5 --determinism strict \
+  --cases "tc one elem x1.05 persistent,tc channel x2 persistent,mm one elem x1.01 persistent"
 want cptorch && step cp-torch-tp 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 8 --fsdp --cp 2 --tp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
   --fault-rank 5 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50
