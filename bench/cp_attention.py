@@ -28,8 +28,8 @@ from torch import nn
 
 class _Gather(torch.autograd.Function):
     """All-gather along dim 2 (the sequence of [b, heads, t, d]); the backward sums each rank's share of
-    the gradient back onto it (a reduce-scatter, written as an all-reduce: gloo reduce-scatters no
-    subgroup)."""
+    the gradient back onto it (a reduce-scatter, written as an all-reduce: torch.distributed.nn's all-gather
+    falls back on gloo to a scatter that fails on a subgroup, torch 2.13)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
