@@ -28,9 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checksums.op_witness import OpTrace, decide, digest, exchange, first_divergence, reads
+from checksums.op_witness import witness_between
 from checksums.replay import witness_names
-from checksums.replay_modes import eager
 from checksums.tp_lanes import Lanes
 
 
@@ -39,33 +38,7 @@ def lane_witness(replay: Callable[[], Any], lanes: Lanes, suspect: int, good: in
     """The lane of tp (cp) group `suspect` whose GPU computed wrong, judged against group `good`, and the
     evidence; (None, why) when no single lane's op says so. `replay()`: this rank's part of a collective
     replay of the suspect group's batch (each lane its own chunk), as the step computes."""
-    trace = OpTrace()
-    with eager(), trace:
-        replay()
-    traces = exchange((trace.names, trace.host_prints()), lanes.dp_group, device)
-    i, why = first_divergence(traces[good], traces[suspect])
-    cap = OpTrace(capture=-1 if i is None else i)
-    with eager(), cap:                        # every rank again: the replay's collectives pair up
-        replay()
-    got = cap.captured if i is not None else None
-    if got is not None and str(got[0]) != trace.names[i]:     # type: ignore[index]
-        got = None
-    sent = None
-    if lanes.dp_rank == suspect and got is not None:
-        try:
-            sent = (digest(reads(*got[:3])), got[3])
-        except Exception:  # noqa: BLE001 (the good rank waits in the exchange: never raise before it)
-            sent = None
-    theirs = exchange(sent, lanes.dp_group, device)
-    verdict: tuple[float, str] = (float("nan"), why)
-    if lanes.dp_rank == good and i is not None:
-        own = None if got is None else (got[1], got[2], got[3])
-        strict = device.type != "cuda" or torch.are_deterministic_algorithms_enabled()
-        try:
-            verdict = decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[suspect]],
-                             exact_ints=strict)
-        except Exception as exc:  # noqa: BLE001 (the others wait in the gather below: never raise)
-            verdict = (float("nan"), f"op {i}: the decision failed ({type(exc).__name__}: {str(exc)[:200]})")
+    verdict = witness_between(replay, lanes.dp_group, good, suspect, device)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, verdict)
     return judged([every[r] for r in lanes.members(good)])

@@ -477,42 +477,53 @@ def op_witness(replay: Callable[[], Any], group: Any, device: torch.device) -> t
     computes, through `Replayer.agreed`): t as `Replayer.witness` returns it, and what it rests on (or why
     there is none, with t NaN). Two replays: one tracing every op's fingerprint, one capturing the first op
     that differs; one op's inputs and outputs travel once. A compiled model replays eagerly (`eager`)."""
-    trace = OpTrace()
-    with eager(), trace:
-        replay()
-    mine = (trace.names, trace.host_prints())
-    traces = exchange(mine, group, device)
-    i, why = first_divergence(traces[0], traces[1])
-    if i is None:
-        return float("nan"), why
-    cap = OpTrace(capture=i)
-    with eager(), cap:
-        replay()
-    got = cap.captured
-    if got is not None and str(got[0]) != trace.names[i]:
-        got = None                  # the second replay ran other ops (both traces named op i alike)
-    # rank 0 keeps its own capture; the other rank sends the digest of its inputs and its outputs (None when
-    # it has none or cannot digest them: rank 0 then answers "not captured", never waits for more)
-    rank0 = dist.get_rank(group) == 0
-    sent = None
-    if not rank0 and got is not None:
-        try:
-            sent = (digest(reads(*got[:3])), got[3])
-        except Exception:  # noqa: BLE001 (rank 0 waits in the exchange: never raise before it)
-            sent = None
-    theirs = exchange(sent, group, device)
-    out: list[Any] = [(float("nan"), "")]
-    if rank0:
-        own = None if got is None else (got[1], got[2], got[3])
-        strict = device.type != "cuda" or torch.are_deterministic_algorithms_enabled()
-        try:
-            out = [decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[1]],
-                          exact_ints=strict)]
-        except Exception as exc:  # noqa: BLE001 (the other rank waits in the broadcast below: never raise)
-            out = [(float("nan"), f"op {i}: the decision failed ({type(exc).__name__}: {str(exc)[:200]})")]
+    out = [witness_between(replay, group, 0, 1, device, settle=False)]
     dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
                                device=device if device.type == "cuda" else None)
     return out[0]
+
+
+def witness_between(replay: Callable[[], Any], group: Any, first: int, second: int, device: torch.device,
+                    settle: bool = True) -> tuple[float, str]:
+    """The op witness's work between group ranks `first` and `second` (a collective of `group`: every rank
+    replays, `replay` as in `op_witness`): the first op computing differently on the two from equal inputs,
+    recomputed on the CPU; the decision (`decide`: t near 0 when `first`'s output is the float64 one) on rank
+    `first`, (NaN, why) on every other rank. `settle` False: when no op differs, every rank returns at once
+    (no second replay); True: every rank replays a second time whatever it found (a replay that is a
+    collective of more ranks than `group`'s, where other groups may have found an op:
+    checksums.lane_witness)."""
+    trace = OpTrace()
+    with eager(), trace:
+        replay()
+    traces = exchange((trace.names, trace.host_prints()), group, device)
+    i, why = first_divergence(traces[first], traces[second])
+    if i is None and not settle:
+        return float("nan"), why
+    cap = OpTrace(capture=-1 if i is None else i)
+    with eager(), cap:
+        replay()
+    got = cap.captured if i is not None else None
+    if got is not None and str(got[0]) != trace.names[i]:     # type: ignore[index]
+        got = None                  # the second replay ran other ops (both traces named op i alike)
+    # `first` keeps its own capture; `second` sends the digest of its inputs and its outputs (None when it has
+    # none or cannot digest them: `first` then answers "not captured", never waits for more)
+    me = dist.get_rank(group)
+    sent = None
+    if me == second and got is not None:
+        try:
+            sent = (digest(reads(*got[:3])), got[3])
+        except Exception:  # noqa: BLE001 (`first` waits in the exchange: never raise before it)
+            sent = None
+    theirs = exchange(sent, group, device)
+    if me != first or i is None:
+        return float("nan"), why
+    own = None if got is None else (got[1], got[2], got[3])
+    strict = device.type != "cuda" or torch.are_deterministic_algorithms_enabled()
+    try:
+        return decide(i, len(trace.names), got[0] if got is not None else None, [own, theirs[second]],
+                      exact_ints=strict)
+    except Exception as exc:  # noqa: BLE001 (the others wait in the caller's collective: never raise)
+        return float("nan"), f"op {i}: the decision failed ({type(exc).__name__}: {str(exc)[:200]})"
 
 
 def decide(i: int, n_ops: int, func: Any, captured: list[Any], limit: int | None = ROWS,
