@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.paired import paired_interval
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
+from checksums.fingerprint import DTENSOR
 from demo.faults import BackwardFault
 from demo.model import Block
 from checksums import native_hook
@@ -190,7 +191,7 @@ class _Sink:
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
                          "ac": "none", "wide_fails": -1, "sync_bn": False,
                          "params_bf16": False, "tp": 1, "cp": 1, "cp_api": "module", "cp_pass": "name",
-                         "cp_replay_context": False, "cp_rotate": "allgather"}
+                         "cp_replay_context": False, "cp_rotate": "allgather", "cp_mesh": "dims"}
 
 
 class Checkpointed(nn.Module):
@@ -331,6 +332,8 @@ class MatmulFault(TorchDispatchMode):
         return case.where if case is not None else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if DTENSOR is not None and any(issubclass(t, DTENSOR) for t in types):
+            return NotImplemented     # a DTensor's op (a tp-split layer): the fault is in the local op
         out = func(*args, **(kwargs or {}))
         # (no grad-mode test: sdcguard's checked linear runs its matmul inside an autograd.Function's forward)
         low = (torch.bfloat16, torch.float16) if self.where(self.case) in TC_WHERE else None
@@ -452,6 +455,8 @@ def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tup
     from bench.cp_attention import ContextParallel
     name, cp_size, hsdp = "cp" if MODEL["cp_pass"] == "name" else "seq", MODEL["cp"], MODEL["hsdp"]
     tp = MODEL["tp"]
+    if MODEL["cp_mesh"] == "unflatten":
+        return _context_parallel_unflattened(model, device, world, name)
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         mesh = init_device_mesh(device.type, (world // (cp_size * tp), cp_size, tp),
@@ -470,6 +475,30 @@ def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tup
     cp = ContextParallel(mesh[name], MODEL["cp_api"], MODEL["cp_rotate"])
     cp.attach(model)
     return fsdp_mesh, cp, mesh[name] if MODEL["cp_pass"] == "arg" else None
+
+
+def _context_parallel_unflattened(model: nn.Module, device: torch.device, world: int,
+                                  name: str) -> tuple[Any, Any, Any]:
+    """`--cp-mesh unflatten`: the meshes as newer torchtitan builds them, each unflattened from one 1-D world
+    mesh: the data-loading mesh (batch, cp, tp), whose cp dim the ContextParallel uses, and the dense mesh
+    (dp_replicate, fsdp, tp) with fsdp = dp_shard x cp, FSDP2's (no mesh holds both a "cp" and FSDP's
+    dims: the checks find the cp groups among the process groups the world mesh made, by their dim's name)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench.cp_attention import ContextParallel
+    cp_size, tp, replicate = MODEL["cp"], MODEL["tp"], MODEL["hsdp"] or 1
+    world_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("world",))
+    loading = world_mesh._unflatten(0, (world // (cp_size * tp), cp_size, tp), ("batch", name, "tp"))
+    dense = world_mesh._unflatten(0, (replicate, world // (replicate * tp), tp),
+                                  ("dp_replicate", "fsdp", "tp"))
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        for block in model.blocks:
+            parallelize_module(block, dense["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    fsdp_mesh = dense["dp_replicate", "fsdp"] if MODEL["hsdp"] else dense["fsdp"]
+    cp = ContextParallel(loading[name], MODEL["cp_api"], MODEL["cp_rotate"])
+    cp.attach(model)
+    return fsdp_mesh, cp, loading[name] if MODEL["cp_pass"] == "arg" else None
 
 
 def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, steps: int, fault_step: int,
@@ -1017,6 +1046,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["cp_pass"] = args.cp_pass
     MODEL["cp_replay_context"] = args.cp_replay_context
     MODEL["cp_rotate"] = args.cp_rotate
+    MODEL["cp_mesh"] = args.cp_mesh
     MODEL["factory"] = not args.no_witness_model
     MODEL["batch"] = args.batch
     MODEL["amp"] = args.amp
@@ -1324,6 +1354,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default="allgather", help="--cp-api "
                    "torch: how torch's ring attention passes keys and values (its default one all-gather, or "
                    "all-to-all round the ring)")
+    p.add_argument("--cp-mesh", choices=["dims", "unflatten"], default="dims", help="--cp: one mesh with "
+                   "the cp dim beside FSDP's (dims: torchtitan's world_mesh['dp_shard_cp']), or newer "
+                   "torchtitan's meshes unflattened from one world mesh, the cp dim only in the data-loading "
+                   "one (unflatten)")
     p.add_argument("--cp-replay-context", action="store_true", help="--cp: pass the loop's cp context as "
                    "replay_context= (with --cp-api context, replays then run the cp attention)")
     p.add_argument("--no-witness-model", action="store_true", help="with --fsdp: the checks get no "

@@ -573,6 +573,22 @@ want cplane && step cp-torch-lane 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python
   --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
   --fault-rank 3 --fault-step 22 --after 6 --audit-every 5 --determinism strict \
   --cases "tc one elem x1.05 persistent,tc channel x2 persistent,mm one elem x1.01 persistent"
+# the lane witness under tensor parallelism (the trace hands a DTensor's op back to DTensor's dispatch, so the
+# local matmuls are traced): dp 3 x tp 2 (the MLP), and dp 3 x cp 2 x tp 2 under torch's CP (12 ranks on this
+# GPU); torch's CP on meshes unflattened from one world mesh (newer torchtitan), the cp dim found by name
+want tplane && step tp-lane 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 6 --fsdp --tp 2 --cpu-autocast --fault-rank 3 --fault-step 22 \
+  --after 6 --audit-every 5 --determinism strict \
+  --cases "tc one elem x1.05 persistent,tc channel x2 persistent,mm one elem x1.01 persistent"
+want tplane && step cp-torch-tp-lane 400 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 12 --fsdp --cp 2 --tp 2 --cp-api torch --cp-rotate alltoall \
+  --model tiny-gpt --fault-rank 5 --fault-step 22 --after 6 --audit-every 5 --determinism strict \
+  --cases "tc one elem x1.05 persistent,tc channel x2 persistent"
+want tplane && step cp-torch-unflatten 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+  python3 -m bench.compute_faults --device cuda --backend gloo --world 6 --fsdp --cp 2 --cp-api torch \
+  --cp-rotate alltoall --cp-mesh unflatten --model tiny-gpt --fault-rank 3 --fault-step 22 --after 6 \
+  --audit-every 5 --determinism strict \
+  --cases "grad elem =100,mm one elem x1.01 persistent" --clean 50
 want cptorch && step cp-torch-tp 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 8 --fsdp --cp 2 --tp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
   --fault-rank 5 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50

@@ -13,10 +13,11 @@ float64 (`decide`) and the GPU whose output is not the CPU's is named. One lane 
 GPU, and no other lane naming anything, names that GPU; anything else names none (the finding stays
 `one_of`).
 
-Sees what the trace sees: ops on plain tensors (FSDP2's unsharded parameters, context parallelism's
-compute outside attention; not the ops a DTensor runs on its local shards, so not a tp-split layer's
-matmuls). Every rank calls it at once (the replays are collectives of the whole mesh); every rank returns
-the same answer (the lanes' verdicts are gathered over the mesh).
+Sees what the trace sees: the ops each GPU runs, on plain tensors (FSDP2's unsharded parameters, context
+parallelism's compute outside attention) and on a DTensor's local shards (a tp-split layer's matmuls:
+`OpTrace` hands a DTensor's op back to DTensor's dispatch with the trace on). Every rank calls it at once
+(the replays are collectives of the whole mesh); every rank returns the same answer (the lanes' verdicts are
+gathered over the mesh).
 
 Training-side module: never imports the agent (`daemon`).
 """

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from checksums.fingerprint import DTENSOR
 from checksums.rank_transit import portable, restored
 from checksums.replay_modes import eager
 
@@ -62,14 +63,17 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _is_plain(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and type(x).__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl
+    return isinstance(x, torch.Tensor) and _plain_type(type(x))
+
+
+def _plain_type(t: type) -> bool:
+    """A tensor type with no dispatch of its own (torch.Tensor, nn.Parameter; not a DTensor)."""
+    return getattr(t, "__torch_dispatch__", None) is torch._C._disabled_torch_dispatch_impl
 
 
 def _plain(obj: Any) -> list[torch.Tensor]:
     """`obj`'s tensors that are no tensor subclass with a dispatch of its own (a DTensor: fingerprinting one
-    would run its collectives; the ops it runs on its local tensor are not traced either, the trace being
-    off while an op it dispatched runs: a tensor-parallel model's compute is not seen, FSDP2's is, on plain
-    unsharded tensors)."""
+    would run its collectives; `OpTrace` traces the ops it runs on its local tensors instead)."""
     return [x for x in tree_flatten(obj)[0] if _is_plain(x)]
 
 
@@ -132,19 +136,45 @@ def witness_projection(ref: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor) ->
 
 def op_print(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """An int64 0-dim tensor, on the tensors' device, that changes when any bit of any of them changes
-    (the sum of each tensor's bits read as integers, combined in order; one reduction a tensor, read where it
-    lies: a strided view is not copied; no host synchronisation). None for no tensor data (an op returning
-    none, or only empty, meta, sparse or nested tensors). Not
-    checksums.fingerprint's spec'd fingerprint: on CUDA that builds a Triton plan per tensor list, kept in
-    the 16-entry cache the replica vote's plans live in, and its torch path runs about ten ops and three
-    int64 copies a tensor; a trace fingerprints thousands of ops' outputs once each."""
+    (`_position_sum` of each tensor's bits read as integers, combined in order; read where it lies: a strided
+    view is not copied; no host synchronisation). None for no tensor data (an op returning none, or only
+    empty, meta, sparse or nested tensors). Not checksums.fingerprint's spec'd fingerprint: on CUDA that
+    builds a Triton plan per tensor list, kept in the 16-entry cache the replica vote's plans live in, and its
+    torch path runs about ten ops and three int64 copies a tensor; a trace fingerprints thousands of ops'
+    outputs once each."""
     acc: torch.Tensor | None = None
     for t in tensors:
         if t.layout != torch.strided or t.is_nested or t.device.type == "meta" or t.numel() == 0:
             continue                  # (a sparse or nested tensor: not fingerprinted; `digest` compares it)
-        s = _bits_view(t.detach()).sum(dtype=torch.int64)
+        s = _position_sum(_bits_view(t.detach()))
         acc = s if acc is None else acc.to(s.device) * 1_000_003 + s
     return acc
+
+
+_WIDE_1D = 1 << 16       # a longer 1-D tensor is read as rows of this many (its int64 marginal stays small)
+_DIM_WEIGHTS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
+
+
+def _position_sum(bits: torch.Tensor) -> torch.Tensor:
+    """The sum of an integer tensor plus, for each dim, its marginal sums weighted by their index: values
+    moved between positions change it (a plain sum does not: two chunks of an all-reduced gradient whose
+    differences cancel left a split's inputs "equal" and its outputs not). One int64 reduction a dim (no
+    int64 copy of the tensor), all modulo 2**64."""
+    if bits.dim() == 1 and bits.numel() > _WIDE_1D:
+        n, (st,) = bits.numel(), bits.stride()
+        rows = n // _WIDE_1D
+        body = bits.as_strided((rows, _WIDE_1D), (_WIDE_1D * st, st))
+        tail = bits[rows * _WIDE_1D:]
+        return _position_sum(body) + (_position_sum(tail) * 31 if tail.numel() else 0)
+    total = bits.sum(dtype=torch.int64)
+    for d in range(bits.dim()):
+        if bits.shape[d] < 2:
+            continue
+        others = [o for o in range(bits.dim()) if o != d]
+        marginal = bits.sum(dim=others, dtype=torch.int64) if others else bits.to(torch.int64)
+        index = torch.arange(1, bits.shape[d] + 1, dtype=torch.int64, device=bits.device)
+        total = total + (marginal * index).sum() * _DIM_WEIGHTS[d % len(_DIM_WEIGHTS)]
+    return total
 
 
 def _host(obj: Any) -> Any:
@@ -169,6 +199,14 @@ class OpTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if any(not _plain_type(t) for t in types):
+            if DTENSOR is not None and any(issubclass(t, DTENSOR) for t in types):
+                # a DTensor's op (a tensor-parallel layer's): DTensor's own dispatch runs it with this trace
+                # still on, so the ops it runs on its local tensors (the GPU's own compute) are traced
+                return NotImplemented
+            # another subclass's (DTensor's sharding propagation on fake tensors, on a cache miss): not the
+            # step's compute, run untraced
+            return func(*args, **kwargs)
         i = len(self.names)
         name = str(func)
         self.names.append(name)

@@ -183,13 +183,20 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
 
 
 def named_cp(fsdp_mesh: Any) -> Any:
-    """The context-parallel mesh beside FSDP's: the dim named "cp" (torchtitan's name) of FSDP's root mesh,
-    where it spans more than one rank; None where there is none or the mesh cannot say."""
+    """The context-parallel ranks beside FSDP's mesh, named "cp" (torchtitan's name), where they span more
+    than one rank: the root mesh's dim "cp" (a DeviceMesh; torchtitan's `world_mesh["dp_shard_cp"]`
+    layout), else the one process group a mesh unflattened from the same root made for a dim "cp" (newer
+    torchtitan's data-loading mesh beside its dense one: `world_mesh._unflatten(0, (.., cp, ..), (.., "cp",
+    ..))`; torch names each such group `mesh_cp`). None where there is none or the meshes cannot say."""
     try:
         root = fsdp_mesh._get_root_mesh()
         names = tuple(root.mesh_dim_names or ())
-        if "cp" in names and root.mesh.shape[names.index("cp")] > 1:
-            return root["cp"]
+        if "cp" in names:
+            return root["cp"] if root.mesh.shape[names.index("cp")] > 1 else None
+        groups = {tuple(dist.get_process_group_ranks(pg)): pg for pg in root._pg_registry.values()
+                  if getattr(pg, "group_desc", None) == "mesh_cp" and pg.size() > 1}
+        if len(groups) == 1:
+            return next(iter(groups.values()))
     except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
         pass
     return None

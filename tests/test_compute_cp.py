@@ -236,6 +236,23 @@ def test_context_and_tensor_parallelism_together_check_each_cp_x_tp_group_as_one
     assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (20, 0, 0, 4) and st["exact"], st
 
 
+def test_cp_groups_are_found_in_meshes_unflattened_from_one_world_mesh():
+    """Newer torchtitan's layout (`--cp-mesh unflatten`): a data-loading mesh (batch, cp) and a dense mesh
+    (dp_replicate, fsdp = dp_shard x cp), each unflattened from one 1-D world mesh; FSDP2's mesh has no "cp"
+    dim beside it. The checks find the cp groups among the process groups the world mesh made for a dim
+    named "cp" (before: replays off as `unreproducible`, the x1.01 unseen, no GPU named). dp 3 x cp 2: a
+    gradient element set to 100 on rank 3 caught on its step, the x1.01 by the audit at 25, [2, 3] named;
+    10 clean steps, 2 exact audits."""
+    results = _faults([*BASE, "--world", "6", "--cp-mesh", "unflatten", "--fault-rank", "3", "--clean", "10",
+                       "--cases", "grad elem =100,mm one elem x1.01 persistent"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["named"] == [2, 3] and hit["dropped"], hit
+    hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["cause"] == "persistent" and hit["named"] == [2, 3], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["audits"]) == (10, 0, 2) and st["exact"], st
+
+
 def test_the_lane_witness_names_the_gpu_of_a_cp_group_that_computed_wrong():
     """dp 3 x cp 2 on 6 gloo ranks under bf16 autocast: a persistent x1.05 on one element inside block 0's
     MLP matmul on rank 3 (as a tensor core computing wrong: the op itself returns it) is found by the audit at

@@ -162,6 +162,26 @@ def test_hsdp_with_tensor_parallelism_names_the_faulty_tp_group_and_keeps_clean_
     assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (30, 0, 0, 6) and st["exact"], st
 
 
+def test_the_lane_witness_names_the_gpu_of_a_tp_group_whose_split_matmul_computed_wrong():
+    """dp 3 x tp 2 on 6 gloo ranks under bf16 autocast, the MLP's second Linear row-parallel: a persistent
+    x1.05 on one element inside rank 3's local matmul (the op a DTensor runs on its shard, as a tensor core
+    computing wrong) is found by the audit at 25 in tp group [2, 3]; the lane witness traces the ops DTensor
+    runs on each rank's local shards (checksums.op_witness `OpTrace` hands a DTensor's op back to DTensor's
+    own dispatch with the trace on), finds in lane 1 the local matmul computing differently from equal inputs,
+    and names rank 3 alone (it named no GPU while the trace saw only the DTensor op). A fault the hook adds
+    after the layer (extra ops on rank 3: the traces part) leaves the group named, `one_of`."""
+    results = _faults(["--world", "6", "--fsdp", "--tp", "2", "--fault-rank", "3", "--cpu-autocast",
+                       "--fault-step", "22", "--after", "6", "--audit-every", "5",
+                       "--cases", "tc one elem x1.05 persistent,mm one elem x1.01 persistent"])
+    hit = results["tc one elem x1.05 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["detector"] == "audit" and hit["cause"] == "persistent", hit
+    assert hit["named"] == [3] and not hit["one_of"] and hit["dropped"], hit
+    assert "rank 3 computed wrong, named by the lane witness" in hit["detail"], hit
+    assert "aten.addmm" in hit["detail"] or "aten.mm" in hit["detail"], hit
+    hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["named"] == [2, 3] and hit["one_of"], hit
+
+
 def test_fsdp2_with_tensor_parallelism_masks_on_the_device_as_the_host_veto_does():
     """FSDP2 (dp 2) x tensor parallelism (tp 2) on 4 gloo ranks with fused Adam: the device mask (the
     verdict a 0-d `found_inf`, from the rows gathered over the whole mesh and laid out by tp group on the

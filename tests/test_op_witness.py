@@ -42,6 +42,32 @@ def test_a_fingerprint_changes_with_any_one_bit(dtype):
     assert op_print([]) is None and op_print([torch.empty(0)]) is None
 
 
+def test_a_fingerprint_changes_when_values_move_between_positions():
+    """A plain sum of the bits missed it (found under context x tensor parallelism: an all-reduced gradient
+    whose two chunks' differences cancelled read "equal" before a split, whose outputs then differed): two
+    elements swapped, in any dim or across the rows a long 1-D tensor is read in, and differences that
+    cancel between chunks change the print; a strided view still reads as its values."""
+    t = torch.randn(6, 5, 4).to(torch.bfloat16)
+    base = int(op_print([t]))
+    for a, b in (((0, 1, 2), (0, 1, 3)), ((0, 1, 2), (0, 3, 2)), ((1, 0, 0), (4, 0, 0)),
+                 ((0, 0, 0), (5, 4, 3))):
+        u = t.clone()
+        u[a], u[b] = t[b], t[a]
+        if not torch.equal(u, t):
+            assert int(op_print([u])) != base, (a, b)
+    bits = t.view(torch.int16).clone()
+    bits[0, 0, 0] += 3
+    bits[3, 2, 1] -= 3                       # the same bits sum, other values
+    assert int(bits.sum()) == int(t.view(torch.int16).sum())
+    assert int(op_print([bits.view(torch.bfloat16)])) != base
+    long = torch.randn(200_003)
+    moved = long.clone()
+    moved[7], moved[150_001] = long[150_001], long[7]
+    assert int(op_print([moved])) != int(op_print([long]))
+    assert int(op_print([long[::3]])) == int(op_print([long[::3].contiguous()]))
+    assert int(op_print([t.permute(2, 0, 1)])) == int(op_print([t.permute(2, 0, 1).contiguous()]))
+
+
 def test_first_divergence_is_the_first_op_computing_differently_from_equal_inputs():
     names = ["aten.mm.default", "aten.add.Tensor", "aten.sum.default"]
     same = [(1, 1), (1, 2), (2, 3)]                                   # (inputs, outputs) fingerprints
