@@ -191,7 +191,8 @@ class _Sink:
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
                          "ac": "none", "wide_fails": -1, "sync_bn": False,
                          "params_bf16": False, "tp": 1, "cp": 1, "cp_api": "module", "cp_pass": "name",
-                         "cp_replay_context": False, "cp_rotate": "allgather", "cp_mesh": "dims"}
+                         "cp_replay_context": False, "cp_rotate": "allgather", "cp_mesh": "dims", "ep": 1,
+                         "ep_style": "local"}
 
 
 class Checkpointed(nn.Module):
@@ -313,7 +314,7 @@ class MatmulFault(TorchDispatchMode):
     matmuls; an op witness, entered inside this one, sees the op compute wrong from right inputs); without
     them a forward hook corrupts the layer's output, the same values."""
 
-    OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
+    OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear")
 
     def __init__(self, target: nn.Module, case: Case | None, active: dict[str, bool],
                  block: nn.Module | None = None) -> None:
@@ -477,6 +478,31 @@ def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tup
     return fsdp_mesh, cp, mesh[name] if MODEL["cp_pass"] == "arg" else None
 
 
+def _split_experts(model: nn.Module, device: torch.device, world: int) -> Any:
+    """`--ep N` (--model tiny-moe): each MoE block's experts split over the N ranks of an ep group
+    (bench.ep_moe), on an (efsdp, ep) mesh (efsdp: the ranks holding the same experts, torchtitan's name);
+    -> the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench.ep_moe import ExpertParallel
+    ep, name = MODEL["ep"], "ep" if MODEL["cp_pass"] == "name" else "xp"
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", name))
+    ExpertParallel(mesh[name], MODEL["ep_style"]).attach(model)
+    return mesh
+
+
+def _shard_experts(model: nn.Module, mesh: Any) -> tuple[Any, Any]:
+    """--ep: each expert sharded by FSDP2 over the ranks holding it (efsdp), before the blocks and the root
+    over all ranks. -> (FSDP's mesh for the rest, what expert_parallel= gets: with --cp-pass arg, the ep
+    dim (named "xp"); else nothing: the checks find the dim named "ep", or, --cp-pass none, not)."""
+    from torch.distributed.fsdp import fully_shard
+    name = mesh.mesh_dim_names[1]
+    for block in model.blocks:
+        for expert in (block.experts if MODEL["ep_style"] == "local" else [block.experts]):
+            fully_shard(expert, mesh=mesh["efsdp"])
+    return mesh["efsdp", name]._flatten("fsdp"), (mesh[name] if MODEL["cp_pass"] == "arg" else None)
+
+
 def _context_parallel_unflattened(model: nn.Module, device: torch.device, world: int,
                                   name: str) -> tuple[Any, Any, Any]:
     """`--cp-mesh unflatten`: the meshes as newer torchtitan builds them, each unflattened from one 1-D world
@@ -506,6 +532,10 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
              accum: int = 1, fault_micro: int = 0, fsdp: bool = False, sdcguard: int = 0,
              fused_adam: bool = False, experts_hint: bool = True, recover: bool = False) -> dict[str, Any]:
     model, target = make_model(0)
+    ep_mesh = None
+    if MODEL["ep"] > 1:        # --ep: the faults hit this rank's experts (block 0's), not the router
+        ep_mesh = _split_experts(model, device, world)
+        target = model.blocks[0].experts[0][0] if MODEL["ep_style"] == "local" else model.blocks[0].experts
     model = model.to(device, dtype=torch.bfloat16 if MODEL["params_bf16"] else None)
     active = {"on": False}
     tp = MODEL["tp"]
@@ -529,9 +559,11 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
     if tp == 1:
         target.register_forward_hook(mm_hook)
-    cp_mesh = cp = cp_arg = None
+    cp_mesh = cp = cp_arg = ep_arg = None
     if MODEL["cp"] > 1:
         cp_mesh, cp, cp_arg = _context_parallel(model, device, world)
+    elif ep_mesh is not None:
+        cp_mesh, ep_arg = _shard_experts(model, ep_mesh)
     ddp = _wrap(model, device, world, fsdp, cp_mesh, bucket_cap_mb=0.01)
     group = tp * MODEL["cp"]           # the ranks that run one batch together (a tp or cp group)
     in_step = cp.context if cp is not None else contextlib.nullcontext
@@ -561,6 +593,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                                                  and group == 1 else None),
                                   **({} if experts_hint else {"experts": None}),
                                   **({"context_parallel": cp_arg} if cp_arg is not None else {}),
+                                  **({"expert_parallel": ep_arg} if ep_arg is not None else {}),
                                   **({"replay_context": cp.context} if cp is not None
                                      and MODEL["cp_replay_context"] else {}))
     caught: dict[str, dict[str, Any]] = {}
@@ -1042,6 +1075,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["hsdp"] = args.hsdp
     MODEL["tp"] = args.tp
     MODEL["cp"] = args.cp
+    MODEL["ep"] = args.ep
+    MODEL["ep_style"] = args.ep_style
     MODEL["cp_api"] = args.cp_api
     MODEL["cp_pass"] = args.cp_pass
     MODEL["cp_replay_context"] = args.cp_replay_context
@@ -1344,6 +1379,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1, metavar="N", help="with --fsdp and --model tiny-gpt or gpt2: "
                    "context parallelism over N ranks (bench.cp_attention: each rank one chunk of every "
                    "sequence, attention over the group's keys and values); FSDP2 over the (dp, cp) ranks")
+    p.add_argument("--ep", type=int, default=1, metavar="N", help="with --fsdp and --model tiny-moe: "
+                   "expert parallelism over N ranks (bench.ep_moe: each rank its own batch, the experts "
+                   "split over the ep group, tokens dispatched by all-gather); the checks find the mesh dim "
+                   "named 'ep' (--cp-pass arg: named 'xp', passed as expert_parallel=; none: named 'xp', not "
+                   "passed)")
+    p.add_argument("--ep-style", choices=["local", "dtensor"], default="local", help="--ep: each rank's "
+                   "experts as modules of their own (local, Megatron's) or stacked weights distributed over "
+                   "the ep dim as DTensors (dtensor, torchtitan's GroupedExperts)")
     p.add_argument("--cp-api", choices=["module", "context", "torch"], default="module", help="--cp: the cp "
                    "attention always on (module: torchtitan's style) or only inside the loop's context "
                    "(context: torch's context_parallel(); replays outside it do not reproduce the step); torch: "
@@ -1450,6 +1493,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          or args.world // (args.cp * args.tp) < 2):
         p.error("--cp N needs --fsdp, --model tiny-gpt or gpt2, no --overhead, --accum or --ac, not both --tp "
                 "and --hsdp, N (x --tp x --hsdp) dividing --world and >= 2 replicas")
+    if args.ep != 1 and (not args.fsdp or args.model != "tiny-moe" or args.ep < 2
+                         or MoEBlock.EXPERTS % args.ep or args.cp != 1 or args.tp != 1 or args.hsdp
+                         or args.overhead or args.accum != 1 or args.ac != "none" or args.world % args.ep
+                         or args.world // args.ep < 2):
+        p.error(f"--ep N needs --fsdp, --model tiny-moe, N dividing its {MoEBlock.EXPERTS} experts and "
+                "--world, >= 2 ep groups; not with --cp, --tp, --hsdp, --overhead, --accum or --ac")
     if args.cp_api == "torch" and args.device != "cuda":
         p.error("--cp-api torch shards SDPA through CUDA kernels only (flash, efficient, cuDNN): --device cuda")
     if args.after < 1 or args.fault_step < 1:
@@ -1488,7 +1537,7 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
             start(worker, (args.world, os.path.join(tmp, "init"), args, out), args.world)
         with open(out) as f:
             results = json.load(f)
-    print(table(results, args.fault_step, args.fault_rank, args.tp * args.cp))
+    print(table(results, args.fault_step, args.fault_rank, args.tp * args.cp * args.ep))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

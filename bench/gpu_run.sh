@@ -589,6 +589,13 @@ want tplane && step cp-torch-unflatten 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 \
   --cp-rotate alltoall --cp-mesh unflatten --model tiny-gpt --fault-rank 3 --fault-step 22 --after 6 \
   --audit-every 5 --determinism strict \
   --cases "grad elem =100,mm one elem x1.01 persistent" --clean 50
+# expert parallelism (bench.ep_moe, torchtitan's stacked experts as DTensors over ep, found by the dim's
+# name):
+# dp 3 x ep 2, faults inside rank 3's experts, 50 clean steps
+want tplane && step ep-dtensor 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 6 --fsdp --model tiny-moe --ep 2 --ep-style dtensor --fault-rank 3 \
+  --fault-step 22 --after 6 --audit-every 5 --determinism strict \
+  --cases "grad elem =100,tc channel x2 persistent,mm one elem x1.01 persistent" --clean 50
 want cptorch && step cp-torch-tp 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 8 --fsdp --cp 2 --tp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
   --fault-rank 5 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50

@@ -43,9 +43,12 @@ FSDP2/HSDP with tensor parallelism (a tp mesh dim in the parameters' DTensor mes
 data-parallel rank here (checksums.tp_lanes: its lanes' rows side by side, every decision gathered over the
 whole mesh, batches within a lane); a finding names the group's GPUs, `one_of`. Context parallelism
 (`context_parallel=` the cp DeviceMesh, or a mesh dim named "cp" beside FSDP's) joins each cp group (and its
-tp groups) into one such group, each rank retaining its own chunk of the sequence. DDP with tensor
-parallelism, or with `context_parallel=`, is refused at attach (context parallelism the checks are not told
-of: the first step's check finds replays do not reproduce and turns them off).
+tp groups) into one such group, each rank retaining its own chunk of the sequence; expert parallelism
+(`expert_parallel=`, the experts' DTensor mesh dim "ep", or ranks named "ep" beside FSDP's) joins each ep
+group alike, each rank retaining its own batch (its tokens go to the experts' ranks and back inside every
+MoE layer). DDP with tensor parallelism, or with `context_parallel=` or `expert_parallel=`, is refused at
+attach (context or expert parallelism the checks are not told of: the first step's check finds replays do
+not reproduce and turns them off).
 
 Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;
 replays multiply `loss_fn`'s loss by the scale the step ran under (checksums.replay), so they reproduce the
@@ -120,34 +123,56 @@ _HOOK_VERDICT = os.environ.get("SDCWATCH_HOOK_VERDICT", "1") != "0"
 
 # what a job whose replays do not reproduce may have left out
 _UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context parallelism, FSDP2), pass "
-                        "context_parallel=world_mesh['cp']; if it runs its forward and backward inside a "
+                        "context_parallel=world_mesh['cp']; if an MoE's experts are split over ranks (expert "
+                        "parallelism), expert_parallel=world_mesh['ep']; if it runs its forward and backward "
+                        "inside a "
                         "context (one that turns context parallelism's attention on, an sdpa_kernel choice), "
                         "pass replay_context= a function returning it")
 
 
-def _context_parallel(given: Any, mesh: Any, fsdp: bool) -> Any:
+def _context_parallel(given: Any, mesh: Any, fsdp: bool, dim: str = "cp") -> Any:
     """The context-parallel ranks the checks treat as one replica with their tp group: `given` (a 1-D
-    DeviceMesh or a ProcessGroup), else the dim named "cp" beside FSDP's `mesh` (`named_cp`), else None."""
+    DeviceMesh or a ProcessGroup), else the dim named "cp" beside FSDP's `mesh` (`named_cp`), else None.
+    `dim` "ep": expert parallelism's ranks (`expert_parallel=`), the same way."""
+    arg, what = ("context_parallel", "context parallelism") if dim == "cp" else \
+        ("expert_parallel", "expert parallelism")
     if given is None:
-        found = named_cp(mesh) if mesh is not None else None
+        found = named_cp(mesh, dim) if mesh is not None else None
         if found is not None:
-            logger.info("sdcwatch: compute checks: context parallelism over the mesh dim 'cp' (%d ranks a "
-                        "group): each cp group is checked as one replica", found.size())
+            logger.info("sdcwatch: compute checks: %s over the ranks named '%s' (%d a group): each %s group "
+                        "is checked as one replica", what, dim, found.size(), dim)
         return found
     if hasattr(given, "get_group"):
         if given.ndim != 1:
-            raise ValueError(f"context_parallel= takes the cp dim's 1-D DeviceMesh (world_mesh['cp']), got "
+            raise ValueError(f"{arg}= takes the {dim} dim's 1-D DeviceMesh (world_mesh['{dim}']), got "
                              f"a {given.ndim}-D mesh {given.mesh_dim_names}")
     elif not isinstance(given, dist.ProcessGroup):
-        raise ValueError(f"context_parallel= takes the cp DeviceMesh (world_mesh['cp']) or its ProcessGroup, "
+        raise ValueError(f"{arg}= takes the {dim} DeviceMesh (world_mesh['{dim}']) or its ProcessGroup, "
                          f"got {type(given).__name__}")
     if not fsdp:
-        raise ValueError("ComputeChecks: context_parallel= under DDP: a cp group's forward is a collective "
+        raise ValueError(f"ComputeChecks: {arg}= under DDP: a {dim} group's forward is a collective "
                          "of its ranks, while DDP's checks replay per rank. Supported with FSDP2 "
-                         "(fully_shard over the data-parallel and cp ranks, torchtitan's dp_shard_cp)")
+                         f"(fully_shard over the data-parallel and {dim} ranks, torchtitan's layout)")
     if (given.size() if hasattr(given, "get_group") else dist.get_world_size(given)) < 2:
         return None
     return given
+
+
+def _expert_parallel(given: Any, module: nn.Module, mesh: Any, fsdp: bool, split: list[str]) -> Any:
+    """The expert-parallel ranks (each its own batch, the experts split over them, tokens exchanged inside
+    each MoE layer), checked as one replica: `given` (expert_parallel=), else the dim "ep" of the experts'
+    DTensor mesh (torchtitan's experts, Shard(0) over ep: `split` names it), else ranks named "ep" beside
+    FSDP's mesh (`named_cp`), else None."""
+    if given is None and "ep" in split:
+        from checksums.fingerprint import DTENSOR
+        for p in module.parameters():
+            names = tuple(getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names or ())
+            if DTENSOR is not None and isinstance(p, DTENSOR) and "ep" in names:
+                logger.info("sdcwatch: compute checks: expert parallelism over the experts' mesh dim 'ep' "
+                            "(%d ranks a group): each ep group is checked as one replica",
+                            p.device_mesh["ep"].size())
+                return p.device_mesh["ep"]
+    return _context_parallel(given, mesh, fsdp, "ep")
 
 
 def expert_param(name: str) -> bool:
@@ -189,7 +214,8 @@ class ComputeChecks:
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
                  side_stream: bool | None = None, scaler: Any = None,
                  experts: Callable[[str], bool] | None = expert_param, native: bool | None = None,
-                 context_parallel: Any = None, replay_context: Callable[[], Any] | None = None) -> None:
+                 context_parallel: Any = None, replay_context: Callable[[], Any] | None = None,
+                 expert_parallel: Any = None) -> None:
         function("loss_fn", loss_fn, optional=False,
                  why="it recomputes a step's loss for the replays: (model, batch) -> loss tensor")
         function("experts", experts, why="a predicate on a parameter's qualified name (name -> bool), or None")
@@ -215,9 +241,13 @@ class ComputeChecks:
                 "out); under DDP the checks refuse here rather than stall the job later")
         dp_mesh = fsdp_mesh(ddp) if self.fsdp else None
         cp = _context_parallel(context_parallel, dp_mesh, self.fsdp)
-        # FSDP2 + tensor or context parallelism: a tp (cp) group is one data-parallel rank to the checks
-        # (checksums.tp_lanes)
-        self.lanes = find_lanes(ddp, dp_mesh, split, group, cp) if split or cp is not None else None
+        ep = _expert_parallel(expert_parallel, ddp, dp_mesh, self.fsdp, split)
+        if ep is not None:       # the experts' ep dim: ranks with their own batches, not a tp lane split
+            split = [d for d in split if d not in (getattr(ep, "mesh_dim_names", None) or ("ep",))]
+        # FSDP2 + tensor, context or expert parallelism: a tp (cp, ep) group is one data-parallel rank to the
+        # checks (checksums.tp_lanes)
+        self.lanes = (find_lanes(ddp, dp_mesh, split, group, cp, ep)
+                      if split or cp is not None or ep is not None else None)
         if self.lanes is not None:
             group = self.lanes.dp_group
         self.group = group

@@ -927,26 +927,47 @@ def fsdp_mesh(module: nn.Module) -> Any:
     return None
 
 
+def _fsdp_meshes(module: nn.Module) -> dict[int, Any]:
+    """Each FSDP2-sharded parameter's (by id) own FSDP mesh (FSDP2 internals; {} where unreadable)."""
+    out: dict[int, Any] = {}
+    for sub in module.modules():
+        if hasattr(sub, "_get_fsdp_state"):
+            try:
+                fps = fsdp_group_params(sub)
+            except (AttributeError, RuntimeError, TypeError):
+                continue
+            for fp in fps:
+                mesh = getattr(getattr(fp, "mesh_info", None), "mesh", None)
+                param = getattr(fp, "sharded_param", None)
+                if mesh is not None and param is not None:
+                    out[id(param)] = mesh
+    return out
+
+
 def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
     """The mesh dims `module`'s parameters are split over besides data parallelism (tensor, sequence or
     context parallelism through DTensor), by name where the mesh names them; [] for none. DDP: every dim a
-    DTensor parameter is not replicated on. FSDP2: the parameters' mesh dims beyond FSDP's own mesh
-    (`FSDPParam.mesh_info.mesh`, FSDP2 internals: where they cannot be read, [])."""
+    DTensor parameter is not replicated on. FSDP2: each parameter's mesh dims beyond the mesh FSDP shards
+    it over (`FSDPParam.mesh_info.mesh`, FSDP2 internals: where they cannot be read, []; an MoE's experts
+    may be sharded over other ranks than the rest, torchtitan's `efsdp`)."""
     if DTENSOR is None:
         return []
     if not fsdp:          # DDP over a tensor-parallel module whose DTensors were made local for DDP
         hooked = _meshes_in_hooks(module)   # (torch's `_pre_dp_module_transform`): its hooks hold the mesh
         if hooked:
             return hooked
-    dp: Any = None
+    root: Any = None
+    own: dict[int, Any] = {}
     if fsdp:
-        dp = fsdp_mesh(module)
-        if dp is None:
+        root = fsdp_mesh(module)
+        if root is None:
             return []
+        own = _fsdp_meshes(module)
     out: list[str] = []
     for p in module.parameters():
         if not isinstance(p, DTENSOR):
             continue
+        dp = own.get(id(p), root)
         mesh = p.device_mesh
         names = _dim_names(mesh)
         for d, placement in enumerate(p.placements):

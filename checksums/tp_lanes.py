@@ -136,39 +136,45 @@ def context_table(table: list[list[int]], cp_groups: list[tuple[int, ...]]) -> l
     return _numbered_alike(out)
 
 
-def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, cp: Any = None) -> Lanes:
+def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, cp: Any = None,
+               ep: Any = None) -> Lanes:
     """The lanes of an FSDP2 `module` whose DTensor parameters are also split over mesh `dims` (names from
-    `checksums.grad_checks.model_parallel_dims`), and whose sequences context parallelism splits over `cp`
-    (this rank's cp DeviceMesh or ProcessGroup, or None); `fsdp_mesh` is FSDP's own mesh (its dims are the
-    data-parallel ones, and context parallelism's ranks with them: torchtitan's `dp_shard_cp`). A collective
-    of every rank (it may make the lanes' data-parallel groups). `group`: the caller's data-parallel group,
-    which must be this lane's. ValueError for a layout it cannot check."""
+    `checksums.grad_checks.model_parallel_dims`), whose sequences context parallelism splits over `cp`, and
+    whose experts expert parallelism splits over `ep` (this rank's cp or ep DeviceMesh or ProcessGroup, or
+    None: ranks that compute their steps together, each on its own data); `fsdp_mesh` is FSDP's own mesh of
+    the dense parameters (its dims are the data-parallel ones, and the cp and ep ranks with them:
+    torchtitan's `dp_shard_cp`). A collective of every rank (it may make the lanes' data-parallel groups).
+    `group`: the caller's data-parallel group, which must be this lane's. ValueError for a layout it cannot
+    check."""
     world = dist.get_world_size()
     if dims:
         table = _tp_table(module, fsdp_mesh, dims, world)
     else:
         table = [[r] for r in range(world)]
     names = tuple(dims)
-    cp_group = None
-    if cp is not None:
-        cp_group = cp.get_group() if hasattr(cp, "get_group") else cp
-        mine = tuple(dist.get_process_group_ranks(cp_group))
+    joined = False
+    for together, kind, default in ((cp, "context-parallel", "cp"), (ep, "expert-parallel", "ep")):
+        if together is None:
+            continue
+        pg = together.get_group() if hasattr(together, "get_group") else together
+        mine = tuple(dist.get_process_group_ranks(pg))
         spans = set(int(r) for r in fsdp_mesh.mesh.reshape(-1).tolist())
         if not set(mine) <= spans:
             raise ValueError(f"ComputeChecks: FSDP's mesh (ranks {sorted(spans)}) does not hold this rank's "
-                             f"context-parallel ranks {list(mine)}: shard the parameters over the "
-                             "data-parallel and cp ranks together (torchtitan's dp_shard_cp), so FSDP "
-                             "sums the cp ranks' gradients")
+                             f"{kind} ranks {list(mine)}: shard the parameters over the data-parallel and "
+                             f"{default} ranks together (torchtitan's dp_shard_cp), so FSDP sums their "
+                             "gradients")
         groups: list[Any] = [None] * world
         dist.all_gather_object(groups, mine)
         table = context_table(table, groups)
-        names = (*((getattr(cp, "mesh_dim_names", None) or ("cp",))[:1]), *names)
+        names = (*((getattr(together, "mesh_dim_names", None) or (default,))[:1]), *names)
+        joined = True
     dp, lanes = len(table), len(table[0])
     ranks = tuple(r for row in table for r in row)
     columns = [[row[lane] for row in table] for lane in range(lanes)]
     me = ranks.index(dist.get_rank())
     dp_rank, lane = divmod(me, lanes)
-    if fsdp_mesh.ndim == 1 and cp_group is None:   # FSDP2's own group is this lane's
+    if fsdp_mesh.ndim == 1 and not joined:   # FSDP2's own group is this lane's
         dp_group = fsdp_mesh.get_group()
     else:                      # HSDP, context parallelism: each lane's data-parallel ranks, made here
         dp_group, _ = dist.new_subgroups_by_enumeration(columns)
@@ -182,19 +188,23 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
                  dp_group=group if group is not None else dp_group, dims=names)
 
 
-def named_cp(fsdp_mesh: Any) -> Any:
-    """The context-parallel ranks beside FSDP's mesh, named "cp" (torchtitan's name), where they span more
-    than one rank: the root mesh's dim "cp" (a DeviceMesh; torchtitan's `world_mesh["dp_shard_cp"]`
-    layout), else the one process group a mesh unflattened from the same root made for a dim "cp" (newer
-    torchtitan's data-loading mesh beside its dense one: `world_mesh._unflatten(0, (.., cp, ..), (.., "cp",
-    ..))`; torch names each such group `mesh_cp`). None where there is none or the meshes cannot say."""
+def named_cp(fsdp_mesh: Any, name: str = "cp") -> Any:
+    """The context-parallel ranks beside FSDP's mesh, named "cp" (torchtitan's name; `name`: another, as
+    expert parallelism's "ep"), where they span more than one rank: the root mesh's dim `name` (a
+    DeviceMesh; torchtitan's `world_mesh["dp_shard_cp"]` layout) or a dim flattened under that name, else
+    the one process group a mesh unflattened from the same root made for a dim `name` (newer torchtitan's
+    data-loading mesh beside its dense one: `world_mesh._unflatten(0, (.., cp, ..), (.., "cp", ..))`; torch
+    names each such group `mesh_cp`). None where there is none or the meshes cannot say."""
     try:
         root = fsdp_mesh._get_root_mesh()
         names = tuple(root.mesh_dim_names or ())
-        if "cp" in names:
-            return root["cp"] if root.mesh.shape[names.index("cp")] > 1 else None
+        if name in names:
+            return root[name] if root.mesh.shape[names.index(name)] > 1 else None
+        flat = getattr(root, "_flatten_mapping", {}).get(name)
+        if flat is not None:
+            return flat if flat.size() > 1 else None
         groups = {tuple(dist.get_process_group_ranks(pg)): pg for pg in root._pg_registry.values()
-                  if getattr(pg, "group_desc", None) == "mesh_cp" and pg.size() > 1}
+                  if getattr(pg, "group_desc", None) == f"mesh_{name}" and pg.size() > 1}
         if len(groups) == 1:
             return next(iter(groups.values()))
     except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
@@ -211,10 +221,11 @@ def _tp_table(module: Any, fsdp_mesh: Any, dims: list[str], world: int) -> list[
     if not meshes:
         raise ValueError("ComputeChecks: no parameter's mesh holds both the data-parallel and the "
                          f"{dims} dims")
-    if len(meshes) > 1:         # expert parallelism's experts on a mesh of their own, say: not one layout
+    if len(meshes) > 1:         # the experts split over tp too, on a mesh of their own: not one layout
         raise ValueError(f"ComputeChecks: the parameters are split over {len(meshes)} different meshes "
                          f"({sorted({str(k[2]) for k in meshes})}): the checks take one (data-parallel x "
-                         "tensor-parallel) mesh; expert parallelism is not supported")
+                         "tensor-parallel) mesh; expert parallelism with the experts also split over "
+                         "tensor parallelism is not supported")
     mesh = next(iter(meshes.values()))
     names = tuple(mesh.mesh_dim_names or ())
     dp_names = tuple(fsdp_mesh.mesh_dim_names or ())

@@ -117,6 +117,12 @@ def _refusals(rank: int, world: int, init: str, out: str) -> None:
     attempt("not_a_function", fully_shard(nn.Linear(4, 4)), replay_context=3)
     # FSDP over the dp ranks alone: its reduce-scatter would not sum the cp ranks' gradients
     attempt("fsdp_without_cp", fully_shard(nn.Linear(4, 4), mesh=mesh["dp"]), context_parallel=mesh["cp"])
+    # expert_parallel= alike (the ep ranks compute together as the cp ranks do), on a (dp, ep) mesh
+    ep_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    attempt("ep_ddp", DDP(nn.Linear(4, 4)), expert_parallel=ep_mesh["ep"])
+    attempt("ep_two_dims", fully_shard(nn.Linear(4, 4)), expert_parallel=ep_mesh)
+    attempt("fsdp_without_ep", fully_shard(nn.Linear(4, 4), mesh=ep_mesh["dp"]),
+            expert_parallel=ep_mesh["ep"])
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -126,7 +132,7 @@ def test_context_parallel_arguments_the_checks_cannot_use_are_refused_at_attach(
     """`context_parallel=` under DDP (its replays are per rank), a 2-D mesh, something neither a mesh nor a
     group, and a cp mesh FSDP does not shard over (so its reduce-scatter would not sum the cp ranks'
     gradients): each a ValueError at attach that says what to pass; `replay_context=` that is no function
-    too."""
+    too; `expert_parallel=` under DDP, a 2-D mesh, and ep ranks FSDP does not shard over, alike."""
     import json
     out = str(tmp_path / "res")
     spawn(_refusals, (4, str(tmp_path / "init"), out), nprocs=4)
@@ -138,6 +144,9 @@ def test_context_parallel_arguments_the_checks_cannot_use_are_refused_at_attach(
         assert "got list" in res["not_a_mesh"], res
         assert res["not_a_function"].startswith("replay_context is a function"), res
         assert "does not hold this rank's context-parallel ranks" in res["fsdp_without_cp"], res
+        assert "expert_parallel= under DDP" in res["ep_ddp"], res
+        assert "expert_parallel= takes the ep dim's 1-D DeviceMesh" in res["ep_two_dims"], res
+        assert "does not hold this rank's expert-parallel ranks" in res["fsdp_without_ep"], res
 
 
 def _ddp_replay_context(rank: int, world: int, init: str, out: str) -> None:
