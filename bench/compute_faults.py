@@ -659,11 +659,12 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         if before is not None:      # did the fault's step change the weights? (masked: no)
             unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         opt.zero_grad(set_to_none=True)
+        weight = target.weight if hasattr(target, "weight") else next(target.parameters())   # --ep dtensor
         if on and case is not None and case.where == "opt":
-            st = opt.state[target.weight]
+            st = opt.state[weight]
             corrupt(st["exp_avg"], case)
         if on and case is not None and case.where == "weight":
-            corrupt(target.weight.data, case)
+            corrupt(weight.data, case)
         if monitor is not None:
             monitor.step()
         for f in checks.findings:

@@ -26,23 +26,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class _Gather(torch.autograd.Function):
-    """All-gather along dim 2 (the sequence of [b, heads, t, d]); the backward sums each rank's share of
-    the gradient back onto it (a reduce-scatter, written as an all-reduce: torch.distributed.nn's all-gather
-    falls back on gloo to a scatter that fails on a subgroup, torch 2.13)."""
+class Gather(torch.autograd.Function):
+    """All-gather along `dim` (here 2, the sequence of [b, heads, t, d]; bench.ep_moe: 0, the tokens); the
+    backward sums each rank's share of the gradient back onto it (a reduce-scatter, written as an
+    all-reduce: torch.distributed.nn's all-gather falls back on gloo to a scatter that fails on a subgroup,
+    torch 2.13)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), dim=2)[dist.get_rank(ctx.group)].contiguous(), None
+        size, me = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=ctx.dim)[me].contiguous(), None, None
 
 
 class _Sdpa(nn.Module):
@@ -126,8 +128,8 @@ class ContextParallel:
         q, k, v = block.qkv(block.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, block.heads, c // block.heads).transpose(1, 2) for z in (q, k, v))
         if self.on:
-            keys = _Gather.apply(k, self.group)
-            values = _Gather.apply(v, self.group)
+            keys = Gather.apply(k, self.group, 2)
+            values = Gather.apply(v, self.group, 2)
             rows = torch.arange(t, device=x.device) + self.rank * t
             mask = rows[:, None] >= torch.arange(keys.shape[2], device=x.device)[None, :]
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)

@@ -25,23 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 over `group`; the backward sums each rank's share of the gradient back onto
-    it (an all-reduce and this rank's chunk)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), dim=0)[dist.get_rank(ctx.group)].contiguous(), None
+from bench.cp_attention import Gather
 
 
 class _SumRows(torch.autograd.Function):
@@ -117,8 +101,8 @@ class ExpertParallel:
             b, t, c = h.shape
             top, idx = block.router(h).topk(block.TOP, dim=-1)
             gate = top.float().softmax(-1)
-            everyone = _GatherRows.apply(h, self.group)                         # [ep * b, t, c]
-            gates = _GatherRows.apply(gate, self.group)                         # [ep * b, t, TOP]
+            everyone = Gather.apply(h, self.group, 0)                           # [ep * b, t, c]
+            gates = Gather.apply(gate, self.group, 0)                           # [ep * b, t, TOP]
             choices = [torch.empty_like(idx) for _ in range(self.size)]
             dist.all_gather(choices, idx.contiguous(), group=self.group)
             choice = torch.cat(choices, dim=0)                                  # [ep * b, t, TOP]

@@ -913,23 +913,14 @@ def fsdp_group_params(module: nn.Module) -> list[Any]:
 
 
 def fsdp_mesh(module: nn.Module) -> Any:
-    """FSDP2's own mesh of `module` (`FSDPParam.mesh_info.mesh`, FSDP2 internals), None where it cannot be
-    read."""
-    for sub in module.modules():
-        if hasattr(sub, "_get_fsdp_state"):
-            try:
-                fps = fsdp_group_params(sub)
-            except (AttributeError, RuntimeError, TypeError):
-                continue
-            mesh = getattr(getattr(fps[0], "mesh_info", None), "mesh", None) if fps else None
-            if mesh is not None:
-                return mesh
-    return None
+    """FSDP2's own mesh of `module` (`FSDPParam.mesh_info.mesh`, FSDP2 internals; the first FSDP module's,
+    in module order: the root's, or its first layer's), None where it cannot be read."""
+    return next((mesh for _, mesh in _fsdp_param_meshes(module)), None)
 
 
-def _fsdp_meshes(module: nn.Module) -> dict[int, Any]:
-    """Each FSDP2-sharded parameter's (by id) own FSDP mesh (FSDP2 internals; {} where unreadable)."""
-    out: dict[int, Any] = {}
+def _fsdp_param_meshes(module: nn.Module) -> Iterator[tuple[Any, Any]]:
+    """(sharded parameter, the mesh FSDP2 shards it over) of every FSDP module in `module`, in module order
+    (FSDP2 internals; nothing where they cannot be read)."""
     for sub in module.modules():
         if hasattr(sub, "_get_fsdp_state"):
             try:
@@ -938,10 +929,8 @@ def _fsdp_meshes(module: nn.Module) -> dict[int, Any]:
                 continue
             for fp in fps:
                 mesh = getattr(getattr(fp, "mesh_info", None), "mesh", None)
-                param = getattr(fp, "sharded_param", None)
-                if mesh is not None and param is not None:
-                    out[id(param)] = mesh
-    return out
+                if mesh is not None:
+                    yield getattr(fp, "sharded_param", None), mesh
 
 
 def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
@@ -962,7 +951,7 @@ def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:
         root = fsdp_mesh(module)
         if root is None:
             return []
-        own = _fsdp_meshes(module)
+        own = {id(p): mesh for p, mesh in _fsdp_param_meshes(module) if p is not None}
     out: list[str] = []
     for p in module.parameters():
         if not isinstance(p, DTENSOR):
