@@ -32,6 +32,7 @@ Training-side module: never imports the agent (`daemon`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import zlib
@@ -69,6 +70,20 @@ def _is_plain(x: Any) -> bool:
 def _plain_type(t: type) -> bool:
     """A tensor type with no dispatch of its own (torch.Tensor, nn.Parameter; not a DTensor)."""
     return getattr(t, "__torch_dispatch__", None) is torch._C._disabled_torch_dispatch_impl
+
+
+@functools.cache
+def _redispatched() -> tuple[type, ...]:
+    """The tensor subclasses whose ops `OpTrace` leaves to their own dispatch, tracing the plain ops they run
+    instead: DTensor, and the functional collectives' AsyncCollectiveTensor (it waits, then runs the op on
+    the plain result). Not fake or functional tensors: their dispatch defers to an active mode."""
+    out: list[type] = [DTENSOR] if DTENSOR is not None else []
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        out.append(AsyncCollectiveTensor)
+    except ImportError:                    # (a build without torch.distributed)
+        pass
+    return tuple(out)
 
 
 def _plain(obj: Any) -> list[torch.Tensor]:
@@ -200,9 +215,10 @@ class OpTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if any(not _plain_type(t) for t in types):
-            if DTENSOR is not None and any(issubclass(t, DTENSOR) for t in types):
-                # a DTensor's op (a tensor-parallel layer's): DTensor's own dispatch runs it with this trace
-                # still on, so the ops it runs on its local tensors (the GPU's own compute) are traced
+            if any(issubclass(t, _redispatched()) for t in types):
+                # a DTensor's op (a tensor-parallel layer's), or one reading a functional collective's
+                # result: the subclass's own dispatch runs it with this trace still on, so the ops it runs
+                # on its local tensors (the GPU's own compute) are traced
                 return NotImplemented
             # another subclass's (DTensor's sharding propagation on fake tensors, on a cache miss): not the
             # step's compute, run untraced
