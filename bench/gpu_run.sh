@@ -576,8 +576,8 @@ want cplane && step cp-torch-lane 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python
 # the lane witness under tensor parallelism (the trace hands a DTensor's op back to DTensor's dispatch, so the
 # local matmuls are traced): dp 3 x tp 2 (the MLP), and dp 3 x cp 2 x tp 2 under torch's CP (12 ranks on this
 # GPU); torch's CP on meshes unflattened from one world mesh (newer torchtitan), the cp dim found by name
-# (tp-lane: SIGSEGV on torch 2.11 in DTensor's all-gather over gloo on CUDA, the MLP's last layer gathering its
-# output, 2026-12-07; the GPT's tp split, cp-torch-tp-lane, has no all-gather)
+# (tp-lane: SIGSEGV on torch 2.11 in DTensor's all-gather over gloo on CUDA, the MLP's last layer gathering
+# its output, 2026-12-07; the GPT's tp split, cp-torch-tp-lane, has no all-gather)
 want tplane && step tp-lane 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 6 --fsdp --tp 2 --cpu-autocast --fault-rank 3 --fault-step 22 \
   --after 6 --audit-every 5 --determinism strict \
