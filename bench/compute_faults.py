@@ -44,7 +44,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.paired import paired_interval
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
-from checksums.fingerprint import DTENSOR
 from demo.faults import BackwardFault
 from demo.model import Block
 from checksums import native_hook
@@ -54,6 +53,7 @@ from checksums.device_verdict import DeviceVerdict
 from checksums.fingerprint import triton_available
 from checksums.grad_checks import BucketAllreduce, GradSummaries, SpreadTracker, set_fused, summary_paths
 from checksums.monitor import Monitor
+from checksums.op_witness import redispatched
 from checksums.replica_recovery import ReplicaRecovery
 from checksums.replay import Replayer
 from checksums.reporter import ReporterStats, StepReport
@@ -333,7 +333,7 @@ class MatmulFault(TorchDispatchMode):
         return case.where if case is not None else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if DTENSOR is not None and any(issubclass(t, DTENSOR) for t in types):
+        if redispatched(types):
             return NotImplemented     # a DTensor's op (a tp-split layer): the fault is in the local op
         out = func(*args, **(kwargs or {}))
         # (no grad-mode test: sdcguard's checked linear runs its matmul inside an autograd.Function's forward)

@@ -106,7 +106,7 @@ from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replay
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 from checksums.lane_witness import lane_witness
-from checksums.tp_lanes import Lanes, find_lanes, named_cp
+from checksums.tp_lanes import Lanes, find_lanes, named_ranks
 from sdcwatch.arguments import count, function, wire_name
 from sdcwatch.names import GPU_UUID, HOST
 
@@ -125,19 +125,18 @@ _HOOK_VERDICT = os.environ.get("SDCWATCH_HOOK_VERDICT", "1") != "0"
 _UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context parallelism, FSDP2), pass "
                         "context_parallel=world_mesh['cp']; if an MoE's experts are split over ranks (expert "
                         "parallelism), expert_parallel=world_mesh['ep']; if it runs its forward and backward "
-                        "inside a "
-                        "context (one that turns context parallelism's attention on, an sdpa_kernel choice), "
-                        "pass replay_context= a function returning it")
+                        "inside a context (one that turns context parallelism's attention on, an sdpa_kernel "
+                        "choice), pass replay_context= a function returning it")
 
 
-def _context_parallel(given: Any, mesh: Any, fsdp: bool, dim: str = "cp") -> Any:
-    """The context-parallel ranks the checks treat as one replica with their tp group: `given` (a 1-D
-    DeviceMesh or a ProcessGroup), else the dim named "cp" beside FSDP's `mesh` (`named_cp`), else None.
-    `dim` "ep": expert parallelism's ranks (`expert_parallel=`), the same way."""
+def _ranks_together(given: Any, mesh: Any, fsdp: bool, dim: str = "cp") -> Any:
+    """The ranks named `dim` that compute one replica together, each on its own data (context parallelism's
+    "cp", expert parallelism's "ep"): `given` (context_parallel= / expert_parallel=: a 1-D DeviceMesh or a
+    ProcessGroup), else ranks named `dim` beside FSDP's `mesh` (`named_ranks`), else None."""
     arg, what = ("context_parallel", "context parallelism") if dim == "cp" else \
         ("expert_parallel", "expert parallelism")
     if given is None:
-        found = named_cp(mesh, dim) if mesh is not None else None
+        found = named_ranks(mesh, dim) if mesh is not None else None
         if found is not None:
             logger.info("sdcwatch: compute checks: %s over the ranks named '%s' (%d a group): each %s group "
                         "is checked as one replica", what, dim, found.size(), dim)
@@ -162,17 +161,15 @@ def _expert_parallel(given: Any, module: nn.Module, mesh: Any, fsdp: bool, split
     """The expert-parallel ranks (each its own batch, the experts split over them, tokens exchanged inside
     each MoE layer), checked as one replica: `given` (expert_parallel=), else the dim "ep" of the experts'
     DTensor mesh (torchtitan's experts, Shard(0) over ep: `split` names it), else ranks named "ep" beside
-    FSDP's mesh (`named_cp`), else None."""
-    if given is None and "ep" in split:
-        from checksums.fingerprint import DTENSOR
+    FSDP's mesh (`named_ranks`), else None."""
+    if given is None and "ep" in split:         # (split names it: some parameter is a DTensor over "ep")
         for p in module.parameters():
-            names = tuple(getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names or ())
-            if DTENSOR is not None and isinstance(p, DTENSOR) and "ep" in names:
+            if "ep" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()):
                 logger.info("sdcwatch: compute checks: expert parallelism over the experts' mesh dim 'ep' "
                             "(%d ranks a group): each ep group is checked as one replica",
                             p.device_mesh["ep"].size())
                 return p.device_mesh["ep"]
-    return _context_parallel(given, mesh, fsdp, "ep")
+    return _ranks_together(given, mesh, fsdp, "ep")
 
 
 def expert_param(name: str) -> bool:
@@ -240,7 +237,7 @@ class ComputeChecks:
                 "Supported with FSDP2 (fully_shard over the data-parallel mesh dims, as torchtitan lays it "
                 "out); under DDP the checks refuse here rather than stall the job later")
         dp_mesh = fsdp_mesh(ddp) if self.fsdp else None
-        cp = _context_parallel(context_parallel, dp_mesh, self.fsdp)
+        cp = _ranks_together(context_parallel, dp_mesh, self.fsdp)
         ep = _expert_parallel(expert_parallel, ddp, dp_mesh, self.fsdp, split)
         if ep is not None:       # the experts' ep dim: ranks with their own batches, not a tp lane split
             split = [d for d in split if d not in (getattr(ep, "mesh_dim_names", None) or ("ep",))]

@@ -72,6 +72,13 @@ def _plain_type(t: type) -> bool:
     return getattr(t, "__torch_dispatch__", None) is torch._C._disabled_torch_dispatch_impl
 
 
+def redispatched(types: Any) -> bool:
+    """An op whose tensor types include a subclass that runs it as plain ops on its local tensors (DTensor, a
+    functional collective's AsyncCollectiveTensor): `OpTrace` returns NotImplemented for it, so the plain
+    ops are traced (bench.compute_faults' fault injection does the same, so the fault is in the GPU's op)."""
+    return any(issubclass(t, _redispatched()) for t in types)
+
+
 @functools.cache
 def _redispatched() -> tuple[type, ...]:
     """The tensor subclasses whose ops `OpTrace` leaves to their own dispatch, tracing the plain ops they run
@@ -215,7 +222,7 @@ class OpTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if any(not _plain_type(t) for t in types):
-            if any(issubclass(t, _redispatched()) for t in types):
+            if redispatched(types):
                 # a DTensor's op (a tensor-parallel layer's), or one reading a functional collective's
                 # result: the subclass's own dispatch runs it with this trace still on, so the ops it runs
                 # on its local tensors (the GPU's own compute) are traced

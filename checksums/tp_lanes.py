@@ -14,7 +14,7 @@ Context parallelism (torchtitan's cp: each rank of a cp group holds one chunk of
 attention is a collective of the group) makes the same kind of group: a cp group's ranks (and their tp
 groups) compute one replica's step together, so they join into one group (`context_table`), lane l one
 (cp place, tp lane). The cp ranks come from the caller (`context_parallel=`: the cp DeviceMesh or its
-group) or from a mesh dim named "cp" beside FSDP's (`named_cp`); FSDP's mesh must hold them (its
+group) or from ranks named "cp" beside FSDP's mesh (`named_ranks`); FSDP's mesh must hold them (its
 reduce-scatter sums the cp ranks' gradients, as torchtitan's `dp_shard_cp` does). Each lane retains its own
 chunk, so a replay of a group's batch is that group's chunks, each replayed by the rank of the same cp place.
 
@@ -188,7 +188,7 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
                  dp_group=group if group is not None else dp_group, dims=names)
 
 
-def named_cp(fsdp_mesh: Any, name: str = "cp") -> Any:
+def named_ranks(fsdp_mesh: Any, name: str = "cp") -> Any:
     """The context-parallel ranks beside FSDP's mesh, named "cp" (torchtitan's name; `name`: another, as
     expert parallelism's "ep"), where they span more than one rank: the root mesh's dim `name` (a
     DeviceMesh; torchtitan's `world_mesh["dp_shard_cp"]` layout) or a dim flattened under that name, else
