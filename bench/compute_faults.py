@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.paired import paired_interval
+from bench.pp_stages import Pipeline, split
 from bench.rank_start import start_ranks
 from bench.tiny_gpt import GPTConfig, TinyGPT
 from demo.faults import BackwardFault
@@ -478,6 +479,28 @@ def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tup
     return fsdp_mesh, cp, mesh[name] if MODEL["cp_pass"] == "arg" else None
 
 
+def _pipeline_mesh(device: torch.device, world: int) -> tuple[Any, Any]:
+    """`--pp N`: torchtitan's (pp, dp) mesh (pp outermost; with --hsdp (pp, replicate, shard)); the pp dim
+    named "pp" (found by the checks) or, with --cp-pass arg|none, "stage". -> (the pp dim, FSDP's mesh: the
+    stage's data-parallel dims)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    name, pp, hsdp = "pp" if MODEL["cp_pass"] == "name" else "stage", MODEL["pp"], MODEL["hsdp"]
+    if hsdp:
+        mesh = init_device_mesh(device.type, (pp, hsdp, world // (pp * hsdp)),
+                                mesh_dim_names=(name, "replicate", "shard"))
+        return mesh[name], mesh["replicate", "shard"]
+    mesh = init_device_mesh(device.type, (pp, world // pp), mesh_dim_names=(name, "dp"))
+    return mesh[name], mesh["dp"]
+
+
+def _stage_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """--pp: the last stage's loss of one micro-batch (the schedule's `loss_fn`), as `loss_fn` scores the
+    whole model's output."""
+    if MODEL["name"] == "mlp":
+        return nn.functional.mse_loss(out.float(), y.float())
+    return nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
 def _split_experts(model: nn.Module, device: torch.device, world: int) -> Any:
     """`--ep N` (--model tiny-moe): each MoE block's experts split over the N ranks of an ep group
     (bench.ep_moe), on an (efsdp, ep) mesh (efsdp: the ranks holding the same experts, torchtitan's name);
@@ -536,6 +559,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     if MODEL["ep"] > 1:        # --ep: the faults hit this rank's experts (block 0's), not the router
         ep_mesh = _split_experts(model, device, world)
         target = model.blocks[0].experts[0][0] if MODEL["ep_style"] == "local" else model.blocks[0].experts
+    pp = MODEL.get("pp", 1)
+    if pp > 1:          # --pp: this rank's stage (pp outermost: ranks [s * dp, (s + 1) * dp) hold stage s)
+        model, target = split(model, target, pp, rank // (world // pp))
     model = model.to(device, dtype=torch.bfloat16 if MODEL["params_bf16"] else None)
     active = {"on": False}
     tp = MODEL["tp"]
@@ -559,13 +585,21 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
 
     if tp == 1:
         target.register_forward_hook(mm_hook)
-    cp_mesh = cp = cp_arg = ep_arg = None
+    cp_mesh = cp = cp_arg = ep_arg = pp_arg = None
     if MODEL["cp"] > 1:
         cp_mesh, cp, cp_arg = _context_parallel(model, device, world)
     elif ep_mesh is not None:
         cp_mesh, ep_arg = _shard_experts(model, ep_mesh)
+    elif pp > 1:
+        pp_mesh, cp_mesh = _pipeline_mesh(device, world)
+        pp_arg = pp_mesh if MODEL["cp_pass"] == "arg" else None
     ddp = _wrap(model, device, world, fsdp, cp_mesh, bucket_cap_mb=0.01)
     group = tp * MODEL["cp"]           # the ranks that run one batch together (a tp or cp group)
+    pipe = None
+    if pp > 1:                          # the schedule over the FSDP2-wrapped stage; the loss on the last
+        low = device.type == "cuda" or MODEL["bf16"] or MODEL["amp"] == "fp16"     # as loss_fn's autocast
+        pipe = Pipeline(ddp, pp_mesh.get_group(), rank // (world // pp), pp, device, _stage_loss,
+                        autocast=(torch.float16 if MODEL["amp"] == "fp16" else torch.bfloat16) if low else None)
     in_step = cp.context if cp is not None else contextlib.nullcontext
     if tp > 1:     # after tensor parallelism's own hooks: the output as this rank holds it (a plain tensor)
         target.register_forward_hook(mm_hook)
@@ -579,21 +613,23 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     # --recover: the vote gates the update and, with 3+ replicas, repairs the odd one in place
     recovery = ReplicaRecovery.attach(monitor) if recover and monitor is not None else None
     step_loss = loss_fn if accum == 1 else (lambda m, b: loss_fn(m, b) / accum)
+    replay_by = {"loss_fn": step_loss} if pipe is None else {"step_fn": pipe.step}
     scaler = torch.amp.GradScaler(device.type) if MODEL["amp"] == "fp16" else None   # its default scale
 
     def backward(loss: torch.Tensor) -> None:
         (scaler.scale(loss) if scaler is not None else loss).backward()
-    checks = ComputeChecks.attach(ddp, opt, loss_fn=step_loss, audit_every=audit_every, warmup=warmup,
+    checks = ComputeChecks.attach(ddp, opt, **replay_by, audit_every=audit_every, warmup=warmup,
                                   margin=margin, gpu_uuid=f"GPU-fake-{rank}", monitor=monitor, mask=mask,
                                   scaler=scaler,
                                   inject_bucket=grad_inject if rank == fault_rank else None,
                                   # FSDP2 with 2 ranks: the model-level CPU witness needs the bare model (a
                                   # factory; --no-witness-model: the op witness alone)
                                   witness_model=((lambda: make_model(0)[0]) if fsdp and MODEL["factory"]
-                                                 and group == 1 else None),
+                                                 and group == 1 and pp == 1 else None),
                                   **({} if experts_hint else {"experts": None}),
                                   **({"context_parallel": cp_arg} if cp_arg is not None else {}),
                                   **({"expert_parallel": ep_arg} if ep_arg is not None else {}),
+                                  **({"pipeline_parallel": pp_arg} if pp_arg is not None else {}),
                                   **({"replay_context": cp.context} if cp is not None
                                      and MODEL["cp_replay_context"] else {}))
     caught: dict[str, dict[str, Any]] = {}
@@ -617,7 +653,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             active["on"] = on and case is not None and (
                 case.where == "grad"
                 or (case.where in ("mm", *TC_WHERE, "bwd") and (case.persistent or micro == fault_micro)))
-            batch = batch_for(rank // group, step, device, micro)    # a tp or cp group's ranks: one batch
+            # a tp or cp group's ranks: one batch; a pp group's (one rank of each stage): one batch
+            batch = batch_for(rank // group if pp == 1 else rank % (world // pp), step, device, micro)
             if cp is not None:                                         # each cp rank its chunk of it
                 batch = tuple(cp.shard(t) for t in batch)
             checks.retain(batch)
@@ -628,6 +665,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                             backward(step_loss(ddp, batch))
                     else:
                         backward(step_loss(ddp, batch))
+            elif pipe is not None:
+                pipe.step(ddp, batch)
             elif fsdp:
                 ddp.set_requires_gradient_sync(micro == accum - 1)
                 with in_step():
@@ -1078,6 +1117,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["cp"] = args.cp
     MODEL["ep"] = args.ep
     MODEL["ep_style"] = args.ep_style
+    MODEL["pp"] = args.pp
     MODEL["cp_api"] = args.cp_api
     MODEL["cp_pass"] = args.cp_pass
     MODEL["cp_replay_context"] = args.cp_replay_context
@@ -1187,11 +1227,14 @@ def _recovery_line(r: dict[str, Any]) -> str:
     return f"{span}; {rep}; replicas {'agree' if agree else 'DIFFER'} at the end (step {r['steps']})"
 
 
-def table(results: dict[str, Any], fault_step: int, fault_rank: int, tp: int = 1) -> str:
+def table(results: dict[str, Any], fault_step: int, fault_rank: int, tp: int = 1,
+          right: list[int] | None = None) -> str:
     """The fault table; `tp`: a finding names the faulty rank's whole tensor- (or context-) parallel group
-    (one of them), or the faulty rank alone (the lane witness)."""
+    (one of them), or the faulty rank alone (the lane witness); `right`: that group where it is not `tp`
+    consecutive ranks (a pipeline's)."""
     head = f"fault (rank {fault_rank}, step {fault_step})"
-    right = list(range(fault_rank - fault_rank % tp, fault_rank - fault_rank % tp + tp))
+    if right is None:
+        right = list(range(fault_rank - fault_rank % tp, fault_rank - fault_rank % tp + tp))
     lines = [f"{head:34} {'detector':17} {'caught':6} {'steps':5} {'rank named':10} {'cause':11} update"]
     for name, r in results.items():
         if name in ("clean", "overhead"):
@@ -1385,6 +1428,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "split over the ep group, tokens dispatched by all-gather); the checks find the mesh dim "
                    "named 'ep' (--cp-pass arg: named 'xp', passed as expert_parallel=; none: named 'xp', not "
                    "passed)")
+    p.add_argument("--pp", type=int, default=1, metavar="N", help="with --fsdp and --model mlp, tiny-gpt or "
+                   "gpt2: pipeline parallelism over N stages (bench.pp_stages: torchtitan's (pp, dp) mesh, "
+                   "torch's PipelineStage and ScheduleGPipe, FSDP2 over each stage's dp ranks, the checks "
+                   "replay through the schedule: step_fn=); the checks find the mesh dim named 'pp' "
+                   "(--cp-pass arg: named 'stage', passed as pipeline_parallel=; none: named 'stage', not "
+                   "passed). The matmul faults hit the faulty rank's stage (the MLP's middle Linear where the "
+                   "stage holds it, else its first Linear; a GPT stage's first block's fc)")
     p.add_argument("--ep-style", choices=["local", "dtensor"], default="local", help="--ep: each rank's "
                    "experts as modules of their own (local, Megatron's) or stacked weights distributed over "
                    "the ep dim as DTensors (dtensor, torchtitan's GroupedExperts)")
@@ -1500,6 +1550,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          or args.world // args.ep < 2):
         p.error(f"--ep N needs --fsdp, --model tiny-moe, N dividing its {MoEBlock.EXPERTS} experts and "
                 "--world, >= 2 ep groups; not with --cp, --tp, --hsdp, --overhead, --accum or --ac")
+    if args.pp != 1 and (not args.fsdp or args.model not in ("mlp", "tiny-gpt", "gpt2") or args.pp < 2
+                         or args.cp != 1 or args.tp != 1 or args.ep != 1 or args.overhead or args.accum != 1
+                         or args.ac != "none" or args.sdcguard or args.world % (args.pp * max(args.hsdp, 1))
+                         or args.world // args.pp < 2):
+        p.error("--pp N needs --fsdp, --model mlp, tiny-gpt or gpt2, N (x --hsdp) dividing --world and >= 2 "
+                "replicas; not with --cp, --tp, --ep, --overhead, --accum, --ac or --sdcguard")
     if args.cp_api == "torch" and args.device != "cuda":
         p.error("--cp-api torch shards SDPA through CUDA kernels only (flash, efficient, cuDNN): --device cuda")
     if args.after < 1 or args.fault_step < 1:
@@ -1538,7 +1594,9 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
             start(worker, (args.world, os.path.join(tmp, "init"), args, out), args.world)
         with open(out) as f:
             results = json.load(f)
-    print(table(results, args.fault_step, args.fault_rank, args.tp * args.cp * args.ep))
+    dp = args.world // args.pp        # --pp: the faulty rank's pp group, one rank of each stage (pp outermost)
+    right = [args.fault_rank % dp + s * dp for s in range(args.pp)] if args.pp > 1 else None
+    print(table(results, args.fault_step, args.fault_rank, args.tp * args.cp * args.ep, right))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -129,12 +129,21 @@ _UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context 
                         "choice), pass replay_context= a function returning it")
 
 
+_TOGETHER = {"cp": ("context_parallel", "context parallelism"), "ep": ("expert_parallel", "expert parallelism"),
+             "pp": ("pipeline_parallel", "pipeline parallelism")}
+
+
+def _group_of(ranks: Any) -> Any:
+    """The ProcessGroup of a 1-D DeviceMesh or a ProcessGroup."""
+    return ranks.get_group() if hasattr(ranks, "get_group") else ranks
+
+
 def _ranks_together(given: Any, mesh: Any, fsdp: bool, dim: str = "cp") -> Any:
-    """The ranks named `dim` that compute one replica together, each on its own data (context parallelism's
-    "cp", expert parallelism's "ep"): `given` (context_parallel= / expert_parallel=: a 1-D DeviceMesh or a
+    """The ranks named `dim` that compute one replica together (context parallelism's "cp" and expert
+    parallelism's "ep", each rank on its own data; pipeline parallelism's "pp", each rank one stage of the
+    model): `given` (context_parallel= / expert_parallel= / pipeline_parallel=: a 1-D DeviceMesh or a
     ProcessGroup), else ranks named `dim` beside FSDP's `mesh` (`named_ranks`), else None."""
-    arg, what = ("context_parallel", "context parallelism") if dim == "cp" else \
-        ("expert_parallel", "expert parallelism")
+    arg, what = _TOGETHER[dim]
     if given is None:
         found = named_ranks(mesh, dim) if mesh is not None else None
         if found is not None:
@@ -151,7 +160,9 @@ def _ranks_together(given: Any, mesh: Any, fsdp: bool, dim: str = "cp") -> Any:
     if not fsdp:
         raise ValueError(f"ComputeChecks: {arg}= under DDP: a {dim} group's forward is a collective "
                          "of its ranks, while DDP's checks replay per rank. Supported with FSDP2 "
-                         f"(fully_shard over the data-parallel and {dim} ranks, torchtitan's layout)")
+                         + ("(fully_shard over each stage's data-parallel ranks, torchtitan's layout)"
+                            if dim == "pp" else
+                            f"(fully_shard over the data-parallel and {dim} ranks, torchtitan's layout)"))
     if (given.size() if hasattr(given, "get_group") else dist.get_world_size(given)) < 2:
         return None
     return given
@@ -203,7 +214,7 @@ class ComputeChecks:
     phase = Phase.GATE
     lanes: Lanes | None = None     # FSDP2 + tensor parallelism: this rank's place (checksums.tp_lanes)
 
-    def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: LossFn,
+    def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: LossFn | None = None,
                  margin: float = 3.0, warmup: int = DEFAULT_WARMUP, audit_every: int = DEFAULT_AUDIT_EVERY,
                  group: Any = None, host: str | None = None, gpu_uuid: str = "",
                  mask: str = "auto", monitor: Any = None, inject_bucket: Callable[[int, torch.Tensor], None] | None = None,
@@ -212,9 +223,16 @@ class ComputeChecks:
                  side_stream: bool | None = None, scaler: Any = None,
                  experts: Callable[[str], bool] | None = expert_param, native: bool | None = None,
                  context_parallel: Any = None, replay_context: Callable[[], Any] | None = None,
-                 expert_parallel: Any = None) -> None:
-        function("loss_fn", loss_fn, optional=False,
-                 why="it recomputes a step's loss for the replays: (model, batch) -> loss tensor")
+                 expert_parallel: Any = None, pipeline_parallel: Any = None,
+                 step_fn: Callable[[nn.Module, Any], Any] | None = None) -> None:
+        function("loss_fn", loss_fn, optional=step_fn is not None,
+                 why="it recomputes a step's loss for the replays: (model, batch) -> loss tensor; or pass "
+                 "step_fn=")
+        function("step_fn", step_fn, why="it reruns a step's forward and backward for the replays, as the loop "
+                 "runs them (a pipeline schedule's step): (model, batch) -> None")
+        if loss_fn is not None and step_fn is not None:
+            raise ValueError("ComputeChecks: pass loss_fn= (the replays back-propagate its loss) or step_fn= "
+                             "(it runs the forward and backward itself), not both")
         function("experts", experts, why="a predicate on a parameter's qualified name (name -> bool), or None")
         function("replay_context", replay_context, why="it makes the context manager each replay's forward "
                  "and backward run in, as the loop's own do: () -> context manager")
@@ -236,15 +254,36 @@ class ComputeChecks:
                 "replays and verdicts would be per data-parallel group (a stalled or corrupted step). "
                 "Supported with FSDP2 (fully_shard over the data-parallel mesh dims, as torchtitan lays it "
                 "out); under DDP the checks refuse here rather than stall the job later")
+        if step_fn is not None and not self.fsdp:
+            raise ValueError("ComputeChecks: step_fn= replays a step through the model's own backward, a "
+                             "collective of every rank: supported with FSDP2 (fully_shard); under DDP pass "
+                             "loss_fn=")
         dp_mesh = fsdp_mesh(ddp) if self.fsdp else None
+        pp = _ranks_together(pipeline_parallel, dp_mesh, self.fsdp, "pp")
+        if pp is not None and step_fn is None:
+            raise ValueError("ComputeChecks: this rank holds one stage of a pipeline (pipeline parallelism "
+                             "over ranks " f"{dist.get_process_group_ranks(_group_of(pp))}): a replay reruns "
+                             "the pipeline's step, so pass step_fn= (model, batch) -> None running the loop's "
+                             "schedule.step on that batch, not loss_fn=")
+        if pp is not None and witness_model is not None:
+            raise ValueError("ComputeChecks: witness_model= rebuilds the whole model on one CPU; a pipeline "
+                             "stage holds part of it: leave it out (the op witness names a GPU)")
         cp = _ranks_together(context_parallel, dp_mesh, self.fsdp)
         ep = _expert_parallel(expert_parallel, ddp, dp_mesh, self.fsdp, split)
+        if (step_fn is not None and pp is None and not split and cp is None and ep is None and dp_mesh is not None
+                and dp_mesh.mesh.numel() < dist.get_world_size()):
+            # (a step_fn's forward reaches ranks FSDP's mesh does not hold: a pipeline the checks were not
+            # told of would replay on some stages only, and wait for the others for ever)
+            raise ValueError(f"ComputeChecks: step_fn= with FSDP's mesh holding {dp_mesh.mesh.numel()} of the "
+                             f"job's {dist.get_world_size()} ranks: if this rank holds one stage of a pipeline, "
+                             "pass pipeline_parallel= (the pp dim's DeviceMesh, world_mesh['pp'], or its "
+                             "ProcessGroup)")
         if ep is not None:       # the experts' ep dim: ranks with their own batches, not a tp lane split
             split = [d for d in split if d not in (getattr(ep, "mesh_dim_names", None) or ("ep",))]
-        # FSDP2 + tensor, context or expert parallelism: a tp (cp, ep) group is one data-parallel rank to the
-        # checks (checksums.tp_lanes)
-        self.lanes = (find_lanes(ddp, dp_mesh, split, group, cp, ep)
-                      if split or cp is not None or ep is not None else None)
+        # FSDP2 + tensor, context, expert or pipeline parallelism: a tp (cp, ep, pp) group is one data-parallel
+        # rank to the checks (checksums.tp_lanes)
+        self.lanes = (find_lanes(ddp, dp_mesh, split, group, cp, ep, pp)
+                      if split or cp is not None or ep is not None or pp is not None else None)
         if self.lanes is not None:
             group = self.lanes.dp_group
         self.group = group
@@ -264,13 +303,15 @@ class ComputeChecks:
         self.tracker = SpreadTracker(margin=margin, warmup=warmup)      # (checks margin and warmup)
         if self.fsdp:                  # FSDP2: the rows before each reduce-scatter; collective replays
             self.summaries: Any = FsdpGradSummaries(ddp, group=group, inject=inject_bucket, lanes=self.lanes)
+            if self.lanes is not None:     # each lane's FSDP groups (a pipeline's stages count differently)
+                self.lanes = self.summaries.lanes = self.lanes.sized(len(self.summaries.groups))
         else:
             self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket, comm_hook=comm_hook,
                                            comm_state=comm_state, side_stream=side_stream, native=native)
         self.replayer: Replayer = (
             FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group,
                          witness_model=witness_model, scaler=scaler, lanes=self.lanes,
-                         context=replay_context) if self.fsdp else
+                         context=replay_context, step_fn=step_fn) if self.fsdp else
             Replayer(getattr(ddp, "module", ddp), self.summaries, loss_fn, device=device, group=group,
                      scaler=scaler, context=replay_context))
         if self.replayer.cross_rank:
@@ -642,8 +683,9 @@ class ComputeChecks:
         Once the verdict is a CUDA graph and the C++ hook gathers the rows, the hook replays the graph and
         copies the rows and the flag to the next host slot itself, right after its gather (`_arm_finish`):
         then this only takes that slot and the graph's flag (the current stream already waits for it)."""
-        lanes = self.lanes.lanes if self.lanes is not None else 1
-        inp = self._verdict.input(self.world * lanes * self.summaries.bucket_count(), self.device)
+        own = self.summaries.bucket_count()
+        per = self.lanes.merged_rows(own) if self.lanes is not None else own
+        inp = self._verdict.input(self.world * per, self.device)
         rows = self.summaries.gather(out=inp)
         finished = self.summaries.finished
         self.summaries.clear()

@@ -60,13 +60,17 @@ logger = logging.getLogger(__name__)
 class FsdpReplayer(Replayer):
     """Collective replays of an FSDP2 model (see the module docstring)."""
 
-    def __init__(self, root: nn.Module, summaries: FsdpGradSummaries, loss_fn: LossFn, *,
+    def __init__(self, root: nn.Module, summaries: FsdpGradSummaries, loss_fn: LossFn | None, *,
                  device: torch.device, group: Any = None,
                  witness_model: Callable[[], nn.Module] | None = None, scaler: Any = None,
-                 lanes: Lanes | None = None, context: Callable[[], Any] | None = None) -> None:
+                 lanes: Lanes | None = None, context: Callable[[], Any] | None = None,
+                 step_fn: Callable[[nn.Module, Any], Any] | None = None) -> None:
         super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler, lanes=lanes,
                          context=context)
         self.fsdp = summaries
+        # the loop's own forward and backward of a batch (a pipeline schedule's step), run instead of
+        # back-propagating loss_fn's loss: the loop's loss scaling is its own
+        self.step_fn = step_fn
         self.witness_model = witness_model      # the bare module is on no rank: the CPU builds a copy
 
     def replay(self, retained: Retained, flats: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -100,7 +104,10 @@ class FsdpReplayer(Replayer):
                         torch.cuda.set_rng_state(dev_rng, self.device)
                     module.set_requires_gradient_sync(k == last)  # type: ignore[operator]
                     with torch.enable_grad(), self.context():
-                        scaled(self.loss_fn(module, batch), retained.loss_scale).backward()
+                        if self.step_fn is not None:
+                            self.step_fn(module, batch)
+                        else:
+                            scaled(self.loss_fn(module, batch), retained.loss_scale).backward()
             rows = self.fsdp.rows_of(captured)
         finally:
             module.set_requires_gradient_sync(True)  # type: ignore[operator]

@@ -684,9 +684,10 @@ class GradSummaries:
                                       else torch.empty_like(rows).view(-1, ROW_WORDS), rows.shape[1])
         return rows
 
-    def _gather_eager(self, out: torch.Tensor | None) -> torch.Tensor:
-        """`gather` by one all-gather call here (FsdpGradSummaries' too)."""
-        mine = self.rows()
+    def _gather_eager(self, out: torch.Tensor | None, mine: torch.Tensor | None = None) -> torch.Tensor:
+        """`gather` by one all-gather call here (FsdpGradSummaries' too; `mine`: the rows to send, else
+        `rows()`)."""
+        mine = self.rows() if mine is None else mine
         if not self._world:
             self._world = dist.get_world_size(self._group)
         world = self._world
@@ -893,7 +894,8 @@ class FsdpGradSummaries:
         lanes side by side as one data-parallel rank's: [dp, lanes * groups, 4] (into `out` when given)."""
         if self.lanes is None:
             return GradSummaries._gather_eager(self, out)  # type: ignore[arg-type]
-        rows = self.lanes.merge(GradSummaries._gather_eager(self, None))  # type: ignore[arg-type]
+        rows = self.lanes.merge(GradSummaries._gather_eager(  # type: ignore[arg-type]
+            self, None, self.lanes.pad(self.rows())))
         if out is None:
             return rows
         view = out.view(rows.shape)

@@ -481,7 +481,7 @@ class _Swapped(nn.Module):
 class Replayer:
     """Retains each step's batch and RNG state and recomputes gradients from them (see the module doc)."""
 
-    def __init__(self, module: nn.Module, summaries: GradSummaries | None, loss_fn: LossFn, *,
+    def __init__(self, module: nn.Module, summaries: GradSummaries | None, loss_fn: LossFn | None, *,
                  device: torch.device, group: Any = None, scaler: Any = None,
                  lanes: Lanes | None = None, context: Callable[[], Any] | None = None) -> None:
         self.module = module
@@ -790,7 +790,7 @@ class Replayer:
         """Every rank's `rows` [..., B, 4], stacked [world, ...] on the host (a collective); a tp group's
         lanes side by side as one rank's (`Lanes.merge`)."""
         world = dist.get_world_size(self.wide)
-        rows = rows.contiguous()
+        rows = rows.contiguous() if self.lanes is None else self.lanes.pad(rows).contiguous()
         out = rows.new_empty((world * rows.shape[0], *rows.shape[1:]))
         all_gather_single(out, rows, group=self.wide)
         got = out.view(world, *rows.shape).cpu()

@@ -46,8 +46,12 @@ class Lanes:
     ranks: tuple[int, ...]       # global ranks in (dp index, lane) order (the mesh spans the default group)
     dp_group: Any                # this lane's data-parallel group (rank d = dp index d)
     dims: tuple[str, ...]        # the mesh dims the model is split over besides data parallelism
+    # each lane's rows (its FSDP groups; `sized`): a pipeline's stages hold different layers, so their
+    # counts differ; () where every lane has as many (tp, cp, ep lanes hold shards of the same layers)
+    counts: tuple[int, ...] = ()
     # `ranks` on each device it was used on: made once, not a host-to-device copy every step
     _index: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _keep: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -57,26 +61,66 @@ class Lanes:
         """The global ranks of tp group `d`, lane by lane."""
         return self.ranks[d * self.lanes:(d + 1) * self.lanes]
 
+    @property
+    def padded(self) -> int:
+        """The rows every rank sends in a gather: the most any lane has (0: each rank's own count)."""
+        return max(self.counts) if self.counts else 0
+
+    def sized(self, rows: int) -> Lanes:
+        """These lanes with each lane's row count, from this rank's (`rows`: its FSDP groups); a collective
+        of every rank. ValueError where the ranks of one lane count differently (they hold the same layers)."""
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, int(rows))
+        counts = tuple(int(every[self.ranks[lane]]) for lane in range(self.lanes))
+        for d in range(self.dp):
+            for lane, r in enumerate(self.members(d)):
+                if every[r] != counts[lane]:
+                    raise ValueError(f"ComputeChecks: rank {r} has {every[r]} FSDP groups, rank "
+                                     f"{self.ranks[lane]} of the same lane {counts[lane]}: ranks holding the "
+                                     "same layers must shard them alike")
+        return dataclasses.replace(self, counts=() if len(set(counts)) == 1 else counts)
+
+    def merged_rows(self, own: int) -> int:
+        """The rows of one group after `merge`, this rank having `own`."""
+        return sum(self.counts) if self.counts else self.lanes * own
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [..., B, W] as every rank sends them in a gather: padded with zero rows to the
+        lanes' largest count (unchanged where every lane has as many)."""
+        n = self.padded
+        if not n or rows.shape[-2] == n:
+            return rows
+        return torch.cat([rows, rows.new_zeros((*rows.shape[:-2], n - rows.shape[-2], rows.shape[-1]))], -2)
+
     def merge(self, gathered: torch.Tensor) -> torch.Tensor:
-        """Rows gathered over the default group, [size, *pre, B, W] in global rank order, as the dp indices':
-        [dp, *pre, lanes * B, W] (each tp group's lanes side by side)."""
+        """Rows gathered over the default group, [size, *pre, B, W] in global rank order (each rank's `pad`),
+        as the dp indices': [dp, *pre, rows, W], each group's lanes side by side (lanes * B rows; with
+        `counts`, the padding left out: sum(counts) rows)."""
         index = self._index.get(gathered.device)
         if index is None:
             index = self._index[gathered.device] = torch.tensor(self.ranks, device=gathered.device)
         x = gathered.index_select(0, index)
         x = x.reshape(self.dp, self.lanes, *gathered.shape[1:]).movedim(1, -3)
-        return x.reshape(self.dp, *gathered.shape[1:-2], self.lanes * gathered.shape[-2], gathered.shape[-1])
+        x = x.reshape(self.dp, *gathered.shape[1:-2], self.lanes * gathered.shape[-2], gathered.shape[-1])
+        if not self.counts:
+            return x
+        keep = self._keep.get(gathered.device)
+        if keep is None:
+            n = self.padded
+            keep = self._keep[gathered.device] = torch.tensor(
+                [lane * n + b for lane, c in enumerate(self.counts) for b in range(c)], device=gathered.device)
+        return x.index_select(-2, keep)
 
 
-def lane_table(grid: torch.Tensor, dp_dims: list[int], world: int) -> list[list[int]]:
+def lane_table(grid: torch.Tensor, dp_dims: list[int], world: int, whole: bool = True) -> list[list[int]]:
     """The tp groups of a mesh (`grid`: its global ranks, one dim per mesh dim; `dp_dims`: the data-parallel
     ones), row d the ranks of tp group d lane by lane. A lane's ranks (a column) must rise with d, as every
     process group numbers its ranks (a lane's group rank is then its dp index), and the mesh must hold every
-    rank of the job once; ValueError otherwise. Pure."""
+    rank of the job once (`whole`; False: one pipeline stage's mesh); ValueError otherwise. Pure."""
     tp_dims = [d for d in range(grid.ndim) if d not in dp_dims]
     dp = math.prod(grid.shape[d] for d in dp_dims)
     table = [[int(r) for r in row] for row in grid.permute(*dp_dims, *tp_dims).reshape(dp, -1).tolist()]
-    if sorted(r for row in table for r in row) != list(range(world)):
+    if whole and sorted(r for row in table for r in row) != list(range(world)):
         raise ValueError(f"ComputeChecks: the model's mesh holds {grid.numel()} ranks, not every rank of the "
                          f"job ({world}) once: tensor parallelism is checked on a mesh of the whole job")
     return _numbered_alike(table)
@@ -137,29 +181,37 @@ def context_table(table: list[list[int]], cp_groups: list[tuple[int, ...]]) -> l
 
 
 def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, cp: Any = None,
-               ep: Any = None) -> Lanes:
+               ep: Any = None, pp: Any = None) -> Lanes:
     """The lanes of an FSDP2 `module` whose DTensor parameters are also split over mesh `dims` (names from
     `checksums.grad_checks.model_parallel_dims`), whose sequences context parallelism splits over `cp`, and
     whose experts expert parallelism splits over `ep` (this rank's cp or ep DeviceMesh or ProcessGroup, or
     None: ranks that compute their steps together, each on its own data); `fsdp_mesh` is FSDP's own mesh of
     the dense parameters (its dims are the data-parallel ones, and the cp and ep ranks with them:
-    torchtitan's `dp_shard_cp`). A collective of every rank (it may make the lanes' data-parallel groups).
+    torchtitan's `dp_shard_cp`). `pp`: the pipeline-parallel ranks (this rank's pp DeviceMesh or group),
+    each holding other layers (a stage) of one replica's model: joined after cp and ep (lane = stage, then cp
+    place, then tp lane), and FSDP's mesh must not hold them. A collective of every rank (it may make the
+    lanes' data-parallel groups).
     `group`: the caller's data-parallel group, which must be this lane's. ValueError for a layout it cannot
     check."""
     world = dist.get_world_size()
     if dims:
-        table = _tp_table(module, fsdp_mesh, dims, world)
+        table = _tp_table(module, fsdp_mesh, dims, world, each_stage=pp is not None)
     else:
         table = [[r] for r in range(world)]
     names = tuple(dims)
     joined = False
-    for together, kind, default in ((cp, "context-parallel", "cp"), (ep, "expert-parallel", "ep")):
+    for together, kind, default in ((cp, "context-parallel", "cp"), (ep, "expert-parallel", "ep"),
+                                    (pp, "pipeline-parallel", "pp")):
         if together is None:
             continue
         pg = together.get_group() if hasattr(together, "get_group") else together
         mine = tuple(dist.get_process_group_ranks(pg))
         spans = set(int(r) for r in fsdp_mesh.mesh.reshape(-1).tolist())
-        if not set(mine) <= spans:
+        if default == "pp" and set(mine) & spans != {dist.get_rank()}:
+            raise ValueError(f"ComputeChecks: FSDP's mesh (ranks {sorted(spans)}) holds more than this rank of "
+                             f"its pipeline-parallel ranks {list(mine)}: each stage's parameters are sharded "
+                             "over the data-parallel ranks of that stage only")
+        if default != "pp" and not set(mine) <= spans:
             raise ValueError(f"ComputeChecks: FSDP's mesh (ranks {sorted(spans)}) does not hold this rank's "
                              f"{kind} ranks {list(mine)}: shard the parameters over the data-parallel and "
                              f"{default} ranks together (torchtitan's dp_shard_cp), so FSDP sums their "
@@ -168,7 +220,7 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
         dist.all_gather_object(groups, mine)
         table = context_table(table, groups)
         names = (*((getattr(together, "mesh_dim_names", None) or (default,))[:1]), *names)
-        joined = True
+        joined = joined or default != "pp"     # (a stage's data-parallel ranks are FSDP's group)
     dp, lanes = len(table), len(table[0])
     ranks = tuple(r for row in table for r in row)
     columns = [[row[lane] for row in table] for lane in range(lanes)]
@@ -176,7 +228,7 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
     dp_rank, lane = divmod(me, lanes)
     if fsdp_mesh.ndim == 1 and not joined:   # FSDP2's own group is this lane's
         dp_group = fsdp_mesh.get_group()
-    else:                      # HSDP, context parallelism: each lane's data-parallel ranks, made here
+    else:                      # HSDP, context or expert parallelism: each lane's data-parallel ranks, made here
         dp_group, _ = dist.new_subgroups_by_enumeration(columns)
     if dist.get_process_group_ranks(dp_group) != columns[lane]:
         raise ValueError("ComputeChecks: FSDP's group does not hold this lane's data-parallel ranks in mesh "
@@ -212,8 +264,11 @@ def named_ranks(fsdp_mesh: Any, name: str = "cp") -> Any:
     return None
 
 
-def _tp_table(module: Any, fsdp_mesh: Any, dims: list[str], world: int) -> list[list[int]]:
-    """`lane_table` of the one mesh `module`'s parameters are split over (data-parallel x `dims`)."""
+def _tp_table(module: Any, fsdp_mesh: Any, dims: list[str], world: int,
+              each_stage: bool = False) -> list[list[int]]:
+    """`lane_table` of the one mesh `module`'s parameters are split over (data-parallel x `dims`).
+    `each_stage` (pipeline parallelism: that mesh spans this rank's stage only): every stage's table,
+    gathered from every rank (a collective), their rows together, ordered by their first rank."""
     from checksums.fingerprint import DTENSOR
     split = [p.device_mesh for p in module.parameters()
              if DTENSOR is not None and isinstance(p, DTENSOR) and p.device_mesh.ndim > fsdp_mesh.ndim]
@@ -233,4 +288,13 @@ def _tp_table(module: Any, fsdp_mesh: Any, dims: list[str], world: int) -> list[
         dp_dims = [d for d in range(mesh.ndim) if names[d] in dp_names]
     else:                                          # FSDP2's mesh first, then the model's own dims
         dp_dims = list(range(fsdp_mesh.ndim))
-    return lane_table(mesh.mesh, dp_dims, world)
+    if not each_stage:
+        return lane_table(mesh.mesh, dp_dims, world)
+    mine = lane_table(mesh.mesh, dp_dims, mesh.mesh.numel(), whole=False)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    rows = sorted({tuple(row) for table in every for row in table})
+    if sorted(r for row in rows for r in row) != list(range(world)) or len({len(row) for row in rows}) != 1:
+        raise ValueError("ComputeChecks: the stages' tensor-parallel meshes do not hold every rank of the "
+                         "job once, in groups of one size")
+    return [list(row) for row in rows]
