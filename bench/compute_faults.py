@@ -599,7 +599,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     if pp > 1:                          # the schedule over the FSDP2-wrapped stage; the loss on the last
         low = device.type == "cuda" or MODEL["bf16"] or MODEL["amp"] == "fp16"     # as loss_fn's autocast
         pipe = Pipeline(ddp, pp_mesh.get_group(), rank // (world // pp), pp, device, _stage_loss,
-                        autocast=(torch.float16 if MODEL["amp"] == "fp16" else torch.bfloat16) if low else None)
+                        autocast=(torch.float16 if MODEL["amp"] == "fp16" else torch.bfloat16)
+                        if low else None)
     in_step = cp.context if cp is not None else contextlib.nullcontext
     if tp > 1:     # after tensor parallelism's own hooks: the output as this rank holds it (a plain tensor)
         target.register_forward_hook(mm_hook)
@@ -1433,8 +1434,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "torch's PipelineStage and ScheduleGPipe, FSDP2 over each stage's dp ranks, the checks "
                    "replay through the schedule: step_fn=); the checks find the mesh dim named 'pp' "
                    "(--cp-pass arg: named 'stage', passed as pipeline_parallel=; none: named 'stage', not "
-                   "passed). The matmul faults hit the faulty rank's stage (the MLP's middle Linear where the "
-                   "stage holds it, else its first Linear; a GPT stage's first block's fc)")
+                   "passed). The matmul faults hit the faulty rank's stage (the MLP's middle Linear where "
+                   "the stage holds it, else its first Linear; a GPT stage's first block's fc)")
     p.add_argument("--ep-style", choices=["local", "dtensor"], default="local", help="--ep: each rank's "
                    "experts as modules of their own (local, Megatron's) or stacked weights distributed over "
                    "the ep dim as DTensors (dtensor, torchtitan's GroupedExperts)")
@@ -1594,7 +1595,7 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
             start(worker, (args.world, os.path.join(tmp, "init"), args, out), args.world)
         with open(out) as f:
             results = json.load(f)
-    dp = args.world // args.pp        # --pp: the faulty rank's pp group, one rank of each stage (pp outermost)
+    dp = args.world // args.pp        # --pp: the faulty rank's pp group, a rank of each stage (pp outermost)
     right = [args.fault_rank % dp + s * dp for s in range(args.pp)] if args.pp > 1 else None
     print(table(results, args.fault_step, args.fault_rank, args.tp * args.cp * args.ep, right))
     if args.json:

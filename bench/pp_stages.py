@@ -5,8 +5,8 @@ PipelineStage), FSDP2 shards each stage over that stage's dp ranks, and every st
 one pp group, point to point. The checks see one stage per rank; a pp group computes one replica's step.
 
 `split(model, pp, stage)`: this rank's stage of the harness's models (the MLP: its three Linear units over
-2 or 3 stages; the GPTs: the embeddings and the first blocks, the middle blocks, the last blocks with the final
-norm and an untied head, torchtitan's layout) and the Linear the harness's matmul faults hit there.
+2 or 3 stages; the GPTs: the embeddings and the first blocks, the middle blocks, the last blocks with the
+final norm and an untied head, torchtitan's layout) and the Linear the harness's matmul faults hit there.
 `Pipeline(module, mesh, device, loss)`: the schedule over the FSDP-wrapped stage, and `step(module, batch)`,
 the loop's step and the replay's (`ComputeChecks(step_fn=)`): every rank holds the whole batch, the first
 stage feeds the inputs, the last scores the targets.

@@ -129,7 +129,8 @@ _UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context 
                         "choice), pass replay_context= a function returning it")
 
 
-_TOGETHER = {"cp": ("context_parallel", "context parallelism"), "ep": ("expert_parallel", "expert parallelism"),
+_TOGETHER = {"cp": ("context_parallel", "context parallelism"),
+             "ep": ("expert_parallel", "expert parallelism"),
              "pp": ("pipeline_parallel", "pipeline parallelism")}
 
 
@@ -228,8 +229,8 @@ class ComputeChecks:
         function("loss_fn", loss_fn, optional=step_fn is not None,
                  why="it recomputes a step's loss for the replays: (model, batch) -> loss tensor; or pass "
                  "step_fn=")
-        function("step_fn", step_fn, why="it reruns a step's forward and backward for the replays, as the loop "
-                 "runs them (a pipeline schedule's step): (model, batch) -> None")
+        function("step_fn", step_fn, why="it reruns a step's forward and backward for the replays, as the "
+                 "loop runs them (a pipeline schedule's step): (model, batch) -> None")
         if loss_fn is not None and step_fn is not None:
             raise ValueError("ComputeChecks: pass loss_fn= (the replays back-propagate its loss) or step_fn= "
                              "(it runs the forward and backward itself), not both")
@@ -262,26 +263,26 @@ class ComputeChecks:
         pp = _ranks_together(pipeline_parallel, dp_mesh, self.fsdp, "pp")
         if pp is not None and step_fn is None:
             raise ValueError("ComputeChecks: this rank holds one stage of a pipeline (pipeline parallelism "
-                             "over ranks " f"{dist.get_process_group_ranks(_group_of(pp))}): a replay reruns "
-                             "the pipeline's step, so pass step_fn= (model, batch) -> None running the loop's "
-                             "schedule.step on that batch, not loss_fn=")
+                             f"over ranks {dist.get_process_group_ranks(_group_of(pp))}): a replay reruns "
+                             "the pipeline's step, so pass step_fn= (model, batch) -> None running the "
+                             "loop's schedule.step on that batch, not loss_fn=")
         if pp is not None and witness_model is not None:
             raise ValueError("ComputeChecks: witness_model= rebuilds the whole model on one CPU; a pipeline "
                              "stage holds part of it: leave it out (the op witness names a GPU)")
         cp = _ranks_together(context_parallel, dp_mesh, self.fsdp)
         ep = _expert_parallel(expert_parallel, ddp, dp_mesh, self.fsdp, split)
-        if (step_fn is not None and pp is None and not split and cp is None and ep is None and dp_mesh is not None
-                and dp_mesh.mesh.numel() < dist.get_world_size()):
+        if (step_fn is not None and pp is None and not split and cp is None and ep is None
+                and dp_mesh is not None and dp_mesh.mesh.numel() < dist.get_world_size()):
             # (a step_fn's forward reaches ranks FSDP's mesh does not hold: a pipeline the checks were not
             # told of would replay on some stages only, and wait for the others for ever)
-            raise ValueError(f"ComputeChecks: step_fn= with FSDP's mesh holding {dp_mesh.mesh.numel()} of the "
-                             f"job's {dist.get_world_size()} ranks: if this rank holds one stage of a pipeline, "
-                             "pass pipeline_parallel= (the pp dim's DeviceMesh, world_mesh['pp'], or its "
-                             "ProcessGroup)")
+            raise ValueError(f"ComputeChecks: step_fn= with FSDP's mesh holding {dp_mesh.mesh.numel()} of "
+                             f"the job's {dist.get_world_size()} ranks: if this rank holds one stage of a "
+                             "pipeline, pass pipeline_parallel= (the pp dim's DeviceMesh, "
+                             "world_mesh['pp'], or its ProcessGroup)")
         if ep is not None:       # the experts' ep dim: ranks with their own batches, not a tp lane split
             split = [d for d in split if d not in (getattr(ep, "mesh_dim_names", None) or ("ep",))]
-        # FSDP2 + tensor, context, expert or pipeline parallelism: a tp (cp, ep, pp) group is one data-parallel
-        # rank to the checks (checksums.tp_lanes)
+        # FSDP2 + tensor, context, expert or pipeline parallelism: a tp (cp, ep, pp) group is one
+        # data-parallel rank to the checks (checksums.tp_lanes)
         self.lanes = (find_lanes(ddp, dp_mesh, split, group, cp, ep, pp)
                       if split or cp is not None or ep is not None or pp is not None else None)
         if self.lanes is not None:

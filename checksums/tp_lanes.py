@@ -68,7 +68,8 @@ class Lanes:
 
     def sized(self, rows: int) -> Lanes:
         """These lanes with each lane's row count, from this rank's (`rows`: its FSDP groups); a collective
-        of every rank. ValueError where the ranks of one lane count differently (they hold the same layers)."""
+        of every rank. ValueError where the ranks of one lane count differently (they hold the same
+        layers)."""
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, int(rows))
         counts = tuple(int(every[self.ranks[lane]]) for lane in range(self.lanes))
@@ -107,8 +108,8 @@ class Lanes:
         keep = self._keep.get(gathered.device)
         if keep is None:
             n = self.padded
-            keep = self._keep[gathered.device] = torch.tensor(
-                [lane * n + b for lane, c in enumerate(self.counts) for b in range(c)], device=gathered.device)
+            rows = [lane * n + b for lane, c in enumerate(self.counts) for b in range(c)]
+            keep = self._keep[gathered.device] = torch.tensor(rows, device=gathered.device)
         return x.index_select(-2, keep)
 
 
@@ -208,9 +209,9 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
         mine = tuple(dist.get_process_group_ranks(pg))
         spans = set(int(r) for r in fsdp_mesh.mesh.reshape(-1).tolist())
         if default == "pp" and set(mine) & spans != {dist.get_rank()}:
-            raise ValueError(f"ComputeChecks: FSDP's mesh (ranks {sorted(spans)}) holds more than this rank of "
-                             f"its pipeline-parallel ranks {list(mine)}: each stage's parameters are sharded "
-                             "over the data-parallel ranks of that stage only")
+            raise ValueError(f"ComputeChecks: FSDP's mesh (ranks {sorted(spans)}) holds more than this rank "
+                             f"of its pipeline-parallel ranks {list(mine)}: each stage's parameters are "
+                             "sharded over the data-parallel ranks of that stage only")
         if default != "pp" and not set(mine) <= spans:
             raise ValueError(f"ComputeChecks: FSDP's mesh (ranks {sorted(spans)}) does not hold this rank's "
                              f"{kind} ranks {list(mine)}: shard the parameters over the data-parallel and "
@@ -228,7 +229,7 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
     dp_rank, lane = divmod(me, lanes)
     if fsdp_mesh.ndim == 1 and not joined:   # FSDP2's own group is this lane's
         dp_group = fsdp_mesh.get_group()
-    else:                      # HSDP, context or expert parallelism: each lane's data-parallel ranks, made here
+    else:              # HSDP, context or expert parallelism: each lane's data-parallel ranks, made here
         dp_group, _ = dist.new_subgroups_by_enumeration(columns)
     if dist.get_process_group_ranks(dp_group) != columns[lane]:
         raise ValueError("ComputeChecks: FSDP's group does not hold this lane's data-parallel ranks in mesh "
