@@ -46,8 +46,10 @@ whole mesh, batches within a lane); a finding names the group's GPUs, `one_of`. 
 tp groups) into one such group, each rank retaining its own chunk of the sequence; expert parallelism
 (`expert_parallel=`, the experts' DTensor mesh dim "ep", or ranks named "ep" beside FSDP's) joins each ep
 group alike, each rank retaining its own batch (its tokens go to the experts' ranks and back inside every
-MoE layer). DDP with tensor parallelism, or with `context_parallel=` or `expert_parallel=`, is refused at
-attach (context or expert parallelism the checks are not told of: the first step's check finds replays do
+MoE layer); pipeline parallelism (`pipeline_parallel=`, or a mesh dim named "pp" beside FSDP's) joins each pp
+group (one rank of every stage), its stages' rows side by side, and replays rerun the loop's schedule
+(`step_fn=`, given instead of `loss_fn=`). DDP with tensor parallelism, or with `context_parallel=`,
+`expert_parallel=`, `pipeline_parallel=` or `step_fn=`, is refused at attach (context or expert parallelism the checks are not told of: the first step's check finds replays do
 not reproduce and turns them off).
 
 Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;

@@ -18,6 +18,13 @@ group) or from ranks named "cp" beside FSDP's mesh (`named_ranks`); FSDP's mesh 
 reduce-scatter sums the cp ranks' gradients, as torchtitan's `dp_shard_cp` does). Each lane retains its own
 chunk, so a replay of a group's batch is that group's chunks, each replayed by the rank of the same cp place.
 
+Pipeline parallelism (torchtitan's pp: each rank of a pp group holds one stage of the model, activations
+and their gradients passed between the stages) makes such a group too, joined last (lane l one (stage, cp
+place, tp lane)); unlike cp and ep, FSDP's mesh holds a stage's data-parallel ranks only, and the stages
+hold different layers, so each lane counts its own rows (`Lanes.counts`, `sized`): each rank pads its rows
+to the largest count for a gather (`pad`) and `merge` leaves the padding out. With tp, each stage's tp mesh
+spans that stage only, so the stages' tables are gathered from every rank.
+
 Naming: replays tell which tp group computed wrong, not which of its GPUs (the group's forward mixes its
 lanes: a fault on one lane reaches every lane's gradient), so a finding names every GPU of that group,
 marked `one_of`, unless the lane witness (checksums.lane_witness) finds the GPU of a persistent fault (the agent makes them SUSPECT, never FAILED, on that evidence; a persistent fault still

@@ -1,0 +1,149 @@
+"""The compute checks under FSDP2 with pipeline parallelism (issue 19; checksums/tp_lanes.py): each rank holds
+one stage of the model (torch's PipelineStage, FSDP2 over that stage's data-parallel ranks), a step is the
+schedule's (ScheduleGPipe: micro-batches, activations and their gradients passed between the stages), so a
+pp group (one rank of each stage) computes one replica's step and is checked as one data-parallel rank,
+its stages' rows side by side (a stage's FSDP groups counted apart: the stages hold different layers), and
+replays run the loop's schedule again (`step_fn=`). Real gloo ranks running bench/pp_stages' pipelines.
+
+Before: attaching the checks to a stage of torchtitan's (pp, dp) layout aborted every rank at the first step
+(gloo: "Received data size doesn't match expected size": the stages' rows differ in count)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rank_spawn import compute_faults as _faults
+from rank_spawn import spawn
+
+BASE = ["--fsdp", "--pp", "2", "--world", "6", "--fault-step", "22", "--after", "6", "--audit-every", "5",
+        "--clean", "10"]
+
+
+def test_a_pipelines_stages_are_checked_as_one_replica_and_the_faulty_gpu_named():
+    """dp 3 x pp 2 on 6 gloo ranks (the MLP's Linear units: two FSDP groups on the first stage, one on the
+    last), the pp dim found by its name, bf16 autocast. On rank 4 (the last stage of the second replica): a
+    gradient element set to 100 is caught on its step, its pp group [1, 4] named (`one_of`: the last stage's
+    backward feeds the first's), the update dropped on every stage; a persistent x2 on one output channel
+    inside rank 4's matmul is found by the audit at 25 and the lane witness names rank 4 alone (the op that
+    computes differently from equal inputs is on that stage; the first stage's ops read gradients that already
+    differ). 10 clean steps: 2 exact audits, no suspicion."""
+    results = _faults([*BASE, "--fault-rank", "4", "--cpu-autocast",
+                       "--cases", "grad elem =100,tc channel x2 persistent"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["detector"] == "stats" and hit["named"] == [1, 4], hit
+    assert hit["one_of"] and hit["dropped"] and "pp group [1, 4]" in hit["detail"], hit
+    assert results["grad elem =100"]["skipped"] == [[22, "compute"]], results["grad elem =100"]
+    hit = results["tc channel x2 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["detector"] == "audit" and hit["cause"] == "persistent", hit
+    assert hit["named"] == [4] and not hit["one_of"] and hit["dropped"], hit
+    assert "rank 4 computed wrong, named by the lane witness" in hit["detail"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (10, 0, 0, 2) and st["exact"], st
+
+
+def test_gpt_stages_under_hsdp_with_the_pp_group_passed():
+    """The tiny GPT split as torchtitan splits it (embeddings and the first block; the last block, the final
+    norm and an untied head), HSDP (2 replicas x 2 shards) inside each stage on 8 ranks, the pp dim named
+    otherwise and passed as `pipeline_parallel=`: a persistent x1.01 on one output element of rank 1's
+    first block (the hook's, after the op: the traces part, so the group is named) is found by the audit at
+    25 with its pp group [1, 5]; 10 clean steps, 2 exact audits. Not passed (`--cp-pass none`): the attach
+    refuses (a step_fn whose FSDP mesh holds half the job's ranks: an untold pipeline would replay on some
+    stages only and wait for ever), saying to pass pipeline_parallel=."""
+    args = [*BASE, "--model", "tiny-gpt", "--hsdp", "2", "--world", "8", "--fault-rank", "1",
+            "--cases", "mm one elem x1.01 persistent"]
+    results = _faults([*args, "--cp-pass", "arg"])
+    hit = results["mm one elem x1.01 persistent"]["caught"].get("compute")
+    assert hit and hit["step"] == 25 and hit["cause"] == "persistent" and hit["named"] == [1, 5], hit
+    assert hit["one_of"] and hit["dropped"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["audits"]) == (10, 0, 2) and st["exact"], st
+    try:
+        _faults([*args, "--cp-pass", "none", "--cases", "none", "--clean", "2"])
+    except Exception as exc:    # the rank's ValueError, raised here by the spawner
+        assert "pass pipeline_parallel=" in str(exc), exc
+    else:
+        raise AssertionError("an untold pipeline was attached")
+
+
+def _refusals(rank: int, world: int, init: str, out: str) -> None:
+    """What the checks refuse at attach on a stage of a (pp 2, dp 2) mesh; see the test."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checksums.compute_gate import ComputeChecks
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    res: dict[str, Any] = {}
+
+    def loss_fn(mod: nn.Module, b: tuple) -> torch.Tensor:
+        return nn.functional.mse_loss(mod(b[0]), b[1])
+
+    def step_fn(mod: nn.Module, b: tuple) -> None:
+        loss_fn(mod, b).backward()
+
+    def attempt(name: str, model: nn.Module, **kw: Any) -> None:
+        try:
+            ComputeChecks.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+            res[name] = ""
+        except ValueError as exc:
+            res[name] = str(exc)
+    stage = fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
+    attempt("loss_fn", stage, loss_fn=loss_fn)            # the pp dim found by its name
+    attempt("both", stage, loss_fn=loss_fn, step_fn=step_fn)
+    attempt("neither", stage)
+    attempt("witness", stage, step_fn=step_fn, witness_model=lambda: nn.Linear(4, 4))
+    attempt("ddp", DDP(nn.Linear(4, 4)), loss_fn=loss_fn, pipeline_parallel=mesh["pp"])
+    attempt("ddp_step", DDP(nn.Linear(4, 4)), step_fn=step_fn)
+    # FSDP over the pp ranks too: a stage's parameters are not the other stages'
+    attempt("fsdp_over_pp", fully_shard(nn.Linear(4, 4)), step_fn=step_fn, pipeline_parallel=mesh["pp"])
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_what_a_pipeline_stage_cannot_be_checked_with_is_refused_at_attach(tmp_path) -> None:
+    """On a stage of a (pp, dp) mesh: `loss_fn=` (a stage cannot compute the loss: the replay must rerun
+    the schedule) refused, saying step_fn=; both or neither of loss_fn= and step_fn=; `witness_model=` (the
+    whole model on one CPU); `pipeline_parallel=` or `step_fn=` under DDP (its replays are per rank); FSDP
+    sharding over the pp ranks: each a ValueError at attach with what to do."""
+    import json
+    out = str(tmp_path / "res")
+    spawn(_refusals, (4, str(tmp_path / "init"), out), nprocs=4)
+    for r in range(4):
+        with open(f"{out}.{r}") as f:
+            res = json.load(f)
+        assert "holds one stage of a pipeline" in res["loss_fn"] and "pass step_fn=" in res["loss_fn"], res
+        assert "not both" in res["both"], res
+        assert res["neither"].startswith("loss_fn is a function"), res
+        assert "witness_model= rebuilds the whole model" in res["witness"], res
+        assert "pipeline_parallel= under DDP" in res["ddp"], res
+        assert "step_fn= replays a step through the model's own backward" in res["ddp_step"], res
+        assert "holds more than this rank of its pipeline-parallel ranks" in res["fsdp_over_pp"], res
+
+
+def test_each_lanes_rows_are_padded_for_the_gather_and_merged_without_the_padding():
+    """`Lanes.pad` / `merge` with lanes of different row counts (a pipeline's stages): 2 groups x 2 stages,
+    the first stage 3 rows, the second 1; each rank pads to 3, the merge keeps each group's 3 + 1 real rows
+    in lane order and drops the padding; equal counts leave both unchanged. Pure (no collective)."""
+    from checksums.tp_lanes import Lanes
+    lanes = Lanes(dp=2, lanes=2, dp_rank=0, lane=0, ranks=(0, 2, 1, 3), dp_group=None, dims=("pp",),
+                  counts=(3, 1))
+    rows = {0: torch.arange(12).reshape(3, 4), 2: 100 + torch.arange(4).reshape(1, 4),
+            1: 200 + torch.arange(12).reshape(3, 4), 3: 300 + torch.arange(4).reshape(1, 4)}
+    padded = [lanes.pad(rows[r]) for r in range(4)]
+    assert all(p.shape == (3, 4) for p in padded)
+    assert torch.equal(padded[2][1:], torch.zeros(2, 4, dtype=torch.int64))
+    merged = lanes.merge(torch.stack(padded))
+    assert merged.shape == (2, 4, 4) and lanes.merged_rows(1) == 4
+    assert torch.equal(merged[0], torch.cat([rows[0], rows[2]]))
+    assert torch.equal(merged[1], torch.cat([rows[1], rows[3]]))
+    same = Lanes(dp=2, lanes=2, dp_rank=0, lane=0, ranks=(0, 1, 2, 3), dp_group=None, dims=("tp",))
+    x = torch.arange(32).reshape(4, 2, 4)
+    first = x[0]
+    assert same.pad(first) is first and same.merge(x).shape == (2, 4, 4) and same.merged_rows(2) == 4
