@@ -96,6 +96,7 @@ from checksums.collectives import gathered_fingerprints
 from checksums.fsdp_replay import FsdpReplayer
 from checksums.grad_checks import (
     FsdpGradSummaries,
+    fsdp_roots,
     GradSummaries,
     SpreadTracker,
     StatsVerdict,
@@ -961,11 +962,10 @@ def _hardware(device: torch.device) -> str:
 
 
 def _is_fsdp(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:              # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
+    """`model` is sharded by FSDP2: a `fully_shard` module, or a container of such modules holding no
+    parameter of its own (a rank's model parts, an `nn.ModuleList`: the virtual stages of an interleaved
+    pipeline schedule, each sharded apart)."""
+    return bool(fsdp_roots(model))
 
 
 _choose_mask = choose_mask   # the name this module had for it

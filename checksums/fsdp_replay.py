@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checksums.grad_checks import FsdpGradSummaries
+from checksums.grad_checks import FsdpGradSummaries, fsdp_roots
 from checksums.replay import (
     LossFn,
     Replayer,
@@ -68,6 +68,7 @@ class FsdpReplayer(Replayer):
         super().__init__(root, None, loss_fn, device=device, group=group, scaler=scaler, lanes=lanes,
                          context=context)
         self.fsdp = summaries
+        self.roots = fsdp_roots(root)          # the FSDP2 module, or each model part of a container of them
         # the loop's own forward and backward of a batch (a pipeline schedule's step), run instead of
         # back-propagating loss_fn's loss: the loop's loss scaling is its own
         self.step_fn = step_fn
@@ -102,7 +103,8 @@ class FsdpReplayer(Replayer):
                         torch.set_rng_state(cpu_rng)
                     if dev_rng is not None:
                         torch.cuda.set_rng_state(dev_rng, self.device)
-                    module.set_requires_gradient_sync(k == last)  # type: ignore[operator]
+                    for part in self.roots:
+                        part.set_requires_gradient_sync(k == last)  # type: ignore[operator]
                     with torch.enable_grad(), self.context():
                         if self.step_fn is not None:
                             self.step_fn(module, batch)
@@ -110,7 +112,8 @@ class FsdpReplayer(Replayer):
                             scaled(self.loss_fn(module, batch), retained.loss_scale).backward()
             rows = self.fsdp.rows_of(captured)
         finally:
-            module.set_requires_gradient_sync(True)  # type: ignore[operator]
+            for part in self.roots:
+                part.set_requires_gradient_sync(True)  # type: ignore[operator]
             for p, grad, hooks in held:
                 p.grad = grad
                 if hooks:

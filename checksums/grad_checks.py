@@ -903,6 +903,31 @@ class FsdpGradSummaries:
         return view
 
 
+def fsdp_roots(model: nn.Module) -> list[nn.Module]:
+    """The outermost FSDP2 modules of `model`: [model] for a `fully_shard` module; each part for a container
+    of them (a rank's model parts: an interleaved pipeline's virtual stages) whose every parameter one of
+    them holds; [] otherwise (DDP, a plain module)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:              # pragma: no cover - torch without FSDP2
+        return []
+    if isinstance(model, FSDPModule):
+        return [model]
+    roots: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, FSDPModule):
+                roots.append(child)
+            else:
+                walk(child)
+    walk(model)
+    held = {id(p) for r in roots for p in r.parameters()}
+    if not roots or any(id(p) not in held for p in model.parameters()):
+        return []
+    return roots
+
+
 def fsdp_group_params(module: nn.Module) -> list[Any]:
     """The FSDPParams of an FSDP module's parameter group(s) (FSDP2 internals: not public API), [] when
     it has none."""
