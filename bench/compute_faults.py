@@ -479,12 +479,21 @@ def _context_parallel(model: nn.Module, device: torch.device, world: int) -> tup
     return fsdp_mesh, cp, mesh[name] if MODEL["cp_pass"] == "arg" else None
 
 
-def _pipeline_mesh(device: torch.device, world: int) -> tuple[Any, Any]:
-    """`--pp N`: torchtitan's (pp, dp) mesh (pp outermost; with --hsdp (pp, replicate, shard)); the pp dim
-    named "pp" (found by the checks) or, with --cp-pass arg|none, "stage". -> (the pp dim, FSDP's mesh: the
-    stage's data-parallel dims)."""
+def _pipeline_mesh(device: torch.device, world: int, stage: nn.Module,
+                   plan: dict[int, Any]) -> tuple[Any, Any]:
+    """`--pp N`: torchtitan's (pp, dp) mesh (pp outermost; with --hsdp (pp, replicate, shard); with --tp T
+    (pp, dp, tp), the stage's Linears split over tp by `plan`, their styles by the Linear (id) of the whole
+    MLP: column-, row-, column-parallel as `_tensor_parallel`'s); the pp dim named "pp" (found by the checks)
+    or, with --cp-pass arg|none, "stage". -> (the pp dim, FSDP's mesh: the stage's data-parallel dims)."""
     from torch.distributed.device_mesh import init_device_mesh
     name, pp, hsdp = "pp" if MODEL["cp_pass"] == "name" else "stage", MODEL["pp"], MODEL["hsdp"]
+    if MODEL["tp"] > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+        tp = MODEL["tp"]
+        mesh = init_device_mesh(device.type, (pp, world // (pp * tp), tp), mesh_dim_names=(name, "dp", "tp"))
+        parallelize_module(stage, mesh["tp"], {n: plan[id(m)] for n, m in stage.named_children()
+                                               if id(m) in plan})
+        return mesh[name], mesh["dp"]
     if hsdp:
         mesh = init_device_mesh(device.type, (pp, hsdp, world // (pp * hsdp)),
                                 mesh_dim_names=(name, "replicate", "shard"))
@@ -560,7 +569,13 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         ep_mesh = _split_experts(model, device, world)
         target = model.blocks[0].experts[0][0] if MODEL["ep_style"] == "local" else model.blocks[0].experts
     pp = MODEL.get("pp", 1)
+    plan: dict[int, Any] = {}
     if pp > 1:          # --pp: this rank's stage (pp outermost: ranks [s * dp, (s + 1) * dp) hold stage s)
+        if MODEL["tp"] > 1:     # --tp too: each Linear's style, as `_tensor_parallel` splits the whole MLP
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+            plan = {id(model[0]): ColwiseParallel(), id(model[2]): RowwiseParallel(),
+                    id(model[4]): ColwiseParallel(output_layouts=Replicate())}
         model, target = split(model, target, pp, rank // (world // pp))
     model = model.to(device, dtype=torch.bfloat16 if MODEL["params_bf16"] else None)
     active = {"on": False}
@@ -591,7 +606,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     elif ep_mesh is not None:
         cp_mesh, ep_arg = _shard_experts(model, ep_mesh)
     elif pp > 1:
-        pp_mesh, cp_mesh = _pipeline_mesh(device, world)
+        pp_mesh, cp_mesh = _pipeline_mesh(device, world, model, plan)
         pp_arg = pp_mesh if MODEL["cp_pass"] == "arg" else None
     ddp = _wrap(model, device, world, fsdp, cp_mesh, bucket_cap_mb=0.01)
     group = tp * MODEL["cp"]           # the ranks that run one batch together (a tp or cp group)
@@ -655,7 +670,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 case.where == "grad"
                 or (case.where in ("mm", *TC_WHERE, "bwd") and (case.persistent or micro == fault_micro)))
             # a tp or cp group's ranks: one batch; a pp group's (one rank of each stage): one batch
-            batch = batch_for(rank // group if pp == 1 else rank % (world // pp), step, device, micro)
+            batch = batch_for(rank // group if pp == 1 else rank // tp % (world // (pp * tp)), step, device,
+                              micro)
             if cp is not None:                                         # each cp rank its chunk of it
                 batch = tuple(cp.shard(t) for t in batch)
             checks.retain(batch)
@@ -1536,7 +1552,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hsdp REPLICAS needs --fsdp, REPLICAS >= 2 dividing --world, and >= 2 ranks per shard group")
     if args.tp != 1 and (not args.fsdp or args.model != "mlp" and args.cp == 1 or args.tp < 2
                          or args.overhead or args.world % (args.tp * max(args.hsdp, 1))
-                         or args.world // args.tp < 2):
+                         or args.world // (args.tp * args.pp) < 2):
         p.error("--tp N needs --fsdp, --model mlp (or a GPT with --cp), no --overhead, N >= 2 dividing "
                 "--world (--hsdp R: R * N dividing it) and >= 2 tp groups")
     if args.cp != 1 and (not args.fsdp or args.model not in ("tiny-gpt", "gpt2") or args.cp < 2
@@ -1552,11 +1568,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--ep N needs --fsdp, --model tiny-moe, N dividing its {MoEBlock.EXPERTS} experts and "
                 "--world, >= 2 ep groups; not with --cp, --tp, --hsdp, --overhead, --accum or --ac")
     if args.pp != 1 and (not args.fsdp or args.model not in ("mlp", "tiny-gpt", "gpt2") or args.pp < 2
-                         or args.cp != 1 or args.tp != 1 or args.ep != 1 or args.overhead or args.accum != 1
-                         or args.ac != "none" or args.sdcguard or args.world % (args.pp * max(args.hsdp, 1))
-                         or args.world // args.pp < 2):
-        p.error("--pp N needs --fsdp, --model mlp, tiny-gpt or gpt2, N (x --hsdp) dividing --world and >= 2 "
-                "replicas; not with --cp, --tp, --ep, --overhead, --accum, --ac or --sdcguard")
+                         or args.cp != 1 or args.ep != 1 or args.overhead or args.accum != 1
+                         or args.tp != 1 and (args.model != "mlp" or args.hsdp)
+                         or args.ac != "none" or args.sdcguard
+                         or args.world % (args.pp * args.tp * max(args.hsdp, 1))
+                         or args.world // (args.pp * args.tp) < 2):
+        p.error("--pp N needs --fsdp, --model mlp, tiny-gpt or gpt2, N (x --tp or --hsdp) dividing --world and "
+                ">= 2 replicas; --tp with --model mlp only, not with --hsdp; not with --cp, --ep, --overhead, "
+                "--accum, --ac or --sdcguard")
     if args.cp_api == "torch" and args.device != "cuda":
         p.error("--cp-api torch shards SDPA through CUDA kernels only (flash, efficient, cuDNN): --device cuda")
     if args.after < 1 or args.fault_step < 1:
@@ -1595,8 +1614,11 @@ def main(argv: list[str] | None = None, start: Callable[..., None] = start_ranks
             start(worker, (args.world, os.path.join(tmp, "init"), args, out), args.world)
         with open(out) as f:
             results = json.load(f)
-    dp = args.world // args.pp        # --pp: the faulty rank's pp group, a rank of each stage (pp outermost)
-    right = [args.fault_rank % dp + s * dp for s in range(args.pp)] if args.pp > 1 else None
+    # --pp: the faulty rank's pp group (with --tp, its tp groups), a rank of each stage (pp outermost)
+    dp = args.world // (args.pp * args.tp)
+    i = args.fault_rank // args.tp % dp
+    right = (sorted(s * dp * args.tp + i * args.tp + t for s in range(args.pp) for t in range(args.tp))
+             if args.pp > 1 else None)
     print(table(results, args.fault_step, args.fault_rank, args.tp * args.cp * args.ep, right))
     if args.json:
         with open(args.json, "w") as f:

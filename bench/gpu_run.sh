@@ -598,6 +598,11 @@ want tplane && step ep-dtensor 300 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -
   --device cuda --backend gloo --world 6 --fsdp --model tiny-moe --ep 2 --ep-style dtensor --fault-rank 3 \
   --fault-step 22 --after 6 --audit-every 5 --determinism strict \
   --cases "grad elem =100,tc channel x2 persistent,mm one elem x1.01 persistent" --clean 50
+# pipeline parallelism (bench.pp_stages: torch's PipelineStage and ScheduleGPipe, FSDP2 in each stage): the
+# ranks share one GPU over gloo (its point-to-point of CUDA tensors is what this tries)
+want pp && step pp-cuda 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
+  --device cuda --backend gloo --world 4 --fsdp --pp 2 --fault-rank 3 --fault-step 22 --after 6 \
+  --audit-every 5 --determinism strict --cases "grad elem =100,mm one elem x1.01 persistent" --clean 50
 want cptorch && step cp-torch-tp 200 env CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m bench.compute_faults \
   --device cuda --backend gloo --world 8 --fsdp --cp 2 --tp 2 --cp-api torch --cp-rotate alltoall --model tiny-gpt \
   --fault-rank 5 --fault-step 22 --after 6 --audit-every 5 --determinism strict --cases "grad elem =100" --clean 50

@@ -66,6 +66,23 @@ def test_gpt_stages_under_hsdp_with_the_pp_group_passed():
         raise AssertionError("an untold pipeline was attached")
 
 
+def test_stages_split_over_tensor_parallelism_too():
+    """pp 2 x dp 2 x tp 2 on 8 gloo ranks (torchtitan's (pp, dp, tp) mesh: the MLP's Linears column- and
+    row-parallel inside each stage, FSDP2 over the stage's dp ranks): each stage's tp mesh spans that stage
+    only, so the checks gather the stages' tp groups from every rank and join them through the pp groups, a
+    replica being its two stages' four GPUs. A gradient element set to 100 on rank 5 (second stage, first
+    replica, tp lane 1) is caught on its step, [0, 1, 4, 5] named (`one_of`), the update dropped; 6 clean
+    steps with an exact audit and no suspicion."""
+    results = _faults(["--fsdp", "--pp", "2", "--tp", "2", "--world", "8", "--fault-rank", "5",
+                       "--fault-step", "22", "--after", "3", "--audit-every", "5", "--clean", "6",
+                       "--cases", "grad elem =100"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["detector"] == "stats" and hit["named"] == [0, 1, 4, 5], hit
+    assert hit["one_of"] and hit["dropped"] and "pp x tp group [0, 1, 4, 5]" in hit["detail"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (6, 0, 0, 1) and st["exact"], st
+
+
 def _refusals(rank: int, world: int, init: str, out: str) -> None:
     """What the checks refuse at attach on a stage of a (pp 2, dp 2) mesh; see the test."""
     import json
