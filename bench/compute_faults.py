@@ -1573,9 +1573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          or args.ac != "none" or args.sdcguard
                          or args.world % (args.pp * args.tp * max(args.hsdp, 1))
                          or args.world // (args.pp * args.tp) < 2):
-        p.error("--pp N needs --fsdp, --model mlp, tiny-gpt or gpt2, N (x --tp or --hsdp) dividing --world and "
-                ">= 2 replicas; --tp with --model mlp only, not with --hsdp; not with --cp, --ep, --overhead, "
-                "--accum, --ac or --sdcguard")
+        p.error("--pp N needs --fsdp, --model mlp, tiny-gpt or gpt2, N (x --tp or --hsdp) dividing --world "
+                "and >= 2 replicas; --tp with --model mlp only, not with --hsdp; not with --cp, --ep, "
+                "--overhead, --accum, --ac or --sdcguard")
     if args.cp_api == "torch" and args.device != "cuda":
         p.error("--cp-api torch shards SDPA through CUDA kernels only (flash, efficient, cuDNN): --device cuda")
     if args.after < 1 or args.fault_step < 1:
