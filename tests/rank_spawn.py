@@ -16,7 +16,9 @@ saves faster than the agent's votes arrived, retention evicted each before its v
 """
 from __future__ import annotations
 
+import json
 import multiprocessing.forkserver
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
@@ -38,6 +40,14 @@ def spawn(fn: Callable[..., None], args: Sequence[Any] = (), nprocs: int = 1,
     mp.set_forkserver_preload(wanted)
     _preloaded[:] = wanted
     mp.start_processes(fn, args=tuple(args), nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def rank_results(fn: Callable[..., None], nprocs: int, tmp: Path) -> list[Any]:
+    """`fn(rank, nprocs, init, out)` on `nprocs` ranks (`spawn`; `init`: a file for `init_process_group`'s
+    `file://`), each rank writing its result as JSON to `f"{out}.{rank}"`: the results in rank order."""
+    out = str(tmp / "res")
+    spawn(fn, (nprocs, str(tmp / "init"), out), nprocs=nprocs)
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(nprocs)]
 
 
 def compute_faults(argv: list[str]) -> dict:

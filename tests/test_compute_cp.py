@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from rank_spawn import compute_faults as _faults
-from rank_spawn import spawn
+from rank_spawn import rank_results, spawn
 
 BASE = ["--fsdp", "--model", "tiny-gpt", "--cp", "2", "--fault-step", "22", "--after", "6",
         "--audit-every", "5"]
@@ -133,12 +133,7 @@ def test_context_parallel_arguments_the_checks_cannot_use_are_refused_at_attach(
     group, and a cp mesh FSDP does not shard over (so its reduce-scatter would not sum the cp ranks'
     gradients): each a ValueError at attach that says what to pass; `replay_context=` that is no function
     too; `expert_parallel=` under DDP, a 2-D mesh, and ep ranks FSDP does not shard over, alike."""
-    import json
-    out = str(tmp_path / "res")
-    spawn(_refusals, (4, str(tmp_path / "init"), out), nprocs=4)
-    for r in range(4):
-        with open(f"{out}.{r}") as f:
-            res = json.load(f)
+    for res in rank_results(_refusals, 4, tmp_path):
         assert "context_parallel= under DDP" in res["ddp"] and "Supported with FSDP2" in res["ddp"], res
         assert "takes the cp dim's 1-D DeviceMesh" in res["two_dims"], res
         assert "got list" in res["not_a_mesh"], res

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rank_spawn import compute_faults as _faults
-from rank_spawn import spawn
+from rank_spawn import rank_results
 
 BASE = ["--fsdp", "--pp", "2", "--world", "6", "--fault-step", "22", "--after", "6", "--audit-every", "5",
         "--clean", "10"]
@@ -129,12 +129,7 @@ def test_what_a_pipeline_stage_cannot_be_checked_with_is_refused_at_attach(tmp_p
     the schedule) refused, saying step_fn=; both or neither of loss_fn= and step_fn=; `witness_model=` (the
     whole model on one CPU); `pipeline_parallel=` or `step_fn=` under DDP (its replays are per rank); FSDP
     sharding over the pp ranks: each a ValueError at attach with what to do."""
-    import json
-    out = str(tmp_path / "res")
-    spawn(_refusals, (4, str(tmp_path / "init"), out), nprocs=4)
-    for r in range(4):
-        with open(f"{out}.{r}") as f:
-            res = json.load(f)
+    for res in rank_results(_refusals, 4, tmp_path):
         assert "holds one stage of a pipeline" in res["loss_fn"] and "pass step_fn=" in res["loss_fn"], res
         assert "not both" in res["both"], res
         assert res["neither"].startswith("loss_fn is a function"), res
@@ -241,12 +236,7 @@ def test_an_interleaved_schedules_model_parts_are_checked_together(tmp_path) -> 
     optimizer over both). A gradient element set to 100 on rank 4 at step 12 is caught on its step, the pp
     group [1, 4] named and the update dropped on every rank; a persistent x2 on one output channel of rank
     4's last part from step 14 is found by the audit at 15, the group named, persistent, dropped."""
-    import json
-    out = str(tmp_path / "res")
-    spawn(_interleaved, (6, str(tmp_path / "init"), out), nprocs=6)
-    for r in range(6):
-        with open(f"{out}.{r}") as f:
-            res = json.load(f)
+    for res in rank_results(_interleaved, 6, tmp_path):
         assert res["exact"] and res["audits"] >= 2, res
         by_step = {f[0]: f for f in res["findings"]}
         assert by_step[12][1:] == ["stats", "transient", [1, 4], True, True], res
