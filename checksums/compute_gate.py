@@ -46,11 +46,12 @@ whole mesh, batches within a lane); a finding names the group's GPUs, `one_of`. 
 tp groups) into one such group, each rank retaining its own chunk of the sequence; expert parallelism
 (`expert_parallel=`, the experts' DTensor mesh dim "ep", or ranks named "ep" beside FSDP's) joins each ep
 group alike, each rank retaining its own batch (its tokens go to the experts' ranks and back inside every
-MoE layer); pipeline parallelism (`pipeline_parallel=`, or a mesh dim named "pp" beside FSDP's) joins each pp
-group (one rank of every stage), its stages' rows side by side, and replays rerun the loop's schedule
+MoE layer); pipeline parallelism (`pipeline_parallel=`, or a mesh dim named "pp" beside FSDP's) joins each
+pp group (one rank of every stage), its stages' rows side by side, and replays rerun the loop's schedule
 (`step_fn=`, given instead of `loss_fn=`). DDP with tensor parallelism, or with `context_parallel=`,
-`expert_parallel=`, `pipeline_parallel=` or `step_fn=`, is refused at attach (context or expert parallelism the checks are not told of: the first step's check finds replays do
-not reproduce and turns them off).
+`expert_parallel=`, `pipeline_parallel=` or `step_fn=`, is refused at attach (context or expert parallelism
+the checks are not told of: the first step's check finds replays do not reproduce and turns them off; a
+pipeline they are not told of: refused at attach, as a stage attached with `loss_fn=`).
 
 Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;
 replays multiply `loss_fn`'s loss by the scale the step ran under (checksums.replay), so they reproduce the
@@ -96,11 +97,11 @@ from checksums.collectives import gathered_fingerprints
 from checksums.fsdp_replay import FsdpReplayer
 from checksums.grad_checks import (
     FsdpGradSummaries,
-    fsdp_roots,
     GradSummaries,
     SpreadTracker,
     StatsVerdict,
     fsdp_mesh,
+    fsdp_roots,
     model_parallel_dims,
     stats_of,
 )
