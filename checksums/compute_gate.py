@@ -51,7 +51,8 @@ pp group (one rank of every stage), its stages' rows side by side, and replays r
 (`step_fn=`, given instead of `loss_fn=`). DDP with tensor parallelism, or with `context_parallel=`,
 `expert_parallel=`, `pipeline_parallel=` or `step_fn=`, is refused at attach (context or expert parallelism
 the checks are not told of: the first step's check finds replays do not reproduce and turns them off; a
-pipeline they are not told of: refused at attach, as a stage attached with `loss_fn=`).
+stage of a pipeline found with `loss_fn=`, or `step_fn=` where FSDP's mesh holds part of the job and no pp
+group says who holds the rest: refused at attach).
 
 Loss scaling: a loop that back-propagates `scaler.scale(loss)` (a `torch.amp.GradScaler`) passes `scaler=`;
 replays multiply `loss_fn`'s loss by the scale the step ran under (checksums.replay), so they reproduce the
