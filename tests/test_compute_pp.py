@@ -242,3 +242,78 @@ def test_an_interleaved_schedules_model_parts_are_checked_together(tmp_path) -> 
         assert by_step[12][1:] == ["stats", "transient", [1, 4], True, True], res
         assert by_step[15][1:] == ["audit", "persistent", [1, 4], True, True], res
         assert 12 in res["skipped"] and 15 in res["skipped"], res
+
+
+DOC_STEPS, DOC_FAULT = 40, 30
+
+
+def _doc_pipeline(rank: int, world: int, init: str, out: str) -> None:
+    """docs/compute-checks.md's pipeline loop as written, on a stage of a (pp 2, dp 3) mesh; see the test."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from test_compute_checks_doc import doc_loop
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 32), nn.GELU()),
+              nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))]
+    model_part = fully_shard(layers[stage], mesh=mesh["dp"])
+    schedule = ScheduleGPipe(PipelineStage(model_part, stage, 2, torch.device("cpu"),
+                                           group=mesh["pp"].get_group()),
+                             n_microbatches=2, loss_fn=nn.functional.cross_entropy)
+    gen = torch.Generator().manual_seed(dp)
+    data = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+            for _ in range(DOC_STEPS)]
+    now = {"step": 0}
+    fired: list[int] = []
+
+    def loader() -> Any:
+        for i, batch in enumerate(data, 1):
+            now["step"] = i
+            yield batch
+
+    def one_bad_element(mod: nn.Module, inp: Any, o: torch.Tensor) -> torch.Tensor | None:
+        # rank 4 (the last stage of the second replica): one output element of its first Linear set to 1e4
+        # in the first micro-batch of step DOC_FAULT (once: the replays compute it right)
+        if rank != 4 or now["step"] != DOC_FAULT or fired:
+            return None
+        fired.append(DOC_FAULT)
+        o = o.clone()
+        o.view(-1)[3] = 1e4
+        return o
+    model_part[0].register_forward_hook(one_bad_element)
+    g: dict[str, Any] = {"model_part": model_part, "schedule": schedule, "loader": loader(),
+                         "optimizer": torch.optim.SGD(model_part.parameters(), lr=0.05),
+                         "has_first_stage": stage == 0, "has_last_stage": stage == 1}
+    exec(doc_loop("pipeline"), g)
+    checks = g["checks"]
+    st = checks.status()
+    res = {"findings": [[f.step, f.detector, f.cause, list(f.faulty), f.one_of, f.dropped]
+                        for f in checks.findings],
+           "skipped": sorted({k.step for k in checks.guard.skipped}), "fired": fired, "mode": checks.mode(),
+           "status": [st.steps, st.suspicions, st.dropped]}
+    checks.close()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_the_docs_pipeline_loop_drops_a_faulty_step_on_every_stage(tmp_path) -> None:
+    """docs/compute-checks.md's pipeline loop, extracted and run as written on 6 gloo ranks (pp 2 x dp 3:
+    torch's PipelineStage and ScheduleGPipe, FSDP2 over each stage's dp ranks, the pp dim found in the
+    mesh): one output element set to 1e4 on rank 4 at step 30 is caught on its step, the pp group [1, 4]
+    named (transient: the replay computes it right), the update dropped on all six ranks; nothing else."""
+    res = rank_results(_doc_pipeline, 6, tmp_path)
+    assert res[4]["fired"] == [DOC_FAULT], res[4]
+    for r in res:
+        assert r["findings"] == [[DOC_FAULT, "stats", "transient", [1, 4], True, True]], r
+        assert r["skipped"] == [DOC_FAULT] and r["mode"] == "exact", r
+        assert r["status"] == [DOC_STEPS, 1, 1], r
