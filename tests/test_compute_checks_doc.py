@@ -34,7 +34,7 @@ def doc_loop(which: str) -> str:
     GradScaler, a pipeline stage's loop."""
     text = (ROOT / "docs" / "compute-checks.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if LOOPS[which] in b]
-    assert len(blocks) == 1, f"docs/compute-checks.md has {len(blocks)} python blocks holding {LOOPS[which]!r}"
+    assert len(blocks) == 1, f"docs/compute-checks.md: {len(blocks)} python blocks hold {LOOPS[which]!r}"
     return blocks[0]
 
 
@@ -85,8 +85,8 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
 @pytest.mark.parametrize("block", ["loop", "grad-scaler-loop"])
 def test_the_doc_loop_drops_a_faulty_gradient_and_names_the_rank(short_tmp: Path, tmp_path: Path,
                                                                  block: str) -> None:
-    """The grad-scaler loop is the doc's GradScaler loop as written (fp16 autocast on the CPU, the scaler passed): the same
-    fault, in the scale's units, is caught on its step, rank 1 named as transient (its replay, under the
+    """The grad-scaler loop is the doc's GradScaler loop as written (fp16 autocast on the CPU, the scaler
+    passed): the same fault, in the scale's units, is caught on its step, rank 1 named as transient (its replay, under the
     step's scale, computes the clean gradient and the others agree), every replay exact."""
     agent = AgentProcess(short_tmp / "state").start()
     try:
@@ -105,7 +105,7 @@ def test_the_doc_loop_drops_a_faulty_gradient_and_names_the_rank(short_tmp: Path
         named = [(f["faulty"], f["cause"], f["step"], f["dropped"]) for f in r["findings"] if f["faulty"]]
         assert named == [([1], "transient", FAULT, True)], r
         assert r["mode"] == "exact" and r["identical"], r
-        if block == "loop":       # nothing else happened (under the scaler an overflow step is the data's own)
+        if block == "loop":  # nothing else happened (under the scaler an overflow step is the data's own)
             assert r["skipped"] == 1 and len(r["findings"]) == 1 and r["scale"] is None, r
             assert r["status"]["steps"] == STEPS and r["status"]["suspicions"] == 1, r["status"]
         else:
