@@ -86,8 +86,8 @@ def _worker(rank: int, store: str, outdir: str, socket: str, code: str) -> None:
 def test_the_doc_loop_drops_a_faulty_gradient_and_names_the_rank(short_tmp: Path, tmp_path: Path,
                                                                  block: str) -> None:
     """The grad-scaler loop is the doc's GradScaler loop as written (fp16 autocast on the CPU, the scaler
-    passed): the same fault, in the scale's units, is caught on its step, rank 1 named as transient (its replay, under the
-    step's scale, computes the clean gradient and the others agree), every replay exact."""
+    passed): the same fault, in the scale's units, is caught on its step, rank 1 named as transient (its
+    replay, under the step's scale, computes the clean gradient and the others agree), every replay exact."""
     agent = AgentProcess(short_tmp / "state").start()
     try:
         spawn(_worker, (str(tmp_path / "store"), str(tmp_path), str(agent.socket), doc_loop(block)), WORLD)
