@@ -265,6 +265,14 @@ class ComputeChecks:
                              "collective of every rank: supported with FSDP2 (fully_shard); under DDP pass "
                              "loss_fn=")
         dp_mesh = fsdp_mesh(ddp) if self.fsdp else None
+        if dp_mesh is not None and dp_mesh.mesh.shape[-1] < 2:
+            # (FSDP2 runs no reduce-scatter over one rank, so its custom one, which summarises each group's
+            # gradient, is never called: every step's check would fail)
+            raise ValueError(f"ComputeChecks: FSDP2 shards over one rank here (its mesh "
+                             f"{tuple(dp_mesh.mesh.shape)} {dp_mesh.mesh_dim_names}): it makes no "
+                             "reduce-scatter, which the checks read each group's gradient from (one process, "
+                             "HSDP with shards of one rank, a pipeline stage without data parallelism). Shard "
+                             "over 2 or more ranks, or use DDP")
         pp = _ranks_together(pipeline_parallel, dp_mesh, self.fsdp, "pp")
         if pp is not None and step_fn is None:
             raise ValueError("ComputeChecks: this rank holds one stage of a pipeline (pipeline parallelism "

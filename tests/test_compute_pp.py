@@ -119,6 +119,9 @@ def _refusals(rank: int, world: int, init: str, out: str) -> None:
     attempt("ddp_step", DDP(nn.Linear(4, 4)), step_fn=step_fn)
     # FSDP over the pp ranks too: a stage's parameters are not the other stages'
     attempt("fsdp_over_pp", fully_shard(nn.Linear(4, 4)), step_fn=step_fn, pipeline_parallel=mesh["pp"])
+    # a pipeline without data parallelism (4 stages of one rank): FSDP2 over one rank reduces nothing
+    alone = init_device_mesh("cpu", (4, 1), mesh_dim_names=("pp", "dp"))
+    attempt("one_rank", fully_shard(nn.Linear(4, 4), mesh=alone["dp"]), step_fn=step_fn)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -128,7 +131,9 @@ def test_what_a_pipeline_stage_cannot_be_checked_with_is_refused_at_attach(tmp_p
     """On a stage of a (pp, dp) mesh: `loss_fn=` (a stage cannot compute the loss: the replay must rerun
     the schedule) refused, saying step_fn=; both or neither of loss_fn= and step_fn=; `witness_model=` (the
     whole model on one CPU); `pipeline_parallel=` or `step_fn=` under DDP (its replays are per rank); FSDP
-    sharding over the pp ranks: each a ValueError at attach with what to do."""
+    sharding over the pp ranks; a stage sharded over one rank (no data parallelism: FSDP2 makes no
+    reduce-scatter there; before, every step's check failed, said once in the log): each a ValueError at
+    attach with what to do."""
     for res in rank_results(_refusals, 4, tmp_path):
         assert "holds one stage of a pipeline" in res["loss_fn"] and "pass step_fn=" in res["loss_fn"], res
         assert "not both" in res["both"], res
@@ -137,6 +142,7 @@ def test_what_a_pipeline_stage_cannot_be_checked_with_is_refused_at_attach(tmp_p
         assert "pipeline_parallel= under DDP" in res["ddp"], res
         assert "step_fn= replays a step through the model's own backward" in res["ddp_step"], res
         assert "holds more than this rank of its pipeline-parallel ranks" in res["fsdp_over_pp"], res
+        assert "FSDP2 shards over one rank here" in res["one_rank"], res
 
 
 def test_each_lanes_rows_are_padded_for_the_gather_and_merged_without_the_padding():
