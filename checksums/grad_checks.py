@@ -369,8 +369,12 @@ class GradSummaries:
     def __init__(self, ddp: nn.Module, *, group: Any = None, inject: Any = None,
                  comm_hook: Callable[[Any, Any], Any] | None = None, comm_state: Any = None,
                  side_stream: bool | None = None, native: bool | None = None) -> None:
-        if not hasattr(ddp, "register_comm_hook"):
-            raise TypeError(f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}")
+        if not hasattr(ddp, "register_comm_hook") or not hasattr(ddp, "module"):
+            composable = hasattr(ddp, "register_comm_hook")   # torch's composable replicate() (torchtitan's
+            raise TypeError(                                  # DDP): its DDP is made at the first forward
+                f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}"
+                + (" (torch.distributed._composable.replicate: wrap the model in DistributedDataParallel "
+                   "instead, or shard it with fully_shard)" if composable else ""))
         if getattr(ddp, "_use_python_reducer", False):
             raise ValueError("this DDP model reduces through compiled autograd's Python reducer "
                              "(torch._dynamo.config.optimize_ddp = 'python_reducer'), which calls a comm hook "
@@ -926,6 +930,23 @@ def fsdp_roots(model: nn.Module) -> list[nn.Module]:
     if not roots or any(id(p) not in held for p in model.parameters()):
         return []
     return roots
+
+
+def fsdp_shard_size(module: nn.Module) -> int:
+    """The fewest ranks any of `module`'s FSDP2 parameters is sharded over (`FSDPParam.mesh_info`, FSDP2
+    internals): 1 where one is not sharded (`replicate()` built on FSDP2, a shard group of one rank), so its
+    gradient is not reduce-scattered; 0 where none can be read."""
+    sizes = [int(getattr(getattr(fp, "mesh_info", None), "shard_mesh_size", 1))
+             for sub in module.modules() if hasattr(sub, "_get_fsdp_state")
+             for fp in _group_params_or_none(sub)]
+    return min(sizes) if sizes else 0
+
+
+def _group_params_or_none(module: nn.Module) -> list[Any]:
+    try:
+        return fsdp_group_params(module)
+    except (AttributeError, RuntimeError, TypeError):
+        return []
 
 
 def fsdp_group_params(module: nn.Module) -> list[Any]:
