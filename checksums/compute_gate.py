@@ -269,12 +269,12 @@ class ComputeChecks:
         if self.fsdp and fsdp_shard_size(ddp) == 1:
             # (FSDP2 runs no reduce-scatter over one rank, so its custom one, which summarises each group's
             # gradient, is never called: every step's check would fail)
-            raise ValueError("ComputeChecks: FSDP2 shards over one rank here (its mesh "
-                             f"{tuple(dp_mesh.mesh.shape) if dp_mesh is not None else '?'} "
-                             f"{getattr(dp_mesh, 'mesh_dim_names', None)}): it makes no reduce-scatter, which "
-                             "the checks read each group's gradient from (one process, HSDP with shards of one "
-                             "rank, FSDP2's replicate(), a pipeline stage without data parallelism). Shard "
-                             "over 2 or more ranks, or use DistributedDataParallel")
+            shape = tuple(dp_mesh.mesh.shape) if dp_mesh is not None else "?"
+            raise ValueError(f"ComputeChecks: FSDP2 shards over one rank here (its mesh {shape} "
+                             f"{getattr(dp_mesh, 'mesh_dim_names', None)}): it makes no reduce-scatter, "
+                             "which the checks read each group's gradient from (one process, HSDP with "
+                             "shards of one rank, FSDP2's replicate(), a pipeline stage without data "
+                             "parallelism). Shard over 2 or more ranks, or use DistributedDataParallel")
         pp = _ranks_together(pipeline_parallel, dp_mesh, self.fsdp, "pp")
         if pp is not None and step_fn is None:
             raise ValueError("ComputeChecks: this rank holds one stage of a pipeline (pipeline parallelism "
