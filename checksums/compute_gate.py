@@ -63,6 +63,10 @@ is not what the loop back-propagates), no GPU is named on the evidence of a repl
 suspect step is dropped without a finding; an error in the log and GetStatus's compute mode
 ("unreproducible: ...") say why.
 
+torch's composable `replicate()` (torchtitan's DDP: no `.module` wrapper, its DDP made at the first
+forward) is checked through the DDP it keeps inside, made at attach (checksums.composable_ddp); replays run
+the model without replicate's hooks.
+
 DDP takes one communication hook, and the checks are one: a job that reduces through its own
 (`bf16_compress_hook`, PowerSGD, ...) passes it as `comm_hook=` (and `comm_state=`) instead of registering
 it; each bucket is summarised, then handed to it (checksums.grad_checks.GradSummaries).
@@ -80,18 +84,20 @@ Findings (`ComputeFinding`) name the faulty rank with its host and GPU UUID and 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from checksums.composable_ddp import hooks_off, inner_ddp, qualified_names
 from checksums.device_mask import DeviceMask, choose_mask
 from checksums.device_verdict import DeviceVerdict
 from checksums.collectives import gathered_fingerprints
@@ -322,8 +328,13 @@ class ComputeChecks:
             if self.lanes is not None:     # each lane's FSDP groups (a pipeline's stages count differently)
                 self.lanes = self.summaries.lanes = self.lanes.sized(len(self.summaries.groups))
         else:
-            self.summaries = GradSummaries(ddp, group=group, inject=inject_bucket, comm_hook=comm_hook,
-                                           comm_state=comm_state, side_stream=side_stream, native=native)
+            inner = inner_ddp(ddp)       # torch's composable replicate() (torchtitan's DDP): the DDP it keeps
+            self.summaries = GradSummaries(inner if inner is not None else ddp, group=group,
+                                           inject=inject_bucket, comm_hook=comm_hook, comm_state=comm_state,
+                                           side_stream=side_stream, native=native)
+            if inner is not None:        # its parameters' names in the model; replays without its hooks
+                self.summaries.names = qualified_names(ddp, self.summaries.params)
+                replay_context = _without_replicate_hooks(ddp, replay_context)
         self.replayer: Replayer = (
             FsdpReplayer(ddp, self.summaries, loss_fn, device=device, group=group,
                          witness_model=witness_model, scaler=scaler, lanes=self.lanes,
@@ -964,6 +975,16 @@ class _LearnAfter:
         if owner is not None:
             owner._learn_deferred()
             owner._spread_on(owner.device)    # what the next step's device verdict reads
+
+
+def _without_replicate_hooks(model: nn.Module, given: Callable[[], Any] | None) -> Callable[[], Any]:
+    """The replays' context for a model under torch's composable replicate(): its forward without the
+    replicate hooks (a replay is one rank's own, never a reduction), inside the caller's `replay_context`."""
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        with hooks_off(model), (given() if given is not None else contextlib.nullcontext()):
+            yield
+    return context
 
 
 def _hardware(device: torch.device) -> str:

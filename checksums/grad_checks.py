@@ -373,8 +373,8 @@ class GradSummaries:
             composable = hasattr(ddp, "register_comm_hook")   # torch's composable replicate() (torchtitan's
             raise TypeError(                                  # DDP): its DDP is made at the first forward
                 f"GradSummaries needs a DistributedDataParallel model, got {type(ddp).__name__}"
-                + (" (torch.distributed._composable.replicate: wrap the model in DistributedDataParallel "
-                   "instead, or shard it with fully_shard)" if composable else ""))
+                + (" (torch's composable replicate(): pass the DDP it keeps, "
+                   "checksums.composable_ddp.inner_ddp(model); ComputeChecks does)" if composable else ""))
         if getattr(ddp, "_use_python_reducer", False):
             raise ValueError("this DDP model reduces through compiled autograd's Python reducer "
                              "(torch._dynamo.config.optimize_ddp = 'python_reducer'), which calls a comm hook "
