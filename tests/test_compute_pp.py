@@ -169,21 +169,27 @@ def test_each_lanes_rows_are_padded_for_the_gather_and_merged_without_the_paddin
     assert same.pad(first) is first and same.merge(x).shape == (2, 4, 4) and same.merged_rows(2) == 4
 
 
+def _pp_ranks(rank: int, world: int, init: str) -> tuple[Any, int, int]:
+    """This rank joined to the job (gloo, one thread) and its (pp 2, dp world/2) mesh: (mesh, pp, dp)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    return mesh, mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+
+
 def _interleaved(rank: int, world: int, init: str, out: str) -> None:
     """An interleaved schedule on a (pp 2, dp 3) mesh, each rank two virtual stages; see the test."""
     import json
 
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     from checksums.compute_gate import ComputeChecks
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
-    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    mesh, pp, dp = _pp_ranks(rank, world, init)
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(4)]
     parts, stages = [], []
@@ -261,15 +267,11 @@ def _doc_pipeline(rank: int, world: int, init: str, out: str) -> None:
 
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     from test_compute_checks_doc import doc_loop
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
-    stage, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    mesh, stage, dp = _pp_ranks(rank, world, init)
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(8, 32), nn.GELU()),
               nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))]
@@ -335,14 +337,10 @@ def _clean_under(schedule_name: str, rank: int, world: int, init: str, out: str)
     import torch.distributed as dist
     from torch import nn
     from torch.distributed import pipelining
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from checksums.compute_gate import ComputeChecks
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
-    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    mesh, pp, dp = _pp_ranks(rank, world, init)
     cls = getattr(pipelining, schedule_name)
     looped = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
     stages = 4 if looped else 2
