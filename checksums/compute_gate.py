@@ -118,7 +118,7 @@ from checksums.replay import Cause, Classification, LossFn, ReplayFailed, Replay
 from checksums.reporter import ComputeFinding
 from checksums.step_guard import Phase, StepContext, StepGuard, Veto
 from checksums.lane_witness import lane_witness
-from checksums.tp_lanes import Lanes, find_lanes, named_ranks
+from checksums.tp_lanes import Lanes, find_lanes, group_of, named_ranks
 from sdcwatch.arguments import count, function, wire_name
 from sdcwatch.names import GPU_UUID, HOST
 
@@ -144,11 +144,6 @@ _UNREPRODUCIBLE_HINT = (". If the loop splits each sequence over ranks (context 
 _TOGETHER = {"cp": ("context_parallel", "context parallelism"),
              "ep": ("expert_parallel", "expert parallelism"),
              "pp": ("pipeline_parallel", "pipeline parallelism")}
-
-
-def _group_of(ranks: Any) -> Any:
-    """The ProcessGroup of a 1-D DeviceMesh or a ProcessGroup."""
-    return ranks.get_group() if hasattr(ranks, "get_group") else ranks
 
 
 def _ranks_together(given: Any, mesh: Any, fsdp: bool, dim: str = "cp") -> Any:
@@ -258,7 +253,9 @@ class ComputeChecks:
             raise ValueError("ComputeChecks compares the ranks of a data-parallel job: call "
                              "torch.distributed.init_process_group and wrap the model in DistributedDataParallel "
                              "or fully_shard first (a single process: world size 1 works)")
-        self.fsdp = _is_fsdp(ddp)
+        # FSDP2: a fully_shard module, or a container of them with no parameter of its own (a rank's model
+        # parts: an interleaved pipeline's virtual stages)
+        self.fsdp = bool(fsdp_roots(ddp))
         split = model_parallel_dims(ddp, self.fsdp)
         if split and not self.fsdp:   # before any hook or collective: every rank refuses alike
             raise ValueError(
@@ -284,7 +281,7 @@ class ComputeChecks:
         pp = _ranks_together(pipeline_parallel, dp_mesh, self.fsdp, "pp")
         if pp is not None and step_fn is None:
             raise ValueError("ComputeChecks: this rank holds one stage of a pipeline (pipeline parallelism "
-                             f"over ranks {dist.get_process_group_ranks(_group_of(pp))}): a replay reruns "
+                             f"over ranks {dist.get_process_group_ranks(group_of(pp))}): a replay reruns "
                              "the pipeline's step, so pass step_fn= (model, batch) -> None running the "
                              "loop's schedule.step on that batch, not loss_fn=")
         if pp is not None and witness_model is not None:
@@ -992,13 +989,6 @@ def _hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}|cuda {torch.version.cuda}|torch {torch.__version__}"
     return f"{device.type}|torch {torch.__version__}"
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    """`model` is sharded by FSDP2: a `fully_shard` module, or a container of such modules holding no
-    parameter of its own (a rank's model parts, an `nn.ModuleList`: the virtual stages of an interleaved
-    pipeline schedule, each sharded apart)."""
-    return bool(fsdp_roots(model))
 
 
 _choose_mask = choose_mask   # the name this module had for it

@@ -937,16 +937,8 @@ def fsdp_shard_size(module: nn.Module) -> int:
     internals): 1 where one is not sharded (`replicate()` built on FSDP2, a shard group of one rank), so its
     gradient is not reduce-scattered; 0 where none can be read."""
     sizes = [int(getattr(getattr(fp, "mesh_info", None), "shard_mesh_size", 1))
-             for sub in module.modules() if hasattr(sub, "_get_fsdp_state")
-             for fp in _group_params_or_none(sub)]
+             for fp in _fsdp_params(module)]
     return min(sizes) if sizes else 0
-
-
-def _group_params_or_none(module: nn.Module) -> list[Any]:
-    try:
-        return fsdp_group_params(module)
-    except (AttributeError, RuntimeError, TypeError):
-        return []
 
 
 def fsdp_group_params(module: nn.Module) -> list[Any]:
@@ -966,19 +958,24 @@ def fsdp_mesh(module: nn.Module) -> Any:
     return next((mesh for _, mesh in _fsdp_param_meshes(module)), None)
 
 
-def _fsdp_param_meshes(module: nn.Module) -> Iterator[tuple[Any, Any]]:
-    """(sharded parameter, the mesh FSDP2 shards it over) of every FSDP module in `module`, in module order
-    (FSDP2 internals; nothing where they cannot be read)."""
+def _fsdp_params(module: nn.Module) -> Iterator[Any]:
+    """The FSDPParams of every FSDP module in `module`, in module order (FSDP2 internals; none where they
+    cannot be read)."""
     for sub in module.modules():
         if hasattr(sub, "_get_fsdp_state"):
             try:
-                fps = fsdp_group_params(sub)
+                yield from fsdp_group_params(sub)
             except (AttributeError, RuntimeError, TypeError):
                 continue
-            for fp in fps:
-                mesh = getattr(getattr(fp, "mesh_info", None), "mesh", None)
-                if mesh is not None:
-                    yield getattr(fp, "sharded_param", None), mesh
+
+
+def _fsdp_param_meshes(module: nn.Module) -> Iterator[tuple[Any, Any]]:
+    """(sharded parameter, the mesh FSDP2 shards it over) of every FSDP module in `module`, in module order
+    (FSDP2 internals; nothing where they cannot be read)."""
+    for fp in _fsdp_params(module):
+        mesh = getattr(getattr(fp, "mesh_info", None), "mesh", None)
+        if mesh is not None:
+            yield getattr(fp, "sharded_param", None), mesh
 
 
 def model_parallel_dims(module: nn.Module, fsdp: bool) -> list[str]:

@@ -188,6 +188,11 @@ def context_table(table: list[list[int]], cp_groups: list[tuple[int, ...]]) -> l
     return _numbered_alike(out)
 
 
+def group_of(ranks: Any) -> Any:
+    """The ProcessGroup of a 1-D DeviceMesh, or a ProcessGroup itself."""
+    return ranks.get_group() if hasattr(ranks, "get_group") else ranks
+
+
 def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, cp: Any = None,
                ep: Any = None, pp: Any = None) -> Lanes:
     """The lanes of an FSDP2 `module` whose DTensor parameters are also split over mesh `dims` (names from
@@ -212,7 +217,7 @@ def find_lanes(module: Any, fsdp_mesh: Any, dims: list[str], group: Any = None, 
                                     (pp, "pipeline-parallel", "pp")):
         if together is None:
             continue
-        pg = together.get_group() if hasattr(together, "get_group") else together
+        pg = group_of(together)
         mine = tuple(dist.get_process_group_ranks(pg))
         spans = set(int(r) for r in fsdp_mesh.mesh.reshape(-1).tolist())
         if default == "pp" and set(mine) & spans != {dist.get_rank()}:
