@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.cpu_gemm import float32_gemms
 from bench.paired import paired_interval
 from bench.pp_stages import Pipeline, split
 from bench.rank_start import start_ranks
@@ -55,6 +56,7 @@ from checksums.fingerprint import triton_available
 from checksums.grad_checks import BucketAllreduce, GradSummaries, SpreadTracker, set_fused, summary_paths
 from checksums.monitor import Monitor
 from checksums.op_witness import redispatched
+from checksums.optimizer_parts import param_states
 from checksums.replica_recovery import ReplicaRecovery
 from checksums.replay import Replayer
 from checksums.reporter import ReporterStats, StepReport
@@ -190,7 +192,7 @@ class _Sink:
 
 # set by --model per worker (--sdcguard: bf16, --hsdp: replicas, --amp)
 MODEL: dict[str, Any] = {"name": "mlp", "bf16": False, "hsdp": 0, "factory": True, "batch": 8, "amp": "bf16",
-                         "ac": "none", "wide_fails": -1, "sync_bn": False,
+                         "ac": "none", "wide_fails": -1, "sync_bn": False, "titan_optimizers": False,
                          "params_bf16": False, "tp": 1, "cp": 1, "cp_api": "module", "cp_pass": "name",
                          "cp_replay_context": False, "cp_rotate": "allgather", "cp_mesh": "dims", "ep": 1,
                          "ep_style": "local"}
@@ -384,6 +386,20 @@ def _sdcguard(every: int, model: nn.Module | None = None) -> Any:
 
 
 SDCGUARD = {"mode": "protect"}       # set by --sdcguard-mode in each worker
+
+
+def titan_optimizers(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+    """--titan-optimizers: torchtitan's `OptimizersContainer` over the model, as its trainer builds it from
+    parameter-group recipes: Adam for the weights, AdamW (no decay: the same update) for the rest, so two
+    optimizers in one container, fused (torchtitan sets `fused` in each group) or not; the same lr as the
+    plain Adam's."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    return OptimizersContainer(OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=r"weight$", optimizer_name="Adam",
+                                       optimizer_kwargs={"lr": 1e-3}),
+                      ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                                       optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.0})],
+        implementation="fused" if fused else "for-loop"), model_parts=[model])
 
 
 def ddp_buckets(params: Sequence[torch.Tensor], cap_mb: float) -> list[list[torch.Tensor]]:
@@ -621,8 +637,9 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
         target.register_forward_hook(mm_hook)
     # fused Adam where the device mask needs it, and for DDP on CUDA; --fused-adam: always (FSDP2's host veto
     # against its device mask on the same optimizer)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3,
-                           fused=fused_adam or mask == "device" or (not fsdp and device.type == "cuda"))
+    fused = fused_adam or mask == "device" or (not fsdp and device.type == "cuda")
+    opt = (titan_optimizers(ddp, fused) if MODEL["titan_optimizers"]
+           else torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=fused))
     sink = _Sink()
     monitor = (None if fsdp and (not MODEL["hsdp"] or group > 1) else     # HSDP: the vote across replicas
                Monitor.attach(ddp, opt, job_id="compute-faults", reporter=sink, gpu_uuid=f"GPU-fake-{rank}"))
@@ -653,12 +670,16 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
     guard = _sdcguard(sdcguard, model) if sdcguard else None
     fault_mode = (MatmulFault(target, case, active, getattr(model, "blocks", [None])[0])
                   if sdcguard or MatmulFault.where(case) in TC_WHERE else None)
-    if fault_mode is not None:
-        fault_mode.__enter__()        # the whole run, replays included (a persistent fault is the GPU's)
+    # entered a step before the fault's (it injects only while `active`), so the clean steps before it run
+    # without a Python call per op (the tensor-core cases: half their time), and stays on to the run's end,
+    # replays included (a persistent fault is the GPU's)
+    mode_from = max(1, fault_step - 1)
     t0 = time.perf_counter()
     unchanged = None
     effective = None          # the fault changed the faulty rank's gradient (mm/grad faults; None: not measured)
     for step in range(1, steps + 1):
+        if fault_mode is not None and step == mode_from:
+            fault_mode.__enter__()
         on = case is not None and rank == fault_rank and (
             step == fault_step or (case.persistent and step >= fault_step))
         # the forward and gradient faults hit this step's backward; a persistent one also hits the replays
@@ -716,8 +737,8 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
             unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         opt.zero_grad(set_to_none=True)
         weight = target.weight if hasattr(target, "weight") else next(target.parameters())   # --ep dtensor
-        if on and case is not None and case.where == "opt":
-            st = opt.state[weight]
+        if on and case is not None and case.where == "opt":     # (a container's: in the optimizer holding it)
+            st = next(state for p, state in param_states(opt) if p is weight)
             corrupt(st["exp_avg"], case)
         if on and case is not None and case.where == "weight":
             corrupt(weight.data, case)
@@ -753,7 +774,7 @@ def run_case(case: Case | None, *, rank: int, world: int, device: torch.device, 
                 guard is None or step >= fault_step + sdcguard):
             break
     elapsed = time.perf_counter() - t0
-    if fault_mode is not None:
+    if fault_mode is not None and step >= mode_from:
         fault_mode.__exit__(None, None, None)
     if guard is not None:                      # which ranks' sdcguard alerted, and when
         alerts: list[Any] = [None] * world
@@ -1146,7 +1167,10 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     MODEL["ac"] = args.ac
     MODEL["sync_bn"] = args.sync_bn
     MODEL["params_bf16"] = args.params_bf16
+    MODEL["titan_optimizers"] = args.titan_optimizers
     SDCGUARD["mode"] = args.sdcguard_mode
+    if device.type == "cpu" and (MODEL["bf16"] or MODEL["params_bf16"] or args.amp == "fp16"):
+        float32_gemms()         # bf16/fp16 GEMMs as a GPU's tensor cores compute them (bench/cpu_gemm.py)
     if args.flaky_replay and rank == args.flaky_replay[0]:
         _flaky_replays(set(args.flaky_replay[1]))
     results = {}
@@ -1488,6 +1512,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fault cases: ReplicaRecovery on the Monitor (the vote gates the update and, with 3+ "
                         "replicas, repairs the odd one in place); every case runs its --after steps and the "
                         "table says which updates were skipped and whether the replicas agree at the end")
+    p.add_argument("--titan-optimizers", action="store_true",
+                   help="torchtitan's OptimizersContainer (two optimizers: Adam on the weights, AdamW on the "
+                        "rest) instead of one Adam (needs torchtitan)")
     p.add_argument("--fused-adam", action="store_true",
                    help="fault cases: fused Adam whatever the mask and device (a host-veto run to compare "
                         "with a device-mask one on the same optimizer)")

@@ -103,6 +103,7 @@ from checksums.fingerprint import (
     prepare_fingerprint_torch,
     triton_available,
 )
+from checksums.optimizer_parts import param_states
 from checksums.step_guard import Phase, StepContext, Veto
 
 log = logging.getLogger(__name__)
@@ -1852,12 +1853,11 @@ _SKIP_WHY = {"copying": "the previous save's copy is still in flight",
 
 
 def optimizer_storages(optimizer: torch.optim.Optimizer) -> frozenset[int]:
-    """The storage addresses of everything `optimizer.step()` changes: its parameters and its state."""
+    """The storage addresses of everything `optimizer.step()` changes: its parameters and its state (a
+    container's, torchtitan's `OptimizersContainer`: the states of the optimizers it holds)."""
     out: set[int | None] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            out.add(_storage(p))
-    for st in optimizer.state.values():
+    for p, st in param_states(optimizer):
+        out.add(_storage(p))
         for v in st.values():
             if isinstance(v, torch.Tensor):
                 out.add(_storage(v))

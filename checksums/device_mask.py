@@ -20,13 +20,23 @@ from typing import Any
 
 import torch
 
+from checksums.optimizer_parts import parts
 from checksums.step_guard import Phase, StepContext, StepGuard
 
 
+# torch's optimizers whose fused kernels read `found_inf`, however the fused flag was set: in the constructor
+# (which also sets `_step_supports_amp_scaling`) or in each parameter group (torchtitan's, which does not)
+_FOUND_INF_READERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
 def supports_device_mask(optimizer: torch.optim.Optimizer) -> bool:
-    """Does `optimizer` skip its update on the device when `found_inf` is set (a fused torch optimizer)?"""
-    return any(g.get("fused") for g in optimizer.param_groups) and bool(
-        getattr(optimizer, "_step_supports_amp_scaling", False))
+    """Does `optimizer` skip its update on the device when `found_inf` is set? A torch optimizer whose every
+    parameter group runs fused (a group that does not would ignore the flag: torch's other kernels refuse
+    it); a container (torchtitan's `OptimizersContainer`) when every optimizer it holds does."""
+    def masks(o: torch.optim.Optimizer) -> bool:
+        return bool(o.param_groups) and all(g.get("fused") for g in o.param_groups) and (
+            bool(getattr(o, "_step_supports_amp_scaling", False)) or isinstance(o, _FOUND_INF_READERS))
+    return all(masks(o) for o in parts(optimizer))
 
 
 def choose_mask(mask: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
@@ -60,8 +70,8 @@ class DeviceMask:
 
     def __init__(self) -> None:
         self._armed_step: int | None = None   # the step whose found_inf this mask set
-        self._prev: Any = None                # what found_inf was before (GradScaler's), or None
-        self._had_prev = False
+        # each optimizer's found_inf before (GradScaler's, or None) and whether it had one
+        self._prev: list[tuple[Any, bool]] = []
 
     @classmethod
     def of(cls, guard: StepGuard) -> "DeviceMask":
@@ -75,26 +85,30 @@ class DeviceMask:
         return stage
 
     def add(self, ctx: StepContext, flag: torch.Tensor) -> None:
-        """Skip this step's update on the device when `flag` (0-d float, on the parameters' device) is 1."""
-        opt = ctx.optimizer
+        """Skip this step's update on the device when `flag` (0-d float, on the parameters' device) is 1: set
+        on the optimizer, or on each optimizer a container holds (each fused one reads its own)."""
+        held = parts(ctx.optimizer)
         if self._armed_step is not None and self._armed_step != ctx.step:
-            self._restore(opt)        # the previous step raised inside optimizer.step(): its AFTER never ran
-        prev = getattr(opt, "found_inf", None)
+            self._restore(held)       # the previous step raised inside optimizer.step(): its AFTER never ran
         if self._armed_step is None:
-            self._armed_step, self._prev, self._had_prev = ctx.step, prev, hasattr(opt, "found_inf")
-        opt.found_inf = flag if prev is None else torch.maximum(prev.reshape(()).to(flag.dtype), flag)
+            self._armed_step = ctx.step
+            self._prev = [(getattr(o, "found_inf", None), hasattr(o, "found_inf")) for o in held]
+        for o in held:
+            prev = getattr(o, "found_inf", None)
+            o.found_inf = flag if prev is None else torch.maximum(prev.reshape(()).to(flag.dtype), flag)
 
     def run(self, ctx: StepContext) -> None:
         """AFTER the update: put `found_inf` back as it was before this step's flags."""
         if self._armed_step is not None:
-            self._restore(ctx.optimizer)
+            self._restore(parts(ctx.optimizer))
 
-    def _restore(self, opt: torch.optim.Optimizer) -> None:
-        if self._had_prev:
-            opt.found_inf = self._prev
-        elif hasattr(opt, "found_inf"):
-            del opt.found_inf
-        self._armed_step, self._prev, self._had_prev = None, None, False
+    def _restore(self, held: list[torch.optim.Optimizer]) -> None:
+        for o, (prev, had) in zip(held, self._prev):
+            if had:
+                o.found_inf = prev
+            elif hasattr(o, "found_inf"):
+                del o.found_inf
+        self._armed_step, self._prev = None, []
 
 
 __all__ = ["DeviceMask", "choose_mask", "device_disagree", "supports_device_mask"]

@@ -55,6 +55,7 @@ from checksums.directive_text import REASON_WORDS, decode_reason, encode_reason
 from checksums.fingerprint import (
     DTENSOR, NUM_WORDS, fingerprint_tensors_async, local_tensor, prepare_fingerprint,
 )
+from checksums.optimizer_parts import param_states
 from checksums.replica_vote import VoteResult, vote
 from checksums.reporter import (
     CanaryReport, ComputeFinding, Directive, ReporterStats, StepReport, StepReporter, StepSink,
@@ -686,15 +687,13 @@ class Monitor:
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         assert self._optimizer is not None
         out: list[torch.Tensor] = []
-        for group in self._optimizer.param_groups:
-            for p in group["params"]:
-                state = self._optimizer.state.get(p, {})
-                for key in sorted(state, key=str):
-                    v = state[key]
-                    if torch.is_tensor(v) and v.numel() > 0:
-                        lv = local_tensor(v)
-                        if lv.device == self.device:
-                            out.append(lv)
+        for _, state in param_states(self._optimizer):      # a container's: its optimizers' states
+            for key in sorted(state, key=str):
+                v = state[key]
+                if torch.is_tensor(v) and v.numel() > 0:
+                    lv = local_tensor(v)
+                    if lv.device == self.device:
+                        out.append(lv)
         return out
 
     def _grad_tensors(self) -> list[torch.Tensor]:

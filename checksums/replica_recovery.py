@@ -76,6 +76,7 @@ import torch.distributed as dist
 from checksums.device_mask import DeviceMask, choose_mask, device_disagree
 from checksums.collectives import gathered_fingerprints
 from checksums.fingerprint import local_tensor
+from checksums.optimizer_parts import param_states
 from checksums.step_guard import Phase, StepContext, Veto
 from sdcwatch.arguments import above, count
 
@@ -398,14 +399,12 @@ class ReplicaRecovery:
         HSDP: this rank's shard) is its local tensor, which shares its storage: the copy goes over the
         replica group shard for shard, as the vote compared them (c10d has no DTensor collectives)."""
         out: list[torch.Tensor] = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                out.append(local_tensor(p.data))
-                state = optimizer.state.get(p, {})
-                for key in sorted(state):
-                    v = state[key]
-                    if isinstance(v, torch.Tensor):
-                        out.append(local_tensor(v))
+        for p, state in param_states(optimizer):      # a container's: its optimizers' states
+            out.append(local_tensor(p.data))
+            for key in sorted(state):
+                v = state[key]
+                if isinstance(v, torch.Tensor):
+                    out.append(local_tensor(v))
         return out
 
 

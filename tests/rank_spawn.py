@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "grpc", "checksums.monitor", "checkpoint.client"]
+PRELOAD = ["torch", "torch.distributed", "grpc", "checksums.monitor", "checkpoint.client", "torch._dynamo",
+           "bench.compute_faults"]
 _preloaded: list[str] = []       # what the running forkserver imported (this process's), [] before it starts
 
 

@@ -200,8 +200,9 @@ def _interleaved(rank: int, world: int, init: str, out: str) -> None:
         stages.append(PipelineStage(part, index, 4, torch.device("cpu"), group=mesh["pp"].get_group()))
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2,
                                        loss_fn=lambda o, t: nn.functional.mse_loss(o, t))
-    model = nn.ModuleList(parts)          # the rank's model parts, one optimizer over them
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model = nn.ModuleList(parts)          # the rank's model parts; torchtitan's optimizers: one per part
+    from torchtitan.components.optimizer import OptimizersContainer, default_adamw
+    opt = OptimizersContainer(default_adamw(lr=1e-3), model_parts=parts)
     flip = {"on": False}
     # rank 4 (stage 1 and 3 of the second replica): its last part's first Linear x2 on one output channel,
     # from step 14 on (a persistent fault of that GPU's matmul: the replays hit it too)
@@ -246,9 +247,10 @@ def _interleaved(rank: int, world: int, init: str, out: str) -> None:
 
 def test_an_interleaved_schedules_model_parts_are_checked_together(tmp_path) -> None:
     """torch's ScheduleInterleaved1F1B on 6 gloo ranks (pp 2 x dp 3), each rank two virtual stages (its model
-    parts, each FSDP2-sharded over the stage's dp ranks, held in an `nn.ModuleList` the checks attach to, one
-    optimizer over both). A gradient element set to 100 on rank 4 at step 12 is caught on its step, the pp
-    group [1, 4] named and the update dropped on every rank; a persistent x2 on one output channel of rank
+    parts, each FSDP2-sharded over the stage's dp ranks, held in an `nn.ModuleList` the checks attach to;
+    torchtitan's `OptimizersContainer` over them, one fused AdamW per part, as its trainer builds them). A
+    gradient element set to 100 on rank 4 at step 12 is caught on its step, the pp group [1, 4] named and the
+    update dropped on every rank; a persistent x2 on one output channel of rank
     4's last part from step 14 is found by the audit at 15, the group named, persistent, dropped."""
     for res in rank_results(_interleaved, 6, tmp_path):
         assert res["exact"] and res["audits"] >= 2, res
