@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,13 +23,13 @@ def _container(model: nn.Module | list[nn.Module], implementation: str = "fused"
         implementation=implementation), model_parts=parts)
 
 
-def _mlp(seed: int) -> nn.Module:
+def _mlp(seed: int, device: str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
 
 
 def _train_step(parts: list[nn.Module], opt: Any) -> None:
-    x = torch.randn(5, 4)
+    x = torch.randn(5, 4, device=next(parts[0].parameters()).device)
     for m in parts:
         m(x).square().sum().backward()
     opt.step()
@@ -55,19 +56,22 @@ def test_a_containers_states_are_read_from_the_optimizers_it_holds():
     assert parts(plain) == [plain] and all(s == {} for _, s in param_states(plain))
 
 
-def test_the_device_mask_skips_every_optimizer_of_a_fused_container():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_device_mask_skips_every_optimizer_of_a_fused_container(device: str):
     """A fused container (torchtitan sets `fused` in each parameter group: no `_step_supports_amp_scaling`)
     takes the device mask: the flag goes to each optimizer it holds, a masked step leaves every weight and
     moment of every part as it was, an unmasked one updates them, and the flags are taken back after the
-    step. A container or optimizer with a group that does not run fused is refused the device mask (torch's
-    other kernels reject `found_inf`): before, one fused group was enough."""
+    step (on the CPU and, with torch's CUDA fused kernels, on a GPU). A container or optimizer with a group
+    that does not run fused is refused the device mask (torch's other kernels reject `found_inf`): before,
+    one fused group was enough."""
     from checksums.device_mask import DeviceMask, choose_mask, supports_device_mask
     from checksums.optimizer_parts import param_states, parts
     from checksums.step_guard import StepGuard
 
-    a, b = _mlp(0), _mlp(1)
+    a, b = _mlp(0, device), _mlp(1, device)
     opt = _container([a, b])
-    assert supports_device_mask(opt) and choose_mask("device", opt, torch.device("cpu")) == "device"
+    assert supports_device_mask(opt) and choose_mask("auto", opt, torch.device(device)) == (
+        "device" if device == "cuda" else "host")
     assert not supports_device_mask(_container(_mlp(2), "for-loop"))
     p, q = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
     mixed = torch.optim.Adam([{"params": [p], "fused": True}, {"params": [q], "fused": False}], lr=0.1)
@@ -79,7 +83,7 @@ def test_the_device_mask_skips_every_optimizer_of_a_fused_container():
         name, phase, value = "flag", 20, 1.0
 
         def run(self, ctx: Any) -> None:
-            mask.add(ctx, torch.tensor(self.value))
+            mask.add(ctx, torch.tensor(self.value, device=device))
 
     flag = Flag()
     guard.add(flag)
