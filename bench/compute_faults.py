@@ -1569,7 +1569,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "torch.use_deterministic_algorithms(True, warn_only=True) (warn) or warn_only=False "
                    "(strict: kernels with a deterministic variant use it, e.g. cuDNN attention's backward)")
     p.add_argument("--cpu-autocast", action="store_true", help="--device cpu: bf16 autocast on the CPU ranks too "
-                   "(the GPU's arithmetic: a small fault then changes the rounding of all that follows)")
+                   "(the GPU's arithmetic: a small fault then changes the rounding of all that follows); "
+                   "its bf16 GEMMs summed in float32 as a tensor core's are (bench/cpu_gemm.py)")
     p.add_argument("--witness-fp32-fails", type=int, default=-1, metavar="RANK", help="the CPU witness's "
                    "float32 replay raises out of memory on RANK (it must fall back to the step's precision on "
                    "every rank, never name a GPU on mixed evidence)")
