@@ -533,8 +533,12 @@ def _split_experts(model: nn.Module, device: torch.device, world: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     from bench.ep_moe import ExpertParallel
-    ep, name = MODEL["ep"], "ep" if MODEL["cp_pass"] == "name" else "xp"
-    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", name))
+    ep, name, hsdp = MODEL["ep"], "ep" if MODEL["cp_pass"] == "name" else "xp", MODEL["hsdp"]
+    if hsdp:         # --hsdp R: (replicate, efsdp, ep), torchtitan's dp_replicate outermost
+        mesh = init_device_mesh(device.type, (hsdp, world // (hsdp * ep), ep),
+                                mesh_dim_names=("replicate", "efsdp", name))
+    else:
+        mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", name))
     ExpertParallel(mesh[name], MODEL["ep_style"]).attach(model)
     return mesh
 
@@ -544,11 +548,13 @@ def _shard_experts(model: nn.Module, mesh: Any) -> tuple[Any, Any]:
     over all ranks. -> (FSDP's mesh for the rest, what expert_parallel= gets: with --cp-pass arg, the ep
     dim (named "xp"); else nothing: the checks find the dim named "ep", or, --cp-pass none, not)."""
     from torch.distributed.fsdp import fully_shard
-    name = mesh.mesh_dim_names[1]
+    name = mesh.mesh_dim_names[-1]
+    hsdp = "replicate" in mesh.mesh_dim_names      # --hsdp: HSDP over (replicate, efsdp) and (replicate, fsdp)
     for block in model.blocks:
         for expert in (block.experts if MODEL["ep_style"] == "local" else [block.experts]):
-            fully_shard(expert, mesh=mesh["efsdp"])
-    return mesh["efsdp", name]._flatten("fsdp"), (mesh[name] if MODEL["cp_pass"] == "arg" else None)
+            fully_shard(expert, mesh=mesh["replicate", "efsdp"] if hsdp else mesh["efsdp"])
+    dense = mesh["efsdp", name]._flatten("fsdp")
+    return (mesh["replicate", "fsdp"] if hsdp else dense), (mesh[name] if MODEL["cp_pass"] == "arg" else None)
 
 
 def _context_parallel_unflattened(model: nn.Module, device: torch.device, world: int,
@@ -1468,7 +1474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "expert parallelism over N ranks (bench.ep_moe: each rank its own batch, the experts "
                    "split over the ep group, tokens dispatched by all-gather); the checks find the mesh dim "
                    "named 'ep' (--cp-pass arg: named 'xp', passed as expert_parallel=; none: named 'xp', not "
-                   "passed)")
+                   "passed); with --hsdp R: HSDP on a (replicate, efsdp, ep) mesh")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="with --fsdp and --model mlp, tiny-gpt or "
                    "gpt2: pipeline parallelism over N stages (bench.pp_stages: torchtitan's (pp, dp) mesh, "
                    "torch's PipelineStage and ScheduleGPipe, FSDP2 over each stage's dp ranks, the checks "
@@ -1590,11 +1596,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--cp N needs --fsdp, --model tiny-gpt or gpt2, no --overhead, --accum or --ac, not both --tp "
                 "and --hsdp, N (x --tp x --hsdp) dividing --world and >= 2 replicas")
     if args.ep != 1 and (not args.fsdp or args.model != "tiny-moe" or args.ep < 2
-                         or MoEBlock.EXPERTS % args.ep or args.cp != 1 or args.tp != 1 or args.hsdp
-                         or args.overhead or args.accum != 1 or args.ac != "none" or args.world % args.ep
-                         or args.world // args.ep < 2):
+                         or MoEBlock.EXPERTS % args.ep or args.cp != 1 or args.tp != 1
+                         or args.overhead or args.accum != 1 or args.ac != "none"
+                         or args.world % (args.ep * max(args.hsdp, 1)) or args.world // args.ep < 2):
         p.error(f"--ep N needs --fsdp, --model tiny-moe, N dividing its {MoEBlock.EXPERTS} experts and "
-                "--world, >= 2 ep groups; not with --cp, --tp, --hsdp, --overhead, --accum or --ac")
+                "--world (x --hsdp), >= 2 ep groups; not with --cp, --tp, --overhead, --accum or --ac")
     if args.pp != 1 and (not args.fsdp or args.model not in ("mlp", "tiny-gpt", "gpt2") or args.pp < 2
                          or args.cp != 1 or args.ep != 1 or args.overhead or args.accum != 1
                          or args.tp != 1 and (args.model != "mlp" or args.hsdp)

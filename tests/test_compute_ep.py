@@ -53,3 +53,19 @@ def test_experts_of_their_own_on_each_rank_are_checked_when_the_ep_group_is_pass
     st = results["clean"]["status"]
     assert st["suspicions"] == 0 and st["audits"] == 0 and not st["exact"], st
     assert results["clean"]["mode"].startswith("unreproducible"), results["clean"]
+
+
+def test_experts_under_hsdp_are_checked_by_ep_group_within_each_replica():
+    """HSDP with expert parallelism (torchtitan's dp_replicate outside: a (replicate 2, efsdp 2, ep 2) mesh on
+    8 gloo ranks; the stacked experts sharded by HSDP over (replicate, efsdp), the rest over (replicate,
+    efsdp x ep)): a gradient element set to 100 on rank 5 is caught on its step, its ep group [4, 5] named
+    and the update dropped on every rank; 10 clean steps: 2 exact audits, no suspicion (before, the harness
+    refused --ep with --hsdp: the layout was never run)."""
+    results = _faults(["--fsdp", "--model", "tiny-moe", "--ep", "2", "--hsdp", "2", "--world", "8",
+                       "--ep-style", "dtensor", "--fault-rank", "5", "--fault-step", "22", "--after", "4",
+                       "--audit-every", "5", "--clean", "10", "--cases", "grad elem =100"])
+    hit = results["grad elem =100"]["caught"].get("compute")
+    assert hit and hit["step"] == 22 and hit["detector"] == "stats" and hit["named"] == [4, 5], hit
+    assert hit["one_of"] and hit["dropped"] and "ep group [4, 5]" in hit["detail"], hit
+    st = results["clean"]["status"]
+    assert (st["steps"], st["suspicions"], st["dropped"], st["audits"]) == (10, 0, 0, 2) and st["exact"], st
