@@ -549,7 +549,7 @@ def _shard_experts(model: nn.Module, mesh: Any) -> tuple[Any, Any]:
     dim (named "xp"); else nothing: the checks find the dim named "ep", or, --cp-pass none, not)."""
     from torch.distributed.fsdp import fully_shard
     name = mesh.mesh_dim_names[-1]
-    hsdp = "replicate" in mesh.mesh_dim_names      # --hsdp: HSDP over (replicate, efsdp) and (replicate, fsdp)
+    hsdp = "replicate" in mesh.mesh_dim_names    # --hsdp: HSDP over (replicate, efsdp), (replicate, fsdp)
     for block in model.blocks:
         for expert in (block.experts if MODEL["ep_style"] == "local" else [block.experts]):
             fully_shard(expert, mesh=mesh["replicate", "efsdp"] if hsdp else mesh["efsdp"])
