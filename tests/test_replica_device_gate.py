@@ -28,22 +28,34 @@ def _batch(rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[int]]:
+    from checksums.optimizer_parts import param_states
     out = [p.detach().clone() for p in model.parameters()]
-    out += [v.clone() for p in model.parameters() for _, v in sorted(opt.state[p].items())]
+    out += [v.clone() for _, state in param_states(opt) for _, v in sorted(state.items())]
     return [t.reshape(-1).view(torch.int32).tolist() if t.dtype == torch.float32 else
             t.reshape(-1).view(torch.uint8).tolist() for t in out]
 
 
 def _run(rank: int, world: int, batches: list[int], *, flip: bool, recover: bool,
-         restore_at: int | None = None, restore_to: int = 3) -> dict[str, Any]:
+         restore_at: int | None = None, restore_to: int = 3, titan: bool = False) -> dict[str, Any]:
+    """titan: torchtitan's OptimizersContainer (fused Adam on the weights, fused AdamW on the biases), the
+    flip in a moment it holds, the vote fingerprinting the optimizer state too."""
     from checksums.monitor import Monitor
+    from checksums.optimizer_parts import param_states
     from checksums.replica_recovery import ReplicaRecovery
 
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
-    monitor = Monitor.attach(ddp, opt, job_id="device-gate", reporter=RecordingReporter(), host=f"host{rank}")
+    if titan:
+        from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+        opt: Any = OptimizersContainer(OptimizersContainer.Config(param_groups=[
+            ParamGroupConfig(pattern=r"weight$", optimizer_name="Adam", optimizer_kwargs={"lr": 0.01}),
+            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.01})]),
+            model_parts=[model])
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    monitor = Monitor.attach(ddp, opt, job_id="device-gate", reporter=RecordingReporter(), host=f"host{rank}",
+                             check_optimizer_state=titan)
     recovery = ReplicaRecovery.attach(monitor, mask="device", settle_lag=LAG) if recover else None
     syncs: list[str] = []
     if recovery is not None:
@@ -63,8 +75,10 @@ def _run(rank: int, world: int, batches: list[int], *, flip: bool, recover: bool
         loss.backward()
         opt.step()
         if flip and index == FLIP_STEP and rank == world - 1 and not restored:
+            flipped = (next(st["exp_avg"] for p, st in param_states(opt) if p is model[0].weight) if titan
+                       else model[0].weight)
             with torch.no_grad():
-                model[0].weight.view(torch.int32).view(-1)[3] ^= 1 << 20
+                flipped.view(torch.int32).view(-1)[3] ^= 1 << 20
         monitor.step(loss.detach())
         if monitor.step_count == restore_to and not restored:
             saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
@@ -76,17 +90,17 @@ def _run(rank: int, world: int, batches: list[int], *, flip: bool, recover: bool
     return recovery_outcome(monitor, recovery, _state(model, opt), syncs=sorted(set(syncs)))
 
 
-def _worker(rank: int, world: int, store: str, outdir: str) -> None:
+def _worker(rank: int, world: int, store: str, outdir: str, titan: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         out: dict[str, Any] = {}
         all_batches = list(range(1, STEPS + 1))
         if world == 3:
-            out["faulty"] = faulty = _run(rank, world, all_batches, flip=True, recover=True)
+            out["faulty"] = faulty = _run(rank, world, all_batches, flip=True, recover=True, titan=titan)
             skipped = set(faulty["skipped"])
             out["clean"] = _run(rank, world, [i for i in all_batches if i not in skipped], flip=False,
-                                recover=False)
+                                recover=False, titan=titan)
         else:
             # replicas differ from step 5; the rollback directive comes after step 11: restore step 3, replay
             replay = all_batches[:11] + list(range(4, STEPS + 1))
@@ -97,8 +111,16 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_three_replicas_mask_on_the_device_then_repair_when_every_replica_has_read_the_vote(tmp_path: Path):
-    rank_spawn.spawn(_worker, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3)
+@pytest.mark.parametrize("titan", [False, True], ids=["adam", "torchtitan-container"])
+def test_three_replicas_mask_on_the_device_then_repair_when_every_replica_has_read_the_vote(tmp_path: Path,
+                                                                                            titan: bool):
+    """A flipped weight bit (with torchtitan's OptimizersContainer: a flipped bit of a moment one of its
+    optimizers holds, the vote reading the optimizer state): every replica masks the same updates on the
+    device, the odd one is repaired from rank 0 (weights and every part's moments), and the run ends bit for
+    bit a clean run that skipped those batches. With the container, before: the device gate was refused (no
+    `_step_supports_amp_scaling`: torchtitan sets `fused` per group), the vote read no moment, and the repair
+    copied none."""
+    rank_spawn.spawn(_worker, args=(3, str(tmp_path / "store"), str(tmp_path), titan), nprocs=3)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     masked = list(range(FLIP_STEP + 1, FLIP_STEP + LAG + 2))      # steps 6..10: until the vote of 5 is settled
     for r in res:
