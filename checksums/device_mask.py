@@ -33,10 +33,15 @@ def supports_device_mask(optimizer: torch.optim.Optimizer) -> bool:
     """Does `optimizer` skip its update on the device when `found_inf` is set? A torch optimizer whose every
     parameter group runs fused (a group that does not would ignore the flag: torch's other kernels refuse
     it); a container (torchtitan's `OptimizersContainer`) when every optimizer it holds does."""
+    return not _unmasked(optimizer)
+
+
+def _unmasked(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers `optimizer.step()` runs (a container's) that would not honour found_inf."""
     def masks(o: torch.optim.Optimizer) -> bool:
         return bool(o.param_groups) and all(g.get("fused") for g in o.param_groups) and (
             bool(getattr(o, "_step_supports_amp_scaling", False)) or isinstance(o, _FOUND_INF_READERS))
-    return all(masks(o) for o in parts(optimizer))
+    return [o for o in parts(optimizer) if not masks(o)]
 
 
 def choose_mask(mask: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
@@ -49,8 +54,12 @@ def choose_mask(mask: str, optimizer: torch.optim.Optimizer, device: torch.devic
     if mask == "auto":
         return "device" if device.type == "cuda" and fused else "host"
     if mask == "device" and not fused:
+        odd = _unmasked(optimizer)
+        which = (f"{type(optimizer).__name__} is not one" if odd == [optimizer] else
+                 f"{type(optimizer).__name__} holds optimizers that are not "
+                 f"({', '.join(sorted({type(o).__name__ for o in odd}))})")
         raise ValueError(f"mask='device' needs a fused optimizer that honours found_inf (e.g. "
-                         f"torch.optim.Adam(fused=True)); {type(optimizer).__name__} is not one: "
+                         f"torch.optim.Adam(fused=True), every parameter group fused); {which}: "
                          "use mask='host'")
     return mask
 

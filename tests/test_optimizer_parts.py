@@ -73,6 +73,8 @@ def test_the_device_mask_skips_every_optimizer_of_a_fused_container(device: str)
     assert supports_device_mask(opt) and choose_mask("auto", opt, torch.device(device)) == (
         "device" if device == "cuda" else "host")
     assert not supports_device_mask(_container(_mlp(2), "for-loop"))
+    with pytest.raises(ValueError, match=r"Container holds optimizers that are not \(Adam, AdamW\)"):
+        choose_mask("device", _container(_mlp(2), "for-loop"), torch.device(device))
     p, q = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
     mixed = torch.optim.Adam([{"params": [p], "fused": True}, {"params": [q], "fused": False}], lr=0.1)
     assert not supports_device_mask(mixed)
