@@ -388,18 +388,20 @@ def _sdcguard(every: int, model: nn.Module | None = None) -> Any:
 SDCGUARD = {"mode": "protect"}       # set by --sdcguard-mode in each worker
 
 
-def titan_optimizers(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
-    """--titan-optimizers: torchtitan's `OptimizersContainer` over the model, as its trainer builds it from
-    parameter-group recipes: Adam for the weights, AdamW (no decay: the same update) for the rest, so two
-    optimizers in one container, fused (torchtitan sets `fused` in each group) or not; the same lr as the
-    plain Adam's."""
+def titan_optimizers(model: nn.Module | list[nn.Module], fused: bool = True,
+                     lr: float = 1e-3) -> torch.optim.Optimizer:
+    """--titan-optimizers (and the tests' containers): torchtitan's `OptimizersContainer` over the model (or
+    its model parts), as its trainer builds it from parameter-group recipes: Adam for the weights, AdamW (no
+    decay: the same update) for the rest, so two optimizers a part, fused (torchtitan sets `fused` in each
+    group) or not."""
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
     return OptimizersContainer(OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=r"weight$", optimizer_name="Adam",
-                                       optimizer_kwargs={"lr": 1e-3}),
+                                       optimizer_kwargs={"lr": lr}),
                       ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
-                                       optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.0})],
-        implementation="fused" if fused else "for-loop"), model_parts=[model])
+                                       optimizer_kwargs={"lr": lr, "weight_decay": 0.0})],
+        implementation="fused" if fused else "for-loop"),
+        model_parts=model if isinstance(model, list) else [model])
 
 
 def ddp_buckets(params: Sequence[torch.Tensor], cap_mb: float) -> list[list[torch.Tensor]]:

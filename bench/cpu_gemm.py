@@ -22,11 +22,11 @@ LOW = (torch.bfloat16, torch.float16)
 _registered: list[torch.library.Library] = []      # kept alive: dropping the Library unregisters its kernels
 
 
-def _gemm(out_op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """A kernel for the functional op whose `out=` overload is `out_op`; its tensors are arguments 0..2."""
+def _gemm(out_op: Callable[..., torch.Tensor], mat: int) -> Callable[..., torch.Tensor]:
+    """A kernel for the functional op whose `out=` overload is `out_op`; its first matrix is argument `mat`
+    (1 for addmm and baddbmm, after the added input)."""
     def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
-        dtype = args[1].dtype if out_op in (torch.ops.aten.addmm.out, torch.ops.aten.baddbmm.out) else \
-            args[0].dtype
+        dtype = args[mat].dtype
         if dtype not in LOW:
             return out_op(*args, **kwargs, out=torch.empty(0, dtype=dtype))
         wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
@@ -46,7 +46,7 @@ def float32_gemms() -> bool:
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():          # "Overriding a previously registered kernel": that is the point
         warnings.simplefilter("ignore", UserWarning)
-        for name in ("mm", "addmm", "bmm", "baddbmm"):
-            lib.impl(name, _gemm(getattr(torch.ops.aten, name).out), "CPU")
+        for name, mat in (("mm", 0), ("addmm", 1), ("bmm", 0), ("baddbmm", 1)):
+            lib.impl(name, _gemm(getattr(torch.ops.aten, name).out, mat), "CPU")
     _registered.append(lib)
     return True

@@ -81,6 +81,7 @@ class DeviceMask:
         self._armed_step: int | None = None   # the step whose found_inf this mask set
         # each optimizer's found_inf before (GradScaler's, or None) and whether it had one
         self._prev: list[tuple[Any, bool]] = []
+        self._held: list[torch.optim.Optimizer] | None = None    # the guard's optimizer's parts, read once
 
     @classmethod
     def of(cls, guard: StepGuard) -> "DeviceMask":
@@ -96,7 +97,7 @@ class DeviceMask:
     def add(self, ctx: StepContext, flag: torch.Tensor) -> None:
         """Skip this step's update on the device when `flag` (0-d float, on the parameters' device) is 1: set
         on the optimizer, or on each optimizer a container holds (each fused one reads its own)."""
-        held = parts(ctx.optimizer)
+        held = self._parts(ctx.optimizer)
         if self._armed_step is not None and self._armed_step != ctx.step:
             self._restore(held)       # the previous step raised inside optimizer.step(): its AFTER never ran
         if self._armed_step is None:
@@ -109,7 +110,13 @@ class DeviceMask:
     def run(self, ctx: StepContext) -> None:
         """AFTER the update: put `found_inf` back as it was before this step's flags."""
         if self._armed_step is not None:
-            self._restore(parts(ctx.optimizer))
+            self._restore(self._parts(ctx.optimizer))
+
+    def _parts(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+        """The optimizers to flag (one guard, one optimizer: read at the first step, not every step)."""
+        if self._held is None:
+            self._held = parts(optimizer)
+        return self._held
 
     def _restore(self, held: list[torch.optim.Optimizer]) -> None:
         for o, (prev, had) in zip(held, self._prev):

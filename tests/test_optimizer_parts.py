@@ -14,13 +14,8 @@ from rank_spawn import compute_faults as _faults
 
 def _container(model: nn.Module | list[nn.Module], implementation: str = "fused") -> Any:
     """Two optimizers per model part, as torchtitan's parameter-group recipes make them."""
-    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-    parts = model if isinstance(model, list) else [model]
-    return OptimizersContainer(OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=r"weight$", optimizer_name="Adam",
-                                       optimizer_kwargs={"lr": 0.1}),
-                      ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.1})],
-        implementation=implementation), model_parts=parts)
+    from bench.compute_faults import titan_optimizers
+    return titan_optimizers(model, fused=implementation == "fused", lr=0.1)
 
 
 def _mlp(seed: int, device: str = "cpu") -> nn.Module:

@@ -47,11 +47,8 @@ def _run(rank: int, world: int, batches: list[int], *, flip: bool, recover: bool
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     ddp = nn.parallel.DistributedDataParallel(model)
     if titan:
-        from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-        opt: Any = OptimizersContainer(OptimizersContainer.Config(param_groups=[
-            ParamGroupConfig(pattern=r"weight$", optimizer_name="Adam", optimizer_kwargs={"lr": 0.01}),
-            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.01})]),
-            model_parts=[model])
+        from bench.compute_faults import titan_optimizers
+        opt: Any = titan_optimizers(model, lr=0.01)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     monitor = Monitor.attach(ddp, opt, job_id="device-gate", reporter=RecordingReporter(), host=f"host{rank}",
